@@ -1,0 +1,258 @@
+"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (DESIGN §2–§3).
+
+A drafter is one Llama-style decoder layer whose attention input is `2H` wide
+(token embedding + feature), fed by a fused projection of `n` target hidden
+states. The config is a plain dataclass, saved as the `eagle31` block of a
+drafter's `config.json`; `from_target_config` derives it from the target's HF
+config (Llama, Qwen3, DeepSeek-V3/Kimi, also nested under `text_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A drafter or run configuration is invalid; the message names the field."""
+
+
+@dataclass
+class DrafterConfig:
+    # the decoder layer (H, heads, ...)
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    # transformers >= 5 form: {"rope_type": ..., "rope_theta": ..., yarn fields ...}
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    # vocabularies
+    vocab_size: int = 32000  # V, the target's
+    draft_vocab_size: int = 32000  # Vd
+    # the target
+    target_hidden_size: int = 0  # Ht; 0 means "same as hidden_size"
+    target_num_layers: int = 0  # L
+    aux_layer_ids: tuple[int, ...] = ()  # vLLM convention: input of decoder layer k
+    target_name_or_path: str | None = None
+    target_architectures: tuple[str, ...] = ()
+    # EAGLE 3 / 3.1 switches
+    fc_norm: bool = True  # EAGLE 3.1: one RMSNorm per aux chunk before fc
+    norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
+    norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.target_hidden_size:
+            self.target_hidden_size = self.hidden_size
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        self.target_architectures = tuple(self.target_architectures)
+        self.rope_parameters = dict(self.rope_parameters)
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_aux * self.target_hidden_size
+
+    # --------------------------------------------------------------- validation
+
+    def validate(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "target_num_layers",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"drafter.{name} must be a positive integer, got {value!r}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"drafter.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"drafter.num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(
+                f"drafter.draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}"
+            )
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError("drafter.fc_norm and drafter.norm_before_fc are mutually exclusive; enable one of them")
+        ids = self.aux_layer_ids
+        if len(ids) < 1:
+            raise ConfigError("drafter.aux_layer_ids must name at least one target layer")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"drafter.aux_layer_ids must be distinct, got {list(ids)}")
+        if list(ids) != sorted(ids):
+            raise ConfigError(f"drafter.aux_layer_ids must be in increasing order, got {list(ids)}")
+        bad = [i for i in ids if not 0 <= i < self.target_num_layers]
+        if bad:
+            raise ConfigError(
+                f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
+                f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
+            )
+        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
+            raise ConfigError(
+                f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
+            )
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_target_config(cls, hf_config: Any, **overrides: Any) -> "DrafterConfig":
+        """Derive a drafter for a target from its HF config (object or dict).
+
+        Defaults: H, heads, kv heads, intermediate size, eps, rope and max
+        positions copied from the target; aux ids `(2, L//2, L-3)`. For
+        DeepSeek-V3/Kimi (MLA) targets the drafter is a plain Llama layer with
+        `head_dim = v_head_dim`, as the published Kimi EAGLE-3 drafters are.
+        `overrides` may set any field; `None` values are ignored.
+        """
+        t = _as_dict(hf_config)
+        if isinstance(t.get("text_config"), dict):  # multimodal wrappers (Kimi K2.5/K2.6)
+            outer = t
+            t = dict(t["text_config"])
+            for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
+                t[key] = outer.get(key) or t.get(key)
+        model_type = t.get("model_type", "")
+        num_layers = _require(t, "num_hidden_layers")
+        hidden = _require(t, "hidden_size")
+        heads = _require(t, "num_attention_heads")
+        kv_heads = t.get("num_key_value_heads") or heads
+        if model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t:
+            head_dim = t.get("v_head_dim") or hidden // heads
+        else:
+            head_dim = t.get("head_dim") or hidden // heads
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_require(t, "intermediate_size"),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            hidden_act=t.get("hidden_act", "silu"),
+            rope_parameters=rope_parameters_from(t),
+            max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
+            vocab_size=_require(t, "vocab_size"),
+            draft_vocab_size=min(32000, int(t["vocab_size"])),
+            target_hidden_size=hidden,
+            target_num_layers=num_layers,
+            aux_layer_ids=default_aux_layer_ids(num_layers),
+            target_name_or_path=t.get("_name_or_path") or None,
+            target_architectures=tuple(t.get("architectures") or ()),
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if values["target_hidden_size"] != hidden:
+            raise ConfigError(
+                f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"
+            )
+        return cls(**values)
+
+    # ----------------------------------------------------------- serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        d["target_architectures"] = list(self.target_architectures)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
+        return cls(**d)
+
+    def layer_config(self):
+        """The decoder layer as a transformers `LlamaConfig` (rope, export)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=False,
+        )
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """DESIGN §2: `(2, L//2, L-3)` in vLLM's convention (input of layer k)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def rope_parameters_from(t: dict[str, Any]) -> dict[str, Any]:
+    """The target's rope settings in transformers >= 5 form (yarn included).
+
+    Accepts both the v5 `rope_parameters` dict and the legacy
+    `rope_theta` + `rope_scaling` pair (`type` or `rope_type`).
+    """
+    rope = dict(t.get("rope_parameters") or {})
+    legacy = dict(t.get("rope_scaling") or {})
+    if "type" in legacy and "rope_type" not in legacy:
+        legacy["rope_type"] = legacy.pop("type")
+    legacy.pop("type", None)
+    rope = {**legacy, **rope}
+    rope.setdefault("rope_type", "default")
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = float(t.get("rope_theta", 10000.0))
+    return rope
+
+
+def load_target_config(path: str | Path) -> dict[str, Any]:
+    """Read a target's `config.json` (a file or a model directory) as a dict."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"target config not found: {p}")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"target config {p} is not valid JSON: {e}") from None
+
+
+def _as_dict(hf_config: Any) -> dict[str, Any]:
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    d = hf_config.to_dict()
+    text = getattr(hf_config, "text_config", None)
+    if text is not None and not isinstance(d.get("text_config"), dict):
+        d["text_config"] = text.to_dict()
+    return d
+
+
+def _require(t: dict[str, Any], key: str) -> Any:
+    if t.get(key) is None:
+        raise ConfigError(f"target config has no {key!r} (model_type={t.get('model_type')!r})")
+    return t[key]

@@ -1,0 +1,1 @@
+"""Data: conversations -> tokens + loss masks, target capture, shard store, batches."""

@@ -1,0 +1,106 @@
+"""`FeatureBatch`: what the trainer consumes — tokens, loss masks, document ids and target features.
+
+Two layouts, built from per-sample `Sample`s (see `eagle31.data.loader`):
+
+* `pack`: one row `[1, T]`, the samples concatenated; `document_ids` numbers them
+  0, 1, ... so attention never crosses a document boundary.
+* `pad`: one sample per row `[B, T]`, right-padded to the longest; `document_ids`
+  is 0 on real tokens and -1 on padding.
+
+`document_ids` goes straight into `eagle31.ttt.ttt_unroll(document_ids=...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+
+
+class Sample(NamedTuple):
+    """One tokenised sample with its target features."""
+
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] long, 1 = assistant token to learn
+    aux: torch.Tensor  # [T, n*Ht]
+    final: torch.Tensor  # [T, Ht]
+
+
+@dataclass
+class FeatureBatch:
+    input_ids: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] long
+    document_ids: torch.Tensor  # [B, T] long, documents numbered per row, -1 = padding
+    aux: torch.Tensor  # [B, T, n*Ht]
+    final: torch.Tensor  # [B, T, Ht]
+    num_tokens: int = -1  # real tokens; computed from document_ids when not given
+    num_samples: int = -1  # documents; computed from document_ids when not given
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = int((self.document_ids >= 0).sum())
+        if self.num_samples < 0:  # rows number their documents 0..n-1, so n = max + 1
+            self.num_samples = int((self.document_ids.max(dim=1).values + 1).sum())
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "FeatureBatch":
+        """Move to `device`; `dtype` (if given) applies to the features `aux` and `final` only."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                cast = dtype if f.name in ("aux", "final") else None
+                value = value.to(device, dtype=cast, non_blocking=True)
+            moved[f.name] = value
+        return FeatureBatch(**moved)
+
+
+def pack(samples: list[Sample]) -> FeatureBatch:
+    """Concatenate `samples` into one row `[1, sum T]`, documents numbered in order."""
+    lengths = torch.tensor([s.input_ids.shape[0] for s in samples], device=samples[0].input_ids.device)
+    doc = torch.repeat_interleave(torch.arange(len(samples), device=lengths.device), lengths)
+    return FeatureBatch(
+        input_ids=torch.cat([s.input_ids for s in samples]).unsqueeze(0),
+        loss_mask=torch.cat([s.loss_mask for s in samples]).unsqueeze(0),
+        document_ids=doc.unsqueeze(0),
+        aux=torch.cat([s.aux for s in samples]).unsqueeze(0),
+        final=torch.cat([s.final for s in samples]).unsqueeze(0),
+        num_tokens=int(lengths.sum()),
+        num_samples=len(samples),
+    )
+
+
+def pad(samples: list[Sample]) -> FeatureBatch:
+    """One sample per row, right-padded with zeros to the longest; padding has document id -1."""
+    B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
+    first = samples[0]
+    out = FeatureBatch(
+        input_ids=first.input_ids.new_zeros(B, T),
+        loss_mask=first.loss_mask.new_zeros(B, T),
+        document_ids=first.input_ids.new_full((B, T), -1),
+        aux=first.aux.new_zeros(B, T, first.aux.shape[-1]),
+        final=first.final.new_zeros(B, T, first.final.shape[-1]),
+        num_tokens=sum(s.input_ids.shape[0] for s in samples),
+        num_samples=B,
+    )
+    for b, s in enumerate(samples):
+        n = s.input_ids.shape[0]
+        out.input_ids[b, :n] = s.input_ids
+        out.loss_mask[b, :n] = s.loss_mask
+        out.document_ids[b, :n] = 0
+        out.aux[b, :n] = s.aux
+        out.final[b, :n] = s.final
+    return out
+
+
+def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureBatch:
+    """A one-token, all-padding batch: a step with nothing to learn (keeps ranks in lockstep)."""
+    return FeatureBatch(
+        input_ids=torch.zeros(1, 1, dtype=torch.long),
+        loss_mask=torch.zeros(1, 1, dtype=torch.long),
+        document_ids=torch.full((1, 1), -1, dtype=torch.long),
+        aux=torch.zeros(1, 1, aux_size, dtype=dtype),
+        final=torch.zeros(1, 1, hidden_size, dtype=dtype),
+        num_tokens=0,
+        num_samples=0,
+    )

@@ -1,0 +1,73 @@
+"""Atomic file writes and checksums, shared by every writer in the package.
+
+A file is written under a temporary name in the same directory, flushed to
+disk and renamed over the destination, so a reader never sees a partial file
+and a killed writer leaves only a `*.tmp-*` file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+@contextmanager
+def atomic_path(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`; on success rename it to `dest`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, dest)
+        fsync_dir(dest.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(dest: str | Path, text: str) -> None:
+    with atomic_path(dest) as tmp:
+        tmp.write_text(text)
+
+
+def atomic_write_json(dest: str | Path, obj: Any) -> None:
+    atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_save_safetensors(
+    tensors: dict, dest: str | Path, save_file: Callable, metadata: dict[str, str] | None = None
+) -> None:
+    """`save_file` is `safetensors.torch.save_file` (passed in to keep this module torch-free)."""
+    with atomic_path(dest) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

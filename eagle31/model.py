@@ -1,0 +1,323 @@
+"""The EAGLE 3.1 drafter (DESIGN §3), with Hugging Face parameter names.
+
+Reads top to bottom: norm → MLP → attention projections → decoder layer →
+drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
+`midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
+computes one drafter step's pieces; `eagle31.ttt` unrolls them over K steps and
+`eagle31.attention` holds the attention kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from eagle31.config import ConfigError, DrafterConfig
+from eagle31.ttt import ttt_unroll
+
+NATIVE_FORMAT = "eagle31-drafter"
+NATIVE_FORMAT_VERSION = 1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        if config.hidden_act != "silu":
+            raise ConfigError(f"drafter.hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Attention(nn.Module):
+    """Projections of the EAGLE 3 attention: q/k/v read the 2H-wide input.
+
+    The attention itself (which keys a query sees) lives in `eagle31.attention`,
+    because in the TTT unroll it spans several steps.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+
+    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, d], k/v [B, T, nkv, d], RoPE applied to q, k."""
+        B, T, _ = z.shape
+        q = self.q_proj(z).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE frequencies from the target's rope settings (default, linear, llama3, yarn, ...).
+
+    The inverse frequencies are computed once in float64 (default rope) or by
+    transformers' rope functions (scaled variants) and kept outside the module's
+    buffers, so casting the drafter to bf16 never degrades them. Rope types whose
+    frequencies depend on the sequence length (dynamic, longrope) are refused.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        rope_type = config.rope_parameters["rope_type"]
+        if rope_type in ("dynamic", "longrope"):
+            raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is not supported")
+        if rope_type == "default":
+            d = config.head_dim
+            theta = float(config.rope_parameters["rope_theta"])
+            self.inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+            self.attention_scaling = 1.0
+        else:
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is unknown")
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config.layer_config(), "cpu")
+            self.inv_freq = inv_freq.double()
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
+        acc = torch.promote_types(dtype, torch.float32)
+        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]; cos/sin [B, T, d] (Llama's rotate-half convention)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The drafter's one decoder layer (DESIGN §3), split around attention.
+
+        r   = hidden_norm(h) if norm_before_residual else h
+        z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
+        h'  = r + o_proj(Attn(q_proj(z), k_proj(z), v_proj(z)))
+        out = h' + mlp(post_attention_layernorm(h'))
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = MLP(config)
+
+    def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """emb, h [B, T, H] -> (q, k, v, residual)."""
+        h_normed = self.hidden_norm(h)
+        residual = h_normed if self.norm_before_residual else h
+        z = torch.cat([self.input_layernorm(emb), h_normed], dim=-1)
+        q, k, v = self.self_attn.qkv(z, cos, sin)
+        return q, k, v, residual
+
+    def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, nh, d] -> layer output [B, T, H]."""
+        h = residual + self.self_attn.o_proj(attn.flatten(2))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle31Drafter(nn.Module):
+    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`).
+
+    Buffers `d2t [Vd]` (int64 offsets: target id = i + d2t[i]) and
+    `t2d [V]` (bool: target id is in the draft vocabulary) map vocabularies.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        H, Ht, eps = config.hidden_size, config.target_hidden_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc_norm = nn.ModuleList([RMSNorm(Ht, eps) for _ in range(config.num_aux)]) if config.fc_norm else None
+        self.input_norm = RMSNorm(config.fc_in_features, eps) if config.norm_before_fc else None
+        self.fc = nn.Linear(config.fc_in_features, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(H, eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.t2d[: config.draft_vocab_size] = True
+        self.reset_parameters()
+
+    # --------------------------------------------------------------- init
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Llama-style init: linears N(0, std), norms ones (fc_norm starts at ones)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+    ) -> None:
+        """Copy the target's embedding (frozen) and its lm_head rows at the draft vocabulary.
+
+        embed_weight, lm_head_weight: [V, Ht]; d2t [Vd] offsets; t2d [V] bool.
+        """
+        cfg = self.config
+        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ConfigError(
+                f"target embedding has shape {tuple(embed_weight.shape)}, drafter expects "
+                f"({cfg.vocab_size}, {cfg.hidden_size})"
+            )
+        if tuple(lm_head_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ConfigError(
+                f"target lm_head has shape {tuple(lm_head_weight.shape)}, drafter expects "
+                f"({cfg.vocab_size}, {cfg.hidden_size})"
+            )
+        self.set_vocab(d2t, t2d)
+        self.embed_tokens.weight.copy_(embed_weight)
+        self.lm_head.weight.copy_(lm_head_weight[self.draft_token_ids()])
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        cfg = self.config
+        if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+            raise ConfigError(
+                f"vocab maps have shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; expected "
+                f"({cfg.draft_vocab_size},), ({cfg.vocab_size},)"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, [Vd] ascending."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        ttt_length: int = 1,
+        document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention: str = "auto",
+    ) -> list[torch.Tensor]:
+        """Per-step draft logits, each [B, T, Vd]; step k at position p is query (p, k) of DESIGN §4.
+
+        aux [B, T, n*Ht], input_ids [B, T]; see `eagle31.ttt.ttt_unroll`.
+        """
+        out = ttt_unroll(
+            self,
+            aux,
+            input_ids,
+            ttt_length=ttt_length,
+            document_ids=document_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            attention=attention,
+        )
+        return [self.lm_head(s) for s in out.states]
+
+    # ---------------------------------------------------------- forward pieces
+
+    def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """Step-0 feature: aux [B, T, n*Ht] -> fc(fc_norm(aux)) [B, T, H]."""
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        elif self.input_norm is not None:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] -> cos, sin [B, T, head_dim]."""
+        return self.rotary_emb(position_ids, dtype)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ----------------------------------------------------------- save / load
+
+    def save(self, path: str | Path, include_embed: bool = True) -> None:
+        """Native format: config.json + model.safetensors (written atomically)."""
+        from eagle31.io import atomic_write_json, atomic_save_safetensors
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if not include_embed:
+            state.pop("embed_tokens.weight")
+        atomic_save_safetensors(state, path / "model.safetensors", save_file)
+        atomic_write_json(
+            path / "config.json",
+            {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, "drafter": self.config.to_dict()},
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Eagle31Drafter":
+        """Load a drafter saved by `save`; a missing embedding stays zero (load the target's)."""
+        path = Path(path)
+        meta = read_native_config(path)
+        model = cls(DrafterConfig.from_dict(meta["drafter"]))
+        state = load_file(str(path / "model.safetensors"), device=str(device))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "embed_tokens.weight"]
+        if missing or unexpected:
+            raise ConfigError(f"{path}/model.safetensors: missing keys {missing}, unexpected keys {unexpected}")
+        return model.to(device)
+
+
+def read_native_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"no drafter config at {cfg_path}")
+    meta = json.loads(cfg_path.read_text())
+    if meta.get("format") != NATIVE_FORMAT:
+        raise ConfigError(f"{cfg_path} is not an eagle31 native drafter (format={meta.get('format')!r})")
+    return meta

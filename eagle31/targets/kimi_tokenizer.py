@@ -1,0 +1,200 @@
+"""A small local tokenizer with Kimi K2.x's special tokens and chat format.
+
+    tok = build_kimi_tokenizer()            # transformers PreTrainedTokenizerFast, no download
+    tok.apply_chat_template(messages, tokenize=False)
+    tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+
+The vocabulary is a byte-level BPE trained by `tokenizers` on a fixed text built
+into this module (deterministic; `KIMI_MINI_VOCAB` BPE ids, then the 20 special
+tokens: `len(tok) == 532`), so any string round-trips. The special tokens follow
+the BPE vocabulary, as Kimi's follow its 163,584 BPE ids, and each is a single id:
+`[BOS]`/`[EOS]`/`[UNK]`/`[PAD]`, the role tokens `<|im_system|>`, `<|im_user|>`,
+`<|im_assistant|>`, the separator `<|im_middle|>`, the end of turn `<|im_end|>`
+(Kimi K2.6's eos token), `<think>`/`</think>`, the tool-call tokens and the media
+tokens. No BOS is added on encoding (Kimi's tokenizer adds none either).
+
+Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`; the template is our own):
+
+* each message is `<|im_{kind}|>{name}<|im_middle|>{content}<|im_end|>`, with kind
+  `user`, `assistant` or `system` (system and tool messages), and name the message's
+  `name` or else its role; a tool message's content is `## Return of {tool_call_id}\\n{content}`;
+* if the first message is not a system message, the default system prompt
+  `You are Kimi, an AI assistant created by Moonshot AI.` comes first; `tools` are
+  declared before it as `<|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>`;
+* assistant content is preceded by its reasoning (the message field
+  `reasoning_content`, or `reasoning`) as `<think>{reasoning}</think>`; turns that are
+  history get an empty `<think></think>`; tool calls follow the content as
+  `<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>...<|tool_calls_section_end|>`;
+* `add_generation_prompt` appends `<|im_assistant|>assistant<|im_middle|><think>`
+  (`<think></think>` with `thinking=False`, Kimi's instant mode).
+
+History, as in Kimi's template: every assistant turn up to the last completed answer
+(an assistant message without tool calls) loses its reasoning, so the current
+turn's tool-call steps keep theirs. One deliberate difference: when the
+conversation *ends* with an assistant message, that message is treated as the
+continuation being generated, not as history, so it keeps its reasoning (Kimi's
+own template would blank it). Rendering a training conversation then equals
+rendering its prompt with `add_generation_prompt=True` followed by exactly what the
+model generates, which is what a drafter must learn and what lets loss masks be
+derived by rendering growing prefixes. `preserve_thinking=True` (Kimi K2.6) keeps
+the reasoning of every assistant turn.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerFast
+
+KIMI_MINI_VOCAB = 512  # BPE ids before the special tokens
+KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# In Kimi's order (its ids 163584..); the tokenizer adds them after the BPE vocabulary.
+KIMI_SPECIAL_TOKENS = (
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<think>",
+    "</think>",
+    "[UNK]",
+    "[PAD]",
+)
+
+KIMI_CHAT_TEMPLATE = """
+{%- macro render_content(content) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is not none -%}
+    {%- for part in content if part.type == 'text' -%}{{- part.text -}}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+
+{%- macro header(message) -%}
+  {%- set kind = message.role if message.role in ['user', 'assistant'] else 'system' -%}
+  {{- '<|im_' + kind + '|>' + (message.get('name') or message.role) + '<|im_middle|>' -}}
+{%- endmacro -%}
+
+{%- macro render_tool_calls(tool_calls) -%}
+  {{- '<|tool_calls_section_begin|>' -}}
+  {%- for call in tool_calls -%}
+    {%- set arguments = call.function.arguments -%}
+    {{- '<|tool_call_begin|>' + call.id + '<|tool_call_argument_begin|>' -}}
+    {{- arguments if arguments is string else arguments | tojson -}}
+    {{- '<|tool_call_end|>' -}}
+  {%- endfor -%}
+  {{- '<|tool_calls_section_end|>' -}}
+{%- endmacro -%}
+
+{#- History ends at the last completed answer (assistant without tool calls); a
+    final assistant message is the continuation being generated, never history. -#}
+{%- set ns = namespace(history_end=-1) -%}
+{%- set n_prompt = messages | length -%}
+{%- if messages and messages[-1].role == 'assistant' -%}
+  {%- set n_prompt = n_prompt - 1 -%}
+{%- endif -%}
+{%- if not preserve_thinking -%}
+  {%- for i in range(n_prompt) -%}
+    {%- if messages[i].role == 'assistant' and not messages[i].get('tool_calls') -%}
+      {%- set ns.history_end = i -%}
+    {%- endif -%}
+  {%- endfor -%}
+{%- endif -%}
+
+{%- if tools -%}
+  {{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}
+{%- endif -%}
+{%- if not messages or messages[0].role != 'system' -%}
+  {{- '<|im_system|>system<|im_middle|>""" + KIMI_DEFAULT_SYSTEM_PROMPT + """<|im_end|>' -}}
+{%- endif -%}
+
+{%- for message in messages -%}
+  {{- header(message) -}}
+  {%- if message.role == 'assistant' -%}
+    {%- set keep = preserve_thinking or (loop.index0 > ns.history_end and thinking is not false) -%}
+    {%- set reasoning = message.get('reasoning_content') or message.get('reasoning') or '' -%}
+    {{- '<think>' + (reasoning if keep else '') + '</think>' -}}
+    {{- render_content(message.content) -}}
+    {%- if message.get('tool_calls') -%}
+      {{- render_tool_calls(message.tool_calls) -}}
+    {%- endif -%}
+  {%- elif message.role == 'tool' -%}
+    {{- '## Return of ' + message.tool_call_id + '\\n' + render_content(message.content) -}}
+  {%- else -%}
+    {{- render_content(message.content) -}}
+  {%- endif -%}
+  {{- '<|im_end|>' -}}
+{%- endfor -%}
+
+{%- if add_generation_prompt -%}
+  {{- '<|im_assistant|>assistant<|im_middle|>' -}}
+  {{- '<think></think>' if thinking is false else '<think>' -}}
+{%- endif -%}
+"""
+
+# Fixed training text for the BPE: chat-like English and a little Python, so the
+# merges are plausible. Changing it changes every id: it is part of the format.
+_BPE_TEXT = """\
+You are Kimi, an AI assistant created by Moonshot AI. The user asks a question and
+the assistant answers it. Let me think about this step by step before I answer.
+The answer is the sum of the two numbers, so the result is forty two.
+Hello! How can I help you today? Please explain what this function does.
+Speculative decoding lets a small draft model propose several tokens that the
+large target model then verifies in a single forward pass. When the draft is
+right, many tokens are accepted at once and generation becomes faster.
+The weather today is sunny with a light wind from the west, and tomorrow it will
+rain in the morning and clear up in the afternoon.
+def add(a, b):
+    \"\"\"Return the sum of a and b.\"\"\"
+    return a + b
+
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(i, i * i)
+import json, os, sys
+data = {"name": "search", "arguments": {"query": "latest news", "limit": 5}}
+Tool results come back as messages, and the assistant uses them to answer.
+1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159 0.5 -1 + - * / = < > ( ) [ ] { } , . : ; ! ?
+"""
+
+
+def build_kimi_tokenizer() -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE with Kimi's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=KIMI_MINI_VOCAB,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # repeated so that frequent pairs outrank one-off ones by a clear margin
+    tok.train_from_iterator([_BPE_TEXT] * 4, trainer=trainer)
+    tok.add_special_tokens(list(KIMI_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="[BOS]",
+        eos_token="<|im_end|>",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in ("[BOS]", "<|im_end|>", "[UNK]", "[PAD]")],
+        chat_template=KIMI_CHAT_TEMPLATE,
+        model_max_length=262144,
+    )

@@ -1,0 +1,91 @@
+"""The training-time-test (TTT) unroll (DESIGN §4).
+
+Step 0 at position p reads the fused target feature `fc(fc_norm(aux[p]))` and
+token `x[p+1]`; step k >= 1 reads the drafter's own step-(k-1) output at p —
+post-norm `norm(o)` when `norm_output` (EAGLE 3.1), pre-norm `o` otherwise —
+and token `x[p+1+k]` (teacher forcing). Query (p, k) sits at RoPE position
+p + k and attends to the causal step-0 keys of its document plus its own chain
+(`eagle31.attention`). The unroll returns every step's output; the loss lives
+in `eagle31.loss`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from eagle31.attention import segment_ids, ttt_attention
+
+
+@dataclass
+class TTTOutput:
+    states: list[torch.Tensor]  # per step k: norm(o_k) [B, T, H] — what lm_head sees
+    hidden: list[torch.Tensor]  # per step k: o_k [B, T, H] (pre-norm)
+    segments: torch.Tensor  # [B, T] document runs the attention respected
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """x[:, t] -> x[:, t + n], padded with `fill` at the end. x [B, T]."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_unroll(
+    drafter,
+    aux: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    ttt_length: int,
+    document_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention: str = "auto",
+    activation_checkpointing: bool = False,
+) -> TTTOutput:
+    """Run K = `ttt_length` drafter steps over every position at once.
+
+    aux [B, T, n*Ht] target features; input_ids [B, T]; document_ids [B, T]
+    numbers packed documents (-1 = padding); attention_mask [B, T] 1 = real.
+    """
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    B, T = input_ids.shape
+    segments = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+    layer = drafter.midlayer
+    feature = drafter.fuse_aux(aux)  # [B, T, H]
+    dtype = feature.dtype
+
+    def step(feature, emb, cos, sin, k0, v0, chain_k, chain_v):
+        q, k, v, residual = layer.pre_attention(emb, feature, cos, sin)
+        if k0 is None:  # step 0: its keys are the causal keys of every later step
+            k0, v0 = k, v
+        else:  # step k >= 1: the query's own key (p, k) joins its chain
+            chain_k = torch.cat([chain_k, k.unsqueeze(2)], dim=2)
+            chain_v = torch.cat([chain_v, v.unsqueeze(2)], dim=2)
+        attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention)
+        out = layer.post_attention(residual, attn)
+        return out, drafter.norm(out), k0, v0, chain_k, chain_v
+
+    states, hidden = [], []
+    k0 = v0 = None
+    nkv, d = drafter.config.num_key_value_heads, drafter.config.head_dim
+    chain_k = chain_v = feature.new_zeros(B, T, 0, nkv, d)
+    for k in range(ttt_length):
+        with torch.no_grad():
+            emb = drafter.embed_tokens(shift_left(input_ids, 1 + k)).to(dtype)  # tokens x[p+1+k]
+        cos, sin = drafter.rope(position_ids + k, dtype)
+        args = (feature, emb, cos, sin, k0, v0, chain_k, chain_v)
+        if activation_checkpointing and torch.is_grad_enabled():
+            out, normed, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
+        else:
+            out, normed, k0, v0, chain_k, chain_v = step(*args)
+        hidden.append(out)
+        states.append(normed)
+        feature = normed if drafter.config.norm_output else out
+    return TTTOutput(states=states, hidden=hidden, segments=segments)

@@ -1,0 +1,52 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle31 import DrafterConfig, Eagle31Drafter
+from eagle31.vocab import vocab_maps
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    values = dict(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        vocab_size=40,
+        draft_vocab_size=24,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+    )
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+def tiny_drafter(seed: int = 0, dtype=torch.float64, std: float = 0.3, **overrides) -> Eagle31Drafter:
+    """A random drafter whose weights are large enough that every switch changes the outputs."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(**overrides)
+    m = Eagle31Drafter(cfg)
+    m.reset_parameters(std=std)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:  # norms away from ones so that normalisation is visible
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+        g = torch.Generator().manual_seed(seed + 1)
+        draft_ids = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
+        d2t, t2d = vocab_maps(draft_ids, cfg.vocab_size)
+        m.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size), d2t, t2d)
+    return m.to(dtype)
+
+
+def random_batch(cfg: DrafterConfig, B: int, T: int, seed: int = 0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(B, T, cfg.fc_in_features, generator=g).to(dtype) * 2
+    final = torch.randn(B, T, cfg.target_hidden_size, generator=g).to(dtype)
+    input_ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    loss_mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    return aux, final, input_ids, loss_mask

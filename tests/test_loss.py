@@ -1,0 +1,84 @@
+"""Label and mask alignment (DESIGN §4) on hand-made examples, and the metrics."""
+
+import torch
+
+from eagle31 import TargetHead, supervision_mask, ttt_loss, ttt_metrics
+from eagle31.attention import segment_ids
+
+
+def supervised_positions(sup):
+    return {k: sup[k, 0].nonzero().squeeze(1).tolist() for k in range(sup.shape[0])}
+
+
+MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1]])
+
+
+def test_supervised_queries_one_document_by_hand():
+    seg = segment_ids(None, None, MASK.shape)
+    # (p, k) is supervised iff p+2+k <= 7 and m[p+2+k] = 1
+    assert supervised_positions(supervision_mask(MASK, seg, 3)) == {0: [1, 2, 3, 5], 1: [0, 1, 2, 4], 2: [0, 1, 3]}
+
+
+def test_supervised_queries_never_cross_a_document_boundary():
+    seg = segment_ids(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]), None, MASK.shape)
+    assert supervised_positions(supervision_mask(MASK, seg, 3)) == {0: [1, 5], 1: [0, 4], 2: []}
+
+
+def test_out_of_vocab_target_argmax_is_not_supervised():
+    seg = segment_ids(None, None, MASK.shape)
+    in_vocab = torch.ones_like(MASK, dtype=torch.bool)
+    in_vocab[0, 4] = False  # the target state at q=4 labels (p, k) with p+1+k = 4
+    assert supervised_positions(supervision_mask(MASK, seg, 3, in_vocab)) == {0: [1, 2, 5], 1: [0, 1, 4], 2: [0, 3]}
+
+
+def test_query_p_k_is_labelled_by_final_at_p_plus_1_plus_k():
+    """If step k's state at p equals final[p+1+k] and lm_head equals the target's draft rows, KL is 0."""
+    torch.manual_seed(0)
+    B, T, H, V, K = 1, 9, 8, 12, 3
+    target_w = torch.randn(V, H, dtype=torch.float64)
+    draft_ids = torch.tensor([0, 2, 3, 5, 7, 8, 10, 11])
+    head = TargetHead(target_w, draft_ids)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    final = torch.randn(B, T, H, dtype=torch.float64) * 3
+    mask = torch.ones(B, T, dtype=torch.long)
+    sup = supervision_mask(mask, segment_ids(None, None, (B, T)), K)
+    argmax = head.argmax(final)
+    shifted = [torch.cat([final[:, 1 + k :], final.new_zeros(B, 1 + k, H)], dim=1) for k in range(K)]
+    stats = ttt_loss(shifted, head.draft_weight, d2t, final, sup, head, argmax)
+    assert stats.count.tolist() == [7, 6, 5]
+    torch.testing.assert_close(stats.loss_sum, torch.zeros(K, dtype=torch.float64), atol=1e-12, rtol=0)
+    # and the draft argmax equals the target's wherever the target's is a draft token
+    in_vocab = head.in_draft[argmax]
+    expected_correct = [int(in_vocab[0, 1 + k : 1 + k + n].sum()) for k, n in enumerate([7, 6, 5])]
+    assert stats.correct.tolist() == expected_correct
+    # misaligned by one position: no longer zero
+    wrong = [torch.cat([final[:, k:], final.new_zeros(B, k, H)], dim=1) for k in range(K)]
+    assert ttt_loss(wrong, head.draft_weight, d2t, final, sup, head, argmax).loss_sum.sum() > 1e-3
+
+
+def test_metrics_from_counters_by_hand():
+    # count, correct, cond_count, cond_correct per step
+    counters = torch.tensor([[10.0, 8.0, 6.0], [8.0, 6.0, 3.0], [10.0, 8.0, 6.0], [8.0, 5.0, 2.0]])
+    m = ttt_metrics(counters)
+    assert m["acc_0"] == 0.8 and m["acc_1"] == 0.75 and m["acc_2"] == 0.5
+    assert m["cond_acc_1"] == 5 / 8 and m["cond_acc_2"] == 2 / 6
+    assert abs(m["tau_sim"] - (1 + 0.8 + 0.8 * 0.75 + 0.8 * 0.75 * 0.5)) < 1e-12
+
+
+def test_conditional_accuracy_follows_each_chain():
+    """cond_acc_k counts (p, k) only when (p, 0..k-1) were supervised and correct."""
+    B, T, H, K = 1, 6, 4, 2
+    target_w = torch.eye(H, dtype=torch.float64) * 5  # V = H = 4, target argmax at q = argmax(final[q])
+    head = TargetHead(target_w, torch.arange(H))
+    d2t = torch.zeros(H, dtype=torch.long)
+    labels = torch.tensor([0, 1, 2, 3, 0, 1])
+    final = torch.nn.functional.one_hot(labels, H).double()[None]
+    mask = torch.ones(B, T, dtype=torch.long)
+    sup = supervision_mask(mask, segment_ids(None, None, (B, T)), K)
+    argmax = head.argmax(final)
+    # step 0 right at p = 0, 1 and wrong at p = 2, 3; step 1 right everywhere
+    s0 = torch.nn.functional.one_hot(torch.tensor([1, 2, 0, 1, 0, 0]), H).double()[None]
+    s1 = torch.nn.functional.one_hot(torch.tensor([2, 3, 0, 1, 0, 0]), H).double()[None]
+    stats = ttt_loss([s0, s1], torch.eye(H, dtype=torch.float64), d2t, final, sup, head, argmax)
+    assert stats.count.tolist() == [4, 3] and stats.correct.tolist() == [2, 3]
+    assert stats.cond_count.tolist() == [4, 2] and stats.cond_correct.tolist() == [2, 2]
