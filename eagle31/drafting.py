@@ -36,7 +36,11 @@ from eagle31.model import Eagle31Drafter
 @dataclass(frozen=True)
 class TreeSpec:
     """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per
-    level, `depth` levels (= drafter steps = longest path), `total_tokens` nodes verified."""
+    level, `depth` levels (= drafter steps = longest path), `total_tokens` nodes verified.
+
+    In SGLang's terms: `speculative_eagle_topk`, `speculative_num_steps` and
+    `speculative_num_draft_tokens - 1` (SGLang counts the root among the draft tokens).
+    """
 
     top_k: int
     depth: int
@@ -121,8 +125,9 @@ class EagleProposer:
 
     @torch.no_grad()
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Step-0 keys of `m` verified positions from the target's features (`Proposer.extend`)."""
         m = next_tokens.numel()
-        feature = self.drafter.fuse_aux(aux.reshape(1, m, -1))  # [1, m, H]
+        feature = self.drafter.fuse_aux(aux.reshape(1, m, -1).to(self.drafter.fc.weight.dtype))  # [1, m, H]
         positions = torch.arange(self.length, self.length + m, device=feature.device)[None]
         q, k, v, residual = self._project(feature, next_tokens.reshape(1, m), positions)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
@@ -161,10 +166,10 @@ class EagleProposer:
                 f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"
             )
         top_k = spec.top_k
-        scores, ids = self._log_probs(self.root)[0].topk(top_k, dim=-1)  # [top_k]
+        scores, ids = self._log_probs(self.root[0, 0]).topk(top_k)  # [top_k]
         tokens = self.drafter.draft_to_target(ids)
         parents = torch.full((top_k,), -1, dtype=torch.long, device=ids.device)
-        producer = self.root[0].expand(top_k, -1)  # [P, H] output that proposed each candidate
+        producer = self.root[0].expand(top_k, -1)  # [P, H]: the output that proposed each candidate
         frontier = torch.arange(top_k, device=ids.device)  # candidates expanded at the next level
         keys, values = self.keys, self.values
         key_nodes: list[int] = []  # the candidate each draft key belongs to
@@ -184,7 +189,7 @@ class EagleProposer:
             tokens = torch.cat([tokens, self.drafter.draft_to_target(child_ids).flatten()])
             parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
             producer = torch.cat([producer, out[0].repeat_interleave(top_k, dim=0)])
-            frontier = first + child_scores.topk(min(top_k, child_scores.numel())).indices
+            frontier = first + child_scores.topk(top_k).indices
         # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
         # puts the earlier-created parent first on ties, so the kept set is a tree
         keep = scores.sort(descending=True, stable=True).indices[: spec.total_tokens].sort().values

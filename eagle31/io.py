@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,24 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+@contextmanager
+def atomic_dir(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
+        if dest.exists():
+            dest.rename(old)
+        tmp.rename(dest)
+        fsync_dir(dest.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fsync_dir(path: Path) -> None:

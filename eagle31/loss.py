@@ -10,8 +10,12 @@ Loss: sum_k w^k * mean over the supervised (p, k) of the *global* batch of
 KL(label || softmax(draft logits)). A micro-batch returns per-step sums and
 counts (`StepStats`); the trainer all-reduces the counts and divides.
 
-lm_head + KL run in chunks of positions inside one autograd function that
-recomputes the logits in backward, so no fp32 [T, Vd] tensor is kept per step.
+lm_head + KL of all K steps run in one autograd function (`DraftKL`), in
+chunks of label positions: each label distribution is computed once and serves
+the up-to-K queries it labels, and the gradients are formed in the same pass
+(the loss is a sum, so they only wait for a per-step scale in backward). No
+[T, Vd] tensor is kept; what waits for backward is d loss / d state per
+supervised query and d loss / d lm_head per step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 
 # Rows per chunk are chosen so one fp32 logits chunk holds at most this many elements.
 _LOGITS_BUDGET = 1 << 24
+# Vocabulary columns per tile of the target's full-vocabulary argmax.
+_ARGMAX_COLUMNS = 1 << 15
 
 
 class TargetHead:
@@ -48,11 +54,21 @@ class TargetHead:
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
         flat = final.reshape(B * T, -1)
         idx = torch.arange(B * T, device=final.device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
-        rows = max(1, _LOGITS_BUDGET // self.weight.shape[0])
         w = self.weight.to(final.dtype)
+        # Tiles of rows x vocabulary columns: enough rows per tile that the matmul is compute-bound
+        # (the whole [V, Ht] weight is read once per row tile), a running max across column tiles.
+        V = w.shape[0]
+        cols = min(V, _ARGMAX_COLUMNS)
+        rows = max(1, _LOGITS_BUDGET // cols)
         for i in range(0, idx.numel(), rows):
             sel = idx[i : i + rows]
-            out.view(-1)[sel] = (flat[sel] @ w.T).argmax(dim=-1)
+            x = flat[sel]
+            best, arg = (x @ w[:cols].T).max(dim=-1)
+            for c in range(cols, V, cols):
+                value, index = (x @ w[c : c + cols].T).max(dim=-1)
+                better = value > best  # strict: ties keep the lower id, as argmax does
+                best, arg = torch.where(better, value, best), torch.where(better, index + c, arg)
+            out.view(-1)[sel] = arg
         return out
 
 
@@ -119,26 +135,37 @@ def ttt_loss(
     K = len(states)
     B, T = supervised.shape[1:]
     device = final.device
-    loss_sums, counts, correct, cond_counts, cond_correct = [], [], [], [], []
-    chain_ok = torch.ones(B, T, dtype=torch.bool, device=device)  # steps 0..k-1 all correct
+    # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*T + p+1+k (both ascending).
+    queries, labels = [], []
     for k in range(K):
         b, p = supervised[k].nonzero(as_tuple=True)
-        h = states[k][b, p]  # [P, H]
-        f = final[b, p + 1 + k]  # [P, Ht]
-        loss_k, draft_argmax = DraftKL.apply(h, lm_head_weight, f, target.draft_weight.to(f.dtype))
-        hit = (draft_argmax + d2t[draft_argmax]) == target_argmax[b, p + 1 + k]
-        prev = chain_ok[b, p]
-        loss_sums.append(loss_k)
-        counts.append(b.numel())
+        queries.append(b * T + p)
+        labels.append(b * T + p + 1 + k)
+    loss_sum, draft_argmax = DraftKL.apply(
+        lm_head_weight,
+        final.reshape(B * T, -1),
+        target.draft_weight.to(final.dtype),
+        queries,
+        labels,
+        torch.is_grad_enabled(),
+        *[s.reshape(B * T, -1) for s in states],
+    )
+    flat_argmax = target_argmax.reshape(-1)
+    counts, correct, cond_counts, cond_correct = [], [], [], []
+    chain_ok = torch.ones(B * T, dtype=torch.bool, device=device)  # steps 0..k-1 all correct
+    for k, draft in enumerate(draft_argmax.split([q.numel() for q in queries])):
+        hit = (draft + d2t[draft]) == flat_argmax[labels[k]]
+        prev = chain_ok[queries[k]]
+        counts.append(queries[k].numel())
         correct.append(hit.sum())
         cond_counts.append(prev.sum())
         cond_correct.append((hit & prev).sum())
         step_ok = torch.zeros_like(chain_ok)
-        step_ok[b, p] = hit
+        step_ok[queries[k]] = hit
         chain_ok &= step_ok
     as_tensor = lambda xs: torch.stack([torch.as_tensor(x, device=device) for x in xs]).float()  # noqa: E731
     return StepStats(
-        loss_sum=torch.stack(loss_sums),
+        loss_sum=loss_sum,
         count=as_tensor(counts),
         correct=as_tensor(correct),
         cond_count=as_tensor(cond_counts),
@@ -175,44 +202,73 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 
 class DraftKL(torch.autograd.Function):
-    """sum over rows of KL(softmax(f Wt^T) || softmax(h W^T)), in chunks of rows.
+    """Per step k: sum over its supervised queries of KL(softmax(f Wt^T) || softmax(h W^T)).
 
-    h [P, H], W [Vd, H], f [P, Ht], Wt [Vd, Ht] (frozen). Returns (loss sum,
-    draft argmax [P]). Backward recomputes each chunk's logits: memory stays
-    O(chunk * Vd) whatever P is.
+    Inputs (W, f, Wt, queries, labels, grads, *h): W [Vd, H] the draft lm_head;
+    f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
+    per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
+    ascending rows of f that label them; `grads`: form the gradients (False under no_grad).
+    Returns (loss sums [K], draft argmax of every query, steps concatenated).
+
+    One pass over chunks of label rows: each chunk's label log-probabilities are
+    computed once for all K steps, and, since d KL / d logits = softmax(logits) - label,
+    dh and dW are formed right there. Backward only scales them by the incoming
+    gradient of each step's sum: no logits are recomputed. Memory: O(chunk * Vd) working
+    set, plus dh [P_k, H] and dW [Vd, H] (fp32) per step until backward.
     """
 
     @staticmethod
-    def _chunks(P: int, Vd: int):
-        rows = max(1, _LOGITS_BUDGET // Vd)
-        return [(i, min(P, i + rows)) for i in range(0, P, rows)]
-
-    @staticmethod
-    def forward(ctx, h, W, f, Wt):
-        acc = torch.promote_types(h.dtype, torch.float32)
-        loss = torch.zeros((), dtype=acc, device=h.device)
-        argmax = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
-        for i, j in DraftKL._chunks(h.shape[0], W.shape[0]):
-            logq = (h[i:j] @ W.T).to(acc).log_softmax(-1)
-            logp = (f[i:j] @ Wt.T).to(acc).log_softmax(-1)
-            loss += (logp.exp() * (logp - logq)).sum()
-            argmax[i:j] = logq.argmax(-1)
-        ctx.save_for_backward(h, W, f, Wt)
+    def forward(ctx, W, f, Wt, queries, labels, grads, *h):
+        K = len(h)
+        acc = torch.promote_types(h[0].dtype, torch.float32)
+        need_dh = grads and any(ctx.needs_input_grad[6:])
+        need_dW = grads and ctx.needs_input_grad[0]
+        loss = torch.zeros(K, dtype=acc, device=W.device)
+        argmax = [torch.empty_like(q) for q in queries]
+        dh = [x.new_empty(q.numel(), x.shape[1]) if need_dh else None for x, q in zip(h, queries)]
+        dW = [torch.zeros(W.shape, dtype=acc, device=W.device) if need_dW else None for _ in range(K)]
+        rows = torch.unique(torch.cat(labels))  # every label row, ascending
+        where = [torch.searchsorted(rows, lab) for lab in labels]  # each query's label, as an index into `rows`
+        chunk = max(1, _LOGITS_BUDGET // W.shape[0])
+        starts = torch.arange(0, rows.numel() + chunk, chunk, device=W.device).clamp(max=rows.numel())
+        bounds = [torch.searchsorted(w, starts).tolist() for w in where]  # step k's queries of chunk c: bounds[k][c:c+2]
+        for c, c0 in enumerate(starts[:-1].tolist()):
+            logp = (f[rows[c0 : c0 + chunk]] @ Wt.T).to(acc).log_softmax(-1)  # [c, Vd] label log-probabilities
+            for k in range(K):
+                i, j = bounds[k][c], bounds[k][c + 1]
+                if i == j:
+                    continue
+                hk = h[k][queries[k][i:j]]  # [n, H]
+                lp = logp[where[k][i:j] - c0]  # [n, Vd]
+                logq = (hk @ W.T).to(acc).log_softmax(-1)
+                p = lp.exp()
+                loss[k] += (p * (lp - logq)).sum()
+                argmax[k][i:j] = logq.argmax(-1)
+                if need_dh or need_dW:
+                    dz = logq.exp() - p  # d KL / d logits
+                    if need_dh:
+                        dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
+                    if need_dW:
+                        dW[k] += (dz.to(hk.dtype).T @ hk).to(acc)
+        ctx.save_for_backward(*dh, *dW)  # intermediates: freed once backward has run
+        ctx.queries, ctx.shapes, ctx.w_dtype = queries, [x.shape for x in h], W.dtype
+        argmax = torch.cat(argmax)
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
-        h, W, f, Wt = ctx.saved_tensors
-        acc = torch.promote_types(h.dtype, torch.float32)
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dW = torch.zeros(W.shape, dtype=acc, device=W.device) if ctx.needs_input_grad[1] else None
-        for i, j in DraftKL._chunks(h.shape[0], W.shape[0]):
-            q = (h[i:j] @ W.T).to(acc).softmax(-1)
-            p = (f[i:j] @ Wt.T).to(acc).softmax(-1)
-            dz = (q - p) * grad_loss  # d KL / d logits
-            if dh is not None:
-                dh[i:j] = (dz.to(W.dtype) @ W).to(h.dtype)
-            if dW is not None:
-                dW += (dz.to(h.dtype).T @ h[i:j]).to(acc)
-        return dh, (dW.to(W.dtype) if dW is not None else None), None, None
+        saved = ctx.saved_tensors
+        K = len(ctx.queries)
+        dh, dW = saved[:K], saved[K:]
+        scale = grad_loss.tolist()  # one scalar per step
+        grad_W = None
+        if dW[0] is not None:
+            grad_W = dW[0] * scale[0]
+            for g, w in zip(scale[1:], dW[1:]):
+                grad_W.add_(w, alpha=g)
+            grad_W = grad_W.to(ctx.w_dtype)
+        grad_h = []
+        for d, q, shape, g in zip(dh, ctx.queries, ctx.shapes, scale):
+            grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(g))
+        return grad_W, None, None, None, None, None, *grad_h

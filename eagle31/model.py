@@ -95,16 +95,19 @@ class RotaryEmbedding(nn.Module):
         rope_type = config.rope_parameters["rope_type"]
         if rope_type in ("dynamic", "longrope"):
             raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is not supported")
+        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
+            self.inv_freq, self.attention_scaling = self._frequencies(config, rope_type)
+
+    @staticmethod
+    def _frequencies(config: DrafterConfig, rope_type: str) -> tuple[torch.Tensor, float]:
         if rope_type == "default":
             d = config.head_dim
             theta = float(config.rope_parameters["rope_theta"])
-            self.inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-            self.attention_scaling = 1.0
-        else:
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is unknown")
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config.layer_config(), "cpu")
-            self.inv_freq = inv_freq.double()
+            return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is unknown")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config.layer_config(), "cpu")
+        return inv_freq.double(), scaling
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
@@ -307,7 +310,9 @@ class Eagle31Drafter(nn.Module):
         model = cls(DrafterConfig.from_dict(meta["drafter"]))
         state = load_file(str(path / "model.safetensors"), device=str(device))
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "embed_tokens.weight"]
+        if "embed_tokens.weight" in missing:  # saved without it: zeros until the target's is loaded
+            missing.remove("embed_tokens.weight")
+            model.embed_tokens.weight.data.zero_()
         if missing or unexpected:
             raise ConfigError(f"{path}/model.safetensors: missing keys {missing}, unexpected keys {unexpected}")
         return model.to(device)

@@ -9,8 +9,12 @@ Unknown fields are an error (Hydra's structured-config check).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from eagle31.config import ConfigError
 
 
 @dataclass
@@ -29,7 +33,9 @@ class TargetConfig:
 class DataConfig:
     """Conversations -> tokens + loss masks (data_prep/prepare.py)."""
 
-    source: list[str] = field(default_factory=list)  # JSONL / JSON / Parquet files or `datasets` directories
+    # a path or a list of paths: JSONL / JSON / Parquet files, `datasets` directories
+    # (Any so that both `data.source=a.jsonl` and `data.source=[a.jsonl,b.parquet]` work)
+    source: Any = field(default_factory=list)
     prepared_dir: str = "${output_dir}/data"
     system_prompt: Optional[str] = None  # added to conversations that have none
     max_len: int = 2048
@@ -42,16 +48,21 @@ class DataConfig:
 
 @dataclass
 class FeaturesConfig:
-    """Target hidden states: captured to a shard store, or computed online; batching."""
+    """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
-    mode: str = "online"  # online | store
-    store_dir: str = "${output_dir}/features"
-    store_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | float8 (per-row scales)
-    shard_max_tokens: int = 1 << 20
-    capture_batch_tokens: int = 8192
-    batching: str = "pack"  # pack (document ids) | bucket (by length, padded)
-    tokens_per_batch: int = 4096  # micro-batch token budget
+    mode: str = "online"  # online (target runs in the trainer) | store (data_prep/capture.py first)
+    store_dir: str = "${output_dir}/features"  # one store per split: <store_dir>/train, <store_dir>/eval
+    store_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | float8 (e4m3, per-row scales)
+    shard_max_tokens: int = 32768  # Kimi K2.6 in bf16 stores 56 KiB/token: 1.75 GiB per shard
+    capture_batch_tokens: int = 8192  # padded tokens per target forward (capture and online)
+    batching: str = "pack"  # pack (one row, document ids) | bucket (by length, padded)
+    tokens_per_batch: int = 4096  # micro-batch budget: pack row length, or bucket B * max T
     skip_corrupt: bool = False  # skip shards whose checksum fails (counted) instead of stopping
+    # data_prep/import_speculators.py: vLLM captures written by `speculators` (hs_<i>.safetensors, i = row)
+    import_hidden_states_dir: Optional[str] = None
+    import_split: str = "train"  # the store written: <store_dir>/<import_split>
+    import_dataset_dir: Optional[str] = None  # rows the files were made from (loss masks); default the prepared split
+    import_all_tokens: bool = False  # no loss masks available: supervise every token
 
 
 @dataclass
@@ -71,6 +82,7 @@ class DrafterSection:
     norm_output: bool = True
     norm_before_residual: bool = False
     init_from: Optional[str] = None  # a drafter to fine-tune (any layout eagle31 reads)
+    init_from_format: str = "auto"  # auto | eagle31 | eagle3 | speculators | specforge | torchspec
     upgrade_to_eagle31: bool = False  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
 
 
@@ -110,8 +122,9 @@ class EvalConfig:
     """Acceptance by real speculative decoding at the end of a run (scripts/eval_acceptance.py)."""
 
     enabled: bool = False
+    data: list[str] = field(default_factory=list)  # prompt files, one split each (`demo:<split>` allowed)
     num_speculative_tokens: int = 3
-    max_prompts: int = 16
+    max_prompts: int = 16  # per split
     max_new_tokens: int = 64
 
 
@@ -152,11 +165,50 @@ class RunConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
 
-def register_schema() -> None:
-    """Register `RunConfig` with Hydra's ConfigStore (called by the CLIs)."""
+def register_schema(recipes_dir: str | None = None) -> None:
+    """Register `RunConfig` with Hydra's ConfigStore (called by the CLIs).
+
+    `recipes_dir` backs the `${recipes_dir:}` interpolation, so recipes can name
+    files shipped beside them (e.g. `${recipes_dir:}/targets/kimi_k26.json`)
+    whatever the working directory.
+    """
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="eagle31_schema", node=RunConfig)
+    if recipes_dir is not None:
+        OmegaConf.register_new_resolver("recipes_dir", lambda: str(recipes_dir), replace=True)
+
+
+def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
+    """Compose `recipes/config.yaml` with `recipe=<name>` and `field=value` overrides.
+
+    Hydra's composition errors (unknown recipe or field, a value of the wrong
+    type, a broken interpolation) become one-line `ConfigError`s.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schema(recipes_dir)
+    try:
+        with initialize_config_dir(config_dir=str(Path(recipes_dir).resolve()), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(_one_line(e)) from None
+    return cfg
+
+
+def _one_line(e: BaseException) -> str:
+    parts = [str(e)]
+    if e.__cause__ is not None and str(e.__cause__) not in parts[0]:
+        parts.append(str(e.__cause__))
+    text = " ".join(" ".join(parts).split())
+    for noise in (r" To append to your config use \S+", r" (full_key|key): \S+.*$", r" Config search path:.*$"):
+        text = re.sub(noise, "", text)
+    return text
 
 
 def to_container(cfg: Any) -> dict:

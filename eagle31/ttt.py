@@ -7,6 +7,10 @@ and token `x[p+1+k]` (teacher forcing). Query (p, k) sits at RoPE position
 p + k and attends to the causal step-0 keys of its document plus its own chain
 (`eagle31.attention`). The unroll returns every step's output; the loss lives
 in `eagle31.loss`.
+
+Memory: with `activation_checkpointing` each step keeps only its inputs (the
+previous step's output, token ids, positions) and its keys/values, shared with
+the later steps; its activations are recomputed in backward, one step at a time.
 """
 
 from __future__ import annotations
@@ -61,26 +65,27 @@ def ttt_unroll(
     feature = drafter.fuse_aux(aux)  # [B, T, H]
     dtype = feature.dtype
 
-    def step(feature, emb, cos, sin, k0, v0, chain_k, chain_v):
+    def step(feature, ids, positions, k0, v0, chain_k, chain_v):
+        # The embedding and RoPE are made inside the step, so activation checkpointing
+        # recomputes them instead of keeping a [B, T, H] embedding per step.
+        with torch.no_grad():
+            emb = drafter.embed_tokens(ids).to(dtype)  # [B, T, H]
+        cos, sin = drafter.rope(positions, dtype)
         q, k, v, residual = layer.pre_attention(emb, feature, cos, sin)
         if k0 is None:  # step 0: its keys are the causal keys of every later step
             k0, v0 = k, v
         else:  # step k >= 1: the query's own key (p, k) joins its chain
-            chain_k = torch.cat([chain_k, k.unsqueeze(2)], dim=2)
-            chain_v = torch.cat([chain_v, v.unsqueeze(2)], dim=2)
+            chain_k, chain_v = (*chain_k, k), (*chain_v, v)
         attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention)
         out = layer.post_attention(residual, attn)
         return out, drafter.norm(out), k0, v0, chain_k, chain_v
 
     states, hidden = [], []
     k0 = v0 = None
-    nkv, d = drafter.config.num_key_value_heads, drafter.config.head_dim
-    chain_k = chain_v = feature.new_zeros(B, T, 0, nkv, d)
+    chain_k: tuple[torch.Tensor, ...] = ()  # keys / values (p, 1..k-1), each [B, T, nkv, d]
+    chain_v: tuple[torch.Tensor, ...] = ()
     for k in range(ttt_length):
-        with torch.no_grad():
-            emb = drafter.embed_tokens(shift_left(input_ids, 1 + k)).to(dtype)  # tokens x[p+1+k]
-        cos, sin = drafter.rope(position_ids + k, dtype)
-        args = (feature, emb, cos, sin, k0, v0, chain_k, chain_v)
+        args = (feature, shift_left(input_ids, 1 + k), position_ids + k, k0, v0, chain_k, chain_v)  # tokens x[p+1+k]
         if activation_checkpointing and torch.is_grad_enabled():
             out, normed, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
         else:

@@ -82,3 +82,21 @@ def test_conditional_accuracy_follows_each_chain():
     stats = ttt_loss([s0, s1], torch.eye(H, dtype=torch.float64), d2t, final, sup, head, argmax)
     assert stats.count.tolist() == [4, 3] and stats.correct.tolist() == [2, 3]
     assert stats.cond_count.tolist() == [4, 2] and stats.cond_correct.tolist() == [2, 2]
+
+
+def test_target_argmax_in_vocabulary_tiles_equals_argmax_with_ties(monkeypatch):
+    import eagle31.loss
+
+    monkeypatch.setattr(eagle31.loss, "_ARGMAX_COLUMNS", 7)  # 100 ids -> 15 tiles
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 8, generator=g)
+    w[40] = w[5]  # a tie across tiles: the lower id wins, as torch.argmax says
+    final = torch.randn(2, 30, 8, generator=g)
+    final[0, 0] = w[5] * 10
+    needed = torch.rand(2, 30, generator=g) < 0.5
+    head = TargetHead(w, torch.arange(10))
+    expected = (final @ w.T).argmax(-1)
+    assert expected[0, 0] == 5
+    assert torch.equal(head.argmax(final), expected)
+    got = head.argmax(final, needed)
+    assert torch.equal(got[needed], expected[needed]) and bool((got[~needed] == -1).all())

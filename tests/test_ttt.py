@@ -264,3 +264,29 @@ def test_segments_split_padding_from_documents():
     doc = torch.tensor([[0, 0, 1, 1, -1, -1]])
     seg = segment_ids(doc, None, doc.shape)
     assert seg.tolist() == [[1, 1, 2, 2, 3, 3]]
+
+
+@pytest.mark.parametrize("attention", ["flash", "blockwise"])
+def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention):
+    m = tiny_drafter(seed=14)
+    doc = layouts()["packed"]
+    aux, final, ids, mask = random_batch(m.config, 2, 11, seed=15)
+    target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64)
+    head = TargetHead(target_w, m.draft_token_ids())
+
+    def loss_and_grads(checkpointing):
+        m.zero_grad()
+        out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention=attention, activation_checkpointing=checkpointing)
+        argmax = head.argmax(final)
+        sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
+        stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax)
+        loss = weighted_loss(stats.loss_sum, stats.count, DECAY)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = loss_and_grads(False)
+    ckpt, ckpt_grads = loss_and_grads(True)
+    torch.testing.assert_close(ckpt, plain, rtol=1e-12, atol=1e-12)
+    assert ckpt_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -13,7 +13,7 @@ Two layouts, built from per-sample `Sample`s (see `eagle31.data.loader`):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -104,3 +104,19 @@ def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureB
         num_tokens=0,
         num_samples=0,
     )
+
+
+def bucket_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group indices of `lengths` into batches whose padded size `B * max T` stays within `budget`.
+
+    Indices are sorted by length (ties keep their order), and cut greedily; a
+    sample longer than `budget` gets a batch of its own. Groups come shortest first.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -1,1 +1,48 @@
-"""Locally built targets: the miniature Kimi K2.6 and the demo model."""
+"""Targets built locally, so that tests and `recipe=demo` run with no download.
+
+    resolve_target_path(cfg.target)   # -> the target's HF model directory
+    demo_corpus_dir()                 # -> the demo's JSONL splits (train, heldout, other_system, long_prompt)
+
+Built-in targets (`target.builtin`), each built once into the cache
+(`$EAGLE31_CACHE`, default `~/.cache/eagle31`, see `cache.py`):
+
+    demo            a small Llama trained from scratch on the Python standard library (demo.py)
+    kimi_k26_mini   Kimi K2.6's architecture at tiny sizes with random weights (kimi_mini.py)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle31.config import ConfigError
+
+BUILTIN_TARGETS = ("demo", "kimi_k26_mini")
+
+
+def resolve_target_path(target_cfg: Any) -> Path:
+    """The model directory named by a `TargetConfig` (`builtin` first, else `path`)."""
+    builtin = getattr(target_cfg, "builtin", None)
+    if builtin == "demo":
+        from eagle31.targets.demo import ensure_demo_target
+
+        return ensure_demo_target()
+    if builtin == "kimi_k26_mini":
+        from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
+
+        return ensure_kimi_k26_mini()
+    if builtin is not None:
+        raise ConfigError(f"target.builtin={builtin!r} is not a built-in target; choose one of {list(BUILTIN_TARGETS)}")
+    path = getattr(target_cfg, "path", None)
+    if not path:
+        raise ConfigError("target.path is not set (and no target.builtin is given)")
+    if not Path(path).is_dir():
+        raise ConfigError(f"target.path={path!r} is not a directory")
+    return Path(path)
+
+
+def demo_corpus_dir() -> Path:
+    """The demo target's conversation splits, `<dir>/{train,heldout,other_system,long_prompt}.jsonl`."""
+    from eagle31.targets.demo import demo_corpus_dir as corpus_dir
+
+    return corpus_dir()

@@ -1,0 +1,351 @@
+"""Acceptance length by real speculative decoding, per drafter and prompt split (issue 7).
+
+Training reports `tau_sim`, a teacher-forced estimate; this module measures what a
+drafter gives when it drafts from its own outputs, with `eagle31.speculative`:
+
+    tau                         1 + accepted / drafts (vLLM's acceptance length; a
+                                draft is one drafting round = one verification)
+    acceptance_rate[i]          rounds whose draft position i+1 was accepted / rounds
+                                (vLLM's per-position rate)
+    conditional_acceptance_rate[i]   the same, among rounds that accepted positions 1..i
+    target_forwards_per_token   (prefill + verifications) / generated tokens
+    seconds, tokens_per_second  wall time of the decoding loop
+
+Prompts are JSON Lines: `{"messages": [...]}` (OpenAI or ShareGPT form, read by
+`eagle31.data.sources`), rendered with the target tokenizer's chat template and a
+generation prompt, a final assistant turn dropped; or `{"prompt": "..."}`, tokenised
+as is (with the tokenizer's special tokens, e.g. BOS). Each file is one split.
+
+`AcceptanceConfig` holds the `key=value` arguments of `scripts/eval_acceptance.py`;
+`run_acceptance` loads everything, checks it before the target's weights are read,
+evaluates every drafter on every split and returns the report that
+`eagle31.acceptance_report` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eagle31.config import ConfigError, load_target_config
+from eagle31.data.sources import BadInput, to_conversation
+from eagle31.drafting import EagleProposer, Proposer, TreeSpec
+from eagle31.speculative import Generation, speculative_generate
+
+# ---------------------------------------------------------------------- statistics
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts summed over the prompts of one (drafter, split)."""
+
+    draft_len: int  # k, or the tree depth: the most draft tokens one round can accept
+    prompts: int = 0
+    prompt_tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [draft_len] rounds accepting position i+1
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.accepted_at = self.accepted_at or [0] * self.draft_len
+
+    def add(self, generation: Generation, prompt_tokens: int) -> None:
+        self.prompts += 1
+        self.prompt_tokens += prompt_tokens
+        self.rounds += len(generation.accepted)
+        self.accepted += sum(generation.accepted)
+        for a in generation.accepted:
+            for i in range(a):
+                self.accepted_at[i] += 1
+        self.generated_tokens += len(generation.tokens)
+        self.target_forwards += generation.target_forwards
+        self.seconds += generation.seconds
+
+    def summary(self) -> dict[str, Any]:
+        rounds = max(self.rounds, 1)
+        reached = [self.rounds] + self.accepted_at[:-1]  # rounds that accepted positions 1..i
+        return {
+            "tau": 1 + self.accepted / rounds,
+            "acceptance_rate": [a / rounds for a in self.accepted_at],
+            "conditional_acceptance_rate": [a / max(r, 1) for a, r in zip(self.accepted_at, reached)],
+            "target_forwards_per_token": self.target_forwards / max(self.generated_tokens, 1),
+            "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
+            "mean_prompt_tokens": self.prompt_tokens / max(self.prompts, 1),
+            **asdict(self),
+        }
+
+
+def evaluate(
+    target,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    aux_layer_ids: Sequence[int],
+    max_new_tokens: int,
+    k: int | None = None,
+    tree: TreeSpec | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> AcceptanceStats:
+    """Speculative decoding of every prompt (lists of token ids) with one proposer."""
+    stats = AcceptanceStats(draft_len=k if tree is None else tree.depth)
+    device = target.get_input_embeddings().weight.device
+    for prompt in prompts:
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        generation = speculative_generate(
+            target,
+            proposer,
+            ids,
+            aux_layer_ids=aux_layer_ids,
+            max_new_tokens=max_new_tokens,
+            k=k,
+            tree=tree,
+            eos_token_ids=eos_token_ids,
+        )
+        stats.add(generation, len(prompt))
+    return stats
+
+
+# ---------------------------------------------------------------------- prompts
+
+
+def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None) -> list[list[int]]:
+    """Token ids of the prompts of one JSON Lines file (module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data: prompt file not found: {path}")
+    prompts: list[list[int]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+            if line.strip():
+                prompts.append(_prompt_ids(line, tokenizer, f"{path}:{n}"))
+    if not prompts:
+        raise ConfigError(f"data: no prompts in {path}")
+    return prompts
+
+
+def _prompt_ids(line: str, tokenizer, where: str) -> list[int]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return tokenizer(record["prompt"])["input_ids"]
+    try:
+        conversation = to_conversation(record, where)
+    except BadInput as e:
+        raise ConfigError(f"{where}: not a prompt: needs 'prompt' (a string) or 'messages' ({e})") from None
+    messages = conversation.messages
+    if messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages:
+        raise ConfigError(f"{where}: no messages before the assistant turn")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{where}: a 'messages' prompt needs a chat template, and the target tokenizer has none")
+    text = tokenizer.apply_chat_template(
+        messages, tools=conversation.tools, tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------- the run
+
+
+@dataclass
+class AcceptanceConfig:
+    """Arguments of scripts/eval_acceptance.py (read by `eagle31.cli.parse_key_values`).
+
+    `drafter` and `data` are comma-separated `[label=]path` lists; an unlabelled entry
+    is named after its file or directory, and a directory given as `data` stands for
+    its `*.jsonl` files (the demo corpus: one split per file).
+    """
+
+    drafter: str  # drafter directories, any layout `eagle31.convert` reads
+    target: str  # HF model directory (weights + tokenizer)
+    data: str  # JSONL prompt files, one per split
+    k: int = 3  # draft tokens per round (chain)
+    tree_top_k: int | None = None  # set all three tree_* for EAGLE-2 draft trees instead of a chain
+    tree_depth: int | None = None
+    tree_total_tokens: int | None = None
+    max_new_tokens: int = 128
+    max_prompts: int | None = None  # per split
+    drafter_format: str = "auto"  # eagle31.convert.SOURCE_FORMATS
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    out: str = "acceptance"  # directory for acceptance.json / .md / .png
+
+    def __post_init__(self) -> None:
+        """Check everything that can be checked before a model is loaded."""
+        for name in ("k", "max_new_tokens", "max_prompts"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        self.tree  # raises on incomplete or invalid tree_* values
+        if not Path(self.target).is_dir():
+            raise ConfigError(f"target: not a directory: {self.target}")
+        for label, path in self.drafters.items():
+            if not Path(path).is_dir():
+                raise ConfigError(f"drafter {label}: not a directory: {path}")
+        for split, path in self.splits.items():
+            if not Path(path).is_file():
+                raise ConfigError(f"data {split}: prompt file not found: {path}")
+
+    @property
+    def tree(self) -> TreeSpec | None:
+        values = (self.tree_top_k, self.tree_depth, self.tree_total_tokens)
+        if all(v is None for v in values):
+            return None
+        if any(v is None for v in values):
+            raise ConfigError("a draft tree needs all of tree_top_k, tree_depth and tree_total_tokens")
+        try:
+            return TreeSpec(*values)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def drafters(self) -> dict[str, str]:
+        """label -> drafter directory."""
+        return _labelled_paths("drafter", self.drafter)
+
+    @property
+    def splits(self) -> dict[str, str]:
+        """split name -> JSONL prompt file."""
+        return _labelled_paths("data", self.data)
+
+
+def _labelled_paths(name: str, value: str) -> dict[str, str]:
+    """`a,b` or `x=a,y=b` -> {label: path} (see `AcceptanceConfig`)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (v.strip() for v in value.split(","))):
+        label, sep, path = item.partition("=")
+        if not sep:
+            label, path = "", item
+        entries = {label: path}
+        if name == "data" and not sep and Path(path).is_dir():
+            entries = {p.stem: str(p) for p in sorted(Path(path).glob("*.jsonl"))}
+        for label, path in entries.items():
+            label = label or Path(path.rstrip("/")).stem
+            if label in out:
+                raise ConfigError(f"{name}: label {label!r} given twice; name them {name}=label=path,...")
+            out[label] = path
+    if not out:
+        raise ConfigError(f"{name}= names no path")
+    return out
+
+
+def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Evaluate every drafter on every split; returns the report (settings + results)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle31.convert import load_drafter
+
+    tree = config.tree
+    device, dtype = _device_and_dtype(config.device, config.dtype)
+    target_config = load_target_config(config.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.target)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    splits = {name: load_prompts(path, tokenizer, config.max_prompts) for name, path in config.splits.items()}
+    drafters = {}
+    for label, path in config.drafters.items():
+        try:
+            drafters[label] = load_drafter(
+                path,
+                source_format=config.drafter_format,
+                target_num_layers=_text_config(target_config).get("num_hidden_layers"),
+            )
+        except ConfigError as e:
+            raise ConfigError(f"drafter {label} ({path}): {e}") from None
+        check_drafter_fits(drafters[label].config, target_config, label)
+    target = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype, attn_implementation="sdpa")
+    target = target.to(device).eval()
+    eos = _eos_ids(target, tokenizer)
+    results = []
+    for label, drafter in drafters.items():
+        drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+        for split, prompts in splits.items():
+            stats = evaluate(
+                target,
+                EagleProposer(drafter),
+                prompts,
+                aux_layer_ids=drafter.config.aux_layer_ids,
+                max_new_tokens=config.max_new_tokens,
+                k=None if tree else config.k,
+                tree=tree,
+                eos_token_ids=eos,
+            )
+            summary = stats.summary()
+            log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
+            results.append({"drafter": label, "split": split, **summary})
+    settings = {
+        "target": config.target,
+        "drafters": config.drafters,
+        "data": config.splits,
+        "mode": "tree" if tree else "chain",
+        "k": None if tree else config.k,
+        "tree": asdict(tree) if tree else None,
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompts": config.max_prompts,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    return {"settings": settings, "results": results}
+
+
+def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str) -> None:
+    """The drafter reads this target's features and vocabulary (checked before loading weights)."""
+    text = _text_config(target_config)
+    for field_name, target_key in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
+        want = text.get(target_key)
+        have = getattr(drafter_config, field_name)
+        if want is not None and have != want:
+            raise ConfigError(f"drafter {label}: {field_name}={have} but the target's {target_key}={want}")
+    layers = text.get("num_hidden_layers")
+    ids = list(drafter_config.aux_layer_ids)
+    if layers is not None and max(ids) >= layers:
+        raise ConfigError(f"drafter {label}: aux_layer_ids {ids} out of range for a {layers}-layer target")
+
+
+def share_target_embedding(drafter, target):
+    """A drafter saved without `embed_tokens` (all zero after loading) reads the target's, as vLLM does."""
+    if not drafter.embed_tokens.weight.any():
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    return drafter
+
+
+def _text_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (multimodal wrappers such as Kimi K2.6 nest it)."""
+    return target_config.get("text_config") or target_config
+
+
+def _device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device} but CUDA is not available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    try:
+        return torch.device(device), getattr(torch, dtype)
+    except RuntimeError as e:
+        raise ConfigError(f"device: {e}") from None
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    ids = getattr(target.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

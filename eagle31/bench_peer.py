@@ -1,0 +1,104 @@
+"""The peer of the training-step benchmark: vLLM `speculators`' EAGLE-3 drafter (issue 8).
+
+`SpeculatorsStep` builds `speculators.models.eagle3.Eagle3DraftModel` offline, with the same
+layer shape, 3.1 flags, vocabularies and K as ours and random weights, and runs one step the
+way `speculators`' trainer does: forward under bf16 autocast on CUDA (fp32 master weights;
+their `forward` is `torch.compile`d on CUDA by the package itself), their KL loss (fused
+Triton kernel when Triton is importable, the eager one otherwise), backward, gradient
+clipping at 1.0, AdamW. Their `lm_head` is frozen by default; here it trains, as ours does.
+
+Layer attention: their default `simple_flex_attention` on CUDA. FlexAttention has no
+backward on CPU, so on CPU the peer runs `sdpa` with their dense `[T, K*T]` mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from eagle31.bench import BenchConfig, random_vocab, synthetic_batch
+
+
+def speculators_unavailable() -> str | None:
+    """None when `speculators`' EAGLE-3 model imports; otherwise why not."""
+    if importlib.util.find_spec("speculators") is None:
+        return "the speculators package is not installed"
+    try:
+        import speculators.models.eagle3.core  # noqa: F401
+    except Exception as e:  # noqa: BLE001 — any import failure means "cannot compare"
+        return f"speculators does not import: {type(e).__name__}: {e}"
+    return None
+
+
+class SpeculatorsStep:
+    """One training step of `speculators`' `Eagle3DraftModel` on our synthetic batch."""
+
+    name = "speculators"
+
+    def __init__(self, bench: BenchConfig):
+        from speculators.config import SpeculatorsConfig, VerifierConfig
+        from speculators.losses import resolve_loss_config
+        from speculators.models.eagle3 import Eagle3SpeculatorConfig
+        from speculators.models.eagle3.core import Eagle3DraftModel
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+        cfg = bench.drafter_config()
+        self.device = device = bench.torch_device()
+        self.autocast = bench.compute_dtype() if device.type == "cuda" else None
+        self.ttt_length = bench.ttt_length
+        attention = bench.peer_attention
+        if attention == "auto":
+            attention = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+        layer = cfg.layer_config()
+        layer._attn_implementation = attention
+        config = Eagle3SpeculatorConfig(
+            transformer_layer_config=layer,
+            draft_vocab_size=cfg.draft_vocab_size,
+            norm_before_residual=cfg.norm_before_residual,
+            norm_before_fc=cfg.norm_before_fc,
+            fc_norm=cfg.fc_norm,
+            norm_output=cfg.norm_output,
+            eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+            speculators_config=SpeculatorsConfig(
+                algorithm="eagle3",
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=bench.ttt_length)],
+                default_proposal_method="greedy",
+                verifier=VerifierConfig(name_or_path=None, architectures=list(cfg.target_architectures) or ["LlamaForCausalLM"]),
+            ),
+        )
+        torch.manual_seed(bench.seed)
+        with torch.device(device):
+            model = Eagle3DraftModel(config)
+        _, d2t, t2d = random_vocab(cfg, bench.seed)
+        model.load_vocab_mappings(t2d, d2t)
+        with torch.no_grad():  # the package leaves these NaN until a verifier is loaded
+            model.embed_tokens.weight.normal_(0.0, 0.02)
+            model.lm_head.weight.normal_(0.0, 0.02)
+            model.verifier_lm_head.weight.normal_(0.0, cfg.target_hidden_size**-0.5)  # target rows -> labels
+        model.lm_head.weight.requires_grad_(True)
+        self.model = model.to(device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+        fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.loss_config = resolve_loss_config("kl_div", "fused" if fused else "eager")
+        b = synthetic_batch(cfg, bench.seq_len, bench.seed)
+        feature_dtype = self.autocast or torch.float32
+        self.inputs = dict(
+            hidden_states=b.aux.to(device, feature_dtype),
+            input_ids=b.input_ids.to(device),
+            document_ids=b.document_ids.to(device),
+            loss_mask=b.loss_mask.to(device).bool(),
+            verifier_last_hidden_states=b.final.to(device, feature_dtype),
+        )
+
+    def __call__(self) -> None:
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            _, loss, _ = self.model(
+                **self.inputs, ttt_steps=self.ttt_length, ttt_step_loss_decay=0.8, loss_config=self.loss_config
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()

@@ -1,0 +1,296 @@
+"""Read drafters: eagle31's own formats and the ecosystem's EAGLE-3 checkpoints.
+
+`load_drafter(path)` detects the layout from `config.json`, or takes `source_format`:
+
+    eagle31      native (`"format": "eagle31-drafter"`), see `Eagle31Drafter.save`
+    eagle3       EAGLE-3 HF layout as vLLM reads it (`LlamaForCausalLMEagle3`, `midlayer.*`),
+                 eagle31's own export among them. Aux ids are taken verbatim (vLLM's
+                 convention), from `eagle_aux_hidden_state_layer_ids` or `eagle_config`.
+    speculators  `speculators_model_type: eagle3`, `transformer_layer_config`, `layers.0.*`.
+                 Aux ids verbatim. A missing `norm_before_residual` means true, as vLLM
+                 reads this layout.
+    specforge    SpecForge's `LlamaForCausalLMEagle3`. Its aux ids (`eagle_config`) mean
+                 "output of layer k", so they get +1. `norm_output` is read as false (below).
+    torchspec    TorchSpec's `tools/convert_to_hf.py` output (`_torchspec_version` in
+                 config.json), weights `midlayer.*` or, with `--vllm`, `layers.0.*`. Aux ids
+                 are in TorchSpec's "output of layer k" convention and get +1.
+
+Auto-detection, in order: eagle31's `format`; `speculators_model_type`;
+`_torchspec_version`; eagle31's `eagle31` block (its exports); ids only under
+`eagle_config` (SpecForge's habit); otherwise eagle3.
+
+Reading rules:
+
+* SpecForge before its norm_output fix always fed the pre-norm state `o` to the next TTT
+  step. Its `norm_output` flag (default true) only chose whether `lm_head` saw
+  `norm(o)`. Such a checkpoint is therefore eagle31's `norm_output=False`, and
+  `specforge` reads it so. Pass `norm_output=True` for one trained after the fix. A
+  SpecForge `norm_output: false` (an `lm_head` without the final norm) is refused.
+  `auto` cannot tell such a checkpoint from a vLLM-semantics one. It refuses an HF
+  layout that says `norm_output: true` unless eagle31 wrote it: choose `specforge` or
+  `eagle3`.
+* Missing aux ids: the default `(2, L//2, L-3)` needs `target_num_layers`. Explicit
+  `aux_layer_ids` (vLLM convention) override the checkpoint's.
+* `target_num_layers` comes from the argument, else eagle31's block. Otherwise it is the
+  smallest value the ids allow; it is only used to validate ids.
+* Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
+  would map draft id i to target id i, so acceptance would collapse. A missing half is
+  derived from the other.
+* A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
+  running the drafter (vLLM shares the target's).
+* `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
+  adds `fc_norm` (weights at ones) and sets `norm_output`. This changes the drafter's
+  outputs from the first step: `fc` now sees unit-RMS chunks and later TTT steps read
+  `norm(o)`. Fine-tune before serving.
+
+Weights are read from `*.safetensors`, or from a legacy `pytorch_model.bin` with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+
+from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, rope_parameters_from
+from eagle31.export import native_key
+from eagle31.model import NATIVE_FORMAT, Eagle31Drafter
+
+SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
+# formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
+_OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
+# training-only tensors of the speculators library, never needed for drafting
+_IGNORED_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def load_drafter(
+    path: str | Path,
+    *,
+    source_format: str = "auto",
+    device: str | torch.device = "cpu",
+    upgrade_to_eagle31: bool = False,
+    norm_output: bool | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    target_num_layers: int | None = None,
+) -> Eagle31Drafter:
+    """Load a drafter directory of any layout eagle31 reads (module docstring).
+
+    norm_output, aux_layer_ids (vLLM convention), target_num_layers: override what the
+    checkpoint says or lacks.
+    """
+    path = Path(path)
+    meta = read_config_json(path)
+    fmt = detect_format(meta, path) if source_format == "auto" else source_format
+    if fmt not in SOURCE_FORMATS[1:]:
+        raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
+    if fmt == "eagle31":
+        drafter = Eagle31Drafter.load(path)
+        overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if overrides:
+            drafter = _with_config(drafter, dataclasses.replace(drafter.config, **overrides))
+    else:
+        config = drafter_config(
+            meta, fmt, norm_output=norm_output, aux_layer_ids=aux_layer_ids, target_num_layers=target_num_layers
+        )
+        drafter = Eagle31Drafter(config)
+        _load_weights(drafter, read_weights(path), path)
+    if upgrade_to_eagle31:
+        drafter = to_eagle31(drafter)
+    return drafter.to(device)
+
+
+def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
+    """EAGLE 3 -> EAGLE 3.1: add `fc_norm` (weights at ones) and set `norm_output` (module docstring)."""
+    if drafter.config.norm_before_fc:
+        raise ConfigError(
+            "cannot upgrade a norm_before_fc drafter to EAGLE 3.1: fc_norm and norm_before_fc exclude each other"
+        )
+    return _with_config(drafter, dataclasses.replace(drafter.config, fc_norm=True, norm_output=True))
+
+
+def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Drafter:
+    """A new drafter with `config` and `drafter`'s weights; parameters it lacks keep their init."""
+    weight = drafter.lm_head.weight
+    new = Eagle31Drafter(config).to(device=weight.device, dtype=weight.dtype)
+    try:
+        missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ConfigError(f"the overrides do not fit the drafter's weights: {e}") from None
+    if unexpected or any(not k.startswith("fc_norm.") for k in missing):
+        raise ConfigError(f"cannot carry the weights over: missing {missing}, unexpected {unexpected}")
+    return new
+
+
+# ----------------------------------------------------------------------- config
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"no drafter config at {cfg_path}")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
+    """The source format of a checkpoint from its config.json (module docstring)."""
+    if meta.get("format") == NATIVE_FORMAT:
+        return "eagle31"
+    if "speculators_model_type" in meta:
+        return "speculators"
+    if "_torchspec_version" in meta:
+        return "torchspec"
+    if isinstance(meta.get("eagle31"), dict):
+        return "eagle3"
+    nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested_ids and not meta.get("eagle_aux_hidden_state_layer_ids"):
+        return "specforge"
+    if meta.get("norm_output") is True:
+        raise ConfigError(
+            f"{path}/config.json says norm_output=true but was not written by eagle31: SpecForge before its fix "
+            "trained such drafters feeding back the pre-norm state. Pass source_format='specforge' (pre-norm "
+            "feedback) or source_format='eagle3' (post-norm feedback, vLLM's reading)"
+        )
+    return "eagle3"
+
+
+def drafter_config(
+    meta: dict[str, Any],
+    fmt: str,
+    *,
+    norm_output: bool | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    target_num_layers: int | None = None,
+) -> DrafterConfig:
+    """A `DrafterConfig` from a foreign config.json of format `fmt`."""
+    speculators = fmt == "speculators"
+    if speculators and meta.get("speculators_model_type") != "eagle3":
+        raise ConfigError(f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
+    raw_layer = meta.get("transformer_layer_config") if speculators else meta
+    layer = parse_layer(raw_layer)
+    eagle_config = meta.get("eagle_config") or {}
+    provenance = meta.get("eagle31") or {}
+    verifier = (meta.get("speculators_config") or {}).get("verifier") or {}
+
+    ids = _aux_ids(meta, eagle_config, fmt) if aux_layer_ids is None else tuple(aux_layer_ids)
+    num_layers = target_num_layers or provenance.get("target_num_layers")
+    if not ids:
+        if not num_layers:
+            raise ConfigError(
+                "the checkpoint names no aux layer ids: pass aux_layer_ids (vLLM convention) or target_num_layers "
+                "for the default (2, L//2, L-3)"
+            )
+        ids = default_aux_layer_ids(num_layers)
+    return DrafterConfig(
+        hidden_size=layer.hidden_size,
+        num_attention_heads=layer.num_attention_heads,
+        num_key_value_heads=layer.num_key_value_heads,
+        head_dim=layer.head_dim,
+        intermediate_size=layer.intermediate_size,
+        rms_norm_eps=float(layer.rms_norm_eps),
+        hidden_act=layer.hidden_act,
+        rope_parameters=rope_parameters_from(raw_layer),  # transformers keeps a legacy `type` key
+        max_position_embeddings=layer.max_position_embeddings,
+        vocab_size=layer.vocab_size,
+        draft_vocab_size=meta.get("draft_vocab_size") or layer.vocab_size,  # vLLM's default
+        target_hidden_size=meta.get("target_hidden_size") or layer.hidden_size,
+        target_num_layers=num_layers or max(ids) + 1,
+        aux_layer_ids=ids,
+        target_name_or_path=provenance.get("target_name_or_path") or verifier.get("name_or_path"),
+        target_architectures=tuple(provenance.get("target_architectures") or verifier.get("architectures") or ()),
+        fc_norm=bool(meta.get("fc_norm", False)),
+        norm_before_fc=bool(eagle_config.get("norm_before_fc", meta.get("norm_before_fc", False))),
+        norm_output=_norm_output(meta, fmt) if norm_output is None else norm_output,
+        norm_before_residual=bool(meta.get("norm_before_residual", speculators)),  # vLLM's per-layout default
+    )
+
+
+def parse_layer(layer: Any) -> LlamaConfig:
+    """The decoder layer's fields as transformers (and so vLLM) reads them, defaults included."""
+    if not isinstance(layer, dict):
+        raise ConfigError("a speculators config needs a transformer_layer_config block")
+    if layer.get("model_type", "llama") != "llama":
+        raise ConfigError(f"only Llama-layer drafters are supported, got model_type={layer['model_type']!r}")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
+    fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
+    return LlamaConfig(**{**fields, "num_hidden_layers": 1})
+
+
+def _aux_ids(meta: dict[str, Any], eagle_config: dict[str, Any], fmt: str) -> tuple[int, ...]:
+    ids = meta.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids") or ()
+    shift = 1 if fmt in _OUTPUT_OF_LAYER_IDS else 0
+    return tuple(int(i) + shift for i in ids)
+
+
+def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
+    if fmt != "specforge":
+        return bool(meta.get("norm_output", False))
+    if meta.get("norm_output", True) is False:
+        raise ConfigError(
+            "SpecForge norm_output=false means lm_head without the final norm, which eagle31 cannot represent"
+        )
+    return False  # pre-fix SpecForge fed back the pre-norm state (module docstring)
+
+
+# ---------------------------------------------------------------------- weights
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, under eagle31's names."""
+    files = sorted(path.glob("*.safetensors"))
+    shards = [load_file(str(f)) for f in files]
+    if not files:
+        legacy = path / "pytorch_model.bin"
+        if not legacy.is_file():
+            raise ConfigError(f"no *.safetensors or pytorch_model.bin in {path}")
+        shards = [torch.load(legacy, map_location="cpu", weights_only=True)]
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        for key, tensor in shard.items():
+            if key in _IGNORED_KEYS or key.endswith("rotary_emb.inv_freq"):
+                continue
+            name = native_key(key)
+            if name in state:
+                raise ConfigError(f"{path}: tensor {key!r} appears twice")
+            state[name] = tensor
+    return state
+
+
+def _load_weights(drafter: Eagle31Drafter, state: dict[str, torch.Tensor], path: Path) -> None:
+    cfg = drafter.config
+    state = dict(state)
+    d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+    if d2t is None and t2d is None and cfg.draft_vocab_size != cfg.vocab_size:
+        raise ConfigError(
+            f"{path} has no d2t/t2d but draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size}: "
+            "the draft-to-target vocabulary map is lost"
+        )
+    if d2t is None and t2d is None:
+        d2t, t2d = torch.zeros(cfg.draft_vocab_size, dtype=torch.long), torch.ones(cfg.vocab_size, dtype=torch.bool)
+    elif d2t is None:
+        ids = t2d.bool().nonzero().squeeze(1)
+        d2t = ids - torch.arange(ids.numel())
+    elif t2d is None:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(d2t.numel()) + d2t.long()] = True
+    try:
+        drafter.set_vocab(d2t.long(), t2d.bool())
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ConfigError(f"{path}: weights do not match its config.json: {e}") from None
+    if "embed_tokens.weight" in missing:
+        with torch.no_grad():
+            drafter.embed_tokens.weight.zero_()  # the target's goes here (module docstring)
+    missing = [k for k in missing if k not in ("embed_tokens.weight", "d2t", "t2d")]
+    if missing or unexpected:
+        raise ConfigError(f"{path}: missing tensors {missing}, unexpected tensors {unexpected}")

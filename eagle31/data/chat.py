@@ -1,0 +1,160 @@
+"""Tokens and assistant loss masks from the target tokenizer's own chat template.
+
+    encoder = ChatEncoder(tokenizer, last_turn_only=False, system_prompt=None)
+    input_ids, loss_mask = encoder.encode(conversation)      # lists of equal length
+
+The conversation is rendered once with `apply_chat_template` and tokenised, as the
+target sees it. Assistant message `j` supervises the tokens after its prompt,
+`render(messages[:j], add_generation_prompt=True)`, up to the end of
+`render(messages[:j+1])`: its reasoning, content, tool calls and end-of-turn token.
+Headers, the generation prompt (a prefilled `<think>` included) and the other
+roles are not supervised, nor is whitespace the template writes after the
+end-of-turn token (ChatML's newline after `<|im_end|>`), which is never generated.
+
+Growing prefixes are trusted only when their tokens are a prefix of the full
+tokens. Rendering `messages[:j+1]` makes turn `j` the final one, and templates
+render a final assistant turn differently from the same turn in history:
+
+* Kimi, Qwen3 and DeepSeek-R1 drop the reasoning of history turns. Reasoning that
+  the full render does not show (removing it leaves the full render unchanged) is
+  removed from the messages before any prefix is rendered, so that each prefix has
+  the semantics it has in the full conversation.
+* Qwen3 gives a final turn an empty `<think>` block that the turn lacks in history.
+  A render of `messages[:j+1]` that is not a prefix must be the full tokens with at
+  most `_MAX_SCAFFOLD` tokens inserted where the two diverge; turn `j` ends where
+  the rest of that render ends in the full tokens.
+* A generation prompt may prefill a scaffold that the recorded turn does not start
+  with (`<think>\\n` before a turn rendered without one): the turn starts where
+  prompt and full tokens diverge, provided the history render `render(messages[:j])`
+  is itself a prefix.
+
+A conversation that still disagrees with its prefixes raises
+`ChatTemplateError("unstable_template")` and is dropped, never given a guessed mask;
+a template that fails on it raises `ChatTemplateError("template_error")`.
+
+`last_turn_only` supervises only the last assistant message. `system_prompt` is
+added as the first message of conversations that have no system message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle31.config import ConfigError
+from eagle31.data.sources import Conversation
+
+# Most tokens a template may add to an assistant turn when it is the final one.
+_MAX_SCAFFOLD = 64
+
+
+class ChatTemplateError(ValueError):
+    """No reliable mask for one conversation; `reason` names the failure for reports."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ChatEncoder:
+    """Conversations -> (input_ids, loss_mask) with a tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, *, last_turn_only: bool = False, system_prompt: str | None = None):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
+        self.tokenizer = tokenizer
+        self.last_turn_only = last_turn_only
+        self.system_prompt = system_prompt
+        self._special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+    def encode(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        messages = list(conversation.messages)
+        if self.system_prompt and (not messages or messages[0]["role"] != "system"):
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        tools = conversation.tools
+        full_text = self._render(messages, tools, generation_prompt=False)
+        messages = self._drop_unrendered_reasoning(messages, tools, full_text)
+        full = self._tokenize(full_text)
+        mask = [0] * len(full)
+        turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        for j in turns[-1:] if self.last_turn_only else turns:
+            start = self._turn_start(messages, j, tools, full)
+            end = len(full) if j == len(messages) - 1 else self._turn_end(messages, j, tools, full)
+            end = self._trim_glue(full, start, end)
+            mask[start:end] = [1] * (end - start)
+        return full, mask
+
+    # ---------------------------------------------------------- boundaries
+
+    def _turn_start(self, messages: list[dict], j: int, tools: Any, full: list[int]) -> int:
+        """First token after assistant message j's prompt (header, prefilled scaffold)."""
+        prompt = self._tokenize(self._render(messages[:j], tools, generation_prompt=True))
+        if full[: len(prompt)] == prompt:
+            return len(prompt)
+        # The generation prompt prefills a scaffold the recorded turn does not start with.
+        history = self._prefix_len(messages[:j], tools, full)
+        start = _common_prefix_len(prompt, full)
+        if start < history:
+            raise ChatTemplateError("unstable_template", f"generation prompt of message {j} rewrites the history")
+        return start
+
+    def _turn_end(self, messages: list[dict], j: int, tools: Any, full: list[int]) -> int:
+        """End of assistant message j (not the last message): where `render(messages[:j+1])` ends in `full`."""
+        ids = self._tokenize(self._render(messages[: j + 1], tools, generation_prompt=False))
+        if full[: len(ids)] == ids:
+            return len(ids)
+        # As the final turn, message j carries a scaffold its history form lacks (Qwen3's
+        # empty think block): the render is full[:c] + scaffold + tail, with tail = full[c:end].
+        c = _common_prefix_len(ids, full)
+        for x in range(1, min(_MAX_SCAFFOLD, len(ids) - c - 1) + 1):
+            tail = ids[c + x :]
+            if full[c : c + len(tail)] == tail:
+                return c + len(tail)
+        raise ChatTemplateError("unstable_template", f"message {j} renders differently as the final turn")
+
+    def _prefix_len(self, messages: list[dict], tools: Any, full: list[int]) -> int:
+        ids = self._tokenize(self._render(messages, tools, generation_prompt=False))
+        if full[: len(ids)] != ids:
+            detail = f"the render of the first {len(messages)} messages is not a prefix of the full render"
+            raise ChatTemplateError("unstable_template", detail)
+        return len(ids)
+
+    def _drop_unrendered_reasoning(self, messages: list[dict], tools: Any, full_text: str) -> list[dict]:
+        """The messages without the reasoning that the full render does not show (history turns).
+
+        A message's reasoning is unrendered when removing it leaves the full render unchanged.
+        """
+        messages = list(messages)
+        for i, m in enumerate(messages):
+            if not m.get("reasoning_content"):
+                continue
+            without = {k: v for k, v in m.items() if k != "reasoning_content"}
+            trial = [*messages[:i], without, *messages[i + 1 :]]
+            if self._render(trial, tools, generation_prompt=False) == full_text:
+                messages[i] = without
+        return messages
+
+    def _trim_glue(self, ids: list[int], start: int, end: int) -> int:
+        """`end` moved before whitespace that follows a special (end-of-turn) token."""
+        k = end
+        while k > start and self.tokenizer.decode(ids[k - 1 : k]).isspace():
+            k -= 1
+        return k if k < end and k > start and ids[k - 1] in self._special_ids else end
+
+    # ---------------------------------------------------------- template
+
+    def _render(self, messages: list[dict], tools: Any, *, generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # templates raise anything on data they reject (jinja2 errors, TypeError, ...)
+            detail = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise ChatTemplateError("template_error", detail) from None
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -1,0 +1,164 @@
+"""Micro-batches of target features for the trainer: plan, shuffle, rank split, resumable position.
+
+A `FeatureLoader` reads from a `FeatureSource` — the shard store
+(`eagle31.data.store.FeatureStore`) or the target run in-process
+(`eagle31.data.online.OnlineFeatures`). Both enumerate the samples of a split by
+their row id, and the plan depends only on the sample ids, their lengths and
+the seed, so the two yield identical batches.
+
+Plan of epoch `e` (a permutation drawn from `numpy.random.default_rng([seed, e])`):
+
+* `pack`: samples in permuted order, concatenated into rows of at most
+  `tokens_per_batch` tokens (next fit); a micro-batch is one row `[1, T]`.
+* `bucket`: samples sorted by length (ties in permuted order), cut into batches
+  whose padded size `B * max T` fits `tokens_per_batch`, batch order permuted.
+
+A sample longer than `tokens_per_batch` is an error at construction (raise the
+budget or lower `data.max_len`); nothing is truncated here.
+
+Rank split: global micro-batch `i` goes to rank `i % world_size`. When the count
+is not a multiple of `world_size`, the ranks left without one in the last round
+get an empty batch (`eagle31.data.batch.empty_batch`: one padding token, nothing
+supervised), so every sample is used exactly once and all ranks take the same
+number of steps.
+
+Iterating a loader yields the rest of the current epoch and then moves to the
+next one; `state_dict()` / `load_state_dict()` save and restore (epoch, position),
+the position counting the batches already yielded.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from eagle31.config import ConfigError
+from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
+
+BATCHING = ("pack", "bucket")
+
+
+class FeatureSource(Protocol):
+    sample_ids: np.ndarray  # [S] ascending row ids of the split
+    lengths: np.ndarray  # [S] tokens per sample
+    aux_size: int  # n*Ht
+    hidden_size: int  # Ht
+    dtype: torch.dtype  # of the features it returns
+
+    def samples(self, ids: Sequence[int]) -> list[Sample | None]:
+        """The samples with these ids, in order; None for one that cannot be read (skipped)."""
+        ...
+
+
+def plan_epoch(lengths: np.ndarray, *, batching: str, tokens_per_batch: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Global micro-batches of one epoch, as arrays of positions into `lengths`."""
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(lengths))
+    if batching == "bucket":
+        groups = bucket_by_length(lengths[perm].tolist(), tokens_per_batch)
+        return [perm[groups[i]] for i in rng.permutation(len(groups))]
+    batches, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths[perm]):
+        if i > start and tokens + n > tokens_per_batch:
+            batches.append(perm[start:i])
+            start, tokens = i, 0
+        tokens += int(n)
+    if start < len(perm):
+        batches.append(perm[start:])
+    return batches
+
+
+class FeatureLoader:
+    """This rank's micro-batches (`FeatureBatch`, on the source's device); see the module docstring."""
+
+    def __init__(
+        self,
+        source: FeatureSource,
+        *,
+        batching: str = "pack",
+        tokens_per_batch: int = 4096,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if batching not in BATCHING:
+            raise ConfigError(f"features.batching must be one of {BATCHING}, got {batching!r}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+        if len(source.lengths) == 0:
+            raise ConfigError("the feature source has no samples")
+        longest = int(np.argmax(source.lengths))
+        if source.lengths[longest] > tokens_per_batch:
+            raise ConfigError(
+                f"sample {int(source.sample_ids[longest])} has {int(source.lengths[longest])} tokens, more than "
+                f"features.tokens_per_batch={tokens_per_batch}; raise it or lower data.max_len"
+            )
+        self.source = source
+        self.batching, self.tokens_per_batch, self.seed = batching, tokens_per_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+        self._plan: tuple[int, list[np.ndarray | None]] | None = None
+
+    def _rank_plan(self) -> list[np.ndarray | None]:
+        """This rank's micro-batches of the current epoch (positions into the source; None = empty batch)."""
+        if self._plan is None or self._plan[0] != self.epoch:
+            batches = plan_epoch(
+                self.source.lengths,
+                batching=self.batching,
+                tokens_per_batch=self.tokens_per_batch,
+                seed=self.seed,
+                epoch=self.epoch,
+            )
+            rounds = -(-len(batches) // self.world_size)
+            mine = range(self.rank, rounds * self.world_size, self.world_size)
+            self._plan = (self.epoch, [batches[i] if i < len(batches) else None for i in mine])
+        return self._plan[1]
+
+    def __len__(self) -> int:
+        """Micro-batches per rank in the current epoch (equal on every rank)."""
+        return len(self._rank_plan())
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        plan = self._rank_plan()
+        while self.position < len(plan):
+            positions = plan[self.position]
+            self.position += 1
+            yield self._batch(positions)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
+        src = self.source
+        samples = [] if positions is None else src.samples(src.sample_ids[positions].tolist())
+        samples = [s for s in samples if s is not None]  # a skipped corrupt shard drops its samples
+        if not samples:
+            return empty_batch(src.aux_size, src.hidden_size, src.dtype)
+        return pack(samples) if self.batching == "pack" else pad(samples)
+
+    # ------------------------------------------------------------ resumable position
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "batching": self.batching,
+            "tokens_per_batch": self.tokens_per_batch,
+            "num_samples": len(self.source.sample_ids),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved position; a different world size resumes at the same global batch if it divides."""
+        for key in ("seed", "batching", "tokens_per_batch", "num_samples"):
+            mine = self.state_dict()[key]
+            if state[key] != mine:
+                raise ConfigError(f"the data position was saved with {key}={state[key]!r}, this run has {mine!r}")
+        done = state["position"] * state["world_size"]  # global batches consumed this epoch
+        if done % self.world_size:
+            raise ConfigError(
+                f"cannot resume {done} consumed batches (saved with world_size={state['world_size']}) "
+                f"on world_size={self.world_size}"
+            )
+        self.epoch, self.position = state["epoch"], done // self.world_size

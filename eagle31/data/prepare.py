@@ -1,0 +1,238 @@
+"""Conversations -> a prepared directory: tokens, loss masks and the draft vocabulary.
+
+    report = prepare_dataset(data_cfg, tokenizer, draft_vocab_size=32000, vocab_size=V)
+
+writes `data_cfg.prepared_dir`:
+
+    train/, eval/               datasets.Dataset (save_to_disk): input_ids list<int32>, loss_mask list<int8>
+    token_counts.safetensors    counts [V] int64: target tokens at supervised positions of train/
+    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (DESIGN §5, eagle31.vocab)
+    report.json                 records in, samples out, dropped inputs per reason with locations, token totals
+
+Each conversation becomes one sample (`eagle31.data.chat`). Longer than `max_len`
+tokens, it is cut to its first `max_len` tokens (`overflow: truncate`, counted) or
+dropped (`overflow: drop`, reason `too_long`). A sample whose mask is all zero
+never reaches the output (reasons `no_assistant_tokens`, and
+`no_assistant_tokens_after_truncation` when the cut removed them). The held-out
+split takes `ceil(eval_fraction * N)` samples, at most `eval_max_samples` and
+never all of them, chosen by a permutation seeded with `data_cfg.seed`; both
+splits keep input order. `Vd` is clamped to `V` when larger (a small demo
+tokenizer), and the report says so.
+
+Drop reasons in the report: missing_file, unreadable_file, malformed,
+empty_conversation, unknown_role (`eagle31.data.sources`); template_error,
+unstable_template (`eagle31.data.chat`); no_assistant_tokens, too_long,
+no_assistant_tokens_after_truncation (here).
+
+The directory is built under a temporary sibling name and renamed over
+`prepared_dir` at the end, so readers see the old directory or the new one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from eagle31.config import ConfigError
+from eagle31.data.chat import ChatEncoder, ChatTemplateError
+from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
+from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
+from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+OVERFLOW = ("truncate", "drop")
+
+
+@dataclass
+class PrepareReport:
+    prepared_dir: str
+    sources: list[str]
+    records: int  # records read, accepted or not
+    samples: dict[str, int]  # per split
+    tokens: dict[str, int]  # per split
+    supervised_tokens: dict[str, int]  # per split
+    dropped: dict[str, dict[str, Any]]  # reason -> {"count", "examples"}
+    truncated: dict[str, Any]  # {"count", "examples"}
+    vocab_size: int  # V
+    draft_vocab_size: int  # Vd written
+    draft_vocab_size_requested: int
+    draft_vocab_coverage: float  # share of supervised train tokens inside the draft vocabulary
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [
+            f"prepared {self.prepared_dir}: {self.samples['train']} train + {self.samples['eval']} eval samples "
+            f"from {self.records} records",
+            f"tokens: train {self.tokens['train']} ({self.supervised_tokens['train']} supervised), "
+            f"eval {self.tokens['eval']} ({self.supervised_tokens['eval']} supervised)",
+            f"draft vocabulary: {self.draft_vocab_size} of {self.vocab_size} target tokens, "
+            f"covering {self.draft_vocab_coverage:.2%} of supervised train tokens",
+        ]
+        if self.draft_vocab_size < self.draft_vocab_size_requested:
+            lines.append(f"  (draft_vocab_size {self.draft_vocab_size_requested} clamped to the vocabulary size)")
+        if self.truncated["count"]:
+            lines.append(f"truncated to max_len: {self.truncated['count']} [{', '.join(self.truncated['examples'])}]")
+        for reason, r in self.dropped.items():
+            lines.append(f"dropped {reason}: {r['count']} [{', '.join(r['examples'])}]")
+        return "\n".join(lines)
+
+
+def check_data_config(data_cfg: Any) -> list[str]:
+    """Validate the `data` section; return its source paths. Raises ConfigError."""
+    sources = source_paths(data_cfg.source)
+    if not sources:
+        raise ConfigError("data.source is empty: give a .jsonl/.json/.parquet file or a datasets directory")
+    if not data_cfg.prepared_dir:
+        raise ConfigError("data.prepared_dir is empty")
+    if data_cfg.overflow not in OVERFLOW:
+        raise ConfigError(f"data.overflow must be one of {OVERFLOW}, got {data_cfg.overflow!r}")
+    if not data_cfg.max_len > 0:
+        raise ConfigError(f"data.max_len must be positive, got {data_cfg.max_len!r}")
+    if not 0 <= data_cfg.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data_cfg.eval_fraction!r}")
+    if data_cfg.eval_max_samples < 0:
+        raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
+    return sources
+
+
+def prepare_dataset(
+    data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None
+) -> PrepareReport:
+    """Tokenise, mask, split and count `data_cfg.source` into `data_cfg.prepared_dir`.
+
+    `data_cfg` is a `DataConfig` (or its OmegaConf node); `vocab_size` is the target's
+    V (default `len(tokenizer)`; a model's vocabulary may exceed its tokenizer's).
+    Raises ConfigError for bad settings and DataError when no sample is left.
+    """
+    import datasets
+
+    sources = check_data_config(data_cfg)
+    encoder = ChatEncoder(
+        tokenizer, last_turn_only=data_cfg.last_turn_only, system_prompt=data_cfg.system_prompt or None
+    )
+    V = int(vocab_size or len(tokenizer))
+    Vd = min(int(draft_vocab_size), V)
+    dropped, truncated = Tally(), Tally()
+    samples = _samples(read_conversations(sources, dropped), encoder, data_cfg, V, dropped, truncated)
+    with atomic_dir(Path(data_cfg.prepared_dir)) as tmp:
+        if _write_arrow(samples, tmp / "all.arrow") == 0:
+            raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")
+        train, held_out = _split(datasets.Dataset.from_file(str(tmp / "all.arrow")), data_cfg)
+        _save_split(train, tmp / "train")
+        _save_split(held_out, tmp / "eval")
+
+        counts, train_tokens = _supervised_counts(train, V)
+        eval_counts, eval_tokens = _supervised_counts(held_out, V)
+        d2t, t2d = build_draft_vocab(counts, Vd)
+        atomic_save_safetensors({"counts": counts}, tmp / "token_counts.safetensors", save_file)
+        atomic_save_safetensors({"d2t": d2t, "t2d": t2d}, tmp / "vocab.safetensors", save_file)
+        report = PrepareReport(
+            prepared_dir=str(data_cfg.prepared_dir),
+            sources=sources,
+            # every record read became a sample or was dropped
+            records=len(train) + len(held_out) + dropped.total() - dropped.total(FILE_REASONS),
+            samples={"train": len(train), "eval": len(held_out)},
+            tokens={"train": train_tokens, "eval": eval_tokens},
+            supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
+            dropped=dropped.to_dict(),
+            truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
+            vocab_size=V,
+            draft_vocab_size=Vd,
+            draft_vocab_size_requested=int(draft_vocab_size),
+            draft_vocab_coverage=float(counts[t2d].sum() / max(int(counts.sum()), 1)),
+            settings={
+                "max_len": data_cfg.max_len,
+                "overflow": data_cfg.overflow,
+                "last_turn_only": data_cfg.last_turn_only,
+                "system_prompt": data_cfg.system_prompt,
+                "eval_fraction": data_cfg.eval_fraction,
+                "eval_max_samples": data_cfg.eval_max_samples,
+                "seed": data_cfg.seed,
+                "tokenizer": tokenizer.name_or_path,
+            },
+        )
+        atomic_write_json(tmp / "report.json", report.to_dict())
+        del train, held_out
+        (tmp / "all.arrow").unlink()  # both splits were copied out of it
+    return report
+
+
+# ---------------------------------------------------------------- steps
+
+
+def _samples(conversations, encoder, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
+    """Encoded conversations that fit `max_len` and supervise something; the others are counted."""
+    for conv in conversations:
+        try:
+            ids, mask = encoder.encode(conv)
+        except ChatTemplateError as e:
+            dropped.add(e.reason, conv.where, e.detail)
+            continue
+        if not any(mask):
+            dropped.add("no_assistant_tokens", conv.where)
+            continue
+        if len(ids) > data_cfg.max_len:
+            if data_cfg.overflow == "drop":
+                dropped.add("too_long", conv.where, f"{len(ids)} tokens")
+                continue
+            truncated.add("truncated", conv.where, f"{len(ids)} tokens")
+            ids, mask = ids[: data_cfg.max_len], mask[: data_cfg.max_len]
+            if not any(mask):
+                dropped.add("no_assistant_tokens_after_truncation", conv.where)
+                continue
+        if max(ids) >= V:
+            raise ConfigError(f"token id {max(ids)} from the tokenizer is outside the target vocab_size={V}")
+        yield {"input_ids": ids, "loss_mask": mask}
+
+
+def _write_arrow(samples: Iterable[dict[str, list[int]]], path: Path, batch: int = 1024) -> int:
+    """Stream samples into an Arrow IPC file (the format `Dataset.from_file` maps); return the count."""
+    import pyarrow as pa
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    n, rows = 0, []
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for sample in samples:
+            rows.append(sample)
+            if len(rows) == batch:
+                writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
+                n, rows = n + len(rows), []
+        if rows:
+            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
+    return n + len(rows)
+
+
+def _save_split(ds, path: Path) -> None:
+    # datasets writes no shard for an empty split, and then cannot load it: force one
+    ds.save_to_disk(str(path), num_shards=1 if len(ds) == 0 else None)
+
+
+def _split(ds, data_cfg: Any):
+    """(train, eval): a seeded held-out subset, both in input order."""
+    n = len(ds)
+    n_eval = min(math.ceil(n * data_cfg.eval_fraction), data_cfg.eval_max_samples, n - 1)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(data_cfg.seed)))
+    is_eval = torch.zeros(n, dtype=torch.bool)
+    is_eval[order[:n_eval]] = True
+    return ds.select((~is_eval).nonzero().squeeze(1).tolist()), ds.select(is_eval.nonzero().squeeze(1).tolist())
+
+
+def _supervised_counts(ds, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """([V] int64 counts of supervised tokens, total tokens) over a dataset."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    tokens = 0
+    for batch in ds.with_format("arrow").iter(batch_size=1024):
+        ids, mask = (
+            torch.from_numpy(batch.column(c).combine_chunks().flatten().to_numpy(zero_copy_only=False, writable=True))
+            for c in ("input_ids", "loss_mask")
+        )
+        counts += count_supervised_tokens(ids, mask, vocab_size)
+        tokens += ids.numel()
+    return counts, tokens

@@ -1,0 +1,307 @@
+"""Conversation sources: local files and `datasets` directories -> canonical conversations.
+
+A source is a path:
+
+* `*.jsonl`: one record per line (blank lines are skipped);
+* `*.json`: a JSON array of records, or one record; a `.json` file that is not one
+  JSON document is read as JSON Lines (a common misnaming);
+* `*.parquet`;
+* a `datasets` directory written by `save_to_disk` (a `DatasetDict` yields every
+  split), or any other directory: the supported files and saved datasets below it,
+  depth first in name order.
+
+A record holds its messages under `messages` or `conversations`, either in OpenAI
+form (`role`/`content`) or in ShareGPT form (`from`/`value`), and optionally a
+top-level `system` string and `tools` (a list of tool schemas, or its JSON text).
+
+The canonical conversation has messages with `role` in system/user/assistant/tool
+and a string `content`. Assistant messages keep `reasoning_content` (read from
+`reasoning_content` or `reasoning`) and `tool_calls`; tool messages keep
+`tool_call_id`; any message keeps `name`. Everything else is dropped, and the
+chat template does the rest.
+
+Bad input is not fatal: each rejected record or source is counted per reason in
+a `Tally` with its first locations, written `path:N` for line N (1-based) of a
+JSON Lines file and `path[i]` for record i (0-based) of a JSON array, Parquet file
+or dataset. `DataError` is raised only when the input cannot be used at all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from eagle31.config import ConfigError
+
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+SUFFIXES = (".jsonl", ".json", ".parquet")
+# Reasons that reject a whole source rather than one record.
+FILE_REASONS = ("missing_file", "unreadable_file")
+
+
+class DataError(ConfigError):
+    """The input data cannot be used at all; the message says why in one line."""
+
+
+class BadInput(Exception):
+    """One record or source is rejected for `reason` (a short identifier)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Tally:
+    """Counts per reason, keeping the first `keep` locations of each."""
+
+    keep: int = 5
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < self.keep:
+            examples.append(f"{where} ({detail})" if detail else where)
+
+    def total(self, reasons: Iterable[str] | None = None) -> int:
+        return sum(n for r, n in self.counts.items() if reasons is None or r in reasons)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {r: {"count": self.counts[r], "examples": self.examples[r]} for r in sorted(self.counts)}
+
+    def describe(self) -> str:
+        """One line: `reason N [first locations]; ...`."""
+        return "; ".join(f"{r} {n} [{', '.join(self.examples[r])}]" for r, n in sorted(self.counts.items()))
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    where: str = ""  # location of the record, for reports
+
+
+def source_paths(source: Any) -> list[str]:
+    """`data.source` as a list of paths: one path, or a list of them."""
+    if source is None:
+        return []
+    if isinstance(source, (str, Path)):
+        return [str(source)]
+    try:
+        paths = [str(p) for p in source]
+    except TypeError:
+        raise ConfigError(f"data.source must be a path or a list of paths, got {source!r}") from None
+    return [p for p in paths if p]
+
+
+def read_conversations(sources: Iterable[str | Path], tally: Tally) -> Iterator[Conversation]:
+    """Canonical conversations from every source, in order; rejects go to `tally`."""
+    for path in _expand(sources, tally):
+        try:
+            for where, record in _records(path):
+                try:
+                    yield to_conversation(record, where)
+                except BadInput as e:
+                    tally.add(e.reason, where, e.detail)
+        except BadInput as e:
+            tally.add(e.reason, str(path), e.detail)
+
+
+def check_sources(sources: Iterable[str | Path]) -> None:
+    """Raise `DataError` unless some source yields a conversation (reads up to the first)."""
+    sources = list(sources)
+    tally = Tally(keep=2)
+    if next(read_conversations(sources, tally), None) is None:
+        raise DataError(f"no readable conversation in {', '.join(map(str, sources))}: {tally.describe() or 'empty'}")
+
+
+# ---------------------------------------------------------------- records
+
+
+def to_conversation(record: Any, where: str = "") -> Conversation:
+    """A canonical conversation from one record (a dict, or the JSON text of one)."""
+    if isinstance(record, (str, bytes)):
+        try:
+            record = json.loads(record)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a bytes line
+            detail = f"invalid JSON: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise BadInput("malformed", detail) from None
+    if not isinstance(record, dict):
+        raise BadInput("malformed", f"record is a {type(record).__name__}, not an object")
+    turns = record.get("messages")
+    if turns is None:
+        turns = record.get("conversations")
+    if turns is None:
+        raise BadInput("malformed", "no 'messages' or 'conversations' field")
+    if not isinstance(turns, list):
+        raise BadInput("malformed", "messages are not a list")
+    if not turns:
+        raise BadInput("empty_conversation")
+    messages = [_message(t) for t in turns]
+    system = record.get("system")
+    if isinstance(system, str) and system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return Conversation(messages, _tools(record.get("tools")), where)
+
+
+def _message(turn: Any) -> dict[str, Any]:
+    if not isinstance(turn, dict):
+        raise BadInput("malformed", "a message is not an object")
+    # Columnar formats give every message every key, absent ones as None.
+    sharegpt = turn.get("role") is None and turn.get("from") is not None
+    raw_role = turn.get("from") if sharegpt else turn.get("role")
+    if raw_role is None:
+        raise BadInput("malformed", "a message has no role")
+    role = ROLES.get(str(raw_role).lower())
+    if role is None:
+        raise BadInput("unknown_role", f"role {raw_role!r}")
+    message: dict[str, Any] = {"role": role, "content": _text(turn.get("value") if sharegpt else turn.get("content"))}
+    if turn.get("name") is not None:
+        message["name"] = turn["name"]
+    if role == "assistant":
+        reasoning = turn.get("reasoning_content") or turn.get("reasoning")
+        if reasoning:
+            if not isinstance(reasoning, str):
+                raise BadInput("malformed", "reasoning is not a string")
+            message["reasoning_content"] = reasoning
+        if turn.get("tool_calls"):
+            message["tool_calls"] = turn["tool_calls"]
+    if role == "tool" and turn.get("tool_call_id") is not None:
+        message["tool_call_id"] = turn["tool_call_id"]
+    return message
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, None (empty), or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text") or "") for p in content)
+    raise BadInput("malformed", "content is neither text nor a list of text parts")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadInput("malformed", "tools is not valid JSON") from None
+    if not isinstance(tools, list):
+        raise BadInput("malformed", "tools is not a list")
+    return tools
+
+
+# ---------------------------------------------------------------- files
+
+
+def _expand(sources: Iterable[str | Path], tally: Tally) -> Iterator[Path]:
+    """Existing sources, directories other than datasets expanded to their files."""
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            tally.add("missing_file", str(path))
+        elif path.is_dir() and not _is_saved_dataset(path):
+            found = list(_dir_sources(path))
+            if not found:
+                tally.add("unreadable_file", str(path), "no dataset and no .jsonl/.json/.parquet file in it")
+            yield from found
+        else:
+            yield path
+
+
+def _dir_sources(path: Path) -> Iterator[Path]:
+    """Supported files and saved datasets below `path`, depth first in name order; hidden names skipped."""
+    for p in sorted(path.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir():
+            yield from [p] if _is_saved_dataset(p) else _dir_sources(p)
+        elif p.suffix.lower() in SUFFIXES:
+            yield p
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, record) pairs of one source; a source that cannot be read raises BadInput."""
+    import pyarrow as pa
+
+    try:
+        if path.is_dir():
+            yield from _dataset_records(path)
+        elif path.suffix.lower() == ".jsonl":
+            with path.open("rb") as lines:  # bytes: an undecodable line is one malformed record
+                yield from _line_records(path, lines)
+        elif path.suffix.lower() == ".json":
+            yield from _json_records(path)
+        elif path.suffix.lower() == ".parquet":
+            yield from _parquet_records(path)
+        else:
+            raise BadInput("unreadable_file", f"unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
+    except (OSError, UnicodeDecodeError, pa.ArrowException) as e:
+        raise BadInput("unreadable_file", f"{type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def _line_records(path: Path, lines: Iterable[str | bytes]) -> Iterator[tuple[str, str | bytes]]:
+    for n, line in enumerate(lines, start=1):
+        if line.strip():
+            yield f"{path}:{n}", line
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        yield from _line_records(path, text.splitlines())
+        return
+    if isinstance(doc, list):
+        for i, record in enumerate(doc):
+            yield f"{path}[{i}]", record
+    else:
+        yield str(path), doc
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    i = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield f"{path}[{i}]", record
+            i += 1
+
+
+def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise BadInput("unreadable_file", f"not a readable datasets directory: {e}".splitlines()[0]) from None
+    splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+    for split, ds in splits:
+        prefix = f"{path}/{split}" if split else str(path)
+        for i, record in enumerate(ds):
+            yield f"{prefix}[{i}]", record

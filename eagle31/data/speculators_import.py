@@ -1,0 +1,172 @@
+"""Import hidden states captured with vLLM by `speculators` into the shard store.
+
+speculators' data generation (`speculators generate-offline-data`, against a vLLM
+server started by its `scripts/launch_vllm.py` with the `extract_hidden_states`
+method and the `ExampleHiddenStatesConnector`) writes one file per row `i` of its
+prepared dataset, `hs_{i}.safetensors`, holding
+
+    hidden_states [T, n, Ht]   the target's dtype
+    token_ids     [T]          int64, the prompt (= row i's input_ids)
+
+The slots are vLLM's `eagle_aux_hidden_state_layer_ids`, which launch_vllm.py sets
+to the aux ids plus `L` (default `[2, L//2, L-3, L]`), in increasing id order:
+
+* slot j < n-1: the residual stream at the *input* of decoder layer `aux_ids[j]` —
+  vLLM's convention, which is ours (DESIGN §2): copied as is into `aux`.
+* slot n-1 (id `L`): the output of the last decoder layer, `hidden_states + residual`
+  *before* the final norm (vLLM's Llama / DeepSeek-V2/V3 models append it before
+  `self.norm`; speculators applies the target's norm to it when training). So
+  `final = RMSNorm(slot n-1)` with the target's `model.norm.weight`, read from its
+  safetensors checkpoint (no model load), and `rms_norm_eps` from its config.json,
+  in HF's arithmetic (float32, weight applied after casting back). The stored
+  slot is already rounded to the target dtype, so `final` can differ from vLLM's
+  own lm_head input by that rounding.
+
+Loss masks, in order: a `loss_mask` tensor in the file (vLLM's connector writes
+none); else row `i` of `dataset_dir` (speculators' prepare-data output, or one of
+our prepared splits: columns `input_ids`, `loss_mask`), whose `input_ids` must
+equal the file's `token_ids`; else, only with `all_tokens=True`, every token is
+supervised. Without any of these the import stops before writing anything.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eagle31.config import ConfigError, default_aux_layer_ids, load_target_config
+from eagle31.data.batch import Sample
+from eagle31.data.capture import CaptureStats, check_aux_layer_ids
+from eagle31.data.store import StoreHeader, StoreWriter, target_shape
+from eagle31.target_weights import read_target_tensor
+
+_HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
+
+
+def hidden_state_files(hs_dir: str | Path) -> dict[int, Path]:
+    """{row i: path} of the `hs_{i}.safetensors` files in `hs_dir`."""
+    hs_dir = Path(hs_dir)
+    if not hs_dir.is_dir():
+        raise ConfigError(f"hidden-states directory not found: {hs_dir}")
+    files = {int(m.group(1)): p for p in hs_dir.iterdir() if (m := _HS_FILE.fullmatch(p.name))}
+    if not files:
+        raise ConfigError(f"no hs_<i>.safetensors files in {hs_dir}")
+    return dict(sorted(files.items()))
+
+
+def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
+    """The target's final RMSNorm weight `[Ht]` (`model.norm.weight`, also under a multimodal prefix)."""
+    target_dir = Path(target_dir)
+    weight = read_target_tensor(target_dir, ("model.norm.weight",), required=False)
+    if weight is None:
+        raise ConfigError(f"target {target_dir}: no final norm weight (model.norm.weight) in its safetensors")
+    return weight
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm / DeepseekV3RMSNorm: normalise in float32, cast back, scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def import_speculators(
+    hs_dir: str | Path,
+    store_dir: str | Path,
+    *,
+    target_dir: str | Path,
+    target_name: str | None = None,
+    target_revision: str | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    dataset_dir: str | Path | None = None,
+    all_tokens: bool = False,
+    dtype: str = "bfloat16",
+    shard_max_tokens: int = 32768,
+) -> CaptureStats:
+    """Convert `hs_dir`'s files into the store at `store_dir` (resumable, like a capture)."""
+    files = hidden_state_files(hs_dir)
+    target = load_target_config(target_dir)
+    L, Ht = target_shape(target)
+    eps = float((target.get("text_config") or target).get("rms_norm_eps", 1e-6))
+    aux_ids = tuple(int(k) for k in aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
+    check_aux_layer_ids(aux_ids, L)
+    dataset = _load_rows(dataset_dir) if dataset_dir else None
+    lengths = np.array([_check(path, i, len(aux_ids) + 1, Ht, dataset, all_tokens) for i, path in files.items()])
+    header = StoreHeader(
+        target_name=target_name or str(target_dir),
+        target_revision=target_revision,
+        num_layers=L,
+        hidden_size=Ht,
+        aux_layer_ids=aux_ids,
+        dtype=dtype,
+    )
+    writer = StoreWriter(store_dir, header, np.array(list(files)), lengths, shard_max_tokens)
+    weight = final_norm_weight(target_dir)
+    stats, start = CaptureStats(), time.perf_counter()
+    for index, ids in writer.pending():
+        samples = [_read_sample(files[int(i)], int(i), dataset, weight, eps) for i in ids]
+        stats.add(writer.write_shard(index, ids, samples))
+    stats.shards_skipped = len(writer.plan) - stats.shards_written
+    stats.seconds = time.perf_counter() - start
+    writer.finalize()
+    return stats
+
+
+def _check(path: Path, row: int, slots: int, Ht: int, dataset, all_tokens: bool) -> int:
+    """The file's token count, after checking its layout and where its loss mask comes from."""
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        if not {"hidden_states", "token_ids"} <= keys:
+            raise ConfigError(f"{path}: expected tensors hidden_states and token_ids, found {sorted(keys)}")
+        shape, token_ids = f.get_slice("hidden_states").get_shape(), f.get_tensor("token_ids")
+    T = len(token_ids)
+    if list(shape) != [T, slots, Ht]:
+        raise ConfigError(
+            f"{path}: hidden_states has shape {list(shape)}, expected [{T}, {slots}, {Ht}] "
+            f"(the aux layers plus the last layer, hidden size {Ht}); check the aux layer ids"
+        )
+    if "loss_mask" in keys:
+        return T
+    if dataset is not None:
+        if row >= len(dataset):
+            raise ConfigError(f"{path}: row {row} is beyond the {len(dataset)} rows of the dataset")
+        if dataset[row]["input_ids"] != token_ids.tolist():
+            raise ConfigError(f"{path}: token_ids differ from row {row}'s input_ids in the dataset")
+    elif not all_tokens:
+        raise ConfigError(
+            f"{path} holds no loss_mask; give the dataset the files were generated from "
+            "(features.import_dataset_dir) or supervise every token (features.import_all_tokens=true)"
+        )
+    return T
+
+
+def _load_rows(dataset_dir: str | Path):
+    from datasets import Dataset, load_from_disk
+
+    ds = load_from_disk(str(dataset_dir))
+    if not isinstance(ds, Dataset) or not {"input_ids", "loss_mask"} <= set(ds.column_names):
+        raise ConfigError(f"{dataset_dir}: expected one dataset split with columns input_ids and loss_mask")
+    return ds
+
+
+def _read_sample(path: Path, row: int, dataset, weight: torch.Tensor, eps: float) -> Sample:
+    with safe_open(path, framework="pt") as f:
+        hs = f.get_tensor("hidden_states")  # [T, n, Ht]
+        token_ids = f.get_tensor("token_ids").long()  # [T]
+        loss_mask = f.get_tensor("loss_mask").long() if "loss_mask" in f.keys() else None
+    if loss_mask is None:  # checked by _check: the dataset's row, or every token
+        loss_mask = torch.ones_like(token_ids) if dataset is None else torch.tensor(dataset[row]["loss_mask"]).long()
+    if not torch.isfinite(hs).all():
+        raise ConfigError(f"{path}: hidden_states hold non-finite values")
+    return Sample(
+        input_ids=token_ids,
+        loss_mask=loss_mask,
+        aux=hs[:, :-1].flatten(1),  # [T, (n-1)*Ht], aux ids in increasing order
+        final=rms_norm(hs[:, -1], weight.to(hs.dtype), eps),  # [T, Ht]
+    )

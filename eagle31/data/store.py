@@ -1,0 +1,433 @@
+"""The shard store: target features on disk (DESIGN §6).
+
+Layout of a store directory (one per split, e.g. `features/train`):
+
+    manifest.json               what the store was made for + the shard list (merged view)
+    shard-000000.safetensors    packed samples of shard 0
+    shard-000000.json           shard 0's record: file, samples, tokens, bytes, sha256
+    ...
+
+A shard holds `S` samples, `N` tokens, packed: `input_ids [N]` int32, `loss_mask [N]`
+uint8, `aux [N, n*Ht]`, `final [N, Ht]`, `offsets [S+1]` int64 (sample `i` is rows
+`offsets[i]:offsets[i+1]`) and `sample_ids [S]` int64 (the sample's row in the
+source split, so that the store and online features enumerate samples alike).
+With `dtype="float8"`, `aux`/`final` are float8 e4m3 with float32 scales
+`aux_scale [N, n]` (one per token and aux layer) and `final_scale [N, 1]`:
+`x = q * scale`. Round-trip error: every element within `amax / 28` of its value
+(half a float8 step at the top of the range, `amax` of its row and chunk); measured
+on hidden states of a forward, the relative L2 error of a row chunk is 2.4% on
+average and 3.4% at most (`tests/data/test_store.py`).
+
+The shard plan is deterministic: samples sorted by (length, id) and cut into
+shards of at most `shard_max_tokens` tokens; shard `j` belongs to rank
+`j % world_size`. So a restarted capture, with any number of ranks, recomputes
+the same plan and skips the shards whose record exists.
+
+Concurrency: every file has exactly one writer and is written atomically
+(temporary name + rename, `eagle31.io`). A shard's record is written after its
+data, so a record means a finished shard. `manifest.json` is created with an
+empty shard list before capture and rewritten by `StoreWriter.finalize` (rank 0,
+after all ranks are done) from the records; readers take the union of the
+manifest's list and the records, so an unmerged store is readable too.
+
+Readers memory-map the shards (`safetensors.safe_open`) and check each shard's
+sha256 against its record the first time they read its features. A mismatch
+raises `CorruptShardError` naming the file, or with `skip_corrupt=True` drops the
+shard's samples and counts them (`corrupt_shards`, `skipped_samples`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle31.config import ConfigError
+from eagle31.data.batch import Sample
+from eagle31.io import atomic_save_safetensors, atomic_write_json, sha256_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8": torch.float8_e4m3fn,
+}
+_FP8_MAX = 448.0  # largest finite float8 e4m3fn
+_OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
+
+
+class StoreMismatchError(ConfigError):
+    """An existing store was made for another target, aux ids, dtype or source data."""
+
+
+class CorruptShardError(RuntimeError):
+    """A shard is missing, unreadable or does not match its recorded sha256."""
+
+
+@dataclass(frozen=True)
+class StoreHeader:
+    """What a store was made for; appending to a store requires an equal header."""
+
+    target_name: str
+    target_revision: str | None
+    num_layers: int  # L
+    hidden_size: int  # Ht
+    aux_layer_ids: tuple[int, ...]  # vLLM convention: input of decoder layer k
+    dtype: str  # a key of STORE_DTYPES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.dtype not in STORE_DTYPES:
+            raise ConfigError(f"features.store_dtype must be one of {sorted(STORE_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def aux_size(self) -> int:
+        return len(self.aux_layer_ids) * self.hidden_size
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+
+def plan_shards(sample_ids: np.ndarray, lengths: np.ndarray, shard_max_tokens: int) -> list[np.ndarray]:
+    """Sample ids per shard: sorted by (length, id), cut at `shard_max_tokens` (a longer sample gets its own shard)."""
+    order = np.lexsort((sample_ids, lengths))
+    shards, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths[order]):
+        if i > start and tokens + n > shard_max_tokens:
+            shards.append(sample_ids[order[start:i]])
+            start, tokens = i, 0
+        tokens += int(n)
+    if start < len(order):
+        shards.append(sample_ids[order[start:]])
+    return shards
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.safetensors"
+
+
+def prepared_lengths(dataset) -> np.ndarray:
+    """[S] token counts of a prepared split (a `datasets.Dataset` with `input_ids`)."""
+    column = dataset.with_format("arrow")[:]["input_ids"]
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def target_identity(target: Any) -> str:
+    """The name a store records for the recipe's target: `target.name`, else `builtin`, else `path`.
+
+    Set `target.name` to keep a store valid when the checkpoint moves to another path.
+    """
+    return str(target.name or target.builtin or target.path)
+
+
+def target_shape(target_config: dict) -> tuple[int, int]:
+    """(L, Ht) from a target's config.json dict (multimodal wrappers nest it under `text_config`)."""
+    text = target_config.get("text_config") or target_config
+    return int(text["num_hidden_layers"]), int(text["hidden_size"])
+
+
+def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer_ids: Sequence[int]) -> None:
+    """Refuse existing stores under `store_dir` (one per split) made for another target shape or aux ids."""
+    L, Ht = target_shape(target_config)
+    want = {"num_layers": L, "hidden_size": Ht, "aux_layer_ids": [int(i) for i in aux_layer_ids]}
+    for path in sorted(Path(store_dir).glob(f"*/{MANIFEST}")):
+        _check_fields(path, want)
+
+
+# ---------------------------------------------------------------- writing
+
+
+class StoreWriter:
+    """Writes one rank's shards of a store; see the module docstring for the protocol.
+
+    `sample_ids` / `lengths` describe the source split; with `shard_max_tokens`
+    they fix the plan, and are recorded so that a restart over other data is refused.
+    Raises `StoreMismatchError` (before any work) if `root` holds a store made differently.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        header: StoreHeader,
+        sample_ids: np.ndarray,
+        lengths: np.ndarray,
+        shard_max_tokens: int,
+    ):
+        if shard_max_tokens <= 0:
+            raise ConfigError(f"features.shard_max_tokens must be positive, got {shard_max_tokens}")
+        self.root = Path(root)
+        self.header = header
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.plan = plan_shards(sample_ids, lengths, shard_max_tokens)
+        digest = hashlib.sha256(np.stack([sample_ids, lengths]).tobytes()).hexdigest()
+        self.manifest_head = {
+            "format_version": FORMAT_VERSION,
+            **header.to_dict(),
+            "plan": {
+                "shard_max_tokens": shard_max_tokens,
+                "num_samples": len(sample_ids),
+                "num_tokens": int(lengths.sum()),
+                "samples_sha256": digest,  # of the sample ids and lengths
+            },
+        }
+        self._create_or_check()
+
+    @classmethod
+    def for_dataset(
+        cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any, features: Any
+    ) -> "StoreWriter":
+        """The writer for capturing a prepared split; `target` / `features` are the recipe's sections."""
+        L, Ht = target_shape(target_config)
+        header = StoreHeader(
+            target_identity(target), target.revision, L, Ht, tuple(aux_layer_ids), features.store_dtype
+        )
+        lengths = prepared_lengths(dataset)
+        return cls(root, header, np.arange(len(lengths)), lengths, features.shard_max_tokens)
+
+    def _create_or_check(self) -> None:
+        path = self.root / MANIFEST
+        if path.exists():
+            _check_fields(path, self.manifest_head)
+        else:
+            atomic_write_json(path, {**self.manifest_head, "shards": []})
+
+    def pending(self, rank: int = 0, world_size: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        """(shard index, sample ids) of this rank's shards that are not finished yet."""
+        for index in range(rank, len(self.plan), world_size):
+            if not self.is_finished(index):
+                yield index, self.plan[index]
+
+    def is_finished(self, index: int) -> bool:
+        record_path = self.root / _record_name(shard_name(index))
+        if not record_path.exists():
+            return False
+        data = self.root / shard_name(index)
+        return data.exists() and data.stat().st_size == _read_json(record_path)["bytes"]
+
+    def write_shard(self, index: int, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict:
+        """Write shard `index` atomically, then its record; returns the record."""
+        if list(sample_ids) != [int(i) for i in self.plan[index]]:
+            raise ValueError(f"shard {index}: samples {list(sample_ids)}, planned {self.plan[index].tolist()}")
+        tensors = self._pack(sample_ids, samples)
+        name = shard_name(index)
+        path = self.root / name
+        atomic_save_safetensors(tensors, path, save_file, metadata={"format_version": str(FORMAT_VERSION)})
+        record = {
+            "file": name,
+            "samples": len(samples),
+            "tokens": int(tensors["input_ids"].shape[0]),
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        }
+        atomic_write_json(self.root / _record_name(name), record)
+        return record
+
+    def _pack(self, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        h = self.header
+        aux = torch.cat([s.aux for s in samples]).cpu()  # [N, n*Ht]
+        final = torch.cat([s.final for s in samples]).cpu()  # [N, Ht]
+        if aux.shape[1] != h.aux_size or final.shape[1] != h.hidden_size:
+            raise ValueError(
+                f"features of shape aux {tuple(aux.shape)}, final {tuple(final.shape)} do not fit a store of "
+                f"{len(h.aux_layer_ids)} aux layers x hidden size {h.hidden_size}"
+            )
+        lengths = torch.tensor([s.input_ids.shape[0] for s in samples])
+        tensors = {
+            "input_ids": torch.cat([s.input_ids for s in samples]).cpu().to(torch.int32),
+            "loss_mask": torch.cat([s.loss_mask for s in samples]).cpu().to(torch.uint8),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "sample_ids": torch.tensor([int(i) for i in sample_ids], dtype=torch.long),
+        }
+        if h.dtype == "float8":
+            tensors["aux"], tensors["aux_scale"] = quantize_rows(aux, len(h.aux_layer_ids))
+            tensors["final"], tensors["final_scale"] = quantize_rows(final, 1)
+        else:
+            tensors["aux"] = aux.to(STORE_DTYPES[h.dtype])
+            tensors["final"] = final.to(STORE_DTYPES[h.dtype])
+        return tensors
+
+    def finalize(self) -> dict:
+        """Merge the shard records into `manifest.json` (call once, after every rank has finished)."""
+        manifest = {**self.manifest_head, "shards": _records(self.root)}
+        manifest["num_samples"] = sum(r["samples"] for r in manifest["shards"])
+        manifest["num_tokens"] = sum(r["tokens"] for r in manifest["shards"])
+        atomic_write_json(self.root / MANIFEST, manifest)
+        return manifest
+
+
+def quantize_rows(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, c*H] -> float8 e4m3 [N, c*H] and float32 scales [N, c], one per row and chunk."""
+    v = x.float().view(x.shape[0], chunks, -1)
+    scale = v.abs().amax(dim=-1).clamp(min=1e-30) / _FP8_MAX  # [N, c]
+    q = (v / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.view(x.shape), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_rows`: q [N, c*H], scale [N, c] -> [N, c*H] in `dtype`."""
+    v = q.float().view(q.shape[0], scale.shape[1], -1) * scale.unsqueeze(-1)
+    return v.view(q.shape).to(dtype)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class FeatureStore:
+    """Random access to the samples of a store, memory-mapped.
+
+    `sample_ids` [S] (ascending) and `lengths` [S] index the available samples;
+    `samples(ids)` returns them (`None` for a sample of a corrupt shard skipped
+    with `skip_corrupt`). Features come back in `dtype` (default: the stored
+    dtype, bfloat16 for a float8 store).
+    """
+
+    def __init__(self, root: str | Path, *, dtype: torch.dtype | None = None, skip_corrupt: bool = False):
+        self.root = Path(root)
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise ConfigError(f"no feature store at {self.root} ({MANIFEST} missing); run data_prep/capture.py first")
+        manifest = _read_json(path)
+        if manifest.get("format_version") != FORMAT_VERSION:
+            version = manifest.get("format_version")
+            raise ConfigError(f"{path}: format_version {version!r}, this reader knows {FORMAT_VERSION}")
+        fields_ = {f.name for f in dataclasses.fields(StoreHeader)}
+        self.header = StoreHeader(**{k: v for k, v in manifest.items() if k in fields_})
+        self.dtype = dtype or (torch.bfloat16 if self.header.dtype == "float8" else STORE_DTYPES[self.header.dtype])
+        self.aux_size, self.hidden_size = self.header.aux_size, self.header.hidden_size
+        self.skip_corrupt = skip_corrupt
+        self.corrupt_shards: list[str] = []
+        self.skipped_samples = 0
+        self._records = _merge_records(manifest["shards"], _records(self.root), path)
+        self._verified: set[str] = set()
+        self._open: OrderedDict[str, object] = OrderedDict()
+        self._index()
+
+    def _index(self) -> None:
+        """Read every shard's `sample_ids` and `offsets` (small) to map sample id -> (shard, rows)."""
+        ids, starts, ends, shards = [], [], [], []
+        for s, record in enumerate(self._records):
+            try:
+                with safe_open(self.root / record["file"], framework="pt") as f:
+                    sample_ids, offsets = f.get_tensor("sample_ids"), f.get_tensor("offsets")
+                if len(sample_ids) != record["samples"] or int(offsets[-1]) != record["tokens"]:
+                    raise ValueError("sample_ids/offsets disagree with the record")
+            except Exception as e:  # a missing, truncated or garbled file
+                self._corrupt(record, f"cannot be read ({e})")
+                continue
+            ids.append(sample_ids.numpy())
+            starts.append(offsets[:-1].numpy())
+            ends.append(offsets[1:].numpy())
+            shards.append(np.full(len(sample_ids), s))
+        ids, starts, ends, shards = (np.concatenate(x or [np.zeros(0, np.int64)]) for x in (ids, starts, ends, shards))
+        order = np.argsort(ids, kind="stable")
+        self.sample_ids = ids[order]
+        if len(np.unique(self.sample_ids)) != len(self.sample_ids):
+            raise CorruptShardError(f"{self.root}: a sample id appears in two shards")
+        self._start, self._end, self._shard = starts[order], ends[order], shards[order]
+        self.lengths = self._end - self._start
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def samples(self, ids: Sequence[int]) -> list[Sample | None]:
+        return [self.sample(i) for i in ids]
+
+    def sample(self, sample_id: int) -> Sample | None:
+        pos = int(np.searchsorted(self.sample_ids, sample_id))
+        if pos >= len(self.sample_ids) or self.sample_ids[pos] != sample_id:
+            raise KeyError(f"sample {sample_id} is not in the store {self.root}")
+        record = self._records[self._shard[pos]]
+        f = self._handle(record)
+        if f is None:
+            return None
+        a, b = int(self._start[pos]), int(self._end[pos])
+        aux, final = f.get_slice("aux")[a:b], f.get_slice("final")[a:b]
+        if self.header.dtype == "float8":
+            aux = dequantize_rows(aux, f.get_slice("aux_scale")[a:b], self.dtype)
+            final = dequantize_rows(final, f.get_slice("final_scale")[a:b], self.dtype)
+        return Sample(
+            input_ids=f.get_slice("input_ids")[a:b].long(),
+            loss_mask=f.get_slice("loss_mask")[a:b].long(),
+            aux=aux.to(self.dtype),
+            final=final.to(self.dtype),
+        )
+
+    def _handle(self, record: dict):
+        """The open shard, its checksum verified on first use; None if corrupt and skipped."""
+        name = record["file"]
+        if name in self.corrupt_shards:
+            return None
+        if name not in self._verified:
+            path = self.root / name
+            actual = sha256_file(path) if path.exists() else "missing"
+            if actual != record["sha256"]:
+                return self._corrupt(record, f"sha256 {actual} != recorded {record['sha256']}")
+            self._verified.add(name)
+        if name not in self._open:
+            if len(self._open) >= _OPEN_SHARDS:
+                self._open.popitem(last=False)
+            self._open[name] = safe_open(self.root / name, framework="pt")
+        self._open.move_to_end(name)
+        return self._open[name]
+
+    def _corrupt(self, record: dict, reason: str) -> None:
+        if not self.skip_corrupt:
+            raise CorruptShardError(
+                f"corrupt shard {self.root / record['file']}: {reason}; "
+                "recapture it (delete the shard and its .json, rerun capture) or set features.skip_corrupt=true"
+            )
+        self.corrupt_shards.append(record["file"])
+        self.skipped_samples += record["samples"]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _check_fields(manifest_path: Path, want: dict) -> None:
+    """Raise `StoreMismatchError` naming the first field of the manifest that differs from `want`."""
+    manifest = _read_json(manifest_path)
+    for key, value in want.items():
+        if manifest.get(key) != value:
+            raise StoreMismatchError(
+                f"{manifest_path}: the store was made with {key}={manifest.get(key)!r}, this run has {key}={value!r}; "
+                "use another features.store_dir or delete this one"
+            )
+
+
+def _record_name(shard_file: str) -> str:
+    return shard_file.removesuffix(".safetensors") + ".json"
+
+
+def _records(root: Path) -> list[dict]:
+    return [_read_json(p) for p in sorted(root.glob("shard-*.json"))]
+
+
+def _merge_records(listed: list[dict], found: list[dict], manifest_path: Path) -> list[dict]:
+    """Union of the manifest's shard list and the records on disk, by file name."""
+    merged = {r["file"]: r for r in listed}
+    for r in found:
+        if merged.setdefault(r["file"], r) != r:
+            raise CorruptShardError(f"{manifest_path} and {r['file']}'s record disagree: {merged[r['file']]} vs {r}")
+    return [merged[name] for name in sorted(merged)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptShardError(f"{path} is not valid JSON: {e}") from None

@@ -1,0 +1,90 @@
+"""Parameter counts and a per-GPU memory estimate for a training run (used by `dry_run=true`).
+
+The estimate counts, per GPU with FSDP over `world_size` ranks:
+  * trainable parameters: fp32 master (4 B) + fp32 gradient (4 B) + AdamW moments (8 B), sharded;
+  * the frozen target embedding (stored in the compute dtype), sharded;
+  * all-gathered bf16 copies of the parameters during forward/backward (unsharded);
+  * the target's lm_head rows used for labels (full vocabulary, compute dtype, not sharded);
+  * activations of the TTT unroll: the tensors one drafter step saves for backward, per token
+    (with activation checkpointing only each step's inputs and its keys/values are kept, plus one
+    step recomputed at a time);
+  * the chunked lm_head + KL working set (fixed size).
+It is an estimate for planning (±25%), not a guarantee; `scripts/benchmark_train_step.py`
+measures the real peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle31.config import DrafterConfig
+from eagle31.loss import _LOGITS_BUDGET
+
+GiB = 1024**3
+
+
+@dataclass
+class ParamCounts:
+    trainable: int
+    frozen_embedding: int
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen_embedding
+
+
+def count_parameters(cfg: DrafterConfig) -> ParamCounts:
+    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
+    mlp = 3 * H * I
+    norms = 4 * H + (cfg.num_aux * Ht if cfg.fc_norm else 0) + (cfg.fc_in_features if cfg.norm_before_fc else 0)
+    trainable = cfg.fc_in_features * H + attn + mlp + norms + cfg.draft_vocab_size * H
+    return ParamCounts(trainable=trainable, frozen_embedding=cfg.vocab_size * H)
+
+
+def activation_bytes_per_token_step(cfg: DrafterConfig, compute_bytes: int) -> int:
+    """Bytes one TTT step saves for backward per token (no activation checkpointing)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim
+    elems = 12 * H + 4 * I + 2 * q + kv  # norms, 2H input, projections, SwiGLU, residuals
+    fp32 = 4 * (q + cfg.num_attention_heads)  # attention output and log-sum-exp kept in fp32
+    return elems * compute_bytes + fp32
+
+
+def estimate_memory(
+    cfg: DrafterConfig,
+    seq_len: int,
+    ttt_length: int,
+    *,
+    world_size: int = 1,
+    activation_checkpointing: bool = False,
+    compute_bytes: int = 2,
+) -> dict[str, float]:
+    """GiB per GPU, by component, for one packed sequence of `seq_len` tokens."""
+    p = count_parameters(cfg)
+    states = p.trainable * 16 / world_size
+    embed = p.frozen_embedding * compute_bytes / world_size
+    gathered = p.total * compute_bytes
+    target_head = cfg.vocab_size * cfg.target_hidden_size * compute_bytes
+    step = activation_bytes_per_token_step(cfg, compute_bytes) * seq_len
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * compute_bytes * seq_len
+    if activation_checkpointing:  # inputs + chain keys of every step, one step live at a time
+        activations = ttt_length * (2 * cfg.hidden_size * compute_bytes * seq_len + kv) + step
+    else:
+        activations = ttt_length * step
+    features = (cfg.fc_in_features + cfg.target_hidden_size) * compute_bytes * seq_len
+    loss_work = 4 * _LOGITS_BUDGET * 4 + ttt_length * cfg.hidden_size * compute_bytes * seq_len
+    parts = {
+        "param_grad_optimizer_states": states,
+        "frozen_embedding": embed,
+        "gathered_parameters": gathered,
+        "target_lm_head": target_head,
+        "activations": activations,
+        "target_features": features,
+        "loss_working_set": loss_work,
+    }
+    parts = {k: v / GiB for k, v in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts

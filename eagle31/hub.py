@@ -1,0 +1,263 @@
+"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload.
+
+`write_model_card` renders README.md (YAML metadata: `base_model` = the target,
+`library_name`, `license`, `tags`) from the export's config.json, the run's config and
+its `report.json` (`tau_sim`, per-step `acc`, `tokens_seen`, `steps`, and an optional
+`acceptance` block from real speculative decoding). `push_folder` uploads the folder
+with `huggingface_hub.create_repo` + `upload_folder`. The upload is a single commit, so
+a failure leaves nothing half-published. Any failure becomes a one-line `HubError`.
+
+The token comes from the caller, `HF_TOKEN` or the `hf auth login` cache
+(`huggingface_hub.get_token`). It is never printed, logged or written, and it is
+scrubbed from error messages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
+
+from eagle31.config import ConfigError
+from eagle31.io import atomic_write_text
+
+CARD_NAME = "README.md"
+REPORT_NAME = "report.json"
+LIBRARY_NAME = {"eagle3": "vllm", "speculators": "speculators"}
+MIN_VLLM = {"eagle3": "0.22", "speculators": "0.25"}  # DESIGN §6: first versions reading the 3.1 flags
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class HubError(RuntimeError):
+    """A Hub operation failed; the message is one line and holds no secret."""
+
+
+# ------------------------------------------------------------------ model card
+
+
+def read_export(out_dir: str | Path) -> dict[str, Any]:
+    """The config.json of an eagle31 export folder; refuses anything else."""
+    out = Path(out_dir)
+    path = out / "config.json"
+    if not path.is_file() or not (out / "model.safetensors").is_file():
+        raise ConfigError(f"{out} is not an export folder (needs config.json and model.safetensors)")
+    config = json.loads(path.read_text())
+    if "eagle31" not in config:
+        raise ConfigError(f"{path} was not written by eagle31's export (scripts/export.py)")
+    return config
+
+
+def read_report(run_dir: str | Path | None) -> dict[str, Any] | None:
+    """A run's report.json, or None when the run has none."""
+    if run_dir is None or not (Path(run_dir) / REPORT_NAME).is_file():
+        return None
+    path = Path(run_dir) / REPORT_NAME
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def check_repo_id(repo_id: str) -> None:
+    if not _REPO_ID.match(repo_id or ""):
+        raise ConfigError(f"repo_id must look like <user or org>/<name>, got {repo_id!r}")
+
+
+def export_layout(config: dict[str, Any]) -> str:
+    return "speculators" if "speculators_model_type" in config else "eagle3"
+
+
+def render_model_card(
+    config: dict[str, Any],
+    repo_id: str,
+    run_config: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+) -> str:
+    """README.md text for an export with `config` (its config.json), published as `repo_id`."""
+    run = run_config or {}
+    layout = export_layout(config)
+    layer = config.get("transformer_layer_config", config)
+    target = (run.get("target") or {}).get("name") or config["eagle31"].get("target_name_or_path") or "<target>"
+    hub = run.get("hub") or {}
+    k = _num_speculative_tokens(config, run)
+    metadata = ModelCardData(
+        base_model=target if _REPO_ID.match(target) else None,
+        library_name=LIBRARY_NAME[layout],
+        license=hub.get("license", "apache-2.0"),
+        tags=list(hub.get("tags") or ["eagle3", "eagle3.1", "speculative-decoding", "vllm"]),
+    )
+    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
+    flags = ", ".join(f"`{f}={str(config[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
+    lines = [
+        "---",
+        metadata.to_yaml(),
+        "---",
+        "",
+        f"# {'EAGLE 3.1' if config['fc_norm'] and config['norm_output'] else 'EAGLE 3'} drafter for {target}",
+        "",
+        f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
+        f"trained with eagle31 and stored in vLLM's {_LAYOUT_TEXT[layout]}.",
+        "",
+        f"* one decoder layer: hidden size {layer['hidden_size']}, {layer['num_attention_heads']} heads "
+        f"({layer['num_key_value_heads']} KV), MLP {layer['intermediate_size']}",
+        f"* draft vocabulary {config['draft_vocab_size']} of the target's {layer['vocab_size']} tokens "
+        "(`d2t`/`t2d` included)",
+        f"* target features: hidden states at the input of decoder layers {config['eagle_aux_hidden_state_layer_ids']} "
+        "(vLLM's convention)",
+        "",
+        "## Serving with vLLM",
+        "",
+        f"Needs vLLM >= {MIN_VLLM[layout]}.",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{spec}'",
+        "```",
+        "",
+        "## Training",
+        "",
+        *_training_lines(run, report),
+        "",
+        "## Acceptance",
+        "",
+        *_acceptance_lines(report),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(
+    out_dir: str | Path,
+    repo_id: str,
+    run_config: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+) -> Path:
+    """Write README.md into the export folder `out_dir`; returns its path."""
+    path = Path(out_dir) / CARD_NAME
+    atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report))
+    return path
+
+
+_LAYOUT_TEXT = {
+    "eagle3": "EAGLE-3 layout (`LlamaForCausalLMEagle3`)",
+    "speculators": "`speculators` layout (`speculators_model_type: eagle3`)",
+}
+
+
+def _num_speculative_tokens(config: dict[str, Any], run: dict[str, Any]) -> int:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    if methods:
+        return methods[0]["speculative_tokens"]
+    return (run.get("eval") or {}).get("num_speculative_tokens", 3)
+
+
+def _training_lines(run: dict[str, Any], report: dict[str, Any] | None) -> list[str]:
+    data, train = run.get("data") or {}, run.get("train") or {}
+    report = report or {}
+    sources = ", ".join(f"`{s}`" for s in data.get("source") or []) or "not recorded"
+    lines = [f"* data: {sources}"]
+    if data.get("max_len"):
+        lines.append(f"* context: up to {data['max_len']} tokens per sequence")
+    if train.get("ttt_length"):
+        lines.append(f"* training-time test: {train['ttt_length']} steps")
+    steps = report.get("steps", train.get("max_steps"))
+    if steps is not None:
+        lines.append(f"* optimizer steps: {steps}")
+    if report.get("tokens_seen") is not None:
+        lines.append(f"* tokens seen: {report['tokens_seen']:,}")
+    return lines
+
+
+def _acceptance_lines(report: dict[str, Any] | None) -> list[str]:
+    report = report or {}
+    lines = []
+    if report.get("tau_sim") is not None:
+        lines.append(f"Simulated acceptance length on held-out data (teacher-forced, bonus token counted): "
+                     f"**{report['tau_sim']:.3f}**")
+    acc = report.get("acc") or []
+    if acc:
+        lines += ["", "| TTT step | " + " | ".join(str(k) for k in range(len(acc))) + " |",
+                  "|---|" + "---|" * len(acc),
+                  "| top-1 accuracy | " + " | ".join(_cell(a) for a in acc) + " |"]
+    measured = report.get("acceptance")
+    if isinstance(measured, dict) and measured:
+        lines += ["", *_measured_lines(measured)]
+    return lines or ["Not measured yet."]
+
+
+def _measured_lines(measured: dict[str, Any]) -> list[str]:
+    """Real speculative decoding: one summary, or `{"settings", "results": [per drafter and split]}`."""
+    settings = measured.get("settings") or {}
+    results = measured["results"] if isinstance(measured.get("results"), list) else [measured]
+    shown = [key for key in ("mode", "k", "max_new_tokens") if settings.get(key) is not None]
+    mode = ", ".join(f"{key} {settings[key]}" for key in shown)
+    lines = [f"Measured with real speculative decoding{f' ({mode})' if mode else ''}:", "",
+             "| split | prompts | acceptance length | acceptance rate per position |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.get('split', '-')} | {r.get('prompts', '-')} | {_cell(r.get('tau'))} | "
+                     f"{_cell(r.get('acceptance_rate'))} |")
+    return lines
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    return str(value)
+
+
+# ---------------------------------------------------------------------- upload
+
+
+def upload_list(out_dir: str | Path) -> list[str]:
+    """Files of the export folder that an upload sends (hidden and temporary files excluded)."""
+    out = Path(out_dir)
+    return sorted(
+        str(p.relative_to(out)) for p in out.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out).parts)
+    )
+
+
+def push_folder(
+    out_dir: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    dry_run: bool = False,
+    token: str | None = None,
+) -> list[str]:
+    """Upload the export folder to the model repo `repo_id` (created if needed); returns the files sent.
+
+    dry_run: touch nothing remote, only return what would be sent.
+    """
+    check_repo_id(repo_id)
+    read_export(out_dir)
+    files = upload_list(out_dir)
+    if dry_run:
+        return files
+    token = token or get_token()
+    if not token:
+        raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    try:
+        create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
+        upload_folder(
+            repo_id=repo_id,
+            folder_path=str(out_dir),
+            token=token,
+            repo_type="model",
+            allow_patterns=files,
+            commit_message="Upload EAGLE 3.1 drafter (eagle31)",
+        )
+    except Exception as e:  # httpx, OSError and ValueError families from huggingface_hub: all a failed upload
+        raise HubError(f"upload to {repo_id} failed (no files were committed): {_one_line(e, token)}") from None
+    return files
+
+
+def _one_line(error: Exception, secret: str) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}".replace(secret, "***")

@@ -1,0 +1,61 @@
+"""Build-once cache for the locally built targets.
+
+    path = ensure_built("demo", "v1-py3.11", build)   # build(tmp_dir) writes the files
+
+A target lives in `<cache>/targets/<name>-<key>/`, where `<cache>` is
+`$EAGLE31_CACHE` (default `~/.cache/eagle31`) and `key` names everything that
+changes the built files (recipe version, seed, Python version), so a changed recipe
+builds a new directory instead of reusing a stale one. The build runs in a
+temporary directory beside the destination, under a file lock, and is renamed into
+place when complete: concurrent callers (pytest workers, torchrun ranks) build it
+once and the others wait, and a killed build leaves no half-written target.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+from eagle31.io import fsync_dir
+
+
+def cache_dir() -> Path:
+    """`$EAGLE31_CACHE`, default `~/.cache/eagle31`."""
+    return Path(os.environ.get("EAGLE31_CACHE") or Path.home() / ".cache" / "eagle31")
+
+
+def ensure_built(name: str, key: str, build: Callable[[Path], None]) -> Path:
+    """The directory of target `name`-`key`, calling `build(tmp_dir)` first if it does not exist."""
+    root = cache_dir() / "targets"
+    dest = root / f"{name}-{key}"
+    if dest.is_dir():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{name}-{key}.lock")):
+        if not dest.is_dir():  # else built by another process while we waited
+            build_atomically(dest, build)
+    return dest
+
+
+def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp_dir)` in a fresh directory beside `dest`, then rename it to `dest`.
+
+    `dest` must not exist (a directory is not replaced over an existing one).
+    """
+    dest = Path(dest)
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists; remove it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

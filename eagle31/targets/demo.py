@@ -1,0 +1,343 @@
+"""The demo target: a small Llama trained from scratch on the demo corpus.
+
+    path = ensure_demo_target()            # built once into the cache (~1-2 min on 2 cores)
+    build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
+    demo_corpus_dir()                      # <target>/corpus/{train,heldout,other_system,long_prompt}.jsonl
+
+A build (1) writes the conversation splits of `eagle31.targets.demo_corpus`, (2)
+trains a byte-level BPE on the training split, (3) trains `LlamaForCausalLM` on
+the training conversations (every token, length-bucketed padded batches), (4)
+measures it on the held-out split and (5) saves a normal HF model folder:
+`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json`, `chat_template.jinja`, `corpus/*.jsonl` and
+`build_info.json` (versions, recipe and the held-out metrics).
+
+Chat format (`DEMO_CHAT_TEMPLATE`): `<|bos|>`, then each message as
+`<|{role}|>\\n{content}<|end|>` (a default system prompt if none is given), and
+`add_generation_prompt` appends `<|assistant|>\\n`. `<|end|>` is the eos token, so
+an assistant turn is exactly `{content}<|end|>`, and rendering a conversation's
+prefix with the generation prompt gives a prefix of the full rendering (loss
+masks can be derived by rendering growing prefixes).
+
+Determinism: a fixed seed, a fixed thread count and deterministic algorithms give
+byte-identical files on the same machine and software versions. The corpus
+depends on the Python version (the standard library differs), so the cache key
+and `build_info.json` record it; other CPUs may round differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import platform
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from eagle31.io import atomic_write_json
+from eagle31.targets import demo_corpus
+from eagle31.targets.cache import ensure_built
+
+log = logging.getLogger(__name__)
+
+# Bump when the recipe or the code changes the built files (it is part of the cache key).
+DEMO_BUILD_VERSION = "1"
+
+DEMO_SPECIAL_TOKENS = ("<|bos|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
+
+DEMO_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if not messages or messages[0].role != 'system' -%}"
+    "{{- '<|system|>\\n" + demo_corpus.SYSTEM_PROMPT + "<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('the demo chat template has no role ' + message.role) -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    """Everything that defines a demo build (with the seed and DEMO_BUILD_VERSION)."""
+
+    corpus: demo_corpus.CorpusSpec = field(default_factory=demo_corpus.CorpusSpec)
+    vocab_size: int = 2048
+    # 8 layers so the default aux ids (2, L//2, L-3) = (2, 4, 5) are distinct
+    num_hidden_layers: int = 8
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 4096  # the long-prompt split needs more than max_len
+    max_len: int = 384  # training conversations are truncated to this many tokens
+    batch_tokens: int = 4096  # padded tokens per optimizer step
+    steps: int = 300
+    lr: float = 5e-3
+    warmup_steps: int = 20
+    threads: int = 2
+    eval_greedy_prompts: int = 32
+    eval_greedy_tokens: int = 48
+
+
+def demo_key(seed: int = 0, recipe: DemoRecipe | None = None) -> str:
+    """Cache key: build version, seed, Python version (the corpus), recipe if not the default."""
+    py = "py" + ".".join(platform.python_version_tuple()[:2])
+    key = f"v{DEMO_BUILD_VERSION}-seed{seed}-{py}"
+    if recipe is not None and recipe != DemoRecipe():
+        key += "-" + hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:8]
+    return key
+
+
+def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
+    """The cached demo target, built under a lock on first use."""
+    return ensure_built("demo", demo_key(seed, recipe), lambda d: build_demo_target(d, seed=seed, recipe=recipe))
+
+
+def demo_corpus_dir(seed: int = 0) -> Path:
+    """The JSONL splits of the (cached, built on first use) demo target."""
+    return ensure_demo_target(seed) / "corpus"
+
+
+# ------------------------------------------------------------------ the build
+
+
+def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
+    """Build the demo target into `out_dir` (created); returns it."""
+    recipe = recipe or DemoRecipe()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with deterministic_torch(recipe.threads):
+        splits = demo_corpus.make_splits(demo_corpus.stdlib_functions(), recipe.corpus, seed)
+        demo_corpus.write_splits(splits, out / "corpus")
+        tokenizer = train_tokenizer(splits["train"], recipe)
+        torch.manual_seed(seed)
+        model = new_model(tokenizer, recipe)
+        train(model, tokenizer, splits["train"], recipe, seed)
+        metrics = evaluate(model, tokenizer, splits["heldout"], recipe)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    atomic_write_json(
+        out / "build_info.json",
+        {
+            "name": "eagle31-demo",
+            "build_version": DEMO_BUILD_VERSION,
+            "seed": seed,
+            "python_version": platform.python_version(),
+            "torch_version": torch.__version__,
+            "recipe": dataclasses.asdict(recipe),
+            "splits": {name: len(rows) for name, rows in splits.items()},
+            "heldout_metrics": metrics,
+        },
+    )
+    return out
+
+
+@contextmanager
+def deterministic_torch(threads: int) -> Iterator[None]:
+    """Fixed thread count, deterministic algorithms and a private RNG; restored on exit."""
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every new tensor costs ~15%
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+
+
+def train_tokenizer(conversations: list[dict], recipe: DemoRecipe):
+    """Byte-level BPE over the message texts, with the demo's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe.vocab_size,
+        special_tokens=list(DEMO_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((m["content"] for c in conversations for m in c["messages"]), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        chat_template=DEMO_CHAT_TEMPLATE,
+        model_max_length=recipe.max_position_embeddings,
+    )
+
+
+def new_model(tokenizer, recipe: DemoRecipe):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads,
+        head_dim=recipe.hidden_size // recipe.num_attention_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.do_sample = False
+    return model
+
+
+# ------------------------------------------------------------------ data
+
+
+def encode(tokenizer, conversations: list[dict], max_len: int) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each rendered conversation (truncated) and the length of its prompt."""
+    full = tokenizer.apply_chat_template([c["messages"] for c in conversations], tokenize=False)
+    prompts = tokenizer.apply_chat_template(
+        [c["messages"][:-1] for c in conversations], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    return [x[:max_len] for x in ids], [len(p) for p in prompt_ids]
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length so that each padded batch holds at most `batch_tokens`."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
+def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `input_ids [B, T]` and `attention_mask [B, T]`."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(s)
+        mask[row, : len(s)] = 1
+    return ids, mask
+
+
+# ------------------------------------------------------------------ training
+
+
+def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> None:
+    """AdamW with warmup and cosine decay on every token of the training conversations."""
+    ids, _ = encode(tokenizer, conversations, recipe.max_len)
+    batches = length_batches([len(x) for x in ids], recipe.batch_tokens)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < recipe.warmup_steps:
+            return (step + 1) / recipe.warmup_steps
+        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    order: list[int] = []
+    for step in range(recipe.steps):
+        if not order:  # a new epoch: batches in a fresh seeded order
+            order = list(range(len(batches)))
+            rng.shuffle(order)
+        input_ids, attention_mask = pad([ids[i] for i in batches[order.pop()]], tokenizer.pad_token_id)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 20 == 0 or step == recipe.steps - 1:
+            log.info("demo target step %d/%d loss %.3f", step + 1, recipe.steps, loss.item())
+    model.eval()
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) -> dict[str, float]:
+    """Held-out quality of the assistant answers (the tokens a drafter learns).
+
+    `loss`: mean NLL (nats) of the answer tokens given the conversation so far;
+    `top1`: teacher-forced argmax accuracy on them; `greedy_prefix_match`: mean
+    number of leading answer tokens that greedy decoding reproduces exactly, and
+    `greedy_token_match`: the fraction of the first `eval_greedy_tokens` answer
+    tokens that greedy decoding reproduces at the same position.
+    """
+    model.eval()
+    ids, prompt_lens = encode(tokenizer, conversations, recipe.max_position_embeddings)
+    nll, correct, count = 0.0, 0, 0
+    for batch in length_batches([len(x) for x in ids], recipe.batch_tokens):
+        input_ids, attention_mask = pad([ids[i] for i in batch], tokenizer.pad_token_id)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [B, T, V]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        targets = input_ids[:, 1:]
+        answer = torch.zeros_like(targets, dtype=torch.bool)  # predicts an answer token
+        for row, i in enumerate(batch):
+            answer[row, prompt_lens[i] - 1 : len(ids[i]) - 1] = True
+        nll -= logp.gather(-1, targets[..., None])[..., 0][answer].sum().item()
+        correct += (logp.argmax(-1) == targets)[answer].sum().item()
+        count += int(answer.sum())
+    prefix_match, token_match = [], []
+    for i in range(min(recipe.eval_greedy_prompts, len(ids))):
+        ref = ids[i][prompt_lens[i] :][: recipe.eval_greedy_tokens]
+        out = greedy(model, ids[i][: prompt_lens[i]], len(ref))
+        same = [a == b for a, b in zip(out, ref)]
+        prefix_match.append(same.index(False) if False in same else len(same))
+        token_match.append(sum(same) / len(ref))
+    return {
+        "loss": round(nll / count, 4),
+        "top1": round(correct / count, 4),
+        "greedy_prefix_match": round(sum(prefix_match) / len(prefix_match), 2),
+        "greedy_token_match": round(sum(token_match) / len(token_match), 4),
+        "answer_tokens": count,
+    }
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of one prompt (stops after the eos token)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -1,0 +1,205 @@
+"""The demo corpus: the Python standard library's functions as chat conversations.
+
+Every machine with Python has the standard library's source, and the PSF license
+lets it be redistributed, so the demo target needs no download. Each public,
+documented function or method becomes one conversation: the user asks for it (by
+name, signature, module and the first line of its docstring, in one of a few
+phrasings) and the assistant answers with its code:
+
+    {"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                  {"role": "user", "content": "Write a Python function `dumps(obj, ...)` that ..."},
+                  {"role": "assistant", "content": "Here is `dumps`:\\n\\n```python\\ndef dumps(...):\\n..."}]}
+
+Splits (`write_splits`), JSONL in OpenAI messages form:
+
+    train.jsonl         the training conversations
+    heldout.jsonl       functions never seen in training, same system prompt
+    other_system.jsonl  the held-out functions under OTHER_SYSTEM_PROMPT (unseen in training)
+    long_prompt.jsonl   held-out requests preceded by several other held-out functions
+                        as context: prompts several times the training length
+
+Deterministic for a given Python version (the standard library differs between
+versions, so the corpus does too): files and functions are visited in sorted
+order and every random choice comes from `random.Random(seed)`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle31.io import atomic_write_text
+
+SPLITS = ("train", "heldout", "other_system", "long_prompt")
+SYSTEM_PROMPT = "You are a helpful assistant that writes Python code."
+OTHER_SYSTEM_PROMPT = "You are a senior engineer. Reply with one Python function in a code block."
+
+# Parts of the standard library that are tests, demos, GUIs or vendored code.
+_SKIP_DIRS = {
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "site-packages",
+    "dist-packages",
+    "lib-dynload",
+    "__phello__",
+    "venv",
+}
+_MAX_CODE_CHARS = 800  # keeps a conversation under ~384 tokens of the demo tokenizer
+_MIN_CODE_CHARS = 80
+
+_REQUESTS = (
+    "Write a Python function `{name}{signature}` that {summary_lc}",
+    "Implement `{name}{signature}` from the `{module}` module. {summary}",
+    "In `{module}`, how is `{name}` written? It should: {summary}",
+    "Show me the code of `{module}.{name}`: {summary}",
+)
+
+
+@dataclass(frozen=True)
+class Function:
+    """One documented function or method of the standard library."""
+
+    module: str  # dotted, e.g. "json.decoder"
+    name: str  # "dumps" or "JSONDecoder.decode"
+    signature: str  # "(obj, *, skipkeys=False)"
+    summary: str  # the docstring's first line
+    code: str  # the source of the definition (methods dedented)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_functions(root: Path | None = None) -> list[Function]:
+    """Public, documented, ASCII functions and methods of modest size, in sorted order."""
+    root = root or stdlib_root()
+    found: dict[tuple[str, str], Function] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in _SKIP_DIRS or part.startswith("test") for part in rel.parts):
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        lines = source.splitlines()
+        for prefix, node in _definitions(tree):
+            fn = _function(module, prefix, node, lines)
+            if fn is not None:
+                found.setdefault((fn.module, fn.name), fn)
+    return list(found.values())
+
+
+def _definitions(tree: ast.Module):
+    """(name prefix, def node) for top-level functions and the methods of top-level classes."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield "", node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for sub in node.body:
+                if isinstance(sub, ast.FunctionDef):
+                    yield node.name + ".", sub
+
+
+def _function(module: str, prefix: str, node: ast.FunctionDef, lines: list[str]) -> Function | None:
+    if node.name.startswith("_") or node.end_lineno - node.lineno > 40:
+        return None
+    doc = ast.get_docstring(node)
+    if not doc:
+        return None
+    summary = doc.strip().splitlines()[0].strip()
+    # the definition's lines (decorators excluded), dedented to column 0
+    body = lines[node.lineno - 1 : node.end_lineno]
+    indent = " " * node.col_offset
+    if not all(line.startswith(indent) or not line.strip() for line in body):
+        return None
+    code = "\n".join(line[node.col_offset :].rstrip() for line in body)
+    if not (_MIN_CODE_CHARS <= len(code) <= _MAX_CODE_CHARS) or "\t" in code or not code.isascii():
+        return None
+    if not summary or len(summary) > 120 or not summary.isascii():
+        return None
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    signature = f"({ast.unparse(node.args)}){returns}"
+    return Function(module, prefix + node.name, signature, summary, code)
+
+
+# ------------------------------------------------------------------ conversations
+
+
+def request(fn: Function, rng: random.Random) -> str:
+    summary_lc = fn.summary[:1].lower() + fn.summary[1:]
+    return rng.choice(_REQUESTS).format(
+        name=fn.name, signature=fn.signature, module=fn.module, summary=fn.summary, summary_lc=summary_lc
+    )
+
+
+def answer(fn: Function) -> str:
+    return f"Here is `{fn.name}`:\n\n```python\n{fn.code}\n```"
+
+
+def conversation(fn: Function, rng: random.Random, system: str = SYSTEM_PROMPT, context: str = "") -> dict:
+    return {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": context + request(fn, rng)},
+            {"role": "assistant", "content": answer(fn)},
+        ]
+    }
+
+
+def long_context(others: list[Function]) -> str:
+    """Several functions shown before the request (the long-prompt split)."""
+    blocks = "\n\n".join(f"# from {fn.module}\n{fn.code}" for fn in others)
+    return f"Here is some code for context:\n\n```python\n{blocks}\n```\n\n"
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    heldout: int = 200
+    max_train: int = 2400
+    long_prompts: int = 48
+    long_context_functions: int = 10  # ~10 x 350 chars of code before the request
+
+
+def make_splits(functions: list[Function], spec: CorpusSpec, seed: int) -> dict[str, list[dict]]:
+    """Deterministic train / heldout / other_system / long_prompt conversations."""
+    rng = random.Random(seed)
+    order = list(functions)
+    rng.shuffle(order)
+    held, train = order[: spec.heldout], order[spec.heldout : spec.heldout + spec.max_train]
+    if len(train) < 100:
+        raise RuntimeError(f"only {len(functions)} usable functions found in {stdlib_root()}; need a full stdlib")
+    long_prompt = []
+    for i, fn in enumerate(held[: spec.long_prompts]):
+        others = [held[(i + 1 + j) % len(held)] for j in range(spec.long_context_functions)]
+        long_prompt.append(conversation(fn, rng, context=long_context(others)))
+    return {
+        "train": [conversation(fn, rng) for fn in train],
+        "heldout": [conversation(fn, rng) for fn in held],
+        "other_system": [conversation(fn, rng, system=OTHER_SYSTEM_PROMPT) for fn in held],
+        "long_prompt": long_prompt,
+    }
+
+
+def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str, Path]:
+    """Write each split as `<name>.jsonl` (atomically); returns the paths."""
+    paths = {}
+    for name, rows in splits.items():
+        paths[name] = Path(out_dir) / f"{name}.jsonl"
+        atomic_write_text(paths[name], "".join(json.dumps(row) + "\n" for row in rows))
+    return paths
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

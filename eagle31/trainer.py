@@ -1,0 +1,275 @@
+"""The training loop (torchtitan-style): batch → TTT unroll + loss → backward → clip → step → log.
+
+One `train_step` takes `grad_accum` micro-batches. Before any forward it
+computes, without gradients, which queries each micro-batch supervises (the
+target's argmax decides `mask_out_of_vocab`) and all-reduces the per-step
+counts, so every micro-batch divides by the *global* count (DESIGN §4): the
+loss and its gradients do not depend on world size or accumulation.
+
+On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master
+weights and gradient reduction); on CPU one process runs it plain, several
+processes shard it over gloo.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from eagle31.attention import segment_ids
+from eagle31.checkpoint import CheckpointManager
+from eagle31.data.batch import FeatureBatch
+from eagle31.distributed import World, all_reduce_sum
+from eagle31.loss import StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
+from eagle31.metrics_log import RunLogger
+from eagle31.model import Eagle31Drafter
+from eagle31.recipe import TrainConfig
+from eagle31.ttt import ttt_unroll
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row; the last good checkpoint is kept."""
+
+
+class DrafterObjective(nn.Module):
+    """The drafter and its TTT loss: the module FSDP wraps and a training step calls."""
+
+    def __init__(self, drafter: Eagle31Drafter, train: TrainConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_length = train.ttt_length
+        self.attention = train.attention
+        self.activation_checkpointing = train.activation_checkpointing
+
+    def forward(self, aux, input_ids, document_ids, final, supervised, target_argmax, target: TargetHead) -> StepStats:
+        out = ttt_unroll(
+            self.drafter,
+            aux,
+            input_ids,
+            ttt_length=self.ttt_length,
+            document_ids=document_ids,
+            attention=self.attention,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+        d = self.drafter
+        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    nonfinite_streak: int = 0
+    train_seconds: float = 0.0
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float = 0.1):
+    """Linear warm-up, then cosine decay to `min_ratio` of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def shard_for_training(objective: DrafterObjective, world: World, compute_dtype: torch.dtype) -> nn.Module:
+    """FSDP2 on GPU or across processes; plain module for one CPU process."""
+    if world.device.type == "cpu" and not world.distributed:
+        return objective.to(world.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    objective.to(world.device)
+    fully_shard(objective, mesh=mesh, mp_policy=policy)
+    return objective
+
+
+class Trainer:
+    def __init__(
+        self,
+        train: TrainConfig,
+        world: World,
+        run_dir: Path,
+        drafter: Eagle31Drafter,
+        target: TargetHead,
+        train_loader,
+        eval_loader,
+        compute_dtype: torch.dtype,
+    ):
+        self.cfg = train
+        self.world = world
+        self.run_dir = Path(run_dir)
+        self.target = target
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
+        self.compute_dtype = compute_dtype
+        self.model = shard_for_training(DrafterObjective(drafter, train), world, compute_dtype)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=train.lr,
+            betas=tuple(train.betas),
+            weight_decay=train.weight_decay,
+            fused=world.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train.warmup_steps, train.max_steps))
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", world, keep_last=train.keep_last)
+        self.state = TrainState()
+
+    # ------------------------------------------------------------------ data
+
+    def _stream(self) -> Iterator[FeatureBatch]:
+        while True:  # epochs follow each other; the loader keeps its position for checkpoints
+            yield from self.train_loader
+
+    def _prepare(self, batch: FeatureBatch):
+        """Move a micro-batch and find its supervised queries [K, B, T] (no gradients)."""
+        b = batch.to(self.world.device, dtype=self.compute_dtype)
+        segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
+        argmax = self.target.argmax(b.final, label_positions(b.loss_mask))
+        in_vocab = self.target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if self.cfg.mask_out_of_vocab else None
+        supervised = supervision_mask(b.loss_mask, segments, self.cfg.ttt_length, in_vocab)
+        return b, supervised, argmax
+
+    def _forward(self, b: FeatureBatch, supervised, argmax) -> StepStats:
+        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, self.target)
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
+        prepared = [self._prepare(b) for b in micro_batches]
+        global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _ in prepared).double())
+        K = self.cfg.ttt_length
+        loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
+        counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
+        for i, (b, sup, argmax) in enumerate(prepared):
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last
+                self.model.set_requires_gradient_sync(i == len(prepared) - 1)
+            stats = self._forward(b, sup, argmax)
+            loss = weighted_loss(stats.loss_sum, global_count, self.cfg.ttt_decay)
+            (loss * self.world.world_size).backward()  # FSDP averages gradients over ranks; we want their sum
+            loss_sum += stats.loss_sum.detach().double()
+            counters += stats.counters()
+        all_reduce_sum(loss_sum)
+        all_reduce_sum(counters)
+        total = float(weighted_loss(loss_sum, global_count, self.cfg.ttt_decay))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm
+        )
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        finite = math.isfinite(total) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64))
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "tokens": int(tokens),
+            **ttt_metrics(counters),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics over one pass of the eval loader (same loss and metrics as training)."""
+        if self.eval_loader is None:
+            return {}
+        K = self.cfg.ttt_length
+        loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
+        counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
+        self.model.eval()
+        for batch in self.eval_loader:
+            stats = self._forward(*self._prepare(batch))
+            loss_sum += stats.loss_sum.double()
+            counters += stats.counters()
+        self.model.train()
+        all_reduce_sum(loss_sum)
+        all_reduce_sum(counters)
+        loss = float(weighted_loss(loss_sum, counters[0], self.cfg.ttt_decay))
+        return {"loss": loss, **ttt_metrics(counters)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "trainer": asdict(self.state),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.train_loader.state_dict(),
+        }
+        return self.checkpoints.save(self.state.step, self.model, self.optimizer, state)
+
+    def restore(self, path: Path) -> None:
+        saved = self.checkpoints.load(path, self.model, self.optimizer)
+        self.state = TrainState(**saved["trainer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.train_loader.load_state_dict(saved["data"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, logger: RunLogger) -> dict[str, float]:
+        """Train to `max_steps`; return the final held-out metrics."""
+        cfg, state = self.cfg, self.state
+        stream = self._stream()
+        window_tokens, window_start = 0, time.perf_counter()
+        while state.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            micro = [next(stream) for _ in range(cfg.grad_accum)]
+            result = self.train_step(micro)
+            state.train_seconds += time.perf_counter() - t0
+            if not result["finite"]:
+                state.nonfinite_streak += 1
+                warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped")
+                if state.nonfinite_streak >= cfg.max_nonfinite_steps:
+                    raise TrainingDiverged(
+                        f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
+                        f"the last good checkpoint is kept in {self.checkpoints.root}"
+                    )
+            else:
+                state.nonfinite_streak = 0
+            state.step += 1
+            state.tokens_seen += result["tokens"]
+            window_tokens += result["tokens"]
+            if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+                elapsed = time.perf_counter() - window_start
+                metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens")}
+                metrics.update(
+                    lr=self.scheduler.get_last_lr()[0],
+                    tokens_per_s=window_tokens / max(elapsed, 1e-9),
+                    tokens_seen=state.tokens_seen,
+                )
+                logger.log(state.step, {f"train/{k}": v for k, v in metrics.items()})
+                window_tokens, window_start = 0, time.perf_counter()
+            logger.advance(
+                state.step,
+                {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
+            )
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
+                logger.log(state.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.max_steps:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        final = self.evaluate()
+        logger.log(state.step, {f"eval/{k}": v for k, v in final.items()})
+        return final
+
+    def full_drafter_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's full state dict on CPU (gathered from every rank under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        prefix = "drafter."
+        return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}

@@ -1,0 +1,49 @@
+"""Time one full training step of the drafter (forward, backward, AdamW), optionally against `speculators`.
+
+    python scripts/benchmark_train_step.py shape=kimi_k26 T=4096 ttt=7 peer=speculators
+    python scripts/benchmark_train_step.py shape=kimi_k26 T=65536 ttt=7 ckpt=true
+    python scripts/benchmark_train_step.py shape=tiny T=2048 ttt=3 peer=speculators        # CPU-sized
+
+Keys: shape (kimi_k26 | llama31_8b | tiny), T, ttt, peer (none | speculators), ckpt (activation
+checkpointing per TTT step), attention, precision, device, compile, peer_attention, warmup,
+repeats, memory, peak_tflops, seed; out= the JSON file (default benchmarks/results/<name>.json),
+doc= the markdown file whose table gets the row (default docs/performance.md, doc=none to skip).
+What is measured and how: eagle31/bench.py.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from eagle31.bench import BenchConfig, run_benchmark, table_row, update_table, write_result
+from eagle31.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str]) -> int:
+    paths = {"out": None, "doc": str(ROOT / "docs" / "performance.md")}
+    rest = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in paths:
+            paths[key] = value
+        else:
+            rest.append(arg)
+    try:
+        bench = BenchConfig.from_args(rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = run_benchmark(bench, log=lambda line: print(line, file=sys.stderr))
+    out = write_result(result, paths["out"] or ROOT / "benchmarks" / "results" / f"{result['name']}.json")
+    if paths["doc"] != "none":
+        update_table(paths["doc"], result)
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
+    print(table_row(result))
+    print(f"wrote {out}" + ("" if paths["doc"] == "none" else f" and a row of {paths['doc']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

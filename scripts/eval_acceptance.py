@@ -1,0 +1,40 @@
+"""Acceptance length of drafters by real (greedy) speculative decoding with the HF target.
+
+    python scripts/eval_acceptance.py drafter=runs/demo/drafter target=<target dir> \
+        data=<corpus dir or a.jsonl,b.jsonl> k=3 max_new_tokens=128 out=runs/demo/acceptance
+
+    # several drafters (one line each in the plot) and named splits
+    python scripts/eval_acceptance.py drafter=eagle3=runs/e3/drafter,eagle31=runs/e31/drafter \
+        target=<target dir> data=heldout=heldout.jsonl,long=long_prompt.jsonl k=7
+
+    # EAGLE-2 draft trees instead of a chain
+    python scripts/eval_acceptance.py ... tree_top_k=8 tree_depth=6 tree_total_tokens=60
+
+Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | speculators |
+specforge | torchspec), device, dtype. Writes acceptance.json, acceptance.md and
+acceptance.png under `out` and prints the table; see eagle31/acceptance.py for the metrics.
+"""
+
+import sys
+
+from eagle31.acceptance import AcceptanceConfig, run_acceptance
+from eagle31.acceptance_report import format_table, write_report
+from eagle31.cli import parse_key_values
+from eagle31.config import ConfigError
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = parse_key_values(argv, AcceptanceConfig)
+        report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_report(report, config.out)
+    print(format_table(report))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""data_prep/capture.py and data_prep/import_speculators.py as users run them (plain python and torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from eagle31.data.store import FeatureStore
+from tests.data.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A saved tiny Llama target and a prepared directory with train and eval splits."""
+    root = tmp_path_factory.mktemp("cli")
+    model = tiny_llama(seed=2)
+    model.save_pretrained(root / "target")
+    prepared_split(10, seed=1).save_to_disk(str(root / "data" / "train"))
+    prepared_split(3, seed=2).save_to_disk(str(root / "data" / "eval"))
+    return root, model
+
+
+def overrides(root: Path, store: str, aux=(1, 3, 4)) -> list[str]:
+    return [
+        "recipe=demo",
+        "target.builtin=null",
+        f"target.path={root / 'target'}",
+        "target.dtype=float32",
+        f"data.prepared_dir={root / 'data'}",
+        f"features.store_dir={root / store}",
+        "features.store_dtype=float32",
+        "features.shard_max_tokens=40",
+        "features.capture_batch_tokens=64",
+        f"drafter.aux_layer_ids=[{','.join(map(str, aux))}]",
+        f"output_dir={root / 'run'}",
+        "train.device=cpu",
+    ]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_capture_cli_writes_the_stores_and_refuses_another_target(setup):
+    root, model = setup
+    done = run([sys.executable, "data_prep/capture.py", *overrides(root, "features")])
+    assert done.returncode == 0, done.stderr
+    assert "tokens/s" in done.stdout and "bytes/token" in done.stdout
+    train, held_out = FeatureStore(root / "features" / "train"), FeatureStore(root / "features" / "eval")
+    assert len(train) == 10 and len(held_out) == 3
+    assert train.header.aux_layer_ids == (1, 3, 4) and train.header.target_name == str(root / "target")
+
+    other = run([sys.executable, "data_prep/capture.py", *overrides(root, "features", aux=(1, 2, 4))])
+    assert other.returncode == 2
+    assert other.stderr.strip().count("\n") == 0 and "made with aux_layer_ids=[1, 3, 4]" in other.stderr
+
+
+@pytest.mark.slow
+def test_capture_under_torchrun_matches_one_process(setup):
+    root, _ = setup
+    single = run([sys.executable, "data_prep/capture.py", *overrides(root, "single")])
+    assert single.returncode == 0, single.stderr
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "data_prep/capture.py", *overrides(root, "two")])  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert "[rank 0]" in two.stdout and "[rank 1]" in two.stdout
+    for split in ("train", "eval"):  # the same shards, bit for bit: a shard's batches do not depend on the rank
+        a = json.loads((root / "single" / split / "manifest.json").read_text())
+        b = json.loads((root / "two" / split / "manifest.json").read_text())
+        assert a == b
+
+
+def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path):
+    root, model = setup
+    prepared = load_from_disk(str(root / "data" / "train"))
+    write_vllm_captures(model, prepared, tmp_path / "hs")
+    args = [*overrides(root, "imported"), f"features.import_hidden_states_dir={tmp_path / 'hs'}"]
+    done = run([sys.executable, "data_prep/import_speculators.py", *args])
+    assert done.returncode == 0, done.stderr
+    store = FeatureStore(root / "imported" / "train")
+    assert store.header.aux_layer_ids == (1, 3, 4)
+    assert [s.loss_mask.tolist() for s in store.samples(range(10))] == prepared["loss_mask"]
+
+    args[-1] = "features.import_hidden_states_dir=/nonexistent"
+    missing = run([sys.executable, "data_prep/import_speculators.py", *args])
+    assert missing.returncode == 2 and "hidden-states directory not found: /nonexistent" in missing.stderr

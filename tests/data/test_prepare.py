@@ -1,0 +1,175 @@
+"""prepare_dataset: splits, counts, draft vocabulary, report, max_len, atomic output."""
+
+import json
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle31.config import ConfigError
+from eagle31.data.prepare import prepare_dataset
+from eagle31.data.sources import DataError
+from eagle31.recipe import DataConfig
+from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+from tests.data.chat_helpers import supervised_spans, write_jsonl
+
+
+def chat(i: int, reply: str = "Hello!") -> dict:
+    return {"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": reply}]}
+
+
+def config(tmp_path, sources, **kw) -> DataConfig:
+    return DataConfig(source=[str(s) for s in sources], prepared_dir=str(tmp_path / "out"), **kw)
+
+
+def load_split(cfg, split):
+    return datasets.load_from_disk(f"{cfg.prepared_dir}/{split}")
+
+
+def test_outputs_are_consistent(tmp_path, llama_tok):
+    good = [chat(i, "Hello! " * (1 + i % 3) + "It is sunny.") for i in range(20)]
+    no_assistant = {"messages": [{"role": "user", "content": "x"}]}
+    src = write_jsonl(tmp_path / "a.jsonl", good[:10] + ["{", no_assistant] + good[10:])
+    cfg = config(tmp_path, [src, tmp_path / "nope.jsonl"], eval_fraction=0.2)
+    report = prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
+
+    train, held_out = load_split(cfg, "train"), load_split(cfg, "eval")
+    assert (len(train), len(held_out)) == (16, 4)  # ceil(0.2 * 20)
+    assert train.features["input_ids"].feature.dtype == "int32" and train.features["loss_mask"].feature.dtype == "int8"
+    for row in list(train) + list(held_out):
+        assert len(row["input_ids"]) == len(row["loss_mask"]) and any(row["loss_mask"])
+
+    V = len(llama_tok)
+    counts = load_file(f"{cfg.prepared_dir}/token_counts.safetensors")["counts"]
+    assert counts.dtype == torch.int64 and counts.shape == (V,)
+    expected = sum(
+        count_supervised_tokens(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]), V) for r in train
+    )
+    assert torch.equal(counts, expected)
+    vocab = load_file(f"{cfg.prepared_dir}/vocab.safetensors")
+    d2t, t2d = build_draft_vocab(counts, 40)
+    assert torch.equal(vocab["d2t"], d2t) and torch.equal(vocab["t2d"], t2d)
+    assert vocab["d2t"].dtype == torch.int64 and vocab["t2d"].dtype == torch.bool and int(t2d.sum()) == 40
+
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert on_disk == report.to_dict()
+    assert report.records == 22 and report.samples == {"train": 16, "eval": 4}
+    assert report.supervised_tokens["train"] == int(counts.sum())
+    assert report.tokens["train"] == sum(len(r["input_ids"]) for r in train)
+    assert report.dropped == {
+        "malformed": {
+            "count": 1,
+            "examples": [f"{src}:11 (invalid JSON: Expecting property name enclosed in double quotes)"],
+        },
+        "missing_file": {"count": 1, "examples": [f"{tmp_path}/nope.jsonl"]},
+        "no_assistant_tokens": {"count": 1, "examples": [f"{src}:12"]},
+    }
+    assert report.draft_vocab_size == 40 and 0 < report.draft_vocab_coverage <= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "out"]  # no temporary left
+
+
+def test_split_is_seeded_capped_and_keeps_input_order(tmp_path, llama_tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(30)])
+
+    def split(**kw):
+        cfg = config(tmp_path, [src], **kw)
+        prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+        return [llama_tok.decode(r["input_ids"]).split("Hi ")[1].split("<")[0] for r in load_split(cfg, "eval")], len(
+            load_split(cfg, "train")
+        )
+
+    held_out, n_train = split(eval_fraction=0.2, seed=1)
+    assert len(held_out) == 6 and n_train == 24 and held_out == sorted(held_out, key=int)
+    assert split(eval_fraction=0.2, seed=1)[0] == held_out
+    assert split(eval_fraction=0.2, seed=2)[0] != held_out
+    assert len(split(eval_fraction=0.5, eval_max_samples=3)[0]) == 3
+    assert split(eval_fraction=0.0) == ([], 30)
+
+
+def test_max_len_truncate_and_drop_are_counted(tmp_path, llama_tok):
+    long_reply = chat(1, "Hello! " * 30)
+    long_prompt = {"messages": [{"role": "user", "content": "Tell me " * 40}, {"role": "assistant", "content": "Ok"}]}
+    src = write_jsonl(tmp_path / "a.jsonl", [chat(0), long_reply, long_prompt, chat(3)])
+
+    cfg = config(tmp_path, [src], max_len=32, eval_fraction=0.0)
+    report = prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+    rows = list(load_split(cfg, "train"))
+    assert len(rows) == 3 and max(len(r["input_ids"]) for r in rows) == 32
+    assert report.truncated["count"] == 2
+    assert [e.split(" ")[0] for e in report.truncated["examples"]] == [f"{src}:2", f"{src}:3"]
+    assert report.dropped == {"no_assistant_tokens_after_truncation": {"count": 1, "examples": [f"{src}:3"]}}
+
+    cfg = config(tmp_path, [src], max_len=32, overflow="drop", eval_fraction=0.0)
+    report = prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+    assert len(load_split(cfg, "train")) == 2 and report.truncated["count"] == 0
+    assert report.dropped["too_long"]["count"] == 2
+    assert [e.split(" ")[0] for e in report.dropped["too_long"]["examples"]] == [f"{src}:2", f"{src}:3"]
+
+
+def test_kimi_conversations_prepare_with_golden_masks(tmp_path, kimi_tok):
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "greet them"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+        ]
+    }
+    src = write_jsonl(tmp_path / "a.jsonl", [record] * 3)
+    cfg = config(tmp_path, [src], eval_fraction=0.0)
+    report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=32000, vocab_size=600)
+    row = load_split(cfg, "train")[0]
+    assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == [
+        "</think>Hello!<|im_end|>",
+        "add them</think>4<|im_end|>",
+    ]
+    # the model's vocabulary may exceed the tokenizer's; Vd is clamped to it
+    assert report.vocab_size == 600 and report.draft_vocab_size == 600 and report.draft_vocab_size_requested == 32000
+    assert "clamped" in report.summary()
+    vocab = load_file(f"{cfg.prepared_dir}/vocab.safetensors")
+    assert vocab["t2d"].shape == (600,) and bool(vocab["t2d"].all())
+
+
+def test_nothing_left_is_a_data_error_and_keeps_the_previous_output(tmp_path, llama_tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [chat(0), chat(1)])
+    cfg = config(tmp_path, [src], eval_fraction=0.0)
+    prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+    before = (tmp_path / "out" / "report.json").read_text()
+
+    write_jsonl(src, [{"messages": [{"role": "user", "content": "x"}]}, "{"])
+    with pytest.raises(DataError, match=r"no sample left .* malformed 1 .*; no_assistant_tokens 1"):
+        prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+    assert (tmp_path / "out" / "report.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "out"]
+
+    write_jsonl(src, [chat(i) for i in range(5)])  # a new run replaces the old output
+    assert prepare_dataset(cfg, llama_tok, draft_vocab_size=8).samples["train"] == 5
+    assert len(load_split(cfg, "train")) == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "out"]
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("source", [], "data.source is empty"),
+        ("overflow", "cut", "data.overflow"),
+        ("max_len", 0, "data.max_len"),
+        ("eval_fraction", 1.0, "data.eval_fraction"),
+        ("eval_max_samples", -1, "data.eval_max_samples"),
+    ],
+)
+def test_bad_settings_are_config_errors(tmp_path, llama_tok, field, value, match):
+    cfg = config(tmp_path, [tmp_path / "a.jsonl"])
+    setattr(cfg, field, value)
+    with pytest.raises(ConfigError, match=match):
+        prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_ids_outside_the_target_vocabulary_are_a_config_error(tmp_path, llama_tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [chat(0)])
+    with pytest.raises(ConfigError, match="outside the target vocab_size=10"):
+        prepare_dataset(config(tmp_path, [src]), llama_tok, draft_vocab_size=8, vocab_size=10)

@@ -1,0 +1,187 @@
+"""Reading conversations: OpenAI and ShareGPT forms, every file format, bad input accounting."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from eagle31.config import ConfigError
+from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths, to_conversation
+
+from tests.data.chat_helpers import write_jsonl
+
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "w"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "read the tool"},
+    ]
+}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "observation", "value": "ok"},
+    ]
+}
+
+
+def read(sources, keep=5):
+    tally = Tally(keep=keep)
+    return list(read_conversations([str(s) for s in sources], tally)), tally
+
+
+def test_sharegpt_roles_map_to_openai_roles():
+    conv = to_conversation(SHAREGPT)
+    assert conv.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "tool", "content": "ok"},
+    ]
+    openai = {"messages": [{"role": m["role"], "content": m["content"]} for m in conv.messages]}
+    assert to_conversation(openai).messages == conv.messages
+
+
+def test_reasoning_tool_calls_and_tools_pass_through():
+    record = {
+        "system": "Top-level system.",
+        "tools": json.dumps([{"type": "function", "function": {"name": "w"}}]),
+        "messages": [
+            {"role": "human", "content": [{"type": "text", "text": "Wea"}, {"type": "text", "text": "ther?"}]},
+            {"role": "gpt", "content": None, "reasoning": "call it", "tool_calls": [{"id": "c1"}], "extra": 1},
+            {"role": "function", "content": "sunny", "tool_call_id": "c1", "name": "w"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "read it"},
+        ],
+    }
+    conv = to_conversation(record, "x.jsonl:1")
+    assert conv.where == "x.jsonl:1"
+    assert conv.tools == [{"type": "function", "function": {"name": "w"}}]
+    assert conv.messages == [
+        {"role": "system", "content": "Top-level system."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "call it", "tool_calls": [{"id": "c1"}]},
+        {"role": "tool", "content": "sunny", "name": "w", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "read it"},
+    ]
+
+
+def test_every_format_reads_the_same_conversations(tmp_path):
+    import datasets
+
+    records = [OPENAI, SHAREGPT]
+    write_jsonl(tmp_path / "a.jsonl", records)
+    (tmp_path / "b.json").write_text(json.dumps(records))
+    (tmp_path / "c.json").write_text("\n".join(json.dumps(r) for r in records))  # JSON Lines under .json
+    # columnar formats: one schema for all rows (absent keys become None)
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    flat = [{"messages": OPENAI["messages"]}, {"messages": short}]
+    ds = datasets.Dataset.from_list(flat)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk(str(tmp_path / "saved_dict"))
+    (tmp_path / "folder" / "sub").mkdir(parents=True)
+    write_jsonl(tmp_path / "folder" / "sub" / "x.jsonl", records[:1])  # sorted paths: sub/x.jsonl < y.jsonl
+    write_jsonl(tmp_path / "folder" / "y.jsonl", records[1:])
+    ds.save_to_disk(str(tmp_path / "folder" / "z_saved"))  # a dataset inside a folder is read as one
+    (tmp_path / "folder" / ".hidden.jsonl").write_text("{")
+
+    expected = [to_conversation(r).messages for r in records]
+    expected_flat = [to_conversation(r).messages for r in flat]
+    for name, want in [("a.jsonl", expected), ("b.json", expected), ("c.json", expected), ("folder", expected + expected_flat)]:
+        convs, tally = read([tmp_path / name])
+        assert [c.messages for c in convs] == want, name
+        assert not tally.counts
+    dict_splits = expected_flat + expected_flat[1:]  # train, then test
+    for name, want in [("d.parquet", expected_flat), ("saved", expected_flat), ("saved_dict", dict_splits)]:
+        convs, tally = read([tmp_path / name])
+        assert [c.messages for c in convs] == want, name
+        assert not tally.counts
+
+    convs, _ = read([tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "d.parquet", tmp_path / "saved_dict"])
+    assert [c.where for c in convs] == [
+        f"{tmp_path}/a.jsonl:1", f"{tmp_path}/a.jsonl:2",  # lines, 1-based
+        f"{tmp_path}/b.json[0]", f"{tmp_path}/b.json[1]",  # records, 0-based
+        f"{tmp_path}/d.parquet[0]", f"{tmp_path}/d.parquet[1]",
+        f"{tmp_path}/saved_dict/train[0]", f"{tmp_path}/saved_dict/train[1]", f"{tmp_path}/saved_dict/test[0]",
+    ]
+
+
+def test_bad_inputs_are_counted_per_reason_with_locations(tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    src = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            good,
+            "{not json",  # line 2
+            "[1, 2]",  # line 3
+            {"text": "no messages"},  # line 4
+            {"messages": []},  # line 5
+            "",  # line 6: blank lines are skipped
+            {"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]},  # line 7
+            {"messages": [{"role": "user", "content": {"bad": 1}}]},  # line 8
+            {"messages": []},  # line 9
+            good,
+        ],
+    )
+    (tmp_path / "b.txt").write_text("whatever")
+    (tmp_path / "bin.jsonl").write_bytes(b'\xff\xfe{"messages": []}\n' + json.dumps(good).encode() + b"\n")
+    convs, tally = read([src, tmp_path / "nope.jsonl", tmp_path / "b.txt", tmp_path / "bin.jsonl"])
+    assert [c.where for c in convs] == [f"{src}:1", f"{src}:10", f"{tmp_path}/bin.jsonl:2"]
+    assert tally.counts == {
+        "malformed": 5,
+        "empty_conversation": 2,
+        "unknown_role": 1,
+        "missing_file": 1,
+        "unreadable_file": 1,
+    }
+    ex = tally.examples
+    assert ex["malformed"] == [
+        f"{src}:2 (invalid JSON: Expecting property name enclosed in double quotes)",
+        f"{src}:3 (record is a list, not an object)",
+        f"{src}:4 (no 'messages' or 'conversations' field)",
+        f"{src}:8 (content is neither text nor a list of text parts)",
+        f"{tmp_path}/bin.jsonl:1 (not UTF-8)",
+    ]
+    assert ex["empty_conversation"] == [f"{src}:5", f"{src}:9"]
+    assert ex["unknown_role"] == [f"{src}:7 (role 'robot')"]
+    assert ex["missing_file"] == [f"{tmp_path}/nope.jsonl"]
+    assert ex["unreadable_file"][0].startswith(f"{tmp_path}/b.txt (unsupported file type '.txt'")
+
+
+def test_only_the_first_locations_are_kept(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["{"] * 7)
+    _, tally = read([src], keep=3)
+    assert tally.counts == {"malformed": 7}
+    assert [e.split(" ")[0] for e in tally.examples["malformed"]] == [f"{src}:1", f"{src}:2", f"{src}:3"]
+    assert tally.to_dict()["malformed"]["count"] == 7
+
+
+def test_unreadable_parquet_and_dataset_directory(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"not parquet")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    _, tally = read([tmp_path / "x.parquet", tmp_path / "ds", tmp_path / "empty"])
+    assert tally.counts == {"unreadable_file": 3}
+
+
+def test_check_sources_fails_only_when_nothing_is_readable(tmp_path):
+    with pytest.raises(DataError, match="missing_file 1"):
+        check_sources([str(tmp_path / "nope.jsonl")])
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{", "[]"])
+    with pytest.raises(DataError, match=r"no readable conversation in .*bad.jsonl: malformed 2"):
+        check_sources([str(bad)])
+    good = write_jsonl(tmp_path / "good.jsonl", [SHAREGPT])
+    check_sources([str(tmp_path / "nope.jsonl"), str(bad), str(good)])
+
+
+def test_source_paths_accepts_a_path_or_a_list():
+    assert source_paths("a.jsonl") == ["a.jsonl"]
+    assert source_paths(OmegaConf.create({"s": ["a.jsonl", "b"]}).s) == ["a.jsonl", "b"]
+    assert source_paths(None) == [] and source_paths([]) == []
+    with pytest.raises(ConfigError, match="data.source"):
+        source_paths(3)

@@ -1,0 +1,90 @@
+"""Tiny targets built from transformers configs, and prepared splits, for the feature tests."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from safetensors.torch import save_file
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, num_layers: int = 6):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_deepseek_v3(seed: int = 0):
+    """MLA (q/kv low rank, rope + nope heads) and MoE (routed + shared experts) after one dense layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+def prepared_split(num_samples: int, seed: int = 0, min_len: int = 3, max_len: int = 24) -> Dataset:
+    """A split as the prepare step writes it: `input_ids`, `loss_mask` per row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "loss_mask": []}
+    for _ in range(num_samples):
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        rows["input_ids"].append(torch.randint(1, VOCAB, (n,), generator=g).tolist())
+        rows["loss_mask"].append((torch.rand(n, generator=g) < 0.6).long().tolist())
+    return Dataset.from_dict(rows)
+
+
+def write_vllm_captures(model, data, hs_dir, slots=(1, 3, 4, 6), with_loss_mask=False):
+    """hs_{i}.safetensors as vLLM's ExampleHiddenStatesConnector writes them for row i of `data`.
+
+    `slots` are vLLM layer ids: k < L is the input of decoder layer k (= output_hidden_states[k]);
+    k = L is the last layer's output before the final norm (vLLM appends `hidden_states + residual`
+    before `norm`), taken here at the norm's input.
+    """
+    L = model.config.num_hidden_layers
+    hs_dir.mkdir()
+    pre_norm = {}
+    handle = model.model.norm.register_forward_pre_hook(lambda m, args: pre_norm.update(h=args[0]))
+    for i, row in enumerate(data):
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        states = [out.hidden_states[k] if k < L else pre_norm["h"] for k in slots]
+        tensors = {"hidden_states": torch.stack(states, dim=2)[0].contiguous(), "token_ids": ids[0]}
+        if with_loss_mask:
+            tensors["loss_mask"] = torch.tensor(row["loss_mask"])
+        save_file(tensors, str(hs_dir / f"hs_{i}.safetensors"))
+    handle.remove()

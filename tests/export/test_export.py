@@ -1,0 +1,107 @@
+"""export_drafter: round trips through both layouts, and the checks that run before anything is written."""
+
+import json
+
+import pytest
+import torch
+
+from eagle31 import ConfigError
+from eagle31.convert import load_drafter
+from eagle31.export import export_drafter, export_options, layout_key, native_key
+from tests.helpers import random_batch, tiny_drafter
+
+FORMATS = ("eagle3", "speculators")
+
+
+def logits(m, seed=0, K=3):
+    aux, _, ids, _ = random_batch(m.config, 2, 7, seed=seed, dtype=torch.float32)
+    return m(aux, ids, ttt_length=K)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("switches", [dict(), dict(fc_norm=False, norm_output=False), dict(draft_vocab_size=40)])
+def test_round_trip_gives_bit_identical_logits_and_config(tmp_path, fmt, switches):
+    m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target", **switches)
+    loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, dtype="float32"))
+    assert loaded.config == m.config
+    loaded.embed_tokens.weight.data.copy_(m.embed_tokens.weight)  # vLLM shares the target's
+    for a, b in zip(logits(m), logits(loaded)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_export_round_trips_the_rounded_weights_exactly(tmp_path, fmt):
+    m = tiny_drafter(seed=2, dtype=torch.float32)
+    loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, include_embed=True))
+    rounded = m.to(torch.bfloat16).float()
+    for a, b in zip(logits(rounded), logits(loaded)):
+        assert torch.equal(a, b)
+
+
+def test_rename_table_is_the_only_difference_between_layouts():
+    assert layout_key("midlayer.mlp.up_proj.weight", "speculators") == "layers.0.mlp.up_proj.weight"
+    assert layout_key("fc_norm.2.weight", "speculators") == "fc_norm.2.weight"
+    assert layout_key("midlayer.hidden_norm.weight", "eagle3") == "midlayer.hidden_norm.weight"
+    assert native_key("layers.0.self_attn.q_proj.weight") == "midlayer.self_attn.q_proj.weight"
+
+
+def test_max_positions_are_raised_to_the_trained_context_without_changing_a_yarn_rope(tmp_path):
+    rope = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    m = tiny_drafter(seed=1, dtype=torch.float32, rope_parameters=rope, max_position_embeddings=64)
+    out = export_drafter(m, tmp_path / "e", dtype="float32", trained_context=300)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 300
+    assert cfg["rope_parameters"]["original_max_position_embeddings"] == 64
+    loaded = load_drafter(out)
+    loaded.embed_tokens.weight.data.copy_(m.embed_tokens.weight)
+    aux, _, ids, _ = random_batch(m.config, 1, 8, dtype=torch.float32)
+    pos = torch.arange(8)[None] + 200  # far positions, where yarn's frequencies matter
+    for a, b in zip(m(aux, ids, ttt_length=2, position_ids=pos), loaded(aux, ids, ttt_length=2, position_ids=pos)):
+        assert torch.equal(a, b)
+
+
+def test_max_positions_already_enough_are_kept(tmp_path):
+    m = tiny_drafter(seed=1, max_position_embeddings=4096)
+    cfg = json.loads((export_drafter(m, tmp_path / "e", trained_context=2048) / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 4096 and "original_max_position_embeddings" not in cfg["rope_parameters"]
+
+
+def bad_vocab(m):
+    m.d2t[3] = m.d2t[3] + 1  # two draft ids collide or leave t2d behind
+
+
+@pytest.mark.parametrize(
+    "mutate, kwargs, message",
+    [
+        (None, dict(format="eagle2"), "export format"),
+        (None, dict(dtype="int8"), "export.dtype"),
+        (None, dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (None, dict(trained_context=-5), "trained_context"),
+        (bad_vocab, {}, "d2t|t2d"),
+        (lambda m: m.embed_tokens.weight.data.zero_(), dict(include_embed=True), "all zeros"),
+    ],
+)
+def test_bad_input_fails_before_anything_is_written(tmp_path, mutate, kwargs, message):
+    m = tiny_drafter(seed=1, dtype=torch.float32)
+    if mutate:
+        with torch.no_grad():
+            mutate(m)
+    with pytest.raises(ConfigError, match=message):
+        export_drafter(m, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_with_other_weight_files_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="other weight files"):
+        export_drafter(tiny_drafter(seed=1), tmp_path / "out")
+    export_drafter(tiny_drafter(seed=1), tmp_path / "again")
+    export_drafter(tiny_drafter(seed=1), tmp_path / "again")  # re-exporting over itself is fine
+
+
+def test_export_options_follow_the_run_config():
+    run = {"target": {"name": "moonshotai/Kimi-K2.6"}, "data": {"max_len": 8192},
+           "export": {"dtype": "float16", "include_embed": True}, "eval": {"num_speculative_tokens": 4}}
+    assert export_options(run) == dict(dtype="float16", include_embed=True, trained_context=8192,
+                                       num_speculative_tokens=4, target_name_or_path="moonshotai/Kimi-K2.6")

@@ -1,0 +1,280 @@
+"""What vLLM reads from an EAGLE-3 drafter, encoded from its source (read, not copied).
+
+Read in vllm-project/vllm:
+
+* `model_executor/models/llama_eagle3.py`: `Eagle3LlamaForCausalLM`. Weight keys get
+  `model.` (except `lm_head`), `midlayer.` -> `layers.0.`, q/k/v stacked into
+  `qkv_proj` and gate/up into `gate_up_proj`. `d2t` becomes `draft_id_to_target_id`
+  (left at zeros when absent: draft id i -> target id i). `t2d` is skipped, and
+  `embed_tokens` is optional (the target's is shared). `fc` is sized
+  `target_hidden_size * num_aux_hidden_states`, with `num_aux_hidden_states` falling
+  back to `len(eagle_config.eagle_aux_hidden_state_layer_ids)` and then 3. Flags are
+  read with `getattr(config, flag, False)`. The decoder layer with
+  `norm_before_residual` takes the residual after `hidden_norm`. The final norm returns
+  (normed, pre-norm) and the next step reads normed iff `norm_output`.
+* `deepseek_eagle3.py` (`Eagle3DeepseekV2ForCausalLM`, an MLA drafter) and the Qwen3
+  variant share the same loader rules; eagle31 exports the Llama layer only.
+* `transformers_utils/configs/speculators/{base,algos}.py`: the speculators layout is
+  flattened into `transformer_layer_config` plus a few copied fields, with
+  `norm_before_residual` defaulting to *true*; `num_speculative_tokens` is taken from
+  the default proposal method.
+* `transformers_utils/configs/eagle.py`: `EAGLEConfig` keeps an architecture that starts
+  or ends with `Eagle3` (others get an `Eagle3` prefix) and copies every field of the
+  parsed config; `model_executor/models/registry.py` maps `LlamaForCausalLMEagle3` and
+  `Eagle3LlamaForCausalLM` to `llama_eagle3.Eagle3LlamaForCausalLM`.
+* `v1/worker/gpu_model_runner.py`: the target layers come from the top-level
+  `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s, else the target's default.
+  `model_executor/models/llama.py` captures id k at the *input* of decoder layer k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+# the part of vLLM's speculative-decoding registry that loads a Llama-layer EAGLE-3 drafter
+REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM"}
+# (checkpoint shard name, vLLM fused parameter)
+STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+# ----------------------------------------------------------------------- config
+
+
+def hf_config_view(config_json: dict) -> dict:
+    """The HF config vLLM builds the drafter from (speculators: as vLLM's `update_eagle3` flattens it)."""
+    if "speculators_model_type" not in config_json:
+        return dict(config_json)
+    view = dict(config_json["transformer_layer_config"])
+    view["draft_vocab_size"] = config_json.get("draft_vocab_size")
+    if config_json.get("target_hidden_size") is not None:
+        view["target_hidden_size"] = config_json["target_hidden_size"]
+    view["norm_before_residual"] = config_json.get("norm_before_residual", True)
+    view["norm_before_fc"] = config_json.get("norm_before_fc", False)
+    view["fc_norm"] = config_json.get("fc_norm", False)
+    view["norm_output"] = config_json.get("norm_output", False)
+    assert view.get("model_type", "llama") in ("llama", "qwen3"), "vLLM rejects other layer model types"
+    view["architectures"] = ["Eagle3LlamaForCausalLM"]
+    if config_json.get("eagle_aux_hidden_state_layer_ids"):
+        view["eagle_aux_hidden_state_layer_ids"] = config_json["eagle_aux_hidden_state_layer_ids"]
+    return view
+
+
+def model_class(view: dict) -> str | None:
+    """The vLLM class the drafter's architecture resolves to under method "eagle3" (None: unknown)."""
+    (arch,) = view["architectures"]
+    if not (arch.startswith("Eagle3") or arch.endswith("Eagle3")):
+        arch = "Eagle3" + arch
+    return REGISTRY.get(arch)
+
+
+def speculative_config(config_json: dict) -> dict:
+    """vLLM's speculative config from a speculators layout (its validation included)."""
+    spec = config_json["speculators_config"]
+    methods = spec["proposal_methods"]
+    assert isinstance(methods, list) and methods and all("proposal_type" in m for m in methods)
+    assert "name_or_path" in spec["verifier"] and isinstance(config_json["transformer_layer_config"], dict)
+    chosen = next((m for m in methods if m["proposal_type"] == spec.get("default_proposal_method")), methods[0])
+    return {"method": config_json["speculators_model_type"], "num_speculative_tokens": chosen["speculative_tokens"]}
+
+
+def effective_settings(view: dict) -> dict:
+    """How `Eagle3LlamaForCausalLM` and the model runner read `view` (getattr defaults)."""
+    eagle_config = view.get("eagle_config") or {}
+    nested_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    num_aux = view.get("num_aux_hidden_states")
+    if num_aux is None:
+        num_aux = len(nested_ids) if nested_ids else 3
+    return {
+        "aux_layer_ids": tuple(view.get("eagle_aux_hidden_state_layer_ids") or nested_ids or ()),
+        "num_aux": num_aux,
+        "target_hidden_size": view.get("target_hidden_size", view["hidden_size"]),  # getattr: null stays null
+        "draft_vocab_size": view.get("draft_vocab_size") or view["vocab_size"],
+        "vocab_size": view["vocab_size"],
+        "fc_norm": view.get("fc_norm", False),
+        "norm_output": view.get("norm_output", False),
+        "norm_before_residual": view.get("norm_before_residual", False),
+        "norm_before_fc": bool(eagle_config.get("norm_before_fc", view.get("norm_before_fc", False))),
+        "max_position_embeddings": view.get("max_position_embeddings", 8192),
+    }
+
+
+def rope_v5(view: dict) -> dict:
+    """The rope transformers >= 5 (and vLLM on it) builds from `view`."""
+    return dict(LlamaConfig(**{k: v for k, v in view.items() if k != "architectures"}).rope_parameters)
+
+
+def rope_v4(view: dict) -> dict:
+    """The rope a transformers 4 reader sees: `rope_theta` + `rope_scaling` (`type` or `rope_type`)."""
+    scaling = dict(view.get("rope_scaling") or {"rope_type": "default"})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    return {**scaling, "rope_theta": view.get("rope_theta", 10000.0)}
+
+
+# ---------------------------------------------------------------------- weights
+
+
+def vllm_name(key: str) -> str | None:
+    """A checkpoint key -> the vLLM parameter it loads into (None: skipped)."""
+    if "t2d" in key:
+        return None
+    if "d2t" in key:
+        return "draft_id_to_target_id"
+    name = key if "lm_head" in key else "model." + key
+    name = name.replace("midlayer.", "layers.0.")
+    for shard, fused in STACKED:
+        if shard in name:
+            return name.replace(shard, fused)
+    return name
+
+
+def loaded_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """vLLM parameter -> shape of what the checkpoint fills it with (stacked shards concatenated)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, t in tensors.items():
+        name = vllm_name(key)
+        if name is None:
+            continue
+        if name in shapes:  # a second shard of a stacked parameter: rows add up
+            shapes[name] = (shapes[name][0] + t.shape[0], *t.shape[1:])
+        else:
+            shapes[name] = tuple(t.shape)
+    return shapes
+
+
+def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
+    """vLLM parameter -> shape for the drafter vLLM builds from `view` (embed_tokens optional)."""
+    s = effective_settings(view)
+    H, I = view["hidden_size"], view["intermediate_size"]
+    nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
+    d = view.get("head_dim") or H // nh
+    Ht, n, Vd = s["target_hidden_size"], s["num_aux"], s["draft_vocab_size"]
+    p = {
+        "model.embed_tokens.weight": (view["vocab_size"], H),
+        "model.fc.weight": (H, Ht * n),
+        "model.layers.0.input_layernorm.weight": (H,),
+        "model.layers.0.hidden_norm.weight": (H,),
+        "model.layers.0.post_attention_layernorm.weight": (H,),
+        "model.layers.0.self_attn.qkv_proj.weight": ((nh + 2 * nkv) * d, 2 * H),
+        "model.layers.0.self_attn.o_proj.weight": (H, nh * d),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * I, H),
+        "model.layers.0.mlp.down_proj.weight": (H, I),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+        "draft_id_to_target_id": (Vd,),
+    }
+    if s["fc_norm"]:
+        p.update({f"model.fc_norm.{i}.weight": (Ht,) for i in range(n)})
+    if s["norm_before_fc"]:
+        p["model.input_norm.weight"] = (Ht * n,)
+    return p
+
+
+# -------------------------------------------------------------- numerics (vLLM)
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _vllm_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under vLLM's names; stacked shards placed by shard id (q, k, v / gate, up)."""
+    order = {shard: i for i, (shard, _) in enumerate(STACKED)}
+    shards: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        name = vllm_name(key)
+        if name is not None:
+            rank = next((order[s] for s in order if s in key), 0)
+            shards.setdefault(name, []).append((rank, t))
+    return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in shards.items()}
+
+
+def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: torch.Tensor,
+                 aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per draft step, logits over the *target* vocabulary [T, V] as vLLM computes them.
+
+    One sequence: aux [T, n*Ht], input_ids [T]. Query (p, j) reads token x[p+1+j] at
+    position p+j and attends to the step-0 keys of 0..p plus its own chain, exactly as
+    the proposer's KV cache holds them (tokens teacher-forced instead of sampled).
+    """
+    view = hf_config_view(config_json)
+    s = effective_settings(view)
+    W = {k: v.double() if v.is_floating_point() else v for k, v in _vllm_params(tensors).items()}
+    eps, H = view["rms_norm_eps"], view["hidden_size"]
+    nh, nkv = view["num_attention_heads"], view["num_key_value_heads"]
+    d = view.get("head_dim") or H // nh
+    T, Vd, V = input_ids.shape[0], s["draft_vocab_size"], s["vocab_size"]
+    L = "model.layers.0."
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in view.items() if k != "architectures"}))
+
+    # combine_hidden_states
+    h = aux.double()
+    if s["norm_before_fc"]:
+        h = _rms(h, W["model.input_norm.weight"], eps)
+    if s["fc_norm"]:
+        h = torch.cat([_rms(c, W[f"model.fc_norm.{i}.weight"], eps) for i, c in enumerate(h.chunk(s["num_aux"], -1))], -1)
+    hidden = h @ W["model.fc.weight"].T  # [T, H]
+
+    targets = torch.arange(Vd) + W["draft_id_to_target_id"]
+    keys0 = values0 = None
+    chain_k, chain_v = [], []
+    out = []
+    for j in range(steps):
+        tok = torch.cat([input_ids[1 + j:], input_ids.new_zeros(min(1 + j, T))])[:T]
+        pos = torch.arange(T) + j
+        emb = _rms(embed[tok].double(), W[L + "input_layernorm.weight"], eps)
+        if s["norm_before_residual"]:
+            hidden = _rms(hidden, W[L + "hidden_norm.weight"], eps)
+            residual = hidden
+        else:
+            residual = hidden
+            hidden = _rms(hidden, W[L + "hidden_norm.weight"], eps)
+        qkv = torch.cat([emb, hidden], -1) @ W[L + "self_attn.qkv_proj.weight"].T
+        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], -1)
+        cos, sin = (t[0].double() for t in rotary(torch.zeros(1, dtype=torch.float64), pos[None]))
+        q, k = _rope(q.view(T, nh, d), cos, sin), _rope(k.view(T, nkv, d), cos, sin)
+        v = v.view(T, nkv, d)
+        if j == 0:
+            keys0, values0 = k, v
+        else:
+            chain_k.append(k)
+            chain_v.append(v)
+        attn = _attend(q, keys0, values0, chain_k, chain_v, nh // nkv)  # [T, nh*d]
+        x = attn @ W[L + "self_attn.o_proj.weight"].T
+        residual = x + residual  # post_attention_layernorm(x, residual): fused add
+        x = _rms(residual, W[L + "post_attention_layernorm.weight"], eps)
+        gate, up = (x @ W[L + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
+        x = (torch.nn.functional.silu(gate) * up) @ W[L + "mlp.down_proj.weight"].T
+        prenorm = x + residual  # model.norm(x, residual): fused add
+        normed = _rms(prenorm, W["model.norm.weight"], eps)
+        logits = torch.full((T, V), float("-inf"), dtype=torch.float64)
+        logits[:, targets] = normed @ W["lm_head.weight"].T
+        out.append(logits)
+        hidden = normed if s["norm_output"] else prenorm
+    return out
+
+
+def _rope(x, cos, sin):
+    """x [T, heads, d]; cos/sin [T, d] (rotate-half, as vLLM's neox-style rope)."""
+    x1, x2 = x.chunk(2, -1)
+    return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+
+def _attend(q, k0, v0, chain_k, chain_v, groups):
+    """Query p: causal step-0 keys 0..p plus its own chain keys (p, 1..j)."""
+    T, nh, d = q.shape
+    k0, v0 = k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1)
+    scores = torch.einsum("thd,shd->hts", q, k0) / math.sqrt(d)  # [nh, T, T]
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    own = [torch.einsum("thd,thd->ht", q, ck.repeat_interleave(groups, 1)) / math.sqrt(d) for ck in chain_k]
+    scores = torch.cat([scores, *(o[..., None] for o in own)], -1)
+    probs = scores.softmax(-1)
+    out = torch.einsum("hts,shd->thd", probs[..., :T], v0)
+    for i, cv in enumerate(chain_v):
+        out = out + probs[..., T + i].T[..., None] * cv.repeat_interleave(groups, 1)
+    return out.reshape(T, nh * d)

@@ -1,0 +1,67 @@
+"""Build-once cache: concurrent callers build once; failed builds leave nothing behind."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from eagle31.targets.cache import build_atomically, ensure_built
+
+# Each process waits until both are ready (a barrier of files), then asks for the
+# target; a build is logged to `builds.log` and is slow enough for the calls to overlap.
+_CALLER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from eagle31.targets.cache import ensure_built
+
+    log, barrier = Path(sys.argv[1]), Path(sys.argv[2])
+    (barrier / str(os.getpid())).touch()
+    while len(list(barrier.iterdir())) < 2:
+        time.sleep(0.01)
+
+    def build(d):
+        with open(log, "a") as f:
+            f.write("built\\n")
+        time.sleep(1.0)
+        (d / "weights.bin").write_bytes(b"x" * 10)
+
+    print(ensure_built("toy", "v1", build))
+    """
+)
+
+
+def test_concurrent_processes_build_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path / "cache"))
+    log, barrier = tmp_path / "builds.log", tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CALLER, str(log), str(barrier)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] == str(tmp_path / "cache" / "targets" / "toy-v1")
+    assert log.read_text() == "built\n"
+    assert (tmp_path / "cache" / "targets" / "toy-v1" / "weights.bin").read_bytes() == b"x" * 10
+
+
+def test_a_failed_build_leaves_no_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path))
+
+    def broken(d):
+        (d / "half.bin").write_bytes(b"x")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        ensure_built("toy", "v1", broken)
+    assert [p.name for p in (tmp_path / "targets").iterdir() if not p.name.endswith(".lock")] == []
+    path = ensure_built("toy", "v1", lambda d: (d / "ok").write_text("1"))
+    assert (path / "ok").read_text() == "1"
+
+
+def test_build_atomically_refuses_an_existing_directory(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="out already exists"):
+        build_atomically(tmp_path / "out", lambda d: None)

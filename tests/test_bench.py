@@ -1,0 +1,93 @@
+"""The training-step benchmark (issue 8): FLOP count, reporting, the script, and speed against `speculators`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle31.bench import BenchConfig, run_benchmark, step_flops, update_table
+from eagle31.config import ConfigError
+from eagle31.estimate import count_parameters
+from tests.helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_step_flops_by_hand():
+    cfg = tiny_config()  # H 16, nh 4, nkv 2, d 8, I 24, Vd 24, 3 aux of 16
+    T, K = 10, 2
+    fc = 2 * 2 * T * 48 * 16
+    per_step = 2 * T * (32 * (4 + 4) * 8 + 32 * 16 + 3 * 16 * 24 + 16 * 24)
+    attention = 4 * 4 * 8 * (55 + 0) + 4 * 4 * 8 * (55 + 10)  # T(T+1)/2 causal pairs, + k T chain pairs
+    assert step_flops(cfg, T, K) == fc + 3 * (K * per_step + attention)
+
+
+def test_config_reads_key_values_and_names_bad_ones():
+    bench = BenchConfig.from_args(["shape=llama31_8b", "T=8192", "ttt=5", "ckpt=true", "peer=speculators"])
+    assert (bench.seq_len, bench.ttt_length, bench.activation_checkpointing) == (8192, 5, True)
+    assert bench.drafter_config().num_key_value_heads == 8
+    with pytest.raises(ConfigError, match="shape"):
+        BenchConfig.from_args(["shape=gpt5"])
+    with pytest.raises(ConfigError, match="unknown argument"):
+        BenchConfig.from_args(["seqlen=4"])
+    with pytest.raises(ConfigError, match="T="):
+        BenchConfig.from_args(["T=many"])
+
+
+def test_table_rows_are_added_and_replaced(tmp_path):
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\nNotes above the table stay.\n")
+
+    def result(T, step):
+        run = {"step_s": step, "step_s_all": [step], "tokens_per_s": T / step, "mfu": None, "peak_gib": 1.0}
+        config = {"shape": "tiny", "seq_len": T, "ttt_length": 3, "activation_checkpointing": False}
+        return {"date": "2026-01-01", "device": "cpu", "torch": "2.13", "precision": "float32", "config": config,
+                "runs": {"eagle31": run}}  # fmt: skip
+
+    update_table(doc, result(1024, 2.0))
+    update_table(doc, result(2048, 4.0))
+    update_table(doc, result(1024, 1.0))  # same key: replaces the first row
+    text = doc.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 2026")]
+    assert "Notes above the table stay." in text
+    assert len(rows) == 2 and "| 2048 |" in rows[0] and "1.000 s" in rows[1]
+
+
+def test_script_writes_json_and_a_table_row(tmp_path):
+    out, doc = tmp_path / "r.json", tmp_path / "perf.md"
+    args = ["shape=tiny", "T=64", "ttt=2", "warmup=0", "repeats=1", "memory=false", f"out={out}", f"doc={doc}"]
+    run = subprocess.run([sys.executable, "scripts/benchmark_train_step.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    ours = result["runs"]["eagle31"]
+    assert ours["step_s"] > 0 and ours["tokens_per_s"] == pytest.approx(64 / ours["step_s"])
+    assert result["flops_per_step"] == step_flops(BenchConfig(shape="tiny").drafter_config(), 64, 2)
+    assert set(result["attention_parity"]) == {"flash", "blockwise"}
+    assert "| tiny | 64 | 2 |" in doc.read_text()
+
+
+def test_script_refuses_an_unknown_key():
+    run = subprocess.run([sys.executable, "scripts/benchmark_train_step.py", "sequence=4"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown argument" in run.stderr
+
+
+@pytest.mark.slow
+def test_our_step_is_not_slower_than_speculators_on_cpu():
+    """Issue 8's CPU proxy: same shape, flags and K; both eager fp32; steps interleaved."""
+    from eagle31.bench_peer import SpeculatorsStep, speculators_unavailable
+
+    reason = speculators_unavailable()
+    if reason:
+        pytest.skip(f"no speculators to compare with: {reason}")
+    bench = BenchConfig(shape="tiny", seq_len=2048, ttt_length=3, peer="speculators", warmup=1, repeats=3, memory=False)
+    peer = SpeculatorsStep(bench)
+    trainable = sum(p.numel() for p in peer.model.parameters() if p.requires_grad)
+    assert trainable == count_parameters(bench.drafter_config()).trainable  # the same model is trained
+    del peer
+    result = run_benchmark(bench)
+    ours, theirs = result["runs"]["eagle31"], result["runs"]["speculators"]
+    print(f"step: eagle31 {ours['step_s']:.3f} s, speculators {theirs['step_s']:.3f} s; speed-up {result['speedup']:.2f}x "
+          f"(best of each {result['speedup_best']:.2f}x)")  # fmt: skip
+    assert result["speedup_best"] >= 1.0

@@ -1,0 +1,223 @@
+"""The trainer end to end through `train/main.py`: runs, resume, torchrun, dry run, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.data.chat_helpers import LLAMA3_SPECIAL, LLAMA3_TEMPLATE, build_tokenizer, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = REPO / "train" / "main.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A random 8-layer Llama with a local Llama-3-style tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_target")
+    tok = build_tokenizer(LLAMA3_TEMPLATE, LLAMA3_SPECIAL, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    records = []
+    for i in range(48):
+        a, b = i % 7, i % 5
+        records.append(
+            {"messages": [
+                {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
+                {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
+            ]}  # fmt: skip
+        )
+    return write_jsonl(path, records)
+
+
+def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
+    args = {
+        "recipe": "kimi_k26_mini",  # CPU-sized defaults; the target is replaced by the tiny one
+        "target.builtin": "null",
+        "target.path": str(target),
+        "target.name": "tiny",
+        "data.source": f"[{data}]",
+        "data.max_len": "64",
+        "data.eval_fraction": "0.1",
+        "drafter.draft_vocab_size": "128",
+        "features.tokens_per_batch": "256",
+        "train.max_steps": "6",
+        "train.save_every": "2",
+        "train.log_every": "1",
+        "train.lr": "3e-3",
+        "output_dir": str(out),
+        "logging.progress": "false",
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(MAIN), *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port", "29517", str(MAIN), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["train/loss"] for x in lines if "train/loss" in x]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "drafter" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_target, chats, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    proc = run_main(base_args(tiny_target, chats, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_run_directory_holds_everything(reference_run):
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "drafter/model.safetensors", "export/eagle3/config.json", "export/speculators/config.json"):
+        assert (reference_run / name).is_file(), name
+    report = json.loads((reference_run / "report.json").read_text())
+    assert report["steps"] == 6 and report["tokens_seen"] > 0 and report["tau_sim"] >= 1
+    assert len(report["acc"]) == 3
+    lines = [json.loads(x) for x in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in train_lines] == [1, 2, 3, 4, 5, 6]
+    for key in ("train/loss", "train/acc_0", "train/tau_sim", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert key in train_lines[0]
+    assert losses(reference_run)[-1] < losses(reference_run)[0]  # it learns
+    kept = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"]  # keep_last=2
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "report.json").exists()
+
+    resumed = run_main(base_args(tiny_target, chats, out, resume="auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = weights(reference_run), weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert losses(out) == losses(reference_run)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path):
+    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **{"train.grad_accum": "2", "train.max_steps": "3"}))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **{"train.max_steps": "3"}), torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- dry run
+
+
+def test_kimi_k26_dry_run_needs_no_weights():
+    proc = run_main(["recipe=kimi_k26", "dry_run=true"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "config valid" in proc.stdout and "GiB" in proc.stdout
+    from eagle31.estimate import count_parameters
+    from eagle31.pipeline import plan_run
+    from eagle31.distributed import init_world
+    from eagle31.recipe import load_recipe
+
+    plan = plan_run(load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true"]), init_world("cpu"))
+    counts = count_parameters(plan.drafter)
+    # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
+    assert 1.0e9 < counts.trainable < 1.2e9, counts
+    assert counts.frozen_embedding == 163840 * 7168
+    assert plan.drafter.aux_layer_ids == (2, 30, 58) and plan.drafter.fc_norm and plan.drafter.norm_output
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"recipe": "no_such_recipe"}, "recipe/no_such_recipe"),
+        ({"train.no_such_field": "1"}, "no_such_field"),
+        ({"target.path": "/no/such/target"}, "/no/such/target"),
+        ({"drafter.aux_layer_ids": "[2,4,9]"}, "aux_layer_ids"),
+        ({"data.source": "[/no/such/chats.jsonl]"}, "/no/such/chats.jsonl"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected):
+    out = tmp_path / "run"
+    line = one_line_error(run_main(base_args(tiny_target, chats, out, **extra), timeout=120))
+    assert expected in line
+    assert not (out / "checkpoints").exists()
+
+
+def test_all_masked_dataset_is_refused(tiny_target, tmp_path):
+    data = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
+    line = one_line_error(run_main(base_args(tiny_target, data, tmp_path / "run"), timeout=120))
+    assert "only_users.jsonl" in line or "no sample" in line
+
+
+def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, chats):
+    line = one_line_error(run_main(base_args(tiny_target, chats, reference_run), timeout=120))
+    assert "resume=auto" in line
+    line = one_line_error(run_main(base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), timeout=120))
+    assert "train.ttt_length" in line
+
+
+def test_store_made_for_another_target_is_refused(reference_run, tiny_target, chats, tmp_path):
+    from eagle31.data.store import StoreHeader, StoreWriter
+    import numpy as np
+
+    store = tmp_path / "features"
+    header = StoreHeader(target_name="another", target_revision=None, num_layers=8, hidden_size=48, aux_layer_ids=(2, 4, 5), dtype="float32")
+    StoreWriter(store / "train", header, np.arange(1), np.array([4]), 1024)
+    extra = {"features.mode": "store", "features.store_dir": str(store)}
+    line = one_line_error(run_main(base_args(tiny_target, chats, tmp_path / "run", **extra), timeout=120))
+    assert "store" in line
