@@ -79,6 +79,7 @@ class BenchConfig:
     repeats: int = 5
     memory: bool = True  # measure peak memory
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look it up (CUDA) or leave MFU out
+    threads: int = 0  # CPU threads for torch; 0 = torch's default (on a shared machine 1 is steadier)
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # DrafterConfig fields over the shape
 
@@ -119,8 +120,8 @@ class BenchConfig:
         for name in ("seq_len", "ttt_length", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup < 0 or self.threads < 0:
+            raise ConfigError(f"warmup and threads must be >= 0, got {self.warmup} and {self.threads}")
         choices = {
             "peer": ("none", "speculators"),
             "device": ("auto", "cpu", "cuda"),
@@ -237,7 +238,7 @@ class EagleStep:
     name = "eagle31"
 
     def __init__(self, bench: BenchConfig):
-        from eagle31.distributed import World
+        from eagle31.distributed import World, ensure_single_process_group
         from eagle31.recipe import TrainConfig
         from eagle31.trainer import Trainer
 
@@ -249,7 +250,7 @@ class EagleStep:
             drafter = Eagle31Drafter(cfg)
         drafter.set_vocab(d2t, t2d)
         if bench.compile:
-            compile_drafter_blocks(drafter)
+            drafter.compile_blocks()
         train = TrainConfig(
             ttt_length=bench.ttt_length,
             attention=bench.attention,
@@ -259,7 +260,7 @@ class EagleStep:
             max_steps=1_000_000,
         )
         if device.type == "cuda":
-            ensure_process_group(device)
+            ensure_single_process_group(device)
         head = TargetHead(random_target_lm_head(cfg, device, dtype, bench.seed), draft_ids.to(device))
         world = World(rank=0, world_size=1, local_rank=device.index or 0, device=device)
         self._run_dir = tempfile.TemporaryDirectory(prefix="eagle31-bench-")
@@ -269,30 +270,6 @@ class EagleStep:
 
     def __call__(self) -> None:
         self.trainer.train_step([self.batch])
-
-
-def compile_drafter_blocks(drafter: Eagle31Drafter) -> None:
-    """torch.compile the drafter's RMSNorms and MLP in place (fuses the pointwise work around the matmuls)."""
-    from eagle31.model import MLP, RMSNorm
-
-    for module in drafter.modules():
-        if isinstance(module, (RMSNorm, MLP)):
-            module.compile()
-
-
-def ensure_process_group(device: torch.device) -> None:
-    """A one-process group on localhost, so FSDP2 runs as in training without torchrun."""
-    import socket
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
 
 
 # ----------------------------------------------------------------------------
@@ -370,6 +347,7 @@ def time_interleaved(steps: dict[str, Callable[[], None]], warmup: int, repeats:
 
 
 def build_step(side: str, bench: BenchConfig):
+    """`EagleStep` or `SpeculatorsStep`: a callable running one full training step."""
     if side == "eagle31":
         return EagleStep(bench)
     from eagle31.bench_peer import SpeculatorsStep
@@ -391,7 +369,10 @@ def cpu_step_peak_bytes(side: str, bench: BenchConfig) -> int:
 def _peak_child(spec: str) -> None:
     """Body of `cpu_step_peak_bytes`' process: build, reset the high-water mark, two steps, report the rise."""
     args = json.loads(spec)
-    step = build_step(args["side"], BenchConfig(**args["bench"]))
+    bench = BenchConfig(**args["bench"])
+    if bench.threads:
+        torch.set_num_threads(bench.threads)
+    step = build_step(args["side"], bench)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS to the current RSS
     before = _proc_status_kib("VmRSS")
@@ -432,6 +413,16 @@ def device_peak_tflops(bench: BenchConfig, device: torch.device) -> float | None
 
 def run_benchmark(bench: BenchConfig, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Measure our step (and the peer's, when asked and importable); return a JSON-able result."""
+    threads = torch.get_num_threads()
+    if bench.threads:
+        torch.set_num_threads(bench.threads)
+    try:
+        return _run_benchmark(bench, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_benchmark(bench: BenchConfig, log: Callable[[str], None]) -> dict[str, Any]:
     device, dtype = bench.torch_device(), bench.compute_dtype()
     cfg = bench.drafter_config()
     flops = step_flops(cfg, bench.seq_len, bench.ttt_length)

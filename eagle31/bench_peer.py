@@ -64,7 +64,9 @@ class SpeculatorsStep:
                 algorithm="eagle3",
                 proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=bench.ttt_length)],
                 default_proposal_method="greedy",
-                verifier=VerifierConfig(name_or_path=None, architectures=list(cfg.target_architectures) or ["LlamaForCausalLM"]),
+                verifier=VerifierConfig(
+                    name_or_path=None, architectures=list(cfg.target_architectures) or ["LlamaForCausalLM"]
+                ),
             ),
         )
         torch.manual_seed(bench.seed)
@@ -78,9 +80,8 @@ class SpeculatorsStep:
             model.verifier_lm_head.weight.normal_(0.0, cfg.target_hidden_size**-0.5)  # target rows -> labels
         model.lm_head.weight.requires_grad_(True)
         self.model = model.to(device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = params
-        self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
         fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.loss_config = resolve_loss_config("kl_div", "fused" if fused else "eager")
         b = synthetic_batch(cfg, bench.seq_len, bench.seed)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +31,14 @@ from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -71,7 +81,8 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         for key in FROZEN_KEYS:
             model_sd.pop(key, None)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         atomic_save_safetensors(_rng_state(), tmp / f"rng_rank{self.world.rank}.safetensors", save_file)
         barrier()
         if self.world.is_main:
@@ -93,7 +104,8 @@ class CheckpointManager:
         for key in FROZEN_KEYS:
             model_sd.pop(key, None)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             model,
             optimizer,

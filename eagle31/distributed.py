@@ -7,6 +7,7 @@ helper below then degrades to the identity.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,20 @@ def init_world(device: str = "auto") -> World:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+    elif dev.type == "cuda":
+        ensure_single_process_group(dev)  # FSDP2 (mixed precision) runs on one GPU too
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def ensure_single_process_group(device: torch.device) -> None:
+    """A one-process NCCL group on localhost, for FSDP2 without torchrun."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
 
 
 def close_world() -> None:

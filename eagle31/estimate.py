@@ -8,7 +8,8 @@ The estimate counts, per GPU with FSDP over `world_size` ranks:
   * activations of the TTT unroll: the tensors one drafter step saves for backward, per token
     (with activation checkpointing only each step's inputs and its keys/values are kept, plus one
     step recomputed at a time);
-  * the chunked lm_head + KL working set (fixed size).
+  * the chunked lm_head + KL working set: chunk temporaries, each step's gathered states and
+    the fp32 lm_head gradient each step forms in its forward.
 It is an estimate for planning (±25%), not a guarantee; `scripts/benchmark_train_step.py`
 measures the real peak.
 """
@@ -75,7 +76,13 @@ def estimate_memory(
     else:
         activations = ttt_length * step
     features = (cfg.fc_in_features + cfg.target_hidden_size) * compute_bytes * seq_len
-    loss_work = 4 * _LOGITS_BUDGET * 4 + ttt_length * cfg.hidden_size * compute_bytes * seq_len
+    # chunk temporaries, the gathered states of every step, and the fp32 lm_head gradient each
+    # step's loss forms in its forward and holds until backward (eagle31.loss.DraftKL)
+    loss_work = (
+        4 * _LOGITS_BUDGET * 4
+        + ttt_length * cfg.hidden_size * compute_bytes * seq_len
+        + ttt_length * cfg.draft_vocab_size * cfg.hidden_size * 4
+    )
     parts = {
         "param_grad_optimizer_states": states,
         "frozen_embedding": embed,

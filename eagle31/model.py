@@ -285,6 +285,15 @@ class Eagle31Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def compile_blocks(self) -> None:
+        """torch.compile the RMSNorms and the MLP in place (fuses the pointwise work around the matmuls).
+
+        The TTT attention keeps its own kernels; CUDA only — on CPU compilation does not pay here.
+        """
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.compile()
+
     # ----------------------------------------------------------- save / load
 
     def save(self, path: str | Path, include_embed: bool = True) -> None:

@@ -100,7 +100,7 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     attention: str = "auto"  # auto | flash | blockwise | reference
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | bf16 | fp32
     log_every: int = 10

@@ -115,6 +115,8 @@ class Trainer:
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.compute_dtype = compute_dtype
+        if train.compile:
+            drafter.compile_blocks()
         self.model = shard_for_training(DrafterObjective(drafter, train), world, compute_dtype)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -170,10 +172,10 @@ class Trainer:
         )
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
-        if finite:
+        if finite:  # a skipped step does not advance the schedule either
             self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64))
         return {
             "loss": total,

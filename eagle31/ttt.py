@@ -10,7 +10,8 @@ in `eagle31.loss`.
 
 Memory: with `activation_checkpointing` each step keeps only its inputs (the
 previous step's output, token ids, positions) and its keys/values, shared with
-the later steps; its activations are recomputed in backward, one step at a time.
+the later steps; its activations are recomputed in backward, one step at a time
+(and so are those of the fused target feature).
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ def ttt_unroll(
     if position_ids is None:
         position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
     layer = drafter.midlayer
-    feature = drafter.fuse_aux(aux)  # [B, T, H]
+    checkpointing = activation_checkpointing and torch.is_grad_enabled()
+    if checkpointing:  # its norms' activations are 3x [B, T, n*Ht]: recompute them too
+        feature = checkpoint(drafter.fuse_aux, aux, use_reentrant=False)  # [B, T, H]
+    else:
+        feature = drafter.fuse_aux(aux)
     dtype = feature.dtype
 
     def step(feature, ids, positions, k0, v0, chain_k, chain_v):
@@ -86,7 +91,7 @@ def ttt_unroll(
     chain_v: tuple[torch.Tensor, ...] = ()
     for k in range(ttt_length):
         args = (feature, shift_left(input_ids, 1 + k), position_ids + k, k0, v0, chain_k, chain_v)  # tokens x[p+1+k]
-        if activation_checkpointing and torch.is_grad_enabled():
+        if checkpointing:
             out, normed, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
         else:
             out, normed, k0, v0, chain_k, chain_v = step(*args)

@@ -2,12 +2,13 @@
 
     python scripts/benchmark_train_step.py shape=kimi_k26 T=4096 ttt=7 peer=speculators
     python scripts/benchmark_train_step.py shape=kimi_k26 T=65536 ttt=7 ckpt=true
-    python scripts/benchmark_train_step.py shape=tiny T=2048 ttt=3 peer=speculators        # CPU-sized
+    python scripts/benchmark_train_step.py shape=tiny T=2048 ttt=7 peer=speculators threads=1   # CPU-sized
 
 Keys: shape (kimi_k26 | llama31_8b | tiny), T, ttt, peer (none | speculators), ckpt (activation
 checkpointing per TTT step), attention, precision, device, compile, peer_attention, warmup,
-repeats, memory, peak_tflops, seed; out= the JSON file (default benchmarks/results/<name>.json),
-doc= the markdown file whose table gets the row (default docs/performance.md, doc=none to skip).
+repeats, memory, peak_tflops, threads (CPU), seed; out= the JSON file (default
+benchmarks/results/<name>.json); doc= the markdown file whose table gets the row (default
+docs/performance.md; doc=none to skip).
 What is measured and how: eagle31/bench.py.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from eagle31.bench import BenchConfig, run_benchmark, table_row, update_table, write_result
 from eagle31.config import ConfigError
+from eagle31.distributed import close_world
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +37,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = run_benchmark(bench, log=lambda line: print(line, file=sys.stderr))
+    try:
+        result = run_benchmark(bench, log=lambda line: print(line, file=sys.stderr))
+    finally:
+        close_world()  # the one-process group FSDP2 ran in on CUDA
     out = write_result(result, paths["out"] or ROOT / "benchmarks" / "results" / f"{result['name']}.json")
     if paths["doc"] != "none":
         update_table(paths["doc"], result)

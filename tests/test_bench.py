@@ -69,7 +69,8 @@ def test_script_writes_json_and_a_table_row(tmp_path):
 
 
 def test_script_refuses_an_unknown_key():
-    run = subprocess.run([sys.executable, "scripts/benchmark_train_step.py", "sequence=4"], cwd=ROOT, capture_output=True, text=True)
+    script = [sys.executable, "scripts/benchmark_train_step.py", "sequence=4"]
+    run = subprocess.run(script, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2 and "unknown argument" in run.stderr
 
 
@@ -81,7 +82,9 @@ def test_our_step_is_not_slower_than_speculators_on_cpu():
     reason = speculators_unavailable()
     if reason:
         pytest.skip(f"no speculators to compare with: {reason}")
-    bench = BenchConfig(shape="tiny", seq_len=2048, ttt_length=3, peer="speculators", warmup=1, repeats=3, memory=False)
+    bench = BenchConfig(
+        shape="tiny", seq_len=2048, ttt_length=3, peer="speculators", warmup=1, repeats=3, memory=False, threads=1
+    )
     peer = SpeculatorsStep(bench)
     trainable = sum(p.numel() for p in peer.model.parameters() if p.requires_grad)
     assert trainable == count_parameters(bench.drafter_config()).trainable  # the same model is trained

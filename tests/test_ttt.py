@@ -276,7 +276,9 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention):
 
     def loss_and_grads(checkpointing):
         m.zero_grad()
-        out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention=attention, activation_checkpointing=checkpointing)
+        out = ttt_unroll(
+            m, aux, ids, ttt_length=K, document_ids=doc, attention=attention, activation_checkpointing=checkpointing
+        )
         argmax = head.argmax(final)
         sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
         stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax)

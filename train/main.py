@@ -19,6 +19,11 @@ from eagle31.trainer import TrainingDiverged
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 if __name__ == "__main__":
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()  # the run's own bar and report say what matters
+    transformers.utils.logging.disable_progress_bar()
     try:
         sys.exit(recipe_main(run, RECIPES, sys.argv[1:]))
     except TrainingDiverged as e:

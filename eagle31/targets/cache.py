@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from filelock import FileLock
 
@@ -52,6 +52,7 @@ def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
         raise FileExistsError(f"{dest} already exists; remove it first")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model folder is readable like any other
     try:
         build(tmp)
         os.rename(tmp, dest)

@@ -1,16 +1,17 @@
 """The demo target: a small Llama trained from scratch on the demo corpus.
 
-    path = ensure_demo_target()            # built once into the cache (~1-2 min on 2 cores)
+    path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
     build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
     demo_corpus_dir()                      # <target>/corpus/{train,heldout,other_system,long_prompt}.jsonl
 
 A build (1) writes the conversation splits of `eagle31.targets.demo_corpus`, (2)
 trains a byte-level BPE on the training split, (3) trains `LlamaForCausalLM` on
-the training conversations (every token, length-bucketed padded batches), (4)
-measures it on the held-out split and (5) saves a normal HF model folder:
+the training conversations, merged into multi-turn documents of up to 1536
+tokens (every token; length-bucketed padded batches), (4) measures it on the
+held-out and long-prompt splits and (5) saves a normal HF model folder:
 `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json`, `chat_template.jinja`, `corpus/*.jsonl` and
-`build_info.json` (versions, recipe and the held-out metrics).
+`build_info.json` (versions, recipe and the metrics; see docs/demo_target.md).
 
 Chat format (`DEMO_CHAT_TEMPLATE`): `<|bos|>`, then each message as
 `<|{role}|>\\n{content}<|end|>` (a default system prompt if none is given), and
@@ -34,10 +35,10 @@ import logging
 import math
 import platform
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -47,8 +48,8 @@ from eagle31.targets.cache import ensure_built
 
 log = logging.getLogger(__name__)
 
-# Bump when the recipe or the code changes the built files (it is part of the cache key).
-DEMO_BUILD_VERSION = "1"
+# Bump when the code changes the built files (the cache key also hashes the recipe).
+DEMO_BUILD_VERSION = "2"
 
 DEMO_SPECIAL_TOKENS = ("<|bos|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 
@@ -79,24 +80,24 @@ class DemoRecipe:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     intermediate_size: int = 384
-    max_position_embeddings: int = 4096  # the long-prompt split needs more than max_len
-    max_len: int = 384  # training conversations are truncated to this many tokens
+    max_position_embeddings: int = 4096
+    max_len: int = 1536  # tokens per training document (runs of conversations, see training_documents)
+    max_turns: int = 6
     batch_tokens: int = 4096  # padded tokens per optimizer step
     steps: int = 300
     lr: float = 5e-3
     warmup_steps: int = 20
     threads: int = 2
-    eval_greedy_prompts: int = 32
+    eval_greedy_prompts: int = 16
     eval_greedy_tokens: int = 48
 
 
 def demo_key(seed: int = 0, recipe: DemoRecipe | None = None) -> str:
-    """Cache key: build version, seed, Python version (the corpus), recipe if not the default."""
+    """Cache key: build version, seed, Python version (the corpus) and a hash of the recipe."""
+    recipe = recipe or DemoRecipe()
     py = "py" + ".".join(platform.python_version_tuple()[:2])
-    key = f"v{DEMO_BUILD_VERSION}-seed{seed}-{py}"
-    if recipe is not None and recipe != DemoRecipe():
-        key += "-" + hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:8]
-    return key
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:8]
+    return f"v{DEMO_BUILD_VERSION}-seed{seed}-{py}-{digest}"
 
 
 def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
@@ -124,7 +125,7 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
         torch.manual_seed(seed)
         model = new_model(tokenizer, recipe)
         train(model, tokenizer, splits["train"], recipe, seed)
-        metrics = evaluate(model, tokenizer, splits["heldout"], recipe)
+        metrics = {name: evaluate(model, tokenizer, splits[name], recipe) for name in ("heldout", "long_prompt")}
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     atomic_write_json(
@@ -137,7 +138,7 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
             "torch_version": torch.__version__,
             "recipe": dataclasses.asdict(recipe),
             "splits": {name: len(rows) for name, rows in splits.items()},
-            "heldout_metrics": metrics,
+            "metrics": metrics,
         },
     )
     return out
@@ -216,15 +217,33 @@ def new_model(tokenizer, recipe: DemoRecipe):
 # ------------------------------------------------------------------ data
 
 
-def encode(tokenizer, conversations: list[dict], max_len: int) -> tuple[list[list[int]], list[int]]:
-    """Token ids of each rendered conversation (truncated) and the length of its prompt."""
-    full = tokenizer.apply_chat_template([c["messages"] for c in conversations], tokenize=False)
-    prompts = tokenizer.apply_chat_template(
-        [c["messages"][:-1] for c in conversations], tokenize=False, add_generation_prompt=True
+def token_ids(tokenizer, conversations: list[dict], add_generation_prompt: bool = False) -> list[list[int]]:
+    """Token ids of each rendered conversation."""
+    texts = tokenizer.apply_chat_template(
+        [c["messages"] for c in conversations], tokenize=False, add_generation_prompt=add_generation_prompt
     )
-    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    return [x[:max_len] for x in ids], [len(p) for p in prompt_ids]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def training_documents(tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> list[list[int]]:
+    """The target's training sequences: runs of 1..`max_turns` training conversations.
+
+    Each run is merged into one multi-turn conversation of at most `max_len` tokens,
+    so the target learns positions and earlier turns far beyond one conversation
+    (the long-prompt split needs both), while `train.jsonl`, what a drafter
+    trains on, stays single-turn and short.
+    """
+    lengths = [len(x) for x in token_ids(tokenizer, conversations)]
+    rng = random.Random(seed)
+    runs, i = [], 0
+    while i < len(conversations):
+        turns, j, total = rng.randint(1, recipe.max_turns), i + 1, lengths[i]
+        while j < len(conversations) and j - i < turns and total + lengths[j] <= recipe.max_len:
+            total += lengths[j]
+            j += 1
+        runs.append(demo_corpus.merge(conversations[i:j]))
+        i = j
+    return [x[: recipe.max_len] for x in token_ids(tokenizer, runs)]
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -254,8 +273,8 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> None:
-    """AdamW with warmup and cosine decay on every token of the training conversations."""
-    ids, _ = encode(tokenizer, conversations, recipe.max_len)
+    """AdamW with warmup and cosine decay on every token of the training documents."""
+    ids = training_documents(tokenizer, conversations, recipe, seed)
     batches = length_batches([len(x) for x in ids], recipe.batch_tokens)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -291,23 +310,24 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) -> dict[str, float]:
-    """Held-out quality of the assistant answers (the tokens a drafter learns).
+    """Quality on the last assistant answer of each conversation (what a drafter learns to draft).
 
-    `loss`: mean NLL (nats) of the answer tokens given the conversation so far;
-    `top1`: teacher-forced argmax accuracy on them; `greedy_prefix_match`: mean
-    number of leading answer tokens that greedy decoding reproduces exactly, and
-    `greedy_token_match`: the fraction of the first `eval_greedy_tokens` answer
-    tokens that greedy decoding reproduces at the same position.
+    `loss`: mean NLL (nats) of the answer tokens (its `<|end|>` included) given the
+    conversation so far; `top1`: teacher-forced argmax accuracy on them;
+    `greedy_prefix_match`: mean number of leading answer tokens that greedy
+    decoding reproduces exactly; `greedy_token_match`: the fraction of the first
+    `eval_greedy_tokens` answer tokens that greedy decoding reproduces in place.
     """
     model.eval()
-    ids, prompt_lens = encode(tokenizer, conversations, recipe.max_position_embeddings)
+    ids = token_ids(tokenizer, conversations)
+    prompt_lens = [len(p) for p in token_ids(tokenizer, [_prompt(c) for c in conversations], True)]
     nll, correct, count = 0.0, 0, 0
     for batch in length_batches([len(x) for x in ids], recipe.batch_tokens):
         input_ids, attention_mask = pad([ids[i] for i in batch], tokenizer.pad_token_id)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         targets = input_ids[:, 1:]
-        answer = torch.zeros_like(targets, dtype=torch.bool)  # predicts an answer token
+        answer = torch.zeros_like(targets, dtype=torch.bool)  # [B, T-1]: predicts an answer token
         for row, i in enumerate(batch):
             answer[row, prompt_lens[i] - 1 : len(ids[i]) - 1] = True
         nll -= logp.gather(-1, targets[..., None])[..., 0][answer].sum().item()
@@ -316,17 +336,21 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
     prefix_match, token_match = [], []
     for i in range(min(recipe.eval_greedy_prompts, len(ids))):
         ref = ids[i][prompt_lens[i] :][: recipe.eval_greedy_tokens]
-        out = greedy(model, ids[i][: prompt_lens[i]], len(ref))
-        same = [a == b for a, b in zip(out, ref)]
+        same = [a == b for a, b in zip(greedy(model, ids[i][: prompt_lens[i]], len(ref)), ref)]
+        same += [False] * (len(ref) - len(same))  # stopped early
         prefix_match.append(same.index(False) if False in same else len(same))
         token_match.append(sum(same) / len(ref))
     return {
         "loss": round(nll / count, 4),
         "top1": round(correct / count, 4),
-        "greedy_prefix_match": round(sum(prefix_match) / len(prefix_match), 2),
-        "greedy_token_match": round(sum(token_match) / len(token_match), 4),
+        "greedy_prefix_match": round(sum(prefix_match) / max(1, len(prefix_match)), 2),
+        "greedy_token_match": round(sum(token_match) / max(1, len(token_match)), 4),
         "answer_tokens": count,
     }
+
+
+def _prompt(conversation: dict) -> dict:
+    return {"messages": conversation["messages"][:-1]}
 
 
 @torch.no_grad()

@@ -15,8 +15,9 @@ Splits (`write_splits`), JSONL in OpenAI messages form:
     train.jsonl         the training conversations
     heldout.jsonl       functions never seen in training, same system prompt
     other_system.jsonl  the held-out functions under OTHER_SYSTEM_PROMPT (unseen in training)
-    long_prompt.jsonl   held-out requests preceded by several other held-out functions
-                        as context: prompts several times the training length
+    long_prompt.jsonl   held-out requests after several earlier turns (other held-out
+                        functions asked and answered): prompts several times the
+                        length of a training conversation
 
 Deterministic for a given Python version (the standard library differs between
 versions, so the corpus does too): files and functions are visited in sorted
@@ -54,6 +55,7 @@ _SKIP_DIRS = {
 }
 _MAX_CODE_CHARS = 800  # keeps a conversation under ~384 tokens of the demo tokenizer
 _MIN_CODE_CHARS = 80
+_MIN_FUNCTIONS = 1000
 
 _REQUESTS = (
     "Write a Python function `{name}{signature}` that {summary_lc}",
@@ -75,6 +77,7 @@ class Function:
 
 
 def stdlib_root() -> Path:
+    """The running interpreter's standard library directory."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -147,20 +150,20 @@ def answer(fn: Function) -> str:
     return f"Here is `{fn.name}`:\n\n```python\n{fn.code}\n```"
 
 
-def conversation(fn: Function, rng: random.Random, system: str = SYSTEM_PROMPT, context: str = "") -> dict:
-    return {
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": context + request(fn, rng)},
-            {"role": "assistant", "content": answer(fn)},
-        ]
-    }
+def conversation(fns: list[Function], rng: random.Random, system: str = SYSTEM_PROMPT) -> dict:
+    """One conversation asking for each function in turn (one turn per function)."""
+    messages = [{"role": "system", "content": system}]
+    for fn in fns:
+        messages += [{"role": "user", "content": request(fn, rng)}, {"role": "assistant", "content": answer(fn)}]
+    return {"messages": messages}
 
 
-def long_context(others: list[Function]) -> str:
-    """Several functions shown before the request (the long-prompt split)."""
-    blocks = "\n\n".join(f"# from {fn.module}\n{fn.code}" for fn in others)
-    return f"Here is some code for context:\n\n```python\n{blocks}\n```\n\n"
+def merge(conversations: list[dict]) -> dict:
+    """Consecutive single-turn conversations as one multi-turn conversation (the first system prompt)."""
+    messages = list(conversations[0]["messages"])
+    for c in conversations[1:]:
+        messages += [m for m in c["messages"] if m["role"] != "system"]
+    return {"messages": messages}
 
 
 @dataclass(frozen=True)
@@ -168,25 +171,28 @@ class CorpusSpec:
     heldout: int = 200
     max_train: int = 2400
     long_prompts: int = 48
-    long_context_functions: int = 10  # ~10 x 350 chars of code before the request
+    long_prompt_turns: int = 6  # earlier turns before the request: ~6 x 180 tokens of history
 
 
 def make_splits(functions: list[Function], spec: CorpusSpec, seed: int) -> dict[str, list[dict]]:
     """Deterministic train / heldout / other_system / long_prompt conversations."""
+    if len(functions) < _MIN_FUNCTIONS:  # e.g. a zipped or stripped standard library
+        raise RuntimeError(
+            f"only {len(functions)} usable functions found under {stdlib_root()}; the demo corpus needs "
+            f"the standard library's .py sources (a full CPython install has ~2700)"
+        )
     rng = random.Random(seed)
     order = list(functions)
     rng.shuffle(order)
     held, train = order[: spec.heldout], order[spec.heldout : spec.heldout + spec.max_train]
-    if len(train) < 100:
-        raise RuntimeError(f"only {len(functions)} usable functions found in {stdlib_root()}; need a full stdlib")
     long_prompt = []
     for i, fn in enumerate(held[: spec.long_prompts]):
-        others = [held[(i + 1 + j) % len(held)] for j in range(spec.long_context_functions)]
-        long_prompt.append(conversation(fn, rng, context=long_context(others)))
+        history = [held[(i + 1 + j) % len(held)] for j in range(spec.long_prompt_turns)]
+        long_prompt.append(conversation(history + [fn], rng))
     return {
-        "train": [conversation(fn, rng) for fn in train],
-        "heldout": [conversation(fn, rng) for fn in held],
-        "other_system": [conversation(fn, rng, system=OTHER_SYSTEM_PROMPT) for fn in held],
+        "train": [conversation([fn], rng) for fn in train],
+        "heldout": [conversation([fn], rng) for fn in held],
+        "other_system": [conversation([fn], rng, system=OTHER_SYSTEM_PROMPT) for fn in held],
         "long_prompt": long_prompt,
     }
 
@@ -201,5 +207,6 @@ def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL split."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -23,8 +23,9 @@ Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`; the template is our
   declared before it as `<|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>`;
 * assistant content is preceded by its reasoning (the message field
   `reasoning_content`, or `reasoning`) as `<think>{reasoning}</think>`; turns that are
-  history get an empty `<think></think>`; tool calls follow the content as
-  `<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>...<|tool_calls_section_end|>`;
+  history get an empty `<think></think>`; tool calls follow the content, in
+  `<|tool_calls_section_begin|>...<|tool_calls_section_end|>`, each as
+  `<|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`;
 * `add_generation_prompt` appends `<|im_assistant|>assistant<|im_middle|><think>`
   (`<think></think>` with `thinking=False`, Kimi's instant mode).
 
@@ -45,9 +46,8 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerFast
 
 KIMI_MINI_VOCAB = 512  # BPE ids before the special tokens
-KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-# In Kimi's order (its ids 163584..); the tokenizer adds them after the BPE vocabulary.
+# Kimi's special tokens (its ids 163584 and up); added after the BPE vocabulary.
 KIMI_SPECIAL_TOKENS = (
     "[BOS]",
     "[EOS]",
@@ -70,8 +70,11 @@ KIMI_SPECIAL_TOKENS = (
     "[UNK]",
     "[PAD]",
 )
+_NAMED_SPECIAL_TOKENS = ("[BOS]", "<|im_end|>", "[UNK]", "[PAD]")  # bos, eos, unk, pad
 
 KIMI_CHAT_TEMPLATE = """
+{%- set default_system = 'You are Kimi, an AI assistant created by Moonshot AI.' -%}
+
 {%- macro render_content(content) -%}
   {%- if content is string -%}
     {{- content -}}
@@ -115,7 +118,7 @@ KIMI_CHAT_TEMPLATE = """
   {{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}
 {%- endif -%}
 {%- if not messages or messages[0].role != 'system' -%}
-  {{- '<|im_system|>system<|im_middle|>""" + KIMI_DEFAULT_SYSTEM_PROMPT + """<|im_end|>' -}}
+  {{- '<|im_system|>system<|im_middle|>' + default_system + '<|im_end|>' -}}
 {%- endif -%}
 
 {%- for message in messages -%}
@@ -194,7 +197,7 @@ def build_kimi_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         unk_token="[UNK]",
         pad_token="[PAD]",
-        additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in ("[BOS]", "<|im_end|>", "[UNK]", "[PAD]")],
+        additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in _NAMED_SPECIAL_TOKENS],
         chat_template=KIMI_CHAT_TEMPLATE,
         model_max_length=262144,
     )

@@ -32,6 +32,7 @@ def overrides(root: Path, store: str, aux=(1, 3, 4)) -> list[str]:
     return [
         "recipe=demo",
         "target.builtin=null",
+        "target.name=null",
         f"target.path={root / 'target'}",
         "target.dtype=float32",
         f"data.prepared_dir={root / 'data'}",

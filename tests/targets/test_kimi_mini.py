@@ -18,7 +18,7 @@ def mini():
 
 
 def test_loads_offline_as_deepseek_v3_with_the_kimi_tokenizer(mini):
-    path, model, tok = mini
+    _, model, tok = mini
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert model.config.vocab_size == len(tok)
     assert model.config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")

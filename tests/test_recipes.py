@@ -1,0 +1,78 @@
+"""Every recipe composes; the demo and the miniature Kimi recipes run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle31.config import DrafterConfig, load_target_config
+from eagle31.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
+
+
+def test_the_expected_recipes_exist():
+    assert {"demo", "kimi_k26", "kimi_k26_mini", "llama31_8b", "qwen3_8b"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_recipe_composes_and_names_itself(name):
+    cfg = load_recipe(RECIPES, [f"recipe={name}"])
+    assert cfg.name == name
+    assert cfg.output_dir == f"runs/{name}"
+    assert cfg.train.ttt_length >= 1 and cfg.features.mode in ("online", "store")
+
+
+@pytest.mark.parametrize("name, layers, aux", [("kimi_k26", 61, (2, 30, 58)), ("llama31_8b", 32, (2, 16, 29)), ("qwen3_8b", 36, (2, 18, 33))])
+def test_gpu_recipes_ship_their_target_config(name, layers, aux):
+    cfg = load_recipe(RECIPES, [f"recipe={name}"])
+    target = load_target_config(cfg.target.config)
+    overrides = {k: v for k, v in dict(cfg.drafter).items() if k in {f for f in DrafterConfig.__dataclass_fields__} and v is not None}
+    if overrides.get("aux_layer_ids"):
+        overrides["aux_layer_ids"] = tuple(overrides["aux_layer_ids"])
+    drafter = DrafterConfig.from_target_config(target, **overrides)
+    assert drafter.target_num_layers == layers and drafter.aux_layer_ids == aux
+    assert drafter.fc_norm and drafter.norm_output
+
+
+def train_main(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(REPO / "train" / "main.py"), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_demo_recipe_end_to_end(tmp_path):
+    """`python train/main.py` (recipe=demo): prepare -> features -> train -> export -> acceptance."""
+    out = tmp_path / "demo"
+    proc = train_main(f"output_dir={out}", "logging.wandb.mode=offline")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"run directory: {out}" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    print(f"demo: tau_sim {report['tau_sim']:.2f}, acc {report['acc']}, wall {report['wall_time_s']:.0f} s")
+    assert report["tau_sim"] > 1.5  # the drafter learns the target (2.96 measured when recorded)
+    real = {r["split"]: r["tau"] for r in report["acceptance"]["results"]}
+    print(f"real acceptance (k=3): {real}")
+    assert set(real) == {"heldout", "other_system", "long_prompt"}
+    assert real["heldout"] > 1.5
+    for fmt in ("eagle3", "speculators"):
+        assert (out / "export" / fmt / "model.safetensors").is_file()
+    assert (out / "acceptance" / "acceptance.png").is_file()
+    assert list((out / "wandb").glob("offline-run-*")), "wandb logs offline by default"
+
+
+@pytest.mark.slow
+def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
+    out = tmp_path / "kimi"
+    proc = train_main("recipe=kimi_k26_mini", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 8
+    config = json.loads((out / "export" / "eagle3" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["rope_scaling"]["rope_type"] == "yarn"

@@ -1,0 +1,94 @@
+"""The training loop in-process: non-finite steps, logging, secrets."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from eagle31.bench import synthetic_batch
+from eagle31.distributed import World
+from eagle31.loss import TargetHead
+from eagle31.metrics_log import RunLogger, redact_secrets
+from eagle31.recipe import TrainConfig
+from eagle31.trainer import Trainer, TrainingDiverged, lr_lambda
+from tests.helpers import tiny_drafter
+
+WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+class ListLoader:
+    """A loader of fixed batches with the FeatureLoader position interface."""
+
+    def __init__(self, batches):
+        self.batches, self.position = batches, 0
+
+    def __iter__(self):
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def make_trainer(tmp_path, batches, **train):
+    drafter = tiny_drafter(seed=0, dtype=torch.float32)
+    cfg = TrainConfig(ttt_length=2, warmup_steps=1, max_steps=4, log_every=1, eval_every=0, save_every=0, **train)
+    head = TargetHead(torch.randn(drafter.config.vocab_size, drafter.config.hidden_size), drafter.draft_token_ids())
+    return Trainer(cfg, WORLD, tmp_path, drafter, head, ListLoader(batches), None, torch.float32)
+
+
+def logger(tmp_path, steps=4):
+    return RunLogger(tmp_path, {}, total_steps=steps, start_step=0, is_main=True, wandb_mode="disabled", progress=False)
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+    cfg = tiny_drafter(dtype=torch.float32).config
+    good = synthetic_batch(cfg, 12, seed=1)
+    bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
+    trainer = make_trainer(tmp_path, [bad], max_nonfinite_steps=3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.warns(UserWarning, match="non-finite"), pytest.raises(TrainingDiverged, match="3 non-finite steps"):
+        trainer.fit(logger(tmp_path))
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed on a skipped step"
+    assert trainer.state.nonfinite_streak == 3
+
+
+def test_a_finite_step_resets_the_streak_and_training_goes_on(tmp_path):
+    cfg = tiny_drafter(dtype=torch.float32).config
+    good = synthetic_batch(cfg, 12, seed=1)
+    bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
+    trainer = make_trainer(tmp_path, [bad, good], max_nonfinite_steps=2)
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(logger(tmp_path))
+    assert trainer.state.step == 4 and trainer.state.nonfinite_streak == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3, 4]
+
+
+def test_warmup_then_cosine():
+    f = lr_lambda(warmup_steps=10, max_steps=110, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+
+
+def test_secrets_are_redacted_from_logged_configs():
+    cfg = {"logging": {"wandb": {"api_key": "abc123", "mode": "offline"}}, "hub": {"token": "hf_xyz", "license": "mit"}, "data": {"source": ["a"]}}
+    red = redact_secrets(cfg)
+    assert "abc123" not in json.dumps(red) and "hf_xyz" not in json.dumps(red)
+    assert red["hub"]["license"] == "mit" and red["data"] == {"source": ["a"]}
+
+
+def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
+    from eagle31.model import MLP, RMSNorm
+
+    cfg = tiny_drafter(dtype=torch.float32).config
+    trainer = make_trainer(tmp_path, [synthetic_batch(cfg, 8)], compile=True)
+    blocks = [m for m in trainer.model.modules() if isinstance(m, (RMSNorm, MLP))]
+    assert blocks and all(m._compiled_call_impl is not None for m in blocks)
