@@ -35,15 +35,23 @@ from eagle31.config import ConfigError
 from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
-# The one difference between the two drafters: EAGLE 3 is EAGLE 3.1 with both switches off.
-VARIANTS = {"eagle3": ["drafter.fc_norm=false", "drafter.norm_output=false"], "eagle31": []}
-NAMES = {"eagle3": "EAGLE 3", "eagle31": "EAGLE 3.1"}
+# The one difference between the drafters: EAGLE 3 is EAGLE 3.1 with both switches off;
+# the two single-switch variants are the ablation (variants=eagle3,fc_norm,norm_output,eagle31).
+VARIANTS = {
+    "eagle3": ["drafter.fc_norm=false", "drafter.norm_output=false"],
+    "fc_norm": ["drafter.norm_output=false"],
+    "norm_output": ["drafter.fc_norm=false"],
+    "eagle31": [],
+}
+NAMES = {"eagle3": "EAGLE 3", "fc_norm": "+fc_norm only", "norm_output": "+norm_output only", "eagle31": "EAGLE 3.1"}
+COLORS = {"eagle3": "tab:orange", "fc_norm": "tab:green", "norm_output": "tab:purple", "eagle31": "tab:blue"}
 
 
 @dataclass
 class CompareConfig:
     out: str = "benchmarks/results/eagle3_vs_eagle31"
     runs: str = "runs/compare"
+    variants: str = "eagle3,eagle31"  # of VARIANTS
     seeds: str = "0,1"
     ttt_lengths: str = "5,7"  # train.ttt_length of the drafters (5: the demo recipe's)
     ks: str = "3,5,7"  # draft tokens per round in the evaluation; every drafter at every k
@@ -62,6 +70,9 @@ class CompareConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not self.splits_list:
             raise ConfigError("splits= names no split")
+        unknown = [v for v in self.variants_list if v not in VARIANTS]
+        if unknown or not self.variants_list:
+            raise ConfigError(f"variants must list some of {', '.join(VARIANTS)}, got {self.variants!r}")
 
     def _ints(self, name: str) -> list[int]:
         try:
@@ -76,6 +87,7 @@ class CompareConfig:
     ttt_lengths_list = property(lambda self: self._ints("ttt_lengths"))
     ks_list = property(lambda self: self._ints("ks"))
     splits_list = property(lambda self: [s.strip() for s in self.splits.split(",") if s.strip()])
+    variants_list = property(lambda self: [v.strip() for v in self.variants.split(",") if v.strip()])
 
 
 # ---------------------------------------------------------------------------- commands
@@ -105,7 +117,7 @@ def train_command(cfg: CompareConfig, variant: str, ttt: int, seed: int) -> list
 
 def eval_command(cfg: CompareConfig, ttt: int, k: int, target: Path, corpus: Path) -> list[str]:
     """One evaluation: every drafter of one TTT length, every split, chain drafting with k tokens."""
-    drafters = [f"{run_name(v, ttt, s)}={cfg.runs}/{run_name(v, ttt, s)}/drafter" for v in VARIANTS for s in cfg.seeds_list]
+    drafters = [f"{run_name(v, ttt, s)}={cfg.runs}/{run_name(v, ttt, s)}/drafter" for v in cfg.variants_list for s in cfg.seeds_list]
     return [
         "python", "scripts/eval_acceptance.py",
         "drafter=" + ",".join(drafters),
@@ -125,7 +137,7 @@ def plan(cfg: CompareConfig, target: Path, corpus: Path) -> list[tuple[list[str]
     steps = []
     for ttt in cfg.ttt_lengths_list:
         for seed in cfg.seeds_list:
-            for variant in VARIANTS:
+            for variant in cfg.variants_list:
                 steps.append((train_command(cfg, variant, ttt, seed), Path(cfg.runs) / run_name(variant, ttt, seed) / "report.json"))
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
@@ -157,7 +169,7 @@ def summarize(cfg: CompareConfig) -> dict:
     """Every run's report and every evaluation, with the mean over seeds per (TTT, k, split, variant)."""
     training = []
     for ttt in cfg.ttt_lengths_list:
-        for variant in VARIANTS:
+        for variant in cfg.variants_list:
             for seed in cfg.seeds_list:
                 report = json.loads((ROOT / cfg.runs / run_name(variant, ttt, seed) / "report.json").read_text())
                 keys = ("tau_sim", "acc", "eval_loss", "train_time_s", "steps", "tokens_seen")
@@ -167,7 +179,7 @@ def summarize(cfg: CompareConfig) -> dict:
         for k in cfg.ks_list:
             results = json.loads((ROOT / eval_dir(cfg, ttt, k) / "acceptance.json").read_text())["results"]
             for split in cfg.splits_list:
-                for variant in VARIANTS:
+                for variant in cfg.variants_list:
                     rows = [r for r in results if r["split"] == split and parse_run_name(r["drafter"])[0] == variant]
                     acceptance.append(mean_over_seeds(rows, ttt, k, split, variant))
     import torch
@@ -194,6 +206,41 @@ def mean_over_seeds(rows: list[dict], ttt: int, k: int, split: str, variant: str
         "prompts": rows[0]["prompts"],
         "mean_prompt_tokens": rows[0]["mean_prompt_tokens"],
     }  # fmt: skip
+
+
+def feature_scale(cfg: CompareConfig, target: Path, corpus: Path, trained_len: int = 384) -> dict:
+    """RMS of the target features the drafter reads, by split and prompt position (what fc_norm normalises).
+
+    Per split (its first 16 prompts): mean over positions of each aux layer's RMS, and of `final`
+    (lm_head's input), for positions below the drafter's training length (the demo's
+    data.max_len) and at or beyond it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle31.acceptance import load_prompts
+    from eagle31.config import DrafterConfig, load_target_config
+    from eagle31.data.capture import TargetFeatures
+
+    aux_ids = DrafterConfig.from_target_config(load_target_config(target)).aux_layer_ids
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.set_num_threads(cfg.threads)
+    out = {"aux_layer_ids": list(aux_ids), "trained_len": trained_len, "splits": {}}
+    names = [f"aux layer {i}" for i in aux_ids] + ["final"]
+    with TargetFeatures(model, aux_ids) as features:
+        for split in cfg.splits_list:
+            sums = {name: {"below": [0.0, 0], "beyond": [0.0, 0]} for name in names}
+            for prompt in load_prompts(corpus / f"{split}.jsonl", tokenizer, 16):
+                aux, final = features.capture(torch.tensor([prompt]))  # [1, T, n*Ht], [1, T, Ht]
+                chunks = list(aux[0].chunk(len(aux_ids), dim=-1)) + [final[0]]
+                for name, h in zip(names, chunks):
+                    rms = h.pow(2).mean(-1).sqrt()  # [T]
+                    for part, values in (("below", rms[:trained_len]), ("beyond", rms[trained_len:])):
+                        sums[name][part][0] += values.sum().item()
+                        sums[name][part][1] += values.numel()
+            out["splits"][split] = {n: {p: (t / c if c else None) for p, (t, c) in parts.items()} for n, parts in sums.items()}
+    return out
 
 
 def cpu_name() -> str:
@@ -223,12 +270,20 @@ def format_results(summary: dict) -> str:
     for t in summary["training"]:
         out.append(f"| {NAMES[t['variant']]} | {t['ttt_length']} | {t['seed']} | {t['tau_sim']:.3f} | {t['eval_loss']:.4f} | {t['train_time_s']:.0f} |")
     out += ["", f"Acceptance length tau, greedy speculative decoding (mean over seeds; per seed: {seeds}):", ""]
-    out += ["| ttt_length | k | split | prompts | prompt tok | EAGLE 3 tau | EAGLE 3.1 tau | 3.1 − 3 |", "|---|---|---|---|---|---|---|---|"]
+    variants = cfg.variants_list
+    delta = "eagle3" in variants and "eagle31" in variants
+    header = ["ttt_length", "k", "split", "prompts", "prompt tok"] + [f"{NAMES[v]} tau" for v in variants] + (["3.1 − 3"] if delta else [])
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
             for split in cfg.splits_list:
-                a, b = (_by(summary, ttt, k, split, v) for v in VARIANTS)
-                out.append(f"| {ttt} | {k} | {split} | {a['prompts']} | {a['mean_prompt_tokens']:.0f} | {_tau_cell(a)} | {_tau_cell(b)} | {b['tau_mean'] - a['tau_mean']:+.3f} |")
+                rows = {v: _by(summary, ttt, k, split, v) for v in variants}
+                first = rows[variants[0]]
+                cells = [str(ttt), str(k), split, str(first["prompts"]), f"{first['mean_prompt_tokens']:.0f}"]
+                cells += [_tau_cell(rows[v]) for v in variants]
+                if delta:
+                    cells.append(f"{rows['eagle31']['tau_mean'] - rows['eagle3']['tau_mean']:+.3f}")
+                out.append("| " + " | ".join(cells) + " |")
     positions = max(cfg.ks_list)
     out += ["", "Acceptance rate per draft position (vLLM's, unconditional; mean over seeds):", ""]
     out += ["| ttt_length | k | split | variant | " + " | ".join(f"acc@{i + 1}" for i in range(positions)) + " |"]
@@ -236,11 +291,24 @@ def format_results(summary: dict) -> str:
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
             for split in cfg.splits_list:
-                for v in VARIANTS:
+                for v in cfg.variants_list:
                     rates = _by(summary, ttt, k, split, v)["acceptance_rate_mean"]
                     cells = [f"{r:.3f}" for r in rates] + [""] * (positions - len(rates))
                     out.append(f"| {ttt} | {k} | {split} | {NAMES[v]} | " + " | ".join(cells) + " |")
+    if "feature_scale" in summary:
+        out += ["", format_feature_scale(summary["feature_scale"])]
     return "\n".join(out)
+
+
+def format_feature_scale(scale: dict) -> str:
+    n = scale["trained_len"]
+    names = list(next(iter(scale["splits"].values())))
+    lines = [f"RMS of the target features per prompt position (first 16 prompts of each split), at positions below {n} (the training length) / from {n} on:", ""]
+    lines += ["| split | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    for split, values in scale["splits"].items():
+        cells = [" / ".join("–" if values[m][p] is None else f"{values[m][p]:.2f}" for p in ("below", "beyond")) for m in names]
+        lines.append(f"| {split} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot_results(summary: dict, path: Path) -> None:
@@ -251,20 +319,19 @@ def plot_results(summary: dict, path: Path) -> None:
     splits, ks, ttts = cfg.splits_list, cfg.ks_list, cfg.ttt_lengths_list
     fig = Figure(figsize=(4.2 * len(splits), 7.2), layout="constrained")
     axes = fig.subplots(2, len(splits), sharey="row", squeeze=False)
-    colors = {"eagle3": "tab:orange", "eagle31": "tab:blue"}
     styles = ["-", "--", ":", "-."]
     for col, split in enumerate(splits):
         top, bottom = axes[0][col], axes[1][col]
-        for v in VARIANTS:
+        for v in cfg.variants_list:
             for i, ttt in enumerate(ttts):
                 rows = [_by(summary, ttt, k, split, v) for k in ks]
                 mean = [r["tau_mean"] for r in rows]
                 low = [m - min(r["tau"]) for m, r in zip(mean, rows)]
                 high = [max(r["tau"]) - m for m, r in zip(mean, rows)]
                 label = f"{NAMES[v]}, ttt {ttt}"
-                top.errorbar(ks, mean, yerr=[low, high], color=colors[v], ls=styles[i % 4], marker="o", capsize=3, label=label)
+                top.errorbar(ks, mean, yerr=[low, high], color=COLORS[v], ls=styles[i % 4], marker="o", capsize=3, label=label)
                 rates = _by(summary, ttt, max(ks), split, v)["acceptance_rate_mean"]
-                bottom.plot(range(1, len(rates) + 1), rates, color=colors[v], ls=styles[i % 4], marker="o", label=label)
+                bottom.plot(range(1, len(rates) + 1), rates, color=COLORS[v], ls=styles[i % 4], marker="o", label=label)
         top.set_title(f"{split} ({rows[0]['mean_prompt_tokens']:.0f} prompt tokens)")
         top.set_xlabel("k (draft tokens per round)")
         top.set_xticks(ks)
@@ -297,6 +364,7 @@ def main(argv: list[str]) -> int:
         return 0
     execute(cfg, steps)
     summary = summarize(cfg)
+    summary["feature_scale"] = feature_scale(cfg, ensure_demo_target(), demo_corpus_dir())
     out = ROOT / cfg.out
     atomic_write_json(out / "summary.json", summary)
     table = format_results(summary)

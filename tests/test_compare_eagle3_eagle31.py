@@ -21,6 +21,9 @@ def test_the_two_drafters_differ_only_in_the_eagle31_switches():
     assert differ == {"output_dir=r/eagle3-ttt6-s3", "output_dir=r/eagle31-ttt6-s3", "drafter.fc_norm=false", "drafter.norm_output=false"}
     for arg in ("recipe=demo", "seed=3", "train.ttt_length=6", "train.max_steps=40", "data.prepared_dir=r/data", "eval.enabled=false"):
         assert arg in eagle3 and arg in eagle31
+    # the ablation: one switch each
+    assert set(script["train_command"](cfg, "fc_norm", 6, 3)) - set(eagle31) == {"output_dir=r/fc_norm-ttt6-s3", "drafter.norm_output=false"}
+    assert set(script["train_command"](cfg, "norm_output", 6, 3)) - set(eagle31) == {"output_dir=r/norm_output-ttt6-s3", "drafter.fc_norm=false"}
 
 
 def test_plan_trains_every_drafter_before_evaluating_each_k(tmp_path):
@@ -36,7 +39,7 @@ def test_plan_trains_every_drafter_before_evaluating_each_k(tmp_path):
     assert script["parse_run_name"]("eagle31-ttt7-s1") == ("eagle31", 7, 1)
 
 
-@pytest.mark.parametrize("arg, message", [("ks=3,x", "ks must be"), ("ttt_lengths=0", "positive"), ("max_prompts=0", "max_prompts"), ("splits=,", "no split")])
+@pytest.mark.parametrize("arg, message", [("ks=3,x", "ks must be"), ("ttt_lengths=0", "positive"), ("max_prompts=0", "max_prompts"), ("splits=,", "no split"), ("variants=eagle4", "variants must")])
 def test_bad_arguments_are_one_line_errors(arg, message):
     with pytest.raises(ConfigError, match=message):
         parse_key_values([arg], CompareConfig)
@@ -59,3 +62,41 @@ def test_tables_and_plot_from_a_summary(tmp_path):
     assert "| 5 | 2 | heldout | EAGLE 3.1 | 0.800 | 0.400 |  |" in table
     script["plot_results"](summary, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_of_four_variants_and_feature_scale(tmp_path):
+    variants = ("eagle3", "fc_norm", "norm_output", "eagle31")
+    cfg = parse_key_values(["seeds=0", "ttt_lengths=5", "ks=2", "splits=heldout", "variants=" + ",".join(variants)], CompareConfig)
+    training = [{"variant": v, "ttt_length": 5, "seed": 0, "tau_sim": 2.5, "acc": [0.7], "eval_loss": 0.5, "train_time_s": 9.0, "steps": 3, "tokens_seen": 1} for v in variants]
+    rows = {v: [{"drafter": f"{v}-ttt5-s0", "tau": 2.0 + i / 10, "acceptance_rate": [0.5, 0.5], "prompts": 4, "mean_prompt_tokens": 50.0}] for i, v in enumerate(variants)}
+    acceptance = [script["mean_over_seeds"](rows[v], 5, 2, "heldout", v) for v in variants]
+    scale = {"aux_layer_ids": [2, 4], "trained_len": 384, "splits": {"heldout": {"aux layer 2": {"below": 9.5, "beyond": None}, "final": {"below": 1.25, "beyond": 1.5}}}}
+    table = script["format_results"]({"settings": vars(cfg), "training": training, "acceptance": acceptance, "feature_scale": scale})
+    assert "| 5 | 2 | heldout | 4 | 50 | 2.000 (2.000) | 2.100 (2.100) | 2.200 (2.200) | 2.300 (2.300) | +0.300 |" in table
+    assert "| heldout | 9.50 / – | 1.25 / 1.50 |" in table
+
+
+@pytest.mark.slow
+def test_feature_scale_is_the_rms_of_the_targets_hidden_states(tmp_path):
+    """The RMS table reads the aux layers' inputs and lm_head's input, split at the training length."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle31.acceptance import load_prompts
+    from eagle31.targets.demo import demo_corpus_dir, ensure_demo_target
+
+    target = ensure_demo_target()
+    (tmp_path / "long_prompt.jsonl").write_text((demo_corpus_dir() / "long_prompt.jsonl").read_text().splitlines()[0] + "\n")
+    cfg = parse_key_values(["splits=long_prompt"], CompareConfig)
+    scale = script["feature_scale"](cfg, target, tmp_path, trained_len=100)
+    [prompt] = load_prompts(tmp_path / "long_prompt.jsonl", AutoTokenizer.from_pretrained(target), 16)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # [layers + 1] x [1, T, H]
+    rms = lambda h: h[0].pow(2).mean(-1).sqrt()  # noqa: E731
+    for layer in scale["aux_layer_ids"]:  # aux id k: the input of decoder layer k (vLLM's convention)
+        expected = rms(hidden[layer])
+        got = scale["splits"]["long_prompt"][f"aux layer {layer}"]
+        assert got["below"] == pytest.approx(expected[:100].mean().item(), rel=1e-4)
+        assert got["beyond"] == pytest.approx(expected[100:].mean().item(), rel=1e-4)
+    assert scale["splits"]["long_prompt"]["final"]["beyond"] == pytest.approx(rms(hidden[-1])[100:].mean().item(), rel=1e-4)
