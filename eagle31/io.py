@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,9 +22,8 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `dest`; on success rename it to `dest`."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path = _unique_sibling(dest)
+    os.close(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as to any file
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
@@ -41,7 +40,8 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = _unique_sibling(dest)
+    tmp.mkdir(0o777)  # the umask applies (tempfile's 0o700 would hide exports from other users)
     try:
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
@@ -52,6 +52,11 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unique_sibling(dest: Path) -> Path:
+    """A fresh hidden name beside `dest` (`.name.tmp-<random>`), unlikely to collide; O_EXCL / mkdir check it."""
+    return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
 
 
 def fsync_dir(path: Path) -> None:

@@ -14,14 +14,12 @@ once and the others wait, and a killed build leaves no half-written target.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
 
-from eagle31.io import fsync_dir
+from eagle31.io import atomic_dir
 
 
 def cache_dir() -> Path:
@@ -50,13 +48,6 @@ def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
     dest = Path(dest)
     if dest.exists():
         raise FileExistsError(f"{dest} already exists; remove it first")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model folder is readable like any other
-    try:
+    with atomic_dir(dest) as tmp:
         build(tmp)
-        os.rename(tmp, dest)
-        fsync_dir(dest.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -1,0 +1,57 @@
+"""Atomic writes: all or nothing, no leftovers, ordinary permissions; checksums."""
+
+import hashlib
+import os
+import stat
+
+import pytest
+
+from eagle31.io import atomic_dir, atomic_path, atomic_write_json, atomic_write_text, sha256_file
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    dest = tmp_path / "a.json"
+    atomic_write_json(dest, {"v": 1})
+    with pytest.raises(RuntimeError), atomic_path(dest) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+    assert dest.read_text() == '{\n  "v": 1\n}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_a_failed_directory_leaves_the_old_one(tmp_path):
+    dest = tmp_path / "d"
+    with atomic_dir(dest) as tmp:
+        (tmp / "x").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(dest) as tmp:
+        (tmp / "x").write_text("new")
+        raise RuntimeError("killed")
+    assert (dest / "x").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["d"]
+    with atomic_dir(dest) as tmp:  # success replaces it whole
+        (tmp / "y").write_text("new")
+    assert [p.name for p in dest.iterdir()] == ["y"] and [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_written_files_and_directories_follow_the_umask(tmp_path, umask_022):
+    """Exports and checkpoints must be readable by other users (a vLLM server under another account)."""
+    atomic_write_text(tmp_path / "f.txt", "x")
+    with atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "g").write_text("y")
+    assert mode(tmp_path / "f.txt") == 0o644 and mode(tmp_path / "d") == 0o755
+
+
+def test_sha256_reads_in_chunks(tmp_path):
+    data = os.urandom(10_000)
+    (tmp_path / "b").write_bytes(data)
+    assert sha256_file(tmp_path / "b", chunk=4096) == hashlib.sha256(data).hexdigest()
