@@ -267,7 +267,11 @@ def train_run(plan: RunPlan) -> dict | None:
         final = trainer.fit(logger)
     finally:
         logger.close()
-    state = trainer.full_drafter_state()  # a collective: every rank takes part
+    state = trainer.full_drafter_state()  # the last collective: every rank takes part
+    # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
+    # that tore down gloo while rank 0 was still exporting aborted once (SIGABRT at exit).
+    barrier()
+    close_world()
     if not world.is_main:
         return None
     trained = Eagle31Drafter(drafter_cfg)  # `drafter` itself is sharded in place under FSDP
