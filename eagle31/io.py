@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,8 +25,10 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = _unique_sibling(dest)
     os.close(os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as to any file
+    mode = stat.S_IMODE(tmp_path.stat().st_mode)
     try:
         yield tmp_path
+        os.chmod(tmp_path, mode)  # a writer that recreates the file (safetensors does) made it 0600
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, dest)

@@ -5,8 +5,10 @@ import os
 import stat
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from eagle31.io import atomic_dir, atomic_path, atomic_write_json, atomic_write_text, sha256_file
+from eagle31.io import atomic_dir, atomic_path, atomic_save_safetensors, atomic_write_json, atomic_write_text, sha256_file
 
 
 @pytest.fixture
@@ -46,9 +48,10 @@ def test_a_failed_directory_leaves_the_old_one(tmp_path):
 def test_written_files_and_directories_follow_the_umask(tmp_path, umask_022):
     """Exports and checkpoints must be readable by other users (a vLLM server under another account)."""
     atomic_write_text(tmp_path / "f.txt", "x")
+    atomic_save_safetensors({"w": torch.zeros(2)}, tmp_path / "m.safetensors", save_file)  # it recreates the file
     with atomic_dir(tmp_path / "d") as tmp:
         (tmp / "g").write_text("y")
-    assert mode(tmp_path / "f.txt") == 0o644 and mode(tmp_path / "d") == 0o755
+    assert mode(tmp_path / "f.txt") == 0o644 and mode(tmp_path / "m.safetensors") == 0o644 and mode(tmp_path / "d") == 0o755
 
 
 def test_sha256_reads_in_chunks(tmp_path):
