@@ -229,17 +229,21 @@ def rope_parameters_from(t: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def load_target_config(path: str | Path) -> dict[str, Any]:
-    """Read a target's `config.json` (a file or a model directory) as a dict."""
+def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON file as a dict; a missing or malformed file is a one-line ConfigError naming `what` and the path."""
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
     if not p.is_file():
-        raise ConfigError(f"target config not found: {p}")
+        raise ConfigError(f"{what} not found: {p}")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"target config {p} is not valid JSON: {e}") from None
+        raise ConfigError(f"{what} {p} is not valid JSON: {e}") from None
+
+
+def load_target_config(path: str | Path) -> dict[str, Any]:
+    """Read a target's `config.json` (a file or a model directory) as a dict."""
+    p = Path(path)
+    return read_json_config(p / "config.json" if p.is_dir() else p, "target config")
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:

@@ -50,7 +50,6 @@ Weights are read from `*.safetensors`, or from a legacy `pytorch_model.bin` with
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,7 +57,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, rope_parameters_from
+from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
 from eagle31.export import native_key
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter
 
@@ -85,7 +84,7 @@ def load_drafter(
     checkpoint says or lacks.
     """
     path = Path(path)
-    meta = read_config_json(path)
+    meta = read_json_config(path / "config.json", "drafter config")
     fmt = detect_format(meta, path) if source_format == "auto" else source_format
     if fmt not in SOURCE_FORMATS[1:]:
         raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
@@ -129,16 +128,6 @@ def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Draft
 
 
 # ----------------------------------------------------------------------- config
-
-
-def read_config_json(path: Path) -> dict[str, Any]:
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"no drafter config at {cfg_path}")
-    try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
 
 
 def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
-from eagle31.config import ConfigError
+from eagle31.config import ConfigError, read_json_config
 from eagle31.io import atomic_write_text
 
 CARD_NAME = "README.md"
@@ -44,7 +44,7 @@ def read_export(out_dir: str | Path) -> dict[str, Any]:
     path = out / "config.json"
     if not path.is_file() or not (out / "model.safetensors").is_file():
         raise ConfigError(f"{out} is not an export folder (needs config.json and model.safetensors)")
-    config = json.loads(path.read_text())
+    config = read_json_config(path, "export config")
     if "eagle31" not in config:
         raise ConfigError(f"{path} was not written by eagle31's export (scripts/export.py)")
     return config
@@ -54,11 +54,7 @@ def read_report(run_dir: str | Path | None) -> dict[str, Any] | None:
     """A run's report.json, or None when the run has none."""
     if run_dir is None or not (Path(run_dir) / REPORT_NAME).is_file():
         return None
-    path = Path(run_dir) / REPORT_NAME
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return read_json_config(Path(run_dir) / REPORT_NAME, "run report")
 
 
 def check_repo_id(repo_id: str) -> None:

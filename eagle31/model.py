@@ -9,7 +9,6 @@ computes one drafter step's pieces; `eagle31.ttt` unrolls them over K steps and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle31.config import ConfigError, DrafterConfig
+from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.ttt import ttt_unroll
 
 NATIVE_FORMAT = "eagle31-drafter"
@@ -329,9 +328,7 @@ class Eagle31Drafter(nn.Module):
 
 def read_native_config(path: Path) -> dict:
     cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"no drafter config at {cfg_path}")
-    meta = json.loads(cfg_path.read_text())
+    meta = read_json_config(cfg_path, "drafter config")
     if meta.get("format") != NATIVE_FORMAT:
         raise ConfigError(f"{cfg_path} is not an eagle31 native drafter (format={meta.get('format')!r})")
     return meta

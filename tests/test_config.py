@@ -89,3 +89,16 @@ def test_unknown_override_is_rejected():
     t = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, intermediate_size=128, vocab_size=100)
     with pytest.raises(ConfigError, match="norm_outputs"):
         DrafterConfig.from_target_config(t, norm_outputs=True)
+
+
+def test_missing_or_malformed_config_json_is_one_line_naming_the_file(tmp_path):
+    from eagle31.config import load_target_config
+    from eagle31.convert import load_drafter
+
+    with pytest.raises(ConfigError, match=f"target config not found: {tmp_path}/config.json"):
+        load_target_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    for call, what in ((load_target_config, "target config"), (load_drafter, "drafter config")):
+        with pytest.raises(ConfigError, match=f"{what} {tmp_path}/config.json is not valid JSON") as e:
+            call(tmp_path)
+        assert "\n" not in str(e.value)
