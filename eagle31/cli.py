@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from eagle31.config import ConfigError
+from eagle31.io import ForeignDirectoryError
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -33,7 +34,7 @@ def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[s
 
     try:
         fn(load_recipe(recipes_dir, argv))
-    except ConfigError as e:
+    except (ConfigError, ForeignDirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -3,6 +3,11 @@
 A file is written under a temporary name in the same directory, flushed to
 disk and renamed over the destination, so a reader never sees a partial file
 and a killed writer leaves only a `*.tmp-*` file behind.
+
+Output directories are owned: every directory the project writes carries a marker file
+(`OUTPUT_MARKER`, naming what kind of output it is). A directory is only ever replaced or
+written into when it is empty, missing, or carries our marker of the same kind, so a
+user's folder (one holding their source data, say) is never deleted or mixed with ours.
 """
 
 from __future__ import annotations
@@ -38,14 +43,60 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+OUTPUT_MARKER = ".eagle31-output.json"
+
+
+class ForeignDirectoryError(ValueError):
+    """An output directory exists, is not empty and is not an output of ours (of this kind)."""
+
+
+def output_kind(path: str | Path) -> str | None:
+    """The kind recorded in `path`'s marker, or None when `path` holds no marker of ours."""
+    try:
+        return json.loads((Path(path) / OUTPUT_MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_output_dir(path: str | Path, kind: str) -> None:
+    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty or ours of that kind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
+    if not path.exists() or not any(path.iterdir()):
+        return
+    found = output_kind(path)
+    if found != kind:
+        what = f"a {found} output of eagle31" if found else "files that eagle31 did not write"
+        raise ForeignDirectoryError(
+            f"{path} holds {what}; refusing to write a {kind} output there (choose an empty or new directory)"
+        )
+
+
+def claim_output_dir(path: str | Path, kind: str) -> Path:
+    """Create `path` (or reuse one of ours of the same kind) for in-place writing, and mark it as ours."""
+    path = Path(path)
+    check_output_dir(path, kind)
+    path.mkdir(parents=True, exist_ok=True)
+    if output_kind(path) != kind:
+        atomic_write_json(path / OUTPUT_MARKER, {"kind": kind})
+    return path
+
+
 @contextmanager
-def atomic_dir(dest: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed)."""
+def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed).
+
+    `dest` must be missing, empty, or an output of ours of the same `kind` (`check_output_dir`);
+    the new directory carries the marker, so a later run may replace it again.
+    """
     dest = Path(dest)
+    check_output_dir(dest, kind)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = _unique_sibling(dest)
     tmp.mkdir(0o777)  # the umask applies (tempfile's 0o700 would hide exports from other users)
     try:
+        atomic_write_json(tmp / OUTPUT_MARKER, {"kind": kind})
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
         if dest.exists():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle31.io import atomic_dir, atomic_path, atomic_save_safetensors, atomic_write_json, atomic_write_text, sha256_file
+from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_path, claim_output_dir, atomic_save_safetensors, atomic_write_json, atomic_write_text, sha256_file
 
 
 @pytest.fixture
@@ -34,22 +34,49 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_a_failed_directory_leaves_the_old_one(tmp_path):
     dest = tmp_path / "d"
-    with atomic_dir(dest) as tmp:
+    with atomic_dir(dest, kind="k") as tmp:
         (tmp / "x").write_text("old")
-    with pytest.raises(RuntimeError), atomic_dir(dest) as tmp:
+    with pytest.raises(RuntimeError), atomic_dir(dest, kind="k") as tmp:
         (tmp / "x").write_text("new")
         raise RuntimeError("killed")
     assert (dest / "x").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["d"]
-    with atomic_dir(dest) as tmp:  # success replaces it whole
+    with atomic_dir(dest, kind="k") as tmp:  # success replaces it whole
         (tmp / "y").write_text("new")
-    assert [p.name for p in dest.iterdir()] == ["y"] and [p.name for p in tmp_path.iterdir()] == ["d"]
+    assert sorted(p.name for p in dest.iterdir()) == [OUTPUT_MARKER, "y"] and [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_a_directory_of_the_user_is_never_replaced_or_written_into(tmp_path):
+    user = tmp_path / "project"
+    user.mkdir()
+    (user / "chats.jsonl").write_text("{}")
+    with pytest.raises(ForeignDirectoryError, match="did not write"), atomic_dir(user, kind="prepared-data"):
+        pass
+    with pytest.raises(ForeignDirectoryError, match="did not write"):
+        claim_output_dir(user, "run")
+    assert [p.name for p in user.iterdir()] == ["chats.jsonl"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ForeignDirectoryError, match="not a directory"):
+        claim_output_dir(tmp_path / "file", "run")
+
+
+def test_an_output_of_another_kind_is_refused_and_ours_is_reused(tmp_path):
+    with atomic_dir(tmp_path / "d", kind="prepared-data") as tmp:
+        (tmp / "x").write_text("1")
+    with pytest.raises(ForeignDirectoryError, match="a prepared-data output"), atomic_dir(tmp_path / "d", kind="export"):
+        pass
+    run = claim_output_dir(tmp_path / "run", "run")
+    (run / "metrics.jsonl").write_text("")
+    assert claim_output_dir(run, "run") == run and (run / "metrics.jsonl").exists()
+    with atomic_dir(tmp_path / "d", kind="prepared-data") as tmp:  # ours of this kind: replaced
+        (tmp / "y").write_text("2")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [OUTPUT_MARKER, "y"]
 
 
 def test_written_files_and_directories_follow_the_umask(tmp_path, umask_022):
     """Exports and checkpoints must be readable by other users (a vLLM server under another account)."""
     atomic_write_text(tmp_path / "f.txt", "x")
     atomic_save_safetensors({"w": torch.zeros(2)}, tmp_path / "m.safetensors", save_file)  # it recreates the file
-    with atomic_dir(tmp_path / "d") as tmp:
+    with atomic_dir(tmp_path / "d", kind="k") as tmp:
         (tmp / "g").write_text("y")
     assert mode(tmp_path / "f.txt") == 0o644 and mode(tmp_path / "m.safetensors") == 0o644 and mode(tmp_path / "d") == 0o755
 

@@ -121,7 +121,7 @@ def prepare_dataset(
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
     samples = _samples(read_conversations(sources, dropped), encoder, data_cfg, V, dropped, truncated)
-    with atomic_dir(Path(data_cfg.prepared_dir)) as tmp:
+    with atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
         if _write_arrow(samples, tmp / "all.arrow") == 0:
             raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")
         train, held_out = _split(datasets.Dataset.from_file(str(tmp / "all.arrow")), data_cfg)

@@ -48,6 +48,6 @@ def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
     dest = Path(dest)
     if dest.exists():
         raise FileExistsError(f"{dest} already exists; remove it first")
-    with atomic_dir(dest) as tmp:
+    with atomic_dir(dest, kind="target") as tmp:
         build(tmp)
     return dest
