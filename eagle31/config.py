@@ -110,10 +110,9 @@ class DrafterConfig:
                 f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
             )
-        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
-            raise ConfigError(
-                f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
-            )
+        from eagle31.rope import check  # eagle31.rope raises this module's ConfigError
+
+        check(self.rope_parameters)
 
     # ------------------------------------------------------------ construction
 
@@ -124,9 +123,14 @@ class DrafterConfig:
         Defaults: H, heads, kv heads, intermediate size, eps, rope and max
         positions copied from the target; aux ids `(2, L//2, L-3)`. For
         DeepSeek-V3/Kimi (MLA) targets the drafter is a plain Llama layer with
-        `head_dim = v_head_dim`, as the published Kimi EAGLE-3 drafters are.
+        `head_dim = v_head_dim`, as the published Kimi EAGLE-3 drafters are. The
+        rope is the target's without DeepSeek's yarn magnitude fields
+        (`eagle31.rope.for_llama_drafter`), so that transformers and vLLM read it
+        alike; a block they still read differently is refused.
         `overrides` may set any field; `None` values are ignored.
         """
+        from eagle31.rope import ambiguity, for_llama_drafter
+
         t = _as_dict(hf_config)
         if isinstance(t.get("text_config"), dict):  # multimodal wrappers (Kimi K2.5/K2.6)
             outer = t
@@ -150,7 +154,7 @@ class DrafterConfig:
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             hidden_act=t.get("hidden_act", "silu"),
-            rope_parameters=rope_parameters_from(t),
+            rope_parameters=for_llama_drafter(rope_parameters_from(t)),
             max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
             vocab_size=_require(t, "vocab_size"),
             draft_vocab_size=min(32000, int(t["vocab_size"])),
@@ -164,6 +168,9 @@ class DrafterConfig:
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         values.update({k: v for k, v in overrides.items() if v is not None})
+        reason = ambiguity(values["rope_parameters"])
+        if reason:
+            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r}: {reason}; a drafter's rope must mean one rope")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
                 f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"

@@ -36,6 +36,9 @@ Reading rules:
 * Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
   would map draft id i to target id i, so acceptance would collapse. A missing half is
   derived from the other.
+* A rope block that transformers and vLLM read differently (DeepSeek's yarn `mscale`
+  fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning: eagle31
+  runs the drafter with vLLM's reading, and export refuses the block.
 * A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
   running the drafter (vLLM shares the target's).
 * `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
@@ -50,6 +53,7 @@ Weights are read from `*.safetensors`, or from a legacy `pytorch_model.bin` with
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -60,6 +64,7 @@ from transformers import LlamaConfig
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
 from eagle31.export import native_key
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter
+from eagle31.rope import ambiguity as rope_ambiguity
 
 SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
@@ -100,6 +105,12 @@ def load_drafter(
         )
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path), path)
+    reason = rope_ambiguity(drafter.config.rope_parameters)
+    if reason:
+        warnings.warn(
+            f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as vLLM serves it, which may not be "
+            "how it was trained, and will not export it as is"
+        )
     if upgrade_to_eagle31:
         drafter = to_eagle31(drafter)
     return drafter.to(device)

@@ -27,6 +27,10 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   to it rather than failing at the end of a run. Rope types whose frequencies depend on
   it (yarn, dynamic, longrope) then get the old value pinned as
   `original_max_position_embeddings`, so the rope is unchanged.
+* The rope is the one the drafter trained with only when vLLM reads it so: eagle31 trains
+  with vLLM's reading (`eagle31.rope`), and a block that transformers reads otherwise
+  (DeepSeek's yarn `mscale` fields, say) is refused, since the trainer of such a drafter
+  may have used either reading.
 * The rope is written in both forms: `rope_theta` + `rope_scaling` (transformers 4
   readers) and `rope_parameters` (transformers 5). They always agree, because
   transformers 5 lets `rope_scaling` win when both are present.
@@ -50,6 +54,7 @@ from safetensors.torch import save_file
 from eagle31.config import ConfigError, DrafterConfig
 from eagle31.io import atomic_save_safetensors, atomic_write_json
 from eagle31.model import Eagle31Drafter
+from eagle31.rope import ambiguity as rope_ambiguity
 
 FORMATS = ("eagle3", "speculators")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -173,6 +178,7 @@ def export_config(
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
     target = target_name_or_path or config.target_name_or_path
+    check_rope_reading(config)
     layer = layer_fields(config, dtype, trained_context)
     eagle: dict[str, Any] = {
         "draft_vocab_size": config.draft_vocab_size,
@@ -266,6 +272,16 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- checks
+
+
+def check_rope_reading(config: DrafterConfig) -> None:
+    """Refuse a rope block that vLLM reads otherwise than transformers (the served rope may not be the trained one)."""
+    reason = rope_ambiguity(config.rope_parameters)
+    if reason:
+        raise ConfigError(
+            f"drafter.rope_parameters is read two ways: {reason}; vLLM may serve another rope than the drafter "
+            "trained with. Fine-tune it with drafter.init_from (the drafter then takes a rope read one way) and export that"
+        )
 
 
 def check_out_dir(out: Path) -> None:

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
+from eagle31.rope import inverse_frequencies
 from eagle31.ttt import ttt_unroll
 
 NATIVE_FORMAT = "eagle31-drafter"
@@ -81,32 +81,19 @@ class Eagle3Attention(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE frequencies from the target's rope settings (default, linear, llama3, yarn, ...).
+    """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`).
 
-    The inverse frequencies are computed once in float64 (default rope) or by
-    transformers' rope functions (scaled variants) and kept outside the module's
-    buffers, so casting the drafter to bf16 never degrades them. Rope types whose
-    frequencies depend on the sequence length (dynamic, longrope) are refused.
+    The inverse frequencies are computed once in float64 and kept outside the module's
+    buffers, so casting the drafter to bf16 never degrades them; `attention_scaling` is
+    the cos/sin magnitude (not 1 for yarn).
     """
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        rope_type = config.rope_parameters["rope_type"]
-        if rope_type in ("dynamic", "longrope"):
-            raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is not supported")
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling = self._frequencies(config, rope_type)
-
-    @staticmethod
-    def _frequencies(config: DrafterConfig, rope_type: str) -> tuple[torch.Tensor, float]:
-        if rope_type == "default":
-            d = config.head_dim
-            theta = float(config.rope_parameters["rope_theta"])
-            return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is unknown")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config.layer_config(), "cpu")
-        return inv_freq.double(), scaling
+            self.inv_freq, self.attention_scaling = inverse_frequencies(
+                config.rope_parameters, config.head_dim, config.max_position_embeddings
+            )
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
