@@ -1,8 +1,9 @@
 """Exports against the loader contract of vLLM (tests/export/vllm_contract.py).
 
 Both layouts, fc_norm on and off, Vd < V and Vd == V, more than 3 aux ids, Ht != H,
-norm_before_residual, norm_before_fc: config fields as vLLM reads them, weight names after
-vLLM's mapping, shapes, and the per-step logits vLLM would compute from the files.
+norm_before_residual, norm_before_fc, yarn and llama3 ropes: config fields as vLLM reads
+them, weight names after vLLM's mapping, shapes, and the per-step logits vLLM would compute
+from the files (its rope included).
 """
 
 import json
@@ -25,6 +26,12 @@ CASES = {
     "wide_target": dict(target_hidden_size=24),
     "norm_before_residual": dict(norm_before_residual=True),
     "norm_before_fc": dict(fc_norm=False, norm_before_fc=True, norm_output=False),
+    # Kimi K2.6's yarn as a Llama drafter carries it (no DeepSeek mscale fields): magnitude 1.416 in vLLM
+    "kimi_yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                                       "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}),
+    "llama3_rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}),
 }
 FORMATS = ("eagle3", "speculators")
 TRAINED_CONTEXT = 1024
@@ -100,7 +107,7 @@ def test_weights_are_cast_and_readable_by_transformers_based_loaders(tmp_path, f
     [
         {"rope_type": "default", "rope_theta": 500000.0},
         {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+         "beta_fast": 32.0, "beta_slow": 1.0},
         {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ],

@@ -25,6 +25,18 @@ Read in vllm-project/vllm:
 * `v1/worker/gpu_model_runner.py`: the target layers come from the top-level
   `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s, else the target's default.
   `model_executor/models/llama.py` captures id k at the *input* of decoder layer k.
+* `model_executor/models/llama.py` (`LlamaAttention`, reused by the EAGLE-3 layer): the
+  rope is `get_rope(head_dim, max_position=max_position_embeddings,
+  rope_parameters=config.rope_parameters, is_neox_style=True)`, with `head_dim` from the
+  config or `hidden_size // num_attention_heads`. `rope_parameters` is transformers'
+  parse of config.json (vLLM standardises it the way transformers 5 does).
+* `model_executor/layers/rotary_embedding/` (`get_rope` in `__init__.py`, `base.py`,
+  `linear_scaling_rope.py`, `dynamic_ntk_scaling_rope.py`, `llama3_rope.py`,
+  `yarn_scaling_rope.py`, `common.py`): each class precomputes a table of cos and sin per
+  position, `[cos | sin]` of `position * inv_freq`, and the kernel gathers rows by
+  position. `get_rope` hands YaRN only `extrapolation_factor`, `attn_factor`,
+  `beta_fast`, `beta_slow`, `apply_yarn_scaling` and `truncate`, so `mscale`,
+  `mscale_all_dim` and `attention_factor` never reach it (vLLM issue 48621).
 """
 
 from __future__ import annotations
@@ -33,7 +45,6 @@ import math
 
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 # the part of vLLM's speculative-decoding registry that loads a Llama-layer EAGLE-3 drafter
 REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM"}
@@ -114,6 +125,87 @@ def rope_v4(view: dict) -> dict:
     if "type" in scaling:
         scaling.setdefault("rope_type", scaling.pop("type"))
     return {**scaling, "rope_theta": view.get("rope_theta", 10000.0)}
+
+
+# ------------------------------------------------------------------ rope (vLLM)
+
+
+def rope_cos_sin(view: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [len(positions), head_dim]: the rows of the table vLLM's EAGLE-3 Llama layer builds from `view`.
+
+    vLLM precomputes `[cos | sin]` of `t * inv_freq` for every t of its table and gathers
+    rows by position; only the asked rows are made here (a yarn table for Kimi has 262144),
+    and a position past the table's end fails as vLLM's gather would. The formulas are
+    those of vLLM's rotary-embedding classes; vLLM evaluates them in float32 (and stores
+    the table in the model dtype), float64 here so that comparisons can be tight. Each
+    row repeats over both halves of a head (neox style).
+    """
+    rope = rope_v5(view)
+    head_size = view.get("head_dim") or view["hidden_size"] // view["num_attention_heads"]
+    rotary_dim = int(head_size * rope.get("partial_rotary_factor", 1.0))
+    assert rotary_dim == head_size, "a partial rope leaves head dimensions unrotated; not emulated"
+    max_position = view.get("max_position_embeddings", 8192)
+    base = float(rope.get("rope_theta", 10000))
+    kind = rope.get("rope_type", "default")
+    magnitude, t_scale = 1.0, 1.0
+    if kind == "default":
+        inv_freq, table_len = _plain_inv_freq(base, rotary_dim), max_position
+    elif kind == "linear":  # a table factor times longer whose t is divided by factor
+        t_scale, table_len = rope["factor"], int(max_position * rope["factor"])
+        inv_freq = _plain_inv_freq(base, rotary_dim)
+    elif kind == "dynamic":  # the base formula at the table's end: (factor - (factor - 1)) = 1, theta unchanged
+        table_len = max_position * rope["factor"]
+        base = base * ((table_len / max_position) - (rope["factor"] - 1)) ** (rotary_dim / (rotary_dim - 2))
+        inv_freq, table_len = _plain_inv_freq(base, rotary_dim), int(table_len)
+    elif kind == "llama3":
+        inv_freq, table_len = _llama3_inv_freq(base, rotary_dim, rope), max_position
+    elif kind == "yarn":
+        inv_freq, magnitude = _yarn_inv_freq(base, rotary_dim, rope)
+        table_len = math.ceil(rope["original_max_position_embeddings"] * rope["factor"])
+    else:
+        raise NotImplementedError(f"rope_type {kind!r}: not emulated")
+    assert int(positions.max()) < table_len, f"position {int(positions.max())} is past vLLM's rope table ({table_len})"
+    t = positions.to(torch.float64) / t_scale
+    angles = t[:, None] * inv_freq[None, :]  # [P, d/2]
+    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
+    return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+
+
+def _plain_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def _llama3_inv_freq(base: float, rotary_dim: int, rope: dict) -> torch.Tensor:
+    plain = _plain_inv_freq(base, rotary_dim)
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    wave_len = 2 * math.pi / plain
+    smooth = (old_context / wave_len - lo) / (hi - lo) if lo != hi else torch.zeros_like(plain)
+    medium = (1 - smooth) * plain / factor + smooth * plain
+    return torch.where(wave_len < old_context / hi, plain, torch.where(wave_len > old_context / lo, plain / factor, medium))
+
+
+def _yarn_inv_freq(base: float, rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's blended frequencies and its magnitude (the fields `get_rope` passes on, with vLLM's defaults)."""
+    factor, old_context = rope["factor"], rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast", 32), rope.get("beta_slow", 1)
+    extrapolation, attn_factor = rope.get("extrapolation_factor", 1), rope.get("attn_factor", 1)
+
+    def correction_dim(rotations):
+        return rotary_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    extrapolated_share = (1 - ramp) * extrapolation
+    plain = _plain_inv_freq(base, rotary_dim)
+    inv_freq = plain / factor * (1 - extrapolated_share) + plain * extrapolated_share
+    scaling = (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+    magnitude = scaling * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
+    return inv_freq, float(magnitude)
 
 
 # ---------------------------------------------------------------------- weights
@@ -210,7 +302,6 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     d = view.get("head_dim") or H // nh
     T, Vd, V = input_ids.shape[0], s["draft_vocab_size"], s["vocab_size"]
     L = "model.layers.0."
-    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in view.items() if k != "architectures"}))
 
     # combine_hidden_states
     h = aux.double()
@@ -236,7 +327,7 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
             hidden = _rms(hidden, W[L + "hidden_norm.weight"], eps)
         qkv = torch.cat([emb, hidden], -1) @ W[L + "self_attn.qkv_proj.weight"].T
         q, k, v = qkv.split([nh * d, nkv * d, nkv * d], -1)
-        cos, sin = (t[0].double() for t in rotary(torch.zeros(1, dtype=torch.float64), pos[None]))
+        cos, sin = rope_cos_sin(view, pos)
         q, k = _rope(q.view(T, nh, d), cos, sin), _rope(k.view(T, nkv, d), cos, sin)
         v = v.view(T, nkv, d)
         if j == 0:
