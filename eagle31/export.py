@@ -25,7 +25,7 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   `getattr(config, "target_hidden_size", hidden_size)`, so a `null` breaks it.
 * `max_position_embeddings` is at least the trained context. A lower value is raised
   to it rather than failing at the end of a run. Rope types whose frequencies depend on
-  it (yarn, dynamic, longrope) then get the old value pinned as
+  it (llama3, yarn, dynamic, longrope) then get the old value pinned as
   `original_max_position_embeddings`, so the rope is unchanged.
 * The rope is the one the drafter trained with only when vLLM reads it so: eagle31 trains
   with vLLM's reading (`eagle31.rope`), and a block that transformers reads otherwise
@@ -65,7 +65,7 @@ WEIGHTS_NAME = "model.safetensors"
 # the decoder layer's key prefix per layout; everything else keeps eagle31's (= HF) names
 LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
-_ROPE_TYPES_READING_MAX_POSITIONS = ("yarn", "dynamic", "longrope")
+_ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
 
 
 def export_drafter(

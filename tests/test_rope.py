@@ -177,3 +177,16 @@ def test_load_drafter_warns_about_a_rope_read_two_ways(tmp_path):
     assert json.loads((tmp_path / "clean" / "config.json").read_text())["drafter"]["rope_parameters"] == {
         k: v for k, v in KIMI_YARN.items() if k not in ("mscale", "mscale_all_dim")
     }
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list(SAME_IN_BOTH))
+def test_raising_max_positions_at_export_keeps_the_rope_vllm_serves(name, fmt):
+    """Without original_max_position_embeddings, llama3 and yarn read max_position_embeddings, which export raises."""
+    rope = {k: v for k, v in SAME_IN_BOTH[name].items() if k != "original_max_position_embeddings"}
+    config = tiny_config(rope_parameters=rope, max_position_embeddings=64)
+    view = vllm.hf_config_view(export_config(config, fmt, trained_context=1024))
+    assert view["max_position_embeddings"] == 1024
+    positions = torch.arange(0, 256, 7)  # within every table vLLM builds here (yarn: 64 * factor 4)
+    for a, b in zip(drafter_cos_sin(config, positions), vllm.rope_cos_sin(view, positions)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
