@@ -110,9 +110,9 @@ class DrafterConfig:
                 f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
             )
-        from eagle31.rope import check  # eagle31.rope raises this module's ConfigError
+        from eagle31.rope import check_rope  # eagle31.rope raises this module's ConfigError
 
-        check(self.rope_parameters)
+        check_rope(self.rope_parameters)
 
     # ------------------------------------------------------------ construction
 
@@ -170,7 +170,7 @@ class DrafterConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         reason = ambiguity(values["rope_parameters"])
         if reason:
-            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r}: {reason}; a drafter's rope must mean one rope")
+            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
                 f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"

@@ -45,7 +45,7 @@ _REQUIRED = {
 }
 
 
-def check(rope: dict[str, Any]) -> None:
+def check_rope(rope: dict[str, Any]) -> None:
     """Refuse, naming the field, a rope block vLLM's EAGLE-3 Llama layer cannot build as eagle31 trains it."""
     rope_type = rope.get("rope_type")
     if rope_type not in ROPE_TYPES:
@@ -53,8 +53,9 @@ def check(rope: dict[str, Any]) -> None:
     if "rope_theta" not in rope:
         raise ConfigError(f"drafter.rope_parameters needs rope_theta, got {rope!r}")
     for name in _REQUIRED.get(rope_type, ()):
-        if not isinstance(rope.get(name), (int, float)) or isinstance(rope.get(name), bool):
-            raise ConfigError(f"drafter.rope_parameters.{name} must be a number for rope_type={rope_type!r}, got {rope.get(name)!r}")
+        value = rope.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"drafter.rope_parameters.{name} must be a number for rope_type={rope_type!r}, got {value!r}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(
             f"drafter.rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported "
@@ -64,7 +65,7 @@ def check(rope: dict[str, Any]) -> None:
 
 def inverse_frequencies(rope: dict[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim // 2] float64, cos/sin magnitude) as vLLM's `get_rope` builds them."""
-    check(rope)
+    check_rope(rope)
     rope_type = rope["rope_type"]
     theta = float(rope["rope_theta"])
     base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -89,7 +90,9 @@ def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original
     return torch.where(wavelength < original / high, base, scaled)
 
 
-def _yarn(base: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, rope: dict[str, Any]) -> torch.Tensor:
+def _yarn(
+    base: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, rope: dict[str, Any]
+) -> torch.Tensor:
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original` positions
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
