@@ -19,10 +19,11 @@ tables are multiplied by (the magnitude); every q·k logit scales with its squar
 transformers and vLLM read some yarn fields differently. transformers takes the magnitude
 from `attention_factor`, or from DeepSeek's `mscale`/`mscale_all_dim` ratio (1.0 for Kimi
 K2.6's block); vLLM's Llama layer ignores all three. vLLM alone reads `attn_factor`,
-`extrapolation_factor` and `apply_yarn_scaling`. `ambiguity` says when a block means
-different ropes in the two; `for_llama_drafter` drops the DeepSeek-only fields from a
-target's block, so that the drafter's rope means the same in both and no number has
-to work around either.
+`extrapolation_factor` and `apply_yarn_scaling`. (vLLM issue 48621 proposes honouring
+the DeepSeek fields, so they may also mean different things in different vLLM versions.)
+`ambiguity` says when a block means different ropes in the two; `for_llama_drafter` drops
+the DeepSeek-only fields from a target's block, so that the drafter's rope means the same
+everywhere and no number has to work around one reader.
 """
 
 from __future__ import annotations
