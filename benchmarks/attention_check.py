@@ -65,13 +65,16 @@ def attention_dims(cfg: DrafterConfig) -> tuple[int, int, int, int]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
 
 
-def check_attention_parity(cfg: DrafterConfig, device: torch.device, dtype: torch.dtype, seq_len: int = 300) -> dict:
+def check_attention_parity(
+    cfg: DrafterConfig, device: torch.device, dtype: torch.dtype, seq_len: int = 300, backends: tuple[str, ...] | None = None
+) -> dict:
     """Fused backends against `reference_attention`: forward and gradients of every input.
 
     One row of `seq_len` tokens: two packed documents, padding at the end, and the j = 3 chain
     keys of a step k = 3 query, at the drafter's heads and head dims. Inputs are rounded to
-    `dtype` once; the reference runs in fp32 on the same values. Raises RuntimeError when a
-    backend disagrees; returns {backend: {tensor: max error relative to the largest value}}.
+    `dtype` once; the reference runs in fp32 on the same values. `backends`: default all fused
+    ones that take `dtype` on `device`. Raises RuntimeError when a backend disagrees; returns
+    {backend: {tensor: max error relative to the largest value}}.
     """
     g = torch.Generator(device="cpu").manual_seed(0)
     nh, nkv, d_qk, d_v = attention_dims(cfg)
@@ -103,7 +106,7 @@ def check_attention_parity(cfg: DrafterConfig, device: torch.device, dtype: torc
     expected = run("reference", [t.float() for t in inputs])
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16 rounding stays well below; a wrong mask gives O(1)
     report = {}
-    for backend in fused_backends(device, dtype):
+    for backend in fused_backends(device, dtype) if backends is None else backends:
         got = run(backend, inputs)
         errors = {n: float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for n, a, b in zip(names, got, expected)}
         report[backend] = errors
