@@ -32,20 +32,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PEER_NO_DEPS = ["speculators==0.9.0", "hs-connectors==0.9.0"]
+# Project dependencies the check never imports: logging is off (wandb), nothing is plotted (matplotlib).
+NOT_NEEDED = {"wandb", "matplotlib"}
 # What `speculators.models.eagle3` and its loss import beyond this project's own dependencies.
 PEER_NEEDS = ["openai", "pydantic", "accelerate", "protobuf", "googleapis-common-protos", "psutil"]
 # Pure-Python packages published only as source: built into a wheel here (any platform takes it).
 SOURCE_ONLY = ["antlr4-python3-runtime==4.9.3"]
-# The GPU machine's torch brings these; never downloaded.
+# The GPU machine's torch brings these, and everything torch requires; never downloaded.
 WITH_TORCH = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pytorch-triton.*)$")
 
 
 def project_requirements() -> list[str]:
-    """pyproject.toml's dependencies without torch (the GPU machine keeps its own)."""
+    """pyproject.toml's dependencies that the check needs, without torch (the GPU machine keeps its own)."""
     import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [d for d in deps if not WITH_TORCH.match(_name(d))]
+    return [d for d in deps if not WITH_TORCH.match(_name(d)) and _name(d) not in NOT_NEEDED]
 
 
 def _name(requirement: str) -> str:
@@ -73,13 +75,22 @@ def target_args(python_version: str, platform: str) -> list[str]:
 
 
 def resolve(requirements: Path, dest: Path, python_version: str, platform: str) -> dict[str, str]:
-    """name -> version of everything `requirements` needs on the target interpreter (pip's own resolver)."""
+    """name -> version of what `requirements` needs on the target interpreter (pip's own resolver),
+    less torch and what torch itself requires (any machine with torch has those)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target", str(Path(tmp) / "t"),
             "--find-links", str(dest), *target_args(python_version, platform), "-r", str(requirements))  # fmt: skip
         items = json.loads(report.read_text())["install"]
-    return {item["metadata"]["name"]: item["metadata"]["version"] for item in items}
+    requires = {_name(i["metadata"]["name"]): i["metadata"].get("requires_dist") or [] for i in items}
+    with_torch, todo = set(), [n for n in requires if WITH_TORCH.match(n)]
+    while todo:  # torch's closure within the resolved set (extras' requirements are markers: skipped)
+        name = todo.pop()
+        if name in with_torch or name not in requires:
+            continue
+        with_torch.add(name)
+        todo += [_name(r) for r in requires[name] if "extra ==" not in r]
+    return {i["metadata"]["name"]: i["metadata"]["version"] for i in items if _name(i["metadata"]["name"]) not in with_torch}
 
 
 def main(argv: list[str]) -> int:
@@ -101,10 +112,7 @@ def main(argv: list[str]) -> int:
     try:
         pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), *SOURCE_ONLY)
         resolved = resolve(requirements, dest, args.python_version, args.platform)
-        wanted = sorted(
-            f"{name}=={version}" for name, version in resolved.items()
-            if not WITH_TORCH.match(_name(name)) and _name(name) not in excluded
-        )  # fmt: skip
+        wanted = sorted(f"{name}=={version}" for name, version in resolved.items() if _name(name) not in excluded)
         pip("download", "--quiet", "--no-deps", "--dest", str(dest), "--find-links", str(dest),
             *target_args(args.python_version, args.platform), *wanted, *PEER_NO_DEPS)  # fmt: skip
     except subprocess.CalledProcessError as e:
