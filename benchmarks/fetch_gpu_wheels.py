@@ -107,7 +107,9 @@ def main(argv: list[str]) -> int:
     dest = args.dest
     dest.mkdir(parents=True, exist_ok=True)
     requirements = dest / "requirements.txt"
-    requirements.write_text("\n".join(project_requirements() + PEER_NEEDS) + "\n")
+    ours = project_requirements()
+    peer = [r for r in PEER_NEEDS if _name(r) not in {_name(x) for x in ours}]
+    requirements.write_text("\n".join(ours + peer) + "\n")
     (dest / "requirements-no-deps.txt").write_text("\n".join(PEER_NO_DEPS) + "\n")
     try:
         pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), *SOURCE_ONLY)

@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,8 +98,11 @@ def install_wheels(wheels: Path | None, log: Path) -> dict:
         where = wheels or DEFAULT_WHEELS
         return {"status": "skipped", "detail": f"missing {missing}; no wheels at {where} (benchmarks/fetch_gpu_wheels.py)"}
     pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-index", "--find-links", str(wheels)]
-    if sys.prefix == sys.base_prefix and not os.access(sys.prefix, os.W_OK):
-        pip.append("--user")  # a system interpreter we cannot write to
+    if sys.prefix == sys.base_prefix:  # a system interpreter, not a virtual environment
+        if not os.access(sys.prefix, os.W_OK):
+            pip.append("--user")
+        if (Path(sysconfig.get_paths()["stdlib"]) / "EXTERNALLY-MANAGED").exists():
+            pip.append("--break-system-packages")  # PEP 668 marker: the GPU machine is lent, not kept
     status = "pass"
     with log.open("w") as f:
         for extra in (["-r", str(wheels / "requirements.txt")], ["--no-deps", "-r", str(wheels / "requirements-no-deps.txt")]):
@@ -127,7 +131,10 @@ def run_part(part: Part, out: Path, smoke: bool, timeout: float) -> dict:
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
             proc.wait()
             code = None
     seconds = round(time.monotonic() - started, 1)
@@ -155,7 +162,7 @@ def part_main(kind: str, result: Path, out: Path, smoke: bool, args: list[str]) 
         if kind == "trainer":
             report = gpu_parts.trainer(smoke, out)
         elif kind == "benchmark":
-            report = gpu_parts.benchmark(smoke, args)
+            report = gpu_parts.benchmark(args)
         else:
             report = getattr(gpu_parts, kind)(smoke)
     except Exception as e:  # noqa: BLE001 — the part's failure is its result
@@ -202,13 +209,15 @@ def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float) -> 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", nargs="?", type=Path, help="output directory (GPU run)")
     parser.add_argument("--cpu-smoke", type=Path, metavar="OUT", help="the same parts on CPU with tiny shapes")
-    parser.add_argument("--wheels", type=Path, help=f"wheels to install offline (default {DEFAULT_WHEELS} when present)")
+    parser.add_argument("--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)")
     parser.add_argument("--budget-s", type=float, default=470.0, help="wall-clock budget of all parts (default 470)")
     parser.add_argument("--to-doc", type=Path, metavar="SUMMARY", help="put a summary.json's table into --doc")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md", help="default docs/performance.md")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: one part in this process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
@@ -220,7 +229,12 @@ def main(argv: list[str]) -> int:
     if ns.to_doc:
         from benchmarks.report import put_gpu_table
 
-        put_gpu_table(ns.doc, json.loads(ns.to_doc.read_text()))
+        try:
+            summary = json.loads(ns.to_doc.read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: --to-doc {ns.to_doc}: not a readable summary.json ({e})", file=sys.stderr)
+            return 2
+        put_gpu_table(ns.doc, summary)
         print(f"updated {ns.doc}")
         return 0
     if (ns.out is None) == (ns.cpu_smoke is None):

@@ -51,7 +51,8 @@ def environment(smoke: bool) -> dict[str, Any]:
     if torch.cuda.is_available():
         report["gpu"] = torch.cuda.get_device_name(0)
         report["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()  # a tuple; an int in older releases
+        report["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         report["driver"] = _driver_version()
     elif not smoke:
         report.update(status="fail", error="no CUDA device is visible to torch")
@@ -163,7 +164,7 @@ def _pythonpath() -> str:
     return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def benchmark(smoke: bool, args: list[str]) -> dict[str, Any]:
+def benchmark(args: list[str]) -> dict[str, Any]:
     """One `benchmark_train_step` run; the peer running out of memory (or failing) is a result, ours is not."""
     from benchmarks.measure import run_benchmark
     from benchmarks.train_step import BenchConfig

@@ -4,7 +4,8 @@ Every fused path — PyTorch's flash kernel (CPU: per document; CUDA: one varlen
 blockwise kernel — must give the reference's output and the gradients of q, the step-0 keys and
 values and every chain key and value, over packed documents, padding, GQA and chain lengths
 j = 0..3. On CPU in fp64 (tight); the GPU twin runs the same cases in bf16 at the drafter
-shapes of the Kimi K2.6 and Llama 3.1 8B recipes (heads x head_dim 64 x 128 and 32/8 x 128).
+shapes of the Kimi K2.6 and Llama 3.1 8B recipes (heads x head_dim 64 x 128 and 32/8 x 128, read
+from the recipes).
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ LAYOUTS = {
 }
 
 
-def attention_inputs(doc: list[list[int]], nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0):
-    """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys."""
+def attention_inputs(doc, nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0, d_v: int | None = None):
+    """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys; values d_v wide (default d)."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(doc), len(doc[0])
+    d_v = d_v or d
 
-    def rand(heads):
-        return torch.randn(B, T, heads, d, generator=g).to(device, dtype)
+    def rand(heads, dim=d):
+        return torch.randn(B, T, heads, dim, generator=g).to(device, dtype)
 
-    q, k0, v0 = rand(nh), rand(nkv), rand(nkv)
-    chain_k, chain_v = [rand(nkv) for _ in range(j)], [rand(nkv) for _ in range(j)]
+    q, k0, v0 = rand(nh), rand(nkv), rand(nkv, d_v)
+    chain_k, chain_v = [rand(nkv) for _ in range(j)], [rand(nkv, d_v) for _ in range(j)]
     segments = segment_ids(torch.tensor(doc, device=device), None, (B, T), device=device)
-    return q, k0, v0, chain_k, chain_v, segments, rand(nh)
+    return q, k0, v0, chain_k, chain_v, segments, rand(nh, d_v)
 
 
 def output_and_grads(backend: str, q, k0, v0, chain_k, chain_v, segments, dout) -> list[torch.Tensor]:
@@ -83,19 +85,18 @@ def test_auto_picks_the_fused_kernel_where_it_runs():
 
 # ---------------------------------------------------------------------------- the GPU twin
 
-# (heads, kv heads, head_dim): the drafters of recipes/recipe/kimi_k26.yaml and llama31_8b.yaml
-DRAFTER_HEADS = {"kimi_k26": (64, 64, 128), "llama31_8b": (32, 8, 128)}
-
-
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("shape", sorted(DRAFTER_HEADS))
+@pytest.mark.parametrize("recipe", ["kimi_k26", "llama31_8b"])
 @pytest.mark.parametrize("backend", ["flash", "blockwise"])
-def test_kernels_match_the_reference_on_cuda_in_bf16(backend, shape, layout):
-    nh, nkv, d = DRAFTER_HEADS[shape]
+def test_kernels_match_the_reference_on_cuda_in_bf16(backend, recipe, layout):
+    from benchmarks.attention_check import attention_dims
+    from benchmarks.shapes import recipe_drafter
+
+    nh, nkv, d, d_v = attention_dims(recipe_drafter(recipe))
     j = 3
     doc = [row * 8 for row in LAYOUTS[layout]]  # 192 tokens a row: several flash tiles
-    inputs = attention_inputs(doc, nh, nkv, d, j, torch.bfloat16, device="cuda")
+    inputs = attention_inputs(doc, nh, nkv, d, j, torch.bfloat16, device="cuda", d_v=d_v)
     q, k0, v0, chain_k, chain_v, segments, dout = inputs
     as_fp32 = [x.float() for x in (q, k0, v0)], [x.float() for x in chain_k], [x.float() for x in chain_v]
     expected = output_and_grads("reference", *as_fp32[0], as_fp32[1], as_fp32[2], segments, dout.float())
