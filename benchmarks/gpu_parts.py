@@ -119,7 +119,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     run_dir = work / "run"
     device = ["train.device=cpu", "train.precision=fp32"] if smoke else ["train.device=cuda", "train.precision=bf16"]
     base = [
-        "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=64", "data.eval_fraction=0.1",
+        "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=128", "data.eval_fraction=0.1",
         "drafter.draft_vocab_size=128", "features.tokens_per_batch=256", "train.save_every=2", "train.log_every=1",
         "logging.progress=false", f"output_dir={run_dir}", *device,
     ]  # fmt: skip
