@@ -53,10 +53,12 @@ class Part:
     args: list[str] = field(default_factory=list)  # benchmark: BenchConfig key=value; unavailable: [reason]
 
 
-def plan(smoke: bool) -> list[Part]:
-    """The parts in the order they run (most important first: a spent budget skips the last ones)."""
-    parts = [Part("environment", "environment", 60), Part("attention", "attention", 120 if smoke else 90)]
-    parts.append(Part("trainer", "trainer", 240 if smoke else 150))
+ENVIRONMENT = Part("environment", "environment", 60)
+
+
+def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
+    """The parts after `environment`, most important first (a spent budget skips the last ones)."""
+    parts = [Part("attention", "attention", 120 if smoke else 90), Part("trainer", "trainer", 240 if smoke else 150)]
     if smoke:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
         return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
@@ -66,20 +68,29 @@ def plan(smoke: bool) -> list[Part]:
     kimi = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "llama"), None)
     kimi_mla = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "mla"), None)
     llama = next((s.recipe for s in shapes if s.target == "meta-llama/Llama-3.1-8B-Instruct"), None)
-    runs = [  # (recipe, what it is, arguments, budget)
-        (kimi, "Kimi K2.6 drafter", "T=4096 peer=speculators warmup=2 repeats=5", 150),
-        (kimi, "Kimi K2.6 drafter", "T=65536 ckpt=true warmup=1 repeats=1", 150),
-        (kimi, "Kimi K2.6 drafter", "T=16384 peer=speculators warmup=1 repeats=2", 120),
-        (llama, "Llama 3.1 8B drafter", "T=4096 peer=speculators warmup=2 repeats=5", 110),
-        (kimi_mla, "Kimi K2.6 MLA drafter", "T=4096 warmup=2 repeats=3", 90),
+    runs = [  # (recipe, what it is, T, more arguments, budget in seconds)
+        (kimi, "Kimi K2.6 drafter", 4096, "peer=speculators warmup=2 repeats=5", 150),
+        (kimi, "Kimi K2.6 drafter", 65536, "warmup=1 repeats=1", 150),
+        (kimi, "Kimi K2.6 drafter", 16384, "peer=speculators warmup=1 repeats=2", 120),
+        (llama, "Llama 3.1 8B drafter", 4096, "peer=speculators warmup=2 repeats=5", 110),
+        (kimi_mla, "Kimi K2.6 MLA drafter", 4096, "warmup=2 repeats=3", 90),
     ]
-    for recipe, what, args, budget in runs:
-        name = f"benchmark {recipe or what} {args.split()[0]}"
+    for recipe, what, T, args, budget in runs:
         if recipe is None:
-            parts.append(Part(name, "unavailable", 0, [f"not available: no recipe trains the {what}"]))
-        else:
-            parts.append(Part(name, "benchmark", budget, [f"shape={recipe}", "ttt=7", *args.split()]))
+            parts.append(Part(f"benchmark {what} T={T}", "unavailable", 0, [f"not available: no recipe trains the {what}"]))
+            continue
+        ckpt = needs_checkpointing(recipe, T, gpu_memory_gib)
+        name = f"benchmark {recipe} T={T}" + (" ckpt" if ckpt else "")
+        parts.append(Part(name, "benchmark", budget, [f"shape={recipe}", "ttt=7", f"T={T}", f"ckpt={str(ckpt).lower()}", *args.split()]))
     return parts
+
+
+def needs_checkpointing(recipe: str, seq_len: int, gpu_memory_gib: float | None) -> bool:
+    """Activation checkpointing where the step's estimated peak without it passes 80% of the GPU (80 GiB if unknown)."""
+    from benchmarks.shapes import recipe_drafter
+    from eagle31.estimate import estimate_memory
+
+    return estimate_memory(recipe_drafter(recipe), seq_len, 7)["total"] > 0.8 * (gpu_memory_gib or 80)
 
 
 # ---------------------------------------------------------------------------- install
@@ -183,18 +194,24 @@ def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float) -> 
     print(f"install: {install['status']} ({install.get('detail') or install.get('still_missing')})", flush=True)
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": "cpu-smoke" if smoke else "gpu",
                "budget_s": budget_s, "install": install, "parts": {}}  # fmt: skip
-    try:
-        parts = plan(smoke)
-    except Exception as e:  # noqa: BLE001 — without a plan the environment report still says why
-        summary["plan_error"] = f"{type(e).__name__}: {e}"
-        parts = [Part("environment", "environment", 60)]
-    for part in parts:
+    def run(part: Part) -> dict:
         left = budget_s - (time.monotonic() - started)
         if part.kind != "unavailable" and left < 15:
-            summary["parts"][part.name] = {"status": "not run", "error": "the check's time budget was spent"}
+            result = {"status": "not run", "error": "the check's time budget was spent"}
         else:
-            summary["parts"][part.name] = run_part(part, out, smoke, min(part.budget_s, left))
-        print(f"{part.name}: {summary['parts'][part.name]['status']}", flush=True)
+            result = run_part(part, out, smoke, min(part.budget_s, left))
+        summary["parts"][part.name] = result
+        print(f"{part.name}: {result['status']}", flush=True)
+        return result
+
+    environment = run(ENVIRONMENT)
+    try:  # the environment first: the plan sizes activation checkpointing to the GPU it found
+        parts = plan(smoke, environment.get("gpu_memory_gib"))
+    except Exception as e:  # noqa: BLE001 — without a plan the environment report still says why
+        summary["plan_error"] = f"{type(e).__name__}: {e}"
+        parts = []
+    for part in parts:
+        run(part)
     summary["elapsed_s"] = round(time.monotonic() - started, 1)
     from benchmarks.report import summary_markdown
     from eagle31.io import atomic_write_json, atomic_write_text
