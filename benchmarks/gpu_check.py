@@ -21,7 +21,8 @@ output under `logs/`. With `--wheels DIR` (default `benchmarks/wheels` when pres
 `benchmarks/fetch_gpu_wheels.py`) missing packages are installed first, with no network.
 Exit code 0 when every part passed or was skipped, 1 otherwise, 2 on bad arguments.
 
-This module imports only the standard library at the top: the packages may not be there yet.
+This module and `benchmarks.gpu_parts` import only the standard library at the top: the
+packages may not be there yet.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks.gpu_parts import child_env  # standard library only at import
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WHEELS = ROOT / "benchmarks" / "wheels"
@@ -135,10 +138,9 @@ def run_part(part: Part, out: Path, smoke: bool, timeout: float) -> dict:
     result_path, log_path = out / "parts" / f"{slug}.json", out / "logs" / f"{slug}.log"
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part.kind, "--result", str(result_path), "--part-out", str(out)]
     cmd += (["--cpu-smoke-part"] if smoke else []) + ["--bench-args", " ".join(part.args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     started = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(), start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

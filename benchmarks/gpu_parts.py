@@ -124,7 +124,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
         "logging.progress=false", f"output_dir={run_dir}", *device,
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="eagle31-gpu-check-cache-") as cache:
-        env = {**os.environ, "EAGLE31_CACHE": cache, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
+        env = {**child_env(), "EAGLE31_CACHE": cache, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(ROOT / "train" / "main.py")]
         runs = {}
         for name, extra in (("first", ["train.max_steps=2"]), ("resumed", ["train.max_steps=4", "resume=auto"])):
@@ -160,8 +160,9 @@ def _last_metric(run_dir: Path, key: str) -> float | None:
     return values[-1] if values else None
 
 
-def _pythonpath() -> str:
-    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+def child_env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH, so children import this checkout."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def benchmark(args: list[str]) -> dict[str, Any]:

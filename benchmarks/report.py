@@ -103,7 +103,8 @@ def gpu_tables(summary: dict[str, Any]) -> str:
     lines = [
         f"Date {summary['date']}; torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
         f"{env.get('gpu', 'no GPU')} (driver {env.get('driver', '?')}), Python {env.get('python', '?')}; "
-        f"{summary.get('elapsed_s', '?')} s of a {summary['budget_s']:.0f} s budget.",
+        f"{summary.get('elapsed_s', '?')} s of a {summary['budget_s']:.0f} s budget; packages installed from "
+        f"wheels: {summary['install']['status']}.",
         "",
         "| part | status | seconds | notes |",
         "|---|---|---|---|",
