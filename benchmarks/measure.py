@@ -164,7 +164,8 @@ def _run_benchmark(bench: BenchConfig, log: Callable[[str], None]) -> dict[str, 
         else:
             sides.append("speculators")
     log(f"parity check of the fast attention on {device} ({dtype})")
-    result["attention_parity"] = check_attention_parity(cfg, device, dtype)
+    backends = None if bench.attention == "auto" else (bench.attention,)  # the one asked for, or every fused one
+    result["attention_parity"] = check_attention_parity(cfg, device, dtype, backends=backends)
     if device.type == "cuda":
         for side in sides:  # one at a time: the peak of each is its own
             log(f"{side}: build, {bench.warmup} warm-up + {bench.repeats} timed steps")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attention_check, gpu_check
+from benchmarks import attention_check, gpu_check, gpu_parts
 from benchmarks.fetch_gpu_wheels import platform_tags, project_requirements
 from benchmarks.report import put_gpu_table
 from benchmarks.shapes import recipe_shapes, recipe_drafter
@@ -77,6 +77,14 @@ def test_private_op_signatures_are_checked_before_use(monkeypatch):
     assert len(problems) == 2
     assert "aten._scaled_dot_product_flash_attention_for_cpu is `" in problems[0]
     assert "no torch.ops.aten._no_such_attention_op" in problems[1]
+
+
+def test_a_benchmark_runs_on_the_blockwise_kernel_when_the_private_ops_differ(monkeypatch):
+    monkeypatch.setitem(attention_check.PRIVATE_OPS, "cpu", {"_no_such_attention_op": ((), 1)})
+    result = gpu_parts.benchmark(["shape=tiny", "T=32", "ttt=2", "warmup=0", "repeats=1", "memory=false"])
+    assert result["status"] == "pass" and result["config"]["attention"] == "blockwise"
+    assert set(result["attention_parity"]) == {"blockwise"}
+    assert "_no_such_attention_op" in result["flash"]
 
 
 def test_the_attention_check_catches_a_wrong_kernel(monkeypatch):
