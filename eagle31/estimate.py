@@ -10,7 +10,7 @@ The estimate counts, per GPU with FSDP over `world_size` ranks:
     step recomputed at a time);
   * the chunked lm_head + KL working set: chunk temporaries, each step's gathered states and
     the fp32 lm_head gradient each step forms in its forward.
-It is an estimate for planning (±25%), not a guarantee; `scripts/benchmark_train_step.py`
+It is an estimate for planning (±25%), not a guarantee; `benchmarks/benchmark_train_step.py`
 measures the real peak.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from eagle31 import DrafterConfig, Eagle31Drafter
+from eagle31.data.batch import FeatureBatch
 from eagle31.vocab import vocab_maps
 
 
@@ -50,3 +51,12 @@ def random_batch(cfg: DrafterConfig, B: int, T: int, seed: int = 0, dtype=torch.
     input_ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     loss_mask = (torch.rand(B, T, generator=g) < 0.7).long()
     return aux, final, input_ids, loss_mask
+
+
+def feature_batch(cfg: DrafterConfig, T: int, seed: int = 0, dtype=torch.float32) -> FeatureBatch:
+    """One packed row of one document, every position supervised: a `FeatureBatch` for the trainer."""
+    aux, final, input_ids, _ = random_batch(cfg, 1, T, seed, dtype)
+    return FeatureBatch(
+        input_ids=input_ids, loss_mask=torch.ones(1, T, dtype=torch.long), document_ids=torch.zeros(1, T, dtype=torch.long),
+        aux=aux, final=final,
+    )  # fmt: skip

@@ -1,13 +1,16 @@
-"""The training-step benchmark (issue 8): FLOP count, reporting, the script, and speed against `speculators`."""
+"""The training-step benchmark (benchmarks/): shapes from the recipes, FLOP count, reporting,
+the command, and speed against `speculators`."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from eagle31.bench import BenchConfig, run_benchmark, step_flops, update_table
+from benchmarks.benchmark_train_step import main
+from benchmarks.measure import run_benchmark
+from benchmarks.report import update_table
+from benchmarks.train_step import BenchConfig, step_flops
 from eagle31.config import ConfigError
 from eagle31.estimate import count_parameters
 from tests.helpers import tiny_config
@@ -24,12 +27,30 @@ def test_step_flops_by_hand():
     assert step_flops(cfg, T, K) == fc + 3 * (K * per_step + attention)
 
 
+@pytest.mark.parametrize("recipe", ["kimi_k26", "llama31_8b"])
+def test_shapes_are_the_recipes_drafters(recipe):
+    """Read straight from the recipe file and its target config: nothing typed twice."""
+    text = yaml.safe_load((ROOT / "recipes" / "recipe" / f"{recipe}.yaml").read_text())
+    target = json.loads((ROOT / "recipes" / "targets" / f"{recipe}.json").read_text())
+    target = target.get("text_config", target)
+    cfg = BenchConfig(shape=recipe, seq_len=65536).drafter_config()
+    drafter = text["drafter"]
+    assert cfg.hidden_size == target["hidden_size"] and cfg.vocab_size == target["vocab_size"]
+    assert cfg.num_attention_heads == drafter.get("num_attention_heads", target["num_attention_heads"])
+    assert cfg.num_key_value_heads == drafter.get("num_key_value_heads", target["num_key_value_heads"])
+    assert cfg.intermediate_size == drafter.get("intermediate_size", target["intermediate_size"])
+    assert cfg.draft_vocab_size == drafter["draft_vocab_size"]
+    assert cfg.max_position_embeddings >= 65536 + 7
+
+
 def test_config_reads_key_values_and_names_bad_ones():
     bench = BenchConfig.from_args(["shape=llama31_8b", "T=8192", "ttt=5", "ckpt=true", "peer=speculators"])
     assert (bench.seq_len, bench.ttt_length, bench.activation_checkpointing) == (8192, 5, True)
     assert bench.drafter_config().num_key_value_heads == 8
-    with pytest.raises(ConfigError, match="shape"):
+    with pytest.raises(ConfigError, match="gpt5"):
         BenchConfig.from_args(["shape=gpt5"])
+    with pytest.raises(ConfigError, match="no shipped target config"):
+        BenchConfig.from_args(["shape=demo"])  # its target is built locally: no fixed shape
     with pytest.raises(ConfigError, match="unknown argument"):
         BenchConfig.from_args(["seqlen=4"])
     with pytest.raises(ConfigError, match="T="):
@@ -55,11 +76,9 @@ def test_table_rows_are_added_and_replaced(tmp_path):
     assert len(rows) == 2 and "| 2048 |" in rows[0] and "1.000 s" in rows[1]
 
 
-def test_script_writes_json_and_a_table_row(tmp_path):
+def test_command_writes_json_and_a_table_row(tmp_path):
     out, doc = tmp_path / "r.json", tmp_path / "perf.md"
-    args = ["shape=tiny", "T=64", "ttt=2", "warmup=0", "repeats=1", "memory=false", f"out={out}", f"doc={doc}"]
-    run = subprocess.run([sys.executable, "scripts/benchmark_train_step.py", *args], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert main(["shape=tiny", "T=64", "ttt=2", "warmup=0", "repeats=1", "memory=false", f"out={out}", f"doc={doc}"]) == 0
     result = json.loads(out.read_text())
     ours = result["runs"]["eagle31"]
     assert ours["step_s"] > 0 and ours["tokens_per_s"] == pytest.approx(64 / ours["step_s"])
@@ -68,16 +87,15 @@ def test_script_writes_json_and_a_table_row(tmp_path):
     assert "| tiny | 64 | 2 |" in doc.read_text()
 
 
-def test_script_refuses_an_unknown_key():
-    script = [sys.executable, "scripts/benchmark_train_step.py", "sequence=4"]
-    run = subprocess.run(script, cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 2 and "unknown argument" in run.stderr
+def test_command_refuses_an_unknown_key(capsys):
+    assert main(["sequence=4"]) == 2
+    assert "unknown argument" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_our_step_is_not_slower_than_speculators_on_cpu():
-    """Issue 8's CPU proxy: same shape, flags and K; both eager fp32; steps interleaved."""
-    from eagle31.bench_peer import SpeculatorsStep, speculators_unavailable
+    """The CPU proxy of the speed goal: same shape, flags and K; both eager fp32; steps interleaved."""
+    from benchmarks.peer import SpeculatorsStep, speculators_unavailable
 
     reason = speculators_unavailable()
     if reason:

@@ -1,6 +1,6 @@
 """Peak memory of the training step (issue 8's CPU proxy): linear in T, lowered by activation checkpointing.
 
-Each figure is `eagle31.bench.cpu_step_peak_bytes`: two full trainer steps (TTT unroll, loss,
+Each figure is `benchmarks.measure.cpu_step_peak_bytes`: two full trainer steps (TTT unroll, loss,
 backward, AdamW) of a small drafter on one packed sequence, in a fresh process, as the rise of
 its resident set over the built model — every temporary the step allocates counts.
 """
@@ -9,7 +9,8 @@ import functools
 
 import pytest
 
-from eagle31.bench import BenchConfig, cpu_step_peak_bytes
+from benchmarks.measure import cpu_step_peak_bytes
+from benchmarks.train_step import BenchConfig
 
 SMALL = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,

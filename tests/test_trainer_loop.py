@@ -6,13 +6,12 @@ import json
 import pytest
 import torch
 
-from eagle31.bench import synthetic_batch
 from eagle31.distributed import World
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets
 from eagle31.recipe import TrainConfig
 from eagle31.trainer import Trainer, TrainingDiverged, lr_lambda
-from tests.helpers import tiny_drafter
+from tests.helpers import feature_batch, tiny_drafter
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -49,7 +48,7 @@ def logger(tmp_path, steps=4):
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     cfg = tiny_drafter(dtype=torch.float32).config
-    good = synthetic_batch(cfg, 12, seed=1)
+    good = feature_batch(cfg, 12, seed=1)
     bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
     trainer = make_trainer(tmp_path, [bad], max_nonfinite_steps=3)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -62,7 +61,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 
 def test_a_finite_step_resets_the_streak_and_training_goes_on(tmp_path):
     cfg = tiny_drafter(dtype=torch.float32).config
-    good = synthetic_batch(cfg, 12, seed=1)
+    good = feature_batch(cfg, 12, seed=1)
     bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
     trainer = make_trainer(tmp_path, [bad, good], max_nonfinite_steps=2)
     with pytest.warns(UserWarning, match="non-finite"):
@@ -89,6 +88,6 @@ def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
     from eagle31.model import MLP, RMSNorm
 
     cfg = tiny_drafter(dtype=torch.float32).config
-    trainer = make_trainer(tmp_path, [synthetic_batch(cfg, 8)], compile=True)
+    trainer = make_trainer(tmp_path, [feature_batch(cfg, 8)], compile=True)
     blocks = [m for m in trainer.model.modules() if isinstance(m, (RMSNorm, MLP))]
     assert blocks and all(m._compiled_call_impl is not None for m in blocks)

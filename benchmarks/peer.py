@@ -1,4 +1,4 @@
-"""The peer of the training-step benchmark: vLLM `speculators`' EAGLE-3 drafter (issue 8).
+"""The peer of the training-step benchmark: vLLM `speculators`' EAGLE-3 drafter.
 
 `SpeculatorsStep` builds `speculators.models.eagle3.Eagle3DraftModel` offline, with the same
 layer shape, 3.1 flags, vocabularies and K as ours and random weights, and runs one step the
@@ -17,7 +17,7 @@ import importlib.util
 
 import torch
 
-from eagle31.bench import BenchConfig, random_vocab, synthetic_batch
+from benchmarks.train_step import BenchConfig, random_vocab, synthetic_batch
 
 
 def speculators_unavailable() -> str | None:

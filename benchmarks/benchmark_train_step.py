@@ -1,22 +1,25 @@
 """Time one full training step of the drafter (forward, backward, AdamW), optionally against `speculators`.
 
-    python scripts/benchmark_train_step.py shape=kimi_k26 T=4096 ttt=7 peer=speculators
-    python scripts/benchmark_train_step.py shape=kimi_k26 T=65536 ttt=7 ckpt=true
-    python scripts/benchmark_train_step.py shape=tiny T=2048 ttt=7 peer=speculators threads=1   # CPU-sized
+    python -m benchmarks.benchmark_train_step shape=kimi_k26 T=4096 ttt=7 peer=speculators
+    python -m benchmarks.benchmark_train_step shape=kimi_k26 T=65536 ttt=7 ckpt=true
+    python -m benchmarks.benchmark_train_step shape=tiny T=2048 ttt=7 peer=speculators threads=1   # CPU-sized
 
-Keys: shape (kimi_k26 | llama31_8b | tiny), T, ttt, peer (none | speculators), ckpt (activation
+Run from the repository root. Keys: shape (a recipe with a shipped target config — kimi_k26,
+llama31_8b, qwen3_8b — or tiny), T, ttt, peer (none | speculators), ckpt (activation
 checkpointing per TTT step), attention, precision, device, compile, peer_attention, warmup,
 repeats, memory, peak_tflops, threads (CPU), seed; out= the JSON file (default
 benchmarks/results/<name>.json); doc= the markdown file whose table gets the row (default
 docs/performance.md; doc=none to skip).
-What is measured and how: eagle31/bench.py.
+What is measured and how: benchmarks/train_step.py and benchmarks/measure.py.
 """
 
 import json
 import sys
 from pathlib import Path
 
-from eagle31.bench import BenchConfig, run_benchmark, table_row, update_table, write_result
+from benchmarks.measure import run_benchmark
+from benchmarks.report import table_row, update_table, write_result
+from benchmarks.train_step import BenchConfig
 from eagle31.config import ConfigError
 from eagle31.distributed import close_world
 

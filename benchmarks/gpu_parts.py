@@ -1,0 +1,201 @@
+"""The parts of the GPU check, each run in its own process by `benchmarks.gpu_check`.
+
+Each part returns a JSON-able dict with `status` ("pass", "fail" or "skipped") and what it
+measured; `smoke` selects the CPU variant (tiny shapes, fp32, gloo-free single process).
+
+    environment   torch, CUDA, GPU, driver, which optional packages import, private-op signatures
+    attention     fused attention vs the reference, forward and all gradients, at every recipe's
+                  drafter shape (an MLA drafter where a recipe has one), packed documents,
+                  padding, chain keys
+    trainer       train/main.py under `torchrun --nproc-per-node 1` (NCCL on CUDA): train,
+                  checkpoint, resume, export
+    benchmark     one training-step benchmark run (`benchmarks.benchmark_train_step` arguments)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Packages whose presence the report states (import name -> what needs it).
+OPTIONAL_PACKAGES = {
+    "transformers": "everything", "hydra": "recipes", "safetensors": "checkpoints, export", "datasets": "data",
+    "tokenizers": "data", "triton": "torch.compile, the peer's fused loss", "speculators": "the benchmark's peer",
+    "hs_connectors": "the peer (speculators' import)", "openai": "the peer (speculators' import)",
+    "accelerate": "the peer (speculators' import)", "flash_attn": "nothing (listed for the record)",
+}  # fmt: skip
+
+
+def environment(smoke: bool) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.attention_check import private_op_problems
+
+    report: dict[str, Any] = {
+        "status": "pass",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        report["gpu"] = torch.cuda.get_device_name(0)
+        report["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        nccl = torch.cuda.nccl.version()  # a tuple; an int in older releases
+        report["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        report["driver"] = _driver_version()
+    elif not smoke:
+        report.update(status="fail", error="no CUDA device is visible to torch")
+    packages = {}
+    for module, why in OPTIONAL_PACKAGES.items():
+        try:
+            mod = importlib.import_module(module)
+            packages[module] = getattr(mod, "__version__", "imports")
+        except Exception as e:  # noqa: BLE001 — any failure means "not usable here"
+            packages[module] = f"missing ({why}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    report["packages"] = packages
+    report["private_ops"] = {
+        kind: private_op_problems(torch.device(kind)) or "as expected"
+        for kind in (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    }
+    return report
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+
+
+def attention(smoke: bool) -> dict[str, Any]:
+    """Every recipe shape (and TINY in the smoke) through `check_attention_parity`."""
+    import torch
+
+    from benchmarks.attention_check import check_attention_parity, fused_backends, private_op_problems
+    from benchmarks.shapes import recipe_shapes
+
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    problems = private_op_problems(device)
+    backends = tuple(b for b in fused_backends(device, dtype) if not (problems and b == "flash"))
+    shapes = {name: shape.drafter for name, shape in recipe_shapes().items()}
+    attention_types = {name: shape.attention for name, shape in recipe_shapes().items()}
+    report: dict[str, Any] = {"status": "pass", "dtype": str(dtype).removeprefix("torch."), "shapes": {}}
+    if problems:
+        report["flash"] = "not run: " + "; ".join(problems)
+    if "mla" not in attention_types.values():
+        report["mla"] = "not available: no recipe has drafter.attention=mla"
+    for name, cfg in shapes.items():
+        entry: dict[str, Any] = {"attention": attention_types[name]}
+        try:
+            entry["max_error"] = check_attention_parity(cfg, device, dtype, seq_len=64 if smoke else 1024, backends=backends)
+            entry["status"] = "pass"
+        except Exception as e:  # noqa: BLE001 — one shape failing must not hide the others
+            entry.update(status="fail", error=f"{type(e).__name__}: {e}"[:2000])
+            report["status"] = "fail"
+        report["shapes"][name] = entry
+    return report
+
+
+def trainer(smoke: bool, out: Path) -> dict[str, Any]:
+    """Two `torchrun --nproc-per-node 1` runs of the mini Kimi recipe: 2 steps, then resumed to 4, with exports."""
+    work = out / "trainer"
+    work.mkdir(parents=True, exist_ok=True)
+    chats = work / "chats.jsonl"
+    chats.write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(48)))
+    run_dir = work / "run"
+    device = ["train.device=cpu", "train.precision=fp32"] if smoke else ["train.device=cuda", "train.precision=bf16"]
+    problems = _flash_problems("cpu" if smoke else "cuda")
+    if problems:  # this torch's fused ops differ from what eagle31 calls: train on the blockwise kernel
+        device.append("train.attention=blockwise")
+    base = [
+        "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=128", "data.eval_fraction=0.1",
+        "drafter.draft_vocab_size=128", "features.tokens_per_batch=256", "train.save_every=2", "train.log_every=1",
+        "logging.progress=false", f"output_dir={run_dir}", *device,
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="eagle31-gpu-check-cache-") as cache:
+        env = {**child_env(), "EAGLE31_CACHE": cache, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(ROOT / "train" / "main.py")]
+        runs = {}
+        for name, extra in (("first", ["train.max_steps=2"]), ("resumed", ["train.max_steps=4", "resume=auto"])):
+            proc = subprocess.run([*cmd, *base, *extra], capture_output=True, text=True, env=env, cwd=ROOT)
+            (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+            runs[name] = proc
+            if proc.returncode != 0:
+                return {"status": "fail", "error": f"{name} run exited {proc.returncode}: {proc.stderr[-1500:]}"}
+    report = json.loads((run_dir / "report.json").read_text())
+    checks = {
+        "resumed": "resumed from" in runs["resumed"].stdout,
+        "steps": report.get("steps") == 4,
+        "checkpoints": (run_dir / "checkpoints" / "step_00000004").is_dir(),
+        "export_eagle3": (run_dir / "export" / "eagle3" / "config.json").is_file(),
+        "export_speculators": (run_dir / "export" / "speculators" / "config.json").is_file(),
+    }
+    result = {"status": "pass" if all(checks.values()) else "fail", "checks": checks, "device": device[0]}
+    if problems:
+        result["flash"] = "not run (trained with attention=blockwise): " + "; ".join(problems)
+    result["tokens_per_s"] = _last_metric(run_dir, "train/tokens_per_s")
+    return result
+
+
+def _flash_problems(device_type: str) -> list[str]:
+    import torch
+
+    from benchmarks.attention_check import private_op_problems
+
+    return private_op_problems(torch.device(device_type))
+
+
+def _chat(i: int) -> dict:
+    a, b = i % 7, i % 5
+    return {"messages": [
+        {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
+        {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
+    ]}  # fmt: skip
+
+
+def _last_metric(run_dir: Path, key: str) -> float | None:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    values = [x[key] for x in lines if key in x]
+    return values[-1] if values else None
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH, so children import this checkout."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def benchmark(args: list[str]) -> dict[str, Any]:
+    """One `benchmark_train_step` run; the peer running out of memory (or failing) is a result, ours is not."""
+    from benchmarks.measure import run_benchmark
+    from benchmarks.train_step import BenchConfig
+    from eagle31.distributed import close_world
+
+    bench = BenchConfig.from_args(args)
+    problems = _flash_problems(bench.torch_device().type)
+    if problems and bench.attention == "auto":  # measure the blockwise kernel rather than nothing
+        bench = BenchConfig.from_args([*args, "attention=blockwise"])
+    try:
+        result = run_benchmark(bench, log=lambda line: print(line, file=sys.stderr, flush=True))
+    finally:
+        close_world()
+    if problems:
+        result["flash"] = "not run (measured with attention=blockwise): " + "; ".join(problems)
+    ours = result["runs"]["eagle31"]
+    result["status"] = "fail" if "error" in ours else "pass"
+    if "error" in ours:
+        result["error"] = ours["error"]
+    return result

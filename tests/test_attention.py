@@ -1,0 +1,106 @@
+"""The TTT attention kernels (`eagle31/attention.py`) against the explicit-scores reference.
+
+Every fused path — PyTorch's flash kernel (CPU: per document; CUDA: one varlen call) and the
+blockwise kernel — must give the reference's output and the gradients of q, the step-0 keys and
+values and every chain key and value, over packed documents, padding, GQA and chain lengths
+j = 0..3. On CPU in fp64 (tight); the GPU twin runs the same cases in bf16 at the drafter
+shapes of the Kimi K2.6 and Llama 3.1 8B recipes (heads x head_dim 64 x 128 and 32/8 x 128, read
+from the recipes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle31.attention import reference_attention, resolve_backend, segment_ids, ttt_attention
+
+CUDA = torch.cuda.is_available()
+
+# document ids of one or two rows: one document; three packed; packed then padding (-1)
+LAYOUTS = {
+    "one_document": [[0] * 24],
+    "packed": [[0] * 7 + [1] * 12 + [2] * 5],
+    "padded_rows": [[0] * 10 + [1] * 9 + [-1] * 5, [0] * 20 + [-1] * 4],
+}
+
+
+def attention_inputs(doc, nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0, d_v: int | None = None):
+    """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys; values d_v wide (default d)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(doc), len(doc[0])
+    d_v = d_v or d
+
+    def rand(heads, dim=d):
+        return torch.randn(B, T, heads, dim, generator=g).to(device, dtype)
+
+    q, k0, v0 = rand(nh), rand(nkv), rand(nkv, d_v)
+    chain_k, chain_v = [rand(nkv) for _ in range(j)], [rand(nkv, d_v) for _ in range(j)]
+    segments = segment_ids(torch.tensor(doc, device=device), None, (B, T), device=device)
+    return q, k0, v0, chain_k, chain_v, segments, rand(nh, d_v)
+
+
+def output_and_grads(backend: str, q, k0, v0, chain_k, chain_v, segments, dout) -> list[torch.Tensor]:
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k0, v0, *chain_k, *chain_v)]
+    j = len(chain_k)
+    q, k0, v0, chain = leaves[0], leaves[1], leaves[2], leaves[3:]
+    if backend == "reference":
+        out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments)
+    else:
+        out = ttt_attention(q, k0, v0, chain[:j], chain[j:], segments, backend)
+    out.backward(dout.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def names(j: int) -> list[str]:
+    return ["out", "dq", "dk0", "dv0"] + [f"dchain_k{i}" for i in range(j)] + [f"dchain_v{i}" for i in range(j)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("j", [0, 1, 3])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout):
+    inputs = attention_inputs(LAYOUTS[layout], *heads, d=8, j=j, dtype=torch.float64)
+    expected = output_and_grads("reference", *inputs)
+    got = output_and_grads(backend, *inputs)
+    for name, a, b in zip(names(j), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{backend} {name}")
+
+
+def test_padding_and_other_documents_do_not_leak():
+    """Changing a key of another document or of padding leaves a query's output as it was."""
+    q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 2, torch.float64)
+    base = ttt_attention(q, k0, v0, chain_k, chain_v, segments, "flash")
+    k0b, v0b = k0.clone(), v0.clone()
+    k0b[0, 7:], v0b[0, 7:] = 5.0, -5.0  # documents 1 and 2
+    other = ttt_attention(q, k0b, v0b, chain_k, chain_v, segments, "flash")
+    torch.testing.assert_close(other[0, :7], base[0, :7], rtol=0, atol=0)  # document 0 sees none of it
+    assert not torch.allclose(other[0, 7:], base[0, 7:])
+
+
+def test_auto_picks_the_fused_kernel_where_it_runs():
+    assert resolve_backend(torch.zeros(1, 1, 1, 8)) == "flash"  # CPU, any dtype
+
+
+# ---------------------------------------------------------------------------- the GPU twin
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("recipe", ["kimi_k26", "llama31_8b"])
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_kernels_match_the_reference_on_cuda_in_bf16(backend, recipe, layout):
+    from benchmarks.attention_check import attention_dims
+    from benchmarks.shapes import recipe_drafter
+
+    nh, nkv, d, d_v = attention_dims(recipe_drafter(recipe))
+    j = 3
+    doc = [row * 8 for row in LAYOUTS[layout]]  # 192 tokens a row: several flash tiles
+    inputs = attention_inputs(doc, nh, nkv, d, j, torch.bfloat16, device="cuda", d_v=d_v)
+    q, k0, v0, chain_k, chain_v, segments, dout = inputs
+    as_fp32 = [x.float() for x in (q, k0, v0)], [x.float() for x in chain_k], [x.float() for x in chain_v]
+    expected = output_and_grads("reference", *as_fp32[0], as_fp32[1], as_fp32[2], segments, dout.float())
+    got = output_and_grads(backend, *inputs)
+    for name, a, b in zip(names(j), got, expected):
+        error = float((a.float() - b).abs().max() / b.abs().max())
+        assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"
