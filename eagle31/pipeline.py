@@ -406,6 +406,7 @@ def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Tra
                 trained_context=cfg.data.max_len,
                 num_speculative_tokens=cfg.eval.num_speculative_tokens,
                 target_name_or_path=cfg.target.name or str(plan.target_dir),
+                overwrite=True,  # the run's own exports: a resumed run writes them again
             )
         )
     K = cfg.train.ttt_length
