@@ -365,14 +365,22 @@ def is_run_dir(path: str | Path) -> bool:
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     """A run's `config.yaml` as a resolved plain dict."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     path = Path(run_dir) / RUN_CONFIG
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OSError, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"cannot read the run config {path}: {e}") from None
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"cannot read the run config {path}: {reason}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"the run config {path} is not a mapping of sections (it holds a {type(config).__name__})")
+    for section in ("target", "data", "export", "eval"):
+        if not isinstance(config.get(section) or {}, dict):
+            raise ConfigError(f"the run config {path}: {section} is not a section (got {config[section]!r})")
+    return config
 
 
 def export_options(run_config: dict[str, Any]) -> dict[str, Any]:

@@ -125,7 +125,9 @@ def check_run_dir(plan: RunPlan) -> None:
         return
     if plan.cfg.resume != "auto":
         raise ConfigError(f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir")
-    old = yaml.safe_load(saved.read_text()) or {}
+    from eagle31.export import read_run_config
+
+    old = read_run_config(plan.run_dir)  # a garbled config.yaml is one line naming it
     new = redact_secrets(to_container(plan.cfg))
     for key in RUN_IDENTITY:
         a, b = _get(old, key), _get(new, key)
