@@ -53,15 +53,17 @@ def finished_run(tmp_path, monkeypatch):
     """runs/demo as `pipeline.train_run` leaves it: config.yaml (redacted as it writes it) and drafter/."""
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
     run = tmp_path / "runs" / "demo"
-    cfg = load_recipe(RECIPES, ["recipe=demo", f"output_dir={run}", "eval.num_speculative_tokens=4"])
+    overrides = ["recipe=demo", f"output_dir={run}", "eval.num_speculative_tokens=4",
+                 "target.revision=${oc.env:HF_TOKEN}"]  # a credential that reached the config by interpolation
+    cfg = load_recipe(RECIPES, overrides)
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
     tiny_drafter(seed=1, dtype=torch.float32).save(run / "drafter")
-    return run, cfg
+    return run, overrides
 
 
 def test_a_finished_run_goes_through_export_card_and_resume(finished_run, capsys):
-    run, cfg = finished_run
+    run, overrides = finished_run
     main = runpy.run_path(str(REPO / "scripts" / "export.py"), run_name="under_test")["main"]
     out = run / "export" / "again"
     assert main([f"checkpoint={run}", "format=speculators", f"out={out}"]) == 0, capsys.readouterr().err
@@ -73,9 +75,9 @@ def test_a_finished_run_goes_through_export_card_and_resume(finished_run, capsys
     card = (out / "README.md").read_text()
     assert '"num_speculative_tokens": 4' in card and "***" not in card
 
-    resumed = types.SimpleNamespace(run_dir=run, cfg=load_recipe(RECIPES, [
-        "recipe=demo", f"output_dir={run}", "eval.num_speculative_tokens=4", "resume=auto"]))
+    resumed = types.SimpleNamespace(run_dir=run, cfg=load_recipe(RECIPES, [*overrides, "resume=auto"]))
     check_run_dir(resumed)  # the same run: accepted
+    assert yaml.safe_load((run / "config.yaml").read_text())["target"]["revision"] == "***"
     for path in run.rglob("*"):
         if path.is_file():
             assert HF_TOKEN.encode() not in path.read_bytes(), path
