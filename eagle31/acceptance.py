@@ -121,10 +121,16 @@ def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None) ->
     if not path.is_file():
         raise ConfigError(f"data: prompt file not found: {path}")
     prompts: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so a binary file is refused naming the line
+        for n, raw in enumerate(f, start=1):
             if max_prompts is not None and len(prompts) >= max_prompts:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x}); prompts are a JSON Lines file"
+                ) from None
             if line.strip():
                 prompts.append(_prompt_ids(line, tokenizer, f"{path}:{n}"))
     if not prompts:

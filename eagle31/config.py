@@ -242,9 +242,14 @@ def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{what} not found: {p}")
     try:
-        return json.loads(p.read_text())
+        value = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{what} {p} is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {p} is not a text file (expected JSON)") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} {p} is not a JSON object (it holds a {type(value).__name__})")
+    return value
 
 
 def load_target_config(path: str | Path) -> dict[str, Any]:

@@ -53,17 +53,17 @@ Weights are read from `*.safetensors`, or from a legacy `pytorch_model.bin` with
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors.torch import load_file
 from transformers import LlamaConfig
 
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
 from eagle31.export import native_key
-from eagle31.model import NATIVE_FORMAT, Eagle31Drafter
+from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_safetensors
 from eagle31.rope import ambiguity as rope_ambiguity
 
 SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
@@ -248,12 +248,16 @@ def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, under eagle31's names."""
     files = sorted(path.glob("*.safetensors"))
-    shards = [load_file(str(f)) for f in files]
+    shards = [read_safetensors(f) for f in files]
     if not files:
         legacy = path / "pytorch_model.bin"
         if not legacy.is_file():
             raise ConfigError(f"no *.safetensors or pytorch_model.bin in {path}")
-        shards = [torch.load(legacy, map_location="cpu", weights_only=True)]
+        try:
+            shards = [torch.load(legacy, map_location="cpu", weights_only=True)]
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"{legacy} is not a readable PyTorch checkpoint (truncated or corrupt?): {reason}") from None
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         for key, tensor in shard.items():
@@ -285,9 +289,9 @@ def _load_weights(drafter: Eagle31Drafter, state: dict[str, torch.Tensor], path:
         t2d[torch.arange(d2t.numel()) + d2t.long()] = True
     try:
         drafter.set_vocab(d2t.long(), t2d.bool())
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shape mismatches
-        raise ConfigError(f"{path}: weights do not match its config.json: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e} (draft_vocab_size, vocab_size in config.json)") from None
+    missing, unexpected = load_checked_state(drafter, state, path)
     if "embed_tokens.weight" in missing:
         with torch.no_grad():
             drafter.embed_tokens.weight.zero_()  # the target's goes here (module docstring)

@@ -36,8 +36,18 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   transformers 5 lets `rope_scaling` win when both are present.
 * Safetensors metadata `{"format": "pt"}` is set, because transformers-based readers
   (the `speculators` library) refuse files without it.
-* The output folder must hold no other weight files: vLLM loads every `*.safetensors`
-  it finds.
+* The embedding (`embed_tokens.weight`) is written by default in the speculators layout:
+  speculators' `from_pretrained` (0.9.0) leaves a missing one as uninitialised memory. The
+  HF layout omits it by default (vLLM shares the target's), except for a drafter whose
+  `hidden_size` differs from the target's: vLLM would hand it the target's wider
+  embedding, so its own is always written and an export without it is refused.
+* The speculators layout must name its target (`speculators_config.verifier.name_or_path`):
+  speculators' `from_pretrained` reads the target's config from it and fails on `null`.
+* The output folder is replaced whole (`eagle31.io.atomic_dir`), so no file of an earlier
+  export survives (vLLM loads every `*.safetensors` it finds). Only an empty folder or an
+  earlier export of ours (its marker file) is written to; replacing an export needs
+  `overwrite=True`, and a folder that also holds files eagle31 did not write, or that is
+  (or holds) the drafter being exported, is refused.
 
 Both layouts also carry an `eagle31` block (format version, target layer count, name,
 architectures) that `eagle31.convert.load_drafter` uses to read them back exactly.
@@ -52,7 +62,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.config import ConfigError, DrafterConfig
-from eagle31.io import atomic_save_safetensors, atomic_write_json
+from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
 from eagle31.model import Eagle31Drafter
 from eagle31.rope import ambiguity as rope_ambiguity
 
@@ -62,6 +72,9 @@ HF_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
+EXPORT_KIND = "export"  # the kind in an export folder's marker (eagle31.io.OUTPUT_MARKER)
+# what an export folder may hold: the export itself and the model card scripts/push_to_hub.py adds
+EXPORT_FILES = ("config.json", WEIGHTS_NAME, "README.md", OUTPUT_MARKER)
 # the decoder layer's key prefix per layout; everything else keeps eagle31's (= HF) names
 LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
@@ -74,20 +87,25 @@ def export_drafter(
     format: str = "eagle3",
     *,
     dtype: str = "bfloat16",
-    include_embed: bool = False,
+    include_embed: bool | None = None,
     trained_context: int | None = None,
     num_speculative_tokens: int = 3,
     target_name_or_path: str | None = None,
+    overwrite: bool = False,
+    source: str | Path | None = None,
 ) -> Path:
     """Write `drafter` to `out_dir` in `format` ("eagle3" | "speculators"); returns `out_dir`.
 
     dtype: "bfloat16" | "float16" | "float32" for the floating-point weights (d2t stays
-    int64, t2d bool). include_embed: also write the (frozen, target's) embedding; vLLM
-    shares the target's when it is absent. trained_context: the longest training
+    int64, t2d bool). include_embed: also write the (frozen, target's) embedding; None
+    means the layout's default (module docstring). trained_context: the longest training
     sequence (`data.max_len`). num_speculative_tokens: the k written in the speculators
-    layout. target_name_or_path: the target's Hub id (default: the drafter config's).
+    layout. target_name_or_path: the target's Hub id or path (default: the drafter
+    config's). overwrite: replace an earlier export in `out_dir`. source: the directory
+    the drafter was read from, which `out_dir` must not be or contain.
     """
     out = Path(out_dir)
+    check_export_out(out, overwrite=overwrite, source=source)
     config = export_config(
         drafter.config,
         format,
@@ -97,9 +115,9 @@ def export_drafter(
         target_name_or_path=target_name_or_path,
     )
     tensors = export_tensors(drafter, format, dtype=dtype, include_embed=include_embed)
-    check_out_dir(out)
-    atomic_save_safetensors(tensors, out / WEIGHTS_NAME, save_file, metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", config)
+    with atomic_dir(out, EXPORT_KIND) as tmp:
+        atomic_save_safetensors(tensors, tmp / WEIGHTS_NAME, save_file, metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", config)
     return out
 
 
@@ -123,27 +141,51 @@ def native_key(name: str) -> str:
 
 
 def export_tensors(
-    drafter: Eagle31Drafter, format: str, *, dtype: str = "bfloat16", include_embed: bool = False
+    drafter: Eagle31Drafter, format: str, *, dtype: str = "bfloat16", include_embed: bool | None = None
 ) -> dict[str, torch.Tensor]:
     """The state dict under `format`'s names, floats cast to `dtype`, on CPU."""
     _check_format(format)
     torch_dtype = _torch_dtype(dtype)
     check_vocab_maps(drafter)
+    with_embed = embed_included(drafter.config, format, include_embed)
     out = {}
     for name, tensor in drafter.state_dict().items():
         if name == "embed_tokens.weight":
-            if not include_embed:
+            if not with_embed:
                 continue
             if not tensor.any():
-                raise ConfigError(
-                    "export.include_embed=true but the drafter's embedding is all zeros (it was saved without "
-                    "it); vLLM would use it instead of the target's. Export without it or load the target's first"
-                )
+                raise ConfigError(_missing_embed_message(drafter.config, format, include_embed))
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point():
             tensor = tensor.to(torch_dtype)
         out[layout_key(name, format)] = tensor.contiguous()
     return out
+
+
+def embed_included(config: DrafterConfig, format: str, include_embed: bool | None) -> bool:
+    """Whether the export carries `embed_tokens.weight` (module docstring: the layout's default)."""
+    own = config.target_hidden_size != config.hidden_size
+    if include_embed is None:
+        return own or format == "speculators"
+    if own and not include_embed:
+        raise ConfigError(
+            f"include_embed=false, but the drafter's hidden_size={config.hidden_size} differs from "
+            f"target_hidden_size={config.target_hidden_size}: vLLM would give it the target's embedding, "
+            "which is the wrong width. Export it with its own (include_embed=true)"
+        )
+    return include_embed
+
+
+def _missing_embed_message(config: DrafterConfig, format: str, include_embed: bool | None) -> str:
+    problem = "the drafter's embedding is all zeros (its checkpoint carries none)"
+    if config.target_hidden_size != config.hidden_size:
+        return (f"{problem}, and a drafter whose hidden_size={config.hidden_size} differs from its target's "
+                f"({config.target_hidden_size}) cannot share the target's: load its own embedding first")
+    if include_embed is None:  # the speculators default
+        return (f"{problem}; the speculators layout carries it by default because speculators' from_pretrained "
+                "leaves a missing one uninitialised. Load the target's embedding into the drafter first, or pass "
+                "include_embed=false (vLLM then shares the target's)")
+    return f"include_embed=true but {problem}; vLLM would use it instead of the target's. Export without it"
 
 
 def check_vocab_maps(drafter: Eagle31Drafter) -> None:
@@ -179,6 +221,12 @@ def export_config(
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
     target = target_name_or_path or config.target_name_or_path
     check_rope_reading(config)
+    if format == "speculators" and not target:
+        raise ConfigError(
+            "the speculators layout must name its target (speculators_config.verifier.name_or_path; speculators' "
+            "from_pretrained fails on null) and the drafter's config names none: pass the target's Hub id or path "
+            "(scripts/export.py target=...)"
+        )
     layer = layer_fields(config, dtype, trained_context)
     eagle: dict[str, Any] = {
         "draft_vocab_size": config.draft_vocab_size,
@@ -284,17 +332,29 @@ def check_rope_reading(config: DrafterConfig) -> None:
         )
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse a folder that holds weight files this export would not overwrite."""
-    if not out.exists():
+def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path | None = None) -> None:
+    """Refuse an output folder that is not ours to replace (module docstring), before any work."""
+    if source is not None:
+        src, dest = Path(source).resolve(), out.resolve()
+        if dest == src or dest in src.parents:
+            raise ConfigError(
+                f"out={out} is or holds the drafter being exported ({source}); the export would replace it. "
+                "Choose another directory"
+            )
+    try:
+        check_output_dir(out, EXPORT_KIND)
+    except ForeignDirectoryError as e:
+        raise ConfigError(f"out: {e}") from None
+    if not out.is_dir() or not any(out.iterdir()):
         return
-    if not out.is_dir():
-        raise ConfigError(f"export.out={out} exists and is not a directory")
-    stale = sorted(
-        p.name for p in out.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.name != WEIGHTS_NAME
-    )
-    if stale:
-        raise ConfigError(f"export.out={out} already holds other weight files {stale}; vLLM would load them too")
+    if not overwrite:
+        raise ConfigError(f"out={out} already holds an eagle31 export; pass overwrite=true to replace it")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and ".tmp-" not in p.name)
+    if foreign:
+        raise ConfigError(
+            f"out={out} holds files eagle31 did not write {foreign}; overwrite=true replaces the whole folder, "
+            "so move them elsewhere first"
+        )
 
 
 def _check_format(format: str) -> None:
@@ -321,14 +381,22 @@ def is_run_dir(path: str | Path) -> bool:
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     """A run's `config.yaml` as a resolved plain dict."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     path = Path(run_dir) / RUN_CONFIG
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OSError, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"cannot read the run config {path}: {e}") from None
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"cannot read the run config {path}: {reason}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"the run config {path} is not a mapping of sections (it holds a {type(config).__name__})")
+    for section in ("target", "data", "export", "eval"):
+        if not isinstance(config.get(section) or {}, dict):
+            raise ConfigError(f"the run config {path}: {section} is not a section (got {config[section]!r})")
+    return config
 
 
 def export_options(run_config: dict[str, Any]) -> dict[str, Any]:
@@ -336,7 +404,7 @@ def export_options(run_config: dict[str, Any]) -> dict[str, Any]:
     export = run_config.get("export") or {}
     return {
         "dtype": export.get("dtype", "bfloat16"),
-        "include_embed": bool(export.get("include_embed", False)),
+        "include_embed": export.get("include_embed"),
         "trained_context": (run_config.get("data") or {}).get("max_len"),
         "num_speculative_tokens": (run_config.get("eval") or {}).get("num_speculative_tokens", 3),
         "target_name_or_path": (run_config.get("target") or {}).get("name"),

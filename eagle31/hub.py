@@ -3,7 +3,9 @@
 `write_model_card` renders README.md (YAML metadata: `base_model` = the target,
 `library_name`, `license`, `tags`) from the export's config.json, the run's config and
 its `report.json` (`tau_sim`, per-step `acc`, `tokens_seen`, `steps`, and an optional
-`acceptance` block from real speculative decoding). `push_folder` uploads the folder
+`acceptance` block from real speculative decoding), and the prepared data's report
+(sample and token counts). The card is published, so it names datasets and a local
+target by their last path component only, never by a path on the training machine. `push_folder` uploads the folder
 with `huggingface_hub.create_repo` + `upload_folder`. The upload is a single commit, so
 a failure leaves nothing half-published. Any failure becomes a one-line `HubError`.
 
@@ -57,6 +59,36 @@ def read_report(run_dir: str | Path | None) -> dict[str, Any] | None:
     return read_json_config(Path(run_dir) / REPORT_NAME, "run report")
 
 
+def read_data_report(run_dir: str | Path | None, run_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The prepared data's report.json (`data.prepared_dir`, else `<run>/data`), or None when neither has one."""
+    prepared = ((run_config or {}).get("data") or {}).get("prepared_dir")
+    candidates = [Path(prepared)] if prepared else []
+    if run_dir is not None:
+        candidates.append(Path(run_dir) / "data")
+    for folder in candidates:
+        if (folder / REPORT_NAME).is_file():
+            return read_json_config(folder / REPORT_NAME, "prepared data report")
+    return None
+
+
+def public_name(name: str) -> str:
+    """How a published card names a model: a Hub id as it is, a local path by its last component (the rest
+    of the path says where the user keeps it, which is theirs)."""
+    if _REPO_ID.match(name) and not (name.startswith((".", "~", "/")) or Path(name).expanduser().exists()):
+        return name
+    return _last_component(name)
+
+
+def dataset_name(source: str) -> str:
+    """How a published card names a data source: `demo:<split>` as it is, a file or folder by its own name
+    (sources are local paths, eagle31.data.sources)."""
+    return source if source.startswith("demo:") else _last_component(source)
+
+
+def _last_component(path: str) -> str:
+    return Path(path.rstrip("/")).name or path
+
+
 def check_repo_id(repo_id: str) -> None:
     if not _REPO_ID.match(repo_id or ""):
         raise ConfigError(f"repo_id must look like <user or org>/<name>, got {repo_id!r}")
@@ -71,12 +103,15 @@ def render_model_card(
     repo_id: str,
     run_config: dict[str, Any] | None = None,
     report: dict[str, Any] | None = None,
+    data_report: dict[str, Any] | None = None,
 ) -> str:
     """README.md text for an export with `config` (its config.json), published as `repo_id`."""
     run = run_config or {}
     layout = export_layout(config)
     layer = config.get("transformer_layer_config", config)
-    target = (run.get("target") or {}).get("name") or config["eagle31"].get("target_name_or_path") or "<target>"
+    named = (run.get("target") or {}).get("name") or config["eagle31"].get("target_name_or_path")
+    target = public_name(named) if named else "<target>"
+    served = target if _REPO_ID.match(target) else f"<path to {target}>"
     hub = run.get("hub") or {}
     k = _num_speculative_tokens(config, run)
     metadata = ModelCardData(
@@ -109,12 +144,12 @@ def render_model_card(
         f"Needs vLLM >= {MIN_VLLM[layout]}.",
         "",
         "```bash",
-        f"vllm serve {target} --speculative-config '{spec}'",
+        f"vllm serve {served} --speculative-config '{spec}'",
         "```",
         "",
         "## Training",
         "",
-        *_training_lines(run, report),
+        *_training_lines(run, report, data_report),
         "",
         "## Acceptance",
         "",
@@ -129,10 +164,11 @@ def write_model_card(
     repo_id: str,
     run_config: dict[str, Any] | None = None,
     report: dict[str, Any] | None = None,
+    data_report: dict[str, Any] | None = None,
 ) -> Path:
     """Write README.md into the export folder `out_dir`; returns its path."""
     path = Path(out_dir) / CARD_NAME
-    atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report))
+    atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report, data_report))
     return path
 
 
@@ -149,11 +185,16 @@ def _num_speculative_tokens(config: dict[str, Any], run: dict[str, Any]) -> int:
     return (run.get("eval") or {}).get("num_speculative_tokens", 3)
 
 
-def _training_lines(run: dict[str, Any], report: dict[str, Any] | None) -> list[str]:
+def _training_lines(run: dict[str, Any], report: dict[str, Any] | None, data_report: dict[str, Any] | None) -> list[str]:
     data, train = run.get("data") or {}, run.get("train") or {}
     report = report or {}
-    sources = ", ".join(f"`{s}`" for s in data.get("source") or []) or "not recorded"
-    lines = [f"* data: {sources}"]
+    sources = data.get("source") or []
+    names = ", ".join(f"`{dataset_name(str(s))}`" for s in ([sources] if isinstance(sources, str) else sources))
+    lines = [f"* data: {names or 'not recorded'}"]
+    if data_report:
+        samples, supervised = data_report.get("samples") or {}, data_report.get("supervised_tokens") or {}
+        lines.append(f"* samples: {samples.get('train', 0):,} for training, {samples.get('eval', 0):,} held out "
+                     f"({supervised.get('train', 0):,} supervised training tokens)")
     if data.get("max_len"):
         lines.append(f"* context: up to {data['max_len']} tokens per sequence")
     if train.get("ttt_length"):

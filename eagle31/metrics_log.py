@@ -1,29 +1,102 @@
 """Run logging on rank 0: a progress bar (rate, tokens/s, ETA), `metrics.jsonl`, and wandb.
 
 wandb runs `offline` by default (files under `<run>/wandb`); `online` or
-`disabled` when the recipe says. It receives the same metrics as the JSONL
+`disabled` when the recipe says. An `online` run that cannot reach or log in to the
+server logs offline instead, with one warning (`start_wandb`). It receives the same metrics as the JSONL
 file and the resolved config with secrets redacted.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-_SECRET = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential|auth)", re.IGNORECASE)
+# Keys that name a credential wherever they sit in a config tree. The whole key is compared,
+# never a part of it: `num_speculative_tokens` or `shard_max_tokens` are settings, not secrets.
+SECRET_KEYS = frozenset(
+    {"token", "hf_token", "hub_token", "access_token", "auth_token", "api_key", "wandb_api_key", "password", "secret"}
+)
+# Environment variables that hold the credentials this project's tools read (huggingface_hub, wandb).
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+# Credentials recognised by their form, wherever they appear in a value: a Hugging Face token
+# (`hf_` + 30 or more letters and digits), the password of a URL (`scheme://user:password@host`)
+# and a `token=`/`api_key=`/`password=` query parameter.
+_SECRET_VALUE = re.compile(
+    r"(?P<hf>hf_[A-Za-z0-9]{30,})"
+    r"|(?<=://)(?P<userinfo>[^/@\s:]*:[^/@\s]+)@"
+    r"|(?P<param>[?&](?:token|api_key|apikey|password)=)[^&#\s]+",
+    re.IGNORECASE,
+)
+REDACTED = "***"
 
 
 def redact_secrets(obj: Any) -> Any:
-    """Copy of a config tree with the values of secret-looking keys replaced by '***'."""
+    """Copy of a config tree with its credentials replaced by '***'.
+
+    A credential is the value of a key in `SECRET_KEYS`, a value that looks like one
+    (`_SECRET_VALUE`), or the value of one of `SECRET_ENV_VARS` found inside a string.
+    Everything else is returned unchanged, so a run's `config.yaml` reads back as the
+    config it ran with.
+    """
+    secrets = [v for v in (os.environ.get(name) for name in SECRET_ENV_VARS) if v and len(v) >= 8]
+    return _redact(obj, secrets)
+
+
+def _redact(obj: Any, secrets: list[str]) -> Any:
     if isinstance(obj, dict):
-        return {k: ("***" if _SECRET.search(str(k)) and v is not None else redact_secrets(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact_secrets(v) for v in obj]
+        return {
+            k: (REDACTED if str(k).lower() in SECRET_KEYS and v is not None else _redact(v, secrets))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return [_redact(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for secret in secrets:
+            obj = obj.replace(secret, REDACTED)
+        return _SECRET_VALUE.sub(_mask, obj)
     return obj
+
+
+def _mask(match: re.Match) -> str:
+    if match.group("userinfo"):
+        return REDACTED + "@"
+    return (match.group("param") or "") + REDACTED
+
+
+ONLINE_INIT_TIMEOUT_S = 30  # wandb retries for 90 s by default before giving up on the server
+
+
+def start_wandb(mode: str, **init_kwargs: Any):
+    """`wandb.init` in `mode`; an `online` start that cannot reach or log in to the server falls back to offline.
+
+    The run keeps its metrics either way (offline files under `<run>/wandb`, to upload later
+    with `wandb sync`), so a network or login problem is one warning line, not a traceback
+    that stops training.
+    """
+    import wandb
+
+    def init(mode: str):
+        timeout = {"init_timeout": ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
+        return wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, **timeout), **init_kwargs)
+
+    if mode != "online":
+        return init(mode)
+    try:
+        return init("online")
+    except (wandb.errors.CommError, wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(
+            f"warning: logging.wandb.mode=online could not start ({redact_secrets(reason)}); logging offline "
+            f"instead, upload later with `wandb sync {init_kwargs.get('dir', '.')}/wandb`",
+            file=sys.stderr,
+        )
+        return init("offline")
 
 
 class RunLogger:
@@ -50,17 +123,14 @@ class RunLogger:
         if wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logging.wandb.mode must be offline, online or disabled, got {wandb_mode!r}")
         if wandb_mode != "disabled":
-            import wandb
-
-            self.wandb = wandb.init(
+            self.wandb = start_wandb(
+                wandb_mode,
                 project=wandb_project,
                 entity=wandb_entity,
-                mode=wandb_mode,
                 dir=str(run_dir),
                 config=redact_secrets(config),
                 name=Path(run_dir).name,
                 resume="allow",
-                settings=wandb.Settings(console="off", silent=True),
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

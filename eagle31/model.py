@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -299,12 +300,19 @@ class Eagle31Drafter(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Eagle31Drafter":
-        """Load a drafter saved by `save`; a missing embedding stays zero (load the target's)."""
+        """Load a drafter saved by `save`; a missing embedding stays zero (load the target's).
+
+        A config that does not fit the weights (a hand-edited size, aux id list or draft
+        vocabulary) or a truncated weights file is a one-line `ConfigError` naming the file.
+        """
         path = Path(path)
         meta = read_native_config(path)
-        model = cls(DrafterConfig.from_dict(meta["drafter"]))
-        state = load_file(str(path / "model.safetensors"), device=str(device))
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            model = cls(DrafterConfig.from_dict(meta["drafter"]))
+        except TypeError as e:  # a missing or mistyped field
+            raise ConfigError(f"{path / 'config.json'}: the drafter block is not a drafter config ({e})") from None
+        state = read_safetensors(path / "model.safetensors", device)
+        missing, unexpected = load_checked_state(model, state, path / "model.safetensors")
         if "embed_tokens.weight" in missing:  # saved without it: zeros until the target's is loaded
             missing.remove("embed_tokens.weight")
             model.embed_tokens.weight.data.zero_()
@@ -313,9 +321,49 @@ class Eagle31Drafter(nn.Module):
         return model.to(device)
 
 
+def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a missing, truncated or corrupt file is a one-line ConfigError."""
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{path} is not a readable safetensors file (truncated or corrupt?): {reason}") from None
+
+
+# the config fields that size each tensor, by name fragment (first match)
+_SIZED_BY = (
+    ("embed_tokens", "vocab_size, hidden_size"),
+    ("fc_norm", "target_hidden_size"),
+    ("input_norm", "target_hidden_size, aux_layer_ids"),
+    ("fc.", "hidden_size, target_hidden_size, aux_layer_ids"),
+    ("lm_head", "draft_vocab_size, hidden_size"),
+    ("d2t", "draft_vocab_size"),
+    ("t2d", "vocab_size"),
+    ("self_attn", "hidden_size, num_attention_heads, num_key_value_heads, head_dim"),
+    ("mlp", "hidden_size, intermediate_size"),
+    ("", "hidden_size"),
+)
+
+
+def load_checked_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | Path):
+    """`model.load_state_dict(state, strict=False)` after checking every shape; a mismatch names the tensor,
+    both shapes and the config fields that size it, in one line. Returns (missing, unexpected)."""
+    expected = model.state_dict()
+    for key, tensor in state.items():
+        if key in expected and tuple(tensor.shape) != tuple(expected[key].shape):
+            fields = next(f for fragment, f in _SIZED_BY if fragment in key)
+            raise ConfigError(
+                f"{source}: {key} has shape {tuple(tensor.shape)} but the config.json beside it ({fields}) "
+                f"makes it {tuple(expected[key].shape)}; the config does not match the weights"
+            )
+    return model.load_state_dict(state, strict=False)
+
+
 def read_native_config(path: Path) -> dict:
     cfg_path = path / "config.json"
     meta = read_json_config(cfg_path, "drafter config")
     if meta.get("format") != NATIVE_FORMAT:
         raise ConfigError(f"{cfg_path} is not an eagle31 native drafter (format={meta.get('format')!r})")
+    if not isinstance(meta.get("drafter"), dict):
+        raise ConfigError(f"{cfg_path} has no 'drafter' block (the drafter's settings); it was cut or hand-edited")
     return meta

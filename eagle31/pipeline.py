@@ -125,7 +125,9 @@ def check_run_dir(plan: RunPlan) -> None:
         return
     if plan.cfg.resume != "auto":
         raise ConfigError(f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir")
-    old = yaml.safe_load(saved.read_text()) or {}
+    from eagle31.export import read_run_config
+
+    old = read_run_config(plan.run_dir)  # a garbled config.yaml is one line naming it
     new = redact_secrets(to_container(plan.cfg))
     for key in RUN_IDENTITY:
         a, b = _get(old, key), _get(new, key)
@@ -406,6 +408,7 @@ def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Tra
                 trained_context=cfg.data.max_len,
                 num_speculative_tokens=cfg.eval.num_speculative_tokens,
                 target_name_or_path=cfg.target.name or str(plan.target_dir),
+                overwrite=True,  # the run's own exports: a resumed run writes them again
             )
         )
     K = cfg.train.ttt_length

@@ -114,7 +114,7 @@ class TrainConfig:
 class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
     dtype: str = "bfloat16"
-    include_embed: bool = False
+    include_embed: Optional[bool] = None  # None: the layout's default (eagle31/export.py)
 
 
 @dataclass

@@ -2,13 +2,18 @@
 
     python scripts/export.py checkpoint=runs/demo format=eagle3 out=exports/demo-eagle3
     python scripts/export.py checkpoint=<drafter dir> format=speculators out=<dir> [dtype=bfloat16]
-        [include_embed=false] [num_speculative_tokens=3] [trained_context=N] [target=<hub id>]
-        [source_format=auto] [target_num_layers=L]
+        [include_embed=true|false] [num_speculative_tokens=3] [trained_context=N] [target=<hub id>]
+        [source_format=auto] [target_num_layers=L] [overwrite=true]
 
 `checkpoint` is a run directory (its `drafter/` and `config.yaml`, which give the trained
 context, k, dtype and the target's name) or a drafter directory of any layout
 `eagle31.convert.load_drafter` reads. Arguments override the run's settings. The
 layouts are described in `eagle31/export.py` and docs/export.md.
+
+`out` must be a new or empty directory, or an earlier export (replaced whole with
+`overwrite=true`); it may not be, or hold, the checkpoint. The embedding is written by
+default in the speculators layout and left out of the eagle3 one (vLLM shares the
+target's); `include_embed=` overrides that. Exit codes: 0 done, 2 bad arguments or input.
 """
 
 from __future__ import annotations
@@ -20,7 +25,16 @@ from pathlib import Path
 from eagle31.cli import parse_key_values
 from eagle31.config import ConfigError
 from eagle31.convert import load_drafter
-from eagle31.export import DTYPES, FORMATS, RUN_DRAFTER, export_drafter, export_options, is_run_dir, read_run_config
+from eagle31.export import (
+    DTYPES,
+    FORMATS,
+    RUN_DRAFTER,
+    check_export_out,
+    export_drafter,
+    export_options,
+    is_run_dir,
+    read_run_config,
+)
 
 
 @dataclass
@@ -35,6 +49,7 @@ class ExportArgs:
     target: str | None = None
     source_format: str = "auto"
     target_num_layers: int | None = None
+    overwrite: bool = False
 
 
 def main(argv: list[str]) -> int:
@@ -62,8 +77,9 @@ def main(argv: list[str]) -> int:
             "target_name_or_path": args.target,
         }
         options.update({k: v for k, v in given.items() if v is not None})
+        check_export_out(Path(args.out), overwrite=args.overwrite, source=checkpoint)  # before loading anything
         drafter = load_drafter(checkpoint, source_format=args.source_format, target_num_layers=args.target_num_layers)
-        out = export_drafter(drafter, args.out, args.format, **options)
+        out = export_drafter(drafter, args.out, args.format, overwrite=args.overwrite, source=checkpoint, **options)
     except ConfigError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return 2

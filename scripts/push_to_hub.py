@@ -4,7 +4,8 @@
         [run=runs/demo]
 
 `out` is a folder written by scripts/export.py. The card (README.md, written into `out`)
-reads the run's config.yaml and report.json. By default the run is the first parent of
+reads the run's config.yaml, its report.json and the prepared data's report.json; it
+names datasets and a local target by their last path component, never by a local path. By default the run is the first parent of
 `out` that is a run directory; name it with `run=` otherwise. `dry_run=true` writes the
 card and lists what would be uploaded, without touching the network. The token comes
 from HF_TOKEN or `hf auth login` and is never printed or written.
@@ -20,7 +21,7 @@ from pathlib import Path
 from eagle31.cli import parse_key_values
 from eagle31.config import ConfigError
 from eagle31.export import is_run_dir, read_run_config
-from eagle31.hub import HubError, check_repo_id, push_folder, read_export, read_report, write_model_card
+from eagle31.hub import HubError, check_repo_id, push_folder, read_data_report, read_export, read_report, write_model_card
 
 
 @dataclass
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
         if run is not None and not is_run_dir(run):
             raise ConfigError(f"run={run} is not a run directory (needs config.yaml and drafter/)")
         run_config = read_run_config(run) if run else None
-        write_model_card(out, args.repo_id, run_config, read_report(run))
+        write_model_card(out, args.repo_id, run_config, read_report(run), read_data_report(run, run_config))
         files = push_folder(out, args.repo_id, private=args.private, dry_run=args.dry_run)
     except ConfigError as e:
         print(f"push_to_hub: error: {e}", file=sys.stderr)

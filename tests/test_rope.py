@@ -111,7 +111,7 @@ def recipe_plan(name: str):
 def test_every_recipes_drafter_trains_with_the_rope_vllm_serves_from_its_export(name, fmt):
     plan = recipe_plan(name)
     max_len = int(plan.cfg.data.max_len)
-    exported = export_config(plan.drafter, fmt, trained_context=max_len)
+    exported = export_config(plan.drafter, fmt, trained_context=max_len, target_name_or_path="org/target")
     view = vllm.hf_config_view(exported)
     positions = torch.tensor(sorted(p for p in {0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, max_len // 2, max_len - 1} if p < max_len))
     theirs = vllm.rope_cos_sin(view, positions)
@@ -160,7 +160,7 @@ def test_ropes_the_drafter_cannot_train_as_vllm_serves_are_refused_naming_the_fi
 @pytest.mark.parametrize("name", list(READ_TWO_WAYS))
 def test_export_refuses_a_rope_read_two_ways_in_one_line(name, fmt, tmp_path):
     with pytest.raises(ConfigError) as e:
-        export_config(tiny_config(rope_parameters=READ_TWO_WAYS[name]), fmt)
+        export_config(tiny_config(rope_parameters=READ_TWO_WAYS[name]), fmt, target_name_or_path="org/target")
     assert "drafter.rope_parameters is read two ways" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -185,7 +185,7 @@ def test_raising_max_positions_at_export_keeps_the_rope_vllm_serves(name, fmt):
     """Without original_max_position_embeddings, llama3 and yarn read max_position_embeddings, which export raises."""
     rope = {k: v for k, v in SAME_IN_BOTH[name].items() if k != "original_max_position_embeddings"}
     config = tiny_config(rope_parameters=rope, max_position_embeddings=64)
-    view = vllm.hf_config_view(export_config(config, fmt, trained_context=1024))
+    view = vllm.hf_config_view(export_config(config, fmt, trained_context=1024, target_name_or_path="org/target"))
     assert view["max_position_embeddings"] == 1024
     positions = torch.arange(0, 256, 7)  # within every table vLLM builds here (yarn: 64 * factor 4)
     for a, b in zip(drafter_cos_sin(config, positions), vllm.rope_cos_sin(view, positions)):

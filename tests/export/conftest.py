@@ -24,7 +24,7 @@ REPORT = {
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """runs/demo with config.yaml, drafter/ (native, no embedding) and report.json."""
+    """runs/demo with config.yaml, drafter/ (native, with the target's embedding, as the pipeline saves it) and report.json."""
     run = tmp_path / "runs" / "demo"
     cfg = OmegaConf.structured(RunConfig)
     cfg.target.name = "moonshotai/Kimi-K2.6"
@@ -34,7 +34,7 @@ def run_dir(tmp_path):
     cfg.eval.num_speculative_tokens = 4
     run.mkdir(parents=True)
     OmegaConf.save(cfg, run / "config.yaml")
-    tiny_drafter(seed=1, dtype=torch.float32).save(run / "drafter", include_embed=False)
+    tiny_drafter(seed=1, dtype=torch.float32).save(run / "drafter")
     (run / "report.json").write_text(json.dumps(REPORT))
     return run
 

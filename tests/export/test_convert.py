@@ -212,7 +212,7 @@ def test_native_drafter_is_read_with_overrides(tmp_path):
     "config, message",
     [
         (specforge_config(num_hidden_layers=2), "decoder layers"),
-        (specforge_config(intermediate_size=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}), "do not match"),
+        (specforge_config(intermediate_size=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}), "intermediate_size.*does not match the weights"),
         (speculators_config(speculators_model_type="mtp"), "not an EAGLE-3"),
         (speculators_config(transformer_layer_config={**LAYER, "model_type": "qwen3"}), "only Llama-layer"),
     ],

@@ -1,13 +1,16 @@
 """export_drafter: round trips through both layouts, and the checks that run before anything is written."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eagle31 import ConfigError
 from eagle31.convert import load_drafter
 from eagle31.export import export_drafter, export_options, layout_key, native_key
+from eagle31.io import OUTPUT_MARKER
 from tests.helpers import random_batch, tiny_drafter
 
 FORMATS = ("eagle3", "speculators")
@@ -32,7 +35,7 @@ def test_round_trip_gives_bit_identical_logits_and_config(tmp_path, fmt, switche
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_export_round_trips_the_rounded_weights_exactly(tmp_path, fmt):
     m = tiny_drafter(seed=2, dtype=torch.float32)
-    loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, include_embed=True))
+    loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, include_embed=True, target_name_or_path="org/t"))
     rounded = m.to(torch.bfloat16).float()
     for a, b in zip(logits(rounded), logits(loaded)):
         assert torch.equal(a, b)
@@ -91,13 +94,86 @@ def test_bad_input_fails_before_anything_is_written(tmp_path, mutate, kwargs, me
     assert not (tmp_path / "out").exists()
 
 
-def test_a_folder_with_other_weight_files_is_refused(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match="other weight files"):
-        export_drafter(tiny_drafter(seed=1), tmp_path / "out")
-    export_drafter(tiny_drafter(seed=1), tmp_path / "again")
-    export_drafter(tiny_drafter(seed=1), tmp_path / "again")  # re-exporting over itself is fine
+def saved_embedding(out):
+    return load_file(str(out / "model.safetensors")).get("embed_tokens.weight")
+
+
+def test_the_speculators_layout_carries_the_embedding_by_default_and_the_hf_layout_shares_the_targets(tmp_path):
+    m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target")
+    assert torch.equal(saved_embedding(export_drafter(m, tmp_path / "s", "speculators", dtype="float32")),
+                       m.embed_tokens.weight)
+    assert saved_embedding(export_drafter(m, tmp_path / "e", "eagle3")) is None
+    assert saved_embedding(export_drafter(m, tmp_path / "s2", "speculators", include_embed=False)) is None
+    with torch.no_grad():
+        m.embed_tokens.weight.zero_()  # a checkpoint saved without it
+    with pytest.raises(ConfigError, match="speculators layout carries it by default.*include_embed=false"):
+        export_drafter(m, tmp_path / "s3", "speculators")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_drafter_narrower_than_its_target_always_carries_its_own_embedding(tmp_path, fmt):
+    m = tiny_drafter(seed=1, dtype=torch.float32, target_hidden_size=24, target_name_or_path="org/target")
+    out = export_drafter(m, tmp_path / fmt, fmt, dtype="float32")
+    assert torch.equal(saved_embedding(out), m.embed_tokens.weight)  # [V, H], not the target's [V, Ht]
+    with pytest.raises(ConfigError, match="hidden_size=16 differs from target_hidden_size=24"):
+        export_drafter(m, tmp_path / "no", fmt, include_embed=False)
+    with torch.no_grad():
+        m.embed_tokens.weight.zero_()
+    with pytest.raises(ConfigError, match="cannot share the target's"):
+        export_drafter(m, tmp_path / "zero", fmt)
+    assert not (tmp_path / "no").exists() and not (tmp_path / "zero").exists()
+
+
+def test_the_speculators_layout_needs_the_targets_name(tmp_path):
+    m = tiny_drafter(seed=1)
+    assert m.config.target_name_or_path is None
+    with pytest.raises(ConfigError, match="verifier.name_or_path.*target="):
+        export_drafter(m, tmp_path / "s", "speculators")
+    assert not (tmp_path / "s").exists()
+    cfg = json.loads((export_drafter(m, tmp_path / "s", "speculators", target_name_or_path="org/t") / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/t"
+
+
+def snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_earlier_export_is_replaced_only_when_asked_and_leaves_nothing_stale(tmp_path):
+    out = tmp_path / "out"
+    m = tiny_drafter(seed=1, target_name_or_path="org/t")
+    export_drafter(m, out, "speculators")
+    (out / "README.md").write_text("card of the speculators export")  # scripts/push_to_hub.py's card
+    before = snapshot(out)
+    with pytest.raises(ConfigError, match="already holds an eagle31 export; pass overwrite=true"):
+        export_drafter(m, out, "eagle3")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"files eagle31 did not write \['notes.txt'\]"):
+        export_drafter(m, out, "eagle3", overwrite=True)
+    assert snapshot(out) == {**before, Path("notes.txt"): b"mine"}  # refused: nothing touched
+    (out / "notes.txt").unlink()
+    export_drafter(m, out, "eagle3", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
+    assert "speculators_model_type" not in json.loads((out / "config.json").read_text())
+
+
+def test_a_folder_that_eagle31_did_not_write_is_never_replaced(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"user weights")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match="files that eagle31 did not write"):
+            export_drafter(tiny_drafter(seed=1), out, overwrite=overwrite)
+    assert snapshot(out) == {Path("model-00001-of-00002.safetensors"): b"user weights"}
+
+
+def test_the_source_drafter_is_never_the_output(tmp_path):
+    m = tiny_drafter(seed=1)
+    m.save(tmp_path / "run" / "drafter")
+    before = snapshot(tmp_path / "run")
+    for out in (tmp_path / "run" / "drafter", tmp_path / "run"):
+        with pytest.raises(ConfigError, match="is or holds the drafter being exported"):
+            export_drafter(m, out, overwrite=True, source=tmp_path / "run" / "drafter")
+    assert snapshot(tmp_path / "run") == before
 
 
 def test_export_options_follow_the_run_config():

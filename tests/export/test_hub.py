@@ -1,5 +1,7 @@
 """The model card, the upload (huggingface_hub faked: nothing leaves the machine) and the token's secrecy."""
 
+import json
+
 import httpx
 import pytest
 import yaml
@@ -26,7 +28,7 @@ def test_model_card_metadata_and_serving_command(run_dir, export_dir):
     assert {"eagle3", "speculative-decoding"} <= set(meta["tags"])
     assert ("vllm serve moonshotai/Kimi-K2.6 --speculative-config "
             """'{"method": "eagle3", "model": "me/kimi-eagle3", "num_speculative_tokens": 4}'""") in body
-    assert "`data/chat.jsonl`, `org/dataset`" in body
+    assert "* data: `chat.jsonl`, `dataset`\n" in body  # names, not where they lie
     assert "optimizer steps: 1000" in body and "tokens seen: 1,234,567" in body
     assert "**3.215**" in body and "| top-1 accuracy | 0.810 | 0.720 | 0.600 |" in body
     assert "(mode chain, k 3, max_new_tokens 64)" in body
@@ -39,6 +41,7 @@ def test_speculators_card_and_a_run_without_report(tmp_path):
     out = export_drafter(m, tmp_path / "s", "speculators", num_speculative_tokens=5, target_name_or_path="/local/target")
     meta, body = front_matter(render_model_card(hub.read_export(out), "me/d"))
     assert meta["library_name"] == "speculators" and "base_model" not in meta  # a local path is no Hub id
+    assert "/local" not in body and "vllm serve <path to target> " in body
     assert '"num_speculative_tokens": 5' in body and "vLLM >= 0.25" in body
     assert "# EAGLE 3 drafter" in body and "Not measured yet." in body
     partial = render_model_card(hub.read_export(out), "me/d", report={"acc": [0.5, None], "acceptance": {"tau": 2.5}})
@@ -105,3 +108,24 @@ def test_only_eagle31_exports_are_pushed(tmp_path):
     with pytest.raises(ConfigError, match="not an export folder"):
         push_folder(tmp_path, "me/d", dry_run=True)
 
+
+
+def test_the_card_publishes_names_and_counts_never_a_local_path(tmp_path):
+    """The paths of this test's own folders (data, target, run) must not reach the published card."""
+    private = tmp_path / "home" / "me" / "private"
+    run = private / "runs" / "demo"
+    (private / "corpus").mkdir(parents=True)
+    sources = [str(private / "chats.jsonl"), str(private / "corpus") + "/", "demo:train"]
+    target = private / "models" / "Kimi-K2.6"
+    run_config = {"target": {"name": None, "path": str(target)},
+                  "data": {"source": sources, "prepared_dir": str(run / "data"), "max_len": 2048}}
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "report.json").write_text(json.dumps(
+        {"prepared_dir": str(run / "data"), "sources": sources, "samples": {"train": 1200, "eval": 64},
+         "supervised_tokens": {"train": 345678, "eval": 9000}}))
+    out = export_drafter(tiny_drafter(seed=1), run / "export" / "s", "speculators", target_name_or_path=str(target))
+    card = write_model_card(out, "me/d", run_config, read_report(run), hub.read_data_report(run, run_config)).read_text()
+    assert str(tmp_path) not in card and "home/me" not in card
+    assert "* data: `chats.jsonl`, `corpus`, `demo:train`" in card
+    assert "* samples: 1,200 for training, 64 held out (345,678 supervised training tokens)" in card
+    assert "drafter for Kimi-K2.6" in card and "vllm serve <path to Kimi-K2.6> " in card

@@ -67,8 +67,11 @@ def test_export_from_a_run_uses_its_settings(run_dir, capsys):
     assert "wrote speculators drafter" in capsys.readouterr().out
 
 
-def test_export_from_a_drafter_dir_of_another_layout(export_dir, tmp_path):
-    assert script("export.py")([f"checkpoint={export_dir}", "format=speculators", f"out={tmp_path / 's'}"]) == 0
+def test_export_from_a_drafter_dir_of_another_layout(export_dir, tmp_path, capsys):
+    argv = [f"checkpoint={export_dir}", "format=speculators", f"out={tmp_path / 's'}"]
+    assert script("export.py")(argv) == 2  # the eagle3 export has no embedding for the speculators layout to carry
+    assert "include_embed=false" in capsys.readouterr().err and not (tmp_path / "s").exists()
+    assert script("export.py")([*argv, "include_embed=false"]) == 0
     assert "speculators_model_type" in json.loads((tmp_path / "s" / "config.json").read_text())
 
 
@@ -85,6 +88,26 @@ def test_export_bad_arguments_exit_2_with_one_line(run_dir, tmp_path, capsys, ex
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("out", ["drafter", ".", "export"])
+def test_export_never_writes_over_the_run_or_its_drafter(run_dir, capsys, out):
+    (run_dir / "export").mkdir()
+    (run_dir / "export" / "notes.txt").write_text("not an export")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    argv = [f"checkpoint={run_dir}", f"out={run_dir / out}", "overwrite=true"]
+    assert script("export.py")(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("is or holds the drafter being exported" in err or "did not write" in err)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_export_replaces_an_earlier_export_only_with_overwrite(run_dir, export_dir, capsys):
+    argv = [f"checkpoint={run_dir}", "format=speculators", f"out={export_dir}"]
+    assert script("export.py")(argv) == 2
+    assert "overwrite=true" in capsys.readouterr().err
+    assert script("export.py")([*argv, "overwrite=true"]) == 0
+    assert "speculators_model_type" in json.loads((export_dir / "config.json").read_text())
 
 
 def test_export_missing_checkpoint(tmp_path, capsys):

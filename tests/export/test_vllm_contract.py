@@ -39,6 +39,7 @@ TRAINED_CONTEXT = 1024
 
 def export(tmp_path, case, fmt, **kwargs):
     m = tiny_drafter(seed=3, dtype=torch.float32, **CASES[case])
+    kwargs.setdefault("target_name_or_path", "org/target")
     out = export_drafter(m, tmp_path / fmt, fmt, dtype="float32", trained_context=TRAINED_CONTEXT, **kwargs)
     return m, json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors")), out
 
@@ -81,7 +82,9 @@ def test_weight_names_and_shapes_match_what_vllm_builds(tmp_path, case, fmt):
     expected = vllm.expected_params(vllm.hf_config_view(cfg))
     loaded = vllm.loaded_shapes(tensors)
     assert set(loaded) <= set(expected), set(loaded) - set(expected)
-    assert set(expected) - set(loaded) == {"model.embed_tokens.weight"}  # shared with the target
+    # the embedding: carried by the speculators layout and by a drafter narrower than its target, else shared
+    carries_embed = fmt == "speculators" or m.config.target_hidden_size != m.config.hidden_size
+    assert set(expected) - set(loaded) == (set() if carries_embed else {"model.embed_tokens.weight"})
     for name, shape in loaded.items():
         assert shape == expected[name], name
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -91,7 +94,7 @@ def test_weight_names_and_shapes_match_what_vllm_builds(tmp_path, case, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weights_are_cast_and_readable_by_transformers_based_loaders(tmp_path, fmt):
     m = tiny_drafter(seed=3, dtype=torch.float32)
-    out = export_drafter(m, tmp_path / fmt, fmt, include_embed=True)  # bf16 by default
+    out = export_drafter(m, tmp_path / fmt, fmt, include_embed=True, target_name_or_path="org/target")  # bf16
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
@@ -114,7 +117,7 @@ def test_weights_are_cast_and_readable_by_transformers_based_loaders(tmp_path, f
 )
 def test_transformers_4_and_5_readers_get_the_same_rope(tmp_path, fmt, rope):
     m = tiny_drafter(seed=3, dtype=torch.float32, rope_parameters=rope)
-    out = export_drafter(m, tmp_path / fmt, fmt)
+    out = export_drafter(m, tmp_path / fmt, fmt, target_name_or_path="org/target")
     view = vllm.hf_config_view(json.loads((out / "config.json").read_text()))
     assert vllm.rope_v5(view) == rope
     assert vllm.rope_v4(view) == rope
@@ -152,7 +155,12 @@ def test_vllm_numerics_on_the_exported_files_match_the_drafter(tmp_path, case, f
     m = m.double()
     aux, _, ids, _ = random_batch(m.config, 1, T, seed=5)
     ours = m(aux, ids, ttt_length=K)
-    theirs = vllm.chain_logits(cfg, tensors, m.embed_tokens.weight, aux[0], ids[0], K)
+    c = m.config
+    # the target's embedding as vLLM would share it: the drafter's own when the widths agree (training froze
+    # the target's into it), another [V, Ht] matrix when they differ
+    target_embed = m.embed_tokens.weight if c.target_hidden_size == c.hidden_size else torch.randn(c.vocab_size, c.target_hidden_size)
+    embed = vllm.drafter_embedding(cfg, tensors, target_embed)
+    theirs = vllm.chain_logits(cfg, tensors, embed.double(), aux[0], ids[0], K)
     draft_ids = m.draft_token_ids()
     for k in range(K):
         torch.testing.assert_close(theirs[k][:, draft_ids], ours[k][0], rtol=1e-4, atol=1e-4)

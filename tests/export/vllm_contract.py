@@ -6,7 +6,9 @@ Read in vllm-project/vllm:
   `model.` (except `lm_head`), `midlayer.` -> `layers.0.`, q/k/v stacked into
   `qkv_proj` and gate/up into `gate_up_proj`. `d2t` becomes `draft_id_to_target_id`
   (left at zeros when absent: draft id i -> target id i). `t2d` is skipped, and
-  `embed_tokens` is optional (the target's is shared). `fc` is sized
+  `embed_tokens` is optional: `v1/spec_decode/llm_base_proposer.py` gives a drafter whose
+  checkpoint carries none the target's embedding module, and `LlamaModel.forward` asserts
+  that the embedding is as wide as the hidden state (`drafter_embedding`). `fc` is sized
   `target_hidden_size * num_aux_hidden_states`, with `num_aux_hidden_states` falling
   back to `len(eagle_config.eagle_aux_hidden_state_layer_ids)` and then 3. Flags are
   read with `getattr(config, flag, False)`. The decoder layer with
@@ -284,6 +286,24 @@ def _vllm_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             rank = next((order[s] for s in order if s in key), 0)
             shards.setdefault(name, []).append((rank, t))
     return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in shards.items()}
+
+
+def drafter_embedding(config_json: dict, tensors: dict[str, torch.Tensor], target_embed: torch.Tensor) -> torch.Tensor:
+    """The embedding vLLM's drafter runs with: its own when the checkpoint carries one, else the target's.
+
+    vLLM keeps the drafter's own (or, when equal, the target's: the same values); it shares the
+    target's [V, Ht] when the checkpoint has none, and then its forward asserts that the
+    embedding's width equals the drafter's hidden size.
+    """
+    view = hf_config_view(config_json)
+    own = next((t for k, t in tensors.items() if k.endswith("embed_tokens.weight")), None)
+    embed = own if own is not None else target_embed
+    if embed.shape[-1] != view["hidden_size"]:
+        raise AssertionError(
+            f"vLLM's drafter forward asserts hidden_states.shape[-1] == input_embeds.shape[-1]: "
+            f"{view['hidden_size']} != {embed.shape[-1]} (the target's embedding was shared)"
+        )
+    return embed
 
 
 def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: torch.Tensor,
