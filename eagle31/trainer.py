@@ -176,7 +176,8 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64))
+        # every collective's tensor lives on the world's device: NCCL refuses host memory
+        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64, device=self.world.device))
         return {
             "loss": total,
             "grad_norm": grad_norm,
