@@ -435,6 +435,8 @@ def measure_acceptance(plan: RunPlan) -> dict:
     from eagle31.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.acceptance_report import write_report
 
+    from eagle31.data.prepare import template_kwargs
+
     cfg = plan.cfg
     splits = ",".join(f"{Path(p).stem}={p}" for p in resolve_sources(cfg.eval.data))
     result = run_acceptance(
@@ -442,6 +444,7 @@ def measure_acceptance(plan: RunPlan) -> dict:
             drafter=str(plan.run_dir / "drafter"),
             target=str(plan.target_dir),
             data=splits,
+            chat_template_kwargs=json.dumps(template_kwargs(cfg.data)),  # prompts rendered as for training
             k=cfg.eval.num_speculative_tokens,
             max_new_tokens=cfg.eval.max_new_tokens,
             max_prompts=cfg.eval.max_prompts,
