@@ -72,6 +72,21 @@ def test_a_finite_step_resets_the_streak_and_training_goes_on(tmp_path):
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3, 4]
 
 
+def test_skipped_steps_move_the_schedule_so_it_ends_at_max_steps(tmp_path):
+    cfg = tiny_drafter(dtype=torch.float32).config
+    good = synthetic_batch(cfg, 12, seed=1)
+    bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
+    trainer = make_trainer(tmp_path, [bad, good], max_nonfinite_steps=2)
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(logger(tmp_path))
+    assert trainer.state.step == 4 and trainer.scheduler.last_epoch == 4
+    f = lr_lambda(trainer.cfg.warmup_steps, trainer.cfg.max_steps)
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.cfg.lr * f(4))  # the schedule's end
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = [x["train/lr"] for x in lines if "train/lr" in x]
+    assert lrs == pytest.approx([trainer.cfg.lr * f(s) for s in (1, 2, 3, 4)])
+
+
 def test_warmup_then_cosine():
     f = lr_lambda(warmup_steps=10, max_steps=110, min_ratio=0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
