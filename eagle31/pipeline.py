@@ -143,10 +143,8 @@ def check_init_from(drafter: DrafterConfig, section) -> None:
             continue
         theirs, ours = getattr(source, name), getattr(drafter, name)
         if theirs != ours:
-            show = (lambda v: list(v)) if name == "aux_layer_ids" else (lambda v: v)
-            raise ConfigError(
-                f"drafter.init_from={section.init_from}: {name} is {show(theirs)} there but {show(ours)} in this run"
-            )
+            theirs, ours = (list(v) if isinstance(v, tuple) else v for v in (theirs, ours))
+            raise ConfigError(f"drafter.init_from={section.init_from}: {name} is {theirs} there but {ours} in this run")
 
 
 def check_run_dir(plan: RunPlan) -> None:
