@@ -90,15 +90,13 @@ class PrepareReport:
         ]
         if self.draft_vocab_size < self.draft_vocab_size_requested:
             lines.append(f"  (draft_vocab_size {self.draft_vocab_size_requested} clamped to the vocabulary size)")
-        r = self.unrendered_reasoning
-        if r["unrendered_turns"]:
+        if self.unrendered_reasoning["unrendered_turns"]:
             lines.append(f"reasoning not rendered: {self._reasoning_counts()}")
         if self.truncated["count"]:
             lines.append(f"truncated to max_len: {self.truncated['count']} [{', '.join(self.truncated['examples'])}]")
         for reason, r in self.dropped.items():
             lines.append(f"dropped {reason}: {r['count']} [{', '.join(r['examples'])}]")
         return "\n".join(lines)
-
 
     def reasoning_warning(self) -> str | None:
         """One line when most reasoning tokens did not reach the data, else None."""
