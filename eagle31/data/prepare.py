@@ -24,7 +24,8 @@ K2.5/K2.6 blanks every turn's up to the last answer unless
 `data.chat_template_kwargs.preserve_thinking` is set; Qwen3 and DeepSeek-R1 blank
 history turns; templates without a reasoning field show none): the report counts
 it (`unrendered_reasoning`: turns and tokens, of how many) and says why, and
-when most reasoning tokens are lost `prepare_dataset` warns in one line.
+when most reasoning tokens are lost `prepare_dataset` warns in one line (logger
+`eagle31.data.prepare`).
 
 Drop reasons in the report: missing_file, unreadable_file, malformed,
 empty_conversation, unknown_role (`eagle31.data.sources`); template_error,
@@ -37,8 +38,8 @@ The directory is built under a temporary sibling name and renamed over
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -51,6 +52,8 @@ from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwa
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+log = logging.getLogger(__name__)
 
 OVERFLOW = ("truncate", "drop")
 UNRENDERED_WHY = (
@@ -203,7 +206,7 @@ def prepare_dataset(
         )
         atomic_write_json(tmp / "report.json", report.to_dict())
         if report.reasoning_warning():
-            warnings.warn(report.reasoning_warning(), stacklevel=2)
+            log.warning("warning: %s", report.reasoning_warning())  # the CLIs show it, one line
         del train, held_out
         (tmp / "all.arrow").unlink()  # both splits were copied out of it
     return report
