@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eagle31.config import ConfigError, load_target_config
+from eagle31.data.chat import check_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.speculative import Generation, speculative_generate
@@ -115,7 +116,7 @@ def evaluate(
 # ---------------------------------------------------------------------- prompts
 
 
-def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None) -> list[list[int]]:
+def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None, template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of the prompts of one JSON Lines file (module docstring)."""
     path = Path(path)
     if not path.is_file():
@@ -132,13 +133,13 @@ def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None) ->
                     f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x}); prompts are a JSON Lines file"
                 ) from None
             if line.strip():
-                prompts.append(_prompt_ids(line, tokenizer, f"{path}:{n}"))
+                prompts.append(_prompt_ids(line, tokenizer, f"{path}:{n}", template_kwargs or {}))
     if not prompts:
         raise ConfigError(f"data: no prompts in {path}")
     return prompts
 
 
-def _prompt_ids(line: str, tokenizer, where: str) -> list[int]:
+def _prompt_ids(line: str, tokenizer, where: str, template_kwargs: dict) -> list[int]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -157,7 +158,7 @@ def _prompt_ids(line: str, tokenizer, where: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{where}: a 'messages' prompt needs a chat template, and the target tokenizer has none")
     text = tokenizer.apply_chat_template(
-        messages, tools=conversation.tools, tokenize=False, add_generation_prompt=True
+        messages, tools=conversation.tools, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -187,6 +188,8 @@ class AcceptanceConfig:
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     out: str = "acceptance"  # directory for acceptance.json / .md / .png
+    # template options for 'messages' prompts, as a JSON object: '{"preserve_thinking": true}'
+    chat_template_kwargs: str | None = None
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before a model is loaded."""
@@ -195,6 +198,7 @@ class AcceptanceConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value}")
         self.tree  # raises on incomplete or invalid tree_* values
+        self.template_kwargs  # raises on a malformed chat_template_kwargs
         if not Path(self.target).is_dir():
             raise ConfigError(f"target: not a directory: {self.target}")
         for label, path in self.drafters.items():
@@ -215,6 +219,16 @@ class AcceptanceConfig:
             return TreeSpec(*values)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        if not self.chat_template_kwargs:
+            return {}
+        try:
+            kwargs = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r} ({e.msg})") from None
+        return check_template_kwargs(kwargs, "chat_template_kwargs")
 
     @property
     def drafters(self) -> dict[str, str]:
@@ -260,7 +274,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
         tokenizer = AutoTokenizer.from_pretrained(config.target)
     except (OSError, ValueError) as e:
         raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
-    splits = {name: load_prompts(path, tokenizer, config.max_prompts) for name, path in config.splits.items()}
+    splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
     drafters = {}
     for label, path in config.drafters.items():
         try:

@@ -11,6 +11,7 @@ values and missing required keys are a one-line `ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -32,12 +33,24 @@ def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[s
     """
     from eagle31.recipe import load_recipe
 
+    show_progress_lines()
     try:
         fn(load_recipe(recipes_dir, argv))
     except (ConfigError, ForeignDirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def show_progress_lines() -> None:
+    """eagle31's INFO log lines on stderr, bare: the progress of one-time builds (the demo target)."""
+    logger = logging.getLogger("eagle31")
+    if not any(getattr(h, "eagle31_progress", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.eagle31_progress = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def parse_key_values(argv: list[str], schema: type[T]) -> T:

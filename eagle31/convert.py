@@ -63,7 +63,7 @@ from transformers import LlamaConfig
 
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
 from eagle31.export import native_key
-from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_safetensors
+from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
 from eagle31.rope import ambiguity as rope_ambiguity
 
 SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
@@ -89,10 +89,7 @@ def load_drafter(
     checkpoint says or lacks.
     """
     path = Path(path)
-    meta = read_json_config(path / "config.json", "drafter config")
-    fmt = detect_format(meta, path) if source_format == "auto" else source_format
-    if fmt not in SOURCE_FORMATS[1:]:
-        raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
+    meta, fmt = _read_meta(path, source_format)
     if fmt == "eagle31":
         drafter = Eagle31Drafter.load(path)
         overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
@@ -116,13 +113,42 @@ def load_drafter(
     return drafter.to(device)
 
 
+def read_drafter_config(
+    path: str | Path, *, source_format: str = "auto", upgrade_to_eagle31: bool = False, target_num_layers: int | None = None
+) -> DrafterConfig:
+    """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
+    path = Path(path)
+    meta, fmt = _read_meta(path, source_format)
+    if fmt == "eagle31":
+        config = DrafterConfig.from_dict(read_native_config(path)["drafter"])
+        if target_num_layers is not None:
+            config = dataclasses.replace(config, target_num_layers=target_num_layers)
+    else:
+        config = drafter_config(meta, fmt, target_num_layers=target_num_layers)
+    return eagle31_config(config) if upgrade_to_eagle31 else config
+
+
+def _read_meta(path: Path, source_format: str) -> tuple[dict[str, Any], str]:
+    """(config.json, its source format)."""
+    meta = read_json_config(path / "config.json", "drafter config")
+    fmt = detect_format(meta, path) if source_format == "auto" else source_format
+    if fmt not in SOURCE_FORMATS[1:]:
+        raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
+    return meta, fmt
+
+
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
     """EAGLE 3 -> EAGLE 3.1: add `fc_norm` (weights at ones) and set `norm_output` (module docstring)."""
-    if drafter.config.norm_before_fc:
+    return _with_config(drafter, eagle31_config(drafter.config))
+
+
+def eagle31_config(config: DrafterConfig) -> DrafterConfig:
+    """The EAGLE 3.1 switches on an EAGLE 3 config (`to_eagle31`'s config)."""
+    if config.norm_before_fc:
         raise ConfigError(
             "cannot upgrade a norm_before_fc drafter to EAGLE 3.1: fc_norm and norm_before_fc exclude each other"
         )
-    return _with_config(drafter, dataclasses.replace(drafter.config, fc_norm=True, norm_output=True))
+    return dataclasses.replace(config, fc_norm=True, norm_output=True)
 
 
 def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Drafter:

@@ -76,7 +76,11 @@ def close_world() -> None:
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (in place); identity when undistributed."""
+    """Sum over ranks (in place); identity when undistributed.
+
+    `x` must be on the world's device (`World.device`): NCCL refuses a tensor in host
+    memory ("Tensors must be CUDA and dense"), gloo would take it and hide the bug.
+    """
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
@@ -86,10 +90,3 @@ def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
-
-def broadcast_object(obj, src: int = 0):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-    return obj

@@ -115,7 +115,36 @@ def plan_run(cfg, world: World) -> RunPlan:
     if not cfg.dry_run:
         check_run_dir(plan)
         check_data(plan)
+    if cfg.drafter.init_from:
+        check_init_from(drafter, cfg.drafter)
     return plan
+
+
+# A drafter to fine-tune must mean what this run's drafter means: these switch features or
+# normalisation without changing a tensor shape, so fitting weights would not catch them.
+INIT_FROM_FIELDS = ("aux_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def check_init_from(drafter: DrafterConfig, section) -> None:
+    """`drafter.init_from` (config.json only): its switches and aux ids must be this run's.
+
+    `norm_output` may differ when `drafter.upgrade_to_eagle31` asks for the EAGLE 3 -> 3.1 upgrade.
+    """
+    from eagle31.convert import read_drafter_config
+
+    source = read_drafter_config(
+        section.init_from,
+        source_format=section.init_from_format,
+        upgrade_to_eagle31=section.upgrade_to_eagle31,
+        target_num_layers=drafter.target_num_layers,
+    )
+    for name in INIT_FROM_FIELDS:
+        if name == "norm_output" and section.upgrade_to_eagle31:
+            continue
+        theirs, ours = getattr(source, name), getattr(drafter, name)
+        if theirs != ours:
+            theirs, ours = (list(v) if isinstance(v, tuple) else v for v in (theirs, ours))
+            raise ConfigError(f"drafter.init_from={section.init_from}: {name} is {theirs} there but {ours} in this run")
 
 
 def check_run_dir(plan: RunPlan) -> None:
@@ -377,6 +406,12 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
     if source.config.draft_vocab_size != drafter.config.draft_vocab_size or not torch.equal(source.d2t, drafter.d2t):
         raise ConfigError(f"drafter.init_from={section.init_from}: its draft vocabulary differs from the prepared one")
     state = {k: v for k, v in source.state_dict().items() if k != "embed_tokens.weight"}
+    ours = drafter.state_dict()
+    for key, value in state.items():
+        if key in ours and ours[key].shape != value.shape:
+            raise ConfigError(
+                f"drafter.init_from={section.init_from}: {key} is {list(value.shape)} there but {list(ours[key].shape)} in this run"
+            )
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
         raise ConfigError(f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})")
@@ -438,6 +473,8 @@ def measure_acceptance(plan: RunPlan) -> dict:
     from eagle31.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.acceptance_report import write_report
 
+    from eagle31.data.prepare import template_kwargs
+
     cfg = plan.cfg
     splits = ",".join(f"{Path(p).stem}={p}" for p in resolve_sources(cfg.eval.data))
     result = run_acceptance(
@@ -445,6 +482,7 @@ def measure_acceptance(plan: RunPlan) -> dict:
             drafter=str(plan.run_dir / "drafter"),
             target=str(plan.target_dir),
             data=splits,
+            chat_template_kwargs=json.dumps(template_kwargs(cfg.data)),  # prompts rendered as for training
             k=cfg.eval.num_speculative_tokens,
             max_new_tokens=cfg.eval.max_new_tokens,
             max_prompts=cfg.eval.max_prompts,

@@ -41,6 +41,9 @@ class DataConfig:
     max_len: int = 2048
     overflow: str = "truncate"  # truncate | drop
     last_turn_only: bool = False  # supervise only the last assistant turn
+    # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
+    # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     eval_fraction: float = 0.05  # held-out split
     eval_max_samples: int = 256
     seed: int = 0

@@ -172,11 +172,14 @@ class Trainer:
         )
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
-        if finite:  # a skipped step does not advance the schedule either
+        if finite:
             self.optimizer.step()
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64))
+        with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()  # a skipped step counts toward max_steps, so it moves the schedule too
+        # every collective's tensor lives on the world's device: NCCL refuses host memory
+        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64, device=self.world.device))
         return {
             "loss": total,
             "grad_norm": grad_norm,

@@ -10,6 +10,9 @@
     # EAGLE-2 draft trees instead of a chain
     python scripts/eval_acceptance.py ... tree_top_k=8 tree_depth=6 tree_total_tokens=60
 
+    # template options for 'messages' prompts, as the training data was rendered (Kimi K2.6)
+    python scripts/eval_acceptance.py ... chat_template_kwargs='{"preserve_thinking": true}'
+
 Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | speculators |
 specforge | torchspec), device, dtype. Writes acceptance.json, acceptance.md and
 acceptance.png under `out` and prints the table; see eagle31/acceptance.py for the metrics.

@@ -107,6 +107,23 @@ def test_prompts_use_the_chat_template_without_the_answer(tmp_path):
     assert len(load_prompts(path, tok, max_prompts=2)) == 2
 
 
+def test_prompts_are_rendered_with_the_template_options_training_used(tmp_path):
+    from eagle31.targets.kimi_tokenizer import build_kimi_tokenizer
+
+    tok = build_kimi_tokenizer()
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet them"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": history}])
+    [default] = load_prompts(path, tok)
+    [kept] = load_prompts(path, tok, template_kwargs={"preserve_thinking": True})
+    assert "greet them" not in tok.decode(default) and "<think>greet them</think>Hello!" in tok.decode(kept)
+    [instant] = load_prompts(path, tok, template_kwargs={"thinking": False})
+    assert tok.decode(instant).endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
@@ -140,7 +157,9 @@ def test_arguments(tmp_path):
         AcceptanceConfig,
     )  # fmt: skip
     assert named.splits == {"long": f"{tmp_path}/corpus/long_prompt.jsonl"}
-    assert named.tree == TreeSpec(4, 3, 10) and named.max_prompts == 2
+    assert named.tree == TreeSpec(4, 3, 10) and named.max_prompts == 2 and named.template_kwargs == {}
+    options = parse_key_values(base + ['chat_template_kwargs={"preserve_thinking": true}'], AcceptanceConfig)
+    assert options.template_kwargs == {"preserve_thinking": True}
     for bad, message in [
         (["kk=3"], "unknown argument 'kk'"),
         (["k=0"], "k must be a positive integer"),
@@ -150,6 +169,8 @@ def test_arguments(tmp_path):
         ([f"drafter={tmp_path}/nope"], "drafter nope: not a directory"),
         ([f"drafter={tmp_path}/d1,{tmp_path}/d1"], "label 'd1' given twice"),
         ([f"data={tmp_path}/corpus/none.jsonl"], "data none: prompt file not found"),
+        (["chat_template_kwargs={thinking: false}"], "chat_template_kwargs must be a JSON object"),
+        (['chat_template_kwargs={"tools": []}'], "'tools' is an argument of apply_chat_template"),
     ]:
         args = [a for a in base if a.split("=")[0] not in {b.split("=")[0] for b in bad}] + bad
         with pytest.raises(ConfigError, match=message):

@@ -151,6 +151,27 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tin
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(tiny_target, chats, tmp_path):
+    """torchrun on CPU with every collective refusing host tensors the way NCCL does (tests/nccl_standin.py)."""
+    out, report = tmp_path / "run", tmp_path / "checked"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_STANDIN_REPORT": str(report)}
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "nccl_worker.py")]
+    extra = {"train.max_steps": "4", "train.eval_every": "2", "train.save_every": "2"}
+    first = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-3000:]
+    extra.update({"train.max_steps": "6", "resume": "auto"})
+    second = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert json.loads((out / "report.json").read_text())["steps"] == 6
+    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (out / "export" / "speculators" / "config.json").is_file()
+    for rank in (0, 1):  # both launches went through the checks: the step's sums, DCP's object collectives
+        for line in Path(f"{report}.rank{rank}.json").read_text().splitlines():
+            checked = json.loads(line)
+            assert checked["torch.distributed.all_reduce"] > 0 and checked["torch.distributed.all_gather"] > 0, checked
+
+
 # ---------------------------------------------------------------------------- dry run
 
 

@@ -42,14 +42,18 @@ def make_trainer(tmp_path, batches, **train):
     return Trainer(cfg, WORLD, tmp_path, drafter, head, ListLoader(batches), None, torch.float32)
 
 
+def nan_and_good_batches():
+    """A batch whose features are NaN (a non-finite step) and the same batch intact."""
+    good = feature_batch(tiny_drafter(dtype=torch.float32).config, 12, seed=1)
+    return dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan"))), good
+
+
 def logger(tmp_path, steps=4):
     return RunLogger(tmp_path, {}, total_steps=steps, start_step=0, is_main=True, wandb_mode="disabled", progress=False)
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
-    cfg = tiny_drafter(dtype=torch.float32).config
-    good = feature_batch(cfg, 12, seed=1)
-    bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
+    bad, good = nan_and_good_batches()
     trainer = make_trainer(tmp_path, [bad], max_nonfinite_steps=3)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with pytest.warns(UserWarning, match="non-finite"), pytest.raises(TrainingDiverged, match="3 non-finite steps"):
@@ -59,16 +63,19 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert trainer.state.nonfinite_streak == 3
 
 
-def test_a_finite_step_resets_the_streak_and_training_goes_on(tmp_path):
-    cfg = tiny_drafter(dtype=torch.float32).config
-    good = feature_batch(cfg, 12, seed=1)
-    bad = dataclasses.replace(good, aux=torch.full_like(good.aux, float("nan")))
+def test_a_finite_step_resets_the_streak_and_skipped_steps_still_move_the_schedule(tmp_path):
+    bad, good = nan_and_good_batches()
     trainer = make_trainer(tmp_path, [bad, good], max_nonfinite_steps=2)
     with pytest.warns(UserWarning, match="non-finite"):
         trainer.fit(logger(tmp_path))
     assert trainer.state.step == 4 and trainer.state.nonfinite_streak == 0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "train/loss" in x] == [1, 2, 3, 4]
+    # steps 1 and 3 were skipped; the schedule still ends at max_steps, like the step count
+    f = lr_lambda(trainer.cfg.warmup_steps, trainer.cfg.max_steps)
+    assert trainer.scheduler.last_epoch == 4
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.cfg.lr * f(4))
+    assert [x["train/lr"] for x in lines if "train/lr" in x] == pytest.approx([trainer.cfg.lr * f(s) for s in (1, 2, 3, 4)])
 
 
 def test_warmup_then_cosine():

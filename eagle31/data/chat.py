@@ -1,7 +1,9 @@
 """Tokens and assistant loss masks from the target tokenizer's own chat template.
 
-    encoder = ChatEncoder(tokenizer, last_turn_only=False, system_prompt=None)
+    encoder = ChatEncoder(tokenizer, last_turn_only=False, system_prompt=None,
+                          template_kwargs={"preserve_thinking": True})
     input_ids, loss_mask = encoder.encode(conversation)      # lists of equal length
+    encoder.reasoning                                          # reasoning seen / not rendered, so far
 
 The conversation is rendered once with `apply_chat_template` and tokenised, as the
 target sees it. Assistant message `j` supervises the tokens after its prompt,
@@ -15,10 +17,13 @@ Growing prefixes are trusted only when their tokens are a prefix of the full
 tokens. Rendering `messages[:j+1]` makes turn `j` the final one, and templates
 render a final assistant turn differently from the same turn in history:
 
-* Kimi, Qwen3 and DeepSeek-R1 drop the reasoning of history turns. Reasoning that
-  the full render does not show (removing it leaves the full render unchanged) is
-  removed from the messages before any prefix is rendered, so that each prefix has
-  the semantics it has in the full conversation.
+* Kimi, Qwen3 and DeepSeek-R1 drop the reasoning of history turns (Kimi K2.5/K2.6:
+  every assistant turn up to and including the last answer without tool calls,
+  unless the template option `preserve_thinking` is set). Reasoning that the full
+  render does not show (removing it leaves the full render unchanged) is removed
+  from the messages before any prefix is rendered, so that each prefix has the
+  semantics it has in the full conversation; `encoder.reasoning` counts it (turns
+  and tokens), so that a report can say how much reasoning never reached the data.
 * Qwen3 gives a final turn an empty `<think>` block that the turn lacks in history.
   A render of `messages[:j+1]` that is not a prefix must be the full tokens with at
   most `_MAX_SCAFFOLD` tokens inserted where the two diverge; turn `j` ends where
@@ -34,17 +39,48 @@ a template that fails on it raises `ChatTemplateError("template_error")`.
 
 `last_turn_only` supervises only the last assistant message. `system_prompt` is
 added as the first message of conversations that have no system message.
+`template_kwargs` are passed to every render: template options such as Kimi
+K2.6's `preserve_thinking`/`thinking` or Qwen3's `enable_thinking`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation
 
 # Most tokens a template may add to an assistant turn when it is the final one.
 _MAX_SCAFFOLD = 64
+# apply_chat_template's own arguments: never template options.
+_RENDER_ARGUMENTS = ("conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message",
+                     "chat_template", "return_tensors", "return_dict", "return_assistant_tokens_mask", "padding",
+                     "truncation", "max_length", "tokenizer_kwargs")  # fmt: skip
+
+
+def check_template_kwargs(kwargs: Any, name: str = "data.chat_template_kwargs") -> dict[str, Any]:
+    """Template options as a plain dict; ConfigError for a non-mapping or a key that is not an option."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(f"{name} must be a mapping of template options, got {kwargs!r}")
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{name}: option names are identifiers, got {key!r}")
+        if key in _RENDER_ARGUMENTS:
+            raise ConfigError(f"{name}: {key!r} is an argument of apply_chat_template, not a template option")
+    return dict(kwargs)
+
+
+@dataclass
+class ReasoningTally:
+    """Assistant reasoning seen by an encoder, and the part its template did not render."""
+
+    turns: int = 0  # assistant messages with reasoning
+    tokens: int = 0  # their reasoning's tokens
+    unrendered_turns: int = 0
+    unrendered_tokens: int = 0
 
 
 class ChatTemplateError(ValueError):
@@ -59,12 +95,21 @@ class ChatTemplateError(ValueError):
 class ChatEncoder:
     """Conversations -> (input_ids, loss_mask) with a tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, *, last_turn_only: bool = False, system_prompt: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        last_turn_only: bool = False,
+        system_prompt: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.tokenizer = tokenizer
         self.last_turn_only = last_turn_only
         self.system_prompt = system_prompt
+        self.template_kwargs = check_template_kwargs(template_kwargs)
+        self.reasoning = ReasoningTally()
         self._special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
     def encode(self, conversation: Conversation) -> tuple[list[int], list[int]]:
@@ -122,16 +167,22 @@ class ChatEncoder:
     def _drop_unrendered_reasoning(self, messages: list[dict], tools: Any, full_text: str) -> list[dict]:
         """The messages without the reasoning that the full render does not show (history turns).
 
-        A message's reasoning is unrendered when removing it leaves the full render unchanged.
+        A message's reasoning is unrendered when removing it leaves the full render unchanged;
+        `self.reasoning` counts both kinds.
         """
         messages = list(messages)
         for i, m in enumerate(messages):
             if not m.get("reasoning_content"):
                 continue
+            n_tokens = len(self._tokenize(m["reasoning_content"]))
+            self.reasoning.turns += 1
+            self.reasoning.tokens += n_tokens
             without = {k: v for k, v in m.items() if k != "reasoning_content"}
             trial = [*messages[:i], without, *messages[i + 1 :]]
             if self._render(trial, tools, generation_prompt=False) == full_text:
                 messages[i] = without
+                self.reasoning.unrendered_turns += 1
+                self.reasoning.unrendered_tokens += n_tokens
         return messages
 
     def _trim_glue(self, ids: list[int], start: int, end: int) -> int:
@@ -146,7 +197,7 @@ class ChatEncoder:
     def _render(self, messages: list[dict], tools: Any, *, generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
             )
         except Exception as e:  # templates raise anything on data they reject (jinja2 errors, TypeError, ...)
             detail = f"{type(e).__name__}: {e}".splitlines()[0]

@@ -19,6 +19,14 @@ never all of them, chosen by a permutation seeded with `data_cfg.seed`; both
 splits keep input order. `Vd` is clamped to `V` when larger (a small demo
 tokenizer), and the report says so.
 
+Reasoning that the chat template does not render never reaches the data (Kimi
+K2.5/K2.6 blanks every turn's up to the last answer unless
+`data.chat_template_kwargs.preserve_thinking` is set; Qwen3 and DeepSeek-R1 blank
+history turns; templates without a reasoning field show none): the report counts
+it (`unrendered_reasoning`: turns and tokens, of how many) and says why, and
+when most reasoning tokens are lost `prepare_dataset` warns in one line (logger
+`eagle31.data.prepare`).
+
 Drop reasons in the report: missing_file, unreadable_file, malformed,
 empty_conversation, unknown_role (`eagle31.data.sources`); template_error,
 unstable_template (`eagle31.data.chat`); no_assistant_tokens, too_long,
@@ -30,6 +38,7 @@ The directory is built under a temporary sibling name and renamed over
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,12 +48,18 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
-from eagle31.data.chat import ChatEncoder, ChatTemplateError
+from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
+log = logging.getLogger(__name__)
+
 OVERFLOW = ("truncate", "drop")
+UNRENDERED_WHY = (
+    "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
+    "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
+)
 
 
 @dataclass
@@ -57,6 +72,7 @@ class PrepareReport:
     supervised_tokens: dict[str, int]  # per split
     dropped: dict[str, dict[str, Any]]  # reason -> {"count", "examples"}
     truncated: dict[str, Any]  # {"count", "examples"}
+    unrendered_reasoning: dict[str, Any]  # eagle31.data.chat.ReasoningTally's fields + "why"
     vocab_size: int  # V
     draft_vocab_size: int  # Vd written
     draft_vocab_size_requested: int
@@ -77,11 +93,35 @@ class PrepareReport:
         ]
         if self.draft_vocab_size < self.draft_vocab_size_requested:
             lines.append(f"  (draft_vocab_size {self.draft_vocab_size_requested} clamped to the vocabulary size)")
+        if self.unrendered_reasoning["unrendered_turns"]:
+            lines.append(f"reasoning not rendered: {self._reasoning_counts()}")
         if self.truncated["count"]:
             lines.append(f"truncated to max_len: {self.truncated['count']} [{', '.join(self.truncated['examples'])}]")
         for reason, r in self.dropped.items():
             lines.append(f"dropped {reason}: {r['count']} [{', '.join(r['examples'])}]")
         return "\n".join(lines)
+
+    def reasoning_warning(self) -> str | None:
+        """One line when most reasoning tokens did not reach the data, else None."""
+        r = self.unrendered_reasoning
+        if not r["tokens"] or 2 * r["unrendered_tokens"] <= r["tokens"]:
+            return None
+        return f"most reasoning is not in the prepared data: {self._reasoning_counts()}"
+
+    def _reasoning_counts(self) -> str:
+        r = self.unrendered_reasoning
+        return f"{r['unrendered_turns']} of {r['turns']} turns, {r['unrendered_tokens']} of {r['tokens']} tokens; {r['why']}"
+
+
+def template_kwargs(data_cfg: Any) -> dict[str, Any]:
+    """`data.chat_template_kwargs` as a plain dict (checked)."""
+    kwargs = getattr(data_cfg, "chat_template_kwargs", None)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(kwargs, DictConfig):
+            kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    return check_template_kwargs(kwargs)
 
 
 def check_data_config(data_cfg: Any) -> list[str]:
@@ -99,6 +139,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data_cfg.eval_fraction!r}")
     if data_cfg.eval_max_samples < 0:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
+    template_kwargs(data_cfg)
     return sources
 
 
@@ -115,7 +156,10 @@ def prepare_dataset(
 
     sources = check_data_config(data_cfg)
     encoder = ChatEncoder(
-        tokenizer, last_turn_only=data_cfg.last_turn_only, system_prompt=data_cfg.system_prompt or None
+        tokenizer,
+        last_turn_only=data_cfg.last_turn_only,
+        system_prompt=data_cfg.system_prompt or None,
+        template_kwargs=template_kwargs(data_cfg),
     )
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
@@ -143,6 +187,7 @@ def prepare_dataset(
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
+            unrendered_reasoning={**asdict(encoder.reasoning), "why": UNRENDERED_WHY},
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
@@ -152,6 +197,7 @@ def prepare_dataset(
                 "overflow": data_cfg.overflow,
                 "last_turn_only": data_cfg.last_turn_only,
                 "system_prompt": data_cfg.system_prompt,
+                "chat_template_kwargs": template_kwargs(data_cfg),
                 "eval_fraction": data_cfg.eval_fraction,
                 "eval_max_samples": data_cfg.eval_max_samples,
                 "seed": data_cfg.seed,
@@ -159,6 +205,8 @@ def prepare_dataset(
             },
         )
         atomic_write_json(tmp / "report.json", report.to_dict())
+        if report.reasoning_warning():
+            log.warning("warning: %s", report.reasoning_warning())  # the CLIs show it, one line
         del train, held_out
         (tmp / "all.arrow").unlink()  # both splits were copied out of it
     return report

@@ -20,6 +20,10 @@ an assistant turn is exactly `{content}<|end|>`, and rendering a conversation's
 prefix with the generation prompt gives a prefix of the full rendering (loss
 masks can be derived by rendering growing prefixes).
 
+Progress: the build takes minutes and happens once per cache key; it logs (logger
+`eagle31.targets.demo`, INFO) that it is building and where it caches, one line per
+phase and, while training, the step, loss and ETA. The CLIs show these lines.
+
 Determinism: a fixed seed, a fixed thread count and deterministic algorithms give
 byte-identical files on the same machine and software versions. The corpus
 depends on the Python version (the standard library differs), so the cache key
@@ -35,6 +39,7 @@ import logging
 import math
 import platform
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +49,7 @@ import torch
 
 from eagle31.io import atomic_write_json
 from eagle31.targets import demo_corpus
-from eagle31.targets.cache import ensure_built
+from eagle31.targets.cache import cache_dir, ensure_built
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +107,15 @@ def demo_key(seed: int = 0, recipe: DemoRecipe | None = None) -> str:
 
 def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
     """The cached demo target, built under a lock on first use."""
-    return ensure_built("demo", demo_key(seed, recipe), lambda d: build_demo_target(d, seed=seed, recipe=recipe))
+
+    def build(tmp: Path) -> None:
+        log.info(
+            "building the demo target, once: it is cached in %s and reused by later runs (a few minutes on 2 CPU cores)",
+            cache_dir() / "targets",
+        )
+        build_demo_target(tmp, seed=seed, recipe=recipe)
+
+    return ensure_built("demo", demo_key(seed, recipe), build)
 
 
 def demo_corpus_dir(seed: int = 0) -> Path:
@@ -118,14 +131,20 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
     recipe = recipe or DemoRecipe()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     with deterministic_torch(recipe.threads):
+        _phase(1, "corpus: conversations about the Python standard library")
         splits = demo_corpus.make_splits(demo_corpus.stdlib_functions(), recipe.corpus, seed)
         demo_corpus.write_splits(splits, out / "corpus")
+        _phase(2, f"tokenizer: byte-level BPE, {recipe.vocab_size} tokens")
         tokenizer = train_tokenizer(splits["train"], recipe)
         torch.manual_seed(seed)
         model = new_model(tokenizer, recipe)
+        _phase(3, f"training: {recipe.steps} steps")
         train(model, tokenizer, splits["train"], recipe, seed)
+        _phase(4, "evaluation: held-out and long-prompt splits")
         metrics = {name: evaluate(model, tokenizer, splits[name], recipe) for name in ("heldout", "long_prompt")}
+    _phase(5, "saving")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     atomic_write_json(
@@ -141,7 +160,20 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
             "metrics": metrics,
         },
     )
+    log.info("demo target built in %s", _clock(time.perf_counter() - started))
     return out
+
+
+BUILD_PHASES = 5
+
+
+def _phase(i: int, what: str) -> None:
+    log.info("demo target [%d/%d] %s", i, BUILD_PHASES, what)
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{seconds:02d}"
 
 
 @contextmanager
@@ -287,6 +319,7 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
+    started = time.perf_counter()
     order: list[int] = []
     for step in range(recipe.steps):
         if not order:  # a new epoch: batches in a fresh seeded order
@@ -301,7 +334,8 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == recipe.steps - 1:
-            log.info("demo target step %d/%d loss %.3f", step + 1, recipe.steps, loss.item())
+            eta = (time.perf_counter() - started) / (step + 1) * (recipe.steps - step - 1)
+            log.info("demo target [3/%d] step %d/%d, loss %.3f, ETA %s", BUILD_PHASES, step + 1, recipe.steps, loss.item(), _clock(eta))
     model.eval()
 
 

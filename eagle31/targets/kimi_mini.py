@@ -31,7 +31,7 @@ import torch
 from eagle31.targets.cache import ensure_built
 from eagle31.targets.kimi_tokenizer import build_kimi_tokenizer
 
-KIMI_MINI_BUILD_VERSION = "2"  # bump when the config, the tokenizer or the build changes the files
+KIMI_MINI_BUILD_VERSION = "3"  # bump when the config, the tokenizer or the build changes the files
 
 KIMI_YARN = {
     "rope_type": "yarn",

@@ -13,7 +13,8 @@ the BPE vocabulary, as Kimi's follow its 163,584 BPE ids, and each is a single i
 (Kimi K2.6's eos token), `<think>`/`</think>`, the tool-call tokens and the media
 tokens. No BOS is added on encoding (Kimi's tokenizer adds none either).
 
-Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`; the template is our own):
+Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`, the Kimi-K2-Thinking
+template's structure with K2.6's `preserve_thinking` option; the template is our own):
 
 * each message is `<|im_{kind}|>{name}<|im_middle|>{content}<|im_end|>`, with kind
   `user`, `assistant` or `system` (system and tool messages), and name the message's
@@ -29,16 +30,17 @@ Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`; the template is our
 * `add_generation_prompt` appends `<|im_assistant|>assistant<|im_middle|><think>`
   (`<think></think>` with `thinking=False`, Kimi's instant mode).
 
-History, as in Kimi's template: every assistant turn up to the last completed answer
-(an assistant message without tool calls) loses its reasoning, so the current
-turn's tool-call steps keep theirs. One deliberate difference: when the
-conversation *ends* with an assistant message, that message is treated as the
-continuation being generated, not as history, so it keeps its reasoning (Kimi's
-own template would blank it). Rendering a training conversation then equals
-rendering its prompt with `add_generation_prompt=True` followed by exactly what the
-model generates, which is what a drafter must learn and what lets loss masks be
-derived by rendering growing prefixes. `preserve_thinking=True` (Kimi K2.6) keeps
-the reasoning of every assistant turn.
+History, as in Kimi's template: the messages are split after the last assistant
+message without tool calls (the last completed answer, searched over *all*
+messages, a final one included); every assistant turn up to and including it is
+history and renders `<think></think>`, the turns after it (the current turn's
+tool-call steps) keep their reasoning. So by default a conversation that ends with
+an answer renders none of its reasoning, and a training set made from it would
+supervise only `</think>answer<|im_end|>`. `preserve_thinking=True` (new in K2.6)
+makes nothing history: the reasoning of every assistant turn is rendered, and the
+render of a conversation equals its prompt (`add_generation_prompt=True`) followed
+by what the model generated in thinking mode. `thinking=False` (instant mode)
+renders every `<think></think>` empty.
 """
 
 from __future__ import annotations
@@ -99,15 +101,11 @@ KIMI_CHAT_TEMPLATE = """
   {{- '<|tool_calls_section_end|>' -}}
 {%- endmacro -%}
 
-{#- History ends at the last completed answer (assistant without tool calls); a
-    final assistant message is the continuation being generated, never history. -#}
+{#- History ends with the last completed answer (assistant without tool calls), a
+    final message included; preserve_thinking makes nothing history. -#}
 {%- set ns = namespace(history_end=-1) -%}
-{%- set n_prompt = messages | length -%}
-{%- if messages and messages[-1].role == 'assistant' -%}
-  {%- set n_prompt = n_prompt - 1 -%}
-{%- endif -%}
 {%- if not preserve_thinking -%}
-  {%- for i in range(n_prompt) -%}
+  {%- for i in range(messages | length) -%}
     {%- if messages[i].role == 'assistant' and not messages[i].get('tool_calls') -%}
       {%- set ns.history_end = i -%}
     {%- endif -%}
@@ -124,7 +122,7 @@ KIMI_CHAT_TEMPLATE = """
 {%- for message in messages -%}
   {{- header(message) -}}
   {%- if message.role == 'assistant' -%}
-    {%- set keep = preserve_thinking or (loop.index0 > ns.history_end and thinking is not false) -%}
+    {%- set keep = loop.index0 > ns.history_end and thinking is not false -%}
     {%- set reasoning = message.get('reasoning_content') or message.get('reasoning') or '' -%}
     {{- '<think>' + (reasoning if keep else '') + '</think>' -}}
     {{- render_content(message.content) -}}

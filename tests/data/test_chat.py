@@ -3,7 +3,7 @@
 import pytest
 
 from eagle31.config import ConfigError
-from eagle31.data.chat import ChatEncoder, ChatTemplateError
+from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally
 from eagle31.data.sources import to_conversation
 
 from tests.data.chat_helpers import build_tokenizer, supervised_spans
@@ -89,18 +89,32 @@ def test_sharegpt_and_openai_forms_give_the_same_tokens(llama_tok, kimi_tok):
 # ---------------------------------------------------------------- Kimi K2.6
 
 
-def test_kimi_multi_turn_thinking_keeps_only_the_last_reasoning(kimi_tok):
-    ids, mask = encode(kimi_tok, MULTI_TURN)
+K26 = {"preserve_thinking": True}  # what recipe=kimi_k26 sets in data.chat_template_kwargs
+
+
+def test_kimi_default_render_drops_all_reasoning_and_counts_it(kimi_tok):
+    encoder = ChatEncoder(kimi_tok)
+    ids, mask = encoder.encode(MULTI_TURN)
     assert kimi_tok.decode(ids) == (
         "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
         "<|im_user|>user<|im_middle|>Hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>"
         "<|im_user|>user<|im_middle|>2+2?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>add them</think>4<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>4<|im_end|>"
     )
+    assert supervised_spans(kimi_tok, ids, mask) == ["</think>Hello!<|im_end|>", "</think>4<|im_end|>"]
+    reasoning_tokens = len(kimi_tok("greet them")["input_ids"]) + len(kimi_tok("add them")["input_ids"])
+    assert encoder.reasoning == ReasoningTally(turns=2, tokens=reasoning_tokens, unrendered_turns=2, unrendered_tokens=reasoning_tokens)
+
+
+def test_kimi_preserve_thinking_supervises_every_reasoning(kimi_tok):
+    encoder = ChatEncoder(kimi_tok, template_kwargs=K26)
+    ids, mask = encoder.encode(MULTI_TURN)
+    assert "<think>greet them</think>Hello!" in kimi_tok.decode(ids)
     # the generation prompt ends with `<think>`, so the model generates from there on
-    assert supervised_spans(kimi_tok, ids, mask) == ["</think>Hello!<|im_end|>", "add them</think>4<|im_end|>"]
-    ids, mask = encode(kimi_tok, MULTI_TURN, last_turn_only=True)
+    assert supervised_spans(kimi_tok, ids, mask) == ["greet them</think>Hello!<|im_end|>", "add them</think>4<|im_end|>"]
+    assert encoder.reasoning.turns == 2 and encoder.reasoning.unrendered_turns == 0
+    ids, mask = encode(kimi_tok, MULTI_TURN, last_turn_only=True, template_kwargs=K26)
     assert supervised_spans(kimi_tok, ids, mask) == ["add them</think>4<|im_end|>"]
 
 
@@ -111,20 +125,22 @@ def test_kimi_history_reasoning_equal_to_the_final_one(kimi_tok):
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4", "reasoning_content": "add"},
     )
+    ids, mask = encode(kimi_tok, same, template_kwargs=K26)
+    assert supervised_spans(kimi_tok, ids, mask) == ["add</think>2<|im_end|>", "add</think>4<|im_end|>"]
     ids, mask = encode(kimi_tok, same)
-    assert supervised_spans(kimi_tok, ids, mask) == ["</think>2<|im_end|>", "add</think>4<|im_end|>"]
+    assert supervised_spans(kimi_tok, ids, mask) == ["</think>2<|im_end|>", "</think>4<|im_end|>"]
 
 
 def test_kimi_default_and_custom_system_prompt(kimi_tok):
     c = conv({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "greet"})
-    ids, mask = encode(kimi_tok, c)
+    ids, mask = encode(kimi_tok, c, template_kwargs=K26)
     assert kimi_tok.decode(ids) == (
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
         "<|im_user|>user<|im_middle|>Hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think>greet</think>Hello!<|im_end|>"
     )
     assert supervised_spans(kimi_tok, ids, mask) == ["greet</think>Hello!<|im_end|>"]
-    ids, mask = encode(kimi_tok, c, system_prompt="Be kind.")
+    ids, mask = encode(kimi_tok, c, system_prompt="Be kind.", template_kwargs=K26)
     assert kimi_tok.decode(ids).startswith("<|im_system|>system<|im_middle|>Be kind.<|im_end|><|im_user|>")
     assert supervised_spans(kimi_tok, ids, mask) == ["greet</think>Hello!<|im_end|>"]
 
@@ -141,13 +157,20 @@ def test_kimi_tool_calls_keep_reasoning_and_tool_results_are_not_supervised(kimi
         {"role": "tool", "content": "sunny", "tool_call_id": "w:0"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "read it"},
     )
-    ids, mask = encode(kimi_tok, c)
+    call = '<|tool_calls_section_begin|><|tool_call_begin|>w:0<|tool_call_argument_begin|>{"c":1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    ids, mask = encode(kimi_tok, c, template_kwargs=K26)
     assert "<|im_system|>tool<|im_middle|>## Return of w:0\nsunny<|im_end|>" in kimi_tok.decode(ids)
-    assert supervised_spans(kimi_tok, ids, mask) == [
-        'ask the tool</think><|tool_calls_section_begin|><|tool_call_begin|>w:0<|tool_call_argument_begin|>{"c":1}'
-        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
-        "read it</think>Sunny.<|im_end|>",
-    ]
+    assert supervised_spans(kimi_tok, ids, mask) == ["ask the tool</think>" + call, "read it</think>Sunny.<|im_end|>"]
+    # without preserve_thinking the answer makes the whole turn history: no reasoning at all
+    ids, mask = encode(kimi_tok, c)
+    assert supervised_spans(kimi_tok, ids, mask) == ["</think>" + call, "</think>Sunny.<|im_end|>"]
+
+
+def test_template_kwargs_that_are_render_arguments_are_refused(kimi_tok):
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: 'add_generation_prompt'"):
+        ChatEncoder(kimi_tok, template_kwargs={"add_generation_prompt": True})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        ChatEncoder(kimi_tok, template_kwargs=["preserve_thinking"])
 
 
 # ---------------------------------------------------------------- other templates

@@ -1,6 +1,7 @@
 """prepare_dataset: splits, counts, draft vocabulary, report, max_len, atomic output."""
 
 import json
+import re
 
 import datasets
 import pytest
@@ -108,29 +109,58 @@ def test_max_len_truncate_and_drop_are_counted(tmp_path, llama_tok):
     assert [e.split(" ")[0] for e in report.dropped["too_long"]["examples"]] == [f"{src}:2", f"{src}:3"]
 
 
-def test_kimi_conversations_prepare_with_golden_masks(tmp_path, kimi_tok):
-    record = {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!", "reasoning_content": "greet them"},
-            {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4", "reasoning_content": "add them"},
-        ]
-    }
-    src = write_jsonl(tmp_path / "a.jsonl", [record] * 3)
-    cfg = config(tmp_path, [src], eval_fraction=0.0)
+KIMI_RECORD = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet them"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+    ]
+}
+
+
+def test_kimi_conversations_prepare_with_golden_masks(tmp_path, kimi_tok, caplog):
+    src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD] * 3)
+    cfg = config(tmp_path, [src], eval_fraction=0.0, chat_template_kwargs={"preserve_thinking": True})
     report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=32000, vocab_size=600)
     row = load_split(cfg, "train")[0]
     assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == [
-        "</think>Hello!<|im_end|>",
+        "greet them</think>Hello!<|im_end|>",
         "add them</think>4<|im_end|>",
     ]
+    assert report.unrendered_reasoning["turns"] == 6 and report.unrendered_reasoning["unrendered_turns"] == 0
+    assert report.settings["chat_template_kwargs"] == {"preserve_thinking": True}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
     # the model's vocabulary may exceed the tokenizer's; Vd is clamped to it
     assert report.vocab_size == 600 and report.draft_vocab_size == 600 and report.draft_vocab_size_requested == 32000
     assert "clamped" in report.summary()
     vocab = load_file(f"{cfg.prepared_dir}/vocab.safetensors")
     assert vocab["t2d"].shape == (600,) and bool(vocab["t2d"].all())
+
+
+def test_reasoning_the_template_drops_is_counted_and_warned_about(tmp_path, kimi_tok, caplog):
+    src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD] * 3)
+    cfg = config(tmp_path, [src], eval_fraction=0.0)  # no preserve_thinking: Kimi blanks it all
+    report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=32000, vocab_size=600)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert re.fullmatch(r"warning: most reasoning is not in the prepared data: 6 of 6 turns, (\d+) of \1 tokens; .*", warning)
+    tokens = 3 * (len(kimi_tok("greet them")["input_ids"]) + len(kimi_tok("add them")["input_ids"]))
+    r = report.unrendered_reasoning
+    assert (r["turns"], r["tokens"], r["unrendered_turns"], r["unrendered_tokens"]) == (6, tokens, 6, tokens)
+    assert "preserve_thinking" in r["why"] and "reasoning not rendered: 6 of 6 turns" in report.summary()
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["unrendered_reasoning"]["unrendered_tokens"] == tokens
+    row = load_split(cfg, "train")[0]
+    assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == ["</think>Hello!<|im_end|>", "</think>4<|im_end|>"]
+
+
+def test_chat_template_kwargs_are_checked_before_any_work(tmp_path, kimi_tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD])
+    cfg = config(tmp_path, [src], chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: 'tokenize'"):
+        prepare_dataset(cfg, kimi_tok, draft_vocab_size=8)
+    assert not (tmp_path / "out").exists()
 
 
 def test_nothing_left_is_a_data_error_and_keeps_the_previous_output(tmp_path, llama_tok):
@@ -173,3 +203,22 @@ def test_token_ids_outside_the_target_vocabulary_are_a_config_error(tmp_path, ll
     src = write_jsonl(tmp_path / "a.jsonl", [chat(0)])
     with pytest.raises(ConfigError, match="outside the target vocab_size=10"):
         prepare_dataset(config(tmp_path, [src]), llama_tok, draft_vocab_size=8, vocab_size=10)
+
+
+def test_the_kimi_k26_recipe_supervises_the_reasoning_of_every_turn(tmp_path, kimi_tok):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from eagle31.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes", ["recipe=kimi_k26"])
+    src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD] * 2)
+    data = OmegaConf.merge(recipe.data, {"source": [str(src)], "prepared_dir": str(tmp_path / "out"), "eval_fraction": 0.0})
+    report = prepare_dataset(data, kimi_tok, draft_vocab_size=64)
+    row = load_split(data, "train")[0]
+    assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == [
+        "greet them</think>Hello!<|im_end|>",
+        "add them</think>4<|im_end|>",
+    ]
+    assert report.unrendered_reasoning["unrendered_turns"] == 0 and report.unrendered_reasoning["turns"] == 4

@@ -6,6 +6,7 @@ the same code path (`build_demo_target`) to stay fast.
 """
 
 import json
+import logging
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,18 +92,39 @@ def test_heldout_quality_is_the_recorded_one(demo, heldout):
     assert measured["loss"] < HELDOUT_LOSS_MAX and measured["top1"] > HELDOUT_TOP1_MIN
 
 
+SMALL = DemoRecipe(  # the same code path in seconds
+    corpus=demo_corpus.CorpusSpec(heldout=8, max_train=48, long_prompts=2, long_prompt_turns=2),
+    vocab_size=512,
+    steps=3,
+    batch_tokens=2048,
+    eval_greedy_prompts=2,
+    eval_greedy_tokens=8,
+)
+
+
 def test_building_twice_gives_identical_files(tmp_path):
-    small = DemoRecipe(
-        corpus=demo_corpus.CorpusSpec(heldout=8, max_train=48, long_prompts=2, long_prompt_turns=2),
-        vocab_size=512,
-        steps=3,
-        batch_tokens=2048,
-        eval_greedy_prompts=2,
-        eval_greedy_tokens=8,
-    )
-    a = build_demo_target(tmp_path / "a", seed=0, recipe=small)
-    b = build_demo_target(tmp_path / "b", seed=0, recipe=small)
+    a = build_demo_target(tmp_path / "a", seed=0, recipe=SMALL)
+    b = build_demo_target(tmp_path / "b", seed=0, recipe=SMALL)
     files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     assert "model.safetensors" in files and "corpus/train.jsonl" in files
     assert files == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     assert [sha256_file(a / f) for f in files] == [sha256_file(b / f) for f in files]
+
+
+def test_the_build_announces_itself_once_then_reports_each_phase(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="eagle31"):
+        ensure_demo_target(seed=0, recipe=SMALL)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("eagle31")]
+    assert lines[0].startswith("building the demo target, once: it is cached in " + str(tmp_path / "targets"))
+    assert "reused by later runs" in lines[0]
+    phases = [line.split("] ")[0] for line in lines if line.startswith("demo target [")]
+    assert sorted(set(phases)) == [f"demo target [{i}/5" for i in range(1, 6)]
+    steps = [line for line in lines if "step " in line]
+    assert steps[0].startswith("demo target [3/5] step 1/3, loss ") and "ETA " in steps[0]
+    assert steps[-1].endswith("ETA 0:00") and lines[-1].startswith("demo target built in ")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eagle31"):
+        ensure_demo_target(seed=0, recipe=SMALL)  # cached: silent
+    assert not [r for r in caplog.records if r.name.startswith("eagle31")]

@@ -35,6 +35,8 @@ def test_kimi_k26_is_a_deepseek_v3_text_config_with_kimi_moe_and_yarn():
         64,
         128,
     )
+    assert (text["rope_scaling"]["mscale"], text["rope_scaling"]["mscale_all_dim"]) == (1.0, 1.0)
+    # a Llama-attention drafter keeps the yarn block without DeepSeek's mscale fields (the rope vLLM serves)
     rope = DrafterConfig.from_target_config(text).rope_parameters
     assert rope == {
         "rope_type": "yarn",
@@ -43,7 +45,5 @@ def test_kimi_k26_is_a_deepseek_v3_text_config_with_kimi_moe_and_yarn():
         "original_max_position_embeddings": 4096,
         "beta_fast": 32.0,
         "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
     }
     assert text["max_position_embeddings"] == 262144

@@ -1,0 +1,21 @@
+"""The recipe CLIs show eagle31's progress lines (the one-time demo target build's, tests/targets/test_demo.py)."""
+
+import logging
+
+from eagle31.cli import show_progress_lines
+
+
+def test_the_clis_show_the_progress_lines_bare(capsys):
+    logger = logging.getLogger("eagle31")
+    before, level = list(logger.handlers), logger.level
+    try:
+        show_progress_lines()
+        show_progress_lines()  # idempotent: one handler
+        added = [h for h in logger.handlers if h not in before]
+        assert len(added) == 1 and logger.level == logging.INFO
+        record = logging.LogRecord("eagle31.targets.demo", logging.INFO, "", 0, "demo target [%d/5] corpus", (1,), None)
+        assert added[0].format(record) == "demo target [1/5] corpus"
+    finally:
+        for h in logger.handlers[len(before):]:
+            logger.removeHandler(h)
+        logger.setLevel(level)
