@@ -52,7 +52,7 @@ class DrafterConfig:
     norm_before_residual: bool = False
     # attention type; the MLA fields below are used (and required) only with attention="mla"
     attention: str = "llama"  # llama | mla
-    q_lora_rank: int = 0  # 0: queries read the input directly (q_proj), as vLLM does for q_lora_rank=None
+    q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
@@ -141,9 +141,8 @@ class DrafterConfig:
     def _validate_mla(self) -> None:
         for name in MLA_FIELDS:
             value = getattr(self, name)
-            low = 0 if name == "q_lora_rank" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"drafter.{name} must be an integer >= {low} for attention=mla, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"drafter.{name} must be a positive integer for attention=mla, got {value!r}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"drafter.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.num_key_value_heads != self.num_attention_heads:
@@ -159,6 +158,10 @@ class DrafterConfig:
         if self.v_head_dim > self.qk_head_dim:
             raise ConfigError(
                 f"drafter.v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim}"
+            )
+        if self.norm_before_fc:
+            raise ConfigError(
+                "drafter.norm_before_fc is not read by vLLM's DeepSeek EAGLE-3 layer: an MLA drafter cannot use it"
             )
         rope_type = self.rope_parameters["rope_type"]
         if rope_type not in MLA_ROPE_TYPES:

@@ -6,7 +6,7 @@ with `Eagle3DeepseekV2ForCausalLM`; this module computes what that layer compute
 from the exported config (parameter names are DeepSeek's, so export is a rename):
 
     c_q         = q_a_layernorm(q_a_proj(z))                 [*, q_lora_rank]
-    q           = q_b_proj(c_q)  (q_proj(z) when q_lora_rank = 0)   [*, nh, nope + rope]
+    q           = q_b_proj(c_q)                              [*, nh, nope + rope]
     c_kv, k_pe  = kv_a_proj_with_mqa(z)                      [*, kv_lora_rank], [*, rope]
     k_nope, v   = kv_b_proj(kv_a_layernorm(c_kv))            [*, nh, nope], [*, nh, v_head_dim]
     k           = concat(k_nope, rope(k_pe) shared by every head)
@@ -119,12 +119,10 @@ class MLAAttention(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.qk_dim = self.nope + self.rope
         self.kv_lora_rank = config.kv_lora_rank
-        if config.q_lora_rank:
-            self.q_a_proj = nn.Linear(2 * H, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = rms_norm(config.q_lora_rank, eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, nh * self.qk_dim, bias=False)
-        else:
-            self.q_proj = nn.Linear(2 * H, nh * self.qk_dim, bias=False)
+        # query compression is required: vLLM's DeepSeek EAGLE-3 loader fuses q_a_proj with kv_a_proj_with_mqa
+        self.q_a_proj = nn.Linear(2 * H, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = rms_norm(config.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = rms_norm(config.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
@@ -136,8 +134,7 @@ class MLAAttention(nn.Module):
         correction, v zero-padded from v_head_dim (module docstring)."""
         B, T, _ = z.shape
         nh = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))) if hasattr(self, "q_a_proj") else self.q_proj(z)
-        q = q.view(B, T, nh, self.qk_dim)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, nh, self.qk_dim)
         c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, nh, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], dim=-1

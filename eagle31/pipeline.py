@@ -32,6 +32,7 @@ import yaml
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.distributed import World, barrier, close_world, init_world
 from eagle31.estimate import count_parameters, estimate_memory
+from eagle31.export import export_config
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets
@@ -105,6 +106,8 @@ def plan_run(cfg, world: World) -> RunPlan:
     drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
     if cfg.data.max_len > drafter.max_position_embeddings:
         drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
+    for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
+        export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len))
 
     precision = cfg.train.precision
     if precision == "auto":

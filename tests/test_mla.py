@@ -1,6 +1,6 @@
 """The MLA drafter (eagle31.mla) against naive re-implementations.
 
-* Its rope and softmax scale against DeepSeek YaRN written out here from vLLM's source
+* Its rope and softmax scale against DeepSeek YaRN written out from vLLM's source
   (`rotary_embedding/deepseek_scaling_rope.py`, `rotary_embedding/common.py`, and
   `deepseek_v2.py`'s `DeepseekV2MLAAttention`, which `deepseek_eagle3.py` builds with
   `rope_type = "deepseek_yarn"` for any `rope_scaling`): frequencies blended by a ramp
@@ -19,43 +19,11 @@ import torch
 
 from eagle31 import ConfigError, DrafterConfig
 from tests.helpers import random_batch, tiny_drafter
+from tests.export.vllm_contract import deepseek_rope_numbers
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM computes it
-
-
-def vllm_mscale(scale, mscale=1.0):
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def vllm_deepseek_rope(rope_dim, rope):
-    """(inv_freq [rope_dim/2], cos/sin magnitude, softmax-scale factor) for vLLM's DeepSeek attention."""
-    base = rope["rope_theta"]
-    pos_freqs = torch.tensor([base ** (i / rope_dim) for i in range(0, rope_dim, 2)], dtype=torch.float64)
-    if rope.get("rope_type", "default") == "default":
-        return 1.0 / pos_freqs, 1.0, 1.0
-    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
-    beta_fast, beta_slow = rope.get("beta_fast", 32), rope.get("beta_slow", 1)
-
-    def corr_dim(rot):
-        return (rope_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low = max(math.floor(corr_dim(beta_fast)), 0)
-    high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = []
-    for i in range(rope_dim // 2):
-        ramp.append(min(max((i - low) / (high - low), 0.0), 1.0))
-    mask = (1 - torch.tensor(ramp, dtype=torch.float64)) * rope.get("extrapolation_factor", 1)
-    inv = (1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
-    magnitude = (
-        vllm_mscale(factor, rope.get("mscale", 1)) / vllm_mscale(factor, rope.get("mscale_all_dim", 0))
-    ) * rope.get("attn_factor", 1)
-    # DeepseekV2MLAAttention: `mscale_all_dim` defaults to False (0) there
-    softmax = vllm_mscale(factor, float(rope.get("mscale_all_dim", False))) ** 2
-    return inv, magnitude, softmax
+# DeepSeek YaRN as vLLM computes it: tests/export/vllm_contract.py's `deepseek_rope_numbers`
 
 
 def rope_pairs(x, pos, inv, magnitude):
@@ -111,7 +79,7 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
     cfg = DrafterConfig(**mla_config(rope, hidden_size=32, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=192, v_head_dim=128))
     with torch.device("meta"):
         m = Eagle31Drafter(cfg)
-    inv, magnitude, softmax = vllm_deepseek_rope(64, rope)
+    inv, magnitude, softmax = deepseek_rope_numbers(64, rope)
     positions = torch.tensor([[0, 1, 7, 4095, 4096, 65535, 262143]])
     cos, sin = m.rope(positions, torch.float64)
     angles = positions[..., None].double() * inv
@@ -139,13 +107,9 @@ def mla_project(W, c, z, pos):
     """MLA q [nh, nope+rope], k [nh, nope+rope], v [nh, v] at position pos, and the softmax scale, written out."""
     eps, nh = c.rms_norm_eps, c.num_attention_heads
     nope, rdim, vdim, kvr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    inv, magnitude, softmax = vllm_deepseek_rope(rdim, c.rope_parameters)
+    inv, magnitude, softmax = deepseek_rope_numbers(rdim, c.rope_parameters)
     a = "midlayer.self_attn."
-    if c.q_lora_rank:
-        q = W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)
-    else:
-        q = W[a + "q_proj.weight"] @ z
-    q = q.view(nh, nope + rdim)
+    q = (W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)).view(nh, nope + rdim)
     latent = W[a + "kv_a_proj_with_mqa.weight"] @ z
     kv = (W[a + "kv_b_proj.weight"] @ rms(latent[:kvr], W[a + "kv_a_layernorm.weight"], eps)).view(nh, nope + vdim)
     k_pe = rope_pairs(latent[kvr:], pos, inv, magnitude)
@@ -186,18 +150,6 @@ def test_mla_unroll_loss_and_gradients_match_naive_loops(fc_norm, norm_output, l
             torch.testing.assert_close(got, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}")
 
 
-def test_mla_without_query_compression_matches_naive_loops():
-    """q_lora_rank = 0: queries come from q_proj(z), as vLLM builds them for q_lora_rank=None."""
-    m = mla_drafter(q_lora_rank=0, rope=KIMI_ROPE | {"original_max_position_embeddings": 8})
-    assert hasattr(m.midlayer.self_attn, "q_proj") and not hasattr(m.midlayer.self_attn, "q_a_proj")
-    doc = layouts()["packed"]
-    aux, _, ids, _ = random_batch(m.config, 2, 11, seed=5)
-    expected = naive_logits(m, aux, ids, doc, project=mla_project)
-    got = torch.stack(m(aux, ids, ttt_length=K, document_ids=doc))
-    real = doc >= 0
-    torch.testing.assert_close(got[:, real], expected[:, real], rtol=1e-9, atol=1e-9)
-
-
 def test_mla_activation_checkpointing_keeps_loss_and_gradients():
     from eagle31 import ttt_unroll
 
@@ -221,13 +173,15 @@ def test_mla_activation_checkpointing_keeps_loss_and_gradients():
     "overrides,match",
     [
         (dict(attention="gqa"), "drafter.attention must be"),
-        (dict(kv_lora_rank=0), "drafter.kv_lora_rank must be an integer >= 1"),
+        (dict(kv_lora_rank=0), "drafter.kv_lora_rank must be a positive integer"),
+        (dict(q_lora_rank=0), "drafter.q_lora_rank must be a positive integer"),
         (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
         (dict(head_dim=8), "head_dim=8 must be qk_nope_head_dim"),
         (dict(v_head_dim=11), "v_head_dim=11 exceeds"),
         (dict(qk_rope_head_dim=3, head_dim=9), "qk_rope_head_dim must be even"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "rope_type='llama3' is not supported"),
         (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is an MLA field"),
+        (dict(fc_norm=False, norm_before_fc=True), "norm_before_fc is not read by vLLM's DeepSeek"),
     ],
 )
 def test_mla_config_errors_name_the_field(overrides, match):
@@ -254,3 +208,26 @@ def test_from_target_config_copies_the_targets_mla_shape():
     assert cfg.aux_layer_ids == (2, 30, 58) and cfg.draft_vocab_size == cfg.vocab_size == 163840
     llama = DrafterConfig.from_target_config(target)
     assert llama.attention == "llama" and llama.kv_lora_rank == 0 and llama.head_dim == 128
+
+
+# ----------------------------------------------------------------------------
+# drafting at inference
+
+
+@pytest.mark.parametrize("norm_output", [True, False])
+def test_mla_drafting_follows_the_training_unroll_step_by_step(norm_output):
+    from eagle31 import ttt_unroll
+    from eagle31.drafting import TreeSpec
+    from tests.test_drafting import context, proposer_at, unroll_log_probs
+
+    m = mla_drafter(seed=6, norm_output=norm_output)
+    aux, ids = context(m.config)
+    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention="reference")
+    for n in (2, 6, 11):
+        prop = proposer_at(m, aux, ids, n)
+        torch.testing.assert_close(m.norm(prop.root[0, 0]), out.states[0][0, n - 1])
+        drafts = prop.draft_chain(5).tolist()
+        logp = unroll_log_probs(m, aux, ids, n, drafts[:-1])
+        assert m.draft_to_target(logp.argmax(-1)).tolist() == drafts
+        tree = prop.draft_tree(TreeSpec(top_k=1, depth=5, total_tokens=5))
+        assert tree.is_chain() and tree.tokens.tolist() == drafts
