@@ -209,7 +209,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
     }
     if plan.world.is_main:
         print(f"dry run of recipe {cfg.name!r}: config valid")
-        print(f"  drafter: H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
+        print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
               f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
         print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")

@@ -62,6 +62,8 @@ def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
         "data.max_len": "64",
         "data.eval_fraction": "0.1",
         "drafter.draft_vocab_size": "128",
+        "drafter.attention": "llama",  # the tiny target is a Llama (the recipe's MLA drafter needs an MLA target)
+        "export.formats": "[eagle3,speculators]",
         "features.tokens_per_batch": "256",
         "train.max_steps": "6",
         "train.save_every": "2",
@@ -157,18 +159,30 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tin
 def test_kimi_k26_dry_run_needs_no_weights():
     proc = run_main(["recipe=kimi_k26", "dry_run=true"], timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "config valid" in proc.stdout and "GiB" in proc.stdout
-    from eagle31.estimate import count_parameters
-    from eagle31.pipeline import plan_run
+    assert "config valid" in proc.stdout and "GiB" in proc.stdout and "attention=mla" in proc.stdout
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k26", "kimi_k26_llama"])
+def test_kimi_k26_drafters_have_the_published_shapes(recipe):
     from eagle31.distributed import init_world
+    from eagle31.estimate import count_parameters, estimate_memory
+    from eagle31.pipeline import plan_run
     from eagle31.recipe import load_recipe
 
-    plan = plan_run(load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true"]), init_world("cpu"))
-    counts = count_parameters(plan.drafter)
-    # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
-    assert 1.0e9 < counts.trainable < 1.2e9, counts
+    plan = plan_run(load_recipe(REPO / "recipes", [f"recipe={recipe}", "dry_run=true"]), init_world("cpu"))
+    d, counts = plan.drafter, count_parameters(plan.drafter)
     assert counts.frozen_embedding == 163840 * 7168
-    assert plan.drafter.aux_layer_ids == (2, 30, 58) and plan.drafter.fc_norm and plan.drafter.norm_output
+    assert d.aux_layer_ids == (2, 30, 58) and d.fc_norm and d.norm_output
+    if recipe == "kimi_k26":  # lightseekorg/kimi-k2.6-eagle3.1-mla: MLA, I 18432, full vocabulary
+        assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
+            "mla", 1536, 512, 128, 64, 128)  # fmt: skip
+        assert (d.intermediate_size, d.draft_vocab_size) == (18432, 163840)
+        # fc 21504x7168, MLA 116M, MLP 3x7168x18432, lm_head 163840x7168 (1.17B of the 1.84B)
+        assert 1.83e9 < counts.trainable < 1.85e9, counts
+        memory = estimate_memory(d, 65536, 7, world_size=16, activation_checkpointing=True)
+        assert memory["loss_working_set"] > 7 * 163840 * 7168 * 4 / 2**30  # the full-vocabulary lm_head gradients
+    else:  # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
+        assert d.attention == "llama" and 1.0e9 < counts.trainable < 1.2e9, counts
 
 
 # ---------------------------------------------------------------------------- bad input
