@@ -144,11 +144,19 @@ def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_ta
     assert losses(out) == losses(reference_run)
 
 
+# an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
+               "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
+               "export.formats": "[eagle3]"}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path):
-    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **{"train.grad_accum": "2", "train.max_steps": "3"}))
+@pytest.mark.parametrize("drafter", ["llama", "mla"])
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path, drafter):
+    extra = {"train.max_steps": "3", **(MLA_DRAFTER if drafter == "mla" else {})}
+    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **extra, **{"train.grad_accum": "2"}))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **{"train.max_steps": "3"}), torchrun=2)
+    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **extra), torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
 

@@ -155,3 +155,20 @@ def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
     cfg = drafter_config(meta, detect_format(meta), target_num_layers=61)
     assert cfg.attention == "mla" and cfg.aux_layer_ids == (2, 30, 58) and cfg.head_dim == 192
     assert cfg == type(cfg)(**mla_config(**{**cfg.to_dict(), "rope": cfg.rope_parameters}))  # a valid MLA config
+
+
+def test_init_from_continues_training_a_published_mla_drafter(tmp_path):
+    """`drafter.init_from=<dir>` (eagle31.pipeline.init_from_checkpoint) on a published MLA drafter."""
+    from types import SimpleNamespace
+
+    from eagle31 import Eagle31Drafter
+    from eagle31.pipeline import init_from_checkpoint
+
+    published = mla_drafter(seed=7, draft_vocab_size=40, rope=TINY_ROPE).float()
+    path = torchspec_mla_checkpoint(tmp_path / "ts", published, ids=[1, 3, 4])
+    fresh = Eagle31Drafter(published.config)  # the run's drafter: the recipe's shape, full vocabulary
+    section = SimpleNamespace(init_from=str(path), init_from_format="auto", upgrade_to_eagle31=False)
+    init_from_checkpoint(fresh, section)
+    for name, tensor in published.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(fresh.state_dict()[name], tensor), name
