@@ -49,15 +49,15 @@ class DeepseekRotaryEmbedding(nn.Module):
     YaRN blends interpolated (`1 / (factor * theta^(2i/d))`) and original frequencies
     with a linear ramp between the correction dims of `beta_fast` and `beta_slow`
     rotations over `original_max_position_embeddings`, and scales cos/sin by
-    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) * attn_factor`.
-    `softmax_scale_factor` is the `m^2` the attention scale gains (module docstring).
+    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) * attn_factor`
+    (the softmax-scale correction lives in `MLAAttention.q_scale`).
     Frequencies are float64, kept outside the buffers so a bf16 cast never degrades them.
     """
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling, self.softmax_scale_factor = deepseek_rope_frequencies(
+            self.inv_freq, self.attention_scaling, _ = deepseek_rope_frequencies(
                 config.rope_parameters, config.qk_rope_head_dim
             )
 
