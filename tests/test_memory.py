@@ -20,12 +20,14 @@ SMALL_MLA = dict(
     SMALL, attention="mla", num_key_value_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
 )  # fmt: skip
+# Kimi K2.6's full vocabulary (Vd = V = 163840, as the published MLA drafter) on the MLA drafter
+DRAFTERS = {"llama": SMALL, "mla": SMALL_MLA, "mla_full_vocab": dict(SMALL_MLA, vocab_size=163840, draft_vocab_size=163840)}
 
 
 @functools.cache
 def peak_bytes(T: int, checkpointing: bool = True, attention: str = "auto", drafter: str = "llama") -> int:
     bench = BenchConfig(
-        shape="tiny", seq_len=T, ttt_length=3, overrides=SMALL_MLA if drafter == "mla" else SMALL, activation_checkpointing=checkpointing, attention=attention,
+        shape="tiny", seq_len=T, ttt_length=3, overrides=DRAFTERS[drafter], activation_checkpointing=checkpointing, attention=attention,
         threads=1,  # steadier than two on a busy machine
     )  # fmt: skip
     return cpu_step_peak_bytes("eagle31", bench)
@@ -53,3 +55,13 @@ def test_reference_attention_is_quadratic_for_contrast():
     """The measurement sees quadratic growth where there is some: the explicit-scores attention."""
     small, large = peak_bytes(1024, False, "reference"), peak_bytes(2048, False, "reference")
     assert large / small > 2.5  # doubling T roughly quadruples the explicit score tensors
+
+
+@pytest.mark.slow
+def test_full_vocabulary_loss_never_holds_the_logits():
+    """Vd = V = 163840: the chunked lm_head + KL keeps the step far below one [T, V] fp32 logits tensor."""
+    T = 4096
+    peak = peak_bytes(T, drafter="mla_full_vocab")
+    logits = T * 163840 * 4
+    print(f"full vocabulary, T={T}: peak {peak / 2**20:.0f} MiB; one [T, V] fp32 logits tensor {logits / 2**20:.0f} MiB")
+    assert peak < logits / 2
