@@ -15,7 +15,7 @@ from eagle31.convert import detect_format, load_drafter
 from eagle31.export import export_config, export_drafter
 from tests.export import vllm_contract as vllm
 from tests.helpers import random_batch
-from tests.test_mla import KIMI_ROPE, TINY_ROPE, mla_config, mla_drafter
+from tests.test_mla import KIMI_ROPE, TINY_ROPE, mla_drafter
 
 CASES = {
     "eagle31": dict(),
@@ -154,7 +154,9 @@ def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
     }  # fmt: skip
     cfg = drafter_config(meta, detect_format(meta), target_num_layers=61)
     assert cfg.attention == "mla" and cfg.aux_layer_ids == (2, 30, 58) and cfg.head_dim == 192
-    assert cfg == type(cfg)(**mla_config(**{**cfg.to_dict(), "rope": cfg.rope_parameters}))  # a valid MLA config
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert cfg.num_key_value_heads == 64 and cfg.draft_vocab_size == cfg.vocab_size == 163840 and cfg.norm_output
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 64.0
 
 
 def test_init_from_continues_training_a_published_mla_drafter(tmp_path):
