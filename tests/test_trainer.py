@@ -193,6 +193,17 @@ def test_kimi_k26_drafters_have_the_published_shapes(recipe):
         assert d.attention == "llama" and 1.0e9 < counts.trainable < 1.2e9, counts
 
 
+def test_an_mla_run_asking_for_the_speculators_layout_is_refused_at_plan_time():
+    from eagle31 import ConfigError
+    from eagle31.distributed import init_world
+    from eagle31.pipeline import plan_run
+    from eagle31.recipe import load_recipe
+
+    cfg = load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true", "export.formats=[eagle3,speculators]"])
+    with pytest.raises(ConfigError, match="'speculators' cannot carry an MLA drafter"):
+        plan_run(cfg, init_world("cpu"))
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
