@@ -1,8 +1,11 @@
 """`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (DESIGN §2–§3).
 
-A drafter is one Llama-style decoder layer whose attention input is `2H` wide
-(token embedding + feature), fed by a fused projection of `n` target hidden
-states. The config is a plain dataclass, saved as the `eagle31` block of a
+A drafter is one decoder layer whose attention input is `2H` wide (token
+embedding + feature), fed by a fused projection of `n` target hidden states.
+Its attention is Llama's (`attention="llama"`: q/k/v projections, served by
+vLLM's Llama EAGLE-3 layer) or DeepSeek's Multi-head Latent Attention
+(`attention="mla"`: the published Kimi K2.6 drafter, served by vLLM's DeepSeek
+EAGLE-3 layer). The config is a plain dataclass, saved as the `eagle31` block of a
 drafter's `config.json`; `from_target_config` derives it from the target's HF
 config (Llama, Qwen3, DeepSeek-V3/Kimi, also nested under `text_config`).
 """
@@ -47,6 +50,13 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
+    # attention type; the MLA fields below are used (and required) only with attention="mla"
+    attention: str = "llama"  # llama | mla
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:
@@ -65,6 +75,11 @@ class DrafterConfig:
     @property
     def fc_in_features(self) -> int:
         return self.num_aux * self.target_hidden_size
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Head dim of q and k: `head_dim` (Llama), `qk_nope_head_dim + qk_rope_head_dim` (MLA)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     # --------------------------------------------------------------- validation
 
@@ -110,9 +125,53 @@ class DrafterConfig:
                 f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
             )
-        from eagle31.rope import check_rope  # eagle31.rope raises this module's ConfigError
+        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
+            raise ConfigError(
+                f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
+            )
+        if self.attention == "mla":
+            self._validate_mla()
+        elif self.attention != "llama":
+            raise ConfigError(f"drafter.attention must be 'llama' or 'mla', got {self.attention!r}")
+        else:
+            set_mla = [name for name in MLA_FIELDS if getattr(self, name)]
+            if set_mla:
+                raise ConfigError(f"drafter.{set_mla[0]} is an MLA field: set drafter.attention=mla or leave it 0")
+            from eagle31.rope import check_rope  # eagle31.rope raises this module's ConfigError
 
-        check_rope(self.rope_parameters)
+            check_rope(self.rope_parameters)
+
+    def _validate_mla(self) -> None:
+        for name in MLA_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"drafter.{name} must be a positive integer for attention=mla, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"drafter.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(
+                f"drafter.num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
+                f"{self.num_attention_heads} for attention=mla (every head has its own key and value)"
+            )
+        if self.head_dim != self.qk_head_dim:
+            raise ConfigError(
+                f"drafter.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} "
+                "for attention=mla"
+            )
+        if self.v_head_dim > self.qk_head_dim:
+            raise ConfigError(
+                f"drafter.v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim}"
+            )
+        if self.norm_before_fc:
+            raise ConfigError(
+                "drafter.norm_before_fc is not read by vLLM's DeepSeek EAGLE-3 layer: an MLA drafter cannot use it"
+            )
+        rope_type = self.rope_parameters["rope_type"]
+        if rope_type not in MLA_ROPE_TYPES:
+            raise ConfigError(
+                f"drafter.rope_parameters.rope_type={rope_type!r} is not supported for attention=mla "
+                f"(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); use one of {list(MLA_ROPE_TYPES)}"
+            )
 
     # ------------------------------------------------------------ construction
 
@@ -122,12 +181,14 @@ class DrafterConfig:
 
         Defaults: H, heads, kv heads, intermediate size, eps, rope and max
         positions copied from the target; aux ids `(2, L//2, L-3)`. For
-        DeepSeek-V3/Kimi (MLA) targets the drafter is a plain Llama layer with
-        `head_dim = v_head_dim`, as the published Kimi EAGLE-3 drafters are. The
-        rope is the target's without DeepSeek's yarn magnitude fields
-        (`eagle31.rope.for_llama_drafter`), so that transformers and vLLM read it
-        alike; a block they still read differently is refused.
-        `overrides` may set any field; `None` values are ignored.
+        DeepSeek-V3/Kimi (MLA) targets a Llama drafter has `head_dim =
+        v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
+        rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
+        so that transformers and vLLM read it alike (a block they still read
+        differently is refused); an MLA drafter (`attention="mla"`) copies the
+        target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
+        is, as the published Kimi K2.6 EAGLE 3.1 drafter does. `overrides` may set
+        any field; `None` values are ignored.
         """
         from eagle31.rope import ambiguity, for_llama_drafter
 
@@ -167,10 +228,17 @@ class DrafterConfig:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        reason = ambiguity(values["rope_parameters"])
-        if reason:
-            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if overrides.get("attention") == "mla":
+            mla = {name: int(t.get(name) or 0) for name in MLA_FIELDS}
+            mla.update({k: v for k, v in overrides.items() if k in MLA_FIELDS})
+            values.update(mla, num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"])
+            values["rope_parameters"] = rope_parameters_from(t)  # DeepSeek YaRN, mscale fields included
+        values.update(overrides)
+        if values.get("attention", "llama") == "llama":
+            reason = ambiguity(values["rope_parameters"])
+            if reason:
+                raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
                 f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"
@@ -211,6 +279,11 @@ class DrafterConfig:
             vocab_size=self.vocab_size,
             tie_word_embeddings=False,
         )
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# rope types an MLA drafter trains exactly as vLLM serves it (`eagle31.mla.DeepseekRotaryEmbedding`)
+MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

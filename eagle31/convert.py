@@ -13,11 +13,19 @@
                  "output of layer k", so they get +1. `norm_output` is read as false (below).
     torchspec    TorchSpec's `tools/convert_to_hf.py` output (`_torchspec_version` in
                  config.json), weights `midlayer.*` or, with `--vllm`, `layers.0.*`. Aux ids
-                 are in TorchSpec's "output of layer k" convention and get +1.
+                 are in TorchSpec's "output of layer k" convention and get +1, except in a
+                 `--vllm` export of a `kimi_k2` drafter, which TorchSpec already shifted.
+
+MLA drafters (`architectures` `Eagle3DeepseekV2ForCausalLM`/`Eagle3DeepseekV3ForCausalLM`,
+or a config with `kv_lora_rank`) are read as `attention="mla"` drafters (`eagle31.mla`),
+their layer fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
+published Kimi MLA drafters (e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`) are TorchSpec's:
+an MLA config that eagle31 did not write is read as `torchspec` (ids +1, `norm_output`
+verbatim). MLA drafters exist only in the EAGLE-3 HF layout (`eagle31.export`).
 
 Auto-detection, in order: eagle31's `format`; `speculators_model_type`;
-`_torchspec_version`; eagle31's `eagle31` block (its exports); ids only under
-`eagle_config` (SpecForge's habit); otherwise eagle3.
+`_torchspec_version`; eagle31's `eagle31` block (its exports); an MLA architecture
+(TorchSpec's); ids only under `eagle_config` (SpecForge's habit); otherwise eagle3.
 
 Reading rules:
 
@@ -59,10 +67,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from transformers import LlamaConfig
+from safetensors import safe_open
+from transformers import DeepseekV3Config, LlamaConfig
 
-from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
-from eagle31.export import native_key
+from eagle31.config import (
+    MLA_FIELDS,
+    ConfigError,
+    DrafterConfig,
+    default_aux_layer_ids,
+    read_json_config,
+    rope_parameters_from,
+)
+from eagle31.export import LAYER_PREFIX, native_key
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
 from eagle31.rope import ambiguity as rope_ambiguity
 
@@ -71,6 +87,8 @@ SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torc
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
 # training-only tensors of the speculators library, never needed for drafting
 _IGNORED_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
+# vLLM's DeepSeek EAGLE-3 drafter (deepseek_eagle3.py) under both registry names
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
 def load_drafter(
@@ -98,12 +116,17 @@ def load_drafter(
             drafter = _with_config(drafter, dataclasses.replace(drafter.config, **overrides))
     else:
         config = drafter_config(
-            meta, fmt, norm_output=norm_output, aux_layer_ids=aux_layer_ids, target_num_layers=target_num_layers
+            meta,
+            fmt,
+            norm_output=norm_output,
+            aux_layer_ids=aux_layer_ids,
+            target_num_layers=target_num_layers,
+            ids_already_shifted=fmt == "torchspec" and _torchspec_shifted_ids(meta, path),
         )
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path), path)
-    reason = rope_ambiguity(drafter.config.rope_parameters)
-    if reason:
+    reason = drafter.config.attention == "llama" and rope_ambiguity(drafter.config.rope_parameters)
+    if reason:  # (an MLA drafter's DeepSeek YaRN block means one thing to vLLM's DeepSeek layer)
         warnings.warn(
             f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as vLLM serves it, which may not be "
             "how it was trained, and will not export it as is"
@@ -177,6 +200,8 @@ def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return "eagle3"
+    if is_mla(meta):
+        return "torchspec"
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested_ids and not meta.get("eagle_aux_hidden_state_layer_ids"):
         return "specforge"
@@ -196,18 +221,23 @@ def drafter_config(
     norm_output: bool | None = None,
     aux_layer_ids: Sequence[int] | None = None,
     target_num_layers: int | None = None,
+    ids_already_shifted: bool = False,
 ) -> DrafterConfig:
-    """A `DrafterConfig` from a foreign config.json of format `fmt`."""
+    """A `DrafterConfig` from a foreign config.json of format `fmt`.
+
+    ids_already_shifted: the checkpoint's "output of layer k" ids were already converted to vLLM's.
+    """
     speculators = fmt == "speculators"
     if speculators and meta.get("speculators_model_type") != "eagle3":
         raise ConfigError(f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
     raw_layer = meta.get("transformer_layer_config") if speculators else meta
-    layer = parse_layer(raw_layer)
+    mla = is_mla(meta) and not speculators
+    layer = parse_mla_layer(raw_layer) if mla else parse_layer(raw_layer)
     eagle_config = meta.get("eagle_config") or {}
     provenance = meta.get("eagle31") or {}
     verifier = (meta.get("speculators_config") or {}).get("verifier") or {}
 
-    ids = _aux_ids(meta, eagle_config, fmt) if aux_layer_ids is None else tuple(aux_layer_ids)
+    ids = _aux_ids(meta, eagle_config, fmt, ids_already_shifted) if aux_layer_ids is None else tuple(aux_layer_ids)
     num_layers = target_num_layers or provenance.get("target_num_layers")
     if not ids:
         if not num_layers:
@@ -216,11 +246,16 @@ def drafter_config(
                 "for the default (2, L//2, L-3)"
             )
         ids = default_aux_layer_ids(num_layers)
+    if mla:
+        shape = {name: getattr(layer, name) for name in MLA_FIELDS}
+        heads = dict(num_key_value_heads=layer.num_attention_heads, head_dim=shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
+        attention = dict(attention="mla", **heads, **shape)  # MLA: every head has its own key and value
+    else:
+        attention = dict(num_key_value_heads=layer.num_key_value_heads, head_dim=layer.head_dim)
     return DrafterConfig(
+        **attention,
         hidden_size=layer.hidden_size,
         num_attention_heads=layer.num_attention_heads,
-        num_key_value_heads=layer.num_key_value_heads,
-        head_dim=layer.head_dim,
         intermediate_size=layer.intermediate_size,
         rms_norm_eps=float(layer.rms_norm_eps),
         hidden_act=layer.hidden_act,
@@ -252,9 +287,35 @@ def parse_layer(layer: Any) -> LlamaConfig:
     return LlamaConfig(**{**fields, "num_hidden_layers": 1})
 
 
-def _aux_ids(meta: dict[str, Any], eagle_config: dict[str, Any], fmt: str) -> tuple[int, ...]:
+def is_mla(meta: dict[str, Any]) -> bool:
+    """An MLA drafter: vLLM's DeepSeek EAGLE-3 architecture, or MLA fields in the config."""
+    return bool(set(meta.get("architectures") or ()) & set(MLA_ARCHITECTURES)) or "kv_lora_rank" in meta
+
+
+def parse_mla_layer(layer: dict[str, Any]) -> DeepseekV3Config:
+    """An MLA decoder layer's fields as transformers' `DeepseekV3Config` reads them, defaults included."""
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
+    if not layer.get("q_lora_rank"):
+        raise ConfigError("an MLA drafter without q_lora_rank is not supported (vLLM's DeepSeek EAGLE-3 loader needs it)")
+    fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
+    return DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
+
+
+def _torchspec_shifted_ids(meta: dict[str, Any], path: Path) -> bool:
+    """TorchSpec's `--vllm` export (`layers.0.*` weights) of a `kimi_k2` drafter already added 1 to its ids."""
+    if meta.get("model_type") != "kimi_k2":
+        return False
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            if any(key.startswith(LAYER_PREFIX["speculators"]) for key in f.keys()):
+                return True
+    return False
+
+
+def _aux_ids(meta: dict[str, Any], eagle_config: dict[str, Any], fmt: str, already_shifted: bool) -> tuple[int, ...]:
     ids = meta.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids") or ()
-    shift = 1 if fmt in _OUTPUT_OF_LAYER_IDS else 0
+    shift = 1 if fmt in _OUTPUT_OF_LAYER_IDS and not already_shifted else 0
     return tuple(int(i) + shift for i in ids)
 
 

@@ -1,5 +1,8 @@
 """Parameter counts and a per-GPU memory estimate for a training run (used by `dry_run=true`).
 
+Both drafter types are counted: Llama attention and MLA (`eagle31.mla`, whose keys and
+zero-padded values are `head_dim = qk_nope_head_dim + qk_rope_head_dim` wide per head).
+
 The estimate counts, per GPU with FSDP over `world_size` ranks:
   * trainable parameters: fp32 master (4 B) + fp32 gradient (4 B) + AdamW moments (8 B), sharded;
   * the frozen target embedding (stored in the compute dtype), sharded;
@@ -34,10 +37,21 @@ class ParamCounts:
         return self.trainable + self.frozen_embedding
 
 
+def attention_parameters(cfg: DrafterConfig) -> int:
+    """Parameters of the layer's attention (its projections read 2H)."""
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.attention == "mla":  # eagle31.mla: q_a + norm + q_b, kv_a + norm + kv_b, o
+        qr, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
+        q = 2 * H * qr + qr + qr * nh * cfg.qk_head_dim
+        kv = 2 * H * (kvr + cfg.qk_rope_head_dim) + kvr + kvr * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return q + kv + nh * cfg.v_head_dim * H
+    nkv, d = cfg.num_key_value_heads, cfg.head_dim
+    return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
+
+
 def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
-    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attn = 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
+    attn = attention_parameters(cfg)
     mlp = 3 * H * I
     norms = 4 * H + (cfg.num_aux * Ht if cfg.fc_norm else 0) + (cfg.fc_in_features if cfg.norm_before_fc else 0)
     trainable = cfg.fc_in_features * H + attn + mlp + norms + cfg.draft_vocab_size * H
@@ -50,6 +64,11 @@ def activation_bytes_per_token_step(cfg: DrafterConfig, compute_bytes: int) -> i
     q = cfg.num_attention_heads * cfg.head_dim
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim
     elems = 12 * H + 4 * I + 2 * q + kv  # norms, 2H input, projections, SwiGLU, residuals
+    if cfg.attention == "mla":  # latents before/after their norms, kv_b's output (v is padded to head_dim)
+        rope = cfg.qk_rope_head_dim
+        elems += 2 * cfg.q_lora_rank + 2 * (cfg.kv_lora_rank + rope) + cfg.num_attention_heads * (
+            cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
     fp32 = 4 * (q + cfg.num_attention_heads)  # attention output and log-sum-exp kept in fp32
     return elems * compute_bytes + fp32
 

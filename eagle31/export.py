@@ -49,6 +49,17 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   `overwrite=True`, and a folder that also holds files eagle31 did not write, or that is
   (or holds) the drafter being exported, is refused.
 
+MLA drafters (`attention="mla"`, `eagle31.mla`) have one layout: the EAGLE-3 HF layout
+as vLLM's DeepSeek EAGLE-3 loader (`deepseek_eagle3.py`) reads it, with
+`architectures: ["Eagle3DeepseekV2ForCausalLM"]`, `model_type: "deepseek_v3"` (a config
+class transformers ships; TorchSpec also writes `kimi_k2`), the MLA shape (`q_lora_rank`,
+`kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`) and the rope as
+`rope_theta` + `rope_scaling`, which vLLM turns into DeepSeek YaRN. Weights keep DeepSeek's
+names (`midlayer.self_attn.q_a_proj`, `kv_a_proj_with_mqa`, ...); vLLM fuses `q_a_proj`
+with `kv_a_proj_with_mqa` at load. The speculators layout cannot carry an MLA drafter
+(its `transformer_layer_config` is a Llama or Qwen3 layer, the only ones vLLM's speculators
+reader and the `speculators` library map) and is refused.
+
 Both layouts also carry an `eagle31` block (format version, target layer count, name,
 architectures) that `eagle31.convert.load_drafter` uses to read them back exactly.
 """
@@ -61,7 +72,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle31.config import ConfigError, DrafterConfig
+from eagle31.config import MLA_FIELDS, ConfigError, DrafterConfig
 from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
 from eagle31.model import Eagle31Drafter
 from eagle31.rope import ambiguity as rope_ambiguity
@@ -69,6 +80,8 @@ from eagle31.rope import ambiguity as rope_ambiguity
 FORMATS = ("eagle3", "speculators")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_MODEL_TYPE = "deepseek_v3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
@@ -216,6 +229,11 @@ def export_config(
     """`config.json` of `format` for a drafter with `config` (see the module docstring)."""
     _check_format(format)
     _torch_dtype(dtype)
+    if config.attention == "mla" and format != "eagle3":
+        raise ConfigError(
+            f"export format {format!r} cannot carry an MLA drafter (drafter.attention=mla): the speculators layout "
+            "maps only Llama/Qwen3 layers; export it as 'eagle3' (vLLM's Eagle3DeepseekV2ForCausalLM)"
+        )
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
@@ -248,7 +266,8 @@ def export_config(
     }
     if format == "eagle3":
         num_aux = {"num_aux_hidden_states": config.num_aux}
-        return {"architectures": [HF_ARCHITECTURE], **layer, **num_aux, **eagle, **provenance}
+        architecture = MLA_ARCHITECTURE if config.attention == "mla" else HF_ARCHITECTURE
+        return {"architectures": [architecture], **layer, **num_aux, **eagle, **provenance}
     return {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -272,16 +291,19 @@ def export_config(
 
 
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
-    """The decoder layer as a Llama HF config (shared by both layouts)."""
+    """The decoder layer as a Llama HF config (shared by both layouts), or a DeepSeek-V3 one (MLA)."""
     max_positions, rope = max_positions_and_rope(config, trained_context)
+    if config.attention == "mla":
+        attention = {"model_type": MLA_MODEL_TYPE, **{name: getattr(config, name) for name in MLA_FIELDS}}
+    else:
+        attention = {"model_type": "llama", "head_dim": config.head_dim}
     return {
-        "model_type": "llama",
+        **attention,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": max_positions,
@@ -323,7 +345,10 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_rope_reading(config: DrafterConfig) -> None:
-    """Refuse a rope block that vLLM reads otherwise than transformers (the served rope may not be the trained one)."""
+    """Refuse a Llama drafter's rope block that vLLM reads otherwise than transformers (the served rope may not be
+    the trained one); an MLA drafter's DeepSeek YaRN block has one reading in vLLM's DeepSeek layer (`eagle31.mla`)."""
+    if config.attention == "mla":
+        return
     reason = rope_ambiguity(config.rope_parameters)
     if reason:
         raise ConfigError(

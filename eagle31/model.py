@@ -3,8 +3,9 @@
 Reads top to bottom: norm → MLP → attention projections → decoder layer →
 drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
 `midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
-computes one drafter step's pieces; `eagle31.ttt` unrolls them over K steps and
-`eagle31.attention` holds the attention kernels.
+computes one drafter step's pieces; `eagle31.ttt` unrolls them over K steps,
+`eagle31.attention` holds the attention kernels and `eagle31.mla` the MLA
+attention of `attention="mla"` drafters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
+from eagle31.mla import DeepseekRotaryEmbedding, MLAAttention
 from eagle31.rope import inverse_frequencies
 from eagle31.ttt import ttt_unroll
 
@@ -80,6 +82,10 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, nh, d] -> o_proj(attn) [B, T, H]."""
+        return self.o_proj(attn.flatten(2))
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`).
@@ -122,6 +128,9 @@ class Eagle3DecoderLayer(nn.Module):
         z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
         h'  = r + o_proj(Attn(q_proj(z), k_proj(z), v_proj(z)))
         out = h' + mlp(post_attention_layernorm(h'))
+
+    The attention is Llama's (`Eagle3Attention`) or DeepSeek's MLA (`eagle31.mla.MLAAttention`),
+    per `config.attention`; both read the 2H-wide z.
     """
 
     def __init__(self, config: DrafterConfig):
@@ -131,7 +140,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = MLAAttention(config, RMSNorm) if config.attention == "mla" else Eagle3Attention(config)
         self.mlp = MLP(config)
 
     def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -144,7 +153,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> layer output [B, T, H]."""
-        h = residual + self.self_attn.o_proj(attn.flatten(2))
+        h = residual + self.self_attn.output(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -168,7 +177,7 @@ class Eagle31Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(H, eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = DeepseekRotaryEmbedding(config) if config.attention == "mla" else RotaryEmbedding(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.t2d[: config.draft_vocab_size] = True
@@ -266,7 +275,7 @@ class Eagle31Drafter(nn.Module):
         return self.fc(aux)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [B, T] -> cos, sin [B, T, head_dim]."""
+        """position_ids [B, T] -> cos, sin [B, T, rotary dims] (head_dim; qk_rope_head_dim for MLA)."""
         return self.rotary_emb(position_ids, dtype)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

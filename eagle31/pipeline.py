@@ -32,6 +32,7 @@ import yaml
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.distributed import World, barrier, close_world, init_world
 from eagle31.estimate import count_parameters, estimate_memory
+from eagle31.export import export_config
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets
@@ -105,6 +106,9 @@ def plan_run(cfg, world: World) -> RunPlan:
     drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
     if cfg.data.max_len > drafter.max_position_embeddings:
         drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
+    for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
+        export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len),
+                      target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None))
 
     precision = cfg.train.precision
     if precision == "auto":
@@ -237,7 +241,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
     }
     if plan.world.is_main:
         print(f"dry run of recipe {cfg.name!r}: config valid")
-        print(f"  drafter: H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
+        print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
               f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
         print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")

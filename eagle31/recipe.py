@@ -84,6 +84,14 @@ class DrafterSection:
     norm_before_fc: bool = False
     norm_output: bool = True
     norm_before_residual: bool = False
+    # llama: q/k/v projections (vLLM's Llama EAGLE-3 layer); mla: DeepSeek's Multi-head Latent
+    # Attention (vLLM's Eagle3DeepseekV2ForCausalLM), its shape from the target unless set below
+    attention: str = "llama"
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
     init_from: Optional[str] = None  # a drafter to fine-tune (any layout eagle31 reads)
     init_from_format: str = "auto"  # auto | eagle31 | eagle3 | speculators | specforge | torchspec
     upgrade_to_eagle31: bool = False  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output

@@ -16,22 +16,30 @@ SMALL = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
     vocab_size=512, draft_vocab_size=256,
 )  # fmt: skip
+# the same width with MLA attention (eagle31.mla): q·k head dim 24, v head dim 16
+SMALL_MLA = dict(
+    SMALL, attention="mla", num_key_value_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+)  # fmt: skip
+# Kimi K2.6's full vocabulary (Vd = V = 163840, as the published MLA drafter) on the MLA drafter
+DRAFTERS = {"llama": SMALL, "mla": SMALL_MLA, "mla_full_vocab": dict(SMALL_MLA, vocab_size=163840, draft_vocab_size=163840)}
 
 
 @functools.cache
-def peak_bytes(T: int, checkpointing: bool = True, attention: str = "auto") -> int:
+def peak_bytes(T: int, checkpointing: bool = True, attention: str = "auto", drafter: str = "llama") -> int:
     bench = BenchConfig(
-        shape="tiny", seq_len=T, ttt_length=3, overrides=SMALL, activation_checkpointing=checkpointing, attention=attention,
+        shape="tiny", seq_len=T, ttt_length=3, overrides=DRAFTERS[drafter], activation_checkpointing=checkpointing, attention=attention,
         threads=1,  # steadier than two on a busy machine
     )  # fmt: skip
     return cpu_step_peak_bytes("eagle31", bench)
 
 
 @pytest.mark.slow
-def test_step_memory_grows_linearly_with_sequence_length():
-    short, long = peak_bytes(4096), peak_bytes(16384)
+@pytest.mark.parametrize("drafter", ["llama", "mla"])
+def test_step_memory_grows_linearly_with_sequence_length(drafter):
+    short, long = peak_bytes(4096, drafter=drafter), peak_bytes(16384, drafter=drafter)
     ratio = long / short
-    print(f"peak T=4096: {short / 2**20:.0f} MiB, T=16384: {long / 2**20:.0f} MiB, ratio {ratio:.2f} (linear 4, quadratic 16)")
+    print(f"{drafter} peak T=4096: {short / 2**20:.0f} MiB, T=16384: {long / 2**20:.0f} MiB, ratio {ratio:.2f} (linear 4, quadratic 16)")
     assert ratio <= 4.4
     assert long < 16384 * 16384 * 4  # less than a single fp32 T x T score matrix of one head
 
@@ -48,3 +56,13 @@ def test_reference_attention_is_quadratic_for_contrast():
     """The measurement sees quadratic growth where there is some: the explicit-scores attention."""
     small, large = peak_bytes(1024, False, "reference"), peak_bytes(2048, False, "reference")
     assert large / small > 2.5  # doubling T roughly quadruples the explicit score tensors
+
+
+@pytest.mark.slow
+def test_full_vocabulary_loss_never_holds_the_logits():
+    """Vd = V = 163840: the chunked lm_head + KL keeps the step far below one [T, V] fp32 logits tensor."""
+    T = 4096
+    peak = peak_bytes(T, drafter="mla_full_vocab")
+    logits = T * 163840 * 4
+    print(f"full vocabulary, T={T}: peak {peak / 2**20:.0f} MiB; one [T, V] fp32 logits tensor {logits / 2**20:.0f} MiB")
+    assert peak < logits / 2

@@ -17,7 +17,7 @@ NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
 
 
 def test_the_expected_recipes_exist():
-    assert {"demo", "kimi_k26", "kimi_k26_mini", "llama31_8b", "qwen3_8b"} <= set(NAMES)
+    assert {"demo", "kimi_k26", "kimi_k26_llama", "kimi_k26_mini", "llama31_8b", "qwen3_8b"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -28,7 +28,7 @@ def test_every_recipe_composes_and_names_itself(name):
     assert cfg.train.ttt_length >= 1 and cfg.features.mode in ("online", "store")
 
 
-@pytest.mark.parametrize("name, layers, aux", [("kimi_k26", 61, (2, 30, 58)), ("llama31_8b", 32, (2, 16, 29)), ("qwen3_8b", 36, (2, 18, 33))])
+@pytest.mark.parametrize("name, layers, aux", [("kimi_k26", 61, (2, 30, 58)), ("kimi_k26_llama", 61, (2, 30, 58)), ("llama31_8b", 32, (2, 16, 29)), ("qwen3_8b", 36, (2, 18, 33))])
 def test_gpu_recipes_ship_their_target_config(name, layers, aux):
     cfg = load_recipe(RECIPES, [f"recipe={name}"])
     target = load_target_config(cfg.target.config)
@@ -76,3 +76,21 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert config["rope_scaling"]["rope_type"] == "yarn"
+    # the MLA drafter, full vocabulary, in vLLM's DeepSeek EAGLE-3 layout only
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 16
+    assert config["draft_vocab_size"] == config["vocab_size"] == 532
+    assert not (out / "export" / "speculators").exists()
+    # reload the export and decode speculatively with the miniature Kimi target
+    from eagle31.acceptance import AcceptanceConfig, run_acceptance
+    from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a python function that adds two numbers."}]}) + "\n")
+    acceptance = run_acceptance(
+        AcceptanceConfig(drafter=str(out / "export" / "eagle3"), target=str(ensure_kimi_k26_mini()), data=str(prompts),
+                         k=3, max_new_tokens=24, out=str(tmp_path / "acceptance")),  # fmt: skip
+        log=lambda _: None,
+    )
+    (result,) = acceptance["results"]
+    print(f"kimi_k26_mini MLA drafter: tau {result['tau']:.2f} after {report['steps']} steps")
+    assert result["prompts"] == 1 and 0 < result["generated_tokens"] <= 24 and result["tau"] >= 1.0

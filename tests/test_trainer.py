@@ -62,6 +62,8 @@ def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
         "data.max_len": "64",
         "data.eval_fraction": "0.1",
         "drafter.draft_vocab_size": "128",
+        "drafter.attention": "llama",  # the tiny target is a Llama (the recipe's MLA drafter needs an MLA target)
+        "export.formats": "[eagle3,speculators]",
         "features.tokens_per_batch": "256",
         "train.max_steps": "6",
         "train.save_every": "2",
@@ -142,11 +144,19 @@ def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_ta
     assert losses(out) == losses(reference_run)
 
 
+# an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
+               "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
+               "export.formats": "[eagle3]"}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path):
-    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **{"train.grad_accum": "2", "train.max_steps": "3"}))
+@pytest.mark.parametrize("drafter", ["llama", "mla"])
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path, drafter):
+    extra = {"train.max_steps": "3", **(MLA_DRAFTER if drafter == "mla" else {})}
+    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **extra, **{"train.grad_accum": "2"}))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **{"train.max_steps": "3"}), torchrun=2)
+    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **extra), torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
 
@@ -178,18 +188,41 @@ def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(t
 def test_kimi_k26_dry_run_needs_no_weights():
     proc = run_main(["recipe=kimi_k26", "dry_run=true"], timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "config valid" in proc.stdout and "GiB" in proc.stdout
-    from eagle31.estimate import count_parameters
-    from eagle31.pipeline import plan_run
+    assert "config valid" in proc.stdout and "GiB" in proc.stdout and "attention=mla" in proc.stdout
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k26", "kimi_k26_llama"])
+def test_kimi_k26_drafters_have_the_published_shapes(recipe):
     from eagle31.distributed import init_world
+    from eagle31.estimate import count_parameters, estimate_memory
+    from eagle31.pipeline import plan_run
     from eagle31.recipe import load_recipe
 
-    plan = plan_run(load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true"]), init_world("cpu"))
-    counts = count_parameters(plan.drafter)
-    # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
-    assert 1.0e9 < counts.trainable < 1.2e9, counts
+    plan = plan_run(load_recipe(REPO / "recipes", [f"recipe={recipe}", "dry_run=true"]), init_world("cpu"))
+    d, counts = plan.drafter, count_parameters(plan.drafter)
     assert counts.frozen_embedding == 163840 * 7168
-    assert plan.drafter.aux_layer_ids == (2, 30, 58) and plan.drafter.fc_norm and plan.drafter.norm_output
+    assert d.aux_layer_ids == (2, 30, 58) and d.fc_norm and d.norm_output
+    if recipe == "kimi_k26":  # lightseekorg/kimi-k2.6-eagle3.1-mla: MLA, I 18432, full vocabulary
+        assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
+            "mla", 1536, 512, 128, 64, 128)  # fmt: skip
+        assert (d.intermediate_size, d.draft_vocab_size) == (18432, 163840)
+        # fc 21504x7168, MLA 116M, MLP 3x7168x18432, lm_head 163840x7168 (1.17B of the 1.84B)
+        assert 1.83e9 < counts.trainable < 1.85e9, counts
+        memory = estimate_memory(d, 65536, 7, world_size=16, activation_checkpointing=True)
+        assert memory["loss_working_set"] > 7 * 163840 * 7168 * 4 / 2**30  # the full-vocabulary lm_head gradients
+    else:  # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
+        assert d.attention == "llama" and 1.0e9 < counts.trainable < 1.2e9, counts
+
+
+def test_an_mla_run_asking_for_the_speculators_layout_is_refused_at_plan_time():
+    from eagle31 import ConfigError
+    from eagle31.distributed import init_world
+    from eagle31.pipeline import plan_run
+    from eagle31.recipe import load_recipe
+
+    cfg = load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true", "export.formats=[eagle3,speculators]"])
+    with pytest.raises(ConfigError, match="'speculators' cannot carry an MLA drafter"):
+        plan_run(cfg, init_world("cpu"))
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -36,17 +36,28 @@ def rope(x, pos, theta):
     return x * torch.cos(ang) + torch.cat([-x2, x1], -1) * torch.sin(ang)
 
 
-def naive_logits(m, aux, input_ids, doc):
-    """Per step k: logits [B, T, Vd] of query (p, k); doc [B, T] (-1 padding)."""
+def llama_project(W, c, z, pos):
+    """The Llama attention's q [nh, d], k, v [nkv, d] at RoPE position pos, and the softmax scale."""
+    nh, nkv, d, theta = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_parameters["rope_theta"]
+    q = (W["midlayer.self_attn.q_proj.weight"] @ z).view(nh, d)
+    kk = (W["midlayer.self_attn.k_proj.weight"] @ z).view(nkv, d)
+    vv = (W["midlayer.self_attn.v_proj.weight"] @ z).view(nkv, d)
+    return rope(q, pos, theta), rope(kk, pos, theta), vv, 1 / math.sqrt(d)
+
+
+def naive_logits(m, aux, input_ids, doc, project=llama_project):
+    """Per step k: logits [B, T, Vd] of query (p, k); doc [B, T] (-1 padding).
+
+    project(W, config, z, position) -> q [nh, dq], k [nkv, dq], v [nkv, dv], scale: the attention's projections.
+    """
     c = m.config
     W = dict(m.named_parameters())
-    eps, theta = c.rms_norm_eps, c.rope_parameters["rope_theta"]
-    nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    g = nh // nkv
+    eps = c.rms_norm_eps
+    g = c.num_attention_heads // c.num_key_value_heads
     B, T = input_ids.shape
     out = torch.zeros(K, B, T, c.draft_vocab_size, dtype=aux.dtype)
     for b in range(B):
-        keys = {}  # (p, k) -> (key [nkv, d], value [nkv, d])
+        keys = {}  # (p, k) -> (key [nkv, dq], value [nkv, dv])
         feature = {}
         for p in range(T):
             chunks = aux[b, p].chunk(c.num_aux)
@@ -64,20 +75,17 @@ def naive_logits(m, aux, input_ids, doc):
                 h = feature[p]
                 hn = rms(h, W["midlayer.hidden_norm.weight"], eps)
                 z = torch.cat([rms(m.embed_tokens.weight[tok], W["midlayer.input_layernorm.weight"], eps), hn])
-                q = (W["midlayer.self_attn.q_proj.weight"] @ z).view(nh, d)
-                kk = (W["midlayer.self_attn.k_proj.weight"] @ z).view(nkv, d)
-                vv = (W["midlayer.self_attn.v_proj.weight"] @ z).view(nkv, d)
-                queries[p] = rope(q, p + k, theta)
-                keys[(p, k)] = (rope(kk, p + k, theta), vv)
+                queries[p], kk, vv, scale = project(W, c, z, p + k)
+                keys[(p, k)] = (kk, vv)
                 residuals[p] = hn if c.norm_before_residual else h
             for p in range(T):
                 # step-0 keys of the same document, causal; then the query's own chain
                 visible = [(j, 0) for j in range(p + 1) if doc[b, j] == doc[b, p]]
                 visible += [(p, j) for j in range(1, k + 1)]
                 heads = []
-                for h_ in range(nh):
+                for h_ in range(c.num_attention_heads):
                     q = queries[p][h_]
-                    s = torch.stack([q @ keys[key][0][h_ // g] for key in visible]) / math.sqrt(d)
+                    s = torch.stack([q @ keys[key][0][h_ // g] for key in visible]) * scale
                     w = torch.exp(s - s.max())
                     w = w / w.sum()
                     heads.append(sum(w[i] * keys[key][1][h_ // g] for i, key in enumerate(visible)))

@@ -14,8 +14,20 @@ Read in vllm-project/vllm:
   read with `getattr(config, flag, False)`. The decoder layer with
   `norm_before_residual` takes the residual after `hidden_norm`. The final norm returns
   (normed, pre-norm) and the next step reads normed iff `norm_output`.
-* `deepseek_eagle3.py` (`Eagle3DeepseekV2ForCausalLM`, an MLA drafter) and the Qwen3
-  variant share the same loader rules; eagle31 exports the Llama layer only.
+* `deepseek_eagle3.py`: `Eagle3DeepseekV2ForCausalLM` (also registered as
+  `Eagle3DeepseekV3ForCausalLM`), the MLA drafter. The same key rules (`model.`, `d2t`,
+  `t2d`, optional `embed_tokens`, `midlayer.` -> `layers.0.`), gate/up stacked, and
+  `q_a_proj` + `kv_a_proj_with_mqa` stacked into `fused_qkv_a_proj` (shards 0, 1). It
+  reads `num_aux_hidden_states`, `target_hidden_size`, `fc_norm`, `norm_output`,
+  `norm_before_residual` as the Llama layer does, and *not* `norm_before_fc`. Its layer
+  builds `DeepseekV2MLAAttention` (`deepseek_v2.py`) with input 2H, after replacing the
+  rope by `rope_scaling` with `rope_type = "deepseek_yarn"` (or `default` without one).
+  The attention (`layers/mla.py`): `fused_qkv_a_proj` split into [q_lora_rank,
+  kv_lora_rank + qk_rope_head_dim]; q = q_b_proj(q_a_layernorm(.)), k_nope and v from
+  kv_b_proj(kv_a_layernorm(.)), the rope (`DeepseekScalingRotaryEmbedding`,
+  `is_neox_style=False`) on q's last qk_rope_head_dim dims and on the one shared k_pe;
+  softmax scale `qk_head_dim^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2`.
+* The Qwen3 variant shares the Llama layer's loader rules; eagle31 does not export it.
 * `transformers_utils/configs/speculators/{base,algos}.py`: the speculators layout is
   flattened into `transformer_layer_config` plus a few copied fields, with
   `norm_before_residual` defaulting to *true*; `num_speculative_tokens` is taken from
@@ -49,10 +61,14 @@ import torch
 from transformers import LlamaConfig
 
 # the part of vLLM's speculative-decoding registry that loads a Llama-layer EAGLE-3 drafter
-REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM"}
-# (checkpoint shard name, vLLM fused parameter)
+REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM",
+            "Eagle3DeepseekV2ForCausalLM": "Eagle3DeepseekV2ForCausalLM",
+            "Eagle3DeepseekV3ForCausalLM": "Eagle3DeepseekV2ForCausalLM"}
+MLA_CLASS = "Eagle3DeepseekV2ForCausalLM"
+# (checkpoint shard name, vLLM fused parameter), shards of one parameter in order
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"),
+           (".q_a_proj", ".fused_qkv_a_proj"), (".kv_a_proj_with_mqa", ".fused_qkv_a_proj"))
 
 
 # ----------------------------------------------------------------------- config
@@ -85,6 +101,11 @@ def model_class(view: dict) -> str | None:
     return REGISTRY.get(arch)
 
 
+def is_mla(view: dict) -> bool:
+    """The drafter resolves to vLLM's DeepSeek (MLA) EAGLE-3 class."""
+    return bool(view.get("architectures")) and model_class(view) == MLA_CLASS
+
+
 def speculative_config(config_json: dict) -> dict:
     """vLLM's speculative config from a speculators layout (its validation included)."""
     spec = config_json["speculators_config"]
@@ -111,7 +132,9 @@ def effective_settings(view: dict) -> dict:
         "fc_norm": view.get("fc_norm", False),
         "norm_output": view.get("norm_output", False),
         "norm_before_residual": view.get("norm_before_residual", False),
-        "norm_before_fc": bool(eagle_config.get("norm_before_fc", view.get("norm_before_fc", False))),
+        # the DeepSeek layer has no input_norm: it never reads norm_before_fc
+        "norm_before_fc": not is_mla(view)
+        and bool(eagle_config.get("norm_before_fc", view.get("norm_before_fc", False))),
         "max_position_embeddings": view.get("max_position_embeddings", 8192),
     }
 
@@ -119,6 +142,43 @@ def effective_settings(view: dict) -> dict:
 def rope_v5(view: dict) -> dict:
     """The rope transformers >= 5 (and vLLM on it) builds from `view`."""
     return dict(LlamaConfig(**{k: v for k, v in view.items() if k != "architectures"}).rope_parameters)
+
+
+def deepseek_rope(view: dict) -> dict:
+    """The rope parameters vLLM's DeepSeek EAGLE-3 layer passes to `get_rope` (rope_theta joined in, as
+    vLLM's `patch_rope_parameters` does)."""
+    scaling = view.get("rope_scaling")
+    if not scaling:
+        return {"rope_type": "default", "rope_theta": view.get("rope_theta", 10000.0)}
+    return {**scaling, "rope_theta": view.get("rope_theta", 10000.0), "rope_type": "deepseek_yarn"}
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_rope_numbers(rope_dim: int, rope: dict) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [rope_dim/2] float64, cos/sin magnitude, softmax-scale factor) of vLLM's DeepSeek attention
+    for `get_rope`'s parameters `rope` (`DeepseekScalingRotaryEmbedding` and `DeepseekV2MLAAttention`)."""
+    base = rope["rope_theta"]
+    pos_freqs = torch.tensor([base ** (i / rope_dim) for i in range(0, rope_dim, 2)], dtype=torch.float64)
+    if rope.get("rope_type", "default") == "default":
+        return 1.0 / pos_freqs, 1.0, 1.0
+    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (rope_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.get("beta_fast", 32))), 0)
+    high = min(math.ceil(correction_dim(rope.get("beta_slow", 1))), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.tensor([min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rope_dim // 2)], dtype=torch.float64)
+    mask = (1 - ramp) * rope.get("extrapolation_factor", 1)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
+    magnitude = yarn_get_mscale(factor, rope.get("mscale", 1)) / yarn_get_mscale(factor, rope.get("mscale_all_dim", 0))
+    softmax = yarn_get_mscale(factor, float(rope.get("mscale_all_dim", False))) ** 2  # DeepseekV2MLAAttention
+    return inv, magnitude * rope.get("attn_factor", 1), softmax
 
 
 def rope_v4(view: dict) -> dict:
@@ -246,16 +306,28 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
     s = effective_settings(view)
     H, I = view["hidden_size"], view["intermediate_size"]
     nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
-    d = view.get("head_dim") or H // nh
     Ht, n, Vd = s["target_hidden_size"], s["num_aux"], s["draft_vocab_size"]
+    a = "model.layers.0.self_attn."
+    if is_mla(view):
+        qr, kvr, nope, rope, dv = (view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        attention = {
+            a + "fused_qkv_a_proj.weight": (qr + kvr + rope, 2 * H),
+            a + "q_a_layernorm.weight": (qr,),
+            a + "q_b_proj.weight": (nh * (nope + rope), qr),
+            a + "kv_a_layernorm.weight": (kvr,),
+            a + "kv_b_proj.weight": (nh * (nope + dv), kvr),
+            a + "o_proj.weight": (H, nh * dv),
+        }
+    else:
+        d = view.get("head_dim") or H // nh
+        attention = {a + "qkv_proj.weight": ((nh + 2 * nkv) * d, 2 * H), a + "o_proj.weight": (H, nh * d)}
     p = {
         "model.embed_tokens.weight": (view["vocab_size"], H),
         "model.fc.weight": (H, Ht * n),
         "model.layers.0.input_layernorm.weight": (H,),
         "model.layers.0.hidden_norm.weight": (H,),
         "model.layers.0.post_attention_layernorm.weight": (H,),
-        "model.layers.0.self_attn.qkv_proj.weight": ((nh + 2 * nkv) * d, 2 * H),
-        "model.layers.0.self_attn.o_proj.weight": (H, nh * d),
+        **attention,
         "model.layers.0.mlp.gate_up_proj.weight": (2 * I, H),
         "model.layers.0.mlp.down_proj.weight": (H, I),
         "model.norm.weight": (H,),
@@ -317,11 +389,10 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     view = hf_config_view(config_json)
     s = effective_settings(view)
     W = {k: v.double() if v.is_floating_point() else v for k, v in _vllm_params(tensors).items()}
-    eps, H = view["rms_norm_eps"], view["hidden_size"]
-    nh, nkv = view["num_attention_heads"], view["num_key_value_heads"]
-    d = view.get("head_dim") or H // nh
+    eps = view["rms_norm_eps"]
     T, Vd, V = input_ids.shape[0], s["draft_vocab_size"], s["vocab_size"]
     L = "model.layers.0."
+    attention_inputs = _mla_qkv if is_mla(view) else _llama_qkv
 
     # combine_hidden_states
     h = aux.double()
@@ -345,17 +416,13 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
         else:
             residual = hidden
             hidden = _rms(hidden, W[L + "hidden_norm.weight"], eps)
-        qkv = torch.cat([emb, hidden], -1) @ W[L + "self_attn.qkv_proj.weight"].T
-        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], -1)
-        cos, sin = rope_cos_sin(view, pos)
-        q, k = _rope(q.view(T, nh, d), cos, sin), _rope(k.view(T, nkv, d), cos, sin)
-        v = v.view(T, nkv, d)
+        q, k, v, scale = attention_inputs(view, W, torch.cat([emb, hidden], -1), pos)
         if j == 0:
             keys0, values0 = k, v
         else:
             chain_k.append(k)
             chain_v.append(v)
-        attn = _attend(q, keys0, values0, chain_k, chain_v, nh // nkv)  # [T, nh*d]
+        attn = _attend(q, keys0, values0, chain_k, chain_v, q.shape[1] // k.shape[1], scale)  # [T, nh*dv]
         x = attn @ W[L + "self_attn.o_proj.weight"].T
         residual = x + residual  # post_attention_layernorm(x, residual): fused add
         x = _rms(residual, W[L + "post_attention_layernorm.weight"], eps)
@@ -370,22 +437,54 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     return out
 
 
+def _llama_qkv(view, W, z, pos):
+    """`Eagle3LlamaForCausalLM`'s attention inputs: z [T, 2H] -> q [T, nh, d], k, v [T, nkv, d], scale."""
+    T, H = z.shape[0], view["hidden_size"]
+    nh, nkv = view["num_attention_heads"], view["num_key_value_heads"]
+    d = view.get("head_dim") or H // nh
+    q, k, v = (z @ W["model.layers.0.self_attn.qkv_proj.weight"].T).split([nh * d, nkv * d, nkv * d], -1)
+    cos, sin = rope_cos_sin(view, pos)
+    return _rope(q.view(T, nh, d), cos, sin), _rope(k.view(T, nkv, d), cos, sin), v.view(T, nkv, d), d**-0.5
+
+
+def _mla_qkv(view, W, z, pos):
+    """`DeepseekV2MLAAttention`'s inputs to attention: z [T, 2H] -> q, k [T, nh, nope+rope], v [T, nh, v], scale."""
+    a, eps, T, nh = "model.layers.0.self_attn.", view["rms_norm_eps"], z.shape[0], view["num_attention_heads"]
+    qr, kvr, nope, rope, dv = (view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q_c, kv_lora = (z @ W[a + "fused_qkv_a_proj.weight"].T).split([qr, kvr + rope], -1)
+    q = (_rms(q_c, W[a + "q_a_layernorm.weight"], eps) @ W[a + "q_b_proj.weight"].T).view(T, nh, nope + rope)
+    kv_c, k_pe = kv_lora.split([kvr, rope], -1)
+    kv = (_rms(kv_c, W[a + "kv_a_layernorm.weight"], eps) @ W[a + "kv_b_proj.weight"].T).view(T, nh, nope + dv)
+    inv, magnitude, softmax = deepseek_rope_numbers(rope, deepseek_rope(view))
+    angles = pos[:, None].double() * inv  # [T, rope/2]
+    cos, sin = (angles.cos() * magnitude).repeat_interleave(2, -1), (angles.sin() * magnitude).repeat_interleave(2, -1)
+    q = torch.cat([q[..., :nope], _rope_gptj(q[..., nope:], cos, sin)], -1)
+    k_pe = _rope_gptj(k_pe[:, None], cos, sin).expand(T, nh, rope)
+    return q, torch.cat([kv[..., :nope], k_pe], -1), kv[..., nope:], (nope + rope) ** -0.5 * softmax
+
+
 def _rope(x, cos, sin):
     """x [T, heads, d]; cos/sin [T, d] (rotate-half, as vLLM's neox-style rope)."""
     x1, x2 = x.chunk(2, -1)
     return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
 
 
-def _attend(q, k0, v0, chain_k, chain_v, groups):
+def _rope_gptj(x, cos, sin):
+    """x [T, heads, d]; cos/sin [T, d] with each frequency on a pair (vLLM's `rotate_gptj`, is_neox_style=False)."""
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _attend(q, k0, v0, chain_k, chain_v, groups, scale):
     """Query p: causal step-0 keys 0..p plus its own chain keys (p, 1..j)."""
-    T, nh, d = q.shape
+    T = q.shape[0]
     k0, v0 = k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1)
-    scores = torch.einsum("thd,shd->hts", q, k0) / math.sqrt(d)  # [nh, T, T]
+    scores = torch.einsum("thd,shd->hts", q, k0) * scale  # [nh, T, T]
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    own = [torch.einsum("thd,thd->ht", q, ck.repeat_interleave(groups, 1)) / math.sqrt(d) for ck in chain_k]
+    own = [torch.einsum("thd,thd->ht", q, ck.repeat_interleave(groups, 1)) * scale for ck in chain_k]
     scores = torch.cat([scores, *(o[..., None] for o in own)], -1)
     probs = scores.softmax(-1)
     out = torch.einsum("hts,shd->thd", probs[..., :T], v0)
     for i, cv in enumerate(chain_v):
         out = out + probs[..., T + i].T[..., None] * cv.repeat_interleave(groups, 1)
-    return out.reshape(T, nh * d)
+    return out.reshape(T, -1)

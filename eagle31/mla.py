@@ -1,0 +1,150 @@
+"""Multi-head Latent Attention (MLA) as the drafter's attention: the published Kimi K2.6 drafter.
+
+DeepSeek-V2/V3's attention with the EAGLE-3 twist that its projections read the
+2H-wide input `z = concat(input_layernorm(emb), hidden_norm(h))`. vLLM serves it
+with `Eagle3DeepseekV2ForCausalLM`; this module computes what that layer computes
+from the exported config (parameter names are DeepSeek's, so export is a rename):
+
+    c_q         = q_a_layernorm(q_a_proj(z))                 [*, q_lora_rank]
+    q           = q_b_proj(c_q)                              [*, nh, nope + rope]
+    c_kv, k_pe  = kv_a_proj_with_mqa(z)                      [*, kv_lora_rank], [*, rope]
+    k_nope, v   = kv_b_proj(kv_a_layernorm(c_kv))            [*, nh, nope], [*, nh, v_head_dim]
+    k           = concat(k_nope, rope(k_pe) shared by every head)
+    out         = o_proj(softmax(q·k * scale) v)
+
+The rope acts on the last `qk_rope_head_dim` dims of q and k with interleaved
+pairs (dims 2i, 2i+1: vLLM's `is_neox_style=False`). It is DeepSeek YaRN
+(`DeepseekRotaryEmbedding`), and the softmax scale is `qk_head_dim^-0.5 * m^2`
+with `m = yarn_mscale(factor, mscale_all_dim)`, DeepSeek's correction for the
+YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
+`fused_qkv_a_proj` at load time; checkpoints keep them apart.
+
+The TTT attention kernels (`eagle31.attention`) take one head dim for q, k and v
+and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
+zero columns up to the q·k head dim: zero value columns give zero output columns,
+which `output` slices off before `o_proj`. Memory stays linear in T (the padding
+adds `(qk_head_dim - v_head_dim) / v_head_dim` to the stored values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle31.config import ConfigError, DrafterConfig
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN magnitude `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class DeepseekRotaryEmbedding(nn.Module):
+    """The MLA drafter's rope: default, or DeepSeek YaRN (vLLM's `deepseek_yarn`, which its DeepSeek
+    EAGLE-3 layer makes of any `rope_scaling`), on `qk_rope_head_dim` dims with interleaved pairs.
+
+    YaRN blends interpolated (`1 / (factor * theta^(2i/d))`) and original frequencies
+    with a linear ramp between the correction dims of `beta_fast` and `beta_slow`
+    rotations over `original_max_position_embeddings`, and scales cos/sin by
+    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) * attn_factor`
+    (the softmax-scale correction lives in `MLAAttention.q_scale`).
+    Frequencies are float64, kept outside the buffers so a bf16 cast never degrades them.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
+            self.inv_freq, self.attention_scaling, _ = deepseek_rope_frequencies(
+                config.rope_parameters, config.qk_rope_head_dim
+            )
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] -> cos, sin [B, T, qk_rope_head_dim] in `dtype`, each frequency twice (pairs)."""
+        acc = torch.promote_types(dtype, torch.float32)
+        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
+        emb = freqs.repeat_interleave(2, dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def deepseek_rope_frequencies(rope: dict, d: int) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [d/2] float64, cos/sin magnitude, softmax-scale factor) of `DeepseekRotaryEmbedding`."""
+    theta = float(rope["rope_theta"])
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if rope["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0, 1.0
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+    if missing:
+        raise ConfigError(f"drafter.rope_parameters needs {missing[0]} for rope_type={rope['rope_type']!r}")
+    factor = float(rope["factor"])
+    original = int(rope["original_max_position_embeddings"])
+    low, high = _correction_range(float(rope.get("beta_fast", 32)), float(rope.get("beta_slow", 1)), d, theta, original)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = (1 - ramp) * float(rope.get("extrapolation_factor", 1))  # 1: original frequency, 0: interpolated
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    all_dim = yarn_mscale(factor, float(rope.get("mscale_all_dim", 0)))
+    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / all_dim * float(rope.get("attn_factor", 1))
+    return inv_freq, magnitude, all_dim**2
+
+
+def _correction_range(beta_fast: float, beta_slow: float, d: int, theta: float, original: int) -> tuple[int, int]:
+    """YaRN's ramp bounds: the dims completing `beta_fast` / `beta_slow` rotations over `original` positions."""
+
+    def dim(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    return max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), d - 1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved-pair rotation."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]; cos/sin [B, T, d] with each frequency on a pair of dims."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_pairs(x) * sin
+
+
+class MLAAttention(nn.Module):
+    """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.attention`."""
+
+    def __init__(self, config: DrafterConfig, rms_norm: type[nn.Module]):
+        super().__init__()
+        H, nh, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
+        self.num_heads = nh
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        self.kv_lora_rank = config.kv_lora_rank
+        # query compression is required: vLLM's DeepSeek EAGLE-3 loader fuses q_a_proj with kv_a_proj_with_mqa
+        self.q_a_proj = nn.Linear(2 * H, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = rms_norm(config.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = rms_norm(config.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
+        self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
+
+    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q, k, v [B, T, nh, nope + rope]: rope applied, q carries the softmax-scale
+        correction, v zero-padded from v_head_dim (module docstring)."""
+        B, T, _ = z.shape
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, nh, self.qk_dim)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, nh, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1
+        )
+        q_pe = apply_interleaved_rope(q[..., self.nope :], cos, sin)
+        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).expand(B, T, nh, self.rope)
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        return q, k, F.pad(v, (0, self.qk_dim - self.v_dim))
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, nh, nope + rope] (v padded) -> o_proj of its first v_head_dim columns, [B, T, H]."""
+        return self.o_proj(attn[..., : self.v_dim].flatten(2))
