@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from eagle31.errors import InputError
+
 
 @contextmanager
 def atomic_path(dest: str | Path) -> Iterator[Path]:
@@ -46,7 +48,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
 OUTPUT_MARKER = ".eagle31-output.json"
 
 
-class ForeignDirectoryError(ValueError):
+class ForeignDirectoryError(InputError):
     """An output directory exists, is not empty and is not an output of ours (of this kind)."""
 
 

@@ -54,6 +54,7 @@ from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
 from eagle31.data.batch import Sample
+from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, sha256_file
 
 FORMAT_VERSION = 1
@@ -72,7 +73,7 @@ class StoreMismatchError(ConfigError):
     """An existing store was made for another target, aux ids, dtype or source data."""
 
 
-class CorruptShardError(RuntimeError):
+class CorruptShardError(CorruptDataError):
     """A shard is missing, unreadable or does not match its recorded sha256."""
 
 
