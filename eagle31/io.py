@@ -8,21 +8,27 @@ Output directories are owned: every directory the project writes carries a marke
 (`OUTPUT_MARKER`, naming what kind of output it is). A directory is only ever replaced or
 written into when it is empty, missing, or carries our marker of the same kind, so a
 user's folder (one holding their source data, say) is never deleted or mixed with ours.
+A directory that cannot be created or written is refused before any work too.
+
+`hold_lock` keeps a second process out of a directory for as long as the first runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import secrets
 import shutil
+import socket
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle31.errors import InputError
+from eagle31.errors import FileAccessError, InputError, OutputInUseError
 
 
 @contextmanager
@@ -65,6 +71,7 @@ def check_output_dir(path: str | Path, kind: str) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
+    check_writable(path)
     if not path.exists() or not any(path.iterdir()):
         return
     found = output_kind(path)
@@ -73,6 +80,48 @@ def check_output_dir(path: str | Path, kind: str) -> None:
         raise ForeignDirectoryError(
             f"{path} holds {what}; refusing to write a {kind} output there (choose an empty or new directory)"
         )
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise `FileAccessError` unless `path` (a directory, maybe not there yet) could be created and written."""
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FileAccessError(f"cannot create {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write to" if existing == path else f"create {path} in"
+        raise FileAccessError(f"cannot {what} {existing}: permission denied")
+
+
+LOCK_FILE = ".eagle31-lock"
+
+
+@contextmanager
+def hold_lock(directory: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on `directory` (which must exist) while the block runs.
+
+    The lock is `flock` on `LOCK_FILE`, so the kernel releases it when the holder dies,
+    even by SIGKILL: no stale lock to clean up. The file names the holder (pid, host,
+    start time) for the one-line `OutputInUseError` a second process gets.
+    """
+    path = Path(directory) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputInUseError(
+                f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def claim_output_dir(path: str | Path, kind: str) -> Path:

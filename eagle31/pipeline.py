@@ -15,6 +15,12 @@ Run directory (`output_dir`):
     drafter/           the final drafter, native format
     export/<format>/   vLLM layouts
     report.json        final held-out metrics (+ real acceptance when eval.enabled)
+
+The run directory is owned and locked: a folder that eagle31 did not write is refused
+(`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
+second run on the same `output_dir` stops with one line naming the holder. `config.yaml`,
+the run's identity, is written only once training starts: a run stopped by a check
+(say, data in which nothing is supervised) leaves nothing that blocks its corrected rerun.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +39,10 @@ import yaml
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.distributed import World, barrier, close_world, init_world
 from eagle31.estimate import count_parameters, estimate_memory
-from eagle31.io import atomic_write_json, atomic_write_text
+from eagle31.errors import RunInterrupted
+from eagle31.io import atomic_write_json, atomic_write_text, check_output_dir, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
-from eagle31.metrics_log import RunLogger, redact_secrets
+from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
 from eagle31.model import Eagle31Drafter
 from eagle31.recipe import to_container
 from eagle31.target_weights import read_target_embeddings
@@ -63,9 +71,22 @@ def run(cfg) -> dict | None:
         plan = plan_run(cfg, world)
         if cfg.dry_run:
             return describe_dry_run(plan)
-        return train_run(plan)
+        with hold_run_dir(plan):
+            return train_run(plan)
     finally:
         close_world()
+
+
+@contextmanager
+def hold_run_dir(plan: RunPlan):
+    """Rank 0 creates (or reuses) the run directory, marks it ours and locks it for the run."""
+    if not plan.world.is_main:
+        yield
+        return
+    claim_output_dir(plan.run_dir, "run")
+    with hold_lock(plan.run_dir):
+        check_run_dir(plan)  # again, under the lock: a run may have started since the first check
+        yield
 
 
 # ---------------------------------------------------------------------------- checks
@@ -93,6 +114,8 @@ def plan_run(cfg, world: World) -> RunPlan:
     for name in ("ttt_length", "max_steps", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
+    if not cfg.train.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:
@@ -113,6 +136,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
     plan = RunPlan(cfg, world, Path(cfg.output_dir), target_dir, target_config, drafter, compute_dtype)
     if not cfg.dry_run:
+        check_output_dir(plan.run_dir, "run")
         check_run_dir(plan)
         check_data(plan)
     return plan
@@ -160,8 +184,11 @@ def check_data(plan: RunPlan) -> None:
     from eagle31.data.sources import check_sources
 
     cfg = plan.cfg
-    if not (Path(cfg.data.prepared_dir) / "train").is_dir():
-        check_sources(check_data_config(data_section(cfg)))
+    sources = check_data_config(data_section(cfg))
+    prepared = Path(cfg.data.prepared_dir)
+    check_prepared_dir(prepared, sources)
+    if not (prepared / "train").is_dir():
+        check_sources(sources)
     if cfg.eval.enabled:
         if not cfg.eval.data:
             raise ConfigError("eval.enabled=true needs eval.data: prompt files, one per split")
@@ -172,6 +199,19 @@ def check_data(plan: RunPlan) -> None:
         from eagle31.data.store import check_store_compatible
 
         check_store_compatible(Path(cfg.features.store_dir), plan.target_config, plan.drafter.aux_layer_ids)
+
+
+def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
+    """`data.prepared_dir` must be ours (or new), and a prepared one must have been made from `sources`."""
+    from eagle31.data.prepare import recorded_sources
+
+    check_output_dir(prepared, "prepared-data")
+    recorded = recorded_sources(prepared)
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new sources would be ignored
+        raise ConfigError(
+            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
+            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
+        )
 
 
 # ---------------------------------------------------------------------------- dry run
@@ -225,11 +265,6 @@ def train_run(plan: RunPlan) -> dict | None:
     cfg, world = plan.cfg, plan.world
     started = time.time()
     run_dir = plan.run_dir
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
-    barrier()
-
     prepared = ensure_prepared(plan)
     d2t, t2d = _load_vocab(prepared)
     drafter_cfg = dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
@@ -246,12 +281,14 @@ def train_run(plan: RunPlan) -> dict | None:
     del embed
 
     trainer = Trainer(cfg.train, world, run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype)
-    latest = trainer.checkpoints.latest() if cfg.resume == "auto" else None
+    latest = trainer.checkpoints.latest_intact() if cfg.resume == "auto" else None
     if latest is not None:
         trainer.restore(latest)
         if world.is_main:
-            _truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
             print(f"resumed from {latest} (step {trainer.state.step})")
+    if world.is_main:  # the run really starts: its identity, and the metrics of the steps it keeps
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
+        truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
     logger = RunLogger(
         run_dir,
         to_container(cfg),
@@ -265,6 +302,10 @@ def train_run(plan: RunPlan) -> dict | None:
     )
     try:
         final = trainer.fit(logger)
+    except KeyboardInterrupt:
+        saved = trainer.checkpoints.latest()
+        where = f"rerun with resume=auto to continue from {saved}" if saved else "no checkpoint yet: a rerun starts over"
+        raise RunInterrupted(f"interrupted at step {trainer.state.step}; {where}") from None
     finally:
         logger.close()
     state = trainer.full_drafter_state()  # the last collective: every rank takes part
@@ -378,14 +419,6 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
         raise ConfigError(f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})")
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines a killed run logged after its last checkpoint."""
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float) -> dict:

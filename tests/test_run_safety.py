@@ -1,0 +1,130 @@
+"""A run never deletes or mixes with the user's files, is refused before any work when it cannot go right,
+and leaves nothing that blocks its corrected rerun; one run per output directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle31.cli import recipe_main
+from eagle31.io import OUTPUT_MARKER, atomic_dir
+from eagle31.pipeline import run
+from eagle31.trainer import Trainer
+from tests.data.chat_helpers import write_jsonl
+from tests.test_trainer import base_args, chats, tiny_target  # noqa: F401 - fixtures
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def main(args: list[str], capsys) -> tuple[int, str]:
+    code = recipe_main(run, RECIPES, args)
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith("warning:")]
+    return code, err[-1] if err else ""
+
+
+def one_line(code_and_err, code: int) -> str:
+    got, line = code_and_err
+    assert got == code, line
+    return line
+
+
+def user_project(tmp_path: Path, chats: Path) -> Path:
+    """A user's folder: their conversations under data/, and notes of their own."""
+    project = tmp_path / "my project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "chats.jsonl").write_bytes(chats.read_bytes())
+    (project / "notes.txt").write_text("mine")
+    return project
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_output_dir_set_to_the_users_project_keeps_every_file(tiny_target, chats, tmp_path, capsys):
+    project = user_project(tmp_path, chats)
+    before = tree(project)
+    args = base_args(tiny_target, project / "data" / "chats.jsonl", project)
+    line = one_line(main(args, capsys), 2)
+    assert str(project) in line and "did not write" in line
+    assert tree(project) == before
+
+
+def test_a_prepared_dir_holding_a_source_is_refused(tiny_target, chats, tmp_path, capsys):
+    project = user_project(tmp_path, chats)
+    before = tree(project)
+    args = base_args(tiny_target, project / "data" / "chats.jsonl", tmp_path / "run", **{"data.prepared_dir": str(project / "data")})
+    line = one_line(main(args, capsys), 2)
+    assert "holds data.source" in line and "chats.jsonl" in line
+    assert tree(project) == before and not (tmp_path / "run").exists()
+
+
+def test_a_prepared_dir_made_from_other_sources_is_refused_not_silently_reused(tiny_target, chats, tmp_path, capsys):
+    prepared = tmp_path / "prepared"
+    with atomic_dir(prepared, kind="prepared-data") as tmp:
+        (tmp / "train").mkdir()
+        (tmp / "report.json").write_text(json.dumps({"sources": [str(tmp_path / "old.jsonl")]}))
+    args = base_args(tiny_target, chats, tmp_path / "run", **{"data.prepared_dir": str(prepared)})
+    line = one_line(main(args, capsys), 2)
+    assert "old.jsonl" in line and str(chats) in line
+
+
+def test_a_negative_learning_rate_is_refused_before_any_model(tiny_target, chats, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **{"train.lr": "-1e-4"}), capsys), 2)
+    assert line == "error: train.lr must be positive, got -0.0001"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_output_dir_below_a_file_is_one_line(tiny_target, chats, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "a_file" / "run"), capsys), 5)
+    assert "a_file is a file" in line
+
+
+def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes_ahead(tiny_target, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    masked = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
+    line = one_line(main(base_args(tiny_target, masked, out, **{"data.prepared_dir": str(tmp_path / "p1")}), capsys), 2)
+    assert "no sample" in line
+    assert not (out / "config.yaml").exists()
+    fixed = base_args(tiny_target, chats, out, **{"data.prepared_dir": str(tmp_path / "p2"), "train.max_steps": "2", "export.formats": "[]"})
+    assert main(fixed, capsys)[0] == 0
+    assert (out / "config.yaml").is_file() and (out / OUTPUT_MARKER).is_file()
+
+
+def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys, monkeypatch):
+    real_step = Trainer.train_step
+
+    def step(self, micro):
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    out = tmp_path / "run"
+    line = one_line(main(base_args(tiny_target, chats, out), capsys), 130)
+    assert "interrupted at step 3" in line and "resume=auto" in line and str(out / "checkpoints" / "step_00000002") in line
+
+
+def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import time; from eagle31.io import claim_output_dir, hold_lock; d = claim_output_dir({str(out)!r}, 'run')\n"
+         "with hold_lock(d):\n    print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line(main(base_args(tiny_target, chats, out), capsys), 7)
+        assert f"pid {holder.pid}" in line and "in use by another run" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (out / "config.yaml").exists()
