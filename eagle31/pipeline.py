@@ -196,9 +196,17 @@ def check_data(plan: RunPlan) -> None:
             if not Path(path).is_file():
                 raise ConfigError(f"eval.data: prompt file not found: {path}")
     if cfg.features.mode == "store":
-        from eagle31.data.store import check_store_compatible
+        from eagle31.data.capture import target_fingerprint
+        from eagle31.data.store import check_store_compatible, target_identity
 
-        check_store_compatible(Path(cfg.features.store_dir), plan.target_config, plan.drafter.aux_layer_ids)
+        check_store_compatible(
+            Path(cfg.features.store_dir),
+            plan.target_config,
+            plan.drafter.aux_layer_ids,
+            target_name=target_identity(cfg.target),
+            target_revision=cfg.target.revision,
+            target_fingerprint=target_fingerprint(plan.target_dir),
+        )
 
 
 def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
@@ -302,6 +310,10 @@ def train_run(plan: RunPlan) -> dict | None:
     )
     try:
         final = trainer.fit(logger)
+        skipped = skipped_features(world, train_loader, eval_loader)  # every rank takes part
+        if skipped:
+            logger.log(trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())})
+            logger.write(f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): {', '.join(skipped)}")
     except KeyboardInterrupt:
         saved = trainer.checkpoints.latest()
         where = f"rerun with resume=auto to continue from {saved}" if saved else "no checkpoint yet: a rerun starts over"
@@ -317,7 +329,7 @@ def train_run(plan: RunPlan) -> dict | None:
         return None
     trained = Eagle31Drafter(drafter_cfg)  # `drafter` itself is sharded in place under FSDP
     trained.load_state_dict(state)
-    report = finish_run(plan, trained, final, trainer, started)
+    report = finish_run(plan, trained, final, trainer, started, skipped)
     print(f"run directory: {run_dir}  (report.json, drafter/, export/)")
     return report
 
@@ -387,13 +399,16 @@ def load_target_model(plan: RunPlan):
 
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     """Capture the target's features into the shard store (each rank its shards)."""
-    from eagle31.data.capture import capture_to_store
+    from eagle31.data.capture import capture_to_store, target_fingerprint
     from eagle31.data.store import StoreWriter
 
     cfg, world = plan.cfg, plan.world
+    fingerprint = target_fingerprint(plan.target_dir)
     target = load_target_model(plan)
     for name, ds in splits.items():
-        writer = StoreWriter.for_dataset(store_dir / name, ds, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features)
+        writer = StoreWriter.for_dataset(
+            store_dir / name, ds, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features, fingerprint=fingerprint
+        )
         stats = capture_to_store(target, ds, writer, batch_tokens=cfg.features.capture_batch_tokens, rank=world.rank, world_size=world.world_size)
         barrier()
         if world.is_main:
@@ -421,7 +436,23 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
         raise ConfigError(f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})")
 
 
-def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float) -> dict:
+def skipped_features(world: World, *loaders) -> dict[str, int]:
+    """{shard: samples} that any rank's store readers skipped as corrupt (`features.skip_corrupt`)."""
+    found: dict[str, int] = {}
+    for loader in loaders:
+        skipped = getattr(getattr(loader, "source", None), "skipped", None)  # online features skip nothing
+        if skipped is not None:
+            found.update({str(loader.source.root / name): n for name, n in skipped().items()})
+    if world.distributed:
+        gathered: list[dict[str, int]] = [{} for _ in range(world.world_size)]
+        torch.distributed.all_gather_object(gathered, found)
+        found = {name: n for ranks in gathered for name, n in ranks.items()}
+    return dict(sorted(found.items()))
+
+
+def finish_run(
+    plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float, skipped: dict[str, int]
+) -> dict:
     """Rank 0: native drafter, exports, real acceptance (optional), report.json."""
     from eagle31.export import export_drafter
 
@@ -456,6 +487,7 @@ def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Tra
         "eval_loss": final.get("loss"),
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "exports": exports,
+        "skipped_corrupt": {"shards": list(skipped), "samples": sum(skipped.values())},
     }
     if cfg.eval.enabled:
         report["acceptance"] = measure_acceptance(plan)

@@ -128,3 +128,51 @@ def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats
         holder.kill()
         holder.wait()
     assert not (out / "config.yaml").exists()
+
+
+# ---------------------------------------------------------------------------- feature stores
+
+
+@pytest.fixture(scope="module")
+def captured_store(tiny_target, chats, tmp_path_factory) -> Path:
+    """A store captured (by a short run) from the tiny target."""
+    out = tmp_path_factory.mktemp("store_run") / "run"
+    extra = {"features.mode": "store", "train.max_steps": "1", "export.formats": "[]"}
+    assert recipe_main(run, RECIPES, base_args(tiny_target, chats, out, **extra)) == 0
+    return out / "features"
+
+
+def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(captured_store, tiny_target, chats, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torch
+
+    other = tmp_path / "other_target"
+    config = LlamaConfig.from_pretrained(tiny_target)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(other)  # same name in the recipe, same shape, other weights
+    for f in tiny_target.glob("tokenizer*"):
+        (other / f.name).write_bytes(f.read_bytes())
+    extra = {"features.mode": "store", "features.store_dir": str(captured_store), "target.path": str(other)}
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **extra), capsys), 2)
+    assert "target_fingerprint" in line and str(captured_store) in line
+
+
+def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats, tmp_path, capsys):
+    store = tmp_path / "features"
+    store.mkdir()
+    for split in ("train", "eval"):  # a copy, to leave the fixture's store intact
+        (store / split).mkdir()
+        for f in (captured_store / split).iterdir():
+            (store / split / f.name).write_bytes(f.read_bytes())
+    shard = store / "train" / "shard-000000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-50] ^= 0x01
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "run"
+    extra = {"features.mode": "store", "features.store_dir": str(store), "features.skip_corrupt": "true", "export.formats": "[]"}
+    assert main(base_args(tiny_target, chats, out, **extra), capsys)[0] == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["skipped_corrupt"]["shards"] == [str(shard)] and report["skipped_corrupt"]["samples"] > 0
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(x.get("data/skipped_samples") == report["skipped_corrupt"]["samples"] for x in logged)

@@ -42,7 +42,7 @@ from safetensors import safe_open
 
 from eagle31.config import ConfigError, default_aux_layer_ids, load_target_config
 from eagle31.data.batch import Sample
-from eagle31.data.capture import CaptureStats, check_aux_layer_ids
+from eagle31.data.capture import CaptureStats, check_aux_layer_ids, target_fingerprint
 from eagle31.data.store import StoreHeader, StoreWriter, target_shape
 from eagle31.target_weights import read_target_tensor
 
@@ -105,6 +105,7 @@ def import_speculators(
         hidden_size=Ht,
         aux_layer_ids=aux_ids,
         dtype=dtype,
+        target_fingerprint=target_fingerprint(target_dir),
     )
     writer = StoreWriter(store_dir, header, np.array(list(files)), lengths, shard_max_tokens)
     weight = final_norm_weight(target_dir)
