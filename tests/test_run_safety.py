@@ -176,3 +176,16 @@ def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats
     assert report["skipped_corrupt"]["shards"] == [str(shard)] and report["skipped_corrupt"]["samples"] > 0
     logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(x.get("data/skipped_samples") == report["skipped_corrupt"]["samples"] for x in logged)
+
+
+# ---------------------------------------------------------------------------- torchrun
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_users_line_is_the_last_thing_said(tiny_target, chats, tmp_path):
+    from tests.test_trainer import run_main
+
+    proc = run_main(base_args(tiny_target, chats, tmp_path / "run", **{"train.lr": "-1"}), torchrun=2, timeout=300)
+    assert proc.returncode != 0
+    said = [x.strip() for x in proc.stderr.strip().splitlines() if x.strip() and not set(x.strip()) <= {"="}]
+    assert said[-1] == "traceback : error: train.lr must be positive, got -1.0", proc.stderr[-3000:]
