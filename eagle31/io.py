@@ -83,13 +83,16 @@ def check_output_dir(path: str | Path, kind: str) -> None:
 
 
 def check_writable(path: str | Path) -> None:
-    """Raise `FileAccessError` unless `path` (a directory, maybe not there yet) could be created and written."""
+    """Refuse (one line) a directory `path`, maybe not there yet, that could not be created or written.
+
+    A file in the way is a choice to change (`ForeignDirectoryError`, exit 2); no permission is `FileAccessError`.
+    """
     path = Path(path).absolute()
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise FileAccessError(f"cannot create {path}: {existing} is a file, not a directory")
+        raise ForeignDirectoryError(f"cannot create {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "write to" if existing == path else f"create {path} in"
         raise FileAccessError(f"cannot {what} {existing}: permission denied")

@@ -85,3 +85,17 @@ def test_sha256_reads_in_chunks(tmp_path):
     data = os.urandom(10_000)
     (tmp_path / "b").write_bytes(data)
     assert sha256_file(tmp_path / "b", chunk=4096) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_output_parent_is_refused_before_any_work(tmp_path):
+    from eagle31.errors import FileAccessError
+    from eagle31.io import check_output_dir
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        with pytest.raises(FileAccessError, match="permission denied"):
+            check_output_dir(locked / "run", "run")
+    finally:
+        locked.chmod(0o755)
