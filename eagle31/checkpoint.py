@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from eagle31.distributed import World, barrier
+from eagle31.distributed import World, barrier, broadcast_object
 from eagle31.errors import CorruptCheckpointError, DiskFullError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, sha256_file
 
@@ -86,22 +86,27 @@ class CheckpointManager:
     def latest_intact(self) -> Path | None:
         """The newest complete checkpoint whose files match their checksums (None when there is none yet).
 
-        Each damaged one passed over is one warning line on stderr (rank 0); raises
-        `CorruptCheckpointError` when checkpoints exist and none is intact.
+        Rank 0 reads the checksums and tells the other ranks its choice. Each damaged one
+        passed over is one warning line on stderr; raises `CorruptCheckpointError` on every
+        rank when checkpoints exist and none is intact.
         """
-        done = self.complete()
-        for path in reversed(done):
-            problem = damage(path)
-            if problem is None:
-                return path
-            if self.world.is_main:
+        choice: tuple[str | None, str | None] = (None, None)  # (path, error)
+        if self.world.is_main:
+            done = self.complete()
+            for path in reversed(done):
+                problem = damage(path)
+                if problem is None:
+                    choice = (str(path), None)
+                    break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
-        if done:
-            raise CorruptCheckpointError(
-                f"no intact checkpoint in {self.root} ({len(done)} damaged); "
-                "remove the checkpoints directory to start over, or restore it from a backup"
-            )
-        return None
+            else:
+                if done:
+                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); "
+                              "remove the checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+        path, error = broadcast_object(choice)
+        if error:
+            raise CorruptCheckpointError(error)
+        return Path(path) if path else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> Path:
         final = self.root / f"step_{step:08d}"
