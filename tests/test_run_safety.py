@@ -189,3 +189,29 @@ def test_under_torchrun_the_users_line_is_the_last_thing_said(tiny_target, chats
     assert proc.returncode != 0
     said = [x.strip() for x in proc.stderr.strip().splitlines() if x.strip() and not set(x.strip()) <= {"="}]
     assert said[-1] == "traceback : error: train.lr must be positive, got -1.0", proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def test_resume_passes_over_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_target, chats, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = base_args(tiny_target, chats, out, **{"train.max_steps": "4", "export.formats": "[]"})
+    assert main(args, capsys)[0] == 0
+    uninterrupted = load_file(str(out / "drafter" / "model.safetensors"))
+    shard = next((out / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # torn by a kill or a bad copy
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train/lo')  # a kill in the middle of a write
+
+    assert recipe_main(run, RECIPES, args + ["resume=auto"]) == 0
+    captured = capsys.readouterr()
+    warnings = [x for x in captured.err.splitlines() if x.startswith("warning: checkpoint")]
+    assert len(warnings) == 1 and "step_00000004" in warnings[0] and shard.name in warnings[0]
+    assert "resumed from" in captured.out and "step_00000002" in captured.out
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
+    assert steps == [1, 2, 3, 4]
+    resumed = load_file(str(out / "drafter" / "model.safetensors"))
+    assert all((resumed[k] == uninterrupted[k]).all() for k in uninterrupted)
