@@ -158,17 +158,29 @@ def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(captu
     assert "target_fingerprint" in line and str(captured_store) in line
 
 
-def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats, tmp_path, capsys):
-    store = tmp_path / "features"
-    store.mkdir()
-    for split in ("train", "eval"):  # a copy, to leave the fixture's store intact
-        (store / split).mkdir()
+def corrupt_copy(captured_store: Path, store: Path) -> Path:
+    """A copy of the store (the fixture's stays intact) with one flipped byte in a train shard; returns that shard."""
+    for split in ("train", "eval"):
+        (store / split).mkdir(parents=True)
         for f in (captured_store / split).iterdir():
             (store / split / f.name).write_bytes(f.read_bytes())
     shard = store / "train" / "shard-000000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-50] ^= 0x01
     shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_corrupt_shard_stops_the_run_with_one_line(captured_store, tiny_target, chats, tmp_path, capsys):
+    shard = corrupt_copy(captured_store, tmp_path / "features")
+    extra = {"features.mode": "store", "features.store_dir": str(tmp_path / "features")}
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **extra), capsys), 3)
+    assert f"corrupt shard {shard}" in line and "skip_corrupt" in line
+
+
+def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats, tmp_path, capsys):
+    store = tmp_path / "features"
+    shard = corrupt_copy(captured_store, store)
     out = tmp_path / "run"
     extra = {"features.mode": "store", "features.store_dir": str(store), "features.skip_corrupt": "true", "export.formats": "[]"}
     assert main(base_args(tiny_target, chats, out, **extra), capsys)[0] == 0
