@@ -199,6 +199,8 @@ def check_data(plan: RunPlan) -> None:
         from eagle31.data.capture import target_fingerprint
         from eagle31.data.store import check_store_compatible, target_identity
 
+        for split in ("train", "eval"):  # before the target is loaded to capture into them
+            check_output_dir(Path(cfg.features.store_dir) / split, "feature-store")
         check_store_compatible(
             Path(cfg.features.store_dir),
             plan.target_config,

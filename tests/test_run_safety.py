@@ -227,3 +227,16 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_ta
     assert steps == [1, 2, 3, 4]
     resumed = load_file(str(out / "drafter" / "model.safetensors"))
     assert all((resumed[k] == uninterrupted[k]).all() for k in uninterrupted)
+
+
+def test_a_store_dir_holding_the_users_files_is_refused_before_capture(tiny_target, chats, tmp_path, capsys, monkeypatch):
+    import eagle31.data.capture
+
+    monkeypatch.setattr(eagle31.data.capture, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    mine = tmp_path / "mine"
+    (mine / "train").mkdir(parents=True)
+    (mine / "train" / "results.csv").write_text("a,b\n")
+    extra = {"features.mode": "store", "features.store_dir": str(mine)}
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **extra), capsys), 2)
+    assert str(mine / "train") in line and "did not write" in line
+    assert [p.name for p in (mine / "train").iterdir()] == ["results.csv"]
