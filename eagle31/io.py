@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -72,8 +73,8 @@ def check_output_dir(path: str | Path, kind: str) -> None:
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
     check_writable(path)
-    if not path.exists() or not any(path.iterdir()):
-        return
+    if not path.exists() or all(_TEMPORARY.fullmatch(p.name) for p in path.iterdir()):
+        return  # empty, or only our writes in flight (ranks claiming one store together)
     found = output_kind(path)
     if found != kind:
         what = f"a {found} output of eagle31" if found else "files that eagle31 did not write"
@@ -163,8 +164,11 @@ def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
 
 
 def _unique_sibling(dest: Path) -> Path:
-    """A fresh hidden name beside `dest` (`.name.tmp-<random>`), unlikely to collide; O_EXCL / mkdir check it."""
+    """A fresh hidden name beside `dest` (`.name.tmp-<random>`, `_TEMPORARY`), unlikely to collide; O_EXCL / mkdir check it."""
     return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
+
+
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 
 
 def fsync_dir(path: Path) -> None:

@@ -377,10 +377,12 @@ def build_loaders(plan: RunPlan, prepared: Path):
         target = load_target_model(plan)
         sources = {n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens) for n, ds in splits.items()}
     else:
-        from eagle31.data.store import FeatureStore
+        from eagle31.data.store import FeatureStore, store_state
 
         store_dir = Path(cfg.features.store_dir)
-        if not (store_dir / "train" / "manifest.json").is_file():  # nothing captured or imported yet
+        states = {n: store_state(store_dir / n) for n in splits}
+        # nothing captured or imported yet, or a capture that was stopped: capture what is missing
+        if states["train"] == "missing" or "unfinished" in states.values():
             capture_store(plan, splits, store_dir)
         sources = {n: FeatureStore(store_dir / n, skip_corrupt=cfg.features.skip_corrupt) for n in splits if (store_dir / n / "manifest.json").is_file()}
         if "eval" not in sources:
@@ -406,11 +408,15 @@ def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
 
     cfg, world = plan.cfg, plan.world
     fingerprint = target_fingerprint(plan.target_dir)
-    target = load_target_model(plan)
-    for name, ds in splits.items():
-        writer = StoreWriter.for_dataset(
+    writers = {  # each refuses a store made otherwise before the target is loaded
+        name: StoreWriter.for_dataset(
             store_dir / name, ds, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features, fingerprint=fingerprint
         )
+        for name, ds in splits.items()
+    }
+    target = load_target_model(plan)
+    for name, ds in splits.items():
+        writer = writers[name]
         stats = capture_to_store(target, ds, writer, batch_tokens=cfg.features.capture_batch_tokens, rank=world.rank, world_size=world.world_size)
         barrier()
         if world.is_main:

@@ -99,3 +99,16 @@ def test_an_unwritable_output_parent_is_refused_before_any_work(tmp_path):
             check_output_dir(locked / "run", "run")
     finally:
         locked.chmod(0o755)
+
+
+def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path):
+    """Several ranks claim one store at once: one's marker, still under its temporary name, must not stop another."""
+    from eagle31.io import _unique_sibling, check_output_dir
+
+    store = tmp_path / "store"
+    store.mkdir()
+    _unique_sibling(store / OUTPUT_MARKER).write_text("{}")
+    check_output_dir(store, "feature-store")
+    (store / "results.csv").write_text("a,b\n")
+    with pytest.raises(ForeignDirectoryError):
+        check_output_dir(store, "feature-store")

@@ -158,17 +158,38 @@ def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(captu
     assert "target_fingerprint" in line and str(captured_store) in line
 
 
-def corrupt_copy(captured_store: Path, store: Path) -> Path:
-    """A copy of the store (the fixture's stays intact) with one flipped byte in a train shard; returns that shard."""
+def copy_store(captured_store: Path, store: Path) -> Path:
+    """A copy of the store, to leave the fixture's intact."""
     for split in ("train", "eval"):
         (store / split).mkdir(parents=True)
         for f in (captured_store / split).iterdir():
             (store / split / f.name).write_bytes(f.read_bytes())
-    shard = store / "train" / "shard-000000.safetensors"
+    return store
+
+
+def corrupt_copy(captured_store: Path, store: Path) -> Path:
+    """A copy of the store with one flipped byte in a train shard; returns that shard."""
+    shard = copy_store(captured_store, store) / "train" / "shard-000000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-50] ^= 0x01
     shard.write_bytes(bytes(data))
     return shard
+
+
+def test_a_capture_stopped_midway_is_completed_not_trained_on_partly(captured_store, tiny_target, chats, tmp_path, capsys):
+    store = copy_store(captured_store, tmp_path / "features")
+    manifest = json.loads((store / "train" / "manifest.json").read_text())
+    full = {r["file"]: r for r in manifest["shards"]}
+    last = sorted(full)[-1]
+    head = {k: v for k, v in manifest.items() if k not in ("shards", "num_samples", "num_tokens")}
+    (store / "train" / "manifest.json").write_text(json.dumps({**head, "shards": []}))  # as a killed capture leaves it
+    (store / "train" / last).unlink()
+    (store / "train" / last.replace(".safetensors", ".json")).unlink()
+    extra = {"features.mode": "store", "features.store_dir": str(store), "train.max_steps": "1", "export.formats": "[]"}
+    assert main(base_args(tiny_target, chats, tmp_path / "run", **extra), capsys)[0] == 0
+    done = json.loads((store / "train" / "manifest.json").read_text())
+    assert {r["file"]: r["samples"] for r in done["shards"]} == {f: r["samples"] for f, r in full.items()}
+    assert done["num_samples"] == manifest["num_samples"]
 
 
 def test_a_corrupt_shard_stops_the_run_with_one_line(captured_store, tiny_target, chats, tmp_path, capsys):

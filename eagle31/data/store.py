@@ -176,6 +176,14 @@ def check_store_compatible(
         _check_fields(path, want)
 
 
+def store_state(root: str | Path) -> str:
+    """"missing" (no manifest), "unfinished" (a capture or import that has not merged its shards) or "finished"."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        return "missing"
+    return "finished" if "num_samples" in _read_json(path) else "unfinished"
+
+
 # ---------------------------------------------------------------- writing
 
 
