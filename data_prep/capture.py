@@ -23,6 +23,7 @@ from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.data.capture import capture_to_store, load_target, target_fingerprint
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import barrier, close_world, init_world
+from eagle31.errors import RunInterrupted
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -69,6 +70,10 @@ def capture(cfg) -> None:
             for name, writer in writers.items():
                 m = writer.finalize()
                 print(f"{writer.root}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards")
+    except KeyboardInterrupt:
+        raise RunInterrupted(
+            f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to capture the rest"
+        ) from None
     finally:
         close_world()
 

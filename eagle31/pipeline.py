@@ -73,6 +73,11 @@ def run(cfg) -> dict | None:
             return describe_dry_run(plan)
         with hold_run_dir(plan):
             return train_run(plan)
+    except KeyboardInterrupt:  # outside the training loop, which says which checkpoint it resumes from
+        raise RunInterrupted(
+            f"interrupted; what was finished in {cfg.output_dir} (prepared data, captured shards, checkpoints) is kept: "
+            "rerun the same command with resume=auto"
+        ) from None
     finally:
         close_world()
 

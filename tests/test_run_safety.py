@@ -112,6 +112,17 @@ def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys,
     assert "interrupted at step 3" in line and "resume=auto" in line and str(out / "checkpoints" / "step_00000002") in line
 
 
+def test_ctrl_c_before_training_says_what_is_kept(tiny_target, chats, tmp_path, capsys, monkeypatch):
+    import eagle31.pipeline
+
+    def interrupted(plan, prepared):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle31.pipeline, "build_loaders", interrupted)
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run"), capsys), 130)
+    assert "prepared data" in line and "resume=auto" in line
+
+
 def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
