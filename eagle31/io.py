@@ -68,13 +68,14 @@ def output_kind(path: str | Path) -> str | None:
 
 
 def check_output_dir(path: str | Path, kind: str) -> None:
-    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty or ours of that kind."""
+    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty, ours of that kind,
+    or holds nothing but outputs of ours (`data_prep/prepare.py` made `<output_dir>/data` before the run)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
     check_writable(path)
-    if not path.exists() or all(_TEMPORARY.fullmatch(p.name) for p in path.iterdir()):
-        return  # empty, or only our writes in flight (ranks claiming one store together)
+    if not path.exists() or all(_TEMPORARY.fullmatch(p.name) or output_kind(p) for p in path.iterdir()):
+        return  # empty, or only our outputs and our writes in flight (ranks claiming one store together)
     found = output_kind(path)
     if found != kind:
         what = f"a {found} output of eagle31" if found else "files that eagle31 did not write"

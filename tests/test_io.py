@@ -112,3 +112,15 @@ def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path)
     (store / "results.csv").write_text("a,b\n")
     with pytest.raises(ForeignDirectoryError):
         check_output_dir(store, "feature-store")
+
+
+def test_a_directory_holding_only_outputs_of_ours_may_be_claimed(tmp_path):
+    """`data_prep/prepare.py` writes `<output_dir>/data` before the run claims `<output_dir>`."""
+    with atomic_dir(tmp_path / "run" / "data", kind="prepared-data") as tmp:
+        (tmp / "report.json").write_text("{}")
+    assert claim_output_dir(tmp_path / "run", "run") == tmp_path / "run"
+    (tmp_path / "other" / "stuff").mkdir(parents=True)  # a folder of the user's beside ours
+    with atomic_dir(tmp_path / "other" / "data", kind="prepared-data") as tmp:
+        pass
+    with pytest.raises(ForeignDirectoryError, match="did not write"):
+        claim_output_dir(tmp_path / "other", "run")

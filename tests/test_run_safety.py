@@ -272,3 +272,14 @@ def test_a_store_dir_holding_the_users_files_is_refused_before_capture(tiny_targ
     line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **extra), capsys), 2)
     assert str(mine / "train") in line and "did not write" in line
     assert [p.name for p in (mine / "train").iterdir()] == ["results.csv"]
+
+
+def test_data_prepared_by_the_prepare_step_then_trained_in_the_same_output_dir(tiny_target, chats, tmp_path, capsys):
+    import runpy
+
+    prepare = runpy.run_path(str(RECIPES.parent / "data_prep" / "prepare.py"))["prepare"]
+    out = tmp_path / "run"
+    args = base_args(tiny_target, chats, out, **{"train.max_steps": "1", "export.formats": "[]"})
+    assert recipe_main(prepare, RECIPES, args) == 0 and (out / "data" / "train").is_dir()
+    assert main(args, capsys)[0] == 0
+    assert (out / "report.json").is_file()
