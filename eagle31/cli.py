@@ -64,7 +64,7 @@ def run_cli(body: Callable[[], Any]) -> int:
         failure = as_expected_failure(e)
         if failure is None:
             raise
-        message = f"error: {failure}"
+        message = "error: " + " ".join(str(failure).splitlines())  # one line, whatever the message
         print(message, file=sys.stderr)
         report_to_launcher(message)
         return failure.exit_code
