@@ -136,9 +136,13 @@ def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats
         line = one_line(main(base_args(tiny_target, chats, out), capsys), 7)
         assert f"pid {holder.pid}" in line and "in use by another run" in line
     finally:
-        holder.kill()
+        holder.kill()  # SIGKILL: no chance to clean up
         holder.wait()
     assert not (out / "config.yaml").exists()
+    from eagle31.io import hold_lock
+
+    with hold_lock(out):  # the kernel released the dead holder's lock
+        pass
 
 
 # ---------------------------------------------------------------------------- feature stores
