@@ -39,7 +39,7 @@ import yaml
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.distributed import World, barrier, close_world, init_world
 from eagle31.estimate import count_parameters, estimate_memory
-from eagle31.errors import RunInterrupted
+from eagle31.errors import CorruptDataError, RunInterrupted
 from eagle31.io import atomic_write_json, atomic_write_text, check_output_dir, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
@@ -354,7 +354,10 @@ def ensure_prepared(plan: RunPlan) -> Path:
         report = prepare_dataset(data_section(cfg), tokenizer, draft_vocab_size=cfg.drafter.draft_vocab_size, vocab_size=plan.drafter.vocab_size)
         print(report.summary())
     barrier()
-    summary = json.loads((prepared / "report.json").read_text())
+    try:
+        summary = json.loads((prepared / "report.json").read_text())
+    except ValueError:
+        raise CorruptDataError(f"{prepared / 'report.json'} is not valid JSON; delete {prepared} to prepare the data again") from None
     if summary["samples"]["train"] == 0 or summary["supervised_tokens"]["train"] == 0:
         raise ConfigError(f"the prepared training split in {prepared} has no supervised token")
     return prepared

@@ -4,6 +4,7 @@ and leaves nothing that blocks its corrected rerun; one run per output directory
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 import time
@@ -40,6 +41,11 @@ def user_project(tmp_path: Path, chats: Path) -> Path:
     (project / "data" / "chats.jsonl").write_bytes(chats.read_bytes())
     (project / "notes.txt").write_text("mine")
     return project
+
+
+def prepare_step():
+    """data_prep/prepare.py's `prepare(cfg)`, to run in this process."""
+    return runpy.run_path(str(RECIPES.parent / "data_prep" / "prepare.py"))["prepare"]
 
 
 def tree(path: Path) -> dict[str, bytes]:
@@ -279,11 +285,17 @@ def test_a_store_dir_holding_the_users_files_is_refused_before_capture(tiny_targ
 
 
 def test_data_prepared_by_the_prepare_step_then_trained_in_the_same_output_dir(tiny_target, chats, tmp_path, capsys):
-    import runpy
-
-    prepare = runpy.run_path(str(RECIPES.parent / "data_prep" / "prepare.py"))["prepare"]
     out = tmp_path / "run"
     args = base_args(tiny_target, chats, out, **{"train.max_steps": "1", "export.formats": "[]"})
-    assert recipe_main(prepare, RECIPES, args) == 0 and (out / "data" / "train").is_dir()
+    assert recipe_main(prepare_step(), RECIPES, args) == 0 and (out / "data" / "train").is_dir()
     assert main(args, capsys)[0] == 0
     assert (out / "report.json").is_file()
+
+
+def test_a_garbled_prepared_report_is_one_line(tiny_target, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = base_args(tiny_target, chats, out, **{"train.max_steps": "1", "export.formats": "[]"})
+    assert recipe_main(prepare_step(), RECIPES, args) == 0
+    (out / "data" / "report.json").write_text('{"samples": {"tra')
+    line = one_line(main(args, capsys), 3)
+    assert "report.json is not valid JSON" in line
