@@ -360,7 +360,9 @@ class FeatureStore:
         self._records = _merge_records(manifest["shards"], _records(self.root), path)
         for record in self._records:
             if not _SHARD_FILE.fullmatch(str(record.get("file"))):  # a plain name, so never a path out of the store
-                raise CorruptShardError(f"{path}: a shard record names {record.get('file')!r}, not a shard of this store; refusing to read it")
+                raise CorruptShardError(
+                    f"{path}: a shard record names {record.get('file')!r}, not a shard of this store; refusing to read it"
+                )
         self._verified: set[str] = set()
         self._open: OrderedDict[str, object] = OrderedDict()
         self._index()
@@ -446,7 +448,8 @@ class FeatureStore:
             )
         self.corrupt_shards.append(record["file"])
         self.skipped_samples += record["samples"]
-        print(f"warning: skipping corrupt shard {self.root / record['file']} ({reason}): {record['samples']} samples", file=sys.stderr)
+        where = self.root / record["file"]
+        print(f"warning: skipping corrupt shard {where} ({reason}): {record['samples']} samples", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- helpers
