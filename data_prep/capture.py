@@ -20,9 +20,10 @@ from datasets import load_from_disk
 
 from eagle31.cli import recipe_main
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
-from eagle31.data.capture import capture_to_store, load_target
+from eagle31.data.capture import capture_to_store, load_target, target_fingerprint
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import barrier, close_world, init_world
+from eagle31.errors import RunInterrupted
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -41,8 +42,9 @@ def open_stores(cfg) -> tuple[Path, dict, dict]:
     target_config = load_target_config(target_dir)
     aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
     store_dir = Path(cfg.features.store_dir)
+    fingerprint = target_fingerprint(target_dir)
     writers = {
-        name: StoreWriter.for_dataset(store_dir / name, ds, target_config, aux_ids, cfg.target, cfg.features)
+        name: StoreWriter.for_dataset(store_dir / name, ds, target_config, aux_ids, cfg.target, cfg.features, fingerprint=fingerprint)
         for name, ds in splits.items()
     }
     return target_dir, splits, writers
@@ -68,6 +70,10 @@ def capture(cfg) -> None:
             for name, writer in writers.items():
                 m = writer.finalize()
                 print(f"{writer.root}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards")
+    except KeyboardInterrupt:
+        raise RunInterrupted(
+            f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to capture the rest"
+        ) from None
     finally:
         close_world()
 

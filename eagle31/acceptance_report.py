@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle31.io import atomic_path, atomic_write_json, atomic_write_text, claim_output_dir
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -60,9 +60,12 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
         fig.savefig(tmp, format="png", dpi=120)
 
 
+REPORT_KIND = "acceptance"  # the output marker's kind (eagle31.io)
+
+
 def write_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Write acceptance.json, acceptance.md and acceptance.png under `out_dir`."""
-    out = Path(out_dir)
+    """Write acceptance.json, acceptance.md and acceptance.png under `out_dir` (new, empty, or an acceptance report's)."""
+    out = claim_output_dir(out_dir, REPORT_KIND)
     paths = {"json": out / "acceptance.json", "table": out / "acceptance.md", "plot": out / "acceptance.png"}
     atomic_write_json(paths["json"], report)
     atomic_write_text(paths["table"], format_table(report) + "\n")

@@ -6,17 +6,26 @@ Layout under `<run>/checkpoints/`:
         .metadata, *.distcp   model + optimizer state (sharded by DCP, any world size)
         trainer_state.json    step, tokens seen, scheduler, data position, ...
         rng_rank{r}.safetensors
+        checksums.json        sha256 of every file above, written once all ranks are done
         COMPLETE
     step_00000400.tmp/        a checkpoint being written: never taken for the latest
 
 The frozen target embedding is not saved (it is re-read from the target).
+
+Resuming takes the newest checkpoint whose files match `checksums.json`; a damaged one
+(a file truncated or changed since it completed) is passed over with a one-line
+warning, and when none is intact the run stops with `CorruptCheckpointError`. A disk
+that fills up while a checkpoint is written stops the run with `DiskFullError`: the
+partial `.tmp` directory is removed and the checkpoints already complete are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,11 +35,14 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from eagle31.distributed import World, barrier
-from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir
+from eagle31.distributed import World, barrier, broadcast_object
+from eagle31.errors import CorruptCheckpointError, DiskFullError
+from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, sha256_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)
+CHECKSUMS = "checksums.json"
+_NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
 
 
 @contextmanager
@@ -71,9 +83,59 @@ class CheckpointManager:
         done = self.complete()
         return done[-1] if done else None
 
+    def latest_intact(self) -> Path | None:
+        """The newest complete checkpoint whose files match their checksums (None when there is none yet).
+
+        Rank 0 reads the checksums and tells the other ranks its choice. Each damaged one
+        passed over is one warning line on stderr; raises `CorruptCheckpointError` on every
+        rank when checkpoints exist and none is intact.
+        """
+        choice: tuple[str | None, str | None] = (None, None)  # (path, error)
+        if self.world.is_main:
+            done = self.complete()
+            for path in reversed(done):
+                problem = damage(path)
+                if problem is None:
+                    choice = (str(path), None)
+                    break
+                print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
+            else:
+                if done:
+                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); "
+                              "remove the checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+        path, error = broadcast_object(choice, self.world.device)
+        if error:
+            raise CorruptCheckpointError(error)
+        return Path(path) if path else None
+
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> Path:
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
+        previous = self.latest()
+        try:
+            self._write(tmp, step, model, optimizer, trainer_state)
+        except BaseException as e:  # DCP wraps write failures in CheckpointException, a BaseException
+            if isinstance(e, KeyboardInterrupt) or not _disk_full(e, self.root):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = f"{previous} is intact" if previous else "no earlier checkpoint existed"
+            raise DiskFullError(
+                f"the disk holding {self.root} filled up while writing checkpoint {final.name}; nothing was lost: "
+                f"{kept} (the partial write was removed); free space, then rerun with resume=auto"
+            ) from None
+        if self.world.is_main:
+            fsync_dir(tmp)
+            if final.exists():  # a re-run of the same step after a resume
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_dir(self.root)
+            for old in self.complete()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+        return final
+
+    def _write(self, tmp: Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> None:
+        """Every file of the checkpoint into `tmp`, then (rank 0) the checksums and COMPLETE."""
         if self.world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -87,16 +149,9 @@ class CheckpointManager:
         barrier()
         if self.world.is_main:
             atomic_write_json(tmp / "trainer_state.json", trainer_state)
+            files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            atomic_write_json(tmp / CHECKSUMS, {name: sha256_file(tmp / name) for name in files})
             (tmp / "COMPLETE").write_text(f"{step}\n")
-            fsync_dir(tmp)
-            if final.exists():  # a re-run of the same step after a resume
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_dir(self.root)
-            for old in self.complete()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        barrier()
-        return final
 
     def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
         """Restore model, optimizer and this rank's RNG in place; return the trainer state."""
@@ -117,3 +172,37 @@ class CheckpointManager:
         if rng.is_file():  # absent when resuming on more ranks than were saved
             _set_rng_state(load_file(str(rng)))
         return json.loads((path / "trainer_state.json").read_text())
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (missing, changed), or None when they match."""
+    try:
+        recorded = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return f"{CHECKSUMS} missing or unreadable"
+    for name, digest in recorded.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} missing"
+        if sha256_file(file) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _disk_full(e: BaseException, root: Path) -> bool:
+    """Whether a failed checkpoint write ran out of space.
+
+    torch's zip writer reports a short write as `unexpected pos` without an errno, so
+    besides ENOSPC anywhere in the chain, little space left on the device counts too.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if "No space left on device" in str(e):  # CheckpointException carries each rank's traceback as text
+        return True
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL
+    except OSError:
+        return False

@@ -1,7 +1,15 @@
 """Command-line plumbing shared by the thin CLIs in train/, data_prep/ and scripts/.
 
 `recipe_main`: the recipe CLIs (Hydra composition over recipes/) with one-line errors.
+`run_cli`: runs a tool's body; every expected failure is one line on stderr and its exit code.
 `parse_key_values`: `key=value` arguments for the small tools in scripts/ (a dataclass is the schema).
+
+Exit codes are the `exit_code` of the `eagle31.errors` classes (the table is in that
+module and in README); this module only adds the failures Python raises itself:
+Ctrl-C (130, as `RunInterrupted`), a full disk (6) and other file-system errors (5).
+Under torchrun each rank also writes its line to the elastic agent's error file, so
+that the launcher's closing report shows it as the root cause instead of a hint
+about tracebacks.
 
 Hydra would bring an output directory and logging setup that these one-shot tools do not
 need. A dataclass gives the names, types and defaults. Unknown or repeated keys, bad
@@ -11,15 +19,19 @@ values and missing required keys are a one-line `ConfigError`.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import logging
+import os
 import sys
+import time
 import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from eagle31.config import ConfigError
-from eagle31.io import ForeignDirectoryError
+from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, RunInterrupted
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -29,16 +41,35 @@ def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[s
     """Compose the recipe named by `argv` (`recipe=<name> field=value ...`) and run `fn(cfg)`.
 
     Bad input — an unknown recipe or field, a bad value, a missing file — is one
-    line on stderr and exit code 2.
+    line on stderr and exit code 2; other failures as `run_cli` says.
     """
-    from eagle31.recipe import load_recipe
-
     show_progress_lines()
+
+    def compose_and_run() -> None:
+        from eagle31.recipe import load_recipe
+
+        try:
+            cfg = load_recipe(recipes_dir, argv)
+        except ConfigError as e:
+            hint = quoting_hint(argv) if "override_grammar" in str(e) else ""  # Hydra could not parse an override
+            raise ConfigError(f"{e}{hint}") from None
+        fn(cfg)
+
+    return run_cli(compose_and_run)
+
+
+def run_cli(body: Callable[[], Any]) -> int:
+    """Run `body()`; return 0, or print the failure as one line and return its exit code."""
     try:
-        fn(load_recipe(recipes_dir, argv))
-    except (ConfigError, ForeignDirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        body()
+    except BaseException as e:  # noqa: BLE001 - every expected kind is mapped, the rest re-raised
+        failure = as_expected_failure(e)
+        if failure is None:
+            raise
+        message = "error: " + " ".join(str(failure).splitlines())  # one line, whatever the message
+        print(message, file=sys.stderr)
+        report_to_launcher(message)
+        return failure.exit_code
     return 0
 
 
@@ -51,6 +82,51 @@ def show_progress_lines() -> None:
         handler.eagle31_progress = True
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+def as_expected_failure(e: BaseException) -> Eagle31Error | None:
+    """The `Eagle31Error` that `e` stands for, or None for a failure nobody expected (a bug)."""
+    if isinstance(e, Eagle31Error):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        return RunInterrupted("interrupted (Ctrl-C)")
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        if e.errno == errno.ENOSPC:
+            return DiskFullError(f"{where}no space left on device; free some and run the command again")
+        return FileAccessError(f"{where}{e.strerror or e}")
+    return None
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write `message` as this rank's error file (the format of torch's `@record`).
+
+    torchrun's agent ends its failure report with the root cause's `py_callstack`;
+    without an error file it would print a pointer to the docs there instead.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the line is on stderr already
+
+
+def quoting_hint(argv: list[str]) -> str:
+    """For overrides whose value holds parentheses or spaces: how to quote them for Hydra."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or not any(c in value for c in "() "):
+            continue
+        if value.startswith("[") and value.endswith("]"):
+            items = ",".join(f'"{v.strip()}"' for v in value[1:-1].split(","))
+            quoted = f"{key}=[{items}]"
+        else:
+            quoted = f'{key}="{value}"'
+        return f" (a value with spaces or parentheses needs quotes inside the override: '{quoted}')"
+    return ""
 
 
 def parse_key_values(argv: list[str], schema: type[T]) -> T:

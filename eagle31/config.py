@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle31.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A drafter or run configuration is invalid; the message names the field."""
 
 

@@ -86,6 +86,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_object(obj, device: torch.device, src: int = 0):
+    """`obj` (picklable) from rank `src` to every rank, staged on the world's `device` (NCCL needs CUDA memory)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, device=device)
+        return box[0]
+    return obj
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

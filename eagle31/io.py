@@ -8,19 +8,28 @@ Output directories are owned: every directory the project writes carries a marke
 (`OUTPUT_MARKER`, naming what kind of output it is). A directory is only ever replaced or
 written into when it is empty, missing, or carries our marker of the same kind, so a
 user's folder (one holding their source data, say) is never deleted or mixed with ours.
+A directory that cannot be created or written is refused before any work too.
+
+`hold_lock` keeps a second process out of a directory for as long as the first runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from eagle31.errors import FileAccessError, InputError, OutputInUseError
 
 
 @contextmanager
@@ -46,7 +55,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
 OUTPUT_MARKER = ".eagle31-output.json"
 
 
-class ForeignDirectoryError(ValueError):
+class ForeignDirectoryError(InputError):
     """An output directory exists, is not empty and is not an output of ours (of this kind)."""
 
 
@@ -59,18 +68,65 @@ def output_kind(path: str | Path) -> str | None:
 
 
 def check_output_dir(path: str | Path, kind: str) -> None:
-    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty or ours of that kind."""
+    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty, ours of that kind,
+    or holds nothing but outputs of ours (`data_prep/prepare.py` made `<output_dir>/data` before the run)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
-    if not path.exists() or not any(path.iterdir()):
-        return
+    check_writable(path)
+    if not path.exists() or all(_TEMPORARY.fullmatch(p.name) or output_kind(p) for p in path.iterdir()):
+        return  # empty, or only our outputs and our writes in flight (ranks claiming one store together)
     found = output_kind(path)
     if found != kind:
         what = f"a {found} output of eagle31" if found else "files that eagle31 did not write"
         raise ForeignDirectoryError(
             f"{path} holds {what}; refusing to write a {kind} output there (choose an empty or new directory)"
         )
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse (one line) a directory `path`, maybe not there yet, that could not be created or written.
+
+    A file in the way is a choice to change (`ForeignDirectoryError`, exit 2); no permission is `FileAccessError`.
+    """
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ForeignDirectoryError(f"cannot create {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write to" if existing == path else f"create {path} in"
+        raise FileAccessError(f"cannot {what} {existing}: permission denied")
+
+
+LOCK_FILE = ".eagle31-lock"
+
+
+@contextmanager
+def hold_lock(directory: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on `directory` (which must exist) while the block runs.
+
+    The lock is `flock` on `LOCK_FILE`, so the kernel releases it when the holder dies,
+    even by SIGKILL: no stale lock to clean up. The file names the holder (pid, host,
+    start time) for the one-line `OutputInUseError` a second process gets.
+    """
+    path = Path(directory) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputInUseError(
+                f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def claim_output_dir(path: str | Path, kind: str) -> Path:
@@ -109,8 +165,11 @@ def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
 
 
 def _unique_sibling(dest: Path) -> Path:
-    """A fresh hidden name beside `dest` (`.name.tmp-<random>`), unlikely to collide; O_EXCL / mkdir check it."""
+    """A fresh hidden name beside `dest` (`.name.tmp-<random>`, `_TEMPORARY`), unlikely to collide; O_EXCL / mkdir check it."""
     return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
+
+
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 
 
 def fsync_dir(path: Path) -> None:

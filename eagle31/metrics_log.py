@@ -4,6 +4,9 @@ wandb runs `offline` by default (files under `<run>/wandb`); `online` or
 `disabled` when the recipe says. An `online` run that cannot reach or log in to the
 server logs offline instead, with one warning (`start_wandb`). It receives the same metrics as the JSONL
 file and the resolved config with secrets redacted.
+
+On resume, `truncate_metrics` drops what a killed run logged after its last
+checkpoint, including a last line torn by the kill.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from eagle31.errors import CorruptDataError
+from eagle31.io import atomic_write_text
 
 # Keys that name a credential wherever they sit in a config tree. The whole key is compared,
 # never a part of it: `num_speculative_tokens` or `shard_max_tokens` are settings, not secrets.
@@ -97,6 +103,30 @@ def start_wandb(mode: str, **init_kwargs: Any):
             file=sys.stderr,
         )
         return init("offline")
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the lines of `path` (metrics.jsonl) logged at or before `step`; return how many were dropped.
+
+    A last line that is not JSON was torn by a kill mid-write and is dropped; a broken
+    line before it is damage of another kind and stops with its line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = []
+    for n, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                break
+            raise CorruptDataError(f"{path}:{n} is not a JSON line; fix or remove it to resume") from None
+        if record["step"] <= step:
+            keep.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
 
 
 class RunLogger:

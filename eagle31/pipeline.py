@@ -15,6 +15,12 @@ Run directory (`output_dir`):
     drafter/           the final drafter, native format
     export/<format>/   vLLM layouts
     report.json        final held-out metrics (+ real acceptance when eval.enabled)
+
+The run directory is owned and locked: a folder that eagle31 did not write is refused
+(`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
+second run on the same `output_dir` stops with one line naming the holder. `config.yaml`,
+the run's identity, is written only once training starts: a run stopped by a check
+(say, data in which nothing is supervised) leaves nothing that blocks its corrected rerun.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +39,11 @@ import yaml
 from eagle31.config import ConfigError, DrafterConfig, load_target_config
 from eagle31.distributed import World, barrier, close_world, init_world
 from eagle31.estimate import count_parameters, estimate_memory
+from eagle31.errors import CorruptDataError, RunInterrupted
 from eagle31.export import export_config
-from eagle31.io import atomic_write_json, atomic_write_text
+from eagle31.io import atomic_write_json, atomic_write_text, check_output_dir, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
-from eagle31.metrics_log import RunLogger, redact_secrets
+from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
 from eagle31.model import Eagle31Drafter
 from eagle31.recipe import to_container
 from eagle31.target_weights import read_target_embeddings
@@ -64,9 +72,27 @@ def run(cfg) -> dict | None:
         plan = plan_run(cfg, world)
         if cfg.dry_run:
             return describe_dry_run(plan)
-        return train_run(plan)
+        with hold_run_dir(plan):
+            return train_run(plan)
+    except KeyboardInterrupt:  # outside the training loop, which says which checkpoint it resumes from
+        raise RunInterrupted(
+            f"interrupted; what was finished in {cfg.output_dir} (prepared data, captured shards, checkpoints) is kept: "
+            "rerun the same command with resume=auto"
+        ) from None
     finally:
         close_world()
+
+
+@contextmanager
+def hold_run_dir(plan: RunPlan):
+    """Rank 0 creates (or reuses) the run directory, marks it ours and locks it for the run."""
+    if not plan.world.is_main:
+        yield
+        return
+    claim_output_dir(plan.run_dir, "run")
+    with hold_lock(plan.run_dir):
+        check_run_dir(plan)  # again, under the lock: a run may have started since the first check
+        yield
 
 
 # ---------------------------------------------------------------------------- checks
@@ -94,6 +120,8 @@ def plan_run(cfg, world: World) -> RunPlan:
     for name in ("ttt_length", "max_steps", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
+    if not cfg.train.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:
@@ -117,6 +145,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
     plan = RunPlan(cfg, world, Path(cfg.output_dir), target_dir, target_config, drafter, compute_dtype)
     if not cfg.dry_run:
+        check_output_dir(plan.run_dir, "run")
         check_run_dir(plan)
         check_data(plan)
     if cfg.drafter.init_from:
@@ -195,8 +224,11 @@ def check_data(plan: RunPlan) -> None:
     from eagle31.data.sources import check_sources
 
     cfg = plan.cfg
-    if not (Path(cfg.data.prepared_dir) / "train").is_dir():
-        check_sources(check_data_config(data_section(cfg)))
+    sources = check_data_config(data_section(cfg))
+    prepared = Path(cfg.data.prepared_dir)
+    check_prepared_dir(prepared, sources)
+    if not (prepared / "train").is_dir():
+        check_sources(sources)
     if cfg.eval.enabled:
         if not cfg.eval.data:
             raise ConfigError("eval.enabled=true needs eval.data: prompt files, one per split")
@@ -204,9 +236,32 @@ def check_data(plan: RunPlan) -> None:
             if not Path(path).is_file():
                 raise ConfigError(f"eval.data: prompt file not found: {path}")
     if cfg.features.mode == "store":
-        from eagle31.data.store import check_store_compatible
+        from eagle31.data.capture import target_fingerprint
+        from eagle31.data.store import check_store_compatible, target_identity
 
-        check_store_compatible(Path(cfg.features.store_dir), plan.target_config, plan.drafter.aux_layer_ids)
+        for split in ("train", "eval"):  # before the target is loaded to capture into them
+            check_output_dir(Path(cfg.features.store_dir) / split, "feature-store")
+        check_store_compatible(
+            Path(cfg.features.store_dir),
+            plan.target_config,
+            plan.drafter.aux_layer_ids,
+            target_name=target_identity(cfg.target),
+            target_revision=cfg.target.revision,
+            target_fingerprint=target_fingerprint(plan.target_dir),
+        )
+
+
+def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
+    """`data.prepared_dir` must be ours (or new), and a prepared one must have been made from `sources`."""
+    from eagle31.data.prepare import recorded_sources
+
+    check_output_dir(prepared, "prepared-data")
+    recorded = recorded_sources(prepared)
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new sources would be ignored
+        raise ConfigError(
+            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
+            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
+        )
 
 
 # ---------------------------------------------------------------------------- dry run
@@ -260,11 +315,6 @@ def train_run(plan: RunPlan) -> dict | None:
     cfg, world = plan.cfg, plan.world
     started = time.time()
     run_dir = plan.run_dir
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
-    barrier()
-
     prepared = ensure_prepared(plan)
     d2t, t2d = _load_vocab(prepared)
     drafter_cfg = dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
@@ -281,12 +331,14 @@ def train_run(plan: RunPlan) -> dict | None:
     del embed
 
     trainer = Trainer(cfg.train, world, run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype)
-    latest = trainer.checkpoints.latest() if cfg.resume == "auto" else None
+    latest = trainer.checkpoints.latest_intact() if cfg.resume == "auto" else None
     if latest is not None:
         trainer.restore(latest)
         if world.is_main:
-            _truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
             print(f"resumed from {latest} (step {trainer.state.step})")
+    if world.is_main:  # the run really starts: its identity, and the metrics of the steps it keeps
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
+        truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
     logger = RunLogger(
         run_dir,
         to_container(cfg),
@@ -300,6 +352,14 @@ def train_run(plan: RunPlan) -> dict | None:
     )
     try:
         final = trainer.fit(logger)
+        skipped = skipped_features(world, train_loader, eval_loader)  # every rank takes part
+        if skipped:
+            logger.log(trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())})
+            logger.write(f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): {', '.join(skipped)}")
+    except KeyboardInterrupt:
+        saved = trainer.checkpoints.latest()
+        where = f"rerun with resume=auto to continue from {saved}" if saved else "no checkpoint yet: a rerun starts over"
+        raise RunInterrupted(f"interrupted at step {trainer.state.step}; {where}") from None
     finally:
         logger.close()
     state = trainer.full_drafter_state()  # the last collective: every rank takes part
@@ -311,7 +371,7 @@ def train_run(plan: RunPlan) -> dict | None:
         return None
     trained = Eagle31Drafter(drafter_cfg)  # `drafter` itself is sharded in place under FSDP
     trained.load_state_dict(state)
-    report = finish_run(plan, trained, final, trainer, started)
+    report = finish_run(plan, trained, final, trainer, started, skipped)
     print(f"run directory: {run_dir}  (report.json, drafter/, export/)")
     return report
 
@@ -329,7 +389,10 @@ def ensure_prepared(plan: RunPlan) -> Path:
         report = prepare_dataset(data_section(cfg), tokenizer, draft_vocab_size=cfg.drafter.draft_vocab_size, vocab_size=plan.drafter.vocab_size)
         print(report.summary())
     barrier()
-    summary = json.loads((prepared / "report.json").read_text())
+    try:
+        summary = json.loads((prepared / "report.json").read_text())
+    except ValueError:
+        raise CorruptDataError(f"{prepared / 'report.json'} is not valid JSON; delete {prepared} to prepare the data again") from None
     if summary["samples"]["train"] == 0 or summary["supervised_tokens"]["train"] == 0:
         raise ConfigError(f"the prepared training split in {prepared} has no supervised token")
     return prepared
@@ -357,10 +420,12 @@ def build_loaders(plan: RunPlan, prepared: Path):
         target = load_target_model(plan)
         sources = {n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens) for n, ds in splits.items()}
     else:
-        from eagle31.data.store import FeatureStore
+        from eagle31.data.store import FeatureStore, store_state
 
         store_dir = Path(cfg.features.store_dir)
-        if not (store_dir / "train" / "manifest.json").is_file():  # nothing captured or imported yet
+        states = {n: store_state(store_dir / n) for n in splits}
+        # nothing captured or imported yet, or a capture that was stopped: capture what is missing
+        if states["train"] == "missing" or "unfinished" in states.values():
             capture_store(plan, splits, store_dir)
         sources = {n: FeatureStore(store_dir / n, skip_corrupt=cfg.features.skip_corrupt) for n in splits if (store_dir / n / "manifest.json").is_file()}
         if "eval" not in sources:
@@ -381,13 +446,20 @@ def load_target_model(plan: RunPlan):
 
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     """Capture the target's features into the shard store (each rank its shards)."""
-    from eagle31.data.capture import capture_to_store
+    from eagle31.data.capture import capture_to_store, target_fingerprint
     from eagle31.data.store import StoreWriter
 
     cfg, world = plan.cfg, plan.world
+    fingerprint = target_fingerprint(plan.target_dir)
+    writers = {  # each refuses a store made otherwise before the target is loaded
+        name: StoreWriter.for_dataset(
+            store_dir / name, ds, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features, fingerprint=fingerprint
+        )
+        for name, ds in splits.items()
+    }
     target = load_target_model(plan)
     for name, ds in splits.items():
-        writer = StoreWriter.for_dataset(store_dir / name, ds, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features)
+        writer = writers[name]
         stats = capture_to_store(target, ds, writer, batch_tokens=cfg.features.capture_batch_tokens, rank=world.rank, world_size=world.world_size)
         barrier()
         if world.is_main:
@@ -421,15 +493,23 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
         raise ConfigError(f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})")
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines a killed run logged after its last checkpoint."""
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
+def skipped_features(world: World, *loaders) -> dict[str, int]:
+    """{shard: samples} that any rank's store readers skipped as corrupt (`features.skip_corrupt`)."""
+    found: dict[str, int] = {}
+    for loader in loaders:
+        skipped = getattr(getattr(loader, "source", None), "skipped", None)  # online features skip nothing
+        if skipped is not None:
+            found.update({str(loader.source.root / name): n for name, n in skipped().items()})
+    if world.distributed:
+        gathered: list[dict[str, int]] = [{} for _ in range(world.world_size)]
+        torch.distributed.all_gather_object(gathered, found)
+        found = {name: n for ranks in gathered for name, n in ranks.items()}
+    return dict(sorted(found.items()))
 
 
-def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float) -> dict:
+def finish_run(
+    plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float, skipped: dict[str, int]
+) -> dict:
     """Rank 0: native drafter, exports, real acceptance (optional), report.json."""
     from eagle31.export import export_drafter
 
@@ -465,6 +545,7 @@ def finish_run(plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Tra
         "eval_loss": final.get("loss"),
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "exports": exports,
+        "skipped_corrupt": {"shards": list(skipped), "samples": sum(skipped.values())},
     }
     if cfg.eval.enabled:
         report["acceptance"] = measure_acceptance(plan)

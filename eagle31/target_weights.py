@@ -37,8 +37,10 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
     return names
 
 
-def read_target_tensor(target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True) -> torch.Tensor | None:
-    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights."""
+def read_target_tensor(
+    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True, rows: int | None = None
+) -> torch.Tensor | None:
+    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights (its first `rows` only)."""
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
     for prefix in WRAPPER_PREFIXES:
@@ -46,7 +48,7 @@ def read_target_tensor(target_dir: str | Path, candidates: tuple[str, ...], *, r
             full = prefix + name
             if full in weight_map:
                 with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
-                    return sf.get_tensor(full)
+                    return sf.get_tensor(full) if rows is None else sf.get_slice(full)[:rows]
     if required:
         raise ConfigError(f"target {target_dir}: no tensor among {list(candidates)}")
     return None

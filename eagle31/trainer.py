@@ -27,6 +27,7 @@ from eagle31.attention import segment_ids
 from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_reduce_sum
+from eagle31.errors import Eagle31Error
 from eagle31.loss import StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
@@ -34,7 +35,7 @@ from eagle31.recipe import TrainConfig
 from eagle31.ttt import ttt_unroll
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(Eagle31Error):
     """Too many non-finite losses in a row; the last good checkpoint is kept."""
 
 

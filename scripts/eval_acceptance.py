@@ -21,22 +21,21 @@ acceptance.png under `out` and prints the table; see eagle31/acceptance.py for t
 import sys
 
 from eagle31.acceptance import AcceptanceConfig, run_acceptance
-from eagle31.acceptance_report import format_table, write_report
-from eagle31.cli import parse_key_values
-from eagle31.config import ConfigError
+from eagle31.acceptance_report import REPORT_KIND, format_table, write_report
+from eagle31.cli import parse_key_values, run_cli
+from eagle31.io import check_output_dir
 
 
 def main(argv: list[str]) -> int:
-    try:
+    def evaluate() -> None:
         config = parse_key_values(argv, AcceptanceConfig)
+        check_output_dir(config.out, REPORT_KIND)  # before the decoding, which takes minutes
         report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = write_report(report, config.out)
-    print(format_table(report))
-    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+        paths = write_report(report, config.out)
+        print(format_table(report))
+        print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+
+    return run_cli(evaluate)
 
 
 if __name__ == "__main__":

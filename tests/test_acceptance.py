@@ -248,3 +248,16 @@ def test_script_end_to_end(tmp_path, capsys):
     assert json.loads((out / "tree" / "acceptance.json").read_text())["settings"]["mode"] == "tree"
     assert main(args + ["tree_top_k=2"]) == 2
     assert "needs all of tree_top_k" in capsys.readouterr().err
+
+
+def test_out_set_to_a_folder_of_the_user_is_refused_before_decoding(tmp_path, capsys):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    target_dir = save_target(tmp_path / "target")
+    tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "a")
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the sum of two"}])
+    args = [f"drafter={tmp_path}/a", f"target={target_dir}", f"data={data}", f"out={user}", "device=cpu"]
+    assert main(args) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert [p.name for p in user.iterdir()] == ["notes.txt"]

@@ -85,3 +85,42 @@ def test_sha256_reads_in_chunks(tmp_path):
     data = os.urandom(10_000)
     (tmp_path / "b").write_bytes(data)
     assert sha256_file(tmp_path / "b", chunk=4096) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_output_parent_is_refused_before_any_work(tmp_path):
+    from eagle31.errors import FileAccessError
+    from eagle31.io import check_output_dir
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        with pytest.raises(FileAccessError, match="permission denied"):
+            check_output_dir(locked / "run", "run")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path):
+    """Several ranks claim one store at once: one's marker, still under its temporary name, must not stop another."""
+    from eagle31.io import _unique_sibling, check_output_dir
+
+    store = tmp_path / "store"
+    store.mkdir()
+    _unique_sibling(store / OUTPUT_MARKER).write_text("{}")
+    check_output_dir(store, "feature-store")
+    (store / "results.csv").write_text("a,b\n")
+    with pytest.raises(ForeignDirectoryError):
+        check_output_dir(store, "feature-store")
+
+
+def test_a_directory_holding_only_outputs_of_ours_may_be_claimed(tmp_path):
+    """`data_prep/prepare.py` writes `<output_dir>/data` before the run claims `<output_dir>`."""
+    with atomic_dir(tmp_path / "run" / "data", kind="prepared-data") as tmp:
+        (tmp / "report.json").write_text("{}")
+    assert claim_output_dir(tmp_path / "run", "run") == tmp_path / "run"
+    (tmp_path / "other" / "stuff").mkdir(parents=True)  # a folder of the user's beside ours
+    with atomic_dir(tmp_path / "other" / "data", kind="prepared-data") as tmp:
+        pass
+    with pytest.raises(ForeignDirectoryError, match="did not write"):
+        claim_output_dir(tmp_path / "other", "run")

@@ -15,10 +15,16 @@ runs a forward that stops at lm_head's input, so no `[B, T, V]` logits are built
 
 `capture_to_store` runs the target over a prepared split (columns `input_ids`,
 `loss_mask`) shard by shard into a `StoreWriter`, in length-sorted batches.
+
+`target_fingerprint` identifies the target whose features a store holds, beyond its
+name: two checkpoints of one shape (a base model and its fine-tune, two random demo
+targets) get different fingerprints, so a store is never trained on with another target.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -27,13 +33,27 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from eagle31.config import ConfigError
+from eagle31.config import ConfigError, load_target_config
 from eagle31.data.batch import Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
+from eagle31.target_weights import EMBED_NAMES, read_target_tensor
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
 _TARGET_DTYPES = ("bfloat16", "float16", "float32")
+_FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell checkpoints apart, cheap for any V
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when a checkpoint is copied or re-saved
+
+
+def target_fingerprint(target_dir) -> str:
+    """sha256 of the target's config.json (less path and version keys), first embedding rows and final norm weight."""
+    config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for names in (EMBED_NAMES, ("model.norm.weight",)):
+        weight = read_target_tensor(target_dir, names, required=False, rows=_FINGERPRINT_ROWS)
+        if weight is not None:
+            digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class _StopForward(Exception):

@@ -38,6 +38,7 @@ The directory is built under a temporary sibling name and renamed over
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -131,6 +132,13 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError("data.source is empty: give a .jsonl/.json/.parquet file or a datasets directory")
     if not data_cfg.prepared_dir:
         raise ConfigError("data.prepared_dir is empty")
+    prepared = Path(data_cfg.prepared_dir).resolve()
+    for source in sources:
+        if prepared == Path(source).resolve() or prepared in Path(source).resolve().parents:
+            raise ConfigError(
+                f"data.prepared_dir {data_cfg.prepared_dir} holds data.source {source}: preparing would replace "
+                "that folder; choose a prepared_dir (or output_dir) outside your data"
+            )
     if data_cfg.overflow not in OVERFLOW:
         raise ConfigError(f"data.overflow must be one of {OVERFLOW}, got {data_cfg.overflow!r}")
     if not data_cfg.max_len > 0:
@@ -141,6 +149,15 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
     template_kwargs(data_cfg)
     return sources
+
+
+def recorded_sources(prepared_dir: str | Path) -> list[str] | None:
+    """The sources (absolute paths) a prepared directory was made from; None when it holds no report."""
+    try:
+        report = json.loads((Path(prepared_dir) / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return [str(Path(s).resolve()) for s in report.get("sources", [])]
 
 
 def prepare_dataset(
@@ -179,7 +196,7 @@ def prepare_dataset(
         atomic_save_safetensors({"d2t": d2t, "t2d": t2d}, tmp / "vocab.safetensors", save_file)
         report = PrepareReport(
             prepared_dir=str(data_cfg.prepared_dir),
-            sources=sources,
+            sources=[str(Path(s).resolve()) for s in sources],
             # every record read became a sample or was dropped
             records=len(train) + len(held_out) + dropped.total() - dropped.total(FILE_REASONS),
             samples={"train": len(train), "eval": len(held_out)},

@@ -141,6 +141,8 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a bytes line
             detail = f"invalid JSON: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise BadInput("malformed", detail) from None
+        except RecursionError:
+            raise BadInput("malformed", "JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise BadInput("malformed", f"record is a {type(record).__name__}, not an object")
     turns = record.get("messages")
@@ -156,7 +158,19 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
     system = record.get("system")
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    return Conversation(messages, _tools(record.get("tools")), where)
+    conversation = Conversation(messages, _tools(record.get("tools")), where)
+    _check_unicode(conversation)
+    return conversation
+
+
+def _check_unicode(conversation: Conversation) -> None:
+    """Reject text a tokenizer cannot take: JSON's `\\ud800` escape yields a lone surrogate, which is no UTF-8."""
+    try:
+        json.dumps([conversation.messages, conversation.tools], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadInput("malformed", "text holds a lone UTF-16 surrogate (not valid Unicode)") from None
+    except RecursionError:
+        raise BadInput("malformed", "nested too deeply") from None
 
 
 def _message(turn: Any) -> dict[str, Any]:
@@ -276,6 +290,8 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     except json.JSONDecodeError:
         yield from _line_records(path, text.splitlines())
         return
+    except RecursionError:
+        raise BadInput("unreadable_file", "JSON nested too deeply") from None
     if isinstance(doc, list):
         for i, record in enumerate(doc):
             yield f"{path}[{i}]", record

@@ -27,23 +27,27 @@ none); else row `i` of `dataset_dir` (speculators' prepare-data output, or one o
 our prepared splits: columns `input_ids`, `loss_mask`), whose `input_ids` must
 equal the file's `token_ids`; else, only with `all_tokens=True`, every token is
 supervised. Without any of these the import stops before writing anything.
+A file that is not readable safetensors stops the import with `CorruptDataError`
+naming it; every file is checked before the first shard is written.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from eagle31.config import ConfigError, default_aux_layer_ids, load_target_config
 from eagle31.data.batch import Sample
-from eagle31.data.capture import CaptureStats, check_aux_layer_ids
+from eagle31.data.capture import CaptureStats, check_aux_layer_ids, target_fingerprint
 from eagle31.data.store import StoreHeader, StoreWriter, target_shape
+from eagle31.errors import CorruptDataError
 from eagle31.target_weights import read_target_tensor
 
 _HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
@@ -105,6 +109,7 @@ def import_speculators(
         hidden_size=Ht,
         aux_layer_ids=aux_ids,
         dtype=dtype,
+        target_fingerprint=target_fingerprint(target_dir),
     )
     writer = StoreWriter(store_dir, header, np.array(list(files)), lengths, shard_max_tokens)
     weight = final_norm_weight(target_dir)
@@ -120,7 +125,7 @@ def import_speculators(
 
 def _check(path: Path, row: int, slots: int, Ht: int, dataset, all_tokens: bool) -> int:
     """The file's token count, after checking its layout and where its loss mask comes from."""
-    with safe_open(path, framework="pt") as f:
+    with _capture_file(path) as f:
         keys = set(f.keys())
         if not {"hidden_states", "token_ids"} <= keys:
             raise ConfigError(f"{path}: expected tensors hidden_states and token_ids, found {sorted(keys)}")
@@ -146,6 +151,16 @@ def _check(path: Path, row: int, slots: int, Ht: int, dataset, all_tokens: bool)
     return T
 
 
+@contextmanager
+def _capture_file(path: Path):
+    """`safe_open(path)`; a garbled or truncated file is one `CorruptDataError` naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CorruptDataError(f"{path}: not a readable safetensors file ({e}); capture it again or remove it") from None
+
+
 def _load_rows(dataset_dir: str | Path):
     from datasets import Dataset, load_from_disk
 
@@ -156,7 +171,7 @@ def _load_rows(dataset_dir: str | Path):
 
 
 def _read_sample(path: Path, row: int, dataset, weight: torch.Tensor, eps: float) -> Sample:
-    with safe_open(path, framework="pt") as f:
+    with _capture_file(path) as f:
         hs = f.get_tensor("hidden_states")  # [T, n, Ht]
         token_ids = f.get_tensor("token_ids").long()  # [T]
         loss_mask = f.get_tensor("loss_mask").long() if "loss_mask" in f.keys() else None

@@ -33,7 +33,15 @@ manifest's list and the records, so an unmerged store is readable too.
 Readers memory-map the shards (`safetensors.safe_open`) and check each shard's
 sha256 against its record the first time they read its features. A mismatch
 raises `CorruptShardError` naming the file, or with `skip_corrupt=True` drops the
-shard's samples and counts them (`corrupt_shards`, `skipped_samples`).
+shard's samples, says so on stderr and counts them (`skipped()`, which the run
+reports in report.json and metrics.jsonl). A record naming a file outside the
+store directory (`../x`) is refused before anything is read.
+
+Identity: the manifest records the target's name, revision and fingerprint
+(`eagle31.data.capture.target_fingerprint`); `check_store_compatible` refuses a store
+made for another target, even one of the same shape. A store directory carries the
+output marker of `eagle31.io` (kind `feature-store`): a folder that eagle31 did not
+write is never used as one.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +64,8 @@ from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
 from eagle31.data.batch import Sample
-from eagle31.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from eagle31.errors import CorruptDataError
+from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -66,13 +77,14 @@ STORE_DTYPES = {
 }
 _FP8_MAX = 448.0  # largest finite float8 e4m3fn
 _OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
+_SHARD_FILE = re.compile(r"shard-\d{6}\.safetensors")
 
 
 class StoreMismatchError(ConfigError):
     """An existing store was made for another target, aux ids, dtype or source data."""
 
 
-class CorruptShardError(RuntimeError):
+class CorruptShardError(CorruptDataError):
     """A shard is missing, unreadable or does not match its recorded sha256."""
 
 
@@ -86,6 +98,7 @@ class StoreHeader:
     hidden_size: int  # Ht
     aux_layer_ids: tuple[int, ...]  # vLLM convention: input of decoder layer k
     dtype: str  # a key of STORE_DTYPES
+    target_fingerprint: str | None = None  # eagle31.data.capture.target_fingerprint
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -140,12 +153,35 @@ def target_shape(target_config: dict) -> tuple[int, int]:
     return int(text["num_hidden_layers"]), int(text["hidden_size"])
 
 
-def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer_ids: Sequence[int]) -> None:
-    """Refuse existing stores under `store_dir` (one per split) made for another target shape or aux ids."""
+def check_store_compatible(
+    store_dir: str | Path,
+    target_config: dict,
+    aux_layer_ids: Sequence[int],
+    *,
+    target_name: str,
+    target_revision: str | None,
+    target_fingerprint: str,
+) -> None:
+    """Refuse existing stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
     L, Ht = target_shape(target_config)
-    want = {"num_layers": L, "hidden_size": Ht, "aux_layer_ids": [int(i) for i in aux_layer_ids]}
+    want = {
+        "target_name": target_name,
+        "target_revision": target_revision,
+        "target_fingerprint": target_fingerprint,
+        "num_layers": L,
+        "hidden_size": Ht,
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+    }
     for path in sorted(Path(store_dir).glob(f"*/{MANIFEST}")):
         _check_fields(path, want)
+
+
+def store_state(root: str | Path) -> str:
+    """"missing" (no manifest), "unfinished" (a capture or import that has not merged its shards) or "finished"."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        return "missing"
+    return "finished" if "num_samples" in _read_json(path) else "unfinished"
 
 
 # ---------------------------------------------------------------- writing
@@ -189,17 +225,26 @@ class StoreWriter:
 
     @classmethod
     def for_dataset(
-        cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any, features: Any
+        cls,
+        root: str | Path,
+        dataset,
+        target_config: dict,
+        aux_layer_ids: Sequence[int],
+        target: Any,
+        features: Any,
+        *,
+        fingerprint: str,
     ) -> "StoreWriter":
         """The writer for capturing a prepared split; `target` / `features` are the recipe's sections."""
         L, Ht = target_shape(target_config)
         header = StoreHeader(
-            target_identity(target), target.revision, L, Ht, tuple(aux_layer_ids), features.store_dtype
+            target_identity(target), target.revision, L, Ht, tuple(aux_layer_ids), features.store_dtype, fingerprint
         )
         lengths = prepared_lengths(dataset)
         return cls(root, header, np.arange(len(lengths)), lengths, features.shard_max_tokens)
 
     def _create_or_check(self) -> None:
+        claim_output_dir(self.root, "feature-store")
         path = self.root / MANIFEST
         if path.exists():
             _check_fields(path, self.manifest_head)
@@ -313,6 +358,11 @@ class FeatureStore:
         self.corrupt_shards: list[str] = []
         self.skipped_samples = 0
         self._records = _merge_records(manifest["shards"], _records(self.root), path)
+        for record in self._records:
+            if not _SHARD_FILE.fullmatch(str(record.get("file"))):  # a plain name, so never a path out of the store
+                raise CorruptShardError(
+                    f"{path}: a shard record names {record.get('file')!r}, not a shard of this store; refusing to read it"
+                )
         self._verified: set[str] = set()
         self._open: OrderedDict[str, object] = OrderedDict()
         self._index()
@@ -343,6 +393,11 @@ class FeatureStore:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    def skipped(self) -> dict[str, int]:
+        """{shard file: samples} of the corrupt shards skipped so far (`skip_corrupt`)."""
+        samples = {r["file"]: r["samples"] for r in self._records}
+        return {name: samples[name] for name in self.corrupt_shards}
 
     def samples(self, ids: Sequence[int]) -> list[Sample | None]:
         return [self.sample(i) for i in ids]
@@ -393,6 +448,8 @@ class FeatureStore:
             )
         self.corrupt_shards.append(record["file"])
         self.skipped_samples += record["samples"]
+        where = self.root / record["file"]
+        print(f"warning: skipping corrupt shard {where} ({reason}): {record['samples']} samples", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- helpers
@@ -419,11 +476,11 @@ def _records(root: Path) -> list[dict]:
 
 def _merge_records(listed: list[dict], found: list[dict], manifest_path: Path) -> list[dict]:
     """Union of the manifest's shard list and the records on disk, by file name."""
-    merged = {r["file"]: r for r in listed}
+    merged = {r.get("file"): r for r in listed}
     for r in found:
-        if merged.setdefault(r["file"], r) != r:
+        if merged.setdefault(r.get("file"), r) != r:
             raise CorruptShardError(f"{manifest_path} and {r['file']}'s record disagree: {merged[r['file']]} vs {r}")
-    return [merged[name] for name in sorted(merged)]
+    return [merged[name] for name in sorted(merged, key=str)]
 
 
 def _read_json(path: Path) -> dict:

@@ -197,10 +197,32 @@ def test_writer_from_recipe_sections_and_the_trainers_compatibility_check(tmp_pa
     target = SimpleNamespace(name=None, builtin=None, path="/models/tiny", revision="abc")
     features = SimpleNamespace(store_dtype="bfloat16", shard_max_tokens=30)
     config = {"text_config": {"num_hidden_layers": 6, "hidden_size": 32}}  # a multimodal wrapper's nesting
-    writer = StoreWriter.for_dataset(tmp_path / "train", data, config, (1, 3, 4), target, features)
-    assert writer.header == StoreHeader("/models/tiny", "abc", 6, 32, (1, 3, 4), "bfloat16")
+    writer = StoreWriter.for_dataset(tmp_path / "train", data, config, (1, 3, 4), target, features, fingerprint="f1")
+    assert writer.header == StoreHeader("/models/tiny", "abc", 6, 32, (1, 3, 4), "bfloat16", "f1")
     assert sorted(int(i) for ids in writer.plan for i in ids) == list(range(5))
-    check_store_compatible(tmp_path, config, (1, 3, 4))
-    check_store_compatible(tmp_path / "absent", config, (1, 2, 4))  # nothing captured yet: nothing to refuse
+    identity = dict(target_name="/models/tiny", target_revision="abc", target_fingerprint="f1")
+    check_store_compatible(tmp_path, config, (1, 3, 4), **identity)
+    check_store_compatible(tmp_path / "absent", config, (1, 2, 4), **identity)  # nothing captured yet: nothing to refuse
     with pytest.raises(StoreMismatchError, match=r"train/manifest.json: the store was made with aux_layer_ids"):
-        check_store_compatible(tmp_path, config, (1, 2, 4))
+        check_store_compatible(tmp_path, config, (1, 2, 4), **identity)
+    with pytest.raises(StoreMismatchError, match=r"made with target_fingerprint='f1', this run has target_fingerprint='f2'"):
+        check_store_compatible(tmp_path, config, (1, 3, 4), **{**identity, "target_fingerprint": "f2"})
+    with pytest.raises(StoreMismatchError, match=r"made with target_revision='abc'"):
+        check_store_compatible(tmp_path, config, (1, 3, 4), **{**identity, "target_revision": "def"})
+
+
+def test_the_fingerprint_tells_targets_of_one_shape_apart_and_survives_a_move(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle31.data.capture import target_fingerprint
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, vocab_size=64)
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+    (tmp_path / "a").rename(tmp_path / "moved")
+    a, b = target_fingerprint(tmp_path / "moved"), target_fingerprint(tmp_path / "b")
+    assert a != b  # same config, other weights
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "a_again")  # the same checkpoint written elsewhere
+    assert target_fingerprint(tmp_path / "a_again") == a

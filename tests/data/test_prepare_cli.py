@@ -61,3 +61,21 @@ def test_prepares_a_recipe_with_a_local_tokenizer(tmp_path, llama_tok_dir):
     assert f"dropped malformed: 1 [{b}:4" in out.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["draft_vocab_size"] == 16 and report["sources"] == [str(a), str(b)]
+
+
+def test_a_prepared_dir_holding_the_source_keeps_the_users_files(tmp_path, llama_tok_dir, capsys):
+    import runpy
+
+    from eagle31.cli import recipe_main
+
+    project = tmp_path / "project"
+    project.mkdir()
+    source = write_jsonl(project / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    (project / "notes.txt").write_text("mine")
+    prepare = runpy.run_path(str(SCRIPT))["prepare"]
+    recipes = SCRIPT.parents[1] / "recipes"
+    args = ["target.builtin=null", f"target.path={llama_tok_dir}", f"data.source=[{source}]", f"data.prepared_dir={project}"]
+    assert recipe_main(prepare, recipes, args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds data.source" in err
+    assert sorted(p.name for p in project.iterdir()) == ["chats.jsonl", "notes.txt"]

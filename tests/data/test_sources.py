@@ -185,3 +185,22 @@ def test_source_paths_accepts_a_path_or_a_list():
     assert source_paths(None) == [] and source_paths([]) == []
     with pytest.raises(ConfigError, match="data.source"):
         source_paths(3)
+
+
+def test_records_that_would_break_the_tokenizer_or_the_json_decoder_are_counted(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "hostile.jsonl"
+    path.write_text(
+        json.dumps(good) + "\n"
+        + '{"messages": [{"role": "user", "content": "a lone \\ud800"}, {"role": "assistant", "content": "x"}]}\n'
+        + "[" * 100_000 + "]" * 100_000 + "\n"
+        + json.dumps(good) + "\n"
+    )  # fmt: skip
+    tally = Tally()
+    got = list(read_conversations([path], tally))
+    assert len(got) == 2
+    assert tally.counts == {"malformed": 2}
+    assert tally.examples["malformed"] == [f"{path}:2 (text holds a lone UTF-16 surrogate (not valid Unicode))", f"{path}:3 (JSON nested too deeply)"]
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert list(read_conversations([deep], tally)) == [] and tally.counts["unreadable_file"] == 1

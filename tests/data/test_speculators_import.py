@@ -12,6 +12,7 @@ from eagle31.config import ConfigError
 from eagle31.data.capture import TargetFeatures, prepared_rows, run_target
 from eagle31.data.speculators_import import final_norm_weight, import_speculators
 from eagle31.data.store import FeatureStore
+from eagle31.errors import CorruptDataError
 from tests.data.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
 
 AUX_IDS = (1, 3, 4)  # vLLM convention; launch_vllm.py adds L = 6
@@ -89,3 +90,15 @@ def test_final_norm_weight_under_a_multimodal_prefix(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="no final norm weight"):
         final_norm_weight(tmp_path)
+
+
+def test_a_garbage_file_is_one_error_naming_it_before_anything_is_written(captured, tmp_path):
+    root, model, data = captured
+    hs = tmp_path / "hidden_states"
+    hs.mkdir()
+    for f in (root / "hidden_states").iterdir():
+        (hs / f.name).write_bytes(f.read_bytes())
+    (hs / "hs_3.safetensors").write_bytes(b"\x00garbage from a failed copy" * 4)
+    with pytest.raises(CorruptDataError, match=r"hs_3.safetensors: not a readable safetensors file"):
+        import_speculators(hs, tmp_path / "store", target_dir=root / "target", aux_layer_ids=AUX_IDS, all_tokens=True)
+    assert not (tmp_path / "store").exists()

@@ -12,6 +12,7 @@ from eagle31.data.batch import Sample
 from eagle31.data.capture import TargetFeatures, prepared_rows, run_target
 from eagle31.data.store import (
     CorruptShardError,
+    MANIFEST,
     FeatureStore,
     StoreHeader,
     StoreWriter,
@@ -128,6 +129,32 @@ def test_skip_corrupt_skips_and_counts(tmp_path):
     assert sum(s is None for s in got) == lost == store.skipped_samples
     assert store.corrupt_shards == ["shard-000001.safetensors"]
     assert all(torch.equal(s.aux, samples[i].aux) for i, s in enumerate(got) if s is not None)
+
+
+def test_skipped_shards_are_said_on_the_console_and_listed(tmp_path, capsys):
+    manifest = write_store(tmp_path, random_samples(9), "bfloat16")
+    flip_one_byte(tmp_path / "shard-000001.safetensors")
+    store = FeatureStore(tmp_path, skip_corrupt=True)
+    store.samples(range(9))
+    assert store.skipped() == {"shard-000001.safetensors": manifest["shards"][1]["samples"]}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "skipping corrupt shard" in err[0] and "shard-000001.safetensors" in err[0]
+
+
+@pytest.mark.parametrize("escape", ["../../outside.safetensors", "/etc/passwd", "sub/shard-000000.safetensors"])
+def test_a_record_naming_a_file_outside_the_store_is_refused_unread(tmp_path, escape, monkeypatch):
+    store_dir = tmp_path / "store" / "train"
+    write_store(store_dir, random_samples(4), "bfloat16")
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    manifest["shards"][0]["file"] = escape
+    (store_dir / MANIFEST).write_text(json.dumps(manifest))
+    (store_dir / "shard-000000.json").unlink()
+    opened = []
+    monkeypatch.setattr("eagle31.data.store.safe_open", lambda path, **kw: opened.append(path))
+    for skip in (False, True):
+        with pytest.raises(CorruptShardError, match="not a shard of this store"):
+            FeatureStore(store_dir, skip_corrupt=skip)
+    assert opened == []
 
 
 def test_truncated_shard_is_caught_when_indexing(tmp_path):

@@ -1,0 +1,68 @@
+"""The failures a user can cause or meet, each with its own exit code.
+
+Every expected failure is an `Eagle31Error` whose message is one line naming the
+file, field or value at fault; the command-line tools (`eagle31.cli`) print that
+line and exit with the class's `exit_code`. README's table of exit codes is this
+list:
+
+    1    TrainingDiverged (eagle31.trainer): too many non-finite steps in a row
+    2    InputError: a bad configuration value or input (ConfigError and its kin)
+    3    CorruptDataError: a feature store or imported file that fails its checks
+    4    CorruptCheckpointError: no intact checkpoint to resume from
+    5    FileAccessError: a file that cannot be read or written (permissions, not a directory)
+    6    DiskFullError: the disk filled up while writing (what was complete is kept)
+    7    OutputInUseError: another run holds the output directory
+    130  RunInterrupted: Ctrl-C (SIGINT), the shell's code for it
+
+Kept free of torch so that any module may import it.
+"""
+
+from __future__ import annotations
+
+
+class Eagle31Error(Exception):
+    """An expected failure: one line for the user, and the exit code that says which kind it is."""
+
+    exit_code = 1
+
+
+class InputError(Eagle31Error, ValueError):
+    """A configuration value or an input the run cannot use."""
+
+    exit_code = 2
+
+
+class CorruptDataError(Eagle31Error):
+    """Data on disk (a store's shard or manifest, an imported capture) fails its checks."""
+
+    exit_code = 3
+
+
+class CorruptCheckpointError(Eagle31Error):
+    """No checkpoint of the run passes its checksums."""
+
+    exit_code = 4
+
+
+class FileAccessError(Eagle31Error):
+    """A file or directory cannot be read or written."""
+
+    exit_code = 5
+
+
+class DiskFullError(Eagle31Error):
+    """Writing failed for lack of space; the message says what was kept."""
+
+    exit_code = 6
+
+
+class OutputInUseError(Eagle31Error):
+    """Another live process holds the output directory's lock."""
+
+    exit_code = 7
+
+
+class RunInterrupted(Eagle31Error):
+    """The user pressed Ctrl-C; the message says where the run can resume."""
+
+    exit_code = 130
