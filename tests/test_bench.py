@@ -1,4 +1,4 @@
-"""The training-step benchmark (issue 8): FLOP count, reporting, the script, and speed against `speculators`."""
+"""The training-step benchmark: FLOP count, reporting, the script, and speed against `speculators`."""
 
 import json
 import subprocess
@@ -76,7 +76,7 @@ def test_script_refuses_an_unknown_key():
 
 @pytest.mark.slow
 def test_our_step_is_not_slower_than_speculators_on_cpu():
-    """Issue 8's CPU proxy: same shape, flags and K; both eager fp32; steps interleaved."""
+    """The CPU proxy of the speed goal: same shape, flags and K; both eager fp32; steps interleaved."""
     from eagle31.bench_peer import SpeculatorsStep, speculators_unavailable
 
     reason = speculators_unavailable()
