@@ -2,6 +2,7 @@
 
 `recipe_main`: the recipe CLIs (Hydra composition over recipes/) with one-line errors.
 `parse_key_values`: `key=value` arguments for the small tools in scripts/ (a dataclass is the schema).
+`wants_help`: `-h` / `--help` prints the CLI's docstring instead of parsing it as an argument.
 
 Hydra would bring an output directory and logging setup that these one-shot tools do not
 need. A dataclass gives the names, types and defaults. Unknown or repeated keys, bad
@@ -14,23 +15,32 @@ import dataclasses
 import sys
 import types
 import typing
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from eagle31.config import ConfigError
 from eagle31.io import ForeignDirectoryError
+from eagle31.recipe import choose
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str]) -> int:
+def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str], usage: str = "") -> int:
     """Compose the recipe named by `argv` (`recipe=<name> field=value ...`) and run `fn(cfg)`.
 
     Bad input — an unknown recipe or field, a bad value, a missing file — is one
-    line on stderr and exit code 2.
+    line on stderr and exit code 2. `--help` prints `usage` (the CLI's docstring),
+    the recipes and the config sections; `--cfg` prints the composed config
+    instead of running `fn`.
     """
-    from eagle31.recipe import load_recipe
+    from eagle31.recipe import describe_recipes, load_recipe
+
+    if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
+        return 0
+    if "--cfg" in argv:
+        fn, argv = _print_config, [a for a in argv if a != "--cfg"]
 
     try:
         fn(load_recipe(recipes_dir, argv))
@@ -38,6 +48,20 @@ def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[s
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def wants_help(argv: list[str], usage: str) -> bool:
+    """True, after printing `usage`, when the arguments ask for help."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    print(usage.strip())
+    return True
+
+
+def _print_config(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    print(OmegaConf.to_yaml(cfg), end="")
 
 
 def parse_key_values(argv: list[str], schema: type[T]) -> T:
@@ -72,6 +96,8 @@ def _convert(key: str, raw: str, hint: Any) -> Any:
         if raw.lower() in _FALSE:
             return False
         raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        return choose(hint, raw, key)
     if hint is int:
         try:
             return int(raw)

@@ -60,8 +60,8 @@ from transformers import LlamaConfig
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config, rope_parameters_from
 from eagle31.export import native_key
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter
+from eagle31.recipe import DrafterFormat, choose
 
-SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
 # training-only tensors of the speculators library, never needed for drafting
@@ -85,9 +85,9 @@ def load_drafter(
     """
     path = Path(path)
     meta = read_json_config(path / "config.json", "drafter config")
-    fmt = detect_format(meta, path) if source_format == "auto" else source_format
-    if fmt not in SOURCE_FORMATS[1:]:
-        raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
+    fmt = choose(DrafterFormat, source_format, "source_format")
+    if fmt == DrafterFormat.auto:
+        fmt = detect_format(meta, path)
     if fmt == "eagle31":
         drafter = Eagle31Drafter.load(path)
         overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}

@@ -1,4 +1,4 @@
-"""Export a drafter in vLLM's two layouts (DESIGN §6): a config writer and a rename table.
+"""Export a drafter in vLLM's two layouts (docs/design.md §6): a config writer and a rename table.
 
     eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3`, weights `midlayer.*`
                  (vLLM >= 0.22 reads the EAGLE 3.1 flags)
@@ -50,9 +50,9 @@ from safetensors.torch import save_file
 from eagle31.config import ConfigError, DrafterConfig
 from eagle31.io import atomic_save_safetensors, atomic_write_json
 from eagle31.model import Eagle31Drafter
+from eagle31.recipe import Dtype, ExportFormat, choose
 
-FORMATS = ("eagle3", "speculators")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {d: getattr(torch, d) for d in Dtype}
 HF_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 EXPORT_FORMAT_VERSION = 1
@@ -148,7 +148,7 @@ def check_vocab_maps(drafter: Eagle31Drafter) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
         raise ConfigError(f"d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
     if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ConfigError("d2t does not map draft ids to distinct target ids in ascending order (DESIGN §5)")
+        raise ConfigError("d2t does not map draft ids to distinct target ids in ascending order (docs/design.md §5)")
     t2d = drafter.t2d.cpu()
     if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
         raise ConfigError("t2d disagrees with d2t: it must mark exactly the draft vocabulary's target ids")
@@ -282,14 +282,11 @@ def check_out_dir(out: Path) -> None:
 
 
 def _check_format(format: str) -> None:
-    if format not in FORMATS:
-        raise ConfigError(f"export format must be one of {list(FORMATS)}, got {format!r}")
+    choose(ExportFormat, format, "export format")
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ConfigError(f"export.dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    return DTYPES[choose(Dtype, dtype, "export.dtype")]
 
 
 # ------------------------------------------------------------------------- runs

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from eagle31.bench import BenchConfig, run_benchmark, table_row, update_table, write_result
+from eagle31.cli import wants_help
 from eagle31.config import ConfigError
 from eagle31.distributed import close_world
 
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
     paths = {"out": None, "doc": str(ROOT / "docs" / "performance.md")}
     rest = []
     for arg in argv:

@@ -1,4 +1,4 @@
-"""Acceptance length of drafters by real (greedy) speculative decoding with the HF target.
+r"""Acceptance length of drafters by real (greedy) speculative decoding with the HF target.
 
     python scripts/eval_acceptance.py drafter=runs/demo/drafter target=<target dir> \
         data=<corpus dir or a.jsonl,b.jsonl> k=3 max_new_tokens=128 out=runs/demo/acceptance
@@ -19,11 +19,13 @@ import sys
 
 from eagle31.acceptance import AcceptanceConfig, run_acceptance
 from eagle31.acceptance_report import format_table, write_report
-from eagle31.cli import parse_key_values
+from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
     try:
         config = parse_key_values(argv, AcceptanceConfig)
         report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))

@@ -6,7 +6,7 @@ writes `data_cfg.prepared_dir`:
 
     train/, eval/               datasets.Dataset (save_to_disk): input_ids list<int32>, loss_mask list<int8>
     token_counts.safetensors    counts [V] int64: target tokens at supervised positions of train/
-    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (DESIGN §5, eagle31.vocab)
+    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (docs/design.md §5, eagle31.vocab)
     report.json                 records in, samples out, dropped inputs per reason with locations, token totals
 
 Each conversation becomes one sample (`eagle31.data.chat`). Longer than `max_len`
@@ -43,8 +43,6 @@ from eagle31.data.chat import ChatEncoder, ChatTemplateError
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
-
-OVERFLOW = ("truncate", "drop")
 
 
 @dataclass
@@ -91,8 +89,6 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError("data.source is empty: give a .jsonl/.json/.parquet file or a datasets directory")
     if not data_cfg.prepared_dir:
         raise ConfigError("data.prepared_dir is empty")
-    if data_cfg.overflow not in OVERFLOW:
-        raise ConfigError(f"data.overflow must be one of {OVERFLOW}, got {data_cfg.overflow!r}")
     if not data_cfg.max_len > 0:
         raise ConfigError(f"data.max_len must be positive, got {data_cfg.max_len!r}")
     if not 0 <= data_cfg.eval_fraction < 1:
