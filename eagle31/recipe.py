@@ -12,7 +12,10 @@ field; the steps that read the config do not check choices again.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import textwrap
+import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -308,10 +311,6 @@ def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
 
 def describe_recipes(recipes_dir: str | Path) -> str:
     """The recipes under `recipes_dir` and every config section's fields, for `--help`."""
-    import dataclasses
-    import textwrap
-    import typing
-
     names = sorted(p.stem for p in (Path(recipes_dir) / "recipe").glob("*.yaml"))
     lines = [f"recipes (recipe=<name>, default demo): {', '.join(names)}", "", "config sections (section.field=value):"]
     scalars = []
@@ -328,9 +327,6 @@ def describe_recipes(recipes_dir: str | Path) -> str:
 
 def _describe_field(owner: type, f: Any) -> str:
     """`name`, `name={a|b}` for a choice, `name.{x, y}` for a nested section."""
-    import dataclasses
-    import typing
-
     hint = typing.get_type_hints(owner)[f.name]
     inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = typing.get_args(inner[0])[0] if typing.get_args(inner[0]) else inner[0]

@@ -92,7 +92,9 @@ def _choice_fields(schema: type, prefix: str = "") -> dict[str, type]:
 
 
 def test_every_choice_field_has_a_bad_value_case():
-    assert set(_choice_fields(RunConfig)) == {field for _, field in BAD_CHOICES}
+    missing = set(_choice_fields(RunConfig)) - {field for _, field in BAD_CHOICES}
+    assert not missing, f"add a bad value of {sorted(missing)} to BAD_CHOICES"
+    assert {field for _, field in BAD_CHOICES} <= set(_choice_fields(RunConfig))
 
 
 def test_choices_compose_as_the_strings_recipes_spell():
