@@ -121,8 +121,8 @@ def export_tensors(
     drafter: Eagle31Drafter, format: str, *, dtype: str = "bfloat16", include_embed: bool = False
 ) -> dict[str, torch.Tensor]:
     """The state dict under `format`'s names, floats cast to `dtype`, on CPU."""
-    _check_format(format)
-    torch_dtype = _torch_dtype(dtype)
+    choose(ExportFormat, format, "export format")
+    torch_dtype = DTYPES[choose(Dtype, dtype, "export.dtype")]
     check_vocab_maps(drafter)
     out = {}
     for name, tensor in drafter.state_dict().items():
@@ -167,8 +167,8 @@ def export_config(
     target_name_or_path: str | None = None,
 ) -> dict[str, Any]:
     """`config.json` of `format` for a drafter with `config` (see the module docstring)."""
-    _check_format(format)
-    _torch_dtype(dtype)
+    choose(ExportFormat, format, "export format")
+    choose(Dtype, dtype, "export.dtype")
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
@@ -279,14 +279,6 @@ def check_out_dir(out: Path) -> None:
     )
     if stale:
         raise ConfigError(f"export.out={out} already holds other weight files {stale}; vLLM would load them too")
-
-
-def _check_format(format: str) -> None:
-    choose(ExportFormat, format, "export format")
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    return DTYPES[choose(Dtype, dtype, "export.dtype")]
 
 
 # ------------------------------------------------------------------------- runs

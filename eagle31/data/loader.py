@@ -39,7 +39,6 @@ from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_bat
 from eagle31.recipe import Batching, choose
 
 
-
 class FeatureSource(Protocol):
     sample_ids: np.ndarray  # [S] ascending row ids of the split
     lengths: np.ndarray  # [S] tokens per sample
