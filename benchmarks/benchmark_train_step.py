@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.measure import run_benchmark
 from benchmarks.report import table_row, update_table, write_result
 from benchmarks.train_step import BenchConfig
+from eagle31.cli import wants_help
 from eagle31.config import ConfigError
 from eagle31.distributed import close_world
 
@@ -27,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
     paths = {"out": None, "doc": str(ROOT / "docs" / "performance.md")}
     rest = []
     for arg in argv:

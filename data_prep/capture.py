@@ -1,4 +1,4 @@
-"""Capture the target's hidden states into the shard store (DESIGN §2, §6).
+"""Capture the target's hidden states into the shard store (docs/design.md §2, §6).
 
     python data_prep/capture.py recipe=demo
     torchrun --nproc-per-node 8 data_prep/capture.py recipe=llama31_8b features.store_dtype=float8
@@ -79,4 +79,4 @@ def capture(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main(capture, RECIPES, sys.argv[1:]))
+    sys.exit(recipe_main(capture, RECIPES, sys.argv[1:], usage=__doc__))

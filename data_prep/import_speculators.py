@@ -1,4 +1,4 @@
-"""Import hidden states captured with vLLM by `speculators` into the shard store.
+r"""Import hidden states captured with vLLM by `speculators` into the shard store.
 
     python data_prep/import_speculators.py recipe=kimi_k26 \
         features.import_hidden_states_dir=/data/kimi/hidden_states/train \
@@ -49,4 +49,4 @@ def import_hidden_states(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main(import_hidden_states, RECIPES, sys.argv[1:]))
+    sys.exit(recipe_main(import_hidden_states, RECIPES, sys.argv[1:], usage=__doc__))

@@ -42,4 +42,4 @@ def prepare(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main(prepare, RECIPES, sys.argv[1:]))
+    sys.exit(recipe_main(prepare, RECIPES, sys.argv[1:], usage=__doc__))

@@ -1,4 +1,4 @@
-"""Acceptance length by real speculative decoding, per drafter and prompt split (issue 7).
+"""Acceptance length by real speculative decoding, per drafter and prompt split.
 
 Training reports `tau_sim`, a teacher-forced estimate; this module measures what a
 drafter gives when it drafts from its own outputs, with `eagle31.speculative`:
@@ -35,7 +35,9 @@ from eagle31.config import ConfigError, load_target_config
 from eagle31.data.chat import check_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
+from eagle31.recipe import DrafterFormat
 from eagle31.speculative import Generation, speculative_generate
+from eagle31.targets.cache import portable_path
 
 # ---------------------------------------------------------------------- statistics
 
@@ -184,7 +186,7 @@ class AcceptanceConfig:
     tree_total_tokens: int | None = None
     max_new_tokens: int = 128
     max_prompts: int | None = None  # per split
-    drafter_format: str = "auto"  # eagle31.convert.SOURCE_FORMATS
+    drafter_format: DrafterFormat = DrafterFormat.auto
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     out: str = "acceptance"  # directory for acceptance.json / .md / .png
@@ -307,9 +309,9 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
             log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
             results.append({"drafter": label, "split": split, **summary})
     settings = {
-        "target": config.target,
-        "drafters": config.drafters,
-        "data": config.splits,
+        "target": portable_path(config.target),
+        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
+        "data": {split: portable_path(p) for split, p in config.splits.items()},
         "mode": "tree" if tree else "chain",
         "k": None if tree else config.k,
         "tree": asdict(tree) if tree else None,

@@ -1,4 +1,4 @@
-"""Attention of the training-time-test unroll (DESIGN §4).
+"""Attention of the training-time-test unroll (docs/design.md §4).
 
 Query `(p, k)` — position `p`, TTT step `k` — attends to
 
@@ -31,7 +31,8 @@ import math
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "flash", "blockwise", "reference")
+from eagle31.recipe import AttentionBackend
+
 
 # Scores of one query block are kept under this many elements (blockwise kernel).
 _BLOCK_BUDGET = 1 << 24
@@ -355,7 +356,7 @@ def ttt_attention(q, k0, v0, chain_k, chain_v, segments, backend: str = "auto") 
         return reference_attention(q, k0, v0, chain_k, chain_v, segments)
     kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
     if backend not in kernels:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
     if len(chain_k) != len(chain_v):
         raise ValueError(f"{len(chain_k)} chain keys but {len(chain_v)} chain values")
     return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], len(chain_k), *chain_k, *chain_v)

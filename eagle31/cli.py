@@ -3,6 +3,7 @@
 `recipe_main`: the recipe CLIs (Hydra composition over recipes/) with one-line errors.
 `run_cli`: runs a tool's body; every expected failure is one line on stderr and its exit code.
 `parse_key_values`: `key=value` arguments for the small tools in scripts/ (a dataclass is the schema).
+`wants_help`: `-h` / `--help` prints the CLI's docstring instead of parsing it as an argument.
 
 Exit codes are the `exit_code` of the `eagle31.errors` classes (the table is in that
 module and in README); this module only adds the failures Python raises itself:
@@ -27,22 +28,32 @@ import sys
 import time
 import types
 import typing
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from eagle31.config import ConfigError
 from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, RunInterrupted
+from eagle31.recipe import choose
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str]) -> int:
+def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str], usage: str = "") -> int:
     """Compose the recipe named by `argv` (`recipe=<name> field=value ...`) and run `fn(cfg)`.
 
     Bad input — an unknown recipe or field, a bad value, a missing file — is one
-    line on stderr and exit code 2; other failures as `run_cli` says.
+    line on stderr and exit code 2; other failures as `run_cli` says. `--help` prints
+    `usage` (the CLI's docstring), the recipes and the config sections; `--cfg` prints
+    the composed config instead of running `fn`.
     """
+    from eagle31.recipe import describe_recipes
+
+    if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
+        return 0
+    if "--cfg" in argv:
+        fn, argv = _print_config, [a for a in argv if a != "--cfg"]
     show_progress_lines()
 
     def compose_and_run() -> None:
@@ -129,6 +140,20 @@ def quoting_hint(argv: list[str]) -> str:
     return ""
 
 
+def wants_help(argv: list[str], usage: str) -> bool:
+    """True, after printing `usage`, when the arguments ask for help."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    print(usage.strip())
+    return True
+
+
+def _print_config(cfg: Any) -> None:
+    from omegaconf import OmegaConf
+
+    print(OmegaConf.to_yaml(cfg), end="")
+
+
 def parse_key_values(argv: list[str], schema: type[T]) -> T:
     """`["out=d", "dry_run=true"]` -> `schema(out="d", dry_run=True)`; fields without defaults are required."""
     fields = {f.name: f for f in dataclasses.fields(schema)}
@@ -161,6 +186,8 @@ def _convert(key: str, raw: str, hint: Any) -> Any:
         if raw.lower() in _FALSE:
             return False
         raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        return choose(hint, raw, key)
     if hint is int:
         try:
             return int(raw)

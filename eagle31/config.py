@@ -1,4 +1,4 @@
-"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (DESIGN §2–§3).
+"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2–§3).
 
 A drafter is one decoder layer whose attention input is `2H` wide (token
 embedding + feature), fed by a fused projection of `n` target hidden states.
@@ -289,7 +289,7 @@ MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """DESIGN §2: `(2, L//2, L-3)` in vLLM's convention (input of layer k)."""
+    """docs/design.md §2: `(2, L//2, L-3)` in vLLM's convention (input of layer k)."""
     return (2, num_layers // 2, num_layers - 3)
 
 

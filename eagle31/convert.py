@@ -81,8 +81,8 @@ from eagle31.config import (
 from eagle31.export import LAYER_PREFIX, native_key
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
 from eagle31.rope import ambiguity as rope_ambiguity
+from eagle31.recipe import DrafterFormat, choose
 
-SOURCE_FORMATS = ("auto", "eagle31", "eagle3", "speculators", "specforge", "torchspec")
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
 # training-only tensors of the speculators library, never needed for drafting
@@ -154,10 +154,8 @@ def read_drafter_config(
 def _read_meta(path: Path, source_format: str) -> tuple[dict[str, Any], str]:
     """(config.json, its source format)."""
     meta = read_json_config(path / "config.json", "drafter config")
-    fmt = detect_format(meta, path) if source_format == "auto" else source_format
-    if fmt not in SOURCE_FORMATS[1:]:
-        raise ConfigError(f"source_format must be one of {list(SOURCE_FORMATS)}, got {source_format!r}")
-    return meta, fmt
+    fmt = choose(DrafterFormat, source_format, "source_format")
+    return meta, detect_format(meta, path) if fmt == DrafterFormat.auto else fmt
 
 
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eagle31.config import ConfigError
+from eagle31.recipe import Device, choose
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,14 @@ class World:
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
+    requested = choose(Device, requested, "train.device")
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is available (use train.device=cpu or auto)")
         return torch.device("cuda", local_rank)
-    if requested == "cpu":
-        return torch.device("cpu")
-    raise ConfigError(f"train.device must be auto, cpu or cuda, got {requested!r}")
+    return torch.device("cpu")
 
 
 def init_world(device: str = "auto") -> World:

@@ -1,6 +1,6 @@
 """The drafter at inference: its KV cache, chain drafting and EAGLE-2 draft trees.
 
-Inference follows the training unroll (DESIGN §4, `eagle31.ttt`) exactly. Once
+Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly. Once
 the target has verified positions `0..n-1` and chosen token `x[n]`:
 
 * the drafter's cache holds the **step-0** keys of every verified position `p`,
@@ -212,7 +212,7 @@ class EagleProposer:
         return self.drafter.midlayer.pre_attention(emb, feature, cos, sin)
 
     def _next_feature(self, out: torch.Tensor) -> torch.Tensor:
-        """DESIGN §4: the next step reads norm(o) with `norm_output` (EAGLE 3.1), o otherwise."""
+        """docs/design.md §4: the next step reads norm(o) with `norm_output` (EAGLE 3.1), o otherwise."""
         return self.drafter.norm(out) if self.drafter.config.norm_output else out
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Export a drafter in vLLM's two layouts (DESIGN §6): a config writer and a rename table.
+"""Export a drafter in vLLM's two layouts (docs/design.md §6): a config writer and a rename table.
 
     eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3`, weights `midlayer.*`
                  (vLLM >= 0.22 reads the EAGLE 3.1 flags)
@@ -75,10 +75,10 @@ from safetensors.torch import save_file
 from eagle31.config import MLA_FIELDS, ConfigError, DrafterConfig
 from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
 from eagle31.model import Eagle31Drafter
+from eagle31.recipe import Dtype, ExportFormat, choose
 from eagle31.rope import ambiguity as rope_ambiguity
 
-FORMATS = ("eagle3", "speculators")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {d: getattr(torch, d) for d in Dtype}
 HF_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 MLA_MODEL_TYPE = "deepseek_v3"
@@ -157,8 +157,8 @@ def export_tensors(
     drafter: Eagle31Drafter, format: str, *, dtype: str = "bfloat16", include_embed: bool | None = None
 ) -> dict[str, torch.Tensor]:
     """The state dict under `format`'s names, floats cast to `dtype`, on CPU."""
-    _check_format(format)
-    torch_dtype = _torch_dtype(dtype)
+    choose(ExportFormat, format, "export format")
+    torch_dtype = DTYPES[choose(Dtype, dtype, "export.dtype")]
     check_vocab_maps(drafter)
     with_embed = embed_included(drafter.config, format, include_embed)
     out = {}
@@ -208,7 +208,7 @@ def check_vocab_maps(drafter: Eagle31Drafter) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
         raise ConfigError(f"d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
     if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ConfigError("d2t does not map draft ids to distinct target ids in ascending order (DESIGN §5)")
+        raise ConfigError("d2t does not map draft ids to distinct target ids in ascending order (docs/design.md §5)")
     t2d = drafter.t2d.cpu()
     if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
         raise ConfigError("t2d disagrees with d2t: it must mark exactly the draft vocabulary's target ids")
@@ -227,8 +227,8 @@ def export_config(
     target_name_or_path: str | None = None,
 ) -> dict[str, Any]:
     """`config.json` of `format` for a drafter with `config` (see the module docstring)."""
-    _check_format(format)
-    _torch_dtype(dtype)
+    choose(ExportFormat, format, "export format")
+    choose(Dtype, dtype, "export.dtype")
     if config.attention == "mla" and format != "eagle3":
         raise ConfigError(
             f"export format {format!r} cannot carry an MLA drafter (drafter.attention=mla): the speculators layout "
@@ -380,17 +380,6 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
             f"out={out} holds files eagle31 did not write {foreign}; overwrite=true replaces the whole folder, "
             "so move them elsewhere first"
         )
-
-
-def _check_format(format: str) -> None:
-    if format not in FORMATS:
-        raise ConfigError(f"export format must be one of {list(FORMATS)}, got {format!r}")
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ConfigError(f"export.dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 # ------------------------------------------------------------------------- runs

@@ -1,4 +1,4 @@
-"""TTT loss and metrics (DESIGN §4).
+"""TTT loss and metrics (docs/design.md §4).
 
 Label of query (p, k): the target's distribution for token x[p+2+k], i.e.
 `softmax(target_lm_head(final[p+1+k]))` restricted to the draft vocabulary

@@ -150,8 +150,6 @@ class RunLogger:
         if not is_main:
             return
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-        if wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logging.wandb.mode must be offline, online or disabled, got {wandb_mode!r}")
         if wandb_mode != "disabled":
             self.wandb = start_wandb(
                 wandb_mode,

@@ -1,4 +1,4 @@
-"""The EAGLE 3.1 drafter (DESIGN §3), with Hugging Face parameter names.
+"""The EAGLE 3.1 drafter (docs/design.md §3), with Hugging Face parameter names.
 
 Reads top to bottom: norm → MLP → attention projections → decoder layer →
 drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
@@ -122,7 +122,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one decoder layer (DESIGN §3), split around attention.
+    """The drafter's one decoder layer (docs/design.md §3), split around attention.
 
         r   = hidden_norm(h) if norm_before_residual else h
         z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
@@ -247,7 +247,7 @@ class Eagle31Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention: str = "auto",
     ) -> list[torch.Tensor]:
-        """Per-step draft logits, each [B, T, Vd]; step k at position p is query (p, k) of DESIGN §4.
+        """Per-step draft logits, each [B, T, Vd]; step k at position p is query (p, k) of docs/design.md §4.
 
         aux [B, T, n*Ht], input_ids [B, T]; see `eagle31.ttt.ttt_unroll`.
         """

@@ -4,27 +4,140 @@
 schema `eagle31_schema`), and `recipes/recipe/<name>.yaml` overrides it. Every
 CLI (`train/main.py`, `data_prep/*.py`, `scripts/*.py`) reads the same tree, so
 one recipe describes the target, the data and the drafter for all steps.
-Unknown fields are an error (Hydra's structured-config check).
+
+Every choice is an enum, so composition itself refuses an unknown field, a
+value of the wrong type or a value outside a choice, with one line naming the
+field; the steps that read the config do not check choices again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import textwrap
+import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TypeVar
 
 from eagle31.config import ConfigError
+
+
+# ---------------------------------------------------------------------------- choices
+# StrEnum members are their own names, so they compare, hash and print as the strings a
+# recipe spells; `to_container` writes them back as strings.
+
+
+class BuiltinTarget(StrEnum):
+    demo = "demo"  # a small Llama trained locally (eagle31.targets.demo)
+    kimi_k26_mini = "kimi_k26_mini"  # Kimi K2.6's architecture at toy sizes (eagle31.targets.kimi_mini)
+
+
+class Dtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Overflow(StrEnum):
+    truncate = "truncate"  # keep the first max_len tokens
+    drop = "drop"
+
+
+class FeatureMode(StrEnum):
+    online = "online"  # the target runs in the trainer
+    store = "store"  # features read from a shard store (data_prep/capture.py first)
+
+
+class StoreDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    float8 = "float8"  # e4m3 with per-row scales
+
+
+class Batching(StrEnum):
+    pack = "pack"  # one row of whole documents, with document ids
+    bucket = "bucket"  # similar lengths together, padded
+
+
+class DrafterFormat(StrEnum):
+    auto = "auto"  # detected from the checkpoint's config.json
+    eagle31 = "eagle31"
+    eagle3 = "eagle3"
+    speculators = "speculators"
+    specforge = "specforge"
+    torchspec = "torchspec"
+
+
+class DrafterAttention(StrEnum):
+    llama = "llama"  # q/k/v projections: vLLM's Llama EAGLE-3 layer
+    mla = "mla"  # DeepSeek's Multi-head Latent Attention: vLLM's Eagle3DeepseekV2ForCausalLM
+
+
+class AttentionBackend(StrEnum):
+    auto = "auto"
+    flash = "flash"
+    blockwise = "blockwise"
+    reference = "reference"
+
+
+class Device(StrEnum):
+    auto = "auto"  # cuda when available
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(StrEnum):
+    auto = "auto"  # bf16 compute on GPU, fp32 on CPU
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class ExportFormat(StrEnum):
+    eagle3 = "eagle3"  # vLLM's EAGLE-3 Hugging Face layout
+    speculators = "speculators"  # the speculators library's layout
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Split(StrEnum):
+    train = "train"
+    eval = "eval"  # held out
+
+
+class Resume(StrEnum):
+    never = "never"  # an output_dir holding a run is refused
+    auto = "auto"  # continue from the latest checkpoint of the same run
+
+
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def choose(kind: type[Choice], value: Any, name: str) -> Choice:
+    """`value` as a member of `kind`: the guard of library functions that take a choice outside a recipe."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------- sections
 
 
 @dataclass
 class TargetConfig:
     path: Optional[str] = None  # local HF model directory
-    builtin: Optional[str] = None  # "demo" | "kimi_k26_mini": built locally by eagle31.targets (cached)
+    builtin: Optional[BuiltinTarget] = None  # built locally by eagle31.targets (cached)
     config: Optional[str] = None  # a config.json for dry runs without weights
     name: Optional[str] = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
     revision: Optional[str] = None
-    dtype: str = "bfloat16"
+    dtype: Dtype = Dtype.bfloat16
     device_map: Optional[str] = None  # e.g. "auto" for targets larger than one device
     trust_remote_code: bool = False
 
@@ -39,7 +152,7 @@ class DataConfig:
     prepared_dir: str = "${output_dir}/data"
     system_prompt: Optional[str] = None  # added to conversations that have none
     max_len: int = 2048
-    overflow: str = "truncate"  # truncate | drop
+    overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn
     # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
     # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
@@ -53,17 +166,17 @@ class DataConfig:
 class FeaturesConfig:
     """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
-    mode: str = "online"  # online (target runs in the trainer) | store (data_prep/capture.py first)
+    mode: FeatureMode = FeatureMode.online
     store_dir: str = "${output_dir}/features"  # one store per split: <store_dir>/train, <store_dir>/eval
-    store_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | float8 (e4m3, per-row scales)
+    store_dtype: StoreDtype = StoreDtype.bfloat16
     shard_max_tokens: int = 32768  # Kimi K2.6 in bf16 stores 56 KiB/token: 1.75 GiB per shard
     capture_batch_tokens: int = 8192  # padded tokens per target forward (capture and online)
-    batching: str = "pack"  # pack (one row, document ids) | bucket (by length, padded)
+    batching: Batching = Batching.pack
     tokens_per_batch: int = 4096  # micro-batch budget: pack row length, or bucket B * max T
     skip_corrupt: bool = False  # skip shards whose checksum fails (counted) instead of stopping
     # data_prep/import_speculators.py: vLLM captures written by `speculators` (hs_<i>.safetensors, i = row)
     import_hidden_states_dir: Optional[str] = None
-    import_split: str = "train"  # the store written: <store_dir>/<import_split>
+    import_split: Split = Split.train  # the store written: <store_dir>/<import_split>
     import_dataset_dir: Optional[str] = None  # rows the files were made from (loss masks); default the prepared split
     import_all_tokens: bool = False  # no loss masks available: supervise every token
 
@@ -86,14 +199,14 @@ class DrafterSection:
     norm_before_residual: bool = False
     # llama: q/k/v projections (vLLM's Llama EAGLE-3 layer); mla: DeepSeek's Multi-head Latent
     # Attention (vLLM's Eagle3DeepseekV2ForCausalLM), its shape from the target unless set below
-    attention: str = "llama"
+    attention: DrafterAttention = DrafterAttention.llama
     q_lora_rank: Optional[int] = None
     kv_lora_rank: Optional[int] = None
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     init_from: Optional[str] = None  # a drafter to fine-tune (any layout eagle31 reads)
-    init_from_format: str = "auto"  # auto | eagle31 | eagle3 | speculators | specforge | torchspec
+    init_from_format: DrafterFormat = DrafterFormat.auto
     upgrade_to_eagle31: bool = False  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
 
 
@@ -109,11 +222,11 @@ class TrainConfig:
     max_steps: int = 1000
     grad_accum: int = 1
     max_grad_norm: float = 0.5
-    attention: str = "auto"  # auto | flash | blockwise | reference
+    attention: AttentionBackend = AttentionBackend.auto
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | bf16 | fp32
+    device: Device = Device.auto
+    precision: Precision = Precision.auto
     log_every: int = 10
     eval_every: int = 200
     save_every: int = 200
@@ -123,8 +236,8 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
-    dtype: str = "bfloat16"
+    formats: list[ExportFormat] = field(default_factory=lambda: list(ExportFormat))
+    dtype: Dtype = Dtype.bfloat16
     include_embed: Optional[bool] = None  # None: the layout's default (eagle31/export.py)
 
 
@@ -141,7 +254,7 @@ class EvalConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "eagle31"
     entity: Optional[str] = None
 
@@ -162,7 +275,7 @@ class HubConfig:
 class RunConfig:
     name: str = "demo"
     output_dir: str = "runs/${name}"
-    resume: str = "never"  # never | auto
+    resume: Resume = Resume.never
     dry_run: bool = False
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -212,18 +325,49 @@ def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
     return cfg
 
 
+def describe_recipes(recipes_dir: str | Path) -> str:
+    """The recipes under `recipes_dir` and every config section's fields, for `--help`."""
+    names = sorted(p.stem for p in (Path(recipes_dir) / "recipe").glob("*.yaml"))
+    lines = [f"recipes (recipe=<name>, default demo): {', '.join(names)}", "", "config sections (section.field=value):"]
+    scalars = []
+    for f in dataclasses.fields(RunConfig):
+        hint = typing.get_type_hints(RunConfig)[f.name]
+        if dataclasses.is_dataclass(hint):
+            text = ", ".join(_describe_field(hint, g) for g in dataclasses.fields(hint))
+            lines += textwrap.wrap(text, 100, initial_indent=f"  {f.name:<9} ", subsequent_indent=" " * 12)
+        else:
+            scalars.append(_describe_field(RunConfig, f))
+    lines += textwrap.wrap(", ".join(scalars), 100, initial_indent=f"  {'(top)':<9} ", subsequent_indent=" " * 12)
+    return "\n".join(lines)
+
+
+def _describe_field(owner: type, f: Any) -> str:
+    """`name`, `name={a|b}` for a choice, `name.{x, y}` for a nested section."""
+    hint = typing.get_type_hints(owner)[f.name]
+    inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = typing.get_args(inner[0])[0] if typing.get_args(inner[0]) else inner[0]
+    if dataclasses.is_dataclass(kind):
+        return f"{f.name}.{{{', '.join(g.name for g in dataclasses.fields(kind))}}}"
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        return f"{f.name}={{{'|'.join(m.value for m in kind)}}}"
+    return f.name
+
+
 def _one_line(e: BaseException) -> str:
     parts = [str(e)]
     if e.__cause__ is not None and str(e.__cause__) not in parts[0]:
         parts.append(str(e.__cause__))
     text = " ".join(" ".join(parts).split())
+    key = re.search(r" full_key: (\S+)", text)
     for noise in (r" To append to your config use \S+", r" (full_key|key): \S+.*$", r" Config search path:.*$"):
         text = re.sub(noise, "", text)
+    if key and key.group(1) not in text:  # a bad value in a recipe file: name the field it is for
+        text = f"{text} (field {key.group(1)})"
     return text
 
 
 def to_container(cfg: Any) -> dict:
-    """A resolved plain-dict copy of an OmegaConf config."""
+    """A resolved plain-dict copy of an OmegaConf config, choices as their strings."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -3,7 +3,7 @@
 One `train_step` takes `grad_accum` micro-batches. Before any forward it
 computes, without gradients, which queries each micro-batch supervises (the
 target's argmax decides `mask_out_of_vocab`) and all-reduces the per-step
-counts, so every micro-batch divides by the *global* count (DESIGN §4): the
+counts, so every micro-batch divides by the *global* count (docs/design.md §4): the
 loss and its gradients do not depend on world size or accumulation.
 
 On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master

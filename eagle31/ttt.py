@@ -1,4 +1,4 @@
-"""The training-time-test (TTT) unroll (DESIGN §4).
+"""The training-time-test (TTT) unroll (docs/design.md §4).
 
 Step 0 at position p reads the fused target feature `fc(fc_norm(aux[p]))` and
 token `x[p+1]`; step k >= 1 reads the drafter's own step-(k-1) output at p —

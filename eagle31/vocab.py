@@ -1,4 +1,4 @@
-"""Draft vocabulary (DESIGN §5).
+"""Draft vocabulary (docs/design.md §5).
 
 Count target tokens at supervised positions over the training set; keep the
 `Vd` most frequent (ties: lower id first); pad with the lowest unused ids when

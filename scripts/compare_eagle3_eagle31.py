@@ -1,4 +1,4 @@
-"""EAGLE 3 against EAGLE 3.1 on the demo target (issue 7): train both, evaluate on every split.
+"""EAGLE 3 against EAGLE 3.1 on the demo target: train both, evaluate on every split.
 
     python scripts/compare_eagle3_eagle31.py                   # the comparison of docs/eagle3_vs_eagle31.md
     python scripts/compare_eagle3_eagle31.py dry_run=true      # print the commands, run nothing
@@ -30,9 +30,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values
+from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import ConfigError
 from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle31.targets.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # The one difference between the drafters: EAGLE 3 is EAGLE 3.1 with both switches off;
@@ -150,9 +151,11 @@ def execute(cfg: CompareConfig, steps: list[tuple[list[str], Path]]) -> None:
     log = Path(cfg.out) / "commands.sh"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
-        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}  (cd {ROOT})\n")
+        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
+        f.write('EAGLE31_CACHE="${EAGLE31_CACHE:-$HOME/.cache/eagle31}"\n')
     for command, output in steps:
         line = f"OMP_NUM_THREADS={cfg.threads} " + shlex.join(command)
+        line = line.replace(str(cache_dir()), "$EAGLE31_CACHE")  # the demo target's path on this machine
         if (ROOT / output).is_file():
             print(f"skip (done: {output}): {line}", file=sys.stderr)
             continue
@@ -351,6 +354,8 @@ def plot_results(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
     try:
         cfg = parse_key_values(argv, CompareConfig)
     except ConfigError as e:

@@ -1,4 +1,4 @@
-"""Acceptance length of drafters by real (greedy) speculative decoding with the HF target.
+r"""Acceptance length of drafters by real (greedy) speculative decoding with the HF target.
 
     python scripts/eval_acceptance.py drafter=runs/demo/drafter target=<target dir> \
         data=<corpus dir or a.jsonl,b.jsonl> k=3 max_new_tokens=128 out=runs/demo/acceptance
@@ -22,11 +22,14 @@ import sys
 
 from eagle31.acceptance import AcceptanceConfig, run_acceptance
 from eagle31.acceptance_report import REPORT_KIND, format_table, write_report
-from eagle31.cli import parse_key_values, run_cli
+from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.io import check_output_dir
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
+
     def evaluate() -> None:
         config = parse_key_values(argv, AcceptanceConfig)
         check_output_dir(config.out, REPORT_KIND)  # before the decoding, which takes minutes

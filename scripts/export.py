@@ -16,52 +16,37 @@ default in the speculators layout and left out of the eagle3 one (vLLM shares th
 target's); `include_embed=` overrides that. Exit codes: 0 done, 2 bad arguments or input.
 """
 
-from __future__ import annotations
-
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values
+from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import ConfigError
 from eagle31.convert import load_drafter
-from eagle31.export import (
-    DTYPES,
-    FORMATS,
-    RUN_DRAFTER,
-    check_export_out,
-    export_drafter,
-    export_options,
-    is_run_dir,
-    read_run_config,
-)
+from eagle31.export import RUN_DRAFTER, check_export_out, export_drafter, export_options, is_run_dir, read_run_config
+from eagle31.recipe import DrafterFormat, Dtype, ExportFormat
 
 
 @dataclass
 class ExportArgs:
     checkpoint: str
     out: str
-    format: str = "eagle3"
-    dtype: str | None = None
+    format: ExportFormat = ExportFormat.eagle3
+    dtype: Dtype | None = None
     include_embed: bool | None = None
     num_speculative_tokens: int | None = None
     trained_context: int | None = None
     target: str | None = None
-    source_format: str = "auto"
+    source_format: DrafterFormat = DrafterFormat.auto
     target_num_layers: int | None = None
     overwrite: bool = False
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+    if wants_help(argv, __doc__):
         return 0
     try:
         args = parse_key_values(argv, ExportArgs)
-        if args.format not in FORMATS:
-            raise ConfigError(f"format must be one of {list(FORMATS)}, got {args.format!r}")
-        if args.dtype is not None and args.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {args.dtype!r}")
         checkpoint = Path(args.checkpoint)
         if not checkpoint.is_dir():
             raise ConfigError(f"checkpoint={checkpoint} is not a directory")

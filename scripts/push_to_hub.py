@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values
+from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import ConfigError
 from eagle31.export import is_run_dir, read_run_config
 from eagle31.hub import HubError, check_repo_id, push_folder, read_data_report, read_export, read_report, write_model_card
@@ -38,8 +38,7 @@ def find_run_dir(out: Path) -> Path | None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+    if wants_help(argv, __doc__):
         return 0
     try:
         args = parse_key_values(argv, PushArgs)

@@ -1,4 +1,4 @@
-"""Acceptance evaluation (issue 7): the metrics, prompts, arguments and the script end to end."""
+"""Acceptance evaluation: the metrics, prompts, arguments and the script end to end."""
 
 import json
 import runpy

@@ -1,4 +1,4 @@
-"""scripts/compare_eagle3_eagle31.py (issue 7): the commands it runs and the tables it writes, not the comparison itself."""
+"""scripts/compare_eagle3_eagle31.py: the commands it runs and the tables it writes, not the comparison itself."""
 
 import runpy
 from pathlib import Path
@@ -100,3 +100,23 @@ def test_feature_scale_is_the_rms_of_the_targets_hidden_states(tmp_path):
         assert got["below"] == pytest.approx(expected[:100].mean().item(), rel=1e-4)
         assert got["beyond"] == pytest.approx(expected[100:].mean().item(), rel=1e-4)
     assert scale["splits"]["long_prompt"]["final"]["beyond"] == pytest.approx(rms(hidden[-1])[100:].mean().item(), rel=1e-4)
+
+
+def test_commands_log_names_the_cache_by_its_variable(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EAGLE31_CACHE", str(cache))
+    cfg = parse_key_values([f"out={tmp_path / 'o'}", "threads=1"], CompareConfig)
+    done = tmp_path / "done.json"
+    steps = [(["python", "-c", "pass", f"target={cache}/targets/demo"], done)]
+    script["execute"](cfg, steps)
+    log = (tmp_path / "o" / "commands.sh").read_text()
+    assert "from the repository root" in log and 'EAGLE31_CACHE="${EAGLE31_CACHE:-$HOME/.cache/eagle31}"' in log
+    assert "target=$EAGLE31_CACHE/targets/demo" in log and str(tmp_path) not in log.replace(str(tmp_path / "o"), "")
+
+
+def test_committed_results_carry_no_machine_paths():
+    for path in (ROOT / "benchmarks" / "results").rglob("*"):
+        if path.suffix in (".json", ".md", ".sh"):
+            text = path.read_text()
+            for machine in ("/root/", "/home/", "/work/", "(cd /"):
+                assert machine not in text, f"{path.relative_to(ROOT)} names {machine!r}"

@@ -1,4 +1,4 @@
-"""The drafter at inference against the training unroll (DESIGN §4).
+"""The drafter at inference against the training unroll (docs/design.md §4).
 
 Every proposal of `EagleProposer` must be the argmax (chain) or top-k (tree) of
 the training unroll's logits at the same query, with the drafted tokens fed to

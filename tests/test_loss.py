@@ -1,4 +1,4 @@
-"""Label and mask alignment (DESIGN §4) on hand-made examples, and the metrics."""
+"""Label and mask alignment (docs/design.md §4) on hand-made examples, and the metrics."""
 
 import torch
 

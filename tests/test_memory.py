@@ -1,4 +1,4 @@
-"""Peak memory of the training step (issue 8's CPU proxy): linear in T, lowered by activation checkpointing.
+"""Peak memory of the training step (the CPU proxy of the long-context goal): linear in T, lowered by activation checkpointing.
 
 Each figure is `benchmarks.measure.cpu_step_peak_bytes`: two full trainer steps (TTT unroll, loss,
 backward, AdamW) of a small drafter on one packed sequence, in a fresh process, as the rise of

@@ -1,4 +1,4 @@
-"""Speculative decoding with a tiny random Llama target (issue 7).
+"""Speculative decoding with a tiny random Llama target.
 
 Lossless (chain and tree, real drafter and oracles, a Llama and an MLA/MoE
 target), the oracles' acceptance lengths, EOS, chain == tree at top-k 1, and the

@@ -2,7 +2,7 @@
 
 The naive version below shares no code with the library: Python loops over
 rows, steps and positions, explicit softmax, hand-written RMSNorm and RoPE. It
-follows DESIGN §3–§4 literally.
+follows docs/design.md §3–§4 literally.
 """
 
 import itertools

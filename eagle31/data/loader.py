@@ -36,8 +36,7 @@ import torch
 
 from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
-
-BATCHING = ("pack", "bucket")
+from eagle31.recipe import Batching, choose
 
 
 class FeatureSource(Protocol):
@@ -83,8 +82,7 @@ class FeatureLoader:
         rank: int = 0,
         world_size: int = 1,
     ):
-        if batching not in BATCHING:
-            raise ConfigError(f"features.batching must be one of {BATCHING}, got {batching!r}")
+        batching = choose(Batching, batching, "features.batching")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world_size {world_size}")
         if len(source.lengths) == 0:

@@ -6,7 +6,7 @@ writes `data_cfg.prepared_dir`:
 
     train/, eval/               datasets.Dataset (save_to_disk): input_ids list<int32>, loss_mask list<int8>
     token_counts.safetensors    counts [V] int64: target tokens at supervised positions of train/
-    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (DESIGN §5, eagle31.vocab)
+    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (docs/design.md §5, eagle31.vocab)
     report.json                 records in, samples out, dropped inputs per reason with locations, token totals
 
 Each conversation becomes one sample (`eagle31.data.chat`). Longer than `max_len`
@@ -56,7 +56,6 @@ from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
 log = logging.getLogger(__name__)
 
-OVERFLOW = ("truncate", "drop")
 UNRENDERED_WHY = (
     "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
     "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
@@ -139,8 +138,6 @@ def check_data_config(data_cfg: Any) -> list[str]:
                 f"data.prepared_dir {data_cfg.prepared_dir} holds data.source {source}: preparing would replace "
                 "that folder; choose a prepared_dir (or output_dir) outside your data"
             )
-    if data_cfg.overflow not in OVERFLOW:
-        raise ConfigError(f"data.overflow must be one of {OVERFLOW}, got {data_cfg.overflow!r}")
     if not data_cfg.max_len > 0:
         raise ConfigError(f"data.max_len must be positive, got {data_cfg.max_len!r}")
     if not 0 <= data_cfg.eval_fraction < 1:

@@ -12,7 +12,7 @@ The slots are vLLM's `eagle_aux_hidden_state_layer_ids`, which launch_vllm.py se
 to the aux ids plus `L` (default `[2, L//2, L-3, L]`), in increasing id order:
 
 * slot j < n-1: the residual stream at the *input* of decoder layer `aux_ids[j]` —
-  vLLM's convention, which is ours (DESIGN §2): copied as is into `aux`.
+  vLLM's convention, which is ours (docs/design.md §2): copied as is into `aux`.
 * slot n-1 (id `L`): the output of the last decoder layer, `hidden_states + residual`
   *before* the final norm (vLLM's Llama / DeepSeek-V2/V3 models append it before
   `self.norm`; speculators applies the target's norm to it when training). So

@@ -1,4 +1,4 @@
-"""The shard store: target features on disk (DESIGN §6).
+"""The shard store: target features on disk (docs/design.md §6).
 
 Layout of a store directory (one per split, e.g. `features/train`):
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle31.config import ConfigError
+from eagle31.recipe import BuiltinTarget
 
-BUILTIN_TARGETS = ("demo", "kimi_k26_mini")
 
 
 def resolve_target_path(target_cfg: Any) -> Path:
@@ -32,7 +32,7 @@ def resolve_target_path(target_cfg: Any) -> Path:
 
         return ensure_kimi_k26_mini()
     if builtin is not None:
-        raise ConfigError(f"target.builtin={builtin!r} is not a built-in target; choose one of {list(BUILTIN_TARGETS)}")
+        raise ConfigError(f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}")
     path = getattr(target_cfg, "path", None)
     if not path:
         raise ConfigError("target.path is not set (and no target.builtin is given)")

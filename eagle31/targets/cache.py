@@ -27,6 +27,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EAGLE31_CACHE") or Path.home() / ".cache" / "eagle31")
 
 
+def portable_path(path: str | Path) -> str:
+    """`path` as recorded in committed results: `$EAGLE31_CACHE/...` inside the cache,
+    relative to the working directory below it, else as given. A record then names the
+    same file on every machine, and carries no home directory."""
+    p, cache, here = Path(path).absolute(), cache_dir().absolute(), Path.cwd()
+    if p.is_relative_to(cache):
+        return f"$EAGLE31_CACHE/{p.relative_to(cache)}"
+    if p.is_relative_to(here):
+        return str(p.relative_to(here))
+    return str(path)
+
+
 def ensure_built(name: str, key: str, build: Callable[[Path], None]) -> Path:
     """The directory of target `name`-`key`, calling `build(tmp_dir)` first if it does not exist."""
     root = cache_dir() / "targets"

@@ -185,7 +185,6 @@ def test_nothing_left_is_a_data_error_and_keeps_the_previous_output(tmp_path, ll
     "field, value, match",
     [
         ("source", [], "data.source is empty"),
-        ("overflow", "cut", "data.overflow"),
         ("max_len", 0, "data.max_len"),
         ("eval_fraction", 1.0, "data.eval_fraction"),
         ("eval_max_samples", -1, "data.eval_max_samples"),

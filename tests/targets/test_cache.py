@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from eagle31.targets.cache import build_atomically, ensure_built
+from eagle31.targets.cache import build_atomically, ensure_built, portable_path
 
 # Each process waits until both are ready (a barrier of files), then asks for the
 # target; a build is logged to `builds.log` and is slow enough for the calls to overlap.
@@ -65,3 +65,12 @@ def test_build_atomically_refuses_an_existing_directory(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError, match="out already exists"):
         build_atomically(tmp_path / "out", lambda d: None)
+
+
+def test_portable_path_names_the_cache_by_its_variable_and_the_checkout_relatively(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert portable_path(tmp_path / "cache" / "targets" / "demo") == "$EAGLE31_CACHE/targets/demo"
+    assert portable_path(tmp_path / "runs" / "x" / "drafter") == "runs/x/drafter"
+    assert portable_path("runs/x") == "runs/x"
+    assert portable_path("/elsewhere/model") == "/elsewhere/model"

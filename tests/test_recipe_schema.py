@@ -1,0 +1,151 @@
+"""The typed recipe schema: every recipe dry-runs, every bad choice is refused at composition,
+and every CLI answers `--help` (in-process: no interpreter per case)."""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+import sys
+import typing
+from enum import StrEnum
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle31.cli import parse_key_values, recipe_main
+from eagle31.config import ConfigError
+from eagle31.data.store import STORE_DTYPES
+from eagle31.pipeline import run
+from eagle31.recipe import RunConfig, StoreDtype, load_recipe, to_container
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
+
+# One bad value per choice of the schema: (override, the field the error must name).
+BAD_CHOICES = [
+    ("target.builtin=llama", "target.builtin"),
+    ("target.dtype=int8", "target.dtype"),
+    ("data.overflow=cut", "data.overflow"),
+    ("features.mode=disk", "features.mode"),
+    ("features.store_dtype=int2", "features.store_dtype"),
+    ("features.batching=bogus", "features.batching"),
+    ("features.import_split=test", "features.import_split"),
+    ("drafter.init_from_format=eagle2", "drafter.init_from_format"),
+    ("drafter.attention=gqa", "drafter.attention"),
+    ("train.attention=bogus", "train.attention"),
+    ("train.device=tpu", "train.device"),
+    ("train.precision=fp8", "train.precision"),
+    ("export.formats=[bogus]", "export.formats"),
+    ("export.dtype=int4", "export.dtype"),
+    ("logging.wandb.mode=bogus", "logging.wandb.mode"),
+    ("resume=sometimes", "resume"),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_recipe_dry_runs(name, tmp_path, capsys):
+    report = run(load_recipe(RECIPES, [f"recipe={name}", "dry_run=true", f"output_dir={tmp_path / 'run'}"]))
+    assert report["recipe"] == name and report["parameters"]["trainable"] > 0
+    assert f"dry run of recipe {name!r}: config valid" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("override, field", BAD_CHOICES)
+def test_each_bad_choice_is_refused_at_composition(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", override])
+    message = str(e.value)
+    assert "\n" not in message and field in message and "expected one of" in message
+
+
+def test_the_bad_choices_together_are_refused_before_anything_runs(capsys):
+    bad = [o for o, _ in BAD_CHOICES]
+    ran = []
+    assert recipe_main(ran.append, RECIPES, ["recipe=kimi_k26", "dry_run=true", *bad]) == 2
+    assert not ran
+    out, err = capsys.readouterr()
+    assert "config valid" not in out and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_bad_choice_inside_a_recipe_file_names_its_field(tmp_path):
+    recipes = tmp_path / "recipes"
+    (recipes / "recipe").mkdir(parents=True)
+    (recipes / "config.yaml").write_text((RECIPES / "config.yaml").read_text())
+    (recipes / "recipe" / "demo.yaml").write_text("# @package _global_\nname: bad\ntrain:\n  precision: fp8\n")
+    with pytest.raises(ConfigError, match=r"'fp8', expected one of \[auto, bf16, fp32\] \(field train\.precision\)"):
+        load_recipe(recipes, [])
+
+
+def _choice_fields(schema: type, prefix: str = "") -> dict[str, type]:
+    """Dotted name -> enum of every choice field in the schema tree."""
+    found = {}
+    for f in dataclasses.fields(schema):
+        hint = typing.get_type_hints(schema)[f.name]
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        kind = typing.get_args(kinds[0])[0] if typing.get_origin(kinds[0]) is list else kinds[0]
+        if dataclasses.is_dataclass(kind):
+            found |= _choice_fields(kind, f"{prefix}{f.name}.")
+        elif isinstance(kind, type) and issubclass(kind, StrEnum):
+            found[prefix + f.name] = kind
+    return found
+
+
+def test_every_choice_field_has_a_bad_value_case():
+    missing = set(_choice_fields(RunConfig)) - {field for _, field in BAD_CHOICES}
+    assert not missing, f"add a bad value of {sorted(missing)} to BAD_CHOICES"
+    assert {field for _, field in BAD_CHOICES} <= set(_choice_fields(RunConfig))
+
+
+def test_choices_compose_as_the_strings_recipes_spell():
+    cfg = load_recipe(RECIPES, ["recipe=kimi_k26", "train.attention=blockwise", "export.formats=[speculators]"])
+    assert cfg.train.attention == "blockwise" and f"{cfg.train.attention}" == "blockwise"
+    plain = to_container(cfg)
+    assert plain["export"]["formats"] == ["speculators"] and type(plain["train"]["device"]) is str
+    assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # the run directory's config.yaml
+
+
+def test_store_dtype_choices_are_the_dtypes_the_store_writes():
+    assert set(StoreDtype) == set(STORE_DTYPES)
+
+
+def test_key_value_choices_are_checked_when_parsed():
+    @dataclasses.dataclass
+    class Args:
+        dtype: StoreDtype | None = None
+
+    assert parse_key_values(["dtype=float8"], Args).dtype is StoreDtype.float8
+    with pytest.raises(ConfigError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32', 'float8'\], got 'int2'"):
+        parse_key_values(["dtype=int2"], Args)
+
+
+# ---------------------------------------------------------------------------- --help and --cfg
+
+
+CLIS = ["train/main.py", *(f"data_prep/{p.name}" for p in sorted((REPO / "data_prep").glob("*.py"))),
+        *(f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py")))]  # fmt: skip
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_every_cli_answers_help(cli, monkeypatch, capsys):
+    path = REPO / cli
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(path), run_name="__main__")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"python {cli}" in out or f"{path.name}" in out  # opens with how to run it
+    if cli.startswith(("train/", "data_prep/")):  # the recipe CLIs list the recipes and sections
+        assert all(name in out for name in NAMES)
+        assert all(f"  {section}" in out for section in ("target", "data", "features", "drafter", "train", "export"))
+        assert "train.attention" not in out and "attention={auto|flash|blockwise|reference}" in out
+
+
+def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):
+    ran = []
+    assert recipe_main(ran.append, RECIPES, ["recipe=kimi_k26", "--cfg", "train.lr=5e-5", "features.batching=bucket"]) == 0
+    assert not ran
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["name"] == "kimi_k26" and printed["train"]["lr"] == 5e-5 and printed["features"]["batching"] == "bucket"
+    assert printed["target"]["config"].endswith("recipes/targets/kimi_k26.json")  # resolved, not ${recipes_dir:}
