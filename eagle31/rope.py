@@ -1,4 +1,4 @@
-"""The drafter's rotary embedding as vLLM serves it (DESIGN §3: train what vLLM serves).
+"""The drafter's rotary embedding as vLLM serves it (docs/design.md §3: train what vLLM serves).
 
 A Llama-attention drafter trains with the rope that vLLM builds from its exported config:
 vLLM's `get_rope(head_dim, max_position, rope_parameters)` for the EAGLE-3 Llama layer.
@@ -19,7 +19,7 @@ tables are multiplied by (the magnitude); every q·k logit scales with its squar
 transformers and vLLM read some yarn fields differently. transformers takes the magnitude
 from `attention_factor`, or from DeepSeek's `mscale`/`mscale_all_dim` ratio (1.0 for Kimi
 K2.6's block); vLLM's Llama layer ignores all three. vLLM alone reads `attn_factor`,
-`extrapolation_factor` and `apply_yarn_scaling`. (vLLM issue 48621 proposes honouring
+`extrapolation_factor` and `apply_yarn_scaling`. (A proposal in vLLM would honour
 the DeepSeek fields, so they may also mean different things in different vLLM versions.)
 `ambiguity` says when a block means different ropes in the two; `for_llama_drafter` drops
 the DeepSeek-only fields from a target's block, so that the drafter's rope means the same

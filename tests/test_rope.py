@@ -1,4 +1,4 @@
-"""The drafter trains with the rope vLLM serves (DESIGN §3), for every rope type and recipe.
+"""The drafter trains with the rope vLLM serves (docs/design.md §3), for every rope type and recipe.
 
 The reference is `tests/export/vllm_contract.rope_cos_sin`, a re-implementation of vLLM's
 rotary-embedding classes applied to the exported config, never eagle31's rope code nor
@@ -88,7 +88,7 @@ def test_ambiguity_is_exactly_where_transformers_and_vllm_disagree(rope):
 
 
 def test_kimis_own_yarn_block_is_1_0_in_transformers_and_1_416_in_vllm():
-    """vLLM issue 48621: the Llama layer's YaRN ignores DeepSeek's mscale fields."""
+    """vLLM's Llama layer YaRN ignores DeepSeek's mscale fields; transformers honours them."""
     config = tiny_config(rope_parameters=dict(KIMI_YARN))
     hf_cos, _ = LlamaRotaryEmbedding(LlamaConfig(**layer_view(config)))(torch.zeros(1), torch.zeros(1, 1, dtype=torch.long))
     v_cos, _ = vllm.rope_cos_sin(layer_view(config), torch.zeros(1, dtype=torch.long))

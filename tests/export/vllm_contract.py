@@ -50,7 +50,7 @@ Read in vllm-project/vllm:
   position, `[cos | sin]` of `position * inv_freq`, and the kernel gathers rows by
   position. `get_rope` hands YaRN only `extrapolation_factor`, `attn_factor`,
   `beta_fast`, `beta_slow`, `apply_yarn_scaling` and `truncate`, so `mscale`,
-  `mscale_all_dim` and `attention_factor` never reach it (vLLM issue 48621).
+  `mscale_all_dim` and `attention_factor` never reach it.
 """
 
 from __future__ import annotations
