@@ -1,7 +1,9 @@
 """The drafter at inference: its KV cache, chain drafting and EAGLE-2 draft trees.
 
-Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly. Once
-the target has verified positions `0..n-1` and chosen token `x[n]`:
+Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly: both
+run the drafter's own step (`Eagle31Drafter.step_qkv` / `step_output`) and differ only in
+the attention between its halves. Once the target has verified positions `0..n-1` and
+chosen token `x[n]`:
 
 * the drafter's cache holds the **step-0** keys of every verified position `p`,
   made from the *target's* feature `fc(fc_norm(aux[p]))` and token `x[p+1]` at
@@ -121,7 +123,7 @@ class EagleProposer:
         self.length = 0  # verified positions in the cache
         self.keys: torch.Tensor | None = None  # step-0 keys [1, length, nkv, d]
         self.values: torch.Tensor | None = None
-        self.root: torch.Tensor | None = None  # step-0 output o at position length-1, [1, 1, H]
+        self.root: torch.Tensor | None = None  # step-0 output o (`DraftStep.hidden`) at position length-1, [1, 1, H]
 
     @torch.no_grad()
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -129,28 +131,28 @@ class EagleProposer:
         m = next_tokens.numel()
         feature = self.drafter.fuse_aux(aux.reshape(1, m, -1).to(self.drafter.fc.weight.dtype))  # [1, m, H]
         positions = torch.arange(self.length, self.length + m, device=feature.device)[None]
-        q, k, v, residual = self._project(feature, next_tokens.reshape(1, m), positions)
+        q, k, v, residual = self.drafter.step_qkv(feature, next_tokens.reshape(1, m), positions)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
         self.length += m
         # only the last position's output is needed: it seeds the next draft (its causal keys are all keys)
         attn = _attend(q[:, -1:], self.keys, self.values)
-        self.root = self.drafter.midlayer.post_attention(residual[:, -1:], attn)
+        self.root = self.drafter.step_output(residual[:, -1:], attn).hidden
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
         self._check_ready()
-        out, keys, values = self.root, self.keys, self.values
+        out, keys, values = self.drafter.read_out(self.root), self.keys, self.values
         drafts = []
         for step in range(k):
-            token = self.drafter.draft_to_target(self._logits(out).argmax(-1))  # [1, 1]
+            token = self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))  # [1, 1]
             drafts.append(token)
             if step == k - 1:
                 break
             position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
-            q, key, value, residual = self._project(self._next_feature(out), token, position)
+            q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
-            out = self.drafter.midlayer.post_attention(residual, _attend(q, keys, values))
+            out = self.drafter.step_output(residual, _attend(q, keys, values))
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()
@@ -158,7 +160,7 @@ class EagleProposer:
         """EAGLE-2 expansion and reranking (module docstring).
 
         Candidates are kept in creation order (parents first); each remembers the
-        drafter output that proposed it, which is its feature when expanded.
+        next-step feature of the drafter output that proposed it, which it reads when expanded.
         """
         self._check_ready()
         if spec.top_k > self.drafter.config.draft_vocab_size:
@@ -166,29 +168,29 @@ class EagleProposer:
                 f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"
             )
         top_k = spec.top_k
-        scores, ids = self._log_probs(self.root[0, 0]).topk(top_k)  # [top_k]
+        root = self.drafter.read_out(self.root)
+        scores, ids = self._log_probs(root.state[0, 0]).topk(top_k)  # [top_k]
         tokens = self.drafter.draft_to_target(ids)
         parents = torch.full((top_k,), -1, dtype=torch.long, device=ids.device)
-        producer = self.root[0].expand(top_k, -1)  # [P, H]: the output that proposed each candidate
+        producer = root.feature[0].expand(top_k, -1)  # [P, H]: the feature each candidate's expansion reads
         frontier = torch.arange(top_k, device=ids.device)  # candidates expanded at the next level
         keys, values = self.keys, self.values
         key_nodes: list[int] = []  # the candidate each draft key belongs to
         for level in range(1, spec.depth):
             width = frontier.numel()
             position = torch.full((1, width), self.length - 1 + level, device=ids.device)
-            feature = self._next_feature(producer[frontier])[None]  # [1, width, H]
-            q, key, value, residual = self._project(feature, tokens[frontier][None], position)
+            q, key, value, residual = self.drafter.step_qkv(producer[frontier][None], tokens[frontier][None], position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
             key_nodes += frontier.tolist()
             allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist())
-            out = self.drafter.midlayer.post_attention(residual, _attend(q, keys, values, allowed))  # [1, width, H]
-            child_scores, child_ids = self._log_probs(out)[0].topk(top_k, dim=-1)  # [width, top_k]
+            out = self.drafter.step_output(residual, _attend(q, keys, values, allowed))  # each [1, width, H]
+            child_scores, child_ids = self._log_probs(out.state)[0].topk(top_k, dim=-1)  # [width, top_k]
             child_scores = (scores[frontier, None] + child_scores).flatten()
             first = scores.numel()
             scores = torch.cat([scores, child_scores])
             tokens = torch.cat([tokens, self.drafter.draft_to_target(child_ids).flatten()])
             parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
-            producer = torch.cat([producer, out[0].repeat_interleave(top_k, dim=0)])
+            producer = torch.cat([producer, out.feature[0].repeat_interleave(top_k, dim=0)])
             frontier = first + child_scores.topk(top_k).indices
         # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
         # puts the earlier-created parent first on ties, so the kept set is a tree
@@ -205,21 +207,9 @@ class EagleProposer:
         if self.root is None:
             raise RuntimeError("EagleProposer: call extend() with the verified context before drafting")
 
-    def _project(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """feature [1, m, H], tokens/positions [1, m] -> q, k, v, residual (one drafter step)."""
-        emb = self.drafter.embed_tokens(tokens).to(feature.dtype)
-        cos, sin = self.drafter.rope(positions, feature.dtype)
-        return self.drafter.midlayer.pre_attention(emb, feature, cos, sin)
-
-    def _next_feature(self, out: torch.Tensor) -> torch.Tensor:
-        """docs/design.md §4: the next step reads norm(o) with `norm_output` (EAGLE 3.1), o otherwise."""
-        return self.drafter.norm(out) if self.drafter.config.norm_output else out
-
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.drafter.lm_head(self.drafter.norm(out))  # [..., Vd]
-
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        return self._logits(out).float().log_softmax(-1)
+    def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
+        """state [..., H] (`DraftStep.state`) -> log-probabilities [..., Vd] over the draft vocabulary."""
+        return self.drafter.lm_head(state).float().log_softmax(-1)
 
     def _tree_attention_mask(self, queries: list[int], key_nodes: list[int], parents: list[int]) -> torch.Tensor:
         """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft

@@ -3,13 +3,17 @@
 Reads top to bottom: norm → MLP → attention projections → decoder layer →
 drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
 `midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
-computes one drafter step's pieces; `eagle31.ttt` unrolls them over K steps,
+defines one drafter step — the fused step-0 feature (`fuse_aux`), the layer on
+either side of attention (`step_qkv`, `step_output`) and the feedback rule of
+`norm_output` (`read_out`) — which `eagle31.ttt` unrolls over K steps in
+training and `eagle31.drafting` runs against its KV cache at inference.
 `eagle31.attention` holds the attention kernels and `eagle31.mla` the MLA
 attention of `attention="mla"` drafters.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,6 +161,15 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass
+class DraftStep:
+    """What one drafter step gives, each [B, T, H]."""
+
+    hidden: torch.Tensor  # o: the decoder layer's output (pre-norm)
+    state: torch.Tensor  # norm(o): what lm_head reads
+    feature: torch.Tensor  # what the next step reads: norm(o) with `norm_output` (EAGLE 3.1), o otherwise
+
+
 class Eagle31Drafter(nn.Module):
     """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`).
 
@@ -263,7 +276,9 @@ class Eagle31Drafter(nn.Module):
         )
         return [self.lm_head(s) for s in out.states]
 
-    # ---------------------------------------------------------- forward pieces
+    # ---------------------------------------------------------- one drafter step
+    # A step is split around attention, the one part training and inference do differently:
+    # training attends with the TTT mask over K steps, inference with its KV cache or tree mask.
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """Step-0 feature: aux [B, T, n*Ht] -> fc(fc_norm(aux)) [B, T, H]."""
@@ -274,9 +289,22 @@ class Eagle31Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [B, T] -> cos, sin [B, T, rotary dims] (head_dim; qk_rope_head_dim for MLA)."""
-        return self.rotary_emb(position_ids, dtype)
+    def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """The step up to attention: feature [B, T, H] (`fuse_aux` at step 0, the previous
+        `DraftStep.feature` after), tokens and RoPE positions [B, T] -> (q, k, v, residual)."""
+        with torch.no_grad():  # the target's embedding, frozen
+            emb = self.embed_tokens(tokens).to(feature.dtype)  # [B, T, H]
+        cos, sin = self.rotary_emb(positions, feature.dtype)
+        return self.midlayer.pre_attention(emb, feature, cos, sin)
+
+    def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
+        """The step after attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
+        return self.read_out(self.midlayer.post_attention(residual, attn))
+
+    def read_out(self, hidden: torch.Tensor) -> DraftStep:
+        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4)."""
+        state = self.norm(hidden)
+        return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

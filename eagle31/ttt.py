@@ -3,7 +3,9 @@
 Step 0 at position p reads the fused target feature `fc(fc_norm(aux[p]))` and
 token `x[p+1]`; step k >= 1 reads the drafter's own step-(k-1) output at p —
 post-norm `norm(o)` when `norm_output` (EAGLE 3.1), pre-norm `o` otherwise —
-and token `x[p+1+k]` (teacher forcing). Query (p, k) sits at RoPE position
+and token `x[p+1+k]` (teacher forcing). The step itself is the drafter's
+(`Eagle31Drafter.step_qkv` / `step_output`), shared with inference
+(`eagle31.drafting`); this module adds the TTT attention and the K-step loop. Query (p, k) sits at RoPE position
 p + k and attends to the causal step-0 keys of its document plus its own chain
 (`eagle31.attention`). The unroll returns every step's output; the loss lives
 in `eagle31.loss`.
@@ -62,28 +64,22 @@ def ttt_unroll(
     segments = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device)
     if position_ids is None:
         position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-    layer = drafter.midlayer
     checkpointing = activation_checkpointing and torch.is_grad_enabled()
     if checkpointing:  # its norms' activations are 3x [B, T, n*Ht]: recompute them too
         feature = checkpoint(drafter.fuse_aux, aux, use_reentrant=False)  # [B, T, H]
     else:
         feature = drafter.fuse_aux(aux)
-    dtype = feature.dtype
 
     def step(feature, ids, positions, k0, v0, chain_k, chain_v):
         # The embedding and RoPE are made inside the step, so activation checkpointing
         # recomputes them instead of keeping a [B, T, H] embedding per step.
-        with torch.no_grad():
-            emb = drafter.embed_tokens(ids).to(dtype)  # [B, T, H]
-        cos, sin = drafter.rope(positions, dtype)
-        q, k, v, residual = layer.pre_attention(emb, feature, cos, sin)
+        q, k, v, residual = drafter.step_qkv(feature, ids, positions)
         if k0 is None:  # step 0: its keys are the causal keys of every later step
             k0, v0 = k, v
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             chain_k, chain_v = (*chain_k, k), (*chain_v, v)
         attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention)
-        out = layer.post_attention(residual, attn)
-        return out, drafter.norm(out), k0, v0, chain_k, chain_v
+        return drafter.step_output(residual, attn), k0, v0, chain_k, chain_v
 
     states, hidden = [], []
     k0 = v0 = None
@@ -92,10 +88,10 @@ def ttt_unroll(
     for k in range(ttt_length):
         args = (feature, shift_left(input_ids, 1 + k), position_ids + k, k0, v0, chain_k, chain_v)  # tokens x[p+1+k]
         if checkpointing:
-            out, normed, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
+            out, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
         else:
-            out, normed, k0, v0, chain_k, chain_v = step(*args)
-        hidden.append(out)
-        states.append(normed)
-        feature = normed if drafter.config.norm_output else out
+            out, k0, v0, chain_k, chain_v = step(*args)
+        hidden.append(out.hidden)
+        states.append(out.state)
+        feature = out.feature
     return TTTOutput(states=states, hidden=hidden, segments=segments)

@@ -81,7 +81,7 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
         m = Eagle31Drafter(cfg)
     inv, magnitude, softmax = deepseek_rope_numbers(64, rope)
     positions = torch.tensor([[0, 1, 7, 4095, 4096, 65535, 262143]])
-    cos, sin = m.rope(positions, torch.float64)
+    cos, sin = m.rotary_emb(positions, torch.float64)
     angles = positions[..., None].double() * inv
     torch.testing.assert_close(cos, (angles.cos() * magnitude).repeat_interleave(2, -1), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(sin, (angles.sin() * magnitude).repeat_interleave(2, -1), rtol=1e-9, atol=1e-9)

@@ -44,3 +44,17 @@ def test_load_rejects_a_foreign_directory(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match="not an eagle31 native drafter"):
         Eagle31Drafter.load(tmp_path)
+
+
+@pytest.mark.parametrize("norm_output", [True, False])
+def test_a_step_reads_out_norm_o_for_lm_head_and_feeds_back_per_norm_output(norm_output):
+    """The one place the EAGLE 3.1 feedback rule lives: training and inference both take the
+    next step's feature from `read_out` (docs/design.md §4)."""
+    m = tiny_drafter(seed=3, norm_output=norm_output)
+    hidden = torch.randn(2, 5, m.config.hidden_size, dtype=torch.float64)
+    step = m.read_out(hidden)
+    rms = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)
+    torch.testing.assert_close(step.state, m.norm.weight * rms)
+    assert not torch.allclose(step.state, hidden)  # the two candidates differ
+    assert step.hidden is hidden
+    assert step.feature is (step.state if norm_output else hidden)
