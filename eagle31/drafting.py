@@ -172,14 +172,14 @@ class EagleProposer:
         scores, ids = self._log_probs(root.state[0, 0]).topk(top_k)  # [top_k]
         tokens = self.drafter.draft_to_target(ids)
         parents = torch.full((top_k,), -1, dtype=torch.long, device=ids.device)
-        producer = root.feature[0].expand(top_k, -1)  # [P, H]: the feature each candidate's expansion reads
+        features = root.feature[0].expand(top_k, -1)  # [P, H]: the feature each candidate's expansion reads
         frontier = torch.arange(top_k, device=ids.device)  # candidates expanded at the next level
         keys, values = self.keys, self.values
         key_nodes: list[int] = []  # the candidate each draft key belongs to
         for level in range(1, spec.depth):
             width = frontier.numel()
             position = torch.full((1, width), self.length - 1 + level, device=ids.device)
-            q, key, value, residual = self.drafter.step_qkv(producer[frontier][None], tokens[frontier][None], position)
+            q, key, value, residual = self.drafter.step_qkv(features[frontier][None], tokens[frontier][None], position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
             key_nodes += frontier.tolist()
             allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist())
@@ -190,7 +190,7 @@ class EagleProposer:
             scores = torch.cat([scores, child_scores])
             tokens = torch.cat([tokens, self.drafter.draft_to_target(child_ids).flatten()])
             parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
-            producer = torch.cat([producer, out.feature[0].repeat_interleave(top_k, dim=0)])
+            features = torch.cat([features, out.feature[0].repeat_interleave(top_k, dim=0)])
             frontier = first + child_scores.topk(top_k).indices
         # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
         # puts the earlier-created parent first on ties, so the kept set is a tree
