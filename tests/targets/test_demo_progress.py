@@ -11,11 +11,11 @@ def test_the_clis_show_the_progress_lines_bare(capsys):
     try:
         show_progress_lines()
         show_progress_lines()  # idempotent: one handler
-        added = [h for h in logger.handlers if h not in before]
+        added = [h for h in logger.handlers if getattr(h, "eagle31_progress", False)]
         assert len(added) == 1 and logger.level == logging.INFO
         record = logging.LogRecord("eagle31.targets.demo", logging.INFO, "", 0, "demo target [%d/5] corpus", (1,), None)
         assert added[0].format(record) == "demo target [1/5] corpus"
     finally:
-        for h in logger.handlers[len(before):]:
+        for h in [h for h in logger.handlers if h not in before]:
             logger.removeHandler(h)
         logger.setLevel(level)
