@@ -20,7 +20,7 @@ from eagle31.config import ConfigError
 @dataclass
 class TargetConfig:
     path: Optional[str] = None  # local HF model directory
-    builtin: Optional[str] = None  # "demo" | "kimi_k26_mini": built locally by eagle31.targets (cached)
+    builtin: Optional[str] = None  # "demo" | "kimi_k26_mini" | "smollm2_135m": built locally by eagle31.targets (cached)
     config: Optional[str] = None  # a config.json for dry runs without weights
     name: Optional[str] = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
     revision: Optional[str] = None
