@@ -7,6 +7,11 @@ chat template; turn 2 carries turn 1's question, the target's own answer to it a
 question. Greedy speculative decoding yields exactly the target's greedy output, so the answer
 decoded during turn 1 is the target's own answer, and no separate generation is needed.
 
+Two robustness probes: `system_prompt` puts a system message (e.g. one unseen in training)
+before turn 1, and `history` puts at least `history_tokens` tokens of earlier conversations
+(user and assistant turns of any conversation source) before it, to measure prompts well past
+the drafter's training length.
+
 Every drafter runs in every mode: chains of `k` draft tokens for each `k` in `ks` (default
 3, 5, 7) and, when the `tree_*` keys are set, an EAGLE-2 draft tree. Each (drafter, mode)
 gives `eagle31.acceptance.AcceptanceStats` per category and over all (`all`), both turns
@@ -33,7 +38,7 @@ from eagle31.acceptance import (
     share_target_embedding,
 )
 from eagle31.config import ConfigError, load_target_config
-from eagle31.data.sources import MTBenchQuestion, Tally, read_mt_bench
+from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.speculative import speculative_generate
@@ -55,13 +60,15 @@ class MTBenchConfig:
     max_new_tokens: int = 128  # per turn
     max_per_category: int | None = None  # the first N questions of each category
     system_prompt: str | None = None  # a system message before turn 1 (e.g. one unseen in training)
+    history: str | None = None  # conversations (any source eagle31.data.sources reads) placed before each question
+    history_tokens: int = 2048  # with `history`: at least this many tokens of earlier turns per question
     drafter_format: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
     out: str = "mt_bench"
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "max_per_category"):
+        for name in ("max_new_tokens", "max_per_category", "history_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value}")
@@ -109,8 +116,36 @@ def select_questions(questions: Sequence[MTBenchQuestion], max_per_category: int
     return kept
 
 
-def render(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def long_histories(tokenizer, conversations: Sequence[Conversation], count: int, min_tokens: int) -> list[list[dict]]:
+    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`.
+
+    Only user and assistant messages are kept, and each conversation is cut after its last
+    assistant message, so the history alternates and the question follows as a user turn.
+    """
+    turns = []
+    for conv in conversations:
+        messages = [{"role": m["role"], "content": m["content"]} for m in conv.messages if m["role"] in ("user", "assistant")]
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if messages and messages[0]["role"] == "user":
+            turns.append(messages)
+    if not turns:
+        raise ConfigError("history: no conversation with a user turn answered by the assistant")
+    histories = []
+    for i in range(count):
+        history: list[dict] = []
+        for j in range(i, i + len(turns)):
+            history += turns[j % len(turns)]
+            if len(render(tokenizer, history, add_generation_prompt=False)) >= min_tokens:
+                break
+        else:
+            raise ConfigError(f"history: all its conversations together are shorter than history_tokens={min_tokens}")
+        histories.append(history)
+    return histories
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -126,14 +161,19 @@ def evaluate_mt_bench(
     tree: TreeSpec | None = None,
     eos_token_ids: Sequence[int] = (),
     system_prompt: str | None = None,
+    histories: Sequence[list[dict]] | None = None,
 ) -> dict[str, AcceptanceStats]:
-    """category -> stats over both turns of its questions, plus `all`; turn `j` sees the target's answers to turns < j."""
+    """category -> stats over both turns of its questions, plus `all`; turn `j` sees the target's answers to turns < j.
+
+    `histories[i]`, when given, comes before question `i`'s first turn (after the system prompt).
+    """
     draft_len = k if tree is None else tree.depth
     stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
-    for q in questions:
+    for i, q in enumerate(questions):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages += histories[i] if histories else []
         for turn in q.turns:
             messages.append({"role": "user", "content": turn})
             prompt = render(tokenizer, messages)
@@ -164,6 +204,11 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
+    histories = None
+    if config.history:
+        history_rejects = Tally()
+        conversations = list(read_conversations([config.history], history_rejects))
+        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
     drafters = {}
     for label, path in config.drafters.items():
         try:
@@ -182,6 +227,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
             stats = evaluate_mt_bench(
                 target, tokenizer, EagleProposer(drafter), questions, aux_layer_ids=drafter.config.aux_layer_ids,
                 max_new_tokens=config.max_new_tokens, k=k, tree=tree, eos_token_ids=eos, system_prompt=config.system_prompt,
+                histories=histories,
             )  # fmt: skip
             log(f"{label} / {mode}: tau {stats[ALL].summary()['tau']:.3f} over {stats[ALL].rounds} rounds")
             for category, s in stats.items():
@@ -196,6 +242,8 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         "max_new_tokens": config.max_new_tokens,
         "max_per_category": config.max_per_category,
         "system_prompt": config.system_prompt,
+        "history": config.history,
+        "history_tokens": config.history_tokens if config.history else None,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -214,7 +262,11 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |")
     s = report["settings"]
     head = f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
-    head += f", system prompt {s['system_prompt']!r})" if s["system_prompt"] else ")"
+    if s["system_prompt"]:
+        head += f", system prompt {s['system_prompt']!r}"
+    if s.get("history"):
+        head += f", after >= {s['history_tokens']} tokens of history"
+    head += ")"
     return head + "\n\n" + "\n".join(lines)
 
 

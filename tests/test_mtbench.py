@@ -108,7 +108,38 @@ def test_script_end_to_end(tmp_path, capsys):
     assert (out / "tree-2x2-3" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert load_drafter(tmp_path / "e3").config.fc_norm is False
 
+    history = tmp_path / "history.jsonl"
+    history.write_text(json.dumps({"messages": [{"role": "user", "content": "write code " * 8}, {"role": "assistant", "content": "def x " * 8}]}) + "\n")
+    long = args[:4] + ["ks=2", "max_new_tokens=3", f"history={history}", "history_tokens=30", f"out={out}/long"]
+    assert main(long) == 0
+    report = json.loads((out / "long" / "mt_bench.json").read_text())
+    short = {(r["drafter"], r["split"]): r["mean_prompt_tokens"] for r in json.loads((out / "mt_bench.json").read_text())["results"] if r["mode"] == "chain-k2"}
+    for r in report["results"]:
+        assert r["mean_prompt_tokens"] > short[(r["drafter"], r["split"])] + 30
+    assert "after >= 30 tokens of history" in (out / "long" / "mt_bench.md").read_text()
+
     assert main(["mtbench", f"drafter={tmp_path}/e3", f"target={target}", f"questions={tmp_path}/none.jsonl"]) == 2
     assert "FileNotFoundError" in capsys.readouterr().err
     assert main(args[:3] + ["ks=0"]) == 2
     assert capsys.readouterr().err.startswith("error: ks must be positive integers")
+
+
+def test_long_histories_reach_the_length_and_alternate():
+    from eagle31.data.sources import Conversation
+    from eagle31.mtbench import long_histories, render
+
+    tok = tiny_tokenizer()
+    convs = [
+        Conversation([{"role": "system", "content": "you"}, {"role": "user", "content": "write code"},
+                      {"role": "assistant", "content": "def x return y"}, {"role": "user", "content": "dangling"}]),
+        Conversation([{"role": "assistant", "content": "no user first"}]),
+        Conversation([{"role": "user", "content": "list the sum"}, {"role": "assistant", "content": "sum of list"}]),
+    ]  # fmt: skip
+    histories = long_histories(tok, convs, count=3, min_tokens=20)
+    assert len(histories) == 3
+    for history in histories:
+        assert [m["role"] for m in history] == ["user", "assistant"] * (len(history) // 2)
+        assert len(render(tok, history, add_generation_prompt=False)) >= 20
+    assert histories[1][0]["content"] == "list the sum"  # question i starts at conversation i (cyclically)
+    with pytest.raises(ConfigError, match="shorter than history_tokens=500"):
+        long_histories(tok, convs, count=1, min_tokens=500)
