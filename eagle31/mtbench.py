@@ -35,7 +35,10 @@ from eagle31.acceptance import (
     _labelled_paths,
     _text_config,
     check_drafter_fits,
+    check_model_dirs,
+    check_positive,
     share_target_embedding,
+    tree_spec,
 )
 from eagle31.config import ConfigError, load_target_config
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
@@ -68,16 +71,9 @@ class MTBenchConfig:
     out: str = "mt_bench"
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "max_per_category", "history_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        check_positive(self, ("max_new_tokens", "max_per_category", "history_tokens"))
         self.modes  # raises on bad ks or tree_* values
-        if not Path(self.target).is_dir():
-            raise ConfigError(f"target: not a directory: {self.target}")
-        for label, path in self.drafters.items():
-            if not Path(path).is_dir():
-                raise ConfigError(f"drafter {label}: not a directory: {path}")
+        check_model_dirs(self.target, self.drafters)
 
     @property
     def drafters(self) -> dict[str, str]:
@@ -91,14 +87,8 @@ class MTBenchConfig:
             if not item.isdigit() or int(item) < 1:
                 raise ConfigError(f"ks must be positive integers separated by commas, got {self.ks!r}")
             modes[f"chain-k{int(item)}"] = (int(item), None)
-        values = (self.tree_top_k, self.tree_depth, self.tree_total_tokens)
-        if any(v is not None for v in values):
-            if any(v is None for v in values):
-                raise ConfigError("a draft tree needs all of tree_top_k, tree_depth and tree_total_tokens")
-            try:
-                tree = TreeSpec(*values)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        tree = tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
+        if tree is not None:
             modes[f"tree-{tree.top_k}x{tree.depth}-{tree.total_tokens}"] = (None, tree)
         if not modes:
             raise ConfigError("nothing to run: ks is empty and no tree_* is set")

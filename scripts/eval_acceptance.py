@@ -30,30 +30,22 @@ from eagle31.config import ConfigError
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["mtbench"]:
-        return mt_bench_main(argv[1:])
+        from eagle31.mtbench import MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
+
+        return evaluate(argv[1:], MTBenchConfig, run_mt_bench, write_mt_bench_report, format_summary)
+    return evaluate(argv, AcceptanceConfig, run_acceptance, write_report, format_table)
+
+
+def evaluate(argv: list[str], schema, run, write, table) -> int:
+    """Parse `argv` into `schema`, run, write the report under `out`, print its table."""
     try:
-        config = parse_key_values(argv, AcceptanceConfig)
-        report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))
+        config = parse_key_values(argv, schema)
+        report = run(config, log=lambda line: print(line, file=sys.stderr))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    paths = write_report(report, config.out)
-    print(format_table(report))
-    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    return 0
-
-
-def mt_bench_main(argv: list[str]) -> int:
-    from eagle31.mtbench import MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
-
-    try:
-        config = parse_key_values(argv, MTBenchConfig)
-        report = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = write_mt_bench_report(report, config.out)
-    print(format_summary(report))
+    paths = write(report, config.out)
+    print(table(report))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0
 

@@ -49,7 +49,7 @@ UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every questio
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 
 mkdir -p "$OUT"
-COMMON=(recipe=smollm2_135m "output_dir=$RUNS/shared" "regenerate.output_dir=$RUNS/regenerated"
+COMMON=(recipe=smollm2_135m "regenerate.output_dir=$RUNS/regenerated"
         "data.source=[$RUNS/regenerated/conversations]" "data.prepared_dir=$RUNS/data"
         "features.store_dir=$RUNS/features" "${SIZES[@]}")
 
