@@ -52,7 +52,8 @@ def main(cfg) -> None:
         raise ConfigError(f"regenerate.max_conversations must be >= 1 or null, got {r.max_conversations}")
     template_kwargs = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
     settings = Settings(
-        max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, temperature=r.temperature, top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
+        temperature=r.temperature, top_p=r.top_p,
         seed=r.seed, shard_size=r.shard_size,
         chat_template_kwargs=OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None,
     )  # fmt: skip

@@ -54,6 +54,7 @@ class RegenerateConfig:
     output_dir: str = "${output_dir}/regenerated"  # conversations/ there is what data.source should name
     max_conversations: Optional[int] = None  # the first N readable conversations of the source
     max_turns: Optional[int] = None  # user turns kept per conversation
+    max_prompt_tokens: Optional[int] = None  # hf: longer prompts are not answered (counted prompt_too_long)
     max_new_tokens: int = 256  # per reply
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0

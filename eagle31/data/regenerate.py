@@ -56,6 +56,9 @@ class Settings:
 
     max_new_tokens: int = 256  # per reply
     max_turns: int | None = None  # user turns kept per conversation (the first ones)
+    # hf backend: longer prompts count as not fitting (an endpoint applies its server's context).
+    # Set near data.max_len: a prompt that prepare would cut before its reply is not worth generating for.
+    max_prompt_tokens: int | None = None
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
@@ -69,6 +72,8 @@ class Settings:
             raise ConfigError(f"regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"regenerate.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"regenerate.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
         if self.shard_size < 1:
             raise ConfigError(f"regenerate.shard_size must be >= 1, got {self.shard_size}")
 
@@ -120,7 +125,8 @@ class HFBackend:
         """One reply per prompt (a message list ending with a user turn)."""
         ids = [self.prompt_ids(m) for m in prompts]
         replies: list[Reply | None] = [None] * len(ids)
-        fits = [i for i, p in enumerate(ids) if len(p) + self.settings.max_new_tokens <= self.context]
+        limit = min(self.context - self.settings.max_new_tokens, self.settings.max_prompt_tokens or self.context)
+        fits = [i for i, p in enumerate(ids) if len(p) <= limit]
         for i in set(range(len(ids))) - set(fits):
             replies[i] = Reply("", "too_long")
         fits.sort(key=lambda i: len(ids[i]))  # similar lengths together: less padding

@@ -135,6 +135,15 @@ def test_drops_and_truncations_are_counted(tiny_target, tmp_path):
     assert report["complete"] and report["conversations_in"] == 5 and report["conversations_out"] == 2
 
 
+def test_max_prompt_tokens_drops_long_first_prompts(tiny_target, tmp_path):
+    settings = Settings(max_new_tokens=2, max_prompt_tokens=50)
+    backend = HFBackend(tiny_target, settings)
+    short, long = [SYSTEM, {"role": "user", "content": "Hi"}], [SYSTEM, {"role": "user", "content": "Hi " * 8}]
+    assert len(backend.prompt_ids(short)) <= 50 < len(backend.prompt_ids(long)) <= 96 - 2  # it fits the context
+    statuses = [r.status for r in backend.generate([long, short])]
+    assert statuses[0] == "too_long" and statuses[1] != "too_long"
+
+
 class FailAfter:
     """Wraps a backend; raises (as a killed process would stop) after `n` generate calls."""
 
