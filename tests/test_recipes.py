@@ -76,3 +76,11 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert config["rope_scaling"]["rope_type"] == "yarn"
+
+
+def test_smollm2_recipe_trains_on_sharegpt_regenerated_by_its_target():
+    cfg = load_recipe(RECIPES, ["recipe=smollm2_135m", "output_dir=/x"])
+    assert cfg.target.builtin == "smollm2_135m" and cfg.regenerate.source == "sharegpt:"
+    assert list(cfg.data.source) == ["/x/regenerated/conversations"]
+    # a regenerated first turn (prompt, reply, the system prompt) is never cut by prepare
+    assert cfg.regenerate.max_prompt_tokens + cfg.regenerate.max_new_tokens + 64 <= cfg.data.max_len
