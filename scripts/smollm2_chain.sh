@@ -43,8 +43,8 @@ else
   STEPS=${STEPS:-}
   SIZES=()
   EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=128)
-  # the chain alone stays near 90 minutes on 2 cores: 3 questions per category, 64 tokens per turn
-  [[ "$STAGES" == chain ]] && EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=64 max_per_category=3)
+  # the chain alone stays within about 90 minutes on 2 cores: 2 questions per category, 64 tokens per turn
+  [[ "$STAGES" == chain ]] && EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=64 max_per_category=2)
   HISTORY_TOKENS=2048
 fi
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
