@@ -113,7 +113,6 @@ class HFBackend:
         if not self.eos:
             raise ConfigError(f"target {target_dir}: no eos token id (generation_config or tokenizer)")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
-        self.calls = 0
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -121,8 +120,8 @@ class HFBackend:
         )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompts: Sequence[list[dict]]) -> list[Reply]:
-        """One reply per prompt (a message list ending with a user turn)."""
+    def generate(self, prompts: Sequence[list[dict]], seed: int = 0) -> list[Reply]:
+        """One reply per prompt (a message list ending with a user turn); `seed` fixes sampling."""
         ids = [self.prompt_ids(m) for m in prompts]
         replies: list[Reply | None] = [None] * len(ids)
         limit = min(self.context - self.settings.max_new_tokens, self.settings.max_prompt_tokens or self.context)
@@ -132,11 +131,11 @@ class HFBackend:
         fits.sort(key=lambda i: len(ids[i]))  # similar lengths together: less padding
         for start in range(0, len(fits), self.batch_size):
             batch = fits[start : start + self.batch_size]
-            for i, reply in zip(batch, self._generate_batch([ids[i] for i in batch])):
+            for i, reply in zip(batch, self._generate_batch([ids[i] for i in batch], seed * 7919 + start)):
                 replies[i] = reply
         return replies  # type: ignore[return-value]
 
-    def _generate_batch(self, prompts: list[list[int]]) -> list[Reply]:
+    def _generate_batch(self, prompts: list[list[int]], seed: int) -> list[Reply]:
         import torch
 
         width = max(map(len, prompts))
@@ -145,8 +144,7 @@ class HFBackend:
         s = self.settings
         sampling = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p) if s.temperature > 0 else dict(do_sample=False)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s.seed + self.calls)
-            self.calls += 1
+            torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -198,11 +196,11 @@ class EndpointBackend:
             raise ConfigError(f"regenerate.endpoint {self.base_url}: the server lists no model; set regenerate.model")
         return models[0]["id"]
 
-    def generate(self, prompts: Sequence[list[dict]]) -> list[Reply]:
+    def generate(self, prompts: Sequence[list[dict]], seed: int = 0) -> list[Reply]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._one, prompts))
+            return list(pool.map(self._one, prompts, [seed] * len(prompts)))
 
-    def _one(self, messages: list[dict]) -> Reply:
+    def _one(self, messages: list[dict], seed: int) -> Reply:
         s = self.settings
         body: dict[str, Any] = {
             "model": self.model,
@@ -210,7 +208,7 @@ class EndpointBackend:
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "seed": s.seed,
+            "seed": seed,
         }
         if s.chat_template_kwargs:
             body["chat_template_kwargs"] = s.chat_template_kwargs
@@ -263,8 +261,14 @@ class ShardStats:
         return d
 
 
-def regenerate_shard(conversations: list[Conversation], backend, settings: Settings) -> tuple[list[dict], ShardStats]:
-    """Regenerate a shard's conversations in lock step: every live conversation's turn j in one call."""
+def regenerate_shard(
+    conversations: list[Conversation], backend, settings: Settings, index: int = 0
+) -> tuple[list[dict], ShardStats]:
+    """Regenerate shard `index` in lock step: every live conversation's turn j in one call.
+
+    Sampling is seeded from (settings.seed, index, turn), so a resumed run samples what an
+    uninterrupted one would have.
+    """
     stats = ShardStats(conversations_in=len(conversations))
     started = time.time()
     live = []  # [conversation, messages so far, user turns still to answer]
@@ -276,9 +280,11 @@ def regenerate_shard(conversations: list[Conversation], backend, settings: Setti
             continue
         live.append([conv, system, users])
     done: dict[int, list[dict]] = {}
+    turn = 0
     while live:
         prompts = [messages + [{"role": "user", "content": users[0]}] for _, messages, users in live]
-        replies = backend.generate(prompts)
+        replies = backend.generate(prompts, seed=(settings.seed * 1_000_003 + index) * 1009 + turn)
+        turn += 1
         still = []
         for (conv, messages, users), prompt, reply in zip(live, prompts, replies):
             if reply.status == "too_long":
@@ -364,7 +370,7 @@ def regenerate(
             counts["skipped"] += 1
             progress(len(chunk))
             continue
-        records, stats = regenerate_shard(chunk, backend, settings)
+        records, stats = regenerate_shard(chunk, backend, settings, index)
         atomic_write_json(out / "stats" / f"{shard_name(index)}.json", stats.to_dict())
         atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         counts["written"] += 1

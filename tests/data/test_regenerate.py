@@ -108,9 +108,9 @@ def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny
 
 def test_sampling_is_seeded_and_differs_from_greedy(tiny_target, tmp_path):
     greedy = HFBackend(tiny_target, Settings(max_new_tokens=8))
-    sampled = [HFBackend(tiny_target, Settings(max_new_tokens=8, temperature=1.5, seed=s)) for s in (1, 1, 2)]
+    sampled = HFBackend(tiny_target, Settings(max_new_tokens=8, temperature=1.5))
     prompt = [[SYSTEM, {"role": "user", "content": "Hello there"}]] * 4
-    a, b, c = (backend.generate(prompt) for backend in sampled)
+    a, b, c = (sampled.generate(prompt, seed=s) for s in (1, 1, 2))
     assert [r.text for r in a] == [r.text for r in b]
     assert [r.text for r in a] != [r.text for r in c]
     assert len({r.text for r in a}) > 1  # rows sample independently
@@ -144,21 +144,26 @@ def test_max_prompt_tokens_drops_long_first_prompts(tiny_target, tmp_path):
     assert statuses[0] == "too_long" and statuses[1] != "too_long"
 
 
-class FailAfter:
-    """Wraps a backend; raises (as a killed process would stop) after `n` generate calls."""
+class KilledAt:
+    """Wraps a backend; raises, as a killed process stops, at the first call for shard `shard` (None: never).
 
-    def __init__(self, backend, n):
-        self.backend, self.n, self.calls = backend, n, 0
+    Records the shard of every call; regenerate_shard's seed is (settings.seed * 1_000_003 + shard) * 1009 + turn.
+    """
 
-    def generate(self, prompts):
-        self.calls += 1
-        if self.calls > self.n:
+    def __init__(self, backend, shard=None):
+        self.backend, self.shard, self.shards = backend, shard, []
+
+    def generate(self, prompts, seed=0):
+        shard = seed // 1009 % 1_000_003
+        if shard == self.shard:
             raise KeyboardInterrupt("killed")
-        return self.backend.generate(prompts)
+        self.shards.append(shard)
+        return self.backend.generate(prompts, seed)
 
 
-def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_target, tmp_path):
-    settings = Settings(max_new_tokens=3, shard_size=2)
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_target, tmp_path, temperature):
+    settings = Settings(max_new_tokens=3, shard_size=2, temperature=temperature)
     backend = HFBackend(tiny_target, settings)
     conversations = [conv(f"Hello {i}", "And more?") for i in range(5)]  # 3 shards, 2 turns each
     whole = run(conversations, backend, tmp_path / "whole", settings)
@@ -166,12 +171,12 @@ def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_targ
     out = tmp_path / "killed"
     prepare_output(out, settings, {"sources": ["x"]})
     with pytest.raises(KeyboardInterrupt):
-        regenerate(conversations, FailAfter(backend, 3), out, settings)  # shard 0 (2 calls), then dies in shard 1
+        regenerate(conversations, KilledAt(backend, shard=1), out, settings)
     assert sorted(p.name for p in (out / "conversations").iterdir()) == ["shard-00000.jsonl"]
     assert not write_report(out, Tally(), 5)["complete"]
-    counting = FailAfter(backend, 100)
-    counts = regenerate(conversations, counting, out, settings)
-    assert counts == {"written": 2, "skipped": 1} and counting.calls == 4
+    resumed_backend = KilledAt(backend)
+    counts = regenerate(conversations, resumed_backend, out, settings)
+    assert counts == {"written": 2, "skipped": 1} and 0 not in resumed_backend.shards
     resumed = [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
     assert resumed == whole and write_report(out, Tally(), 5)["complete"]
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
