@@ -36,16 +36,12 @@ from eagle31.data.sources import DataError, Tally, check_sources, read_conversat
 from eagle31.distributed import barrier, close_world, init_world
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-BACKENDS = ("hf", "endpoint")
-
 
 def main(cfg) -> None:
     r = cfg.regenerate
     sources = source_paths(r.source)
     if not sources:
         raise ConfigError("regenerate.source is empty: give conversation files, a datasets directory or sharegpt:")
-    if r.backend not in BACKENDS:
-        raise ConfigError(f"regenerate.backend must be one of {BACKENDS}, got {r.backend!r}")
     if r.backend == "endpoint" and not r.endpoint:
         raise ConfigError("regenerate.backend=endpoint needs regenerate.endpoint (e.g. http://localhost:8000/v1)")
     if r.max_conversations is not None and r.max_conversations < 1:
@@ -102,4 +98,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(recipe_main(main, RECIPES, sys.argv[1:]))
+    sys.exit(recipe_main(main, RECIPES, sys.argv[1:], usage=__doc__))

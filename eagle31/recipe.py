@@ -77,6 +77,11 @@ class DrafterAttention(StrEnum):
     mla = "mla"  # DeepSeek's Multi-head Latent Attention: vLLM's Eagle3DeepseekV2ForCausalLM
 
 
+class RegenerateBackend(StrEnum):
+    hf = "hf"  # the target in this process
+    endpoint = "endpoint"  # an OpenAI-compatible server (vLLM, SGLang)
+
+
 class AttentionBackend(StrEnum):
     auto = "auto"
     flash = "flash"
@@ -177,9 +182,9 @@ class RegenerateConfig:
     top_p: float = 1.0
     seed: int = 0
     shard_size: int = 64  # conversations per output shard (the unit of resume)
-    backend: str = "hf"  # hf (the target in-process) | endpoint (an OpenAI-compatible server)
+    backend: RegenerateBackend = RegenerateBackend.hf
     batch_size: int = 16  # prompts per generate call (hf)
-    device: str = "auto"  # hf: auto | cpu | cuda
+    device: Device = Device.auto  # hf backend
     endpoint: Optional[str] = None  # e.g. http://localhost:8000/v1 (backend=endpoint)
     model: Optional[str] = None  # the served model's name; default the server's first
     concurrency: int = 16  # requests in flight (endpoint)

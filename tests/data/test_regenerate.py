@@ -372,6 +372,6 @@ def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_
     assert recipe_main(main, RECIPES, args[:-1] + ["regenerate.max_new_tokens=4"]) == 2
     assert "made with other settings" in capsys.readouterr().err
     assert recipe_main(main, RECIPES, args + ["regenerate.backend=vllm"]) == 2
-    assert "regenerate.backend must be one of" in capsys.readouterr().err
+    assert "'vllm', expected one of [hf, endpoint]" in capsys.readouterr().err
     assert recipe_main(main, RECIPES, args + ["regenerate.backend=endpoint"]) == 2
     assert "needs regenerate.endpoint" in capsys.readouterr().err
