@@ -14,7 +14,9 @@ keep just these tensors, so the `L+1` hidden states are never materialised:
 runs a forward that stops at lm_head's input, so no `[B, T, V]` logits are built.
 
 `capture_to_store` runs the target over a prepared split (columns `input_ids`,
-`loss_mask`) shard by shard into a `StoreWriter`, in length-sorted batches.
+`loss_mask`) shard by shard into a `StoreWriter`, in length-sorted batches;
+`open_store_writers` and `capture_splits` are that step for a recipe's splits, as
+both `data_prep/capture.py` and a training run with `features.mode=store` take it.
 
 `target_fingerprint` identifies the target whose features a store holds, beyond its
 name: two checkpoints of one shape (a base model and its fine-tune, two random demo
@@ -28,6 +30,7 @@ import json
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -36,6 +39,7 @@ from torch import nn
 from eagle31.config import ConfigError, load_target_config
 from eagle31.data.batch import Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
+from eagle31.distributed import World, barrier
 from eagle31.target_weights import EMBED_NAMES, read_target_tensor
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
@@ -251,3 +255,25 @@ def capture_to_store(
     stats.shards_skipped = len(mine) - stats.shards_written
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def open_store_writers(store_dir: Path, splits: dict, target_dir, target_config: dict, aux_layer_ids, target, features) -> dict[str, StoreWriter]:
+    """One writer per prepared split under `store_dir`; each refuses a store made otherwise, before the target loads."""
+    fingerprint = target_fingerprint(target_dir)
+    return {
+        name: StoreWriter.for_dataset(store_dir / name, ds, target_config, aux_layer_ids, target, features, fingerprint=fingerprint)
+        for name, ds in splits.items()
+    }
+
+
+def capture_splits(model: nn.Module, splits: dict, writers: dict[str, StoreWriter], *, batch_tokens: int, world: World) -> None:
+    """Capture every split into its writer (each rank its shards); rank 0 finalizes a split once all ranks are done."""
+    for name, ds in splits.items():
+        writer = writers[name]
+        stats = capture_to_store(model, ds, writer, batch_tokens=batch_tokens, rank=world.rank, world_size=world.world_size)
+        print(f"[rank {world.rank}] {name}: {stats.summary()}")
+        barrier()
+        if world.is_main:
+            m = writer.finalize()
+            print(f"{writer.root}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards")
+        barrier()
