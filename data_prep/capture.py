@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 
 from eagle31.cli import recipe_main
-from eagle31.config import DrafterConfig, load_target_config
-from eagle31.data.capture import capture_splits, load_target, open_store_writers
+from eagle31.config import DrafterConfig
+from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
 from eagle31.distributed import close_world, init_world
 from eagle31.errors import RunInterrupted
+from eagle31.target import load_recipe_target, load_target_config
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -36,7 +37,7 @@ def capture(cfg) -> None:
         aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
         # raises ConfigError before the target loads
         writers = open_store_writers(Path(cfg.features.store_dir), splits, target_dir, target_config, aux_ids, cfg.target, cfg.features)
-        model = load_target(target_dir, cfg.target, world.device)
+        model = load_recipe_target(target_dir, cfg.target, world.device)
         capture_splits(model, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
     except KeyboardInterrupt:
         raise RunInterrupted(

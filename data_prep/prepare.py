@@ -13,20 +13,12 @@ import sys
 from pathlib import Path
 
 from eagle31.cli import recipe_main
-from eagle31.config import load_target_config
 from eagle31.data.prepare import check_data_config, prepare_with_target_tokenizer
 from eagle31.data.sources import check_sources, data_section
+from eagle31.target import target_vocab_size
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-
-def target_vocab_size(path: Path) -> int | None:
-    """The target's vocab_size from its config.json, when the directory has one."""
-    if not (path / "config.json").is_file():
-        return None
-    config = load_target_config(path)
-    return (config.get("text_config") or config).get("vocab_size")
 
 
 def prepare(cfg) -> None:

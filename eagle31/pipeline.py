@@ -40,7 +40,7 @@ import torch
 import yaml
 
 from eagle31.config import ConfigError
-from eagle31.data.capture import capture_splits, load_target, open_store_writers
+from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import check_prepared, load_draft_vocab, load_prepared_splits, prepare_with_target_tokenizer, template_kwargs
 from eagle31.data.sources import data_section, resolve_sources
 from eagle31.distributed import World, barrier, close_world, init_world
@@ -51,7 +51,7 @@ from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
 from eagle31.model import Eagle31Drafter
 from eagle31.plan import RunPlan, check_run_dir, describe_dry_run, plan_run
 from eagle31.recipe import to_container
-from eagle31.target_weights import read_target_embeddings
+from eagle31.target import load_recipe_target, read_target_embeddings
 from eagle31.trainer import Trainer
 
 
@@ -138,7 +138,7 @@ def build_loaders(plan: RunPlan, prepared: Path):
     if cfg.features.mode == "online":
         from eagle31.data.online import OnlineFeatures
 
-        target = load_target(plan.target_dir, cfg.target, world.device)
+        target = load_recipe_target(plan.target_dir, cfg.target, world.device)
         sources = {n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens) for n, ds in splits.items()}
     else:
         from eagle31.data.store import FeatureStore, store_state
@@ -161,7 +161,7 @@ def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     """Capture the target's features into the shard store (each rank its shards)."""
     cfg = plan.cfg
     writers = open_store_writers(store_dir, splits, plan.target_dir, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features)
-    target = load_target(plan.target_dir, cfg.target, plan.world.device)
+    target = load_recipe_target(plan.target_dir, cfg.target, plan.world.device)
     capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=plan.world)
     del target
 

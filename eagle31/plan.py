@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eagle31.config import ConfigError, DrafterConfig, load_target_config
+from eagle31.config import ConfigError, DrafterConfig
 from eagle31.distributed import World
 from eagle31.estimate import count_parameters, estimate_memory
 from eagle31.export import export_config
@@ -23,6 +23,7 @@ from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
 from eagle31.model import Eagle31Drafter
 from eagle31.recipe import to_container
+from eagle31.target import load_target_config, target_fingerprint
 
 # Sections that define a run: resuming with any of them changed is refused.
 RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "train.ttt_length")
@@ -157,7 +158,6 @@ def check_data(plan: RunPlan) -> None:
             if not Path(path).is_file():
                 raise ConfigError(f"eval.data: prompt file not found: {path}")
     if cfg.features.mode == "store":
-        from eagle31.data.capture import target_fingerprint
         from eagle31.data.store import check_store_compatible, target_identity
 
         for split in ("train", "eval"):  # before the target is loaded to capture into them
