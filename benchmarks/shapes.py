@@ -16,9 +16,10 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError, DrafterConfig, load_target_config
-from eagle31.pipeline import drafter_overrides
+from eagle31.config import ConfigError, DrafterConfig
+from eagle31.plan import drafter_overrides
 from eagle31.recipe import load_recipe
+from eagle31.target import load_target_config
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 

@@ -16,60 +16,29 @@ and exit code 2 before the target is loaded. Train on it with features.mode=stor
 import sys
 from pathlib import Path
 
-from datasets import load_from_disk
-
 from eagle31.cli import recipe_main
-from eagle31.config import ConfigError, DrafterConfig, load_target_config
-from eagle31.data.capture import capture_to_store, load_target, target_fingerprint
-from eagle31.data.store import StoreWriter
-from eagle31.distributed import barrier, close_world, init_world
+from eagle31.config import DrafterConfig
+from eagle31.data.capture import capture_splits, open_store_writers
+from eagle31.data.prepare import load_prepared_splits
+from eagle31.distributed import close_world, init_world
 from eagle31.errors import RunInterrupted
+from eagle31.target import load_recipe_target, load_target_config
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-def open_stores(cfg) -> tuple[Path, dict, dict]:
-    """(target dir, prepared splits, store writers): everything checked before the target loads."""
-    splits = {}
-    for name in ("train", "eval"):
-        path = Path(cfg.data.prepared_dir) / name
-        if name == "train" and not path.is_dir():
-            raise ConfigError(f"no prepared split at {path}; run data_prep/prepare.py first")
-        if path.is_dir():
-            splits[name] = load_from_disk(str(path))
-    target_dir = Path(resolve_target_path(cfg.target))
-    target_config = load_target_config(target_dir)
-    aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
-    store_dir = Path(cfg.features.store_dir)
-    fingerprint = target_fingerprint(target_dir)
-    writers = {
-        name: StoreWriter.for_dataset(store_dir / name, ds, target_config, aux_ids, cfg.target, cfg.features, fingerprint=fingerprint)
-        for name, ds in splits.items()
-    }
-    return target_dir, splits, writers
-
-
 def capture(cfg) -> None:
     world = init_world(cfg.train.device)
     try:
-        target_dir, splits, writers = open_stores(cfg)  # raises ConfigError before the target loads
-        model = load_target(target_dir, cfg.target, world.device)
-        for name, ds in splits.items():
-            stats = capture_to_store(
-                model,
-                ds,
-                writers[name],
-                batch_tokens=cfg.features.capture_batch_tokens,
-                rank=world.rank,
-                world_size=world.world_size,
-            )
-            print(f"[rank {world.rank}] {name}: {stats.summary()}")
-        barrier()
-        if world.is_main:
-            for name, writer in writers.items():
-                m = writer.finalize()
-                print(f"{writer.root}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards")
+        splits = load_prepared_splits(Path(cfg.data.prepared_dir))
+        target_dir = Path(resolve_target_path(cfg.target))
+        target_config = load_target_config(target_dir)
+        aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
+        # raises ConfigError before the target loads
+        writers = open_store_writers(Path(cfg.features.store_dir), splits, target_dir, target_config, aux_ids, cfg.target, cfg.features)
+        model = load_recipe_target(target_dir, cfg.target, world.device)
+        capture_splits(model, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
     except KeyboardInterrupt:
         raise RunInterrupted(
             f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to capture the rest"

@@ -12,32 +12,26 @@ can be read, stop with a one-line error and exit code 2.
 import sys
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from eagle31.cli import recipe_main
-from eagle31.config import load_target_config
-from eagle31.data.prepare import check_data_config, prepare_dataset
-from eagle31.data.sources import check_sources
-from eagle31.pipeline import data_section
+from eagle31.data.prepare import check_data_config, prepare_with_target_tokenizer
+from eagle31.data.sources import check_sources, data_section
+from eagle31.target import target_vocab_size
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-
-def target_vocab_size(path: Path) -> int | None:
-    """The target's vocab_size from its config.json, when the directory has one."""
-    if not (path / "config.json").is_file():
-        return None
-    config = load_target_config(path)
-    return (config.get("text_config") or config).get("vocab_size")
 
 
 def prepare(cfg) -> None:
     data = data_section(cfg)  # `demo:<split>` sources resolved
     check_sources(check_data_config(data))  # before loading (or building) the target
     path = Path(resolve_target_path(cfg.target))
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code)
-    report = prepare_dataset(data, tokenizer, draft_vocab_size=cfg.drafter.draft_vocab_size, vocab_size=target_vocab_size(path))
+    report = prepare_with_target_tokenizer(
+        data,
+        path,
+        trust_remote_code=cfg.target.trust_remote_code,
+        draft_vocab_size=cfg.drafter.draft_vocab_size,
+        vocab_size=target_vocab_size(path),
+    )
     print(report.summary())
 
 

@@ -31,12 +31,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from eagle31.config import ConfigError, load_target_config
+from eagle31.config import ConfigError
 from eagle31.data.chat import check_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.recipe import DrafterFormat
 from eagle31.speculative import Generation, speculative_generate
+from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, load_target, load_target_config, text_config
 from eagle31.targets.cache import portable_path
 
 # ---------------------------------------------------------------------- statistics
@@ -279,12 +280,12 @@ def _labelled_paths(name: str, value: str) -> dict[str, str]:
 
 def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Evaluate every drafter on every split; returns the report (settings + results)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from eagle31.convert import load_drafter
 
     tree = config.tree
-    device, dtype = _device_and_dtype(config.device, config.dtype)
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.target)
@@ -297,13 +298,12 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
             drafters[label] = load_drafter(
                 path,
                 source_format=config.drafter_format,
-                target_num_layers=_text_config(target_config).get("num_hidden_layers"),
+                target_num_layers=text_config(target_config).get("num_hidden_layers"),
             )
         except ConfigError as e:
             raise ConfigError(f"drafter {label} ({path}): {e}") from None
         check_drafter_fits(drafters[label].config, target_config, label)
-    target = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype, attn_implementation="sdpa")
-    target = target.to(device).eval()
+    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
     results = []
     for label, drafter in drafters.items():
@@ -339,16 +339,14 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
 
 def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str) -> None:
     """The drafter reads this target's features and vocabulary (checked before loading weights)."""
-    text = _text_config(target_config)
+    text = text_config(target_config)
     for field_name, target_key in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
         want = text.get(target_key)
         have = getattr(drafter_config, field_name)
         if want is not None and have != want:
             raise ConfigError(f"drafter {label}: {field_name}={have} but the target's {target_key}={want}")
-    layers = text.get("num_hidden_layers")
-    ids = list(drafter_config.aux_layer_ids)
-    if layers is not None and max(ids) >= layers:
-        raise ConfigError(f"drafter {label}: aux_layer_ids {ids} out of range for a {layers}-layer target")
+    if text.get("num_hidden_layers") is not None:
+        check_aux_layer_ids(drafter_config.aux_layer_ids, text["num_hidden_layers"], who=f"drafter {label}: ")
 
 
 def share_target_embedding(drafter, target):
@@ -357,26 +355,6 @@ def share_target_embedding(drafter, target):
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     return drafter
-
-
-def _text_config(target_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config (multimodal wrappers such as Kimi K2.6 nest it)."""
-    return target_config.get("text_config") or target_config
-
-
-def _device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device} but CUDA is not available")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ConfigError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
-    try:
-        return torch.device(device), getattr(torch, dtype)
-    except RuntimeError as e:
-        raise ConfigError(f"device: {e}") from None
 
 
 def _eos_ids(target, tokenizer) -> list[int]:

@@ -193,13 +193,12 @@ class DrafterConfig:
         any field; `None` values are ignored.
         """
         from eagle31.rope import ambiguity, for_llama_drafter
+        from eagle31.target import text_config
 
-        t = _as_dict(hf_config)
-        if isinstance(t.get("text_config"), dict):  # multimodal wrappers (Kimi K2.5/K2.6)
-            outer = t
-            t = dict(t["text_config"])
-            for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
-                t[key] = outer.get(key) or t.get(key)
+        outer = _as_dict(hf_config)
+        t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
+        for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
+            t[key] = outer.get(key) or t.get(key)
         model_type = t.get("model_type", "")
         num_layers = _require(t, "num_hidden_layers")
         hidden = _require(t, "hidden_size")
@@ -325,12 +324,6 @@ def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{what} {p} is not a JSON object (it holds a {type(value).__name__})")
     return value
-
-
-def load_target_config(path: str | Path) -> dict[str, Any]:
-    """Read a target's `config.json` (a file or a model directory) as a dict."""
-    p = Path(path)
-    return read_json_config(p / "config.json" if p.is_dir() else p, "target config")
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:

@@ -30,21 +30,20 @@ import torch
 
 from eagle31.acceptance import (
     AcceptanceStats,
-    _device_and_dtype,
     _eos_ids,
     _labelled_paths,
-    _text_config,
     check_drafter_fits,
     check_model_dirs,
     check_positive,
     share_target_embedding,
     tree_spec,
 )
-from eagle31.config import ConfigError, load_target_config
+from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 from eagle31.speculative import speculative_generate
+from eagle31.target import inference_device_and_dtype, load_target, load_target_config, text_config
 
 ALL = "all"
 MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
@@ -181,12 +180,12 @@ def evaluate_mt_bench(
 
 def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every drafter in every mode over the questions; returns the report (settings + results)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from eagle31.convert import load_drafter
 
     modes = config.modes
-    device, dtype = _device_and_dtype(config.device, config.dtype)
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
     rejects = Tally()
     questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
     if rejects.counts:
@@ -204,12 +203,12 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
     for label, path in config.drafters.items():
         try:
             drafters[label] = load_drafter(
-                path, source_format=config.drafter_format, target_num_layers=_text_config(target_config).get("num_hidden_layers")
+                path, source_format=config.drafter_format, target_num_layers=text_config(target_config).get("num_hidden_layers")
             )
         except ConfigError as e:
             raise ConfigError(f"drafter {label} ({path}): {e}") from None
         check_drafter_fits(drafters[label].config, target_config, label)
-    target = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
     results = []
     for label, drafter in drafters.items():

@@ -6,7 +6,7 @@ a 4D tree-attention mask and per-node position ids — and accepts the longest
 draft path that matches its own argmax, plus its argmax after that path (the
 bonus token). So the output is exactly the target's greedy decoding. The target
 keeps its `DynamicCache`, trimmed to the accepted path after each round; the
-features it produced at the accepted positions (`eagle31.data.capture`) become
+features it produced at the accepted positions (`eagle31.target.TargetFeatures`) become
 the drafter's context.
 
 A tree needs a target whose attention honours custom 4D masks (`sdpa` or
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from eagle31.config import ConfigError
-from eagle31.data.capture import TargetFeatures
+from eagle31.target import TargetFeatures
 from eagle31.drafting import DraftTree, Proposer, TreeSpec
 
 

@@ -219,15 +219,15 @@ def feature_scale(cfg: CompareConfig, target: Path, corpus: Path, trained_len: i
     data.max_len) and at or beyond it.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from eagle31.acceptance import load_prompts
-    from eagle31.config import DrafterConfig, load_target_config
-    from eagle31.data.capture import TargetFeatures
+    from eagle31.config import DrafterConfig
+    from eagle31.target import TargetFeatures, load_target, load_target_config
 
     aux_ids = DrafterConfig.from_target_config(load_target_config(target)).aux_layer_ids
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = load_target(target, torch.device("cpu"), dtype=torch.float32)
     torch.set_num_threads(cfg.threads)
     out = {"aux_layer_ids": list(aux_ids), "trained_len": trained_len, "splits": {}}
     names = [f"aux layer {i}" for i in aux_ids] + ["final"]

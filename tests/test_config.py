@@ -92,7 +92,7 @@ def test_unknown_override_is_rejected():
 
 
 def test_missing_or_malformed_config_json_is_one_line_naming_the_file(tmp_path):
-    from eagle31.config import load_target_config
+    from eagle31.target import load_target_config
     from eagle31.convert import load_drafter
 
     with pytest.raises(ConfigError, match=f"target config not found: {tmp_path}/config.json"):

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from eagle31.config import ConfigError
-from eagle31.pipeline import check_init_from, init_from_checkpoint
+from eagle31.pipeline import init_from_checkpoint
+from eagle31.plan import check_init_from
 from tests.helpers import tiny_config, tiny_drafter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def test_a_shape_that_does_not_fit_is_one_line_naming_the_tensor(tmp_path):
 
 def test_the_run_checks_it_before_any_model_is_built(tmp_path):
     from eagle31.distributed import init_world
-    from eagle31.pipeline import plan_run
+    from eagle31.plan import plan_run
     from eagle31.recipe import load_recipe
 
     path = saved(tmp_path)  # aux ids (2, 4, 5); Kimi K2.6's are (2, 30, 58)

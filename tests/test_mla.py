@@ -197,7 +197,7 @@ def test_yarn_without_factor_is_refused_in_one_line():
 
 
 def test_from_target_config_copies_the_targets_mla_shape():
-    from eagle31.config import load_target_config
+    from eagle31.target import load_target_config
     from pathlib import Path
 
     target = load_target_config(Path(__file__).parents[1] / "recipes/targets/kimi_k26.json")

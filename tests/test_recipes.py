@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.config import DrafterConfig, load_target_config
+from eagle31.config import DrafterConfig
 from eagle31.recipe import load_recipe
+from eagle31.target import load_target_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

@@ -271,9 +271,9 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_ta
 
 
 def test_a_store_dir_holding_the_users_files_is_refused_before_capture(tiny_target, chats, tmp_path, capsys, monkeypatch):
-    import eagle31.data.capture
+    import eagle31.target
 
-    monkeypatch.setattr(eagle31.data.capture, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(eagle31.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     mine = tmp_path / "mine"
     (mine / "train").mkdir(parents=True)
     (mine / "train" / "results.csv").write_text("a,b\n")

@@ -195,7 +195,7 @@ def test_kimi_k26_dry_run_needs_no_weights():
 def test_kimi_k26_drafters_have_the_published_shapes(recipe):
     from eagle31.distributed import init_world
     from eagle31.estimate import count_parameters, estimate_memory
-    from eagle31.pipeline import plan_run
+    from eagle31.plan import plan_run
     from eagle31.recipe import load_recipe
 
     plan = plan_run(load_recipe(REPO / "recipes", [f"recipe={recipe}", "dry_run=true"]), init_world("cpu"))
@@ -217,7 +217,7 @@ def test_kimi_k26_drafters_have_the_published_shapes(recipe):
 def test_an_mla_run_asking_for_the_speculators_layout_is_refused_at_plan_time():
     from eagle31 import ConfigError
     from eagle31.distributed import init_world
-    from eagle31.pipeline import plan_run
+    from eagle31.plan import plan_run
     from eagle31.recipe import load_recipe
 
     cfg = load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true", "export.formats=[eagle3,speculators]"])

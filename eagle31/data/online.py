@@ -18,8 +18,9 @@ import numpy as np
 from torch import nn
 
 from eagle31.data.batch import Sample
-from eagle31.data.capture import TargetFeatures, prepared_rows, run_target
+from eagle31.data.capture import prepared_rows, run_target
 from eagle31.data.store import prepared_lengths
+from eagle31.target import TargetFeatures
 
 
 class OnlineFeatures:

@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from eagle31.config import ConfigError
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
+from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
@@ -224,6 +225,49 @@ def prepare_dataset(
         del train, held_out
         (tmp / "all.arrow").unlink()  # both splits were copied out of it
     return report
+
+
+def prepare_with_target_tokenizer(
+    data_cfg: Any, target_dir: Path, *, trust_remote_code: bool, draft_vocab_size: int, vocab_size: int | None
+) -> PrepareReport:
+    """`prepare_dataset` with the tokenizer saved beside the target at `target_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+    return prepare_dataset(data_cfg, tokenizer, draft_vocab_size=draft_vocab_size, vocab_size=vocab_size)
+
+
+def check_prepared(prepared_dir: Path) -> dict:
+    """The report of a prepared directory, which must hold a supervised token to train on."""
+    try:
+        summary = json.loads((prepared_dir / "report.json").read_text())
+    except ValueError:
+        raise CorruptDataError(f"{prepared_dir / 'report.json'} is not valid JSON; delete {prepared_dir} to prepare the data again") from None
+    if summary["samples"]["train"] == 0 or summary["supervised_tokens"]["train"] == 0:
+        raise ConfigError(f"the prepared training split in {prepared_dir} has no supervised token")
+    return summary
+
+
+def load_prepared_splits(prepared_dir: Path) -> dict[str, Any]:
+    """{"train": Dataset, "eval": Dataset (when prepared)} of a prepared directory."""
+    import datasets
+
+    splits = {}
+    for name in ("train", "eval"):
+        path = prepared_dir / name
+        if name == "train" and not path.is_dir():
+            raise ConfigError(f"no prepared split at {path}; run data_prep/prepare.py first")
+        if path.is_dir():
+            splits[name] = datasets.load_from_disk(str(path))
+    return splits
+
+
+def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool) written by `prepare_dataset`."""
+    from safetensors.torch import load_file
+
+    vocab = load_file(str(prepared_dir / "vocab.safetensors"))
+    return vocab["d2t"], vocab["t2d"]
 
 
 # ---------------------------------------------------------------- steps

@@ -406,3 +406,18 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
         prefix = f"{path}/{split}" if split else str(path)
         for i, record in enumerate(ds):
             yield f"{prefix}[{i}]", record
+
+
+def resolve_sources(sources) -> list[str]:
+    """Source paths (one or a list); `demo:<split>` names a split of the demo corpus (built with the demo target)."""
+    from eagle31.targets import demo_corpus_dir
+
+    prefix = "demo:"
+    return [str(demo_corpus_dir() / f"{s[len(prefix):]}.jsonl") if s.startswith(prefix) else s for s in source_paths(sources)]
+
+
+def data_section(cfg):
+    """`cfg.data` with `demo:` sources resolved to files (the recipe keeps the portable names)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg.data, {"source": resolve_sources(cfg.data.source)})

@@ -43,12 +43,19 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eagle31.config import ConfigError, default_aux_layer_ids, load_target_config
+from eagle31.config import ConfigError, default_aux_layer_ids
 from eagle31.data.batch import Sample
-from eagle31.data.capture import CaptureStats, check_aux_layer_ids, target_fingerprint
-from eagle31.data.store import StoreHeader, StoreWriter, target_shape
+from eagle31.data.capture import CaptureStats
+from eagle31.data.store import StoreHeader, StoreWriter
 from eagle31.errors import CorruptDataError
-from eagle31.target_weights import read_target_tensor
+from eagle31.target import (
+    check_aux_layer_ids,
+    load_target_config,
+    read_target_tensor,
+    target_fingerprint,
+    target_shape,
+    text_config,
+)
 
 _HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
 
@@ -97,7 +104,7 @@ def import_speculators(
     files = hidden_state_files(hs_dir)
     target = load_target_config(target_dir)
     L, Ht = target_shape(target)
-    eps = float((target.get("text_config") or target).get("rms_norm_eps", 1e-6))
+    eps = float(text_config(target).get("rms_norm_eps", 1e-6))
     aux_ids = tuple(int(k) for k in aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L)
     check_aux_layer_ids(aux_ids, L)
     dataset = _load_rows(dataset_dir) if dataset_dir else None

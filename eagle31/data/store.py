@@ -38,7 +38,7 @@ reports in report.json and metrics.jsonl). A record naming a file outside the
 store directory (`../x`) is refused before anything is read.
 
 Identity: the manifest records the target's name, revision and fingerprint
-(`eagle31.data.capture.target_fingerprint`); `check_store_compatible` refuses a store
+(`eagle31.target.target_fingerprint`); `check_store_compatible` refuses a store
 made for another target, even one of the same shape. A store directory carries the
 output marker of `eagle31.io` (kind `feature-store`): a folder that eagle31 did not
 write is never used as one.
@@ -66,6 +66,7 @@ from eagle31.config import ConfigError
 from eagle31.data.batch import Sample
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
+from eagle31.target import target_shape
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -98,7 +99,7 @@ class StoreHeader:
     hidden_size: int  # Ht
     aux_layer_ids: tuple[int, ...]  # vLLM convention: input of decoder layer k
     dtype: str  # a key of STORE_DTYPES
-    target_fingerprint: str | None = None  # eagle31.data.capture.target_fingerprint
+    target_fingerprint: str | None = None  # eagle31.target.target_fingerprint
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -145,12 +146,6 @@ def target_identity(target: Any) -> str:
     Set `target.name` to keep a store valid when the checkpoint moves to another path.
     """
     return str(target.name or target.builtin or target.path)
-
-
-def target_shape(target_config: dict) -> tuple[int, int]:
-    """(L, Ht) from a target's config.json dict (multimodal wrappers nest it under `text_config`)."""
-    text = target_config.get("text_config") or target_config
-    return int(text["num_hidden_layers"]), int(text["hidden_size"])
 
 
 def check_store_compatible(

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from eagle31.config import ConfigError
-from eagle31.data.capture import TargetFeatures, capture_to_store, prepared_rows, run_target
+from eagle31.data.capture import capture_to_store, prepared_rows, run_target
+from eagle31.target import TargetFeatures
 from eagle31.data.store import (
     FeatureStore,
     StoreHeader,
@@ -214,7 +215,7 @@ def test_writer_from_recipe_sections_and_the_trainers_compatibility_check(tmp_pa
 def test_the_fingerprint_tells_targets_of_one_shape_apart_and_survives_a_move(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle31.data.capture import target_fingerprint
+    from eagle31.target import target_fingerprint
 
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, vocab_size=64)
     for seed, name in ((0, "a"), (1, "b")):

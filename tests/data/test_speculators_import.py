@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
-from eagle31.data.capture import TargetFeatures, prepared_rows, run_target
+from eagle31.data.capture import prepared_rows, run_target
+from eagle31.target import TargetFeatures
 from eagle31.data.speculators_import import final_norm_weight, import_speculators
 from eagle31.data.store import FeatureStore
 from eagle31.errors import CorruptDataError

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from eagle31.data.batch import Sample
-from eagle31.data.capture import TargetFeatures, prepared_rows, run_target
+from eagle31.data.capture import prepared_rows, run_target
+from eagle31.target import TargetFeatures
 from eagle31.data.store import (
     CorruptShardError,
     MANIFEST,

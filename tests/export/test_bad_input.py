@@ -11,7 +11,7 @@ from eagle31 import ConfigError
 from eagle31.acceptance import load_prompts
 from eagle31.convert import load_drafter
 from eagle31.export import export_drafter
-from eagle31.pipeline import check_run_dir
+from eagle31.plan import check_run_dir
 from tests.helpers import tiny_drafter
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

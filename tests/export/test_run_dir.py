@@ -12,7 +12,7 @@ import yaml
 
 from eagle31 import metrics_log
 from eagle31.metrics_log import redact_secrets
-from eagle31.pipeline import check_run_dir
+from eagle31.plan import check_run_dir
 from eagle31.recipe import load_recipe, to_container
 from tests.helpers import tiny_drafter
 

@@ -11,8 +11,9 @@ import logging
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle31.config import DrafterConfig, load_target_config
+from eagle31.config import DrafterConfig
 from eagle31.io import sha256_file
+from eagle31.target import load_target_config
 from eagle31.targets import demo_corpus
 from eagle31.targets.demo import DemoRecipe, build_demo_target, ensure_demo_target, evaluate, greedy
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle31.config import DrafterConfig, load_target_config
+from eagle31.config import DrafterConfig
 from eagle31.io import sha256_file
+from eagle31.target import load_target_config
 from eagle31.targets.kimi_mini import KIMI_YARN, build_kimi_k26_mini, ensure_kimi_k26_mini
 
 

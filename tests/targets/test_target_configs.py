@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.config import DrafterConfig, load_target_config
+from eagle31.config import DrafterConfig
+from eagle31.target import load_target_config
 
 TARGETS = Path(__file__).resolve().parents[2] / "recipes" / "targets"
 

@@ -1,0 +1,231 @@
+"""The plan of a run, and every check that needs no model: `plan_run(cfg, world)`.
+
+A run is planned before anything expensive happens: the target's config is read (not its
+weights), the drafter's shape is settled, each requested export is tried on paper, and
+the run directory, prepared data, held-out prompts and feature store are checked, so bad
+input fails in seconds with one line. `describe_dry_run` is what `dry_run=true` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle31.config import ConfigError, DrafterConfig
+from eagle31.distributed import World
+from eagle31.estimate import count_parameters, estimate_memory
+from eagle31.export import export_config
+from eagle31.io import check_output_dir
+from eagle31.metrics_log import redact_secrets
+from eagle31.model import Eagle31Drafter
+from eagle31.recipe import to_container
+from eagle31.target import load_target_config, target_fingerprint
+
+# Sections that define a run: resuming with any of them changed is refused.
+RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "train.ttt_length")
+
+
+
+@dataclass
+class RunPlan:
+    """What a run will do, settled before any model is built: the composed config and what it implies."""
+
+    cfg: Any
+    world: World
+    run_dir: Path
+    target_dir: Path | None  # None in a dry run from a config file alone
+    target_config: dict
+    drafter: DrafterConfig
+    compute_dtype: torch.dtype
+
+
+def drafter_overrides(section) -> dict[str, Any]:
+    """`drafter.*` fields that are DrafterConfig fields (the rest steer initialisation)."""
+    names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    values = {k: v for k, v in to_container(section).items() if k in names}
+    if values.get("aux_layer_ids") is not None:
+        values["aux_layer_ids"] = tuple(values["aux_layer_ids"])
+    return values
+
+
+def plan_run(cfg, world: World) -> RunPlan:
+    """Everything checkable without building a model; a bad setting is one ConfigError line."""
+    for name in ("ttt_length", "max_steps", "grad_accum"):
+        if getattr(cfg.train, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
+    if not cfg.train.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
+
+    target_dir = None
+    if cfg.dry_run and cfg.target.config:
+        target_config = load_target_config(cfg.target.config)
+    else:
+        from eagle31.targets import resolve_target_path
+
+        target_dir = Path(resolve_target_path(cfg.target))
+        target_config = load_target_config(target_dir)
+    drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
+    if cfg.data.max_len > drafter.max_position_embeddings:
+        drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
+    for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
+        export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len),
+                      target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None))
+
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if world.device.type == "cuda" else "fp32"
+    compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    plan = RunPlan(cfg, world, Path(cfg.output_dir), target_dir, target_config, drafter, compute_dtype)
+    if not cfg.dry_run:
+        check_output_dir(plan.run_dir, "run")
+        check_run_dir(plan)
+        check_data(plan)
+    if cfg.drafter.init_from:
+        check_init_from(drafter, cfg.drafter)
+    return plan
+
+
+# A drafter to fine-tune must mean what this run's drafter means: these switch features or
+# normalisation without changing a tensor shape, so fitting weights would not catch them.
+INIT_FROM_FIELDS = ("aux_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def check_init_from(drafter: DrafterConfig, section) -> None:
+    """`drafter.init_from` (config.json only): its switches and aux ids must be this run's.
+
+    `norm_output` may differ when `drafter.upgrade_to_eagle31` asks for the EAGLE 3 -> 3.1 upgrade.
+    """
+    from eagle31.convert import read_drafter_config
+
+    source = read_drafter_config(
+        section.init_from,
+        source_format=section.init_from_format,
+        upgrade_to_eagle31=section.upgrade_to_eagle31,
+        target_num_layers=drafter.target_num_layers,
+    )
+    for name in INIT_FROM_FIELDS:
+        if name == "norm_output" and section.upgrade_to_eagle31:
+            continue
+        theirs, ours = getattr(source, name), getattr(drafter, name)
+        if theirs != ours:
+            theirs, ours = (list(v) if isinstance(v, tuple) else v for v in (theirs, ours))
+            raise ConfigError(f"drafter.init_from={section.init_from}: {name} is {theirs} there but {ours} in this run")
+
+
+def check_run_dir(plan: RunPlan) -> None:
+    """An output directory holding another run is refused unless resume=auto continues the same run."""
+    saved = plan.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    if plan.cfg.resume != "auto":
+        raise ConfigError(f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir")
+    from eagle31.export import read_run_config
+
+    old = read_run_config(plan.run_dir)  # a garbled config.yaml is one line naming it
+    new = redact_secrets(to_container(plan.cfg))
+    for key in RUN_IDENTITY:
+        a, b = _get(old, key), _get(new, key)
+        if a != b:
+            raise ConfigError(f"output_dir {plan.run_dir} holds a different run: {key} was {a!r}, now {b!r}")
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def check_data(plan: RunPlan) -> None:
+    """Data, held-out prompts and feature store, checked before the target is loaded."""
+    from eagle31.data.prepare import check_data_config
+    from eagle31.data.sources import check_sources, data_section, resolve_sources
+
+    cfg = plan.cfg
+    sources = check_data_config(data_section(cfg))
+    prepared = Path(cfg.data.prepared_dir)
+    check_prepared_dir(prepared, sources)
+    if not (prepared / "train").is_dir():
+        check_sources(sources)
+    if cfg.eval.enabled:
+        if not cfg.eval.data:
+            raise ConfigError("eval.enabled=true needs eval.data: prompt files, one per split")
+        for path in resolve_sources(cfg.eval.data):
+            if not Path(path).is_file():
+                raise ConfigError(f"eval.data: prompt file not found: {path}")
+    if cfg.features.mode == "store":
+        from eagle31.data.store import check_store_compatible, target_identity
+
+        for split in ("train", "eval"):  # before the target is loaded to capture into them
+            check_output_dir(Path(cfg.features.store_dir) / split, "feature-store")
+        check_store_compatible(
+            Path(cfg.features.store_dir),
+            plan.target_config,
+            plan.drafter.aux_layer_ids,
+            target_name=target_identity(cfg.target),
+            target_revision=cfg.target.revision,
+            target_fingerprint=target_fingerprint(plan.target_dir),
+        )
+
+
+def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
+    """`data.prepared_dir` must be ours (or new), and a prepared one must have been made from `sources`."""
+    from eagle31.data.prepare import recorded_sources
+
+    check_output_dir(prepared, "prepared-data")
+    recorded = recorded_sources(prepared)
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new sources would be ignored
+        raise ConfigError(
+            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
+            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
+        )
+
+
+
+# ---------------------------------------------------------------------------- dry run
+
+
+def describe_dry_run(plan: RunPlan) -> dict:
+    """`dry_run=true`: print (rank 0) and return parameter counts and a per-GPU memory estimate."""
+    cfg, d = plan.cfg, plan.drafter
+    counts = count_parameters(d)
+    world_size = max(plan.world.world_size, 1)
+    memory = estimate_memory(
+        d,
+        cfg.data.max_len,
+        cfg.train.ttt_length,
+        world_size=world_size,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
+    )
+    # build it for real, on the meta device: validates every shape without memory
+    with torch.device("meta"):
+        model = Eagle31Drafter(d)
+    built = sum(p.numel() for p in model.parameters())
+    if built != counts.total:
+        raise RuntimeError(f"parameter count formula ({counts.total}) disagrees with the model ({built})")
+    report = {
+        "recipe": cfg.name,
+        "drafter": d.to_dict(),
+        "parameters": {"trainable": counts.trainable, "frozen_embedding": counts.frozen_embedding, "total": counts.total},
+        "memory_gib_per_gpu": memory,
+        "seq_len": cfg.data.max_len,
+        "ttt_length": cfg.train.ttt_length,
+        "world_size": world_size,
+    }
+    if plan.world.is_main:
+        print(f"dry run of recipe {cfg.name!r}: config valid")
+        print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
+              f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
+              f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
+        print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")
+        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s), "
+              f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip
+        for k, v in memory.items():
+            if k != "total":
+                print(f"    {k:30s} {v:8.2f} GiB")
+    return report

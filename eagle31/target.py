@@ -1,0 +1,285 @@
+"""The target model: its config, shape, weights, identity and features, in one place.
+
+A target is a Hugging Face causal LM saved as a directory (config.json, safetensors,
+tokenizer). Everything eagle31 reads of it goes through here:
+
+- `load_target_config`, `text_config` / `target_shape`: its config.json; the language model's config, unwrapped from a
+  multimodal wrapper such as Kimi K2.6 (which nests it under `text_config`); (L, Ht).
+- `read_target_tensor` / `read_target_embeddings`: single tensors from the
+  safetensors files, without loading the model (a Kimi-scale target is a terabyte;
+  the trainer needs only its embedding and lm_head, [V, Ht] each), under any of the
+  usual prefixes (`model.`, `language_model.`); tied embeddings: lm_head falls back
+  to the embedding.
+- `target_fingerprint`: identifies the target whose features a store holds, beyond
+  its name: two checkpoints of one shape (a base model and its fine-tune, two random
+  demo targets) get different fingerprints, so a store is never trained on with another target.
+- `load_target` / `inference_device_and_dtype`: the model itself, for capture, online
+  features and evaluation.
+- `TargetFeatures`: forward pre-hooks that keep the drafter's inputs. `aux`
+  concatenates the hidden states at the *input* of the decoder layers
+  `aux_layer_ids` (vLLM convention: id k = HF `output_hidden_states[k]`, checked by
+  `check_aux_layer_ids`), in id order; `final` is the input of `lm_head` (post final
+  norm). Only these tensors are kept, so the `L+1` hidden states are never materialised:
+
+      with TargetFeatures(model, aux_layer_ids) as feats:
+          out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
+          aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for that forward's positions
+
+  (`final` covers the positions lm_head sees: HF's `logits_to_keep`, which `generate`
+  sets to 1 at prefill, narrows it.) `feats.capture(input_ids, mask)` runs a forward
+  that stops at lm_head's input, so no `[B, T, V]` logits are built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from eagle31.config import ConfigError, read_json_config
+
+# Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
+_LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
+_FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell checkpoints apart, cheap for any V
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when a checkpoint is copied or re-saved
+
+
+# ---------------------------------------------------------------- config and shape
+
+
+def load_target_config(path: str | Path) -> dict[str, Any]:
+    """Read a target's `config.json` (a file or a model directory) as a dict."""
+    p = Path(path)
+    return read_json_config(p / "config.json" if p.is_dir() else p, "target config")
+
+
+def text_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json dict (multimodal wrappers such as Kimi K2.6 nest it under `text_config`)."""
+    return target_config.get("text_config") or target_config
+
+
+def target_shape(target_config: dict) -> tuple[int, int]:
+    """(L, Ht): decoder layers and hidden size of the target."""
+    text = text_config(target_config)
+    return int(text["num_hidden_layers"]), int(text["hidden_size"])
+
+
+def target_vocab_size(target_dir: Path) -> int | None:
+    """The target's vocab_size from its config.json, when the directory has one."""
+    if not (target_dir / "config.json").is_file():
+        return None
+    return text_config(load_target_config(target_dir)).get("vocab_size")
+
+
+# ---------------------------------------------------------------- weights, without loading the model
+
+
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+LM_HEAD_NAMES = ("lm_head.weight", "output.weight")
+WRAPPER_PREFIXES = ("", "language_model.", "model.language_model.")
+
+
+def _weight_map(target_dir: Path) -> dict[str, str]:
+    """tensor name -> safetensors file name."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no safetensors weights in target directory {target_dir}")
+    names: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.update({k: f.name for k in sf.keys()})
+    return names
+
+
+def read_target_tensor(
+    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True, rows: int | None = None
+) -> torch.Tensor | None:
+    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights (its first `rows` only)."""
+    target_dir = Path(target_dir)
+    weight_map = _weight_map(target_dir)
+    for prefix in WRAPPER_PREFIXES:
+        for name in candidates:
+            full = prefix + name
+            if full in weight_map:
+                with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
+                    return sf.get_tensor(full) if rows is None else sf.get_slice(full)[:rows]
+    if required:
+        raise ConfigError(f"target {target_dir}: no tensor among {list(candidates)}")
+    return None
+
+
+def read_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V, Ht], lm_head [V, Ht]) of the target at `target_dir`."""
+    embed = read_target_tensor(target_dir, EMBED_NAMES)
+    lm_head = read_target_tensor(target_dir, LM_HEAD_NAMES, required=False)
+    return embed, (embed if lm_head is None else lm_head)
+
+
+def target_fingerprint(target_dir) -> str:
+    """sha256 of the target's config.json (less path and version keys), first embedding rows and final norm weight."""
+    config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for names in (EMBED_NAMES, ("model.norm.weight",)):
+        weight = read_target_tensor(target_dir, names, required=False, rows=_FINGERPRINT_ROWS)
+        if weight is not None:
+            digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- the model
+
+
+def load_target(
+    path,
+    device: torch.device,
+    *,
+    dtype: str | torch.dtype,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """The target at `path` in eval mode without gradients.
+
+    On `device`, or spread over devices by `device_map` (e.g. "auto") when set.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype),
+        device_map=device_map or None,
+        trust_remote_code=trust_remote_code,
+        **kwargs,
+    )
+    if not device_map:
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Module:
+    """`load_target` as a recipe's `target` section asks (its dtype, device_map, trust_remote_code)."""
+    return load_target(
+        target_dir, device, dtype=section.dtype, device_map=section.device_map, trust_remote_code=section.trust_remote_code
+    )
+
+
+def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`device` / `dtype` of an inference run, `auto` meaning CUDA in bfloat16 when there is one, else CPU in float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device} but CUDA is not available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    try:
+        return torch.device(device), getattr(torch, dtype)
+    except RuntimeError as e:
+        raise ConfigError(f"device: {e}") from None
+
+
+# ---------------------------------------------------------------- features
+
+
+class _StopForward(Exception):
+    """Raised by the lm_head pre-hook to end a capture-only forward."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers, found at one of the usual attribute paths."""
+    for path in _LAYER_PATHS:
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ConfigError(
+        f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}"
+    )
+
+
+def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -> None:
+    """Aux ids are distinct, increasing decoder-layer inputs `0 <= k < L` (vLLM convention); `who` prefixes the error."""
+    if not ids or list(ids) != sorted(set(ids)):
+        raise ConfigError(f"{who}aux_layer_ids must be distinct and increasing, got {list(ids)}")
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ConfigError(f"{who}aux_layer_ids {bad} out of range for a {num_layers}-layer target")
+
+
+class TargetFeatures:
+    """Hooks that capture `aux` and `final` from the forwards of `model`; see the module docstring."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
+        self.model = model
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        layers = decoder_layers(model)
+        check_aux_layer_ids(self.aux_layer_ids, len(layers))
+        self._layers = [layers[k] for k in self.aux_layer_ids]
+        self._head = model.get_output_embeddings()
+        if self._head is None:
+            raise ConfigError(f"{type(model).__name__} has no output embeddings (lm_head)")
+        self._handles: list = []
+        self._stop = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._aux: list[torch.Tensor | None] = [None] * len(self._layers)
+        self._final: torch.Tensor | None = None
+
+    def __enter__(self) -> "TargetFeatures":
+        for slot, layer in enumerate(self._layers):
+            hook = partial(self._on_layer_input, slot)
+            self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+        self._handles.append(self._head.register_forward_pre_hook(self._on_head_input, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._reset()
+
+    def _on_layer_input(self, slot: int, module, args, kwargs) -> None:
+        self._aux[slot] = (args[0] if args else kwargs["hidden_states"]).detach()  # [B, T, Ht]
+
+    def _on_head_input(self, module, args, kwargs) -> None:
+        self._final = (args[0] if args else kwargs["input"]).detach()  # [B, T, Ht]
+        if self._stop:
+            raise _StopForward
+
+    def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [B, T, n*Ht], final [B, T, Ht]) of the last forward; clears them."""
+        if not self._handles:
+            raise RuntimeError("TargetFeatures.pop() outside its `with` block")
+        if self._final is None or any(a is None for a in self._aux):
+            raise RuntimeError("no complete forward was captured since the last pop()")
+        final = self._final
+        aux = torch.cat([a.to(final.device) for a in self._aux], dim=-1)
+        self._reset()
+        return aux, final
+
+    @torch.no_grad()  # not inference_mode: the trainer's autograd must be able to save these tensors
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward that stops at lm_head's input; returns `pop()`'s (aux, final)."""
+        self._stop = True
+        try:
+            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            self._stop = False
+        return self.pop()
