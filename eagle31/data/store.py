@@ -1,5 +1,8 @@
 """The shard store: target features on disk (docs/design.md §6).
 
+Writer, reader and their checks (manifest, checksums, target identity) stay in one module
+because all three are the one on-disk format; splitting them would split its definition.
+
 Layout of a store directory (one per split, e.g. `features/train`):
 
     manifest.json               what the store was made for + the shard list (merged view)
