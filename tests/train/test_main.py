@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.data.chat_helpers import LLAMA3_SPECIAL, LLAMA3_TEMPLATE, build_tokenizer, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "train" / "main.py"
 
 
