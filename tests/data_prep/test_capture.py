@@ -12,7 +12,7 @@ import pytest
 from datasets import load_from_disk
 
 from eagle31.data.store import FeatureStore
-from tests.data.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
+from tests.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
 
 ROOT = Path(__file__).resolve().parents[2]
 

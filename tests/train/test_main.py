@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.data.chat_helpers import LLAMA3_SPECIAL, LLAMA3_TEMPLATE, build_tokenizer, write_jsonl
+from tests.tiny_targets import save_chat_target
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "train" / "main.py"
@@ -23,18 +24,8 @@ MAIN = REPO / "train" / "main.py"
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     """A random 8-layer Llama with a local Llama-3-style tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_target")
     tok = build_tokenizer(LLAMA3_TEMPLATE, LLAMA3_SPECIAL, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_chat_target(tmp_path_factory.mktemp("tiny_target"), tok)
 
 
 @pytest.fixture(scope="module")
