@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from eagle31 import DrafterConfig, Eagle31Drafter
@@ -60,3 +65,15 @@ def feature_batch(cfg: DrafterConfig, T: int, seed: int = 0, dtype=torch.float32
         input_ids=input_ids, loss_mask=torch.ones(1, T, dtype=torch.long), document_ids=torch.zeros(1, T, dtype=torch.long),
         aux=aux, final=final,
     )  # fmt: skip
+
+
+def run_script(path: Path, argv: list[str], monkeypatch) -> int:
+    """`python <path> <argv...>` in this process, through the script's own `__main__` block: its exit code.
+
+    The CLIs are thin shells over library calls, so a subprocess would only add an interpreter
+    and a torch import (20-30 s on a busy machine) to what this checks.
+    """
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(path), run_name="__main__")
+    return exit_.value.code

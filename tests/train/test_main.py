@@ -1,4 +1,5 @@
-"""The trainer end to end through `train/main.py`: runs, resume, torchrun, dry run, bad input."""
+"""`train/main.py`: a run end to end, resume after a kill, torchrun, dry run, and bad input (in-process:
+an interpreter per refusal would only re-import torch)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.data.chat_helpers import LLAMA3_SPECIAL, LLAMA3_TEMPLATE, build_tokenizer, write_jsonl
+from tests.helpers import run_script
 from tests.tiny_targets import save_chat_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,10 +178,11 @@ def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(t
 # ---------------------------------------------------------------------------- dry run
 
 
-def test_kimi_k26_dry_run_needs_no_weights():
-    proc = run_main(["recipe=kimi_k26", "dry_run=true"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "config valid" in proc.stdout and "GiB" in proc.stdout and "attention=mla" in proc.stdout
+def test_kimi_k26_dry_run_needs_no_weights(monkeypatch, capsys):
+    code = run_script(MAIN, ["recipe=kimi_k26", "dry_run=true"], monkeypatch)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "config valid" in out and "GiB" in out and "attention=mla" in out
 
 
 @pytest.mark.parametrize("recipe", ["kimi_k26", "kimi_k26_llama"])
@@ -219,10 +222,13 @@ def test_an_mla_run_asking_for_the_speculators_layout_is_refused_at_plan_time():
 # ---------------------------------------------------------------------------- bad input
 
 
-def one_line_error(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
-    assert len(lines) == 1, proc.stderr
+def one_line_error(args: list[str], monkeypatch, capsys) -> str:
+    """Run `train/main.py <args>` in-process; it must refuse with exit 2 and one line on stderr."""
+    code = run_script(MAIN, args, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, err
     return lines[0]
 
 
@@ -236,27 +242,27 @@ def one_line_error(proc) -> str:
         ({"data.source": "[/no/such/chats.jsonl]"}, "/no/such/chats.jsonl"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected):
+def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
     out = tmp_path / "run"
-    line = one_line_error(run_main(base_args(tiny_target, chats, out, **extra), timeout=120))
+    line = one_line_error(base_args(tiny_target, chats, out, **extra), monkeypatch, capsys)
     assert expected in line
     assert not (out / "checkpoints").exists()
 
 
-def test_all_masked_dataset_is_refused(tiny_target, tmp_path):
+def test_all_masked_dataset_is_refused(tiny_target, tmp_path, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
-    line = one_line_error(run_main(base_args(tiny_target, data, tmp_path / "run"), timeout=120))
+    line = one_line_error(base_args(tiny_target, data, tmp_path / "run"), monkeypatch, capsys)
     assert "only_users.jsonl" in line or "no sample" in line
 
 
-def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, chats):
-    line = one_line_error(run_main(base_args(tiny_target, chats, reference_run), timeout=120))
+def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, chats, monkeypatch, capsys):
+    line = one_line_error(base_args(tiny_target, chats, reference_run), monkeypatch, capsys)
     assert "resume=auto" in line
-    line = one_line_error(run_main(base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), timeout=120))
+    line = one_line_error(base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), monkeypatch, capsys)
     assert "train.ttt_length" in line
 
 
-def test_store_made_for_another_target_is_refused(reference_run, tiny_target, chats, tmp_path):
+def test_store_made_for_another_target_is_refused(reference_run, tiny_target, chats, tmp_path, monkeypatch, capsys):
     from eagle31.data.store import StoreHeader, StoreWriter
     import numpy as np
 
@@ -264,5 +270,5 @@ def test_store_made_for_another_target_is_refused(reference_run, tiny_target, ch
     header = StoreHeader(target_name="another", target_revision=None, num_layers=8, hidden_size=48, aux_layer_ids=(2, 4, 5), dtype="float32")
     StoreWriter(store / "train", header, np.arange(1), np.array([4]), 1024)
     extra = {"features.mode": "store", "features.store_dir": str(store)}
-    line = one_line_error(run_main(base_args(tiny_target, chats, tmp_path / "run", **extra), timeout=120))
+    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **extra), monkeypatch, capsys)
     assert "store" in line
