@@ -39,6 +39,32 @@ def llama_tok_dir(llama_tok, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_target(llama_tok, tmp_path_factory) -> Path:
+    """A random 8-layer Llama with a local Llama-3-style tokenizer, as the recipe CLIs' `target.path`."""
+    from tests.tiny_targets import save_chat_target
+
+    return save_chat_target(tmp_path_factory.mktemp("tiny_target"), llama_tok)
+
+
+@pytest.fixture(scope="session")
+def chats(tmp_path_factory) -> Path:
+    """48 two-turn conversations the tiny target trains on."""
+    from tests.data.chat_helpers import write_jsonl
+
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    records = []
+    for i in range(48):
+        a, b = i % 7, i % 5
+        records.append(
+            {"messages": [
+                {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
+                {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
+            ]}  # fmt: skip
+        )
+    return write_jsonl(path, records)
+
+
 REPORT = {
     "tau_sim": 3.2145,
     "acc": [0.81, 0.72, 0.6],

@@ -16,7 +16,7 @@ from eagle31.io import OUTPUT_MARKER, atomic_dir
 from eagle31.pipeline import run
 from eagle31.trainer import Trainer
 from tests.data.chat_helpers import write_jsonl
-from tests.train.test_main import base_args, chats, tiny_target  # noqa: F401 - fixtures
+from tests.helpers import base_args
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -15,58 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.data.chat_helpers import LLAMA3_SPECIAL, LLAMA3_TEMPLATE, build_tokenizer, write_jsonl
-from tests.helpers import run_script
-from tests.tiny_targets import save_chat_target
+from tests.data.chat_helpers import write_jsonl
+from tests.helpers import base_args, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "train" / "main.py"
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    """A random 8-layer Llama with a local Llama-3-style tokenizer."""
-    tok = build_tokenizer(LLAMA3_TEMPLATE, LLAMA3_SPECIAL, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    return save_chat_target(tmp_path_factory.mktemp("tiny_target"), tok)
-
-
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
-    records = []
-    for i in range(48):
-        a, b = i % 7, i % 5
-        records.append(
-            {"messages": [
-                {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
-                {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
-            ]}  # fmt: skip
-        )
-    return write_jsonl(path, records)
-
-
-def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
-    args = {
-        "recipe": "kimi_k26_mini",  # CPU-sized defaults; the target is replaced by the tiny one
-        "target.builtin": "null",
-        "target.path": str(target),
-        "target.name": "tiny",
-        "data.source": f"[{data}]",
-        "data.max_len": "64",
-        "data.eval_fraction": "0.1",
-        "drafter.draft_vocab_size": "128",
-        "drafter.attention": "llama",  # the tiny target is a Llama (the recipe's MLA drafter needs an MLA target)
-        "export.formats": "[eagle3,speculators]",
-        "features.tokens_per_batch": "256",
-        "train.max_steps": "6",
-        "train.save_every": "2",
-        "train.log_every": "1",
-        "train.lr": "3e-3",
-        "output_dir": str(out),
-        "logging.progress": "false",
-    }
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
 
 
 def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
