@@ -44,9 +44,10 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_target, chats, tmp_path_factory) -> Path:
+    """A 6-step run through `train/main.py` in this process (the kill test compares a subprocess run with it)."""
     out = tmp_path_factory.mktemp("runs") / "reference"
-    proc = run_main(base_args(tiny_target, chats, out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch) == 0
     return out
 
 
