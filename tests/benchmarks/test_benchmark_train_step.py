@@ -15,7 +15,7 @@ from eagle31.config import ConfigError
 from eagle31.estimate import count_parameters
 from tests.helpers import tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_step_flops_by_hand():
