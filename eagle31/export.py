@@ -231,7 +231,7 @@ def export_config(
     choose(Dtype, dtype, "export.dtype")
     if config.attention == "mla" and format != "eagle3":
         raise ConfigError(
-            f"export format {format!r} cannot carry an MLA drafter (drafter.attention=mla): the speculators layout "
+            f"export format {str(format)!r} cannot carry an MLA drafter (drafter.attention=mla): the speculators layout "
             "maps only Llama/Qwen3 layers; export it as 'eagle3' (vLLM's Eagle3DeepseekV2ForCausalLM)"
         )
     k = num_speculative_tokens
