@@ -34,11 +34,11 @@ def test_shapes_are_the_recipes_drafters(recipe):
     target = json.loads((ROOT / "recipes" / "targets" / f"{recipe}.json").read_text())
     target = target.get("text_config", target)
     cfg = BenchConfig(shape=recipe, seq_len=65536).drafter_config()
-    drafter = text["drafter"]
+    drafter = text["drafter"]  # a null field takes the target's value
     assert cfg.hidden_size == target["hidden_size"] and cfg.vocab_size == target["vocab_size"]
-    assert cfg.num_attention_heads == drafter.get("num_attention_heads", target["num_attention_heads"])
-    assert cfg.num_key_value_heads == drafter.get("num_key_value_heads", target["num_key_value_heads"])
-    assert cfg.intermediate_size == drafter.get("intermediate_size", target["intermediate_size"])
+    assert cfg.num_attention_heads == (drafter.get("num_attention_heads") or target["num_attention_heads"])
+    assert cfg.num_key_value_heads == (drafter.get("num_key_value_heads") or target["num_key_value_heads"])
+    assert cfg.intermediate_size == (drafter.get("intermediate_size") or target["intermediate_size"])
     assert cfg.draft_vocab_size == drafter["draft_vocab_size"]
     assert cfg.max_position_embeddings >= 65536 + 7
 
