@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from eagle31 import DrafterConfig, Eagle31Drafter
@@ -60,3 +65,40 @@ def feature_batch(cfg: DrafterConfig, T: int, seed: int = 0, dtype=torch.float32
         input_ids=input_ids, loss_mask=torch.ones(1, T, dtype=torch.long), document_ids=torch.zeros(1, T, dtype=torch.long),
         aux=aux, final=final,
     )  # fmt: skip
+
+
+def run_script(path: Path, argv: list[str], monkeypatch) -> int:
+    """`python <path> <argv...>` in this process, through the script's own `__main__` block: its exit code.
+
+    The CLIs are thin shells over library calls, so a subprocess would only add an interpreter
+    and a torch import (20-30 s on a busy machine) to what this checks.
+    """
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(path), run_name="__main__")
+    return exit_.value.code
+
+
+def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
+    """The overrides of a 6-step run of the tiny chat target (`tiny_target` fixture) on `data`, into `out`."""
+    args = {
+        "recipe": "kimi_k26_mini",  # CPU-sized defaults; the target is replaced by the tiny one
+        "target.builtin": "null",
+        "target.path": str(target),
+        "target.name": "tiny",
+        "data.source": f"[{data}]",
+        "data.max_len": "64",
+        "data.eval_fraction": "0.1",
+        "drafter.draft_vocab_size": "128",
+        "drafter.attention": "llama",  # the tiny target is a Llama (the recipe's MLA drafter needs an MLA target)
+        "export.formats": "[eagle3,speculators]",
+        "features.tokens_per_batch": "256",
+        "train.max_steps": "6",
+        "train.save_every": "2",
+        "train.log_every": "1",
+        "train.lr": "3e-3",
+        "output_dir": str(out),
+        "logging.progress": "false",
+    }
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]

@@ -1,41 +1,22 @@
-"""Builders for the speculative-decoding tests: a tiny Llama target, its tokenizer, an oracle drafter."""
+"""Builders for the speculative-decoding tests: a tokenizer for the drafter-sized target, an oracle drafter."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle31.drafting import DraftTree
+from tests.tiny_targets import DRAFTER_VOCAB as VOCAB
+from tests.tiny_targets import drafter_sized_llama
 
 AUX = (2, 4, 5)  # fits tests.helpers.tiny_config (8 target layers)
-VOCAB = 40
 SPECIAL = ["<unk>", "<s>", "<end>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = "you are a helpful assistant write python function code the def return for in if x y n list sum of two".split()
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <end> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def tiny_target(seed: int = 0, dtype=torch.float64) -> LlamaForCausalLM:
-    """A random Llama whose shape matches `tests.helpers.tiny_drafter(vocab_size=VOCAB)`."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        initializer_range=0.3,  # logits far apart: the argmax is stable under rounding
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def tiny_tokenizer():
@@ -57,7 +38,7 @@ def tiny_tokenizer():
 
 def save_target(path: Path, seed: int = 0) -> Path:
     """A target directory as `from_pretrained` reads it (float32 weights, tokenizer)."""
-    tiny_target(seed, dtype=torch.float32).save_pretrained(path)
+    drafter_sized_llama(seed, dtype=torch.float32).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 

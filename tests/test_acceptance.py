@@ -23,7 +23,8 @@ from eagle31.drafting import TreeSpec
 from eagle31.export import export_drafter
 from eagle31.speculative import Generation
 from tests.helpers import tiny_drafter
-from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy, save_target, tiny_target, tiny_tokenizer
+from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy, save_target, tiny_tokenizer
+from tests.tiny_targets import drafter_sized_llama
 
 # the script's main(argv), run in-process
 main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "eval_acceptance.py"))["main"]
@@ -54,7 +55,7 @@ def test_stats_follow_vllms_definitions():
 
 @pytest.mark.parametrize("tree", [None, TreeSpec(top_k=2, depth=3, total_tokens=6)])
 def test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1(tree):
-    target = tiny_target()
+    target = drafter_sized_llama()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 9)]
     k, new = 3, 10
@@ -183,7 +184,7 @@ def test_arguments(tmp_path):
 
 
 def test_a_drafter_saved_without_embedding_reads_the_targets(tmp_path):
-    target = tiny_target(dtype=torch.float32)
+    target = drafter_sized_llama(dtype=torch.float32)
     own = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
     own.save(tmp_path / "with")
     own.save(tmp_path / "without", include_embed=False)
@@ -198,7 +199,7 @@ def test_a_drafter_saved_without_embedding_reads_the_targets(tmp_path):
 
 def test_a_drafter_for_another_target_is_refused():
     drafter = tiny_drafter(vocab_size=VOCAB)
-    target = tiny_target().config.to_dict()
+    target = drafter_sized_llama().config.to_dict()
     check_drafter_fits(drafter.config, target, "d")
     with pytest.raises(ConfigError, match="drafter d: vocab_size=40 but the target's vocab_size=50"):
         check_drafter_fits(drafter.config, {**target, "vocab_size": 50}, "d")

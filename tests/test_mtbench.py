@@ -15,7 +15,8 @@ from eagle31.data.sources import MTBenchQuestion
 from eagle31.drafting import EagleProposer
 from eagle31.mtbench import ALL, MTBenchConfig, evaluate_mt_bench, select_questions
 from tests.helpers import tiny_drafter
-from tests.speculative_helpers import VOCAB, naive_greedy, save_target, tiny_target, tiny_tokenizer
+from tests.speculative_helpers import VOCAB, naive_greedy, save_target, tiny_tokenizer
+from tests.tiny_targets import drafter_sized_llama
 
 main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "eval_acceptance.py"))["main"]
 
@@ -33,7 +34,7 @@ def write_questions(path, questions=QUESTIONS, extra=()):
 
 
 def test_turn_two_carries_turn_one_and_the_targets_own_answer(monkeypatch):
-    target, tok = tiny_target(dtype=torch.float32), tiny_tokenizer()
+    target, tok = drafter_sized_llama(dtype=torch.float32), tiny_tokenizer()
     drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
     seen = []
     real = mtbench.speculative_generate

@@ -16,7 +16,7 @@ from eagle31.io import OUTPUT_MARKER, atomic_dir
 from eagle31.pipeline import run
 from eagle31.trainer import Trainer
 from tests.data.chat_helpers import write_jsonl
-from tests.test_trainer import base_args, chats, tiny_target  # noqa: F401 - fixtures
+from tests.helpers import base_args
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -236,7 +236,7 @@ def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats
 
 @pytest.mark.slow
 def test_under_torchrun_the_users_line_is_the_last_thing_said(tiny_target, chats, tmp_path):
-    from tests.test_trainer import run_main
+    from tests.train.test_main import run_main
 
     proc = run_main(base_args(tiny_target, chats, tmp_path / "run", **{"train.lr": "-1"}), torchrun=2, timeout=300)
     assert proc.returncode != 0

@@ -11,17 +11,17 @@ import torch
 
 from eagle31.drafting import DraftTree, EagleProposer, TreeSpec
 from eagle31.speculative import accepted_path, speculative_generate
-from tests.data.tiny_targets import VOCAB as DS_VOCAB
-from tests.data.tiny_targets import tiny_deepseek_v3
 from tests.helpers import tiny_drafter
-from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy, tiny_target
+from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy
+from tests.tiny_targets import VOCAB as DS_VOCAB
+from tests.tiny_targets import drafter_sized_llama, tiny_deepseek_v3
 
 NEW = 14  # tokens generated per prompt
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return drafter_sized_llama()
 
 
 @pytest.fixture(scope="module")

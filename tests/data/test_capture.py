@@ -21,7 +21,7 @@ from eagle31.data.store import (
     check_store_compatible,
     prepared_lengths,
 )
-from tests.data.tiny_targets import prepared_split, tiny_deepseek_v3, tiny_llama
+from tests.tiny_targets import prepared_split, tiny_deepseek_v3, tiny_llama
 
 BUILDERS = {"llama": tiny_llama, "deepseek_v3": tiny_deepseek_v3}
 

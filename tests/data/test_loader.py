@@ -14,7 +14,7 @@ from eagle31.data.capture import capture_to_store
 from eagle31.data.loader import FeatureLoader
 from eagle31.data.online import OnlineFeatures
 from eagle31.data.store import FeatureStore, StoreHeader, StoreWriter, prepared_lengths
-from tests.data.tiny_targets import prepared_split, tiny_llama
+from tests.tiny_targets import prepared_split, tiny_llama
 
 
 class ToySource:

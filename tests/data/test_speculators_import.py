@@ -14,7 +14,7 @@ from eagle31.target import TargetFeatures
 from eagle31.data.speculators_import import final_norm_weight, import_speculators
 from eagle31.data.store import FeatureStore
 from eagle31.errors import CorruptDataError
-from tests.data.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
+from tests.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
 
 AUX_IDS = (1, 3, 4)  # vLLM convention; launch_vllm.py adds L = 6
 

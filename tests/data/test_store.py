@@ -20,7 +20,7 @@ from eagle31.data.store import (
     dequantize_rows,
     quantize_rows,
 )
-from tests.data.tiny_targets import prepared_split, tiny_llama
+from tests.tiny_targets import prepared_split, tiny_llama
 
 HT, N_AUX = 16, 3
 

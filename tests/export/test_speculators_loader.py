@@ -13,20 +13,16 @@ from safetensors.torch import load_file
 pytest.importorskip("loguru")  # speculators' loading module imports it (installed with --no-deps in CI)
 eagle3 = pytest.importorskip("speculators.models.eagle3")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from eagle31.export import export_drafter  # noqa: E402
 from tests.helpers import tiny_drafter  # noqa: E402
+from tests.tiny_targets import drafter_sized_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
     """A Llama target of the tiny drafter's shape (vocabulary 40, hidden 16, 8 layers), saved as a local checkpoint."""
     path = tmp_path_factory.mktemp("verifier")
-    config = LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, vocab_size=40, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    drafter_sized_llama(dtype=torch.float32).save_pretrained(path)
     return path
 
 

@@ -4,8 +4,6 @@ and every CLI answers `--help` (in-process: no interpreter per case)."""
 from __future__ import annotations
 
 import dataclasses
-import runpy
-import sys
 import typing
 from enum import StrEnum
 from pathlib import Path
@@ -18,6 +16,7 @@ from eagle31.config import ConfigError
 from eagle31.data.store import STORE_DTYPES
 from eagle31.pipeline import run
 from eagle31.recipe import RunConfig, StoreDtype, load_recipe, to_container
+from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -132,10 +131,7 @@ CLIS = ["train/main.py", *(f"data_prep/{p.name}" for p in sorted((REPO / "data_p
 @pytest.mark.parametrize("cli", CLIS)
 def test_every_cli_answers_help(cli, monkeypatch, capsys):
     path = REPO / cli
-    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(path), run_name="__main__")
-    assert e.value.code == 0
+    assert run_script(path, ["--help"], monkeypatch) == 0
     out = capsys.readouterr().out
     assert f"python {cli}" in out or f"{path.name}" in out  # opens with how to run it
     if cli.startswith(("train/", "data_prep/")):  # the recipe CLIs list the recipes and sections

@@ -1,4 +1,5 @@
-"""data_prep/capture.py and data_prep/import_speculators.py as users run them (plain python and torchrun)."""
+"""data_prep/capture.py and data_prep/import_speculators.py as users run them: in-process through their
+`__main__` (see `run_script`), and under torchrun."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from datasets import load_from_disk
 
 from eagle31.data.store import FeatureStore
-from tests.data.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
+from tests.helpers import run_script
+from tests.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,18 +53,19 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_capture_cli_writes_the_stores_and_refuses_another_target(setup):
+def test_capture_cli_writes_the_stores_and_refuses_another_target(setup, monkeypatch, capsys):
     root, model = setup
-    done = run([sys.executable, "data_prep/capture.py", *overrides(root, "features")])
-    assert done.returncode == 0, done.stderr
-    assert "tokens/s" in done.stdout and "bytes/token" in done.stdout
+    code, (out, err) = run_script(ROOT / "data_prep" / "capture.py", overrides(root, "features"), monkeypatch), capsys.readouterr()
+    assert code == 0, err
+    assert "tokens/s" in out and "bytes/token" in out
     train, held_out = FeatureStore(root / "features" / "train"), FeatureStore(root / "features" / "eval")
     assert len(train) == 10 and len(held_out) == 3
     assert train.header.aux_layer_ids == (1, 3, 4) and train.header.target_name == str(root / "target")
 
-    other = run([sys.executable, "data_prep/capture.py", *overrides(root, "features", aux=(1, 2, 4))])
-    assert other.returncode == 2
-    assert other.stderr.strip().count("\n") == 0 and "made with aux_layer_ids=[1, 3, 4]" in other.stderr
+    code = run_script(ROOT / "data_prep" / "capture.py", overrides(root, "features", aux=(1, 2, 4)), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "made with aux_layer_ids=[1, 3, 4]" in err
 
 
 @pytest.mark.slow
@@ -80,17 +83,18 @@ def test_capture_under_torchrun_matches_one_process(setup):
         assert a == b
 
 
-def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path):
+def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path, monkeypatch, capsys):
     root, model = setup
     prepared = load_from_disk(str(root / "data" / "train"))
     write_vllm_captures(model, prepared, tmp_path / "hs")
     args = [*overrides(root, "imported"), f"features.import_hidden_states_dir={tmp_path / 'hs'}"]
-    done = run([sys.executable, "data_prep/import_speculators.py", *args])
-    assert done.returncode == 0, done.stderr
+    script = ROOT / "data_prep" / "import_speculators.py"
+    assert run_script(script, args, monkeypatch) == 0, capsys.readouterr().err
     store = FeatureStore(root / "imported" / "train")
     assert store.header.aux_layer_ids == (1, 3, 4)
     assert [s.loss_mask.tolist() for s in store.samples(range(10))] == prepared["loss_mask"]
 
     args[-1] = "features.import_hidden_states_dir=/nonexistent"
-    missing = run([sys.executable, "data_prep/import_speculators.py", *args])
-    assert missing.returncode == 2 and "hidden-states directory not found: /nonexistent" in missing.stderr
+    capsys.readouterr()
+    assert run_script(script, args, monkeypatch) == 2
+    assert "hidden-states directory not found: /nonexistent" in capsys.readouterr().err

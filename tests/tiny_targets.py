@@ -1,29 +1,52 @@
-"""Tiny targets built from transformers configs, and prepared splits, for the feature tests."""
+"""The tiny targets every test builds (random transformers models, no downloads), and what the
+feature tests feed them or read from them: prepared splits and vLLM-layout captures."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 from safetensors.torch import save_file
 
-VOCAB = 96
+VOCAB = 96  # the feature tests' vocabulary
+DRAFTER_VOCAB = 40  # tests.helpers.tiny_config's vocabulary
 
 
-def tiny_llama(seed: int = 0, num_layers: int = 6):
+def tiny_llama(seed: int = 0, dtype=torch.float32, **shape):
+    """A random Llama in eval mode; `shape` overrides LlamaConfig fields of the 6-layer default."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    values = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=num_layers,
+        num_hidden_layers=6,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(cfg).eval()
+    values.update(shape)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**values)).to(dtype).eval()
+
+
+def drafter_sized_llama(seed: int = 0, dtype=torch.float64):
+    """A Llama whose shape matches `tests.helpers.tiny_drafter(vocab_size=DRAFTER_VOCAB)`: 8 layers, hidden 16."""
+    return tiny_llama(
+        seed, dtype, vocab_size=DRAFTER_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=8, head_dim=8,
+        initializer_range=0.3,  # logits far apart: the argmax is stable under rounding
+        attn_implementation="sdpa",
+    )  # fmt: skip
+
+
+def save_chat_target(path: Path, tokenizer, seed: int = 0) -> Path:
+    """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory."""
+    model = tiny_llama(seed, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def tiny_deepseek_v3(seed: int = 0):

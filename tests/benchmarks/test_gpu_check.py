@@ -19,7 +19,7 @@ from benchmarks.report import put_gpu_table
 from benchmarks.shapes import recipe_shapes, recipe_drafter
 from eagle31.attention import FlashCausal
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_plan_reads_its_runs_from_the_recipes():

@@ -8,7 +8,7 @@ import pytest
 from eagle31.cli import parse_key_values
 from eagle31.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 script = runpy.run_path(str(ROOT / "scripts" / "compare_eagle3_eagle31.py"))
 CompareConfig = script["CompareConfig"]
 

@@ -1,0 +1,228 @@
+"""`train/main.py`: a run end to end, resume after a kill, torchrun, dry run, and bad input (in-process:
+an interpreter per refusal would only re-import torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.data.chat_helpers import write_jsonl
+from tests.helpers import base_args, run_script
+
+REPO = Path(__file__).resolve().parents[2]
+MAIN = REPO / "train" / "main.py"
+
+
+def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(MAIN), *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port", "29517", str(MAIN), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["train/loss"] for x in lines if "train/loss" in x]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "drafter" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_target, chats, tmp_path_factory) -> Path:
+    """A 6-step run through `train/main.py` in this process (the kill test compares a subprocess run with it)."""
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch) == 0
+    return out
+
+
+def test_run_directory_holds_everything(reference_run):
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "drafter/model.safetensors", "export/eagle3/config.json", "export/speculators/config.json"):
+        assert (reference_run / name).is_file(), name
+    report = json.loads((reference_run / "report.json").read_text())
+    assert report["steps"] == 6 and report["tokens_seen"] > 0 and report["tau_sim"] >= 1
+    assert len(report["acc"]) == 3
+    lines = [json.loads(x) for x in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in train_lines] == [1, 2, 3, 4, 5, 6]
+    for key in ("train/loss", "train/acc_0", "train/tau_sim", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert key in train_lines[0]
+    assert losses(reference_run)[-1] < losses(reference_run)[0]  # it learns
+    kept = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"]  # keep_last=2
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "report.json").exists()
+
+    resumed = run_main(base_args(tiny_target, chats, out, resume="auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = weights(reference_run), weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert losses(out) == losses(reference_run)
+
+
+# an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
+               "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
+               "export.formats": "[eagle3]"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["llama", "mla"])
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tiny_target, chats, tmp_path, drafter):
+    extra = {"train.max_steps": "3", **(MLA_DRAFTER if drafter == "mla" else {})}
+    one = run_main(base_args(tiny_target, chats, tmp_path / "one", **extra, **{"train.grad_accum": "2"}))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_main(base_args(tiny_target, chats, tmp_path / "two", **extra), torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(tiny_target, chats, tmp_path):
+    """torchrun on CPU with every collective refusing host tensors the way NCCL does (tests/nccl_standin.py)."""
+    out, report = tmp_path / "run", tmp_path / "checked"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_STANDIN_REPORT": str(report)}
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "nccl_worker.py")]
+    extra = {"train.max_steps": "4", "train.eval_every": "2", "train.save_every": "2"}
+    first = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-3000:]
+    extra.update({"train.max_steps": "6", "resume": "auto"})
+    second = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert json.loads((out / "report.json").read_text())["steps"] == 6
+    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (out / "export" / "speculators" / "config.json").is_file()
+    for rank in (0, 1):  # both launches went through the checks: the step's sums, DCP's object collectives
+        for line in Path(f"{report}.rank{rank}.json").read_text().splitlines():
+            checked = json.loads(line)
+            assert checked["torch.distributed.all_reduce"] > 0 and checked["torch.distributed.all_gather"] > 0, checked
+
+
+# ---------------------------------------------------------------------------- dry run
+
+
+def test_kimi_k26_dry_run_needs_no_weights(monkeypatch, capsys):
+    code = run_script(MAIN, ["recipe=kimi_k26", "dry_run=true"], monkeypatch)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "config valid" in out and "GiB" in out and "attention=mla" in out
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k26", "kimi_k26_llama"])
+def test_kimi_k26_drafters_have_the_published_shapes(recipe):
+    from eagle31.distributed import init_world
+    from eagle31.estimate import count_parameters, estimate_memory
+    from eagle31.plan import plan_run
+    from eagle31.recipe import load_recipe
+
+    plan = plan_run(load_recipe(REPO / "recipes", [f"recipe={recipe}", "dry_run=true"]), init_world("cpu"))
+    d, counts = plan.drafter, count_parameters(plan.drafter)
+    assert counts.frozen_embedding == 163840 * 7168
+    assert d.aux_layer_ids == (2, 30, 58) and d.fc_norm and d.norm_output
+    if recipe == "kimi_k26":  # lightseekorg/kimi-k2.6-eagle3.1-mla: MLA, I 18432, full vocabulary
+        assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
+            "mla", 1536, 512, 128, 64, 128)  # fmt: skip
+        assert (d.intermediate_size, d.draft_vocab_size) == (18432, 163840)
+        # fc 21504x7168, MLA 116M, MLP 3x7168x18432, lm_head 163840x7168 (1.17B of the 1.84B)
+        assert 1.83e9 < counts.trainable < 1.85e9, counts
+        memory = estimate_memory(d, 65536, 7, world_size=16, activation_checkpointing=True)
+        assert memory["loss_working_set"] > 7 * 163840 * 7168 * 4 / 2**30  # the full-vocabulary lm_head gradients
+    else:  # fc 21504x7168, q/k/v 14336x8192, o 8192x7168, MLP 3x7168x12288, lm_head 32000x7168
+        assert d.attention == "llama" and 1.0e9 < counts.trainable < 1.2e9, counts
+
+
+def test_an_mla_run_asking_for_the_speculators_layout_is_refused_at_plan_time():
+    from eagle31 import ConfigError
+    from eagle31.distributed import init_world
+    from eagle31.plan import plan_run
+    from eagle31.recipe import load_recipe
+
+    cfg = load_recipe(REPO / "recipes", ["recipe=kimi_k26", "dry_run=true", "export.formats=[eagle3,speculators]"])
+    with pytest.raises(ConfigError, match="'speculators' cannot carry an MLA drafter"):
+        plan_run(cfg, init_world("cpu"))
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def one_line_error(args: list[str], monkeypatch, capsys) -> str:
+    """Run `train/main.py <args>` in-process; it must refuse with exit 2 and one line on stderr."""
+    code = run_script(MAIN, args, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"recipe": "no_such_recipe"}, "recipe/no_such_recipe"),
+        ({"train.no_such_field": "1"}, "no_such_field"),
+        ({"target.path": "/no/such/target"}, "/no/such/target"),
+        ({"drafter.aux_layer_ids": "[2,4,9]"}, "aux_layer_ids"),
+        ({"data.source": "[/no/such/chats.jsonl]"}, "/no/such/chats.jsonl"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
+    out = tmp_path / "run"
+    line = one_line_error(base_args(tiny_target, chats, out, **extra), monkeypatch, capsys)
+    assert expected in line
+    assert not (out / "checkpoints").exists()
+
+
+def test_all_masked_dataset_is_refused(tiny_target, tmp_path, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
+    line = one_line_error(base_args(tiny_target, data, tmp_path / "run"), monkeypatch, capsys)
+    assert "only_users.jsonl" in line or "no sample" in line
+
+
+def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, chats, monkeypatch, capsys):
+    line = one_line_error(base_args(tiny_target, chats, reference_run), monkeypatch, capsys)
+    assert "resume=auto" in line
+    line = one_line_error(base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), monkeypatch, capsys)
+    assert "train.ttt_length" in line
+
+
+def test_store_made_for_another_target_is_refused(reference_run, tiny_target, chats, tmp_path, monkeypatch, capsys):
+    from eagle31.data.store import StoreHeader, StoreWriter
+    import numpy as np
+
+    store = tmp_path / "features"
+    header = StoreHeader(target_name="another", target_revision=None, num_layers=8, hidden_size=48, aux_layer_ids=(2, 4, 5), dtype="float32")
+    StoreWriter(store / "train", header, np.arange(1), np.array([4]), 1024)
+    extra = {"features.mode": "store", "features.store_dir": str(store)}
+    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **extra), monkeypatch, capsys)
+    assert "store" in line
