@@ -81,7 +81,9 @@ def check_attention_parity(
     T, j = seq_len, 3
 
     def rand(heads, dim):
-        return torch.randn(1, T, heads, dim, generator=g).to(dtype).to(device)
+        x = torch.randn(1, T, heads, dim, generator=g)
+        # an MLA drafter zero-pads its values to the q·k head dim for the kernels (eagle31.mla)
+        return torch.nn.functional.pad(x, (0, d_qk - dim)).to(dtype).to(device)
 
     # q, k0, v0, j chain keys, j chain values
     inputs = [rand(nh, d_qk), rand(nkv, d_qk), rand(nkv, d_v)]

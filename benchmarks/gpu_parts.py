@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Packages whose presence the report states (import name -> what needs it).
@@ -111,7 +113,8 @@ def attention(smoke: bool) -> dict[str, Any]:
 
 
 def trainer(smoke: bool, out: Path) -> dict[str, Any]:
-    """Two `torchrun --nproc-per-node 1` runs of the mini Kimi recipe: 2 steps, then resumed to 4, with exports."""
+    """Two `torchrun --nproc-per-node 1` runs of the mini Kimi recipe (its MLA drafter): 2 steps, then resumed to 4,
+    with the recipe's exports."""
     work = out / "trainer"
     work.mkdir(parents=True, exist_ok=True)
     chats = work / "chats.jsonl"
@@ -141,9 +144,9 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
         "resumed": "resumed from" in runs["resumed"].stdout,
         "steps": report.get("steps") == 4,
         "checkpoints": (run_dir / "checkpoints" / "step_00000004").is_dir(),
-        "export_eagle3": (run_dir / "export" / "eagle3" / "config.json").is_file(),
-        "export_speculators": (run_dir / "export" / "speculators" / "config.json").is_file(),
     }
+    formats = yaml.safe_load((run_dir / "config.yaml").read_text())["export"]["formats"]  # the recipe's (MLA: eagle3)
+    checks.update({f"export_{fmt}": (run_dir / "export" / fmt / "config.json").is_file() for fmt in formats})
     result = {"status": "pass" if all(checks.values()) else "fail", "checks": checks, "device": device[0]}
     if problems:
         result["flash"] = "not run (trained with attention=blockwise): " + "; ".join(problems)
