@@ -60,9 +60,13 @@ def test_reference_attention_is_quadratic_for_contrast():
 
 @pytest.mark.slow
 def test_full_vocabulary_loss_never_holds_the_logits():
-    """Vd = V = 163840: the chunked lm_head + KL keeps the step far below one [T, V] fp32 logits tensor."""
-    T = 4096
-    peak = peak_bytes(T, drafter="mla_full_vocab")
-    logits = T * 163840 * 4
-    print(f"full vocabulary, T={T}: peak {peak / 2**20:.0f} MiB; one [T, V] fp32 logits tensor {logits / 2**20:.0f} MiB")
-    assert peak < logits / 2
+    """Vd = V = 163840: the chunked lm_head + KL adds far less per token than [T, V] fp32 logits would.
+
+    The peak has a fixed part (the lm_head, its gradient and Adam state at V rows), so the test
+    compares the growth of the peak between two lengths with the growth of one logits tensor.
+    """
+    V, short, long = 163840, 512, 1536
+    grown = peak_bytes(long, drafter="mla_full_vocab") - peak_bytes(short, drafter="mla_full_vocab")
+    logits_grown = (long - short) * V * 4
+    print(f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.0f} MiB; [T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB")
+    assert grown < logits_grown / 4
