@@ -26,7 +26,9 @@ from eagle31.recipe import to_container
 from eagle31.target import load_target_config, target_fingerprint
 
 # Sections that define a run: resuming with any of them changed is refused.
-RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "train.ttt_length")
+# what a resumed run must share with the run it continues (the rest may change between attempts);
+# the template options decide which tokens the prepared data supervises
+RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "data.chat_template_kwargs", "train.ttt_length")
 
 
 

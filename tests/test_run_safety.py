@@ -103,6 +103,15 @@ def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes
     assert (out / "config.yaml").is_file() and (out / OUTPUT_MARKER).is_file()
 
 
+def test_resuming_with_other_template_options_is_refused_as_another_run(tiny_target, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    first = base_args(tiny_target, chats, out, **{"train.max_steps": "2", "export.formats": "[]"})
+    assert main(first, capsys)[0] == 0
+    again = [*first, "resume=auto", "data.chat_template_kwargs.preserve_thinking=false"]
+    line = one_line(main(again, capsys), 2)
+    assert "holds a different run: data.chat_template_kwargs was" in line and "'preserve_thinking': False" in line
+
+
 def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys, monkeypatch):
     real_step = Trainer.train_step
 
