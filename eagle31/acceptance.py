@@ -237,6 +237,22 @@ def check_positive(config: Any, names: Sequence[str]) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value}")
 
 
+def load_drafters(paths: dict[str, str], source_format: str, target_config: dict) -> dict[str, Any]:
+    """{label: drafter} read from `paths`, each checked against the target; errors name the drafter."""
+    from eagle31.convert import load_drafter
+
+    drafters = {}
+    for label, path in paths.items():
+        try:
+            drafters[label] = load_drafter(
+                path, source_format=source_format, target_num_layers=text_config(target_config).get("num_hidden_layers")
+            )
+        except ConfigError as e:
+            raise ConfigError(f"drafter {label} ({path}): {e}") from None
+        check_drafter_fits(drafters[label].config, target_config, label)
+    return drafters
+
+
 def check_model_dirs(target: str, drafters: dict[str, str]) -> None:
     if not Path(target).is_dir():
         raise ConfigError(f"target: not a directory: {target}")
@@ -282,8 +298,6 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     """Evaluate every drafter on every split; returns the report (settings + results)."""
     from transformers import AutoTokenizer
 
-    from eagle31.convert import load_drafter
-
     tree = config.tree
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
@@ -292,17 +306,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     except (OSError, ValueError) as e:
         raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
     splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
-    drafters = {}
-    for label, path in config.drafters.items():
-        try:
-            drafters[label] = load_drafter(
-                path,
-                source_format=config.drafter_format,
-                target_num_layers=text_config(target_config).get("num_hidden_layers"),
-            )
-        except ConfigError as e:
-            raise ConfigError(f"drafter {label} ({path}): {e}") from None
-        check_drafter_fits(drafters[label].config, target_config, label)
+    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
     results = []

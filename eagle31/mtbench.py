@@ -32,7 +32,7 @@ from eagle31.acceptance import (
     AcceptanceStats,
     _eos_ids,
     _labelled_paths,
-    check_drafter_fits,
+    load_drafters,
     check_model_dirs,
     check_positive,
     share_target_embedding,
@@ -43,7 +43,7 @@ from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conv
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 from eagle31.speculative import speculative_generate
-from eagle31.target import inference_device_and_dtype, load_target, load_target_config, text_config
+from eagle31.target import inference_device_and_dtype, load_target, load_target_config
 
 ALL = "all"
 MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
@@ -182,8 +182,6 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
     """Every drafter in every mode over the questions; returns the report (settings + results)."""
     from transformers import AutoTokenizer
 
-    from eagle31.convert import load_drafter
-
     modes = config.modes
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     rejects = Tally()
@@ -199,15 +197,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         history_rejects = Tally()
         conversations = list(read_conversations([config.history], history_rejects))
         histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
-    drafters = {}
-    for label, path in config.drafters.items():
-        try:
-            drafters[label] = load_drafter(
-                path, source_format=config.drafter_format, target_num_layers=text_config(target_config).get("num_hidden_layers")
-            )
-        except ConfigError as e:
-            raise ConfigError(f"drafter {label} ({path}): {e}") from None
-        check_drafter_fits(drafters[label].config, target_config, label)
+    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
     results = []
