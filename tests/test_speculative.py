@@ -1,16 +1,18 @@
 """Speculative decoding with a tiny random Llama target.
 
 Lossless (chain and tree, real drafter and oracles, a Llama and an MLA/MoE
-target), the oracles' acceptance lengths, EOS, chain == tree at top-k 1, and the
+target), the oracles' acceptance lengths, EOS, chain == tree at top-k 1, the
 drafter's cache after decoding equal to one built from the target's own features
-of the final sequence.
+of the final sequence, and replay from a greedy trace equal to live decoding.
 """
+
+import itertools
 
 import pytest
 import torch
 
 from eagle31.drafting import DraftTree, EagleProposer, TreeSpec
-from eagle31.speculative import accepted_path, speculative_generate
+from eagle31.speculative import accepted_path, greedy_trace, speculative_generate
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy
 from tests.tiny_targets import VOCAB as DS_VOCAB
@@ -147,3 +149,31 @@ def test_stops_at_eos(target, prompts, mode):
     )  # fmt: skip
     assert out.tokens == expected
     assert 1 + sum(a + 1 for a in out.accepted) - len(expected) <= k  # no round after the one with eos
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_replay_from_a_greedy_trace_equals_live_decoding(target, prompts, mode):
+    """Tokens, accepted lengths and target forwards; with an EOS mid-way, and a trace just long enough."""
+    drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float64)
+    k = 3
+    tree = TreeSpec(top_k=3, depth=k, total_tokens=8) if mode == "tree" else None
+    for prompt in prompts:
+        trace = greedy_trace(target, prompt, aux_layer_ids=AUX, length=NEW + k)
+        assert trace.tokens.tolist() == naive_greedy(target, prompt, NEW + k + 1).tolist()
+        eos = [trace.continuation[9]]
+        proposers = (lambda: EagleProposer(drafter), lambda: Oracle(trace.tokens, good=lambda r, k: r % (k + 1)))
+        for (name, make), stop in itertools.product(enumerate(proposers), ([], eos)):
+            kwargs = dict(max_new_tokens=NEW, k=None if tree else k, tree=tree, eos_token_ids=stop)
+            live = speculative_generate(target, make(), prompt, aux_layer_ids=AUX, **kwargs)
+            replayed = speculative_generate(trace, make(), prompt, aux_layer_ids=None, **kwargs)
+            assert (replayed.tokens, replayed.accepted, replayed.target_forwards) == (live.tokens, live.accepted, live.target_forwards)
+            if name == 1 and not stop:
+                assert replayed.accepted[:4] == [0, 1, 2, 3]  # the oracle's accepted lengths reach the replay
+
+
+def test_replay_refuses_another_prompt_and_a_short_trace(target, prompts):
+    trace = greedy_trace(target, prompts[0], aux_layer_ids=AUX, length=4)
+    with pytest.raises(ValueError, match="another prompt"):
+        speculative_generate(trace, Oracle(None), prompts[1], aux_layer_ids=None, max_new_tokens=4, k=2)
+    with pytest.raises(ValueError, match="the trace ends"):
+        speculative_generate(trace, Oracle(trace.tokens), prompts[0], aux_layer_ids=None, max_new_tokens=NEW, k=3)
