@@ -105,16 +105,23 @@ def verdict(a: list[float], b: list[float]) -> str:
     return "within the seed spread"
 
 
-def feature_scale(target_dir: str, history: Path | None, history_tokens: int, cfg: SummaryConfig) -> dict[str, Any]:
-    """RMS over the hidden dimension of each aux layer's state and of lm_head's input, on MT-Bench prompts.
+def feature_scale(
+    target_dir: str, history: Path | None, history_tokens: int, drafters: dict[str, str], cfg: SummaryConfig
+) -> dict[str, Any]:
+    """RMS over the hidden dimension of each aux layer's state and of lm_head's input, on MT-Bench prompts,
+    and how much of each drafter's fused feature comes from each aux layer.
 
     Per prompt set: RMS at position 0, and the median RMS of the other positions below
     `trained_len` and from `trained_len` on (the long-history prompts reach past it).
+    Per drafter: the RMS of `fc`'s output restricted to each aux layer's input columns
+    (after `fc_norm` where the drafter has it), median over positions 1.. of the MT-Bench
+    prompts: whether a drafter without `fc_norm` learnt to weigh the layers evenly anyway.
     """
     import torch
     from transformers import AutoTokenizer
 
     from eagle31.config import DrafterConfig
+    from eagle31.convert import load_drafter
     from eagle31.data.sources import Tally, read_conversations, read_mt_bench
     from eagle31.mtbench import long_histories, render, select_questions
     from eagle31.target import TargetFeatures, load_target, load_target_config
@@ -129,7 +136,9 @@ def feature_scale(target_dir: str, history: Path | None, history_tokens: int, cf
         histories = long_histories(tokenizer, conversations, len(questions), history_tokens)
         sets[f"after >= {history_tokens} tokens of history"] = [h + [{"role": "user", "content": q.turns[0]}] for h, q in zip(histories, questions)]
     names = [f"aux layer {i}" for i in aux_ids] + ["final"]
-    out: dict[str, Any] = {"aux_layer_ids": list(aux_ids), "trained_len": cfg.trained_len, "sets": {}}
+    out: dict[str, Any] = {"aux_layer_ids": list(aux_ids), "trained_len": cfg.trained_len, "sets": {}, "fc_share": {}}
+    loaded = {label: load_drafter(path).eval() for label, path in drafters.items()}
+    shares: dict[str, list[list[float]]] = {label: [] for label in loaded}  # per drafter: per prompt, per aux layer
     with TargetFeatures(model, aux_ids) as features, torch.no_grad():
         for set_name, chats in sets.items():
             rms: dict[str, dict[str, list[float]]] = {n: {"first": [], "below": [], "beyond": []} for n in names}
@@ -140,10 +149,26 @@ def feature_scale(target_dir: str, history: Path | None, history_tokens: int, cf
                     rms[name]["first"].append(values[0])
                     rms[name]["below"] += values[1 : cfg.trained_len]
                     rms[name]["beyond"] += values[cfg.trained_len :]
+                if set_name == "MT-Bench turn 1":
+                    for label, drafter in loaded.items():
+                        shares[label].append(fc_share(drafter, aux[0, 1:]))
             out["sets"][set_name] = {
                 name: {part: statistics.median(v) if v else None for part, v in parts.items()} for name, parts in rms.items()
             }
+    out["fc_share"] = {label: [statistics.mean(p[i] for p in per) for i in range(len(aux_ids))] for label, per in shares.items()}
     return out
+
+
+def fc_share(drafter, aux) -> list[float]:
+    """aux [T, n*Ht] -> per aux layer, its share of the summed RMS of fc's output from each layer's columns."""
+    import torch
+
+    chunks = aux.float().chunk(drafter.config.num_aux, dim=-1)
+    if drafter.fc_norm is not None:
+        chunks = [norm(c) for norm, c in zip(drafter.fc_norm, chunks)]
+    weights = drafter.fc.weight.float().chunk(drafter.config.num_aux, dim=-1)  # [H, Ht] each
+    rms = [torch.median((c @ w.T).pow(2).mean(-1).sqrt()).item() for c, w in zip(chunks, weights)]
+    return [r / sum(rms) for r in rms]
 
 
 def summarize(cfg: SummaryConfig, target_dir: str | None) -> dict[str, Any]:
@@ -168,8 +193,9 @@ def summarize(cfg: SummaryConfig, target_dir: str | None) -> dict[str, Any]:
         "categories": category_rows(reports["mt_bench"]),
     }
     if target_dir is not None:
+        seed0 = {label: str(ROOT / path) for label, path in reports["mt_bench"]["settings"]["drafters"].items() if label.endswith("-s0")}
         summary["feature_scale"] = feature_scale(
-            target_dir, ROOT / history if history else None, long_settings.get("history_tokens") or 0, cfg
+            target_dir, ROOT / history if history else None, long_settings.get("history_tokens") or 0, seed0, cfg
         )
     return summary
 
@@ -231,6 +257,12 @@ def format_feature_scale(scale: dict[str, Any]) -> str:
     for set_name, values in scale["sets"].items():
         cells = [" / ".join("–" if values[m][p] is None else f"{values[m][p]:.1f}" for p in ("first", "below", "beyond")) for m in names]
         lines.append(f"| {set_name} | " + " | ".join(cells) + " |")
+    if scale.get("fc_share"):
+        layers = [f"aux layer {i}" for i in scale["aux_layer_ids"]]
+        lines += ["", "Share of each aux layer in the fused feature `fc(...)` (RMS of its columns' output, MT-Bench turn-1 prompts, positions 1..):", ""]
+        lines += ["| drafter | " + " | ".join(layers) + " |", "|" + "---|" * (1 + len(layers))]
+        for label, share in scale["fc_share"].items():
+            lines.append(f"| {label} | " + " | ".join(f"{x:.2f}" for x in share) + " |")
     return "\n".join(lines)
 
 

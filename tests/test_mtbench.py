@@ -117,6 +117,7 @@ def test_script_end_to_end(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "skipped MT-Bench records: malformed 1" in captured.err
     report = json.loads((out / "mt_bench.json").read_text())
+    assert report["settings"]["target_decoding_seconds"] > 0 and report["settings"]["target"] == str(target)
     keys = {(r["drafter"], r["mode"], r["split"]) for r in report["results"]}
     assert keys == {(d, m, s) for d in ("eagle3", "eagle31") for m in ("chain-k2", "chain-k3", "tree-2x2-3") for s in (ALL, "writing", "math")}
     for r in report["results"]:

@@ -64,3 +64,21 @@ def test_verdict_and_labels():
 def test_missing_evaluation_is_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="mt_bench.json: not found; run scripts/smollm2_chain.sh"):
         summarize(SummaryConfig(out=str(tmp_path), runs=str(tmp_path)), target_dir=None)
+
+
+def test_fc_share_follows_the_scale_of_each_aux_layer_unless_fc_norm_removes_it():
+    import torch
+
+    from benchmarks.smollm2_summary import fc_share
+    from tests.helpers import tiny_drafter
+
+    eagle3 = tiny_drafter(dtype=torch.float32, fc_norm=False, norm_output=False)
+    eagle31 = tiny_drafter(dtype=torch.float32)
+    n, Ht = eagle3.config.num_aux, eagle3.config.target_hidden_size
+    aux = torch.randn(64, n * Ht)
+    base3, base31 = fc_share(eagle3, aux), fc_share(eagle31, aux)
+    assert sum(base3) == pytest.approx(1) and sum(base31) == pytest.approx(1)
+    aux[:, :Ht] *= 100  # the first aux layer 100x louder, as SmolLM2's layer 15 is at its first position
+    louder3, louder31 = fc_share(eagle3, aux), fc_share(eagle31, aux)
+    assert louder3[0] > 0.9 > base3[0]
+    assert louder31 == pytest.approx(base31, rel=1e-3)
