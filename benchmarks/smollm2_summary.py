@@ -98,6 +98,8 @@ def category_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def verdict(a: list[float], b: list[float]) -> str:
     """How tau values `a` (EAGLE 3.1's seeds) compare with `b` (another variant's)."""
+    if len(a) < 2 or len(b) < 2:
+        return "one seed: no spread to compare with"
     if min(a) > max(b):
         return "higher, outside the seed spread"
     if max(a) < min(b):

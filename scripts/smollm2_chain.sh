@@ -19,12 +19,14 @@
 #   summary     results.md and summary.json: every variant and seed, the feature scale
 #               (python -m benchmarks.smollm2_summary)
 # The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
-# and norm_output = one switch on, the ablation; eagle31 = both on) and evaluates them on MT-Bench
-# as is, under a system prompt unseen in training, and after a long history (prompts well past the
-# training length, within the target's 8192). Results: $OUT (tables, JSON, plots, commands.sh).
+# and norm_output = one switch on, the ablation, with ABLATION_SEEDS; eagle31 = both on) and
+# evaluates them on MT-Bench as is, under a system prompt unseen in training, and after a long
+# history (prompts well past the training length, within the target's 8192).
+# Results: $OUT (tables, JSON, plots, commands.sh).
 #
-# Environment: OUT, RUNS, SEEDS, VARIANTS, STEPS, STAGES (chain | train | all), PROBES (any of
-# mt_bench unseen_system long_history: evaluations to run, e.g. split over two processes), THREADS, SMOKE.
+# Environment: OUT, RUNS, SEEDS, ABLATION_SEEDS (of fc_norm and norm_output), VARIANTS, STEPS,
+# STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history: the
+# evaluations to run, e.g. split over two processes), THREADS, SMOKE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +38,7 @@ if [[ "$SMOKE" == 1 ]]; then
   OUT=${OUT:-runs/smollm2-smoke/results}
   RUNS=${RUNS:-runs/smollm2-smoke}
   SEEDS=${SEEDS:-0}
+  ABLATION_SEEDS=${ABLATION_SEEDS:-0}
   VARIANTS=${VARIANTS:-eagle3 eagle31}
   STEPS=${STEPS:-2}
   SIZES=(regenerate.max_conversations=6 regenerate.max_new_tokens=16 regenerate.shard_size=4
@@ -47,6 +50,7 @@ else
   OUT=${OUT:-benchmarks/results/smollm2}
   RUNS=${RUNS:-runs/smollm2}
   SEEDS=${SEEDS:-0 1}
+  ABLATION_SEEDS=${ABLATION_SEEDS:-0}  # the single-switch variants: one seed, half the cost of the ablation
   VARIANTS=${VARIANTS:-eagle3 fc_norm norm_output eagle31}
   STEPS=${STEPS:-}
   SIZES=()
@@ -93,7 +97,9 @@ run python data_prep/capture.py "${COMMON[@]}"
 if [[ "$STAGES" == chain ]]; then VARIANTS=eagle31; SEEDS=0; fi
 DRAFTERS=()
 for variant in $VARIANTS; do
-  for seed in $SEEDS; do
+  seeds=$SEEDS
+  [[ "$variant" == fc_norm || "$variant" == norm_output ]] && seeds=$ABLATION_SEEDS
+  for seed in $seeds; do
     name="$variant-s$seed"
     if [[ ! -f "$RUNS/$name/report.json" ]]; then
       # shellcheck disable=SC2046
@@ -120,5 +126,8 @@ if [[ "$STAGES" != chain ]]; then
   # the history: earlier chats with this target (its own regenerated conversations), then the question
   evaluate long_history "${PROBE_EVAL[@]}" "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
 fi
-[[ -f "$OUT/mt_bench/mt_bench.json" ]] && run python -m benchmarks.smollm2_summary "out=$OUT" "runs=$RUNS"
+# the summary, once every probe has its results (several PROBES=... processes: the last one to finish)
+done_all=1
+for name in mt_bench mt_bench_unseen_system mt_bench_long_history; do [[ -f "$OUT/$name/mt_bench.json" ]] || done_all=0; done
+if [[ "$STAGES" == chain || "$done_all" == 1 ]]; then run python -m benchmarks.smollm2_summary "out=$OUT" "runs=$RUNS"; fi
 echo "results under $OUT" >&2

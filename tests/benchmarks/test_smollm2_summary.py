@@ -55,6 +55,7 @@ def test_verdict_and_labels():
     assert verdict([2.0, 2.1], [1.5, 1.9]) == "higher, outside the seed spread"
     assert verdict([1.0, 1.2], [1.5, 1.9]) == "lower, outside the seed spread"
     assert verdict([1.6, 2.0], [1.5, 1.9]) == "within the seed spread"
+    assert verdict([2.0], [1.5, 1.9]) == "one seed: no spread to compare with"
     assert parse_label("norm_output-s12") == ("norm_output", 12)
     for bad in ("eagle31", "eagle4-s0", "eagle31-sx"):
         with pytest.raises(ConfigError, match="<variant>-s<seed>"):
