@@ -4,7 +4,7 @@
 
 Reads the training reports (`<runs>/<variant>-s<seed>/report.json`) and the MT-Bench
 evaluations under `out` (`mt_bench/`, `mt_bench_unseen_system/`, `mt_bench_long_history/`,
-whichever exist), and measures the scale of the features the drafters read on the same
+`mt_bench_heldout/`, whichever exist), and measures the scale of the features the drafters read on the same
 prompts. Writes `summary.json` and `results.md` under `out`.
 
 A difference between two variants "holds" when it holds for every pair of seeds: the worst
@@ -33,6 +33,7 @@ PROBES = {
     "mt_bench": "MT-Bench",
     "mt_bench_unseen_system": "MT-Bench under an unseen system prompt",
     "mt_bench_long_history": "MT-Bench after a long history",
+    "mt_bench_heldout": "ShareGPT held out (training distribution)",
 }
 NAMES = {"eagle3": "EAGLE 3", "fc_norm": "fc_norm only", "norm_output": "norm_output only", "eagle31": "EAGLE 3.1"}
 
@@ -240,6 +241,7 @@ def format_results(summary: dict[str, Any]) -> str:
                 out.append(f"| {PROBES[probe]} | {NAMES[v]} | " + " | ".join(f"{r:.3f}" for r in rates) + " |")
     out += ["", "MT-Bench tau per category (mean over seeds):", ""]
     categories = sorted({c["category"] for c in summary["categories"]} - {"all"})
+
     out += ["| mode | variant | all | " + " | ".join(categories) + " |", "|" + "---|" * (3 + len(categories))]
     cats = {(c["mode"], c["variant"], c["category"]): c["tau_mean"] for c in summary["categories"]}
     for mode in modes:

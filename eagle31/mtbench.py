@@ -239,7 +239,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux_ids = tuple(drafter.config.aux_layer_ids)
         if aux_ids not in traces:
-            log(f"decoding {len(questions)} questions x 2 turns with the target (aux layers {list(aux_ids)})")
+            log(f"decoding {sum(len(q.turns) for q in questions)} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})")
             start = time.perf_counter()
             traces[aux_ids] = trace_mt_bench(
                 target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,

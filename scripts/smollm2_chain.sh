@@ -21,18 +21,19 @@
 # The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
 # and norm_output = one switch on, the ablation, with ABLATION_SEEDS; eagle31 = both on) and
 # evaluates them on MT-Bench as is, under a system prompt unseen in training, and after a long
-# history (prompts well past the training length, within the target's 8192).
+# history (prompts well past the training length, within the target's 8192), and on ShareGPT
+# first turns never trained on (heldout: the training distribution).
 # Results: $OUT (tables, JSON, plots, commands.sh).
 #
 # Environment: OUT, RUNS, SEEDS, ABLATION_SEEDS (of fc_norm and norm_output), VARIANTS, STEPS,
-# STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history: the
-# evaluations to run, e.g. split over two processes), THREADS, SMOKE.
+# STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history heldout:
+# the evaluations to run, e.g. split over two processes), THREADS, SMOKE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SMOKE=${SMOKE:-0}
 STAGES=${STAGES:-all}
-PROBES=${PROBES:-mt_bench unseen_system long_history}
+PROBES=${PROBES:-mt_bench unseen_system long_history heldout}
 THREADS=${THREADS:-2}
 if [[ "$SMOKE" == 1 ]]; then
   OUT=${OUT:-runs/smollm2-smoke/results}
@@ -45,6 +46,8 @@ if [[ "$SMOKE" == 1 ]]; then
          data.max_len=96 data.eval_max_samples=1 drafter.draft_vocab_size=512 train.eval_every=2 train.save_every=2)
   EVAL=(max_per_category=1 max_new_tokens=8 ks=3 tree_top_k=2 tree_depth=2 tree_total_tokens=3)
   PROBE_EVAL=(max_per_category=1 max_new_tokens=8 ks=3)
+  HELDOUT=(max_per_category=2 max_new_tokens=8 ks=3)
+  REPLAY_CHECK=(questions=1 max_new_tokens=8)
   HISTORY_TOKENS=160
 else
   OUT=${OUT:-benchmarks/results/smollm2}
@@ -58,6 +61,8 @@ else
   # core (the target decodes the turns once, ~3 min); all 80 questions: drop max_per_category
   EVAL=(ks=3,5,7 tree_top_k=8 tree_depth=5 tree_total_tokens=32 max_new_tokens=128 max_per_category=2)
   PROBE_EVAL=(ks=3,7 max_new_tokens=128 max_per_category=2)  # the robustness probes: the shortest and the longest chain
+  HELDOUT=(max_per_category=32 max_new_tokens=128 ks=3,7)  # 32 ShareGPT first turns after the regenerated ones
+  REPLAY_CHECK=(questions=2 max_new_tokens=128)
   HISTORY_TOKENS=2048
 fi
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
@@ -125,9 +130,19 @@ if [[ "$STAGES" != chain ]]; then
   evaluate unseen_system "${PROBE_EVAL[@]}" "system_prompt=$UNSEEN_SYSTEM"
   # the history: earlier chats with this target (its own regenerated conversations), then the question
   evaluate long_history "${PROBE_EVAL[@]}" "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
+  # in distribution: first turns of the training source that come after the regenerated ones
+  if [[ " $PROBES " == *" heldout "* && ! -f "$RUNS/heldout.jsonl" ]]; then
+    run python -m benchmarks.heldout_questions source=sharegpt: "skip=$(python -c "from omegaconf import OmegaConf; print(OmegaConf.load('recipes/recipe/smollm2_135m.yaml').regenerate.max_conversations)")" \
+      "count=${HELDOUT[0]#max_per_category=}" "out=$RUNS/heldout.jsonl"
+  fi
+  evaluate heldout "${HELDOUT[@]}" "questions=$RUNS/heldout.jsonl"
+fi
+# replay (how every evaluation above was measured) against live decoding on this target, one drafter
+if [[ "$STAGES" != chain && ! -f "$OUT/replay_check.json" ]]; then
+  run python -m benchmarks.replay_check "drafter=${DRAFTERS[-1]#*=}" "${REPLAY_CHECK[@]}" "out=$OUT/replay_check.json"
 fi
 # the summary, once every probe has its results (several PROBES=... processes: the last one to finish)
 done_all=1
-for name in mt_bench mt_bench_unseen_system mt_bench_long_history; do [[ -f "$OUT/$name/mt_bench.json" ]] || done_all=0; done
+for name in mt_bench mt_bench_unseen_system mt_bench_long_history mt_bench_heldout; do [[ -f "$OUT/$name/mt_bench.json" ]] || done_all=0; done
 if [[ "$STAGES" == chain || "$done_all" == 1 ]]; then run python -m benchmarks.smollm2_summary "out=$OUT" "runs=$RUNS"; fi
 echo "results under $OUT" >&2
