@@ -39,3 +39,4 @@ python -m benchmarks.smollm2_summary out=benchmarks/results/smollm2 runs=runs/sm
 python data_prep/regenerate.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated data.source=\[runs/smollm2/regenerated/conversations\] data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features 
 python data_prep/capture.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated data.source=\[runs/smollm2/regenerated/conversations\] data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features 
 python -m benchmarks.replay_check drafter=runs/smollm2/eagle31-s1/drafter questions=2 max_new_tokens=128 out=benchmarks/results/smollm2/replay_check.json 
+python -m benchmarks.smollm2_summary out=benchmarks/results/smollm2 runs=runs/smollm2 
