@@ -49,7 +49,7 @@ def check(cfg: ReplayCheckConfig) -> dict:
     modes = {"chain-k3": (3, None), "tree-8x5-32": (None, TreeSpec(8, 5, 32))}
     questions = select_questions(read_mt_bench("mtbench:", Tally()), 1)[: cfg.questions]
     turns = trace_mt_bench(target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=cfg.max_new_tokens,
-                           draft_len=5, eos_token_ids=eos)  # fmt: skip
+                           draft_len=max(k or tree.depth for k, tree in modes.values()), eos_token_ids=eos)  # fmt: skip
     rows = []
     for turn in turns:
         prompt = turn.trace.tokens[: turn.trace.prompt_len]
