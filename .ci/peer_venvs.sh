@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The neighbours whose own code the tests run: one venv per vLLM release, next to (never inside)
+# the project's environment, since vLLM pins its own torch. Only vLLM's CPU-side code is used
+# (its config layer, protocol models, registry), so the wheel goes in with --no-deps plus the
+# packages those modules import, and the CPU build of torch. Wheels are cached in
+# $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing.
+#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest)
+#   bash .ci/peer_venvs.sh 0.33.0     # one release
+set -euo pipefail
+PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
+WHEELS="$PEERS/wheels"
+mkdir -p "$WHEELS"
+# transformers within each release's own pin (0.22.0: !=5.0-5.5.0, >=4.56; 0.33.0: >=5.16.1,<5.21)
+declare -A TRANSFORMERS=([0.22.0]="5.10.4" [0.33.0]="5.20.2")
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(0.22.0 0.33.0)
+# what vllm's config, protocol and registry modules import (their ImportErrors name them)
+DEPS=(pydantic msgspec cachetools cbor2 psutil pyzmq aiohttp requests openai openai-harmony gguf
+      fastapi uvicorn starlette sentencepiece regex blake3 py-cpuinfo tqdm pyyaml einops
+      prometheus_client partial-json-parser pybase64 cloudpickle safetensors numpy pillow jinja2
+      setproctitle tiktoken huggingface_hub tokenizers protobuf ijson python-json-logger)
+for v in "${VERSIONS[@]}"; do
+  venv="$PEERS/vllm-$v"
+  stamp="$venv/.eagle31-ready"
+  [ -f "$stamp" ] && { echo "vllm $v: $venv (cached)"; continue; }
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  py="$venv/bin/python"
+  "$py" -m pip install --quiet --upgrade pip
+  "$py" -m pip install --quiet torch==2.13.0
+  ls "$WHEELS"/vllm-"$v"-*.whl >/dev/null 2>&1 || "$py" -m pip download --quiet --no-deps "vllm==$v" -d "$WHEELS"
+  "$py" -m pip install --quiet --no-deps "$WHEELS"/vllm-"$v"-*.whl
+  "$py" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
+  "$py" -c "import vllm.config, vllm.transformers_utils.config" >/dev/null
+  touch "$stamp"
+  echo "vllm $v: $venv"
+done

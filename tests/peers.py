@@ -1,0 +1,49 @@
+"""The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
+release, never the project's environment: vLLM pins its own torch).
+
+A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
+subprocess (`run_peer`). Where the venv is missing the test is skipped on a developer's machine
+and fails in CI (`CI=true`), so CI cannot pass without running vLLM's own code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+# The oldest and the newest vLLM release the exports are tested against.
+VLLM_RELEASES = ("0.22.0", "0.33.0")
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("EAGLE31_PEERS", Path.home() / ".cache" / "eagle31-peers"))
+
+
+def peer_python(vllm_version: str) -> Path:
+    venv = peers_dir() / f"vllm-{vllm_version}"
+    python = venv / "bin" / "python"
+    if not (venv / ".eagle31-ready").is_file() or not python.is_file():
+        message = f"no vLLM {vllm_version} venv at {venv}: run `bash .ci/peer_venvs.sh {vllm_version}`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+def run_peer(vllm_version: str, script: str, *args: str, timeout: float = 300) -> dict:
+    """Run `script` (Python source) with vLLM `vllm_version`'s interpreter; it prints one JSON
+    object as its last stdout line, which is returned. A failing script fails the test with its
+    stderr."""
+    python = peer_python(vllm_version)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [str(python), "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM {vllm_version} script failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return json.loads(lines[-1])
