@@ -6,15 +6,20 @@ and a killed writer leaves only a `*.tmp-*` file behind.
 
 Output directories are owned: every directory the project writes carries a marker file
 (`OUTPUT_MARKER`, naming what kind of output it is). A directory is only ever replaced or
-written into when it is empty, missing, or carries our marker of the same kind, so a
-user's folder (one holding their source data, say) is never deleted or mixed with ours.
-A directory that cannot be created or written is refused before any work too.
+written into when it is empty, missing, or carries our marker of the same kind (or, for a
+run directory, holds nothing but that run's own parts), so a user's folder, a folder of
+other runs or an output of another step is never deleted or mixed with ours
+(`check_output_dir`, the one rule every step calls). A directory that cannot be created or
+written is refused before any work too. `atomic_dir` replaces a directory by two renames;
+a kill between them is repaired on the next start (`recover_swap`).
 
-`hold_lock` keeps a second process out of a directory for as long as the first runs.
+`hold_lock` keeps a second process out of a directory for as long as the first runs, with
+`flock`, or with a lock file and a heartbeat where the filesystem has no `flock`.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -24,10 +29,12 @@ import secrets
 import shutil
 import socket
 import stat
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from eagle31.errors import FileAccessError, InputError, OutputInUseError
 
@@ -67,21 +74,88 @@ def output_kind(path: str | Path) -> str | None:
         return None
 
 
-def check_output_dir(path: str | Path, kind: str) -> None:
-    """Refuse (one line) to write `kind` output into `path` unless it is missing, empty, ours of that kind,
-    or holds nothing but outputs of ours (`data_prep/prepare.py` made `<output_dir>/data` before the run)."""
+def check_output_dir(path: str | Path, kind: str, parts: Mapping[str | Path, str] | None = None) -> None:
+    """Refuse (one line, before any work) to write `kind` output into `path` unless `path` is that step's own.
+
+    The one ownership rule of every step (prepare, capture, regeneration, train, export, evaluation):
+    `path` must be missing, empty, or carry our marker of `kind`. `parts` names the outputs a run
+    writes inside its own directory before it claims it (`{"<run>/data": "prepared-data", ...}`):
+    a directory holding nothing but those, each of its kind, counts as the run's own too. Anything
+    else — a user's file, another run, an output of another kind or in another place — is refused,
+    and the message names what is there. A swap of `atomic_dir` that a kill interrupted is repaired
+    first (`recover_swap`).
+    """
     path = Path(path)
+    recover_swap(path)
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
     check_writable(path)
-    if not path.exists() or all(_TEMPORARY.fullmatch(p.name) or output_kind(p) for p in path.iterdir()):
-        return  # empty, or only our outputs and our writes in flight (ranks claiming one store together)
+    if not path.exists() or output_kind(path) == kind:
+        return
     found = output_kind(path)
-    if found != kind:
-        what = f"a {found} output of eagle31" if found else "files that eagle31 did not write"
+    if found is not None:
         raise ForeignDirectoryError(
-            f"{path} holds {what}; refusing to write a {kind} output there (choose an empty or new directory)"
+            f"{path} holds a {found} output of eagle31; refusing to write a {kind} output there (choose an empty or new directory)"
         )
+    wanted = {os.path.abspath(p): k for p, k in (parts or {}).items()}
+    foreign = _foreign_entries(path, wanted)
+    if foreign:
+        raise ForeignDirectoryError(
+            f"{path} holds {_describe(foreign)}; refusing to write a {kind} output there (choose an empty or new directory)"
+        )
+
+
+def _foreign_entries(directory: Path, parts: dict[str, str]) -> list[tuple[str | None, str]]:
+    """(kind or None, name) of each entry of `directory` that is neither one of `parts` nor a write of ours in flight."""
+    found = []
+    for entry in sorted(directory.iterdir()):
+        if _TEMPORARY.fullmatch(entry.name) or _SWAPPED_OUT.fullmatch(entry.name):
+            continue  # ranks claiming one store together; an atomic_dir swap
+        where, kind = os.path.abspath(entry), output_kind(entry)
+        if where in parts and kind == parts[where]:
+            continue
+        holds_parts = any(p.startswith(where + os.sep) for p in parts)
+        if holds_parts and kind is None and entry.is_dir():  # <run>/features holding the stores <run>/features/<split>
+            found += [(k, f"{entry.name}/{name}") for k, name in _foreign_entries(entry, parts)]
+            continue
+        found.append((kind, entry.name))
+    return found
+
+
+def _describe(entries: list[tuple[str | None, str]], shown: int = 5) -> str:
+    """`2 run outputs of eagle31 (a, b) and files that eagle31 did not write (notes.txt)`."""
+    by_kind: dict[str | None, list[str]] = {}
+    for kind, name in entries:
+        by_kind.setdefault(kind, []).append(name)
+    said = []
+    for kind, names in sorted(by_kind.items(), key=lambda kv: (kv[0] is None, kv[0] or "")):
+        listed = ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+        what = "files that eagle31 did not write" if kind is None else f"{len(names)} {kind} output(s) of eagle31"
+        said.append(f"{what} ({listed})")
+    return " and ".join(said)
+
+
+def recover_swap(dest: str | Path) -> None:
+    """Finish what a kill during `atomic_dir`'s swap left beside `dest`, and say what was restored.
+
+    Killed between its two renames (`dest` -> `.dest.old-*`, then `.dest.tmp-*` -> `dest`), the
+    swap leaves no `dest`: the old output is renamed back (the new one was not in place yet).
+    Killed after the second, it leaves the old output beside the new one: it is removed.
+    """
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return
+    for old in sorted(dest.parent.iterdir()):
+        match = _SWAPPED_OUT.fullmatch(old.name)
+        if not match or match.group(1) != dest.name:
+            continue
+        if dest.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        old.rename(dest)
+        fsync_dir(dest.parent)
+        shutil.rmtree(dest.with_name(f".{dest.name}.tmp-{match.group(2)}"), ignore_errors=True)
+        print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
 
 
 def check_writable(path: str | Path) -> None:
@@ -101,6 +175,10 @@ def check_writable(path: str | Path) -> None:
 
 
 LOCK_FILE = ".eagle31-lock"
+HELD_FILE = ".eagle31-lock.held"  # the lock where the filesystem has no `flock` (an NFS mount without locking)
+HEARTBEAT_S = 30.0  # how often the holder of a HELD_FILE lock touches it
+STALE_AFTER_S = 600.0  # a HELD_FILE untouched this long has lost its holder (a host gone, a clock far off)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 
 
 @contextmanager
@@ -110,29 +188,145 @@ def hold_lock(directory: str | Path) -> Iterator[None]:
     The lock is `flock` on `LOCK_FILE`, so the kernel releases it when the holder dies,
     even by SIGKILL: no stale lock to clean up. The file names the holder (pid, host,
     start time) for the one-line `OutputInUseError` a second process gets.
+
+    Where the filesystem has no `flock` (`ENOLCK`: NFS mounted without a lock manager),
+    the lock is the file `HELD_FILE`, created exclusively, naming the holder's host and pid
+    and touched every `HEARTBEAT_S` by a thread of the holder. A second process takes it over
+    when it is stale: its pid is gone on this host, or it was not touched for `STALE_AFTER_S`
+    (the holder's host died), and says so in one line.
     """
-    path = Path(directory) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    directory = Path(directory)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            raise OutputInUseError(
-                f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
-            ) from None
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
-        yield
+        if _flock(fd, directory):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{_holder()}\n".encode(), 0)
+            yield
+            return
     finally:
         os.close(fd)  # releases the lock
+    with _hold_lock_file(directory):
+        yield
 
 
-def claim_output_dir(path: str | Path, kind: str) -> Path:
-    """Create `path` (or reuse one of ours of the same kind) for in-place writing, and mark it as ours."""
+def _holder() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}"
+
+
+def _flock(fd: int, directory: Path) -> bool:
+    """Take `flock` on `fd`; False when the filesystem does not support it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        raise OutputInUseError(
+            f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
+        ) from None
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return False
+        raise
+    return True
+
+
+@contextmanager
+def _hold_lock_file(directory: Path) -> Iterator[None]:
+    path = directory / HELD_FILE
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            holder, why_stale = _stale_holder(path)
+            if why_stale is None:
+                raise OutputInUseError(
+                    f"{directory} is in use by another run ({holder}; a lock file, as its filesystem has no flock); "
+                    f"wait for it to end or choose another directory"
+                ) from None
+            if _break_lock(path, holder):
+                print(f"warning: {directory}: taking over the lock of {holder} ({why_stale})", file=sys.stderr)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "holder": _holder()}
+    os.write(fd, json.dumps(me).encode())
+    os.fsync(fd)
+    os.close(fd)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(path, stop), name="eagle31-lock-heartbeat", daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beat.join()
+        if _read_holder(path) == me:
+            path.unlink(missing_ok=True)
+
+
+def _read_holder(path: Path) -> dict | None:
+    try:
+        holder = json.loads(path.read_text())
+        return holder if isinstance(holder, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stale_holder(path: Path) -> tuple[str, str | None]:
+    """(who holds the lock file, why it is stale or None while it is live)."""
+    holder = _read_holder(path)
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return "a holder that just let go", "released"
+    said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
+    if holder and holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0))):
+        return said, f"pid {holder.get('pid')} is gone on this host"
+    if age > STALE_AFTER_S:
+        return said, f"its heartbeat is {age:.0f} s old"
+    return said, None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _break_lock(path: Path, holder: str) -> bool:
+    """Remove a stale lock file unless another process replaced it meanwhile (then leave theirs)."""
+    aside = _unique_sibling(path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    moved = _read_holder(aside)
+    if (moved.get("holder", "unknown") if moved else "an unreadable lock file") != holder:
+        try:
+            os.link(aside, path)  # a fresh lock moved by mistake goes back, unless a third process took the name
+        except FileExistsError:
+            pass
+        aside.unlink(missing_ok=True)
+        return False
+    aside.unlink(missing_ok=True)
+    return True
+
+
+def _heartbeat(path: Path, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # the next process will see the heartbeat stop and say so
+
+
+def claim_output_dir(path: str | Path, kind: str, parts: Mapping[str | Path, str] | None = None) -> Path:
+    """Create `path` (or reuse one of ours of the same kind) for in-place writing, and mark it as ours (`check_output_dir`)."""
     path = Path(path)
-    check_output_dir(path, kind)
+    check_output_dir(path, kind, parts)
     path.mkdir(parents=True, exist_ok=True)
     if output_kind(path) != kind:
         atomic_write_json(path / OUTPUT_MARKER, {"kind": kind})
@@ -144,7 +338,9 @@ def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed).
 
     `dest` must be missing, empty, or an output of ours of the same `kind` (`check_output_dir`);
-    the new directory carries the marker, so a later run may replace it again.
+    the new directory carries the marker, so a later run may replace it again. A kill at any
+    point leaves `dest` whole, old or new, or (between the two renames) the old one aside,
+    which the next `check_output_dir` of `dest` puts back.
     """
     dest = Path(dest)
     check_output_dir(dest, kind)
@@ -170,6 +366,7 @@ def _unique_sibling(dest: Path) -> Path:
 
 
 _TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
+_SWAPPED_OUT = re.compile(r"\.(.+)\.old-([0-9a-f]{8})")  # `atomic_dir`'s old directory, moved aside
 
 
 def fsync_dir(path: Path) -> None:

@@ -21,8 +21,9 @@ The run directory (`output_dir`, default `runs/<recipe>`), described here and no
     report.json          held-out tau_sim, acc per step, tokens seen, wall time, tokens/s, acceptance
     wandb/               offline wandb run (logging.wandb.mode=offline|online|disabled)
 
-The run directory is owned and locked: a folder that eagle31 did not write is refused
-(`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
+The run directory is owned and locked: a folder that is neither empty nor this run's own (a
+run's marker, or only the data/, regenerated/ and features/ parts its data_prep steps wrote there)
+is refused (`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
 second run on the same `output_dir` stops with one line naming the holder. `config.yaml`,
 the run's identity, is written only once training starts: a run stopped by a check
 (say, data in which nothing is supervised) leaves nothing that blocks its corrected rerun.
@@ -79,7 +80,7 @@ def hold_run_dir(plan: RunPlan):
     if not plan.world.is_main:
         yield
         return
-    claim_output_dir(plan.run_dir, "run")
+    claim_output_dir(plan.run_dir, "run", plan.parts)
     with hold_lock(plan.run_dir):
         check_run_dir(plan)  # again, under the lock: a run may have started since the first check
         yield

@@ -44,6 +44,15 @@ class RunPlan:
     drafter: DrafterConfig
     compute_dtype: torch.dtype
 
+    @property
+    def parts(self) -> dict[str, str]:
+        """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
+        from eagle31.data.regenerate import OUTPUT_KIND
+
+        cfg, store = self.cfg, Path(self.cfg.features.store_dir)
+        parts = {cfg.data.prepared_dir: "prepared-data", cfg.regenerate.output_dir: OUTPUT_KIND}
+        return {**parts, **{str(store / split): "feature-store" for split in ("train", "eval")}}
+
 
 def drafter_overrides(section) -> dict[str, Any]:
     """`drafter.*` fields that are DrafterConfig fields (the rest steer initialisation)."""
@@ -84,7 +93,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
     plan = RunPlan(cfg, world, Path(cfg.output_dir), target_dir, target_config, drafter, compute_dtype)
     if not cfg.dry_run:
-        check_output_dir(plan.run_dir, "run")
+        check_output_dir(plan.run_dir, "run", plan.parts)
         check_run_dir(plan)
         check_data(plan)
     if cfg.drafter.init_from:
@@ -175,10 +184,9 @@ def check_data(plan: RunPlan) -> None:
 
 
 def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
-    """`data.prepared_dir` must be ours (or new), and a prepared one must have been made from `sources`."""
+    """A prepared `data.prepared_dir` (`check_data_config` made sure it is one) must have been made from `sources`."""
     from eagle31.data.prepare import recorded_sources
 
-    check_output_dir(prepared, "prepared-data")
     recorded = recorded_sources(prepared)
     if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new sources would be ignored
         raise ConfigError(

@@ -1,6 +1,7 @@
 """Atomic writes: all or nothing, no leftovers, ordinary permissions; checksums."""
 
 import hashlib
+import json
 import os
 import stat
 
@@ -114,13 +115,151 @@ def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path)
         check_output_dir(store, "feature-store")
 
 
-def test_a_directory_holding_only_outputs_of_ours_may_be_claimed(tmp_path):
-    """`data_prep/prepare.py` writes `<output_dir>/data` before the run claims `<output_dir>`."""
-    with atomic_dir(tmp_path / "run" / "data", kind="prepared-data") as tmp:
+def test_a_run_directory_holding_only_its_own_parts_may_be_claimed(tmp_path):
+    """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run claims it."""
+    run = tmp_path / "run"
+    with atomic_dir(run / "data", kind="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")
-    assert claim_output_dir(tmp_path / "run", "run") == tmp_path / "run"
-    (tmp_path / "other" / "stuff").mkdir(parents=True)  # a folder of the user's beside ours
-    with atomic_dir(tmp_path / "other" / "data", kind="prepared-data") as tmp:
+    claim_output_dir(run / "features" / "train", "feature-store")
+    parts = {run / "data": "prepared-data", run / "features" / "train": "feature-store"}
+    assert claim_output_dir(run, "run", parts) == run
+    other = tmp_path / "other"
+    (other / "stuff").mkdir(parents=True)  # a folder of the user's beside the run's own part
+    with atomic_dir(other / "data", kind="prepared-data") as tmp:
         pass
-    with pytest.raises(ForeignDirectoryError, match="did not write"):
-        claim_output_dir(tmp_path / "other", "run")
+    with pytest.raises(ForeignDirectoryError, match=r"files that eagle31 did not write \(stuff\)"):
+        claim_output_dir(other, "run", {other / "data": "prepared-data"})
+    with pytest.raises(ForeignDirectoryError, match=r"1 prepared-data output\(s\) of eagle31 \(data\)"):
+        claim_output_dir(tmp_path / "other", "run")  # not one of this run's parts: another run's data, say
+
+
+def test_a_folder_of_runs_is_never_replaced_by_another_step(tmp_path):
+    """`data.prepared_dir=runs`: every run under it stays; the refusal names what is there."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (claim_output_dir(runs / name, "run") / "metrics.jsonl").write_text("{}\n")
+    with atomic_dir(runs / "prepared", kind="prepared-data") as tmp:
+        (tmp / "report.json").write_text("{}")
+    before = sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
+    for step in (lambda: atomic_dir(runs, kind="prepared-data").__enter__(), lambda: claim_output_dir(runs, "feature-store")):
+        with pytest.raises(ForeignDirectoryError) as refused:
+            step()
+        assert str(refused.value).startswith(f"{runs} holds 1 prepared-data output(s) of eagle31 (prepared) and 2 run output(s) of eagle31 (a, b)")
+    assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == before
+
+
+KILL_AT_RENAME = """
+import os, signal, sys, types
+from pathlib import Path
+package = types.ModuleType("eagle31")  # eagle31.io alone: the package would import torch
+package.__path__ = [os.path.join(sys.argv[1], "eagle31")]
+sys.modules["eagle31"] = package
+from eagle31.io import atomic_dir
+real_rename = Path.rename
+def rename(self, target):  # SIGKILL right after the swap's rename number sys.argv[3]
+    moved = real_rename(self, target)
+    rename.count += 1
+    if rename.count == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return moved
+rename.count = 0
+Path.rename = rename
+with atomic_dir(sys.argv[2], kind="prepared-data") as tmp:
+    (tmp / "x").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("killed_after", [1, 2], ids=["between-the-renames", "after-both"])
+def test_a_kill_during_the_swap_of_a_directory_is_repaired_on_the_next_start(tmp_path, killed_after, capfd):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    with atomic_dir(dest, kind="prepared-data") as tmp:
+        (tmp / "x").write_text("old")
+    repo = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_RENAME, str(repo), str(dest), str(killed_after)], timeout=60)
+    assert killed.returncode == -9
+    if killed_after == 1:
+        assert not dest.exists()  # what the kill left: the old directory aside, the new one not in place
+    check_output_dir(dest, "prepared-data")  # the next start of any step writing there
+    expected = {1: "old", 2: "new"}[killed_after]
+    assert (dest / "x").read_text() == expected and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    said = capfd.readouterr().err
+    assert ("restored" in said and str(dest) in said) == (killed_after == 1), said
+
+
+# ---------------------------------------------------------------------------- locks without flock
+
+
+@pytest.fixture
+def no_flock(monkeypatch):
+    """A filesystem without flock (NFS without a lock manager): every flock fails with ENOLCK."""
+    import errno
+
+    import eagle31.io
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(eagle31.io.fcntl, "flock", flock)
+
+
+def test_without_flock_a_lock_file_keeps_a_second_run_out_and_goes_with_its_holder(tmp_path, no_flock):
+    import socket
+
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, hold_lock
+
+    with hold_lock(tmp_path):
+        held = json.loads((tmp_path / HELD_FILE).read_text())
+        assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
+        with pytest.raises(OutputInUseError, match=f"pid {os.getpid()} on {socket.gethostname()}.*has no flock"), hold_lock(tmp_path):
+            pass
+    assert not (tmp_path / HELD_FILE).exists()
+    with hold_lock(tmp_path):
+        pass
+
+
+def test_without_flock_a_stale_lock_file_is_taken_over_and_said(tmp_path, no_flock, capsys):
+    import socket
+    import subprocess
+    import time
+
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    gone_pid = subprocess.Popen(["true"])  # a pid that no longer runs
+    gone_pid.wait()
+    held = tmp_path / HELD_FILE
+    held.write_text(json.dumps({"host": socket.gethostname(), "pid": gone_pid.pid, "holder": f"pid {gone_pid.pid} on here"}))
+    with hold_lock(tmp_path):
+        assert json.loads(held.read_text())["pid"] == os.getpid()
+    assert f"taking over the lock of pid {gone_pid.pid} on here (pid {gone_pid.pid} is gone on this host)" in capsys.readouterr().err
+    held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
+    with pytest.raises(OutputInUseError, match="pid 1 on another-node"), hold_lock(tmp_path):
+        pass  # its heartbeat is fresh: that host's run is alive
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))  # that host died: no heartbeat since
+    with hold_lock(tmp_path):
+        pass
+    assert "its heartbeat is" in capsys.readouterr().err
+
+
+def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monkeypatch):
+    import time
+
+    import eagle31.io
+    from eagle31.io import HELD_FILE, hold_lock
+
+    monkeypatch.setattr(eagle31.io, "HEARTBEAT_S", 0.05)
+    with hold_lock(tmp_path):
+        old = time.time() - 3600
+        os.utime(tmp_path / HELD_FILE, (old, old))
+        deadline = time.time() + 10
+        while (tmp_path / HELD_FILE).stat().st_mtime < old + 1:
+            assert time.time() < deadline, "no heartbeat"
+            time.sleep(0.02)

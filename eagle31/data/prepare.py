@@ -52,7 +52,7 @@ from eagle31.config import ConfigError
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.errors import CorruptDataError
-from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json
+from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,11 @@ def template_kwargs(data_cfg: Any) -> dict[str, Any]:
 
 
 def check_data_config(data_cfg: Any) -> list[str]:
-    """Validate the `data` section; return its source paths. Raises ConfigError."""
+    """Validate the `data` section, and that `prepared_dir` is the prepare step's to write; return its source paths.
+
+    Raises ConfigError, or `ForeignDirectoryError` for a `prepared_dir` that is not empty and not prepared data
+    (a folder of runs, the user's files).
+    """
     sources = source_paths(data_cfg.source)
     if not sources:
         raise ConfigError("data.source is empty: give a .jsonl/.json/.parquet file or a datasets directory")
@@ -146,6 +150,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
     if data_cfg.eval_max_samples < 0:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
     template_kwargs(data_cfg)
+    check_output_dir(prepared, "prepared-data")  # before the tokenizer (or the target) is loaded
     return sources
 
 
