@@ -79,6 +79,21 @@ def test_a_prepared_dir_made_from_other_sources_is_refused_not_silently_reused(t
     assert "old.jsonl" in line and str(chats) in line
 
 
+def test_a_prepared_dir_pointing_at_a_folder_of_runs_deletes_nothing(tiny_target, chats, tmp_path, capsys):
+    """`data.prepared_dir=runs`: neither the prepare step nor a run replaces the runs, checkpoints and data under it."""
+    runs = tmp_path / "runs"
+    first = base_args(tiny_target, chats, runs / "first", **{"train.max_steps": "2", "export.formats": "[]"})
+    assert main(first, capsys)[0] == 0  # runs/first: checkpoints, data/, drafter/
+    before = tree(runs)
+    for step in (prepare_step(), run):
+        args = base_args(tiny_target, chats, tmp_path / "second", **{"data.prepared_dir": str(runs)})
+        code, line = recipe_main(step, RECIPES, args), capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2, line
+        assert line == (f"error: {runs} holds 1 run output(s) of eagle31 (first); refusing to write a prepared-data output "
+                        "there (choose an empty or new directory)")  # fmt: skip
+        assert tree(runs) == before and not (tmp_path / "second").exists()
+
+
 def test_a_negative_learning_rate_is_refused_before_any_model(tiny_target, chats, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a model was built"))
     line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **{"train.lr": "-1e-4"}), capsys), 2)
