@@ -12,7 +12,10 @@ list:
     5    FileAccessError: a file that cannot be read or written (permissions, not a directory)
     6    DiskFullError: the disk filled up while writing (what was complete is kept)
     7    OutputInUseError: another run holds the output directory
+    8    RankLost (eagle31.distributed): another rank of a torchrun run died or stopped answering
     130  RunInterrupted: Ctrl-C (SIGINT), the shell's code for it
+    137  StoppedAtOnce (eagle31.preemption): a second SIGTERM/SIGUSR1, or the grace ran out
+    143  RunPreempted: SIGTERM or SIGUSR1; the run stopped after a complete checkpoint
 
 Kept free of torch so that any module may import it.
 """
@@ -60,6 +63,30 @@ class OutputInUseError(Eagle31Error):
     """Another live process holds the output directory's lock."""
 
     exit_code = 7
+
+
+class RankLost(Eagle31Error):
+    """A rank of the run died (or its node was lost); the last complete checkpoint is kept."""
+
+    exit_code = 8
+
+
+class RunPreempted(Eagle31Error):
+    """SIGTERM / SIGUSR1 (a scheduler's preemption): every rank stopped after writing a complete checkpoint.
+
+    128 + SIGTERM, the code a scheduler expects from a job it terminated.
+    """
+
+    exit_code = 143
+
+
+class StoppedAtOnce(Eagle31Error):
+    """A second stop signal, or the grace running out: the process left at once, the last complete checkpoint kept.
+
+    128 + SIGKILL, as if the scheduler had killed it.
+    """
+
+    exit_code = 137
 
 
 class RunInterrupted(Eagle31Error):

@@ -51,6 +51,7 @@ from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
 from eagle31.model import Eagle31Drafter
 from eagle31.plan import RunPlan, check_run_dir, describe_dry_run, plan_run
+from eagle31.preemption import StopSignals
 from eagle31.recipe import to_container
 from eagle31.target import load_recipe_target, read_target_embeddings
 from eagle31.trainer import Trainer
@@ -212,7 +213,8 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
         progress=cfg.logging.progress,
     )
     try:
-        final = trainer.fit(logger)
+        with StopSignals(cfg.train.preempt_grace_s, trainer.checkpoints.root) as stop:
+            final = trainer.fit(logger, stop)
         skipped = skipped_features(plan.world, train_loader, eval_loader)  # every rank takes part
         if skipped:
             logger.log(trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())})

@@ -70,6 +70,8 @@ def plan_run(cfg, world: World) -> RunPlan:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     if not cfg.train.lr > 0:
         raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
+    if not cfg.train.preempt_grace_s > 0:
+        raise ConfigError(f"train.preempt_grace_s must be positive, got {cfg.train.preempt_grace_s}")
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:

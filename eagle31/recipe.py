@@ -260,6 +260,10 @@ class TrainConfig:
     save_every: int = 200
     keep_last: int = 2
     max_nonfinite_steps: int = 5
+    # SIGTERM / SIGUSR1: finish the step, checkpoint, exit 143 within this many seconds (else exit at once)
+    preempt_grace_s: float = 60.0
+    # torchrun: a rank silent this long (dead, its node lost) stops the others with one line naming it (exit 8)
+    rank_timeout_s: float = 180.0
 
 
 @dataclass

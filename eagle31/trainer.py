@@ -27,10 +27,11 @@ from eagle31.attention import segment_ids
 from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_reduce_sum
-from eagle31.errors import Eagle31Error
+from eagle31.errors import Eagle31Error, RunPreempted
 from eagle31.loss import StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
+from eagle31.preemption import StopSignals
 from eagle31.recipe import TrainConfig
 from eagle31.ttt import ttt_unroll
 
@@ -226,8 +227,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self, logger: RunLogger) -> dict[str, float]:
-        """Train to `max_steps`; return the final held-out metrics."""
+    def fit(self, logger: RunLogger, stop: StopSignals | None = None) -> dict[str, float]:
+        """Train to `max_steps`; return the final held-out metrics.
+
+        With `stop` (`eagle31.preemption`), a SIGTERM / SIGUSR1 that reached any rank stops every rank
+        after the same step, with a complete checkpoint of it: `RunPreempted`.
+        """
         cfg, state = self.cfg, self.state
         stream = self._stream()
         window_tokens, window_start = 0, time.perf_counter()
@@ -263,6 +268,10 @@ class Trainer:
                 state.step,
                 {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
             )
+            if stop is not None and state.step < cfg.max_steps and self._agree_to_stop(stop):
+                saved = self.save_checkpoint()
+                by = stop.received.name if stop.requested else "a signal that another rank received"
+                raise RunPreempted(f"stopped by {by} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
             if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
                 logger.log(state.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
             if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.max_steps:
@@ -271,6 +280,11 @@ class Trainer:
         final = self.evaluate()
         logger.log(state.step, {f"eval/{k}": v for k, v in final.items()})
         return final
+
+    def _agree_to_stop(self, stop: StopSignals) -> bool:
+        """Whether any rank was asked to stop: one all-reduce per step, so that every rank stops at this step."""
+        asked = torch.tensor([1.0 if stop.requested else 0.0], device=self.world.device)
+        return bool(all_reduce_sum(asked).item() > 0)
 
     def full_drafter_state(self) -> dict[str, torch.Tensor]:
         """The drafter's full state dict on CPU (gathered from every rank under FSDP)."""

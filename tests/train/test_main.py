@@ -91,6 +91,56 @@ def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_ta
     assert losses(out) == losses(reference_run)
 
 
+def signal_during_step(monkeypatch, step: int, sig=signal.SIGTERM, times: int = 1) -> None:
+    """Deliver `sig` to this process (`times` times) while the trainer computes step `step` (1-based)."""
+    import eagle31.pipeline
+    from eagle31.preemption import StopSignals
+    from eagle31.trainer import Trainer
+
+    entered: list[StopSignals] = []
+
+    class Recorded(StopSignals):
+        def __enter__(self):
+            entered.append(self)
+            return super().__enter__()
+
+    real_step = Trainer.train_step
+
+    def train_step(self, micro):
+        if self.state.step == step - 1:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+            deadline = time.time() + 30
+            while not entered[-1].requested:  # the signal thread has read it: the loop sees it after this step
+                assert time.time() < deadline
+                time.sleep(0.01)
+        return real_step(self, micro)
+
+    monkeypatch.setattr(eagle31.pipeline, "StopSignals", Recorded)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identical(reference_run, tiny_target, chats, tmp_path, capsys):
+    out = tmp_path / "preempted"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_during_step(monkeypatch, 3)
+        code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 143, line
+    assert line == (f"error: stopped by SIGTERM at step 3: checkpoint {out / 'checkpoints' / 'step_00000003'} is complete; "
+                    "rerun with resume=auto to continue")  # fmt: skip
+    assert (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file() and not (out / "report.json").exists()
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]  # flushed
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
+    assert "resumed from" in capsys.readouterr().out
+    a, b = weights(reference_run), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(out) == losses(reference_run)
+
+
 # an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
 MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
                "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",

@@ -1,0 +1,118 @@
+"""Preemption: SIGTERM or SIGUSR1 asks a run to stop after the current step, with a complete checkpoint.
+
+Cluster schedulers send SIGTERM before they kill a job (Slurm: SIGKILL once its grace period
+ends; `--signal=USR1@<seconds>` sends SIGUSR1 ahead of the time limit). While `StopSignals` is
+entered, the first such signal becomes a request that the training loop reads after every step
+(`requested`); every rank takes part in one all-reduce of it there, since a signal may reach only
+some ranks, so all of them stop at the same step, write the checkpoint together and exit with
+`RunPreempted` (143). A second signal, or `grace_s` running out before the loop is done, exits
+the process at once (`StoppedAtOnce`, 137): the checkpoint being written, if any, is never taken
+for complete, and the last complete one stays.
+
+The signals are read by a thread from the interpreter's wakeup fd (`signal.set_wakeup_fd`), which
+the C-level handler writes at once: the thread acts even while the main thread waits inside a
+collective whose peer is gone, where a Python signal handler would never run.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from eagle31.errors import StoppedAtOnce
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_at_once(message: str) -> None:
+    """One line on stderr (and in torchrun's error file), then leave without unwinding: the main thread may be stuck."""
+    from eagle31.cli import report_to_launcher
+
+    line = f"error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    report_to_launcher(line)
+    os._exit(StoppedAtOnce.exit_code)
+
+
+class StopSignals:
+    """While entered (in the main thread), SIGTERM / SIGUSR1 request a stop instead of killing the process.
+
+    `checkpoints` is the directory named in the lines said; `on_expire(message)` ends the process
+    on a second signal or when the grace runs out (tests pass another).
+    """
+
+    def __init__(self, grace_s: float, checkpoints: str | Path, on_expire: Callable[[str], None] = exit_at_once):
+        self.grace_s = grace_s
+        self.checkpoints = Path(checkpoints)
+        self.received: signal.Signals | None = None
+        self._on_expire = on_expire
+        self._active = False
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers belong to the main thread; a loop run elsewhere is not preemptible
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = {s: signal.signal(s, lambda signum, frame: None) for s in STOP_SIGNALS}  # the thread acts
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="eagle31-stop-signals", daemon=True)
+        self._thread.start()
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._active:
+            return
+        self._active = False
+        signal.set_wakeup_fd(self._previous_fd)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._closing.set()
+        os.write(self._write, b"\0")  # wakes the thread
+        self._thread.join()
+        os.close(self._read)
+        os.close(self._write)
+
+    def _watch(self) -> None:
+        deadline = None
+        stop_numbers = {int(s) for s in STOP_SIGNALS}
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._read], [], [], wait)
+            if self._closing.is_set():
+                return
+            if not ready:
+                self._on_expire(
+                    f"the run did not stop within train.preempt_grace_s={self.grace_s:g} s of {self.received.name}; "
+                    f"exited at once: the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
+                )
+                return
+            for number in os.read(self._read, 64):
+                if number not in stop_numbers:
+                    continue  # SIGINT has its own handler (KeyboardInterrupt)
+                name = signal.Signals(number).name
+                if self.received is not None:
+                    self._on_expire(
+                        f"a second {name} while stopping on {self.received.name}; exited at once: "
+                        f"the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
+                    )
+                    return
+                self.received = signal.Signals(number)
+                deadline = time.monotonic() + self.grace_s
+                print(
+                    f"warning: {name}: stopping after this step with a checkpoint (within {self.grace_s:g} s; "
+                    "a second signal exits at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
