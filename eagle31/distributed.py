@@ -1,19 +1,40 @@
-"""torch.distributed set-up for torchrun (NCCL on GPU, gloo on CPU) and small collectives.
+"""torch.distributed set-up for torchrun (NCCL on GPU, gloo on CPU), small collectives, and the watch on ranks.
 
 A single process without torchrun's environment runs undistributed; every
 helper below then degrades to the identity.
+
+A rank that dies (OOM-killed, its node lost) would leave the others waiting in their next
+collective until the process group's timeout (30 min). `RankWatch` keeps each rank's
+heartbeat in the rendezvous store (its own client connection, so a collective in flight never
+delays it): every `interval_s` each rank counts up its key; rank 0 watches every rank, the others
+watch rank 0, and whoever finds a rank silent for `timeout_s` (`train.rank_timeout_s`), or its
+pid gone on this host, writes the verdict to the store for all to read. Each rank then exits at
+once (its main thread may be stuck in that collective) with one line naming the rank lost and
+`RankLost`'s code, 8; the last complete checkpoint stays for `resume=auto`, on any number of ranks.
+A rank that leaves in order says so first (`close_world(world, why)`), so that it is not taken
+for lost; when it left on an error of its own while the others wait for it, their verdict names
+that error.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
-from dataclasses import dataclass
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from eagle31.config import ConfigError
+from eagle31.errors import RankLost
+from eagle31.io import pid_alive
 from eagle31.recipe import Device, choose
 
 
@@ -23,6 +44,7 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    watch: "RankWatch | None" = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -44,11 +66,16 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_world(device: str = "auto") -> World:
-    """Join torchrun's process group when launched by it (multi-node works through its rendezvous)."""
+def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> World:
+    """Join torchrun's process group when launched by it (multi-node works through its rendezvous).
+
+    With `rank_timeout_s`, a `RankWatch` over the ranks runs until `close_world`.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if rank_timeout_s is not None and not rank_timeout_s > 0:
+        raise ConfigError(f"train.rank_timeout_s must be positive, got {rank_timeout_s}")
     dev = resolve_device(device, local_rank)
     if world_size > 1 and not dist.is_initialized():
         if dev.type == "cuda":
@@ -56,7 +83,20 @@ def init_world(device: str = "auto") -> World:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     elif dev.type == "cuda":
         ensure_single_process_group(dev)  # FSDP2 (mixed precision) runs on one GPU too
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+    watch = None
+    if world_size > 1 and rank_timeout_s is not None and "MASTER_ADDR" in os.environ:
+        watch = RankWatch(rendezvous_store(rank_timeout_s), rank, world_size, rank_timeout_s)
+        watch.start()
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, watch=watch)
+
+
+def rendezvous_store(timeout_s: float) -> dist.Store:
+    """A client of the store the ranks met in (torchrun's agent or rank 0 hosts it), keys of this launch only."""
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
+    launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"eagle31/ranks/{launch}/", client)
 
 
 def ensure_single_process_group(device: torch.device) -> None:
@@ -70,9 +110,138 @@ def ensure_single_process_group(device: torch.device) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
 
 
-def close_world() -> None:
+def close_world(world: World | None = None, left: str = "finished") -> None:
+    """Leave the process group; the watch of `world` ends, telling the other ranks why this one left (not lost)."""
+    if world is not None and world.watch is not None:
+        world.watch.stop(left)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank_lost(message: str) -> None:
+    """One line on stderr (and in torchrun's error file), then leave at once: a collective may never return."""
+    from eagle31.cli import report_to_launcher
+
+    line = (
+        f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto "
+        "(on the same or another number of ranks)"
+    )
+    print(line, file=sys.stderr, flush=True)
+    report_to_launcher(line)
+    os._exit(RankLost.exit_code)
+
+
+# a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
+_PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo", re.IGNORECASE)
+
+
+class RankWatch:
+    """Heartbeats of the ranks in `store`; `on_lost(message)` ends the process when a rank goes silent (module docstring)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        *,
+        interval_s: float | None = None,
+        on_lost: Callable[[str], None] = exit_rank_lost,
+    ):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.interval_s = interval_s or min(5.0, timeout_s / 10)
+        self.on_lost = on_lost
+        self.lost: str | None = None
+        self._explaining = False  # the main thread's collective failed: a rank that left on an error is the cause
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # a check now, not at the next interval
+        self._done = threading.Event()  # the verdict was given, or the watch stopped
+        self._thread = threading.Thread(target=self._run, name="eagle31-rank-watch", daemon=True)
+
+    def start(self) -> None:
+        self.store.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+
+    def stop(self, left: str = "finished") -> None:
+        """End the watch; `left` (why this rank leaves) is what the others read instead of taking it for lost."""
+        if self._stopping.is_set():
+            return
+        try:
+            self.store.set(f"done/{self.rank}", left)
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody is left to tell
+            pass
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def explain(self, error: BaseException) -> None:
+        """A collective failed in the main thread: when a peer went away, wait for the verdict that names it (it exits)."""
+        if not (self._thread.is_alive() and _PEER_FAILURE.search(str(error))):
+            return
+        self._explaining = True
+        self._wake.set()
+        in_main = threading.current_thread() is threading.main_thread()
+        # torchrun's agent SIGTERMs the survivors of a dead rank: the line naming it comes first (bounded by this wait)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if in_main else None
+        try:
+            self._done.wait(self.timeout_s + 2 * self.interval_s)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> None:
+        watched = [r for r in (range(self.world_size) if self.rank == 0 else [0]) if r != self.rank]
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
+        where: dict[int, str] = {}
+        try:
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self._stopping.is_set():
+                    return
+                self.store.add(f"beat/{self.rank}", 1)
+                verdict = self.store.get("lost").decode() if self.store.check(["lost"]) else None
+                for r in watched:
+                    if verdict:
+                        break
+                    verdict = self._check(r, seen, where)
+                if verdict:
+                    self._give(verdict)
+                    return
+        except Exception as e:  # noqa: BLE001 - the store itself went away: its host (rank 0's node, torchrun's agent)
+            if not self._stopping.is_set():
+                self._give(f"the rendezvous store stopped answering ({' '.join(str(e).split())[:200]}): rank 0's node or torchrun is gone")
+        finally:
+            self._done.set()
+
+    def _check(self, r: int, seen: dict, where: dict) -> str | None:
+        """Why rank `r` is lost, or None while it is alive (or finished)."""
+        if self.store.check([f"done/{r}"]):
+            left = self.store.get(f"done/{r}").decode()
+            return f"rank {r} left ({left})" if self._explaining and left != "finished" else None
+        now = time.monotonic()
+        beats = self.store.add(f"beat/{r}", 0)
+        if r not in seen or seen[r][0] != beats:
+            seen[r] = (beats, now)
+        if r not in where and self.store.check([f"pid/{r}"]):
+            where[r] = self.store.get(f"pid/{r}").decode()
+        host, _, pid = where.get(r, "? 0").partition(" ")
+        if host == socket.gethostname() and not pid_alive(int(pid)) and not self.store.check([f"done/{r}"]):
+            return f"rank {r} (pid {pid} on {host}) has died"
+        if now - seen[r][1] > self.timeout_s:
+            return f"rank {r} (pid {pid} on {host}) sent no heartbeat for {self.timeout_s:g} s (train.rank_timeout_s): it died or its node was lost"
+        return None
+
+    def _give(self, verdict: str) -> None:
+        self.lost = verdict
+        try:
+            self.store.set("lost", verdict)  # the other ranks read it at their next beat
+        except Exception:  # noqa: BLE001
+            pass
+        self.on_lost(verdict)
+
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

@@ -277,14 +277,15 @@ def _stale_holder(path: Path) -> tuple[str, str | None]:
     except FileNotFoundError:
         return "a holder that just let go", "released"
     said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
-    if holder and holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0))):
+    if holder and holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", 0))):
         return said, f"pid {holder.get('pid')} is gone on this host"
     if age > STALE_AFTER_S:
         return said, f"its heartbeat is {age:.0f} s old"
     return said, None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host."""
     if pid <= 0:
         return False
     try:
@@ -293,7 +294,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's live process
-    return True
+    try:  # a zombie (dead, not yet reaped by its parent) still answers kill
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _break_lock(path: Path, holder: str) -> bool:

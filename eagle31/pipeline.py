@@ -45,7 +45,7 @@ from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import check_prepared, load_draft_vocab, load_prepared_splits, prepare_with_target_tokenizer, template_kwargs
 from eagle31.data.sources import data_section, resolve_sources
 from eagle31.distributed import World, barrier, close_world, init_world
-from eagle31.errors import RunInterrupted
+from eagle31.errors import Eagle31Error, RunInterrupted
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics
@@ -59,7 +59,9 @@ from eagle31.trainer import Trainer
 
 def run(cfg) -> dict | None:
     """Run a composed recipe; returns the report (rank 0) or None."""
-    world = init_world("cpu" if cfg.dry_run else cfg.train.device)  # a dry run needs no accelerator
+    # a dry run needs no accelerator; a run watches its ranks (eagle31.distributed.RankWatch)
+    world = init_world("cpu" if cfg.dry_run else cfg.train.device, None if cfg.dry_run else cfg.train.rank_timeout_s)
+    left = "finished"
     try:
         plan = plan_run(cfg, world)
         if cfg.dry_run:
@@ -67,12 +69,18 @@ def run(cfg) -> dict | None:
         with hold_run_dir(plan):
             return train_run(plan)
     except KeyboardInterrupt:  # outside the training loop, which says which checkpoint it resumes from
+        left = "interrupted"
         raise RunInterrupted(
             f"interrupted; what was finished in {cfg.output_dir} (prepared data, captured shards, checkpoints) is kept: "
             "rerun the same command with resume=auto"
         ) from None
+    except BaseException as e:
+        left = " ".join(str(e).split())[:300] or type(e).__name__
+        if world.watch is not None and not isinstance(e, Eagle31Error):
+            world.watch.explain(e)  # a collective failed: when a rank was lost, the watch's line names it (and exits)
+        raise
     finally:
-        close_world()
+        close_world(world, left)
 
 
 @contextmanager
@@ -102,7 +110,7 @@ def train_run(plan: RunPlan) -> dict | None:
     # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
     # that tore down gloo while rank 0 was still exporting aborted once (SIGABRT at exit).
     barrier()
-    close_world()
+    close_world(plan.world)
     if not plan.world.is_main:
         return None
     trained = Eagle31Drafter(drafter.config)  # `drafter` itself is sharded in place under FSDP

@@ -22,8 +22,8 @@ from tests.nccl_standin import CHECKED, install  # noqa: E402
 _init_world = eagle31.distributed.init_world
 
 
-def init_world(device: str = "auto"):
-    world = _init_world(device)
+def init_world(device: str = "auto", rank_timeout_s=None):
+    world = _init_world(device, rank_timeout_s)
     install(world.device)
     return world
 

@@ -17,16 +17,21 @@ from safetensors.torch import load_file
 
 from tests.data.chat_helpers import write_jsonl
 from tests.helpers import base_args, run_script
+from tests.train.signal_worker import signal_during_step
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "train" / "main.py"
 
 
-def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(MAIN), *args]
+def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300, signal_at: str | None = None, **env_vars) -> subprocess.CompletedProcess:
+    """`train/main.py <args>` in a subprocess (under torchrun with `torchrun` ranks); `signal_at`: tests/train/signal_worker.py's SIGNAL_AT."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_vars}
+    script = MAIN
+    if signal_at:
+        env["SIGNAL_AT"], script = signal_at, REPO / "tests" / "train" / "signal_worker.py"
+    cmd = [sys.executable, str(script), *args]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port", "29517", str(MAIN), *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port", "29517", str(script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
@@ -91,39 +96,10 @@ def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_ta
     assert losses(out) == losses(reference_run)
 
 
-def signal_during_step(monkeypatch, step: int, sig=signal.SIGTERM, times: int = 1) -> None:
-    """Deliver `sig` to this process (`times` times) while the trainer computes step `step` (1-based)."""
-    import eagle31.pipeline
-    from eagle31.preemption import StopSignals
-    from eagle31.trainer import Trainer
-
-    entered: list[StopSignals] = []
-
-    class Recorded(StopSignals):
-        def __enter__(self):
-            entered.append(self)
-            return super().__enter__()
-
-    real_step = Trainer.train_step
-
-    def train_step(self, micro):
-        if self.state.step == step - 1:
-            for _ in range(times):
-                os.kill(os.getpid(), sig)
-            deadline = time.time() + 30
-            while not entered[-1].requested:  # the signal thread has read it: the loop sees it after this step
-                assert time.time() < deadline
-                time.sleep(0.01)
-        return real_step(self, micro)
-
-    monkeypatch.setattr(eagle31.pipeline, "StopSignals", Recorded)
-    monkeypatch.setattr(Trainer, "train_step", train_step)
-
-
 def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identical(reference_run, tiny_target, chats, tmp_path, capsys):
     out = tmp_path / "preempted"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        signal_during_step(monkeypatch, 3)
+        signal_during_step(monkeypatch, 3)  # a real SIGTERM to this process, during step 3
         code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 143, line
@@ -139,6 +115,59 @@ def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identica
     a, b = weights(reference_run), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(out) == losses(reference_run)
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tiny_target, chats, tmp_path):
+    out = tmp_path / "run"
+    proc = run_main(base_args(tiny_target, chats, out), signal_at="0:3:SIGTERM:2")
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: a second SIGTERM while stopping on SIGTERM; exited at once: the last complete checkpoint in {out / 'checkpoints'} "
+        "is kept, rerun with resume=auto")  # fmt: skip
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+@pytest.mark.slow
+def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_others_and_both_resume(tiny_target, chats, tmp_path):
+    """Rank 1 alone gets SIGTERM at step 2: both ranks stop there with a checkpoint (143). Resumed, rank 1 is
+    SIGKILLed at step 5: rank 0 names it and exits within train.rank_timeout_s. Resumed on 2 ranks the run ends
+    bit-identical to an uninterrupted one; on 1 rank (grad_accum=2, the same global batch) equal within float error."""
+    import shutil
+
+    extra = {"train.rank_timeout_s": "30", "export.formats": "[eagle3]"}
+    reference = tmp_path / "reference"
+    done = run_main(base_args(tiny_target, chats, reference, **extra), torchrun=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "run"
+    stopped = run_main(base_args(tiny_target, chats, out, **extra), torchrun=2, signal_at="1:2:SIGTERM")
+    assert stopped.returncode != 0
+    assert stopped.stderr.count(f"error: stopped by a signal that another rank received at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'}") == 1, stopped.stderr[-3000:]
+    assert stopped.stderr.count("error: stopped by SIGTERM at step 2") == 1  # rank 1's line
+    assert "exitcode  : 143" in stopped.stderr
+
+    killed_at = tmp_path / "killed_at"
+    killed = run_main(base_args(tiny_target, chats, out, resume="auto", **extra), torchrun=2, signal_at="1:5:SIGKILL", SIGNAL_AT_LOG=str(killed_at))
+    ended = time.time()
+    assert killed.returncode != 0
+    lines = [x for x in killed.stderr.splitlines() if x.startswith("error: rank 1 (pid ")]
+    assert len(lines) == 1 and "has died; stopping this rank too" in lines[0] and "resume=auto" in lines[0], killed.stderr[-3000:]
+    assert ended - float(killed_at.read_text()) < 30  # measured: torchrun's return, kill included, within the timeout
+    assert (out / "checkpoints" / "step_00000004" / "COMPLETE").is_file() and not (out / "report.json").exists()
+
+    one_rank = tmp_path / "one_rank"
+    shutil.copytree(out, one_rank)
+    resumed = run_main(base_args(tiny_target, chats, out, resume="auto", **extra), torchrun=2)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    single = run_main(base_args(tiny_target, chats, one_rank, resume="auto", **{**extra, "train.grad_accum": "2"}))
+    assert single.returncode == 0 and "step_00000004" in single.stdout, single.stderr[-3000:]
+    c = weights(one_rank)
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-4, atol=1e-5)
 
 
 # an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
