@@ -129,10 +129,12 @@ def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tin
 
 
 @pytest.mark.slow
-def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_others_and_both_resume(tiny_target, chats, tmp_path):
+def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_others_and_both_resume(tiny_target, chats, tmp_path, monkeypatch):
     """Rank 1 alone gets SIGTERM at step 2: both ranks stop there with a checkpoint (143). Resumed, rank 1 is
     SIGKILLed at step 5: rank 0 names it and exits within train.rank_timeout_s. Resumed on 2 ranks the run ends
-    bit-identical to an uninterrupted one; on 1 rank (grad_accum=2, the same global batch) equal within float error."""
+    bit-identical to an uninterrupted 2-rank run; on 1 rank (grad_accum=2, the same global batch) equal, within
+    float error, to an uninterrupted 1-rank run (an epoch's last batches fall to the ranks differently, so 1 and 2
+    ranks differ from the epoch's end on)."""
     import shutil
 
     extra = {"train.rank_timeout_s": "30", "export.formats": "[eagle3]"}
@@ -143,8 +145,11 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
     out = tmp_path / "run"
     stopped = run_main(base_args(tiny_target, chats, out, **extra), torchrun=2, signal_at="1:2:SIGTERM")
     assert stopped.returncode != 0
-    assert stopped.stderr.count(f"error: stopped by a signal that another rank received at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'}") == 1, stopped.stderr[-3000:]
-    assert stopped.stderr.count("error: stopped by SIGTERM at step 2") == 1  # rank 1's line
+    said = [x for x in stopped.stderr.splitlines() if x.startswith("error: ")]  # each rank's line (torchrun repeats them)
+    assert sorted(said) == [
+        f"error: stopped by {by} at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'} is complete; rerun with resume=auto to continue"
+        for by in ("SIGTERM", "a signal that another rank received")  # rank 1's line, rank 0's
+    ], stopped.stderr[-3000:]
     assert "exitcode  : 143" in stopped.stderr
 
     killed_at = tmp_path / "killed_at"
@@ -163,11 +168,13 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
     a, b = weights(reference), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    single = run_main(base_args(tiny_target, chats, one_rank, resume="auto", **{**extra, "train.grad_accum": "2"}))
-    assert single.returncode == 0 and "step_00000004" in single.stdout, single.stderr[-3000:]
-    c = weights(one_rank)
-    for k in a:
-        torch.testing.assert_close(c[k], a[k], rtol=1e-4, atol=1e-5)
+    single = {**extra, "train.grad_accum": "2"}
+    assert run_script(MAIN, base_args(tiny_target, chats, one_rank, resume="auto", **single), monkeypatch) == 0
+    assert run_script(MAIN, base_args(tiny_target, chats, tmp_path / "one_rank_reference", **single), monkeypatch) == 0
+    c, d = weights(one_rank), weights(tmp_path / "one_rank_reference")
+    assert losses(one_rank)[:4] == losses(reference)[:4]  # the 2-rank steps, kept
+    for k in d:
+        torch.testing.assert_close(c[k], d[k], rtol=1e-4, atol=1e-5)
 
 
 # an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
