@@ -21,7 +21,6 @@ partial `.tmp` directory is removed and the checkpoints already complete are unt
 
 from __future__ import annotations
 
-import errno
 import json
 import re
 import shutil
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from eagle31.distributed import World, barrier, broadcast_object
 from eagle31.errors import CorruptCheckpointError, DiskFullError
-from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, sha256_file
+from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, is_disk_full, sha256_file
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)
@@ -193,14 +192,10 @@ def _disk_full(e: BaseException, root: Path) -> bool:
     """Whether a failed checkpoint write ran out of space.
 
     torch's zip writer reports a short write as `unexpected pos` without an errno, so
-    besides ENOSPC anywhere in the chain, little space left on the device counts too.
+    besides ENOSPC anywhere in the chain (`eagle31.io.is_disk_full`), little space left
+    on the device counts too.
     """
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    if "No space left on device" in str(e):  # CheckpointException carries each rank's traceback as text
+    if is_disk_full(e):
         return True
     try:
         return shutil.disk_usage(root).free < _NEARLY_FULL

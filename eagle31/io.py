@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from eagle31.errors import FileAccessError, InputError, OutputInUseError
+from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, InputError, OutputInUseError
 
 
 @contextmanager
@@ -384,6 +384,42 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextmanager
+def write_errors(what: str, kept: str) -> Iterator[None]:
+    """A write under the block that fails for lack of space or permission becomes one line naming `what` and `kept`.
+
+    `DiskFullError` (exit 6) when the disk filled up, `FileAccessError` (exit 5) for permission
+    denied or a read-only file system; `kept` says what a rerun will find (the writers under the
+    block are atomic, so a partial file never remains under its real name).
+    """
+    try:
+        yield
+    except Eagle31Error:
+        raise
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFullError(f"the disk holding {what} filled up; {kept}; free space, then rerun the same command") from None
+        denied = _os_error(e, (errno.EACCES, errno.EPERM, errno.EROFS))
+        if denied is not None:
+            where = f" ({denied.filename})" if denied.filename else ""
+            raise FileAccessError(f"cannot write {what}: {denied.strerror}{where}; {kept}") from None
+        raise
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from, is ENOSPC (some writers report it only as text: safetensors, DCP)."""
+    return _os_error(e, (errno.ENOSPC,)) is not None or "No space left on device" in str(e)
+
+
+def _os_error(e: BaseException, errnos: tuple[int, ...]) -> OSError | None:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in errnos:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def atomic_write_text(dest: str | Path, text: str) -> None:

@@ -65,6 +65,19 @@ def chats(tmp_path_factory) -> Path:
     return write_jsonl(path, records)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (needs the right to mount, as root in a container has)."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield disk
+    subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a memory-mapped shard may still be open
+
+
 REPORT = {
     "tau_sim": 3.2145,
     "acc": [0.81, 0.72, 0.6],

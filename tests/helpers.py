@@ -102,3 +102,20 @@ def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
     }
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
+
+
+def fill_disk(disk: Path, leave_pages: int) -> Path:
+    """Fill the file system of `disk` (`small_disk`) but `leave_pages` 4 KiB pages; returns the ballast file to delete."""
+    import errno
+    import os
+
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * 4096):
+                pass
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        size = f.tell()
+    os.truncate(ballast, max(0, size - leave_pages * 4096))
+    return ballast

@@ -95,19 +95,6 @@ def test_a_failure_that_is_not_a_full_disk_is_not_disguised(tmp_path, monkeypatc
     assert not isinstance(caught.value, DiskFullError)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: a real full disk (needs the right to mount, as root in a container has)."""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
 def test_a_really_full_disk_during_a_checkpoint_loses_nothing(small_disk):
     """torch's zip writer reports the short write as `unexpected pos`, with no errno: the check must still see it."""
     manager = CheckpointManager(small_disk / "checkpoints", WORLD)

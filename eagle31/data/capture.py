@@ -20,6 +20,7 @@ from torch import nn
 from eagle31.data.batch import Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import World, barrier
+from eagle31.io import write_errors
 from eagle31.target import TargetFeatures, target_fingerprint
 
 
@@ -97,11 +98,16 @@ def capture_to_store(
     rank: int = 0,
     world_size: int = 1,
 ) -> CaptureStats:
-    """Capture this rank's unfinished shards of `writer`'s plan; the writer's sample ids are rows of `dataset`."""
+    """Capture this rank's unfinished shards of `writer`'s plan; the writer's sample ids are rows of `dataset`.
+
+    A full disk or a denied write is one line (`eagle31.io.write_errors`): every shard with a record is
+    whole, the one being written was removed, and a rerun captures what is missing.
+    """
     stats = CaptureStats()
     mine = range(rank, len(writer.plan), world_size)
     start = time.perf_counter()
-    with TargetFeatures(model, writer.header.aux_layer_ids) as feats:
+    kept = "the finished shards are kept and the one being written was removed; a rerun captures the rest"
+    with write_errors(f"the feature store {writer.root}", kept), TargetFeatures(model, writer.header.aux_layer_ids) as feats:
         for index, ids in writer.pending(rank, world_size):
             samples = run_target(feats, prepared_rows(dataset, ids), batch_tokens)
             stats.add(writer.write_shard(index, ids, samples))

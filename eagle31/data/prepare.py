@@ -52,7 +52,7 @@ from eagle31.config import ConfigError
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.errors import CorruptDataError
-from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
+from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,8 @@ def prepare_dataset(
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
     samples = _samples(read_conversations(sources, dropped), encoder, data_cfg, V, dropped, truncated)
-    with atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
+    kept = "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
+    with write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept), atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
         if _write_arrow(samples, tmp / "all.arrow") == 0:
             raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")
         train, held_out = _split(datasets.Dataset.from_file(str(tmp / "all.arrow")), data_cfg)

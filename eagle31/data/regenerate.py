@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation, Tally
-from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
+from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, write_errors
 
 OUTPUT_KIND = "regenerated-conversations"
 STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
@@ -371,8 +371,9 @@ def regenerate(
             progress(len(chunk))
             continue
         records, stats = regenerate_shard(chunk, backend, settings, index)
-        atomic_write_json(out / "stats" / f"{shard_name(index)}.json", stats.to_dict())
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        with write_errors(f"the regenerated shard {path}", "the finished shards are kept (a shard counts once both its files are whole); a rerun regenerates the rest"):
+            atomic_write_json(out / "stats" / f"{shard_name(index)}.json", stats.to_dict())
+            atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         counts["written"] += 1
         progress(len(chunk))
     return counts

@@ -227,3 +227,28 @@ def test_the_fingerprint_tells_targets_of_one_shape_apart_and_survives_a_move(tm
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "a_again")  # the same checkpoint written elsewhere
     assert target_fingerprint(tmp_path / "a_again") == a
+
+
+def test_a_full_disk_during_capture_is_one_line_leaves_only_whole_shards_and_the_rerun_completes(small_disk):
+    import subprocess
+
+    from eagle31.errors import DiskFullError
+
+    model, data = tiny_llama(), prepared_split(200)  # ~2,700 tokens of float32 features: more than the 1 MiB disk
+    root = small_disk / "store"
+    with pytest.raises(DiskFullError) as full:
+        capture_to_store(model, data, writer_for(root, model, data), batch_tokens=40)
+    assert str(full.value) == (f"the disk holding the feature store {root} filled up; the finished shards are kept and the one "
+                               "being written was removed; a rerun captures the rest; free space, then rerun the same command")  # fmt: skip
+    assert not [p.name for p in root.iterdir() if ".tmp-" in p.name]
+    writer = writer_for(root, model, data)
+    finished = [i for i in range(len(writer.plan)) if writer.is_finished(i)]
+    assert 0 < len(finished) < len(writer.plan)
+    store = FeatureStore(root)  # every shard with a record reads back and matches its checksum
+    assert all(s is not None for s in store.samples(store.sample_ids.tolist()))
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)  # space freed
+    stats = capture_to_store(model, data, writer, batch_tokens=40)
+    assert stats.shards_skipped == len(finished) and stats.shards_written == len(writer.plan) - len(finished)
+    writer.finalize()
+    assert FeatureStore(root).sample_ids.tolist() == list(range(200))

@@ -221,3 +221,35 @@ def test_the_kimi_k26_recipe_supervises_the_reasoning_of_every_turn(tmp_path, ki
         "add them</think>4<|im_end|>",
     ]
     assert report.unrendered_reasoning["unrendered_turns"] == 0 and report.unrendered_reasoning["turns"] == 4
+
+
+def test_a_full_disk_during_prepare_keeps_the_earlier_set_and_leaves_no_partial_one(tmp_path, llama_tok, small_disk):
+    from eagle31.errors import DiskFullError
+    from tests.helpers import fill_disk
+
+    cfg = DataConfig(source=[str(write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(20)]))], prepared_dir=str(small_disk / "prepared"))
+    prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
+    before = {p.name: p.read_bytes() for p in (small_disk / "prepared").rglob("*") if p.is_file()}
+    fill_disk(small_disk, leave_pages=2)
+    with pytest.raises(DiskFullError) as full:
+        prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
+    assert str(full.value) == (f"the disk holding data.prepared_dir {small_disk / 'prepared'} filled up; nothing was left half-written "
+                               "(the partial directory was removed, an earlier prepared set there is untouched); free space, then rerun the same command")  # fmt: skip
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ballast", "prepared"]
+    assert {p.name: p.read_bytes() for p in (small_disk / "prepared").rglob("*") if p.is_file()} == before
+
+
+def test_a_write_denied_during_prepare_is_one_line(tmp_path, llama_tok, monkeypatch):
+    import errno
+
+    import eagle31.data.prepare
+    from eagle31.errors import FileAccessError
+
+    def denied(ds, path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(eagle31.data.prepare, "_save_split", denied)
+    cfg = config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(4)])])
+    with pytest.raises(FileAccessError, match=r"^cannot write data.prepared_dir .*out: Permission denied \(.*train\); nothing was left"):
+        prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

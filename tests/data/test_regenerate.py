@@ -182,6 +182,26 @@ def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_targ
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
 
 
+def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_completes(tiny_target, small_disk):
+    from eagle31.errors import DiskFullError
+    from tests.helpers import fill_disk
+
+    settings = Settings(max_new_tokens=3, shard_size=1)
+    backend = HFBackend(tiny_target, settings)
+    conversations = [conv(f"Hello {i}") for i in range(5)]
+    out = small_disk / "regenerated"
+    prepare_output(out, settings, {"sources": ["x"]})
+    ballast = fill_disk(small_disk, leave_pages=3)  # room for a shard and a half (4 KiB pages: stats, then JSONL)
+    with pytest.raises(DiskFullError, match=r"^the disk holding the regenerated shard .*shard-00001.jsonl filled up; the finished shards are kept"):
+        regenerate(conversations, backend, out, settings)
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    assert sorted(p.name for p in (out / "conversations").iterdir()) == ["shard-00000.jsonl"]  # whole, or not there
+    ballast.unlink()  # space freed
+    assert write_report(out, Tally(), 5)["shards"]["done"] == 1  # a shard's stats alone are not taken for the shard
+    assert regenerate(conversations, backend, out, settings) == {"written": 4, "skipped": 1}
+    assert write_report(out, Tally(), 5)["complete"]
+
+
 def test_ranks_split_the_shards(tiny_target, tmp_path):
     settings = Settings(max_new_tokens=2, shard_size=1)
     backend = HFBackend(tiny_target, settings)
