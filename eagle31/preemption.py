@@ -7,7 +7,9 @@ entered, the first such signal becomes a request that the training loop reads af
 some ranks, so all of them stop at the same step, write the checkpoint together and exit with
 `RunPreempted` (143). A second signal, or `grace_s` running out before the loop is done, exits
 the process at once (`StoppedAtOnce`, 137): the checkpoint being written, if any, is never taken
-for complete, and the last complete one stays.
+for complete, and the last complete one stays. A second signal within `same_within_s` (2 s) of
+the first is the same request: a scheduler that signals every process of a job and torchrun's
+agent, which forwards the SIGTERM it got to its workers, deliver it twice.
 
 The signals are read by a thread from the interpreter's wakeup fd (`signal.set_wakeup_fd`), which
 the C-level handler writes at once: the thread acts even while the main thread waits inside a
@@ -47,8 +49,15 @@ class StopSignals:
     on a second signal or when the grace runs out (tests pass another).
     """
 
-    def __init__(self, grace_s: float, checkpoints: str | Path, on_expire: Callable[[str], None] = exit_at_once):
+    def __init__(
+        self,
+        grace_s: float,
+        checkpoints: str | Path,
+        on_expire: Callable[[str], None] = exit_at_once,
+        same_within_s: float = 2.0,
+    ):
         self.grace_s = grace_s
+        self.same_within_s = same_within_s
         self.checkpoints = Path(checkpoints)
         self.received: signal.Signals | None = None
         self._on_expire = on_expire
@@ -85,7 +94,7 @@ class StopSignals:
         os.close(self._write)
 
     def _watch(self) -> None:
-        deadline = None
+        deadline = first = None
         stop_numbers = {int(s) for s in STOP_SIGNALS}
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -102,6 +111,8 @@ class StopSignals:
                 if number not in stop_numbers:
                     continue  # SIGINT has its own handler (KeyboardInterrupt)
                 name = signal.Signals(number).name
+                if first is not None and time.monotonic() - first < self.same_within_s:
+                    continue  # the same request, delivered twice
                 if self.received is not None:
                     self._on_expire(
                         f"a second {name} while stopping on {self.received.name}; exited at once: "
@@ -109,7 +120,8 @@ class StopSignals:
                     )
                     return
                 self.received = signal.Signals(number)
-                deadline = time.monotonic() + self.grace_s
+                first = time.monotonic()
+                deadline = first + self.grace_s
                 print(
                     f"warning: {name}: stopping after this step with a checkpoint (within {self.grace_s:g} s; "
                     "a second signal exits at once)",

@@ -11,7 +11,7 @@ import pytest
 from eagle31.cli import recipe_main, run_cli
 from eagle31.config import ConfigError
 from eagle31.data.store import CorruptShardError
-from eagle31.errors import CorruptCheckpointError, OutputInUseError, RunInterrupted
+from eagle31.errors import CorruptCheckpointError, OutputInUseError, RankLost, RunInterrupted, RunPreempted, StoppedAtOnce
 from eagle31.io import ForeignDirectoryError
 from eagle31.trainer import TrainingDiverged
 
@@ -36,8 +36,11 @@ def raising(e: BaseException):
         (PermissionError(errno.EACCES, "Permission denied", "/ro/run"), 5),
         (OSError(errno.ENOSPC, "No space left on device", "/full/x"), 6),
         (OutputInUseError("held by pid 1"), 7),
+        (RankLost("rank 1 (pid 7 on n1) has died"), 8),
         (KeyboardInterrupt(), 130),
         (RunInterrupted("interrupted at step 3"), 130),
+        (StoppedAtOnce("a second SIGTERM"), 137),
+        (RunPreempted("stopped by SIGTERM at step 3"), 143),
     ],
 )
 def test_every_expected_failure_is_one_line_with_its_own_exit_code(error, code, capsys):

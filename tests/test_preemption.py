@@ -20,10 +20,12 @@ def wait_for(condition, seconds: float = 10.0) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_is_a_request_and_a_second_one_ends_at_once(tmp_path, sig, capsys):
     ended = []
-    with StopSignals(60, tmp_path / "checkpoints", on_expire=ended.append) as stop:
+    with StopSignals(60, tmp_path / "checkpoints", on_expire=ended.append, same_within_s=0.3) as stop:
         assert not stop.requested
         os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), sig)  # at once: the same request (a scheduler's and torchrun's agent's copies)
         wait_for(lambda: stop.requested)
+        time.sleep(0.5)
         assert stop.received == sig and not ended
         os.kill(os.getpid(), sig)
         wait_for(lambda: ended)

@@ -4,7 +4,8 @@
     SIGNAL_AT=1:4:SIGKILL python -m torch.distributed.run --nproc-per-node 2 tests/train/signal_worker.py ...
 
 Rank <rank> sends itself the signal while computing step <step> (1-based); for a stop signal it
-then waits until the run's `StopSignals` has read it, so the loop sees it after that very step.
+then waits until the run's `StopSignals` has read it, so the loop sees it after that very step,
+and sends the <times>-1 others once each would count as a new signal.
 `SIGNAL_AT_LOG` names a file that gets the time of the signal.
 """
 
@@ -39,12 +40,14 @@ def signal_during_step(monkeypatch, step: int, sig: signal.Signals = signal.SIGT
         if self.state.step == step - 1:
             if log:
                 Path(log).write_text(f"{time.time()}\n")
-            for _ in range(times):
-                os.kill(os.getpid(), sig)
+            os.kill(os.getpid(), sig)
             deadline = time.time() + 30
             while not entered[-1].requested:  # the signal thread has read it: the loop sees it after this step
                 assert time.time() < deadline, "the stop signal was not seen"
                 time.sleep(0.01)
+            for _ in range(times - 1):  # a second signal after the window in which it counts as the same one
+                time.sleep(entered[-1].same_within_s + 0.5)
+                os.kill(os.getpid(), sig)
         return real_step(self, micro)
 
     monkeypatch.setattr(eagle31.pipeline, "StopSignals", Recorded)
