@@ -158,7 +158,9 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
     assert killed.returncode != 0
     lines = [x for x in killed.stderr.splitlines() if x.startswith("error: rank 1 (pid ")]
     assert len(lines) == 1 and "has died; stopping this rank too" in lines[0] and "resume=auto" in lines[0], killed.stderr[-3000:]
-    assert ended - float(killed_at.read_text()) < 30  # measured: torchrun's return, kill included, within the timeout
+    took = ended - float(killed_at.read_text())
+    print(f"rank 1 SIGKILLed -> torchrun returned after {took:.1f} s (train.rank_timeout_s=30)")
+    assert took < 30  # the kill, rank 0's line and exit, torchrun's report: within the timeout
     assert (out / "checkpoints" / "step_00000004" / "COMPLETE").is_file() and not (out / "report.json").exists()
 
     one_rank = tmp_path / "one_rank"
