@@ -371,7 +371,8 @@ def regenerate(
             progress(len(chunk))
             continue
         records, stats = regenerate_shard(chunk, backend, settings, index)
-        with write_errors(f"the regenerated shard {path}", "the finished shards are kept (a shard counts once both its files are whole); a rerun regenerates the rest"):
+        kept = "the finished shards are kept (a shard counts once both its files are whole); a rerun regenerates the rest"
+        with write_errors(f"the regenerated shard {path}", kept):
             atomic_write_json(out / "stats" / f"{shard_name(index)}.json", stats.to_dict())
             atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         counts["written"] += 1
