@@ -56,10 +56,10 @@ def test_live_and_finished_ranks_are_not_taken_for_lost():
     store = dist.HashStore()
     w0, said0, lost0 = watch(store, 0)
     w1, said1, lost1 = watch(store, 1)
-    time.sleep(1.5)  # more than the timeout: both keep beating
+    time.sleep(1.0)  # more than the timeout: both keep beating
     assert not said0 and not said1
     w1.stop()  # rank 1 is done; its beats stop
-    time.sleep(1.5)
+    time.sleep(1.0)
     assert not said0
     w0.stop()
 
