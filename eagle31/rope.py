@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # magnitude fields of DeepSeek's yarn that transformers honours and vLLM's Llama layer ignores
