@@ -181,7 +181,7 @@ class DrafterConfig:
         DeepSeek-V3/Kimi (MLA) targets a Llama drafter has `head_dim =
         v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
         rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
-        so that transformers and vLLM read it alike (a block they still read
+        so that every supported vLLM release reads it alike (a block they still read
         differently is refused); an MLA drafter (`attention="mla"`) copies the
         target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
         is, as the published Kimi K2.6 EAGLE 3.1 drafter does. `overrides` may set
@@ -228,10 +228,9 @@ class DrafterConfig:
             values.update(mla, num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"])
             values["rope_parameters"] = rope_parameters_from(t)  # DeepSeek YaRN, mscale fields included
         values.update(overrides)
-        if values.get("attention", "llama") == "llama":
-            reason = ambiguity(values["rope_parameters"])
-            if reason:
-                raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
+        reason = ambiguity(values["rope_parameters"], values.get("attention", "llama"))
+        if reason:
+            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
                 f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"

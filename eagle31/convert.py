@@ -44,9 +44,10 @@ Reading rules:
 * Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
   would map draft id i to target id i, so acceptance would collapse. A missing half is
   derived from the other.
-* A rope block that transformers and vLLM read differently (DeepSeek's yarn `mscale`
-  fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning: eagle31
-  runs the drafter with vLLM's reading, and export refuses the block.
+* A rope block that the supported vLLM releases read differently (DeepSeek's yarn
+  `mscale` fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning:
+  eagle31 runs the drafter with the newest release's reading (transformers' too), and
+  export refuses the block.
 * A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
   running the drafter (vLLM shares the target's).
 * `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
@@ -125,11 +126,11 @@ def load_drafter(
         )
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path), path)
-    reason = drafter.config.attention == "llama" and rope_ambiguity(drafter.config.rope_parameters)
-    if reason:  # (an MLA drafter's DeepSeek YaRN block means one thing to vLLM's DeepSeek layer)
+    reason = rope_ambiguity(drafter.config.rope_parameters, drafter.config.attention)
+    if reason:
         warnings.warn(
-            f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as vLLM serves it, which may not be "
-            "how it was trained, and will not export it as is"
+            f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
+            "it, which may not be how it was trained, and will not export it as is"
         )
     if upgrade_to_eagle31:
         drafter = to_eagle31(drafter)

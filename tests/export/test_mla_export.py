@@ -37,7 +37,7 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     m, cfg, tensors, _ = export(tmp_path, case)
     c = m.config
     view = vllm.hf_config_view(cfg)
-    assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "deepseek_v3"
+    assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "kimi_k2"
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         assert cfg[name] == getattr(c, name), name
     s = vllm.effective_settings(view)
