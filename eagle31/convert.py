@@ -122,7 +122,7 @@ def load_drafter(
             norm_output=norm_output,
             aux_layer_ids=aux_layer_ids,
             target_num_layers=target_num_layers,
-            ids_already_shifted=fmt == "torchspec" and _torchspec_shifted_ids(meta, path),
+            ids_already_shifted=_ids_already_shifted(meta, fmt, path),
         )
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path), path)
@@ -148,7 +148,8 @@ def read_drafter_config(
         if target_num_layers is not None:
             config = dataclasses.replace(config, target_num_layers=target_num_layers)
     else:
-        config = drafter_config(meta, fmt, target_num_layers=target_num_layers)
+        config = drafter_config(meta, fmt, target_num_layers=target_num_layers,
+                                ids_already_shifted=_ids_already_shifted(meta, fmt, path))  # as load_drafter reads them
     return eagle31_config(config) if upgrade_to_eagle31 else config
 
 
@@ -301,9 +302,9 @@ def parse_mla_layer(layer: dict[str, Any]) -> DeepseekV3Config:
     return DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
 
 
-def _torchspec_shifted_ids(meta: dict[str, Any], path: Path) -> bool:
+def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
     """TorchSpec's `--vllm` export (`layers.0.*` weights) of a `kimi_k2` drafter already added 1 to its ids."""
-    if meta.get("model_type") != "kimi_k2":
+    if fmt != "torchspec" or meta.get("model_type") != "kimi_k2":
         return False
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
@@ -325,6 +326,10 @@ def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
         raise ConfigError(
             "SpecForge norm_output=false means lm_head without the final norm, which eagle31 cannot represent"
         )
+    warnings.warn(
+        "SpecForge drafter with norm_output=true (its default): read with the pre-norm state fed back (SpecForge before its "
+        "norm_output fix); for one trained after it pass norm_output=True (load_drafter) or source_format=eagle3"
+    )
     return False  # pre-fix SpecForge fed back the pre-norm state (module docstring)
 
 

@@ -18,7 +18,9 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   `eagle_config.eagle_aux_hidden_state_layer_ids` means "output of layer k" and is not
   written. `num_aux_hidden_states` is always written: vLLM sizes `fc` and `fc_norm` from
   it and otherwise assumes 3. In the speculators layout it sits in
-  `transformer_layer_config`, the only block vLLM copies whole.
+  `transformer_layer_config`, the only block vLLM copies whole, with `fc_norm` and
+  `norm_output`: vLLM 0.22's speculators reader (`configs/speculators/algos.py::update_eagle3`)
+  copies neither from the top level, so a 3.1 drafter would be served as EAGLE 3.
 * `d2t` and `t2d` are written for a reduced vocabulary (`Vd < V`) only; `d2t` is checked
   against `t2d` (without it vLLM maps draft id i to target id i and acceptance collapses).
   With the full vocabulary vLLM >= 0.33 builds no `draft_id_to_target_id` and refuses a
@@ -46,6 +48,8 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   embedding, so its own is always written and an export without it is refused.
 * The speculators layout must name its target (`speculators_config.verifier.name_or_path`):
   speculators' `from_pretrained` reads the target's config from it and fails on `null`.
+  A local path there is written (speculators reads it) with a warning: `vllm serve
+  <export>` in vLLM 0.33 accepts only a Hub id (`maybe_override_with_speculators`).
 * The output folder is replaced whole (`eagle31.io.atomic_dir`), so no file of an earlier
   export survives (vLLM loads every `*.safetensors` it finds). Only an empty folder or an
   earlier export of ours (its marker file) is written to; replacing an export needs
@@ -74,6 +78,7 @@ architectures) that `eagle31.convert.load_drafter` uses to read them back exactl
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +263,12 @@ def export_config(
             "from_pretrained fails on null) and the drafter's config names none: pass the target's Hub id or path "
             "(scripts/export.py target=...)"
         )
+    if format == "speculators" and (Path(target).exists() or target.startswith(("/", ".", "~"))):
+        warnings.warn(
+            f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM 0.33) "
+            f"refuses: serve it as `vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+            "<export>}'`, or give target.name the target's Hub id"
+        )
     layer = layer_fields(config, dtype, trained_context)
     eagle: dict[str, Any] = {
         "draft_vocab_size": config.draft_vocab_size,
@@ -297,7 +308,9 @@ def export_config(
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
         },
-        "transformer_layer_config": {**layer, "num_aux_hidden_states": config.num_aux},
+        # the 3.1 flags also in the block vLLM copies whole: 0.22's speculators reader copies no other
+        "transformer_layer_config": {**layer, "num_aux_hidden_states": config.num_aux,
+                                     "fc_norm": config.fc_norm, "norm_output": config.norm_output},
         **eagle,
         **provenance,
     }

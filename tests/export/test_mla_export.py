@@ -138,6 +138,16 @@ def test_torchspec_vllm_export_of_a_kimi_drafter_is_not_shifted_twice(tmp_path):
     assert load_drafter(path).config.aux_layer_ids == (2, 4, 5)
     deepseek = torchspec_mla_checkpoint(tmp_path / "ds", m, ids=[1, 3, 4], model_type="deepseek_v3", layer_prefix="layers.0.")
     assert load_drafter(deepseek).config.aux_layer_ids == (2, 4, 5)
+    # the config alone (drafter.init_from's check) reads the ids as load_drafter does
+    from types import SimpleNamespace
+
+    from eagle31.convert import read_drafter_config
+    from eagle31.plan import check_init_from
+
+    for source in (path, deepseek):
+        assert read_drafter_config(source).aux_layer_ids == (2, 4, 5)
+    section = SimpleNamespace(init_from=str(path), init_from_format="auto", upgrade_to_eagle31=False)
+    check_init_from(m.config, section)  # no false aux_layer_ids mismatch
 
 
 def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
