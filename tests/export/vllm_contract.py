@@ -55,8 +55,9 @@ Read in vllm-project/vllm 0.33.0:
   or ends with `Eagle3` (others get an `Eagle3` prefix) and copies every field of the
   parsed config; `model_executor/models/registry.py` maps `LlamaForCausalLMEagle3` and
   `Eagle3LlamaForCausalLM` to `llama_eagle3.Eagle3LlamaForCausalLM`.
-* `v1/worker/gpu_model_runner.py`: the target layers come from the top-level
-  `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s, else the target's default.
+* `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config` (the default,
+  V2 model runner): the target layers come from the top-level `eagle_aux_hidden_state_layer_ids` only
+  (the V1 `v1/worker/gpu_model_runner.py` also reads `eagle_config`'s), else the target's default.
   `model_executor/models/llama.py` captures id k at the *input* of decoder layer k.
 * `model_executor/models/llama.py` (`LlamaAttention`, reused by the EAGLE-3 layer): the
   rope is `get_rope(head_dim, max_position=max_position_embeddings,
