@@ -146,6 +146,7 @@ print(json.dumps({"written": written}))
 """
 
 
+@pytest.mark.slow  # vLLM 0.33.0's own code in a subprocess
 def test_files_written_by_vllm_0_33s_own_connector_import_as_our_capture(captured, tmp_path):
     from tests.peers import run_peer
 

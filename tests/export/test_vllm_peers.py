@@ -132,6 +132,7 @@ def test_the_cases_cover_every_recipe_both_drafter_types_both_vocabularies_and_f
                      ("llama", False, "speculators"), ("mla", True, "eagle3"), ("mla", False, "eagle3")}  # fmt: skip
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
     release, read, _ = vllm_reads
     made, _ = exports
@@ -159,6 +160,7 @@ def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
         assert f["max_position_embeddings"] >= case["max_len"], case_id
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_the_emulated_0_33_loader_finds_every_tensor_it_expects_and_nothing_else(vllm_reads, exports):
     """`AutoWeightsLoader` (0.33.0) refuses a tensor no parameter takes, a d2t for a full vocabulary among them."""
     release, read, _ = vllm_reads
@@ -185,6 +187,7 @@ def _ours(drafter, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[:, :half], sin[:, :half]
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_every_drafter_trains_with_the_rope_and_scale_each_release_serves(vllm_reads, exports):
     """vLLM's own `get_rope` table, rows at positions up to 262143, against the drafter's rope; and the MLA
     softmax-scale factor its DeepSeek attention applies for that rope type."""
@@ -207,6 +210,7 @@ def test_every_drafter_trains_with_the_rope_and_scale_each_release_serves(vllm_r
             assert drafter.midlayer.self_attn.q_scale == pytest.approx(softmax, rel=1e-9), case_id
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_the_served_context_is_not_capped_below_the_targets(vllm_reads, exports):
     """0.33.0 limits max_model_len to a yarn (not cache-only) draft's max_position_embeddings
     (`SpeculativeConfig._maybe_override_draft_max_position_embeddings`, `VllmConfig`)."""
@@ -220,6 +224,7 @@ def test_the_served_context_is_not_capped_below_the_targets(vllm_reads, exports)
         assert any(read[str(out)].get("rope_only_sizes_cache") is False for _, _, out in made.values())
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_an_mla_export_of_model_type_deepseek_v3_is_not_served_by_either_release(vllm_reads, exports):
     """Why the MLA export says kimi_k2: hf_config_override turns deepseek_v3 into DeepSeek's MTP drafter."""
     _, read, _ = vllm_reads
@@ -228,6 +233,7 @@ def test_an_mla_export_of_model_type_deepseek_v3_is_not_served_by_either_release
     assert got["eagle_architectures"] == ["Eagle3DeepSeekMTPModel"] and not got["registered"]
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_vllm_serve_of_a_speculators_export_resolves_its_verifier(vllm_reads, exports):
     release, read, _ = vllm_reads
     made, extra = exports
@@ -265,6 +271,7 @@ def test_docs_give_a_serving_command_per_layout_and_drafter_type():
         assert load_recipe(REPO / "recipes", [f"recipe={recipe}"]).target.name == target, (recipe, target)
 
 
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_the_documented_speculative_configs_are_fields_vllm_declares(vllm_reads):
     release, _, declared = vllm_reads
     for target, spec in documented_commands():
