@@ -186,3 +186,16 @@ def test_init_from_continues_training_a_published_mla_drafter(tmp_path):
     for name, tensor in published.state_dict().items():
         if name != "embed_tokens.weight":
             assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_an_older_export_of_ours_still_reads_back(tmp_path):
+    """Before vLLM 0.33's rules an MLA export said model_type deepseek_v3 and carried d2t/t2d with the full vocabulary."""
+    m, cfg, tensors, out = export(tmp_path, "full_vocab")
+    assert "d2t" not in tensors and "t2d" not in tensors
+    (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    save_file({**tensors, "d2t": m.d2t.clone(), "t2d": m.t2d.clone()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    old, new = load_drafter(out), m
+    assert old.config.attention == "mla" and torch.equal(old.d2t, new.d2t) and torch.equal(old.t2d, new.t2d)
+    for name, tensor in new.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(old.state_dict()[name], tensor), name
