@@ -3,7 +3,8 @@
 # the project's environment, since vLLM pins its own torch. Only vLLM's CPU-side code is used
 # (its config layer, protocol models, registry), so the wheel goes in with --no-deps plus the
 # packages those modules import, and the CPU build of torch. Wheels are cached in
-# $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing.
+# $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing, and given the packages
+# it lacks when the list below has changed since.
 #   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest)
 #   bash .ci/peer_venvs.sh 0.33.0     # one release
 set -euo pipefail
@@ -18,11 +19,19 @@ VERSIONS=("$@")
 DEPS=(pydantic msgspec cachetools cbor2 psutil pyzmq aiohttp requests openai openai-harmony gguf
       fastapi uvicorn starlette sentencepiece regex blake3 py-cpuinfo tqdm pyyaml einops
       prometheus_client partial-json-parser pybase64 cloudpickle safetensors numpy pillow jinja2
-      setproctitle tiktoken huggingface_hub tokenizers protobuf ijson python-json-logger)
+      setproctitle tiktoken huggingface_hub tokenizers protobuf ijson python-json-logger
+      uvloop "llguidance<1.8")  # uvloop: VllmConfig (get_rope needs one current); llguidance: 0.33 imports it there
 for v in "${VERSIONS[@]}"; do
   venv="$PEERS/vllm-$v"
-  stamp="$venv/.eagle31-ready"
-  [ -f "$stamp" ] && { echo "vllm $v: $venv (cached)"; continue; }
+  stamp="$venv/.eagle31-ready"  # holds the package list it was built with
+  want="transformers==${TRANSFORMERS[$v]} ${DEPS[*]}"
+  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { echo "vllm $v: $venv (cached)"; continue; }
+  if [ -f "$stamp" ]; then  # built with another package list: add what it lacks
+    "$venv/bin/python" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
+    echo "$want" > "$stamp"
+    echo "vllm $v: $venv (packages updated)"
+    continue
+  fi
   rm -rf "$venv"
   python3 -m venv "$venv"
   py="$venv/bin/python"
@@ -32,6 +41,6 @@ for v in "${VERSIONS[@]}"; do
   "$py" -m pip install --quiet --no-deps "$WHEELS"/vllm-"$v"-*.whl
   "$py" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
   "$py" -c "import vllm.config, vllm.transformers_utils.config" >/dev/null
-  touch "$stamp"
+  echo "$want" > "$stamp"
   echo "vllm $v: $venv"
 done

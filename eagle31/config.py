@@ -18,11 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle31.errors import InputError
-
-
-class ConfigError(InputError):
-    """A drafter or run configuration is invalid; the message names the field."""
+from eagle31.errors import ConfigError
+from eagle31.rope import ambiguity, check_rope, for_llama_drafter
 
 
 @dataclass
@@ -139,8 +136,6 @@ class DrafterConfig:
             set_mla = [name for name in MLA_FIELDS if getattr(self, name)]
             if set_mla:
                 raise ConfigError(f"drafter.{set_mla[0]} is an MLA field: set drafter.attention=mla or leave it 0")
-            from eagle31.rope import check_rope  # eagle31.rope raises this module's ConfigError
-
             check_rope(self.rope_parameters)
 
     def _validate_mla(self) -> None:
@@ -186,15 +181,12 @@ class DrafterConfig:
         DeepSeek-V3/Kimi (MLA) targets a Llama drafter has `head_dim =
         v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
         rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
-        so that transformers and vLLM read it alike (a block they still read
+        so that every supported vLLM release reads it alike (a block they still read
         differently is refused); an MLA drafter (`attention="mla"`) copies the
         target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
         is, as the published Kimi K2.6 EAGLE 3.1 drafter does. `overrides` may set
         any field; `None` values are ignored.
         """
-        from eagle31.rope import ambiguity, for_llama_drafter
-        from eagle31.target import text_config
-
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
         for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
@@ -236,10 +228,9 @@ class DrafterConfig:
             values.update(mla, num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"])
             values["rope_parameters"] = rope_parameters_from(t)  # DeepSeek YaRN, mscale fields included
         values.update(overrides)
-        if values.get("attention", "llama") == "llama":
-            reason = ambiguity(values["rope_parameters"])
-            if reason:
-                raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
+        reason = ambiguity(values["rope_parameters"], values.get("attention", "llama"))
+        if reason:
+            raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
                 f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"
@@ -285,6 +276,11 @@ class DrafterConfig:
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # rope types an MLA drafter trains exactly as vLLM serves it (`eagle31.mla.DeepseekRotaryEmbedding`)
 MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
+
+
+def text_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json dict (multimodal wrappers such as Kimi K2.6 nest it under `text_config`)."""
+    return target_config.get("text_config") or target_config
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

@@ -44,9 +44,10 @@ Reading rules:
 * Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
   would map draft id i to target id i, so acceptance would collapse. A missing half is
   derived from the other.
-* A rope block that transformers and vLLM read differently (DeepSeek's yarn `mscale`
-  fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning: eagle31
-  runs the drafter with vLLM's reading, and export refuses the block.
+* A rope block that the supported vLLM releases read differently (DeepSeek's yarn
+  `mscale` fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning:
+  eagle31 runs the drafter with the newest release's reading (transformers' too), and
+  export refuses the block.
 * A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
   running the drafter (vLLM shares the target's).
 * `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
@@ -121,15 +122,15 @@ def load_drafter(
             norm_output=norm_output,
             aux_layer_ids=aux_layer_ids,
             target_num_layers=target_num_layers,
-            ids_already_shifted=fmt == "torchspec" and _torchspec_shifted_ids(meta, path),
+            ids_already_shifted=_ids_already_shifted(meta, fmt, path),
         )
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path), path)
-    reason = drafter.config.attention == "llama" and rope_ambiguity(drafter.config.rope_parameters)
-    if reason:  # (an MLA drafter's DeepSeek YaRN block means one thing to vLLM's DeepSeek layer)
+    reason = rope_ambiguity(drafter.config.rope_parameters, drafter.config.attention)
+    if reason:
         warnings.warn(
-            f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as vLLM serves it, which may not be "
-            "how it was trained, and will not export it as is"
+            f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
+            "it, which may not be how it was trained, and will not export it as is"
         )
     if upgrade_to_eagle31:
         drafter = to_eagle31(drafter)
@@ -147,7 +148,8 @@ def read_drafter_config(
         if target_num_layers is not None:
             config = dataclasses.replace(config, target_num_layers=target_num_layers)
     else:
-        config = drafter_config(meta, fmt, target_num_layers=target_num_layers)
+        config = drafter_config(meta, fmt, target_num_layers=target_num_layers,
+                                ids_already_shifted=_ids_already_shifted(meta, fmt, path))  # as load_drafter reads them
     return eagle31_config(config) if upgrade_to_eagle31 else config
 
 
@@ -300,9 +302,9 @@ def parse_mla_layer(layer: dict[str, Any]) -> DeepseekV3Config:
     return DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
 
 
-def _torchspec_shifted_ids(meta: dict[str, Any], path: Path) -> bool:
+def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
     """TorchSpec's `--vllm` export (`layers.0.*` weights) of a `kimi_k2` drafter already added 1 to its ids."""
-    if meta.get("model_type") != "kimi_k2":
+    if fmt != "torchspec" or meta.get("model_type") != "kimi_k2":
         return False
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
@@ -324,6 +326,10 @@ def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
         raise ConfigError(
             "SpecForge norm_output=false means lm_head without the final norm, which eagle31 cannot represent"
         )
+    warnings.warn(
+        "SpecForge drafter with norm_output=true (its default): read with the pre-norm state fed back (SpecForge before its "
+        "norm_output fix); for one trained after it pass norm_output=True (load_drafter) or source_format=eagle3"
+    )
     return False  # pre-fix SpecForge fed back the pre-norm state (module docstring)
 
 

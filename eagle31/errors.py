@@ -35,6 +35,10 @@ class InputError(Eagle31Error, ValueError):
     exit_code = 2
 
 
+class ConfigError(InputError):
+    """A drafter or run configuration is invalid; the message names the field."""
+
+
 class CorruptDataError(Eagle31Error):
     """Data on disk (a store's shard or manifest, an imported capture) fails its checks."""
 

@@ -18,19 +18,24 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   `eagle_config.eagle_aux_hidden_state_layer_ids` means "output of layer k" and is not
   written. `num_aux_hidden_states` is always written: vLLM sizes `fc` and `fc_norm` from
   it and otherwise assumes 3. In the speculators layout it sits in
-  `transformer_layer_config`, the only block vLLM copies whole.
-* `d2t` is always written and checked against `t2d` (without it vLLM maps draft id i to
-  target id i and acceptance collapses).
+  `transformer_layer_config`, the only block vLLM copies whole, with `fc_norm` and
+  `norm_output`: vLLM 0.22's speculators reader (`configs/speculators/algos.py::update_eagle3`)
+  copies neither from the top level, so a 3.1 drafter would be served as EAGLE 3.
+* `d2t` and `t2d` are written for a reduced vocabulary (`Vd < V`) only; `d2t` is checked
+  against `t2d` (without it vLLM maps draft id i to target id i and acceptance collapses).
+  With the full vocabulary vLLM >= 0.33 builds no `draft_id_to_target_id` and refuses a
+  checkpoint that carries one (`llama_eagle3.py`, `deepseek_eagle3.py`); older releases
+  leave it at zeros, the identity, so leaving both out is right for every release.
 * `target_hidden_size` is written only when it differs from `hidden_size`: vLLM reads
   `getattr(config, "target_hidden_size", hidden_size)`, so a `null` breaks it.
 * `max_position_embeddings` is at least the trained context. A lower value is raised
   to it rather than failing at the end of a run. Rope types whose frequencies depend on
   it (llama3, yarn, dynamic, longrope) then get the old value pinned as
   `original_max_position_embeddings`, so the rope is unchanged.
-* The rope is the one the drafter trained with only when vLLM reads it so: eagle31 trains
-  with vLLM's reading (`eagle31.rope`), and a block that transformers reads otherwise
-  (DeepSeek's yarn `mscale` fields, say) is refused, since the trainer of such a drafter
-  may have used either reading.
+* The rope is the one the drafter trained with only when every supported vLLM release
+  reads it so (`eagle31.rope`): a block that two releases read as different ropes
+  (DeepSeek's yarn `mscale` fields in a Llama layer, `attn_factor`, an MLA block with
+  `attention_factor: 1.0`, say) is refused, naming the fields and the releases.
 * The rope is written in both forms: `rope_theta` + `rope_scaling` (transformers 4
   readers) and `rope_parameters` (transformers 5). They always agree, because
   transformers 5 lets `rope_scaling` win when both are present.
@@ -43,6 +48,8 @@ passed. The checks and fields guard against the ways a drafter silently fails in
   embedding, so its own is always written and an export without it is refused.
 * The speculators layout must name its target (`speculators_config.verifier.name_or_path`):
   speculators' `from_pretrained` reads the target's config from it and fails on `null`.
+  A local path there is written (speculators reads it) with a warning: `vllm serve
+  <export>` in vLLM 0.33 accepts only a Hub id (`maybe_override_with_speculators`).
 * The output folder is replaced whole (`eagle31.io.atomic_dir`), so no file of an earlier
   export survives (vLLM loads every `*.safetensors` it finds). Only an empty folder or an
   earlier export of ours (its marker file) is written to; replacing an export needs
@@ -51,12 +58,17 @@ passed. The checks and fields guard against the ways a drafter silently fails in
 
 MLA drafters (`attention="mla"`, `eagle31.mla`) have one layout: the EAGLE-3 HF layout
 as vLLM's DeepSeek EAGLE-3 loader (`deepseek_eagle3.py`) reads it, with
-`architectures: ["Eagle3DeepseekV2ForCausalLM"]`, `model_type: "deepseek_v3"` (a config
-class transformers ships; TorchSpec also writes `kimi_k2`), the MLA shape (`q_lora_rank`,
+`architectures: ["Eagle3DeepseekV2ForCausalLM"]`, `model_type: "kimi_k2"` (as TorchSpec and the
+published Kimi drafters write it), the MLA shape (`q_lora_rank`,
 `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`) and the rope as
 `rope_theta` + `rope_scaling`, which vLLM turns into DeepSeek YaRN. Weights keep DeepSeek's
 names (`midlayer.self_attn.q_a_proj`, `kv_a_proj_with_mqa`, ...); vLLM fuses `q_a_proj`
-with `kv_a_proj_with_mqa` at load. The speculators layout cannot carry an MLA drafter
+with `kv_a_proj_with_mqa` at load. The model type is `kimi_k2` for every MLA drafter, a Kimi or
+a DeepSeek-V3 target alike: vLLM maps it to `DeepseekV3Config` (its
+`transformers_utils/config.py` registry), and its `SpeculativeConfig.hf_config_override`
+leaves it alone, whereas it turns `deepseek_v3` into DeepSeek's MTP drafter
+(`DeepSeekMTPModel`, whose EAGLE-3 name no registry has), in 0.22 and 0.33 alike. The
+speculators layout cannot carry an MLA drafter
 (its `transformer_layer_config` is a Llama or Qwen3 layer, the only ones vLLM's speculators
 reader and the `speculators` library map) and is refused.
 
@@ -66,6 +78,7 @@ architectures) that `eagle31.convert.load_drafter` uses to read them back exactl
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +94,7 @@ from eagle31.rope import ambiguity as rope_ambiguity
 DTYPES = {d: getattr(torch, d) for d in Dtype}
 HF_ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
-MLA_MODEL_TYPE = "deepseek_v3"
+MLA_MODEL_TYPE = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
@@ -90,6 +103,8 @@ EXPORT_KIND = "export"  # the kind in an export folder's marker (eagle31.io.OUTP
 EXPORT_FILES = ("config.json", WEIGHTS_NAME, "README.md", OUTPUT_MARKER)
 # the decoder layer's key prefix per layout; everything else keeps eagle31's (= HF) names
 LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
+# the vocabulary maps, written only for a reduced vocabulary (module docstring)
+VOCAB_MAPS = ("d2t", "t2d")
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
 _ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
 
@@ -110,7 +125,7 @@ def export_drafter(
     """Write `drafter` to `out_dir` in `format` ("eagle3" | "speculators"); returns `out_dir`.
 
     dtype: "bfloat16" | "float16" | "float32" for the floating-point weights (d2t stays
-    int64, t2d bool). include_embed: also write the (frozen, target's) embedding; None
+    int64, t2d bool; both only for Vd < V). include_embed: also write the (frozen, target's) embedding; None
     means the layout's default (module docstring). trained_context: the longest training
     sequence (`data.max_len`). num_speculative_tokens: the k written in the speculators
     layout. target_name_or_path: the target's Hub id or path (default: the drafter
@@ -161,8 +176,11 @@ def export_tensors(
     torch_dtype = DTYPES[choose(Dtype, dtype, "export.dtype")]
     check_vocab_maps(drafter)
     with_embed = embed_included(drafter.config, format, include_embed)
+    full_vocab = drafter.config.draft_vocab_size == drafter.config.vocab_size
     out = {}
     for name, tensor in drafter.state_dict().items():
+        if full_vocab and name in VOCAB_MAPS:
+            continue
         if name == "embed_tokens.weight":
             if not with_embed:
                 continue
@@ -245,6 +263,12 @@ def export_config(
             "from_pretrained fails on null) and the drafter's config names none: pass the target's Hub id or path "
             "(scripts/export.py target=...)"
         )
+    if format == "speculators" and (Path(target).exists() or target.startswith(("/", ".", "~"))):
+        warnings.warn(
+            f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM 0.33) "
+            f"refuses: serve it as `vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+            "<export>}'`, or give target.name the target's Hub id"
+        )
     layer = layer_fields(config, dtype, trained_context)
     eagle: dict[str, Any] = {
         "draft_vocab_size": config.draft_vocab_size,
@@ -284,7 +308,9 @@ def export_config(
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
         },
-        "transformer_layer_config": {**layer, "num_aux_hidden_states": config.num_aux},
+        # the 3.1 flags also in the block vLLM copies whole: 0.22's speculators reader copies no other
+        "transformer_layer_config": {**layer, "num_aux_hidden_states": config.num_aux,
+                                     "fc_norm": config.fc_norm, "norm_output": config.norm_output},
         **eagle,
         **provenance,
     }
@@ -345,15 +371,13 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_rope_reading(config: DrafterConfig) -> None:
-    """Refuse a Llama drafter's rope block that vLLM reads otherwise than transformers (the served rope may not be
-    the trained one); an MLA drafter's DeepSeek YaRN block has one reading in vLLM's DeepSeek layer (`eagle31.mla`)."""
-    if config.attention == "mla":
-        return
-    reason = rope_ambiguity(config.rope_parameters)
+    """Refuse a rope block that the supported vLLM releases read as different ropes (`eagle31.rope.ambiguity`): the
+    served rope would depend on the release."""
+    reason = rope_ambiguity(config.rope_parameters, config.attention)
     if reason:
         raise ConfigError(
-            f"drafter.rope_parameters is read two ways: {reason}; vLLM may serve another rope than the drafter "
-            "trained with. Fine-tune it with drafter.init_from (the drafter then takes a rope read one way) and export that"
+            f"drafter.rope_parameters is read two ways: {reason}; the served rope would depend on the vLLM release. "
+            "Fine-tune it with drafter.init_from (the drafter then takes a rope read one way) and export that"
         )
 
 

@@ -30,6 +30,7 @@ CARD_NAME = "README.md"
 REPORT_NAME = "report.json"
 LIBRARY_NAME = {"eagle3": "vllm", "speculators": "speculators"}
 MIN_VLLM = {"eagle3": "0.22", "speculators": "0.25"}  # docs/design.md §6: first versions reading the 3.1 flags
+MIN_MLA_VLLM = "0.33"  # the first tested release whose DeepSeek EAGLE-3 class applies fc_norm (docs/export.md)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -122,6 +123,7 @@ def render_model_card(
     )
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
     flags = ", ".join(f"`{f}={str(config[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
+    mla_31 = "kv_lora_rank" in layer and config["fc_norm"]
     lines = [
         "---",
         metadata.to_yaml(),
@@ -134,14 +136,14 @@ def render_model_card(
         "",
         f"* one decoder layer: hidden size {layer['hidden_size']}, {layer['num_attention_heads']} heads "
         f"({layer['num_key_value_heads']} KV), MLP {layer['intermediate_size']}",
-        f"* draft vocabulary {config['draft_vocab_size']} of the target's {layer['vocab_size']} tokens "
-        "(`d2t`/`t2d` included)",
+        f"* draft vocabulary {config['draft_vocab_size']} of the target's {layer['vocab_size']} tokens"
+        + (" (`d2t`/`t2d` included)" if config["draft_vocab_size"] < layer["vocab_size"] else ""),
         f"* target features: hidden states at the input of decoder layers {config['eagle_aux_hidden_state_layer_ids']} "
         "(vLLM's convention)",
         "",
         "## Serving with vLLM",
         "",
-        f"Needs vLLM >= {MIN_VLLM[layout]}.",
+        f"Needs vLLM >= {MIN_MLA_VLLM if mla_31 else MIN_VLLM[layout]}.",
         "",
         "```bash",
         f"vllm serve {served} --speculative-config '{spec}'",

@@ -14,16 +14,29 @@ tables are multiplied by (the magnitude); every q·k logit scales with its squar
               kept below original/high_freq_factor, blended linearly in between
     yarn      a ramp between default/factor and default over the dimensions whose
               rotations at original_max_position_embeddings lie between beta_slow and
-              beta_fast; magnitude (0.1·ln(factor) + 1)·attn_factor
+              beta_fast; magnitude below
 
-transformers and vLLM read some yarn fields differently. transformers takes the magnitude
-from `attention_factor`, or from DeepSeek's `mscale`/`mscale_all_dim` ratio (1.0 for Kimi
-K2.6's block); vLLM's Llama layer ignores all three. vLLM alone reads `attn_factor`,
-`extrapolation_factor` and `apply_yarn_scaling`. (A proposal in vLLM would honour
-the DeepSeek fields, so they may also mean different things in different vLLM versions.)
-`ambiguity` says when a block means different ropes in the two; `for_llama_drafter` drops
-the DeepSeek-only fields from a target's block, so that the drafter's rope means the same
-everywhere and no number has to work around one reader.
+The supported vLLM releases (`VLLM_RELEASES`, oldest and newest) read yarn's optional
+fields differently (`model_executor/layers/rotary_embedding/__init__.py::get_rope` passes
+only `YARN_FIELDS[release]` on):
+
+    0.22.0  magnitude (0.1·ln(factor) + 1)·attn_factor, attn_factor alone when
+            apply_yarn_scaling is false; extrapolation_factor scales the ramp
+            (`yarn_scaling_rope.py::YaRNScalingRotaryEmbedding`)
+    0.33.0  magnitude attention_factor, else mscale/mscale_all_dim's ratio when both are
+            set, else 0.1·ln(factor) + 1; as transformers reads it
+
+The MLA drafter's rope (`eagle31.mla`) is vLLM's DeepSeek YaRN
+(`deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding`), reading
+`DEEPSEEK_YARN_FIELDS[release]`, and the DeepSeek attention
+(`deepseek_v2.py::DeepseekV2MLAAttention`) multiplies the softmax scale by
+yarn_mscale(factor, mscale_all_dim)² only under `deepseek_yarn`, which it picks unless
+`apply_yarn_scaling` is false (0.22.0) or `attention_factor` is 1.0 (0.33.0).
+
+`ambiguity` names, in one line, the fields of a block that the releases read differently
+(none for every recipe's drafter); export refuses such a block, and a drafter trains with
+the newest release's reading. `for_llama_drafter` drops DeepSeek's magnitude fields from a
+target's yarn block, so that a Llama drafter's rope means the same in every release.
 """
 
 from __future__ import annotations
@@ -33,10 +46,25 @@ from typing import Any
 
 import torch
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# magnitude fields of DeepSeek's yarn that transformers honours and vLLM's Llama layer ignores
+# the oldest and the newest vLLM release the exports are tested against
+VLLM_RELEASES = ("0.22.0", "0.33.0")
+NEWEST = VLLM_RELEASES[-1]
+# what each release's get_rope passes to YaRN in a Llama layer (rotary_embedding/__init__.py::get_rope)
+YARN_FIELDS = {
+    "0.22.0": ("extrapolation_factor", "attn_factor", "beta_fast", "beta_slow", "apply_yarn_scaling", "truncate"),
+    "0.33.0": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+}
+# ... and to DeepSeek YaRN in the MLA layer, plus the field that picks deepseek_yarn or deepseek_llama_scaling
+# (deepseek_v2.py::DeepseekV2MLAAttention.__init__)
+DEEPSEEK_YARN_FIELDS_READ = {
+    "0.22.0": ("extrapolation_factor", "attn_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+               "apply_yarn_scaling"),
+    "0.33.0": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
+}  # fmt: skip
+# magnitude fields of DeepSeek's yarn, dropped from a target's block for a Llama drafter
 DEEPSEEK_YARN_FIELDS = ("mscale", "mscale_all_dim", "attention_factor")
 _REQUIRED = {
     "linear": ("factor",),
@@ -64,8 +92,10 @@ def check_rope(rope: dict[str, Any]) -> None:
         )
 
 
-def inverse_frequencies(rope: dict[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim // 2] float64, cos/sin magnitude) as vLLM's `get_rope` builds them."""
+def inverse_frequencies(
+    rope: dict[str, Any], head_dim: int, max_position_embeddings: int, release: str = NEWEST
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2] float64, cos/sin magnitude) as vLLM `release`'s `get_rope` builds them."""
     check_rope(rope)
     rope_type = rope["rope_type"]
     theta = float(rope["rope_theta"])
@@ -78,7 +108,7 @@ def inverse_frequencies(rope: dict[str, Any], head_dim: int, max_position_embedd
     original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
     if rope_type == "llama3":
         return _llama3(base, factor, float(rope["low_freq_factor"]), float(rope["high_freq_factor"]), original), 1.0
-    return _yarn(base, head_dim, theta, factor, original, rope), vllm_yarn_magnitude(rope)
+    return _yarn(base, head_dim, theta, factor, original, rope, release), yarn_magnitude(rope, release)
 
 
 def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
@@ -92,7 +122,7 @@ def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original
 
 
 def _yarn(
-    base: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, rope: dict[str, Any]
+    base: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, rope: dict[str, Any], release: str
 ) -> torch.Tensor:
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original` positions
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -104,7 +134,8 @@ def _yarn(
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = (1 - ramp) * float(rope.get("extrapolation_factor", 1.0))  # 1: unscaled, 0: divided by factor
+    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    keep = (1 - ramp) * extrapolation  # 1: unscaled, 0: divided by factor
     return base / factor * (1 - keep) + base * keep
 
 
@@ -112,42 +143,66 @@ def _log_magnitude(factor: float, weight: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
 
 
-def vllm_yarn_magnitude(rope: dict[str, Any]) -> float:
-    """The cos/sin factor of vLLM's YaRN: (0.1·ln(factor) + 1)·attn_factor (attn_factor alone without yarn scaling)."""
-    attn_factor = float(rope.get("attn_factor", 1.0))
-    return _log_magnitude(float(rope["factor"])) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
-
-
-def transformers_yarn_magnitude(rope: dict[str, Any]) -> float:
-    """The cos/sin factor transformers' yarn gives the same block (attention_factor, then DeepSeek's mscale ratio)."""
+def yarn_magnitude(rope: dict[str, Any], release: str = NEWEST) -> float:
+    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (module docstring)."""
+    factor = float(rope["factor"])
+    if "attn_factor" in YARN_FIELDS[release]:  # 0.22.0
+        attn_factor = float(rope.get("attn_factor", 1.0))
+        return _log_magnitude(factor) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
-    factor = float(rope["factor"])
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return _log_magnitude(factor, mscale) / _log_magnitude(factor, mscale_all_dim)
     return _log_magnitude(factor)
 
 
-def ambiguity(rope: dict[str, Any]) -> str | None:
-    """None when transformers and vLLM read `rope` as the same rope; otherwise why not, in one line."""
-    if rope.get("rope_type") != "yarn" or not isinstance(rope.get("factor"), (int, float)):
+def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float, float]:
+    """(extrapolation factor, cos/sin magnitude, softmax-scale factor) of vLLM `release`'s MLA layer for a yarn block
+    (module docstring)."""
+    factor = float(rope["factor"])
+    read = DEEPSEEK_YARN_FIELDS_READ[release]
+    if "apply_yarn_scaling" in read:
+        llama_scaling = rope.get("apply_yarn_scaling", True) is False
+    else:
+        llama_scaling = rope.get("attention_factor") == 1.0
+    attn_factor = float(rope.get("attn_factor", 1.0)) if "attn_factor" in read else 1.0
+    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in read else 1.0
+    magnitude = _log_magnitude(factor, float(rope.get("mscale", 1))) / _log_magnitude(factor, float(rope.get("mscale_all_dim", 0)))
+    softmax = 1.0 if llama_scaling else _log_magnitude(factor, float(rope.get("mscale_all_dim", 0))) ** 2
+    return extrapolation, magnitude * attn_factor, softmax
+
+
+def ambiguity(rope: dict[str, Any], attention: str = "llama") -> str | None:
+    """None when every supported vLLM release reads `rope` (a Llama or an MLA drafter's) as the same rope;
+    otherwise which fields they read differently, naming the releases, in one line."""
+    if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):
         return None
-    reasons = []
-    served, read = vllm_yarn_magnitude(rope), transformers_yarn_magnitude(rope)
-    if not math.isclose(served, read, rel_tol=1e-6):
-        fields = [k for k in (*DEEPSEEK_YARN_FIELDS, "attn_factor", "apply_yarn_scaling") if k in rope]
-        reasons.append(f"cos/sin magnitude {read:.4g} in transformers but {served:.4g} in vLLM (fields {', '.join(fields)})")
-    if float(rope.get("extrapolation_factor", 1.0)) != 1.0:
-        reasons.append(f"extrapolation_factor={rope['extrapolation_factor']} changes the frequencies in vLLM only")
-    return "; ".join(reasons) or None
+    if attention == "mla":
+        readings = {r: deepseek_yarn_scales(rope, r) for r in VLLM_RELEASES}
+        fields = DEEPSEEK_YARN_FIELDS_READ
+    else:
+        readings = {r: (float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[r] else 1.0,
+                        yarn_magnitude(rope, r)) for r in VLLM_RELEASES}  # fmt: skip
+        fields = YARN_FIELDS
+    if all(_close(readings[r], readings[NEWEST]) for r in VLLM_RELEASES):
+        return None
+    differing = [k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)]
+    named = ", ".join(f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing)
+    numbers = "; ".join(f"{r}: " + ", ".join(f"{x:.4g}" for x in readings[r]) for r in VLLM_RELEASES)
+    what = "extrapolation, magnitude, softmax factor" if attention == "mla" else "extrapolation, magnitude"
+    return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({what}: {numbers})"
+
+
+def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
 
 
 def for_llama_drafter(rope: dict[str, Any]) -> dict[str, Any]:
     """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields.
 
-    Both transformers and vLLM then give the magnitude (0.1·ln(factor) + 1); for Kimi K2.6
-    (factor 64) that is 1.416 where transformers read Kimi's own block as 1.0.
+    Every release then gives the magnitude (0.1·ln(factor) + 1); for Kimi K2.6 (factor 64)
+    that is 1.416 where vLLM 0.33 and transformers read Kimi's own block as 1.0.
     """
     if rope.get("rope_type") != "yarn":
         return dict(rope)

@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from eagle31.config import ConfigError, read_json_config
+from eagle31.config import ConfigError, read_json_config, text_config
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
@@ -57,11 +57,6 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
     """Read a target's `config.json` (a file or a model directory) as a dict."""
     p = Path(path)
     return read_json_config(p / "config.json" if p.is_dir() else p, "target config")
-
-
-def text_config(target_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json dict (multimodal wrappers such as Kimi K2.6 nest it under `text_config`)."""
-    return target_config.get("text_config") or target_config
 
 
 def target_shape(target_config: dict) -> tuple[int, int]:

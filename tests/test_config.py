@@ -102,3 +102,24 @@ def test_missing_or_malformed_config_json_is_one_line_naming_the_file(tmp_path):
         with pytest.raises(ConfigError, match=f"{what} {tmp_path}/config.json is not valid JSON") as e:
             call(tmp_path)
         assert "\n" not in str(e.value)
+
+
+def test_config_rope_and_target_import_no_circle():
+    """eagle31.config, eagle31.rope and eagle31.target import each other one way only, function-level imports
+    included (a circle there works only while every import in it stays lazy)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "eagle31"
+    modules = ("config", "rope", "target", "errors")
+    imports = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        found = {node.module.split(".")[1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and (node.module or "").startswith("eagle31.")}  # fmt: skip
+        imports[name] = found & set(modules)
+
+    def reaches(start, goal, seen=()):
+        return any(m == goal or (m not in seen and reaches(m, goal, (*seen, m))) for m in imports[start])
+
+    assert not [m for m in modules if reaches(m, m)], imports

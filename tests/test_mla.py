@@ -19,11 +19,12 @@ import torch
 
 from eagle31 import ConfigError, DrafterConfig
 from tests.helpers import random_batch, tiny_drafter
-from tests.export.vllm_contract import deepseek_rope_numbers
+from tests.export.vllm_contract import OLDEST, deepseek_rope_numbers
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM computes it: tests/export/vllm_contract.py's `deepseek_rope_numbers`
+# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
+# a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's `deepseek_rope_numbers`
 
 
 def rope_pairs(x, pos, inv, magnitude):
@@ -79,7 +80,7 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
     cfg = DrafterConfig(**mla_config(rope, hidden_size=32, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=192, v_head_dim=128))
     with torch.device("meta"):
         m = Eagle31Drafter(cfg)
-    inv, magnitude, softmax = deepseek_rope_numbers(64, rope)
+    inv, magnitude, softmax = deepseek_rope_numbers(64, rope, OLDEST)
     positions = torch.tensor([[0, 1, 7, 4095, 4096, 65535, 262143]])
     cos, sin = m.rotary_emb(positions, torch.float64)
     angles = positions[..., None].double() * inv
@@ -107,7 +108,7 @@ def mla_project(W, c, z, pos):
     """MLA q [nh, nope+rope], k [nh, nope+rope], v [nh, v] at position pos, and the softmax scale, written out."""
     eps, nh = c.rms_norm_eps, c.num_attention_heads
     nope, rdim, vdim, kvr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    inv, magnitude, softmax = deepseek_rope_numbers(rdim, c.rope_parameters)
+    inv, magnitude, softmax = deepseek_rope_numbers(rdim, c.rope_parameters, OLDEST)
     a = "midlayer.self_attn."
     q = (W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)).view(nh, nope + rdim)
     latent = W[a + "kv_a_proj_with_mqa.weight"] @ z

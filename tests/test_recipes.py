@@ -81,6 +81,11 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["kv_lora_rank"] == 16
     assert config["draft_vocab_size"] == config["vocab_size"] == 532
     assert not (out / "export" / "speculators").exists()
+    assert config["model_type"] == "kimi_k2"  # vLLM would make DeepSeek's MTP drafter of deepseek_v3
+    # vLLM 0.22.0's and 0.33.0's own config code accept it; 0.33.0's loader takes exactly its tensors
+    from tests.export.test_vllm_peers import assert_vllm_serves
+
+    assert_vllm_serves(out / "export" / "eagle3", tmp_path)
     # reload the export and decode speculatively with the miniature Kimi target
     from eagle31.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.targets.kimi_mini import ensure_kimi_k26_mini

@@ -1,8 +1,8 @@
 """The drafter trains with the rope vLLM serves (docs/design.md §3), for every rope type and recipe.
 
-The reference is `tests/export/vllm_contract.rope_cos_sin`, a re-implementation of vLLM's
-rotary-embedding classes applied to the exported config, never eagle31's rope code nor
-transformers'. transformers appears only to show where it reads a block otherwise.
+The reference is `tests/export/vllm_contract.rope_cos_sin`, a re-implementation of vLLM 0.22.0's
+and 0.33.0's rotary-embedding classes applied to the exported config, never eagle31's rope code.
+tests/export/test_vllm_peers.py checks both against the tables vLLM's own `get_rope` builds.
 """
 
 import json
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 KIMI_MAGNITUDE = 0.1 * math.log(64) + 1  # 1.416: what vLLM serves for Kimi's factor 64
 YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
-# blocks that transformers and vLLM read alike
+# blocks that vLLM 0.22.0 and 0.33.0 (and transformers, as 0.33.0) read alike
 SAME_IN_BOTH = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -47,7 +47,7 @@ SAME_IN_BOTH = {
 }
 # blocks that they read differently
 READ_TWO_WAYS = {
-    "kimi_yarn": dict(KIMI_YARN),  # mscale = mscale_all_dim = 1: 1.0 in transformers, 1.416 in vLLM
+    "kimi_yarn": dict(KIMI_YARN),  # mscale = mscale_all_dim = 1: 1.0 in 0.33.0 (and transformers), 1.416 in 0.22.0
     "yarn_attention_factor": {**YARN, "attention_factor": 1.0},
     "yarn_attn_factor": {**YARN, "attn_factor": 0.5},  # vLLM's own field
     "yarn_no_scaling": {**YARN, "apply_yarn_scaling": False},
@@ -78,25 +78,33 @@ def test_the_drafters_rope_is_vllms_for_every_rope_type(rope):
 
 
 @pytest.mark.parametrize("rope", [*SAME_IN_BOTH.values(), *READ_TWO_WAYS.values()], ids=[*SAME_IN_BOTH, *READ_TWO_WAYS])
-def test_ambiguity_is_exactly_where_transformers_and_vllm_disagree(rope):
-    config = tiny_config(rope_parameters=rope)
-    view = layer_view(config)
-    hf = LlamaRotaryEmbedding(LlamaConfig(**view))
-    hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), POSITIONS[None])
-    v_cos, v_sin = vllm.rope_cos_sin(view, POSITIONS)
-    alike = torch.allclose(hf_cos[0].double(), v_cos, atol=1e-4) and torch.allclose(hf_sin[0].double(), v_sin, atol=1e-4)
+def test_ambiguity_is_exactly_where_the_supported_vllm_releases_disagree(rope):
+    view = layer_view(tiny_config(rope_parameters=rope))
+    (old_cos, old_sin), (new_cos, new_sin) = (vllm.rope_cos_sin(view, POSITIONS, r) for r in (vllm.OLDEST, vllm.NEWEST))
+    alike = torch.allclose(old_cos, new_cos, atol=1e-9) and torch.allclose(old_sin, new_sin, atol=1e-9)
     assert alike == (ambiguity(rope) is None)
 
 
-def test_kimis_own_yarn_block_is_1_0_in_transformers_and_1_416_in_vllm():
-    """vLLM's Llama layer YaRN ignores DeepSeek's mscale fields; transformers honours them."""
+def test_ambiguity_says_which_fields_which_release_reads():
+    reason = ambiguity({**YARN, "attn_factor": 0.5})
+    assert "attn_factor (read by vLLM 0.22.0 only)" in reason and "\n" not in reason
+    assert "attention_factor (read by vLLM 0.33.0 only)" in ambiguity({**YARN, "attention_factor": 1.0})
+    # an MLA drafter: 0.33.0 drops the softmax-scale correction for attention_factor 1.0, 0.22.0 keeps it
+    assert ambiguity(dict(KIMI_YARN), "mla") is None
+    assert "attention_factor (read by vLLM 0.33.0 only)" in ambiguity({**KIMI_YARN, "attention_factor": 1.0}, "mla")
+    assert "attn_factor (read by vLLM 0.22.0 only)" in ambiguity({**KIMI_YARN, "attn_factor": 0.9}, "mla")
+
+
+def test_kimis_own_yarn_block_is_1_416_in_vllm_0_22_and_1_0_in_0_33_and_transformers():
+    """vLLM 0.22.0's Llama-layer YaRN ignores DeepSeek's mscale fields; 0.33.0 honours them as transformers does."""
     config = tiny_config(rope_parameters=dict(KIMI_YARN))
     hf_cos, _ = LlamaRotaryEmbedding(LlamaConfig(**layer_view(config)))(torch.zeros(1), torch.zeros(1, 1, dtype=torch.long))
-    v_cos, _ = vllm.rope_cos_sin(layer_view(config), torch.zeros(1, dtype=torch.long))
+    zero = torch.zeros(1, dtype=torch.long)
     assert float(hf_cos[0, 0, 0]) == pytest.approx(1.0)
-    assert float(v_cos[0, 0]) == pytest.approx(KIMI_MAGNITUDE)
-    assert float(drafter_cos_sin(config, torch.zeros(1, dtype=torch.long))[0][0, 0]) == pytest.approx(KIMI_MAGNITUDE)
-    assert "magnitude 1 in transformers but 1.416 in vLLM (fields mscale, mscale_all_dim)" in ambiguity(KIMI_YARN)
+    assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.NEWEST)[0][0, 0]) == pytest.approx(1.0)
+    assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.OLDEST)[0][0, 0]) == pytest.approx(KIMI_MAGNITUDE)
+    assert float(drafter_cos_sin(config, zero)[0][0, 0]) == pytest.approx(1.0)  # the newest release's reading
+    assert "mscale (read by vLLM 0.33.0 only), mscale_all_dim (read by vLLM 0.33.0 only)" in ambiguity(KIMI_YARN)
 
 
 # ------------------------------------------------------------------- recipes
@@ -175,7 +183,7 @@ def test_load_drafter_warns_about_a_rope_read_two_ways(tmp_path):
     tiny_drafter(rope_parameters=dict(KIMI_YARN)).save(tmp_path / "kimi")
     with pytest.warns(UserWarning, match="rope block is read two ways.*mscale"):
         loaded = load_drafter(tmp_path / "kimi")
-    assert loaded.rotary_emb.attention_scaling == pytest.approx(KIMI_MAGNITUDE)  # run as vLLM serves it
+    assert loaded.rotary_emb.attention_scaling == pytest.approx(1.0)  # run as the newest release serves it
 
     tiny_drafter(rope_parameters=for_llama_drafter(KIMI_YARN)).save(tmp_path / "clean")
     with warnings.catch_warnings():

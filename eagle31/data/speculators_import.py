@@ -8,6 +8,10 @@ prepared dataset, `hs_{i}.safetensors`, holding
     hidden_states [T, n, Ht]   the target's dtype
     token_ids     [T]          int64, the prompt (= row i's input_ids)
 
+(vLLM 0.33's `ExampleHiddenStatesConnector` reads them out of its KV-cache layout,
+[blocks, n, block size, Ht], and writes them with a `.lock` file beside, which is skipped
+here; tests/data/test_speculators_import.py runs that writer.)
+
 The slots are vLLM's `eagle_aux_hidden_state_layer_ids`, which launch_vllm.py sets
 to the aux ids plus `L` (default `[2, L//2, L-3, L]`), in increasing id order:
 

@@ -103,3 +103,63 @@ def test_a_garbage_file_is_one_error_naming_it_before_anything_is_written(captur
     with pytest.raises(CorruptDataError, match=r"hs_3.safetensors: not a readable safetensors file"):
         import_speculators(hs, tmp_path / "store", target_dir=root / "target", aux_layer_ids=AUX_IDS, all_tokens=True)
     assert not (tmp_path / "store").exists()
+
+
+# vLLM 0.33.0's own writer: the hidden states of each row go through the KV-cache layout of the
+# `extract_hidden_states` drafter (`model_executor/models/extract_hidden_states.py::basic_cache`, [blocks, n slots,
+# block size, Ht], block 0 the null block) and out through `ExampleHiddenStatesConnector`'s
+# `extract_from_kv_cache` and `_write_tensors` (`distributed/kv_transfer/kv_connector/v1/
+# example_hidden_states_connector.py`), with its `.lock` file beside; `load_hidden_states` reads it back. The
+# model forward and the CUDA copy stream that fill the cache need a GPU: the rows come from
+# `write_vllm_captures` (slots in `eagle_aux_hidden_state_layer_ids` order, the extra final-layer slot L last).
+CONNECTOR_SCRIPT = r"""
+import json, os, sys
+import torch
+from safetensors.torch import load_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector, extract_from_kv_cache, load_hidden_states)
+from vllm.model_executor.models.extract_hidden_states import basic_cache
+
+class CopyDone:  # the CUDA event _write_tensors waits on; the copy here is synchronous
+    def synchronize(self):
+        pass
+
+src, out = sys.argv[1], sys.argv[2]
+written = []
+for name in sorted(os.listdir(src)):
+    row = load_file(os.path.join(src, name))
+    hs = row["hidden_states"]
+    T, n, H = hs.shape
+    block_size = 4
+    blocks = (T + block_size - 1) // block_size + 2
+    kv_cache = torch.zeros(blocks, n, block_size, H, dtype=hs.dtype)
+    g = torch.Generator().manual_seed(T)
+    slot_mapping = torch.randperm((blocks - 1) * block_size, generator=g)[:T] + block_size
+    basic_cache(hs, kv_cache, slot_mapping)
+    path = os.path.join(out, name)
+    open(path + ".lock", "w").close()
+    tensors = {"hidden_states": extract_from_kv_cache(kv_cache, slot_mapping, T), "token_ids": row["token_ids"].clone()}
+    ExampleHiddenStatesConnector._write_tensors(tensors, CopyDone(), path, None)
+    back = load_hidden_states(path)
+    written.append([name, list(back["hidden_states"].shape), str(back["token_ids"].dtype)])
+print(json.dumps({"written": written}))
+"""
+
+
+@pytest.mark.slow  # vLLM 0.33.0's own code in a subprocess
+def test_files_written_by_vllm_0_33s_own_connector_import_as_our_capture(captured, tmp_path):
+    from tests.peers import run_peer
+
+    root, model, data = captured
+    out = tmp_path / "vllm"
+    out.mkdir()
+    written = run_peer("0.33.0", CONNECTOR_SCRIPT, str(root / "hidden_states"), str(out))["written"]
+    assert len(written) == 9 and all(shape[1:] == [4, 32] and dtype == "torch.int64" for _, shape, dtype in written)
+    assert len(list(out.glob("*.lock"))) == 9  # the connector's lock files lie beside; the import skips them
+    import_speculators(out, tmp_path / "store", target_dir=root / "target", dataset_dir=root / "prepared",
+                       aux_layer_ids=AUX_IDS, dtype="float32")  # fmt: skip
+    with TargetFeatures(model, AUX_IDS) as feats:
+        expected = run_target(feats, prepared_rows(data, range(9)), batch_tokens=1)
+    for got, want in zip(FeatureStore(tmp_path / "store").samples(range(9)), expected):
+        torch.testing.assert_close(got.aux, want.aux, rtol=0, atol=0)  # slots 0..n-2: layer inputs, as is
+        torch.testing.assert_close(got.final, want.final, rtol=1e-6, atol=1e-6)  # slot L: normed on import

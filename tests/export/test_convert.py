@@ -7,6 +7,7 @@ that drafter's config and logits.
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -66,8 +67,12 @@ def test_specforge_norm_output_is_read_as_pre_norm_feedback(tmp_path):
     path = write_checkpoint(tmp_path / "sf31", specforge_config(fc_norm=True, norm_output=True), m)
     with pytest.raises(ConfigError, match="source_format='specforge'"):
         load_drafter(path, target_num_layers=8)  # auto cannot know which semantics trained it
-    assert_same_drafter(load_drafter(path, source_format="specforge", target_num_layers=8), m)
-    fixed = load_drafter(path, source_format="specforge", target_num_layers=8, norm_output=True)
+    with pytest.warns(UserWarning, match="pre-norm state fed back.*pass norm_output=True") as record:
+        assert_same_drafter(load_drafter(path, source_format="specforge", target_num_layers=8), m)
+    assert all("\n" not in str(w.message) for w in record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the choice made explicitly: no warning
+        fixed = load_drafter(path, source_format="specforge", target_num_layers=8, norm_output=True)
     assert fixed.config.norm_output  # a checkpoint trained after SpecForge's fix
 
 

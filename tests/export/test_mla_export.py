@@ -37,7 +37,7 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     m, cfg, tensors, _ = export(tmp_path, case)
     c = m.config
     view = vllm.hf_config_view(cfg)
-    assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "deepseek_v3"
+    assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "kimi_k2"
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         assert cfg[name] == getattr(c, name), name
     s = vllm.effective_settings(view)
@@ -138,6 +138,16 @@ def test_torchspec_vllm_export_of_a_kimi_drafter_is_not_shifted_twice(tmp_path):
     assert load_drafter(path).config.aux_layer_ids == (2, 4, 5)
     deepseek = torchspec_mla_checkpoint(tmp_path / "ds", m, ids=[1, 3, 4], model_type="deepseek_v3", layer_prefix="layers.0.")
     assert load_drafter(deepseek).config.aux_layer_ids == (2, 4, 5)
+    # the config alone (drafter.init_from's check) reads the ids as load_drafter does
+    from types import SimpleNamespace
+
+    from eagle31.convert import read_drafter_config
+    from eagle31.plan import check_init_from
+
+    for source in (path, deepseek):
+        assert read_drafter_config(source).aux_layer_ids == (2, 4, 5)
+    section = SimpleNamespace(init_from=str(path), init_from_format="auto", upgrade_to_eagle31=False)
+    check_init_from(m.config, section)  # no false aux_layer_ids mismatch
 
 
 def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
@@ -176,3 +186,16 @@ def test_init_from_continues_training_a_published_mla_drafter(tmp_path):
     for name, tensor in published.state_dict().items():
         if name != "embed_tokens.weight":
             assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_an_older_export_of_ours_still_reads_back(tmp_path):
+    """Before vLLM 0.33's rules an MLA export said model_type deepseek_v3 and carried d2t/t2d with the full vocabulary."""
+    m, cfg, tensors, out = export(tmp_path, "full_vocab")
+    assert "d2t" not in tensors and "t2d" not in tensors
+    (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    save_file({**tensors, "d2t": m.d2t.clone(), "t2d": m.t2d.clone()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    old, new = load_drafter(out), m
+    assert old.config.attention == "mla" and torch.equal(old.d2t, new.d2t) and torch.equal(old.t2d, new.t2d)
+    for name, tensor in new.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(old.state_dict()[name], tensor), name

@@ -1,11 +1,29 @@
-"""What vLLM reads from an EAGLE-3 drafter, encoded from its source (read, not copied).
+"""What vLLM reads from an EAGLE-3 drafter where it cannot run on a CPU (model construction, weight loading,
+the forward), encoded from the source of the newest supported release, vLLM 0.33.0 (its wheel; read, not
+copied), with the oldest one's (0.22.0) differences where they matter. What runs on a CPU (the config
+pipeline, the registry, the rope tables) is run from both releases instead (`tests/export/vllm_peer.py`).
 
-Read in vllm-project/vllm:
+vLLM 0.33.0 differs from 0.22.0 here:
+
+* `llama_eagle3.py`, `qwen3_eagle3.py`, `deepseek_eagle3.py` (`Eagle3*ForCausalLM.__init__`): no
+  `draft_id_to_target_id` parameter when `draft_vocab_size` equals the target's vocabulary, so
+  `AutoWeightsLoader` refuses a `d2t` tensor (0.22.0 keeps the parameter at zeros, the identity).
+* `deepseek_eagle3.py::Eagle3DeepseekV2ForCausalLM.combine_hidden_states` applies `fc_norm`
+  (0.22.0 builds the norms but never applies them: an MLA EAGLE 3.1 drafter needs 0.33).
+* `deepseek_eagle3.py::DeepseekV2Eagle3DecoderLayer` keeps the config's parsed `rope_parameters`
+  (0.22.0 replaced them by `rope_scaling` as `deepseek_yarn`); `deepseek_v2.py::DeepseekV2MLAAttention`
+  then picks `deepseek_llama_scaling` (no softmax-scale correction) when `attention_factor == 1.0`
+  (0.22.0: when `apply_yarn_scaling` is false).
+* `rotary_embedding/__init__.py::get_rope` hands YaRN `mscale`, `mscale_all_dim`, `attention_factor`
+  (as transformers reads them) instead of `attn_factor`, `extrapolation_factor`, `apply_yarn_scaling`.
+
+Read in vllm-project/vllm 0.33.0:
 
 * `model_executor/models/llama_eagle3.py`: `Eagle3LlamaForCausalLM`. Weight keys get
   `model.` (except `lm_head`), `midlayer.` -> `layers.0.`, q/k/v stacked into
-  `qkv_proj` and gate/up into `gate_up_proj`. `d2t` becomes `draft_id_to_target_id`
-  (left at zeros when absent: draft id i -> target id i). `t2d` is skipped, and
+  `qkv_proj` and gate/up into `gate_up_proj`. `d2t` becomes `draft_id_to_target_id`, which
+  exists only for a reduced vocabulary (left at zeros when absent: draft id i -> target id i). `t2d`
+  is skipped, and
   `embed_tokens` is optional: `v1/spec_decode/llm_base_proposer.py` gives a drafter whose
   checkpoint carries none the target's embedding module, and `LlamaModel.forward` asserts
   that the embedding is as wide as the hidden state (`drafter_embedding`). `fc` is sized
@@ -20,13 +38,14 @@ Read in vllm-project/vllm:
   `q_a_proj` + `kv_a_proj_with_mqa` stacked into `fused_qkv_a_proj` (shards 0, 1). It
   reads `num_aux_hidden_states`, `target_hidden_size`, `fc_norm`, `norm_output`,
   `norm_before_residual` as the Llama layer does, and *not* `norm_before_fc`. Its layer
-  builds `DeepseekV2MLAAttention` (`deepseek_v2.py`) with input 2H, after replacing the
-  rope by `rope_scaling` with `rope_type = "deepseek_yarn"` (or `default` without one).
+  builds `DeepseekV2MLAAttention` (`deepseek_v2.py`) with input 2H and the parsed rope, whose
+  `yarn` type the attention turns into `deepseek_yarn` (`deepseek_llama_scaling` for an
+  `attention_factor` of 1.0).
   The attention (`layers/mla.py`): `fused_qkv_a_proj` split into [q_lora_rank,
   kv_lora_rank + qk_rope_head_dim]; q = q_b_proj(q_a_layernorm(.)), k_nope and v from
   kv_b_proj(kv_a_layernorm(.)), the rope (`DeepseekScalingRotaryEmbedding`,
   `is_neox_style=False`) on q's last qk_rope_head_dim dims and on the one shared k_pe;
-  softmax scale `qk_head_dim^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2`.
+  softmax scale `qk_head_dim^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2` under `deepseek_yarn`.
 * The Qwen3 variant shares the Llama layer's loader rules; eagle31 does not export it.
 * `transformers_utils/configs/speculators/{base,algos}.py`: the speculators layout is
   flattened into `transformer_layer_config` plus a few copied fields, with
@@ -36,8 +55,9 @@ Read in vllm-project/vllm:
   or ends with `Eagle3` (others get an `Eagle3` prefix) and copies every field of the
   parsed config; `model_executor/models/registry.py` maps `LlamaForCausalLMEagle3` and
   `Eagle3LlamaForCausalLM` to `llama_eagle3.Eagle3LlamaForCausalLM`.
-* `v1/worker/gpu_model_runner.py`: the target layers come from the top-level
-  `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s, else the target's default.
+* `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config` (the default,
+  V2 model runner): the target layers come from the top-level `eagle_aux_hidden_state_layer_ids` only
+  (the V1 `v1/worker/gpu_model_runner.py` also reads `eagle_config`'s), else the target's default.
   `model_executor/models/llama.py` captures id k at the *input* of decoder layer k.
 * `model_executor/models/llama.py` (`LlamaAttention`, reused by the EAGLE-3 layer): the
   rope is `get_rope(head_dim, max_position=max_position_embeddings,
@@ -48,9 +68,9 @@ Read in vllm-project/vllm:
   `linear_scaling_rope.py`, `dynamic_ntk_scaling_rope.py`, `llama3_rope.py`,
   `yarn_scaling_rope.py`, `common.py`): each class precomputes a table of cos and sin per
   position, `[cos | sin]` of `position * inv_freq`, and the kernel gathers rows by
-  position. `get_rope` hands YaRN only `extrapolation_factor`, `attn_factor`,
-  `beta_fast`, `beta_slow`, `apply_yarn_scaling` and `truncate`, so `mscale`,
-  `mscale_all_dim` and `attention_factor` never reach it.
+  position. `get_rope` hands YaRN only `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`,
+  `attention_factor` and `truncate` (0.22.0: `extrapolation_factor`, `attn_factor`, `beta_fast`,
+  `beta_slow`, `apply_yarn_scaling`, `truncate`).
 """
 
 from __future__ import annotations
@@ -65,6 +85,7 @@ REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForC
             "Eagle3DeepseekV2ForCausalLM": "Eagle3DeepseekV2ForCausalLM",
             "Eagle3DeepseekV3ForCausalLM": "Eagle3DeepseekV2ForCausalLM"}
 MLA_CLASS = "Eagle3DeepseekV2ForCausalLM"
+NEWEST, OLDEST = "0.33.0", "0.22.0"
 # (checkpoint shard name, vLLM fused parameter), shards of one parameter in order
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
            (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"),
@@ -144,27 +165,38 @@ def rope_v5(view: dict) -> dict:
     return dict(LlamaConfig(**{k: v for k, v in view.items() if k != "architectures"}).rope_parameters)
 
 
-def deepseek_rope(view: dict) -> dict:
-    """The rope parameters vLLM's DeepSeek EAGLE-3 layer passes to `get_rope` (rope_theta joined in, as
-    vLLM's `patch_rope_parameters` does)."""
-    scaling = view.get("rope_scaling")
-    if not scaling:
-        return {"rope_type": "default", "rope_theta": view.get("rope_theta", 10000.0)}
-    return {**scaling, "rope_theta": view.get("rope_theta", 10000.0), "rope_type": "deepseek_yarn"}
+def deepseek_rope(view: dict, release: str = NEWEST) -> dict:
+    """The rope parameters vLLM `release`'s DeepSeek attention passes to `get_rope`, its type chosen as
+    `DeepseekV2MLAAttention.__init__` chooses it (0.22.0: from `rope_scaling`, as its EAGLE-3 layer rewrote it)."""
+    theta = view.get("rope_theta", 10000.0)
+    if release == OLDEST:
+        scaling = view.get("rope_scaling")
+        if not scaling:
+            return {"rope_type": "default", "rope_theta": theta}
+        llama_scaling = scaling.get("apply_yarn_scaling", True) is False
+        rope = {**scaling, "rope_theta": theta}
+    else:
+        rope = rope_v5(view)
+        if rope.get("rope_type", "default") == "default":
+            return rope
+        llama_scaling = rope.get("attention_factor") == 1.0
+    return {**rope, "rope_type": "deepseek_llama_scaling" if llama_scaling else "deepseek_yarn"}
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def deepseek_rope_numbers(rope_dim: int, rope: dict) -> tuple[torch.Tensor, float, float]:
-    """(inv_freq [rope_dim/2] float64, cos/sin magnitude, softmax-scale factor) of vLLM's DeepSeek attention
+def deepseek_rope_numbers(rope_dim: int, rope: dict, release: str = NEWEST) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [rope_dim/2] float64, cos/sin magnitude, softmax-scale factor) of vLLM `release`'s DeepSeek attention
     for `get_rope`'s parameters `rope` (`DeepseekScalingRotaryEmbedding` and `DeepseekV2MLAAttention`)."""
     base = rope["rope_theta"]
     pos_freqs = torch.tensor([base ** (i / rope_dim) for i in range(0, rope_dim, 2)], dtype=torch.float64)
     if rope.get("rope_type", "default") == "default":
         return 1.0 / pos_freqs, 1.0, 1.0
     factor, orig = rope["factor"], rope["original_max_position_embeddings"]
+    extrapolation = rope.get("extrapolation_factor", 1) if release == OLDEST else 1  # 0.33.0 drops it
+    attn_factor = rope.get("attn_factor", 1) if release == OLDEST else 1
 
     def correction_dim(rotations):
         return (rope_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -174,11 +206,13 @@ def deepseek_rope_numbers(rope_dim: int, rope: dict) -> tuple[torch.Tensor, floa
     if low == high:
         high += 0.001
     ramp = torch.tensor([min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rope_dim // 2)], dtype=torch.float64)
-    mask = (1 - ramp) * rope.get("extrapolation_factor", 1)
+    mask = (1 - ramp) * extrapolation
     inv = (1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
     magnitude = yarn_get_mscale(factor, rope.get("mscale", 1)) / yarn_get_mscale(factor, rope.get("mscale_all_dim", 0))
-    softmax = yarn_get_mscale(factor, float(rope.get("mscale_all_dim", False))) ** 2  # DeepseekV2MLAAttention
-    return inv, magnitude * rope.get("attn_factor", 1), softmax
+    softmax = 1.0
+    if rope["rope_type"] != "deepseek_llama_scaling":  # DeepseekV2MLAAttention: deepseek_yarn
+        softmax = yarn_get_mscale(factor, float(rope.get("mscale_all_dim", False))) ** 2
+    return inv, magnitude * attn_factor, softmax
 
 
 def rope_v4(view: dict) -> dict:
@@ -192,8 +226,9 @@ def rope_v4(view: dict) -> dict:
 # ------------------------------------------------------------------ rope (vLLM)
 
 
-def rope_cos_sin(view: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [len(positions), head_dim]: the rows of the table vLLM's EAGLE-3 Llama layer builds from `view`.
+def rope_cos_sin(view: dict, positions: torch.Tensor, release: str = NEWEST) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [len(positions), head_dim]: the rows of the table vLLM `release`'s EAGLE-3 Llama layer builds from
+    `view`.
 
     vLLM precomputes `[cos | sin]` of `t * inv_freq` for every t of its table and gathers
     rows by position; only the asked rows are made here (a yarn table for Kimi has 262144),
@@ -222,7 +257,7 @@ def rope_cos_sin(view: dict, positions: torch.Tensor) -> tuple[torch.Tensor, tor
     elif kind == "llama3":
         inv_freq, table_len = _llama3_inv_freq(base, rotary_dim, rope), max_position
     elif kind == "yarn":
-        inv_freq, magnitude = _yarn_inv_freq(base, rotary_dim, rope)
+        inv_freq, magnitude = _yarn_inv_freq(base, rotary_dim, rope, release)
         table_len = math.ceil(rope["original_max_position_embeddings"] * rope["factor"])
     else:
         raise NotImplementedError(f"rope_type {kind!r}: not emulated")
@@ -247,11 +282,12 @@ def _llama3_inv_freq(base: float, rotary_dim: int, rope: dict) -> torch.Tensor:
     return torch.where(wave_len < old_context / hi, plain, torch.where(wave_len > old_context / lo, plain / factor, medium))
 
 
-def _yarn_inv_freq(base: float, rotary_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
-    """YaRN's blended frequencies and its magnitude (the fields `get_rope` passes on, with vLLM's defaults)."""
+def _yarn_inv_freq(base: float, rotary_dim: int, rope: dict, release: str) -> tuple[torch.Tensor, float]:
+    """YaRN's blended frequencies and its magnitude (the fields `get_rope` passes on, with `release`'s defaults;
+    `yarn_scaling_rope.py::YaRNScalingRotaryEmbedding.__init__`)."""
     factor, old_context = rope["factor"], rope["original_max_position_embeddings"]
     beta_fast, beta_slow = rope.get("beta_fast", 32), rope.get("beta_slow", 1)
-    extrapolation, attn_factor = rope.get("extrapolation_factor", 1), rope.get("attn_factor", 1)
+    extrapolation = rope.get("extrapolation_factor", 1) if release == OLDEST else 1
 
     def correction_dim(rotations):
         return rotary_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -265,8 +301,15 @@ def _yarn_inv_freq(base: float, rotary_dim: int, rope: dict) -> tuple[torch.Tens
     extrapolated_share = (1 - ramp) * extrapolation
     plain = _plain_inv_freq(base, rotary_dim)
     inv_freq = plain / factor * (1 - extrapolated_share) + plain * extrapolated_share
-    scaling = (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
-    magnitude = scaling * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
+    if release == OLDEST:
+        attn_factor = rope.get("attn_factor", 1)
+        magnitude = yarn_get_mscale(factor) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
+    elif rope.get("attention_factor") is not None:
+        magnitude = rope["attention_factor"]
+    elif rope.get("mscale") and rope.get("mscale_all_dim"):
+        magnitude = yarn_get_mscale(factor, rope["mscale"]) / yarn_get_mscale(factor, rope["mscale_all_dim"])
+    else:
+        magnitude = yarn_get_mscale(factor)
     return inv_freq, float(magnitude)
 
 
@@ -302,7 +345,9 @@ def loaded_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
 
 
 def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
-    """vLLM parameter -> shape for the drafter vLLM builds from `view` (embed_tokens optional)."""
+    """vLLM 0.33.0's parameter -> shape for the drafter it builds from `view` (embed_tokens optional), for a target
+    whose vocabulary is `view`'s `vocab_size` (every eagle31 export's). `AutoWeightsLoader.load_weights` refuses a
+    checkpoint tensor that maps to none of them."""
     s = effective_settings(view)
     H, I = view["hidden_size"], view["intermediate_size"]
     nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
@@ -332,8 +377,9 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
         "model.layers.0.mlp.down_proj.weight": (H, I),
         "model.norm.weight": (H,),
         "lm_head.weight": (Vd, H),
-        "draft_id_to_target_id": (Vd,),
     }
+    if Vd != view["vocab_size"]:  # Eagle3*ForCausalLM.__init__: only for a reduced vocabulary
+        p["draft_id_to_target_id"] = (Vd,)
     if s["fc_norm"]:
         p.update({f"model.fc_norm.{i}.weight": (Ht,) for i in range(n)})
     if s["norm_before_fc"]:
@@ -379,8 +425,8 @@ def drafter_embedding(config_json: dict, tensors: dict[str, torch.Tensor], targe
 
 
 def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: torch.Tensor,
-                 aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Per draft step, logits over the *target* vocabulary [T, V] as vLLM computes them.
+                 aux: torch.Tensor, input_ids: torch.Tensor, steps: int, release: str = NEWEST) -> list[torch.Tensor]:
+    """Per draft step, logits over the *target* vocabulary [T, V] as vLLM `release` computes them.
 
     One sequence: aux [T, n*Ht], input_ids [T]. Query (p, j) reads token x[p+1+j] at
     position p+j and attends to the step-0 keys of 0..p plus its own chain, exactly as
@@ -398,11 +444,11 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     h = aux.double()
     if s["norm_before_fc"]:
         h = _rms(h, W["model.input_norm.weight"], eps)
-    if s["fc_norm"]:
+    if s["fc_norm"] and not (is_mla(view) and release == OLDEST):  # 0.22.0's DeepSeek class never applies it
         h = torch.cat([_rms(c, W[f"model.fc_norm.{i}.weight"], eps) for i, c in enumerate(h.chunk(s["num_aux"], -1))], -1)
     hidden = h @ W["model.fc.weight"].T  # [T, H]
 
-    targets = torch.arange(Vd) + W["draft_id_to_target_id"]
+    targets = torch.arange(Vd) + W.get("draft_id_to_target_id", torch.zeros(Vd, dtype=torch.long))
     keys0 = values0 = None
     chain_k, chain_v = [], []
     out = []
@@ -416,7 +462,7 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
         else:
             residual = hidden
             hidden = _rms(hidden, W[L + "hidden_norm.weight"], eps)
-        q, k, v, scale = attention_inputs(view, W, torch.cat([emb, hidden], -1), pos)
+        q, k, v, scale = attention_inputs(view, W, torch.cat([emb, hidden], -1), pos, release)
         if j == 0:
             keys0, values0 = k, v
         else:
@@ -437,17 +483,17 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     return out
 
 
-def _llama_qkv(view, W, z, pos):
+def _llama_qkv(view, W, z, pos, release):
     """`Eagle3LlamaForCausalLM`'s attention inputs: z [T, 2H] -> q [T, nh, d], k, v [T, nkv, d], scale."""
     T, H = z.shape[0], view["hidden_size"]
     nh, nkv = view["num_attention_heads"], view["num_key_value_heads"]
     d = view.get("head_dim") or H // nh
     q, k, v = (z @ W["model.layers.0.self_attn.qkv_proj.weight"].T).split([nh * d, nkv * d, nkv * d], -1)
-    cos, sin = rope_cos_sin(view, pos)
+    cos, sin = rope_cos_sin(view, pos, release)
     return _rope(q.view(T, nh, d), cos, sin), _rope(k.view(T, nkv, d), cos, sin), v.view(T, nkv, d), d**-0.5
 
 
-def _mla_qkv(view, W, z, pos):
+def _mla_qkv(view, W, z, pos, release):
     """`DeepseekV2MLAAttention`'s inputs to attention: z [T, 2H] -> q, k [T, nh, nope+rope], v [T, nh, v], scale."""
     a, eps, T, nh = "model.layers.0.self_attn.", view["rms_norm_eps"], z.shape[0], view["num_attention_heads"]
     qr, kvr, nope, rope, dv = (view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
@@ -455,7 +501,7 @@ def _mla_qkv(view, W, z, pos):
     q = (_rms(q_c, W[a + "q_a_layernorm.weight"], eps) @ W[a + "q_b_proj.weight"].T).view(T, nh, nope + rope)
     kv_c, k_pe = kv_lora.split([kvr, rope], -1)
     kv = (_rms(kv_c, W[a + "kv_a_layernorm.weight"], eps) @ W[a + "kv_b_proj.weight"].T).view(T, nh, nope + dv)
-    inv, magnitude, softmax = deepseek_rope_numbers(rope, deepseek_rope(view))
+    inv, magnitude, softmax = deepseek_rope_numbers(rope, deepseek_rope(view, release), release)
     angles = pos[:, None].double() * inv  # [T, rope/2]
     cos, sin = (angles.cos() * magnitude).repeat_interleave(2, -1), (angles.sin() * magnitude).repeat_interleave(2, -1)
     q = torch.cat([q[..., :nope], _rope_gptj(q[..., nope:], cos, sin)], -1)
