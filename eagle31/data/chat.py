@@ -37,6 +37,10 @@ A conversation that still disagrees with its prefixes raises
 `ChatTemplateError("unstable_template")` and is dropped, never given a guessed mask;
 a template that fails on it raises `ChatTemplateError("template_error")`.
 
+An assistant message with `finish_reason: "length"` is a reply cut at its token limit: the
+special and whitespace tokens the template closes it with (`</think>`, the end-of-turn
+token) were never generated and are not supervised.
+
 `last_turn_only` supervises only the last assistant message. `system_prompt` is
 added as the first message of conversations that have no system message.
 `template_kwargs` are passed to every render: template options such as Kimi
@@ -126,6 +130,8 @@ class ChatEncoder:
             start = self._turn_start(messages, j, tools, full)
             end = len(full) if j == len(messages) - 1 else self._turn_end(messages, j, tools, full)
             end = self._trim_glue(full, start, end)
+            if messages[j].get("finish_reason") == "length":
+                end = self._trim_closing(full, start, end)
             mask[start:end] = [1] * (end - start)
         return full, mask
 
@@ -191,6 +197,12 @@ class ChatEncoder:
         while k > start and self.tokenizer.decode(ids[k - 1 : k]).isspace():
             k -= 1
         return k if k < end and k > start and ids[k - 1] in self._special_ids else end
+
+    def _trim_closing(self, ids: list[int], start: int, end: int) -> int:
+        """`end` moved before the special and whitespace tokens that close a cut turn (`</think>`, end of turn)."""
+        while end > start and (ids[end - 1] in self._special_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()):
+            end -= 1
+        return end
 
     # ---------------------------------------------------------- template
 
