@@ -49,6 +49,7 @@ K2.6's `preserve_thinking`/`thinking` or Qwen3's `enable_thinking`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -75,6 +76,17 @@ def check_template_kwargs(kwargs: Any, name: str = "data.chat_template_kwargs") 
         if key in _RENDER_ARGUMENTS:
             raise ConfigError(f"{name}: {key!r} is an argument of apply_chat_template, not a template option")
     return dict(kwargs)
+
+
+def parse_template_kwargs(text: str | None, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Template options given on a command line as a JSON object (`'{"thinking": true}'`); checked."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} must be a JSON object, got {text!r} ({e.msg})") from None
+    return check_template_kwargs(kwargs, name)
 
 
 @dataclass
@@ -217,6 +229,35 @@ class ChatEncoder:
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def think_markers(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Kimi, Qwen3, DeepSeek-R1)."""
+    vocab = tokenizer.get_vocab()
+    ids = vocab.get("<think>"), vocab.get("</think>")
+    return ids if None not in ids else None  # type: ignore[return-value]
+
+
+def split_reasoning(prompt: list[int], reply: list[int], think: tuple[int, int] | None) -> tuple[list[int] | None, list[int]]:
+    """(reasoning tokens or None, answer tokens) of a reply, split on the template's think markers.
+
+    The reply is reasoning until `</think>` when the prompt leaves a think block open (Kimi's and
+    DeepSeek-R1's generation prompts end inside one) or the reply opens one; with no `</think>`
+    (a reply cut while thinking) it is all reasoning. Without markers it is all answer.
+    """
+    if think is None:
+        return None, reply
+    open_id, close_id = think
+    last = lambda ids, t: max((i for i, x in enumerate(ids) if x == t), default=-1)  # noqa: E731
+    inside = last(prompt, open_id) > last(prompt, close_id)
+    if not inside and reply[:1] == [open_id]:
+        inside, reply = True, reply[1:]
+    if not inside:
+        return None, reply
+    if close_id not in reply:
+        return reply, []
+    end = reply.index(close_id)
+    return reply[:end], reply[end + 1 :]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

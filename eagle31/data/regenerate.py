@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from eagle31.config import ConfigError
+from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.sources import Conversation, Tally
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 
@@ -263,35 +264,6 @@ class _RowSeededSampling:
             logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
         uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in self.generators])
         return logits - torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
-
-
-def think_markers(tokenizer) -> tuple[int, int] | None:
-    """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Kimi, Qwen3, DeepSeek-R1)."""
-    vocab = tokenizer.get_vocab()
-    ids = vocab.get("<think>"), vocab.get("</think>")
-    return ids if None not in ids else None  # type: ignore[return-value]
-
-
-def split_reasoning(prompt: list[int], reply: list[int], think: tuple[int, int] | None) -> tuple[list[int] | None, list[int]]:
-    """(reasoning tokens or None, answer tokens) of a reply, split on the template's think markers.
-
-    The reply is reasoning until `</think>` when the prompt leaves a think block open (Kimi's and
-    DeepSeek-R1's generation prompts end inside one) or the reply opens one; with no `</think>`
-    (a reply cut while thinking) it is all reasoning. Without markers it is all answer.
-    """
-    if think is None:
-        return None, reply
-    open_id, close_id = think
-    last = lambda ids, t: max((i for i, x in enumerate(ids) if x == t), default=-1)  # noqa: E731
-    inside = last(prompt, open_id) > last(prompt, close_id)
-    if not inside and reply[:1] == [open_id]:
-        inside, reply = True, reply[1:]
-    if not inside:
-        return None, reply
-    if close_id not in reply:
-        return reply, []
-    end = reply.index(close_id)
-    return reply[:end], reply[end + 1 :]
 
 
 class _Transient(Exception):

@@ -133,7 +133,7 @@ def test_sampling_is_seeded_per_request_and_differs_from_greedy(tiny_target):
 
 
 def test_hf_replies_split_reasoning_on_the_templates_think_markers(kimi_tok):
-    from eagle31.data.regenerate import split_reasoning, think_markers
+    from eagle31.data.chat import split_reasoning, think_markers
 
     think = think_markers(kimi_tok)
     ids = lambda text: kimi_tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731

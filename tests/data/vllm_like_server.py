@@ -26,7 +26,7 @@ Spec (a JSON file, the first argument): `tokenizer` (a directory), `model` (serv
 `max_model_len`, `reasoning_parser` (null or a vLLM parser name), `reasoning_field`,
 `latency_s` (sleep per request), `refuse_parameter` (a request field answered with a 400
 naming it, as a server that does not support it), `answer_words` (filler words).
-`POST /control` changes `latency_s` or `refuse_parameter`, or with `down_s` closes the port
+`POST /control` changes spec fields, zeroes the counts (`reset_stats`), or with `down_s` closes the port
 for that long and reopens it (a server restart); `GET /stats` gives request counts and the
 most requests ever in flight. The project side starts it with `VLLMLikeServer`.
 """
@@ -139,6 +139,8 @@ def serve(spec_path: str) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/control":
                 down = body.pop("down_s", 0)
+                if body.pop("reset_stats", False):
+                    state.requests = state.completed = state.max_in_flight = 0
                 spec.update(body)
                 self._send(200, {"ok": True})
                 if down:
