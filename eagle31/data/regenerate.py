@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import threading
 import time
 import urllib.error
@@ -566,6 +567,36 @@ class _Stopped(Exception):
     """Another request failed; this conversation is not asked further."""
 
 
+class _DaemonPool:
+    """`workers` daemon threads running submitted calls: unlike ThreadPoolExecutor's, an interrupted
+    run exits at once instead of waiting at interpreter exit for requests still in flight."""
+
+    def __init__(self, workers: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        """Stop each thread after its current call; calls not started are cancelled."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller raises it
+                    future.set_exception(e)
+
+
 def regenerate(
     conversations: Iterable[Conversation],
     backend,
@@ -610,7 +641,7 @@ def regenerate(
             progress(len(shard.conversations))
 
     pending: dict[Future, tuple[_Shard, int]] = {}
-    pool = ThreadPoolExecutor(max_workers=backend.workers, thread_name_prefix="regenerate")
+    pool = _DaemonPool(backend.workers)
     try:
         while True:
             while len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None:
@@ -634,9 +665,11 @@ def regenerate(
         flush(end=True)  # shards that needed no request (every conversation dropped before asking)
     except BaseException:
         gate.stop.set()
+        for future in pending:
+            future.cancel()
         raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.close()
     return counts
 
 
