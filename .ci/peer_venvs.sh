@@ -19,7 +19,7 @@ DEPS=(pydantic msgspec cachetools cbor2 psutil pyzmq aiohttp requests openai ope
       fastapi uvicorn starlette sentencepiece regex blake3 py-cpuinfo tqdm pyyaml einops
       prometheus_client partial-json-parser pybase64 cloudpickle safetensors numpy pillow jinja2
       setproctitle tiktoken huggingface_hub tokenizers protobuf ijson python-json-logger
-      xgrammar==0.2.8 mistral_common jsonschema pydantic_extra_types pycountry orjson)
+      xgrammar==0.2.8 mistral_common jsonschema pydantic_extra_types pycountry orjson uvloop)
 for v in "${VERSIONS[@]}"; do
   venv="$PEERS/vllm-$v"
   stamp="$venv/.eagle31-ready"

@@ -552,7 +552,11 @@ class _FirstRequestGate:
             with self._lock:
                 if not self.open.is_set():
                     self._check()
-                    reply = complete(messages, seed)
+                    try:
+                        reply = complete(messages, seed)
+                    except BaseException:
+                        self.stop.set()  # the requests waiting here are not sent
+                        raise
                     self.open.set()
                     return reply
         self._check()
@@ -644,7 +648,7 @@ def regenerate(
     pool = _DaemonPool(backend.workers)
     try:
         while True:
-            while len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None:
+            while not gate.stop.is_set() and len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None:
                 pending[pool.submit(run, *job)] = job
             if not pending:
                 break
@@ -652,8 +656,9 @@ def regenerate(
             failure = None
             for future in done:
                 shard, i = pending.pop(future)
-                if future.exception() is not None:  # stops the run: this shard is never written
-                    failure = failure or future.exception()
+                if future.exception() is not None:  # this shard is never written
+                    if not isinstance(future.exception(), _Stopped):  # the cause (stopped ones follow it)
+                        failure = failure or future.exception()
                     continue
                 shard.outcomes[i] = future.result()
                 shard.left -= 1
@@ -662,6 +667,8 @@ def regenerate(
             flush()
             if failure is not None:
                 raise failure
+        if gate.stop.is_set():  # every failure was a stopped conversation: cannot happen without a cause
+            raise RegenerateError("regeneration stopped")
         flush(end=True)  # shards that needed no request (every conversation dropped before asking)
     except BaseException:
         gate.stop.set()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle31.cli import recipe_main
 from eagle31.data.chat import ChatEncoder
 from eagle31.data.regenerate import (
     EndpointBackend,
@@ -61,6 +62,16 @@ def chats(*turns_per_conversation: list[str]) -> list[Conversation]:
             messages += [{"role": "user", "content": u}, {"role": "assistant", "content": "an answer from another model"}]
         out.append(Conversation(messages, where=f"chats.jsonl:{n + 1}"))
     return out
+
+
+def load_cli():
+    """data_prep/regenerate.py as a module (its `main` and `RECIPES`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate_cli", ROOT / "data_prep" / "regenerate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
 
 
 def run(conversations, backend, out, settings):
@@ -150,7 +161,7 @@ def test_only_the_context_length_error_counts_as_too_long(srv, tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["unknown_parameter", "max_tokens_over_the_context"])
-def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(srv, tmp_path, problem):
+def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(srv, tmp_path, problem, capsys):
     good = Settings(max_new_tokens=60, shard_size=1, chat_template_kwargs=THINKING)
     settings = good
     if problem == "unknown_parameter":
@@ -167,6 +178,15 @@ def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(
         regenerate(conversations, EndpointBackend(srv.url, settings, concurrency=4), out, settings)
     assert srv.stats()["requests"] - before == 1  # stopped at the first request
     assert not list((out / "conversations").iterdir()) and not list((out / "stats").iterdir())
+    if problem == "unknown_parameter":  # the command line: one line, exit code 2, no shard
+        source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c.messages} for c in conversations])
+        args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'cli'}", f"regenerate.source={source}",
+                "regenerate.backend=endpoint", f"regenerate.endpoint={srv.url}", "regenerate.max_new_tokens=60"]  # fmt: skip
+        cli = load_cli()
+        assert recipe_main(cli.main, cli.RECIPES, args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("regenerate (rank")]
+        assert len(err) == 1 and "the server refused a request with HTTP 400: Unsupported request parameter: seed" in err[0]
+        assert not list((tmp_path / "cli" / "regenerated" / "conversations").iterdir())
 
     srv.control(refuse_parameter=None)  # the server fixed (or the setting): nothing was skipped for good
     counts, records, report = run(conversations, EndpointBackend(srv.url, good), tmp_path / "fixed", good)
@@ -191,7 +211,7 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
     import threading
 
     threading.Timer(1.75, lambda: srv.control(down_s=4.0)).start()  # goes down mid-run, for longer than the window
-    with pytest.raises(RegenerateError, match=r"failed 2 times over"):
+    with pytest.raises(RegenerateError, match=r"failed \d+ times over \d+ s: URLError: .*Connection refused"):
         regenerate(conversations, impatient, out, settings)
     written = sorted(p.name for p in (out / "conversations").iterdir())
     assert 0 < len(written) < 3
@@ -215,13 +235,11 @@ def test_one_pool_keeps_concurrency_requests_in_flight_across_shards(srv, tmp_pa
 
 
 def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, tmp_path):
-    from eagle31.cli import recipe_main
-
     srv.control(latency_s=0.5)
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c.messages} for c in chats(*[[f"question {i}", "more?"] for i in range(24)])])
     args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'run'}", f"regenerate.source={source}", "regenerate.backend=endpoint",
             f"regenerate.endpoint={srv.url}", "regenerate.shard_size=2", "regenerate.concurrency=4", "regenerate.max_new_tokens=60",
-            f"data.system_prompt={SYSTEM_PROMPT}"]  # fmt: skip
+            f"data.system_prompt='{SYSTEM_PROMPT}'"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -234,12 +252,7 @@ def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, 
     written = len(list(shards.glob("*.jsonl")))
     assert 2 <= written < 12
 
-    script = ROOT / "data_prep" / "regenerate.py"
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("regenerate_cli", script)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_cli()
     assert recipe_main(cli.main, cli.RECIPES, args) == 0
     report = json.loads((tmp_path / "run" / "regenerated" / "report.json").read_text())
     assert report["complete"] and report["conversations_in"] == 24 and report["conversations_out"] == 24
