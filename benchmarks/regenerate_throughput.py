@@ -1,11 +1,12 @@
 """Regeneration throughput against a server with a fixed per-request latency.
 
-    python -m benchmarks.regenerate_throughput                       # concurrency 1, 16, 64, 256; latency 4 s
+    python -m benchmarks.regenerate_throughput                       # concurrency 1, 16, 64, 256; latency 8 s
     python -m benchmarks.regenerate_throughput concurrency=1,4 latency_s=0.05 waves=2 out=/tmp/rt
 
 The server is tests/data/vllm_like_server.py under the vLLM 0.33.0 venv (vLLM's own request
 validation and response models, the Kimi chat template and vLLM's kimi_k2 reasoning parser), each
-request held `latency_s` seconds, as an engine decoding a reply would. For each concurrency `c`,
+reply sent `latency_s` seconds after its request arrived (the server's processing included), as
+an engine decoding a reply would. For each concurrency `c`,
 `regenerate` (`EndpointBackend`, `c` requests in flight) answers `c * waves / 2` two-turn
 conversations (`c * waves` requests) into a fresh directory, shards of 64; the ideal is `c /
 latency_s` requests per second, and the ratio to it is the efficiency (its goal at 256: >= 0.9). The
@@ -31,7 +32,8 @@ from eagle31.data.sources import Conversation, Tally
 from eagle31.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = {"concurrency": "1,16,64,256", "latency_s": "4.0", "waves": "16", "out": str(ROOT / "benchmarks" / "results"), "python": ""}
+DEFAULTS = {"concurrency": "1,16,64,256", "latency_s": "8.0", "waves": "12", "out": str(ROOT / "benchmarks" / "results"), "python": "",
+            "reasoning_parser": "kimi_k2"}
 THINKING = {"thinking": True, "preserve_thinking": True}
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
         work = Path(tmp)
         build_kimi_tokenizer().save_pretrained(work / "tokenizer")
         spec = {"tokenizer": str(work / "tokenizer"), "model": "kimi-k2.6-test", "max_model_len": 4096,
-                "reasoning_parser": "kimi_k2", "latency_s": latency_s}  # fmt: skip
+                "reasoning_parser": args["reasoning_parser"] or None, "latency_s": latency_s}  # fmt: skip
         with VLLMLikeServer(python, spec, work) as server:
             results = []
             for c in concurrencies:
@@ -115,6 +117,7 @@ def main(argv: list[str]) -> int:
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     result = {
         "settings": {"latency_s": latency_s, "waves": waves, "max_new_tokens": 64, "shard_size": 64,
+                     "reasoning_parser": args["reasoning_parser"] or None,
                      "server": {"vllm": vllm, "cpu_count": os.cpu_count(), "python": platform.python_version()},
                      "command": "python -m benchmarks.regenerate_throughput " + " ".join(argv)},  # fmt: skip
         "results": results,

@@ -24,7 +24,7 @@ cut at `max_tokens` (`finish_reason: "length"`).
 
 Spec (a JSON file, the first argument): `tokenizer` (a directory), `model` (served name),
 `max_model_len`, `reasoning_parser` (null or a vLLM parser name), `reasoning_field`,
-`latency_s` (sleep per request), `refuse_parameter` (a request field answered with a 400
+`latency_s` (the time from a request's arrival to its reply), `refuse_parameter` (a request field answered with a 400
 naming it, as a server that does not support it), `answer_words` (filler words).
 `POST /control` changes spec fields, zeroes the counts (`reset_stats`), or with `down_s` closes the port
 for that long and reopens it (a server restart); `GET /stats` gives request counts and the
@@ -131,11 +131,13 @@ def serve(spec_path: str) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": spec["model"], "object": "model"}]})
             elif self.path == "/stats":
-                self._send(200, {"requests": state.requests, "completed": state.completed, "max_in_flight": state.max_in_flight})
+                self._send(200, {"requests": state.requests, "completed": state.completed, "max_in_flight": state.max_in_flight,
+                                 "cpu_s": time.process_time()})  # fmt: skip
             else:
                 self._send(404, {"error": {"message": "not found"}})
 
         def do_POST(self):
+            arrived = time.monotonic()
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/control":
                 down = body.pop("down_s", 0)
@@ -152,8 +154,9 @@ def serve(spec_path: str) -> None:
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
-                time.sleep(spec.get("latency_s", 0))
                 code, obj = complete(body)
+                # the reply leaves latency_s after the request came, its own processing included
+                time.sleep(max(0.0, spec.get("latency_s", 0) - (time.monotonic() - arrived)))
             finally:
                 with state.lock:
                     state.in_flight -= 1
