@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.regenerate_throughput import main
 from tests.peers import peer_python
 
 
+@pytest.mark.slow  # starts the vLLM-like server (~20 s)
 def test_benchmark_runs_at_tiny_size(tmp_path):
     python = peer_python("0.33.0")
     assert main(["concurrency=1,4", "latency_s=0.05", "waves=4", f"out={tmp_path}", f"python={python}"]) == 0

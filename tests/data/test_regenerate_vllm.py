@@ -32,6 +32,7 @@ from tests.data.chat_helpers import supervised_spans, write_jsonl
 from tests.data.vllm_like_server import VLLMLikeServer
 from tests.peers import peer_python
 
+pytestmark = pytest.mark.slow  # a vLLM process to start (~20 s on 2 cores), a killed run, restarts: ~100 s in all
 ROOT = Path(__file__).resolve().parents[2]
 THINKING = {"thinking": True, "preserve_thinking": True}  # recipe=kimi_k26's data.chat_template_kwargs
 SYSTEM_PROMPT = "You are a careful assistant."
