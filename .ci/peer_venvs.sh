@@ -15,12 +15,14 @@ mkdir -p "$WHEELS"
 declare -A TRANSFORMERS=([0.22.0]="5.10.4" [0.33.0]="5.20.2")
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(0.22.0 0.33.0)
-# what vllm's config, protocol and registry modules import (their ImportErrors name them)
+# what vllm's config, protocol and registry modules import (their ImportErrors name them); uvloop:
+# VllmConfig (get_rope needs one current); llguidance: 0.33 imports it there; xgrammar, mistral_common,
+# jsonschema, pydantic_extra_types, pycountry, orjson: the kimi_k2 reasoning parser and the API helpers
 DEPS=(pydantic msgspec cachetools cbor2 psutil pyzmq aiohttp requests openai openai-harmony gguf
       fastapi uvicorn starlette sentencepiece regex blake3 py-cpuinfo tqdm pyyaml einops
       prometheus_client partial-json-parser pybase64 cloudpickle safetensors numpy pillow jinja2
       setproctitle tiktoken huggingface_hub tokenizers protobuf ijson python-json-logger
-      uvloop "llguidance<1.8")  # uvloop: VllmConfig (get_rope needs one current); llguidance: 0.33 imports it there
+      xgrammar==0.2.8 mistral_common jsonschema pydantic_extra_types pycountry orjson uvloop "llguidance<1.8")
 for v in "${VERSIONS[@]}"; do
   venv="$PEERS/vllm-$v"
   stamp="$venv/.eagle31-ready"  # holds the package list it was built with

@@ -3,15 +3,20 @@
     python data_prep/regenerate.py recipe=smollm2_135m
     python data_prep/regenerate.py recipe=demo regenerate.source=chats.jsonl regenerate.max_new_tokens=128
     torchrun --nproc-per-node 8 data_prep/regenerate.py recipe=llama31_8b regenerate.source=sharegpt:
-    # a served target (vLLM / SGLang, OpenAI-compatible; OPENAI_API_KEY is sent when set)
+    # a served target (vLLM / SGLang, OpenAI-compatible; OPENAI_API_KEY is sent when set); README shows
+    # the `vllm serve` line for Kimi K2.6 with its reasoning parser
     python data_prep/regenerate.py recipe=kimi_k26 regenerate.backend=endpoint \
-        regenerate.endpoint=http://localhost:8000/v1 regenerate.source=sharegpt:
+        regenerate.endpoint=http://localhost:8000/v1 regenerate.source=sharegpt: \
+        regenerate.max_new_tokens=16384 regenerate.concurrency=256
 
 Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the target
 (`target.builtin` / `target.path` in this process, or the endpoint) for every assistant
-turn, turn by turn, and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+turn, turn by turn, with `data.system_prompt` and `data.chat_template_kwargs` (the prompt
+training renders), and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
 `conversations/` is the `data.source` of the next step. Rerunning resumes: finished
-shards are kept. Bad settings stop with one line and exit code 2 before any model loads.
+shards are kept. Bad settings, and a server refusing requests, stop with one line and
+exit code 2 before any shard is written; a server still down after
+`regenerate.restart_window_s` stops with exit code 1 (rerun to resume).
 """
 
 import sys
@@ -23,6 +28,7 @@ from tqdm import tqdm
 
 from eagle31.cli import recipe_main
 from eagle31.config import ConfigError
+from eagle31.data.chat import check_template_kwargs
 from eagle31.data.regenerate import (
     EndpointBackend,
     HFBackend,
@@ -46,12 +52,13 @@ def main(cfg) -> None:
         raise ConfigError("regenerate.backend=endpoint needs regenerate.endpoint (e.g. http://localhost:8000/v1)")
     if r.max_conversations is not None and r.max_conversations < 1:
         raise ConfigError(f"regenerate.max_conversations must be >= 1 or null, got {r.max_conversations}")
+    # the prompt training renders: data.system_prompt and data.chat_template_kwargs
     template_kwargs = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
+    template_kwargs = check_template_kwargs(OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None)
     settings = Settings(
         max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
-        temperature=r.temperature, top_p=r.top_p,
-        seed=r.seed, shard_size=r.shard_size,
-        chat_template_kwargs=OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None,
+        temperature=r.temperature, top_p=r.top_p, seed=r.seed, shard_size=r.shard_size,
+        chat_template_kwargs=template_kwargs or None, system_prompt=cfg.data.system_prompt, on_length=r.on_length,
     )  # fmt: skip
     check_sources(sources)
     world = init_world(r.device if r.backend == "hf" else "cpu")
@@ -70,7 +77,10 @@ def main(cfg) -> None:
         if r.backend == "hf":
             backend = HFBackend(target, settings, device=str(world.device), batch_size=r.batch_size)
         else:
-            backend = EndpointBackend(r.endpoint, settings, model=r.model, concurrency=r.concurrency)
+            backend = EndpointBackend(
+                r.endpoint, settings, model=r.model, concurrency=r.concurrency, timeout_s=r.timeout_s,
+                retries=r.retries, backoff_s=r.backoff_s, restart_window_s=r.restart_window_s,
+            )  # fmt: skip
         rejects = Tally()
         conversations = list(islice(read_conversations(sources, rejects), r.max_conversations))
         if not conversations:
@@ -87,7 +97,8 @@ def main(cfg) -> None:
             report = write_report(r.output_dir, rejects, len(conversations))
             print(
                 f"regenerated {report['conversations_out']} of {report['conversations_in']} conversations "
-                f"({report['turns']} replies, {report['replies_cut']} cut at max_new_tokens) into {r.output_dir}/conversations; "
+                f"({report['turns']} replies, {report['reasoning_turns']} with reasoning, {report['replies_cut']} cut at "
+                f"max_new_tokens, on_length={settings.on_length}) into {r.output_dir}/conversations; "
                 f"this run wrote {counts['written']} shards, kept {counts['skipped']}"
             )
             for kind in ("dropped", "truncated"):

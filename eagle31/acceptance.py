@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eagle31.config import ConfigError
-from eagle31.data.chat import check_template_kwargs
+from eagle31.data.chat import parse_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.recipe import DrafterFormat
@@ -210,13 +210,7 @@ class AcceptanceConfig:
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        if not self.chat_template_kwargs:
-            return {}
-        try:
-            kwargs = json.loads(self.chat_template_kwargs)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r} ({e.msg})") from None
-        return check_template_kwargs(kwargs, "chat_template_kwargs")
+        return parse_template_kwargs(self.chat_template_kwargs)
 
     @property
     def drafters(self) -> dict[str, str]:

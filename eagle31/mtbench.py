@@ -44,6 +44,7 @@ from eagle31.acceptance import (
     tree_spec,
 )
 from eagle31.config import ConfigError
+from eagle31.data.chat import parse_template_kwargs, split_reasoning, think_markers
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
@@ -71,6 +72,9 @@ class MTBenchConfig:
     system_prompt: str | None = None  # a system message before turn 1 (e.g. one unseen in training)
     history: str | None = None  # conversations (any source eagle31.data.sources reads) placed before each question
     history_tokens: int = 2048  # with `history`: at least this many tokens of earlier turns per question
+    # the recipe's data.chat_template_kwargs as a JSON object ('{"thinking": true, "preserve_thinking": true}'):
+    # the prompts then render as training did
+    chat_template_kwargs: str | None = None
     drafter_format: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -79,11 +83,16 @@ class MTBenchConfig:
     def __post_init__(self) -> None:
         check_positive(self, ("max_new_tokens", "max_per_category", "history_tokens"))
         self.modes  # raises on bad ks or tree_* values
+        self.template_kwargs  # raises on a malformed chat_template_kwargs
         check_model_dirs(self.target, self.drafters)
 
     @property
     def drafters(self) -> dict[str, str]:
         return _labelled_paths("drafter", self.drafter)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return parse_template_kwargs(self.chat_template_kwargs)
 
     @property
     def modes(self) -> dict[str, tuple[int | None, TreeSpec | None]]:
@@ -140,8 +149,10 @@ def long_histories(tokenizer, conversations: Sequence[Conversation], count: int,
     return histories
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -164,25 +175,33 @@ def trace_mt_bench(
     eos_token_ids: Sequence[int] = (),
     system_prompt: str | None = None,
     histories: Sequence[list[dict]] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[MTBenchTurn]:
     """Both turns of every question, decoded once by the target; turn `j` sees its answers to turns < j.
 
     `histories[i]`, when given, comes before question `i`'s first turn (after the system prompt).
+    `template_kwargs` go to every render (Kimi's `thinking`, ...); an answer's reasoning, split on the
+    template's think markers, goes back into the history as `reasoning_content`, as regeneration stores it.
     Each trace runs `draft_len` tokens past `max_new_tokens`, as far as a last round may draft.
     """
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
+    think = think_markers(tokenizer)
     turns = []
     for i, q in enumerate(questions):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages += histories[i] if histories else []
         for turn in q.turns:
             messages.append({"role": "user", "content": turn})
-            prompt = torch.tensor(render(tokenizer, messages), device=device)
+            prompt_ids = render(tokenizer, messages, template_kwargs=template_kwargs)
+            prompt = torch.tensor(prompt_ids, device=device)
             trace = greedy_trace(target, prompt, aux_layer_ids=aux_layer_ids, length=max_new_tokens + draft_len)
             turns.append(MTBenchTurn(q.category, trace))
             answer = [t for t in cut_generation(trace.continuation, max_new_tokens, eos) if t not in eos]
+            reasoning, answer = split_reasoning(prompt_ids, answer, think)
             messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+            if reasoning:
+                messages[-1]["reasoning_content"] = tokenizer.decode(reasoning, skip_special_tokens=True)
     return turns
 
 
@@ -244,6 +263,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
             traces[aux_ids] = trace_mt_bench(
                 target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,
                 draft_len=draft_len, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+                template_kwargs=config.template_kwargs,
             )  # fmt: skip
             target_seconds += time.perf_counter() - start
         for mode, (k, tree) in modes.items():
@@ -264,6 +284,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         "max_new_tokens": config.max_new_tokens,
         "max_per_category": config.max_per_category,
         "system_prompt": config.system_prompt,
+        "chat_template_kwargs": config.template_kwargs,
         "history": portable_path(config.history) if config.history else None,
         "history_tokens": config.history_tokens if config.history else None,
         "verification": "replayed on the target's greedy decoding of each turn",

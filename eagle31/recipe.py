@@ -82,6 +82,11 @@ class RegenerateBackend(StrEnum):
     endpoint = "endpoint"  # an OpenAI-compatible server (vLLM, SGLang)
 
 
+class OnLength(StrEnum):
+    drop = "drop"  # a reply cut at max_new_tokens ends its conversation before that turn
+    keep = "keep"  # kept, its end of turn unsupervised; the conversation ends with it
+
+
 class AttentionBackend(StrEnum):
     auto = "auto"
     flash = "flash"
@@ -177,7 +182,8 @@ class RegenerateConfig:
     max_conversations: Optional[int] = None  # the first N readable conversations of the source
     max_turns: Optional[int] = None  # user turns kept per conversation
     max_prompt_tokens: Optional[int] = None  # hf: longer prompts are not answered (counted prompt_too_long)
-    max_new_tokens: int = 256  # per reply
+    max_new_tokens: int = 256  # per reply, reasoning included (a thinking model needs thousands)
+    on_length: OnLength = OnLength.drop  # a reply cut at max_new_tokens (counted either way)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
@@ -187,7 +193,11 @@ class RegenerateConfig:
     device: Device = Device.auto  # hf backend
     endpoint: Optional[str] = None  # e.g. http://localhost:8000/v1 (backend=endpoint)
     model: Optional[str] = None  # the served model's name; default the server's first
-    concurrency: int = 16  # requests in flight (endpoint)
+    concurrency: int = 16  # requests in flight (endpoint), across conversations and shards
+    timeout_s: float = 1800.0  # per request (endpoint): a long thinking reply takes minutes
+    retries: int = 3  # retries of a request failing with a connection error, time-out, 5xx or 429
+    backoff_s: float = 1.0  # the first retry's wait, doubled each retry (at most 30 s)
+    restart_window_s: float = 900.0  # retries go on while the server has been failing for less than this
 
 
 @dataclass

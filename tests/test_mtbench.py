@@ -167,3 +167,14 @@ def test_long_histories_reach_the_length_and_alternate():
     assert histories[1][0]["content"] == "list the sum"  # question i starts at conversation i (cyclically)
     with pytest.raises(ConfigError, match="shorter than history_tokens=500"):
         long_histories(tok, convs, count=1, min_tokens=500)
+
+
+def test_prompts_render_with_the_template_kwargs_and_bad_ones_are_refused(kimi_tok, tmp_path):
+    from eagle31.mtbench import render
+
+    messages = [{"role": "user", "content": "Hi"}]
+    assert kimi_tok.decode(render(kimi_tok, messages)).endswith("<think>")
+    assert kimi_tok.decode(render(kimi_tok, messages, template_kwargs={"thinking": False})).endswith("<think></think>")
+    with pytest.raises(ConfigError, match="chat_template_kwargs must be a JSON object"):
+        MTBenchConfig(drafter=str(tmp_path), target=str(tmp_path), chat_template_kwargs="{thinking: true}")
+

@@ -35,6 +35,7 @@ BAD_CHOICES = [
     ("drafter.attention=gqa", "drafter.attention"),
     ("regenerate.backend=grpc", "regenerate.backend"),
     ("regenerate.device=tpu", "regenerate.device"),
+    ("regenerate.on_length=truncate", "regenerate.on_length"),
     ("train.attention=bogus", "train.attention"),
     ("train.device=tpu", "train.device"),
     ("train.precision=fp8", "train.precision"),

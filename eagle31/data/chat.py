@@ -37,6 +37,10 @@ A conversation that still disagrees with its prefixes raises
 `ChatTemplateError("unstable_template")` and is dropped, never given a guessed mask;
 a template that fails on it raises `ChatTemplateError("template_error")`.
 
+An assistant message with `finish_reason: "length"` is a reply cut at its token limit: the
+special and whitespace tokens the template closes it with (`</think>`, the end-of-turn
+token) were never generated and are not supervised.
+
 `last_turn_only` supervises only the last assistant message. `system_prompt` is
 added as the first message of conversations that have no system message.
 `template_kwargs` are passed to every render: template options such as Kimi
@@ -45,6 +49,7 @@ K2.6's `preserve_thinking`/`thinking` or Qwen3's `enable_thinking`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -71,6 +76,17 @@ def check_template_kwargs(kwargs: Any, name: str = "data.chat_template_kwargs") 
         if key in _RENDER_ARGUMENTS:
             raise ConfigError(f"{name}: {key!r} is an argument of apply_chat_template, not a template option")
     return dict(kwargs)
+
+
+def parse_template_kwargs(text: str | None, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Template options given on a command line as a JSON object (`'{"thinking": true}'`); checked."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} must be a JSON object, got {text!r} ({e.msg})") from None
+    return check_template_kwargs(kwargs, name)
 
 
 @dataclass
@@ -126,6 +142,8 @@ class ChatEncoder:
             start = self._turn_start(messages, j, tools, full)
             end = len(full) if j == len(messages) - 1 else self._turn_end(messages, j, tools, full)
             end = self._trim_glue(full, start, end)
+            if messages[j].get("finish_reason") == "length":
+                end = self._trim_closing(full, start, end)
             mask[start:end] = [1] * (end - start)
         return full, mask
 
@@ -192,6 +210,12 @@ class ChatEncoder:
             k -= 1
         return k if k < end and k > start and ids[k - 1] in self._special_ids else end
 
+    def _trim_closing(self, ids: list[int], start: int, end: int) -> int:
+        """`end` moved before the special and whitespace tokens that close a cut turn (`</think>`, end of turn)."""
+        while end > start and (ids[end - 1] in self._special_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()):
+            end -= 1
+        return end
+
     # ---------------------------------------------------------- template
 
     def _render(self, messages: list[dict], tools: Any, *, generation_prompt: bool) -> str:
@@ -205,6 +229,35 @@ class ChatEncoder:
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def think_markers(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Kimi, Qwen3, DeepSeek-R1)."""
+    vocab = tokenizer.get_vocab()
+    ids = vocab.get("<think>"), vocab.get("</think>")
+    return ids if None not in ids else None  # type: ignore[return-value]
+
+
+def split_reasoning(prompt: list[int], reply: list[int], think: tuple[int, int] | None) -> tuple[list[int] | None, list[int]]:
+    """(reasoning tokens or None, answer tokens) of a reply, split on the template's think markers.
+
+    The reply is reasoning until `</think>` when the prompt leaves a think block open (Kimi's and
+    DeepSeek-R1's generation prompts end inside one) or the reply opens one; with no `</think>`
+    (a reply cut while thinking) it is all reasoning. Without markers it is all answer.
+    """
+    if think is None:
+        return None, reply
+    open_id, close_id = think
+    last = lambda ids, t: max((i for i, x in enumerate(ids) if x == t), default=-1)  # noqa: E731
+    inside = last(prompt, open_id) > last(prompt, close_id)
+    if not inside and reply[:1] == [open_id]:
+        inside, reply = True, reply[1:]
+    if not inside:
+        return None, reply
+    if close_id not in reply:
+        return reply, []
+    end = reply.index(close_id)
+    return reply[:end], reply[end + 1 :]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

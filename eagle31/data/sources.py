@@ -21,7 +21,8 @@ top-level `system` string and `tools` (a list of tool schemas, or its JSON text)
 
 The canonical conversation has messages with `role` in system/user/assistant/tool
 and a string `content`. Assistant messages keep `reasoning_content` (read from
-`reasoning_content` or `reasoning`) and `tool_calls`; tool messages keep
+`reasoning_content` or `reasoning`), `tool_calls` and `finish_reason: "length"` (a reply cut at
+its token limit, whose end of turn the target never wrote); tool messages keep
 `tool_call_id`; any message keeps `name`. Everything else is dropped, and the
 chat template does the rest.
 
@@ -257,6 +258,8 @@ def _message(turn: Any) -> dict[str, Any]:
             message["reasoning_content"] = reasoning
         if turn.get("tool_calls"):
             message["tool_calls"] = turn["tool_calls"]
+        if turn.get("finish_reason") == "length":  # a reply cut at its token limit (regeneration's on_length=keep)
+            message["finish_reason"] = "length"
     if role == "tool" and turn.get("tool_call_id") is not None:
         message["tool_call_id"] = turn["tool_call_id"]
     return message

@@ -118,6 +118,17 @@ def test_kimi_preserve_thinking_supervises_every_reasoning(kimi_tok):
     assert supervised_spans(kimi_tok, ids, mask) == ["add them</think>4<|im_end|>"]
 
 
+@pytest.mark.parametrize("answer", ["Hel", ""])  # cut in the answer; cut while thinking
+def test_a_cut_reply_leaves_the_closing_tokens_unsupervised(kimi_tok, answer):
+    cut = {"role": "assistant", "content": answer, "reasoning_content": "greet them", "finish_reason": "length"}
+    conversation = to_conversation({"messages": [{"role": "user", "content": "Hi"}, cut]})
+    assert conversation.messages[-1]["finish_reason"] == "length"  # sources keeps the mark
+    ids, mask = ChatEncoder(kimi_tok, template_kwargs=K26).encode(conversation)
+    assert kimi_tok.decode(ids).endswith(f"<think>greet them</think>{answer}<|im_end|>")
+    # the target wrote neither the `</think>` nor the end of turn the template closes the reply with
+    assert supervised_spans(kimi_tok, ids, mask) == [f"greet them</think>{answer}" if answer else "greet them"]
+
+
 def test_kimi_history_reasoning_equal_to_the_final_one(kimi_tok):
     same = conv(
         {"role": "user", "content": "1+1?"},

@@ -60,8 +60,10 @@ def tiny_target(llama_tok, tmp_path_factory):
     return path
 
 
-def greedy_reply(model, tok, messages, max_new_tokens: int) -> str:
-    """The reference: the chat template, then one argmax step at a time, unbatched, to the eos or the limit."""
+def greedy_reply(model, tok, messages, max_new_tokens: int) -> tuple[str, bool]:
+    """The reference: the chat template, then one argmax step at a time, unbatched, to the eos or the limit.
+
+    Returns (text, cut at the limit)."""
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     new = []
@@ -70,9 +72,9 @@ def greedy_reply(model, tok, messages, max_new_tokens: int) -> str:
         for _ in range(max_new_tokens):
             nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
             if nxt == eos:
-                break
+                return tok.decode(new, skip_special_tokens=True), False
             new.append(nxt)
-    return tok.decode(new, skip_special_tokens=True)
+    return tok.decode(new, skip_special_tokens=True), True
 
 
 def run(conversations, backend, out, settings, **kw):
@@ -81,40 +83,67 @@ def run(conversations, backend, out, settings, **kw):
     return [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
 
 
-def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny_target, tmp_path):
+@pytest.mark.parametrize("on_length", ["drop", "keep"])
+def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny_target, tmp_path, on_length):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    settings = Settings(max_new_tokens=5, shard_size=2)
+    settings = Settings(max_new_tokens=2, shard_size=2, on_length=on_length)
     backend = HFBackend(tiny_target, settings, batch_size=3)
-    conversations = [conv("Hello there", "What is two plus two?"), conv("Tell me the weather", system=False), conv("Hi", "And?", "Bye")]
+    conversations = [conv("Hello there", "What is two plus two?"), conv("Tell me the weather", system=False),
+                     conv("Hi", "And?", "Bye"), conv("Hello", "Go on", "More")]  # fmt: skip
     records = run(conversations, backend, tmp_path / "out", settings)
 
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_target).eval(), AutoTokenizer.from_pretrained(tiny_target)
-    assert len(records) == 3
-    for record, original in zip(records, conversations):
+    expected_records, cuts = [], 0
+    for original in conversations:
         expected, users = [], [m for m in original.messages if m["role"] == "user"]
         if original.messages[0]["role"] == "system":
             expected.append(SYSTEM)
         for user in users:
-            expected.append(user)
             # turn j sees the regenerated replies of turns < j, never the dataset's
-            expected.append({"role": "assistant", "content": greedy_reply(model, tok, expected, 5)})
-            if len(tok(expected[-1]["content"], add_special_tokens=False)["input_ids"]) >= 5 and user != users[-1]:
-                break  # a reply cut at max_new_tokens ends the conversation
-        assert record["messages"] == expected
-        assert "original answer" not in json.dumps(record)
-        assert record["source"] == original.where
+            text, cut = greedy_reply(model, tok, expected + [user], 2)
+            cuts += cut
+            if cut and on_length == "drop":
+                break  # the conversation ends before a cut reply
+            expected += [user, {"role": "assistant", "content": text} | ({"finish_reason": "length"} if cut else {})]
+            if cut:
+                break  # kept, and the conversation ends with it
+        if any(m["role"] == "assistant" for m in expected):
+            expected_records.append({"messages": expected, "source": original.where})
+    assert 0 < cuts and records == expected_records
+    assert "original answer" not in json.dumps(records)
+    report = write_report(tmp_path / "out", Tally(), len(conversations))
+    assert report["replies_cut"] == cuts and report["conversations_out"] == len(expected_records)
+    if on_length == "drop":
+        lost = report["dropped"].get("reply_cut", {}).get("count", 0) + report["truncated"].get("reply_cut", {}).get("count", 0)
+        assert lost == cuts
 
 
-def test_sampling_is_seeded_and_differs_from_greedy(tiny_target, tmp_path):
+def test_sampling_is_seeded_per_request_and_differs_from_greedy(tiny_target):
     greedy = HFBackend(tiny_target, Settings(max_new_tokens=8))
     sampled = HFBackend(tiny_target, Settings(max_new_tokens=8, temperature=1.5))
     prompt = [[SYSTEM, {"role": "user", "content": "Hello there"}]] * 4
-    a, b, c = (sampled.generate(prompt, seed=s) for s in (1, 1, 2))
-    assert [r.text for r in a] == [r.text for r in b]
-    assert [r.text for r in a] != [r.text for r in c]
-    assert len({r.text for r in a}) > 1  # rows sample independently
-    assert len({r.text for r in greedy.generate(prompt)}) == 1
+    a, b, c = (sampled.generate(prompt, seeds) for seeds in ([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]))
+    assert [r.content for r in a] == [r.content for r in b]
+    assert [r.content for r in a] != [r.content for r in c]
+    assert len({r.content for r in a}) > 1  # rows sample independently
+    # a reply depends on its own seed, not on the batch it ran in
+    assert [sampled.complete(prompt[0], seed).content for seed in (3, 1)] == [a[2].content, a[0].content]
+    assert len({r.content for r in greedy.generate(prompt, [1, 2, 3, 4])}) == 1
+
+
+def test_hf_replies_split_reasoning_on_the_templates_think_markers(kimi_tok):
+    from eagle31.data.chat import split_reasoning, think_markers
+
+    think = think_markers(kimi_tok)
+    ids = lambda text: kimi_tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    opened = ids("<|im_assistant|>assistant<|im_middle|><think>")  # Kimi's generation prompt in thinking mode
+    closed = ids("<|im_assistant|>assistant<|im_middle|><think></think>")  # instant mode
+    assert split_reasoning(opened, ids("I add them.</think>Four."), think) == (ids("I add them."), ids("Four."))
+    assert split_reasoning(opened, ids("I add them and"), think) == (ids("I add them and"), [])  # cut while thinking
+    assert split_reasoning(closed, ids("Four."), think) == (None, ids("Four."))
+    assert split_reasoning(closed, ids("<think>Hm.</think>Four."), think) == (ids("Hm."), ids("Four."))  # opened by the reply
+    assert split_reasoning(opened, ids("Four."), None) == (None, ids("Four."))  # a template without markers
 
 
 def test_drops_and_truncations_are_counted(tiny_target, tmp_path):
@@ -140,25 +169,23 @@ def test_max_prompt_tokens_drops_long_first_prompts(tiny_target, tmp_path):
     backend = HFBackend(tiny_target, settings)
     short, long = [SYSTEM, {"role": "user", "content": "Hi"}], [SYSTEM, {"role": "user", "content": "Hi " * 8}]
     assert len(backend.prompt_ids(short)) <= 50 < len(backend.prompt_ids(long)) <= 96 - 2  # it fits the context
-    statuses = [r.status for r in backend.generate([long, short])]
+    statuses = [r.status for r in backend.generate([long, short], [0, 0])]
     assert statuses[0] == "too_long" and statuses[1] != "too_long"
 
 
 class KilledAt:
-    """Wraps a backend; raises, as a killed process stops, at the first call for shard `shard` (None: never).
+    """Wraps a backend; raises, as a killed process stops, at the first request of conversation
+    "Hello {at}" (None: never). Records the conversations asked."""
 
-    Records the shard of every call; regenerate_shard's seed is (settings.seed * 1_000_003 + shard) * 1009 + turn.
-    """
+    def __init__(self, backend, at=None):
+        self.backend, self.at, self.asked, self.workers = backend, at, [], 1
 
-    def __init__(self, backend, shard=None):
-        self.backend, self.shard, self.shards = backend, shard, []
-
-    def generate(self, prompts, seed=0):
-        shard = seed // 1009 % 1_000_003
-        if shard == self.shard:
+    def complete(self, messages, seed=0):
+        user = next(m["content"] for m in messages if m["role"] == "user")
+        if user == f"Hello {self.at}":
             raise KeyboardInterrupt("killed")
-        self.shards.append(shard)
-        return self.backend.generate(prompts, seed)
+        self.asked.append(user)
+        return self.backend.complete(messages, seed)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
@@ -171,12 +198,12 @@ def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_targ
     out = tmp_path / "killed"
     prepare_output(out, settings, {"sources": ["x"]})
     with pytest.raises(KeyboardInterrupt):
-        regenerate(conversations, KilledAt(backend, shard=1), out, settings)
+        regenerate(conversations, KilledAt(backend, at=2), out, settings)  # in shard 1
     assert sorted(p.name for p in (out / "conversations").iterdir()) == ["shard-00000.jsonl"]
     assert not write_report(out, Tally(), 5)["complete"]
     resumed_backend = KilledAt(backend)
     counts = regenerate(conversations, resumed_backend, out, settings)
-    assert counts == {"written": 2, "skipped": 1} and 0 not in resumed_backend.shards
+    assert counts == {"written": 2, "skipped": 1} and not {"Hello 0", "Hello 1"} & set(resumed_backend.asked)
     resumed = [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
     assert resumed == whole and write_report(out, Tally(), 5)["complete"]
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
@@ -345,14 +372,14 @@ def test_endpoint_backend_gives_the_same_conversations_as_the_hf_backend(tiny_ta
 def test_endpoint_retries_server_errors_then_fails_in_one_line(tiny_target):
     settings = Settings(max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
     with ChatServer(tiny_target) as server:
-        backend = EndpointBackend(server.url, settings, model="tiny-target", retries=1)
+        backend = EndpointBackend(server.url, settings, model="tiny-target", retries=1, backoff_s=0.01)
         server.fail_next = 1
-        [reply] = backend.generate([[{"role": "user", "content": "Hi"}]])
+        reply = backend.complete([{"role": "user", "content": "Hi"}])
         assert reply.status in ("ok", "cut") and len(server.requests) == 2
         assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
         server.fail_next = 5
-        with pytest.raises(RegenerateError, match=r"chat/completions failed 2 times: HTTP Error 503"):
-            backend.generate([[{"role": "user", "content": "Hi"}]])
+        with pytest.raises(RegenerateError, match=r"chat/completions failed 2 times over 0 s: HTTP 503: busy"):
+            backend.complete([{"role": "user", "content": "Hi"}])
 
 
 def test_an_endpoint_that_is_down_is_a_config_error():
