@@ -1,0 +1,414 @@
+"""Attention drift: per draft depth, where a drafter looks and how the state it feeds back grows.
+
+EAGLE 3.1's `fc_norm` and `norm_output` answer one observation: the deeper a draft, the more
+the drafter's attention leaves the sink tokens for the tokens it drafted itself, and the
+larger the unnormalised hidden state it feeds back. This module measures both on a drafter,
+for every draft depth k = 1..K, on the target's greedy continuation of each prompt
+(`eagle31.speculative.greedy_trace`), in two views:
+
+* `ttt`  — teacher-forced, the training view: the drafter's own unroll (`eagle31.ttt`) over the
+  prompt and continuation, every position from the last prompt token on a query;
+* `live` — the serving view: greedy speculative decoding with chains of K drafts, the target
+  replayed from the trace (`eagle31.speculative.ReplayedTarget`), every round's K steps.
+
+Per depth k (the step that makes the k-th draft of a chain; k = 1 reads the target's fused
+feature):
+
+    sink_mass, context_mass, own_mass   attention on the first `sink_tokens` positions of the
+                                        prompt, on the rest of the target's context, and on
+                                        the drafter's own draft keys; mean over queries and heads
+    *_mass_per_head                     the same per head (the spread across heads)
+    fed_rms                             RMS of the feature step k reads (k = 1: fc(fc_norm(aux)))
+    out_rms, out_norm_rms               RMS of the step's output o (pre-norm: what an EAGLE 3
+                                        drafter feeds step k+1) and of norm(o) (EAGLE 3.1's)
+    conditional_acceptance_rate         drafts k accepted among queries whose drafts 1..k-1 were
+
+RMS is per position over the hidden dimension, then averaged. In `ttt` a query's draft k is
+"accepted" when its argmax is the target's token there and so were its drafts 1..k-1 (its
+inputs are then the drafter's own, as in a live round); in `live` it is the acceptance of
+`eagle31.acceptance`.
+
+The probabilities are those of the attention the drafter runs: in `ttt` the unroll runs the
+reference backend (`eagle31.attention.reference_attention`) and hands them out; in `live` the
+proposer runs its own attention unchanged (`eagle31.drafting.DraftProbe` watches it) and the
+probabilities are computed from the exact query and keys it used by the reference's
+`attention_probabilities`, then checked against its output (`live_reconstruction_error`: the
+largest |probs @ V - attention output|). Neither view changes what the drafter drafts.
+
+`DriftConfig` holds the `key=value` arguments of `scripts/diagnose_drift.py`; `run_drift` loads
+everything and returns the report that `eagle31.drift_report` writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eagle31.acceptance import (
+    AcceptanceConfig,
+    AcceptanceStats,
+    _eos_ids,
+    _labelled_paths,
+    check_model_dirs,
+    check_positive,
+    load_drafters,
+    load_prompts,
+    share_target_embedding,
+)
+from eagle31.attention import attention_probabilities, segment_ids
+from eagle31.config import ConfigError
+from eagle31.drafting import EagleProposer
+from eagle31.model import DraftStep, Eagle31Drafter
+from eagle31.recipe import DrafterFormat
+from eagle31.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
+from eagle31.targets.cache import portable_path
+from eagle31.ttt import ttt_unroll
+
+VIEWS = ("ttt", "live")
+_MASSES = ("sink", "context", "own")
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] -> [...]: sqrt(mean(x^2)) over the hidden dimension, in float64."""
+    return x.double().pow(2).mean(-1).sqrt()
+
+
+@dataclass
+class DepthStats:
+    """Sums over the queries of one (drafter, split, view), per depth k = 1..`depth`."""
+
+    depth: int
+    heads: int
+    queries: list[int] = field(default_factory=list)  # [depth]
+    mass: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [depth, heads] summed over queries
+    fed_rms: list[float] = field(default_factory=list)
+    out_rms: list[float] = field(default_factory=list)
+    out_norm_rms: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # queries whose drafts 1..k-1 were accepted
+    accepted: list[int] = field(default_factory=list)  # ... and draft k too
+
+    def __post_init__(self) -> None:
+        for name in ("queries", "fed_rms", "out_rms", "out_norm_rms", "reached", "accepted"):
+            setattr(self, name, getattr(self, name) or [0] * self.depth)
+        self.mass = self.mass or {m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in _MASSES}
+
+    def add_attention(self, k: int, masses: dict[str, torch.Tensor]) -> None:
+        """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
+        self.queries[k - 1] += next(iter(masses.values())).shape[0]
+        for name, value in masses.items():
+            self.mass[name][k - 1] += value.double().sum(0).cpu()
+
+    def add_states(self, k: int, fed: torch.Tensor, out: torch.Tensor, out_norm: torch.Tensor) -> None:
+        """Depth k: each [Q, H] for the same Q queries as `add_attention`."""
+        self.fed_rms[k - 1] += float(rms(fed).sum())
+        self.out_rms[k - 1] += float(rms(out).sum())
+        self.out_norm_rms[k - 1] += float(rms(out_norm).sum())
+
+    def summary(self) -> dict[str, Any]:
+        n = [max(q, 1) for q in self.queries]
+        out: dict[str, Any] = {"queries": list(self.queries)}
+        for name, value in self.mass.items():
+            per_head = value / torch.tensor(n, dtype=torch.float64)[:, None]  # [depth, heads]
+            out[f"{name}_mass"] = per_head.mean(1).tolist()
+            out[f"{name}_mass_per_head"] = per_head.tolist()
+        for name in ("fed_rms", "out_rms", "out_norm_rms"):
+            out[name] = [s / q for s, q in zip(getattr(self, name), n)]
+        out["conditional_acceptance_rate"] = [a / max(r, 1) for a, r in zip(self.accepted, self.reached)]
+        out["reached"], out["accepted"] = list(self.reached), list(self.accepted)
+        return out
+
+
+def split_mass(probs: torch.Tensor, sink: torch.Tensor, own: torch.Tensor) -> dict[str, torch.Tensor]:
+    """probs [heads, Q, S] over S keys; sink, own [S] or [Q, S] bool (the rest is context) -> name -> [Q, heads]."""
+    sink_mass = (probs * sink).sum(-1)
+    own_mass = (probs * own).sum(-1)
+    total = probs.sum(-1)
+    return {"sink": sink_mass.T, "context": (total - sink_mass - own_mass).T, "own": own_mass.T}
+
+
+# ---------------------------------------------------------------------- the two views
+
+
+def draft_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids, depth: int, max_new_tokens: int):
+    """The target's greedy trace of every prompt, long enough for `max_new_tokens` and K-draft rounds."""
+    device = target.get_input_embeddings().weight.device
+    return [
+        greedy_trace(target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids,
+                     length=max_new_tokens + depth)
+        for p in prompts
+    ]  # fmt: skip
+
+
+@torch.no_grad()
+def ttt_view(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    pack_tokens: int = 2048,
+) -> DepthStats:
+    """Teacher-forced drift (module docstring). Traces are packed into rows of up to `pack_tokens` tokens
+    (a longer trace gets a row of its own); each document keeps its own positions from 0."""
+    stats = DepthStats(depth, drafter.config.num_attention_heads)
+    eos = set(eos_token_ids)
+    for pack in _packs(traces, pack_tokens):
+        _ttt_pack(drafter, pack, stats, depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=eos)
+    return stats
+
+
+def _packs(traces: Sequence[GreedyTrace], budget: int) -> list[list[GreedyTrace]]:
+    packs: list[list[GreedyTrace]] = [[]]
+    used = 0
+    for trace in traces:
+        n = trace.aux.shape[0]
+        if packs[-1] and used + n > budget:
+            packs.append([])
+            used = 0
+        packs[-1].append(trace)
+        used += n
+    return packs
+
+
+def _ttt_pack(drafter, pack: list[GreedyTrace], stats: DepthStats, *, depth, sink_tokens, max_new_tokens, eos) -> None:
+    dtype = drafter.fc.weight.dtype
+    device = drafter.fc.weight.device
+    # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
+    ids = torch.cat([t.tokens[:-1] for t in pack]).to(device)[None]
+    aux = torch.cat([t.aux for t in pack]).to(device, dtype)[None]
+    lengths = [t.aux.shape[0] for t in pack]
+    document_ids = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    T = ids.shape[1]
+    # queries: from each prompt's last token on, one per generated token (cut at EOS)
+    query = torch.zeros(T, dtype=torch.bool, device=device)
+    offset = 0
+    for trace, n in zip(pack, lengths):
+        generated = len(cut_generation(trace.continuation, max_new_tokens, eos))
+        query[offset + trace.prompt_len - 1 : offset + trace.prompt_len - 1 + generated] = True
+        offset += n
+    segments = segment_ids(document_ids, None, (1, T), device=device)
+    local = positions[0]
+    sink = local < sink_tokens  # [T] step-0 keys that are a document's first positions
+
+    def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, T, (1+k)*T], step-major keys
+        p = probs[0][:, query]  # [heads, Q, (1+k)*T]
+        keys_sink = torch.cat([sink, sink.new_zeros(k * T)])
+        keys_own = torch.cat([sink.new_zeros(T), sink.new_ones(k * T)])
+        stats.add_attention(k + 1, split_mass(p, keys_sink, keys_own))
+
+    out = ttt_unroll(
+        drafter, aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
+        attention="reference", attention_probe=probe,
+    )  # fmt: skip
+    fed = drafter.fuse_aux(aux)
+    # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
+    targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
+    alive = torch.ones(int(query.sum()), dtype=torch.bool, device=device)
+    for k in range(depth):
+        stats.add_states(k + 1, fed[0, query], out.hidden[k][0, query], out.states[k][0, query])
+        draft = drafter.draft_to_target(drafter.lm_head(out.states[k][0]).argmax(-1))  # [T]
+        label = _shift_in_document(targets, segments[0], 1 + k)
+        correct = (draft == label)[query]
+        stats.reached[k] += int(alive.sum())
+        alive &= correct
+        stats.accepted[k] += int(alive.sum())
+        fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
+
+
+def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T] -> x[t + n] where t + n is in t's document, else -1 (the query is never one of those)."""
+    T = x.numel()
+    idx = torch.arange(T, device=x.device) + n
+    inside = idx < T
+    idx = idx.clamp(max=T - 1)
+    same = inside & (segments[idx] == segments)
+    return torch.where(same, x[idx], torch.full_like(x, -1))
+
+
+class _LiveRecorder:
+    """`DraftProbe` that sums one decoding's rounds into a `DepthStats` (module docstring)."""
+
+    def __init__(self, stats: DepthStats, depth: int, sink_tokens: int):
+        self.stats, self.depth, self.sink_tokens = stats, depth, sink_tokens
+        self.rounds: list[list[tuple]] = []  # per extend: its steps' (masses, fed, out)
+        self.reconstruction_error = 0.0
+
+    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int) -> None:
+        heads, kv_heads = q.shape[2], keys.shape[2]
+        g = heads // kv_heads
+        K = keys.transpose(1, 2).repeat_interleave(g, dim=1)  # [1, heads, S, d]: the kv head of each query head
+        V = values.transpose(1, 2).repeat_interleave(g, dim=1)
+        probs = attention_probabilities(q, K, None)  # [1, heads, 1, S]
+        error = (torch.einsum("bhqk,bhkd->bqhd", probs.to(V.dtype), V) - attn).abs().max()
+        self.reconstruction_error = max(self.reconstruction_error, float(error))
+        S = keys.shape[1]
+        col = torch.arange(S, device=keys.device)
+        masses = split_mass(probs[0], col < min(self.sink_tokens, S - chain), col >= S - chain)
+        if chain == 0:
+            self.rounds.append([])
+        self.rounds[-1].append((masses, feature[0], out))
+
+    def commit(self, rounds: int) -> None:
+        """Add the first `rounds` rounds (the last `extend` of a decoding starts none)."""
+        for steps in self.rounds[:rounds]:
+            if len(steps) != self.depth:
+                raise RuntimeError(f"a round made {len(steps)} drafter steps, expected {self.depth}")
+            for k, (masses, fed, out) in enumerate(steps, start=1):
+                self.stats.add_attention(k, masses)
+                self.stats.add_states(k, fed, out.hidden[0], out.state[0])
+        self.rounds = []
+
+
+@torch.no_grad()
+def live_view(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[DepthStats, AcceptanceStats, float]:
+    """Serving-view drift (module docstring): (depth stats, the acceptance counts, the reconstruction error)."""
+    stats = DepthStats(depth, drafter.config.num_attention_heads)
+    acceptance = AcceptanceStats(draft_len=depth)
+    recorder = _LiveRecorder(stats, depth, sink_tokens)
+    proposer = EagleProposer(drafter, probe=recorder)
+    for trace in traces:
+        prompt = trace.tokens[: trace.prompt_len]
+        generation = speculative_generate(
+            trace, proposer, prompt, aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=max_new_tokens,
+            k=depth, eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+        recorder.commit(len(generation.accepted))
+        acceptance.add(generation, trace.prompt_len)
+    reached = [acceptance.rounds] + acceptance.accepted_at[:-1]
+    stats.reached, stats.accepted = reached, list(acceptance.accepted_at)
+    return stats, acceptance, recorder.reconstruction_error
+
+
+def diagnose(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    pack_tokens: int = 2048,
+) -> dict[str, dict[str, Any]]:
+    """Both views of one drafter on one split's traces: view -> summary."""
+    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    ttt = ttt_view(drafter, traces, pack_tokens=pack_tokens, **args).summary()
+    live, acceptance, error = live_view(drafter, traces, **args)
+    summary = acceptance.summary()
+    return {
+        "ttt": ttt,
+        "live": {**live.summary(), "tau": summary["tau"], "rounds": acceptance.rounds,
+                 "live_reconstruction_error": error},
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the run
+
+
+@dataclass
+class DriftConfig:
+    """Arguments of scripts/diagnose_drift.py (read by `eagle31.cli.parse_key_values`).
+
+    `drafter` and `data` are comma-separated `[label=]path` lists as in `eagle31.acceptance`
+    (a directory given as `data` stands for its `*.jsonl` files).
+    """
+
+    drafter: str  # drafter directories, any layout `eagle31.convert` reads
+    target: str  # HF model directory (weights + tokenizer)
+    data: str  # JSONL prompt files, one per split
+    depth: int = 7  # K: draft depths measured (a chain of K drafts per live round)
+    sink_tokens: int = 4  # the first positions of a prompt counted as sink tokens
+    max_new_tokens: int = 64
+    max_prompts: int | None = None  # per split
+    pack_tokens: int = 2048  # tokens per teacher-forced row (its explicit scores are O(T^2 K))
+    drafter_format: DrafterFormat = DrafterFormat.auto
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    out: str = "drift"  # directory for drift.json / .md / .png
+    chat_template_kwargs: str | None = None  # as in eagle31.acceptance
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("depth", "sink_tokens", "max_new_tokens", "max_prompts", "pack_tokens"))
+        self.template_kwargs  # raises on a malformed chat_template_kwargs
+        check_model_dirs(self.target, self.drafters)
+        for split, path in self.splits.items():
+            if not Path(path).is_file():
+                raise ConfigError(f"data {split}: prompt file not found: {path}")
+
+    template_kwargs = AcceptanceConfig.template_kwargs  # the same JSON object, checked the same way
+
+    @property
+    def drafters(self) -> dict[str, str]:
+        return _labelled_paths("drafter", self.drafter)
+
+    @property
+    def splits(self) -> dict[str, str]:
+        return _labelled_paths("data", self.data)
+
+
+def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
+    from transformers import AutoTokenizer
+
+    from eagle31.target import inference_device_and_dtype, load_target, load_target_config
+
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
+    target_config = load_target_config(config.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.target)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
+    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
+    aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
+    if len(aux_ids) > 1:
+        raise ConfigError(f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs")
+    (aux_layer_ids,) = aux_ids
+    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
+    eos = _eos_ids(target, tokenizer)
+    results = []
+    for split, prompts in splits.items():
+        traces = draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
+                              max_new_tokens=config.max_new_tokens)  # fmt: skip
+        for label, drafter in drafters.items():
+            drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+            views = diagnose(
+                drafter, traces, depth=config.depth, sink_tokens=config.sink_tokens,
+                max_new_tokens=config.max_new_tokens, eos_token_ids=eos, pack_tokens=config.pack_tokens,
+            )  # fmt: skip
+            live = views["live"]
+            log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
+                f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
+            for view, summary in views.items():
+                results.append({"drafter": label, "split": split, "view": view, "prompts": len(prompts),
+                                "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), **summary})  # fmt: skip
+    settings = {
+        "target": portable_path(config.target),
+        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
+        "drafter_settings": {label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
+                                     "attention": d.config.attention} for label, d in drafters.items()},
+        "data": {split: portable_path(p) for split, p in config.splits.items()},
+        "depth": config.depth,
+        "sink_tokens": config.sink_tokens,
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompts": config.max_prompts,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }  # fmt: skip
+    return {"settings": settings, "results": results}
