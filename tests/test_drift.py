@@ -154,7 +154,8 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
                                    max_new_tokens=NEW, k=depth)  # fmt: skip
         root = t.prompt_len - 1
         for a in gen.accepted:
-            roots.append(float(rms(drafter.fuse_aux(t.aux[root : root + 1].double()))[0]))
+            with torch.no_grad():
+                roots.append(float(rms(drafter.fuse_aux(t.aux[root : root + 1].double()))[0]))
             root += a + 1
     assert live.summary()["fed_rms"][0] == pytest.approx(sum(roots) / len(roots))
     assert live.summary()["conditional_acceptance_rate"] == pytest.approx(acceptance.summary()["conditional_acceptance_rate"])
@@ -243,7 +244,18 @@ def test_script_end_to_end(tmp_path, capsys):
     for name in ("drift_ttt.png", "drift_live.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert (out / "drift.md").read_text().strip() in capsys.readouterr().out
+    # MT-Bench: both turns of each question under a system prompt, as one split
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": ["write a function", "sum of two"]}) + "\n")
+    mt = [args[0], args[1], f"questions={questions}", "system_prompt=you are a helpful assistant", "split=unseen_system",
+          "depth=2", "max_new_tokens=4", "device=cpu", f"out={tmp_path}/mt"]  # fmt: skip
+    assert main(mt) == 0
+    report = json.loads((tmp_path / "mt" / "drift.json").read_text())
+    assert {r["split"] for r in report["results"]} == {"unseen_system"} and report["settings"]["mt_bench"]["turns"] == 2
+    assert all(r["prompts"] == 2 for r in report["results"])
     # bad input: one line, before any model is read
+    assert main(args + [f"questions={questions}"]) == 2
+    assert "exactly one of data= (JSONL prompt files) and questions=" in capsys.readouterr().err
     assert main(args[:3] + ["depth=0", f"out={tmp_path}/x"]) == 2
     assert "depth must be a positive integer" in capsys.readouterr().err
     assert main([args[0], args[1], f"data={tmp_path}/missing.jsonl", f"out={tmp_path}/y"]) == 2
