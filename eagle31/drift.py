@@ -72,7 +72,6 @@ from eagle31.speculative import GreedyTrace, cut_generation, greedy_trace, specu
 from eagle31.targets.cache import portable_path
 from eagle31.ttt import ttt_unroll
 
-VIEWS = ("ttt", "live")
 _MASSES = ("sink", "context", "own")
 
 
@@ -159,7 +158,7 @@ def ttt_view(
     sink_tokens: int,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 2048,
+    pack_tokens: int = 512,
 ) -> DepthStats:
     """Teacher-forced drift (module docstring). Traces are packed into rows of up to `pack_tokens` tokens
     (a longer trace gets a row of its own); each document keeps its own positions from 0."""
@@ -309,7 +308,7 @@ def diagnose(
     sink_tokens: int,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 2048,
+    pack_tokens: int = 512,
 ) -> dict[str, dict[str, Any]]:
     """Both views of one drafter on one split's traces: view -> summary."""
     args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
@@ -348,7 +347,7 @@ class DriftConfig:
     sink_tokens: int = 4  # the first positions of a prompt counted as sink tokens
     max_new_tokens: int = 64
     max_prompts: int | None = None  # per split
-    pack_tokens: int = 2048  # tokens per teacher-forced row (its explicit scores are O(T^2 K))
+    pack_tokens: int = 512  # prompts per teacher-forced row, up to this many tokens (explicit scores: O(T^2 K))
     drafter_format: DrafterFormat = DrafterFormat.auto
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
