@@ -22,6 +22,7 @@ feature):
     out_rms, out_norm_rms               RMS of the step's output o (pre-norm: what an EAGLE 3
                                         drafter feeds step k+1) and of norm(o) (EAGLE 3.1's)
     conditional_acceptance_rate         drafts k accepted among queries whose drafts 1..k-1 were
+                                        (None where none were)
 
 RMS is per position over the hidden dimension, then averaged. In `ttt` a query's draft k is
 "accepted" when its argmax is the target's token there and so were its drafts 1..k-1 (its
@@ -123,7 +124,8 @@ class DepthStats:
             out[f"{name}_mass_per_head"] = per_head.tolist()
         for name in ("fed_rms", "out_rms", "out_norm_rms"):
             out[name] = [s / q for s, q in zip(getattr(self, name), n)]
-        out["conditional_acceptance_rate"] = [a / max(r, 1) for a, r in zip(self.accepted, self.reached)]
+        # None where no query reached depth k
+        out["conditional_acceptance_rate"] = [a / r if r else None for a, r in zip(self.accepted, self.reached)]
         out["reached"], out["accepted"] = list(self.reached), list(self.accepted)
         return out
 

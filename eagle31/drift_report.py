@@ -38,12 +38,16 @@ def format_table(report: dict[str, Any]) -> str:
                 cells = [r["split"], r["drafter"], str(k + 1), f"{r['sink_mass'][k]:.3f}", f"{r['context_mass'][k]:.3f}",
                          f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}", f"{r['fed_rms'][k]:.3g}",
                          f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
-                         f"{r['conditional_acceptance_rate'][k]:.3f}"]  # fmt: skip
+                         _rate(r["conditional_acceptance_rate"][k])]  # fmt: skip
                 lines.append("| " + " | ".join(cells) + " |")
         if view == "live":
             lines += ["", "tau (live): " + ", ".join(f"{r['drafter']} / {r['split']} {r['tau']:.3f}" for r in rows)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def _rate(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
@@ -75,10 +79,12 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
                 bottom = [b + v for b, v in zip(bottom, values)]
             line = rms_ax.plot(depth, r["out_rms"], marker="o", label=f"{drafter}: out (pre-norm)")[0]
             rms_ax.plot(depth, r["fed_rms"], marker="s", linestyle="--", color=line.get_color(), label=f"{drafter}: fed")
-            acc_ax.plot(depth, r["conditional_acceptance_rate"], marker="o", label=drafter)
+            rates = [float("nan") if a is None else a for a in r["conditional_acceptance_rate"]]
+            acc_ax.plot(depth, rates, marker="o", label=drafter)
         mass_ax.set_title(f"{split} — {_VIEW_TITLES[view]}")
         mass_ax.set_ylabel("attention mass")
-        mass_ax.set_ylim(0, 1.0)
+        mass_ax.set_ylim(0, 1.35)  # room for the legend above the bars
+        mass_ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
         rms_ax.set_ylabel("hidden RMS")
         rms_ax.set_yscale("log")
         acc_ax.set_ylabel("conditional acceptance")
@@ -88,7 +94,7 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
             ax.grid(alpha=0.3)
         for ax in (rms_ax, acc_ax):
             ax.legend(fontsize="x-small")
-    axes[0, 0].legend(fontsize="x-small", ncol=max(1, len(drafters)))
+    axes[0, 0].legend(fontsize="x-small", ncol=max(1, len(drafters)), loc="upper center")
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
 

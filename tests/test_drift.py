@@ -158,7 +158,11 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
                 roots.append(float(rms(drafter.fuse_aux(t.aux[root : root + 1].double()))[0]))
             root += a + 1
     assert live.summary()["fed_rms"][0] == pytest.approx(sum(roots) / len(roots))
-    assert live.summary()["conditional_acceptance_rate"] == pytest.approx(acceptance.summary()["conditional_acceptance_rate"])
+    summary = live.summary()
+    assert summary["reached"] == [acceptance.rounds] + acceptance.accepted_at[:-1]
+    assert summary["accepted"] == acceptance.accepted_at
+    for rate, a, r in zip(summary["conditional_acceptance_rate"], summary["accepted"], summary["reached"]):
+        assert rate == (a / r if r else None)
 
 
 # ---------------------------------------------------------------------- no side effects, packing
@@ -218,6 +222,8 @@ def test_depth_stats_summary_averages_per_query():
     assert s["queries"] == [2, 0]
     assert s["sink_mass"][0] == pytest.approx(0.5) and s["sink_mass_per_head"][0] == pytest.approx([0.75, 0.25])
     assert (s["fed_rms"][0], s["out_rms"][0], s["out_norm_rms"][0]) == pytest.approx((2.0, 3.0, 1.0))
+    stats.reached, stats.accepted = [4, 0], [3, 0]
+    assert stats.summary()["conditional_acceptance_rate"] == [0.75, None]  # no query reached depth 2
 
 
 # ---------------------------------------------------------------------- the script
