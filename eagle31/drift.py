@@ -18,6 +18,9 @@ feature):
                                         prompt, on the rest of the target's context, and on
                                         the drafter's own draft keys; mean over queries and heads
     *_mass_per_head                     the same per head (the spread across heads)
+    target_sink_mass                    with `target_sinks` = n: attention on the n positions of the
+                                        context the target's own attention at the aux layers
+                                        attends to most (`target_sink_positions`); may overlap the above
     fed_rms                             RMS of the feature step k reads (k = 1: fc(fc_norm(aux)))
     out_rms, out_norm_rms               RMS of the step's output o (pre-norm: what an EAGLE 3
                                         drafter feeds step k+1) and of norm(o) (EAGLE 3.1's)
@@ -107,6 +110,8 @@ class DepthStats:
         """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
         self.queries[k - 1] += next(iter(masses.values())).shape[0]
         for name, value in masses.items():
+            if name not in self.mass:
+                self.mass[name] = torch.zeros(self.depth, self.heads, dtype=torch.float64)
             self.mass[name][k - 1] += value.double().sum(0).cpu()
 
     def add_states(self, k: int, fed: torch.Tensor, out: torch.Tensor, out_norm: torch.Tensor) -> None:
@@ -130,12 +135,44 @@ class DepthStats:
         return out
 
 
-def split_mass(probs: torch.Tensor, sink: torch.Tensor, own: torch.Tensor) -> dict[str, torch.Tensor]:
-    """probs [heads, Q, S] over S keys; sink, own [S] or [Q, S] bool (the rest is context) -> name -> [Q, heads]."""
+def split_mass(
+    probs: torch.Tensor, sink: torch.Tensor, own: torch.Tensor, target_sink: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """probs [heads, Q, S] over S keys; sink, own [S] or [Q, S] bool (the rest is context), target_sink
+    the same or None -> name -> [Q, heads]."""
     sink_mass = (probs * sink).sum(-1)
     own_mass = (probs * own).sum(-1)
     total = probs.sum(-1)
-    return {"sink": sink_mass.T, "context": (total - sink_mass - own_mass).T, "own": own_mass.T}
+    out = {"sink": sink_mass.T, "context": (total - sink_mass - own_mass).T, "own": own_mass.T}
+    if target_sink is not None:
+        out["target_sink"] = (probs * target_sink).sum(-1).T
+    return out
+
+
+@torch.no_grad()
+def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int], count: int) -> torch.Tensor:
+    """The `count` positions of tokens [T] the target's attention attends to most at its aux layers
+    (`layer_ids`, whose inputs the drafter reads): attention received, averaged over heads, layers and
+    the queries that see the position (causal). [count] ascending. The target runs eager attention
+    for this forward (its weights are explicit there), then its own implementation again."""
+    T = tokens.numel()
+    received = torch.zeros(T, dtype=torch.float64)
+    layers = target.get_decoder().layers
+
+    def hook(module, args, output):  # output: (attn_output, weights [1, heads, T, T])
+        received.add_(output[1][0].double().mean(0).sum(0).cpu())
+
+    implementation = target.config._attn_implementation
+    handles = [layers[i].self_attn.register_forward_hook(hook) for i in layer_ids]
+    try:
+        target.set_attn_implementation("eager")
+        target(input_ids=tokens[None], use_cache=False)
+    finally:
+        target.set_attn_implementation(implementation)
+        for h in handles:
+            h.remove()
+    received /= torch.arange(T, 0, -1, dtype=torch.float64) * len(layer_ids)  # queries that see each position
+    return received.topk(min(count, T)).indices.sort().values
 
 
 # ---------------------------------------------------------------------- the two views
@@ -161,30 +198,34 @@ def ttt_view(
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
     pack_tokens: int = 512,
+    target_sinks: Sequence[torch.Tensor] | None = None,
 ) -> DepthStats:
     """Teacher-forced drift (module docstring). Traces are packed into rows of up to `pack_tokens` tokens
-    (a longer trace gets a row of its own); each document keeps its own positions from 0."""
+    (a longer trace gets a row of its own); each document keeps its own positions from 0.
+    `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     eos = set(eos_token_ids)
-    for pack in _packs(traces, pack_tokens):
+    sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
+    for pack in _packs(list(zip(traces, sinks)), pack_tokens):
         _ttt_pack(drafter, pack, stats, depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=eos)
     return stats
 
 
-def _packs(traces: Sequence[GreedyTrace], budget: int) -> list[list[GreedyTrace]]:
-    packs: list[list[GreedyTrace]] = [[]]
+def _packs(items: list[tuple[GreedyTrace, Any]], budget: int) -> list[list[tuple[GreedyTrace, Any]]]:
+    packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
     used = 0
-    for trace in traces:
-        n = trace.aux.shape[0]
+    for item in items:
+        n = item[0].aux.shape[0]
         if packs[-1] and used + n > budget:
             packs.append([])
             used = 0
-        packs[-1].append(trace)
+        packs[-1].append(item)
         used += n
     return packs
 
 
-def _ttt_pack(drafter, pack: list[GreedyTrace], stats: DepthStats, *, depth, sink_tokens, max_new_tokens, eos) -> None:
+def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tokens, max_new_tokens, eos) -> None:
+    pack = [trace for trace, _ in items]
     dtype = drafter.fc.weight.dtype
     device = drafter.fc.weight.device
     # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
@@ -204,12 +245,19 @@ def _ttt_pack(drafter, pack: list[GreedyTrace], stats: DepthStats, *, depth, sin
     segments = segment_ids(document_ids, None, (1, T), device=device)
     local = positions[0]
     sink = local < sink_tokens  # [T] step-0 keys that are a document's first positions
+    target_sink = None
+    if items[0][1] is not None:  # each document's target-sink positions, in row coordinates
+        target_sink = torch.zeros(T, dtype=torch.bool, device=device)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        for (_, positions_i), start in zip(items, starts):
+            target_sink[start + positions_i.to(device)] = True
 
     def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, T, (1+k)*T], step-major keys
         p = probs[0][:, query]  # [heads, Q, (1+k)*T]
-        keys_sink = torch.cat([sink, sink.new_zeros(k * T)])
+        none = sink.new_zeros(k * T)
+        keys_target = None if target_sink is None else torch.cat([target_sink, none])
         keys_own = torch.cat([sink.new_zeros(T), sink.new_ones(k * T)])
-        stats.add_attention(k + 1, split_mass(p, keys_sink, keys_own))
+        stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
 
     out = ttt_unroll(
         drafter, aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
@@ -247,6 +295,7 @@ class _LiveRecorder:
         self.stats, self.depth, self.sink_tokens = stats, depth, sink_tokens
         self.rounds: list[list[tuple]] = []  # per extend: its steps' (masses, fed, out)
         self.reconstruction_error = 0.0
+        self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
 
     def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int) -> None:
         heads, kv_heads = q.shape[2], keys.shape[2]
@@ -258,7 +307,9 @@ class _LiveRecorder:
         self.reconstruction_error = max(self.reconstruction_error, float(error))
         S = keys.shape[1]
         col = torch.arange(S, device=keys.device)
-        masses = split_mass(probs[0], col < min(self.sink_tokens, S - chain), col >= S - chain)
+        context = col < S - chain  # the step-0 keys; the rest are the round's own drafts
+        target_sink = None if self.target_sink is None else context & torch.isin(col, self.target_sink.to(col.device))
+        masses = split_mass(probs[0], col < min(self.sink_tokens, S - chain), ~context, target_sink)
         if chain == 0:
             self.rounds.append([])
         self.rounds[-1].append((masses, feature[0], out))
@@ -283,13 +334,15 @@ def live_view(
     sink_tokens: int,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
+    target_sinks: Sequence[torch.Tensor] | None = None,
 ) -> tuple[DepthStats, AcceptanceStats, float]:
     """Serving-view drift (module docstring): (depth stats, the acceptance counts, the reconstruction error)."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     acceptance = AcceptanceStats(draft_len=depth)
     recorder = _LiveRecorder(stats, depth, sink_tokens)
     proposer = EagleProposer(drafter, probe=recorder)
-    for trace in traces:
+    for i, trace in enumerate(traces):
+        recorder.target_sink = None if target_sinks is None else target_sinks[i]
         prompt = trace.tokens[: trace.prompt_len]
         generation = speculative_generate(
             trace, proposer, prompt, aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=max_new_tokens,
@@ -311,9 +364,11 @@ def diagnose(
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
     pack_tokens: int = 512,
+    target_sinks: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Both views of one drafter on one split's traces: view -> summary."""
-    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                target_sinks=target_sinks)  # fmt: skip
     ttt = ttt_view(drafter, traces, pack_tokens=pack_tokens, **args).summary()
     live, acceptance, error = live_view(drafter, traces, **args)
     summary = acceptance.summary()
@@ -347,6 +402,7 @@ class DriftConfig:
     history_tokens: int = 2048
     depth: int = 7  # K: draft depths measured (a chain of K drafts per live round)
     sink_tokens: int = 4  # the first positions of a prompt counted as sink tokens
+    target_sinks: int = 0  # also the n positions the target attends to most at its aux layers (0: not measured)
     max_new_tokens: int = 64
     max_prompts: int | None = None  # per split
     pack_tokens: int = 512  # prompts per teacher-forced row, up to this many tokens (explicit scores: O(T^2 K))
@@ -359,6 +415,8 @@ class DriftConfig:
     def __post_init__(self) -> None:
         check_positive(self, ("depth", "sink_tokens", "max_new_tokens", "max_prompts", "pack_tokens",
                               "max_per_category", "history_tokens"))  # fmt: skip
+        if self.target_sinks < 0:
+            raise ConfigError(f"target_sinks must be 0 (not measured) or a positive integer, got {self.target_sinks}")
         if (self.data is None) == (self.questions is None):
             raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
         self.template_kwargs  # raises on a malformed chat_template_kwargs
@@ -411,11 +469,15 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
     results = []
     for split, traces in traced.items():
         lengths = [t.prompt_len for t in traces]
+        sinks = None
+        if config.target_sinks:
+            sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
             views = diagnose(
                 drafter, traces, depth=config.depth, sink_tokens=config.sink_tokens,
                 max_new_tokens=config.max_new_tokens, eos_token_ids=eos, pack_tokens=config.pack_tokens,
+                target_sinks=sinks,
             )  # fmt: skip
             live = views["live"]
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
@@ -437,6 +499,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         },
         "depth": config.depth,
         "sink_tokens": config.sink_tokens,
+        "target_sinks": config.target_sinks,
         "max_new_tokens": config.max_new_tokens,
         "max_prompts": config.max_prompts,
         "device": str(device),

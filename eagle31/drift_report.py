@@ -27,6 +27,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"Attention drift per draft depth k (sink = the first {settings['sink_tokens']} prompt tokens; "
         f"max_new_tokens={settings['max_new_tokens']}, depth={settings['depth']})"
     ]
+    targeted = any("target_sink_mass" in r for r in report["results"])
+    if targeted:
+        header.insert(6, f"target's top {settings['target_sinks']}")
     for view in ("ttt", "live"):
         rows = [r for r in report["results"] if r["view"] == view]
         if not rows:
@@ -39,6 +42,8 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}", f"{r['fed_rms'][k]:.3g}",
                          f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
                          _rate(r["conditional_acceptance_rate"][k])]  # fmt: skip
+                if targeted:
+                    cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
         if view == "live":
             lines += ["", "tau (live): " + ", ".join(f"{r['drafter']} / {r['split']} {r['tau']:.3f}" for r in rows)]

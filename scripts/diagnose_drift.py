@@ -7,9 +7,12 @@ For each drafter, split and draft depth k = 1..depth, teacher-forced (the traini
 live chain drafting on the target's greedy continuation (the serving view, replayed): the
 attention mass on the first `sink_tokens` prompt tokens, on the rest of the context and on the
 drafter's own drafts (mean and per head), the RMS of the state each step reads and gives, and
-the conditional acceptance at k. Other keys: sink_tokens (4), max_new_tokens (64), max_prompts
-(per split), pack_tokens, drafter_format (auto | eagle31 | eagle3 | speculators | specforge |
-torchspec), device, dtype, chat_template_kwargs. Writes drift.json, drift.md, drift_ttt.png and
+the conditional acceptance at k. Other keys: sink_tokens (4), target_sinks (n: also the mass on
+the n positions the target's own attention at the aux layers attends to most), max_new_tokens
+(64), max_prompts (per split), pack_tokens, drafter_format (auto | eagle31 | eagle3 | speculators
+| specforge | torchspec), device, dtype, chat_template_kwargs; MT-Bench instead of data=:
+questions=mtbench: (or a question.jsonl) split=<name> max_per_category system_prompt history
+history_tokens, as in `eval_acceptance.py mtbench`. Writes drift.json, drift.md, drift_ttt.png and
 drift_live.png under `out` and prints the table; see eagle31/drift.py for the definitions.
 """
 

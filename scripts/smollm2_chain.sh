@@ -52,7 +52,7 @@ if [[ "$SMOKE" == 1 ]]; then
   PROBE_EVAL=(max_per_category=1 max_new_tokens=8 ks=3)
   HELDOUT=(max_per_category=2 max_new_tokens=8 ks=3)
   REPLAY_CHECK=(questions=1 max_new_tokens=8)
-  DRIFT=(max_per_category=1 max_new_tokens=8 depth=3)
+  DRIFT=(max_per_category=1 max_new_tokens=8 depth=3 target_sinks=2)
   HISTORY_TOKENS=160
 else
   OUT=${OUT:-benchmarks/results/smollm2}
@@ -68,7 +68,7 @@ else
   PROBE_EVAL=(ks=3,7 max_new_tokens=128 max_per_category=2)  # the robustness probes: the shortest and the longest chain
   HELDOUT=(max_per_category=32 max_new_tokens=128 ks=3,7)  # 32 ShareGPT first turns after the regenerated ones
   REPLAY_CHECK=(questions=2 max_new_tokens=128)
-  DRIFT=(max_per_category=2 max_new_tokens=128 depth=7)  # the probes' questions; depth past the TTT length 5
+  DRIFT=(max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4)  # the probes' questions; depth past the TTT length 5
   HISTORY_TOKENS=2048
 fi
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."

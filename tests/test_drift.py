@@ -9,13 +9,13 @@ import torch
 
 from eagle31.attention import reference_attention
 from eagle31.drafting import EagleProposer
-from eagle31.drift import DepthStats, live_view, rms, split_mass, ttt_view
+from eagle31.drift import DepthStats, live_view, rms, split_mass, target_sink_positions, ttt_view
 from eagle31.speculative import greedy_trace, speculative_generate
 from eagle31.ttt import ttt_unroll
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import AUX, VOCAB, save_target
 from tests.test_mla import mla_config
-from tests.tiny_targets import drafter_sized_llama
+from tests.tiny_targets import DRAFTER_VOCAB, drafter_sized_llama, tiny_llama
 
 main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "diagnose_drift.py"))["main"]
 
@@ -112,6 +112,29 @@ def test_uniform_attention_gives_the_constructed_masses_in_both_views(traces, ki
     torch.testing.assert_close(live["sink_mass"], want["sink"])
     torch.testing.assert_close(live["own_mass"], want["own"])
     assert error < 1e-12  # probs @ V is the attention output the proposer computed
+
+
+def test_target_sinks_are_where_the_targets_aux_layers_attend_most(target, traces):
+    tokens = traces[1].tokens[:-1]
+    got = target_sink_positions(target, tokens, AUX, 3)
+    assert target.config._attn_implementation == "sdpa"  # restored
+    eager = tiny_llama(0, torch.float64, vocab_size=DRAFTER_VOCAB, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=8, head_dim=8, initializer_range=0.3, attn_implementation="eager")  # fmt: skip
+    eager.load_state_dict(target.state_dict())
+    weights = eager(input_ids=tokens[None], output_attentions=True).attentions  # per layer [1, heads, T, T]
+    T = tokens.numel()
+    received = sum(weights[i][0].mean(0).sum(0) for i in AUX) / (torch.arange(T, 0, -1) * len(AUX))
+    assert got.tolist() == sorted(received.topk(3).indices.tolist())
+    # a uniform drafter puts on them the share of the keys they are
+    drafter = uniform(drafter_of("llama"))
+    sinks = [target_sink_positions(target, t.tokens[:-1], AUX, 3) for t in traces]
+    ttt = ttt_view(drafter, traces, depth=3, sink_tokens=SINK, max_new_tokens=NEW, target_sinks=sinks).summary()
+    for k in range(3):
+        want = [(s <= p).sum().item() / (p + 1 + k) for t, s in zip(traces, sinks)
+                for p in range(t.prompt_len - 1, t.prompt_len - 1 + NEW)]  # fmt: skip
+        assert ttt["target_sink_mass"][k] == pytest.approx(sum(want) / len(want))
+    live, _, _ = live_view(drafter, traces, depth=3, sink_tokens=SINK, max_new_tokens=NEW, target_sinks=sinks)
+    assert 0 < live.summary()["target_sink_mass"][0] < 1
 
 
 # ---------------------------------------------------------------------- hidden RMS, acceptance
@@ -238,7 +261,7 @@ def test_script_end_to_end(tmp_path, capsys):
                     + json.dumps({"prompt": "the sum of two"}) + "\n")  # fmt: skip
     out = tmp_path / "drift"
     args = [f"drafter=eagle3={tmp_path}/e3,eagle31={tmp_path}/e31", f"target={target_dir}", f"data={data}",
-            "depth=3", "max_new_tokens=6", "sink_tokens=1", "device=cpu", f"out={out}"]  # fmt: skip
+            "depth=3", "max_new_tokens=6", "sink_tokens=1", "target_sinks=2", "device=cpu", f"out={out}"]  # fmt: skip
     assert main(args) == 0
     report = json.loads((out / "drift.json").read_text())
     assert [(r["drafter"], r["view"]) for r in report["results"]] == [
@@ -246,7 +269,7 @@ def test_script_end_to_end(tmp_path, capsys):
     ]  # fmt: skip
     assert report["settings"]["drafter_settings"]["eagle3"]["fc_norm"] is False
     for r in report["results"]:
-        assert len(r["sink_mass"]) == 3 and r["queries"][0] > 0
+        assert len(r["sink_mass"]) == 3 and len(r["target_sink_mass"]) == 3 and r["queries"][0] > 0
     for name in ("drift_ttt.png", "drift_live.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert (out / "drift.md").read_text().strip() in capsys.readouterr().out
