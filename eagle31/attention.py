@@ -86,24 +86,38 @@ def _runs(segments: torch.Tensor) -> list[tuple[int, int, int]]:
 # reference: explicit scores
 
 
-def reference_attention(q, k0, v0, chain_k, chain_v, segments) -> torch.Tensor:
-    """Explicit softmax over [step-0 keys | chain keys]; O(T^2) memory."""
+def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None) -> torch.Tensor:
+    """Explicit softmax over [step-0 keys | chain keys]; O(T^2) memory.
+
+    `probe`, when given, is called with the probabilities [B, nh, T, (1+j)*T] (keys step-major:
+    the T step-0 keys, then the T keys of each chain step) before they weight the values.
+    """
     B, T, nh, d = q.shape
     nkv = k0.shape[2]
     g = nh // nkv
     j = len(chain_k)
     keys = torch.stack([k0, *chain_k], dim=2)  # [B, T, 1+j, nkv, d]
     vals = torch.stack([v0, *chain_v], dim=2)
-    # scores of query p against every key (p', s): [B, nh, T, T*(1+j)], step-major keys
+    # keys (p', s) of every query p: [B, nh, T*(1+j), d], step-major
     K = keys.permute(0, 3, 2, 1, 4).reshape(B, nkv, (1 + j) * T, d).repeat_interleave(g, dim=1)
     V = vals.permute(0, 3, 2, 1, 4).reshape(B, nkv, (1 + j) * T, d).repeat_interleave(g, dim=1)
-    scores = torch.einsum("bqhd,bhkd->bhqk", q, K) / math.sqrt(d)
     pos = torch.arange(T, device=q.device)
     causal = (pos[:, None] >= pos[None, :]) & (segments[:, :, None] == segments[:, None, :])  # [B, T, T]
     diag = (pos[:, None] == pos[None, :]).expand(B, T, T)
     allowed = torch.cat([causal] + [diag] * j, dim=2)  # [B, T, T*(1+j)]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.einsum("bhqk,bhkd->bqhd", scores.softmax(dim=-1), V)
+    probs = attention_probabilities(q, K, allowed)
+    if probe is not None:
+        probe(probs)
+    return torch.einsum("bhqk,bhkd->bqhd", probs, V)
+
+
+def attention_probabilities(q: torch.Tensor, K: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k / sqrt(d)) over the allowed keys: q [B, Q, nh, d], K [B, nh, S, d] (one per query head),
+    allowed [B, Q, S] bool or None (all) -> [B, nh, Q, S]."""
+    scores = torch.einsum("bqhd,bhkd->bhqk", q, K) / math.sqrt(q.shape[-1])
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return scores.softmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -345,15 +359,18 @@ class _TTTAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), None, None, None, *dchain
 
 
-def ttt_attention(q, k0, v0, chain_k, chain_v, segments, backend: str = "auto") -> torch.Tensor:
+def ttt_attention(q, k0, v0, chain_k, chain_v, segments, backend: str = "auto", probe=None) -> torch.Tensor:
     """Attention of one TTT step (see module docstring); returns [B, T, nh, d].
 
-    chain_k, chain_v: sequences of j tensors [B, T, nkv, d] (empty at step 0).
+    chain_k, chain_v: sequences of j tensors [B, T, nkv, d] (empty at step 0). `probe` sees the
+    attention probabilities (`reference_attention`), so it needs the reference backend.
     """
     if backend == "auto":
         backend = resolve_backend(q)
     if backend == "reference":
-        return reference_attention(q, k0, v0, chain_k, chain_v, segments)
+        return reference_attention(q, k0, v0, chain_k, chain_v, segments, probe)
+    if probe is not None:
+        raise ValueError(f"the attention probabilities are explicit only in the reference backend, not {backend!r}")
     kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
     if backend not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")

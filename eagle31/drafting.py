@@ -21,7 +21,8 @@ keeps the `total_tokens` nodes of highest cumulative log-probability.
 
 `Proposer` is the interface the decoding loop (`eagle31.speculative`) drives;
 `EagleProposer` implements it for an `Eagle31Drafter`, and tests implement it
-with oracles.
+with oracles. A `DraftProbe` given to `EagleProposer` watches every chain step
+(what it read, its query and keys, what it gave) without changing it (`eagle31.drift`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from eagle31.model import Eagle31Drafter
+from eagle31.model import DraftStep, Eagle31Drafter
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,25 @@ class Proposer(Protocol):
         """A draft tree for the verified context."""
 
 
+class DraftProbe(Protocol):
+    """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
+
+    def observe(
+        self, feature: torch.Tensor, out: DraftStep, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+        attn: torch.Tensor, chain: int,
+    ) -> None:
+        """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
+        [1, S, nkv, d] what it attended to: the step-0 keys, then the last `chain` of them its own draft
+        keys; attn [1, 1, nh, d] the attention output. `chain` is 0 for the step that makes a round's first
+        draft (run by `extend` at the last verified position)."""
+
+
 class EagleProposer:
     """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys (module docstring)."""
 
-    def __init__(self, drafter: Eagle31Drafter):
+    def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
         self.drafter = drafter
+        self.probe = probe  # chains only: draft trees are not observed
         self.reset()
 
     def reset(self) -> None:
@@ -137,7 +152,10 @@ class EagleProposer:
         self.length += m
         # only the last position's output is needed: it seeds the next draft (its causal keys are all keys)
         attn = _attend(q[:, -1:], self.keys, self.values)
-        self.root = self.drafter.step_output(residual[:, -1:], attn).hidden
+        root = self.drafter.step_output(residual[:, -1:], attn)
+        self.root = root.hidden
+        if self.probe is not None:
+            self.probe.observe(feature[:, -1:], root, q[:, -1:], self.keys, self.values, attn, chain=0)
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
@@ -152,7 +170,10 @@ class EagleProposer:
             position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
             q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
-            out = self.drafter.step_output(residual, _attend(q, keys, values))
+            feature, attn = out.feature, _attend(q, keys, values)
+            out = self.drafter.step_output(residual, attn)
+            if self.probe is not None:
+                self.probe.observe(feature, out, q, keys, values, attn, chain=step + 1)
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()

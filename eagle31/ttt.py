@@ -52,11 +52,14 @@ def ttt_unroll(
     position_ids: torch.Tensor | None = None,
     attention: str = "auto",
     activation_checkpointing: bool = False,
+    attention_probe=None,
 ) -> TTTOutput:
     """Run K = `ttt_length` drafter steps over every position at once.
 
     aux [B, T, n*Ht] target features; input_ids [B, T]; document_ids [B, T]
     numbers packed documents (-1 = padding); attention_mask [B, T] 1 = real.
+    `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.attention.
+    reference_attention`; needs `attention="reference"`).
     """
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
@@ -78,7 +81,8 @@ def ttt_unroll(
             k0, v0 = k, v
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             chain_k, chain_v = (*chain_k, k), (*chain_v, v)
-        attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention)
+        probe = None if attention_probe is None else lambda probs: attention_probe(len(chain_k), probs)
+        attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention, probe)
         return drafter.step_output(residual, attn), k0, v0, chain_k, chain_v
 
     states, hidden = [], []

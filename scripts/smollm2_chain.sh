@@ -16,6 +16,10 @@
 #   mt_bench    greedy speculative decoding on MT-Bench, both turns: tau per category and draft
 #               position, chains of 3, 5, 7 tokens and a tree (scripts/eval_acceptance.py mtbench;
 #               the target decodes each turn once and every drafter is replayed on it)
+#   drift       attention drift per draft depth of the first seed's EAGLE 3 and EAGLE 3.1 drafters
+#               (scripts/diagnose_drift.py): attention on sink / context / own drafts, hidden RMS,
+#               acceptance, teacher-forced and live, on MT-Bench, the unseen system prompt and the
+#               long history (the probe `drift` of PROBES; results under $OUT/drift/<probe>)
 #   summary     results.md and summary.json: every variant and seed, the feature scale
 #               (python -m benchmarks.smollm2_summary)
 # The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
@@ -26,14 +30,14 @@
 # Results: $OUT (tables, JSON, plots, commands.sh).
 #
 # Environment: OUT, RUNS, SEEDS, ABLATION_SEEDS (of fc_norm and norm_output), VARIANTS, STEPS,
-# STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history heldout:
+# STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history heldout drift:
 # the evaluations to run, e.g. split over two processes), THREADS, SMOKE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SMOKE=${SMOKE:-0}
 STAGES=${STAGES:-all}
-PROBES=${PROBES:-mt_bench unseen_system long_history heldout}
+PROBES=${PROBES:-mt_bench unseen_system long_history heldout drift}
 THREADS=${THREADS:-2}
 if [[ "$SMOKE" == 1 ]]; then
   OUT=${OUT:-runs/smollm2-smoke/results}
@@ -48,6 +52,7 @@ if [[ "$SMOKE" == 1 ]]; then
   PROBE_EVAL=(max_per_category=1 max_new_tokens=8 ks=3)
   HELDOUT=(max_per_category=2 max_new_tokens=8 ks=3)
   REPLAY_CHECK=(questions=1 max_new_tokens=8)
+  DRIFT=(max_per_category=1 max_new_tokens=8 depth=3 target_sinks=2)
   HISTORY_TOKENS=160
 else
   OUT=${OUT:-benchmarks/results/smollm2}
@@ -63,6 +68,7 @@ else
   PROBE_EVAL=(ks=3,7 max_new_tokens=128 max_per_category=2)  # the robustness probes: the shortest and the longest chain
   HELDOUT=(max_per_category=32 max_new_tokens=128 ks=3,7)  # 32 ShareGPT first turns after the regenerated ones
   REPLAY_CHECK=(questions=2 max_new_tokens=128)
+  DRIFT=(max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4)  # the probes' questions; depth past the TTT length 5
   HISTORY_TOKENS=2048
 fi
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
@@ -140,6 +146,21 @@ fi
 # replay (how every evaluation above was measured) against live decoding on this target, one drafter
 if [[ "$STAGES" != chain && ! -f "$OUT/replay_check.json" ]]; then
   run python -m benchmarks.replay_check "drafter=${DRAFTERS[-1]#*=}" "${REPLAY_CHECK[@]}" "out=$OUT/replay_check.json"
+fi
+# attention drift of EAGLE 3 against EAGLE 3.1 (the first seed of each), on the three MT-Bench probes
+diagnose() {  # $1: probe, then extra keys
+  local probe=$1 first=${SEEDS%% *} drafters=() entry; shift
+  [[ " $PROBES " == *" drift "* && ! -f "$OUT/drift/$probe/drift.json" ]] || return 0
+  for entry in "${DRAFTERS[@]}"; do
+    [[ "$entry" == "eagle3-s$first="* || "$entry" == "eagle31-s$first="* ]] && drafters+=("$entry")
+  done
+  run python scripts/diagnose_drift.py "drafter=$(IFS=,; echo "${drafters[*]}")" "target=$TARGET" questions=mtbench: \
+    "split=$probe" "out=$OUT/drift/$probe" device=cpu "${DRIFT[@]}" "$@"
+}
+if [[ "$STAGES" != chain ]]; then
+  diagnose mt_bench
+  diagnose unseen_system "system_prompt=$UNSEEN_SYSTEM"
+  diagnose long_history "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
 fi
 # the summary, once every probe has its results (several PROBES=... processes: the last one to finish)
 done_all=1
