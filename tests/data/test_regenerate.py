@@ -219,13 +219,16 @@ def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_completes(tin
     out = small_disk / "regenerated"
     prepare_output(out, settings, {"sources": ["x"]})
     ballast = fill_disk(small_disk, leave_pages=3)  # room for a shard and a half (4 KiB pages: stats, then JSONL)
-    with pytest.raises(DiskFullError, match=r"^the disk holding the regenerated shard .*shard-00001.jsonl filled up; the finished shards are kept"):
+    with pytest.raises(DiskFullError, match=r"^the disk holding the regenerated shard .*shard-\d{5}.jsonl filled up; the finished shards are kept"):
         regenerate(conversations, backend, out, settings)
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
-    assert sorted(p.name for p in (out / "conversations").iterdir()) == ["shard-00000.jsonl"]  # whole, or not there
+    written = sorted(p.name for p in (out / "conversations").iterdir())  # whole, or not there (the pool finishes shards in any order)
+    assert 1 <= len(written) < 5
+    for name in written:
+        assert [json.loads(line) for line in (out / "conversations" / name).read_text().splitlines()]
     ballast.unlink()  # space freed
-    assert write_report(out, Tally(), 5)["shards"]["done"] == 1  # a shard's stats alone are not taken for the shard
-    assert regenerate(conversations, backend, out, settings) == {"written": 4, "skipped": 1}
+    assert write_report(out, Tally(), 5)["shards"]["done"] == len(written)  # a shard's stats alone are not taken for the shard
+    assert regenerate(conversations, backend, out, settings) == {"written": 5 - len(written), "skipped": len(written)}
     assert write_report(out, Tally(), 5)["complete"]
 
 
