@@ -19,15 +19,20 @@ Kernels for the causal part:
   * `blockwise` — pure PyTorch, any device and dtype, query blocks of bounded size.
 `reference_attention` builds the explicit scores (for tests and readers).
 
-Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain_k, chain_v: sequences of
-j tensors [B, T, nkv, d], the keys (p, 1..j) (empty at step 0) — a sequence, not
-one stacked tensor, so the unroll shares each step's keys between later steps
-instead of saving a growing copy per step (O(K) memory, not O(K^2)); segments [B, T].
+Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain: a sequence of j entries,
+what steps 1..j keep for the later ones (empty at step 0) — (k, v) each
+[B, T, nkv, d] for Llama attention, MLA's latents for MLA (`ChainKeysValues` makes keys and
+values of them) — a sequence, not one stacked tensor, so the unroll shares each
+step's entry between later steps instead of saving a growing copy per step (O(K)
+memory, not O(K^2)). The chain is attended a block of token rows at a time, its keys
+and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segments [B, T].
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -292,74 +297,147 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
 # the merged step: causal part + chain, by log-sum-exp
 
 
+@dataclass(frozen=True)
+class ChainKeysValues:
+    """How a chain step's keys and values are made from what that step keeps (its `entry`).
+
+    `fn(*entry_rows, *params) -> (k, v)`, each [n, nkv, d], from the `width` tensors of one
+    entry, each cut to n token rows [n, ...]; `params` are the other tensors it reads (their
+    gradients flow). The chain is attended a block of token rows at a time, so only one
+    block's keys and values ever exist: a drafter whose entry is smaller than its keys and
+    values (MLA's latents) keeps only the entries from step to step.
+    """
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    params: tuple[torch.Tensor, ...] = ()
+    width: int = 2
+
+
+def _keys_values_as_kept(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+KEYS_VALUES = ChainKeysValues(_keys_values_as_kept)  # the entry is (k, v) itself (Llama attention)
+
+
+def _chain_rows(N: int, j: int, nh: int, d: int):
+    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys stay under `_BLOCK_BUDGET`."""
+    n = max(1, _BLOCK_BUDGET // max(1, j * nh * d))
+    return [slice(r, min(N, r + n)) for r in range(0, N, n)]
+
+
+def _rows(entries, rows: slice):
+    """Each entry's tensors [B, T, ...] cut to flattened token rows `rows`: [n, ...]."""
+    return [[t.flatten(0, 1)[rows] for t in e] for e in entries]
+
+
+def _chain_block(entry_rows, expand: ChainKeysValues, params):
+    """Keys and values of every chain step from its entry's rows: each [n, j, nkv, d]."""
+    kv = [expand.fn(*e, *params) for e in entry_rows]
+    return torch.stack([k for k, _ in kv], dim=1), torch.stack([v for _, v in kv], dim=1)
+
+
 class _TTTAttention(torch.autograd.Function):
-    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, k0, v0, segments, kernel, j, *chain_k, *chain_v)."""
+    """Causal kernel + chain keys merged by log-sum-exp.
+
+    Inputs (q, k0, v0, segments, kernel, expand, j, *entries, *expand.params): entries are the
+    `expand.width` tensors of each of the j chain steps, step after step.
+    """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, segments, kernel, j, *chain):
+    def forward(ctx, q, k0, v0, segments, kernel, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = _acc(q)
         nkv = k0.shape[2]
         g = nh // nkv
         scale = 1.0 / math.sqrt(d)
         out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
+        out, lse = out.contiguous(), lse.contiguous()  # the chain merges into them in place
+        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
+        params = rest[j * expand.width :]
         if j:
-            chain_k, chain_v = torch.stack(chain[:j], dim=2), torch.stack(chain[j:], dim=2)  # [B, T, j, nkv, d]
-            qg = q.to(acc).view(B, T, nkv, g, d)
-            s = torch.einsum("btkgd,btjkd->btkgj", qg, chain_k.to(acc)) * scale  # [B, T, nkv, g, j]
-            lse_c = lse.view(B, T, nkv, g)
-            lse_all = torch.logaddexp(lse_c, s.logsumexp(-1))
-            p = torch.exp(s - lse_all[..., None])
-            out = out.view(B, T, nkv, g, d) * torch.exp(lse_c - lse_all)[..., None]
-            out = (out + torch.einsum("btkgj,btjkd->btkgd", p, chain_v.to(acc))).view(B, T, nh, d)
-            lse = lse_all.view(B, T, nh)
+            qf, of, lf = q.reshape(B * T, nkv, g, d), out.view(B * T, nkv, g, d), lse.view(B * T, nkv, g)
+            for r in _chain_rows(B * T, j, nh, d):
+                ck, cv = _chain_block(_rows(entries, r), expand, params)  # [n, j, nkv, d]
+                s = torch.einsum("nkgd,njkd->nkgj", qf[r].to(acc), ck.to(acc)) * scale  # [n, nkv, g, j]
+                lse_all = torch.logaddexp(lf[r], s.logsumexp(-1))
+                p = torch.exp(s - lse_all[..., None])
+                of[r] = of[r] * torch.exp(lf[r] - lse_all)[..., None] + torch.einsum("nkgj,njkd->nkgd", p, cv.to(acc))
+                lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
-        ctx.save_for_backward(q, k0, v0, segments, out, lse, *chain)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j = kernel, kctx, scale, j
+        ctx.save_for_backward(q, k0, v0, segments, out, lse, *rest)
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand = kernel, kctx, scale, j, expand
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0, v0, segments, out, lse, *chain = ctx.saved_tensors
+        q, k0, v0, segments, out, lse, *rest = ctx.saved_tensors
         B, T, nh, d = q.shape
         acc = _acc(q)
         nkv = k0.shape[2]
         g = nh // nkv
-        j = ctx.j
+        j, expand = ctx.j, ctx.expand
         dout = dout.to(acc)
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, segments, ctx.scale, ctx.kctx)
-        dchain = ()
+        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
+        params = rest[j * expand.width :]
+        d_entries = [torch.zeros_like(t) for t in rest[: j * expand.width]]
+        d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
-            chain_k, chain_v = torch.stack(chain[:j], dim=2), torch.stack(chain[j:], dim=2)  # [B, T, j, nkv, d]
-            qg = q.to(acc).view(B, T, nkv, g, d)
-            do = dout.view(B, T, nkv, g, d)
-            D = (do * out.view(B, T, nkv, g, d)).sum(-1)  # [B, T, nkv, g]
-            s = torch.einsum("btkgd,btjkd->btkgj", qg, chain_k.to(acc)) * ctx.scale
-            p = torch.exp(s - lse.view(B, T, nkv, g, 1))
-            dp = torch.einsum("btkgd,btjkd->btkgj", do, chain_v.to(acc))
-            ds = p * (dp - D[..., None]) * ctx.scale
-            dq = dq + torch.einsum("btkgj,btjkd->btkgd", ds, chain_k.to(acc)).reshape(B, T, nh, d)
-            dck = torch.einsum("btkgj,btkgd->btjkd", ds, qg).to(chain_k.dtype)
-            dcv = torch.einsum("btkgj,btkgd->btjkd", p, do).to(chain_v.dtype)
-            dchain = (*dck.unbind(2), *dcv.unbind(2))
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), None, None, None, *dchain
+            dq = dq.reshape(B * T, nkv, g, d)
+            qf, dof = q.reshape(B * T, nkv, g, d), dout.reshape(B * T, nkv, g, d)
+            of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
+            for r in _chain_rows(B * T, j, nh, d):
+                with torch.enable_grad():  # the block's keys and values, again, as a small graph
+                    grouped = [[t.detach().requires_grad_() for t in e] for e in _rows(entries, r)]
+                    inputs = [t for e in grouped for t in e]
+                    leaves = [p.detach().requires_grad_() for p in params]
+                    ck, cv = _chain_block(grouped, expand, leaves)
+                qb, do = qf[r].to(acc), dof[r]
+                D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
+                s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
+                p = torch.exp(s - lf[r][..., None].to(acc))
+                dp = torch.einsum("nkgd,njkd->nkgj", do, cv.detach().to(acc))
+                ds = p * (dp - D[..., None]) * ctx.scale
+                dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc))
+                dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
+                dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
+                grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
+                for dst, grad in zip(d_entries, grads[: len(inputs)]):
+                    if grad is not None:
+                        dst.view(B * T, *dst.shape[2:])[r] += grad
+                for dst, grad in zip(d_params, grads[len(inputs) :]):
+                    if grad is not None:
+                        dst += grad
+            dq = dq.view(B, T, nh, d)
+        d_params = [dp.to(p.dtype) for dp, p in zip(d_params, params)]
+        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), None, None, None, None, *d_entries, *d_params
 
 
-def ttt_attention(q, k0, v0, chain_k, chain_v, segments, backend: str = "auto") -> torch.Tensor:
+def ttt_attention(
+    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES
+) -> torch.Tensor:
     """Attention of one TTT step (see module docstring); returns [B, T, nh, d].
 
-    chain_k, chain_v: sequences of j tensors [B, T, nkv, d] (empty at step 0).
+    chain: sequence of j entries (empty at step 0), each a tuple of `expand.width` tensors
+    [B, T, ...] from which `expand` makes that step's keys and values; with the default,
+    an entry is (k, v), each [B, T, nkv, d].
     """
     if backend == "auto":
         backend = resolve_backend(q)
+    if any(len(e) != expand.width for e in chain):
+        raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     if backend == "reference":
+        B, T = q.shape[:2]
+        kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
+        chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
+        chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]
         return reference_attention(q, k0, v0, chain_k, chain_v, segments)
     kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
     if backend not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
-    if len(chain_k) != len(chain_v):
-        raise ValueError(f"{len(chain_k)} chain keys but {len(chain_v)} chain values")
-    return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], len(chain_k), *chain_k, *chain_v)
+    flat = [t for e in chain for t in e]
+    return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], expand, len(chain), *flat, *expand.params)
 
 
 def resolve_backend(q: torch.Tensor) -> str:
