@@ -166,7 +166,14 @@ class Eagle3DecoderLayer(nn.Module):
 
     def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> layer output [B, T, H]."""
-        h = residual + self.self_attn.output(attn)
+        return self.feed_forward(self.attention_residual(residual, attn))
+
+    def attention_residual(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """h' = residual + o_proj(attn), [B, T, H]."""
+        return residual + self.self_attn.output(attn)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h' -> h' + mlp(post_attention_layernorm(h')): position by position, [*, H]."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -317,9 +324,10 @@ class Eagle31Drafter(nn.Module):
         """The step after attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
         return self.read_out(self.midlayer.post_attention(residual, attn))
 
-    def read_out(self, hidden: torch.Tensor) -> DraftStep:
-        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4)."""
-        state = self.norm(hidden)
+    def read_out(self, hidden: torch.Tensor, state: torch.Tensor | None = None) -> DraftStep:
+        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4).
+        `state`: norm(o) when already computed (the unroll's chunked checkpointing)."""
+        state = self.norm(hidden) if state is None else state
         return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

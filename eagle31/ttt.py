@@ -14,7 +14,9 @@ Memory: with `activation_checkpointing` each step keeps only its inputs (the
 previous step's output, token ids, positions) and its entry — its keys and values
 (Llama attention) or its latents (MLA), shared with the later steps; its
 activations are recomputed in backward, one step at a time (and so are those of
-the fused target feature).
+the fused target feature); within a recomputed step, the MLP block and read-out
+(per position) are checkpointed again in chunks of token rows, so the step's
+backward holds one chunk of MLP activations, not T rows of them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eagle31.attention import segment_ids, ttt_attention
+
+# With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
+# intermediate activations hold about this many elements.
+FEED_FORWARD_BUDGET = 1 << 26
 
 
 @dataclass
@@ -40,6 +46,23 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
         return x
     pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
     return torch.cat([x[:, n:], pad], dim=1)
+
+
+def _read_out_rows(drafter, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = drafter.read_out(drafter.midlayer.feed_forward(h))
+    return out.hidden, out.state
+
+
+def _output_in_token_chunks(drafter, h: torch.Tensor):
+    """The step after the attention residual (MLP block, read-out), h' [B, T, H] -> its `DraftStep`,
+    checkpointed `FEED_FORWARD_BUDGET / I` token rows at a time: the recomputed step keeps only h'
+    for it, and its backward holds one chunk's MLP activations at a time."""
+    B, T, H = h.shape
+    rows = max(1, FEED_FORWARD_BUDGET // drafter.config.intermediate_size)
+    parts = [checkpoint(_read_out_rows, drafter, c, use_reentrant=False) for c in h.reshape(B * T, H).split(rows)]
+    hidden = torch.cat([p[0] for p in parts]).view(B, T, H)
+    state = torch.cat([p[1] for p in parts]).view(B, T, H)
+    return drafter.read_out(hidden, state)
 
 
 def ttt_unroll(
@@ -85,7 +108,9 @@ def ttt_unroll(
             chain = (*chain, entry)
         k0, v0 = attn_layer.keys_values(*entry0)
         attn = ttt_attention(q, k0, v0, chain, segments, attention, expand)
-        return drafter.step_output(residual, attn), entry0, chain
+        if not checkpointing:
+            return drafter.step_output(residual, attn), entry0, chain
+        return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain
 
     states, hidden = [], []
     entry0 = None

@@ -235,14 +235,18 @@ def test_mla_drafting_follows_the_training_unroll_step_by_step(norm_output):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, monkeypatch):
-    """The chain's latents decompressed a few token rows at a time (many blocks), packed documents
-    and padding, with and without activation checkpointing: the naive fp64 loss and gradients."""
+    """The chain's latents decompressed a few token rows at a time (many blocks), the checkpointed MLP
+    in 4-row chunks, packed documents and padding, with and without activation checkpointing: the
+    naive fp64 loss and gradients."""
     import eagle31.attention
     from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll
     from tests.test_ttt import DECAY
 
+    import eagle31.ttt
+
     monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
     m = mla_drafter(seed=5)
+    monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * m.config.intermediate_size)  # MLP in 4-row chunks
     doc = layouts()["packed"]
     aux, final, ids, mask = random_batch(m.config, 2, 11, seed=6)
     target_w = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(7))

@@ -282,8 +282,11 @@ def test_segments_split_padding_from_documents():
 
 
 @pytest.mark.parametrize("attention", ["flash", "blockwise"])
-def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention):
+def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention, monkeypatch):
+    import eagle31.ttt
+
     m = tiny_drafter(seed=14)
+    monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 3 * m.config.intermediate_size)  # MLP in 3-row chunks
     doc = layouts()["packed"]
     aux, final, ids, mask = random_batch(m.config, 2, 11, seed=15)
     target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64)
