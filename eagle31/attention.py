@@ -113,8 +113,8 @@ def reference_attention(q, k0, v0, chain_k, chain_v, segments) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------
 # causal kernels: forward -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
-#                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv
-#                 (backward's out and lse are the *merged* ones; out in q's dtype)
+#                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
+#                 (backward's out and lse are the *merged* ones; out and dout in q's dtype)
 
 
 class BlockwiseCausal:
@@ -162,7 +162,7 @@ class BlockwiseCausal:
         nkv = k.shape[2]
         qg = q.permute(0, 2, 1, 3).reshape(B, nkv, nh // nkv, T, d)
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)
-        do = _to_grouped(dout, nkv)
+        do = _to_grouped(dout.to(acc), nkv)
         lse_g = _to_grouped(lse, nkv)
         D = (do * _to_grouped(out, nkv)).sum(-1)  # [B, nkv, g, T]
         dq = torch.zeros_like(qg, dtype=acc)
@@ -177,7 +177,7 @@ class BlockwiseCausal:
             ds = p * (dp - D[:, :, :, i0:i1, None]) * scale
             dq[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", ds, kh[:, :, k0:i1].to(acc))
             dk[:, :, k0:i1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[:, :, :, i0:i1].to(acc))
-        return _from_grouped(dq), dk.transpose(1, 2), dv.transpose(1, 2)
+        return _from_grouped(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
 class FlashCausal:
@@ -209,9 +209,9 @@ class FlashCausal:
         acc = _acc(q)
         nkv = k.shape[2]
         g = nh // nkv
-        dq = torch.empty(B, T, nh, d, dtype=acc)  # every position is in exactly one run: all written below
-        dk = torch.empty(B, T, nkv, d, dtype=acc)
-        dv = torch.empty_like(dk)
+        dq = torch.empty_like(q)  # every position is in exactly one run: all written below
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
         for b, s, e in _runs(segments):
             def heads(x):
                 return x[b : b + 1, s:e].transpose(1, 2)
@@ -228,9 +228,9 @@ class FlashCausal:
                 True,
                 scale=scale,
             )
-            dq[b, s:e] = gq[0].transpose(0, 1).to(acc)
-            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1).transpose(0, 1).to(acc)
-            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1).transpose(0, 1).to(acc)
+            dq[b, s:e] = gq[0].transpose(0, 1)
+            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
+            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
         return dq, dk, dv
 
     # CUDA: one varlen flash-attention call; documents never cross rows.
@@ -264,7 +264,7 @@ class FlashCausal:
             flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
             cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale,
         )  # fmt: skip
-        return dq.view(B, T, nh, d).float(), dk.view(B, T, -1, d).float(), dv.view(B, T, -1, d).float()
+        return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -377,7 +377,7 @@ class _TTTAttention(torch.autograd.Function):
         nkv = k0.shape[2]
         g = nh // nkv
         j, expand = ctx.j, ctx.expand
-        dout = dout.to(acc)
+        dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, segments, ctx.scale, ctx.kctx)
         entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
         params = rest[j * expand.width :]
@@ -393,13 +393,13 @@ class _TTTAttention(torch.autograd.Function):
                     inputs = [t for e in grouped for t in e]
                     leaves = [p.detach().requires_grad_() for p in params]
                     ck, cv = _chain_block(grouped, expand, leaves)
-                qb, do = qf[r].to(acc), dof[r]
+                qb, do = qf[r].to(acc), dof[r].to(acc)
                 D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
                 s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
                 p = torch.exp(s - lf[r][..., None].to(acc))
                 dp = torch.einsum("nkgd,njkd->nkgj", do, cv.detach().to(acc))
                 ds = p * (dp - D[..., None]) * ctx.scale
-                dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc))
+                dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc)).to(dq.dtype)
                 dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
                 dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
                 grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
@@ -411,7 +411,7 @@ class _TTTAttention(torch.autograd.Function):
                         dst += grad
             dq = dq.view(B, T, nh, d)
         d_params = [dp.to(p.dtype) for dp, p in zip(d_params, params)]
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), None, None, None, None, *d_entries, *d_params
+        return dq, dk0, dv0, None, None, None, None, *d_entries, *d_params
 
 
 def ttt_attention(

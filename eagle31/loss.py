@@ -43,7 +43,9 @@ class TargetHead:
     def __init__(self, weight: torch.Tensor, draft_ids: torch.Tensor):
         self.weight = weight.detach()
         self.draft_ids = draft_ids.to(weight.device)
-        self.draft_weight = self.weight[self.draft_ids]  # [Vd, Ht]
+        V = weight.shape[0]
+        # [Vd, Ht]; the weight itself when the draft vocabulary is the whole one (no second copy)
+        self.draft_weight = self.weight if self.draft_ids.numel() == V else self.weight[self.draft_ids]
         self.in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         self.in_draft[self.draft_ids] = True
 
@@ -282,11 +284,14 @@ class DraftKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("DraftKL's backward ran twice (retain_graph): its lm_head gradient is scaled in place")
+        ctx.consumed = True
         dW, *dh = ctx.saved_tensors
         g = grad_loss.tolist()  # one scalar per step
         grad_W = None
         if dW is not None:
-            grad_W = (dW * _shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)
+            grad_W = dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)  # in place: no second fp32 copy
         grad_h = []
         for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g):
             grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk))

@@ -33,16 +33,39 @@ NATIVE_FORMAT_VERSION = 1
 
 
 class RMSNorm(nn.Module):
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight.
+
+    Its backward recomputes the normalised x from x and the saved per-row rsqrt (`_RMSNormFunction`):
+    it saves x (which its caller usually keeps anyway), not fp32 copies of x and of its output.
+    """
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [*, 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.to(rstd.dtype) * rstd  # the normalised x, fp32
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype).to(weight.dtype)
+        grad_n = (grad * weight).to(rstd.dtype)
+        grad_x = rstd * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 class MLP(nn.Module):
