@@ -331,10 +331,15 @@ def _rows(entries, rows: slice):
     return [[t.flatten(0, 1)[rows] for t in e] for e in entries]
 
 
-def _chain_block(entry_rows, expand: ChainKeysValues, params):
-    """Keys and values of every chain step from its entry's rows: each [n, j, nkv, d]."""
-    kv = [expand.fn(*e, *params) for e in entry_rows]
-    return torch.stack([k for k, _ in kv], dim=1), torch.stack([v for _, v in kv], dim=1)
+def _stacked_rows(entry_rows) -> list[torch.Tensor]:
+    """The j entries' rows stacked step-major, one tensor per entry part: [j * n, ...]."""
+    return [torch.cat(part) for part in zip(*entry_rows)]
+
+
+def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
+    """Keys and values of every chain step from the stacked entry rows (one `expand` call): each [n, j, nkv, d]."""
+    k, v = expand.fn(*stacked, *params)  # [j * n, nkv, d]
+    return k.unflatten(0, (j, -1)).transpose(0, 1), v.unflatten(0, (j, -1)).transpose(0, 1)
 
 
 class _TTTAttention(torch.autograd.Function):
@@ -358,7 +363,7 @@ class _TTTAttention(torch.autograd.Function):
         if j:
             qf, of, lf = q.reshape(B * T, nkv, g, d), out.view(B * T, nkv, g, d), lse.view(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
-                ck, cv = _chain_block(_rows(entries, r), expand, params)  # [n, j, nkv, d]
+                ck, cv = _chain_block(_stacked_rows(_rows(entries, r)), j, expand, params)  # [n, j, nkv, d]
                 s = torch.einsum("nkgd,njkd->nkgj", qf[r].to(acc), ck.to(acc)) * scale  # [n, nkv, g, j]
                 lse_all = torch.logaddexp(lf[r], s.logsumexp(-1))
                 p = torch.exp(s - lse_all[..., None])
@@ -389,10 +394,9 @@ class _TTTAttention(torch.autograd.Function):
             of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
                 with torch.enable_grad():  # the block's keys and values, again, as a small graph
-                    grouped = [[t.detach().requires_grad_() for t in e] for e in _rows(entries, r)]
-                    inputs = [t for e in grouped for t in e]
+                    inputs = [t.detach().requires_grad_() for t in _stacked_rows(_rows(entries, r))]
                     leaves = [p.detach().requires_grad_() for p in params]
-                    ck, cv = _chain_block(grouped, expand, leaves)
+                    ck, cv = _chain_block(inputs, j, expand, leaves)
                 qb, do = qf[r].to(acc), dof[r].to(acc)
                 D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
                 s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
@@ -403,9 +407,11 @@ class _TTTAttention(torch.autograd.Function):
                 dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
                 dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
                 grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
-                for dst, grad in zip(d_entries, grads[: len(inputs)]):
+                for part, grad in enumerate(grads[: len(inputs)]):  # [j * n, ...] -> step i's part
                     if grad is not None:
-                        dst.view(B * T, *dst.shape[2:])[r] += grad
+                        for i, g_i in enumerate(grad.chunk(j)):
+                            dst = d_entries[i * expand.width + part]
+                            dst.view(B * T, *dst.shape[2:])[r] += g_i
                 for dst, grad in zip(d_params, grads[len(inputs) :]):
                     if grad is not None:
                         dst += grad

@@ -69,9 +69,8 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
 
 
 def _norm(width: int, c: int, input_kept: bool) -> int:
-    """Bytes an `RMSNorm` saves per token: its fp32 input (the input itself in fp32, a copy
-    otherwise) and its compute-dtype output (which, in fp32, is the normalised fp32 tensor)."""
-    return (0 if input_kept and c == 4 else 4 * width) + c * width
+    """Bytes an `RMSNorm` saves per token: its input (unless kept anyway) and its fp32 rsqrt."""
+    return (0 if input_kept else c * width) + 4
 
 
 def entry_elements(cfg: DrafterConfig) -> int:
@@ -100,7 +99,7 @@ def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
     if cfg.attention == "mla":
         qr, r = cfg.q_lora_rank, cfg.kv_lora_rank
         b += _norm(qr, c, False)  # q_a_layernorm
-        b += (4 * r if c != 4 else 4 * (r + cfg.qk_rope_head_dim)) + c * r  # kv_a_layernorm (a view, in fp32)
+        b += _norm(r + cfg.qk_rope_head_dim, c, False)  # kv_a_layernorm: its input is a view of kv_a's output
         b += entry_elements(cfg) * c  # the recomputed latent
         b += 2 * kv * c  # the step-0 keys and (padded) values, decompressed in the step
         b += nh * cfg.v_head_dim * c  # o_proj's input: the unpadded columns, copied
@@ -110,31 +109,38 @@ def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
     return b
 
 
-def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str) -> int:
-    """Bytes per token `_TTTAttention.backward` allocates at once: the fp32 incoming gradient, the kernel's
-    gradients of q, k0, v0 in fp32 and cast, and the kernel's own copies (per device)."""
+def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str) -> tuple[int, int]:
+    """Bytes per token `_TTTAttention.backward` holds: (throughout: the incoming gradient and the
+    gradients of q, k0, v0 in the compute dtype; while the causal kernel runs: what it allocates
+    besides, per device)."""
     q, kv, _ = _attention_widths(cfg)
-    b = 4 * q + (4 + c) * (q + 2 * kv)
-    if device == "cuda":  # varlen flash: compute-dtype copies of dout and out, its dq, dk, dv
-        b += 2 * q * c + (q + 2 * kv) * c
-    else:  # per document: keys and values repeated to every head, dout and out cast, dq, dk, dv of every head
-        b += 2 * q * c + 2 * q * c + 3 * q * c
-    return b
+    grads = q * c + (q + 2 * kv) * c
+    if device == "cuda":  # varlen flash: its fp32 dq accumulator
+        kernel = 4 * q
+    else:  # per document: keys and values repeated to every head, dout and out made contiguous, dq, dk, dv
+        kernel = 2 * q * c + 2 * q * c + 3 * q * c
+    return grads, kernel
 
 
-def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int) -> int:
-    """Bytes one checkpointed MLP chunk saves during its backward (independent of T)."""
+def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
+    """Bytes one checkpointed MLP chunk saves during its backward (independent of T once T passes a chunk)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    rows = max(1, FEED_FORWARD_BUDGET // I)
-    return rows * (_norm(H, c, True) + 4 * I * c + _norm(H, c, False) + 2 * H * c)
+    rows = min(seq_len, max(1, FEED_FORWARD_BUDGET // I))
+    return rows * (_norm(H, c, True) + 4 * I * c + _norm(H, c, False) + 2 * H * c)  # norms, SwiGLU, o and norm(o)
 
 
-def chain_block_bytes(cfg: DrafterConfig, ttt_length: int, c: int) -> int:
-    """Bytes of one chain block's keys and values (and their fp32 copies) at the deepest step."""
+def chain_block_bytes(cfg: DrafterConfig, ttt_length: int, c: int, seq_len: int) -> int:
+    """Bytes of one chain block in the backward at the deepest step: its recomputed keys and values and
+    their gradients (compute dtype), fp32 copies (unless fp32 already), MLA's kv_b_proj output gradient."""
     q, kv, _ = _attention_widths(cfg)
     j = max(1, ttt_length - 1)
-    rows = max(1, _BLOCK_BUDGET // (j * q))
-    return rows * j * 2 * kv * (c + 4) * 2  # forward and the backward's recomputed block with gradients
+    rows = min(seq_len, max(1, _BLOCK_BUDGET // (j * q)))
+    per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
+    fixed = 0
+    if cfg.attention == "mla":  # and kv_b_proj's weight gradient: the fp32 sum over blocks and one block's
+        per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
+        fixed = 2 * 4 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return rows * j * per_row + fixed
 
 
 def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict[str, int]:
@@ -143,12 +149,29 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
     backward's temporaries)."""
     H, I, T, K = cfg.hidden_size, cfg.intermediate_size, seq_len, ttt_length
     kept_per_step = H * c + entry_elements(cfg) * c + 16  # input state, entry, token ids and positions (int64)
-    backward = attention_backward_bytes(cfg, c, device) * T
+    grads, kernel = attention_backward_bytes(cfg, c, device)
+    # the attention's backward: the causal kernel, then the chain blocks, one after the other
+    backward = grads * T + max(kernel * T, chain_block_bytes(cfg, K, c, T))
     if not checkpointing:  # every step keeps what it saves, the whole MLP block's too
         mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False)
         return {"kept": K * (kept_per_step + step_saved_bytes(cfg, c) + mlp_block) * T, "step": backward}
-    fixed = feed_forward_chunk_bytes(cfg, c) + chain_block_bytes(cfg, K, c)
-    return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + backward + fixed}
+    # the MLP chunks' backward comes before the attention's
+    later = max(backward, feed_forward_chunk_bytes(cfg, c, T))
+    return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + later}
+
+
+def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
+    """What is alive when `DraftKL.backward` runs: d loss / d state of every supervised query (saved)
+    and the state gradients it makes of them, the one fp32 lm_head gradient (and its cast to the
+    gathered weight's dtype under FSDP), one chunk's fp32 temporaries."""
+    H, Vd, T = cfg.hidden_size, cfg.draft_vocab_size, seq_len
+    state = ttt_length * H * c * T
+    return {
+        "saved_dh": state,
+        "state_gradients": state,
+        "lm_head_gradient": Vd * H * 4 + (Vd * H * c if fsdp else 0),
+        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 4,  # label log-probs, logits, exp, dz
+    }
 
 
 def estimate_memory(
@@ -176,13 +199,10 @@ def estimate_memory(
     target_head = V * Ht * c + (Vd * Ht * c if Vd < V else 0) + V  # + the in-draft mask
     features = (cfg.fc_in_features + Ht) * c * T
     act = activation_bytes(cfg, T, K, checkpointing=activation_checkpointing, c=c, device=device)
-    state_grads = K * H * c * T  # d loss / d state of every step, waiting for the unroll's backward
-    dW = Vd * H * 4
-    grad_W = Vd * H * c if fsdp else 0  # the fp32 accumulator cast to the gathered weight's dtype
-    chunk = _LOGITS_BUDGET * 4 * 4  # label log-probs, logits, their exp and dz of one chunk (fp32)
-    # the two moments of the backward: the loss's (dh and the state gradients it makes, dW and
-    # its cast) and one recomputed step's (the state gradients wait; dW is gone)
-    loss_moment = state_grads + state_grads + dW + grad_W + chunk
+    loss = loss_moment_bytes(cfg, T, K, c=c, fsdp=fsdp)
+    state_grads = loss["state_gradients"]
+    # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone)
+    loss_moment = sum(loss.values())
     step_moment = state_grads + act["step"]
     if loss_moment >= step_moment:
         activations, loss_work = act["kept"], loss_moment

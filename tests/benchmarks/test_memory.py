@@ -8,8 +8,9 @@ its resident set over the built model — every temporary the step allocates cou
 import functools
 
 import pytest
+import torch
 
-from benchmarks.measure import cpu_step_peak_bytes
+from benchmarks.measure import LiveTensorBytes, cpu_step_peak_bytes
 from benchmarks.train_step import BenchConfig
 
 SMALL = dict(
@@ -32,6 +33,25 @@ def peak_bytes(T: int, checkpointing: bool = True, attention: str = "auto", draf
         threads=1,  # steadier than two on a busy machine
     )  # fmt: skip
     return cpu_step_peak_bytes("eagle31", bench)
+
+
+def test_live_tensor_bytes_counts_each_storage_once_while_a_tensor_holds_it():
+    before = torch.ones(1000)  # made before: its in-place results and views are not new memory
+    with LiveTensorBytes() as live:
+        before.mul_(2)
+        view = before[:10]
+        x = torch.empty(1000)  # 4000 B
+        y = x.view(10, 100)  # the same storage
+        z = x + 1  # another 4000 B
+        assert (live.live, live.peak) == (8000, 8000)
+        del x
+        assert live.live == 8000  # y still holds the storage
+        del y, z
+        assert live.live == 0 and live.peak == 8000
+        live.reset_peak()
+        w = torch.zeros(10)
+        assert live.peak == 40
+    assert view.numel() == 10 and w.numel() == 10
 
 
 @pytest.mark.slow
