@@ -85,14 +85,16 @@ class LiveTensorBytes(TorchDispatchMode):
     neither what the allocator keeps for later nor other processes' load: what the tensors hold.
     """
 
-    def __init__(self):
+    def __init__(self, on_peak: Callable[[], Any] | None = None):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.on_peak, self.at_peak = on_peak, None  # on_peak() is recorded whenever the peak rises
         self._storages: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.at_peak = self.on_peak() if self.on_peak is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {
@@ -117,7 +119,10 @@ class LiveTensorBytes(TorchDispatchMode):
                 return
             entry = self._storages[key] = [0, size]
             self.live += size
-            self.peak = max(self.peak, self.live)
+            if self.live > self.peak:
+                self.peak = self.live
+                if self.on_peak is not None:
+                    self.at_peak = self.on_peak()
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 

@@ -12,9 +12,11 @@ set beside the bytes that term names:
   param_grad_optimizer_states   trainable parameters + their gradients (counted as each is
                                 accumulated) + what stays alive after a step (AdamW's moments)
   frozen_embedding, target_lm_head, target_features   the built tensors' bytes
-  activations + loss_working_set  the second step's peak above the gradients and what a step
-                                leaves alive: the one moment they share (the estimate puts the
-                                larger of its two backward moments there)
+  activations + loss_working_set  the second step's peak above what a step leaves alive and
+                                the gradients accumulated by then: the one moment they share
+                                (the estimate puts the larger of its two backward moments there)
+  total                         the built model, the batch and the second step's peak (the
+                                estimate counts every gradient at its peak: an upper bound there)
   per-token slope               how that working set grows with T (several T per shape)
 
 Shapes: the Kimi K2.6 attention shapes (MLA 64 heads x (128 + 64), latents 512 + 64, q rank
@@ -108,9 +110,10 @@ def _terms_child(spec: str) -> None:
     storages = {head.weight.untyped_storage().data_ptr(): head.weight.nbytes}
     storages[head.draft_weight.untyped_storage().data_ptr()] = head.draft_weight.nbytes
     gc.collect()
-    with LiveTensorBytes() as tensors:
+    with LiveTensorBytes(on_peak=lambda: sum(grads.values())) as tensors:
         step()
         persistent = tensors.live  # AdamW's moments (the gradients are set to None after the step)
+        grads.clear()
         tensors.reset_peak()
         step()
     print(
@@ -123,9 +126,32 @@ def _terms_child(spec: str) -> None:
                 "target_lm_head_bytes": sum(storages.values()) + head.in_draft.nbytes,
                 "target_features_bytes": batch.aux.nbytes + batch.final.nbytes,
                 "step_peak_bytes": tensors.peak,
+                "gradient_bytes_at_peak": tensors.at_peak,  # the gradients accumulated when the peak was reached
             }
         )
     )
+
+
+def cuda_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
+    """One point on CUDA (bf16, FSDP2 on one GPU, as trained): `torch.cuda.max_memory_allocated` over two
+    steps, absolute (the built model included), beside the estimate's total for `device="cuda"`."""
+    bench = BenchConfig(
+        shape="tiny", seq_len=seq_len, ttt_length=TTT_LENGTH, overrides=overrides, activation_checkpointing=checkpointing,
+        device="cuda", precision="bf16",
+    )  # fmt: skip
+    device = bench.torch_device()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    step = EagleStep(bench)
+    step()
+    step()
+    peak = torch.cuda.max_memory_allocated(device) / GiB
+    est = estimate_memory(bench.drafter_config(), seq_len, TTT_LENGTH, activation_checkpointing=checkpointing)
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seq_len": seq_len, "measured_gib": peak, "estimated_gib": est["total"], "estimate_over_measured": est["total"] / peak,
+            "estimated_terms_gib": est}  # fmt: skip
 
 
 def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None = None) -> dict:
@@ -137,7 +163,7 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
         t0 = time.perf_counter()
         m = recorded[T] if recorded else measure_point(spec["overrides"], T, checkpointing)
         est = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
-        working = m["step_peak_bytes"] - m["persistent_bytes"] - m["gradient_bytes"]
+        working = m["step_peak_bytes"] - m["persistent_bytes"] - m["gradient_bytes_at_peak"]
         measured = {
             "param_grad_optimizer_states": m["trainable_bytes"] + m["gradient_bytes"] + m["persistent_bytes"],
             "frozen_embedding": m["frozen_embedding_bytes"],
@@ -145,8 +171,10 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
             "target_features": m["target_features_bytes"],
             "activations_and_loss": working,
         }
+        # the true peak: the model, what a step leaves alive, and the second step's peak above it
+        peak = m["trainable_bytes"] + m["frozen_embedding_bytes"] + m["target_lm_head_bytes"] + m["target_features_bytes"]
         measured = {k: v / GiB for k, v in measured.items()}
-        measured["total"] = sum(measured.values())
+        measured["total"] = (peak + m["step_peak_bytes"]) / GiB
         estimated = {k: est[k] for k in ("param_grad_optimizer_states", "frozen_embedding", "target_lm_head", "target_features")}
         estimated["activations_and_loss"] = est["activations"] + est["loss_working_set"]
         estimated["total"] = est["total"]

@@ -152,9 +152,10 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
     grads, kernel = attention_backward_bytes(cfg, c, device)
     # the attention's backward: the causal kernel, then the chain blocks, one after the other
     backward = grads * T + max(kernel * T, chain_block_bytes(cfg, K, c, T))
-    if not checkpointing:  # every step keeps what it saves, the whole MLP block's too
-        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False)
-        return {"kept": K * (kept_per_step + step_saved_bytes(cfg, c) + mlp_block) * T, "step": backward}
+    if not checkpointing:  # every step keeps what it saves (its entry is the kept one), the whole MLP block's too
+        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False) - H * c  # h' is the norm's input
+        saved = step_saved_bytes(cfg, c) - entry_elements(cfg) * c
+        return {"kept": K * (kept_per_step + saved + mlp_block) * T, "step": backward}
     # the MLP chunks' backward comes before the attention's
     later = max(backward, feed_forward_chunk_bytes(cfg, c, T))
     return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + later}
@@ -170,7 +171,9 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
         "saved_dh": state,
         "state_gradients": state,
         "lm_head_gradient": Vd * H * 4 + (Vd * H * c if fsdp else 0),
-        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 4,  # label log-probs, logits, exp, dz
+        # one chunk's fp32 [rows, Vd] temporaries: label log-probs and their rows per query, draft
+        # log-probs, p = exp(label), and the KL's two intermediates (then exp(logq) and dz)
+        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 6,
     }
 
 

@@ -154,7 +154,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert [p["status"] for p in parts.values()] == ["pass"] * 4, parts
+    assert [p["status"] for p in parts.values()] == ["pass"] * 5, parts
+    assert all(s["passed"] for s in parts["memory"]["shapes"].values())
     assert parts["environment"]["torch"] == torch.__version__
     assert all(s["status"] == "pass" for s in parts["attention"]["shapes"].values())
     assert {"kimi_k26", "llama31_8b"} <= set(parts["attention"]["shapes"])
