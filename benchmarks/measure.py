@@ -85,16 +85,17 @@ class LiveTensorBytes(TorchDispatchMode):
     neither what the allocator keeps for later nor other processes' load: what the tensors hold.
     """
 
-    def __init__(self, on_peak: Callable[[], Any] | None = None):
+    def __init__(self, excluded: Callable[[], int] | None = None):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self.on_peak, self.at_peak = on_peak, None  # on_peak() is recorded whenever the peak rises
+        # excluded(): bytes of tracked tensors to leave out of `peak_without` (e.g. the gradients so far)
+        self.excluded, self.peak_without = excluded, 0
         self._storages: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
 
     def reset_peak(self) -> None:
         self.peak = self.live
-        self.at_peak = self.on_peak() if self.on_peak is not None else None
+        self.peak_without = self.live - (self.excluded() if self.excluded else 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {
@@ -119,10 +120,9 @@ class LiveTensorBytes(TorchDispatchMode):
                 return
             entry = self._storages[key] = [0, size]
             self.live += size
-            if self.live > self.peak:
-                self.peak = self.live
-                if self.on_peak is not None:
-                    self.at_peak = self.on_peak()
+            self.peak = max(self.peak, self.live)
+            if self.excluded is not None:
+                self.peak_without = max(self.peak_without, self.live - self.excluded())
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 

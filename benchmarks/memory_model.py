@@ -12,9 +12,9 @@ set beside the bytes that term names:
   param_grad_optimizer_states   trainable parameters + their gradients (counted as each is
                                 accumulated) + what stays alive after a step (AdamW's moments)
   frozen_embedding, target_lm_head, target_features   the built tensors' bytes
-  activations + loss_working_set  the second step's peak above what a step leaves alive and
-                                the gradients accumulated by then: the one moment they share
-                                (the estimate puts the larger of its two backward moments there)
+  activations + loss_working_set  the second step's peak of what its tensors hold besides what
+                                a step leaves alive and the gradients accumulated so far: the
+                                one moment they share (the estimate: the larger of its two)
   total                         the built model, the batch and the second step's peak (the
                                 estimate counts every gradient at its peak: an upper bound there)
   per-token slope               how that working set grows with T (several T per shape)
@@ -110,7 +110,7 @@ def _terms_child(spec: str) -> None:
     storages = {head.weight.untyped_storage().data_ptr(): head.weight.nbytes}
     storages[head.draft_weight.untyped_storage().data_ptr()] = head.draft_weight.nbytes
     gc.collect()
-    with LiveTensorBytes(on_peak=lambda: sum(grads.values())) as tensors:
+    with LiveTensorBytes(excluded=lambda: sum(grads.values())) as tensors:
         step()
         persistent = tensors.live  # AdamW's moments (the gradients are set to None after the step)
         grads.clear()
@@ -126,7 +126,7 @@ def _terms_child(spec: str) -> None:
                 "target_lm_head_bytes": sum(storages.values()) + head.in_draft.nbytes,
                 "target_features_bytes": batch.aux.nbytes + batch.final.nbytes,
                 "step_peak_bytes": tensors.peak,
-                "gradient_bytes_at_peak": tensors.at_peak,  # the gradients accumulated when the peak was reached
+                "step_peak_without_gradients_bytes": tensors.peak_without,  # the gradients accumulated so far left out
             }
         )
     )
@@ -163,7 +163,7 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
         t0 = time.perf_counter()
         m = recorded[T] if recorded else measure_point(spec["overrides"], T, checkpointing)
         est = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
-        working = m["step_peak_bytes"] - m["persistent_bytes"] - m["gradient_bytes_at_peak"]
+        working = m["step_peak_without_gradients_bytes"] - m["persistent_bytes"]
         measured = {
             "param_grad_optimizer_states": m["trainable_bytes"] + m["gradient_bytes"] + m["persistent_bytes"],
             "frozen_embedding": m["frozen_embedding_bytes"],

@@ -161,6 +161,17 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
     return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + later}
 
 
+def largest_layer_weight(cfg: DrafterConfig) -> int:
+    """Elements of the decoder layer's largest weight (its gradient is one temporary of a step's backward)."""
+    H, I, nh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    if cfg.attention == "mla":
+        attention = [2 * H * cfg.q_lora_rank, cfg.q_lora_rank * nh * cfg.qk_head_dim,
+                     cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), nh * cfg.v_head_dim * H]  # fmt: skip
+    else:
+        attention = [2 * H * nh * cfg.head_dim, 2 * H * cfg.num_key_value_heads * cfg.head_dim, nh * cfg.head_dim * H]
+    return max(H * I, *attention)
+
+
 def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
     """What is alive when `DraftKL.backward` runs: d loss / d state of every supervised query (saved)
     and the state gradients it makes of them, the one fp32 lm_head gradient (and its cast to the
@@ -206,11 +217,12 @@ def estimate_memory(
     state_grads = loss["state_gradients"]
     # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone)
     loss_moment = sum(loss.values())
-    step_moment = state_grads + act["step"]
-    if loss_moment >= step_moment:
+    # and, from the second step's backward on, a layer weight's gradient before it is added to .grad
+    step = act["step"] + largest_layer_weight(cfg) * (c if fsdp else 4)
+    if loss_moment >= state_grads + step:
         activations, loss_work = act["kept"], loss_moment
     else:
-        activations, loss_work = act["kept"] + act["step"], state_grads
+        activations, loss_work = act["kept"] + step, state_grads
     parts = {
         "param_grad_optimizer_states": states,
         "frozen_embedding": embed,
