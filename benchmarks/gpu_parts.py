@@ -214,7 +214,8 @@ def memory(smoke: bool) -> dict[str, Any]:
 
     if smoke or not torch.cuda.is_available():
         shapes = {name: memory_model.compare(name, spec) for name, spec in memory_model.SHAPES["tiny"].items()}
-        return {"status": "pass" if all(s["passed"] for s in shapes.values()) else "fail", "device": "cpu", "shapes": shapes}
+        status = "pass" if all(s["passed"] for s in shapes.values()) else "fail"
+        return {"status": status, "device": "cpu", "detail": f"{len(shapes)} shape(s) term by term", "memory_shapes": shapes}
     points = {}
     try:
         for name, spec in memory_model.SHAPES["full"].items():
@@ -222,5 +223,6 @@ def memory(smoke: bool) -> dict[str, Any]:
     finally:
         close_world()
     within = all(abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps)
-    return {"status": "pass", "device": "cuda", "total_within_tolerance": within, "points": points}
+    detail = "totals within 10%" if within else "a total off by more than 10% (points)"
+    return {"status": "pass", "device": "cuda", "detail": detail, "total_within_tolerance": within, "points": points}
 
