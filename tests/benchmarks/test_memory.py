@@ -70,7 +70,8 @@ def test_step_memory_grows_linearly_with_sequence_length(drafter):
 def test_activation_checkpointing_lowers_step_memory():
     with_ckpt, without = peak_bytes(16384), peak_bytes(16384, checkpointing=False)
     print(f"peak T=16384: {with_ckpt / 2**20:.0f} MiB with activation checkpointing, {without / 2**20:.0f} MiB without")
-    assert with_ckpt < 0.8 * without
+    # measured 168 vs 407 MiB (0.41), the same bytes on every repeat: the margin is for the model changing, not noise
+    assert with_ckpt < 0.5 * without
 
 
 @pytest.mark.slow
