@@ -101,7 +101,7 @@ def check_attention_parity(
         if backend == "reference":
             out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments)
         else:
-            out = ttt_attention(q, k0, v0, chain[:j], chain[j:], segments, backend)
+            out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend)
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
         return [out.detach().float()] + [x.float() for x in grads]
 

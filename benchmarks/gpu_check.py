@@ -11,6 +11,8 @@ or an out-of-memory crash ends that part only; the whole check stays within `--b
     attention     fused attention vs the reference (forward, all gradients, bf16) at every recipe's
                   drafter shape, packed documents, padding, chain keys
     trainer       train/main.py under `torchrun --nproc-per-node 1` (NCCL): train, checkpoint, resume, export
+    memory        the memory model's shapes (`benchmarks.memory_model`): the peak of two steps
+                  (`torch.cuda.max_memory_allocated`) beside `eagle31.estimate`'s total for CUDA
     benchmark …   training-step benchmark runs: the Kimi K2.6 drafter at T = 4096, 65536 (activation
                   checkpointing), 16384, the Llama 3.1 8B drafter at 4096 — each against vLLM
                   `speculators`' drafter where it imports (its running out of memory is a result)
@@ -61,7 +63,11 @@ ENVIRONMENT = Part("environment", "environment", 60)
 
 def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
     """The parts after `environment`, most important first (a spent budget skips the last ones)."""
-    parts = [Part("attention", "attention", 120 if smoke else 90), Part("trainer", "trainer", 240 if smoke else 150)]
+    parts = [
+        Part("attention", "attention", 120 if smoke else 90),
+        Part("trainer", "trainer", 240 if smoke else 150),
+        Part("memory", "memory", 300 if smoke else 120),
+    ]
     if smoke:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
         return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]

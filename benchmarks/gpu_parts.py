@@ -202,3 +202,27 @@ def benchmark(args: list[str]) -> dict[str, Any]:
     if "error" in ours:
         result["error"] = ours["error"]
     return result
+
+
+def memory(smoke: bool) -> dict[str, Any]:
+    """The memory model's points (`benchmarks.memory_model`): on CUDA the absolute peak of two steps per
+    shape and T beside the estimate's total; on CPU (`--cpu-smoke`) the tiny shape, term by term."""
+    import torch
+
+    from benchmarks import memory_model
+    from eagle31.distributed import close_world
+
+    if smoke or not torch.cuda.is_available():
+        shapes = {name: memory_model.compare(name, spec) for name, spec in memory_model.SHAPES["tiny"].items()}
+        status = "pass" if all(s["passed"] for s in shapes.values()) else "fail"
+        return {"status": status, "device": "cpu", "detail": f"{len(shapes)} shape(s) term by term", "memory_shapes": shapes}
+    points = {}
+    try:
+        for name, spec in memory_model.SHAPES["full"].items():
+            points[name] = [memory_model.cuda_point(spec["overrides"], T, spec.get("checkpointing", True)) for T in spec["seq_lens"]]
+    finally:
+        close_world()
+    within = all(abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps)
+    detail = "totals within 10%" if within else "a total off by more than 10% (points)"
+    return {"status": "pass", "device": "cuda", "detail": detail, "total_within_tolerance": within, "points": points}
+

@@ -6,10 +6,12 @@ Before timing, the fast attention paths are checked against the reference at the
 on the benchmark's device and dtype (`benchmarks.attention_check`); a disagreement stops the run.
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` over the timed steps (absolute: it
-includes parameters, gradients and optimizer state). On CPU, in a fresh process: the
-resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` once the model is
-built) minus the resident set at that moment, over two steps: every temporary a step allocates
-counts (and the gradients and AdamW moments), the built model and its inputs do not.
+includes parameters, gradients and optimizer state). On CPU, in a fresh process over two steps:
+the peak of the bytes the step's tensors hold (`LiveTensorBytes`, counted by storage through a
+dispatch mode): every tensor a step makes counts (and the gradients and AdamW moments), the
+built model and its inputs do not. The rise of the resident set's high-water mark (`VmHWM`,
+reset through `/proc/self/clear_refs`) is recorded beside it as a cross-check: it also counts
+what the allocator keeps and so varies with the machine's history and load.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.attention_check import check_attention_parity
 from benchmarks.train_step import BenchConfig, EagleStep, step_flops
@@ -71,18 +76,83 @@ def build_step(side: str, bench: BenchConfig):
     return SpeculatorsStep(bench)
 
 
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes held by the tensors made while it is active: now (`live`) and at most (`peak`).
+
+    Every tensor an operator returns is counted by its storage, once however many views or
+    in-place results share it, until the last of them is freed; tensors made before it was
+    entered (the built model, the batch) are not counted. Unlike the resident set, it sees
+    neither what the allocator keeps for later nor other processes' load: what the tensors hold.
+    """
+
+    def __init__(self, excluded: Callable[[], int] | None = None):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        # excluded(): bytes of tracked tensors to leave out of `peak_without` (e.g. the gradients so far)
+        self.excluded, self.peak_without = excluded, 0
+        self._storages: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+        self.peak_without = self.live - (self.excluded() if self.excluded else 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t, inputs)
+        return out
+
+    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0:
+            return
+        entry = self._storages.get(key)
+        if entry is None:
+            if key in inputs:  # a view or in-place result of a tensor made before: not new memory
+                return
+            entry = self._storages[key] = [0, size]
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            if self.excluded is not None:
+                self.peak_without = max(self.peak_without, self.live - self.excluded())
+        entry[0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self.live -= entry[1]
+
+
 def cpu_step_peak_bytes(side: str, bench: BenchConfig) -> int:
-    """Peak resident memory of `side`'s steps above the built model, in a fresh process (bytes)."""
+    """Peak bytes the tensors of `side`'s steps hold above the built model, in a fresh process."""
+    return cpu_step_memory(side, bench)["tensor_peak_bytes"]
+
+
+def cpu_step_memory(side: str, bench: BenchConfig, child: str = "benchmarks.measure:_peak_child") -> dict[str, int]:
+    """Run `child` ("module:function") in a fresh process; it prints one JSON line, returned. By default
+    two steps of `side`: their peak tensor bytes (`LiveTensorBytes`) and the rise of the resident set."""
     spec = json.dumps({"side": side, "bench": dataclasses.asdict(bench)})
-    code = "import sys; from benchmarks.measure import _peak_child; _peak_child(sys.argv[1])"
+    module, function = child.split(":")
+    code = f"import sys; from {module} import {function}; {function}(sys.argv[1])"
     out = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"memory measurement of {side} failed:\n{out.stderr[-3000:]}")
-    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _peak_child(spec: str) -> None:
-    """Body of `cpu_step_peak_bytes`' process: build, reset the high-water mark, two steps, report the rise."""
+    """Body of `cpu_step_memory`'s process: build, two steps counted by tensors and by the resident set."""
     args = json.loads(spec)
     bench = BenchConfig(**args["bench"])
     if bench.threads:
@@ -91,9 +161,11 @@ def _peak_child(spec: str) -> None:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak RSS to the current RSS
     before = _proc_status_kib("VmRSS")
-    step()  # the first step also creates the gradients and AdamW's moments
-    step()
-    print(json.dumps({"peak_bytes": (_proc_status_kib("VmHWM") - before) * 1024}))
+    with LiveTensorBytes() as tensors:
+        step()  # the first step also creates the gradients and AdamW's moments
+        step()
+    rss = (_proc_status_kib("VmHWM") - before) * 1024
+    print(json.dumps({"tensor_peak_bytes": tensors.peak, "rss_peak_bytes": rss}))
 
 
 def _proc_status_kib(key: str) -> int:

@@ -19,15 +19,20 @@ Kernels for the causal part:
   * `blockwise` — pure PyTorch, any device and dtype, query blocks of bounded size.
 `reference_attention` builds the explicit scores (for tests and readers).
 
-Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain_k, chain_v: sequences of
-j tensors [B, T, nkv, d], the keys (p, 1..j) (empty at step 0) — a sequence, not
-one stacked tensor, so the unroll shares each step's keys between later steps
-instead of saving a growing copy per step (O(K) memory, not O(K^2)); segments [B, T].
+Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain: a sequence of j entries,
+what steps 1..j keep for the later ones (empty at step 0) — (k, v) each
+[B, T, nkv, d] for Llama attention, MLA's latents for MLA (`ChainKeysValues` makes keys and
+values of them) — a sequence, not one stacked tensor, so the unroll shares each
+step's entry between later steps instead of saving a growing copy per step (O(K)
+memory, not O(K^2)). The chain is attended a block of token rows at a time, its keys
+and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segments [B, T].
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -122,8 +127,8 @@ def attention_probabilities(q: torch.Tensor, K: torch.Tensor, allowed: torch.Ten
 
 # ----------------------------------------------------------------------------
 # causal kernels: forward -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
-#                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv
-#                 (backward's out and lse are the *merged* ones; out in q's dtype)
+#                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
+#                 (backward's out and lse are the *merged* ones; out and dout in q's dtype)
 
 
 class BlockwiseCausal:
@@ -171,7 +176,7 @@ class BlockwiseCausal:
         nkv = k.shape[2]
         qg = q.permute(0, 2, 1, 3).reshape(B, nkv, nh // nkv, T, d)
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)
-        do = _to_grouped(dout, nkv)
+        do = _to_grouped(dout.to(acc), nkv)
         lse_g = _to_grouped(lse, nkv)
         D = (do * _to_grouped(out, nkv)).sum(-1)  # [B, nkv, g, T]
         dq = torch.zeros_like(qg, dtype=acc)
@@ -186,7 +191,7 @@ class BlockwiseCausal:
             ds = p * (dp - D[:, :, :, i0:i1, None]) * scale
             dq[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", ds, kh[:, :, k0:i1].to(acc))
             dk[:, :, k0:i1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[:, :, :, i0:i1].to(acc))
-        return _from_grouped(dq), dk.transpose(1, 2), dv.transpose(1, 2)
+        return _from_grouped(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
 class FlashCausal:
@@ -218,9 +223,9 @@ class FlashCausal:
         acc = _acc(q)
         nkv = k.shape[2]
         g = nh // nkv
-        dq = torch.empty(B, T, nh, d, dtype=acc)  # every position is in exactly one run: all written below
-        dk = torch.empty(B, T, nkv, d, dtype=acc)
-        dv = torch.empty_like(dk)
+        dq = torch.empty_like(q)  # every position is in exactly one run: all written below
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
         for b, s, e in _runs(segments):
             def heads(x):
                 return x[b : b + 1, s:e].transpose(1, 2)
@@ -237,9 +242,9 @@ class FlashCausal:
                 True,
                 scale=scale,
             )
-            dq[b, s:e] = gq[0].transpose(0, 1).to(acc)
-            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1).transpose(0, 1).to(acc)
-            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1).transpose(0, 1).to(acc)
+            dq[b, s:e] = gq[0].transpose(0, 1)
+            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
+            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
         return dq, dk, dv
 
     # CUDA: one varlen flash-attention call; documents never cross rows.
@@ -273,7 +278,7 @@ class FlashCausal:
             flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
             cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale,
         )  # fmt: skip
-        return dq.view(B, T, nh, d).float(), dk.view(B, T, -1, d).float(), dv.view(B, T, -1, d).float()
+        return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -306,77 +311,156 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
 # the merged step: causal part + chain, by log-sum-exp
 
 
+@dataclass(frozen=True)
+class ChainKeysValues:
+    """How a chain step's keys and values are made from what that step keeps (its `entry`).
+
+    `fn(*entry_rows, *params) -> (k, v)`, each [n, nkv, d], from the `width` tensors of one
+    entry, each cut to n token rows [n, ...]; `params` are the other tensors it reads (their
+    gradients flow). The chain is attended a block of token rows at a time, so only one
+    block's keys and values ever exist: a drafter whose entry is smaller than its keys and
+    values (MLA's latents) keeps only the entries from step to step.
+    """
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    params: tuple[torch.Tensor, ...] = ()
+    width: int = 2
+
+
+def _keys_values_as_kept(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+KEYS_VALUES = ChainKeysValues(_keys_values_as_kept)  # the entry is (k, v) itself (Llama attention)
+
+
+def _chain_rows(N: int, j: int, nh: int, d: int):
+    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys stay under `_BLOCK_BUDGET`."""
+    n = max(1, _BLOCK_BUDGET // max(1, j * nh * d))
+    return [slice(r, min(N, r + n)) for r in range(0, N, n)]
+
+
+def _rows(entries, rows: slice):
+    """Each entry's tensors [B, T, ...] cut to flattened token rows `rows`: [n, ...]."""
+    return [[t.flatten(0, 1)[rows] for t in e] for e in entries]
+
+
+def _stacked_rows(entry_rows) -> list[torch.Tensor]:
+    """The j entries' rows stacked step-major, one tensor per entry part: [j * n, ...]."""
+    return [torch.cat(part) for part in zip(*entry_rows)]
+
+
+def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
+    """Keys and values of every chain step from the stacked entry rows (one `expand` call): each [n, j, nkv, d]."""
+    k, v = expand.fn(*stacked, *params)  # [j * n, nkv, d]
+    return k.unflatten(0, (j, -1)).transpose(0, 1), v.unflatten(0, (j, -1)).transpose(0, 1)
+
+
 class _TTTAttention(torch.autograd.Function):
-    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, k0, v0, segments, kernel, j, *chain_k, *chain_v)."""
+    """Causal kernel + chain keys merged by log-sum-exp.
+
+    Inputs (q, k0, v0, segments, kernel, expand, j, *entries, *expand.params): entries are the
+    `expand.width` tensors of each of the j chain steps, step after step.
+    """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, segments, kernel, j, *chain):
+    def forward(ctx, q, k0, v0, segments, kernel, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = _acc(q)
         nkv = k0.shape[2]
         g = nh // nkv
         scale = 1.0 / math.sqrt(d)
         out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
+        out, lse = out.contiguous(), lse.contiguous()  # the chain merges into them in place
+        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
+        params = rest[j * expand.width :]
         if j:
-            chain_k, chain_v = torch.stack(chain[:j], dim=2), torch.stack(chain[j:], dim=2)  # [B, T, j, nkv, d]
-            qg = q.to(acc).view(B, T, nkv, g, d)
-            s = torch.einsum("btkgd,btjkd->btkgj", qg, chain_k.to(acc)) * scale  # [B, T, nkv, g, j]
-            lse_c = lse.view(B, T, nkv, g)
-            lse_all = torch.logaddexp(lse_c, s.logsumexp(-1))
-            p = torch.exp(s - lse_all[..., None])
-            out = out.view(B, T, nkv, g, d) * torch.exp(lse_c - lse_all)[..., None]
-            out = (out + torch.einsum("btkgj,btjkd->btkgd", p, chain_v.to(acc))).view(B, T, nh, d)
-            lse = lse_all.view(B, T, nh)
+            qf, of, lf = q.reshape(B * T, nkv, g, d), out.view(B * T, nkv, g, d), lse.view(B * T, nkv, g)
+            for r in _chain_rows(B * T, j, nh, d):
+                ck, cv = _chain_block(_stacked_rows(_rows(entries, r)), j, expand, params)  # [n, j, nkv, d]
+                s = torch.einsum("nkgd,njkd->nkgj", qf[r].to(acc), ck.to(acc)) * scale  # [n, nkv, g, j]
+                lse_all = torch.logaddexp(lf[r], s.logsumexp(-1))
+                p = torch.exp(s - lse_all[..., None])
+                of[r] = of[r] * torch.exp(lf[r] - lse_all)[..., None] + torch.einsum("nkgj,njkd->nkgd", p, cv.to(acc))
+                lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
-        ctx.save_for_backward(q, k0, v0, segments, out, lse, *chain)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j = kernel, kctx, scale, j
+        ctx.save_for_backward(q, k0, v0, segments, out, lse, *rest)
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand = kernel, kctx, scale, j, expand
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0, v0, segments, out, lse, *chain = ctx.saved_tensors
+        q, k0, v0, segments, out, lse, *rest = ctx.saved_tensors
         B, T, nh, d = q.shape
         acc = _acc(q)
         nkv = k0.shape[2]
         g = nh // nkv
-        j = ctx.j
-        dout = dout.to(acc)
+        j, expand = ctx.j, ctx.expand
+        dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, segments, ctx.scale, ctx.kctx)
-        dchain = ()
+        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
+        params = rest[j * expand.width :]
+        d_entries = [torch.zeros_like(t) for t in rest[: j * expand.width]]
+        d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
-            chain_k, chain_v = torch.stack(chain[:j], dim=2), torch.stack(chain[j:], dim=2)  # [B, T, j, nkv, d]
-            qg = q.to(acc).view(B, T, nkv, g, d)
-            do = dout.view(B, T, nkv, g, d)
-            D = (do * out.view(B, T, nkv, g, d)).sum(-1)  # [B, T, nkv, g]
-            s = torch.einsum("btkgd,btjkd->btkgj", qg, chain_k.to(acc)) * ctx.scale
-            p = torch.exp(s - lse.view(B, T, nkv, g, 1))
-            dp = torch.einsum("btkgd,btjkd->btkgj", do, chain_v.to(acc))
-            ds = p * (dp - D[..., None]) * ctx.scale
-            dq = dq + torch.einsum("btkgj,btjkd->btkgd", ds, chain_k.to(acc)).reshape(B, T, nh, d)
-            dck = torch.einsum("btkgj,btkgd->btjkd", ds, qg).to(chain_k.dtype)
-            dcv = torch.einsum("btkgj,btkgd->btjkd", p, do).to(chain_v.dtype)
-            dchain = (*dck.unbind(2), *dcv.unbind(2))
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), None, None, None, *dchain
+            dq = dq.reshape(B * T, nkv, g, d)
+            qf, dof = q.reshape(B * T, nkv, g, d), dout.reshape(B * T, nkv, g, d)
+            of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
+            for r in _chain_rows(B * T, j, nh, d):
+                with torch.enable_grad():  # the block's keys and values, again, as a small graph
+                    inputs = [t.detach().requires_grad_() for t in _stacked_rows(_rows(entries, r))]
+                    leaves = [p.detach().requires_grad_() for p in params]
+                    ck, cv = _chain_block(inputs, j, expand, leaves)
+                qb, do = qf[r].to(acc), dof[r].to(acc)
+                D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
+                s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
+                p = torch.exp(s - lf[r][..., None].to(acc))
+                dp = torch.einsum("nkgd,njkd->nkgj", do, cv.detach().to(acc))
+                ds = p * (dp - D[..., None]) * ctx.scale
+                dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc)).to(dq.dtype)
+                dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
+                dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
+                grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
+                for part, grad in enumerate(grads[: len(inputs)]):  # [j * n, ...] -> step i's part
+                    if grad is not None:
+                        for i, g_i in enumerate(grad.chunk(j)):
+                            dst = d_entries[i * expand.width + part]
+                            dst.view(B * T, *dst.shape[2:])[r] += g_i
+                for dst, grad in zip(d_params, grads[len(inputs) :]):
+                    if grad is not None:
+                        dst += grad
+            dq = dq.view(B, T, nh, d)
+        d_params = [dp.to(p.dtype) for dp, p in zip(d_params, params)]
+        return dq, dk0, dv0, None, None, None, None, *d_entries, *d_params
 
 
-def ttt_attention(q, k0, v0, chain_k, chain_v, segments, backend: str = "auto", probe=None) -> torch.Tensor:
+def ttt_attention(
+    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES, probe=None
+) -> torch.Tensor:
     """Attention of one TTT step (see module docstring); returns [B, T, nh, d].
 
-    chain_k, chain_v: sequences of j tensors [B, T, nkv, d] (empty at step 0). `probe` sees the
-    attention probabilities (`reference_attention`), so it needs the reference backend.
+    chain: sequence of j entries (empty at step 0), each a tuple of `expand.width` tensors
+    [B, T, ...] from which `expand` makes that step's keys and values; with the default,
+    an entry is (k, v), each [B, T, nkv, d]. `probe` sees the attention probabilities
+    (`reference_attention`), so it needs the reference backend.
     """
     if backend == "auto":
         backend = resolve_backend(q)
+    if any(len(e) != expand.width for e in chain):
+        raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     if backend == "reference":
+        B, T = q.shape[:2]
+        kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
+        chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
+        chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]
         return reference_attention(q, k0, v0, chain_k, chain_v, segments, probe)
     if probe is not None:
         raise ValueError(f"the attention probabilities are explicit only in the reference backend, not {backend!r}")
     kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
     if backend not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
-    if len(chain_k) != len(chain_v):
-        raise ValueError(f"{len(chain_k)} chain keys but {len(chain_v)} chain values")
-    return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], len(chain_k), *chain_k, *chain_v)
+    flat = [t for e in chain for t in e]
+    return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], expand, len(chain), *flat, *expand.params)
 
 
 def resolve_backend(q: torch.Tensor) -> str:

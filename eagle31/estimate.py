@@ -1,28 +1,38 @@
 """Parameter counts and a per-GPU memory estimate for a training run (used by `dry_run=true`).
 
-Both drafter types are counted: Llama attention and MLA (`eagle31.mla`, whose keys and
-zero-padded values are `head_dim = qk_nope_head_dim + qk_rope_head_dim` wide per head).
+Both drafter types are counted: Llama attention and MLA (`eagle31.mla`). The estimate follows
+what the code allocates, term by term (`benchmarks/memory_model.py` checks each term against
+the bytes the tensors of real training steps hold):
 
-The estimate counts, per GPU with FSDP over `world_size` ranks:
-  * trainable parameters: fp32 master (4 B) + fp32 gradient (4 B) + AdamW moments (8 B), sharded;
-  * the frozen target embedding (stored in the compute dtype), sharded;
-  * all-gathered bf16 copies of the parameters during forward/backward (unsharded);
-  * the target's lm_head rows used for labels (full vocabulary, compute dtype, not sharded);
-  * activations of the TTT unroll: the tensors one drafter step saves for backward, per token
-    (with activation checkpointing only each step's inputs and its keys/values are kept, plus one
-    step recomputed at a time);
-  * the chunked lm_head + KL working set: chunk temporaries, each step's gathered states and
-    the fp32 lm_head gradient each step forms in its forward.
-It is an estimate for planning (±25%), not a guarantee; `benchmarks/benchmark_train_step.py`
-measures the real peak.
+  * `param_grad_optimizer_states`: fp32 master weights, fp32 gradients and AdamW's two moments
+    of the trainable parameters (16 B each), sharded over the ranks;
+  * `frozen_embedding`: the target's embedding inside the drafter (fp32, sharded with the rest);
+  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of every parameter that
+    FSDP2 all-gathers for forward and backward (the drafter is one FSDP unit), and the
+    unsharded compute-dtype gradients it holds until the reduce-scatter;
+  * `target_lm_head`: the target's lm_head rows that make the labels (compute dtype, full
+    vocabulary for the argmax; the draft rows again when the draft vocabulary is smaller);
+  * `target_features`: the batch's aux and final hidden states (compute dtype);
+  * `activations`: what the TTT unroll keeps, `activation_bytes(...)`: with activation
+    checkpointing each step's input state, entry (Llama keys/values or MLA latents) and token
+    ids; plus the larger of the two moments of the backward (the loss's backward, or one
+    recomputed step — its saved tensors, the attention backward's temporaries — while every
+    step's state gradient waits);
+  * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
+    gradient, d loss / d state of every supervised query, chunk temporaries.
+
+The two backward moments are compared as a whole: `activations` carries the larger one, the
+loss terms that are alive at it stay in `loss_working_set`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagle31.attention import _BLOCK_BUDGET
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
+from eagle31.ttt import FEED_FORWARD_BUDGET
 
 GiB = 1024**3
 
@@ -58,19 +68,124 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     return ParamCounts(trainable=trainable, frozen_embedding=cfg.vocab_size * H)
 
 
-def activation_bytes_per_token_step(cfg: DrafterConfig, compute_bytes: int) -> int:
-    """Bytes one TTT step saves for backward per token (no activation checkpointing)."""
+def _norm(width: int, c: int, input_kept: bool) -> int:
+    """Bytes an `RMSNorm` saves per token: its input (unless kept anyway) and its fp32 rsqrt."""
+    return (0 if input_kept else c * width) + 4
+
+
+def entry_elements(cfg: DrafterConfig) -> int:
+    """Elements per token of what a step keeps for the later ones: Llama keys + values, MLA latents."""
+    if cfg.attention == "mla":
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.num_key_value_heads * cfg.head_dim
+
+
+def _attention_widths(cfg: DrafterConfig) -> tuple[int, int, int]:
+    """(q width nh*d, key/value width nkv*d as the kernel sees them, rope/cos width)."""
+    if cfg.attention == "mla":
+        return cfg.num_attention_heads * cfg.qk_head_dim, cfg.num_attention_heads * cfg.qk_head_dim, cfg.qk_rope_head_dim
+    return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+
+
+def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
+    """Bytes per token the tensors one recomputed step saves for its backward hold (MLP block chunked,
+    `eagle31.ttt`), beyond what the unroll keeps anyway."""
+    H = cfg.hidden_size
+    q, kv, rope = _attention_widths(cfg)
+    nh = cfg.num_attention_heads
+    b = _norm(H, c, False) + _norm(H, c, True) + 2 * H * c  # input_layernorm(emb), hidden_norm(h), z
+    b += 2 * rope * c + 4 * nh  # cos, sin; the merged log-sum-exp (fp32)
+    b += 2 * q * c  # q and the attention output
+    if cfg.attention == "mla":
+        qr, r = cfg.q_lora_rank, cfg.kv_lora_rank
+        b += _norm(qr, c, False)  # q_a_layernorm
+        b += _norm(r + cfg.qk_rope_head_dim, c, False)  # kv_a_layernorm: its input is a view of kv_a's output
+        b += entry_elements(cfg) * c  # the recomputed latent
+        b += 2 * kv * c  # the step-0 keys and (padded) values, decompressed in the step
+        b += nh * cfg.v_head_dim * c  # o_proj's input: the unpadded columns, copied
+    else:
+        b += entry_elements(cfg) * c  # the recomputed keys and values (the step-0 ones are kept)
+    b += H * c  # h', the chunked MLP block's input
+    return b
+
+
+def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str) -> tuple[int, int]:
+    """Bytes per token `_TTTAttention.backward` holds: (throughout: the incoming gradient and the
+    gradients of q, k0, v0 in the compute dtype; while the causal kernel runs: what it allocates
+    besides, per device)."""
+    q, kv, _ = _attention_widths(cfg)
+    grads = q * c + (q + 2 * kv) * c
+    if device == "cuda":  # varlen flash: its fp32 dq accumulator
+        kernel = 4 * q
+    else:  # per document: keys and values repeated to every head, dout and out made contiguous, dq, dk, dv
+        kernel = 2 * q * c + 2 * q * c + 3 * q * c
+    return grads, kernel
+
+
+def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
+    """Bytes one checkpointed MLP chunk saves during its backward (independent of T once T passes a chunk)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim
-    elems = 12 * H + 4 * I + 2 * q + kv  # norms, 2H input, projections, SwiGLU, residuals
-    if cfg.attention == "mla":  # latents before/after their norms, kv_b's output (v is padded to head_dim)
-        rope = cfg.qk_rope_head_dim
-        elems += 2 * cfg.q_lora_rank + 2 * (cfg.kv_lora_rank + rope) + cfg.num_attention_heads * (
-            cfg.qk_nope_head_dim + cfg.v_head_dim
-        )
-    fp32 = 4 * (q + cfg.num_attention_heads)  # attention output and log-sum-exp kept in fp32
-    return elems * compute_bytes + fp32
+    rows = min(seq_len, max(1, FEED_FORWARD_BUDGET // I))
+    return rows * (_norm(H, c, True) + 4 * I * c + _norm(H, c, False) + 2 * H * c)  # norms, SwiGLU, o and norm(o)
+
+
+def chain_block_bytes(cfg: DrafterConfig, ttt_length: int, c: int, seq_len: int) -> int:
+    """Bytes of one chain block in the backward at the deepest step: its recomputed keys and values and
+    their gradients (compute dtype), fp32 copies (unless fp32 already), MLA's kv_b_proj output gradient."""
+    q, kv, _ = _attention_widths(cfg)
+    j = max(1, ttt_length - 1)
+    rows = min(seq_len, max(1, _BLOCK_BUDGET // (j * q)))
+    per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
+    fixed = 0
+    if cfg.attention == "mla":  # and kv_b_proj's weight gradient: the fp32 sum over blocks and one block's
+        per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
+        fixed = 2 * 4 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return rows * j * per_row + fixed
+
+
+def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict[str, int]:
+    """The unroll's terms in bytes: `kept` (from the forward to the backward), `step` (the one step
+    whose backward is running: its recomputed saved tensors, with checkpointing, and the attention
+    backward's temporaries)."""
+    H, I, T, K = cfg.hidden_size, cfg.intermediate_size, seq_len, ttt_length
+    kept_per_step = H * c + entry_elements(cfg) * c + 16  # input state, entry, token ids and positions (int64)
+    grads, kernel = attention_backward_bytes(cfg, c, device)
+    # the attention's backward: the causal kernel, then the chain blocks, one after the other
+    backward = grads * T + max(kernel * T, chain_block_bytes(cfg, K, c, T))
+    if not checkpointing:  # every step keeps what it saves (its entry is the kept one), the whole MLP block's too
+        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False) - H * c  # h' is the norm's input
+        saved = step_saved_bytes(cfg, c) - entry_elements(cfg) * c
+        return {"kept": K * (kept_per_step + saved + mlp_block) * T, "step": backward}
+    # the MLP chunks' backward comes before the attention's
+    later = max(backward, feed_forward_chunk_bytes(cfg, c, T))
+    return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + later}
+
+
+def largest_layer_weight(cfg: DrafterConfig) -> int:
+    """Elements of the decoder layer's largest weight (its gradient is one temporary of a step's backward)."""
+    H, I, nh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    if cfg.attention == "mla":
+        attention = [2 * H * cfg.q_lora_rank, cfg.q_lora_rank * nh * cfg.qk_head_dim,
+                     cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), nh * cfg.v_head_dim * H]  # fmt: skip
+    else:
+        attention = [2 * H * nh * cfg.head_dim, 2 * H * cfg.num_key_value_heads * cfg.head_dim, nh * cfg.head_dim * H]
+    return max(H * I, *attention)
+
+
+def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
+    """What is alive when `DraftKL.backward` runs: d loss / d state of every supervised query (saved)
+    and the state gradients it makes of them, the one fp32 lm_head gradient (and its cast to the
+    gathered weight's dtype under FSDP), one chunk's fp32 temporaries."""
+    H, Vd, T = cfg.hidden_size, cfg.draft_vocab_size, seq_len
+    state = ttt_length * H * c * T
+    return {
+        "saved_dh": state,
+        "state_gradients": state,
+        "lm_head_gradient": Vd * H * 4 + (Vd * H * c if fsdp else 0),
+        # one chunk's fp32 [rows, Vd] temporaries: label log-probs and their rows per query, draft
+        # log-probs, p = exp(label), and the KL's two intermediates (then exp(logq) and dz)
+        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 6,
+    }
 
 
 def estimate_memory(
@@ -81,27 +196,33 @@ def estimate_memory(
     world_size: int = 1,
     activation_checkpointing: bool = False,
     compute_bytes: int = 2,
+    device: str = "cuda",
 ) -> dict[str, float]:
-    """GiB per GPU, by component, for one packed sequence of `seq_len` tokens."""
+    """GiB per GPU, by component, for one packed sequence of `seq_len` tokens.
+
+    device: `cuda` (FSDP2 on GPUs, as trained) or `cpu` (one plain process, as the CPU memory
+    benchmark runs: no gathered copies, one dtype throughout).
+    """
+    c, T, K, H = compute_bytes, seq_len, ttt_length, cfg.hidden_size
+    V, Vd, Ht = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
+    fsdp = device == "cuda"
     p = count_parameters(cfg)
     states = p.trainable * 16 / world_size
-    embed = p.frozen_embedding * compute_bytes / world_size
-    gathered = p.total * compute_bytes
-    target_head = cfg.vocab_size * cfg.target_hidden_size * compute_bytes
-    step = activation_bytes_per_token_step(cfg, compute_bytes) * seq_len
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * compute_bytes * seq_len
-    if activation_checkpointing:  # inputs + chain keys of every step, one step live at a time
-        activations = ttt_length * (2 * cfg.hidden_size * compute_bytes * seq_len + kv) + step
+    embed = p.frozen_embedding * 4 / (world_size if fsdp else 1)
+    gathered = (p.total + p.trainable) * c if fsdp else 0  # parameters, and the gradients before reduce-scatter
+    target_head = V * Ht * c + (Vd * Ht * c if Vd < V else 0) + V  # + the in-draft mask
+    features = (cfg.fc_in_features + Ht) * c * T
+    act = activation_bytes(cfg, T, K, checkpointing=activation_checkpointing, c=c, device=device)
+    loss = loss_moment_bytes(cfg, T, K, c=c, fsdp=fsdp)
+    state_grads = loss["state_gradients"]
+    # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone)
+    loss_moment = sum(loss.values())
+    # and, from the second step's backward on, a layer weight's gradient before it is added to .grad
+    step = act["step"] + largest_layer_weight(cfg) * (c if fsdp else 4)
+    if loss_moment >= state_grads + step:
+        activations, loss_work = act["kept"], loss_moment
     else:
-        activations = ttt_length * step
-    features = (cfg.fc_in_features + cfg.target_hidden_size) * compute_bytes * seq_len
-    # chunk temporaries, the gathered states of every step, and the fp32 lm_head gradient each
-    # step's loss forms in its forward and holds until backward (eagle31.loss.DraftKL)
-    loss_work = (
-        4 * _LOGITS_BUDGET * 4
-        + ttt_length * cfg.hidden_size * compute_bytes * seq_len
-        + ttt_length * cfg.draft_vocab_size * cfg.hidden_size * 4
-    )
+        activations, loss_work = act["kept"] + step, state_grads
     parts = {
         "param_grad_optimizer_states": states,
         "frozen_embedding": embed,
@@ -114,3 +235,20 @@ def estimate_memory(
     parts = {k: v / GiB for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def longest_fitting_length(cfg: DrafterConfig, ttt_length: int, gpu_memory_gib: float, **kwargs) -> int:
+    """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`; 0 if none does."""
+    fits = lambda T: estimate_memory(cfg, T, ttt_length, **kwargs)["total"] <= gpu_memory_gib  # noqa: E731
+    if not fits(1024):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * 1024):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 14:  # 16M tokens: beyond any plan
+            return lo * 1024
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
+    return lo * 1024
+

@@ -12,14 +12,17 @@ counts (`StepStats`); the trainer all-reduces the counts and divides.
 
 lm_head + KL of all K steps run in one autograd function (`DraftKL`), in
 chunks of label positions: each label distribution is computed once and serves
-the up-to-K queries it labels, and the gradients are formed in the same pass
-(the loss is a sum, so they only wait for a per-step scale in backward). No
-[T, Vd] tensor is kept; what waits for backward is d loss / d state per
-supervised query and d loss / d lm_head per step.
+the up-to-K queries it labels, and the gradients are formed in the same pass.
+The loss is a weighted sum whose weights `w^k / global_count_k` are known before
+the forward (the trainer all-reduces the supervised counts first), so the draft
+lm_head gradient is one fp32 accumulator of every step's weighted contribution.
+No [T, Vd] tensor is kept; what waits for backward is d loss / d state per
+supervised query and that one d loss / d lm_head.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +43,9 @@ class TargetHead:
     def __init__(self, weight: torch.Tensor, draft_ids: torch.Tensor):
         self.weight = weight.detach()
         self.draft_ids = draft_ids.to(weight.device)
-        self.draft_weight = self.weight[self.draft_ids]  # [Vd, Ht]
+        V = weight.shape[0]
+        # [Vd, Ht]; the weight itself when the draft vocabulary is the whole one (no second copy)
+        self.draft_weight = self.weight if self.draft_ids.numel() == V else self.weight[self.draft_ids]
         self.in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         self.in_draft[self.draft_ids] = True
 
@@ -126,11 +131,16 @@ def ttt_loss(
     supervised: torch.Tensor,
     target: TargetHead,
     target_argmax: torch.Tensor,
+    step_scale: torch.Tensor,
 ) -> StepStats:
     """KL sums and accuracy counts of one micro-batch.
 
     states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
-    final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids.
+    final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids;
+    step_scale [K]: the weights the loss sums will get, `step_scales(...)` of the
+    global counts. The gradients of `loss_sum` are formed for a loss proportional
+    to `sum_k step_scale[k] * loss_sum[k]` (`weighted_loss`); any other use of
+    them is refused in backward.
     """
     K = len(states)
     B, T = supervised.shape[1:]
@@ -147,6 +157,7 @@ def ttt_loss(
         target.draft_weight.to(final.dtype),
         queries,
         labels,
+        step_scale.detach().double().cpu(),
         torch.is_grad_enabled(),
         *[s.reshape(B * T, -1) for s in states],
     )
@@ -178,10 +189,15 @@ def step_weights(ttt_length: int, ttt_decay: float, dtype=torch.float32, device=
     return ttt_decay ** torch.arange(ttt_length, dtype=torch.float64, device=device).to(dtype)
 
 
+def step_scales(global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
+    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0)."""
+    w = step_weights(global_count.shape[0], ttt_decay, torch.float64, global_count.device)
+    return w / global_count.double().clamp(min=1)
+
+
 def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
     """sum_k w^k * loss_sum[k] / global_count[k] (steps with no supervised query add 0)."""
-    w = step_weights(loss_sum.shape[0], ttt_decay, loss_sum.dtype, loss_sum.device)
-    return (w * loss_sum / global_count.to(loss_sum).clamp(min=1)).sum()
+    return (step_scales(global_count, ttt_decay).to(loss_sum) * loss_sum).sum()
 
 
 def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
@@ -201,32 +217,45 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
+def kl_rows(lp: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's per-query loss and its gradient in the draft logits.
+
+    lp, logq [n, Vd]: label and draft log-probabilities (fp32) -> (KL(label || draft)
+    per row [n], d KL / d logits = softmax(logits) - label [n, Vd]).
+    """
+    p = lp.exp()
+    return (p * (lp - logq)).sum(-1), logq.exp() - p
+
+
 class DraftKL(torch.autograd.Function):
     """Per step k: sum over its supervised queries of KL(softmax(f Wt^T) || softmax(h W^T)).
 
-    Inputs (W, f, Wt, queries, labels, grads, *h): W [Vd, H] the draft lm_head;
+    Inputs (W, f, Wt, queries, labels, scale, grads, *h): W [Vd, H] the draft lm_head;
     f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
     per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
-    ascending rows of f that label them; `grads`: form the gradients (False under no_grad).
+    ascending rows of f that label them; scale [K] float64 the weight each step's sum
+    gets in the loss; `grads`: form the gradients (False under no_grad).
     Returns (loss sums [K], draft argmax of every query, steps concatenated).
 
     One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and, since d KL / d logits = softmax(logits) - label,
-    dh and dW are formed right there. Backward only scales them by the incoming
-    gradient of each step's sum: no logits are recomputed. Memory: O(chunk * Vd) working
-    set, plus dh [P_k, H] and dW [Vd, H] (fp32) per step until backward.
+    computed once for all K steps, and dh and dW are formed right there (`kl_rows`).
+    dW is one fp32 accumulator of `sum_k scale[k] * dW_k`; backward multiplies it by
+    the one factor `grad_loss[k] / scale[k]` shared by every step (and refuses a
+    gradient that is not of that form). No logits are recomputed. Memory: O(chunk * Vd)
+    working set, plus dh [P_k, H] per step and one dW [Vd, H] (fp32) until backward.
     """
 
     @staticmethod
-    def forward(ctx, W, f, Wt, queries, labels, grads, *h):
+    def forward(ctx, W, f, Wt, queries, labels, scale, grads, *h):
         K = len(h)
         acc = torch.promote_types(h[0].dtype, torch.float32)
-        need_dh = grads and any(ctx.needs_input_grad[6:])
+        need_dh = grads and any(ctx.needs_input_grad[7:])
         need_dW = grads and ctx.needs_input_grad[0]
         loss = torch.zeros(K, dtype=acc, device=W.device)
         argmax = [torch.empty_like(q) for q in queries]
         dh = [x.new_empty(q.numel(), x.shape[1]) if need_dh else None for x, q in zip(h, queries)]
-        dW = [torch.zeros(W.shape, dtype=acc, device=W.device) if need_dW else None for _ in range(K)]
+        dW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_dW else None
+        step_scale = scale.tolist()
         rows = torch.unique(torch.cat(labels))  # every label row, ascending
         where = [torch.searchsorted(rows, lab) for lab in labels]  # each query's label, as an index into `rows`
         chunk = max(1, _LOGITS_BUDGET // W.shape[0])
@@ -239,36 +268,60 @@ class DraftKL(torch.autograd.Function):
                 if i == j:
                     continue
                 hk = h[k][queries[k][i:j]]  # [n, H]
-                lp = logp[where[k][i:j] - c0]  # [n, Vd]
                 logq = (hk @ W.T).to(acc).log_softmax(-1)
-                p = lp.exp()
-                loss[k] += (p * (lp - logq)).sum()
+                rows_loss, dz = kl_rows(logp[where[k][i:j] - c0], logq)
+                loss[k] += rows_loss.sum()
                 argmax[k][i:j] = logq.argmax(-1)
-                if need_dh or need_dW:
-                    dz = logq.exp() - p  # d KL / d logits
-                    if need_dh:
-                        dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
-                    if need_dW:
-                        dW[k] += (dz.to(hk.dtype).T @ hk).to(acc)
-        ctx.save_for_backward(*dh, *dW)  # intermediates: freed once backward has run
-        ctx.queries, ctx.shapes, ctx.w_dtype = queries, [x.shape for x in h], W.dtype
+                if need_dh:
+                    dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
+                if need_dW:
+                    _accumulate_dW(dW, dz.to(hk.dtype), hk, step_scale[k])
+        ctx.save_for_backward(dW, *dh)  # intermediates: freed once backward has run
+        ctx.queries, ctx.shapes, ctx.w_dtype, ctx.scale = queries, [x.shape for x in h], W.dtype, step_scale
         argmax = torch.cat(argmax)
         ctx.mark_non_differentiable(argmax)
         return loss, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
-        saved = ctx.saved_tensors
-        K = len(ctx.queries)
-        dh, dW = saved[:K], saved[K:]
-        scale = grad_loss.tolist()  # one scalar per step
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("DraftKL's backward ran twice (retain_graph): its lm_head gradient is scaled in place")
+        ctx.consumed = True
+        dW, *dh = ctx.saved_tensors
+        g = grad_loss.tolist()  # one scalar per step
         grad_W = None
-        if dW[0] is not None:
-            grad_W = dW[0] * scale[0]
-            for g, w in zip(scale[1:], dW[1:]):
-                grad_W.add_(w, alpha=g)
-            grad_W = grad_W.to(ctx.w_dtype)
+        if dW is not None:
+            grad_W = dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)  # in place: no second fp32 copy
         grad_h = []
-        for d, q, shape, g in zip(dh, ctx.queries, ctx.shapes, scale):
-            grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(g))
-        return grad_W, None, None, None, None, None, *grad_h
+        for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g):
+            grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk))
+        return grad_W, None, None, None, None, None, None, *grad_h
+
+
+def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: float) -> None:
+    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H] in the compute dtype.
+
+    The product runs in the compute dtype (the fast matmul), in tiles of vocabulary rows
+    so its temporary never holds more than `_LOGITS_BUDGET` elements.
+    """
+    if dW.dtype == h.dtype:
+        dW.addmm_(dz.T, h, alpha=scale)
+        return
+    tile = max(1, _LOGITS_BUDGET // h.shape[1])
+    for v in range(0, dW.shape[0], tile):
+        dW[v : v + tile].add_((dz[:, v : v + tile].T @ h).to(dW.dtype), alpha=scale)
+
+
+def _shared_factor(grad: list[float], scale: list[float], queries: list[torch.Tensor]) -> float:
+    """The one c with grad[k] = c * scale[k] for every step with a supervised query (`DraftKL`)."""
+    steps = [k for k, q in enumerate(queries) if q.numel()]
+    if not steps:
+        return 0.0
+    c = grad[steps[0]] / scale[steps[0]]
+    for k in steps[1:]:
+        if not math.isclose(grad[k], c * scale[k], rel_tol=1e-6, abs_tol=1e-30):
+            raise RuntimeError(
+                f"the loss sums' gradient {grad} is not proportional to the step_scale {scale} ttt_loss was given; "
+                "differentiate sum_k step_scale[k] * loss_sum[k] (weighted_loss), times any constant"
+            )
+    return c

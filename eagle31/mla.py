@@ -22,18 +22,23 @@ YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
 The TTT attention kernels (`eagle31.attention`) take one head dim for q, k and v
 and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
 zero columns up to the q·k head dim: zero value columns give zero output columns,
-which `output` slices off before `o_proj`. Memory stays linear in T (the padding
-adds `(qk_head_dim - v_head_dim) / v_head_dim` to the stored values).
+which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
+only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
+decompresses keys and values where it attends: the step-0 keys inside each step,
+the chain's a block of tokens at a time (`eagle31.attention.ChainKeysValues`), so
+neither decompressed nor padded values are stored across steps.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle31.attention import ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig
 
 
@@ -109,6 +114,16 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return x * cos + rotate_pairs(x) * sin
 
 
+def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
+    """MLA's keys and values from its latent [*, r + rope] (normed c_kv, roped k_pe) and kv_b_proj's
+    weight [nh * (nope + v_dim), r]: k = (k_nope, k_pe shared by every head), v zero-padded to k's width."""
+    rank = kv_b_weight.shape[1]
+    c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
+    k_nope, v = F.linear(c_kv, kv_b_weight).unflatten(-1, (num_heads, nope + v_dim)).split([nope, v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], num_heads, k_pe.shape[-1])], dim=-1)
+    return k, F.pad(v, (0, k.shape[-1] - v_dim))
+
+
 class MLAAttention(nn.Module):
     """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.attention`."""
 
@@ -129,21 +144,27 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
         self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
 
-    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q, k, v [B, T, nh, nope + rope]: rope applied, q carries the softmax-scale
-        correction, v zero-padded from v_head_dim (module docstring)."""
+    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (rope applied, the softmax-scale correction
+        folded in) and the entry the TTT chain keeps: the latent [B, T, kv_lora_rank + rope],
+        kv_a_layernorm(c_kv) beside the roped k_pe (`keys_values` decompresses it)."""
         B, T, _ = z.shape
         nh = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, nh, self.qk_dim)
         c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, nh, self.nope + self.v_dim).split(
-            [self.nope, self.v_dim], dim=-1
-        )
         q_pe = apply_interleaved_rope(q[..., self.nope :], cos, sin)
-        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).expand(B, T, nh, self.rope)
+        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).view(B, T, self.rope)
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
-        k = torch.cat([k_nope, k_pe], dim=-1)
-        return q, k, F.pad(v, (0, self.qk_dim - self.v_dim))
+        return q, (torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1),)
+
+    def keys_values(self, latent: torch.Tensor):
+        """latent [*, kv_lora_rank + rope] -> k, v [*, nh, nope + rope] (v zero-padded, module docstring)."""
+        return mla_keys_values(latent, self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
+
+    def chain_keys_values(self) -> ChainKeysValues:
+        """The TTT chain decompresses each step's latents a block of tokens at a time (`eagle31.attention`)."""
+        fn = partial(mla_keys_values, num_heads=self.num_heads, nope=self.nope, v_dim=self.v_dim)
+        return ChainKeysValues(fn, (self.kv_b_proj.weight,), width=1)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, nope + rope] (v padded) -> o_proj of its first v_head_dim columns, [B, T, H]."""

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from eagle31.attention import KEYS_VALUES, ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.mla import DeepseekRotaryEmbedding, MLAAttention
 from eagle31.rope import inverse_frequencies
@@ -32,16 +33,39 @@ NATIVE_FORMAT_VERSION = 1
 
 
 class RMSNorm(nn.Module):
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight.
+
+    Its backward recomputes the normalised x from x and the saved per-row rsqrt (`_RMSNormFunction`):
+    it saves x (which its caller usually keeps anyway), not fp32 copies of x and of its output.
+    """
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [*, 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.to(rstd.dtype) * rstd  # the normalised x, fp32
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype).to(weight.dtype)
+        grad_n = (grad * weight).to(rstd.dtype)
+        grad_x = rstd * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 class MLP(nn.Module):
@@ -78,13 +102,21 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
 
-    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d], k/v [B, T, nkv, d], RoPE applied to q, k."""
+    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, d] and the entry the TTT chain keeps, (k, v) each [B, T, nkv, d];
+        RoPE applied to q, k."""
         B, T, _ = z.shape
         q = self.q_proj(z).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), (apply_rope(k, cos, sin), v)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor):
+        """An entry -> its keys and values: the entry is them."""
+        return k, v
+
+    def chain_keys_values(self) -> ChainKeysValues:
+        return KEYS_VALUES
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> o_proj(attn) [B, T, H]."""
@@ -148,16 +180,23 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """emb, h [B, T, H] -> (q, k, v, residual)."""
+        """emb, h [B, T, H] -> (q, entry, residual); the attention's `keys_values(*entry)` gives k, v."""
         h_normed = self.hidden_norm(h)
         residual = h_normed if self.norm_before_residual else h
         z = torch.cat([self.input_layernorm(emb), h_normed], dim=-1)
-        q, k, v = self.self_attn.qkv(z, cos, sin)
-        return q, k, v, residual
+        q, entry = self.self_attn.query_entry(z, cos, sin)
+        return q, entry, residual
 
     def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> layer output [B, T, H]."""
-        h = residual + self.self_attn.output(attn)
+        return self.feed_forward(self.attention_residual(residual, attn))
+
+    def attention_residual(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """h' = residual + o_proj(attn), [B, T, H]."""
+        return residual + self.self_attn.output(attn)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h' -> h' + mlp(post_attention_layernorm(h')): position by position, [*, H]."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -289,21 +328,29 @@ class Eagle31Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+    def step_entry(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """The step up to attention: feature [B, T, H] (`fuse_aux` at step 0, the previous
-        `DraftStep.feature` after), tokens and RoPE positions [B, T] -> (q, k, v, residual)."""
+        `DraftStep.feature` after), tokens and RoPE positions [B, T] -> (q, entry, residual),
+        the entry being what the TTT unroll keeps of this step for the later ones (its keys
+        and values, or MLA's latents)."""
         with torch.no_grad():  # the target's embedding, frozen
             emb = self.embed_tokens(tokens).to(feature.dtype)  # [B, T, H]
         cos, sin = self.rotary_emb(positions, feature.dtype)
         return self.midlayer.pre_attention(emb, feature, cos, sin)
 
+    def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """`step_entry` with the entry made keys and values: (q, k, v, residual)."""
+        q, entry, residual = self.step_entry(feature, tokens, positions)
+        return q, *self.midlayer.self_attn.keys_values(*entry), residual
+
     def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
         """The step after attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
         return self.read_out(self.midlayer.post_attention(residual, attn))
 
-    def read_out(self, hidden: torch.Tensor) -> DraftStep:
-        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4)."""
-        state = self.norm(hidden)
+    def read_out(self, hidden: torch.Tensor, state: torch.Tensor | None = None) -> DraftStep:
+        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4).
+        `state`: norm(o) when already computed (the unroll's chunked checkpointing)."""
+        state = self.norm(hidden) if state is None else state
         return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from eagle31.config import ConfigError, DrafterConfig
 from eagle31.distributed import World
-from eagle31.estimate import count_parameters, estimate_memory
+from eagle31.estimate import count_parameters, estimate_memory, longest_fitting_length
 from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
@@ -201,19 +201,28 @@ def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
 # ---------------------------------------------------------------------------- dry run
 
 
+# memory of one card, GiB, when plan.gpu_memory_gib is not given: 80 GB cards and an H200
+_GPU_SIZES_GIB = (80.0, 139.0)
+
+
 def describe_dry_run(plan: RunPlan) -> dict:
-    """`dry_run=true`: print (rank 0) and return parameter counts and a per-GPU memory estimate."""
+    """`dry_run=true`: print (rank 0) and return parameter counts, a per-GPU memory estimate for the
+    planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
     cfg, d = plan.cfg, plan.drafter
     counts = count_parameters(d)
-    world_size = max(plan.world.world_size, 1)
-    memory = estimate_memory(
-        d,
-        cfg.data.max_len,
-        cfg.train.ttt_length,
+    if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
+        raise ConfigError(
+            f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and {cfg.plan.gpu_memory_gib}"
+        )
+    world_size = cfg.plan.world_size or max(plan.world.world_size, 1)
+    options = dict(
         world_size=world_size,
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
     )
+    memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
+    sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
+    longest = {f"{g:g}": longest_fitting_length(d, cfg.train.ttt_length, g, **options) for g in sizes}
     # build it for real, on the meta device: validates every shape without memory
     with torch.device("meta"):
         model = Eagle31Drafter(d)
@@ -228,6 +237,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "seq_len": cfg.data.max_len,
         "ttt_length": cfg.train.ttt_length,
         "world_size": world_size,
+        "longest_seq_len_per_gpu_gib": longest,
     }
     if plan.world.is_main:
         print(f"dry run of recipe {cfg.name!r}: config valid")
@@ -240,4 +250,6 @@ def describe_dry_run(plan: RunPlan) -> dict:
         for k, v in memory.items():
             if k != "total":
                 print(f"    {k:30s} {v:8.2f} GiB")
+        for g, T in longest.items():
+            print(f"  longest T that fits {world_size} GPU(s) of {g} GiB: {T:,}" if T else f"  no T fits {world_size} GPU(s) of {g} GiB")
     return report

@@ -314,11 +314,20 @@ class HubConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What a dry run plans for: the GPUs of the real launch (a dry run itself runs on one CPU)."""
+
+    world_size: int = 0  # GPUs the run will shard over; 0 = this process's world size
+    gpu_memory_gib: float = 0.0  # memory of one GPU; 0 = report the longest T for 80 GiB and H200 (139 GiB) cards
+
+
+@dataclass
 class RunConfig:
     name: str = "demo"
     output_dir: str = "runs/${name}"
     resume: Resume = Resume.never
     dry_run: bool = False
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the launch a dry run estimates for
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

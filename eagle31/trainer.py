@@ -28,7 +28,16 @@ from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
-from eagle31.loss import StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
+from eagle31.loss import (
+    StepStats,
+    TargetHead,
+    label_positions,
+    step_scales,
+    supervision_mask,
+    ttt_loss,
+    ttt_metrics,
+    weighted_loss,
+)
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
 from eagle31.preemption import StopSignals
@@ -50,7 +59,9 @@ class DrafterObjective(nn.Module):
         self.attention = train.attention
         self.activation_checkpointing = train.activation_checkpointing
 
-    def forward(self, aux, input_ids, document_ids, final, supervised, target_argmax, target: TargetHead) -> StepStats:
+    def forward(
+        self, aux, input_ids, document_ids, final, supervised, target_argmax, step_scale, target: TargetHead
+    ) -> StepStats:
         out = ttt_unroll(
             self.drafter,
             aux,
@@ -61,7 +72,7 @@ class DrafterObjective(nn.Module):
             activation_checkpointing=self.activation_checkpointing,
         )
         d = self.drafter
-        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax)
+        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, step_scale)
 
 
 @dataclass
@@ -147,21 +158,23 @@ class Trainer:
         supervised = supervision_mask(b.loss_mask, segments, self.cfg.ttt_length, in_vocab)
         return b, supervised, argmax
 
-    def _forward(self, b: FeatureBatch, supervised, argmax) -> StepStats:
-        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, self.target)
+    def _forward(self, b: FeatureBatch, supervised, argmax, step_scale) -> StepStats:
+        """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
+        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target)
 
     # ------------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
         prepared = [self._prepare(b) for b in micro_batches]
         global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _ in prepared).double())
+        scale = step_scales(global_count, self.cfg.ttt_decay)
         K = self.cfg.ttt_length
         loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         for i, (b, sup, argmax) in enumerate(prepared):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last
                 self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            stats = self._forward(b, sup, argmax)
+            stats = self._forward(b, sup, argmax, scale)
             loss = weighted_loss(stats.loss_sum, global_count, self.cfg.ttt_decay)
             (loss * self.world.world_size).backward()  # FSDP averages gradients over ranks; we want their sum
             loss_sum += stats.loss_sum.detach().double()
@@ -200,7 +213,8 @@ class Trainer:
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         self.model.eval()
         for batch in self.eval_loader:
-            stats = self._forward(*self._prepare(batch))
+            b, sup, argmax = self._prepare(batch)
+            stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay))  # no gradients
             loss_sum += stats.loss_sum.double()
             counters += stats.counters()
         self.model.train()

@@ -11,9 +11,12 @@ p + k and attends to the causal step-0 keys of its document plus its own chain
 in `eagle31.loss`.
 
 Memory: with `activation_checkpointing` each step keeps only its inputs (the
-previous step's output, token ids, positions) and its keys/values, shared with
-the later steps; its activations are recomputed in backward, one step at a time
-(and so are those of the fused target feature).
+previous step's output, token ids, positions) and its entry — its keys and values
+(Llama attention) or its latents (MLA), shared with the later steps; its
+activations are recomputed in backward, one step at a time (and so are those of
+the fused target feature); within a recomputed step, the MLP block and read-out
+(per position) are checkpointed again in chunks of token rows, so the step's
+backward holds one chunk of MLP activations, not T rows of them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eagle31.attention import segment_ids, ttt_attention
+
+# With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
+# intermediate activations hold about this many elements.
+FEED_FORWARD_BUDGET = 1 << 26
 
 
 @dataclass
@@ -39,6 +46,23 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
         return x
     pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
     return torch.cat([x[:, n:], pad], dim=1)
+
+
+def _read_out_rows(drafter, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = drafter.read_out(drafter.midlayer.feed_forward(h))
+    return out.hidden, out.state
+
+
+def _output_in_token_chunks(drafter, h: torch.Tensor):
+    """The step after the attention residual (MLP block, read-out), h' [B, T, H] -> its `DraftStep`,
+    checkpointed `FEED_FORWARD_BUDGET / I` token rows at a time: the recomputed step keeps only h'
+    for it, and its backward holds one chunk's MLP activations at a time."""
+    B, T, H = h.shape
+    rows = max(1, FEED_FORWARD_BUDGET // drafter.config.intermediate_size)
+    parts = [checkpoint(_read_out_rows, drafter, c, use_reentrant=False) for c in h.reshape(B * T, H).split(rows)]
+    hidden = torch.cat([p[0] for p in parts]).view(B, T, H)
+    state = torch.cat([p[1] for p in parts]).view(B, T, H)
+    return drafter.read_out(hidden, state)
 
 
 def ttt_unroll(
@@ -73,28 +97,34 @@ def ttt_unroll(
     else:
         feature = drafter.fuse_aux(aux)
 
-    def step(feature, ids, positions, k0, v0, chain_k, chain_v):
+    attn_layer = drafter.midlayer.self_attn
+    expand = attn_layer.chain_keys_values()
+
+    def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing
-        # recomputes them instead of keeping a [B, T, H] embedding per step.
-        q, k, v, residual = drafter.step_qkv(feature, ids, positions)
-        if k0 is None:  # step 0: its keys are the causal keys of every later step
-            k0, v0 = k, v
+        # recomputes them instead of keeping a [B, T, H] embedding per step. So are the step-0
+        # keys and values made of the step-0 entry: only entries are kept from step to step.
+        q, entry, residual = drafter.step_entry(feature, ids, positions)
+        if entry0 is None:  # step 0: its keys are the causal keys of every later step
+            entry0 = entry
         else:  # step k >= 1: the query's own key (p, k) joins its chain
-            chain_k, chain_v = (*chain_k, k), (*chain_v, v)
-        probe = None if attention_probe is None else lambda probs: attention_probe(len(chain_k), probs)
-        attn = ttt_attention(q, k0, v0, chain_k, chain_v, segments, attention, probe)
-        return drafter.step_output(residual, attn), k0, v0, chain_k, chain_v
+            chain = (*chain, entry)
+        k0, v0 = attn_layer.keys_values(*entry0)
+        probe = None if attention_probe is None else lambda probs: attention_probe(len(chain), probs)
+        attn = ttt_attention(q, k0, v0, chain, segments, attention, expand, probe)
+        if not checkpointing:
+            return drafter.step_output(residual, attn), entry0, chain
+        return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain
 
     states, hidden = [], []
-    k0 = v0 = None
-    chain_k: tuple[torch.Tensor, ...] = ()  # keys / values (p, 1..k-1), each [B, T, nkv, d]
-    chain_v: tuple[torch.Tensor, ...] = ()
+    entry0 = None
+    chain: tuple[tuple[torch.Tensor, ...], ...] = ()  # entries of steps 1..k-1
     for k in range(ttt_length):
-        args = (feature, shift_left(input_ids, 1 + k), position_ids + k, k0, v0, chain_k, chain_v)  # tokens x[p+1+k]
+        args = (feature, shift_left(input_ids, 1 + k), position_ids + k, entry0, *chain)  # tokens x[p+1+k]
         if checkpointing:
-            out, k0, v0, chain_k, chain_v = checkpoint(step, *args, use_reentrant=False)
+            out, entry0, chain = checkpoint(step, *args, use_reentrant=False)
         else:
-            out, k0, v0, chain_k, chain_v = step(*args)
+            out, entry0, chain = step(*args)
         hidden.append(out.hidden)
         states.append(out.state)
         feature = out.feature

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import eagle31.attention
 from eagle31.attention import reference_attention, resolve_backend, segment_ids, ttt_attention
 
 CUDA = torch.cuda.is_available()
@@ -47,7 +48,7 @@ def output_and_grads(backend: str, q, k0, v0, chain_k, chain_v, segments, dout) 
     if backend == "reference":
         out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments)
     else:
-        out = ttt_attention(q, k0, v0, chain[:j], chain[j:], segments, backend)
+        out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend)
     out.backward(dout.to(out.dtype))
     return [out.detach()] + [x.grad for x in leaves]
 
@@ -60,7 +61,10 @@ def names(j: int) -> list[str]:
 @pytest.mark.parametrize("j", [0, 1, 3])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("backend", ["flash", "blockwise"])
-def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout):
+@pytest.mark.parametrize("chain_rows", [None, 5], ids=["one-block", "5-row-blocks"])
+def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout, chain_rows, monkeypatch):
+    if chain_rows:  # the chain attended a few token rows at a time
+        monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", chain_rows * max(1, j) * heads[0] * 8)
     inputs = attention_inputs(LAYOUTS[layout], *heads, d=8, j=j, dtype=torch.float64)
     expected = output_and_grads("reference", *inputs)
     got = output_and_grads(backend, *inputs)
@@ -71,10 +75,10 @@ def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout):
 def test_padding_and_other_documents_do_not_leak():
     """Changing a key of another document or of padding leaves a query's output as it was."""
     q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 2, torch.float64)
-    base = ttt_attention(q, k0, v0, chain_k, chain_v, segments, "flash")
+    base = ttt_attention(q, k0, v0, list(zip(chain_k, chain_v)), segments, "flash")
     k0b, v0b = k0.clone(), v0.clone()
     k0b[0, 7:], v0b[0, 7:] = 5.0, -5.0  # documents 1 and 2
-    other = ttt_attention(q, k0b, v0b, chain_k, chain_v, segments, "flash")
+    other = ttt_attention(q, k0b, v0b, list(zip(chain_k, chain_v)), segments, "flash")
     torch.testing.assert_close(other[0, :7], base[0, :7], rtol=0, atol=0)  # document 0 sees none of it
     assert not torch.allclose(other[0, 7:], base[0, 7:])
 

@@ -1,8 +1,9 @@
 """Label and mask alignment (docs/design.md §4) on hand-made examples, and the metrics."""
 
+import pytest
 import torch
 
-from eagle31 import TargetHead, supervision_mask, ttt_loss, ttt_metrics
+from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics
 from eagle31.attention import segment_ids
 
 
@@ -44,7 +45,7 @@ def test_query_p_k_is_labelled_by_final_at_p_plus_1_plus_k():
     sup = supervision_mask(mask, segment_ids(None, None, (B, T)), K)
     argmax = head.argmax(final)
     shifted = [torch.cat([final[:, 1 + k :], final.new_zeros(B, 1 + k, H)], dim=1) for k in range(K)]
-    stats = ttt_loss(shifted, head.draft_weight, d2t, final, sup, head, argmax)
+    stats = ttt_loss(shifted, head.draft_weight, d2t, final, sup, head, argmax, torch.ones(K))
     assert stats.count.tolist() == [7, 6, 5]
     torch.testing.assert_close(stats.loss_sum, torch.zeros(K, dtype=torch.float64), atol=1e-12, rtol=0)
     # and the draft argmax equals the target's wherever the target's is a draft token
@@ -53,7 +54,7 @@ def test_query_p_k_is_labelled_by_final_at_p_plus_1_plus_k():
     assert stats.correct.tolist() == expected_correct
     # misaligned by one position: no longer zero
     wrong = [torch.cat([final[:, k:], final.new_zeros(B, k, H)], dim=1) for k in range(K)]
-    assert ttt_loss(wrong, head.draft_weight, d2t, final, sup, head, argmax).loss_sum.sum() > 1e-3
+    assert ttt_loss(wrong, head.draft_weight, d2t, final, sup, head, argmax, torch.ones(K)).loss_sum.sum() > 1e-3
 
 
 def test_metrics_from_counters_by_hand():
@@ -79,7 +80,7 @@ def test_conditional_accuracy_follows_each_chain():
     # step 0 right at p = 0, 1 and wrong at p = 2, 3; step 1 right everywhere
     s0 = torch.nn.functional.one_hot(torch.tensor([1, 2, 0, 1, 0, 0]), H).double()[None]
     s1 = torch.nn.functional.one_hot(torch.tensor([2, 3, 0, 1, 0, 0]), H).double()[None]
-    stats = ttt_loss([s0, s1], torch.eye(H, dtype=torch.float64), d2t, final, sup, head, argmax)
+    stats = ttt_loss([s0, s1], torch.eye(H, dtype=torch.float64), d2t, final, sup, head, argmax, torch.ones(K))
     assert stats.count.tolist() == [4, 3] and stats.correct.tolist() == [2, 3]
     assert stats.cond_count.tolist() == [4, 2] and stats.cond_correct.tolist() == [2, 2]
 
@@ -100,3 +101,66 @@ def test_target_argmax_in_vocabulary_tiles_equals_argmax_with_ties(monkeypatch):
     assert torch.equal(head.argmax(final), expected)
     got = head.argmax(final, needed)
     assert torch.equal(got[needed], expected[needed]) and bool((got[~needed] == -1).all())
+
+
+def _explicit_loss_sums(states, W, final, sup, head):
+    """Per-step KL sums from full [B, T, Vd] logits, by autograd (the reference for DraftKL)."""
+    K = len(states)
+    label = torch.log_softmax(final @ head.draft_weight.to(final.dtype).T, -1)  # [B, T, Vd]
+    sums = []
+    for k in range(K):
+        logq = torch.log_softmax(states[k] @ W.T, -1)
+        lp = label[:, 1 + k :]
+        n = lp.shape[1]
+        kl = (lp.exp() * (lp - logq[:, :n])).sum(-1)
+        sums.append((kl * sup[k][:, :n]).sum())
+    return torch.stack(sums)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_lm_head_gradient_accumulator_equals_per_step_gradients(dtype, monkeypatch):
+    """DraftKL's single weighted dW (and dh) equal autograd through explicit logits, across several chunks."""
+    import eagle31.loss
+
+    monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 40)  # 4 label rows per chunk, many chunks
+    g = torch.Generator().manual_seed(1)
+    B, T, H, Ht, V, K = 2, 13, 6, 5, 11, 3
+    head = TargetHead(torch.randn(V, Ht, generator=g, dtype=dtype), torch.tensor([0, 1, 3, 4, 6, 7, 8, 10]))
+    Vd = head.draft_ids.numel()
+    final = torch.randn(B, T, Ht, generator=g, dtype=dtype)
+    doc = torch.zeros(B, T, dtype=torch.long)
+    doc[0, 6:] = 1
+    doc[1, 10:] = -1
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    sup = supervision_mask(mask, segment_ids(doc, None, (B, T)), K)
+    scale = step_scales(sup.sum(dim=(1, 2)), 0.8)
+
+    def grads(explicit):
+        W = torch.randn(Vd, H, generator=torch.Generator().manual_seed(2), dtype=dtype, requires_grad=True)
+        states = [torch.randn(B, T, H, generator=torch.Generator().manual_seed(3 + k), dtype=dtype, requires_grad=True) for k in range(K)]
+        if explicit:
+            sums = _explicit_loss_sums(states, W, final, sup, head)
+        else:
+            sums = ttt_loss(states, W, torch.zeros(Vd, dtype=torch.long), final, sup, head, head.argmax(final), scale).loss_sum
+        (3.0 * (scale.to(dtype) * sums).sum()).backward()  # any constant factor (the trainer's world size)
+        return sums.detach(), W.grad, [s.grad for s in states]
+
+    sums, gW, gh = grads(False)
+    ref_sums, ref_gW, ref_gh = grads(True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sums, ref_sums, **tol)
+    torch.testing.assert_close(gW, ref_gW, **tol)
+    for a, b in zip(gh, ref_gh):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_a_gradient_not_of_the_given_step_scale_is_refused():
+    g = torch.Generator().manual_seed(4)
+    head = TargetHead(torch.randn(9, 4, generator=g), torch.arange(9))
+    final = torch.randn(1, 8, 4, generator=g)
+    sup = supervision_mask(torch.ones(1, 8, dtype=torch.long), segment_ids(None, None, (1, 8)), 2)
+    W = torch.randn(9, 4, generator=g, requires_grad=True)
+    states = [torch.randn(1, 8, 4, generator=g) for _ in range(2)]
+    stats = ttt_loss(states, W, torch.zeros(9, dtype=torch.long), final, sup, head, head.argmax(final), torch.tensor([1.0, 0.5]))
+    with pytest.raises(RuntimeError, match="not proportional to the step_scale"):
+        stats.loss_sum.sum().backward()

@@ -232,3 +232,36 @@ def test_mla_drafting_follows_the_training_unroll_step_by_step(norm_output):
         assert m.draft_to_target(logp.argmax(-1)).tolist() == drafts
         tree = prop.draft_tree(TreeSpec(top_k=1, depth=5, total_tokens=5))
         assert tree.is_chain() and tree.tokens.tolist() == drafts
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, monkeypatch):
+    """The chain's latents decompressed a few token rows at a time (many blocks), the checkpointed MLP
+    in 4-row chunks, packed documents and padding, with and without activation checkpointing: the
+    naive fp64 loss and gradients."""
+    import eagle31.attention
+    from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll
+    from tests.test_ttt import DECAY
+
+    import eagle31.ttt
+
+    monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
+    m = mla_drafter(seed=5)
+    monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * m.config.intermediate_size)  # MLP in 4-row chunks
+    doc = layouts()["packed"]
+    aux, final, ids, mask = random_batch(m.config, 2, 11, seed=6)
+    target_w = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    expected_logits = naive_logits(m, aux, ids, doc, project=mla_project)
+    naive_loss(m, expected_logits, final, ids, mask, doc, target_w).backward()
+    expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    m.zero_grad()
+    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention="flash", activation_checkpointing=checkpointing)
+    head = TargetHead(target_w, m.draft_token_ids())
+    argmax = head.argmax(final)
+    sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
+    scale = step_scales(sup.sum(dim=(1, 2)), DECAY)
+    stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax, scale)
+    (scale * stats.loss_sum).sum().backward()
+    for name, grad in expected.items():
+        torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=name)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from eagle31 import TargetHead, supervision_mask, ttt_loss, ttt_unroll, weighted_loss
+from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll, weighted_loss
 from eagle31.attention import segment_ids
 from tests.helpers import random_batch, tiny_drafter
 
@@ -134,8 +134,13 @@ def library_loss(m, aux, final, input_ids, loss_mask, doc, target_w, attention, 
     head = TargetHead(target_w, m.draft_token_ids())
     argmax = head.argmax(final)
     sup = supervision_mask(loss_mask, out.segments, K, m.t2d[argmax] if mask_oov else None)
-    stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax)
+    stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax, own_scale(sup))
     return weighted_loss(stats.loss_sum, stats.count, DECAY), out, stats
+
+
+def own_scale(sup):
+    """step_scales of one micro-batch that is the whole batch."""
+    return step_scales(sup.sum(dim=(1, 2)), DECAY)
 
 
 def layouts():
@@ -249,8 +254,10 @@ def test_loss_is_invariant_to_micro_batching():
         out = ttt_unroll(m, aux[sl], ids[sl], ttt_length=K, document_ids=doc[sl])
         argmax = head.argmax(final[sl])
         sup = supervision_mask(mask[sl], out.segments, K, m.t2d[argmax])
-        return ttt_loss(out.states, m.lm_head.weight, m.d2t, final[sl], sup, head, argmax)
+        return ttt_loss(out.states, m.lm_head.weight, m.d2t, final[sl], sup, head, argmax, step_scales(count, DECAY))
 
+    count = torch.zeros(K)  # the global count, set before each forward as the trainer does
+    count[:] = supervision_mask(mask, segment_ids(doc, None, doc.shape), K, m.t2d[head.argmax(final)]).sum(dim=(1, 2))
     full = stats_of(slice(0, 4))
     whole = weighted_loss(full.loss_sum, full.count, DECAY)
     whole.backward()
@@ -275,8 +282,11 @@ def test_segments_split_padding_from_documents():
 
 
 @pytest.mark.parametrize("attention", ["flash", "blockwise"])
-def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention):
+def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention, monkeypatch):
+    import eagle31.ttt
+
     m = tiny_drafter(seed=14)
+    monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 3 * m.config.intermediate_size)  # MLP in 3-row chunks
     doc = layouts()["packed"]
     aux, final, ids, mask = random_batch(m.config, 2, 11, seed=15)
     target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64)
@@ -289,7 +299,7 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention):
         )
         argmax = head.argmax(final)
         sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
-        stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax)
+        stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax, own_scale(sup))
         loss = weighted_loss(stats.loss_sum, stats.count, DECAY)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}

@@ -27,7 +27,7 @@ def test_the_gpu_plan_reads_its_runs_from_the_recipes():
     kimi = next(s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "llama")
     mla = [s.recipe for s in shapes if s.attention == "mla"]
     parts = gpu_check.plan(smoke=False, gpu_memory_gib=139.8)  # an H200
-    assert [p.name for p in parts][:2] == ["attention", "trainer"]
+    assert [p.name for p in parts][:3] == ["attention", "trainer", "memory"]
     runs = [p.args for p in parts if p.kind == "benchmark"]
     assert [f"shape={kimi}", "ttt=7", "T=4096", "ckpt=false", "peer=speculators", "warmup=2", "repeats=5"] in runs
     assert any(f"shape={kimi}" in a and "T=65536" in a and "ckpt=true" in a for a in runs)
@@ -154,7 +154,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert [p["status"] for p in parts.values()] == ["pass"] * 4, parts
+    assert [p["status"] for p in parts.values()] == ["pass"] * 5, parts
+    assert all(s["passed"] for s in parts["memory"]["memory_shapes"].values())
     assert parts["environment"]["torch"] == torch.__version__
     assert all(s["status"] == "pass" for s in parts["attention"]["shapes"].values())
     assert {"kimi_k26", "llama31_8b"} <= set(parts["attention"]["shapes"])

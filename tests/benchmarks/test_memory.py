@@ -1,15 +1,18 @@
 """Peak memory of the training step (the CPU proxy of the long-context goal): linear in T, lowered by activation checkpointing.
 
 Each figure is `benchmarks.measure.cpu_step_peak_bytes`: two full trainer steps (TTT unroll, loss,
-backward, AdamW) of a small drafter on one packed sequence, in a fresh process, as the rise of
-its resident set over the built model — every temporary the step allocates counts.
+backward, AdamW) of a small drafter on one packed sequence, in a fresh process, as the peak of the
+bytes its tensors hold above the built model (`LiveTensorBytes`) — every tensor the step makes
+counts, and nothing the allocator keeps or other processes do: repeated runs give the same bytes
+(docs/performance.md), so the margins below are the model's, not the machine's.
 """
 
 import functools
 
 import pytest
+import torch
 
-from benchmarks.measure import cpu_step_peak_bytes
+from benchmarks.measure import LiveTensorBytes, cpu_step_peak_bytes
 from benchmarks.train_step import BenchConfig
 
 SMALL = dict(
@@ -34,6 +37,25 @@ def peak_bytes(T: int, checkpointing: bool = True, attention: str = "auto", draf
     return cpu_step_peak_bytes("eagle31", bench)
 
 
+def test_live_tensor_bytes_counts_each_storage_once_while_a_tensor_holds_it():
+    before = torch.ones(1000)  # made before: its in-place results and views are not new memory
+    with LiveTensorBytes() as live:
+        before.mul_(2)
+        view = before[:10]
+        x = torch.empty(1000)  # 4000 B
+        y = x.view(10, 100)  # the same storage
+        z = x + 1  # another 4000 B
+        assert (live.live, live.peak) == (8000, 8000)
+        del x
+        assert live.live == 8000  # y still holds the storage
+        del y, z
+        assert live.live == 0 and live.peak == 8000
+        live.reset_peak()
+        w = torch.zeros(10)
+        assert live.peak == 40
+    assert view.numel() == 10 and w.numel() == 10
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["llama", "mla"])
 def test_step_memory_grows_linearly_with_sequence_length(drafter):
@@ -48,7 +70,8 @@ def test_step_memory_grows_linearly_with_sequence_length(drafter):
 def test_activation_checkpointing_lowers_step_memory():
     with_ckpt, without = peak_bytes(16384), peak_bytes(16384, checkpointing=False)
     print(f"peak T=16384: {with_ckpt / 2**20:.0f} MiB with activation checkpointing, {without / 2**20:.0f} MiB without")
-    assert with_ckpt < 0.8 * without
+    # measured 168 vs 407 MiB (0.41), the same bytes on every repeat: the margin is for the model changing, not noise
+    assert with_ckpt < 0.5 * without
 
 
 @pytest.mark.slow
@@ -70,3 +93,15 @@ def test_full_vocabulary_loss_never_holds_the_logits():
     logits_grown = (long - short) * V * 4
     print(f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.0f} MiB; [T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB")
     assert grown < logits_grown / 4
+
+
+def test_live_tensor_bytes_peak_without_what_is_excluded():
+    excluded = [0]
+    with LiveTensorBytes(excluded=lambda: excluded[0]) as live:
+        a = torch.empty(100)  # 400 B, then left out (as the memory model leaves out gradients)
+        excluded[0] = 400
+        b = torch.empty(50)  # 200 B
+        assert live.peak == 600 and live.peak_without == 400  # 400 before it was excluded, 200 after
+        c = torch.empty(100)
+        assert live.peak_without == 600
+    assert a.numel() + b.numel() + c.numel() == 250

@@ -1,0 +1,268 @@
+"""The memory model checked against real training steps: `eagle31.estimate` term by term.
+
+    python -m benchmarks.memory_model                  # the committed run (CPU, a few minutes)
+    python -m benchmarks.memory_model size=tiny out=none   # seconds (the test)
+    python -m benchmarks.memory_model measured=benchmarks/results/memory_model.json   # the estimate again, same measurements
+
+Each point is two full `Trainer.train_step`s (TTT unroll, loss, backward, clipping, AdamW) in
+a fresh process on CPU (fp32, one plain process: the estimate's `device="cpu"`). What the
+tensors hold is counted by `benchmarks.measure.LiveTensorBytes`; each term of the estimate is
+set beside the bytes that term names:
+
+  param_grad_optimizer_states   trainable parameters + their gradients (counted as each is
+                                accumulated) + what stays alive after a step (AdamW's moments)
+  frozen_embedding, target_lm_head, target_features   the built tensors' bytes
+  activations + loss_working_set  the second step's peak of what its tensors hold besides what
+                                a step leaves alive and the gradients accumulated so far: the
+                                one moment they share (the estimate: the larger of its two)
+  total                         the built model, the batch and the second step's peak (the
+                                estimate counts every gradient at its peak: an upper bound there)
+  per-token slope               how that working set grows with T (several T per shape)
+
+Shapes: the Kimi K2.6 attention shapes (MLA 64 heads x (128 + 64), latents 512 + 64, q rank
+1536; Llama 64 x 128) at a reduced hidden size, MLP width and vocabulary for the per-token
+terms, and the full 163,840-token vocabulary at a small width for the vocabulary terms. A
+point passes when every term is within 15% and the total within 10%. Results: JSON and a
+markdown table under benchmarks/results/ (out=; out=none to skip); docs/performance.md
+summarises them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.measure import LiveTensorBytes, cpu_step_memory
+from benchmarks.report import write_result
+from benchmarks.train_step import BenchConfig, EagleStep
+from eagle31.cli import wants_help
+from eagle31.estimate import GiB, estimate_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+TERM_TOLERANCE, TOTAL_TOLERANCE = 0.15, 0.10
+
+# Kimi K2.6's attention shapes at a reduced width (H, I, vocabulary): the per-token terms
+_KIMI_MLA_HEADS = dict(
+    attention="mla", num_attention_heads=64, num_key_value_heads=64, head_dim=192, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+)  # fmt: skip
+_NARROW = dict(hidden_size=512, target_hidden_size=512, intermediate_size=1024, vocab_size=2048, draft_vocab_size=1024)
+SHAPES = {
+    "full": {
+        "mla_kimi_heads": dict(overrides={**_NARROW, **_KIMI_MLA_HEADS}, seq_lens=(128, 256)),
+        "llama_kimi_heads": dict(
+            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128}, seq_lens=(128, 256)
+        ),
+        "llama_kimi_heads_no_ckpt": dict(
+            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128},
+            seq_lens=(128, 256),
+            checkpointing=False,
+        ),
+        # the full vocabulary (Vd = V = 163840, as kimi_k26) at a small width: the vocabulary terms
+        "mla_full_vocab": dict(
+            overrides={
+                **_KIMI_MLA_HEADS, "hidden_size": 128, "target_hidden_size": 128, "intermediate_size": 256,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+                "vocab_size": 163840, "draft_vocab_size": 163840,
+            },
+            seq_lens=(128, 256),
+        ),  # fmt: skip
+    },
+    "tiny": {
+        "mla_tiny": dict(
+            overrides=dict(
+                attention="mla", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=24,
+                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                intermediate_size=128, vocab_size=512, draft_vocab_size=256,
+            ),
+            seq_lens=(128, 256),
+        ),  # fmt: skip
+    },
+}
+TTT_LENGTH = 3
+
+
+def measure_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
+    """One point's measured bytes, from a fresh process (`_terms_child`)."""
+    bench = BenchConfig(
+        shape="tiny", seq_len=seq_len, ttt_length=TTT_LENGTH, overrides=overrides, activation_checkpointing=checkpointing,
+        threads=1, device="cpu", precision="fp32",
+    )  # fmt: skip
+    return cpu_step_memory("eagle31", bench, child="benchmarks.memory_model:_terms_child")
+
+
+def _terms_child(spec: str) -> None:
+    """Body of `measure_point`'s process: build, then two steps under `LiveTensorBytes`."""
+    args = json.loads(spec)
+    bench = BenchConfig(**args["bench"])
+    torch.set_num_threads(bench.threads)
+    step = EagleStep(bench)
+    drafter, head, batch = step.trainer.model.drafter, step.trainer.target, step.batch
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    grads: dict[int, int] = {}
+    for p in trainable:  # each gradient's bytes, as autograd accumulates it
+        p.register_post_accumulate_grad_hook(lambda p: grads.__setitem__(id(p), p.grad.nbytes))
+    storages = {head.weight.untyped_storage().data_ptr(): head.weight.nbytes}
+    storages[head.draft_weight.untyped_storage().data_ptr()] = head.draft_weight.nbytes
+    gc.collect()
+    with LiveTensorBytes(excluded=lambda: sum(grads.values())) as tensors:
+        step()
+        persistent = tensors.live  # AdamW's moments (the gradients are set to None after the step)
+        grads.clear()
+        tensors.reset_peak()
+        step()
+    print(
+        json.dumps(
+            {
+                "trainable_bytes": sum(p.nbytes for p in trainable),
+                "gradient_bytes": sum(grads.values()),
+                "persistent_bytes": persistent,
+                "frozen_embedding_bytes": drafter.embed_tokens.weight.nbytes,
+                "target_lm_head_bytes": sum(storages.values()) + head.in_draft.nbytes,
+                "target_features_bytes": batch.aux.nbytes + batch.final.nbytes,
+                "step_peak_bytes": tensors.peak,
+                "step_peak_without_gradients_bytes": tensors.peak_without,  # the gradients accumulated so far left out
+            }
+        )
+    )
+
+
+def cuda_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
+    """One point on CUDA (bf16, FSDP2 on one GPU, as trained): `torch.cuda.max_memory_allocated` over two
+    steps, absolute (the built model included), beside the estimate's total for `device="cuda"`."""
+    bench = BenchConfig(
+        shape="tiny", seq_len=seq_len, ttt_length=TTT_LENGTH, overrides=overrides, activation_checkpointing=checkpointing,
+        device="cuda", precision="bf16",
+    )  # fmt: skip
+    device = bench.torch_device()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    step = EagleStep(bench)
+    step()
+    step()
+    peak = torch.cuda.max_memory_allocated(device) / GiB
+    est = estimate_memory(bench.drafter_config(), seq_len, TTT_LENGTH, activation_checkpointing=checkpointing)
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seq_len": seq_len, "measured_gib": peak, "estimated_gib": est["total"], "estimate_over_measured": est["total"] / peak,
+            "estimated_terms_gib": est}  # fmt: skip
+
+
+def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None = None) -> dict:
+    """Measure every T of one shape (or take `recorded` measurements, T -> raw) and set the estimate beside it."""
+    checkpointing = spec.get("checkpointing", True)
+    cfg = BenchConfig(shape="tiny", overrides=spec["overrides"]).drafter_config()
+    points = []
+    for T in spec["seq_lens"]:
+        t0 = time.perf_counter()
+        m = recorded[T] if recorded else measure_point(spec["overrides"], T, checkpointing)
+        est = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
+        working = m["step_peak_without_gradients_bytes"] - m["persistent_bytes"]
+        measured = {
+            "param_grad_optimizer_states": m["trainable_bytes"] + m["gradient_bytes"] + m["persistent_bytes"],
+            "frozen_embedding": m["frozen_embedding_bytes"],
+            "target_lm_head": m["target_lm_head_bytes"],
+            "target_features": m["target_features_bytes"],
+            "activations_and_loss": working,
+        }
+        # the true peak: the model, what a step leaves alive, and the second step's peak above it
+        peak = m["trainable_bytes"] + m["frozen_embedding_bytes"] + m["target_lm_head_bytes"] + m["target_features_bytes"]
+        measured = {k: v / GiB for k, v in measured.items()}
+        measured["total"] = (peak + m["step_peak_bytes"]) / GiB
+        estimated = {k: est[k] for k in ("param_grad_optimizer_states", "frozen_embedding", "target_lm_head", "target_features")}
+        estimated["activations_and_loss"] = est["activations"] + est["loss_working_set"]
+        estimated["total"] = est["total"]
+        ratios = {k: estimated[k] / measured[k] if measured[k] else None for k in measured}
+        points.append({"seq_len": T, "measured_gib": measured, "estimated_gib": estimated, "estimate_over_measured": ratios,
+                       "raw": m, "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
+        log(f"{name} T={T}: measured {measured['total']:.3f} GiB, estimated {estimated['total']:.3f} GiB "
+            f"(working set {measured['activations_and_loss']:.3f} vs {estimated['activations_and_loss']:.3f})")  # fmt: skip
+    first, last = points[0], points[-1]
+    dT = last["seq_len"] - first["seq_len"]
+    slope = {
+        side: (last[f"{side}_gib"]["activations_and_loss"] - first[f"{side}_gib"]["activations_and_loss"]) * GiB / dT
+        for side in ("measured", "estimated")
+    }
+    checks = {}
+    for p in points:
+        for k, r in p["estimate_over_measured"].items():
+            if r is not None:
+                tol = TOTAL_TOLERANCE if k == "total" else TERM_TOLERANCE
+                checks[f"T={p['seq_len']} {k}"] = abs(r - 1) <= tol
+    checks["per-token slope"] = abs(slope["estimated"] / slope["measured"] - 1) <= TERM_TOLERANCE
+    return {
+        "shape": name,
+        "overrides": spec["overrides"],
+        "activation_checkpointing": checkpointing,
+        "ttt_length": TTT_LENGTH,
+        "points": points,
+        "bytes_per_token": slope,
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def markdown(result: dict) -> str:
+    rows = [
+        "| shape | T | term | measured GiB | estimated GiB | estimate / measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in result["shapes"]:
+        for p in s["points"]:
+            for k, v in p["measured_gib"].items():
+                r = p["estimate_over_measured"][k]
+                rows.append(f"| {s['shape']} | {p['seq_len']} | {k} | {v:.4f} | {p['estimated_gib'][k]:.4f} | "
+                            f"{'-' if r is None else f'{r:.3f}'} |")  # fmt: skip
+        b = s["bytes_per_token"]
+        rows.append(f"| {s['shape']} | slope | bytes per token | {b['measured']:,.0f} | {b['estimated']:,.0f} | "
+                    f"{b['estimated'] / b['measured']:.3f} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
+    opts = {"size": "full", "out": str(ROOT / "benchmarks" / "results" / "memory_model.json"), "measured": "none"}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in opts:
+            print(f"error: unknown argument {arg!r}; expected key=value with key in {sorted(opts)}", file=sys.stderr)
+            return 2
+        opts[key] = value
+    if opts["size"] not in SHAPES:
+        print(f"error: size={opts['size']!r}; choose one of {sorted(SHAPES)}", file=sys.stderr)
+        return 2
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    recorded = {}  # measured=<json>: the estimate again, against that file's measurements
+    if opts["measured"] != "none":
+        earlier = json.loads(Path(opts["measured"]).read_text())
+        recorded = {s["shape"]: {p["seq_len"]: p["raw"] for p in s["points"]} for s in earlier["shapes"]}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "device": "cpu, fp32, one process, 1 thread",
+        "tolerance": {"term": TERM_TOLERANCE, "total": TOTAL_TOLERANCE},
+        "shapes": [compare(name, spec, log, recorded.get(name)) for name, spec in SHAPES[opts["size"]].items()],
+    }
+    result["passed"] = all(s["passed"] for s in result["shapes"])
+    table = markdown(result)
+    if opts["out"] != "none":
+        out = write_result(result, opts["out"])
+        Path(out).with_suffix(".md").write_text(table)
+        log(f"wrote {out} and {Path(out).with_suffix('.md')}")
+    print(table)
+    failed = [f"{s['shape']}: {k}" for s in result["shapes"] for k, ok in s["checks"].items() if not ok]
+    if failed:
+        print("outside the tolerance: " + "; ".join(failed), file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+

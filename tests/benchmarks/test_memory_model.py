@@ -1,0 +1,38 @@
+"""benchmarks/memory_model.py: the estimate term by term against two real steps of a tiny drafter (fresh processes)."""
+
+import json
+
+from benchmarks import memory_model
+from benchmarks.memory_model import SHAPES, compare, main
+
+
+def test_each_term_of_the_estimate_holds_at_a_tiny_shape():
+    result = compare("mla_tiny", SHAPES["tiny"]["mla_tiny"])
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    assert not failed, (failed, [p["estimate_over_measured"] for p in result["points"]])
+    point = result["points"][0]["raw"]
+    assert point["gradient_bytes"] == point["trainable_bytes"]  # every trainable parameter got its gradient
+    assert point["persistent_bytes"] >= 2 * point["trainable_bytes"]  # AdamW's two moments stay
+
+
+def test_recorded_measurements_are_compared_again_without_running(tmp_path, monkeypatch):
+    recorded = {"mla_tiny": {}}
+    for T in SHAPES["tiny"]["mla_tiny"]["seq_lens"]:
+        recorded["mla_tiny"][T] = {
+            "trainable_bytes": 1000, "gradient_bytes": 1000, "persistent_bytes": 2000, "frozen_embedding_bytes": 10,
+            "target_lm_head_bytes": 10, "target_features_bytes": 10, "step_peak_bytes": 5000 + T, "step_peak_without_gradients_bytes": 4500 + T,
+        }  # fmt: skip
+    earlier = {"shapes": [{"shape": "mla_tiny", "points": [{"seq_len": T, "raw": r} for T, r in recorded["mla_tiny"].items()]}]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    monkeypatch.setattr(memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    out = tmp_path / "again.json"
+    assert main(["size=tiny", f"measured={path}", f"out={out}"]) == 1  # made-up bytes: the checks fail
+    again = json.loads(out.read_text())
+    assert again["shapes"][0]["points"][0]["raw"]["step_peak_bytes"] == 5128
+    assert (tmp_path / "again.md").read_text().startswith("| shape |")
+
+
+def test_bad_arguments_are_one_line_and_exit_2(capsys):
+    assert main(["size=huge"]) == 2 and main(["bogus"]) == 2
+    assert capsys.readouterr().err.count("\n") == 2
