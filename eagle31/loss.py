@@ -7,10 +7,11 @@ is in p's document, and — with `mask_out_of_vocab` — the target's argmax ove
 its full vocabulary at p+1+k is a draft token.
 
 Loss: sum_k w^k * mean over the supervised (p, k) of the *global* batch of
-KL(label || softmax(draft logits)). A micro-batch returns per-step sums and
-counts (`StepStats`); the trainer all-reduces the counts and divides.
+D(label, softmax(draft logits)), D chosen by `train.loss` (`Divergence`, default
+KL(label || draft)). A micro-batch returns per-step sums and counts
+(`StepStats`); the trainer all-reduces the counts and divides.
 
-lm_head + KL of all K steps run in one autograd function (`DraftKL`), in
+lm_head + loss of all K steps run in one autograd function (`DraftKL`), in
 chunks of label positions: each label distribution is computed once and serves
 the up-to-K queries it labels, and the gradients are formed in the same pass
 (the loss is a sum, so they only wait for a per-step scale in backward). No
@@ -24,10 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle31.recipe import DraftLoss
+
 # Rows per chunk are chosen so one fp32 logits chunk holds at most this many elements.
 _LOGITS_BUDGET = 1 << 24
 # Vocabulary columns per tile of the target's full-vocabulary argmax.
 _ARGMAX_COLUMNS = 1 << 15
+# lk_alpha: an acceptance below this counts as this (the loss stays finite; its gradient is 0 there).
+_MIN_ACCEPTANCE = 1e-5
 
 
 class TargetHead:
@@ -107,7 +112,7 @@ def supervision_mask(
 class StepStats:
     """Per-step sums of one micro-batch; all [K]. Sum them across micro-batches and ranks."""
 
-    loss_sum: torch.Tensor  # sum of KL over supervised queries (carries the gradient)
+    loss_sum: torch.Tensor  # sum of the per-query loss over supervised queries (carries the gradient)
     count: torch.Tensor  # supervised queries
     correct: torch.Tensor  # draft argmax == target argmax
     cond_count: torch.Tensor  # supervised queries whose steps 0..k-1 were all correct
@@ -118,6 +123,51 @@ class StepStats:
         return torch.stack([self.count, self.correct, self.cond_count, self.cond_correct]).double()
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """The loss of one query: `kind` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
+
+    kind: DraftLoss = DraftLoss.kl
+    eta: float = 3.0
+
+
+def _divergence(loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd].
+
+    label_logp, draft_logq [n, Vd]: log p (the label) and log q (the draft), each normalised
+    over the draft vocabulary. The acceptance of a query is alpha = sum_v min(p_v, q_v)
+    (1 - TV); with S = {v : q_v <= p_v} and s = sum_S q, d alpha / d logits = q * (1[S] - s).
+
+    kl         KL(p || q)                                   q - p
+    tv         1 - alpha                                    -d alpha
+    lk_alpha   -log alpha                                   -d alpha / alpha
+    lk_hybrid  lam KL + (1 - lam) TV, lam = exp(-eta alpha) lam (q - p) - (1 - lam) d alpha   (lam held constant)
+    ce         -log q[argmax p]: the label's argmax is the target's greedy token among the draft
+               ids (its full-vocabulary greedy token wherever `mask_out_of_vocab` keeps the query);
+               a soft-label cross-entropy would be KL plus a constant, so `kl` is that loss
+    """
+    q = draft_logq.exp()
+    if loss.kind == DraftLoss.ce:
+        greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
+        return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
+    p = label_logp.exp()
+    if loss.kind == DraftLoss.kl:
+        return (p * (label_logp - draft_logq)).sum(-1), q - p
+    below = q <= p
+    alpha = torch.minimum(p, q).sum(-1)  # [n]
+    d_alpha = q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))  # [n, Vd]
+    if loss.kind == DraftLoss.tv:
+        return 1 - alpha, -d_alpha
+    if loss.kind == DraftLoss.lk_alpha:
+        kept = alpha.clamp(min=_MIN_ACCEPTANCE)
+        return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
+    if loss.kind == DraftLoss.lk_hybrid:
+        lam = torch.exp(-loss.eta * alpha)[:, None]  # [n, 1]
+        kl = (p * (label_logp - draft_logq)).sum(-1)
+        return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
+    raise ValueError(f"unknown loss kind {loss.kind!r}")
+
+
 def ttt_loss(
     states: list[torch.Tensor],
     lm_head_weight: torch.Tensor,
@@ -126,11 +176,13 @@ def ttt_loss(
     supervised: torch.Tensor,
     target: TargetHead,
     target_argmax: torch.Tensor,
+    loss: Divergence = Divergence(),
 ) -> StepStats:
-    """KL sums and accuracy counts of one micro-batch.
+    """Loss sums and accuracy counts of one micro-batch.
 
     states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
-    final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids.
+    final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids;
+    loss: what each supervised query minimises.
     """
     K = len(states)
     B, T = supervised.shape[1:]
@@ -148,6 +200,7 @@ def ttt_loss(
         queries,
         labels,
         torch.is_grad_enabled(),
+        loss,
         *[s.reshape(B * T, -1) for s in states],
     )
     flat_argmax = target_argmax.reshape(-1)
@@ -202,26 +255,27 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 
 class DraftKL(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of KL(softmax(f Wt^T) || softmax(h W^T)).
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)).
 
-    Inputs (W, f, Wt, queries, labels, grads, *h): W [Vd, H] the draft lm_head;
+    Inputs (W, f, Wt, queries, labels, grads, loss, *h): W [Vd, H] the draft lm_head;
     f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
     per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
-    ascending rows of f that label them; `grads`: form the gradients (False under no_grad).
+    ascending rows of f that label them; `grads`: form the gradients (False under no_grad);
+    `loss`: the `Divergence` D (KL by default).
     Returns (loss sums [K], draft argmax of every query, steps concatenated).
 
     One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and, since d KL / d logits = softmax(logits) - label,
-    dh and dW are formed right there. Backward only scales them by the incoming
+    computed once for all K steps, and, since `_divergence` gives d D / d logits in
+    closed form, dh and dW are formed right there. Backward only scales them by the incoming
     gradient of each step's sum: no logits are recomputed. Memory: O(chunk * Vd) working
     set, plus dh [P_k, H] and dW [Vd, H] (fp32) per step until backward.
     """
 
     @staticmethod
-    def forward(ctx, W, f, Wt, queries, labels, grads, *h):
+    def forward(ctx, W, f, Wt, queries, labels, grads, divergence, *h):
         K = len(h)
         acc = torch.promote_types(h[0].dtype, torch.float32)
-        need_dh = grads and any(ctx.needs_input_grad[6:])
+        need_dh = grads and any(ctx.needs_input_grad[7:])
         need_dW = grads and ctx.needs_input_grad[0]
         loss = torch.zeros(K, dtype=acc, device=W.device)
         argmax = [torch.empty_like(q) for q in queries]
@@ -241,11 +295,10 @@ class DraftKL(torch.autograd.Function):
                 hk = h[k][queries[k][i:j]]  # [n, H]
                 lp = logp[where[k][i:j] - c0]  # [n, Vd]
                 logq = (hk @ W.T).to(acc).log_softmax(-1)
-                p = lp.exp()
-                loss[k] += (p * (lp - logq)).sum()
+                rows_loss, dz = _divergence(divergence, lp, logq)  # [n], d loss / d logits [n, Vd]
+                loss[k] += rows_loss.sum()
                 argmax[k][i:j] = logq.argmax(-1)
                 if need_dh or need_dW:
-                    dz = logq.exp() - p  # d KL / d logits
                     if need_dh:
                         dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
                     if need_dW:
@@ -271,4 +324,4 @@ class DraftKL(torch.autograd.Function):
         grad_h = []
         for d, q, shape, g in zip(dh, ctx.queries, ctx.shapes, scale):
             grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(g))
-        return grad_W, None, None, None, None, None, *grad_h
+        return grad_W, None, None, None, None, None, None, *grad_h

@@ -61,6 +61,8 @@ def plan_run(cfg, world: World) -> RunPlan:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     if not cfg.train.lr > 0:
         raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
+    if not cfg.train.lk_eta >= 0:
+        raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:

@@ -28,7 +28,7 @@ from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_reduce_sum
 from eagle31.errors import Eagle31Error
-from eagle31.loss import StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
+from eagle31.loss import Divergence, StepStats, TargetHead, label_positions, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
 from eagle31.recipe import TrainConfig
@@ -48,6 +48,7 @@ class DrafterObjective(nn.Module):
         self.ttt_length = train.ttt_length
         self.attention = train.attention
         self.activation_checkpointing = train.activation_checkpointing
+        self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(self, aux, input_ids, document_ids, final, supervised, target_argmax, target: TargetHead) -> StepStats:
         out = ttt_unroll(
@@ -60,7 +61,7 @@ class DrafterObjective(nn.Module):
             activation_checkpointing=self.activation_checkpointing,
         )
         d = self.drafter
-        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax)
+        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, self.loss)
 
 
 @dataclass
