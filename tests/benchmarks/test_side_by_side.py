@@ -53,6 +53,7 @@ def test_speculators_labels_from_our_store_equal_ours(tiny_target):
     assert not model.lm_head.weight.requires_grad  # their trainer's default, kept unless peer_lm_head=true
 
 
+@pytest.mark.slow
 def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys):
     from benchmarks.side_by_side import main
     from eagle31.convert import load_drafter
