@@ -15,8 +15,8 @@ alignment and loss (what is theirs and what is ours is listed there). Both draft
 back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance` run (greedy
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
-A step whose output exists (`report.json` of a run, `acceptance/acceptance.json`) is skipped,
-so an interrupted comparison continues. Writes under `out`: `commands.sh` (what ran),
+A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
+drafters) is skipped, so an interrupted comparison continues, and more seeds add to it. Writes under `out`: `commands.sh` (what ran),
 `acceptance/` (JSON, table, plot), `summary.json` and `results.md` (tau per split and side,
 the seeds, and the ratio eagle31 / speculators of the seed means).
 
@@ -285,7 +285,10 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
             train_eagle31(recipe) if side == "eagle31" else train_speculators(recipe, cfg.peer_lm_head)
     recipe = recipes[(SIDES[0], cfg.seeds_list[0])]
     done = out / "acceptance" / "acceptance.json"
-    acceptance = json.loads(done.read_text()) if done.is_file() else measure(cfg, recipe)
+    acceptance = json.loads(done.read_text()) if done.is_file() else None
+    labels = {f"{side}-s{seed}" for side in SIDES for seed in cfg.seeds_list}
+    if acceptance is None or set(acceptance["settings"]["drafters"]) != labels:  # measured for other seeds: again
+        acceptance = measure(cfg, recipe)
     summary = summarize(cfg, acceptance, recipe)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "results.md", format_results(summary) + "\n")
