@@ -1,6 +1,10 @@
-"""The peer of the training-step benchmark: vLLM `speculators`' EAGLE-3 drafter.
+"""The peer of the training-step benchmark and the side-by-side: vLLM `speculators`' EAGLE-3 drafter.
 
-`SpeculatorsStep` builds `speculators.models.eagle3.Eagle3DraftModel` offline, with the same
+`speculators_drafter` builds their `Eagle3DraftModel` with our drafter's layer shape, 3.1 flags
+(`fc_norm`, `norm_before_fc`, `norm_output`: the names are the same in their
+`Eagle3SpeculatorConfig`), aux layer ids and vocabulary; with a verifier directory, their own
+`load_verifier_weights` reads the target's embedding, lm_head rows and final norm, as their
+trainer's `from_training_args` does. `SpeculatorsStep` builds `speculators.models.eagle3.Eagle3DraftModel` offline, with the same
 layer shape, 3.1 flags, vocabularies and K as ours and random weights, and runs one step the
 way `speculators`' trainer does: forward under bf16 autocast on CUDA (fp32 master weights;
 their `forward` is `torch.compile`d on CUDA by the package itself), their KL loss (fused
@@ -18,6 +22,7 @@ import importlib.util
 import torch
 
 from benchmarks.train_step import BenchConfig, random_vocab, synthetic_batch
+from eagle31.config import DrafterConfig
 
 
 def speculators_unavailable() -> str | None:
@@ -31,17 +36,60 @@ def speculators_unavailable() -> str | None:
     return None
 
 
+def speculators_drafter(
+    cfg: DrafterConfig,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    *,
+    attention: str,
+    ttt_length: int,
+    verifier: str | None = None,
+    device: torch.device | str = "cpu",
+):
+    """Their `Eagle3DraftModel` for our drafter `cfg` (random weights from the current torch seed).
+
+    attention: their `_attn_implementation` (`simple_flex_attention`, `sdpa`, `eager`);
+    verifier: the target's directory, whose embedding, lm_head and final norm their code loads
+    (lm_head and embedding then frozen, as in their trainer); None leaves those NaN.
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    layer = cfg.layer_config()
+    layer._attn_implementation = attention
+    architectures = list(cfg.target_architectures) or ["LlamaForCausalLM"]
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=cfg.draft_vocab_size,
+        norm_before_residual=cfg.norm_before_residual,
+        norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_length)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier, architectures=architectures),
+        ),
+    )
+    with torch.device(device):
+        model = Eagle3DraftModel(config)
+    model.load_vocab_mappings(t2d, d2t)
+    if verifier is not None:
+        model.load_verifier_weights()
+    return model.to(device)
+
+
 class SpeculatorsStep:
     """One training step of `speculators`' `Eagle3DraftModel` on our synthetic batch."""
 
     name = "speculators"
 
     def __init__(self, bench: BenchConfig):
-        from speculators.config import SpeculatorsConfig, VerifierConfig
         from speculators.losses import resolve_loss_config
-        from speculators.models.eagle3 import Eagle3SpeculatorConfig
-        from speculators.models.eagle3.core import Eagle3DraftModel
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
 
         cfg = bench.drafter_config()
         self.device = device = bench.torch_device()
@@ -50,36 +98,15 @@ class SpeculatorsStep:
         attention = bench.peer_attention
         if attention == "auto":
             attention = "simple_flex_attention" if device.type == "cuda" else "sdpa"
-        layer = cfg.layer_config()
-        layer._attn_implementation = attention
-        config = Eagle3SpeculatorConfig(
-            transformer_layer_config=layer,
-            draft_vocab_size=cfg.draft_vocab_size,
-            norm_before_residual=cfg.norm_before_residual,
-            norm_before_fc=cfg.norm_before_fc,
-            fc_norm=cfg.fc_norm,
-            norm_output=cfg.norm_output,
-            eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
-            speculators_config=SpeculatorsConfig(
-                algorithm="eagle3",
-                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=bench.ttt_length)],
-                default_proposal_method="greedy",
-                verifier=VerifierConfig(
-                    name_or_path=None, architectures=list(cfg.target_architectures) or ["LlamaForCausalLM"]
-                ),
-            ),
-        )
         torch.manual_seed(bench.seed)
-        with torch.device(device):
-            model = Eagle3DraftModel(config)
         _, d2t, t2d = random_vocab(cfg, bench.seed)
-        model.load_vocab_mappings(t2d, d2t)
+        model = speculators_drafter(cfg, d2t, t2d, attention=attention, ttt_length=bench.ttt_length, device=device)
         with torch.no_grad():  # the package leaves these NaN until a verifier is loaded
             model.embed_tokens.weight.normal_(0.0, 0.02)
             model.lm_head.weight.normal_(0.0, 0.02)
             model.verifier_lm_head.weight.normal_(0.0, cfg.target_hidden_size**-0.5)  # target rows -> labels
         model.lm_head.weight.requires_grad_(True)
-        self.model = model.to(device)
+        self.model = model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
         fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None

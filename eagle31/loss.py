@@ -7,10 +7,11 @@ is in p's document, and — with `mask_out_of_vocab` — the target's argmax ove
 its full vocabulary at p+1+k is a draft token.
 
 Loss: sum_k w^k * mean over the supervised (p, k) of the *global* batch of
-KL(label || softmax(draft logits)). A micro-batch returns per-step sums and
-counts (`StepStats`); the trainer all-reduces the counts and divides.
+D(label, softmax(draft logits)), D chosen by `train.loss` (`Divergence`, default
+KL(label || draft)). A micro-batch returns per-step sums and counts
+(`StepStats`); the trainer all-reduces the counts and divides.
 
-lm_head + KL of all K steps run in one autograd function (`DraftKL`), in
+lm_head + loss of all K steps run in one autograd function (`DraftKL`), in
 chunks of label positions: each label distribution is computed once and serves
 the up-to-K queries it labels, and the gradients are formed in the same pass.
 The loss is a weighted sum whose weights `w^k / global_count_k` are known before
@@ -27,10 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle31.recipe import DraftLoss
+
 # Rows per chunk are chosen so one fp32 logits chunk holds at most this many elements.
 _LOGITS_BUDGET = 1 << 24
 # Vocabulary columns per tile of the target's full-vocabulary argmax.
 _ARGMAX_COLUMNS = 1 << 15
+# lk_alpha: an acceptance below this counts as this (the loss stays finite; its gradient is 0 there).
+_MIN_ACCEPTANCE = 1e-5
 
 
 class TargetHead:
@@ -112,7 +117,7 @@ def supervision_mask(
 class StepStats:
     """Per-step sums of one micro-batch; all [K]. Sum them across micro-batches and ranks."""
 
-    loss_sum: torch.Tensor  # sum of KL over supervised queries (carries the gradient)
+    loss_sum: torch.Tensor  # sum of the per-query loss over supervised queries (carries the gradient)
     count: torch.Tensor  # supervised queries
     correct: torch.Tensor  # draft argmax == target argmax
     cond_count: torch.Tensor  # supervised queries whose steps 0..k-1 were all correct
@@ -121,6 +126,51 @@ class StepStats:
     def counters(self) -> torch.Tensor:
         """[4, K] float64: count, correct, cond_count, cond_correct (for all-reduce)."""
         return torch.stack([self.count, self.correct, self.cond_count, self.cond_correct]).double()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The loss of one query: `kind` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
+
+    kind: DraftLoss = DraftLoss.kl
+    eta: float = 3.0
+
+
+def _divergence(loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd].
+
+    label_logp, draft_logq [n, Vd]: log p (the label) and log q (the draft), each normalised
+    over the draft vocabulary. The acceptance of a query is alpha = sum_v min(p_v, q_v)
+    (1 - TV); with S = {v : q_v <= p_v} and s = sum_S q, d alpha / d logits = q * (1[S] - s).
+
+    kl         KL(p || q)                                   q - p
+    tv         1 - alpha                                    -d alpha
+    lk_alpha   -log alpha                                   -d alpha / alpha
+    lk_hybrid  lam KL + (1 - lam) TV, lam = exp(-eta alpha) lam (q - p) - (1 - lam) d alpha   (lam held constant)
+    ce         -log q[argmax p]: the label's argmax is the target's greedy token among the draft
+               ids (its full-vocabulary greedy token wherever `mask_out_of_vocab` keeps the query);
+               a soft-label cross-entropy would be KL plus a constant, so `kl` is that loss
+    """
+    q = draft_logq.exp()
+    if loss.kind == DraftLoss.ce:
+        greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
+        return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
+    p = label_logp.exp()
+    if loss.kind == DraftLoss.kl:
+        return (p * (label_logp - draft_logq)).sum(-1), q - p
+    below = q <= p
+    alpha = torch.minimum(p, q).sum(-1)  # [n]
+    d_alpha = q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))  # [n, Vd]
+    if loss.kind == DraftLoss.tv:
+        return 1 - alpha, -d_alpha
+    if loss.kind == DraftLoss.lk_alpha:
+        kept = alpha.clamp(min=_MIN_ACCEPTANCE)
+        return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
+    if loss.kind == DraftLoss.lk_hybrid:
+        lam = torch.exp(-loss.eta * alpha)[:, None]  # [n, 1]
+        kl = (p * (label_logp - draft_logq)).sum(-1)
+        return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
+    raise ValueError(f"unknown loss kind {loss.kind!r}")
 
 
 def ttt_loss(
@@ -132,8 +182,9 @@ def ttt_loss(
     target: TargetHead,
     target_argmax: torch.Tensor,
     step_scale: torch.Tensor,
+    loss: Divergence = Divergence(),
 ) -> StepStats:
-    """KL sums and accuracy counts of one micro-batch.
+    """Loss sums and accuracy counts of one micro-batch.
 
     states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
     final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids;
@@ -141,6 +192,7 @@ def ttt_loss(
     global counts. The gradients of `loss_sum` are formed for a loss proportional
     to `sum_k step_scale[k] * loss_sum[k]` (`weighted_loss`); any other use of
     them is refused in backward.
+    loss: what each supervised query minimises.
     """
     K = len(states)
     B, T = supervised.shape[1:]
@@ -159,6 +211,7 @@ def ttt_loss(
         labels,
         step_scale.detach().double().cpu(),
         torch.is_grad_enabled(),
+        loss,
         *[s.reshape(B * T, -1) for s in states],
     )
     flat_argmax = target_argmax.reshape(-1)
@@ -217,28 +270,20 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
-def kl_rows(lp: torch.Tensor, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's per-query loss and its gradient in the draft logits.
-
-    lp, logq [n, Vd]: label and draft log-probabilities (fp32) -> (KL(label || draft)
-    per row [n], d KL / d logits = softmax(logits) - label [n, Vd]).
-    """
-    p = lp.exp()
-    return (p * (lp - logq)).sum(-1), logq.exp() - p
-
-
 class DraftKL(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of KL(softmax(f Wt^T) || softmax(h W^T)).
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)).
 
-    Inputs (W, f, Wt, queries, labels, scale, grads, *h): W [Vd, H] the draft lm_head;
+    Inputs (W, f, Wt, queries, labels, scale, grads, divergence, *h): W [Vd, H] the draft lm_head;
     f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
     per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
     ascending rows of f that label them; scale [K] float64 the weight each step's sum
-    gets in the loss; `grads`: form the gradients (False under no_grad).
+    gets in the loss; `grads`: form the gradients (False under no_grad); `divergence`:
+    the `Divergence` D (KL by default).
     Returns (loss sums [K], draft argmax of every query, steps concatenated).
 
     One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and dh and dW are formed right there (`kl_rows`).
+    computed once for all K steps, and, since `_divergence` gives d D / d logits in
+    closed form, dh and dW are formed right there.
     dW is one fp32 accumulator of `sum_k scale[k] * dW_k`; backward multiplies it by
     the one factor `grad_loss[k] / scale[k]` shared by every step (and refuses a
     gradient that is not of that form). No logits are recomputed. Memory: O(chunk * Vd)
@@ -246,10 +291,10 @@ class DraftKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, W, f, Wt, queries, labels, scale, grads, *h):
+    def forward(ctx, W, f, Wt, queries, labels, scale, grads, divergence, *h):
         K = len(h)
         acc = torch.promote_types(h[0].dtype, torch.float32)
-        need_dh = grads and any(ctx.needs_input_grad[7:])
+        need_dh = grads and any(ctx.needs_input_grad[8:])
         need_dW = grads and ctx.needs_input_grad[0]
         loss = torch.zeros(K, dtype=acc, device=W.device)
         argmax = [torch.empty_like(q) for q in queries]
@@ -269,7 +314,7 @@ class DraftKL(torch.autograd.Function):
                     continue
                 hk = h[k][queries[k][i:j]]  # [n, H]
                 logq = (hk @ W.T).to(acc).log_softmax(-1)
-                rows_loss, dz = kl_rows(logp[where[k][i:j] - c0], logq)
+                rows_loss, dz = _divergence(divergence, logp[where[k][i:j] - c0], logq)  # [n], d loss / d logits [n, Vd]
                 loss[k] += rows_loss.sum()
                 argmax[k][i:j] = logq.argmax(-1)
                 if need_dh:
@@ -295,7 +340,7 @@ class DraftKL(torch.autograd.Function):
         grad_h = []
         for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g):
             grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk))
-        return grad_W, None, None, None, None, None, None, *grad_h
+        return grad_W, None, None, None, None, None, None, None, *grad_h
 
 
 def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: float) -> None:

@@ -326,12 +326,11 @@ def measure_acceptance(plan: RunPlan) -> dict:
     from eagle31.acceptance_report import write_report
 
     cfg = plan.cfg
-    splits = ",".join(f"{Path(p).stem}={p}" for p in resolve_sources(cfg.eval.data))
     result = run_acceptance(
         AcceptanceConfig(
             drafter=str(plan.run_dir / "drafter"),
             target=str(plan.target_dir),
-            data=splits,
+            data=acceptance_splits(cfg),
             chat_template_kwargs=json.dumps(template_kwargs(cfg.data)),  # prompts rendered as for training
             k=cfg.eval.num_speculative_tokens,
             max_new_tokens=cfg.eval.max_new_tokens,
@@ -341,3 +340,8 @@ def measure_acceptance(plan: RunPlan) -> dict:
     )
     write_report(result, plan.run_dir / "acceptance")
     return result
+
+
+def acceptance_splits(cfg) -> str:
+    """`eval.data` as `AcceptanceConfig.data`: `name=path` per prompt file (`demo:` names resolved)."""
+    return ",".join(f"{Path(p).stem}={p}" for p in resolve_sources(cfg.eval.data))

@@ -72,6 +72,8 @@ def plan_run(cfg, world: World) -> RunPlan:
         raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
     if not cfg.train.preempt_grace_s > 0:
         raise ConfigError(f"train.preempt_grace_s must be positive, got {cfg.train.preempt_grace_s}")
+    if not cfg.train.lk_eta >= 0:
+        raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:

@@ -94,6 +94,16 @@ class AttentionBackend(StrEnum):
     reference = "reference"
 
 
+class DraftLoss(StrEnum):
+    """What each supervised query minimises (`eagle31.loss`); p = label, q = draft distribution."""
+
+    kl = "kl"  # KL(p || q)
+    tv = "tv"  # total variation 1 - sum min(p, q)
+    lk_alpha = "lk_alpha"  # negative log-acceptance -log sum min(p, q) (LK losses, arXiv 2602.23881)
+    lk_hybrid = "lk_hybrid"  # lambda KL + (1 - lambda) TV, lambda = exp(-lk_eta * sg[alpha]) (same paper)
+    ce = "ce"  # cross-entropy against the label's argmax (the target's greedy token)
+
+
 class Device(StrEnum):
     auto = "auto"  # cuda when available
     cpu = "cpu"
@@ -253,6 +263,8 @@ class TrainConfig:
     ttt_length: int = 7
     ttt_decay: float = 0.8
     mask_out_of_vocab: bool = True
+    loss: DraftLoss = DraftLoss.kl
+    lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -29,6 +29,7 @@ from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
 from eagle31.loss import (
+    Divergence,
     StepStats,
     TargetHead,
     label_positions,
@@ -58,6 +59,7 @@ class DrafterObjective(nn.Module):
         self.ttt_length = train.ttt_length
         self.attention = train.attention
         self.activation_checkpointing = train.activation_checkpointing
+        self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(
         self, aux, input_ids, document_ids, final, supervised, target_argmax, step_scale, target: TargetHead
@@ -72,7 +74,9 @@ class DrafterObjective(nn.Module):
             activation_checkpointing=self.activation_checkpointing,
         )
         d = self.drafter
-        return ttt_loss(out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, step_scale)
+        return ttt_loss(
+            out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, step_scale, self.loss
+        )
 
 
 @dataclass

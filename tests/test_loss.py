@@ -1,10 +1,15 @@
-"""Label and mask alignment (docs/design.md §4) on hand-made examples, and the metrics."""
+"""Label and mask alignment (docs/design.md §4) on hand-made examples, the metrics, and every
+`train.loss` kind against a naive autograd reference and `speculators`' own eager losses."""
+
+import math
 
 import pytest
 import torch
 
-from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics
+from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.attention import segment_ids
+from eagle31.loss import Divergence
+from eagle31.recipe import DraftLoss
 
 
 def supervised_positions(sup):
@@ -164,3 +169,123 @@ def test_a_gradient_not_of_the_given_step_scale_is_refused():
     stats = ttt_loss(states, W, torch.zeros(9, dtype=torch.long), final, sup, head, head.argmax(final), torch.tensor([1.0, 0.5]))
     with pytest.raises(RuntimeError, match="not proportional to the step_scale"):
         stats.loss_sum.sum().backward()
+
+
+# ---------------------------------------------------------------------------- the loss kinds (train.loss)
+
+DECAY = 0.8
+
+
+def naive_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logits: torch.Tensor) -> torch.Tensor:
+    """[n]: the loss of each query, written from the definitions, for autograd to differentiate."""
+    p, q = label_logits.softmax(-1), logits.softmax(-1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    alpha = torch.minimum(p, q).sum(-1)
+    if kind == DraftLoss.kl:
+        return kl
+    if kind == DraftLoss.tv:
+        return tv
+    if kind == DraftLoss.lk_alpha:
+        return -alpha.log()
+    if kind == DraftLoss.lk_hybrid:
+        lam = torch.exp(-eta * alpha.detach())
+        return lam * kl + (1 - lam) * tv
+    return torch.nn.functional.cross_entropy(logits, label_logits.argmax(-1), reduction="none")
+
+
+def speculators_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logits: torch.Tensor) -> torch.Tensor:
+    """[n]: the same from `speculators.losses.eager` (0.9.0), which takes [1, n, Vd] logits of both sides."""
+    eager = pytest.importorskip("speculators.losses.eager")
+    fn = {
+        DraftLoss.kl: eager.kl_div_loss,
+        DraftLoss.tv: eager.tv_loss,
+        DraftLoss.lk_alpha: eager.neg_log_acceptance_loss,
+        DraftLoss.lk_hybrid: lambda x, y: eager.lk_hybrid_loss(x, y, eta=eta),
+        DraftLoss.ce: eager.ce_loss,
+    }[kind]
+    return fn(logits[None], label_logits[None])[0]
+
+
+def loss_case(seed: int, B=2, T=10, H=6, Ht=5, V=30, Vd=12, K=3):
+    """Random states [B, T, H] per step, a draft lm_head, a target head, and the supervised queries."""
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    head = TargetHead(torch.randn(V, Ht, generator=g, dtype=torch.float64) * 1.5, draft_ids)
+    final = torch.randn(B, T, Ht, generator=g, dtype=torch.float64)
+    states = [torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_() for _ in range(K)]
+    W = (torch.randn(Vd, H, generator=g, dtype=torch.float64) * 0.7).requires_grad_()
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    sup = supervision_mask(mask, segment_ids(None, None, (B, T)), K)
+    return states, W, draft_ids, head, final, sup
+
+
+def reference_loss(row_loss, kind, eta, states, W, head, final, sup):
+    """sum_k w^k * mean over step k's supervised queries of row_loss, on explicit logits."""
+    T = sup.shape[2]
+    total = 0.0
+    for k, h in enumerate(states):
+        b, p = sup[k].nonzero(as_tuple=True)
+        logits = h[b, p] @ W.T  # [n, Vd]
+        label_logits = final[b, p + 1 + k] @ head.draft_weight.T
+        assert (p + 1 + k < T).all()
+        total = total + DECAY**k * row_loss(kind, eta, logits, label_logits).sum() / len(p)
+    return total
+
+
+@pytest.mark.parametrize("kind", list(DraftLoss))
+@pytest.mark.parametrize("reference", ["naive", "speculators"])
+def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, reference, monkeypatch):
+    """The fused chunked pass (3 label rows per chunk here) against explicit logits and autograd."""
+    import eagle31.loss
+
+    monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 3 * 12)
+    states, W, draft_ids, head, final, sup = loss_case(seed=21)
+    eta = 2.5
+    argmax = head.argmax(final)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    scale = step_scales(sup.sum(dim=(1, 2)), DECAY)
+    stats = ttt_loss(states, W, d2t, final, sup, head, argmax, scale, Divergence(kind, eta))
+    ours = weighted_loss(stats.loss_sum, stats.count, DECAY)
+    ours_grads = torch.autograd.grad(ours, [W, *states])
+
+    row_loss = naive_row_loss if reference == "naive" else speculators_row_loss
+    expected = reference_loss(row_loss, kind, eta, states, W, head, final, sup)
+    expected_grads = torch.autograd.grad(expected, [W, *states])
+    # speculators computes in float32; the naive reference in float64 like the library here
+    tol = dict(rtol=1e-10, atol=1e-12) if reference == "naive" else dict(rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(ours, expected.to(ours.dtype), **tol)
+    for name, got, want in zip(["lm_head", *[f"state {k}" for k in range(len(states))]], ours_grads, expected_grads):
+        torch.testing.assert_close(got, want.to(got.dtype), **tol, msg=lambda m: f"{kind}, {name}: {m}")
+    if kind != DraftLoss.kl:  # the kind reached the loss: it is not KL under another name
+        kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, argmax, scale).loss_sum, stats.count, DECAY)
+        assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3
+
+
+def test_loss_kinds_meet_at_their_limits():
+    """lk_hybrid is KL at eta = 0; TV = 1 - alpha stays below -log alpha."""
+    states, W, draft_ids, head, final, sup = loss_case(seed=22)
+    argmax = head.argmax(final)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+
+    def sums(kind, eta=3.0, s=states):
+        scale = step_scales(sup.sum(dim=(1, 2)), DECAY)
+        return ttt_loss(s, W, d2t, final, sup, head, argmax, scale, Divergence(kind, eta)).loss_sum.detach()
+
+    torch.testing.assert_close(sums(DraftLoss.lk_hybrid, eta=0.0), sums(DraftLoss.kl), rtol=1e-12, atol=0)
+    assert (sums(DraftLoss.tv) < sums(DraftLoss.lk_alpha)).all()  # 1 - a < -log a
+
+
+def test_no_overlap_clamps_log_acceptance_as_speculators_does():
+    """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
+    from eagle31.loss import _divergence
+
+    eager = pytest.importorskip("speculators.losses.eager")
+    logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
+    rows, dz = _divergence(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1))
+    theirs = eager.neg_log_acceptance_loss(logits[None], label_logits[None])[0]
+    (grad,) = torch.autograd.grad(theirs.sum(), logits)
+    torch.testing.assert_close(rows, theirs.double(), rtol=1e-6, atol=0)
+    assert float(rows) == pytest.approx(-math.log(1e-5))
+    assert torch.equal(dz, torch.zeros_like(dz)) and torch.equal(grad, torch.zeros_like(grad))

@@ -39,6 +39,7 @@ BAD_CHOICES = [
     ("train.attention=bogus", "train.attention"),
     ("train.device=tpu", "train.device"),
     ("train.precision=fp8", "train.precision"),
+    ("train.loss=mse", "train.loss"),
     ("export.formats=[bogus]", "export.formats"),
     ("export.dtype=int4", "export.dtype"),
     ("logging.wandb.mode=bogus", "logging.wandb.mode"),

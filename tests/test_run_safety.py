@@ -94,10 +94,14 @@ def test_a_prepared_dir_pointing_at_a_folder_of_runs_deletes_nothing(tiny_target
         assert tree(runs) == before and not (tmp_path / "second").exists()
 
 
-def test_a_negative_learning_rate_is_refused_before_any_model(tiny_target, chats, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "field, value, said",
+    [("train.lr", "-1e-4", "train.lr must be positive, got -0.0001"), ("train.lk_eta", "-1", "train.lk_eta must be >= 0, got -1.0")],
+)
+def test_a_bad_number_is_refused_before_any_model(field, value, said, tiny_target, chats, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a model was built"))
-    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **{"train.lr": "-1e-4"}), capsys), 2)
-    assert line == "error: train.lr must be positive, got -0.0001"
+    line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **{field: value}), capsys), 2)
+    assert line == f"error: {said}"
     assert not (tmp_path / "run").exists()
 
 

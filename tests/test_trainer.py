@@ -98,3 +98,21 @@ def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
     trainer = make_trainer(tmp_path, [feature_batch(cfg, 8)], compile=True)
     blocks = [m for m in trainer.model.modules() if isinstance(m, (RMSNorm, MLP))]
     assert blocks and all(m._compiled_call_impl is not None for m in blocks)
+
+
+@pytest.mark.parametrize("kind", ["tv", "lk_hybrid"])
+def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
+    """`train.loss` and `train.lk_eta` are what DraftKL's per-chunk divergence is asked for, in training and eval."""
+    import eagle31.loss
+
+    seen, divergence = [], eagle31.loss._divergence
+    monkeypatch.setattr(eagle31.loss, "_divergence", lambda loss, lp, lq: seen.append(loss) or divergence(loss, lp, lq))
+    _, good = nan_and_good_batches()
+    trainer = make_trainer(tmp_path, [good], loss=kind, lk_eta=1.5)
+    trainer.eval_loader = ListLoader([good])
+    trained = trainer.train_step([good])
+    evaluated = trainer.evaluate()
+    assert seen and {(d.kind, d.eta) for d in seen} == {(kind, 1.5)}
+    assert trained["finite"] and evaluated["loss"] > 0
+    if kind == "tv":  # TV of a query is at most 1: the weighted loss is at most sum_k w^k
+        assert trained["loss"] <= 1 + trainer.cfg.ttt_decay

@@ -1,0 +1,122 @@
+"""`speculators`' EAGLE-3 drafter trained on eagle31's batches, in the loop its trainer runs.
+
+Their `speculators.train.trainer.Trainer` cannot run on a CPU: it autocasts to the
+accelerator's device type and falls back to "cuda" when there is none (`Trainer.__init__`),
+and moves the model to `local_rank`, i.e. `cuda:0` (`Trainer.setup_model`) — speculators
+0.9.0. So `SpeculatorsTraining` runs the steps of their `Trainer.train_epoch` itself:
+model forward with their TTT unroll, mask and loss (`Eagle3DraftModel.forward`, the loss
+from `speculators.losses.resolve_loss_config`, eager implementation: their fused one needs
+Triton), zero_grad, backward, gradient clipping, optimizer step, scheduler step.
+
+What is theirs: the model and its initialisation (`benchmarks.peer.speculators_drafter`: their
+`Eagle3DraftModel`, `load_vocab_mappings`, `load_verifier_weights`), the batch layout (their
+`CollateFn` with their `shift_batch`, which aligns tokens, features and loss mask their way),
+the forward, the TTT unroll, the loss mask alignment and the loss, and the checkpoint
+(`save_pretrained`). What is ours: the samples fed to their collate (the documents of each of
+our packed batches, in our loader's order, so both sides see the same tokens in the same
+order), the optimizer and its schedule (AdamW and warm-up + cosine with the recipe's settings,
+the same as eagle31's side), the gradient-clipping norm (the recipe's, theirs is fixed at 1.0)
+and the loop around them.
+
+Their labels are `verifier_lm_head(verifier_norm(h))` of the target's last hidden state *before*
+its final norm (what vLLM captures); our store keeps `final`, the norm's output. Their batch
+gets `final / norm.weight`: a state whose RMS is 1 up to the norm's epsilon, so their norm
+gives back `final` (to about 1e-6) and the labels are the same on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from eagle31.data.batch import FeatureBatch
+from eagle31.recipe import DraftLoss
+from eagle31.trainer import lr_lambda
+
+# train.loss -> the name `speculators.losses.resolve_loss_config` knows
+SPECULATORS_LOSS = {
+    DraftLoss.kl: "kl_div",
+    DraftLoss.tv: "tv",
+    DraftLoss.lk_alpha: "nla",
+    DraftLoss.lk_hybrid: "lk_hybrid",
+    DraftLoss.ce: "ce",
+}
+
+
+def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor) -> list[dict]:
+    """The documents of one packed `[1, T]` batch as samples of their dataset (before `shift_batch`).
+
+    norm_weight [Ht]: the target's final norm weight (see the module docstring).
+    """
+    if batch.input_ids.shape[0] != 1:
+        raise ValueError("speculators trains on packed batches: features.batching must be pack")
+    docs = batch.document_ids[0]
+    samples = []
+    for d in range(int(docs.max()) + 1):
+        at = docs == d
+        n = int(at.sum())
+        samples.append({
+            "hidden_states": batch.aux[0, at],  # [n, 3*Ht]
+            "input_ids": batch.input_ids[0, at],
+            "verifier_last_hidden_states": batch.final[0, at].float() / norm_weight.float(),  # [n, Ht]
+            "loss_mask": batch.loss_mask[0, at].bool(),
+            "lengths": torch.tensor([n]),
+            "position_ids": torch.arange(n),
+        })  # fmt: skip
+    return samples
+
+
+class SpeculatorsTraining:
+    """Train their drafter on our batches: `step(batch)` per optimizer step, `save(dir)` at the end.
+
+    train: the recipe's `train` section (ttt_length, ttt_decay, lr, betas, weight_decay,
+    warmup_steps, max_steps, max_grad_norm, loss, lk_eta); max_len: their collate's row
+    length (our `features.tokens_per_batch`).
+    """
+
+    def __init__(self, model, train, norm_weight: torch.Tensor, max_len: int, hidden_size: int, num_aux: int):
+        from speculators.losses import resolve_loss_config
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.data import CollateFn
+
+        self.model = model
+        self.train_cfg = train
+        self.norm_weight = norm_weight
+        self.collate = CollateFn(max_len, hidden_size, num_aux, dtype=torch.float32, preprocess=shift_batch)
+        loss = resolve_loss_config(SPECULATORS_LOSS[DraftLoss(train.loss)], "eager")
+        if train.loss == DraftLoss.lk_hybrid:  # their default eta is 3; pass the recipe's
+            name, (fn, weight) = next(iter(loss.items()))
+            loss = {name: (partial(fn, eta=float(train.lk_eta)), weight)}
+        self.call_kwargs = dict(ttt_steps=train.ttt_length, ttt_step_loss_decay=train.ttt_decay, loss_config=loss)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train.warmup_steps, train.max_steps))
+        self.history: list[dict] = []
+
+    def step(self, batch: FeatureBatch) -> dict:
+        """One optimizer step on one packed batch; their metrics (loss, per-step accuracies)."""
+        collated = self.collate(speculators_samples(batch, self.norm_weight))
+        inputs = {k: v for k, v in collated.items() if isinstance(v, torch.Tensor)}  # drops their error_records count
+        self.model.train()
+        _, loss, metrics = self.model(**inputs, **self.call_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        out = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "tokens": batch.num_tokens}
+        for k in range(self.train_cfg.ttt_length):
+            total = float(metrics[f"full_acc_{k}_total"])
+            out[f"acc_{k}"] = float(metrics[f"full_acc_{k}_sum"]) / total if total else None
+        self.history.append(out)
+        return out
+
+    def save(self, directory: Path) -> Path:
+        """Their checkpoint (`save_pretrained`: config.json + safetensors, the speculators layout) and our step log."""
+        directory = Path(directory)
+        self.model.save_pretrained(directory)
+        (directory / "training_steps.jsonl").write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        return directory

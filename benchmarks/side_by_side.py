@@ -1,0 +1,322 @@
+"""eagle31's trainer against `speculators`' EAGLE-3 drafter (3.1 switches) on equal work.
+
+    python -m benchmarks.side_by_side                        # recipe=demo, seeds 0 and 1
+    python -m benchmarks.side_by_side --smoke                # tiny budget end to end (also SMOKE=1)
+    python -m benchmarks.side_by_side seeds=0,1 max_steps=150 out=benchmarks/results/side_by_side/demo \\
+        -- recipe=demo train.loss=kl                          # after `--`: recipe overrides, both sides
+
+One recipe describes both sides: the prepared data and the captured shard store (made once, by
+the first eagle31 run, `features.mode=store`), the draft vocabulary, the drafter's shape and
+3.1 switches, TTT length and decay, loss kind, batches (`features.tokens_per_batch`, packed, in
+the loader's order for the seed), steps, AdamW settings, schedule and clipping. Per seed:
+`train/main.py`'s pipeline trains eagle31's drafter (in this process), and
+`benchmarks.peer_training` trains speculators' `Eagle3DraftModel` with its own forward, mask
+alignment and loss (what is theirs and what is ours is listed there). Both drafters are read
+back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance` run (greedy
+speculative decoding with the target on every `eval.data` split, chains of `k`).
+
+A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
+drafters) is skipped, so an interrupted comparison continues, and more seeds add to it. Writes under `out`: `commands.sh` (what ran),
+`acceptance/` (JSON, table, plot), `summary.json` and `results.md` (tau per split and side,
+the seeds, and the ratio eagle31 / speculators of the seed means).
+
+Keys: out, runs (training run directories), seeds, max_steps (train.max_steps of both), k,
+max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
+eagle31 does; their trainer freezes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle31.cli import parse_key_values, run_cli, wants_help
+from eagle31.config import ConfigError
+from eagle31.io import atomic_write_json, atomic_write_text
+from eagle31.targets.cache import cache_dir, portable_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("eagle31", "speculators")
+SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
+
+
+@dataclass
+class SideBySideConfig:
+    out: str = "benchmarks/results/side_by_side/demo"
+    runs: str = "runs/side_by_side"
+    seeds: str = "0,1"
+    max_steps: int | None = None  # None: the recipe's train.max_steps
+    k: int = 3
+    max_prompts: int = 16
+    max_new_tokens: int = 48
+    threads: int = 1
+    peer_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        self.seeds_list  # raises on a bad list
+        for name in ("k", "max_prompts", "max_new_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
+
+    @property
+    def seeds_list(self) -> list[int]:
+        try:
+            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ConfigError(f"seeds must be a comma-separated list of integers, got {self.seeds!r}") from None
+        if not seeds:
+            raise ConfigError("seeds= names no seed")
+        return seeds
+
+
+def run_dir(cfg: SideBySideConfig, side: str, seed: int) -> Path:
+    return Path(cfg.runs) / f"{side}-s{seed}"
+
+
+# ---------------------------------------------------------------------------- the recipe of both sides
+
+
+def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: str):
+    """The composed recipe of one run: the user's overrides, then what the comparison fixes."""
+    from eagle31.recipe import load_recipe
+
+    runs = Path(cfg.runs)
+    fixed = [
+        f"output_dir={run_dir(cfg, side, seed)}",
+        f"seed={seed}",
+        f"data.prepared_dir={runs}/data",  # prepared once: one tokenisation, one draft vocabulary
+        "features.mode=store",
+        f"features.store_dir={runs}/features",  # captured once: the same features on both sides
+        "features.batching=pack",  # speculators trains on packed rows
+        "train.grad_accum=1",  # one batch per optimizer step on both sides
+        "train.device=cpu",
+        "eval.enabled=false",  # the acceptance of both is measured together, below
+        "export.formats=[]",
+        "logging.wandb.mode=disabled",
+        "logging.progress=false",
+    ]
+    if cfg.max_steps is not None:
+        fixed.append(f"train.max_steps={cfg.max_steps}")
+    return load_recipe(ROOT / "recipes", [*overrides, *fixed])
+
+
+def check_recipe(recipe) -> None:
+    """What the speculators side cannot do, refused before anything runs."""
+    if recipe.drafter.attention != "llama":
+        raise ConfigError(f"drafter.attention={recipe.drafter.attention}: speculators' EAGLE-3 drafter has Llama attention only")
+    if not recipe.eval.data:
+        raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_eagle31(recipe) -> dict:
+    from eagle31.pipeline import run
+
+    return run(recipe)
+
+
+def train_speculators(recipe, peer_lm_head: bool) -> dict:
+    """speculators' drafter on the recipe's prepared data and store; writes drafter/ and report.json."""
+    import torch
+
+    from benchmarks.peer import speculators_drafter
+    from benchmarks.peer_training import SpeculatorsTraining
+    from eagle31.data.prepare import load_draft_vocab
+    from eagle31.data.speculators_import import final_norm_weight
+    from eagle31.distributed import init_world
+    from eagle31.io import claim_output_dir
+    from eagle31.pipeline import build_loaders, prepare_data
+    from eagle31.plan import plan_run
+
+    plan = plan_run(recipe, init_world("cpu"))
+    prepared = prepare_data(plan)
+    train_loader, _ = build_loaders(plan, prepared)  # the store the eagle31 run captured, the same batch order
+    d2t, t2d = load_draft_vocab(prepared)
+    drafter_cfg = dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
+    torch.manual_seed(recipe.seed)
+    model = speculators_drafter(drafter_cfg, d2t, t2d, attention="sdpa", ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir))
+    if peer_lm_head:
+        model.lm_head.weight.requires_grad_(True)
+    training = SpeculatorsTraining(
+        model,
+        recipe.train,
+        final_norm_weight(plan.target_dir).float(),
+        max_len=recipe.features.tokens_per_batch,
+        hidden_size=drafter_cfg.target_hidden_size,
+        num_aux=len(drafter_cfg.aux_layer_ids),
+    )
+    started, tokens, steps = time.perf_counter(), 0, 0
+    while steps < recipe.train.max_steps:  # epochs follow each other, as in eagle31's trainer
+        for batch in train_loader:
+            tokens += training.step(batch)["tokens"]
+            steps += 1
+            if steps == recipe.train.max_steps:
+                break
+    seconds = time.perf_counter() - started
+    claim_output_dir(plan.run_dir, "run")
+    training.save(plan.run_dir / "drafter")
+    report = {"steps": steps, "tokens_seen": tokens, "train_time_s": seconds, "last_step": training.history[-1]}
+    atomic_write_json(plan.run_dir / "report.json", report)
+    return report
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def measure(cfg: SideBySideConfig, recipe) -> dict:
+    """One acceptance run over every drafter of both sides (read by eagle31's readers)."""
+    from eagle31.acceptance import AcceptanceConfig, run_acceptance
+    from eagle31.acceptance_report import write_report
+    from eagle31.data.prepare import template_kwargs
+    from eagle31.pipeline import acceptance_splits
+    from eagle31.targets import resolve_target_path
+
+    drafters = ",".join(f"{side}-s{seed}={run_dir(cfg, side, seed) / 'drafter'}" for side in SIDES for seed in cfg.seeds_list)
+    result = run_acceptance(
+        AcceptanceConfig(
+            drafter=drafters,
+            target=str(resolve_target_path(recipe.target)),
+            data=acceptance_splits(recipe),
+            chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
+            k=cfg.k,
+            max_new_tokens=cfg.max_new_tokens,
+            max_prompts=cfg.max_prompts,
+            device="cpu",
+        )
+    )
+    write_report(result, Path(cfg.out) / "acceptance")
+    return result
+
+
+def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
+    """Per split: tau of each side per seed, the means, and eagle31 / speculators."""
+    from eagle31.recipe import to_container
+
+    splits = list(dict.fromkeys(r["split"] for r in acceptance["results"]))
+    rows = []
+    for split in splits:
+        row = {"split": split}
+        for side in SIDES:
+            taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == f"{side}-s{s}") for s in cfg.seeds_list]
+            row[side] = {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
+        row["ratio"] = row["eagle31"]["mean"] / row["speculators"]["mean"]
+        rows.append(row)
+    training = {}
+    for side in SIDES:
+        for seed in cfg.seeds_list:
+            report = json.loads((run_dir(cfg, side, seed) / "report.json").read_text())
+            keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss")
+            training[f"{side}-s{seed}"] = {k: report[k] for k in keys if k in report}
+    settings = to_container(recipe)
+    shared = {
+        "recipe": settings["name"],
+        "target": settings["target"]["builtin"] or portable_path(settings["target"]["path"]),
+        "drafter": settings["drafter"],
+        "train": {k: settings["train"][k] for k in ("ttt_length", "ttt_decay", "loss", "lk_eta", "lr", "betas", "weight_decay",
+                                                  "warmup_steps", "max_steps", "max_grad_norm", "mask_out_of_vocab")},
+        "features": {k: settings["features"][k] for k in ("store_dtype", "batching", "tokens_per_batch")},
+        "data": {k: settings["data"][k] for k in ("max_len", "eval_fraction")},
+    }  # fmt: skip
+    return {
+        "date": datetime.date.today().isoformat(),
+        "settings": {**asdict(cfg), "recipe": shared},
+        "acceptance": rows,
+        "training": training,
+    }
+
+
+def format_results(summary: dict) -> str:
+    cfg = summary["settings"]
+    train = cfg["recipe"]["train"]
+    seeds = ", ".join(f"s{s}" for s in cfg["seeds"].split(","))
+    lines = [
+        f"eagle31 against speculators 0.9.0 (EAGLE-3 with fc_norm, norm_output), recipe {cfg['recipe']['recipe']}, "
+        f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}; "
+        f"speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}.",
+        "",
+        f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
+        f"(mean over seeds; per seed: {seeds}):",
+        "",
+        "| split | eagle31 tau | speculators tau | eagle31 / speculators |",
+        "|---|---|---|---|",
+    ]
+    for row in summary["acceptance"]:
+        cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in SIDES]
+        lines.append(f"| {row['split']} | {cells[0]} | {cells[1]} | {row['ratio']:.3f} |")
+    lines += ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
+    for name, t in summary["training"].items():
+        tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
+        lines.append(f"| {name} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> dict:
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "commands.sh", "a", encoding="utf-8") as f:  # what ran, without this machine's paths
+        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
+        f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
+    recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in SIDES}
+    check_recipe(recipes[(SIDES[0], cfg.seeds_list[0])])  # one recipe for all: only output_dir and seed differ
+    for seed in cfg.seeds_list:
+        for side in SIDES:
+            if (run_dir(cfg, side, seed) / "report.json").is_file():
+                print(f"skip (done): {side} seed {seed}", file=sys.stderr)
+                continue
+            print(f"train: {side} seed {seed}", file=sys.stderr)
+            recipe = recipes[(side, seed)]
+            train_eagle31(recipe) if side == "eagle31" else train_speculators(recipe, cfg.peer_lm_head)
+    recipe = recipes[(SIDES[0], cfg.seeds_list[0])]
+    done = out / "acceptance" / "acceptance.json"
+    acceptance = json.loads(done.read_text()) if done.is_file() else None
+    labels = {f"{side}-s{seed}" for side in SIDES for seed in cfg.seeds_list}
+    if acceptance is None or set(acceptance["settings"]["drafters"]) != labels:  # measured for other seeds: again
+        acceptance = measure(cfg, recipe)
+    summary = summarize(cfg, acceptance, recipe)
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "results.md", format_results(summary) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    if wants_help(argv, __doc__):
+        return 0
+    keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    smoke = "--smoke" in keys or os.environ.get("SMOKE") == "1"
+    keys = [k for k in keys if k != "--smoke"]
+    try:
+        cfg = parse_key_values(keys, SideBySideConfig)
+        if smoke:
+            cfg = dataclasses.replace(cfg, **SMOKE)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = f"OMP_NUM_THREADS={cfg.threads} python -m benchmarks.side_by_side " + shlex.join(argv)
+
+    def body() -> None:
+        summary = side_by_side(cfg, overrides, command)
+        print(format_results(summary))
+        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
