@@ -37,7 +37,14 @@ from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.recipe import DrafterFormat
 from eagle31.speculative import Generation, speculative_generate
-from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, load_target, load_target_config, text_config
+from eagle31.target import (
+    check_aux_layer_ids,
+    inference_device_and_dtype,
+    load_target,
+    load_target_config,
+    load_target_tokenizer,
+    text_config,
+)
 from eagle31.targets.cache import portable_path
 
 # ---------------------------------------------------------------------- statistics
@@ -290,15 +297,10 @@ def _labelled_paths(name: str, value: str) -> dict[str, str]:
 
 def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Evaluate every drafter on every split; returns the report (settings + results)."""
-    from transformers import AutoTokenizer
-
     tree = config.tree
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(config.target)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    tokenizer = load_target_tokenizer(config.target)
     splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")

@@ -439,16 +439,11 @@ class DriftConfig:
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
-    from transformers import AutoTokenizer
-
-    from eagle31.target import inference_device_and_dtype, load_target, load_target_config
+    from eagle31.target import inference_device_and_dtype, load_target, load_target_config, load_target_tokenizer
 
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(config.target)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target {config.target}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+    tokenizer = load_target_tokenizer(config.target)
     splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
     questions, histories = _mt_bench_prompts(config, tokenizer, log) if config.questions else (None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)

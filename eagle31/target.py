@@ -168,6 +168,16 @@ def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Mod
     )
 
 
+def load_target_tokenizer(path: str | Path):
+    """The target's tokenizer, or one line naming the folder and why it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target {path}: cannot load its tokenizer: {str(e).splitlines()[0]}") from None
+
+
 def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """`device` / `dtype` of an inference run, `auto` meaning CUDA in bfloat16 when there is one, else CPU in float32."""
     if device == "auto":

@@ -32,9 +32,10 @@ does not fit truncates the conversation to its complete turns. Each is counted.
 
 Requests: one pool of `backend.workers` conversations in flight across all of this rank's
 shards (each conversation's turns in order, conversations never waiting for each other);
-the first request runs alone, so that a server refusing requests (an HTTP 4xx other than
-its context-length error: an unknown parameter, a template error) stops the run in one
-line (`ServerRefusedError`) before any shard is written. Connection errors, time-outs, 5xx
+the first request goes first and the others wait for its answer (up to a second: an engine
+refuses a request when it validates it, before generating), so that a server refusing
+requests (an HTTP 4xx other than its context-length error: an unknown parameter, a template
+error) stops the run in one line (`ServerRefusedError`) before any shard is written. Connection errors, time-outs, 5xx
 and 429 answers are retried with back-off until `retries` retries are used and the
 server has been failing for `restart_window_s`; then `RegenerateError`.
 
@@ -544,24 +545,30 @@ class _Shard:
 
 
 class _FirstRequestGate:
-    """Lets one request through and the others after its answer, so that a server refusing every
-    request stops the run after one; `stop` makes requests not yet sent raise instead."""
+    """Lets one request through first, so that a server refusing every request stops the run after
+    one; `stop` makes requests not yet sent raise instead.
 
-    def __init__(self):
-        self.open, self.stop, self._lock = threading.Event(), threading.Event(), threading.Lock()
+    The others wait for its answer, but at most `wait_s`: a serving engine refuses a request when it
+    validates it, before generating (vLLM's 4xx come back at once), so a first request still running
+    after that was accepted, and the pool need not idle for a whole reply. Nothing is written before
+    the first answer either way (`open`)."""
+
+    def __init__(self, wait_s: float = 1.0):
+        self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
+        self.wait_s = wait_s
 
     def call(self, complete: Callable[[list[dict], int], Reply], messages: list[dict], seed: int) -> Reply:
         if not self.open.is_set():
-            with self._lock:
-                if not self.open.is_set():
-                    self._check()
-                    try:
-                        reply = complete(messages, seed)
-                    except BaseException:
-                        self.stop.set()  # the requests waiting here are not sent
-                        raise
-                    self.open.set()
-                    return reply
+            if self._first.acquire(blocking=False):  # this is the first request (the lock is never released)
+                self._check()
+                try:
+                    reply = complete(messages, seed)
+                except BaseException:
+                    self.stop.set()  # the requests waiting here are not sent
+                    raise
+                self.open.set()
+                return reply
+            self.open.wait(self.wait_s)
         self._check()
         return complete(messages, seed)
 
