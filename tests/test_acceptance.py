@@ -210,6 +210,7 @@ def test_a_drafter_for_another_target_is_refused():
 # ---------------------------------------------------------------------- the script
 
 
+@pytest.mark.slow
 def test_script_end_to_end(tmp_path, capsys):
     target_dir = save_target(tmp_path / "target")
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "a")

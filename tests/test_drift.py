@@ -252,6 +252,7 @@ def test_depth_stats_summary_averages_per_query():
 # ---------------------------------------------------------------------- the script
 
 
+@pytest.mark.slow
 def test_script_end_to_end(tmp_path, capsys):
     target_dir = save_target(tmp_path / "target")
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "e31")

@@ -234,7 +234,7 @@ def reference_loss(row_loss, kind, eta, states, W, head, final, sup):
 
 
 @pytest.mark.parametrize("kind", list(DraftLoss))
-@pytest.mark.parametrize("reference", ["naive", "speculators"])
+@pytest.mark.parametrize("reference", ["naive", pytest.param("speculators", marks=pytest.mark.slow)])  # importing speculators takes ~10 s
 def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, reference, monkeypatch):
     """The fused chunked pass (3 label rows per chunk here) against explicit logits and autograd."""
     import eagle31.loss
@@ -276,6 +276,7 @@ def test_loss_kinds_meet_at_their_limits():
     assert (sums(DraftLoss.tv) < sums(DraftLoss.lk_alpha)).all()  # 1 - a < -log a
 
 
+@pytest.mark.slow  # imports speculators
 def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
     from eagle31.loss import _divergence

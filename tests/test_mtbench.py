@@ -61,6 +61,7 @@ def test_turn_two_carries_turn_one_and_the_targets_own_answer():
     assert stats[ALL].prompt_tokens == sum(map(len, expected))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_replayed_stats_equal_live_decoding(mode):
     """Per category, the replayed counts are those of live speculative decoding of the same prompts."""
@@ -105,6 +106,7 @@ def test_config_modes_and_errors(tmp_path):
             parse_key_values(base + bad, MTBenchConfig)
 
 
+@pytest.mark.slow
 def test_script_end_to_end(tmp_path, capsys):
     target = save_target(tmp_path / "target")
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "e31")

@@ -79,6 +79,7 @@ def test_a_prepared_dir_made_from_other_sources_is_refused_not_silently_reused(t
     assert "old.jsonl" in line and str(chats) in line
 
 
+@pytest.mark.slow
 def test_a_prepared_dir_pointing_at_a_folder_of_runs_deletes_nothing(tiny_target, chats, tmp_path, capsys):
     """`data.prepared_dir=runs`: neither the prepare step nor a run replaces the runs, checkpoints and data under it."""
     runs = tmp_path / "runs"
@@ -111,6 +112,7 @@ def test_an_output_dir_below_a_file_is_one_line(tiny_target, chats, tmp_path, ca
     assert "a_file is a file" in line
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes_ahead(tiny_target, chats, tmp_path, capsys):
     out = tmp_path / "run"
     masked = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
@@ -122,6 +124,7 @@ def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes
     assert (out / "config.yaml").is_file() and (out / OUTPUT_MARKER).is_file()
 
 
+@pytest.mark.slow
 def test_resuming_with_other_template_options_is_refused_as_another_run(tiny_target, chats, tmp_path, capsys):
     out = tmp_path / "run"
     first = base_args(tiny_target, chats, out, **{"train.max_steps": "2", "export.formats": "[]"})
@@ -156,6 +159,7 @@ def test_ctrl_c_before_training_says_what_is_kept(tiny_target, chats, tmp_path, 
     assert "prepared data" in line and "resume=auto" in line
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -275,6 +279,7 @@ def test_under_torchrun_the_users_line_is_the_last_thing_said(tiny_target, chats
 # ---------------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 def test_resume_passes_over_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_target, chats, tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -151,6 +151,7 @@ def test_stops_at_eos(target, prompts, mode):
     assert 1 + sum(a + 1 for a in out.accepted) - len(expected) <= k  # no round after the one with eos
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_replay_from_a_greedy_trace_equals_live_decoding(target, prompts, mode):
     """Tokens, accepted lengths and target forwards; with an EOS mid-way, and a trace just long enough."""

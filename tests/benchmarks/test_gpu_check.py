@@ -42,6 +42,7 @@ def test_the_gpu_plan_reads_its_runs_from_the_recipes():
         assert any("MLA" in reason and reason.startswith("not available") for reason in unavailable)
 
 
+@pytest.mark.slow
 def test_a_part_over_its_budget_is_stopped_and_recorded(tmp_path):
     (tmp_path / "parts").mkdir()
     (tmp_path / "logs").mkdir()
@@ -118,6 +119,7 @@ def _probe_wheel(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_missing_packages_are_installed_from_the_wheel_folder_without_network(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()

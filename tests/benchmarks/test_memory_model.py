@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from benchmarks import memory_model
 from benchmarks.memory_model import SHAPES, compare, main
 
 
+@pytest.mark.slow
 def test_each_term_of_the_estimate_holds_at_a_tiny_shape():
     result = compare("mla_tiny", SHAPES["tiny"]["mla_tiny"])
     failed = [k for k, ok in result["checks"].items() if not ok]

@@ -8,7 +8,11 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("speculators.models.eagle3.core")
+
+@pytest.fixture
+def speculators():
+    """Their EAGLE-3 model, imported when a test needs it (~10 s), not at collection."""
+    return pytest.importorskip("speculators.models.eagle3.core")
 
 
 def tiny_overrides(target, chats) -> list[str]:
@@ -30,7 +34,8 @@ def tiny_overrides(target, chats) -> list[str]:
     ]
 
 
-def test_speculators_labels_from_our_store_equal_ours(tiny_target):
+@pytest.mark.slow
+def test_speculators_labels_from_our_store_equal_ours(tiny_target, speculators):
     """Their labels verifier_lm_head(verifier_norm(final / norm.weight)) are the target's draft-vocabulary logits."""
     from benchmarks.peer import speculators_drafter
     from eagle31.config import DrafterConfig
@@ -54,7 +59,7 @@ def test_speculators_labels_from_our_store_equal_ours(tiny_target):
 
 
 @pytest.mark.slow
-def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys):
+def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, speculators):
     from benchmarks.side_by_side import main
     from eagle31.convert import load_drafter
 

@@ -229,6 +229,7 @@ def test_the_fingerprint_tells_targets_of_one_shape_apart_and_survives_a_move(tm
     assert target_fingerprint(tmp_path / "a_again") == a
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_capture_is_one_line_leaves_only_whole_shards_and_the_rerun_completes(small_disk):
     import subprocess
 

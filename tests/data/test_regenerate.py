@@ -393,6 +393,7 @@ def test_an_endpoint_that_is_down_is_a_config_error():
 # ---------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow
 def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_path, capsys):
     import importlib.util
     from pathlib import Path

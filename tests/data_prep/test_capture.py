@@ -53,6 +53,7 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_capture_cli_writes_the_stores_and_refuses_another_target(setup, monkeypatch, capsys):
     root, model = setup
     code, (out, err) = run_script(ROOT / "data_prep" / "capture.py", overrides(root, "features"), monkeypatch), capsys.readouterr()
@@ -83,6 +84,7 @@ def test_capture_under_torchrun_matches_one_process(setup):
         assert a == b
 
 
+@pytest.mark.slow
 def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path, monkeypatch, capsys):
     root, model = setup
     prepared = load_from_disk(str(root / "data" / "train"))

@@ -45,6 +45,7 @@ def test_bad_arguments_are_one_line_errors(arg, message):
         parse_key_values([arg], CompareConfig)
 
 
+@pytest.mark.slow
 def test_tables_and_plot_from_a_summary(tmp_path):
     cfg = parse_key_values(["seeds=0,1", "ttt_lengths=5", "ks=2,3", "splits=heldout,long_prompt"], CompareConfig)
     training = [

@@ -32,6 +32,7 @@ _CALLER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_once(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path / "cache"))
     log, barrier = tmp_path / "builds.log", tmp_path / "barrier"

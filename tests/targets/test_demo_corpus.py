@@ -13,6 +13,7 @@ def functions():
     return stdlib_functions()
 
 
+@pytest.mark.slow
 def test_functions_are_documented_definitions_at_column_zero(functions):
     assert len(functions) > 1000
     names = {(f.module, f.name) for f in functions}
@@ -25,6 +26,7 @@ def test_functions_are_documented_definitions_at_column_zero(functions):
     assert wrap.signature == "(self, text)" and wrap.code.splitlines()[1].startswith("    ")
 
 
+@pytest.mark.slow
 def test_splits_are_deterministic_and_disjoint(functions, tmp_path):
     spec = CorpusSpec(heldout=20, max_train=100, long_prompts=4, long_prompt_turns=3)
     splits = make_splits(functions, spec, seed=0)
