@@ -6,9 +6,11 @@ the bytes the tensors of real training steps hold):
 
   * `param_grad_optimizer_states`: fp32 master weights, fp32 gradients and AdamW's two moments
     of the trainable parameters (16 B each), sharded over the ranks;
-  * `frozen_embedding`: the target's embedding inside the drafter (fp32, sharded with the rest);
-  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of every parameter that
-    FSDP2 all-gathers for forward and backward (the drafter is one FSDP unit), and the
+  * `frozen_embedding`: the target's embedding inside the drafter: under FSDP outside the shards,
+    whole on every GPU in the compute dtype (`eagle31.trainer.shard_for_training`); fp32 in one
+    plain CPU process;
+  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of the trainable parameters
+    that FSDP2 all-gathers for forward and backward (the drafter is one FSDP unit), and the
     unsharded compute-dtype gradients it holds until the reduce-scatter;
   * `target_lm_head`: the target's lm_head rows that make the labels (compute dtype, full
     vocabulary for the argmax; the draft rows again when the draft vocabulary is smaller);
@@ -208,8 +210,8 @@ def estimate_memory(
     fsdp = device == "cuda"
     p = count_parameters(cfg)
     states = p.trainable * 16 / world_size
-    embed = p.frozen_embedding * 4 / (world_size if fsdp else 1)
-    gathered = (p.total + p.trainable) * c if fsdp else 0  # parameters, and the gradients before reduce-scatter
+    embed = p.frozen_embedding * (c if fsdp else 4)
+    gathered = 2 * p.trainable * c if fsdp else 0  # parameters, and the gradients before reduce-scatter
     target_head = V * Ht * c + (Vd * Ht * c if Vd < V else 0) + V  # + the in-draft mask
     features = (cfg.fc_in_features + Ht) * c * T
     act = activation_bytes(cfg, T, K, checkpointing=activation_checkpointing, c=c, device=device)
