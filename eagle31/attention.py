@@ -20,9 +20,9 @@ Kernels for the causal part:
 `reference_attention` builds the explicit scores (for tests and readers).
 
 Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain: a sequence of j entries,
-what steps 1..j keep for the later ones (empty at step 0) — (k, v) each
-[B, T, nkv, d] for Llama attention, MLA's latents for MLA (`ChainKeysValues` makes keys and
-values of them) — a sequence, not one stacked tensor, so the unroll shares each
+what steps 1..j keep for the later ones (empty at step 0) — by default (k, v) each
+[B, T, nkv, d]; in the drafter's unroll a Llama step's input (feature, token ids, positions)
+and MLA's latents (`ChainKeysValues` makes keys and values of them) — a sequence, not one stacked tensor, so the unroll shares each
 step's entry between later steps instead of saving a growing copy per step (O(K)
 memory, not O(K^2)). The chain is attended a block of token rows at a time, its keys
 and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segments [B, T].
@@ -400,7 +400,8 @@ class _TTTAttention(torch.autograd.Function):
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, segments, ctx.scale, ctx.kctx)
         entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
         params = rest[j * expand.width :]
-        d_entries = [torch.zeros_like(t) for t in rest[: j * expand.width]]
+        # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
+        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for t in rest[: j * expand.width]]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
             dq = dq.reshape(B * T, nkv, g, d)
@@ -408,9 +409,10 @@ class _TTTAttention(torch.autograd.Function):
             of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
                 with torch.enable_grad():  # the block's keys and values, again, as a small graph
-                    inputs = [t.detach().requires_grad_() for t in _stacked_rows(_rows(entries, r))]
+                    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in _stacked_rows(_rows(entries, r))]
                     leaves = [p.detach().requires_grad_() for p in params]
                     ck, cv = _chain_block(inputs, j, expand, leaves)
+                    differentiable = [t for t in inputs if t.requires_grad]
                 qb, do = qf[r].to(acc), dof[r].to(acc)
                 D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
                 s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
@@ -420,13 +422,14 @@ class _TTTAttention(torch.autograd.Function):
                 dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc)).to(dq.dtype)
                 dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
                 dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
-                grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
-                for part, grad in enumerate(grads[: len(inputs)]):  # [j * n, ...] -> step i's part
+                grads = torch.autograd.grad((ck, cv), differentiable + leaves, (dck, dcv), allow_unused=True)
+                parts = [part for part, t in enumerate(inputs) if t.requires_grad]
+                for part, grad in zip(parts, grads[: len(parts)]):  # [j * n, ...] -> step i's part
                     if grad is not None:
                         for i, g_i in enumerate(grad.chunk(j)):
                             dst = d_entries[i * expand.width + part]
                             dst.view(B * T, *dst.shape[2:])[r] += g_i
-                for dst, grad in zip(d_params, grads[len(inputs) :]):
+                for dst, grad in zip(d_params, grads[len(parts) :]):
                     if grad is not None:
                         dst += grad
             dq = dq.view(B, T, nh, d)
