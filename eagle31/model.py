@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle31.attention import ChainKeysValues
+from eagle31.attention import KEYS_VALUES, ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.mla import DeepseekRotaryEmbedding, MLAAttention
 from eagle31.rope import inverse_frequencies
@@ -362,6 +362,13 @@ class Eagle31Drafter(nn.Module):
     def _embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with torch.no_grad():  # the target's embedding, frozen
             return self.embed_tokens(tokens).to(dtype)  # [*, H]
+
+    def step0_keys_values(self) -> ChainKeysValues:
+        """How the TTT attention makes the causal (step-0) keys and values of the step-0 entry: MLA
+        decompresses its latents (inside the attention, so they are not saved); Llama's are the entry."""
+        if self.config.attention == "mla":
+            return self.midlayer.self_attn.chain_keys_values()
+        return KEYS_VALUES
 
     def chain_keys_values(self) -> ChainKeysValues:
         """How the TTT chain makes keys and values of the entries `step_entry(..., chain=True)` gives."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle31.attention import segment_ids, ttt_attention
+from eagle31.attention import segment_ids, ttt_attention_of_entries
 
 # With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
 # intermediate activations hold about this many elements.
@@ -99,21 +99,19 @@ def ttt_unroll(
     else:
         feature = drafter.fuse_aux(aux)
 
-    attn_layer = drafter.midlayer.self_attn
-    expand = drafter.chain_keys_values()
+    expand0, expand = drafter.step0_keys_values(), drafter.chain_keys_values()
 
     def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing
-        # recomputes them instead of keeping a [B, T, H] embedding per step. So are the step-0
-        # keys and values made of the step-0 entry: only entries are kept from step to step.
+        # recomputes them instead of keeping a [B, T, H] embedding per step. The attention makes
+        # the step-0 keys and values of the step-0 entry: only entries are kept from step to step.
         if entry0 is None:  # step 0: its keys are the causal keys of every later step
             q, entry0, residual = drafter.step_entry(feature, ids, positions)
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             q, entry, residual = drafter.step_entry(feature, ids, positions, chain=True)
             chain = (*chain, entry)
-        k0, v0 = attn_layer.keys_values(*entry0)
         probe = None if attention_probe is None else lambda probs: attention_probe(len(chain), probs)
-        attn = ttt_attention(q, k0, v0, chain, segments, attention, expand, probe)
+        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention, expand0, expand, probe)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
         return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain
