@@ -207,8 +207,8 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
         "state_gradients": state,
         "lm_head_gradient": Vd * H * 4 + (Vd * H * c if fsdp else 0),
         # one chunk's fp32 [rows, Vd] temporaries: label log-probs and their rows per query, draft
-        # log-probs, p = exp(label), and the KL's two intermediates (then exp(logq) and dz)
-        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 6,
+        # log-probs, q = exp(logq), p = exp(label), and the KL's two intermediates (then dz)
+        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 7,
     }
 
 
