@@ -17,7 +17,8 @@ set beside the bytes that term names:
                                 one moment they share (the estimate: the larger of its two)
   total                         the built model, the batch and the second step's peak (the
                                 estimate counts every gradient at its peak: an upper bound there)
-  per-token slope               how that working set grows with T (several T per shape)
+  per-token slope               how that working set grows with T (several T per shape; not checked
+                                where that growth is a few KB on a fixed-size working set)
 
 Shapes: the Kimi K2.6 attention shapes (MLA 64 heads x (128 + 64), latents 512 + 64, q rank
 1536; Llama 64 x 128) at a reduced hidden size, MLP width and vocabulary for the per-token
@@ -71,6 +72,9 @@ SHAPES = {
                 "vocab_size": 163840, "draft_vocab_size": 163840,
             },
             seq_lens=(128, 256),
+            # its working set is the loss's fixed-size chunk (rows x V), the per-token part a few KB on
+            # 0.5 GiB: a slope ratio is noise there, the absolute term at each T is the check
+            slope_checked=False,
         ),  # fmt: skip
     },
     "tiny": {
@@ -195,7 +199,8 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
             if r is not None:
                 tol = TOTAL_TOLERANCE if k == "total" else TERM_TOLERANCE
                 checks[f"T={p['seq_len']} {k}"] = abs(r - 1) <= tol
-    checks["per-token slope"] = abs(slope["estimated"] / slope["measured"] - 1) <= TERM_TOLERANCE
+    if spec.get("slope_checked", True):
+        checks["per-token slope"] = abs(slope["estimated"] / slope["measured"] - 1) <= TERM_TOLERANCE
     return {
         "shape": name,
         "overrides": spec["overrides"],

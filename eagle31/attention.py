@@ -20,9 +20,9 @@ Kernels for the causal part:
 `reference_attention` builds the explicit scores (for tests and readers).
 
 Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain: a sequence of j entries,
-what steps 1..j keep for the later ones (empty at step 0) — (k, v) each
-[B, T, nkv, d] for Llama attention, MLA's latents for MLA (`ChainKeysValues` makes keys and
-values of them) — a sequence, not one stacked tensor, so the unroll shares each
+what steps 1..j keep for the later ones (empty at step 0) — by default (k, v) each
+[B, T, nkv, d]; in the drafter's unroll a Llama step's input (feature, token ids, positions)
+and MLA's latents (`ChainKeysValues` makes keys and values of them) — a sequence, not one stacked tensor, so the unroll shares each
 step's entry between later steps instead of saving a growing copy per step (O(K)
 memory, not O(K^2)). The chain is attended a block of token rows at a time, its keys
 and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segments [B, T].
@@ -356,24 +356,42 @@ def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
     return k.unflatten(0, (j, -1)).transpose(0, 1), v.unflatten(0, (j, -1)).transpose(0, 1)
 
 
+def _step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
+    """The causal keys and values [B, T, nkv, d] of the step-0 entry (its tensors [B, T, ...])."""
+    B, T = shape
+    if expand0 is KEYS_VALUES:
+        return entry0
+    k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
+    return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
+
+
 class _TTTAttention(torch.autograd.Function):
     """Causal kernel + chain keys merged by log-sum-exp.
 
-    Inputs (q, k0, v0, segments, kernel, expand, j, *entries, *expand.params): entries are the
-    `expand.width` tensors of each of the j chain steps, step after step.
+    Inputs (q, segments, kernel, expand0, expand, j, *entry0, *entries, *expand0.params,
+    *expand.params): entry0 the `expand0.width` tensors of step 0 (its keys and values, made by
+    `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
+    after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
+    are not saved: backward makes them again for the causal kernel's backward and turns their
+    gradients into the entry's (and the parameters') before the chain blocks run.
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, segments, kernel, expand, j, *rest):
+    def forward(ctx, q, segments, kernel, expand0, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = _acc(q)
+        w0 = expand0.width
+        entry0 = rest[:w0]
+        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
+        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
+        params = rest[w0 + j * expand.width + len(expand0.params) :]
+        k0, v0 = _step0_keys_values(entry0, expand0, params0, (B, T))
         nkv = k0.shape[2]
         g = nh // nkv
         scale = 1.0 / math.sqrt(d)
         out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
+        del k0, v0
         out, lse = out.contiguous(), lse.contiguous()  # the chain merges into them in place
-        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
-        params = rest[j * expand.width :]
         if j:
             qf, of, lf = q.reshape(B * T, nkv, g, d), out.view(B * T, nkv, g, d), lse.view(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
@@ -384,23 +402,40 @@ class _TTTAttention(torch.autograd.Function):
                 of[r] = of[r] * torch.exp(lf[r] - lse_all)[..., None] + torch.einsum("nkgj,njkd->nkgd", p, cv.to(acc))
                 lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
-        ctx.save_for_backward(q, k0, v0, segments, out, lse, *rest)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand = kernel, kctx, scale, j, expand
+        ctx.save_for_backward(q, segments, out, lse, *rest)
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = kernel, kctx, scale, j, expand0, expand, nkv
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k0, v0, segments, out, lse, *rest = ctx.saved_tensors
+        q, segments, out, lse, *rest = ctx.saved_tensors
         B, T, nh, d = q.shape
         acc = _acc(q)
-        nkv = k0.shape[2]
+        nkv = ctx.nkv
         g = nh // nkv
-        j, expand = ctx.j, ctx.expand
+        j, expand0, expand = ctx.j, ctx.expand0, ctx.expand
+        w0 = expand0.width
+        entry0 = rest[:w0]
+        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
+        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
+        params = rest[w0 + j * expand.width + len(expand0.params) :]
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
-        dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, segments, ctx.scale, ctx.kctx)
-        entries = [rest[i * expand.width : (i + 1) * expand.width] for i in range(j)]
-        params = rest[j * expand.width :]
-        d_entries = [torch.zeros_like(t) for t in rest[: j * expand.width]]
+        with torch.enable_grad():  # the step-0 keys and values, again (a graph unless they are the entry)
+            inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
+            leaves0 = [p.detach().requires_grad_() for p in params0]
+            k0, v0 = _step0_keys_values(inputs0, expand0, leaves0, (B, T))
+        dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, ctx.scale, ctx.kctx)
+        if expand0 is KEYS_VALUES:
+            d_entry0, d_params0 = [dk0, dv0], []
+        else:  # to the step-0 entry now: the decompressed keys, values and their gradients go before the chain
+            wanted = [t for t in inputs0 if t.requires_grad] + leaves0
+            grads0 = iter(torch.autograd.grad((k0, v0), wanted, (dk0, dv0), allow_unused=True))
+            d_entry0 = [next(grads0) if t.requires_grad else None for t in inputs0]
+            d_params0 = [next(grads0) for _ in leaves0]
+        del k0, v0, dk0, dv0
+        # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
+        chain_parts = rest[w0 : w0 + j * expand.width]
+        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for t in chain_parts]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
             dq = dq.reshape(B * T, nkv, g, d)
@@ -408,9 +443,10 @@ class _TTTAttention(torch.autograd.Function):
             of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
                 with torch.enable_grad():  # the block's keys and values, again, as a small graph
-                    inputs = [t.detach().requires_grad_() for t in _stacked_rows(_rows(entries, r))]
+                    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in _stacked_rows(_rows(entries, r))]
                     leaves = [p.detach().requires_grad_() for p in params]
                     ck, cv = _chain_block(inputs, j, expand, leaves)
+                    differentiable = [t for t in inputs if t.requires_grad]
                 qb, do = qf[r].to(acc), dof[r].to(acc)
                 D = (do * of[r].to(acc)).sum(-1)  # [n, nkv, g]
                 s = torch.einsum("nkgd,njkd->nkgj", qb, ck.detach().to(acc)) * ctx.scale
@@ -420,18 +456,19 @@ class _TTTAttention(torch.autograd.Function):
                 dq[r] += torch.einsum("nkgj,njkd->nkgd", ds, ck.detach().to(acc)).to(dq.dtype)
                 dck = torch.einsum("nkgj,nkgd->njkd", ds, qb).to(ck.dtype)
                 dcv = torch.einsum("nkgj,nkgd->njkd", p, do).to(cv.dtype)
-                grads = torch.autograd.grad((ck, cv), inputs + leaves, (dck, dcv), allow_unused=True)
-                for part, grad in enumerate(grads[: len(inputs)]):  # [j * n, ...] -> step i's part
+                grads = torch.autograd.grad((ck, cv), differentiable + leaves, (dck, dcv), allow_unused=True)
+                parts = [part for part, t in enumerate(inputs) if t.requires_grad]
+                for part, grad in zip(parts, grads[: len(parts)]):  # [j * n, ...] -> step i's part
                     if grad is not None:
                         for i, g_i in enumerate(grad.chunk(j)):
                             dst = d_entries[i * expand.width + part]
                             dst.view(B * T, *dst.shape[2:])[r] += g_i
-                for dst, grad in zip(d_params, grads[len(inputs) :]):
+                for dst, grad in zip(d_params, grads[len(parts) :]):
                     if grad is not None:
                         dst += grad
             dq = dq.view(B, T, nh, d)
         d_params = [dp.to(p.dtype) for dp, p in zip(d_params, params)]
-        return dq, dk0, dv0, None, None, None, None, *d_entries, *d_params
+        return dq, None, None, None, None, None, *d_entry0, *d_entries, *d_params0, *d_params
 
 
 def ttt_attention(
@@ -444,12 +481,23 @@ def ttt_attention(
     an entry is (k, v), each [B, T, nkv, d]. `probe` sees the attention probabilities
     (`reference_attention`), so it needs the reference backend.
     """
+    return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, probe)
+
+
+def ttt_attention_of_entries(
+    q, entry0, chain, segments, backend: str = "auto", expand0: ChainKeysValues = KEYS_VALUES,
+    expand: ChainKeysValues = KEYS_VALUES, probe=None,
+) -> torch.Tensor:  # fmt: skip
+    """`ttt_attention` with the causal keys and values given as the step-0 entry, `expand0.width` tensors
+    [B, T, ...] that `expand0` makes them of: MLA's latents are kept, its keys and values decompressed
+    in the forward and again in the backward, never saved between them."""
     if backend == "auto":
         backend = resolve_backend(q)
-    if any(len(e) != expand.width for e in chain):
+    if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     if backend == "reference":
         B, T = q.shape[:2]
+        k0, v0 = _step0_keys_values(entry0, expand0, expand0.params, (B, T))
         kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
         chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
         chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]
@@ -460,7 +508,9 @@ def ttt_attention(
     if backend not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
     flat = [t for e in chain for t in e]
-    return _TTTAttention.apply(q, k0, v0, segments, kernels[backend], expand, len(chain), *flat, *expand.params)
+    return _TTTAttention.apply(
+        q, segments, kernels[backend], expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
+    )
 
 
 def resolve_backend(q: torch.Tensor) -> str:

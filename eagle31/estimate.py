@@ -6,23 +6,27 @@ the bytes the tensors of real training steps hold):
 
   * `param_grad_optimizer_states`: fp32 master weights, fp32 gradients and AdamW's two moments
     of the trainable parameters (16 B each), sharded over the ranks;
-  * `frozen_embedding`: the target's embedding inside the drafter (fp32, sharded with the rest);
-  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of every parameter that
-    FSDP2 all-gathers for forward and backward (the drafter is one FSDP unit), and the
+  * `frozen_embedding`: the target's embedding inside the drafter: under FSDP outside the shards,
+    whole on every GPU in the compute dtype (`eagle31.trainer.shard_for_training`); fp32 in one
+    plain CPU process;
+  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of the trainable parameters
+    that FSDP2 all-gathers for forward and backward (the drafter is one FSDP unit), and the
     unsharded compute-dtype gradients it holds until the reduce-scatter;
   * `target_lm_head`: the target's lm_head rows that make the labels (compute dtype, full
     vocabulary for the argmax; the draft rows again when the draft vocabulary is smaller);
   * `target_features`: the batch's aux and final hidden states (compute dtype);
   * `activations`: what the TTT unroll keeps, `activation_bytes(...)`: with activation
-    checkpointing each step's input state, entry (Llama keys/values or MLA latents) and token
-    ids; plus the larger of the two moments of the backward (the loss's backward, or one
-    recomputed step — its saved tensors, the attention backward's temporaries — while every
-    step's state gradient waits);
+    checkpointing each step's input state, token ids and positions, step 0's keys and values
+    (Llama) or every step's latents (MLA); plus the larger of the two moments of the backward
+    (the loss's backward, or one recomputed step — its saved tensors and the largest moment of
+    its backward: MLP chunks, causal kernel, chain blocks — while every step's state gradient
+    waits; on CPU also the layer's gradient buffers, `layer_gradient_bytes`);
   * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
     gradient, d loss / d state of every supervised query, chunk temporaries.
 
 The two backward moments are compared as a whole: `activations` carries the larger one, the
-loss terms that are alive at it stay in `loss_working_set`.
+loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum
+less the gradients that do not exist yet at that moment (`gradients_after_the_peak`).
 """
 
 from __future__ import annotations
@@ -73,11 +77,21 @@ def _norm(width: int, c: int, input_kept: bool) -> int:
     return (0 if input_kept else c * width) + 4
 
 
-def entry_elements(cfg: DrafterConfig) -> int:
-    """Elements per token of what a step keeps for the later ones: Llama keys + values, MLA latents."""
+def entry_elements(cfg: DrafterConfig) -> tuple[int, int]:
+    """Elements per token a step keeps for the later ones beyond its input (state, token ids, positions):
+    (step 0, each step after). Llama: step 0 its keys and values, the others nothing (their chain entry
+    is their input); MLA: its latents, every step."""
     if cfg.attention == "mla":
-        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return 2 * cfg.num_key_value_heads * cfg.head_dim
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return latent, latent
+    return 2 * cfg.num_key_value_heads * cfg.head_dim, 0
+
+
+def kept_bytes(cfg: DrafterConfig, ttt_length: int, c: int) -> int:
+    """Bytes per token the unroll keeps from the forward to the backward with checkpointing: every step's
+    input state, token ids and positions (int64), and the entries (`entry_elements`)."""
+    step0, later = entry_elements(cfg)
+    return ttt_length * (cfg.hidden_size * c + 16) + (step0 + (ttt_length - 1) * later) * c
 
 
 def _attention_widths(cfg: DrafterConfig) -> tuple[int, int, int]:
@@ -88,8 +102,8 @@ def _attention_widths(cfg: DrafterConfig) -> tuple[int, int, int]:
 
 
 def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
-    """Bytes per token the tensors one recomputed step saves for its backward hold (MLP block chunked,
-    `eagle31.ttt`), beyond what the unroll keeps anyway."""
+    """Bytes per token a recomputed step (k >= 1) saves for the backward of what runs before its
+    attention output, beyond what the unroll keeps anyway: alive while its attention's backward runs."""
     H = cfg.hidden_size
     q, kv, rope = _attention_widths(cfg)
     nh = cfg.num_attention_heads
@@ -100,26 +114,33 @@ def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
         qr, r = cfg.q_lora_rank, cfg.kv_lora_rank
         b += _norm(qr, c, False)  # q_a_layernorm
         b += _norm(r + cfg.qk_rope_head_dim, c, False)  # kv_a_layernorm: its input is a view of kv_a's output
-        b += entry_elements(cfg) * c  # the recomputed latent
-        b += 2 * kv * c  # the step-0 keys and (padded) values, decompressed in the step
-        b += nh * cfg.v_head_dim * c  # o_proj's input: the unpadded columns, copied
-    else:
-        b += entry_elements(cfg) * c  # the recomputed keys and values (the step-0 ones are kept)
-    b += H * c  # h', the chunked MLP block's input
+        b += entry_elements(cfg)[1] * c  # the recomputed latent
     return b
 
 
-def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str) -> tuple[int, int]:
-    """Bytes per token `_TTTAttention.backward` holds: (throughout: the incoming gradient and the
-    gradients of q, k0, v0 in the compute dtype; while the causal kernel runs: what it allocates
-    besides, per device)."""
+def step_after_attention_bytes(cfg: DrafterConfig, c: int) -> int:
+    """Bytes per token a recomputed step saves for what runs after its attention (freed before the
+    attention's backward): h', the chunked MLP block's input, and MLA's o_proj input (unpadded columns)."""
+    b = cfg.hidden_size * c
+    if cfg.attention == "mla":
+        b += cfg.num_attention_heads * cfg.v_head_dim * c
+    return b
+
+
+def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str, ttt_length: int) -> dict[str, int]:
+    """Bytes per token `_TTTAttention.backward` holds at the deepest step: `throughout` the incoming
+    gradient and dq (compute dtype); `causal` while the causal kernel's backward runs: dk0, dv0, MLA's
+    re-decompressed k0, v0, and what the kernel allocates besides, per device; `chain` while the chain
+    blocks run: the gradients of the j chain entries."""
     q, kv, _ = _attention_widths(cfg)
-    grads = q * c + (q + 2 * kv) * c
     if device == "cuda":  # varlen flash: its fp32 dq accumulator
         kernel = 4 * q
     else:  # per document: keys and values repeated to every head, dout and out made contiguous, dq, dk, dv
         kernel = 2 * q * c + 2 * q * c + 3 * q * c
-    return grads, kernel
+    causal = 2 * kv * c * (2 if cfg.attention == "mla" else 1) + kernel
+    j = max(0, ttt_length - 1)
+    entry_grad = entry_elements(cfg)[1] if cfg.attention == "mla" else cfg.hidden_size  # Llama: d feature
+    return {"throughout": 2 * q * c, "causal": causal, "chain": j * entry_grad * c}
 
 
 def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
@@ -130,46 +151,49 @@ def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
 
 
 def chain_block_bytes(cfg: DrafterConfig, ttt_length: int, c: int, seq_len: int) -> int:
-    """Bytes of one chain block in the backward at the deepest step: its recomputed keys and values and
-    their gradients (compute dtype), fp32 copies (unless fp32 already), MLA's kv_b_proj output gradient."""
-    q, kv, _ = _attention_widths(cfg)
+    """Bytes of one chain block in the backward at the deepest step: its remade keys and values, their
+    gradients (compute dtype) and fp32 copies (unless fp32 already), the graph that remakes them (MLA:
+    kv_b_proj's output gradient; Llama: the rows' embedding, z and its gradient), and the weight
+    gradients of that graph: the fp32 sum over blocks and one block's."""
+    q, kv, rope = _attention_widths(cfg)
+    H = cfg.hidden_size
     j = max(1, ttt_length - 1)
     rows = min(seq_len, max(1, _BLOCK_BUDGET // (j * q)))
     per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
-    fixed = 0
-    if cfg.attention == "mla":  # and kv_b_proj's weight gradient: the fp32 sum over blocks and one block's
+    if cfg.attention == "mla":
         per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
-        fixed = 2 * 4 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return rows * j * per_row + fixed
+        weights = cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    else:  # stacked feature rows, emb, normed emb (saved), z, its gradient, k before rope, cos, sin
+        per_row += (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
+        weights = 2 * kv * 2 * H
+    return rows * j * per_row + weights * (4 + c)
+
+
+def layer_gradient_bytes(cfg: DrafterConfig) -> int:
+    """The gradients of the weights every step uses (the decoder layer, the final norm): autograd holds
+    each as one buffer from the first step's backward on and adds it to `.grad` after the last. Under
+    FSDP2 these are the unsharded gradients (`gathered_parameters`); in one plain CPU process, fp32."""
+    p = count_parameters(cfg)
+    return (p.trainable - cfg.fc_in_features * cfg.hidden_size - cfg.draft_vocab_size * cfg.hidden_size) * 4
 
 
 def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict[str, int]:
     """The unroll's terms in bytes: `kept` (from the forward to the backward), `step` (the one step
-    whose backward is running: its recomputed saved tensors, with checkpointing, and the attention
-    backward's temporaries)."""
+    whose backward is running: its recomputed saved tensors, with checkpointing, and the larger of
+    the moments of its backward: the MLP chunks', the attention's causal kernel, its chain blocks)."""
     H, I, T, K = cfg.hidden_size, cfg.intermediate_size, seq_len, ttt_length
-    kept_per_step = H * c + entry_elements(cfg) * c + 16  # input state, entry, token ids and positions (int64)
-    grads, kernel = attention_backward_bytes(cfg, c, device)
-    # the attention's backward: the causal kernel, then the chain blocks, one after the other
-    backward = grads * T + max(kernel * T, chain_block_bytes(cfg, K, c, T))
-    if not checkpointing:  # every step keeps what it saves (its entry is the kept one), the whole MLP block's too
-        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False) - H * c  # h' is the norm's input
-        saved = step_saved_bytes(cfg, c) - entry_elements(cfg) * c
-        return {"kept": K * (kept_per_step + saved + mlp_block) * T, "step": backward}
-    # the MLP chunks' backward comes before the attention's
-    later = max(backward, feed_forward_chunk_bytes(cfg, c, T))
-    return {"kept": K * kept_per_step * T, "step": step_saved_bytes(cfg, c) * T + later}
-
-
-def largest_layer_weight(cfg: DrafterConfig) -> int:
-    """Elements of the decoder layer's largest weight (its gradient is one temporary of a step's backward)."""
-    H, I, nh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    if cfg.attention == "mla":
-        attention = [2 * H * cfg.q_lora_rank, cfg.q_lora_rank * nh * cfg.qk_head_dim,
-                     cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), nh * cfg.v_head_dim * H]  # fmt: skip
-    else:
-        attention = [2 * H * nh * cfg.head_dim, 2 * H * cfg.num_key_value_heads * cfg.head_dim, nh * cfg.head_dim * H]
-    return max(H * I, *attention)
+    attn = attention_backward_bytes(cfg, c, device, K)
+    chain = chain_block_bytes(cfg, K, c, T) if K > 1 else 0
+    attention = attn["throughout"] * T + max(attn["causal"] * T, attn["chain"] * T + chain)
+    saved = step_saved_bytes(cfg, c)
+    after = step_after_attention_bytes(cfg, c)
+    if not checkpointing:  # every step keeps what it saves, the whole MLP block's too
+        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False)
+        per_step = saved + after + mlp_block - H * c  # h' is the norm's input
+        return {"kept": (kept_bytes(cfg, K, c) + K * per_step) * T, "step": attention}
+    # the MLP chunks' backward comes before the attention's, and h' (with MLA's o_proj input) goes with it
+    mlp = after * T + feed_forward_chunk_bytes(cfg, c, T)
+    return {"kept": kept_bytes(cfg, K, c) * T, "step": saved * T + max(attention, mlp)}
 
 
 def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
@@ -183,8 +207,8 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
         "state_gradients": state,
         "lm_head_gradient": Vd * H * 4 + (Vd * H * c if fsdp else 0),
         # one chunk's fp32 [rows, Vd] temporaries: label log-probs and their rows per query, draft
-        # log-probs, p = exp(label), and the KL's two intermediates (then exp(logq) and dz)
-        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 6,
+        # log-probs, q = exp(logq), p = exp(label), and the KL's two intermediates (then dz)
+        "chunk": min(T, max(1, _LOGITS_BUDGET // Vd)) * Vd * 4 * 7,
     }
 
 
@@ -208,17 +232,17 @@ def estimate_memory(
     fsdp = device == "cuda"
     p = count_parameters(cfg)
     states = p.trainable * 16 / world_size
-    embed = p.frozen_embedding * 4 / (world_size if fsdp else 1)
-    gathered = (p.total + p.trainable) * c if fsdp else 0  # parameters, and the gradients before reduce-scatter
+    embed = p.frozen_embedding * (c if fsdp else 4)
+    gathered = 2 * p.trainable * c if fsdp else 0  # parameters, and the gradients before reduce-scatter
     target_head = V * Ht * c + (Vd * Ht * c if Vd < V else 0) + V  # + the in-draft mask
     features = (cfg.fc_in_features + Ht) * c * T
     act = activation_bytes(cfg, T, K, checkpointing=activation_checkpointing, c=c, device=device)
     loss = loss_moment_bytes(cfg, T, K, c=c, fsdp=fsdp)
     state_grads = loss["state_gradients"]
-    # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone)
+    # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone;
+    # on CPU the layer's gradient buffers have come, under FSDP they are in `gathered_parameters`)
     loss_moment = sum(loss.values())
-    # and, from the second step's backward on, a layer weight's gradient before it is added to .grad
-    step = act["step"] + largest_layer_weight(cfg) * (c if fsdp else 4)
+    step = act["step"] + (0 if fsdp else layer_gradient_bytes(cfg))
     if loss_moment >= state_grads + step:
         activations, loss_work = act["kept"], loss_moment
     else:
@@ -233,8 +257,19 @@ def estimate_memory(
         "loss_working_set": loss_work,
     }
     parts = {k: v / GiB for k, v in parts.items()}
-    parts["total"] = sum(parts.values())
+    parts["total"] = (sum(parts.values()) * GiB - gradients_after_the_peak(cfg, world_size, device)) / GiB
     return parts
+
+
+def gradients_after_the_peak(cfg: DrafterConfig, world_size: int, device: str) -> int:
+    """Bytes of `param_grad_optimizer_states`' fp32 gradients that do not exist yet while the backward's
+    working set does (the optimizer sets them to None after each step): under FSDP2 every sharded
+    gradient (formed by the reduce-scatter after the backward, from `gathered_parameters`' unsharded
+    ones); in one CPU process the layer's (`layer_gradient_bytes`: autograd's buffers, counted in
+    `activations`, until the last step's backward). `total` is the peak: the terms' sum less these."""
+    if device == "cuda":
+        return count_parameters(cfg).trainable * 4 // world_size
+    return layer_gradient_bytes(cfg)
 
 
 def longest_fitting_length(cfg: DrafterConfig, ttt_length: int, gpu_memory_gib: float, **kwargs) -> int:

@@ -321,6 +321,7 @@ class DraftKL(torch.autograd.Function):
                     dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
                 if need_dW:
                     _accumulate_dW(dW, dz.to(hk.dtype), hk, step_scale[k])
+                del dz  # before the next step's chunk tensors: one [n, Vd] fewer at the peak
         ctx.save_for_backward(dW, *dh)  # intermediates: freed once backward has run
         ctx.queries, ctx.shapes, ctx.w_dtype, ctx.scale = queries, [x.shape for x in h], W.dtype, step_scale
         argmax = torch.cat(argmax)

@@ -24,8 +24,9 @@ and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
 zero columns up to the q·k head dim: zero value columns give zero output columns,
 which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
 only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
-decompresses keys and values where it attends: the step-0 keys inside each step,
-the chain's a block of tokens at a time (`eagle31.attention.ChainKeysValues`), so
+decompresses keys and values where it attends: the step-0 keys inside the attention,
+in its forward and again in its backward (never saved between them), the chain's a
+block of tokens at a time (`eagle31.attention.ChainKeysValues`), so
 neither decompressed nor padded values are stored across steps.
 """
 

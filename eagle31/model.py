@@ -102,21 +102,26 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
 
-    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d] and the entry the TTT chain keeps, (k, v) each [B, T, nkv, d];
-        RoPE applied to q, k."""
+    def query(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """z [B, T, 2H] -> q [B, T, nh, d], RoPE applied."""
         B, T, _ = z.shape
-        q = self.q_proj(z).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), (apply_rope(k, cos, sin), v)
+        return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
+
+    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, d] and the step's keys and values (k, v) each [B, T, nkv, d];
+        RoPE applied to q, k."""
+        return self.query(z, cos, sin), self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
+
+    def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
+        """z [B, T, 2H] -> k (RoPE applied), v [B, T, nkv, d], with the given k_proj / v_proj weights."""
+        B, T, _ = z.shape
+        k = F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim)
+        v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin), v
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor):
         """An entry -> its keys and values: the entry is them."""
         return k, v
-
-    def chain_keys_values(self) -> ChainKeysValues:
-        return KEYS_VALUES
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> o_proj(attn) [B, T, H]."""
@@ -179,13 +184,21 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(config, RMSNorm) if config.attention == "mla" else Eagle3Attention(config)
         self.mlp = MLP(config)
 
-    def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """emb, h [B, T, H] -> (q, entry, residual); the attention's `keys_values(*entry)` gives k, v."""
+    def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entry: bool = True):
+        """emb, h [B, T, H] -> (q, entry, residual); the attention's `keys_values(*entry)` gives k, v.
+        `entry=False` (Llama attention): q alone, the entry None."""
         h_normed = self.hidden_norm(h)
         residual = h_normed if self.norm_before_residual else h
         z = torch.cat([self.input_layernorm(emb), h_normed], dim=-1)
-        q, entry = self.self_attn.query_entry(z, cos, sin)
-        return q, entry, residual
+        if not entry:
+            return self.self_attn.query(z, cos, sin), None, residual
+        q, kept = self.self_attn.query_entry(z, cos, sin)
+        return q, kept, residual
+
+    def attention_input(self, emb: torch.Tensor, h: torch.Tensor, input_norm_weight, hidden_norm_weight) -> torch.Tensor:
+        """z = concat(input_layernorm(emb), hidden_norm(h)) [*, 2H], with the given norm weights."""
+        eps = self.input_layernorm.eps
+        return torch.cat([_RMSNormFunction.apply(emb, input_norm_weight, eps), _RMSNormFunction.apply(h, hidden_norm_weight, eps)], -1)
 
     def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> layer output [B, T, H]."""
@@ -328,15 +341,51 @@ class Eagle31Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step_entry(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+    def step_entry(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, chain: bool = False):
         """The step up to attention: feature [B, T, H] (`fuse_aux` at step 0, the previous
         `DraftStep.feature` after), tokens and RoPE positions [B, T] -> (q, entry, residual),
-        the entry being what the TTT unroll keeps of this step for the later ones (its keys
-        and values, or MLA's latents)."""
-        with torch.no_grad():  # the target's embedding, frozen
-            emb = self.embed_tokens(tokens).to(feature.dtype)  # [B, T, H]
+        the entry being what `keys_values` makes this step's keys and values of (Llama: they
+        themselves; MLA: its latents).
+
+        chain=True: the entry the TTT chain keeps of this step for the later ones instead
+        (`chain_keys_values` makes keys and values of it a block of tokens at a time): MLA's
+        latents again; for Llama attention the step's input (feature, tokens, positions), which
+        the unroll keeps anyway — 0 bytes more instead of 2 * nkv * d per token.
+        """
+        emb = self._embed(tokens, feature.dtype)
         cos, sin = self.rotary_emb(positions, feature.dtype)
+        if chain and self.config.attention != "mla":
+            q, _, residual = self.midlayer.pre_attention(emb, feature, cos, sin, entry=False)
+            return q, (feature, tokens, positions), residual
         return self.midlayer.pre_attention(emb, feature, cos, sin)
+
+    def _embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        with torch.no_grad():  # the target's embedding, frozen
+            return self.embed_tokens(tokens).to(dtype)  # [*, H]
+
+    def step0_keys_values(self) -> ChainKeysValues:
+        """How the TTT attention makes the causal (step-0) keys and values of the step-0 entry: MLA
+        decompresses its latents (inside the attention, so they are not saved); Llama's are the entry."""
+        if self.config.attention == "mla":
+            return self.midlayer.self_attn.chain_keys_values()
+        return KEYS_VALUES
+
+    def chain_keys_values(self) -> ChainKeysValues:
+        """How the TTT chain makes keys and values of the entries `step_entry(..., chain=True)` gives."""
+        if self.config.attention == "mla":
+            return self.midlayer.self_attn.chain_keys_values()
+        layer = self.midlayer
+        attn = layer.self_attn
+        weights = (layer.input_layernorm.weight, layer.hidden_norm.weight, attn.k_proj.weight, attn.v_proj.weight)
+        return ChainKeysValues(self._input_keys_values, weights, width=3)
+
+    def _input_keys_values(self, feature, tokens, positions, input_norm_weight, hidden_norm_weight, k_weight, v_weight):
+        """Llama keys and values of token rows from the step's input: feature [n, H], tokens, positions [n]
+        -> k, v [n, nkv, d] — what `step_entry` computes for those rows, with the given weights."""
+        z = self.midlayer.attention_input(self._embed(tokens, feature.dtype), feature, input_norm_weight, hidden_norm_weight)
+        cos, sin = self.rotary_emb(positions[None], feature.dtype)
+        k, v = self.midlayer.self_attn.key_value(z[None], cos, sin, k_weight, v_weight)
+        return k[0], v[0]
 
     def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """`step_entry` with the entry made keys and values: (q, k, v, residual)."""

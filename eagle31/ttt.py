@@ -11,8 +11,10 @@ p + k and attends to the causal step-0 keys of its document plus its own chain
 in `eagle31.loss`.
 
 Memory: with `activation_checkpointing` each step keeps only its inputs (the
-previous step's output, token ids, positions) and its entry — its keys and values
-(Llama attention) or its latents (MLA), shared with the later steps; its
+previous step's output, token ids, positions) and its chain entry, shared with the
+later steps — for Llama attention those inputs themselves (the chain remakes their keys
+and values a block of tokens at a time), for MLA its latents; step 0 keeps its keys and
+values (Llama) or latents (MLA) for the causal part; its
 activations are recomputed in backward, one step at a time (and so are those of
 the fused target feature); within a recomputed step, the MLP block and read-out
 (per position) are checkpointed again in chunks of token rows, so the step's
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle31.attention import segment_ids, ttt_attention
+from eagle31.attention import segment_ids, ttt_attention_of_entries
 
 # With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
 # intermediate activations hold about this many elements.
@@ -97,21 +99,19 @@ def ttt_unroll(
     else:
         feature = drafter.fuse_aux(aux)
 
-    attn_layer = drafter.midlayer.self_attn
-    expand = attn_layer.chain_keys_values()
+    expand0, expand = drafter.step0_keys_values(), drafter.chain_keys_values()
 
     def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing
-        # recomputes them instead of keeping a [B, T, H] embedding per step. So are the step-0
-        # keys and values made of the step-0 entry: only entries are kept from step to step.
-        q, entry, residual = drafter.step_entry(feature, ids, positions)
+        # recomputes them instead of keeping a [B, T, H] embedding per step. The attention makes
+        # the step-0 keys and values of the step-0 entry: only entries are kept from step to step.
         if entry0 is None:  # step 0: its keys are the causal keys of every later step
-            entry0 = entry
+            q, entry0, residual = drafter.step_entry(feature, ids, positions)
         else:  # step k >= 1: the query's own key (p, k) joins its chain
+            q, entry, residual = drafter.step_entry(feature, ids, positions, chain=True)
             chain = (*chain, entry)
-        k0, v0 = attn_layer.keys_values(*entry0)
         probe = None if attention_probe is None else lambda probs: attention_probe(len(chain), probs)
-        attn = ttt_attention(q, k0, v0, chain, segments, attention, expand, probe)
+        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention, expand0, expand, probe)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
         return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain

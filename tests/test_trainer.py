@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +117,48 @@ def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
     assert trained["finite"] and evaluated["loss"] > 0
     if kind == "tv":  # TV of a query is at most 1: the weighted loss is at most sum_k w^k
         assert trained["loss"] <= 1 + trainer.cfg.ttt_decay
+
+
+def _shard_rank(rank: int, init_file: str, run_dir: str) -> None:
+    """One of two gloo ranks: a bf16 FSDP trainer of the tiny drafter, one training step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        drafter = tiny_drafter(seed=0, dtype=torch.float32)
+        embedding = drafter.embed_tokens.weight.detach().clone()
+        world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        cfg = TrainConfig(ttt_length=2, warmup_steps=1, max_steps=1, attention="blockwise")
+        head = TargetHead(torch.randn(drafter.config.vocab_size, drafter.config.hidden_size), drafter.draft_token_ids())
+        trainer = Trainer(cfg, world, Path(run_dir), drafter, head, ListLoader([]), None, torch.bfloat16)
+        weight = trainer.model.drafter.embed_tokens.weight
+        sharded = {n: isinstance(p, DTensor) for n, p in trainer.model.named_parameters()}
+        result = trainer.train_step([feature_batch(drafter.config, 8, seed=1)])
+        torch.save(
+            {
+                "embed_is_dtensor": sharded.pop("drafter.embed_tokens.weight"),
+                "embed_dtype": str(weight.dtype),
+                "embed_equal": torch.equal(weight, embedding.to(torch.bfloat16)),
+                "embed_grad": weight.grad is not None,
+                "others_sharded": all(sharded.values()),
+                "finite": bool(result["finite"]),
+            },
+            Path(run_dir) / f"result.{rank}",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_keeps_the_frozen_embedding_whole_in_the_compute_dtype(tmp_path):
+    """Under FSDP the target embedding is no shard: each rank holds it in bf16 (no fp32 master, no gathered
+    copy), equal to the fp32 weight rounded, without a gradient, while the trainable weights are sharded;
+    and a bf16 step runs (FSDP casts no input: the loss's float64 step weights stay exact)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_shard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"result.{rank}", weights_only=True)
+        assert r == {"embed_is_dtensor": False, "embed_dtype": "torch.bfloat16", "embed_equal": True, "embed_grad": False,
+                     "others_sharded": True, "finite": True}, r  # fmt: skip

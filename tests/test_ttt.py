@@ -214,9 +214,9 @@ def test_next_step_receives_post_norm_output_only_with_norm_output(norm_output):
     received = []
     pre_attention = m.midlayer.pre_attention
 
-    def spy(emb, h, cos, sin):
+    def spy(emb, h, cos, sin, **kwargs):
         received.append(h.detach().clone())
-        return pre_attention(emb, h, cos, sin)
+        return pre_attention(emb, h, cos, sin, **kwargs)
 
     m.midlayer.pre_attention = spy
     out = ttt_unroll(m, aux, ids, ttt_length=K)
@@ -310,3 +310,42 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention, 
     assert ckpt_grads.keys() == plain_grads.keys()
     for name, grad in plain_grads.items():
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops(checkpointing, monkeypatch):
+    """A Llama step's chain entry is its input (feature, token ids, positions): no keys or values are kept
+    for later steps; the chain remakes them a few token rows at a time (many blocks), the checkpointed MLP in
+    4-row chunks, packed documents and padding, with and without activation checkpointing: the naive fp64
+    loss and gradients."""
+    import eagle31.attention
+    import eagle31.ttt
+
+    m = tiny_drafter(seed=21)
+    c = m.config
+    aux, final, ids, mask = random_batch(c, 2, 11, seed=22)
+    positions = torch.arange(11).expand(2, 11) + 1
+    feature = m.fuse_aux(aux)
+    _, entry, _ = m.step_entry(feature, ids, positions, chain=True)
+    assert entry[0] is feature and entry[1] is ids and entry[2] is positions
+
+    monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 3 * c.num_attention_heads * c.head_dim)  # 3 rows at j = 1
+    monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * c.intermediate_size)
+    doc = layouts()["packed"]
+    target_w = torch.randn(c.vocab_size, c.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
+    expected_logits = naive_logits(m, aux, ids, doc)
+    naive_loss(m, expected_logits, final, ids, mask, doc, target_w).backward()
+    expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    m.zero_grad()
+    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention="flash", activation_checkpointing=checkpointing)
+    real = doc >= 0
+    torch.testing.assert_close(torch.stack([m.lm_head(s) for s in out.states])[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9)
+    head = TargetHead(target_w, m.draft_token_ids())
+    argmax = head.argmax(final)
+    sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
+    stats = ttt_loss(out.states, m.lm_head.weight, m.d2t, final, sup, head, argmax, own_scale(sup))
+    weighted_loss(stats.loss_sum, stats.count, DECAY).backward()
+    assert expected.keys() == {n for n, p in m.named_parameters() if p.grad is not None}
+    for name, grad in expected.items():
+        torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=name)
