@@ -44,6 +44,7 @@ CHECKED: collections.Counter = collections.Counter()  # collective name -> tenso
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "all_gather_single", "reduce_scatter_single",  # torch >= 2.13's names of all_gather_into_tensor, reduce_scatter_tensor
 )  # fmt: skip
 
 
@@ -121,7 +122,7 @@ def _checked(name: str, collective):
 
 def install(device: torch.device) -> DevicePlacement:
     """Refuse host tensors in every collective from now on; returns the entered mode."""
-    for name in COLLECTIVES:
+    for name in (n for n in COLLECTIVES if hasattr(c10d, n)):
         wrapped = _checked(name, getattr(c10d, name))
         setattr(c10d, name, wrapped)  # torch's own object collectives call these by module global
         setattr(dist, name, wrapped)
