@@ -74,6 +74,7 @@ def plan_run(cfg, world: World) -> RunPlan:
         raise ConfigError(f"train.preempt_grace_s must be positive, got {cfg.train.preempt_grace_s}")
     if not cfg.train.lk_eta >= 0:
         raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
+    check_sequence_parallel(cfg, world)
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:
@@ -103,6 +104,18 @@ def plan_run(cfg, world: World) -> RunPlan:
     if cfg.drafter.init_from:
         check_init_from(drafter, cfg.drafter)
     return plan
+
+
+def check_sequence_parallel(cfg, world: World) -> None:
+    """`train.sequence_parallel`: >= 1, divides the world size (the planned one in a dry run), and a kernel that
+    takes a sequence shard's queries. A length that N does not divide, or shorter than N (K + 1), is padded
+    at the end (`eagle31.sequence_parallel.shard_length`), so it is no refusal."""
+    n = cfg.train.sequence_parallel
+    ranks = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size > 0 else world.world_size
+    if n < 1 or ranks % n:
+        raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
+    if n > 1 and cfg.train.attention == "reference":
+        raise ConfigError("train.attention=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
