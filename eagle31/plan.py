@@ -234,6 +234,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         world_size=world_size,
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
+        sequence_parallel=cfg.train.sequence_parallel,
     )
     memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
@@ -252,6 +253,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "seq_len": cfg.data.max_len,
         "ttt_length": cfg.train.ttt_length,
         "world_size": world_size,
+        "sequence_parallel": options["sequence_parallel"],
         "longest_seq_len_per_gpu_gib": longest,
     }
     if plan.world.is_main:
@@ -260,7 +262,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
               f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
         print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")
-        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s), "
+        split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
+        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
               f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip
         for k, v in memory.items():
             if k != "total":

@@ -341,6 +341,7 @@ def one_line_error(args: list[str], monkeypatch, capsys) -> str:
         ({"target.path": "/no/such/target"}, "/no/such/target"),
         ({"drafter.aux_layer_ids": "[2,4,9]"}, "aux_layer_ids"),
         ({"data.source": "[/no/such/chats.jsonl]"}, "/no/such/chats.jsonl"),
+        ({"train.sequence_parallel": "2"}, "train.sequence_parallel=2 must be >= 1 and divide the world size 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
