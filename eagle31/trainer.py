@@ -8,7 +8,8 @@ loss and its gradients do not depend on world size or accumulation.
 
 On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master
 weights and gradient reduction); on CPU one process runs it plain, several
-processes shard it over gloo.
+processes shard it over gloo. With `train.sequence_parallel` each sequence is split over the
+ranks of a sequence group (`eagle31.sequence_parallel`); FSDP2 still shards over the whole world.
 """
 
 from __future__ import annotations
@@ -116,6 +117,24 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
     return objective
 
 
+def prepare_batch(
+    batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup
+) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:
+    """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
+    queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
+    states carry its halo. Returns (batch, supervised, argmax, shard or None)."""
+    shard = None
+    if sequence.size == 1:
+        b = batch.to(device, dtype=dtype)
+    else:
+        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype)
+    segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
+    argmax = target.argmax(b.final, label_positions(b.loss_mask))
+    in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
+    supervised = supervision_mask(b.loss_mask, segments, train.ttt_length, in_vocab)[:, :, : b.aux.shape[1]]
+    return b, supervised, argmax, shard
+
+
 class Trainer:
     def __init__(
         self,
@@ -161,18 +180,7 @@ class Trainer:
             yield from self.train_loader
 
     def _prepare(self, batch: FeatureBatch):
-        """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
-        queries [K, B, T] (no gradients); a shard's token rows, mask and final states carry its halo."""
-        shard = None
-        if self.sequence.size == 1:
-            b = batch.to(self.world.device, dtype=self.compute_dtype)
-        else:
-            b, shard = shard_batch(batch, self.sequence, self.cfg.ttt_length, self.world.device, self.compute_dtype)
-        segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
-        argmax = self.target.argmax(b.final, label_positions(b.loss_mask))
-        in_vocab = self.target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if self.cfg.mask_out_of_vocab else None
-        supervised = supervision_mask(b.loss_mask, segments, self.cfg.ttt_length, in_vocab)[:, :, : b.aux.shape[1]]
-        return b, supervised, argmax, shard
+        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence)
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
