@@ -281,6 +281,82 @@ class FlashCausal:
         return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
 
 
+class QueryTail:
+    """A causal kernel whose queries are the last Tq of Tk key positions (sequence parallelism).
+
+    q [B, Tq, nh, d] sits at key positions Tk - Tq .. Tk - 1 (this rank's shard; the keys are every
+    position up to its end). The causal part is the wrapped kernel on the shard's own keys (a square,
+    as without sharding); a document that starts before the shard adds, for its queries, the keys of
+    its earlier positions, attended densely (no mask: they all precede every query) in blocks of
+    query rows, and merged by LSE. Only the first run of each row can reach before the shard, so the
+    dense part is at most one block of rows per row of the batch.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @staticmethod
+    def _prefixes(segments: torch.Tensor, Tq: int) -> list[tuple[int, int, int]]:
+        """(row, keys before the shard s.., queries ..n) of each row whose first shard run began earlier:
+        its queries 0..n-1 attend key positions s..Tk-Tq-1 too."""
+        B, Tk = segments.shape
+        off = Tk - Tq
+        if off == 0:
+            return []
+        starts = segment_starts(segments)[:, off].tolist()
+        same = (segments[:, off:] == segments[:, off : off + 1]).long().cummin(dim=1).values.sum(dim=1).tolist()
+        return [(b, s, n) for b, (s, n) in enumerate(zip(starts, same)) if s < off]
+
+    @staticmethod
+    def _dense_rows(q: torch.Tensor, nk: int) -> int:
+        return max(1, _BLOCK_BUDGET // max(1, q.shape[1] * nk))
+
+    def forward(self, q, k, v, segments, scale):
+        Tq = q.shape[1]
+        off = k.shape[1] - Tq
+        out, lse, ctx = self.kernel.forward(q, k[:, off:], v[:, off:], segments[:, off:], scale)
+        acc = _acc(q)
+        for b, s, n in self._prefixes(segments, Tq):
+            kb, vb = k[b, s:off].to(acc), v[b, s:off].to(acc)  # [m, nkv, d]
+            g = q.shape[2] // kb.shape[1]
+            for i0 in range(0, n, self._dense_rows(q, off - s)):
+                i1 = min(n, i0 + self._dense_rows(q, off - s))
+                qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
+                sc = torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale
+                lp = sc.logsumexp(-1)  # [n, nkv, g]
+                op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
+                lp = lp.flatten(1)
+                merged = torch.logaddexp(lse[b, i0:i1], lp)
+                out[b, i0:i1] = out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None] + op * torch.exp(lp - merged)[..., None]
+                lse[b, i0:i1] = merged
+        return out, lse, ctx
+
+    def backward(self, dout, q, k, v, out, lse, segments, scale, ctx):
+        Tq = q.shape[1]
+        off = k.shape[1] - Tq
+        dq, dkw, dvw = self.kernel.backward(dout, q, k[:, off:], v[:, off:], out, lse, segments[:, off:], scale, ctx)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[:, off:], dv[:, off:] = dkw, dvw
+        acc = _acc(q)
+        for b, s, n in self._prefixes(segments, Tq):
+            kb, vb = k[b, s:off].to(acc), v[b, s:off].to(acc)
+            nkv = kb.shape[1]
+            g = q.shape[2] // nkv
+            dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+            for i0 in range(0, n, self._dense_rows(q, off - s)):
+                i1 = min(n, i0 + self._dense_rows(q, off - s))
+                rows = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
+                qb, do, ob, lb = rows(q), rows(dout), rows(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
+                p = torch.exp(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale - lb[..., None])  # merged LSE
+                D = (do * ob).sum(-1)
+                dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
+                ds = p * (torch.einsum("nkgd,mkd->nkgm", do, vb) - D[..., None]) * scale
+                dq[b, i0:i1] += torch.einsum("nkgm,mkd->nkgd", ds, kb).flatten(1, 2).to(dq.dtype)
+                dkb += torch.einsum("nkgm,nkgd->mkd", ds, qb)
+            dk[b, s:off], dv[b, s:off] = dkb.to(dk.dtype), dvb.to(dv.dtype)
+        return dq, dk, dv
+
+
 def _acc(q: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: fp32, or fp64 for fp64 inputs (tests)."""
     return torch.promote_types(q.dtype, torch.float32)
@@ -385,7 +461,7 @@ class _TTTAttention(torch.autograd.Function):
         entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
         params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
         params = rest[w0 + j * expand.width + len(expand0.params) :]
-        k0, v0 = _step0_keys_values(entry0, expand0, params0, (B, T))
+        k0, v0 = _step0_keys_values(entry0, expand0, params0, entry0[0].shape[:2])  # [B, Tk, ...]: Tk > T on a shard
         nkv = k0.shape[2]
         g = nh // nkv
         scale = 1.0 / math.sqrt(d)
@@ -423,7 +499,7 @@ class _TTTAttention(torch.autograd.Function):
         with torch.enable_grad():  # the step-0 keys and values, again (a graph unless they are the entry)
             inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
             leaves0 = [p.detach().requires_grad_() for p in params0]
-            k0, v0 = _step0_keys_values(inputs0, expand0, leaves0, (B, T))
+            k0, v0 = _step0_keys_values(inputs0, expand0, leaves0, entry0[0].shape[:2])
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, ctx.scale, ctx.kctx)
         if expand0 is KEYS_VALUES:
             d_entry0, d_params0 = [dk0, dv0], []
@@ -478,7 +554,8 @@ def ttt_attention(
 
     chain: sequence of j entries (empty at step 0), each a tuple of `expand.width` tensors
     [B, T, ...] from which `expand` makes that step's keys and values; with the default,
-    an entry is (k, v), each [B, T, nkv, d]. `probe` sees the attention probabilities
+    an entry is (k, v), each [B, T, nkv, d]. k0, v0 and segments may cover Tk > T positions: the
+    queries are then the last T of them (a sequence shard, `QueryTail`). `probe` sees the attention probabilities
     (`reference_attention`), so it needs the reference backend.
     """
     return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, probe)
@@ -489,13 +566,16 @@ def ttt_attention_of_entries(
     expand: ChainKeysValues = KEYS_VALUES, probe=None,
 ) -> torch.Tensor:  # fmt: skip
     """`ttt_attention` with the causal keys and values given as the step-0 entry, `expand0.width` tensors
-    [B, T, ...] that `expand0` makes them of: MLA's latents are kept, its keys and values decompressed
+    [B, Tk, ...] that `expand0` makes them of (Tk > T on a sequence shard): MLA's latents are kept, its keys and values decompressed
     in the forward and again in the backward, never saved between them."""
     if backend == "auto":
         backend = resolve_backend(q)
     if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
+    tail = entry0[0].shape[1] != q.shape[1]  # the queries are the last of the keys' positions (sequence parallelism)
     if backend == "reference":
+        if tail:
+            raise ValueError("the reference attention takes as many keys as queries; a sequence shard needs flash or blockwise")
         B, T = q.shape[:2]
         k0, v0 = _step0_keys_values(entry0, expand0, expand0.params, (B, T))
         kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
@@ -508,9 +588,8 @@ def ttt_attention_of_entries(
     if backend not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
     flat = [t for e in chain for t in e]
-    return _TTTAttention.apply(
-        q, segments, kernels[backend], expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
-    )
+    kernel = QueryTail(kernels[backend]) if tail else kernels[backend]
+    return _TTTAttention.apply(q, segments, kernel, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params)
 
 
 def resolve_backend(q: torch.Tensor) -> str:

@@ -22,7 +22,11 @@ the bytes the tensors of real training steps hold):
     its backward: MLP chunks, causal kernel, chain blocks — while every step's state gradient
     waits; on CPU also the layer's gradient buffers, `layer_gradient_bytes`);
   * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
-    gradient, d loss / d state of every supervised query, chunk temporaries.
+    gradient, d loss / d state of every supervised query, chunk temporaries;
+  * `sequence_keys` (`train.sequence_parallel` N > 1, `sequence_keys_bytes`): with each sequence split
+    N ways every term above that grows with T is taken at a shard's length and its halo
+    (ceil(T / N) + K + 1); this one adds the step-0 keys exchanged between the shards, on the last
+    shard's rank (its queries see the whole sequence).
 
 The two backward moments are compared as a whole: `activations` carries the larger one, the
 loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from eagle31.attention import _BLOCK_BUDGET
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
+from eagle31.sequence_parallel import shard_length
 from eagle31.ttt import FEED_FORWARD_BUDGET
 
 GiB = 1024**3
@@ -212,6 +217,17 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
     }
 
 
+def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
+    """Bytes the last rank of a sequence group holds for the keys of the whole sequence
+    (`eagle31.sequence_parallel`): the gathered step-0 entry (kept across steps), in the step's backward
+    MLA's decompressed step-0 keys and values, their gradients, and the fp32 gradient of the gathered
+    entry that is reduce-scattered back."""
+    _, kv, _ = _attention_widths(cfg)
+    entry = entry_elements(cfg)
+    decompressed = 2 * kv * c if cfg.attention == "mla" else 0  # Llama: the entry is the keys and values
+    return seq_len * (entry * c + decompressed + 2 * kv * c + entry * 4)
+
+
 def estimate_memory(
     cfg: DrafterConfig,
     seq_len: int,
@@ -221,13 +237,17 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     compute_bytes: int = 2,
     device: str = "cuda",
+    sequence_parallel: int = 1,
 ) -> dict[str, float]:
     """GiB per GPU, by component, for one packed sequence of `seq_len` tokens.
 
     device: `cuda` (FSDP2 on GPUs, as trained) or `cpu` (one plain process, as the CPU memory
-    benchmark runs: no gathered copies, one dtype throughout).
+    benchmark runs: no gathered copies, one dtype throughout). sequence_parallel: the ranks each
+    sequence is split over (module docstring).
     """
     c, T, K, H = compute_bytes, seq_len, ttt_length, cfg.hidden_size
+    if sequence_parallel > 1:  # a shard and its halo
+        T = shard_length(seq_len, sequence_parallel, K) + K + 1
     V, Vd, Ht = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
     fsdp = device == "cuda"
     p = count_parameters(cfg)
@@ -256,6 +276,8 @@ def estimate_memory(
         "target_features": features,
         "loss_working_set": loss_work,
     }
+    if sequence_parallel > 1:
+        parts["sequence_keys"] = sequence_keys_bytes(cfg, seq_len, c)
     parts = {k: v / GiB for k, v in parts.items()}
     parts["total"] = (sum(parts.values()) * GiB - gradients_after_the_peak(cfg, world_size, device)) / GiB
     return parts

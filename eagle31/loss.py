@@ -187,7 +187,8 @@ def ttt_loss(
     """Loss sums and accuracy counts of one micro-batch.
 
     states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
-    final [B, T, Ht]; supervised [K, B, T]; target_argmax [B, T] full-vocab ids;
+    final [B, Tf, Ht] (Tf >= T: a sequence shard's rows and its halo); supervised [K, B, T];
+    target_argmax [B, Tf] full-vocab ids;
     step_scale [K]: the weights the loss sums will get, `step_scales(...)` of the
     global counts. The gradients of `loss_sum` are formed for a loss proportional
     to `sum_k step_scale[k] * loss_sum[k]` (`weighted_loss`); any other use of
@@ -196,16 +197,17 @@ def ttt_loss(
     """
     K = len(states)
     B, T = supervised.shape[1:]
+    Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
     device = final.device
-    # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*T + p+1+k (both ascending).
+    # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*Tf + p+1+k (both ascending).
     queries, labels = [], []
     for k in range(K):
         b, p = supervised[k].nonzero(as_tuple=True)
         queries.append(b * T + p)
-        labels.append(b * T + p + 1 + k)
+        labels.append(b * Tf + p + 1 + k)
     loss_sum, draft_argmax = DraftKL.apply(
         lm_head_weight,
-        final.reshape(B * T, -1),
+        final.reshape(B * Tf, -1),
         target.draft_weight.to(final.dtype),
         queries,
         labels,

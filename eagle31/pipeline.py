@@ -53,6 +53,7 @@ from eagle31.model import Eagle31Drafter
 from eagle31.plan import RunPlan, check_run_dir, describe_dry_run, plan_run
 from eagle31.preemption import StopSignals
 from eagle31.recipe import to_container
+from eagle31.sequence_parallel import SequenceGroup, sequence_group
 from eagle31.target import load_recipe_target, read_target_embeddings
 from eagle31.trainer import Trainer
 
@@ -102,9 +103,10 @@ def train_run(plan: RunPlan) -> dict | None:
     """The steps of a planned run; every rank takes part until the drafter is gathered."""
     started = time.time()
     prepared = prepare_data(plan)
-    train_loader, eval_loader = build_loaders(plan, prepared)
+    sequence = sequence_group(plan.world, plan.cfg.train.sequence_parallel)  # the (data x sequence) mesh
+    train_loader, eval_loader = build_loaders(plan, prepared, sequence)
     drafter, head = build_drafter(plan, prepared)
-    trainer = build_trainer(plan, drafter, head, train_loader, eval_loader)
+    trainer = build_trainer(plan, drafter, head, train_loader, eval_loader, sequence)
     final, skipped = train(plan, trainer, train_loader, eval_loader)
     state = trainer.full_drafter_state()  # the last collective: every rank takes part
     # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
@@ -138,8 +140,9 @@ def prepare_data(plan: RunPlan) -> Path:
     return prepared
 
 
-def build_loaders(plan: RunPlan, prepared: Path):
-    """Train and held-out `FeatureLoader`s over online features or the shard store."""
+def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None = None):
+    """Train and held-out `FeatureLoader`s over online features or the shard store, splitting batches over the
+    data axis of `sequence` (the ranks of a sequence group share each batch; default: every rank its own)."""
     from eagle31.data.loader import FeatureLoader
 
     cfg, world = plan.cfg, plan.world
@@ -161,7 +164,8 @@ def build_loaders(plan: RunPlan, prepared: Path):
         sources = {n: FeatureStore(store_dir / n, skip_corrupt=cfg.features.skip_corrupt) for n in splits if (store_dir / n / "manifest.json").is_file()}
         if "eval" not in sources and world.is_main:  # features imported for train only: no held-out pass
             print(f"no held-out features in {store_dir / 'eval'}: skipping periodic evaluation")
-    kwargs = dict(batching=cfg.features.batching, tokens_per_batch=cfg.features.tokens_per_batch, rank=world.rank, world_size=world.world_size)
+    rank, ranks = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
+    kwargs = dict(batching=cfg.features.batching, tokens_per_batch=cfg.features.tokens_per_batch, rank=rank, world_size=ranks)
     train = FeatureLoader(sources["train"], seed=cfg.seed, **kwargs)
     held_out = FeatureLoader(sources["eval"], seed=cfg.seed, **kwargs) if "eval" in sources and len(splits["eval"]) else None
     return train, held_out
@@ -191,10 +195,12 @@ def build_drafter(plan: RunPlan, prepared: Path) -> tuple[Eagle31Drafter, Target
     return drafter, head
 
 
-def build_trainer(plan: RunPlan, drafter: Eagle31Drafter, head: TargetHead, train_loader, eval_loader) -> Trainer:
+def build_trainer(
+    plan: RunPlan, drafter: Eagle31Drafter, head: TargetHead, train_loader, eval_loader, sequence: SequenceGroup | None = None
+) -> Trainer:
     """The trainer, resumed from the newest intact checkpoint under `resume=auto`."""
     cfg, world = plan.cfg, plan.world
-    trainer = Trainer(cfg.train, world, plan.run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype)
+    trainer = Trainer(cfg.train, world, plan.run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype, sequence)
     latest = trainer.checkpoints.latest_intact() if cfg.resume == "auto" else None
     if latest is not None:
         trainer.restore(latest)

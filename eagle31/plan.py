@@ -74,6 +74,7 @@ def plan_run(cfg, world: World) -> RunPlan:
         raise ConfigError(f"train.preempt_grace_s must be positive, got {cfg.train.preempt_grace_s}")
     if not cfg.train.lk_eta >= 0:
         raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
+    check_sequence_parallel(cfg, world)
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:
@@ -103,6 +104,18 @@ def plan_run(cfg, world: World) -> RunPlan:
     if cfg.drafter.init_from:
         check_init_from(drafter, cfg.drafter)
     return plan
+
+
+def check_sequence_parallel(cfg, world: World) -> None:
+    """`train.sequence_parallel`: >= 1, divides the world size (the planned one in a dry run), and a kernel that
+    takes a sequence shard's queries. A length that N does not divide, or shorter than N (K + 1), is padded
+    at the end (`eagle31.sequence_parallel.shard_length`), so it is no refusal."""
+    n = cfg.train.sequence_parallel
+    ranks = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size > 0 else world.world_size
+    if n < 1 or ranks % n:
+        raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
+    if n > 1 and cfg.train.attention == "reference":
+        raise ConfigError("train.attention=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
@@ -221,6 +234,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         world_size=world_size,
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
+        sequence_parallel=cfg.train.sequence_parallel,
     )
     memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
@@ -239,6 +253,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "seq_len": cfg.data.max_len,
         "ttt_length": cfg.train.ttt_length,
         "world_size": world_size,
+        "sequence_parallel": options["sequence_parallel"],
         "longest_seq_len_per_gpu_gib": longest,
     }
     if plan.world.is_main:
@@ -247,7 +262,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
               f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
         print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")
-        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s), "
+        split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
+        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
               f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip
         for k, v in memory.items():
             if k != "total":

@@ -8,7 +8,8 @@ loss and its gradients do not depend on world size or accumulation.
 
 On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master
 weights and gradient reduction); on CPU one process runs it plain, several
-processes shard it over gloo.
+processes shard it over gloo. With `train.sequence_parallel` each sequence is split over the
+ranks of a sequence group (`eagle31.sequence_parallel`); FSDP2 still shards over the whole world.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
 from eagle31.preemption import StopSignals
 from eagle31.recipe import TrainConfig
+from eagle31.sequence_parallel import SequenceGroup, SequenceShard, sequence_group, shard_batch
 from eagle31.ttt import ttt_unroll
 
 
@@ -62,7 +64,8 @@ class DrafterObjective(nn.Module):
         self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(
-        self, aux, input_ids, document_ids, final, supervised, target_argmax, step_scale, target: TargetHead
+        self, aux, input_ids, document_ids, final, supervised, target_argmax, step_scale, target: TargetHead,
+        sequence: SequenceShard | None = None,
     ) -> StepStats:
         out = ttt_unroll(
             self.drafter,
@@ -72,6 +75,7 @@ class DrafterObjective(nn.Module):
             document_ids=document_ids,
             attention=self.attention,
             activation_checkpointing=self.activation_checkpointing,
+            sequence=sequence,
         )
         d = self.drafter
         return ttt_loss(
@@ -121,6 +125,24 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
     return objective
 
 
+def prepare_batch(
+    batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup
+) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:
+    """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
+    queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
+    states carry its halo. Returns (batch, supervised, argmax, shard or None)."""
+    shard = None
+    if sequence.size == 1:
+        b = batch.to(device, dtype=dtype)
+    else:
+        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype)
+    segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
+    argmax = target.argmax(b.final, label_positions(b.loss_mask))
+    in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
+    supervised = supervision_mask(b.loss_mask, segments, train.ttt_length, in_vocab)[:, :, : b.aux.shape[1]]
+    return b, supervised, argmax, shard
+
+
 class Trainer:
     def __init__(
         self,
@@ -132,8 +154,12 @@ class Trainer:
         train_loader,
         eval_loader,
         compute_dtype: torch.dtype,
+        sequence: SequenceGroup | None = None,
     ):
+        """`sequence`: this rank's place in the (data × sequence) mesh, `sequence_group(world,
+        train.sequence_parallel)` when not given (the loaders split batches over its data axis)."""
         self.cfg = train
+        self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
         self.run_dir = Path(run_dir)
         self.target = target
@@ -162,31 +188,25 @@ class Trainer:
             yield from self.train_loader
 
     def _prepare(self, batch: FeatureBatch):
-        """Move a micro-batch and find its supervised queries [K, B, T] (no gradients)."""
-        b = batch.to(self.world.device, dtype=self.compute_dtype)
-        segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
-        argmax = self.target.argmax(b.final, label_positions(b.loss_mask))
-        in_vocab = self.target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if self.cfg.mask_out_of_vocab else None
-        supervised = supervision_mask(b.loss_mask, segments, self.cfg.ttt_length, in_vocab)
-        return b, supervised, argmax
+        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence)
 
-    def _forward(self, b: FeatureBatch, supervised, argmax, step_scale) -> StepStats:
+    def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
-        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target)
+        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target, shard)
 
     # ------------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
         prepared = [self._prepare(b) for b in micro_batches]
-        global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _ in prepared).double())
+        global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _, _ in prepared).double())
         scale = step_scales(global_count, self.cfg.ttt_decay)
         K = self.cfg.ttt_length
         loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
-        for i, (b, sup, argmax) in enumerate(prepared):
+        for i, (b, sup, argmax, shard) in enumerate(prepared):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last
                 self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            stats = self._forward(b, sup, argmax, scale)
+            stats = self._forward(b, sup, argmax, scale, shard)
             loss = weighted_loss(stats.loss_sum, global_count, self.cfg.ttt_decay)
             (loss * self.world.world_size).backward()  # FSDP averages gradients over ranks; we want their sum
             loss_sum += stats.loss_sum.detach().double()
@@ -206,7 +226,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()  # a skipped step counts toward max_steps, so it moves the schedule too
         # every collective's tensor lives on the world's device: NCCL refuses host memory
-        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b in micro_batches), dtype=torch.float64, device=self.world.device))
+        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b, *_ in prepared), dtype=torch.float64, device=self.world.device))
         return {
             "loss": total,
             "grad_norm": grad_norm,
@@ -225,8 +245,8 @@ class Trainer:
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         self.model.eval()
         for batch in self.eval_loader:
-            b, sup, argmax = self._prepare(batch)
-            stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay))  # no gradients
+            b, sup, argmax, shard = self._prepare(batch)
+            stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard)  # no gradients
             loss_sum += stats.loss_sum.double()
             counters += stats.counters()
         self.model.train()

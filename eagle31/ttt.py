@@ -39,7 +39,7 @@ FEED_FORWARD_BUDGET = 1 << 26
 class TTTOutput:
     states: list[torch.Tensor]  # per step k: norm(o_k) [B, T, H] — what lm_head sees
     hidden: list[torch.Tensor]  # per step k: o_k [B, T, H] (pre-norm)
-    segments: torch.Tensor  # [B, T] document runs the attention respected
+    segments: torch.Tensor  # [B, T] document runs the attention respected ([B, start + T] of the keys for a shard)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -79,6 +79,7 @@ def ttt_unroll(
     attention: str = "auto",
     activation_checkpointing: bool = False,
     attention_probe=None,
+    sequence=None,
 ) -> TTTOutput:
     """Run K = `ttt_length` drafter steps over every position at once.
 
@@ -86,13 +87,23 @@ def ttt_unroll(
     numbers packed documents (-1 = padding); attention_mask [B, T] 1 = real.
     `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.attention.
     reference_attention`; needs `attention="reference"`).
+
+    `sequence` (`eagle31.sequence_parallel.SequenceShard`): aux holds this rank's shard of T
+    positions, input_ids its T positions and the halo after them (their tokens are what the
+    steps read); the attention's document runs are the shard's `key_segments` (document_ids
+    and attention_mask are not read), positions default to the global ones, and the step-0
+    entries of every shard up to this one's end are gathered for the keys.
     """
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
-    B, T = input_ids.shape
-    segments = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device)
+    B, T = aux.shape[:2]
+    start = 0
+    if sequence is None:
+        segments = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device)
+    else:
+        segments, start = sequence.key_segments, sequence.start
     if position_ids is None:
-        position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
     checkpointing = activation_checkpointing and torch.is_grad_enabled()
     if checkpointing:  # its norms' activations are 3x [B, T, n*Ht]: recompute them too
         feature = checkpoint(drafter.fuse_aux, aux, use_reentrant=False)  # [B, T, H]
@@ -107,6 +118,8 @@ def ttt_unroll(
         # the step-0 keys and values of the step-0 entry: only entries are kept from step to step.
         if entry0 is None:  # step 0: its keys are the causal keys of every later step
             q, entry0, residual = drafter.step_entry(feature, ids, positions)
+            if sequence is not None:  # every shard's up to this one's end
+                entry0 = sequence.gather(entry0)
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             q, entry, residual = drafter.step_entry(feature, ids, positions, chain=True)
             chain = (*chain, entry)
@@ -120,7 +133,7 @@ def ttt_unroll(
     entry0 = None
     chain: tuple[tuple[torch.Tensor, ...], ...] = ()  # entries of steps 1..k-1
     for k in range(ttt_length):
-        args = (feature, shift_left(input_ids, 1 + k), position_ids + k, entry0, *chain)  # tokens x[p+1+k]
+        args = (feature, shift_left(input_ids, 1 + k)[:, :T], position_ids + k, entry0, *chain)  # tokens x[p+1+k]
         if checkpointing:
             out, entry0, chain = checkpoint(step, *args, use_reentrant=False)
         else:

@@ -23,7 +23,11 @@ cannot tell apart).
 `install(world_device)` wraps `torch.distributed`'s collectives (the API that
 eagle31 calls, and that DCP's object collectives use inside): any unmarked or
 non-contiguous tensor is refused with NCCL's own error, then gloo runs the
-collective. DTensor's functional collectives (FSDP2, full state dicts) are not
+collective. Autograd runs a custom `Function`'s backward without the torch-function modes of the
+thread that called `backward()`, so `install` also enters the mode around every such backward
+(`BackwardCFunction.apply`), marking the incoming gradients (on a GPU they live where their
+tensors do): a collective in a backward (a reduce-scatter of gathered keys' gradients) is checked
+too. DTensor's functional collectives (FSDP2, full state dicts) are not
 checked: they run below this mode, on local tensors that PyTorch places by the
 mesh's device itself. Used by `tests/nccl_worker.py` under torchrun.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 
 import torch
 import torch.distributed as dist
@@ -45,6 +50,9 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
 )  # fmt: skip
+# torch >= 2.13's names of all_gather_into_tensor and reduce_scatter_tensor: checked where eagle31 calls them,
+# not where torch calls them itself (FSDP2's reduce-scatter of gradients, in autograd's final callbacks)
+PUBLIC_ONLY = ("all_gather_single", "reduce_scatter_single")
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
@@ -119,12 +127,39 @@ def _checked(name: str, collective):
     return run
 
 
+def _checked_outside_torch(name: str, collective):
+    checked = _checked(name, collective)
+
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return collective(*args, **kwargs) if caller.startswith("torch.") else checked(*args, **kwargs)
+
+    return run
+
+
+def follow_into_backward(device: torch.device) -> None:
+    """Custom autograd backwards run under `DevicePlacement(device)`, their incoming gradients marked."""
+    backward = torch.autograd.function.BackwardCFunction
+    apply = backward.apply
+
+    def placed(self, *grads):
+        _mark(grads)
+        with DevicePlacement(device):
+            return apply(self, *grads)
+
+    backward.apply = placed
+
+
 def install(device: torch.device) -> DevicePlacement:
     """Refuse host tensors in every collective from now on; returns the entered mode."""
+    follow_into_backward(device)
     for name in COLLECTIVES:
         wrapped = _checked(name, getattr(c10d, name))
         setattr(c10d, name, wrapped)  # torch's own object collectives call these by module global
         setattr(dist, name, wrapped)
+    for name in (n for n in PUBLIC_ONLY if hasattr(dist, n)):
+        setattr(dist, name, _checked_outside_torch(name, getattr(dist, name)))
     mode = DevicePlacement(device)
     mode.__enter__()
     return mode

@@ -108,3 +108,34 @@ def test_kernels_match_the_reference_on_cuda_in_bf16(backend, recipe, layout):
     for name, a, b in zip(names(j), got, expected):
         error = float((a.float() - b).abs().max() / b.abs().max())
         assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"
+
+
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+@pytest.mark.parametrize("layout", ["packed", "padded_rows"])
+def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(backend, layout):
+    """Sequence parallelism: the queries of shard [a, b) with the keys of 0..b-1 (`QueryTail`) give the full
+    sequence's rows a..b-1; the key gradients of all shards sum to the full sequence's (documents cross shards)."""
+    j = 2
+    q, k0, v0, chain_k, chain_v, segments, dout = attention_inputs(LAYOUTS[layout], 4, 2, 8, j, torch.float64)
+    full = output_and_grads(backend, q, k0, v0, chain_k, chain_v, segments, dout)
+    T = q.shape[1]
+    dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+    for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every layout
+        rows = lambda x: x[:, a:b]  # noqa: E731
+        leaves = [x.detach().clone().requires_grad_() for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))]
+        out = ttt_attention(leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b], backend)
+        out.backward(rows(dout))
+        torch.testing.assert_close(out, rows(full[0]), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(leaves[0].grad, rows(full[1]), rtol=1e-10, atol=1e-10)
+        for i in range(2 * j):
+            torch.testing.assert_close(leaves[3 + i].grad, rows(full[4 + i]), rtol=1e-10, atol=1e-10)
+        dk0[:, :b] += leaves[1].grad
+        dv0[:, :b] += leaves[2].grad
+    torch.testing.assert_close(dk0, full[2], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dv0, full[3], rtol=1e-10, atol=1e-10)
+
+
+def test_the_reference_attention_refuses_a_sequence_shard():
+    q, k0, v0, _, _, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 0, torch.float64)
+    with pytest.raises(ValueError, match="sequence shard needs flash or blockwise"):
+        ttt_attention(q[:, 8:], k0, v0, [], segments, "reference")

@@ -46,3 +46,44 @@ def test_longest_fitting_length_is_the_boundary(gib):
 
 def test_nothing_fits_a_card_smaller_than_the_fixed_terms():
     assert longest_fitting_length(drafter("kimi_k26"), 7, 20, activation_checkpointing=True) == 0
+
+
+def test_a_sequence_split_n_ways_holds_a_shard_of_every_length_term_and_the_whole_sequence_of_keys():
+    """train.sequence_parallel = N: what grows with T is taken at a shard and its halo; the exchanged keys
+    (MLA latents gathered, decompressed, their gradients) are the whole sequence's on the last rank."""
+    from eagle31.estimate import sequence_keys_bytes
+
+    d, T, K = drafter("kimi_k26"), 262144, 7
+    whole = estimate_memory(d, T, K, world_size=4, activation_checkpointing=True)
+    split = estimate_memory(d, T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
+    shard = estimate_memory(d, T // 4 + K + 1, K, world_size=4, activation_checkpointing=True)
+    for term in ("activations", "target_features", "loss_working_set"):
+        assert split[term] == pytest.approx(shard[term]) and split[term] < whole[term] / 3.9, term
+    assert "sequence_keys" not in whole
+    # per token: latents (576, bf16) kept, keys and padded values of 64 heads x 192 decompressed and their gradients, fp32 latent gradients
+    assert sequence_keys_bytes(d, 1, 2) == 576 * 2 + 2 * 64 * 192 * 2 * 2 + 576 * 4
+    assert split["sequence_keys"] == pytest.approx(sequence_keys_bytes(d, T, 2) / 2**30)
+
+
+def test_the_kimi_drafter_trains_256k_tokens_split_over_4_h200s(capsys):
+    """The dry run of the full 256k context on 4 GPUs of 141 GiB, each sequence split 4 ways, fits; unsplit it does not."""
+    from eagle31.plan import describe_dry_run
+
+    args = ["recipe=kimi_k26", "dry_run=true", "data.max_len=262144", "plan.world_size=4", "plan.gpu_memory_gib=141"]
+    split = describe_dry_run(plan_run(load_recipe(RECIPES, [*args, "train.sequence_parallel=4"]), init_world("cpu")))
+    assert split["sequence_parallel"] == 4 and split["memory_gib_per_gpu"]["total"] < 141
+    assert split["longest_seq_len_per_gpu_gib"]["141"] >= 262144
+    assert "each sequence split over 4" in capsys.readouterr().out
+    whole = describe_dry_run(plan_run(load_recipe(RECIPES, args), init_world("cpu")))
+    assert whole["memory_gib_per_gpu"]["total"] > 141
+
+
+def test_a_sequence_parallel_size_that_does_not_divide_the_planned_gpus_is_refused():
+    from eagle31 import ConfigError
+
+    args = ["recipe=kimi_k26", "dry_run=true", "plan.world_size=6", "train.sequence_parallel=4"]
+    with pytest.raises(ConfigError, match="train.sequence_parallel=4 must be >= 1 and divide the world size 6"):
+        plan_run(load_recipe(RECIPES, args), init_world("cpu"))
+    with pytest.raises(ConfigError, match="train.attention=reference cannot attend across sequence shards"):
+        plan_run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", "plan.world_size=4", "train.sequence_parallel=2",
+                                       "train.attention=reference"]), init_world("cpu"))  # fmt: skip

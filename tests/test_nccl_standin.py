@@ -36,3 +36,31 @@ def test_tensors_placed_on_the_world_device_and_their_results_pass(placement):
 def test_a_strided_device_tensor_is_refused(placement):
     with pytest.raises(ValueError, match="contiguous"):
         check_tensor(torch.zeros(4, 4, device=WORLD).t(), "all_reduce")
+
+
+def test_a_custom_backward_places_like_its_forward(monkeypatch):
+    """Autograd drops the torch-function modes in a custom Function's backward; the stand-in follows it there."""
+    from tests.nccl_standin import follow_into_backward
+
+    monkeypatch.setattr(torch.autograd.function.BackwardCFunction, "apply", torch.autograd.function.BackwardCFunction.apply)
+    follow_into_backward(WORLD)
+    seen = []
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            check_tensor(grad.contiguous(), "reduce_scatter_single")  # the incoming gradient is where its tensor is
+            check_tensor(torch.zeros(3, device=grad.device), "reduce_scatter_single")
+            with pytest.raises(ValueError, match="host memory"):
+                check_tensor(torch.zeros(3), "reduce_scatter_single")
+            seen.append(True)
+            return grad * 2
+
+    with DevicePlacement(WORLD):
+        x = torch.ones(3, device=WORLD, requires_grad=True)
+        Double.apply(x).sum().backward()
+    assert seen == [True]

@@ -216,6 +216,41 @@ def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(t
             assert checked["torch.distributed.all_reduce"] > 0 and checked["torch.distributed.all_gather"] > 0, checked
 
 
+@pytest.mark.slow
+def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_process(reference_run, tiny_target, chats, tmp_path):
+    """train.sequence_parallel=2 on 2 ranks (each sequence split in two) trains, checkpoints, evaluates and exports
+    what one process does with the whole sequence, every collective held to NCCL's device rule."""
+    out, report = tmp_path / "run", tmp_path / "checked"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_STANDIN_REPORT": str(report)}
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "nccl_worker.py")]
+    done = subprocess.run([*worker, *base_args(tiny_target, chats, out, **{"train.sequence_parallel": "2"})],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (out / "export" / "speculators" / "config.json").is_file()
+    torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(reference_run)), rtol=1e-5, atol=1e-6)
+    a, b = weights(reference_run), weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    for rank in (0, 1):  # the shards' exchanges went through the checks
+        checked = json.loads(Path(f"{report}.rank{rank}.json").read_text().splitlines()[-1])
+        assert checked["torch.distributed.all_gather_single"] > 0 and checked["torch.distributed.reduce_scatter_single"] > 0, checked
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_with_sequence_parallel_2_resumes_with_1(reference_run, tiny_target, chats, tmp_path, monkeypatch):
+    """Stopped at step 3 on 2 ranks splitting each sequence, resumed in one process: the weights of the run
+    that never stopped (DCP reshards the drafter and its optimizer state)."""
+    out = tmp_path / "run"
+    stopped = run_main(base_args(tiny_target, chats, out, **{"train.sequence_parallel": "2"}), torchrun=2, signal_at="0:3:SIGTERM")
+    assert stopped.returncode != 0 and (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file(), stopped.stderr[-3000:]
+    assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
+    a, b = weights(reference_run), weights(out)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(reference_run)), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- dry run
 
 
@@ -306,6 +341,7 @@ def one_line_error(args: list[str], monkeypatch, capsys) -> str:
         ({"target.path": "/no/such/target"}, "/no/such/target"),
         ({"drafter.aux_layer_ids": "[2,4,9]"}, "aux_layer_ids"),
         ({"data.source": "[/no/such/chats.jsonl]"}, "/no/such/chats.jsonl"),
+        ({"train.sequence_parallel": "2"}, "train.sequence_parallel=2 must be >= 1 and divide the world size 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):

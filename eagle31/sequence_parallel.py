@@ -1,0 +1,174 @@
+"""Sequence parallelism: one sequence of a batch split over the N ranks of a sequence group
+(`train.sequence_parallel = N`, docs/design.md §4).
+
+Mesh. A 2-D `DeviceMesh` (data × sequence) over the world, rank = data_rank * N + sequence_rank: the
+N ranks of a sequence group share each micro-batch (the loader splits batches over the data axis),
+each holding a contiguous shard of its positions. FSDP2 shards the drafter over the whole world,
+not the data axis: every rank holds parameters and partial gradients, and one reduce-scatter over
+all ranks both sums the sequence shards' gradients and averages the data-parallel ones.
+
+Shards. A batch of T positions is padded at the end (document -1, nothing supervised) to N * Ts
+positions, Ts = max(ceil(T / N), K + 1); rank r holds positions [r Ts, (r+1) Ts) of the input ids,
+target features, loss mask and document ids, at their global RoPE positions.
+
+Halo. Step k at p reads token x[p+1+k], and its label and supervision read the target's state at
+p+1+k and the mask at p+2+k: a shard needs the first K + 1 positions of the next one. The token
+metadata (ids, mask, document ids: 24 bytes a position) is all-gathered — the keys' document runs
+need the whole prefix anyway — and of the target's final states only the first K + 1 rows of each
+shard are (`shard_batch`). The last shard's halo is padding.
+
+Keys. Query (p, k) attends the causal step-0 keys of its document and its own chain (p, 1..k);
+the chain lives at the query's own position, so only the step-0 entries cross shards: all-gathered
+(Llama: k, v; MLA: the latents c_kv + k_pe, decompressed locally), cut to the keys a shard's queries
+can see (positions before its end), their gradients reduce-scattered back (`SequenceShard.gather`).
+The attention over them is `eagle31.attention.QueryTail`.
+
+The loss is the mean over the supervised queries of the global batch: each query is counted and
+summed on the rank that holds its position, and the trainer all-reduces the counts over the world.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from eagle31.attention import segment_ids
+from eagle31.config import ConfigError
+from eagle31.data.batch import FeatureBatch
+from eagle31.distributed import World
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """Where this rank sits in the (data × sequence) mesh; `group` is its sequence group (None when N = 1)."""
+
+    size: int
+    rank: int
+    data_rank: int
+    data_size: int
+    group: dist.ProcessGroup | None = None
+
+
+def sequence_group(world: World, size: int) -> SequenceGroup:
+    """The (data × sequence) mesh of `train.sequence_parallel = size` over `world`."""
+    if size < 1 or world.world_size % size:
+        raise ConfigError(f"train.sequence_parallel={size} must be >= 1 and divide the world size {world.world_size}")
+    if size == 1:
+        return SequenceGroup(1, 0, world.rank, world.world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(world.device.type, (world.world_size // size, size), mesh_dim_names=("data", "sequence"))
+    return SequenceGroup(
+        size, mesh["sequence"].get_local_rank(), mesh["data"].get_local_rank(), world.world_size // size, mesh["sequence"].get_group()
+    )
+
+
+def shard_length(T: int, size: int, ttt_length: int) -> int:
+    """Positions per shard of a T-position batch: every shard holds at least the next one's halo (K + 1)."""
+    return max(math.ceil(T / size), ttt_length + 1)
+
+
+def pad_positions(batch: FeatureBatch, T: int) -> FeatureBatch:
+    """`batch` right-padded to T positions: padding (document -1, loss mask 0, zero features)."""
+    n = T - batch.input_ids.shape[1]
+    if n == 0:
+        return batch
+
+    def pad(x, value):
+        return torch.cat([x, x.new_full((x.shape[0], n, *x.shape[2:]), value)], dim=1)
+
+    return replace(
+        batch, input_ids=pad(batch.input_ids, 0), loss_mask=pad(batch.loss_mask, 0), document_ids=pad(batch.document_ids, -1),
+        aux=pad(batch.aux, 0), final=pad(batch.final, 0),
+    )  # fmt: skip
+
+
+def all_gather_shards(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """x [d0, ...] of every rank of the sequence group -> [N, d0, ...], in rank order."""
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.13
+    gather(out, x.contiguous(), group=group.group)
+    return out.unflatten(0, (group.size, x.shape[0]))
+
+
+def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """parts [N, d0, ...] on every rank -> the sum over ranks of parts[rank], [d0, ...]."""
+    out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, parts.flatten(0, 1).contiguous(), group=group.group)
+    return out
+
+
+class _GatherShards(torch.autograd.Function):
+    """x [B, Ts, ...] of every rank of the group -> [B, keep, ...], the shards in order, cut to `keep`
+    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, group: SequenceGroup, keep: int):
+        parts = all_gather_shards(x, group)  # [N, B, Ts, ...]
+        ctx.group, ctx.shape, ctx.keep = group, x.shape, keep
+        return parts.movedim(0, 1).flatten(1, 2)[:, :keep]
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, (B, Ts, *rest) = ctx.group, ctx.shape
+        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.float32, device=grad.device)
+        full[:, : ctx.keep] = grad
+        return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None
+
+
+@dataclass
+class SequenceShard:
+    """This rank's shard of a micro-batch, what the TTT unroll needs beyond its own rows.
+
+    start: the global position of its first row; key_segments [B, start + Ts]: the document runs of
+    every position up to its end (the keys its queries may attend).
+    """
+
+    group: SequenceGroup
+    start: int
+    key_segments: torch.Tensor
+
+    def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A step-0 entry of this shard, each [B, Ts, ...] -> that of every position up to its end [B, start + Ts, ...]."""
+        keep = self.key_segments.shape[1]
+        return tuple(_GatherShards.apply(t, self.group, keep) for t in entry)
+
+
+def shard_batch(batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype) -> tuple[FeatureBatch, SequenceShard]:
+    """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`.
+
+    The shard's `aux` covers its Ts positions; its input ids, loss mask, document ids and final
+    states carry the halo too: Ts + K + 1 positions (module docstring). `num_tokens` counts the
+    shard's own real tokens, so the sum over a group is the batch's.
+    """
+    halo = ttt_length + 1
+    Ts = shard_length(batch.input_ids.shape[1], group.size, ttt_length)
+    padded = pad_positions(batch, group.size * Ts)
+    start = group.rank * Ts
+    rows = slice(start, start + Ts)
+    own = FeatureBatch(
+        input_ids=padded.input_ids[:, rows], loss_mask=padded.loss_mask[:, rows], document_ids=padded.document_ids[:, rows],
+        aux=padded.aux[:, rows], final=padded.final[:, rows],
+    ).to(device, dtype=dtype)  # fmt: skip
+    B = own.input_ids.shape[0]
+    meta = torch.stack([own.input_ids, own.loss_mask, own.document_ids.long()])  # [3, B, Ts]
+    ids, mask, docs = all_gather_shards(meta, group).movedim(0, 2).flatten(2, 3)  # each [B, N * Ts]
+    heads = all_gather_shards(own.final[:, :halo], group)  # [N, B, K + 1, Ht]
+    end = start + Ts
+
+    def with_halo(x, fill):  # [B, N * Ts] -> this shard's rows and the next K + 1, padding past the end
+        x = torch.cat([x, x.new_full((B, halo), fill)], dim=1)
+        return x[:, start : end + halo]
+
+    next_final = heads[group.rank + 1] if group.rank + 1 < group.size else torch.zeros_like(heads[0])
+    shard = FeatureBatch(
+        input_ids=with_halo(ids, 0), loss_mask=with_halo(mask, 0), document_ids=with_halo(docs, -1),
+        aux=own.aux, final=torch.cat([own.final, next_final], dim=1),
+        num_tokens=int((padded.document_ids[:, rows] >= 0).sum()), num_samples=batch.num_samples,
+    )  # fmt: skip
+    key_segments = segment_ids(docs[:, :end], None, (B, end), device=docs.device)
+    return shard, SequenceShard(group, start, key_segments)
