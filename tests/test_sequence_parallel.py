@@ -101,8 +101,11 @@ def test_a_split_sequence_trains_as_the_whole_one(sharded, drafter, ckpt, sequen
     assert len(got["grads"]) == len(one["grads"]) == STEPS
     for step, (g, e) in enumerate(zip(got["grads"], one["grads"])):
         assert g.keys() == e.keys()
+        # after an AdamW step, rounding in a near-zero gradient element becomes a weight difference of up
+        # to lr times its relative error (the update is about lr * g / |g|): later steps get a wider atol
+        atol = 1e-5 if step == 0 else 1e-4
         for n in e:
-            torch.testing.assert_close(g[n], e[n], rtol=1e-4, atol=1e-5 * float(e[n].abs().max()), msg=lambda m: f"step {step} {n}: {m}")
+            torch.testing.assert_close(g[n], e[n], rtol=1e-4, atol=atol * float(e[n].abs().max()), msg=lambda m: f"step {step} {n}: {m}")
     for n, w in one["weights"].items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
