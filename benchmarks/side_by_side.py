@@ -132,6 +132,7 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
 
     from benchmarks.peer import speculators_drafter
     from benchmarks.peer_training import SpeculatorsTraining
+    from eagle31.checkpoint import CheckpointManager
     from eagle31.data.prepare import load_draft_vocab
     from eagle31.data.speculators_import import final_norm_weight
     from eagle31.distributed import init_world
@@ -156,17 +157,27 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
         hidden_size=drafter_cfg.target_hidden_size,
         num_aux=len(drafter_cfg.aux_layer_ids),
     )
-    started, tokens, steps = time.perf_counter(), 0, 0
+    claim_output_dir(plan.run_dir, "run")
+    # every train.save_every steps a checkpoint (the trainer's format): a killed run continues from it
+    checkpoints = CheckpointManager(plan.run_dir / "checkpoints", plan.world, keep_last=1)
+    latest = checkpoints.latest_intact()
+    progress = training.restore(checkpoints, latest, train_loader) if latest else {"steps": 0, "tokens": 0, "seconds": 0.0}
+    if latest:
+        print(f"resume: speculators seed {recipe.seed} from step {progress['steps']} ({latest})", file=sys.stderr)
+    steps, started = progress["steps"], time.perf_counter() - progress["seconds"]
+    save_every = recipe.train.save_every
     while steps < recipe.train.max_steps:  # epochs follow each other, as in eagle31's trainer
         for batch in train_loader:
-            tokens += training.step(batch)["tokens"]
+            progress["tokens"] += training.step(batch)["tokens"]
             steps += 1
             if steps == recipe.train.max_steps:
                 break
+            if save_every and steps % save_every == 0:
+                progress.update(steps=steps, seconds=time.perf_counter() - started)
+                training.save_checkpoint(checkpoints, train_loader, progress)
     seconds = time.perf_counter() - started
-    claim_output_dir(plan.run_dir, "run")
     training.save(plan.run_dir / "drafter")
-    report = {"steps": steps, "tokens_seen": tokens, "train_time_s": seconds, "last_step": training.history[-1]}
+    report = {"steps": steps, "tokens_seen": progress["tokens"], "train_time_s": seconds, "last_step": training.history[-1]}
     atomic_write_json(plan.run_dir / "report.json", report)
     return report
 
