@@ -16,7 +16,8 @@ back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
 A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
-drafters) is skipped, so an interrupted comparison continues, and more seeds add to it. Writes under `out`: `commands.sh` (what ran),
+drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
+training continues from its last checkpoint (every `train.save_every` steps; eagle31's by `resume=auto`). Writes under `out`: `commands.sh` (what ran),
 `acceptance/` (JSON, table, plot), `summary.json` and `results.md` (tau per split and side,
 the seeds, and the ratio eagle31 / speculators of the seed means).
 
@@ -93,6 +94,7 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
     fixed = [
         f"output_dir={run_dir(cfg, side, seed)}",
         f"seed={seed}",
+        "resume=auto",  # a killed training continues from its last checkpoint (a finished one is skipped)
         f"data.prepared_dir={runs}/data",  # prepared once: one tokenisation, one draft vocabulary
         "features.mode=store",
         f"features.store_dir={runs}/features",  # captured once: the same features on both sides

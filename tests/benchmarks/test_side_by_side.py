@@ -98,6 +98,7 @@ def test_a_killed_speculators_run_resumes_to_the_same_drafter(tiny_target, chats
     def recipe(runs):
         return side_recipe(SideBySideConfig(runs=str(runs), seeds="0", max_steps=4), overrides, 0, "speculators")
 
+    assert recipe(tmp_path).resume == "auto"  # eagle31's side resumes through the pipeline
     straight = train_speculators(recipe(tmp_path / "straight"), peer_lm_head=False)
     real_step, calls = SpeculatorsTraining.step, []
 
