@@ -17,9 +17,10 @@ speculative decoding with the target on every `eval.data` split, chains of `k`).
 
 A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
 drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
-training continues from its last checkpoint (every `train.save_every` steps; eagle31's by `resume=auto`). Writes under `out`: `commands.sh` (what ran),
-`acceptance/` (JSON, table, plot), `summary.json` and `results.md` (tau per split and side,
-the seeds, and the ratio eagle31 / speculators of the seed means).
+training continues from its last checkpoint (every `train.save_every` steps; eagle31's by
+`resume=auto`). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
+plot), `summary.json` and `results.md` (tau per split and side, the seeds, and the ratio
+eagle31 / speculators of the seed means).
 
 Keys: out, runs (training run directories), seeds, max_steps (train.max_steps of both), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
