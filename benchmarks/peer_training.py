@@ -72,6 +72,10 @@ def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor) -> list[
 class SpeculatorsTraining:
     """Train their drafter on our batches: `step(batch)` per optimizer step, `save(dir)` at the end.
 
+    `save_checkpoint` / `restore` keep the model, AdamW, the schedule, the loader's position and
+    the step log in an `eagle31.checkpoint.CheckpointManager` (the trainer's atomic, checksummed
+    checkpoints), so a killed run continues where it stopped with the same result.
+
     train: the recipe's `train` section (ttt_length, ttt_decay, lr, betas, weight_decay,
     warmup_steps, max_steps, max_grad_norm, loss, lk_eta); max_len: their collate's row
     length (our `features.tokens_per_batch`).
@@ -113,6 +117,19 @@ class SpeculatorsTraining:
             out[f"acc_{k}"] = float(metrics[f"full_acc_{k}_sum"]) / total if total else None
         self.history.append(out)
         return out
+
+    def save_checkpoint(self, checkpoints, loader, progress: dict) -> Path:
+        """A checkpoint of `progress` (steps, tokens, seconds so far) and of everything `restore` needs."""
+        state = {"progress": progress, "scheduler": self.scheduler.state_dict(), "data": loader.state_dict(), "history": self.history}
+        return checkpoints.save(progress["steps"], self.model, self.optimizer, state)
+
+    def restore(self, checkpoints, path: Path, loader) -> dict:
+        """Model, optimizer, schedule, loader position and step log from `path`; returns its progress."""
+        saved = checkpoints.load(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        loader.load_state_dict(saved["data"])
+        self.history = saved["history"]
+        return saved["progress"]
 
     def save(self, directory: Path) -> Path:
         """Their checkpoint (`save_pretrained`: config.json + safetensors, the speculators layout) and our step log."""

@@ -16,9 +16,11 @@ back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
 A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
-drafters) is skipped, so an interrupted comparison continues, and more seeds add to it. Writes under `out`: `commands.sh` (what ran),
-`acceptance/` (JSON, table, plot), `summary.json` and `results.md` (tau per split and side,
-the seeds, and the ratio eagle31 / speculators of the seed means).
+drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
+training continues from its last checkpoint (every `train.save_every` steps; eagle31's by
+`resume=auto`). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
+plot), `summary.json` and `results.md` (tau per split and side, the seeds, and the ratio
+eagle31 / speculators of the seed means).
 
 Keys: out, runs (training run directories), seeds, max_steps (train.max_steps of both), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
@@ -93,6 +95,7 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
     fixed = [
         f"output_dir={run_dir(cfg, side, seed)}",
         f"seed={seed}",
+        "resume=auto",  # a killed training continues from its last checkpoint (a finished one is skipped)
         f"data.prepared_dir={runs}/data",  # prepared once: one tokenisation, one draft vocabulary
         "features.mode=store",
         f"features.store_dir={runs}/features",  # captured once: the same features on both sides
@@ -132,6 +135,7 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
 
     from benchmarks.peer import speculators_drafter
     from benchmarks.peer_training import SpeculatorsTraining
+    from eagle31.checkpoint import CheckpointManager
     from eagle31.data.prepare import load_draft_vocab
     from eagle31.data.speculators_import import final_norm_weight
     from eagle31.distributed import init_world
@@ -156,17 +160,27 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
         hidden_size=drafter_cfg.target_hidden_size,
         num_aux=len(drafter_cfg.aux_layer_ids),
     )
-    started, tokens, steps = time.perf_counter(), 0, 0
+    claim_output_dir(plan.run_dir, "run")
+    # every train.save_every steps a checkpoint (the trainer's format): a killed run continues from it
+    checkpoints = CheckpointManager(plan.run_dir / "checkpoints", plan.world, keep_last=1)
+    latest = checkpoints.latest_intact()
+    progress = training.restore(checkpoints, latest, train_loader) if latest else {"steps": 0, "tokens": 0, "seconds": 0.0}
+    if latest:
+        print(f"resume: speculators seed {recipe.seed} from step {progress['steps']} ({latest})", file=sys.stderr)
+    steps, started = progress["steps"], time.perf_counter() - progress["seconds"]
+    save_every = recipe.train.save_every
     while steps < recipe.train.max_steps:  # epochs follow each other, as in eagle31's trainer
         for batch in train_loader:
-            tokens += training.step(batch)["tokens"]
+            progress["tokens"] += training.step(batch)["tokens"]
             steps += 1
             if steps == recipe.train.max_steps:
                 break
+            if save_every and steps % save_every == 0:
+                progress.update(steps=steps, seconds=time.perf_counter() - started)
+                training.save_checkpoint(checkpoints, train_loader, progress)
     seconds = time.perf_counter() - started
-    claim_output_dir(plan.run_dir, "run")
     training.save(plan.run_dir / "drafter")
-    report = {"steps": steps, "tokens_seen": tokens, "train_time_s": seconds, "last_step": training.history[-1]}
+    report = {"steps": steps, "tokens_seen": progress["tokens"], "train_time_s": seconds, "last_step": training.history[-1]}
     atomic_write_json(plan.run_dir / "report.json", report)
     return report
 

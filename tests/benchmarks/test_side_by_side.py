@@ -86,6 +86,49 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
     assert "skip (done): speculators seed 0" in capsys.readouterr().err
 
 
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_killed_speculators_run_resumes_to_the_same_drafter(tiny_target, chats, tmp_path, monkeypatch, capsys):
+    """Killed after step 3 with a checkpoint at step 2, the rerun continues from it: the same weights and step log."""
+    from safetensors.torch import load_file
+
+    from benchmarks.peer_training import SpeculatorsTraining
+    from benchmarks.side_by_side import SideBySideConfig, side_recipe, train_speculators
+
+    overrides = [*tiny_overrides(tiny_target, chats), "train.save_every=2"]
+
+    def recipe(runs):
+        return side_recipe(SideBySideConfig(runs=str(runs), seeds="0", max_steps=4), overrides, 0, "speculators")
+
+    assert recipe(tmp_path).resume == "auto"  # eagle31's side resumes through the pipeline
+    straight = train_speculators(recipe(tmp_path / "straight"), peer_lm_head=False)
+    real_step, calls = SpeculatorsTraining.step, []
+
+    def dies_at_step_4(self, batch):
+        if len(calls) == 3:
+            raise Killed
+        calls.append(batch)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(SpeculatorsTraining, "step", dies_at_step_4)
+    with pytest.raises(Killed):
+        train_speculators(recipe(tmp_path / "killed"), peer_lm_head=False)
+    monkeypatch.undo()
+    assert not (tmp_path / "killed" / "speculators-s0" / "report.json").exists()
+    resumed = train_speculators(recipe(tmp_path / "killed"), peer_lm_head=False)
+    assert "resume: speculators seed 0 from step 2" in capsys.readouterr().err
+    assert resumed["steps"] == straight["steps"] == 4 and resumed["tokens_seen"] == straight["tokens_seen"]
+    a, b = (load_file(next((tmp_path / run / "speculators-s0" / "drafter").glob("*.safetensors"))) for run in ("straight", "killed"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    logs = [(tmp_path / run / "speculators-s0" / "drafter" / "training_steps.jsonl").read_text() for run in ("straight", "killed")]
+    assert logs[0] == logs[1] and len(logs[0].splitlines()) == 4
+
+
 def test_a_bad_key_is_one_line(capsys):
     from benchmarks.side_by_side import main
 
