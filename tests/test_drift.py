@@ -188,6 +188,35 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
         assert rate == (a / r if r else None)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_live_depth_one_is_the_teacher_forced_attention_at_each_rounds_root(traces, kind):
+    # a trained-like (non-uniform) drafter: at depth 1 both views read the same step-0 keys with the
+    # same query, so they differ only in which positions are queries (live: the rounds' roots)
+    drafter = drafter_of(kind)
+    live, _, _ = live_view(drafter, traces, depth=3, sink_tokens=SINK, max_new_tokens=NEW)
+    sink, context = [], []
+    for t in traces:
+        n = t.aux.shape[0]
+        step0 = {}
+        probe = lambda k, probs: step0.setdefault("probs", probs[0]) if k == 0 else None  # noqa: E731
+        with torch.no_grad():
+            ttt_unroll(drafter, t.aux[None], t.tokens[None, :n], ttt_length=1, attention="reference",
+                       attention_probe=probe)  # fmt: skip
+        probs = step0["probs"].double()  # [heads, T, T]
+        gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
+                                   max_new_tokens=NEW, k=3)  # fmt: skip
+        root = t.prompt_len - 1
+        for a in gen.accepted:
+            sink.append(float(probs[:, root, :SINK].sum(-1).mean()))
+            context.append(float(probs[:, root, SINK:].sum(-1).mean()))
+            root += a + 1
+    got = live.summary()
+    assert len(set(sink)) > 1  # not uniform: the roots see different masses
+    assert got["sink_mass"][0] == pytest.approx(sum(sink) / len(sink), abs=1e-6)
+    assert got["context_mass"][0] == pytest.approx(sum(context) / len(context), abs=1e-6)
+    assert got["own_mass"][0] == 0
+
+
 # ---------------------------------------------------------------------- no side effects, packing
 
 
