@@ -25,8 +25,8 @@ the bytes the tensors of real training steps hold):
     gradient, d loss / d state of every supervised query, chunk temporaries.
 
 The two backward moments are compared as a whole: `activations` carries the larger one, the
-loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum
-less the gradients that do not exist yet at that moment (`gradients_after_the_peak`).
+loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
+less the gradients that do not exist yet at that moment (`gradients_after_the_peak`, negative).
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def estimate_memory(
         "loss_working_set": loss_work,
     }
     parts = {k: v / GiB for k, v in parts.items()}
-    parts["total"] = (sum(parts.values()) * GiB - gradients_after_the_peak(cfg, world_size, device, at_loss)) / GiB
+    parts["gradients_after_the_peak"] = -gradients_after_the_peak(cfg, world_size, device, at_loss) / GiB
+    parts["total"] = sum(parts.values())
     return parts
 
 
@@ -268,7 +269,7 @@ def gradients_after_the_peak(cfg: DrafterConfig, world_size: int, device: str, a
     forms them after the backward, from `gathered_parameters`' unsharded ones. In one CPU process, at
     the loss's backward every one (its lm_head gradient is the loss's), at a step's all but the lm_head's
     (the layer's are autograd's buffers, counted in `activations`; fc's comes last). `total` is the peak:
-    the terms' sum less these."""
+    the sum of the terms, this one included."""
     trainable = count_parameters(cfg).trainable
     if device == "cuda":
         return trainable * 4 // world_size

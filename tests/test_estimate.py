@@ -52,10 +52,11 @@ def test_the_total_leaves_out_the_gradients_not_yet_formed_at_the_peak(device):
     loss's backward has run: the total is the sum less those not there at the peak (a step's here)."""
     d = drafter("kimi_k26")
     m = estimate_memory(d, 65536, 7, world_size=8, activation_checkpointing=True, device=device, compute_bytes=2 if device == "cuda" else 4)
-    terms = sum(v for k, v in m.items() if k != "total")
+    terms = sum(v for k, v in m.items() if k not in ("total", "gradients_after_the_peak"))
     trainable = count_parameters(d).trainable
     absent = trainable * 4 / 8 if device == "cuda" else (trainable - 163840 * 7168) * 4  # CPU: the lm_head's is there
     assert m["activations"] * GiB > layer_gradient_bytes(d) or device == "cuda"
+    assert m["gradients_after_the_peak"] == pytest.approx(-absent / GiB)
     assert m["total"] == pytest.approx(terms - absent / GiB)
     if device == "cuda":
         assert m["frozen_embedding"] == pytest.approx(163840 * 7168 * 2 / GiB)  # whole, bf16, on every GPU
