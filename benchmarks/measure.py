@@ -168,6 +168,24 @@ def _peak_child(spec: str) -> None:
     print(json.dumps({"tensor_peak_bytes": tensors.peak, "rss_peak_bytes": rss}))
 
 
+def step_tensor_peak_bytes(side: str, bench: BenchConfig) -> int:
+    """Peak bytes the tensors of two steps of `side` hold above the built model, measured in this
+    process: `LiveTensorBytes` counts only the tensors made while it is active, so, unlike the
+    resident set, it needs no fresh process (the same bytes as `cpu_step_peak_bytes`)."""
+    threads = torch.get_num_threads()
+    if bench.threads:
+        torch.set_num_threads(bench.threads)
+    try:
+        step = build_step(side, bench)
+        gc.collect()
+        with LiveTensorBytes() as tensors:
+            step()
+            step()
+        return tensors.peak
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _proc_status_kib(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):

@@ -29,8 +29,8 @@ the bytes the tensors of real training steps hold):
     shard's rank (its queries see the whole sequence).
 
 The two backward moments are compared as a whole: `activations` carries the larger one, the
-loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum
-less the gradients that do not exist yet at that moment (`gradients_after_the_peak`).
+loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
+less the gradients that do not exist yet at that moment (`gradients_after_the_peak`, negative).
 """
 
 from __future__ import annotations
@@ -263,7 +263,8 @@ def estimate_memory(
     # on CPU the layer's gradient buffers have come, under FSDP they are in `gathered_parameters`)
     loss_moment = sum(loss.values())
     step = act["step"] + (0 if fsdp else layer_gradient_bytes(cfg))
-    if loss_moment >= state_grads + step:
+    at_loss = loss_moment >= state_grads + step
+    if at_loss:
         activations, loss_work = act["kept"], loss_moment
     else:
         activations, loss_work = act["kept"] + step, state_grads
@@ -279,19 +280,22 @@ def estimate_memory(
     if sequence_parallel > 1:
         parts["sequence_keys"] = sequence_keys_bytes(cfg, seq_len, c)
     parts = {k: v / GiB for k, v in parts.items()}
-    parts["total"] = (sum(parts.values()) * GiB - gradients_after_the_peak(cfg, world_size, device)) / GiB
+    parts["gradients_after_the_peak"] = -gradients_after_the_peak(cfg, world_size, device, at_loss) / GiB
+    parts["total"] = sum(parts.values())
     return parts
 
 
-def gradients_after_the_peak(cfg: DrafterConfig, world_size: int, device: str) -> int:
-    """Bytes of `param_grad_optimizer_states`' fp32 gradients that do not exist yet while the backward's
-    working set does (the optimizer sets them to None after each step): under FSDP2 every sharded
-    gradient (formed by the reduce-scatter after the backward, from `gathered_parameters`' unsharded
-    ones); in one CPU process the layer's (`layer_gradient_bytes`: autograd's buffers, counted in
-    `activations`, until the last step's backward). `total` is the peak: the terms' sum less these."""
+def gradients_after_the_peak(cfg: DrafterConfig, world_size: int, device: str, at_loss: bool) -> int:
+    """Bytes of `param_grad_optimizer_states`' fp32 gradients that are not in `.grad` yet at the peak (the
+    optimizer sets them to None after each step). Under FSDP2 every sharded gradient: the reduce-scatter
+    forms them after the backward, from `gathered_parameters`' unsharded ones. In one CPU process, at
+    the loss's backward every one (its lm_head gradient is the loss's), at a step's all but the lm_head's
+    (the layer's are autograd's buffers, counted in `activations`; fc's comes last). `total` is the peak:
+    the sum of the terms, this one included."""
+    trainable = count_parameters(cfg).trainable
     if device == "cuda":
-        return count_parameters(cfg).trainable * 4 // world_size
-    return layer_gradient_bytes(cfg)
+        return trainable * 4 // world_size
+    return (trainable - (0 if at_loss else cfg.draft_vocab_size * cfg.hidden_size)) * 4
 
 
 def longest_fitting_length(cfg: DrafterConfig, ttt_length: int, gpu_memory_gib: float, **kwargs) -> int:
