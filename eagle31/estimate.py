@@ -223,7 +223,7 @@ def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
     MLA's decompressed step-0 keys and values, their gradients, and the fp32 gradient of the gathered
     entry that is reduce-scattered back."""
     _, kv, _ = _attention_widths(cfg)
-    entry = entry_elements(cfg)
+    entry, _ = entry_elements(cfg)  # the step-0 entry is what is gathered
     decompressed = 2 * kv * c if cfg.attention == "mla" else 0  # Llama: the entry is the keys and values
     return seq_len * (entry * c + decompressed + 2 * kv * c + entry * 4)
 
