@@ -27,16 +27,14 @@ tree_top_k / tree_depth / tree_total_tokens (0: no tree), max_per_category, max_
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
-import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
+from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.config import ConfigError
 from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir
@@ -235,13 +233,8 @@ def learning_curve(cfg: CurveConfig, overrides: list[str], command: str) -> dict
 def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
-    keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    smoke = "--smoke" in keys or os.environ.get("SMOKE") == "1"
-    keys = [k for k in keys if k != "--smoke"]
     try:
-        cfg = parse_key_values(keys, CurveConfig)
-        if smoke:
-            cfg = dataclasses.replace(cfg, **SMOKE)
+        cfg, overrides = parse_keys_then_overrides(argv, CurveConfig, SMOKE)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,14 +32,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
+from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.config import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir, portable_path
@@ -312,13 +311,8 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
 def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
-    keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    smoke = "--smoke" in keys or os.environ.get("SMOKE") == "1"
-    keys = [k for k in keys if k != "--smoke"]
     try:
-        cfg = parse_key_values(keys, SideBySideConfig)
-        if smoke:
-            cfg = dataclasses.replace(cfg, **SMOKE)
+        cfg, overrides = parse_keys_then_overrides(argv, SideBySideConfig, SMOKE)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

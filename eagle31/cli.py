@@ -174,6 +174,16 @@ def parse_key_values(argv: list[str], schema: type[T]) -> T:
     return schema(**values)
 
 
+def parse_keys_then_overrides(argv: list[str], schema: type[T], smoke: dict[str, Any]) -> tuple[T, list[str]]:
+    """`[key=value ..., "--", recipe overrides ...]` -> (`schema` of the keys, the overrides); `--smoke`
+    among the keys, or SMOKE=1 in the environment, replaces the fields in `smoke` (tiny sizes)."""
+    keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    cfg = parse_key_values([k for k in keys if k != "--smoke"], schema)
+    if "--smoke" in keys or os.environ.get("SMOKE") == "1":
+        cfg = dataclasses.replace(cfg, **smoke)
+    return cfg, overrides
+
+
 def _convert(key: str, raw: str, hint: Any) -> Any:
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
