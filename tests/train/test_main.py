@@ -217,12 +217,13 @@ def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(t
 
 
 @pytest.mark.slow
-def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_process_and_resumes_with_1(
+def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_process_and_resumes_with_1_and_4(
     reference_run, tiny_target, chats, tmp_path, monkeypatch, capsys
 ):
     """train.sequence_parallel=2 on 2 ranks (each sequence split in two) trains, checkpoints, evaluates and exports
     what one process does with the whole sequence, every collective held to NCCL's device rule; its step-4
-    checkpoint resumed in one process (sequence_parallel=1: DCP reshards) ends with the same weights."""
+    checkpoint resumed in one process (sequence_parallel=1) and on 4 ranks (sequence_parallel=4) ends with the
+    same weights: DCP reshards."""
     import shutil
 
     out, report = tmp_path / "run", tmp_path / "checked"
@@ -241,10 +242,20 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
         checked = json.loads(Path(f"{report}.rank{rank}.json").read_text().splitlines()[-1])
         assert checked["torch.distributed.all_gather_single"] > 0 and checked["torch.distributed.reduce_scatter_single"] > 0, checked
 
-    # the run as it was after step 4, resumed at sequence_parallel=1
+    # the run as it was after step 4, resumed at sequence_parallel=1 and at 4
     for done_part in ("report.json", "drafter", "export", "checkpoints/step_00000006"):
         path = out / done_part
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    out4 = tmp_path / "run4"
+    shutil.copytree(out, out4)
+    worker4 = [*worker[:-2], "4", worker[-1]]
+    done = subprocess.run([*worker4, *base_args(tiny_target, chats, out4, resume="auto", **{"train.sequence_parallel": "4"})],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {out4 / 'checkpoints' / 'step_00000004'} (step 4)" in done.stdout + done.stderr
+    b = weights(out4)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     capsys.readouterr()
     assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
     assert f"resumed from {out / 'checkpoints' / 'step_00000004'} (step 4)" in capsys.readouterr().out
