@@ -29,6 +29,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.measure import LiveTensorBytes  # noqa: E402
 from eagle31 import DrafterConfig, Eagle31Drafter  # noqa: E402
 from eagle31.data.batch import FeatureBatch  # noqa: E402
-from eagle31.cli import wants_help  # noqa: E402
+from eagle31.cli import parse_key_values, wants_help  # noqa: E402
+from eagle31.config import ConfigError  # noqa: E402
 from eagle31.distributed import World, all_reduce_sum  # noqa: E402
 from eagle31.io import atomic_write_text  # noqa: E402
 from eagle31.loss import TargetHead, step_scales, weighted_loss  # noqa: E402
@@ -192,26 +194,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass
+class SequenceParallelBench:
+    """The command line's keys (module docstring)."""
+
+    seq_len: int = 4096
+    sizes: str = "1,2,4"
+    repeats: int = 3
+    attention: str = "mla"
+    out: str = str(ROOT / "benchmarks" / "results" / "sequence_parallel.json")
+
+
 def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
-    args = {"seq_len": "4096", "sizes": "1,2,4", "repeats": "3", "attention": "mla", "out": str(ROOT / "benchmarks" / "results" / "sequence_parallel.json")}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in args:
-            print(f"error: unknown argument {arg!r}; expected key=value with key in {sorted(args)}", file=sys.stderr)
-            return 2
-        args[key] = value
-    if args["attention"] not in SHAPES:
-        print(f"error: attention={args['attention']!r}; choose one of {sorted(SHAPES)}", file=sys.stderr)
-        return 2
     try:
-        spec = {"seq_len": int(args["seq_len"]), "repeats": int(args["repeats"]), "attention": args["attention"]}
-        sizes = [int(n) for n in args["sizes"].split(",")]
-    except ValueError as e:
-        print(f"error: seq_len, repeats and sizes are integers: {e}", file=sys.stderr)
+        args = parse_key_values(argv, SequenceParallelBench)
+        if args.attention not in SHAPES:
+            raise ConfigError(f"attention={args.attention!r}; choose one of {sorted(SHAPES)}")
+        if not all(n.strip().isdigit() for n in args.sizes.split(",")):
+            raise ConfigError(f"sizes must be comma-separated integers, got {args.sizes!r}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args["out"])
+    spec = {"seq_len": args.seq_len, "repeats": args.repeats, "attention": args.attention}
+    sizes = [int(n) for n in args.sizes.split(",")]
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
     for size in sizes:
