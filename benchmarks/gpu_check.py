@@ -13,6 +13,8 @@ or an out-of-memory crash ends that part only; the whole check stays within `--b
     trainer       train/main.py under `torchrun --nproc-per-node 1` (NCCL): train, checkpoint, resume, export
     memory        the memory model's shapes (`benchmarks.memory_model`): the peak of two steps
                   (`torch.cuda.max_memory_allocated`) beside `eagle31.estimate`'s total for CUDA
+    sequence parallel  `benchmarks.sequence_parallel`'s step at N = 1 (NCCL) through the sequence-
+                  parallel code path beside the plain one: step time, peak memory, their ratios
     benchmark …   training-step benchmark runs: the Kimi K2.6 drafter at T = 4096, 65536 (activation
                   checkpointing), 16384, the Llama 3.1 8B drafter at 4096 — each against vLLM
                   `speculators`' drafter where it imports (its running out of memory is a result)
@@ -53,12 +55,13 @@ PEER_MODULES = ("speculators", "hs_connectors", "openai", "accelerate")
 @dataclass
 class Part:
     name: str
-    kind: str  # environment | attention | trainer | benchmark | unavailable
+    kind: str  # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable
     budget_s: int
     args: list[str] = field(default_factory=list)  # benchmark: BenchConfig key=value; unavailable: [reason]
 
 
 ENVIRONMENT = Part("environment", "environment", 60)
+BUDGET_S = 470.0  # the whole check's default wall-clock budget (`--budget-s`)
 
 
 def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
@@ -67,6 +70,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         Part("attention", "attention", 120 if smoke else 90),
         Part("trainer", "trainer", 240 if smoke else 150),
         Part("memory", "memory", 300 if smoke else 120),
+        Part("sequence parallel", "sequence_parallel", 120 if smoke else 45),
     ]
     if smoke:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
@@ -240,7 +244,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", nargs="?", type=Path, help="output directory (GPU run)")
     parser.add_argument("--cpu-smoke", type=Path, metavar="OUT", help="the same parts on CPU with tiny shapes")
     parser.add_argument("--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)")
-    parser.add_argument("--budget-s", type=float, default=470.0, help="wall-clock budget of all parts (default 470)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"wall-clock budget of all parts (default {BUDGET_S:.0f})")
     parser.add_argument("--to-doc", type=Path, metavar="SUMMARY", help="put a summary.json's table into --doc")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md", help="default docs/performance.md")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: one part in this process

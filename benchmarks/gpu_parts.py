@@ -10,6 +10,8 @@ measured; `smoke` selects the CPU variant (tiny shapes, fp32, gloo-free single p
     trainer       train/main.py under `torchrun --nproc-per-node 1` (NCCL on CUDA): train,
                   checkpoint, resume, export
     benchmark     one training-step benchmark run (`benchmarks.benchmark_train_step` arguments)
+    sequence_parallel   `benchmarks.sequence_parallel`'s step at N = 1 through the sequence-parallel
+                  code path beside the plain one: step time, peak memory, the losses agree
 """
 
 from __future__ import annotations
@@ -225,4 +227,77 @@ def memory(smoke: bool) -> dict[str, Any]:
     within = all(abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps)
     detail = "totals within 10%" if within else "a total off by more than 10% (points)"
     return {"status": "pass", "device": "cuda", "detail": detail, "total_within_tolerance": within, "points": points}
+
+
+
+def sequence_parallel(smoke: bool) -> dict[str, Any]:
+    """`benchmarks.sequence_parallel`'s step at N = 1 (one process, NCCL on CUDA, gloo on CPU) through the
+    sequence-parallel code path (shard, halo, gathered step-0 keys) beside the plain path at the same
+    shape: step time, peak memory, exchanged bytes, their ratios, and the two losses (which must agree)."""
+    import gc
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.measure import LiveTensorBytes
+    from benchmarks.sequence_parallel import Traffic, training_step
+    from eagle31.distributed import World, close_world, ensure_single_process_group
+    from eagle31.sequence_parallel import SequenceGroup
+
+    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    spec = {"attention": "mla", "seq_len": 64 if smoke else 32768, "backend": "blockwise" if _flash_problems(device.type) else "flash"}
+    warmup, repeats = (1, 1) if smoke else (2, 5)
+    world = World(rank=0, world_size=1, local_rank=0, device=device)
+    ensure_single_process_group(device)
+    traffic = Traffic()
+    paths = {"plain": SequenceGroup(1, 0, 0, 1), "sequence_parallel": SequenceGroup(1, 0, 0, 1, dist.group.WORLD)}
+    runs: dict[str, dict[str, Any]] = {}  # reported as "paths": "runs" are the training-step benchmark's
+    try:
+        for name, group in paths.items():  # one at a time: each peak is its own
+            step = training_step(spec, world, group, dtype)
+            for _ in range(warmup):
+                loss = step()
+            times = []
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            before = traffic.bytes
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                loss = step()
+                float(loss)  # waits for the device
+                times.append(time.perf_counter() - t0)
+            exchanged = (traffic.bytes - before) // repeats
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device)
+            else:  # the tensors one more step makes (not timed: counting them slows it)
+                with LiveTensorBytes() as tensors:
+                    step()
+                peak = tensors.peak
+            runs[name] = {"step_s": statistics.median(times), "peak_bytes": peak, "loss": float(loss), "exchanged_bytes_per_step": exchanged}
+            del step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        close_world()
+    plain, split = runs["plain"], runs["sequence_parallel"]
+    loss_difference = abs(split["loss"] - plain["loss"]) / abs(plain["loss"])
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    report = {
+        "status": "pass" if loss_difference <= tolerance and split["exchanged_bytes_per_step"] > 0 else "fail",
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "seq_len": spec["seq_len"], "backend": spec["backend"],
+        "paths": runs, "step_ratio": split["step_s"] / plain["step_s"], "peak_ratio": split["peak_bytes"] / plain["peak_bytes"],
+        "loss_relative_difference": loss_difference,
+    }  # fmt: skip
+    report["detail"] = (
+        f"N=1 through the sequence-parallel path vs plain, T={spec['seq_len']}: step x{report['step_ratio']:.2f}, "
+        f"peak x{report['peak_ratio']:.2f}, loss differs by {loss_difference:.1e}"
+    )
+    if report["status"] == "fail":
+        report["error"] = report["detail"] + ("" if split["exchanged_bytes_per_step"] else "; no collective ran (not the sequence-parallel path)")
+    return report
 

@@ -29,6 +29,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from eagle31.distributed import World, all_reduce_sum  # noqa: E402
 from eagle31.io import atomic_write_text  # noqa: E402
 from eagle31.loss import TargetHead, step_scales, weighted_loss  # noqa: E402
 from eagle31.recipe import TrainConfig  # noqa: E402
-from eagle31.sequence_parallel import sequence_group  # noqa: E402
+from eagle31.sequence_parallel import SequenceGroup, sequence_group  # noqa: E402
 from eagle31.trainer import DrafterObjective, prepare_batch  # noqa: E402
 from eagle31.vocab import vocab_maps  # noqa: E402
 
@@ -106,6 +107,28 @@ class Traffic:
         return run
 
 
+def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.dtype = torch.float32) -> Callable[[], torch.Tensor]:
+    """The measured step (module docstring) on `world.device`, in `dtype` throughout (parameters too): it
+    returns the step's loss. The sequence-parallel code path (shard, halo, gathered step-0 keys) runs
+    wherever `group` has a process group, a group of one included."""
+    cfg = drafter_config(spec["attention"], spec["seq_len"])
+    drafter, head, batch = build(cfg, spec["seq_len"])
+    drafter.to(world.device, dtype)
+    head = TargetHead(head.weight.to(world.device, dtype), head.draft_ids)
+    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention=spec.get("backend", "flash"), sequence_parallel=group.size)
+    objective = DrafterObjective(drafter, train)
+
+    def step() -> torch.Tensor:
+        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group)
+        count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
+        stats = objective(b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard)
+        loss = weighted_loss(stats.loss_sum, count, train.ttt_decay)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def _rank(rank: int, size: int, port: int, spec: dict, results: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -113,19 +136,8 @@ def _rank(rank: int, size: int, port: int, spec: dict, results: str) -> None:
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=size)
     world = World(rank=rank, world_size=size, local_rank=rank, device=torch.device("cpu"))
-    group = sequence_group(world, size)
-    cfg = drafter_config(spec["attention"], spec["seq_len"])
-    drafter, head, batch = build(cfg, spec["seq_len"])
-    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention="flash", sequence_parallel=size)
-    objective = DrafterObjective(drafter, train)
+    step = training_step(spec, world, sequence_group(world, size))
     traffic = Traffic()
-
-    def step() -> None:
-        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, torch.float32, group)
-        count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
-        stats = objective(b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard)
-        weighted_loss(stats.loss_sum, count, train.ttt_decay).backward()
-
     step()  # warm-up; it also makes the gradients
     times = []
     for _ in range(spec["repeats"]):

@@ -100,14 +100,18 @@ def rendezvous_store(timeout_s: float) -> dist.Store:
 
 
 def ensure_single_process_group(device: torch.device) -> None:
-    """A one-process NCCL group on localhost, for FSDP2 without torchrun."""
+    """A one-process group on localhost (NCCL on CUDA, gloo on CPU), for FSDP2 or collectives without torchrun."""
     if dist.is_initialized():
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    if device.type != "cuda":
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        return
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
+    dist.init_process_group("nccl", init_method=init, rank=0, world_size=1, device_id=device)
 
 
 def close_world(world: World | None = None, left: str = "finished") -> None:

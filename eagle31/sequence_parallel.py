@@ -43,7 +43,8 @@ from eagle31.distributed import World
 
 @dataclass(frozen=True)
 class SequenceGroup:
-    """Where this rank sits in the (data × sequence) mesh; `group` is its sequence group (None when N = 1)."""
+    """Where this rank sits in the (data × sequence) mesh; `group` is its sequence group (None when N = 1:
+    the sequence is not split; a group of one rank runs the sequence-parallel code path all the same)."""
 
     size: int
     rank: int

@@ -130,9 +130,11 @@ def prepare_batch(
 ) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:
     """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
     queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
-    states carry its halo. Returns (batch, supervised, argmax, shard or None)."""
+    states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
+    path runs wherever `sequence` has a process group, a group of one included (the GPU check's
+    comparison at N = 1)."""
     shard = None
-    if sequence.size == 1:
+    if sequence.group is None:
         b = batch.to(device, dtype=dtype)
     else:
         b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype)

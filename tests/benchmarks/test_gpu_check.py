@@ -27,7 +27,9 @@ def test_the_gpu_plan_reads_its_runs_from_the_recipes():
     kimi = next(s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "llama")
     mla = [s.recipe for s in shapes if s.attention == "mla"]
     parts = gpu_check.plan(smoke=False, gpu_memory_gib=139.8)  # an H200
-    assert [p.name for p in parts][:3] == ["attention", "trainer", "memory"]
+    assert [p.name for p in parts][:4] == ["attention", "trainer", "memory", "sequence parallel"]
+    fixed = [gpu_check.ENVIRONMENT, *(p for p in parts if p.kind != "benchmark")]
+    assert sum(p.budget_s for p in fixed) <= gpu_check.BUDGET_S  # the benchmark runs get what these leave
     runs = [p.args for p in parts if p.kind == "benchmark"]
     assert [f"shape={kimi}", "ttt=7", "T=4096", "ckpt=false", "peer=speculators", "warmup=2", "repeats=5"] in runs
     assert any(f"shape={kimi}" in a and "T=65536" in a and "ckpt=true" in a for a in runs)
@@ -58,6 +60,16 @@ def test_a_failing_part_writes_its_error(tmp_path):
     assert gpu_check.part_main("benchmark", result, tmp_path, True, ["shape=gpt5"]) == 1
     report = json.loads(result.read_text())
     assert report["status"] == "fail" and "gpt5" in report["error"]
+
+
+@pytest.mark.slow
+def test_the_sequence_parallel_part_runs_the_sequence_parallel_path_at_one_rank_with_the_same_loss():
+    report = gpu_parts.sequence_parallel(smoke=True)
+    plain, split = report["paths"]["plain"], report["paths"]["sequence_parallel"]
+    assert report["status"] == "pass", report
+    assert plain["exchanged_bytes_per_step"] == 0 and split["exchanged_bytes_per_step"] > 0  # its collectives ran
+    assert split["loss"] == plain["loss"] and report["step_ratio"] > 0 and report["peak_ratio"] > 0
+    assert "x" in report["detail"]
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
@@ -156,12 +168,13 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert [p["status"] for p in parts.values()] == ["pass"] * 5, parts
+    assert [p["status"] for p in parts.values()] == ["pass"] * 6, parts
     assert all(s["passed"] for s in parts["memory"]["memory_shapes"].values())
     assert parts["environment"]["torch"] == torch.__version__
     assert all(s["status"] == "pass" for s in parts["attention"]["shapes"].values())
     assert {"kimi_k26", "llama31_8b"} <= set(parts["attention"]["shapes"])
     assert all(parts["trainer"]["checks"].values())
+    assert parts["sequence parallel"]["loss_relative_difference"] == 0
     bench = parts["benchmark tiny T=128"]
     assert bench["runs"]["eagle31"]["step_s"] > 0 and bench["flops_per_step"] > 0
     assert "| tiny | 128 | 2 | no |" in (out / "summary.md").read_text()
