@@ -285,11 +285,14 @@ class QueryTail:
     """A causal kernel whose queries are the last Tq of Tk key positions (sequence parallelism).
 
     q [B, Tq, nh, d] sits at key positions Tk - Tq .. Tk - 1 (this rank's shard; the keys are every
-    position up to its end). The causal part is the wrapped kernel on the shard's own keys (a square,
-    as without sharding); a document that starts before the shard adds, for its queries, the keys of
-    its earlier positions, attended densely (no mask: they all precede every query) in blocks of
-    query rows, and merged by LSE. Only the first run of each row can reach before the shard, so the
-    dense part is at most one block of rows per row of the batch.
+    position up to its end, given as the step-0 entry they are made of, `StepZeroKeys`). The causal
+    part is the wrapped kernel on the shard's own keys (a square, as without sharding); a document
+    that starts before the shard adds, for its queries, the keys of its earlier positions, attended
+    densely (no mask: they all precede every query) a block of `prefix_block` key positions at a
+    time, each block by blocks of query rows, and merged by LSE. Only the first run of each row can
+    reach before the shard, so the dense part is at most one run of keys per row of the batch. An
+    earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
+    in the forward and again in the backward: the keys before the shard never exist whole.
     """
 
     def __init__(self, kernel):
@@ -308,53 +311,125 @@ class QueryTail:
         return [(b, s, n) for b, (s, n) in enumerate(zip(starts, same)) if s < off]
 
     @staticmethod
-    def _dense_rows(q: torch.Tensor, nk: int) -> int:
-        return max(1, _BLOCK_BUDGET // max(1, q.shape[1] * nk))
+    def prefix_block(nh: int, d: int) -> int:
+        """Key positions of one block before the shard: its fp32 keys and values, at most nh heads of d, stay under `_BLOCK_BUDGET`."""
+        return max(1, _BLOCK_BUDGET // (2 * nh * d))
 
-    def forward(self, q, k, v, segments, scale):
+    @classmethod
+    def _blocks(cls, q: torch.Tensor, s: int, off: int):
+        """(key block [m0, m1), its query-row blocks) over positions s..off-1: a block's scores [rows, nh, m] stay under `_BLOCK_BUDGET`."""
+        nh, d = q.shape[2:]
+        m = cls.prefix_block(nh, d)
+        rows = max(1, _BLOCK_BUDGET // (nh * min(m, off - s)))
+        return [(m0, min(off, m0 + m), rows) for m0 in range(s, off, m)]
+
+    def forward(self, q, keys: StepZeroKeys, segments, scale):
         Tq = q.shape[1]
-        off = k.shape[1] - Tq
-        out, lse, ctx = self.kernel.forward(q, k[:, off:], v[:, off:], segments[:, off:], scale)
+        off = keys.length - Tq
+        k, v = keys.make(slice(None), slice(off, None))  # the shard's own keys [B, Tq, nkv, d]
+        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale)
+        del k, v
         acc = _acc(q)
         for b, s, n in self._prefixes(segments, Tq):
-            kb, vb = k[b, s:off].to(acc), v[b, s:off].to(acc)  # [m, nkv, d]
-            g = q.shape[2] // kb.shape[1]
-            for i0 in range(0, n, self._dense_rows(q, off - s)):
-                i1 = min(n, i0 + self._dense_rows(q, off - s))
-                qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
-                sc = torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale
-                lp = sc.logsumexp(-1)  # [n, nkv, g]
-                op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
-                lp = lp.flatten(1)
-                merged = torch.logaddexp(lse[b, i0:i1], lp)
-                out[b, i0:i1] = out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None] + op * torch.exp(lp - merged)[..., None]
-                lse[b, i0:i1] = merged
+            for m0, m1, rows in self._blocks(q, s, off):
+                kb, vb = (x[0].to(acc) for x in keys.make(slice(b, b + 1), slice(m0, m1)))  # [m, nkv, d]
+                g = q.shape[2] // kb.shape[1]
+                for i0 in range(0, n, rows):
+                    i1 = min(n, i0 + rows)
+                    qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
+                    sc = torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale
+                    lp = sc.logsumexp(-1)  # [n, nkv, g]
+                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
+                    lp = lp.flatten(1)
+                    merged = torch.logaddexp(lse[b, i0:i1], lp)
+                    out[b, i0:i1] = out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None] + op * torch.exp(lp - merged)[..., None]
+                    lse[b, i0:i1] = merged
         return out, lse, ctx
 
-    def backward(self, dout, q, k, v, out, lse, segments, scale, ctx):
+    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx):
+        """dq, and the gradients of the step-0 entry and of its parameters (`StepZeroKeys.take_back`)."""
         Tq = q.shape[1]
-        off = k.shape[1] - Tq
-        dq, dkw, dvw = self.kernel.backward(dout, q, k[:, off:], v[:, off:], out, lse, segments[:, off:], scale, ctx)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        dk[:, off:], dv[:, off:] = dkw, dvw
+        off = keys.length - Tq
+        k, v, take_back = keys.make_with_graph(slice(None), slice(off, None))
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx)
+        take_back(dk, dv)
+        del k, v, dk, dv
         acc = _acc(q)
         for b, s, n in self._prefixes(segments, Tq):
-            kb, vb = k[b, s:off].to(acc), v[b, s:off].to(acc)
-            nkv = kb.shape[1]
-            g = q.shape[2] // nkv
-            dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
-            for i0 in range(0, n, self._dense_rows(q, off - s)):
-                i1 = min(n, i0 + self._dense_rows(q, off - s))
-                rows = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
-                qb, do, ob, lb = rows(q), rows(dout), rows(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
-                p = torch.exp(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale - lb[..., None])  # merged LSE
-                D = (do * ob).sum(-1)
-                dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
-                ds = p * (torch.einsum("nkgd,mkd->nkgm", do, vb) - D[..., None]) * scale
-                dq[b, i0:i1] += torch.einsum("nkgm,mkd->nkgd", ds, kb).flatten(1, 2).to(dq.dtype)
-                dkb += torch.einsum("nkgm,nkgd->mkd", ds, qb)
-            dk[b, s:off], dv[b, s:off] = dkb.to(dk.dtype), dvb.to(dv.dtype)
-        return dq, dk, dv
+            for m0, m1, rows in self._blocks(q, s, off):
+                k, v, take_back = keys.make_with_graph(slice(b, b + 1), slice(m0, m1))
+                kb, vb = k[0].to(acc), v[0].to(acc)  # [m, nkv, d]
+                nkv = kb.shape[1]
+                g = q.shape[2] // nkv
+                dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+                for i0 in range(0, n, rows):
+                    i1 = min(n, i0 + rows)
+                    part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
+                    qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
+                    p = torch.exp(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale - lb[..., None])  # merged LSE
+                    D = (do * ob).sum(-1)
+                    dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
+                    ds = p * (torch.einsum("nkgd,mkd->nkgm", do, vb) - D[..., None]) * scale
+                    dq[b, i0:i1] += torch.einsum("nkgm,mkd->nkgd", ds, kb).flatten(1, 2).to(dq.dtype)
+                    dkb += torch.einsum("nkgm,nkgd->mkd", ds, qb)
+                del kb, vb
+                take_back(dkb[None].to(k.dtype), dvb[None].to(v.dtype))
+        return (dq, *keys.gradients())
+
+
+class StepZeroKeys:
+    """The causal keys and values of a step-0 entry [B, Tk, ...] (`expand.width` tensors), made a block
+    of (rows, positions) at a time (`QueryTail`): `make` in the forward; `make_with_graph` in the
+    backward, whose `take_back(dk, dv)` adds the block's entry and parameter gradients to `gradients()`."""
+
+    def __init__(self, entry, expand: ChainKeysValues, params):
+        self.entry, self.expand, self.params = entry, expand, params
+        self.length = entry[0].shape[1]
+        self._d_entry = self._d_params = None
+
+    def num_kv_heads(self) -> int:
+        return self.make(slice(0, 1), slice(0, 1))[0].shape[2]
+
+    def make(self, rows: slice, positions: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of entry rows `rows`, positions `positions`: each [b, t, nkv, d]."""
+        block = [t[rows, positions] for t in self.entry]
+        return _step0_keys_values(block, self.expand, self.params, block[0].shape[:2])
+
+    def make_with_graph(self, rows: slice, positions: slice):
+        """(k, v, take_back): `make`'s block, detached, and the function that takes its gradients back."""
+        if self._d_entry is None:
+            self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
+            self._d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params]
+        if self.expand is KEYS_VALUES:
+            k, v = self.make(rows, positions)
+
+            def add(dk, dv):
+                self._d_entry[0][rows, positions] += dk
+                self._d_entry[1][rows, positions] += dv
+
+            return k, v, add
+        with torch.enable_grad():  # the block's keys and values as a small graph
+            inputs = [t[rows, positions].detach().requires_grad_(t.is_floating_point()) for t in self.entry]
+            leaves = [p.detach().requires_grad_() for p in self.params]
+            k, v = _step0_keys_values(inputs, self.expand, leaves, inputs[0].shape[:2])
+        wanted = [t for t in inputs if t.requires_grad] + leaves
+
+        def take_back(dk, dv):
+            grads = iter(torch.autograd.grad((k, v), wanted, (dk, dv), allow_unused=True))
+            for d, t in zip(self._d_entry, inputs):
+                grad = next(grads) if t.requires_grad else None
+                if grad is not None:
+                    d[rows, positions] += grad
+            for d in self._d_params:
+                grad = next(grads)
+                if grad is not None:
+                    d += grad
+
+        return k.detach(), v.detach(), take_back
+
+    def gradients(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """(the entry's gradients, the parameters' in their dtypes) of every block taken back."""
+        return self._d_entry, [d.to(p.dtype) for d, p in zip(self._d_params, self.params)]
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -441,6 +516,23 @@ def _step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
     return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
 
 
+def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx):
+    """The causal kernel's backward over the whole sequence's step-0 keys: (dq, the step-0 entry's gradients,
+    its parameters'). The keys and values are made again (a graph unless they are the entry), and their
+    gradients turned into the entry's at once: the decompressed keys go before the chain blocks run."""
+    with torch.enable_grad():
+        inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
+        leaves0 = [p.detach().requires_grad_() for p in params0]
+        k0, v0 = _step0_keys_values(inputs0, expand0, leaves0, entry0[0].shape[:2])
+    dq, dk0, dv0 = kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, scale, kctx)
+    if expand0 is KEYS_VALUES:
+        return dq, [dk0, dv0], []
+    wanted = [t for t in inputs0 if t.requires_grad] + leaves0
+    grads0 = iter(torch.autograd.grad((k0, v0), wanted, (dk0, dv0), allow_unused=True))
+    d_entry0 = [next(grads0) if t.requires_grad else None for t in inputs0]
+    return dq, d_entry0, [next(grads0) for _ in leaves0]
+
+
 class _TTTAttention(torch.autograd.Function):
     """Causal kernel + chain keys merged by log-sum-exp.
 
@@ -449,7 +541,8 @@ class _TTTAttention(torch.autograd.Function):
     `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
     after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
     are not saved: backward makes them again for the causal kernel's backward and turns their
-    gradients into the entry's (and the parameters') before the chain blocks run.
+    gradients into the entry's (and the parameters') before the chain blocks run. On a sequence
+    shard (`QueryTail`) they are made a block of positions at a time (`StepZeroKeys`), in both.
     """
 
     @staticmethod
@@ -461,12 +554,17 @@ class _TTTAttention(torch.autograd.Function):
         entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
         params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
         params = rest[w0 + j * expand.width + len(expand0.params) :]
-        k0, v0 = _step0_keys_values(entry0, expand0, params0, entry0[0].shape[:2])  # [B, Tk, ...]: Tk > T on a shard
-        nkv = k0.shape[2]
-        g = nh // nkv
         scale = 1.0 / math.sqrt(d)
-        out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
-        del k0, v0
+        if isinstance(kernel, QueryTail):  # a shard: the keys before it are made a block at a time
+            keys0 = StepZeroKeys(entry0, expand0, params0)
+            out, lse, kctx = kernel.forward(q, keys0, segments, scale)
+            nkv = keys0.num_kv_heads()
+        else:
+            k0, v0 = _step0_keys_values(entry0, expand0, params0, entry0[0].shape[:2])  # [B, T, nkv, d]
+            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
+            nkv = k0.shape[2]
+            del k0, v0
+        g = nh // nkv
         out, lse = out.contiguous(), lse.contiguous()  # the chain merges into them in place
         if j:
             qf, of, lf = q.reshape(B * T, nkv, g, d), out.view(B * T, nkv, g, d), lse.view(B * T, nkv, g)
@@ -496,19 +594,12 @@ class _TTTAttention(torch.autograd.Function):
         params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
         params = rest[w0 + j * expand.width + len(expand0.params) :]
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
-        with torch.enable_grad():  # the step-0 keys and values, again (a graph unless they are the entry)
-            inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
-            leaves0 = [p.detach().requires_grad_() for p in params0]
-            k0, v0 = _step0_keys_values(inputs0, expand0, leaves0, entry0[0].shape[:2])
-        dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, ctx.scale, ctx.kctx)
-        if expand0 is KEYS_VALUES:
-            d_entry0, d_params0 = [dk0, dv0], []
-        else:  # to the step-0 entry now: the decompressed keys, values and their gradients go before the chain
-            wanted = [t for t in inputs0 if t.requires_grad] + leaves0
-            grads0 = iter(torch.autograd.grad((k0, v0), wanted, (dk0, dv0), allow_unused=True))
-            d_entry0 = [next(grads0) if t.requires_grad else None for t in inputs0]
-            d_params0 = [next(grads0) for _ in leaves0]
-        del k0, v0, dk0, dv0
+        if isinstance(ctx.kernel, QueryTail):
+            keys0 = StepZeroKeys(entry0, expand0, params0)
+            dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx)
+        else:
+            causal = (ctx.kernel, dout, q, entry0, expand0, params0, out, lse, segments, ctx.scale, ctx.kctx)
+            dq, d_entry0, d_params0 = _causal_backward(*causal)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
         chain_parts = rest[w0 : w0 + j * expand.width]
         d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for t in chain_parts]

@@ -10,11 +10,16 @@ from the recipes).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 import eagle31.attention
-from eagle31.attention import reference_attention, resolve_backend, segment_ids, ttt_attention
+from eagle31.attention import (
+    ChainKeysValues, QueryTail, reference_attention, resolve_backend, segment_ids, ttt_attention, ttt_attention_of_entries,
+)  # fmt: skip
+from eagle31.mla import mla_keys_values
 
 CUDA = torch.cuda.is_available()
 
@@ -133,6 +138,51 @@ def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(
         dv0[:, :b] += leaves[2].grad
     torch.testing.assert_close(dk0, full[2], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dv0, full[3], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(backend, monkeypatch):
+    """MLA on a sequence shard: the keys before the shard are decompressed from the gathered latents a block
+    of positions at a time (here 2), in the forward and the backward, never all at once; the output and
+    every gradient (q, the latents of step 0 and of the chain, kv_b_proj's weight) are the full sequence's."""
+    nh, nope, rope, v_dim, rank, j = 4, 3, 2, 3, 6, 2
+    doc = LAYOUTS["padded_rows"]
+    B, T = len(doc), len(doc[0])
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    q, latents, dout = rand(B, T, nh, nope + rope), [rand(B, T, rank + rope) for _ in range(1 + j)], rand(B, T, nh, nope + rope)
+    weight = rand(nh * (nope + v_dim), rank)
+    segments = segment_ids(torch.tensor(doc), None, (B, T))
+    decompress = partial(mla_keys_values, num_heads=nh, nope=nope, v_dim=v_dim)
+    made = []  # token rows of each step-0 decompression
+
+    def step0(latent, w):
+        made.append(latent.shape[0])
+        return decompress(latent, w)
+
+    def run(a: int, b: int):
+        leaves = [x.detach().clone().requires_grad_() for x in (q[:, a:b], latents[0][:, :b], *(c[:, a:b] for c in latents[1:]), weight)]
+        expand0, expand = ChainKeysValues(step0, (leaves[-1],), width=1), ChainKeysValues(decompress, (leaves[-1],), width=1)
+        chain = [(c,) for c in leaves[2:-1]]
+        out = ttt_attention_of_entries(leaves[0], (leaves[1],), chain, segments[:, :b], backend, expand0, expand)
+        out.backward(dout[:, a:b])
+        return out.detach(), [x.grad for x in leaves]
+
+    full_out, full = run(0, T)
+    monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
+    d_latent0, d_weight = torch.zeros_like(latents[0]), torch.zeros_like(weight)
+    for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every row
+        made.clear()
+        out, grads = run(a, b)
+        assert max(made) <= B * (b - a) and (a == 0 or 2 in made)  # the shard's own keys, then blocks of 2
+        torch.testing.assert_close(out, full_out[:, a:b], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(grads[0], full[0][:, a:b], rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads[2:-1], full[2:-1]):
+            torch.testing.assert_close(got, want[:, a:b], rtol=1e-10, atol=1e-10)
+        d_latent0[:, :b] += grads[1]
+        d_weight += grads[-1]
+    torch.testing.assert_close(d_latent0, full[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(d_weight, full[-1], rtol=1e-10, atol=1e-10)
 
 
 def test_the_reference_attention_refuses_a_sequence_shard():

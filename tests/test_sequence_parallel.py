@@ -4,7 +4,8 @@ Four gloo processes (torch.multiprocessing) run the trainer with the sequence sp
 sequence 4) and on a 2 × 2 mesh (data 2 × sequence 2); one process runs the same global batches
 unsplit. Loss, every gradient of every step and the weights after the optimizer steps agree to fp32
 rounding, for the Llama and MLA drafters, activation checkpointing on and off, with packed documents
-that cross the shard edges, a length no N divides (padded) and padding at the end.
+that cross the shard edges, a length no N divides (padded) and padding at the end; the keys before a
+shard are made in blocks of 3 positions, so several blocks merge.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from eagle31.attention import QueryTail
 from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World
@@ -70,6 +72,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
 def worker(rank: int, world_size: int, port: int, tmp: str, meshes: list[int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    QueryTail.prefix_block = staticmethod(lambda nh, d: 3)  # the keys before a shard in several blocks (this process only)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     world = World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
     results = {(name, ckpt, n): run(world, name, ckpt, n, f"{tmp}/{rank}") for name, ckpt in CASES for n in meshes}
