@@ -317,10 +317,11 @@ class QueryTail:
 
     @classmethod
     def _blocks(cls, q: torch.Tensor, s: int, off: int):
-        """(key block [m0, m1), its query-row blocks) over positions s..off-1: a block's scores [rows, nh, m] stay under `_BLOCK_BUDGET`."""
+        """(key block [m0, m1), query rows per block) over positions s..off-1: a block's scores [rows, nh, m]
+        stay under `_BLOCK_BUDGET` (about its fp32 keys and values)."""
         nh, d = q.shape[2:]
         m = cls.prefix_block(nh, d)
-        rows = max(1, _BLOCK_BUDGET // (nh * min(m, off - s)))
+        rows = max(1, _BLOCK_BUDGET // (nh * m))
         return [(m0, min(off, m0 + m), rows) for m0 in range(s, off, m)]
 
     def forward(self, q, keys: StepZeroKeys, segments, scale):

@@ -25,8 +25,8 @@ the bytes the tensors of real training steps hold):
     gradient, d loss / d state of every supervised query, chunk temporaries;
   * `sequence_keys` (`train.sequence_parallel` N > 1, `sequence_keys_bytes`): with each sequence split
     N ways every term above that grows with T is taken at a shard's length and its halo
-    (ceil(T / N) + K + 1); this one adds the step-0 keys exchanged between the shards, on the last
-    shard's rank (its queries see the whole sequence).
+    (ceil(T / N) + K + 1); this one adds the step-0 entries exchanged between the shards, on the last
+    shard's rank (its queries see the whole sequence), and one block of the keys made of them.
 
 The two backward moments are compared as a whole: `activations` carries the larger one, the
 loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle31.attention import _BLOCK_BUDGET
+from eagle31.attention import _BLOCK_BUDGET, QueryTail
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
 from eagle31.sequence_parallel import shard_length
@@ -219,13 +219,26 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
 
 def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
     """Bytes the last rank of a sequence group holds for the keys of the whole sequence
-    (`eagle31.sequence_parallel`): the gathered step-0 entry (kept across steps), in the step's backward
-    MLA's decompressed step-0 keys and values, their gradients, and the fp32 gradient of the gathered
-    entry that is reduce-scattered back."""
-    _, kv, _ = _attention_widths(cfg)
+    (`eagle31.sequence_parallel`): the gathered step-0 entry (kept across steps) and, in the step's
+    backward, its gradient and the fp32 copy of that which is reduce-scattered back. The keys and values
+    of the positions before the shard exist one block at a time (`prefix_block_bytes`), whatever T."""
     entry, _ = entry_elements(cfg)  # the step-0 entry is what is gathered
-    decompressed = 2 * kv * c if cfg.attention == "mla" else 0  # Llama: the entry is the keys and values
-    return seq_len * (entry * c + decompressed + 2 * kv * c + entry * 4)
+    return seq_len * entry * (2 * c + 4) + prefix_block_bytes(cfg, c)
+
+
+def prefix_block_bytes(cfg: DrafterConfig, c: int) -> int:
+    """Bytes of one block of the keys before a shard in the backward (`eagle31.attention.QueryTail`):
+    its keys and values made again (MLA: decompressed, with kv_b_proj's output and its gradient; Llama:
+    views of the entry), their fp32 copies and gradients, the gradients' cast to the compute dtype, and
+    one block of query rows' fp32 scores (probabilities, their gradient and one temporary)."""
+    q, kv, _ = _attention_widths(cfg)
+    nh = cfg.num_attention_heads
+    positions = QueryTail.prefix_block(nh, q // nh)
+    rows = max(1, _BLOCK_BUDGET // (nh * positions))
+    per_position = 2 * kv * (4 + (4 + c if c != 4 else 0))  # fp32 gradients; fp32 copies and the casts back
+    if cfg.attention == "mla":
+        per_position += 2 * kv * c + 2 * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
+    return positions * per_position + 3 * rows * nh * positions * 4
 
 
 def estimate_memory(

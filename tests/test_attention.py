@@ -143,7 +143,7 @@ def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(
 @pytest.mark.parametrize("backend", ["flash", "blockwise"])
 def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(backend, monkeypatch):
     """MLA on a sequence shard: the keys before the shard are decompressed from the gathered latents a block
-    of positions at a time (here 2), in the forward and the backward, never all at once; the output and
+    of positions at a time (here 2, by blocks of 8 query rows), in the forward and the backward, never all at once; the output and
     every gradient (q, the latents of step 0 and of the chain, kv_b_proj's weight) are the full sequence's."""
     nh, nope, rope, v_dim, rank, j = 4, 3, 2, 3, 6, 2
     doc = LAYOUTS["padded_rows"]
@@ -170,6 +170,7 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
 
     full_out, full = run(0, T)
     monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
+    monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
     d_latent0, d_weight = torch.zeros_like(latents[0]), torch.zeros_like(weight)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every row
         made.clear()

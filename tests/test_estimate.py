@@ -77,8 +77,10 @@ def test_nothing_fits_a_card_smaller_than_the_fixed_terms():
 
 def test_a_sequence_split_n_ways_holds_a_shard_of_every_length_term_and_the_whole_sequence_of_keys():
     """train.sequence_parallel = N: what grows with T is taken at a shard and its halo; the exchanged keys
-    (MLA latents gathered, decompressed, their gradients) are the whole sequence's on the last rank."""
-    from eagle31.estimate import sequence_keys_bytes
+    (MLA latents gathered, their gradients) are the whole sequence's on the last rank, their decompressed
+    keys and values one block's."""
+    from eagle31.attention import QueryTail
+    from eagle31.estimate import prefix_block_bytes, sequence_keys_bytes
 
     d, T, K = drafter("kimi_k26"), 262144, 7
     whole = estimate_memory(d, T, K, world_size=4, activation_checkpointing=True)
@@ -87,8 +89,12 @@ def test_a_sequence_split_n_ways_holds_a_shard_of_every_length_term_and_the_whol
     for term in ("activations", "target_features", "loss_working_set"):
         assert split[term] == pytest.approx(shard[term]) and split[term] < whole[term] / 3.9, term
     assert "sequence_keys" not in whole
-    # per token: latents (576, bf16) kept, keys and padded values of 64 heads x 192 decompressed and their gradients, fp32 latent gradients
-    assert sequence_keys_bytes(d, 1, 2) == 576 * 2 + 2 * 64 * 192 * 2 * 2 + 576 * 4
+    # per token: latents (576, bf16) kept, their gradients in bf16 and fp32; the keys and padded values of
+    # 64 heads x 192 exist for one block of positions, whatever T
+    assert sequence_keys_bytes(d, 2 * T, 2) - sequence_keys_bytes(d, T, 2) == T * 576 * (2 + 2 + 4)
+    block = QueryTail.prefix_block(64, 192)
+    assert block == (1 << 24) // (2 * 64 * 192) and prefix_block_bytes(d, 2) > block * 2 * 64 * 192 * (2 + 4)
+    assert prefix_block_bytes(d, 2) < 2**30 and sequence_keys_bytes(d, T, 2) < 2 * 2**30
     assert split["sequence_keys"] == pytest.approx(sequence_keys_bytes(d, T, 2) / 2**30)
 
 
