@@ -14,7 +14,8 @@ or an out-of-memory crash ends that part only; the whole check stays within `--b
     memory        the memory model's shapes (`benchmarks.memory_model`): the peak of two steps
                   (`torch.cuda.max_memory_allocated`) beside `eagle31.estimate`'s total for CUDA
     sequence parallel  `benchmarks.sequence_parallel`'s step at N = 1 (NCCL) through the sequence-
-                  parallel code path beside the plain one: step time, peak memory, their ratios
+                  parallel code path beside the plain one: step time, peak memory, their ratios; the
+                  Kimi K2.6 MLA attention of 4 shards (block-wise earlier keys) vs the whole sequence's
     benchmark …   training-step benchmark runs: the Kimi K2.6 drafter at T = 4096, 65536 (activation
                   checkpointing), 16384, the Llama 3.1 8B drafter at 4096 — each against vLLM
                   `speculators`' drafter where it imports (its running out of memory is a result)

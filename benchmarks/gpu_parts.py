@@ -11,7 +11,9 @@ measured; `smoke` selects the CPU variant (tiny shapes, fp32, gloo-free single p
                   checkpoint, resume, export
     benchmark     one training-step benchmark run (`benchmarks.benchmark_train_step` arguments)
     sequence_parallel   `benchmarks.sequence_parallel`'s step at N = 1 through the sequence-parallel
-                  code path beside the plain one: step time, peak memory, the losses agree
+                  code path beside the plain one: step time, peak memory, the losses agree; and the
+                  attention of 4 shards of a sequence (the keys before a shard made block-wise) vs
+                  the whole one's, at the Kimi K2.6 MLA drafter's shape
 """
 
 from __future__ import annotations
@@ -233,7 +235,8 @@ def memory(smoke: bool) -> dict[str, Any]:
 def sequence_parallel(smoke: bool) -> dict[str, Any]:
     """`benchmarks.sequence_parallel`'s step at N = 1 (one process, NCCL on CUDA, gloo on CPU) through the
     sequence-parallel code path (shard, halo, gathered step-0 keys) beside the plain path at the same
-    shape: step time, peak memory, exchanged bytes, their ratios, and the two losses (which must agree)."""
+    shape: step time, peak memory, exchanged bytes, their ratios, and the two losses (which must agree).
+    N = 1 has no keys before its shard: `shard_attention` runs those kernels, on one process."""
     import gc
     import statistics
     import time
@@ -287,17 +290,86 @@ def sequence_parallel(smoke: bool) -> dict[str, Any]:
     plain, split = runs["plain"], runs["sequence_parallel"]
     loss_difference = abs(split["loss"] - plain["loss"]) / abs(plain["loss"])
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    # the keys before a shard (`QueryTail`), which N = 1 has none of: the Kimi K2.6 MLA drafter's attention
+    from benchmarks.sequence_parallel import drafter_config
+    from benchmarks.shapes import recipe_drafter
+
+    mla = drafter_config("mla", 64) if smoke else recipe_drafter("kimi_k26")
+    shards = shard_attention(mla, 64 if smoke else 16384, 4, device, dtype, spec["backend"])
+    ok = loss_difference <= tolerance and split["exchanged_bytes_per_step"] > 0 and shards["passed"]
     report = {
-        "status": "pass" if loss_difference <= tolerance and split["exchanged_bytes_per_step"] > 0 else "fail",
+        "status": "pass" if ok else "fail",
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "seq_len": spec["seq_len"], "backend": spec["backend"],
         "paths": runs, "step_ratio": split["step_s"] / plain["step_s"], "peak_ratio": split["peak_bytes"] / plain["peak_bytes"],
-        "loss_relative_difference": loss_difference,
+        "loss_relative_difference": loss_difference, "shard_attention": shards,
     }  # fmt: skip
     report["detail"] = (
         f"N=1 through the sequence-parallel path vs plain, T={spec['seq_len']}: step x{report['step_ratio']:.2f}, "
-        f"peak x{report['peak_ratio']:.2f}, loss differs by {loss_difference:.1e}"
+        f"peak x{report['peak_ratio']:.2f}, loss differs by {loss_difference:.1e}; last of {shards['shards']} shards' "
+        f"attention at T={shards['seq_len']} ({shards['heads']} heads): max error {max(shards['max_error'].values()):.1e}, "
+        f"{shards['last_shard_s'] * 1e3:.0f} ms vs {shards['whole_s'] * 1e3:.0f} ms whole"
     )
-    if report["status"] == "fail":
+    if not ok:
         report["error"] = report["detail"] + ("" if split["exchanged_bytes_per_step"] else "; no collective ran (not the sequence-parallel path)")
     return report
 
+
+def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) -> dict[str, Any]:
+    """The MLA TTT attention (step 0's latents and two chain steps) of one document of `seq_len` tokens
+    split into `parts` shards, each shard's queries with the latents of every position up to its end
+    (`QueryTail`: the keys before it decompressed a block at a time), against the whole sequence's:
+    output and every gradient (summed over the shards where they share positions), fwd + bwd time
+    and peak memory of the last shard (the longest prefix) and of the whole."""
+    import time
+    from functools import partial
+
+    import torch
+
+    from eagle31.attention import ChainKeysValues, segment_ids, ttt_attention_of_entries
+    from eagle31.mla import mla_keys_values
+
+    nh, nope, rope, v_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731
+    q, dout = rand(1, seq_len, nh, nope + rope), rand(1, seq_len, nh, nope + rope)
+    latents, weight = [rand(1, seq_len, rank + rope) for _ in range(3)], rand(nh * (nope + v_dim), rank, scale=rank**-0.5)
+    segments = segment_ids(None, None, (1, seq_len), device=device)  # one document across every shard
+    cuda = device.type == "cuda"
+
+    def run(a: int, b: int):
+        leaves = [x.detach().clone().requires_grad_() for x in (q[:, a:b], latents[0][:, :b], latents[1][:, a:b], latents[2][:, a:b], weight)]
+        expand = ChainKeysValues(partial(mla_keys_values, num_heads=nh, nope=nope, v_dim=v_dim), (leaves[-1],), width=1)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+        out = ttt_attention_of_entries(leaves[0], (leaves[1],), [(leaves[2],), (leaves[3],)], segments[:, :b], backend, expand, expand)
+        out.backward(dout[:, a:b])
+        if cuda:
+            torch.cuda.synchronize(device)
+        took = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
+        return [out.detach(), *(x.grad for x in leaves)], took, peak
+
+    run(0, seq_len)  # warm-up
+    whole, whole_s, whole_peak = run(0, seq_len)
+    size = seq_len // parts
+    edges = [(i * size, seq_len if i == parts - 1 else (i + 1) * size) for i in range(parts)]
+    got = [torch.zeros_like(t, dtype=torch.float32) for t in whole]
+    for a, b in edges:
+        grads, last_s, last_peak = run(a, b)
+        for i, t in enumerate(grads):
+            if i == 2:  # step 0's latents: every position up to the shard's end
+                got[i][:, :b] += t
+            elif i == 5:  # kv_b_proj's weight
+                got[i] += t
+            else:  # the shard's own rows
+                got[i][:, a:b] = t
+    names = ["output", "q", "step0_latents", "chain_latents_1", "chain_latents_2", "kv_b_proj"]
+    error = {n: float((x.float() - y.float()).abs().max() / y.float().abs().max()) for n, x, y in zip(names, got, whole)}
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return {
+        "seq_len": seq_len, "shards": parts, "heads": nh, "max_error": error, "passed": max(error.values()) <= tolerance,
+        "last_shard_s": last_s, "whole_s": whole_s, "last_shard_peak_bytes": last_peak, "whole_peak_bytes": whole_peak,
+    }  # fmt: skip

@@ -16,8 +16,9 @@ import torch
 from benchmarks import attention_check, gpu_check, gpu_parts
 from benchmarks.fetch_gpu_wheels import platform_tags, project_requirements
 from benchmarks.report import put_gpu_table
+from benchmarks.sequence_parallel import drafter_config
 from benchmarks.shapes import recipe_shapes, recipe_drafter
-from eagle31.attention import FlashCausal
+from eagle31.attention import FlashCausal, QueryTail
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +70,17 @@ def test_the_sequence_parallel_part_runs_the_sequence_parallel_path_at_one_rank_
     assert report["status"] == "pass", report
     assert plain["exchanged_bytes_per_step"] == 0 and split["exchanged_bytes_per_step"] > 0  # its collectives ran
     assert split["loss"] == plain["loss"] and report["step_ratio"] > 0 and report["peak_ratio"] > 0
-    assert "x" in report["detail"]
+    assert report["shard_attention"]["passed"] and max(report["shard_attention"]["max_error"].values()) < 1e-4
+
+
+def test_the_shard_attention_check_catches_a_lost_block_of_earlier_keys(monkeypatch):
+    cfg = drafter_config("mla", 64)
+    assert gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")["passed"]
+    blocks = QueryTail._blocks.__func__
+    monkeypatch.setattr(QueryTail, "_blocks", classmethod(lambda cls, q, s, off: blocks(cls, q, s, off)[1:]))
+    monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 8))  # several blocks: the first is dropped
+    report = gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")
+    assert not report["passed"] and report["max_error"]["output"] > 1e-2
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
