@@ -4,6 +4,11 @@
     python -m benchmarks.memory_model size=tiny out=none   # seconds (the test)
     python -m benchmarks.memory_model measured=benchmarks/results/memory_model.json   # the estimate again, same measurements
 
+Keys (key=value; a bad one is a one-line error, exit 2):
+    size=full|tiny       the shapes below (full) or one tiny MLA shape (tiny)
+    out=<path>.json|none where the JSON goes (the markdown table beside it); none: print only
+    measured=<path>|none take that earlier result's measurements instead of measuring
+
 Each point is two full `Trainer.train_step`s (TTT unroll, loss, backward, clipping, AdamW) in
 a fresh process on CPU (fp32, one plain process: the estimate's `device="cpu"`). What the
 tensors hold is counted by `benchmarks.measure.LiveTensorBytes`; each term of the estimate is
@@ -17,8 +22,9 @@ set beside the bytes that term names:
                                 one moment they share (the estimate: the larger of its two)
   total                         the built model, the batch and the second step's peak (the
                                 estimate counts every gradient at its peak: an upper bound there)
-  per-token slope               how that working set grows with T (several T per shape; not checked
-                                where that growth is a few KB on a fixed-size working set)
+  per-token slope               how that working set grows with T: the least-squares slope over
+                                the shape's T (three where checked; not checked where that growth
+                                is a few KB on a fixed-size working set)
 
 Shapes: the Kimi K2.6 attention shapes (MLA 64 heads x (128 + 64), latents 512 + 64, q rank
 1536; Llama 64 x 128) at a reduced hidden size, MLP width and vocabulary for the per-token
@@ -34,6 +40,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +48,8 @@ import torch
 from benchmarks.measure import LiveTensorBytes, cpu_step_memory
 from benchmarks.report import write_result
 from benchmarks.train_step import BenchConfig, EagleStep
-from eagle31.cli import wants_help
+from eagle31.cli import parse_key_values, wants_help
+from eagle31.config import ConfigError
 from eagle31.estimate import GiB, estimate_memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,13 +63,13 @@ _KIMI_MLA_HEADS = dict(
 _NARROW = dict(hidden_size=512, target_hidden_size=512, intermediate_size=1024, vocab_size=2048, draft_vocab_size=1024)
 SHAPES = {
     "full": {
-        "mla_kimi_heads": dict(overrides={**_NARROW, **_KIMI_MLA_HEADS}, seq_lens=(128, 256)),
+        "mla_kimi_heads": dict(overrides={**_NARROW, **_KIMI_MLA_HEADS}, seq_lens=(128, 256, 512)),
         "llama_kimi_heads": dict(
-            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128}, seq_lens=(128, 256)
+            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128}, seq_lens=(128, 256, 512)
         ),
         "llama_kimi_heads_no_ckpt": dict(
             overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128},
-            seq_lens=(128, 256),
+            seq_lens=(128, 256, 512),
             checkpointing=False,
         ),
         # the full vocabulary (Vd = V = 163840, as kimi_k26) at a small width: the vocabulary terms
@@ -187,12 +195,7 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
                        "raw": m, "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
         log(f"{name} T={T}: measured {measured['total']:.3f} GiB, estimated {estimated['total']:.3f} GiB "
             f"(working set {measured['activations_and_loss']:.3f} vs {estimated['activations_and_loss']:.3f})")  # fmt: skip
-    first, last = points[0], points[-1]
-    dT = last["seq_len"] - first["seq_len"]
-    slope = {
-        side: (last[f"{side}_gib"]["activations_and_loss"] - first[f"{side}_gib"]["activations_and_loss"]) * GiB / dT
-        for side in ("measured", "estimated")
-    }
+    slope = {side: working_set_slope(points, side) for side in ("measured", "estimated")}
     checks = {}
     for p in points:
         for k, r in p["estimate_over_measured"].items():
@@ -213,6 +216,15 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
     }
 
 
+def working_set_slope(points: list[dict], side: str) -> float:
+    """Bytes per token: the least-squares slope of `side`'s ("measured" or "estimated") working set over
+    the points' T (with two points, their difference over their distance)."""
+    Ts = [p["seq_len"] for p in points]
+    ws = [p[f"{side}_gib"]["activations_and_loss"] * GiB for p in points]
+    T_mean, w_mean = sum(Ts) / len(Ts), sum(ws) / len(ws)
+    return sum((T - T_mean) * (w - w_mean) for T, w in zip(Ts, ws)) / sum((T - T_mean) ** 2 for T in Ts)
+
+
 def markdown(result: dict) -> str:
     rows = [
         "| shape | T | term | measured GiB | estimated GiB | estimate / measured |",
@@ -230,35 +242,41 @@ def markdown(result: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+@dataclass
+class MemoryModelArgs:
+    """The command line's keys (module docstring)."""
+
+    size: str = "full"
+    out: str = str(ROOT / "benchmarks" / "results" / "memory_model.json")
+    measured: str = "none"
+
+
 def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
-    opts = {"size": "full", "out": str(ROOT / "benchmarks" / "results" / "memory_model.json"), "measured": "none"}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in opts:
-            print(f"error: unknown argument {arg!r}; expected key=value with key in {sorted(opts)}", file=sys.stderr)
-            return 2
-        opts[key] = value
-    if opts["size"] not in SHAPES:
-        print(f"error: size={opts['size']!r}; choose one of {sorted(SHAPES)}", file=sys.stderr)
+    try:
+        args = parse_key_values(argv, MemoryModelArgs)
+        if args.size not in SHAPES:
+            raise ConfigError(f"size={args.size!r}; choose one of {sorted(SHAPES)}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     recorded = {}  # measured=<json>: the estimate again, against that file's measurements
-    if opts["measured"] != "none":
-        earlier = json.loads(Path(opts["measured"]).read_text())
+    if args.measured != "none":
+        earlier = json.loads(Path(args.measured).read_text())
         recorded = {s["shape"]: {p["seq_len"]: p["raw"] for p in s["points"]} for s in earlier["shapes"]}
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "device": "cpu, fp32, one process, 1 thread",
         "tolerance": {"term": TERM_TOLERANCE, "total": TOTAL_TOLERANCE},
-        "shapes": [compare(name, spec, log, recorded.get(name)) for name, spec in SHAPES[opts["size"]].items()],
+        "shapes": [compare(name, spec, log, recorded.get(name)) for name, spec in SHAPES[args.size].items()],
     }
     result["passed"] = all(s["passed"] for s in result["shapes"])
     table = markdown(result)
-    if opts["out"] != "none":
-        out = write_result(result, opts["out"])
+    if args.out != "none":
+        out = write_result(result, args.out)
         Path(out).with_suffix(".md").write_text(table)
         log(f"wrote {out} and {Path(out).with_suffix('.md')}")
     print(table)

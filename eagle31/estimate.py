@@ -17,10 +17,12 @@ the bytes the tensors of real training steps hold):
   * `target_features`: the batch's aux and final hidden states (compute dtype);
   * `activations`: what the TTT unroll keeps, `activation_bytes(...)`: with activation
     checkpointing each step's input state, token ids and positions, step 0's keys and values
-    (Llama) or every step's latents (MLA); plus the larger of the two moments of the backward
-    (the loss's backward, or one recomputed step — its saved tensors and the largest moment of
-    its backward: MLP chunks, causal kernel, chain blocks — while every step's state gradient
-    waits; on CPU also the layer's gradient buffers, `layer_gradient_bytes`);
+    (Llama) or every step's latents (MLA); plus the largest moment of the backward: the loss's
+    backward, or the largest over the steps k of step k's (its saved tensors and the largest
+    moment of its backward: MLP chunks, causal kernel, chain blocks k entries deep — while every
+    step's state gradient waits; on CPU also the layer's gradient buffers made by then,
+    `layer_gradient_bytes`: the deepest step, whose backward runs first, has only those of the
+    weights after the attention when its attention's backward runs);
   * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
     gradient, d loss / d state of every supervised query, chunk temporaries;
   * `sequence_keys` (`train.sequence_parallel` N > 1, `sequence_keys_bytes`): with each sequence split
@@ -28,7 +30,7 @@ the bytes the tensors of real training steps hold):
     (ceil(T / N) + K + 1); this one adds the step-0 entries exchanged between the shards, on the last
     shard's rank (its queries see the whole sequence), and one block of the keys made of them.
 
-The two backward moments are compared as a whole: `activations` carries the larger one, the
+The backward's moments are compared as a whole: `activations` carries the largest one, the
 loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
 less the gradients that do not exist yet at that moment (`gradients_after_the_peak`, negative).
 """
@@ -132,20 +134,21 @@ def step_after_attention_bytes(cfg: DrafterConfig, c: int) -> int:
     return b
 
 
-def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str, ttt_length: int) -> dict[str, int]:
-    """Bytes per token `_TTTAttention.backward` holds at the deepest step: `throughout` the incoming
-    gradient and dq (compute dtype); `causal` while the causal kernel's backward runs: dk0, dv0, MLA's
-    re-decompressed k0, v0, and what the kernel allocates besides, per device; `chain` while the chain
-    blocks run: the gradients of the j chain entries."""
+def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str, depth: int) -> dict[str, int]:
+    """Bytes per token `_TTTAttention.backward` holds at a step of chain depth `depth` (step k: k entries):
+    `throughout` the incoming gradient and dq (compute dtype); `causal` while the causal kernel's backward
+    runs: dk0, dv0, MLA's re-decompressed k0, v0, and what the kernel allocates besides, per device;
+    `chain` while the chain blocks run: the gradients of the `depth` chain entries and of the step-0 entry
+    (made by the causal part, returned after the chain: Llama's dk0, dv0; MLA's latent's)."""
     q, kv, _ = _attention_widths(cfg)
     if device == "cuda":  # varlen flash: its fp32 dq accumulator
         kernel = 4 * q
     else:  # per document: keys and values repeated to every head, dout and out made contiguous, dq, dk, dv
         kernel = 2 * q * c + 2 * q * c + 3 * q * c
     causal = 2 * kv * c * (2 if cfg.attention == "mla" else 1) + kernel
-    j = max(0, ttt_length - 1)
     entry_grad = entry_elements(cfg)[1] if cfg.attention == "mla" else cfg.hidden_size  # Llama: d feature
-    return {"throughout": 2 * q * c, "causal": causal, "chain": j * entry_grad * c}
+    entry0_grad = entry_elements(cfg)[0]
+    return {"throughout": 2 * q * c, "causal": causal, "chain": (depth * entry_grad + entry0_grad) * c}
 
 
 def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
@@ -155,23 +158,32 @@ def feed_forward_chunk_bytes(cfg: DrafterConfig, c: int, seq_len: int) -> int:
     return rows * (_norm(H, c, True) + 4 * I * c + _norm(H, c, False) + 2 * H * c)  # norms, SwiGLU, o and norm(o)
 
 
-def chain_block_bytes(cfg: DrafterConfig, ttt_length: int, c: int, seq_len: int) -> int:
-    """Bytes of one chain block in the backward at the deepest step: its remade keys and values, their
-    gradients (compute dtype) and fp32 copies (unless fp32 already), the graph that remakes them (MLA:
-    kv_b_proj's output gradient; Llama: the rows' embedding, z and its gradient), and the weight
-    gradients of that graph: the fp32 sum over blocks and one block's."""
+def chain_block_bytes(cfg: DrafterConfig, depth: int, c: int, seq_len: int) -> int:
+    """Bytes of one chain block in the backward of a step of chain depth `depth` >= 1, at the larger of
+    its two moments. Both hold the block's depth x rows remade keys and values, their gradients (compute
+    dtype) and fp32 copies (unless fp32 already), the graph that remakes them (MLA: kv_b_proj's output
+    gradient; Llama: the rows' embedding, z and its gradient, one key gradient), the fp32 sum of that
+    graph's weight gradients over the blocks and MLA's step-0 kv_b_proj gradient (made before the chain,
+    returned after it); then either the block's own weight gradients (`autograd.grad` has made them) or,
+    earlier in that graph's backward, its intermediate gradients: MLA's keys' gradient made contiguous for
+    the unflatten and the values' cut from their zero padding; Llama's rope backward (the key's gradient
+    through cos and through sin, the rotated half, their sum)."""
     q, kv, rope = _attention_widths(cfg)
     H = cfg.hidden_size
-    j = max(1, ttt_length - 1)
-    rows = min(seq_len, max(1, _BLOCK_BUDGET // (j * q)))
+    rows = min(seq_len, max(1, _BLOCK_BUDGET // (depth * q)))  # `eagle31.attention._chain_rows`
     per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
     if cfg.attention == "mla":
         per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
+        intermediate = (kv + cfg.num_attention_heads * cfg.v_head_dim) * c
         weights = cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    else:  # stacked feature rows, emb, normed emb (saved), z, its gradient, k before rope, cos, sin
+        step0_weights = weights * c
+    else:  # stacked feature rows, emb, normed emb (saved), z, its gradient, a key gradient, cos, sin
         per_row += (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
+        intermediate = 7 * kv * c // 2
         weights = 2 * kv * 2 * H
-    return rows * j * per_row + weights * (4 + c)
+        step0_weights = 0  # the step-0 keys and values are the entry: no weights remake them
+    held = rows * depth * per_row + weights * 4 + step0_weights
+    return held + max(weights * c, rows * depth * intermediate)
 
 
 def layer_gradient_bytes(cfg: DrafterConfig) -> int:
@@ -182,23 +194,48 @@ def layer_gradient_bytes(cfg: DrafterConfig) -> int:
     return (p.trainable - cfg.fc_in_features * cfg.hidden_size - cfg.draft_vocab_size * cfg.hidden_size) * 4
 
 
-def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict[str, int]:
-    """The unroll's terms in bytes: `kept` (from the forward to the backward), `step` (the one step
-    whose backward is running: its recomputed saved tensors, with checkpointing, and the larger of
-    the moments of its backward: the MLP chunks', the attention's causal kernel, its chain blocks)."""
+def after_attention_gradient_bytes(cfg: DrafterConfig) -> int:
+    """The part of `layer_gradient_bytes` there when the deepest step's attention backward runs: the
+    weights after the attention (o_proj, the MLP, post_attention_layernorm, the final norm), whose backward
+    comes first; the attention's projections and the norms before them get theirs after it."""
+    H = cfg.hidden_size
+    o_proj = cfg.num_attention_heads * (cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim) * H
+    return (o_proj + 3 * H * cfg.intermediate_size + 2 * H) * 4
+
+
+def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict:
+    """The unroll's bytes: `kept`, what is alive from the forward to the loss's backward, and `steps`, for
+    each TTT step k = 0..K-1 (the backward runs k = K-1 first) what is alive at the largest moment of its
+    backward: what is left of `kept`, its recomputed saved tensors (with checkpointing), the larger of the
+    moments of its backward (the MLP chunks', the attention's causal kernel, its chain blocks, k entries
+    deep), the step-0 entry's gradient the deeper steps made (summed, waiting for step 0's) and, on CPU,
+    the layer's gradient buffers made so far (the deepest step's attention runs before its projections
+    have theirs, the others' after: `after_attention_gradient_bytes`, `layer_gradient_bytes`).
+    The peak is the largest of `steps`; which step's depends on T: a chain block grows with k and, up to
+    `_BLOCK_BUDGET`, with T; the gradient buffers are fixed."""
     H, I, T, K = cfg.hidden_size, cfg.intermediate_size, seq_len, ttt_length
-    attn = attention_backward_bytes(cfg, c, device, K)
-    chain = chain_block_bytes(cfg, K, c, T) if K > 1 else 0
-    attention = attn["throughout"] * T + max(attn["causal"] * T, attn["chain"] * T + chain)
     saved = step_saved_bytes(cfg, c)
     after = step_after_attention_bytes(cfg, c)
-    if not checkpointing:  # every step keeps what it saves, the whole MLP block's too
-        mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False)
-        per_step = saved + after + mlp_block - H * c  # h' is the norm's input
-        return {"kept": (kept_bytes(cfg, K, c) + K * per_step) * T, "step": attention}
-    # the MLP chunks' backward comes before the attention's, and h' (with MLA's o_proj input) goes with it
-    mlp = after * T + feed_forward_chunk_bytes(cfg, c, T)
-    return {"kept": kept_bytes(cfg, K, c) * T, "step": saved * T + max(attention, mlp)}
+    mlp_block = _norm(H, c, False) + 4 * I * c + _norm(H, c, False)
+    per_step = saved + after + mlp_block - H * c  # without checkpointing, what a step saves (h' is the norm's input)
+    entries = kept_bytes(cfg, K, c) * T
+    kept = entries + (0 if checkpointing else K * per_step * T)
+    steps = []
+    for k in range(K):
+        attn = attention_backward_bytes(cfg, c, device, k)
+        chain = attn["chain"] * T + chain_block_bytes(cfg, k, c, T) if k else 0
+        attention = attn["throughout"] * T + max(attn["causal"] * T, chain)
+        # after the deepest step, the step-0 entry's gradient summed over the deeper steps waits for step 0
+        waiting = entry_elements(cfg)[0] * c * T if k < K - 1 else 0
+        grads = 0
+        if device == "cpu":
+            grads = after_attention_gradient_bytes(cfg) if k == K - 1 else layer_gradient_bytes(cfg)
+        if checkpointing:  # the MLP chunks' backward comes before the attention's, h' (and MLA's o_proj input) with it
+            mlp = after * T + feed_forward_chunk_bytes(cfg, c, T)
+            steps.append(entries + saved * T + max(attention, mlp) + waiting + grads)
+        else:  # the steps after k have freed what they saved, k its MLP block's: its attention's backward runs
+            steps.append(entries + (k * per_step + saved) * T + attention + waiting + grads)
+    return {"kept": kept, "steps": steps}
 
 
 def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
@@ -272,15 +309,15 @@ def estimate_memory(
     act = activation_bytes(cfg, T, K, checkpointing=activation_checkpointing, c=c, device=device)
     loss = loss_moment_bytes(cfg, T, K, c=c, fsdp=fsdp)
     state_grads = loss["state_gradients"]
-    # the two moments of the backward: the loss's and one step's (the state gradients wait; dW is gone;
-    # on CPU the layer's gradient buffers have come, under FSDP they are in `gathered_parameters`)
+    # the moments of the backward: the loss's, then each step's (`activation_bytes`: the state gradients
+    # wait, dW is gone; on CPU the layer's gradient buffers come, under FSDP they are in `gathered_parameters`)
     loss_moment = sum(loss.values())
-    step = act["step"] + (0 if fsdp else layer_gradient_bytes(cfg))
-    at_loss = loss_moment >= state_grads + step
+    step = max(act["steps"])  # the largest step's moment
+    at_loss = act["kept"] + loss_moment >= step + state_grads
     if at_loss:
         activations, loss_work = act["kept"], loss_moment
     else:
-        activations, loss_work = act["kept"] + step, state_grads
+        activations, loss_work = step, state_grads
     parts = {
         "param_grad_optimizer_states": states,
         "frozen_embedding": embed,

@@ -120,3 +120,24 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_planned_gpus_is_refus
     with pytest.raises(ConfigError, match="train.attention=reference cannot attend across sequence shards"):
         plan_run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", "plan.world_size=4", "train.sequence_parallel=2",
                                        "train.attention=reference"]), init_world("cpu"))  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,T,peak_step", [("mla_kimi_heads", 128, 1), ("llama_kimi_heads_no_ckpt", 128, 1),
+                                               ("llama_kimi_heads_no_ckpt", 512, 2)])  # fmt: skip
+def test_the_peak_is_the_largest_of_the_steps_moments(shape, T, peak_step):
+    """The working set is the largest step's moment of the backward, not the deepest step's chain block
+    beside every gradient buffer: at short T step 1 (its chain block after the deepest step's backward
+    made the projections' gradients), at longer T the deepest step (K - 1 entries deep), as measured
+    (`benchmarks/memory_model.py`: K = 3, fp32, one CPU process)."""
+    from benchmarks.memory_model import SHAPES, TTT_LENGTH
+    from benchmarks.train_step import BenchConfig
+    from eagle31.estimate import after_attention_gradient_bytes
+
+    spec = SHAPES["full"][shape]
+    cfg = BenchConfig(shape="tiny", overrides=spec["overrides"]).drafter_config()
+    checkpointing = spec.get("checkpointing", True)
+    steps = activation_bytes(cfg, T, TTT_LENGTH, checkpointing=checkpointing, c=4, device="cpu")["steps"]
+    assert len(steps) == TTT_LENGTH and steps.index(max(steps)) == peak_step, steps
+    m = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
+    assert m["activations"] * GiB == pytest.approx(max(steps))
+    assert after_attention_gradient_bytes(cfg) < layer_gradient_bytes(cfg) / 2  # the deepest step's attention has the fewer

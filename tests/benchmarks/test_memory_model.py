@@ -39,3 +39,17 @@ def test_recorded_measurements_are_compared_again_without_running(tmp_path, monk
 def test_bad_arguments_are_one_line_and_exit_2(capsys):
     assert main(["size=huge"]) == 2 and main(["bogus"]) == 2
     assert capsys.readouterr().err.count("\n") == 2
+
+
+def test_the_committed_measurements_hold_against_the_estimate_as_it_is(monkeypatch, capsys):
+    """The committed run's measurements against today's estimate (nothing is measured again): every term
+    within 15%, every total within 10% and every checked per-token slope within 15%. A change to
+    `eagle31.estimate` that breaks one fails here until the benchmark is run again and still passes."""
+    from pathlib import Path
+
+    committed = Path(memory_model.ROOT) / "benchmarks" / "results" / "memory_model.json"
+    monkeypatch.setattr(memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    assert main([f"measured={committed}", "out=none"]) == 0, capsys.readouterr().err
+    slopes = [line for line in capsys.readouterr().out.splitlines() if "| slope |" in line]
+    assert len(slopes) == len(SHAPES["full"])  # one per shape, from more than two T where checked
+    assert all(len(spec["seq_lens"]) >= 3 for spec in SHAPES["full"].values() if spec.get("slope_checked", True))
