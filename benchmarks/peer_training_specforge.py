@@ -15,18 +15,23 @@ the draft model and its initialisation (`LlamaForCausalLMEagle3`, the target's e
 frozen), the TTT forward with its mask alignment (`OnlineEagle3Model.forward`), the loss and
 its normalisation (KL over all B*T rows, LK variants from `specforge.core.lk_loss`), the step
 weights (0.8^k, fixed in `Eagle3TrainStrategy`), the optimizer (`BF16Optimizer`: AdamW with
-torch's default betas (0.9, 0.999), fp32 master weights), the warm-up + cosine schedule (to
-zero), DDP on gloo, the checkpoints and the export. One substitution: their KL is a Triton
-kernel that cannot run on a CPU; their pure-torch reference of the same loss runs instead
-(`benchmarks/specforge_entry.py`).
+torch's default betas (0.9, 0.999) and no weight decay, fp32 master weights), the warm-up +
+cosine schedule (to zero), DDP on gloo, the checkpoint and the export. One substitution: their
+KL is a Triton kernel that cannot run on a CPU ("0 active drivers"); their pure-torch reference
+of the same loss runs instead (`benchmarks/specforge_entry.py`).
 
 What is ours: the features (each document of our train split, in the order of one epoch of our
 loader, as one `.ckpt` file: input ids, loss mask, `hidden_state` = the store's `final` (the
 target's last state after its norm, what their `TargetHead` projects), `aux_hidden_state` =
 the store's aux features), the draft vocabulary (our d2t / t2d), the drafter's shape, and the
-recipe's settings mapped onto their config (below). The documents per step
+recipe's settings mapped onto their config (`run_config`): `train.lr`, `train.max_steps` (also
+their schedule's length), `train.warmup_steps` (as their `warmup_ratio`), `train.max_grad_norm`,
+`train.ttt_length`, `train.loss` (kl; lk_alpha and lk_hybrid as their `lk_loss_type` alpha and
+lambda, `train.lk_eta` as their `kl_decay`), `seed` and `data.max_len`; fp32 weights (their
+default is bf16) and the thread count of our side. The documents per step
 (`training.batch_size`) are our packed batches' mean, so both sides see about the same tokens
-per step; `report.json` has the tokens their sampler fed.
+per step; `report.json` has the tokens their sampler fed. A killed run starts over from step 0
+(the features are kept).
 
 SpecForge 0.2.0 feeds the pre-norm state back to the next TTT step (`OnlineEagle3Model.forward`
 assigns the layer's output; their `norm_output` only decides whether `lm_head` sees
@@ -40,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +93,8 @@ def check_specforge_recipe(recipe) -> None:
         raise ConfigError(f"train.loss={train.loss}: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only")
     if train.ttt_decay != SPECFORGE_STEP_DECAY:
         raise ConfigError(f"train.ttt_decay={train.ttt_decay}: SpecForge weights TTT step k by 0.8^k, fixed")
+    if train.weight_decay:
+        raise ConfigError(f"train.weight_decay={train.weight_decay}: SpecForge's optimizer has no weight decay")
 
 
 def batch_documents(batch: FeatureBatch):
@@ -200,14 +208,14 @@ def run_config(recipe, work: Path, target: Path, lm_head_key: str, batch_size: i
             "lk_loss_type": SPECFORGE_LOSS[DraftLoss(train.loss)],
             "kl_scale": 1.0,
             "kl_decay": float(train.lk_eta),
-            "save_interval": train.save_every or 0,
+            "save_interval": 0,  # their last checkpoint only: a killed run starts over
             "log_interval": 1,
             "seed": recipe.seed,
         },
     }
 
 
-def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Tensor, drafter, timeout: float | None = None) -> dict:
+def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Tensor, drafter) -> dict:
     """Their trainer on our features; writes `drafter/` (their HF export) and `training_steps.jsonl` under the run dir."""
     python = specforge_python()
     check_specforge_recipe(recipe)
@@ -224,13 +232,12 @@ def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Te
     atomic_write_json(work / "draft_config.json", draft_config(drafter))
     torch.save({"d2t": d2t, "t2d": t2d}, work / "vocab_mapping.pt")
     atomic_write_text(work / "run.json", json.dumps(run_config(recipe, work, target, lm_head_key, batch_size, epochs), indent=2))
-    overrides = []
-    if any((work / "checkpoints").glob(f"{RUN_ID}-latest")):  # killed earlier: their trainer resumes
-        overrides.append(f"training.resume_from={work / 'checkpoints'}")
-        print(f"resume: specforge seed {recipe.seed} from {work / 'checkpoints'}", file=sys.stderr)
+    if (work / "checkpoints").exists():  # a killed run starts over (its features are kept)
+        print(f"restart: specforge seed {recipe.seed} (an earlier run did not finish)", file=sys.stderr)
+        shutil.rmtree(work / "checkpoints")
     drafter_dir = plan.run_dir / "drafter"
     inputs = {
-        "run_config": str(work / "run.json"), "overrides": overrides, "run_id": RUN_ID,
+        "run_config": str(work / "run.json"), "run_id": RUN_ID,
         "output_dir": str(work / "checkpoints"), "max_steps": recipe.train.max_steps,
         "draft_config": str(work / "draft_config.json"), "vocab_mapping": str(work / "vocab_mapping.pt"),
         "target_dir": str(target), "drafter_dir": str(drafter_dir),
@@ -239,17 +246,14 @@ def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Te
     atomic_write_json(work / "inputs.json", inputs)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SPECFORGE_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([str(python), str(ENTRY), str(work)], capture_output=True, text=True, env=env, timeout=timeout)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the threads eagle31's side trains with
+    proc = subprocess.run([str(python), str(ENTRY), str(work)], capture_output=True, text=True, env=env)
     (work / "specforge.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"SpecForge's trainer failed (exit {proc.returncode}), see {work / 'specforge.log'}:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    log = work / "training_steps.jsonl"  # every step's metrics, across a resume
-    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    steps = [s for s in steps if s["step"] <= (result["step_log"][0]["step"] - 1 if result["step_log"] else 0)]
-    steps += [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in result["step_log"]]
-    atomic_write_text(log, "".join(json.dumps(s) + "\n" for s in steps))
-    atomic_write_text(drafter_dir / "training_steps.jsonl", log.read_text())
+    steps = [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in result["step_log"]]
+    atomic_write_text(drafter_dir / "training_steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))
     return {
         "steps": result["steps"],
         "tokens_seen": result["tokens_seen"],

@@ -4,7 +4,8 @@
     python -m benchmarks.side_by_side --smoke                # tiny budget end to end (also SMOKE=1)
     python -m benchmarks.side_by_side seeds=0,1 max_steps=150 out=benchmarks/results/side_by_side/demo \\
         -- recipe=demo train.loss=kl                          # after `--`: recipe overrides, every side
-    python -m benchmarks.side_by_side sides=eagle31,speculators,specforge -- recipe=demo drafter.norm_output=false
+    python -m benchmarks.side_by_side sides=eagle31,speculators,specforge runs=runs/side_by_side_eagle3 \
+        out=benchmarks/results/side_by_side/demo_eagle3 -- recipe=demo drafter.norm_output=false
 
 One recipe describes every side: the prepared data and the captured shard store (made once, by
 the first eagle31 run, `features.mode=store`), the draft vocabulary, the drafter's shape and
@@ -14,14 +15,15 @@ the loader's order for the seed), steps, AdamW settings, schedule and clipping. 
 `benchmarks.peer_training` trains speculators' `Eagle3DraftModel` with its own forward, mask
 alignment and loss, and `benchmarks.peer_training_specforge` runs SpecForge 0.2.0's own trainer
 in its venv (what is theirs and what is ours is listed in each). SpecForge trains EAGLE-3
-feedback only, so a comparison with it needs `drafter.norm_output=false`. Every drafter is read
+feedback only, so a comparison with it needs `drafter.norm_output=false` (and runs of its own:
+finished runs under `runs` are reused, not retrained, whatever the overrides). Every drafter is read
 back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance` run (greedy
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
 A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
 drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
 training continues from its last checkpoint (every `train.save_every` steps; eagle31's by
-`resume=auto`). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
+`resume=auto`; SpecForge's starts over). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
 plot), `summary.json` and `results.md` (tau per split and side, the seeds, and the ratio
 eagle31 / peer of the seed means, per peer).
 

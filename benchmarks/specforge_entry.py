@@ -84,7 +84,7 @@ def main(work: Path) -> dict:
     tee = Tee(sys.stdout)
     started = time.perf_counter()
     with contextlib.redirect_stdout(tee):
-        code = specforge_cli(["train", "--config", inputs["run_config"], *inputs["overrides"]])
+        code = specforge_cli(["train", "--config", inputs["run_config"]])
     seconds = time.perf_counter() - started
     if code:
         raise SystemExit(f"specforge train exited with {code}")

@@ -167,7 +167,7 @@ def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, specforge_venv):
+def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, capsys, specforge_venv):
     """SpecForge's own trainer (its venv) for 2 steps on our features; its HF export read back by our reader."""
     from safetensors.torch import load_file
 
@@ -200,3 +200,6 @@ def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, spec
     torch.testing.assert_close(peer.d2t, ours.d2t, rtol=0, atol=0)
     saved = load_file(run / "drafter" / "model.safetensors")
     torch.testing.assert_close(peer.fc.weight, saved["fc.weight"].to(peer.fc.weight.dtype))
+    # a second call finds every step done and only summarises again
+    assert main(["--smoke", "sides=eagle31,specforge", f"out={out}", f"runs={runs}", "--", *overrides]) == 0
+    assert "skip (done): specforge seed 0" in capsys.readouterr().err
