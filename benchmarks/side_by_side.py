@@ -51,7 +51,7 @@ from eagle31.targets.cache import cache_dir, portable_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("eagle31", "speculators", "specforge")
-PEER_NAMES = {"speculators": "speculators 0.9.0 (EAGLE-3 with fc_norm, norm_output)", "specforge": "SpecForge 0.2.0 (EAGLE-3)"}
+PEER_NAMES = {"speculators": "speculators 0.9.0", "specforge": "SpecForge 0.2.0"}
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 
 
@@ -301,8 +301,8 @@ def format_results(summary: dict) -> str:
     peers = sides[1:]
     drafter = cfg["recipe"]["drafter"]
     lines = [
-        f"eagle31 against {', '.join(PEER_NAMES[p] for p in peers)}, recipe {cfg['recipe']['recipe']} "
-        f"(fc_norm {drafter['fc_norm']}, norm_output {drafter['norm_output']}), "
+        f"eagle31 against {', '.join(PEER_NAMES[p] for p in peers)} (drafters with fc_norm {drafter['fc_norm']}, "
+        f"norm_output {drafter['norm_output']}), recipe {cfg['recipe']['recipe']}, "
         f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}"
         + (f"; speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}" if "speculators" in peers else "")
         + ".",

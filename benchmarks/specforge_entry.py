@@ -15,7 +15,7 @@ gradient is the kernel's backward). Then `specforge export --to hf` writes the d
 Prints one JSON object as its last stdout line: the step log (their `step N: {...}` lines),
 the number of steps, and the tokens their sampler fed (replayed with their
 `specforge.launch._distributed_sampler_indices`, the batches their loader drops last
-excluded).
+excluded) and the wall time of `specforge train` (their start-up and torch.compile included).
 """
 
 from __future__ import annotations
