@@ -19,7 +19,8 @@ ENTRY_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # Their model with the state we wrote, their TTT forward on our batch (input ids and target shifted
 # by their `specforge.utils.padding`, as `TargetHead.preprocess` does); the logits of every step
-# recorded at `compute_logits`, and their per-step losses.
+# recorded at `compute_logits`, their per-step losses, and the gradients of their step-weighted
+# loss (`Eagle3TrainStrategy`'s 0.8^k).
 THEIR_FORWARD = """
 import json, sys
 from pathlib import Path
@@ -47,7 +48,10 @@ plosses = model(
     input_ids=padding(ids, left=False), attention_mask=torch.ones_like(ids), target=padding(batch["target"], left=False),
     loss_mask=batch["loss_mask"][..., None], hidden_states=batch["aux"],
 )[0]
-save_file({f"logits_{k}": l.detach().contiguous() for k, l in enumerate(logits)}, work / "theirs.safetensors")
+sum(0.8**k * p for k, p in enumerate(plosses)).backward()
+out = {f"logits_{k}": l.detach().contiguous() for k, l in enumerate(logits)}
+out.update({f"grad.{n}": p.grad.contiguous() for n, p in draft.named_parameters() if p.grad is not None})
+save_file(out, work / "theirs.safetensors")
 print(json.dumps({"plosses": [float(p) for p in plosses]}))
 """
 
@@ -68,7 +72,8 @@ def specforge_python():
 @pytest.mark.slow
 def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path, specforge_python):
     """Step k's logits at every position, K = 3: their unroll (pre-norm feedback, RoPE at p + k, the
-    step-0 causal keys plus the query's own chain) is eagle31's with norm_output=false."""
+    step-0 causal keys plus the query's own chain) is eagle31's with norm_output=false; their loss is
+    the KL at their alignment computed on our logits, and so are its gradients."""
     from benchmarks.peer_training_specforge import draft_config
     from eagle31.ttt import ttt_unroll
 
@@ -93,22 +98,28 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path, specforge
     theirs = load_file(tmp_path / "theirs.safetensors")
     plosses = json.loads(proc.stdout.strip().splitlines()[-1])["plosses"]
 
-    with torch.no_grad():
-        out = ttt_unroll(drafter, aux, input_ids, ttt_length=K, attention="reference")
-        ours = [drafter.lm_head(s) for s in out.states]  # lm_head(norm(o_k)) [1, T, Vd]
-    assert len(theirs) == K
+    out = ttt_unroll(drafter, aux, input_ids, ttt_length=K, attention="reference")
+    ours = [drafter.lm_head(s) for s in out.states]  # lm_head(norm(o_k)) [1, T, Vd]
+    assert sum(name.startswith("logits_") for name in theirs) == K
     for k in range(K):
-        torch.testing.assert_close(theirs[f"logits_{k}"], ours[k], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs[f"logits_{k}"], ours[k].detach(), rtol=1e-5, atol=1e-5)
     # their loss at step k: KL from the target's draft-vocabulary softmax at position p + 1 + k (their
     # shift), over all T rows; rows past the end and target tokens outside the draft vocabulary masked
     t2d = drafter.t2d.bool()
+    total = 0
     for k in range(K):
         p_target = torch.softmax(target[0, :, t2d], -1)  # [T, Vd]
         rows = torch.arange(T) + 1 + k
         valid = (rows < T) & t2d[target[0].argmax(-1)[rows.clamp(max=T - 1)]]
         logp = torch.log_softmax(ours[k][0], -1)
-        kl = -(p_target[rows.clamp(max=T - 1)] * logp).sum(-1) * valid
-        assert plosses[k] == pytest.approx(float(kl.sum() / T), rel=1e-5, abs=1e-6)
+        kl = (-(p_target[rows.clamp(max=T - 1)] * logp).sum(-1) * valid).sum() / T
+        assert plosses[k] == pytest.approx(float(kl.detach()), rel=1e-5, abs=1e-6)
+        total = total + 0.8**k * kl
+    total.backward()
+    grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+    assert {"fc.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight", "fc_norm.0.weight"} <= grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(theirs[f"grad.{name}"], grad, rtol=1e-4, atol=1e-6)
 
 
 def test_features_are_one_file_per_document_in_our_order(tmp_path):
