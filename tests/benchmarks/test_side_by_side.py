@@ -5,7 +5,6 @@ own trainer (in its venv), so that it cannot rot."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -140,20 +139,6 @@ def test_a_bad_key_is_one_line(capsys):
     assert "sides must be eagle31 and one or more of speculators, specforge" in capsys.readouterr().err
 
 
-@pytest.fixture
-def specforge_venv():
-    """SpecForge 0.2.0's venv (`.ci/specforge_venv.sh`): skipped where missing, failing under CI=true."""
-    from benchmarks.peer_training_specforge import specforge_python
-    from eagle31.config import ConfigError
-
-    try:
-        return specforge_python()
-    except ConfigError as e:
-        if os.environ.get("CI"):
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-
-
 def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, capsys):
     """SpecForge 0.2.0 feeds the pre-norm state back: an EAGLE 3.1 (norm_output) recipe is refused before any work."""
     from benchmarks.side_by_side import main
@@ -167,9 +152,13 @@ def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, capsys, specforge_venv):
+def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, capsys):
     """SpecForge's own trainer (its venv) for 2 steps on our features; its HF export read back by our reader."""
     from safetensors.torch import load_file
+
+    from tests.peers import specforge_python
+
+    specforge_python()  # skipped without its venv, failing under CI=true
 
     from benchmarks.side_by_side import main
     from eagle31.convert import load_drafter
