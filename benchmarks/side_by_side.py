@@ -4,7 +4,7 @@
     python -m benchmarks.side_by_side --smoke                # tiny budget end to end (also SMOKE=1)
     python -m benchmarks.side_by_side seeds=0,1 max_steps=150 out=benchmarks/results/side_by_side/demo \\
         -- recipe=demo train.loss=kl                          # after `--`: recipe overrides, every side
-    python -m benchmarks.side_by_side sides=eagle31,speculators,specforge runs=runs/side_by_side_eagle3 \
+    python -m benchmarks.side_by_side sides=eagle31,speculators,specforge runs=runs/side_by_side_eagle3 \\
         out=benchmarks/results/side_by_side/demo_eagle3 -- recipe=demo drafter.norm_output=false
 
 One recipe describes every side: the prepared data and the captured shard store (made once, by
