@@ -22,8 +22,8 @@ of the same loss runs instead (`benchmarks/specforge_entry.py`).
 
 What is ours: the features (each document of our train split, in the order of one epoch of our
 loader, as one `.ckpt` file: input ids, loss mask, `hidden_state` = the store's `final` (the
-target's last state after its norm, what their `TargetHead` projects), `aux_hidden_state` =
-the store's aux features), the draft vocabulary (our d2t / t2d), the drafter's shape, and the
+target's last state after its norm, what their `TargetHead` projects, in bf16 as that head
+computes), `aux_hidden_state` = the store's aux features), the draft vocabulary (our d2t / t2d), the drafter's shape, and the
 recipe's settings mapped onto their config (`run_config`): `train.lr`, `train.max_steps` (also
 their schedule's length), `train.warmup_steps` (as their `warmup_ratio`), `train.max_grad_norm`,
 `train.ttt_length`, `train.loss` (kl; lk_alpha and lk_hybrid as their `lk_loss_type` alpha and
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peer_training import batch_documents
 from eagle31.config import ConfigError
-from eagle31.data.batch import FeatureBatch
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.recipe import DraftLoss
 
@@ -97,15 +97,6 @@ def check_specforge_recipe(recipe) -> None:
         raise ConfigError(f"train.weight_decay={train.weight_decay}: SpecForge's optimizer has no weight decay")
 
 
-def batch_documents(batch: FeatureBatch):
-    """The documents of one packed `[1, T]` batch, in order: a boolean mask `[T]` each."""
-    if batch.input_ids.shape[0] != 1:
-        raise ValueError("features.batching must be pack")
-    docs = batch.document_ids[0]
-    for d in range(int(docs.max()) + 1):
-        yield docs == d
-
-
 def write_features(loader, directory: Path) -> tuple[list[int], int]:
     """One epoch of `loader` as SpecForge offline files `<i>.ckpt` (one per document, in our order).
 
@@ -120,7 +111,7 @@ def write_features(loader, directory: Path) -> tuple[list[int], int]:
                 "input_ids": batch.input_ids[0, at].clone(),  # [n]
                 "loss_mask": batch.loss_mask[0, at].clone(),  # [n], 1 = assistant token
                 "hidden_state": batch.final[0, at][None].to(torch.bfloat16).clone(),  # [1, n, Ht]: their TargetHead is bf16
-                "aux_hidden_state": batch.aux[0, at][None].to(torch.bfloat16).clone(),  # [1, n, 3*Ht]
+                "aux_hidden_state": batch.aux[0, at][None].clone(),  # [1, n, 3*Ht], the store's dtype
             }
             torch.save(sample, directory / f"{len(lengths):08d}.ckpt")
             lengths.append(int(at.sum()))

@@ -112,7 +112,7 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
 
 
 def test_features_are_one_file_per_document_in_our_order(tmp_path):
-    """Each document of a packed batch becomes one offline file with the keys their reader needs, bf16 features."""
+    """Each document of a packed batch becomes one offline file with the keys their reader needs."""
     from benchmarks.peer_training_specforge import write_features
     from eagle31.data.batch import FeatureBatch
 
@@ -133,6 +133,7 @@ def test_features_are_one_file_per_document_in_our_order(tmp_path):
     assert set(second) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     torch.testing.assert_close(second["input_ids"], torch.tensor([3, 4]))
     assert second["hidden_state"].shape == (1, 2, 2) and second["aux_hidden_state"].shape == (1, 2, 6)
-    assert second["hidden_state"].dtype == torch.bfloat16
-    torch.testing.assert_close(second["aux_hidden_state"][0].float(), batches[0].aux[0, 3:5].bfloat16().float())
+    assert second["hidden_state"].dtype == torch.bfloat16  # their TargetHead's dtype
+    torch.testing.assert_close(second["hidden_state"][0].float(), batches[0].final[0, 3:5].bfloat16().float())
+    torch.testing.assert_close(second["aux_hidden_state"][0], batches[0].aux[0, 3:5], rtol=0, atol=0)
     assert torch.load(files[2], weights_only=True)["input_ids"].tolist() == [100, 101, 102, 103]
