@@ -4,7 +4,8 @@
 # transformers==5.8.1 and sglang==0.5.14; its offline EAGLE-3 training path imports no sglang
 # (only its online capture does), so the wheel goes in with --no-deps, with the CPU build of
 # torch 2.13.0 (not their pin), their transformers pin and the packages that path imports.
-# triton: specforge.core.loss imports it at module top (its kernel never runs on a CPU). The
+# triton: specforge.core.loss imports it at module top (its kernel never runs on a CPU). Their
+# torch.compile'd helpers (the teacher's softmax, the reference loss) need a C++ compiler. The
 # wheel is cached in $EAGLE31_PEERS/wheels; the venv is rebuilt only when its stamp (the
 # package list it was built with) differs.
 #   bash .ci/specforge_venv.sh
