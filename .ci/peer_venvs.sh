@@ -5,7 +5,7 @@
 # packages those modules import, and the CPU build of torch. Wheels are cached in
 # $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing, and given the packages
 # it lacks when the list below has changed since.
-#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest)
+#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest), and SpecForge's venv
 #   bash .ci/peer_venvs.sh 0.33.0     # one release
 set -euo pipefail
 PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
@@ -14,7 +14,10 @@ mkdir -p "$WHEELS"
 # transformers within each release's own pin (0.22.0: !=5.0-5.5.0, >=4.56; 0.33.0: >=5.16.1,<5.21)
 declare -A TRANSFORMERS=([0.22.0]="5.10.4" [0.33.0]="5.20.2")
 VERSIONS=("$@")
-[ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(0.22.0 0.33.0)
+if [ ${#VERSIONS[@]} -eq 0 ]; then
+  VERSIONS=(0.22.0 0.33.0)
+  bash "$(dirname "$0")/specforge_venv.sh"  # the side-by-side's SpecForge side (its own trainer)
+fi
 # what vllm's config, protocol and registry modules import (their ImportErrors name them); uvloop:
 # VllmConfig (get_rope needs one current); llguidance: 0.33 imports it there; xgrammar, mistral_common,
 # jsonschema, pydantic_extra_types, pycountry, orjson: the kimi_k2 reasoning parser and the API helpers

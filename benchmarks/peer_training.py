@@ -46,17 +46,22 @@ SPECULATORS_LOSS = {
 }
 
 
+def batch_documents(batch: FeatureBatch):
+    """The documents of one packed `[1, T]` batch, in order: a boolean mask `[T]` each."""
+    if batch.input_ids.shape[0] != 1:
+        raise ValueError("the peers train on packed batches: features.batching must be pack")
+    docs = batch.document_ids[0]
+    for d in range(int(docs.max()) + 1):
+        yield docs == d
+
+
 def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor) -> list[dict]:
     """The documents of one packed `[1, T]` batch as samples of their dataset (before `shift_batch`).
 
     norm_weight [Ht]: the target's final norm weight (see the module docstring).
     """
-    if batch.input_ids.shape[0] != 1:
-        raise ValueError("speculators trains on packed batches: features.batching must be pack")
-    docs = batch.document_ids[0]
     samples = []
-    for d in range(int(docs.max()) + 1):
-        at = docs == d
+    for at in batch_documents(batch):
         n = int(at.sum())
         samples.append({
             "hidden_states": batch.aux[0, at],  # [n, 3*Ht]

@@ -1,28 +1,34 @@
-"""eagle31's trainer against `speculators`' EAGLE-3 drafter (3.1 switches) on equal work.
+"""eagle31's trainer against the peers' EAGLE-3 drafters on equal work: `speculators` (3.1 switches), SpecForge.
 
     python -m benchmarks.side_by_side                        # recipe=demo, seeds 0 and 1
     python -m benchmarks.side_by_side --smoke                # tiny budget end to end (also SMOKE=1)
     python -m benchmarks.side_by_side seeds=0,1 max_steps=150 out=benchmarks/results/side_by_side/demo \\
-        -- recipe=demo train.loss=kl                          # after `--`: recipe overrides, both sides
+        -- recipe=demo train.loss=kl                          # after `--`: recipe overrides, every side
+    python -m benchmarks.side_by_side sides=eagle31,speculators,specforge runs=runs/side_by_side_eagle3 \\
+        out=benchmarks/results/side_by_side/demo_eagle3 -- recipe=demo drafter.norm_output=false
 
-One recipe describes both sides: the prepared data and the captured shard store (made once, by
+One recipe describes every side: the prepared data and the captured shard store (made once, by
 the first eagle31 run, `features.mode=store`), the draft vocabulary, the drafter's shape and
 3.1 switches, TTT length and decay, loss kind, batches (`features.tokens_per_batch`, packed, in
 the loader's order for the seed), steps, AdamW settings, schedule and clipping. Per seed:
 `train/main.py`'s pipeline trains eagle31's drafter (in this process), and
 `benchmarks.peer_training` trains speculators' `Eagle3DraftModel` with its own forward, mask
-alignment and loss (what is theirs and what is ours is listed there). Both drafters are read
+alignment and loss, and `benchmarks.peer_training_specforge` runs SpecForge 0.2.0's own trainer
+in its venv (what is theirs and what is ours is listed in each). SpecForge trains EAGLE-3
+feedback only, so a comparison with it needs `drafter.norm_output=false` (and runs of its own:
+finished runs under `runs` are reused, not retrained, whatever the overrides). Every drafter is read
 back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance` run (greedy
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
 A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
 drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
 training continues from its last checkpoint (every `train.save_every` steps; eagle31's by
-`resume=auto`). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
+`resume=auto`; SpecForge's starts over). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
 plot), `summary.json` and `results.md` (tau per split and side, the seeds, and the ratio
-eagle31 / speculators of the seed means).
+eagle31 / peer of the seed means, per peer).
 
-Keys: out, runs (training run directories), seeds, max_steps (train.max_steps of both), k,
+Keys: out, runs (training run directories), sides (eagle31 and one or more of speculators,
+specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
 eagle31 does; their trainer freezes it).
 """
@@ -44,7 +50,8 @@ from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir, portable_path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIDES = ("eagle31", "speculators")
+SIDES = ("eagle31", "speculators", "specforge")
+PEER_NAMES = {"speculators": "speculators 0.9.0", "specforge": "SpecForge 0.2.0"}
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 
 
@@ -52,6 +59,7 @@ SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 class SideBySideConfig:
     out: str = "benchmarks/results/side_by_side/demo"
     runs: str = "runs/side_by_side"
+    sides: str = "eagle31,speculators"
     seeds: str = "0,1"
     max_steps: int | None = None  # None: the recipe's train.max_steps
     k: int = 3
@@ -62,11 +70,24 @@ class SideBySideConfig:
 
     def __post_init__(self) -> None:
         self.seeds_list  # raises on a bad list
+        self.sides_list
         for name in ("k", "max_prompts", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
+
+    @property
+    def sides_list(self) -> list[str]:
+        sides = [s.strip() for s in self.sides.split(",") if s.strip()]
+        unknown = [s for s in sides if s not in SIDES]
+        if unknown or "eagle31" not in sides or len(sides) < 2 or len(set(sides)) != len(sides):
+            raise ConfigError(f"sides must be eagle31 and one or more of speculators, specforge, got {self.sides!r}")
+        return [s for s in SIDES if s in sides]
+
+    @property
+    def peers(self) -> list[str]:
+        return [s for s in self.sides_list if s != "eagle31"]
 
     @property
     def seeds_list(self) -> list[int]:
@@ -98,7 +119,7 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
         f"data.prepared_dir={runs}/data",  # prepared once: one tokenisation, one draft vocabulary
         "features.mode=store",
         f"features.store_dir={runs}/features",  # captured once: the same features on both sides
-        "features.batching=pack",  # speculators trains on packed rows
+        "features.batching=pack",  # speculators trains on packed rows; SpecForge gets their documents
         "train.grad_accum=1",  # one batch per optimizer step on both sides
         "train.device=cpu",
         "eval.enabled=false",  # the acceptance of both is measured together, below
@@ -111,10 +132,15 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
     return load_recipe(ROOT / "recipes", [*overrides, *fixed])
 
 
-def check_recipe(recipe) -> None:
-    """What the speculators side cannot do, refused before anything runs."""
+def check_recipe(recipe, sides: list[str]) -> None:
+    """What a peer side cannot do, refused before anything runs."""
     if recipe.drafter.attention != "llama":
-        raise ConfigError(f"drafter.attention={recipe.drafter.attention}: speculators' EAGLE-3 drafter has Llama attention only")
+        raise ConfigError(f"drafter.attention={recipe.drafter.attention}: the peers' EAGLE-3 drafters have Llama attention only")
+    if "specforge" in sides:
+        from benchmarks.peer_training_specforge import check_specforge_recipe, specforge_python
+
+        check_specforge_recipe(recipe)
+        specforge_python()  # its venv exists
     if not recipe.eval.data:
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
 
@@ -128,17 +154,10 @@ def train_eagle31(recipe) -> dict:
     return run(recipe)
 
 
-def train_speculators(recipe, peer_lm_head: bool) -> dict:
-    """speculators' drafter on the recipe's prepared data and store; writes drafter/ and report.json."""
-    import torch
-
-    from benchmarks.peer import speculators_drafter
-    from benchmarks.peer_training import SpeculatorsTraining
-    from eagle31.checkpoint import CheckpointManager
+def peer_inputs(recipe):
+    """What a peer side trains from: the run plan, our train loader over the store, d2t, t2d, the drafter's shape."""
     from eagle31.data.prepare import load_draft_vocab
-    from eagle31.data.speculators_import import final_norm_weight
     from eagle31.distributed import init_world
-    from eagle31.io import claim_output_dir
     from eagle31.pipeline import build_loaders, prepare_data
     from eagle31.plan import plan_run
 
@@ -146,7 +165,32 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
     prepared = prepare_data(plan)
     train_loader, _ = build_loaders(plan, prepared)  # the store the eagle31 run captured, the same batch order
     d2t, t2d = load_draft_vocab(prepared)
-    drafter_cfg = dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
+    return plan, train_loader, d2t, t2d, dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
+
+
+def train_specforge(recipe) -> dict:
+    """SpecForge's own trainer on the recipe's prepared data and store; writes drafter/ and report.json."""
+    from benchmarks import peer_training_specforge
+    from eagle31.io import claim_output_dir
+
+    plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
+    claim_output_dir(plan.run_dir, "run")
+    report = peer_training_specforge.train_specforge(recipe, plan, train_loader, d2t, t2d, drafter_cfg)
+    atomic_write_json(plan.run_dir / "report.json", report)
+    return report
+
+
+def train_speculators(recipe, peer_lm_head: bool) -> dict:
+    """speculators' drafter on the recipe's prepared data and store; writes drafter/ and report.json."""
+    import torch
+
+    from benchmarks.peer import speculators_drafter
+    from benchmarks.peer_training import SpeculatorsTraining
+    from eagle31.checkpoint import CheckpointManager
+    from eagle31.data.speculators_import import final_norm_weight
+    from eagle31.io import claim_output_dir
+
+    plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
     torch.manual_seed(recipe.seed)
     model = speculators_drafter(drafter_cfg, d2t, t2d, attention="sdpa", ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir))
     if peer_lm_head:
@@ -188,14 +232,14 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
 
 
 def measure(cfg: SideBySideConfig, recipe) -> dict:
-    """One acceptance run over every drafter of both sides (read by eagle31's readers)."""
+    """One acceptance run over every drafter of every side (read by eagle31's readers)."""
     from eagle31.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.acceptance_report import write_report
     from eagle31.data.prepare import template_kwargs
     from eagle31.pipeline import acceptance_splits
     from eagle31.targets import resolve_target_path
 
-    drafters = ",".join(f"{side}-s{seed}={run_dir(cfg, side, seed) / 'drafter'}" for side in SIDES for seed in cfg.seeds_list)
+    drafters = ",".join(f"{side}-s{seed}={run_dir(cfg, side, seed) / 'drafter'}" for side in cfg.sides_list for seed in cfg.seeds_list)
     result = run_acceptance(
         AcceptanceConfig(
             drafter=drafters,
@@ -213,23 +257,23 @@ def measure(cfg: SideBySideConfig, recipe) -> dict:
 
 
 def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
-    """Per split: tau of each side per seed, the means, and eagle31 / speculators."""
+    """Per split: tau of each side per seed, the means, and eagle31 / peer for each peer."""
     from eagle31.recipe import to_container
 
     splits = list(dict.fromkeys(r["split"] for r in acceptance["results"]))
     rows = []
     for split in splits:
         row = {"split": split}
-        for side in SIDES:
+        for side in cfg.sides_list:
             taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == f"{side}-s{s}") for s in cfg.seeds_list]
             row[side] = {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
-        row["ratio"] = row["eagle31"]["mean"] / row["speculators"]["mean"]
+        row["ratio"] = {peer: row["eagle31"]["mean"] / row[peer]["mean"] for peer in cfg.peers}  # eagle31 / peer
         rows.append(row)
     training = {}
-    for side in SIDES:
+    for side in cfg.sides_list:
         for seed in cfg.seeds_list:
             report = json.loads((run_dir(cfg, side, seed) / "report.json").read_text())
-            keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss")
+            keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss", "documents_per_step")
             training[f"{side}-s{seed}"] = {k: report[k] for k in keys if k in report}
     settings = to_container(recipe)
     shared = {
@@ -243,7 +287,7 @@ def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
     }  # fmt: skip
     return {
         "date": datetime.date.today().isoformat(),
-        "settings": {**asdict(cfg), "recipe": shared},
+        "settings": {**asdict(cfg), "sides": ",".join(cfg.sides_list), "recipe": shared},
         "acceptance": rows,
         "training": training,
     }
@@ -253,20 +297,26 @@ def format_results(summary: dict) -> str:
     cfg = summary["settings"]
     train = cfg["recipe"]["train"]
     seeds = ", ".join(f"s{s}" for s in cfg["seeds"].split(","))
+    sides = cfg["sides"].split(",")
+    peers = sides[1:]
+    drafter = cfg["recipe"]["drafter"]
     lines = [
-        f"eagle31 against speculators 0.9.0 (EAGLE-3 with fc_norm, norm_output), recipe {cfg['recipe']['recipe']}, "
-        f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}; "
-        f"speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}.",
+        f"eagle31 against {', '.join(PEER_NAMES[p] for p in peers)} (drafters with fc_norm {drafter['fc_norm']}, "
+        f"norm_output {drafter['norm_output']}), recipe {cfg['recipe']['recipe']}, "
+        f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}"
+        + (f"; speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}" if "speculators" in peers else "")
+        + ".",
         "",
         f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
         f"(mean over seeds; per seed: {seeds}):",
         "",
-        "| split | eagle31 tau | speculators tau | eagle31 / speculators |",
-        "|---|---|---|---|",
+        "| split | " + " | ".join(f"{s} tau" for s in sides) + " | " + " | ".join(f"eagle31 / {p}" for p in peers) + " |",
+        "|---|" + "---|" * (len(sides) + len(peers)),
     ]
     for row in summary["acceptance"]:
-        cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in SIDES]
-        lines.append(f"| {row['split']} | {cells[0]} | {cells[1]} | {row['ratio']:.3f} |")
+        cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in sides]
+        ratios = [f"{row['ratio'][p]:.3f}" for p in peers]
+        lines.append(f"| {row['split']} | " + " | ".join(cells + ratios) + " |")
     lines += ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
     for name, t in summary["training"].items():
         tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
@@ -286,20 +336,21 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     with open(out / "commands.sh", "a", encoding="utf-8") as f:  # what ran, without this machine's paths
         f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
         f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
-    recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in SIDES}
-    check_recipe(recipes[(SIDES[0], cfg.seeds_list[0])])  # one recipe for all: only output_dir and seed differ
+    sides = cfg.sides_list
+    recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in sides}
+    check_recipe(recipes[("eagle31", cfg.seeds_list[0])], sides)  # one recipe for all: only output_dir and seed differ
+    trainers = {"eagle31": train_eagle31, "speculators": lambda r: train_speculators(r, cfg.peer_lm_head), "specforge": train_specforge}
     for seed in cfg.seeds_list:
-        for side in SIDES:
+        for side in sides:
             if (run_dir(cfg, side, seed) / "report.json").is_file():
                 print(f"skip (done): {side} seed {seed}", file=sys.stderr)
                 continue
             print(f"train: {side} seed {seed}", file=sys.stderr)
-            recipe = recipes[(side, seed)]
-            train_eagle31(recipe) if side == "eagle31" else train_speculators(recipe, cfg.peer_lm_head)
-    recipe = recipes[(SIDES[0], cfg.seeds_list[0])]
+            trainers[side](recipes[(side, seed)])
+    recipe = recipes[("eagle31", cfg.seeds_list[0])]
     done = out / "acceptance" / "acceptance.json"
     acceptance = json.loads(done.read_text()) if done.is_file() else None
-    labels = {f"{side}-s{seed}" for side in SIDES for seed in cfg.seeds_list}
+    labels = {f"{side}-s{seed}" for side in sides for seed in cfg.seeds_list}
     if acceptance is None or set(acceptance["settings"]["drafters"]) != labels:  # measured for other seeds: again
         acceptance = measure(cfg, recipe)
     summary = summarize(cfg, acceptance, recipe)

@@ -1,9 +1,10 @@
 """The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
-release, never the project's environment: vLLM pins its own torch).
+release and one for SpecForge, never the project's environment: both pin their own torch).
 
 A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
-subprocess (`run_peer`). Where the venv is missing the test is skipped on a developer's machine
-and fails in CI (`CI=true`), so CI cannot pass without running vLLM's own code."""
+subprocess (`run_peer`), or `specforge_python()` for SpecForge's. Where the venv is missing the
+test is skipped on a developer's machine and fails in CI (`CI=true`), so CI cannot pass without
+running the neighbour's own code."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def peer_python(vllm_version: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return python
+
+
+def specforge_python() -> Path:
+    """The interpreter of SpecForge's venv (`.ci/specforge_venv.sh`), as the side-by-side finds it."""
+    from benchmarks.peer_training_specforge import specforge_python as find
+    from eagle31.config import ConfigError
+
+    try:
+        return find()
+    except ConfigError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
 
 
 def run_peer(vllm_version: str, script: str, *args: str, timeout: float = 300) -> dict:

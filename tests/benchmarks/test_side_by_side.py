@@ -1,5 +1,6 @@
-"""The side-by-side with speculators (benchmarks/side_by_side.py): its labels, and the whole
-comparison at tiny sizes (`--smoke`) on the tiny chat target, so that it cannot rot."""
+"""The side-by-side with the peers (benchmarks/side_by_side.py): speculators' labels, and the whole
+comparison at tiny sizes (`--smoke`) on the tiny chat target, with speculators and with SpecForge's
+own trainer (in its venv), so that it cannot rot."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
     for side in ("eagle31", "speculators"):
         assert len(row[side]["tau"]) == 1 and row[side]["mean"] >= 1.0
         assert summary["training"][f"{side}-s0"]["steps"] == 2
-    assert row["ratio"] == pytest.approx(row["eagle31"]["mean"] / row["speculators"]["mean"])
+    assert row["ratio"] == {"speculators": pytest.approx(row["eagle31"]["mean"] / row["speculators"]["mean"])}
     assert "eagle31 / speculators" in (out / "results.md").read_text()
     assert "side_by_side --smoke" in (out / "commands.sh").read_text()
     # speculators' own checkpoint, read back by our reader as the speculators layout; it trained
@@ -134,3 +135,60 @@ def test_a_bad_key_is_one_line(capsys):
 
     assert main(["seeds=a,b"]) == 2
     assert "seeds must be a comma-separated list of integers" in capsys.readouterr().err
+    assert main(["sides=speculators,specforge"]) == 2  # no eagle31 side: nothing to compare against
+    assert "sides must be eagle31 and one or more of speculators, specforge" in capsys.readouterr().err
+
+
+def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, capsys):
+    """SpecForge 0.2.0 feeds the pre-norm state back: an EAGLE 3.1 (norm_output) recipe is refused before any work."""
+    from benchmarks.side_by_side import main
+
+    args = ["--smoke", "sides=eagle31,specforge", f"out={tmp_path / 'out'}", f"runs={tmp_path / 'runs'}", "--"]
+    assert main([*args, *tiny_overrides(tiny_target, chats)]) == 2
+    assert "drafter.norm_output=true: SpecForge 0.2.0 feeds the pre-norm state back" in capsys.readouterr().err
+    assert main([*args, *tiny_overrides(tiny_target, chats), "drafter.norm_output=false", "train.loss=tv"]) == 2
+    assert "train.loss=tv: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, capsys):
+    """SpecForge's own trainer (its venv) for 2 steps on our features; its HF export read back by our reader."""
+    from safetensors.torch import load_file
+
+    from tests.peers import specforge_python
+
+    specforge_python()  # skipped without its venv, failing under CI=true
+
+    from benchmarks.side_by_side import main
+    from eagle31.convert import load_drafter
+
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    overrides = [*tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]
+    assert main(["--smoke", "sides=eagle31,specforge", f"out={out}", f"runs={runs}", "--", *overrides]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["acceptance"]
+    assert set(row) >= {"eagle31", "specforge"} and "speculators" not in row
+    assert row["ratio"] == {"specforge": pytest.approx(row["eagle31"]["mean"] / row["specforge"]["mean"])}
+    assert "eagle31 / specforge" in (out / "results.md").read_text()
+    report = summary["training"]["specforge-s0"]
+    assert report["steps"] == 2 and report["tokens_seen"] > 0 and report["documents_per_step"] >= 1
+    run = runs / "specforge-s0"
+    # their offline files: one per document of our train split, every document once
+    features = json.loads((run / "specforge" / "features.json").read_text())
+    assert len(list((run / "specforge" / "features").glob("*.ckpt"))) == len(features["lengths"])
+    # their step log: 2 optimizer steps with a finite loss and their per-step accuracies
+    steps = [json.loads(line) for line in (run / "drafter" / "training_steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(0 < s["loss"] < 100 and "acc_1" in s for s in steps)
+    # their export, read by our SpecForge reader: pre-norm feedback, their aux ids + 1, our vocabulary
+    with pytest.warns(UserWarning, match="SpecForge drafter with norm_output=true"):
+        peer = load_drafter(run / "drafter")
+    ours = load_drafter(runs / "eagle31-s0" / "drafter")
+    assert not peer.config.norm_output and peer.config.fc_norm
+    assert peer.config.aux_layer_ids == ours.config.aux_layer_ids
+    torch.testing.assert_close(peer.d2t, ours.d2t, rtol=0, atol=0)
+    saved = load_file(run / "drafter" / "model.safetensors")
+    torch.testing.assert_close(peer.fc.weight, saved["fc.weight"].to(peer.fc.weight.dtype))
+    # a second call finds every step done and only summarises again
+    assert main(["--smoke", "sides=eagle31,specforge", f"out={out}", f"runs={runs}", "--", *overrides]) == 0
+    assert "skip (done): specforge seed 0" in capsys.readouterr().err

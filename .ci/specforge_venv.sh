@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# SpecForge 0.2.0's venv, next to (never inside) the project's environment: the side-by-side runs
+# its own trainer there (benchmarks/peer_training_specforge.py). SpecForge pins torch==2.11.0,
+# transformers==5.8.1 and sglang==0.5.14; its offline EAGLE-3 training path imports no sglang
+# (only its online capture does), so the wheel goes in with --no-deps, with the CPU build of
+# torch 2.13.0 (not their pin), their transformers pin and the packages that path imports.
+# triton: specforge.core.loss imports it at module top (its kernel never runs on a CPU). Their
+# torch.compile'd helpers (the teacher's softmax, the reference loss) need a C++ compiler. The
+# wheel is cached in $EAGLE31_PEERS/wheels; the venv is rebuilt only when its stamp (the
+# package list it was built with) differs.
+#   bash .ci/specforge_venv.sh
+set -euo pipefail
+PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
+WHEELS="$PEERS/wheels"
+VERSION=0.2.0
+venv="$PEERS/specforge-$VERSION"
+stamp="$venv/.eagle31-ready"
+DEPS=(transformers==5.8.1 datasets accelerate pydantic pyyaml safetensors numpy tqdm psutil huggingface_hub triton)
+want="torch==2.13.0 ${DEPS[*]}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then echo "specforge $VERSION: $venv (cached)"; exit 0; fi
+mkdir -p "$WHEELS"
+rm -rf "$venv"
+python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install --quiet --upgrade pip
+"$py" -m pip install --quiet torch==2.13.0
+ls "$WHEELS"/specforge-"$VERSION"-*.whl >/dev/null 2>&1 || "$py" -m pip download --quiet --no-deps "specforge==$VERSION" -d "$WHEELS"
+"$py" -m pip install --quiet --no-deps "$WHEELS"/specforge-"$VERSION"-*.whl
+"$py" -m pip install --quiet "${DEPS[@]}"
+"$py" -c "import specforge.cli, specforge.algorithms.eagle3.model, specforge.export.to_hf" >/dev/null
+echo "$want" > "$stamp"
+echo "specforge $VERSION: $venv"
