@@ -10,6 +10,7 @@
 set -euo pipefail
 PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
 WHEELS="$PEERS/wheels"
+. "$(dirname "$0")/peer_venv_lib.sh"
 mkdir -p "$WHEELS"
 # transformers within each release's own pin (0.22.0: !=5.0-5.5.0, >=4.56; 0.33.0: >=5.16.1,<5.21)
 declare -A TRANSFORMERS=([0.22.0]="5.10.4" [0.33.0]="5.20.2")
@@ -37,13 +38,8 @@ for v in "${VERSIONS[@]}"; do
     echo "vllm $v: $venv (packages updated)"
     continue
   fi
-  rm -rf "$venv"
-  python3 -m venv "$venv"
+  fresh_peer_venv "$venv" vllm "$v"
   py="$venv/bin/python"
-  "$py" -m pip install --quiet --upgrade pip
-  "$py" -m pip install --quiet torch==2.13.0
-  ls "$WHEELS"/vllm-"$v"-*.whl >/dev/null 2>&1 || "$py" -m pip download --quiet --no-deps "vllm==$v" -d "$WHEELS"
-  "$py" -m pip install --quiet --no-deps "$WHEELS"/vllm-"$v"-*.whl
   "$py" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
   "$py" -c "import vllm.config, vllm.transformers_utils.config" >/dev/null
   echo "$want" > "$stamp"

@@ -19,13 +19,9 @@ DEPS=(transformers==5.8.1 datasets accelerate pydantic pyyaml safetensors numpy 
 want="torch==2.13.0 ${DEPS[*]}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then echo "specforge $VERSION: $venv (cached)"; exit 0; fi
 mkdir -p "$WHEELS"
-rm -rf "$venv"
-python3 -m venv "$venv"
+. "$(dirname "$0")/peer_venv_lib.sh"
+fresh_peer_venv "$venv" specforge "$VERSION"
 py="$venv/bin/python"
-"$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet torch==2.13.0
-ls "$WHEELS"/specforge-"$VERSION"-*.whl >/dev/null 2>&1 || "$py" -m pip download --quiet --no-deps "specforge==$VERSION" -d "$WHEELS"
-"$py" -m pip install --quiet --no-deps "$WHEELS"/specforge-"$VERSION"-*.whl
 "$py" -m pip install --quiet "${DEPS[@]}"
 "$py" -c "import specforge.cli, specforge.algorithms.eagle3.model, specforge.export.to_hf" >/dev/null
 echo "$want" > "$stamp"
