@@ -18,11 +18,18 @@ backward on CPU, so on CPU the peer runs `sdpa` with their dense `[T, K*T]` mask
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import torch
 
 from benchmarks.train_step import BenchConfig, random_vocab, synthetic_batch
 from eagle31.config import DrafterConfig
+
+
+def peers_dir() -> Path:
+    """Where `.ci/peer_venvs.sh` builds the neighbours' venvs and caches their wheels."""
+    return Path(os.environ.get("EAGLE31_PEERS", Path.home() / ".cache" / "eagle31-peers"))
 
 
 def speculators_unavailable() -> str | None:

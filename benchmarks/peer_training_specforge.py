@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peer import peers_dir
 from benchmarks.peer_training import batch_documents
 from eagle31.config import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
@@ -66,8 +67,7 @@ RUN_ID = "specforge"
 
 
 def specforge_venv() -> Path:
-    peers = Path(os.environ.get("EAGLE31_PEERS", Path.home() / ".cache" / "eagle31-peers"))
-    return peers / f"specforge-{SPECFORGE_VERSION}"
+    return peers_dir() / f"specforge-{SPECFORGE_VERSION}"
 
 
 def specforge_python() -> Path:

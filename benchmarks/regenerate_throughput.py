@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
             return 2
         args[key] = value
     from tests.data.vllm_like_server import VLLMLikeServer
-    from tests.peers import peers_dir
+    from benchmarks.peer import peers_dir
 
     python = Path(args["python"]) if args["python"] else peers_dir() / "vllm-0.33.0" / "bin" / "python"
     if not python.is_file():

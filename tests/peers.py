@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.peer import peers_dir
+
 # The oldest and the newest vLLM release the exports are tested against.
 VLLM_RELEASES = ("0.22.0", "0.33.0")
 
 
-def peers_dir() -> Path:
-    return Path(os.environ.get("EAGLE31_PEERS", Path.home() / ".cache" / "eagle31-peers"))
 
 
 def peer_python(vllm_version: str) -> Path:
