@@ -50,7 +50,7 @@ def test_config_reads_key_values_and_names_bad_ones():
     with pytest.raises(ConfigError, match="gpt5"):
         BenchConfig.from_args(["shape=gpt5"])
     with pytest.raises(ConfigError, match="no shipped target config"):
-        BenchConfig.from_args(["shape=demo"])  # its target is built locally: no fixed shape
+        BenchConfig.from_args(["shape=kimi_k26_mini"])  # its target is built locally with random weights: no fixed shape
     with pytest.raises(ConfigError, match="unknown argument"):
         BenchConfig.from_args(["seqlen=4"])
     with pytest.raises(ConfigError, match="T="):

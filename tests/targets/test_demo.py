@@ -7,6 +7,7 @@ the same code path (`build_demo_target`) to stay fast.
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,6 +46,17 @@ def test_loads_offline_as_a_llama_with_default_aux_ids(demo):
     assert DrafterConfig.from_target_config(load_target_config(path)).aux_layer_ids == (2, 4, 5)
     for t in ("<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"):
         assert len(tok.encode(t, add_special_tokens=False)) == 1
+
+
+def test_the_recipes_dry_run_config_is_the_built_targets(demo):
+    """recipe=demo's `target.config` (what a dry run reads instead of building the target) is the built one."""
+    from eagle31.recipe import load_recipe
+
+    cfg = load_recipe(Path(__file__).parents[2] / "recipes", ["recipe=demo"])
+    committed = json.loads(Path(cfg.target.config).read_text())
+    built = json.loads((demo[0] / "config.json").read_text())
+    ignored = ("transformers_version", "_name_or_path")
+    assert {k: v for k, v in committed.items() if k not in ignored} == {k: v for k, v in built.items() if k not in ignored}
 
 
 def test_chat_template_prefixes_render_as_prefixes(demo, heldout):
