@@ -92,24 +92,30 @@ def _runs(segments: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None) -> torch.Tensor:
-    """Explicit softmax over [step-0 keys | chain keys]; O(T^2) memory.
+    """Explicit softmax over [step-0 keys | chain keys]; O(Tq * Tk) memory.
 
-    `probe`, when given, is called with the probabilities [B, nh, T, (1+j)*T] (keys step-major:
-    the T step-0 keys, then the T keys of each chain step) before they weight the values.
+    q [B, Tq, nh, d] are the queries of the last Tq of the Tk positions whose step-0 keys k0, v0
+    [B, Tk, nkv, d] are (Tq = Tk but for a query tail, as on a sequence shard); the chain's keys
+    are the queries' own, [B, Tq, nkv, d] each; segments [B, Tk]. `probe`, when given, is called
+    with the probabilities [B, nh, Tq, Tk + j*Tq] (keys step-major: the Tk step-0 keys, then the
+    Tq keys of each chain step) before they weight the values.
     """
     B, T, nh, d = q.shape
-    nkv = k0.shape[2]
+    Tk, nkv = k0.shape[1], k0.shape[2]
     g = nh // nkv
     j = len(chain_k)
-    keys = torch.stack([k0, *chain_k], dim=2)  # [B, T, 1+j, nkv, d]
-    vals = torch.stack([v0, *chain_v], dim=2)
-    # keys (p', s) of every query p: [B, nh, T*(1+j), d], step-major
-    K = keys.permute(0, 3, 2, 1, 4).reshape(B, nkv, (1 + j) * T, d).repeat_interleave(g, dim=1)
-    V = vals.permute(0, 3, 2, 1, 4).reshape(B, nkv, (1 + j) * T, d).repeat_interleave(g, dim=1)
-    pos = torch.arange(T, device=q.device)
-    causal = (pos[:, None] >= pos[None, :]) & (segments[:, :, None] == segments[:, None, :])  # [B, T, T]
-    diag = (pos[:, None] == pos[None, :]).expand(B, T, T)
-    allowed = torch.cat([causal] + [diag] * j, dim=2)  # [B, T, T*(1+j)]
+
+    def per_query_head(x, n):  # [B, n, nkv, d] -> [B, nh, n, d]
+        return x.permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
+
+    # keys (p', s) of every query: [B, nh, Tk + j*T, d], step-major
+    K = torch.cat([per_query_head(k0, Tk), *[per_query_head(k, T) for k in chain_k]], dim=2)
+    V = torch.cat([per_query_head(v0, Tk), *[per_query_head(v, T) for v in chain_v]], dim=2)
+    query_pos = torch.arange(Tk - T, Tk, device=q.device)
+    key_pos = torch.arange(Tk, device=q.device)
+    causal = (query_pos[:, None] >= key_pos[None, :]) & (segments[:, -T:, None] == segments[:, None, :])  # [B, T, Tk]
+    diag = (query_pos[:, None] == query_pos[None, :]).expand(B, T, T)
+    allowed = torch.cat([causal] + [diag] * j, dim=2)  # [B, T, Tk + j*T]
     probs = attention_probabilities(q, K, allowed)
     if probe is not None:
         probe(probs)
@@ -666,10 +672,8 @@ def ttt_attention_of_entries(
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     tail = entry0[0].shape[1] != q.shape[1]  # the queries are the last of the keys' positions (sequence parallelism)
     if backend == "reference":
-        if tail:
-            raise ValueError("the reference attention takes as many keys as queries; a sequence shard needs flash or blockwise")
         B, T = q.shape[:2]
-        k0, v0 = _step0_keys_values(entry0, expand0, expand0.params, (B, T))
+        k0, v0 = _step0_keys_values(entry0, expand0, expand0.params, entry0[0].shape[:2])
         kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
         chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
         chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]

@@ -251,31 +251,58 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
         for (_, positions_i), start in zip(items, starts):
             target_sink[start + positions_i.to(device)] = True
+    tail = _RowTail.of(drafter, aux, ids, positions, segments, start=int(query.nonzero()[0]))
+    rows = slice(tail.start, T)  # the unrolled rows: Tq = T - start
+    query = query[rows]
 
-    def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, T, (1+k)*T], step-major keys
-        p = probs[0][:, query]  # [heads, Q, (1+k)*T]
-        none = sink.new_zeros(k * T)
+    def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, Tq, T + k*Tq], step-major keys
+        p = probs[0][:, query]  # [heads, Q, T + k*Tq]
+        none = sink.new_zeros(k * query.numel())
         keys_target = None if target_sink is None else torch.cat([target_sink, none])
-        keys_own = torch.cat([sink.new_zeros(T), sink.new_ones(k * T)])
+        keys_own = torch.cat([sink.new_zeros(T), ~none])
         stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
 
     out = ttt_unroll(
-        drafter, aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
-        attention="reference", attention_probe=probe,
+        drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
+        attention="reference", attention_probe=probe, sequence=tail,
     )  # fmt: skip
-    fed = drafter.fuse_aux(aux)
+    fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
     targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
     alive = torch.ones(int(query.sum()), dtype=torch.bool, device=device)
     for k in range(depth):
         stats.add_states(k + 1, fed[0, query], out.hidden[k][0, query], out.states[k][0, query])
-        draft = drafter.draft_to_target(drafter.lm_head(out.states[k][0]).argmax(-1))  # [T]
-        label = _shift_in_document(targets, segments[0], 1 + k)
+        draft = drafter.draft_to_target(drafter.lm_head(out.states[k][0]).argmax(-1))  # [Tq]
+        label = _shift_in_document(targets, segments[0], 1 + k)[rows]
         correct = (draft == label)[query]
         stats.reached[k] += int(alive.sum())
         alive &= correct
         stats.accepted[k] += int(alive.sum())
         fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
+
+
+@dataclass
+class _RowTail:
+    """A row's unroll from its first query on, as `ttt_unroll`'s `sequence` (the query tail of a sequence
+    shard): the rows before `start` are keys only, so their step-0 entry (`before`, [1, start, ...] each) is
+    made by the drafter's step 0 without its attention, and the K steps' attention runs for the tail's
+    queries alone. A long history is mostly prompt: at ~2,300 tokens and ~130 generated ones, that is
+    ~1/18 of the whole row's attention."""
+
+    start: int
+    key_segments: torch.Tensor  # [1, T]: the document runs of every row
+    before: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, drafter, aux, ids, positions, segments, *, start: int) -> "_RowTail":
+        """aux [1, T, n*Ht], ids, positions, segments [1, T]: the unroll's step 0 at rows < start reads
+        fuse_aux(aux) and token x[p+1] at RoPE position p, as `ttt_unroll` does."""
+        _, before, _ = drafter.step_entry(drafter.fuse_aux(aux[:, :start]), ids[:, 1 : start + 1], positions[:, :start])
+        return cls(start, segments, before)
+
+    def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The tail's step-0 entry [1, Tq, ...] -> that of every row [1, T, ...]."""
+        return tuple(torch.cat([b, e], dim=1) for b, e in zip(self.before, entry))
 
 
 def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:

@@ -88,7 +88,8 @@ def ttt_unroll(
     `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.attention.
     reference_attention`; needs `attention="reference"`).
 
-    `sequence` (`eagle31.sequence_parallel.SequenceShard`): aux holds this rank's shard of T
+    `sequence` (`eagle31.sequence_parallel.SequenceShard`, or a row's query tail as the drift
+    diagnostic unrolls it, `eagle31.drift`): aux holds this rank's shard of T
     positions, input_ids its T positions and the halo after them (their tokens are what the
     steps read); the attention's document runs are the shard's `key_segments` (document_ids
     and attention_mask are not read), positions default to the global ones, and the step-0

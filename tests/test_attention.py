@@ -115,11 +115,12 @@ def test_kernels_match_the_reference_on_cuda_in_bf16(backend, recipe, layout):
         assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"
 
 
-@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+@pytest.mark.parametrize("backend", ["flash", "blockwise", "reference"])
 @pytest.mark.parametrize("layout", ["packed", "padded_rows"])
 def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(backend, layout):
-    """Sequence parallelism: the queries of shard [a, b) with the keys of 0..b-1 (`QueryTail`) give the full
-    sequence's rows a..b-1; the key gradients of all shards sum to the full sequence's (documents cross shards)."""
+    """Sequence parallelism: the queries of shard [a, b) with the keys of 0..b-1 (`QueryTail`; the reference's
+    query tail) give the full sequence's rows a..b-1; the key gradients of all shards sum to the full sequence's
+    (documents cross shards)."""
     j = 2
     q, k0, v0, chain_k, chain_v, segments, dout = attention_inputs(LAYOUTS[layout], 4, 2, 8, j, torch.float64)
     full = output_and_grads(backend, q, k0, v0, chain_k, chain_v, segments, dout)
@@ -184,9 +185,3 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
         d_weight += grads[-1]
     torch.testing.assert_close(d_latent0, full[1], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(d_weight, full[-1], rtol=1e-10, atol=1e-10)
-
-
-def test_the_reference_attention_refuses_a_sequence_shard():
-    q, k0, v0, _, _, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 0, torch.float64)
-    with pytest.raises(ValueError, match="sequence shard needs flash or blockwise"):
-        ttt_attention(q[:, 8:], k0, v0, [], segments, "reference")
