@@ -30,7 +30,8 @@ eagle31 / peer of the seed means, per peer).
 Keys: out, runs (training run directories), sides (eagle31 and one or more of speculators,
 specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
-eagle31 does; their trainer freezes it).
+eagle31 does; their trainer freezes it), measure (false: train only, so that several processes
+share the trainings, each its own seeds, and a last run with every seed measures them).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class SideBySideConfig:
     max_new_tokens: int = 48
     threads: int = 1
     peer_lm_head: bool = False
+    measure: bool = True
 
     def __post_init__(self) -> None:
         self.seeds_list  # raises on a bad list
@@ -327,7 +329,8 @@ def format_results(summary: dict) -> str:
 # ---------------------------------------------------------------------------- main
 
 
-def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> dict:
+def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> dict | None:
+    """Train what is missing, then measure and summarise (None with measure=false)."""
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -347,6 +350,8 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
                 continue
             print(f"train: {side} seed {seed}", file=sys.stderr)
             trainers[side](recipes[(side, seed)])
+    if not cfg.measure:
+        return None
     recipe = recipes[("eagle31", cfg.seeds_list[0])]
     done = out / "acceptance" / "acceptance.json"
     acceptance = json.loads(done.read_text()) if done.is_file() else None
@@ -371,6 +376,9 @@ def main(argv: list[str]) -> int:
 
     def body() -> None:
         summary = side_by_side(cfg, overrides, command)
+        if summary is None:
+            print(f"trained seeds {cfg.seeds} of {cfg.sides} under {cfg.runs}; measure=true measures them")
+            return
         print(format_results(summary))
         print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
 

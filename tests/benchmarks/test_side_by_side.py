@@ -65,7 +65,12 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
     from eagle31.convert import load_drafter
 
     out, runs = tmp_path / "out", tmp_path / "runs"
+    # measure=false trains only; the next call measures what it trained
+    assert main(["--smoke", "measure=false", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
+    assert all((runs / f"{side}-s0" / "report.json").is_file() for side in ("eagle31", "speculators"))
+    assert not (out / "summary.json").exists() and not (out / "acceptance").exists()
     assert main(["--smoke", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
+    assert "skip (done): speculators seed 0" in capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     (row,) = summary["acceptance"]  # one eval split
     for side in ("eagle31", "speculators"):
