@@ -111,11 +111,16 @@ def run_dir(cfg: SideBySideConfig, side: str, seed: int) -> Path:
 
 def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: str):
     """The composed recipe of one run: the user's overrides, then what the comparison fixes."""
+    return comparison_recipe(Path(cfg.runs), run_dir(cfg, side, seed), seed, cfg.max_steps, overrides)
+
+
+def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | None, overrides: list[str]):
+    """A run of a comparison on equal work: `overrides`, then the keys every run of it shares (one prepared
+    data and shard store under `runs`, packed batches, one per step) and its own output_dir and seed."""
     from eagle31.recipe import load_recipe
 
-    runs = Path(cfg.runs)
     fixed = [
-        f"output_dir={run_dir(cfg, side, seed)}",
+        f"output_dir={output_dir}",
         f"seed={seed}",
         "resume=auto",  # a killed training continues from its last checkpoint (a finished one is skipped)
         f"data.prepared_dir={runs}/data",  # prepared once: one tokenisation, one draft vocabulary
@@ -129,8 +134,8 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
         "logging.wandb.mode=disabled",
         "logging.progress=false",
     ]
-    if cfg.max_steps is not None:
-        fixed.append(f"train.max_steps={cfg.max_steps}")
+    if max_steps is not None:
+        fixed.append(f"train.max_steps={max_steps}")
     return load_recipe(ROOT / "recipes", [*overrides, *fixed])
 
 
@@ -235,50 +240,76 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
 
 def measure(cfg: SideBySideConfig, recipe) -> dict:
     """One acceptance run over every drafter of every side (read by eagle31's readers)."""
+    drafters = {f"{side}-s{seed}": run_dir(cfg, side, seed) / "drafter" for side in cfg.sides_list for seed in cfg.seeds_list}
+    return measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=Path(cfg.out))
+
+
+def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path) -> dict:
+    """One `eagle31.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
+    split (greedy chains of k); its report under out/acceptance."""
     from eagle31.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.acceptance_report import write_report
     from eagle31.data.prepare import template_kwargs
     from eagle31.pipeline import acceptance_splits
     from eagle31.targets import resolve_target_path
 
-    drafters = ",".join(f"{side}-s{seed}={run_dir(cfg, side, seed) / 'drafter'}" for side in cfg.sides_list for seed in cfg.seeds_list)
     result = run_acceptance(
         AcceptanceConfig(
-            drafter=drafters,
+            drafter=",".join(f"{label}={path}" for label, path in drafters.items()),
             target=str(resolve_target_path(recipe.target)),
             data=acceptance_splits(recipe),
             chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
-            k=cfg.k,
-            max_new_tokens=cfg.max_new_tokens,
-            max_prompts=cfg.max_prompts,
+            k=k,
+            max_new_tokens=max_new_tokens,
+            max_prompts=max_prompts,
             device="cpu",
         )
     )
-    write_report(result, Path(cfg.out) / "acceptance")
+    write_report(result, out / "acceptance")
     return result
 
 
 def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
     """Per split: tau of each side per seed, the means, and eagle31 / peer for each peer."""
-    from eagle31.recipe import to_container
-
-    splits = list(dict.fromkeys(r["split"] for r in acceptance["results"]))
     rows = []
-    for split in splits:
+    for split in acceptance_splits_of(acceptance):
         row = {"split": split}
         for side in cfg.sides_list:
-            taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == f"{side}-s{s}") for s in cfg.seeds_list]
-            row[side] = {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
+            row[side] = tau_over_seeds(acceptance, split, [f"{side}-s{s}" for s in cfg.seeds_list])
         row["ratio"] = {peer: row["eagle31"]["mean"] / row[peer]["mean"] for peer in cfg.peers}  # eagle31 / peer
         rows.append(row)
-    training = {}
-    for side in cfg.sides_list:
-        for seed in cfg.seeds_list:
-            report = json.loads((run_dir(cfg, side, seed) / "report.json").read_text())
-            keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss", "documents_per_step")
-            training[f"{side}-s{seed}"] = {k: report[k] for k in keys if k in report}
+    runs = {f"{side}-s{seed}": run_dir(cfg, side, seed) for side in cfg.sides_list for seed in cfg.seeds_list}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "settings": {**asdict(cfg), "sides": ",".join(cfg.sides_list), "recipe": shared_settings(recipe)},
+        "acceptance": rows,
+        "training": training_reports(runs),
+    }
+
+
+def acceptance_splits_of(acceptance: dict) -> list[str]:
+    return list(dict.fromkeys(r["split"] for r in acceptance["results"]))
+
+
+def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
+    """tau of the drafters `labels` (one per seed) on `split`: the list, mean, min and max."""
+    taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == label) for label in labels]
+    return {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
+
+
+def training_reports(runs: dict[str, Path]) -> dict:
+    """label -> what its run's report.json says of the training."""
+    keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss", "documents_per_step")
+    reports = {label: json.loads((run / "report.json").read_text()) for label, run in runs.items()}
+    return {label: {k: report[k] for k in keys if k in report} for label, report in reports.items()}
+
+
+def shared_settings(recipe) -> dict:
+    """What every run of a comparison shares, from its composed recipe."""
+    from eagle31.recipe import to_container
+
     settings = to_container(recipe)
-    shared = {
+    return {
         "recipe": settings["name"],
         "target": settings["target"]["builtin"] or portable_path(settings["target"]["path"]),
         "drafter": settings["drafter"],
@@ -287,12 +318,6 @@ def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
         "features": {k: settings["features"][k] for k in ("store_dtype", "batching", "tokens_per_batch")},
         "data": {k: settings["data"][k] for k in ("max_len", "eval_fraction")},
     }  # fmt: skip
-    return {
-        "date": datetime.date.today().isoformat(),
-        "settings": {**asdict(cfg), "sides": ",".join(cfg.sides_list), "recipe": shared},
-        "acceptance": rows,
-        "training": training,
-    }
 
 
 def format_results(summary: dict) -> str:
@@ -319,11 +344,15 @@ def format_results(summary: dict) -> str:
         cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in sides]
         ratios = [f"{row['ratio'][p]:.3f}" for p in peers]
         lines.append(f"| {row['split']} | " + " | ".join(cells + ratios) + " |")
-    lines += ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
-    for name, t in summary["training"].items():
+    return "\n".join(lines + format_training(summary["training"]))
+
+
+def format_training(training: dict) -> list[str]:
+    lines = ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
+    for name, t in training.items():
         tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
         lines.append(f"| {name} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------------------- main

@@ -1,0 +1,2 @@
+# 2026-12-02T14:06:31, from the repository root
+OMP_NUM_THREADS=1 python -m benchmarks.side_by_side seeds=1 measure=false threads=1 k=3 max_prompts=32 max_new_tokens=128 out=benchmarks/results/side_by_side/smollm2 runs=runs/smollm2 -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' 'eval.data=[runs/smollm2/side_by_side_prompts/heldout.jsonl,runs/smollm2/side_by_side_prompts/unseen_system.jsonl]'
