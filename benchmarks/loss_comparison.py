@@ -34,7 +34,9 @@ from benchmarks.side_by_side import (
     acceptance_splits_of,
     comparison_recipe,
     format_training,
+    log_command,
     measure_drafters,
+    parse_seeds,
     shared_settings,
     tau_over_seeds,
     train_eagle31,
@@ -44,7 +46,6 @@ from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.config import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.recipe import DraftLoss
-from eagle31.targets.cache import cache_dir
 
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 
@@ -83,13 +84,7 @@ class LossComparisonConfig:
 
     @property
     def seed_list(self) -> list[int]:
-        try:
-            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise ConfigError(f"seeds must be a comma-separated list of integers, got {self.seeds!r}") from None
-        if not seeds:
-            raise ConfigError("seeds= names no seed")
-        return seeds
+        return parse_seeds(self.seeds)
 
 
 def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
@@ -166,9 +161,7 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
     if not recipe.eval.data:
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "commands.sh", "a", encoding="utf-8") as f:  # what ran, without this machine's paths
-        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
-        f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
+    log_command(out, command)
     for (loss, seed), run_recipe in recipes.items():
         name = run_name(cfg, loss, seed)
         if (runs / name / "report.json").is_file():

@@ -93,13 +93,25 @@ class SideBySideConfig:
 
     @property
     def seeds_list(self) -> list[int]:
-        try:
-            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise ConfigError(f"seeds must be a comma-separated list of integers, got {self.seeds!r}") from None
-        if not seeds:
-            raise ConfigError("seeds= names no seed")
-        return seeds
+        return parse_seeds(self.seeds)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`seeds=` "0,1" -> [0, 1]."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"seeds must be a comma-separated list of integers, got {text!r}") from None
+    if not seeds:
+        raise ConfigError("seeds= names no seed")
+    return seeds
+
+
+def log_command(out: Path, command: str) -> None:
+    """Append what ran to out/commands.sh, dated, without this machine's cache path."""
+    with open(out / "commands.sh", "a", encoding="utf-8") as f:
+        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
+        f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
 
 
 def run_dir(cfg: SideBySideConfig, side: str, seed: int) -> Path:
@@ -365,9 +377,7 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "commands.sh", "a", encoding="utf-8") as f:  # what ran, without this machine's paths
-        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
-        f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
+    log_command(out, command)
     sides = cfg.sides_list
     recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in sides}
     check_recipe(recipes[("eagle31", cfg.seeds_list[0])], sides)  # one recipe for all: only output_dir and seed differ
