@@ -92,6 +92,11 @@ def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
     return f"eagle31-s{seed}" if loss == cfg.loss_list[0] else f"eagle31-{loss}-s{seed}"
 
 
+def run_dirs(cfg: LossComparisonConfig) -> dict[str, Path]:
+    """Every run of the comparison: its name -> its directory under `runs`."""
+    return {run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in cfg.loss_list for s in cfg.seed_list}
+
+
 def separation(row: dict, baseline: dict) -> str | None:
     """`higher` / `lower` when every seed of one is above every seed of the other, else None."""
     if row["min"] > baseline["max"]:
@@ -112,12 +117,11 @@ def summarize(cfg: LossComparisonConfig, acceptance: dict, recipe) -> dict:
         rows.append({"split": split, "losses": taus})
     shared = shared_settings(recipe)
     del shared["train"]["loss"]  # the one key that differs
-    runs = {run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in losses for s in cfg.seed_list}
     return {
         "date": datetime.date.today().isoformat(),
         "settings": {**asdict(cfg), "recipe": shared},
         "acceptance": rows,
-        "training": training_reports(runs),
+        "training": training_reports(run_dirs(cfg)),
     }
 
 
@@ -171,7 +175,7 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
         train_eagle31(run_recipe)
     if not cfg.measure:
         return None
-    drafters = {run_name(cfg, loss, s): runs / run_name(cfg, loss, s) / "drafter" for loss in cfg.loss_list for s in cfg.seed_list}
+    drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
     acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
     summary = summarize(cfg, acceptance, recipe)
     atomic_write_json(out / "summary.json", summary)
