@@ -258,8 +258,9 @@ def measure(cfg: SideBySideConfig, recipe) -> dict:
 
 def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path) -> dict:
     """One `eagle31.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
-    split (greedy chains of k); its report under out/acceptance."""
-    from eagle31.acceptance import AcceptanceConfig, run_acceptance
+    split (greedy chains of k, verified from the target's one greedy decoding of each prompt); its report
+    under out/acceptance."""
+    from eagle31.acceptance import AcceptanceConfig, Verification, run_acceptance
     from eagle31.acceptance_report import write_report
     from eagle31.data.prepare import template_kwargs
     from eagle31.pipeline import acceptance_splits
@@ -274,6 +275,7 @@ def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_token
             k=k,
             max_new_tokens=max_new_tokens,
             max_prompts=max_prompts,
+            verification=Verification.replay,
             device="cpu",
         )
     )

@@ -11,6 +11,14 @@ drafter gives when it drafts from its own outputs, with `eagle31.speculative`:
     target_forwards_per_token   (prefill + verifications) / generated tokens
     seconds, tokens_per_second  wall time of the decoding loop
 
+Verification is `live` (the target verifies every round: wall times are real) or
+`replay`: the target decodes each prompt of a split once (`greedy_trace`) and every
+drafter's rounds are verified from that trace (`eagle31.speculative`). The counts,
+and so tau and the rates, are the same as live up to floating-point ties between
+the target's top tokens, for one greedy decoding per prompt instead of one per
+drafter; the wall times then cover drafting only. Comparisons of many drafters
+use it.
+
 Prompts are JSON Lines: `{"messages": [...]}` (OpenAI or ShareGPT form, read by
 `eagle31.data.sources`), rendered with the target tokenizer's chat template and a
 generation prompt, a final assistant turn dropped; or `{"prompt": "..."}`, tokenised
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,7 +45,7 @@ from eagle31.data.chat import parse_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.recipe import DrafterFormat
-from eagle31.speculative import Generation, speculative_generate
+from eagle31.speculative import Generation, GreedyTrace, greedy_trace, speculative_generate
 from eagle31.target import (
     check_aux_layer_ids,
     inference_device_and_dtype,
@@ -103,14 +112,16 @@ def evaluate(
     k: int | None = None,
     tree: TreeSpec | None = None,
     eos_token_ids: Sequence[int] = (),
+    traces: Sequence[GreedyTrace] | None = None,
 ) -> AcceptanceStats:
-    """Speculative decoding of every prompt (lists of token ids) with one proposer."""
+    """Speculative decoding of every prompt (lists of token ids) with one proposer; with `traces`
+    (`greedy_traces` of the same prompts) verified from them instead of by the target."""
     stats = AcceptanceStats(draft_len=k if tree is None else tree.depth)
     device = target.get_input_embeddings().weight.device
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
         generation = speculative_generate(
-            target,
+            target if traces is None else traces[i],
             proposer,
             ids,
             aux_layer_ids=aux_layer_ids,
@@ -121,6 +132,15 @@ def evaluate(
         )
         stats.add(generation, len(prompt))
     return stats
+
+
+def greedy_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Sequence[int], length: int) -> list[GreedyTrace]:
+    """The target's greedy decoding of each prompt, `length` tokens past it, to replay verification from."""
+    device = target.get_input_embeddings().weight.device
+    return [
+        greedy_trace(target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids, length=length)
+        for p in prompts
+    ]
 
 
 # ---------------------------------------------------------------------- prompts
@@ -176,6 +196,13 @@ def _prompt_ids(line: str, tokenizer, where: str, template_kwargs: dict) -> list
 # ---------------------------------------------------------------------- the run
 
 
+class Verification(StrEnum):
+    """Who verifies the drafts: the target every round, or its greedy decoding of the prompt."""
+
+    live = "live"
+    replay = "replay"
+
+
 @dataclass
 class AcceptanceConfig:
     """Arguments of scripts/eval_acceptance.py (read by `eagle31.cli.parse_key_values`).
@@ -197,6 +224,7 @@ class AcceptanceConfig:
     drafter_format: DrafterFormat = DrafterFormat.auto
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    verification: Verification = Verification.live  # replay: one greedy decoding per prompt (module docstring)
     out: str = "acceptance"  # directory for acceptance.json / .md / .png
     # template options for 'messages' prompts, as a JSON object: '{"preserve_thinking": true}'
     chat_template_kwargs: str | None = None
@@ -305,10 +333,16 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = _eos_ids(target, tokenizer)
+    draft_len = tree.depth if tree else config.k
+    traces: dict[tuple, list[GreedyTrace]] = {}  # (split, aux layer ids) -> one trace per prompt
     results = []
     for label, drafter in drafters.items():
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+        aux = tuple(drafter.config.aux_layer_ids)
         for split, prompts in splits.items():
+            if config.verification == Verification.replay and (split, aux) not in traces:
+                log(f"{split}: the target's greedy decoding of {len(prompts)} prompts")
+                traces[(split, aux)] = greedy_traces(target, prompts, aux_layer_ids=aux, length=config.max_new_tokens + draft_len)
             stats = evaluate(
                 target,
                 EagleProposer(drafter),
@@ -318,6 +352,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
                 k=None if tree else config.k,
                 tree=tree,
                 eos_token_ids=eos,
+                traces=traces.get((split, aux)),
             )
             summary = stats.summary()
             log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
@@ -331,6 +366,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
         "tree": asdict(tree) if tree else None,
         "max_new_tokens": config.max_new_tokens,
         "max_prompts": config.max_prompts,
+        "verification": str(config.verification),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }

@@ -18,8 +18,10 @@ r"""Acceptance length of drafters by real (greedy) speculative decoding with the
         ks=3,5,7 tree_top_k=8 tree_depth=6 tree_total_tokens=60 out=runs/smollm2_135m/mt_bench
 
 Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | speculators |
-specforge | torchspec), device, dtype. Writes acceptance.json, acceptance.md and
-acceptance.png under `out` and prints the table; see eagle31/acceptance.py for the metrics.
+specforge | torchspec), verification (live | replay: the target decodes each prompt once and
+every drafter is verified from that decoding; the same counts, wall times of drafting only),
+device, dtype. Writes acceptance.json, acceptance.md and acceptance.png under `out` and prints
+the table; see eagle31/acceptance.py for the metrics.
 """
 
 import sys

@@ -12,6 +12,7 @@ from eagle31.acceptance import (
     AcceptanceStats,
     check_drafter_fits,
     evaluate,
+    greedy_traces,
     load_prompts,
     share_target_embedding,
 )
@@ -70,12 +71,14 @@ def test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1(tree):
                 self.ref = refs[next_tokens.numel()]
             super().extend(aux, next_tokens)
 
-    def tau(good):
+    traces = greedy_traces(target, [p.tolist() for p in prompts], aux_layer_ids=AUX, length=new + k)
+
+    def tau(good, traces=None):
         stats = evaluate(
             target, PerPrompt(good), [p.tolist() for p in prompts], aux_layer_ids=AUX,
-            max_new_tokens=new, k=None if tree else k, tree=tree,
+            max_new_tokens=new, k=None if tree else k, tree=tree, traces=traces,
         )  # fmt: skip
-        return stats.summary()
+        return {key: v for key, v in stats.summary().items() if key not in ("seconds", "tokens_per_second")}
 
     right = tau(lambda r, k: k)
     assert right["tau"] == k + 1
@@ -83,6 +86,10 @@ def test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1(tree):
     wrong = tau(lambda r, k: 0)
     assert wrong["tau"] == 1
     assert wrong["target_forwards_per_token"] == 1.0  # no speed-up: one forward per token
+    # verified from the target's greedy decoding of each prompt: the same counts
+    some = lambda r, k: r % (k + 1)  # noqa: E731
+    assert tau(some, traces) == tau(some) and 1 < tau(some)["tau"] < k + 1
+    assert tau(lambda r, k: k, traces) == right
 
 
 # ---------------------------------------------------------------------- prompts
@@ -263,3 +270,23 @@ def test_out_set_to_a_folder_of_the_user_is_refused_before_decoding(tmp_path, ca
     assert main(args) == 2
     assert "did not write" in capsys.readouterr().err
     assert [p.name for p in user.iterdir()] == ["notes.txt"]
+
+
+def test_replayed_verification_counts_as_live(tmp_path):
+    """verification=replay decodes each prompt once and gives every drafter the counts live decoding gives."""
+    target_dir = save_target(tmp_path / "target")
+    for seed in (0, 1):
+        tiny_drafter(seed=seed, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / f"d{seed}")
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the sum of two"}, {"prompt": "def x in list"}, {"prompt": "write"}])
+    base = [f"drafter={tmp_path}/d0,{tmp_path}/d1", f"target={target_dir}", f"data={data}", "k=3", "max_new_tokens=12", "device=cpu"]
+    reports = {}
+    for mode in ("live", "replay"):
+        assert main([*base, f"verification={mode}", f"out={tmp_path / mode}"]) == 0
+        reports[mode] = json.loads((tmp_path / mode / "acceptance.json").read_text())
+    assert reports["replay"]["settings"]["verification"] == "replay"
+    assert "drafting tok/s" in format_table(reports["replay"]) and "drafting" not in format_table(reports["live"])
+    counts = ("drafter", "split", "rounds", "accepted", "accepted_at", "generated_tokens", "target_forwards", "tau")
+    live, replay = ([{c: r[c] for c in counts} for r in reports[m]["results"]] for m in ("live", "replay"))
+    assert replay == live  # the counts with accepted drafts: test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1
+    with pytest.raises(ConfigError, match="verification"):
+        parse_key_values([*base, "verification=later"], AcceptanceConfig)
