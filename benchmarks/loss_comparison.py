@@ -12,6 +12,8 @@ The first loss listed is the baseline; its runs are named as the side-by-side's 
 (`eagle31-s<seed>`), so with the same `runs` the default loss (kl) is trained once for both, and
 the others are `eagle31-<loss>-s<seed>`. Trained runs are reused and a killed one continues
 (`resume=auto`); `measure=false` trains only, so that several processes can share the trainings.
+Drafters already measured under `out` are kept as the side-by-side keeps them (same weights, or a
+run no longer here), so a later session adds losses or seeds to the comparison without retraining.
 
 Per split: tau of each loss per seed and their mean, the ratio to the baseline's mean, and
 whether the loss is outside the baseline's seed spread (`higher`: its every seed above the
@@ -36,6 +38,7 @@ from benchmarks.side_by_side import (
     format_training,
     log_command,
     measure_drafters,
+    measured_earlier,
     parse_seeds,
     shared_settings,
     tau_over_seeds,
@@ -121,7 +124,7 @@ def summarize(cfg: LossComparisonConfig, acceptance: dict, recipe) -> dict:
         "date": datetime.date.today().isoformat(),
         "settings": {**asdict(cfg), "recipe": shared},
         "acceptance": rows,
-        "training": training_reports(run_dirs(cfg)),
+        "training": training_reports(run_dirs(cfg), Path(cfg.out)),
     }
 
 
@@ -166,9 +169,10 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
+    earlier = measured_earlier(out)
     for (loss, seed), run_recipe in recipes.items():
         name = run_name(cfg, loss, seed)
-        if (runs / name / "report.json").is_file():
+        if (runs / name / "report.json").is_file() or (not (runs / name).exists() and name in earlier):
             print(f"skip (done): {name}", file=sys.stderr)
             continue
         print(f"train: {name} (train.loss={loss})", file=sys.stderr)

@@ -20,12 +20,16 @@ finished runs under `runs` are reused, not retrained, whatever the overrides). E
 back with `eagle31.convert.load_drafter` and measured by one `eagle31.acceptance` run (greedy
 speculative decoding with the target on every `eval.data` split, chains of `k`).
 
-A step whose output exists (`report.json` of a run, `acceptance/acceptance.json` of the same
-drafters) is skipped, so an interrupted comparison continues, and more seeds add to it; a killed
-training continues from its last checkpoint (every `train.save_every` steps; eagle31's by
-`resume=auto`; SpecForge's starts over). Writes under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table,
-plot), `summary.json` and `results.md` (tau per split and side, the seeds, and the ratio
-eagle31 / peer of the seed means, per peer).
+A step whose output exists is skipped, so an interrupted comparison continues, and more seeds add
+to it: a run with a `report.json` is not trained again, and a drafter that `acceptance/acceptance.json`
+measured with the same settings is not measured again if its weights have the sha256 recorded
+there, or if its run directory is gone (a later session adds runs to a comparison whose earlier
+runs it no longer holds: such a run is neither trained nor measured again, results.md marks it,
+and a changed target decoding is refused). A killed training continues from its last checkpoint
+(every `train.save_every` steps; eagle31's by `resume=auto`; SpecForge's starts over). Writes
+under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table, plot), `summary.json` and
+`results.md` (tau per split and side, the seeds, and the ratio eagle31 / peer of the seed means,
+per peer).
 
 Keys: out, runs (training run directories), sides (eagle31 and one or more of speculators,
 specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import shlex
 import sys
@@ -259,16 +264,20 @@ def measure(cfg: SideBySideConfig, recipe) -> dict:
 def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path) -> dict:
     """One `eagle31.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
     split (greedy chains of k, verified from the target's one greedy decoding of each prompt); its report
-    under out/acceptance."""
-    from eagle31.acceptance import AcceptanceConfig, Verification, run_acceptance
+    under out/acceptance.
+
+    What a report already there measured with the same settings is kept, not measured again: a drafter
+    whose weights still have the sha256 it recorded, and one whose directory is gone (an earlier session's
+    run that this machine no longer holds; listed in the report's `settings.kept`)."""
+    from eagle31.acceptance import AcceptanceConfig, Verification, report_settings, run_acceptance
     from eagle31.acceptance_report import write_report
     from eagle31.data.prepare import template_kwargs
     from eagle31.pipeline import acceptance_splits
     from eagle31.targets import resolve_target_path
 
-    result = run_acceptance(
-        AcceptanceConfig(
-            drafter=",".join(f"{label}={path}" for label, path in drafters.items()),
+    def config_of(labels: list[str]) -> AcceptanceConfig:
+        return AcceptanceConfig(
+            drafter=",".join(f"{label}={drafters[label]}" for label in labels),
             target=str(resolve_target_path(recipe.target)),
             data=acceptance_splits(recipe),
             chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
@@ -278,9 +287,68 @@ def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_token
             verification=Verification.replay,
             device="cpu",
         )
-    )
-    write_report(result, out / "acceptance")
-    return result
+
+    sha256 = {label: drafter_sha256(path) for label, path in drafters.items() if path.is_dir()}
+    report_path = out / "acceptance" / "acceptance.json"
+    if not sha256:
+        raise ConfigError(f"none of the drafters {', '.join(drafters)} is here to measure (what {report_path} holds stands)")
+    settings = {**report_settings(config_of(list(sha256))), "drafters": {label: portable_path(p) for label, p in drafters.items()}}
+    earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
+    kept = kept_measurements(earlier, settings, sha256)
+    for label, path in drafters.items():
+        if label in kept:
+            print(f"kept (measured earlier, {'same weights' if label in sha256 else 'its run is not here'}): {label}", file=sys.stderr)
+        elif label not in sha256:
+            raise ConfigError(f"{path}: no drafter there, and no earlier measurement of {label} under {report_path}")
+    missing = [label for label in drafters if label not in kept]
+    measured = run_acceptance(config_of(missing)) if missing else {"results": []}
+    rows = {(r["drafter"], r["split"]): r for r in earlier["results"] if r["drafter"] in kept} if kept else {}
+    rows.update({(r["drafter"], r["split"]): r for r in measured["results"]})
+    report = {
+        "settings": {
+            **settings,
+            "drafter_sha256": {label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label) for label in drafters},
+            "kept": sorted(label for label in kept if label not in sha256),
+        },
+        "results": [rows[(label, split)] for label in drafters for split in settings["data"]],
+    }
+    check_one_target_decoding(report, report_path)
+    write_report(report, out / "acceptance")
+    return report
+
+
+def drafter_sha256(drafter_dir: Path) -> str:
+    """One sha256 over a drafter directory's files (their names and contents)."""
+    from eagle31.io import sha256_file
+
+    files = sorted(p for p in drafter_dir.rglob("*") if p.is_file())
+    listing = "".join(f"{p.relative_to(drafter_dir)}:{sha256_file(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def kept_measurements(earlier: dict | None, settings: dict, sha256: dict[str, str]) -> set[str]:
+    """The drafters of an earlier report that need no new measurement: same settings (all but the drafters),
+    and the same weights, or weights no longer here to measure."""
+    if earlier is None:
+        return set()
+    different = {"drafters", "drafter_sha256", "kept"}
+    if {k: v for k, v in earlier["settings"].items() if k not in different} != {k: v for k, v in settings.items() if k not in different}:
+        return set()
+    recorded = earlier["settings"].get("drafter_sha256", {})
+    measured = {r["drafter"] for r in earlier["results"]}
+    return {label for label in settings["drafters"] if label in measured and (label not in sha256 or recorded.get(label) == sha256[label])}
+
+
+def check_one_target_decoding(report: dict, path: Path) -> None:
+    """Every drafter of a split was verified against the same decoding of the target (replay: the same
+    prompt and generated token counts), which also holds rows kept from an earlier measurement to it."""
+    for split in acceptance_splits_of(report):
+        counts = {(r["prompt_tokens"], r["generated_tokens"]) for r in report["results"] if r["split"] == split}
+        if len(counts) > 1:
+            raise ConfigError(
+                f"{path}: split {split}: the drafters saw different target decodings (prompt, generated tokens: "
+                f"{sorted(counts)}); measure them all again into a new out="
+            )
 
 
 def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
@@ -297,7 +365,7 @@ def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
         "date": datetime.date.today().isoformat(),
         "settings": {**asdict(cfg), "sides": ",".join(cfg.sides_list), "recipe": shared_settings(recipe)},
         "acceptance": rows,
-        "training": training_reports(runs),
+        "training": training_reports(runs, Path(cfg.out)),
     }
 
 
@@ -311,11 +379,30 @@ def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
     return {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
 
 
-def training_reports(runs: dict[str, Path]) -> dict:
-    """label -> what its run's report.json says of the training."""
+def measured_earlier(out: Path) -> set[str]:
+    """The runs that the summary and acceptance report under `out` record as trained and measured."""
+    summary, report = out / "summary.json", out / "acceptance" / "acceptance.json"
+    if not (summary.is_file() and report.is_file()):
+        return set()
+    return set(json.loads(summary.read_text())["training"]) & {r["drafter"] for r in json.loads(report.read_text())["results"]}
+
+
+def training_reports(runs: dict[str, Path], out: Path) -> dict:
+    """label -> what its run's report.json says of the training; for a run no longer here, what the
+    summary under `out` recorded of it (its drafter's measurement is kept too, by `measure_drafters`)."""
     keys = ("steps", "tokens_seen", "train_time_s", "tau_sim", "eval_loss", "documents_per_step")
-    reports = {label: json.loads((run / "report.json").read_text()) for label, run in runs.items()}
-    return {label: {k: report[k] for k in keys if k in report} for label, report in reports.items()}
+    earlier_path = out / "summary.json"
+    earlier = json.loads(earlier_path.read_text())["training"] if earlier_path.is_file() else {}
+    reports = {}
+    for label, run in runs.items():
+        if (run / "report.json").is_file():
+            report = json.loads((run / "report.json").read_text())
+            reports[label] = {k: report[k] for k in keys if k in report}
+        elif label in earlier:
+            reports[label] = {**earlier[label], "earlier": True}
+        else:
+            raise ConfigError(f"{run / 'report.json'}: missing, and {earlier_path} records no training of {label}")
+    return reports
 
 
 def shared_settings(recipe) -> dict:
@@ -365,7 +452,9 @@ def format_training(training: dict) -> list[str]:
     lines = ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
     for name, t in training.items():
         tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
-        lines.append(f"| {name} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
+        lines.append(f"| {name}{' *' if t.get('earlier') else ''} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
+    if any(t.get("earlier") for t in training.values()):
+        lines += ["", "\\* trained and measured by an earlier run of this comparison, whose run directory is not kept here."]
     return lines
 
 
@@ -384,9 +473,11 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in sides}
     check_recipe(recipes[("eagle31", cfg.seeds_list[0])], sides)  # one recipe for all: only output_dir and seed differ
     trainers = {"eagle31": train_eagle31, "speculators": lambda r: train_speculators(r, cfg.peer_lm_head), "specforge": train_specforge}
+    earlier = measured_earlier(out)
     for seed in cfg.seeds_list:
         for side in sides:
-            if (run_dir(cfg, side, seed) / "report.json").is_file():
+            run = run_dir(cfg, side, seed)
+            if (run / "report.json").is_file() or (not run.exists() and run.name in earlier):
                 print(f"skip (done): {side} seed {seed}", file=sys.stderr)
                 continue
             print(f"train: {side} seed {seed}", file=sys.stderr)
@@ -394,12 +485,7 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     if not cfg.measure:
         return None
     recipe = recipes[("eagle31", cfg.seeds_list[0])]
-    done = out / "acceptance" / "acceptance.json"
-    acceptance = json.loads(done.read_text()) if done.is_file() else None
-    labels = {f"{side}-s{seed}" for side in sides for seed in cfg.seeds_list}
-    if acceptance is None or set(acceptance["settings"]["drafters"]) != labels:  # measured for other seeds: again
-        acceptance = measure(cfg, recipe)
-    summary = summarize(cfg, acceptance, recipe)
+    summary = summarize(cfg, measure(cfg, recipe), recipe)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "results.md", format_results(summary) + "\n")
     return summary

@@ -357,7 +357,14 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
             summary = stats.summary()
             log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
             results.append({"drafter": label, "split": split, **summary})
-    settings = {
+    return {"settings": report_settings(config), "results": results}
+
+
+def report_settings(config: AcceptanceConfig) -> dict[str, Any]:
+    """The settings of `config`'s report: the drafters, and what must match for two reports' tau to compare."""
+    tree = config.tree
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
+    return {
         "target": portable_path(config.target),
         "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
         "data": {split: portable_path(p) for split, p in config.splits.items()},
@@ -370,7 +377,6 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    return {"settings": settings, "results": results}
 
 
 def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str) -> None:

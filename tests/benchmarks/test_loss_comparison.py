@@ -4,6 +4,7 @@ same data and measured together; end to end at tiny sizes (`--smoke`) on the tin
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -40,6 +41,22 @@ def test_smoke_trains_each_loss_and_compares_it_with_the_baseline(tiny_target, c
     assert "| lk_hybrid |" in (out / "results.md").read_text()
     assert "benchmarks.loss_comparison --smoke" in (out / "commands.sh").read_text()
 
+    # a later session: one run is gone, one loss is new; only the new one trains and is measured
+    shutil.rmtree(runs / "eagle31-lk_hybrid-s0")
+    capsys.readouterr()
+    assert main(["--smoke", "losses=kl,lk_hybrid,tv", f"out={out}", f"runs={runs}", *overrides]) == 0
+    err = capsys.readouterr().err
+    assert "kept (measured earlier, same weights): eagle31-s0" in err
+    assert "kept (measured earlier, its run is not here): eagle31-lk_hybrid-s0" in err
+    later = json.loads((out / "summary.json").read_text())
+    (later_row,) = later["acceptance"]
+    assert later_row["losses"]["kl"]["tau"] == kl["tau"] and later_row["losses"]["lk_hybrid"]["tau"] == hybrid["tau"]
+    assert later_row["losses"]["tv"]["mean"] >= 1.0 and later["training"]["eagle31-tv-s0"]["steps"] == 2
+    assert later["training"]["eagle31-lk_hybrid-s0"] == {**summary["training"]["eagle31-lk_hybrid-s0"], "earlier": True}
+    report = json.loads((out / "acceptance" / "acceptance.json").read_text())
+    assert report["settings"]["kept"] == ["eagle31-lk_hybrid-s0"] and len(report["settings"]["drafter_sha256"]) == 3
+    assert "| eagle31-lk_hybrid-s0 * |" in (out / "results.md").read_text()
+
 
 def test_separation_needs_every_seed_on_one_side():
     from benchmarks.loss_comparison import separation
@@ -58,3 +75,46 @@ def test_bad_keys_are_one_line(capsys):
     assert main(["losses=kl"]) == 2  # nothing to compare with
     assert main(["seeds=x"]) == 2
     assert "seeds must be a comma-separated list of integers" in capsys.readouterr().err
+
+
+def report(drafters: dict[str, str], sha256: dict[str, str] | None = None, k: int = 3) -> dict:
+    settings = {"target": "t", "drafters": drafters, "data": {"heldout": "h.jsonl"}, "k": k}
+    if sha256 is not None:
+        settings["drafter_sha256"] = sha256
+    rows = [{"drafter": label, "split": "heldout", "tau": 1.5, "prompt_tokens": 10, "generated_tokens": 20} for label in drafters]
+    return {"settings": settings, "results": rows}
+
+
+def test_an_earlier_measurement_is_kept_only_for_the_same_settings_and_weights():
+    from benchmarks.side_by_side import kept_measurements
+
+    earlier = report({"a": "ra", "b": "rb", "c": "rc"}, sha256={"a": "1", "b": "2", "c": "3"})
+    now = report({"a": "ra", "b": "rb", "c": "rc", "d": "rd"})["settings"]
+    # a: same weights; b: retrained; c: its run is gone; d: never measured
+    assert kept_measurements(earlier, now, {"a": "1", "b": "9", "d": "4"}) == {"a", "c"}
+    assert kept_measurements(earlier, report({"a": "ra"}, k=5)["settings"], {"a": "1"}) == set()  # other settings
+    assert kept_measurements(None, now, {}) == set()
+    legacy = report({"a": "ra", "c": "rc"})  # recorded no sha256: a drafter still here is measured again
+    assert kept_measurements(legacy, now, {"a": "1"}) == {"c"}
+
+
+def test_drafters_verified_against_different_target_decodings_are_refused(tmp_path):
+    from benchmarks.side_by_side import check_one_target_decoding
+    from eagle31.config import ConfigError
+
+    mixed = report({"a": "ra", "b": "rb"})
+    check_one_target_decoding(mixed, tmp_path / "acceptance.json")
+    mixed["results"][1]["generated_tokens"] = 21
+    with pytest.raises(ConfigError, match="split heldout: the drafters saw different target decodings"):
+        check_one_target_decoding(mixed, tmp_path / "acceptance.json")
+
+
+def test_a_drafter_fingerprint_follows_its_files(tmp_path):
+    from benchmarks.side_by_side import drafter_sha256
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    first = drafter_sha256(tmp_path)
+    assert drafter_sha256(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"weightz")
+    assert drafter_sha256(tmp_path) != first

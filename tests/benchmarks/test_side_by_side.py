@@ -89,7 +89,9 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
     assert len(steps) == 2 and all(s["loss"] > 0 for s in steps)
     # a second call finds every step done and only summarises again
     assert main(["--smoke", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
-    assert "skip (done): speculators seed 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "skip (done): speculators seed 0" in err and "kept (measured earlier, same weights): speculators-s0" in err
+    assert json.loads((out / "summary.json").read_text())["acceptance"] == summary["acceptance"]
 
 
 class Killed(Exception):
