@@ -78,6 +78,7 @@ def worker(rank: int, world_size: int, port: int, tmp: str, meshes: list[int]) -
     results = {(name, ckpt, n): run(world, name, ckpt, n, f"{tmp}/{rank}") for name, ckpt in CASES for n in meshes}
     if rank == 0:
         torch.save(results, f"{tmp}/results.pt")
+    dist.barrier()  # leave together: a rank that tears gloo down while another still talks to it aborts
     dist.destroy_process_group()
 
 

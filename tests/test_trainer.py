@@ -146,6 +146,7 @@ def _shard_rank(rank: int, init_file: str, run_dir: str) -> None:
             },
             Path(run_dir) / f"result.{rank}",
         )
+        dist.barrier()  # leave together: a rank that tears gloo down while the other still talks to it aborts
     finally:
         dist.destroy_process_group()
 
