@@ -43,6 +43,7 @@ from benchmarks.side_by_side import (
     shared_settings,
     tau_over_seeds,
     train_eagle31,
+    trained_before,
     training_reports,
 )
 from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
@@ -172,7 +173,7 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
     earlier = measured_earlier(out)
     for (loss, seed), run_recipe in recipes.items():
         name = run_name(cfg, loss, seed)
-        if (runs / name / "report.json").is_file() or (not (runs / name).exists() and name in earlier):
+        if trained_before(runs / name, earlier):
             print(f"skip (done): {name}", file=sys.stderr)
             continue
         print(f"train: {name} (train.loss={loss})", file=sys.stderr)

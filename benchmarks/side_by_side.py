@@ -387,6 +387,11 @@ def measured_earlier(out: Path) -> set[str]:
     return set(json.loads(summary.read_text())["training"]) & {r["drafter"] for r in json.loads(report.read_text())["results"]}
 
 
+def trained_before(run: Path, earlier: set[str]) -> bool:
+    """`run` needs no training: its report.json is there, or it is gone and `earlier` (`measured_earlier`) has it."""
+    return (run / "report.json").is_file() or (not run.exists() and run.name in earlier)
+
+
 def training_reports(runs: dict[str, Path], out: Path) -> dict:
     """label -> what its run's report.json says of the training; for a run no longer here, what the
     summary under `out` recorded of it (its drafter's measurement is kept too, by `measure_drafters`)."""
@@ -476,8 +481,7 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     earlier = measured_earlier(out)
     for seed in cfg.seeds_list:
         for side in sides:
-            run = run_dir(cfg, side, seed)
-            if (run / "report.json").is_file() or (not run.exists() and run.name in earlier):
+            if trained_before(run_dir(cfg, side, seed), earlier):
                 print(f"skip (done): {side} seed {seed}", file=sys.stderr)
                 continue
             print(f"train: {side} seed {seed}", file=sys.stderr)
