@@ -18,6 +18,12 @@ order), the optimizer and its schedule (AdamW and warm-up + cosine with the reci
 the same as eagle31's side), the gradient-clipping norm (the recipe's, theirs is fixed at 1.0)
 and the loop around them.
 
+Their loss mask, as their trainer builds it, is the sample's assistant mask: after `shift_batch`
+their query (p, k) is supervised when `m[p+1+k] = 1`, one token earlier than the aligned
+`m[p+2+k]` of docs/design.md §4, and regardless of the target's argmax (eagle31's
+`mask_out_of_vocab`). `eagle31_loss_mask` is the mask that makes their (p, k) supervision
+exactly eagle31's, to tell what the masks alone do (`SpeculatorsTraining(mask_head=...)`).
+
 Their labels are `verifier_lm_head(verifier_norm(h))` of the target's last hidden state *before*
 its final norm (what vLLM captures); our store keeps `final`, the norm's output. Their batch
 gets `final / norm.weight`: a state whose RMS is 1 up to the norm's epsilon, so their norm
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 from eagle31.data.batch import FeatureBatch
+from eagle31.loss import TargetHead, label_positions
 from eagle31.recipe import DraftLoss
 from eagle31.trainer import lr_lambda
 
@@ -55,11 +62,28 @@ def batch_documents(batch: FeatureBatch):
         yield docs == d
 
 
-def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor) -> list[dict]:
+def eagle31_loss_mask(batch: FeatureBatch, head: TargetHead | None) -> torch.Tensor:
+    """[1, T] bool: the loss mask under which their query (p, k) is supervised exactly when eagle31's is.
+
+    Their (p, k) reads the mask at its label's position q = p+1+k; eagle31 supervises it when
+    m[q+1] = 1 (`label_positions`) and, with `head` (`mask_out_of_vocab`), the target's argmax at q
+    is a draft token. A document's last position labels nothing in either.
+    """
+    mask = label_positions(batch.loss_mask)
+    for at in batch_documents(batch):
+        mask[0, at.nonzero()[-1]] = False  # q+1 is the next document's
+    if head is not None:
+        mask &= head.in_draft[head.argmax(batch.final.float(), mask).clamp(min=0)]
+    return mask
+
+
+def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor, loss_mask: torch.Tensor | None = None) -> list[dict]:
     """The documents of one packed `[1, T]` batch as samples of their dataset (before `shift_batch`).
 
-    norm_weight [Ht]: the target's final norm weight (see the module docstring).
+    norm_weight [Ht]: the target's final norm weight (see the module docstring); loss_mask [1, T]:
+    the mask they train on, the batch's assistant mask (their trainer's) when None.
     """
+    loss_mask = batch.loss_mask if loss_mask is None else loss_mask
     samples = []
     for at in batch_documents(batch):
         n = int(at.sum())
@@ -67,7 +91,7 @@ def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor) -> list[
             "hidden_states": batch.aux[0, at],  # [n, 3*Ht]
             "input_ids": batch.input_ids[0, at],
             "verifier_last_hidden_states": batch.final[0, at].float() / norm_weight.float(),  # [n, Ht]
-            "loss_mask": batch.loss_mask[0, at].bool(),
+            "loss_mask": loss_mask[0, at].bool(),
             "lengths": torch.tensor([n]),
             "position_ids": torch.arange(n),
         })  # fmt: skip
@@ -82,11 +106,13 @@ class SpeculatorsTraining:
     checkpoints), so a killed run continues where it stopped with the same result.
 
     train: the recipe's `train` section (ttt_length, ttt_decay, lr, betas, weight_decay,
-    warmup_steps, max_steps, max_grad_norm, loss, lk_eta); max_len: their collate's row
-    length (our `features.tokens_per_batch`).
+    warmup_steps, max_steps, max_grad_norm, loss, lk_eta, mask_out_of_vocab); max_len: their
+    collate's row length (our `features.tokens_per_batch`); mask_head: the target's head, to
+    train on eagle31's supervision (`eagle31_loss_mask`) instead of their loss mask.
     """
 
-    def __init__(self, model, train, norm_weight: torch.Tensor, max_len: int, hidden_size: int, num_aux: int):
+    def __init__(self, model, train, norm_weight: torch.Tensor, max_len: int, hidden_size: int, num_aux: int,
+                 mask_head: TargetHead | None = None):  # fmt: skip
         from speculators.losses import resolve_loss_config
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
@@ -94,6 +120,7 @@ class SpeculatorsTraining:
         self.model = model
         self.train_cfg = train
         self.norm_weight = norm_weight
+        self.mask_head = mask_head
         self.collate = CollateFn(max_len, hidden_size, num_aux, dtype=torch.float32, preprocess=shift_batch)
         loss = resolve_loss_config(SPECULATORS_LOSS[DraftLoss(train.loss)], "eager")
         if train.loss == DraftLoss.lk_hybrid:  # their default eta is 3; pass the recipe's
@@ -105,12 +132,20 @@ class SpeculatorsTraining:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train.warmup_steps, train.max_steps))
         self.history: list[dict] = []
 
-    def step(self, batch: FeatureBatch) -> dict:
-        """One optimizer step on one packed batch; their metrics (loss, per-step accuracies)."""
-        collated = self.collate(speculators_samples(batch, self.norm_weight))
+    def loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict]:
+        """Their loss of one packed batch (with its graph) and their metrics, as their trainer computes them."""
+        loss_mask = None
+        if self.mask_head is not None:
+            loss_mask = eagle31_loss_mask(batch, self.mask_head if self.train_cfg.mask_out_of_vocab else None)
+        collated = self.collate(speculators_samples(batch, self.norm_weight, loss_mask))
         inputs = {k: v for k, v in collated.items() if isinstance(v, torch.Tensor)}  # drops their error_records count
         self.model.train()
         _, loss, metrics = self.model(**inputs, **self.call_kwargs)
+        return loss, metrics
+
+    def step(self, batch: FeatureBatch) -> dict:
+        """One optimizer step on one packed batch; their metrics (loss, per-step accuracies)."""
+        loss, metrics = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm)

@@ -34,7 +34,8 @@ per peer).
 Keys: out, runs (training run directories), sides (eagle31 and one or more of speculators,
 specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
-eagle31 does; their trainer freezes it), measure (false: train only, so that several processes
+eagle31 does; their trainer freezes it), peer_mask (theirs: speculators' trainer's loss mask, one
+token earlier than eagle31's; eagle31: their drafter supervised on exactly eagle31's queries), measure (false: train only, so that several processes
 share the trainings, each its own seeds, and a last run with every seed measures them).
 """
 
@@ -58,6 +59,7 @@ from eagle31.targets.cache import cache_dir, portable_path
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("eagle31", "speculators", "specforge")
 PEER_NAMES = {"speculators": "speculators 0.9.0", "specforge": "SpecForge 0.2.0"}
+PEER_MASKS = ("theirs", "eagle31")  # speculators' loss mask: their trainer's, or eagle31's supervision
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 
 
@@ -73,6 +75,7 @@ class SideBySideConfig:
     max_new_tokens: int = 48
     threads: int = 1
     peer_lm_head: bool = False
+    peer_mask: str = "theirs"
     measure: bool = True
 
     def __post_init__(self) -> None:
@@ -81,6 +84,8 @@ class SideBySideConfig:
         for name in ("k", "max_prompts", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.peer_mask not in PEER_MASKS:
+            raise ConfigError(f"peer_mask must be one of {', '.join(PEER_MASKS)}, got {self.peer_mask!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
 
@@ -204,8 +209,9 @@ def train_specforge(recipe) -> dict:
     return report
 
 
-def train_speculators(recipe, peer_lm_head: bool) -> dict:
-    """speculators' drafter on the recipe's prepared data and store; writes drafter/ and report.json."""
+def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> dict:
+    """speculators' drafter on the recipe's prepared data and store; writes drafter/ and report.json.
+    peer_mask="eagle31": trained on eagle31's supervised queries (`peer_training.eagle31_loss_mask`)."""
     import torch
 
     from benchmarks.peer import speculators_drafter
@@ -213,8 +219,13 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
     from eagle31.checkpoint import CheckpointManager
     from eagle31.data.speculators_import import final_norm_weight
     from eagle31.io import claim_output_dir
+    from eagle31.loss import TargetHead
+    from eagle31.target import read_target_embeddings
 
     plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
+    mask_head = None
+    if peer_mask == "eagle31":
+        mask_head = TargetHead(read_target_embeddings(plan.target_dir)[1].float(), torch.arange(d2t.numel()) + d2t)
     torch.manual_seed(recipe.seed)
     model = speculators_drafter(drafter_cfg, d2t, t2d, attention="sdpa", ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir))
     if peer_lm_head:
@@ -226,6 +237,7 @@ def train_speculators(recipe, peer_lm_head: bool) -> dict:
         max_len=recipe.features.tokens_per_batch,
         hidden_size=drafter_cfg.target_hidden_size,
         num_aux=len(drafter_cfg.aux_layer_ids),
+        mask_head=mask_head,
     )
     claim_output_dir(plan.run_dir, "run")
     # every train.save_every steps a checkpoint (the trainer's format): a killed run continues from it
@@ -438,6 +450,7 @@ def format_results(summary: dict) -> str:
         f"norm_output {drafter['norm_output']}), recipe {cfg['recipe']['recipe']}, "
         f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}"
         + (f"; speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}" if "speculators" in peers else "")
+        + ("; speculators trained on eagle31's loss mask" if "speculators" in peers and cfg.get("peer_mask") == "eagle31" else "")
         + ".",
         "",
         f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
@@ -477,7 +490,7 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     sides = cfg.sides_list
     recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in sides}
     check_recipe(recipes[("eagle31", cfg.seeds_list[0])], sides)  # one recipe for all: only output_dir and seed differ
-    trainers = {"eagle31": train_eagle31, "speculators": lambda r: train_speculators(r, cfg.peer_lm_head), "specforge": train_specforge}
+    trainers = {"eagle31": train_eagle31, "speculators": lambda r: train_speculators(r, cfg.peer_lm_head, cfg.peer_mask), "specforge": train_specforge}
     earlier = measured_earlier(out)
     for seed in cfg.seeds_list:
         for side in sides:

@@ -60,6 +60,174 @@ def test_speculators_labels_from_our_store_equal_ours(tiny_target, speculators):
 
 
 @pytest.mark.slow
+def test_their_initialisation_is_drawn_as_ours(tiny_target, speculators, tmp_path):
+    """Their `Eagle3DraftModel` as their trainer builds it, read back by our reader, against eagle31's drafter
+    as the pipeline builds it: the same target embedding and lm_head rows, norms at ones, every other
+    weight N(0, 0.02) on both sides (different draws)."""
+    from benchmarks.peer import speculators_drafter
+    from eagle31.config import DrafterConfig
+    from eagle31.convert import load_drafter
+    from eagle31.model import Eagle31Drafter
+    from eagle31.target import load_target_config, read_target_embeddings
+    from eagle31.vocab import vocab_maps
+
+    cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
+    d2t, t2d = vocab_maps(torch.arange(0, 128, 2), cfg.vocab_size)
+    torch.manual_seed(0)
+    speculators_drafter(cfg, d2t, t2d, attention="sdpa", ttt_length=2, verifier=str(tiny_target)).save_pretrained(tmp_path)
+    theirs = load_drafter(tmp_path, source_format="speculators").state_dict()
+    torch.manual_seed(0)
+    ours = Eagle31Drafter(cfg)
+    embed, lm_head = read_target_embeddings(tiny_target)
+    ours.init_from_target(embed.float(), lm_head.float(), d2t, t2d)
+    weights = {k: v for k, v in ours.state_dict().items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
+    assert weights.keys() <= theirs.keys()
+    drawn = 0
+    for name, w in weights.items():
+        if name == "lm_head.weight" or w.ndim == 1:  # the target's rows; norms
+            torch.testing.assert_close(theirs[name], w, rtol=0, atol=0, msg=name)
+        else:
+            assert not torch.equal(theirs[name], w), name
+            assert abs(theirs[name].std().item() - 0.02) < 2e-3 and abs(w.std().item() - 0.02) < 2e-3, name
+            assert abs(theirs[name].mean().item()) < 2e-3 and abs(w.mean().item()) < 2e-3, name
+            drawn += 1
+    assert drawn == 8  # fc, q, k, v, o, gate, up, down
+
+
+def their_supervision(samples: list[dict], ttt_length: int) -> torch.Tensor:
+    """[K, L] bool: the queries their `compute_metrics` supervises, from their own collate and alignment."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.models.eagle3.metrics import align_for_step
+    from speculators.train.data import CollateFn
+
+    collated = CollateFn(64, 4, 3, dtype=torch.float32, preprocess=shift_batch)(samples)
+    mask, L = collated["loss_mask"], collated["loss_mask"].shape[1]
+    stub = torch.zeros(1, L, 1)  # logits and targets: only their shapes matter to the alignment
+    steps = []
+    for k in range(ttt_length):
+        _, _, step_mask, _ = align_for_step(stub, stub, mask, None, k)
+        steps.append(torch.nn.functional.pad(step_mask[0].bool(), (0, k)))  # query i of step k reads the mask at i + k
+    return torch.stack(steps)
+
+
+def packed_batch(lengths: list[int], prompt: int, vocab: int, hidden: int, seed: int = 0):
+    """A packed `[1, T]` FeatureBatch of documents that open with `prompt` unsupervised tokens, as chats do;
+    final states of unit RMS (so their `verifier_norm` with weight ones gives them back)."""
+    from eagle31.data.batch import FeatureBatch
+
+    g = torch.Generator().manual_seed(seed)
+    masks = [torch.cat([torch.zeros(prompt), (torch.rand(n - prompt, generator=g) < 0.8).float()]).long() for n in lengths]
+    T = sum(lengths)
+    final = torch.randn(1, T, hidden, generator=g)
+    return FeatureBatch(
+        input_ids=torch.randint(0, vocab, (1, T), generator=g),
+        loss_mask=torch.cat(masks)[None],
+        document_ids=torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None],
+        aux=torch.randn(1, T, 3 * hidden, generator=g),
+        final=final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True)),
+    )
+
+
+def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(speculators):
+    """Through their collate, `shift_batch` and `align_for_step`: their trainer's mask supervises (p, k) when
+    m[p+1+k] = 1; `eagle31_loss_mask` makes their supervised queries exactly eagle31's `supervision_mask`,
+    out-of-vocabulary argmax included."""
+    from benchmarks.peer_training import eagle31_loss_mask, speculators_samples
+    from eagle31.attention import segment_ids
+    from eagle31.loss import TargetHead, supervision_mask
+
+    # each document opens with a prompt longer than K, as a chat template's opening is: their queries at a
+    # document's end read the mask of the next document's first K positions, unsupervised in both
+    K, lengths = 3, [9, 12, 10]
+    batch, T = packed_batch(lengths, prompt=5, vocab=32, hidden=4), sum(lengths)
+    head = TargetHead(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)), torch.arange(0, 32, 2))
+    segments = segment_ids(batch.document_ids, None, batch.input_ids.shape)
+    in_vocab = head.in_draft[head.argmax(batch.final)]
+    assert not in_vocab.all() and in_vocab.any()  # the vocabulary mask matters in this batch
+    # their row drops each document's first token (`shift_batch`): our query p of document d is their p - d
+    ours_at = torch.cat([torch.arange(n - 1) + sum(lengths[:d]) for d, n in enumerate(lengths)])
+    norm = torch.ones(4)
+
+    def ours(in_vocab_mask):
+        return supervision_mask(batch.loss_mask, segments, K, in_vocab_mask)[:, 0, ours_at]
+
+    theirs = their_supervision(speculators_samples(batch, norm), K)[:, : ours_at.numel()]
+    one_early = torch.zeros(K, 1, T, dtype=torch.bool)
+    for k in range(K):
+        for p in range(T - 1 - k):
+            one_early[k, 0, p] = bool(batch.loss_mask[0, p + 1 + k]) and segments[0, p + 1 + k] == segments[0, p]
+    assert torch.equal(theirs, one_early[:, 0, ours_at]) and not torch.equal(theirs, ours(None))
+    aligned = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, None)), K)[:, : ours_at.numel()]
+    assert torch.equal(aligned, ours(None))
+    in_vocab_too = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, head)), K)[:, : ours_at.numel()]
+    assert torch.equal(in_vocab_too, ours(in_vocab)) and not torch.equal(in_vocab_too, aligned)
+    batch.loss_mask[0, lengths[0]] = 1  # the next document's first token: not a label of this one's last position
+    assert not eagle31_loss_mask(batch, None)[0, lengths[0] - 1]
+
+
+@pytest.mark.slow
+def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculators, tmp_path):
+    """The same weights and packed batch: their loss under `eagle31_loss_mask` (their forward, alignment,
+    per-step mean and 0.8^k weights) equals eagle31's training loss, and so do the gradients; under their
+    own mask it does not. What is left between the sides is then the draw of the initial weights."""
+    from benchmarks.peer import speculators_drafter
+    from benchmarks.peer_training import SpeculatorsTraining
+    from eagle31.attention import segment_ids
+    from eagle31.config import DrafterConfig
+    from eagle31.convert import load_drafter
+    from eagle31.loss import TargetHead, label_positions, step_scales, supervision_mask, weighted_loss
+    from eagle31.recipe import TrainConfig
+    from eagle31.target import load_target_config
+    from eagle31.trainer import DrafterObjective
+    from eagle31.vocab import vocab_maps
+
+    cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
+    V, Ht = cfg.vocab_size, cfg.target_hidden_size
+    draft_ids = torch.arange(0, 128, 2)
+    d2t, t2d = vocab_maps(draft_ids, V)
+    torch.manual_seed(0)
+    model = speculators_drafter(cfg, d2t, t2d, attention="sdpa", ttt_length=3)
+    target_lm_head = torch.randn(V, Ht) * Ht**-0.5
+    with torch.no_grad():  # what load_verifier_weights would read; verifier_norm at ones
+        model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.copy_(target_lm_head[draft_ids])
+        model.verifier_lm_head.weight.copy_(target_lm_head[draft_ids])
+        model.verifier_norm.weight.fill_(1.0)
+    model.save_pretrained(tmp_path)
+    ours = load_drafter(tmp_path, source_format="speculators")
+    ours.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
+    head = TargetHead(target_lm_head, draft_ids)
+    train = TrainConfig(ttt_length=3, ttt_decay=0.8)
+    batch = packed_batch([40, 56, 32], prompt=8, vocab=V, hidden=Ht)
+    T = batch.input_ids.shape[1]
+
+    objective = DrafterObjective(ours, train)
+    segments = segment_ids(batch.document_ids, None, batch.input_ids.shape)
+    argmax = head.argmax(batch.final, label_positions(batch.loss_mask))
+    supervised = supervision_mask(batch.loss_mask, segments, 3, head.in_draft[argmax.clamp(min=0)] & (argmax >= 0))
+    count = supervised.sum(dim=(1, 2)).double()
+    stats = objective(batch.aux, batch.input_ids, batch.document_ids, batch.final, supervised, argmax, step_scales(count, 0.8), head)
+    our_loss = weighted_loss(stats.loss_sum, count, 0.8)
+    our_loss.backward()
+
+    def their_loss(mask_head):
+        model.zero_grad(set_to_none=True)
+        training = SpeculatorsTraining(model, train, torch.ones(Ht), max_len=T, hidden_size=Ht, num_aux=3, mask_head=mask_head)
+        loss, _ = training.loss(batch)
+        return loss
+
+    assert abs(their_loss(None).item() - our_loss.item()) > 1e-3  # their trainer's mask, one token early
+    loss = their_loss(head)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), our_loss.double(), rtol=1e-5, atol=1e-6)
+    theirs = dict(model.named_parameters())
+    for name, p in ours.named_parameters():
+        if p.requires_grad and name != "lm_head.weight":  # their trainer freezes lm_head
+            their_name = name.replace("midlayer.", "layers.0.")
+            torch.testing.assert_close(theirs[their_name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
 def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, speculators):
     from benchmarks.side_by_side import main
     from eagle31.convert import load_drafter
