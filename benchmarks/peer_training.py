@@ -108,11 +108,13 @@ class SpeculatorsTraining:
     train: the recipe's `train` section (ttt_length, ttt_decay, lr, betas, weight_decay,
     warmup_steps, max_steps, max_grad_norm, loss, lk_eta, mask_out_of_vocab); max_len: their
     collate's row length (our `features.tokens_per_batch`); mask_head: the target's head, to
-    train on eagle31's supervision (`eagle31_loss_mask`) instead of their loss mask.
+    train on eagle31's supervision (`eagle31_loss_mask`) instead of their loss mask;
+    compute_dtype: their features' dtype and, below fp32, their trainer's autocast (on the
+    model's device; the batches are moved there).
     """
 
     def __init__(self, model, train, norm_weight: torch.Tensor, max_len: int, hidden_size: int, num_aux: int,
-                 mask_head: TargetHead | None = None):  # fmt: skip
+                 mask_head: TargetHead | None = None, compute_dtype: torch.dtype = torch.float32):  # fmt: skip
         from speculators.losses import resolve_loss_config
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
@@ -121,7 +123,9 @@ class SpeculatorsTraining:
         self.train_cfg = train
         self.norm_weight = norm_weight
         self.mask_head = mask_head
-        self.collate = CollateFn(max_len, hidden_size, num_aux, dtype=torch.float32, preprocess=shift_batch)
+        self.device = next(model.parameters()).device
+        self.compute_dtype = compute_dtype
+        self.collate = CollateFn(max_len, hidden_size, num_aux, dtype=compute_dtype, preprocess=shift_batch)
         loss = resolve_loss_config(SPECULATORS_LOSS[DraftLoss(train.loss)], "eager")
         if train.loss == DraftLoss.lk_hybrid:  # their default eta is 3; pass the recipe's
             name, (fn, weight) = next(iter(loss.items()))
@@ -138,9 +142,11 @@ class SpeculatorsTraining:
         if self.mask_head is not None:
             loss_mask = eagle31_loss_mask(batch, self.mask_head if self.train_cfg.mask_out_of_vocab else None)
         collated = self.collate(speculators_samples(batch, self.norm_weight, loss_mask))
-        inputs = {k: v for k, v in collated.items() if isinstance(v, torch.Tensor)}  # drops their error_records count
+        # drops their error_records count
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in collated.items() if isinstance(v, torch.Tensor)}
         self.model.train()
-        _, loss, metrics = self.model(**inputs, **self.call_kwargs)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            _, loss, metrics = self.model(**inputs, **self.call_kwargs)
         return loss, metrics
 
     def step(self, batch: FeatureBatch) -> dict:

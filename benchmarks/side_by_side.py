@@ -35,7 +35,9 @@ Keys: out, runs (training run directories), sides (eagle31 and one or more of sp
 specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
 max_prompts (per split), max_new_tokens, threads, peer_lm_head (train speculators' lm_head as
 eagle31 does; their trainer freezes it), peer_mask (theirs: speculators' trainer's loss mask, one
-token earlier than eagle31's; eagle31: their drafter supervised on exactly eagle31's queries), measure (false: train only, so that several processes
+token earlier than eagle31's; eagle31: their drafter supervised on exactly eagle31's queries), device
+(cpu; cuda: both trainers, each in the recipe's precision with their autocast on theirs, and the
+measurement on the GPU; not with SpecForge), measure (false: train only, so that several processes
 share the trainings, each its own seeds, and a last run with every seed measures them).
 """
 
@@ -76,6 +78,7 @@ class SideBySideConfig:
     threads: int = 1
     peer_lm_head: bool = False
     peer_mask: str = "theirs"
+    device: str = "cpu"  # cuda: both trainers and the measurement on the GPU (the GPU check's part)
     measure: bool = True
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class SideBySideConfig:
         for name in ("k", "max_prompts", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.peer_mask not in PEER_MASKS:
             raise ConfigError(f"peer_mask must be one of {', '.join(PEER_MASKS)}, got {self.peer_mask!r}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -133,12 +138,12 @@ def run_dir(cfg: SideBySideConfig, side: str, seed: int) -> Path:
 
 def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: str):
     """The composed recipe of one run: the user's overrides, then what the comparison fixes."""
-    return comparison_recipe(Path(cfg.runs), run_dir(cfg, side, seed), seed, cfg.max_steps, overrides)
+    return comparison_recipe(Path(cfg.runs), run_dir(cfg, side, seed), seed, cfg.max_steps, overrides, cfg.device)
 
 
-def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | None, overrides: list[str]):
+def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | None, overrides: list[str], device: str = "cpu"):
     """A run of a comparison on equal work: `overrides`, then the keys every run of it shares (one prepared
-    data and shard store under `runs`, packed batches, one per step) and its own output_dir and seed."""
+    data and shard store under `runs`, packed batches, one per step, the device) and its own output_dir and seed."""
     from eagle31.recipe import load_recipe
 
     fixed = [
@@ -150,7 +155,7 @@ def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | 
         f"features.store_dir={runs}/features",  # captured once: the same features on both sides
         "features.batching=pack",  # speculators trains on packed rows; SpecForge gets their documents
         "train.grad_accum=1",  # one batch per optimizer step on both sides
-        "train.device=cpu",
+        f"train.device={device}",
         "eval.enabled=false",  # the acceptance of both is measured together, below
         "export.formats=[]",
         "logging.wandb.mode=disabled",
@@ -163,6 +168,8 @@ def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | 
 
 def check_recipe(recipe, sides: list[str]) -> None:
     """What a peer side cannot do, refused before anything runs."""
+    if "specforge" in sides and recipe.train.device == "cuda":
+        raise ConfigError("device=cuda: the SpecForge side trains in its CPU venv; compare it with device=cpu")
     if recipe.drafter.attention != "llama":
         raise ConfigError(f"drafter.attention={recipe.drafter.attention}: the peers' EAGLE-3 drafters have Llama attention only")
     if "specforge" in sides:
@@ -190,7 +197,7 @@ def peer_inputs(recipe):
     from eagle31.pipeline import build_loaders, prepare_data
     from eagle31.plan import plan_run
 
-    plan = plan_run(recipe, init_world("cpu"))
+    plan = plan_run(recipe, init_world(str(recipe.train.device)))
     prepared = prepare_data(plan)
     train_loader, _ = build_loaders(plan, prepared)  # the store the eagle31 run captured, the same batch order
     d2t, t2d = load_draft_vocab(prepared)
@@ -227,7 +234,11 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
     if peer_mask == "eagle31":
         mask_head = TargetHead(read_target_embeddings(plan.target_dir)[1].float(), torch.arange(d2t.numel()) + d2t)
     torch.manual_seed(recipe.seed)
-    model = speculators_drafter(drafter_cfg, d2t, t2d, attention="sdpa", ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir))
+    device = plan.world.device  # their default attention on CUDA (compiled flex); FlexAttention has no CPU backward
+    attention = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    model = speculators_drafter(
+        drafter_cfg, d2t, t2d, attention=attention, ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir), device=device
+    )
     if peer_lm_head:
         model.lm_head.weight.requires_grad_(True)
     training = SpeculatorsTraining(
@@ -238,6 +249,7 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
         hidden_size=drafter_cfg.target_hidden_size,
         num_aux=len(drafter_cfg.aux_layer_ids),
         mask_head=mask_head,
+        compute_dtype=plan.compute_dtype,
     )
     claim_output_dir(plan.run_dir, "run")
     # every train.save_every steps a checkpoint (the trainer's format): a killed run continues from it
@@ -270,10 +282,14 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
 def measure(cfg: SideBySideConfig, recipe) -> dict:
     """One acceptance run over every drafter of every side (read by eagle31's readers)."""
     drafters = {f"{side}-s{seed}": run_dir(cfg, side, seed) / "drafter" for side in cfg.sides_list for seed in cfg.seeds_list}
-    return measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=Path(cfg.out))
+    return measure_drafters(
+        drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=Path(cfg.out), device=cfg.device
+    )
 
 
-def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path) -> dict:
+def measure_drafters(
+    drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path, device: str = "cpu"
+) -> dict:
     """One `eagle31.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
     split (greedy chains of k, verified from the target's one greedy decoding of each prompt); its report
     under out/acceptance.
@@ -297,7 +313,7 @@ def measure_drafters(drafters: dict[str, Path], recipe, *, k: int, max_new_token
             max_new_tokens=max_new_tokens,
             max_prompts=max_prompts,
             verification=Verification.replay,
-            device="cpu",
+            device=device,
         )
 
     sha256 = {label: drafter_sha256(path) for label, path in drafters.items() if path.is_dir()}
