@@ -327,7 +327,9 @@ def measure_drafters(
         if label in kept:
             print(f"kept (measured earlier, {'same weights' if label in sha256 else 'its run is not here'}): {label}", file=sys.stderr)
         elif label not in sha256:
-            raise ConfigError(f"{path}: no drafter there, and no earlier measurement of {label} under {report_path}")
+            other = settings_differ(earlier, settings) if earlier and label in {r["drafter"] for r in earlier["results"]} else None
+            why = f"its earlier measurement under {report_path} has other {', '.join(other)}" if other else f"no earlier measurement of it under {report_path}"
+            raise ConfigError(f"{path}: no drafter there to measure {label}, and {why}")
     missing = [label for label in drafters if label not in kept]
     measured = run_acceptance(config_of(missing)) if missing else {"results": []}
     rows = {(r["drafter"], r["split"]): r for r in earlier["results"] if r["drafter"] in kept} if kept else {}
@@ -357,14 +359,18 @@ def drafter_sha256(drafter_dir: Path) -> str:
 def kept_measurements(earlier: dict | None, settings: dict, sha256: dict[str, str]) -> set[str]:
     """The drafters of an earlier report that need no new measurement: same settings (all but the drafters),
     and the same weights, or weights no longer here to measure."""
-    if earlier is None:
-        return set()
-    different = {"drafters", "drafter_sha256", "kept"}
-    if {k: v for k, v in earlier["settings"].items() if k not in different} != {k: v for k, v in settings.items() if k not in different}:
+    if earlier is None or settings_differ(earlier, settings):
         return set()
     recorded = earlier["settings"].get("drafter_sha256", {})
     measured = {r["drafter"] for r in earlier["results"]}
     return {label for label in settings["drafters"] if label in measured and (label not in sha256 or recorded.get(label) == sha256[label])}
+
+
+def settings_differ(earlier: dict, settings: dict) -> list[str]:
+    """The measurement settings (all but the drafters) in which an earlier report differs from `settings`."""
+    ignored = {"drafters", "drafter_sha256", "kept"}
+    keys = (set(earlier["settings"]) | set(settings)) - ignored
+    return sorted(k for k in keys if earlier["settings"].get(k) != settings.get(k))
 
 
 def check_one_target_decoding(report: dict, path: Path) -> None:

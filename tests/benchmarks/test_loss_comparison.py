@@ -98,6 +98,16 @@ def test_an_earlier_measurement_is_kept_only_for_the_same_settings_and_weights()
     assert kept_measurements(legacy, now, {"a": "1"}) == {"c"}
 
 
+def test_the_settings_an_earlier_measurement_differs_in_are_named():
+    from benchmarks.side_by_side import settings_differ
+
+    now = report({"a": "ra"})
+    assert settings_differ(report({"b": "rb"}, sha256={"b": "2"}), now["settings"]) == []  # drafters do not count
+    assert settings_differ(report({"a": "ra"}, k=5), now["settings"]) == ["k"]
+    older = report({"a": "ra"})  # a report from before a setting was recorded
+    assert settings_differ(older, {**now["settings"], "verification": "replay"}) == ["verification"]
+
+
 def test_drafters_verified_against_different_target_decodings_are_refused(tmp_path):
     from benchmarks.side_by_side import check_one_target_decoding
     from eagle31.config import ConfigError
