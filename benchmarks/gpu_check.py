@@ -48,7 +48,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.gpu_parts import child_env  # standard library only at import
@@ -84,7 +84,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
     ]
     if smoke:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
-        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny), Part(SIDE_BY_SIDE.name, SIDE_BY_SIDE.kind, 240)]
+        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny), replace(SIDE_BY_SIDE, budget_s=240)]
     from benchmarks.shapes import recipe_shapes
 
     shapes = recipe_shapes().values()

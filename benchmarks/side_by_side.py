@@ -228,11 +228,12 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
     from eagle31.io import claim_output_dir
     from eagle31.loss import TargetHead
     from eagle31.target import read_target_embeddings
+    from eagle31.vocab import draft_to_target
 
     plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
     mask_head = None
     if peer_mask == "eagle31":
-        mask_head = TargetHead(read_target_embeddings(plan.target_dir)[1].float(), torch.arange(d2t.numel()) + d2t)
+        mask_head = TargetHead(read_target_embeddings(plan.target_dir)[1].float(), draft_to_target(torch.arange(d2t.numel()), d2t))
     torch.manual_seed(recipe.seed)
     device = plan.world.device  # their default attention on CUDA (compiled flex); FlexAttention has no CPU backward
     attention = "simple_flex_attention" if device.type == "cuda" else "sdpa"
@@ -323,12 +324,14 @@ def measure_drafters(
     settings = {**report_settings(config_of(list(sha256))), "drafters": {label: portable_path(p) for label, p in drafters.items()}}
     earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
     kept = kept_measurements(earlier, settings, sha256)
+    measured_there = {r["drafter"] for r in earlier["results"]} if earlier else set()
     for label, path in drafters.items():
         if label in kept:
             print(f"kept (measured earlier, {'same weights' if label in sha256 else 'its run is not here'}): {label}", file=sys.stderr)
         elif label not in sha256:
-            other = settings_differ(earlier, settings) if earlier and label in {r["drafter"] for r in earlier["results"]} else None
-            why = f"its earlier measurement under {report_path} has other {', '.join(other)}" if other else f"no earlier measurement of it under {report_path}"
+            why = f"no earlier measurement of it under {report_path}"
+            if label in measured_there:  # not kept, so its settings differ
+                why = f"its earlier measurement under {report_path} has other {', '.join(settings_differ(earlier, settings))}"
             raise ConfigError(f"{path}: no drafter there to measure {label}, and {why}")
     missing = [label for label in drafters if label not in kept]
     measured = run_acceptance(config_of(missing)) if missing else {"results": []}
