@@ -312,6 +312,10 @@ def test_a_bad_key_is_one_line(capsys):
     assert "seeds must be a comma-separated list of integers" in capsys.readouterr().err
     assert main(["sides=speculators,specforge"]) == 2  # no eagle31 side: nothing to compare against
     assert "sides must be eagle31 and one or more of speculators, specforge" in capsys.readouterr().err
+    assert main(["device=tpu"]) == 2
+    assert "device must be cpu or cuda, got 'tpu'" in capsys.readouterr().err
+    assert main(["peer_mask=ours"]) == 2
+    assert "peer_mask must be one of theirs, eagle31, got 'ours'" in capsys.readouterr().err
 
 
 def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, capsys):
@@ -323,6 +327,8 @@ def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, ca
     assert "drafter.norm_output=true: SpecForge 0.2.0 feeds the pre-norm state back" in capsys.readouterr().err
     assert main([*args, *tiny_overrides(tiny_target, chats), "drafter.norm_output=false", "train.loss=tv"]) == 2
     assert "train.loss=tv: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only" in capsys.readouterr().err
+    assert main([args[0], "device=cuda", *args[1:], *tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]) == 2
+    assert "device=cuda: the SpecForge side trains in its CPU venv" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
