@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SpecForge 0.2.0's venv, next to (never inside) the project's environment: the side-by-side runs
-# its own trainer there (benchmarks/peer_training_specforge.py). SpecForge pins torch==2.11.0,
+# its own trainer there (experiments/side_by_side/specforge_training.py). SpecForge pins torch==2.11.0,
 # transformers==5.8.1 and sglang==0.5.14; its offline EAGLE-3 training path imports no sglang
 # (only its online capture does), so the wheel goes in with --no-deps, with the CPU build of
 # torch 2.13.0 (not their pin), their transformers pin and the packages that path imports.

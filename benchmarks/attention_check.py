@@ -7,7 +7,7 @@ varlen over packed documents) is exercised only here, on a GPU machine:
     check_attention_parity(cfg, device, dtype)   # forward and every gradient vs the reference
 
 The private ops are not a stable API (their arguments changed between torch releases), so their
-signatures are compared with what `eagle31.attention.FlashCausal` passes before anything calls
+signatures are compared with what `eagle31.attention.kernels.FlashCausal` passes before anything calls
 them; a mismatch names the op instead of failing inside the kernel.
 """
 
@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from eagle31.attention import reference_attention, segment_ids, ttt_attention
+from eagle31.attention.kernels import segment_ids
+from eagle31.attention.ttt_attention import reference_attention, ttt_attention
 from eagle31.config import DrafterConfig
 
 # Positional argument types and number of results of each private op, as FlashCausal calls it;

@@ -1,7 +1,6 @@
 """One command that checks the project on a CUDA machine and measures its speed and memory goals.
 
     python -m benchmarks.gpu_check <out dir> [--wheels benchmarks/wheels]   # on the GPU machine (< 8 min, H200)
-    python -m benchmarks.gpu_check --comparison <out dir>                   # then, as a second command (< 8 min)
     python -m benchmarks.gpu_check --cpu-smoke <out dir>                    # tiny shapes on CPU (CI)
     python -m benchmarks.gpu_check --to-doc <out dir>/summary.json          # its table into docs/performance.md
 
@@ -21,11 +20,9 @@ or an out-of-memory crash ends that part only; the whole check stays within `--b
                   checkpointing), 16384, the Llama 3.1 8B drafter at 4096 — each against vLLM
                   `speculators`' drafter where it imports (its running out of memory is a result)
 
-`--comparison` runs `environment` and then only `side by side` (`benchmarks.side_by_side` with both
-trainers and the measurement on CUDA: eagle31 against speculators on the demo target, two seeds at
-8x the CPU comparison's steps), with a budget of its own: one command of a lent GPU machine may
-run 10 minutes, so the two checks are two commands. With `--cpu-smoke` it adds the tiny variant
-of that part to the smoke's parts.
+A study runs its own GPU parts through `check_main(parts=...)` (the side-by-side of
+`experiments/side_by_side/gpu.py`: a second command, since one command of a lent GPU machine may run
+10 minutes); a part's kind `module:function` names the function its process calls with (smoke, out).
 
 Writes `<out dir>/summary.json` and `summary.md` (pass/fail per part, step time, tokens/s, MFU
 with the FLOP count, peak memory, ratios to the peer), each part's JSON under `parts/` and its
@@ -48,7 +45,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.gpu_parts import child_env  # standard library only at import
@@ -63,15 +60,13 @@ PEER_MODULES = ("speculators", "hs_connectors", "openai", "accelerate")
 @dataclass
 class Part:
     name: str
-    kind: str  # environment | attention | trainer | memory | sequence_parallel | benchmark | side_by_side | unavailable
+    kind: str  # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable | module:function
     budget_s: int
     args: list[str] = field(default_factory=list)  # benchmark: BenchConfig key=value; unavailable: [reason]
 
 
 ENVIRONMENT = Part("environment", "environment", 60)
 BUDGET_S = 470.0  # the whole check's default wall-clock budget (`--budget-s`)
-SIDE_BY_SIDE = Part("side by side", "side_by_side", 420)
-COMPARISON_BUDGET_S = 480.0  # `--comparison`'s default budget
 
 
 def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
@@ -84,7 +79,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
     ]
     if smoke:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
-        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny), replace(SIDE_BY_SIDE, budget_s=240)]
+        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
     from benchmarks.shapes import recipe_shapes
 
     shapes = recipe_shapes().values()
@@ -192,8 +187,11 @@ def part_main(kind: str, result: Path, out: Path, smoke: bool, args: list[str]) 
     from eagle31.io import atomic_write_json
 
     try:
-        if kind in ("trainer", "side_by_side"):
-            report = getattr(gpu_parts, kind)(smoke, out)
+        if ":" in kind:  # a study's part (`check_main(parts=...)`)
+            module, function = kind.split(":")
+            report = getattr(importlib.import_module(module), function)(smoke, out)
+        elif kind == "trainer":
+            report = gpu_parts.trainer(smoke, out)
         elif kind == "benchmark":
             report = gpu_parts.benchmark(args)
         else:
@@ -205,7 +203,8 @@ def part_main(kind: str, result: Path, out: Path, smoke: bool, args: list[str]) 
     return 0 if report["status"] in ("pass", "skipped") else 1
 
 
-def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, comparison: bool = False) -> int:
+def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, parts: list[Part] | None = None, mode: str | None = None) -> int:
+    """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary under `out`."""
     started = time.monotonic()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "parts").is_dir())):
         print(f"error: {out} exists and is not an empty directory or an earlier check's output", file=sys.stderr)
@@ -214,7 +213,7 @@ def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, com
         (out / sub).mkdir(parents=True, exist_ok=True)
     install = install_wheels(wheels, out / "logs" / "install.log")
     print(f"install: {install['status']} ({install.get('detail') or install.get('still_missing')})", flush=True)
-    mode = "cpu-smoke" if smoke else "gpu comparison" if comparison else "gpu"
+    mode = mode or ("cpu-smoke" if smoke else "gpu")
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": mode,
                "budget_s": budget_s, "install": install, "parts": {}}  # fmt: skip
     def run(part: Part) -> dict:
@@ -229,7 +228,7 @@ def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, com
 
     environment = run(ENVIRONMENT)
     try:  # the environment first: the plan sizes activation checkpointing to the GPU it found
-        parts = [SIDE_BY_SIDE] if comparison else plan(smoke, environment.get("gpu_memory_gib"))
+        parts = parts if parts is not None else plan(smoke, environment.get("gpu_memory_gib"))
     except Exception as e:  # noqa: BLE001 — without a plan the environment report still says why
         summary["plan_error"] = f"{type(e).__name__}: {e}"
         parts = []
@@ -255,10 +254,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", nargs="?", type=Path, help="output directory (GPU run)")
     parser.add_argument("--cpu-smoke", type=Path, metavar="OUT", help="the same parts on CPU with tiny shapes")
     parser.add_argument("--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)")
-    parser.add_argument("--comparison", type=Path, metavar="OUT", help="the side-by-side with speculators on CUDA (GPU run)")
-    parser.add_argument(
-        "--budget-s", type=float, help=f"wall-clock budget of all parts (default {BUDGET_S:.0f}; --comparison {COMPARISON_BUDGET_S:.0f})"
-    )
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"wall-clock budget of all parts (default {BUDGET_S:.0f})")
     parser.add_argument("--to-doc", type=Path, metavar="SUMMARY", help="put a summary.json's table into --doc")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md", help="default docs/performance.md")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: one part in this process
@@ -280,15 +276,16 @@ def main(argv: list[str]) -> int:
         put_gpu_table(ns.doc, summary)
         print(f"updated {ns.doc}")
         return 0
-    outs = [o for o in (ns.out, ns.comparison, ns.cpu_smoke) if o is not None]
+    outs = [o for o in (ns.out, ns.cpu_smoke) if o is not None]
     if len(outs) != 1:
-        print("error: give one output directory: `<out dir>` or `--comparison <out dir>` on a GPU machine, or `--cpu-smoke <out dir>`",
-              file=sys.stderr)  # fmt: skip
+        print("error: give one output directory: `<out dir>` on a GPU machine, or `--cpu-smoke <out dir>`", file=sys.stderr)
         return 2
-    wheels = ns.wheels or (DEFAULT_WHEELS if DEFAULT_WHEELS.is_dir() else None)
-    comparison = ns.comparison is not None
-    budget_s = ns.budget_s or (COMPARISON_BUDGET_S if comparison else BUDGET_S)
-    return check_main(outs[0], ns.cpu_smoke is not None, wheels, budget_s, comparison)
+    return check_main(outs[0], ns.cpu_smoke is not None, default_wheels(ns.wheels), ns.budget_s)
+
+
+def default_wheels(wheels: Path | None) -> Path | None:
+    """`--wheels`, else benchmarks/wheels when it exists."""
+    return wheels or (DEFAULT_WHEELS if DEFAULT_WHEELS.is_dir() else None)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ measured; `smoke` selects the CPU variant (tiny shapes, fp32, gloo-free single p
                   code path beside the plain one: step time, peak memory, the losses agree; and the
                   attention of 4 shards of a sequence (the keys before a shard made block-wise) vs
                   the whole one's, at the Kimi K2.6 MLA drafter's shape
-    side_by_side  `benchmarks.side_by_side` with both trainers and the measurement on CUDA: eagle31
-                  against speculators on the demo target, 2 seeds of 400 steps each (8x the CPU
-                  comparison's budget); on CPU the tiny chat target, 2 steps
 """
 
 from __future__ import annotations
@@ -125,7 +122,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     work = out / "trainer"
     work.mkdir(parents=True, exist_ok=True)
     chats = work / "chats.jsonl"
-    chats.write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(48)))
+    chats.write_text("".join(json.dumps(tiny_chat(i)) + "\n" for i in range(48)))
     run_dir = work / "run"
     device = ["train.device=cpu", "train.precision=fp32"] if smoke else ["train.device=cuda", "train.precision=bf16"]
     problems = _flash_problems("cpu" if smoke else "cuda")
@@ -161,37 +158,6 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     return result
 
 
-def side_by_side(smoke: bool, out: Path) -> dict[str, Any]:
-    """eagle31 against speculators on equal work (`benchmarks.side_by_side`), both on the part's device: tau per
-    split and seed, eagle31 / speculators, and each training's time."""
-    from benchmarks import side_by_side as comparison
-
-    work = out / "side_by_side"
-    if smoke:
-        work.mkdir(parents=True, exist_ok=True)
-        chats = work / "chats.jsonl"
-        chats.write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(48)))
-        keys = dict(device="cpu", **comparison.SMOKE)
-        overrides = [
-            "recipe=kimi_k26_mini", f"data.source=[{chats}]", f"eval.data=[{chats}]", "data.max_len=128",
-            "data.eval_fraction=0.1", "drafter.attention=llama", "drafter.draft_vocab_size=128",
-            "features.tokens_per_batch=256",
-        ]  # fmt: skip
-    else:
-        keys = dict(device="cuda", seeds="0,1", max_steps=400, k=3, max_prompts=16, max_new_tokens=48)
-        overrides = ["recipe=demo"]
-    cfg = comparison.SideBySideConfig(out=str(work / "result"), runs=str(work / "runs"), **keys)
-    summary = comparison.side_by_side(cfg, overrides, "benchmarks.gpu_parts.side_by_side")
-    ratios = {row["split"]: round(row["ratio"]["speculators"], 3) for row in summary["acceptance"]}
-    return {
-        "status": "pass",
-        "device": cfg.device,
-        "detail": "eagle31 / speculators tau: " + ", ".join(f"{split} {r}" for split, r in ratios.items()),
-        "acceptance": summary["acceptance"],
-        "training": summary["training"],
-    }
-
-
 def _flash_problems(device_type: str) -> list[str]:
     import torch
 
@@ -200,7 +166,8 @@ def _flash_problems(device_type: str) -> list[str]:
     return private_op_problems(torch.device(device_type))
 
 
-def _chat(i: int) -> dict:
+def tiny_chat(i: int) -> dict:
+    """Conversation `i` of the tiny chat data the smoke parts train on."""
     a, b = i % 7, i % 5
     return {"messages": [
         {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
@@ -359,7 +326,9 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
 
     import torch
 
-    from eagle31.attention import ChainKeysValues, segment_ids, ttt_attention_of_entries
+    from eagle31.attention.entries import ChainKeysValues
+    from eagle31.attention.kernels import segment_ids
+    from eagle31.attention.ttt_attention import ttt_attention_of_entries
     from eagle31.mla import mla_keys_values
 
     nh, nope, rope, v_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank

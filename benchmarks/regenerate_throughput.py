@@ -27,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle31.data.regenerate import EndpointBackend, Settings, prepare_output, regenerate, write_report
+from eagle31.data.regenerate.backends import EndpointBackend
+from eagle31.data.regenerate.core import Settings
+from eagle31.data.regenerate.pool import regenerate
+from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally
 from eagle31.io import atomic_write_json, atomic_write_text
 

@@ -29,15 +29,10 @@ from tqdm import tqdm
 from eagle31.cli import recipe_main
 from eagle31.config import ConfigError
 from eagle31.data.chat import check_template_kwargs
-from eagle31.data.regenerate import (
-    EndpointBackend,
-    HFBackend,
-    RegenerateError,
-    Settings,
-    prepare_output,
-    regenerate,
-    write_report,
-)
+from eagle31.data.regenerate.backends import EndpointBackend, HFBackend
+from eagle31.data.regenerate.core import RegenerateError, Settings
+from eagle31.data.regenerate.pool import regenerate
+from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths
 from eagle31.distributed import barrier, close_world, init_world
 

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle31.attention import _BLOCK_BUDGET, QueryTail
+from eagle31.attention.kernels import BLOCK_BUDGET
+from eagle31.attention.query_tail import QueryTail
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
 from eagle31.sequence_parallel import shard_length
@@ -170,7 +171,7 @@ def chain_block_bytes(cfg: DrafterConfig, depth: int, c: int, seq_len: int) -> i
     through cos and through sin, the rotated half, their sum)."""
     q, kv, rope = _attention_widths(cfg)
     H = cfg.hidden_size
-    rows = min(seq_len, max(1, _BLOCK_BUDGET // (depth * q)))  # `eagle31.attention._chain_rows`
+    rows = min(seq_len, max(1, BLOCK_BUDGET // (depth * q)))  # `eagle31.attention.ttt_attention._chain_rows`
     per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
     if cfg.attention == "mla":
         per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
@@ -212,7 +213,7 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
     the layer's gradient buffers made so far (the deepest step's attention runs before its projections
     have theirs, the others' after: `after_attention_gradient_bytes`, `layer_gradient_bytes`).
     The peak is the largest of `steps`; which step's depends on T: a chain block grows with k and, up to
-    `_BLOCK_BUDGET`, with T; the gradient buffers are fixed."""
+    `BLOCK_BUDGET`, with T; the gradient buffers are fixed."""
     H, I, T, K = cfg.hidden_size, cfg.intermediate_size, seq_len, ttt_length
     saved = step_saved_bytes(cfg, c)
     after = step_after_attention_bytes(cfg, c)
@@ -264,14 +265,14 @@ def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
 
 
 def prefix_block_bytes(cfg: DrafterConfig, c: int) -> int:
-    """Bytes of one block of the keys before a shard in the backward (`eagle31.attention.QueryTail`):
+    """Bytes of one block of the keys before a shard in the backward (`eagle31.attention.query_tail.QueryTail`):
     its keys and values made again (MLA: decompressed, with kv_b_proj's output and its gradient; Llama:
     views of the entry), their fp32 copies and gradients, the gradients' cast to the compute dtype, and
     one block of query rows' fp32 scores (probabilities, their gradient and one temporary)."""
     q, kv, _ = _attention_widths(cfg)
     nh = cfg.num_attention_heads
     positions = QueryTail.prefix_block(nh, q // nh)
-    rows = max(1, _BLOCK_BUDGET // (nh * positions))
+    rows = max(1, BLOCK_BUDGET // (nh * positions))
     per_position = 2 * kv * (4 + (4 + c if c != 4 else 0))  # fp32 gradients; fp32 copies and the casts back
     if cfg.attention == "mla":
         per_position += 2 * kv * c + 2 * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c

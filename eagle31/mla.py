@@ -26,7 +26,7 @@ which `output` slices off before `o_proj`. The TTT unroll keeps, from step to st
 only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
 decompresses keys and values where it attends: the step-0 keys inside the attention,
 in its forward and again in its backward (never saved between them), the chain's a
-block of tokens at a time (`eagle31.attention.ChainKeysValues`), so
+block of tokens at a time (`eagle31.attention.entries.ChainKeysValues`), so
 neither decompressed nor padded values are stored across steps.
 """
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.attention import ChainKeysValues
+from eagle31.attention.entries import ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig
 
 

@@ -6,7 +6,7 @@ drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
 defines one drafter step — the fused step-0 feature (`fuse_aux`), the layer on
 either side of attention (`step_qkv`, `step_output`) and the feedback rule of
 `norm_output` (`read_out`) — which `eagle31.ttt` unrolls over K steps in
-training and `eagle31.drafting` runs against its KV cache at inference.
+training and `eagle31.eval.drafting` runs against its KV cache at inference.
 `eagle31.attention` holds the attention kernels and `eagle31.mla` the MLA
 attention of `attention="mla"` drafters.
 """
@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle31.attention import KEYS_VALUES, ChainKeysValues
+from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.mla import DeepseekRotaryEmbedding, MLAAttention
 from eagle31.rope import inverse_frequencies

@@ -328,8 +328,8 @@ def finish_run(
 
 def measure_acceptance(plan: RunPlan) -> dict:
     """Real speculative decoding with the trained drafter on `eval.data` (acceptance/ in the run dir)."""
-    from eagle31.acceptance import AcceptanceConfig, run_acceptance
-    from eagle31.acceptance_report import write_report
+    from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
+    from eagle31.eval.acceptance_report import write_report
 
     cfg = plan.cfg
     result = run_acceptance(

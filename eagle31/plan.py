@@ -47,7 +47,7 @@ class RunPlan:
     @property
     def parts(self) -> dict[str, str]:
         """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
-        from eagle31.data.regenerate import OUTPUT_KIND
+        from eagle31.data.regenerate.shards import OUTPUT_KIND
 
         cfg, store = self.cfg, Path(self.cfg.features.store_dir)
         parts = {cfg.data.prepared_dir: "prepared-data", cfg.regenerate.output_dir: OUTPUT_KIND}

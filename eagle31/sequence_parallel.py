@@ -21,7 +21,7 @@ Keys. Query (p, k) attends the causal step-0 keys of its document and its own ch
 the chain lives at the query's own position, so only the step-0 entries cross shards: all-gathered
 (Llama: k, v; MLA: the latents c_kv + k_pe, decompressed locally), cut to the keys a shard's queries
 can see (positions before its end), their gradients reduce-scattered back (`SequenceShard.gather`).
-The attention over them is `eagle31.attention.QueryTail`.
+The attention over them is `eagle31.attention.query_tail.QueryTail`.
 
 The loss is the mean over the supervised queries of the global batch: each query is counted and
 summed on the rank that holds its position, and the trainer all-reduces the counts over the world.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from eagle31.attention import segment_ids
+from eagle31.attention.kernels import segment_ids
 from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World

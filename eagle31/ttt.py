@@ -5,7 +5,7 @@ token `x[p+1]`; step k >= 1 reads the drafter's own step-(k-1) output at p —
 post-norm `norm(o)` when `norm_output` (EAGLE 3.1), pre-norm `o` otherwise —
 and token `x[p+1+k]` (teacher forcing). The step itself is the drafter's
 (`Eagle31Drafter.step_qkv` / `step_output`), shared with inference
-(`eagle31.drafting`); this module adds the TTT attention and the K-step loop. Query (p, k) sits at RoPE position
+(`eagle31.eval.drafting`); this module adds the TTT attention and the K-step loop. Query (p, k) sits at RoPE position
 p + k and attends to the causal step-0 keys of its document plus its own chain
 (`eagle31.attention`). The unroll returns every step's output; the loss lives
 in `eagle31.loss`.
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle31.attention import segment_ids, ttt_attention_of_entries
+from eagle31.attention.kernels import segment_ids
+from eagle31.attention.ttt_attention import ttt_attention_of_entries
 
 # With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
 # intermediate activations hold about this many elements.
@@ -89,7 +90,7 @@ def ttt_unroll(
     reference_attention`; needs `attention="reference"`).
 
     `sequence` (`eagle31.sequence_parallel.SequenceShard`, or a row's query tail as the drift
-    diagnostic unrolls it, `eagle31.drift`): aux holds this rank's shard of T
+    diagnostic unrolls it, `eagle31.eval.drift`): aux holds this rank's shard of T
     positions, input_ids its T positions and the halo after them (their tokens are what the
     steps read); the attention's document runs are the shard's `key_segments` (document_ids
     and attention_mask are not read), positions default to the global ones, and the step-0

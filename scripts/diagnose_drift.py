@@ -13,14 +13,14 @@ the n positions the target's own attention at the aux layers attends to most), m
 | specforge | torchspec), device, dtype, chat_template_kwargs; MT-Bench instead of data=:
 questions=mtbench: (or a question.jsonl) split=<name> max_per_category system_prompt history
 history_tokens, as in `eval_acceptance.py mtbench`. Writes drift.json, drift.md, drift_ttt.png and
-drift_live.png under `out` and prints the table; see eagle31/drift.py for the definitions.
+drift_live.png under `out` and prints the table; see eagle31/eval/drift.py for the definitions.
 """
 
 import sys
 
 from eagle31.cli import parse_key_values, run_cli, wants_help
-from eagle31.drift import DriftConfig, run_drift
-from eagle31.drift_report import REPORT_KIND, format_table, write_report
+from eagle31.eval.drift import DriftConfig, run_drift
+from eagle31.eval.drift_report import REPORT_KIND, format_table, write_report
 from eagle31.io import check_output_dir
 
 

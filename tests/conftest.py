@@ -83,7 +83,7 @@ REPORT = {
     "acc": [0.81, 0.72, 0.6],
     "tokens_seen": 1234567,
     "steps": 1000,
-    "acceptance": {  # eagle31.acceptance.run_acceptance's report
+    "acceptance": {  # eagle31.eval.acceptance.run_acceptance's report
         "settings": {"mode": "chain", "k": 3, "max_new_tokens": 64},
         "results": [{"drafter": "run", "split": "eval", "prompts": 16, "tau": 2.91, "acceptance_rate": [0.8, 0.6, 0.45]}],
     },

@@ -36,7 +36,7 @@ def peer_python(vllm_version: str) -> Path:
 
 def specforge_python() -> Path:
     """The interpreter of SpecForge's venv (`.ci/specforge_venv.sh`), as the side-by-side finds it."""
-    from benchmarks.peer_training_specforge import specforge_python as find
+    from experiments.side_by_side.specforge_training import specforge_python as find
     from eagle31.config import ConfigError
 
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from eagle31.drafting import DraftTree
+from eagle31.eval.drafting import DraftTree
 from tests.tiny_targets import DRAFTER_VOCAB as VOCAB
 from tests.tiny_targets import drafter_sized_llama
 

@@ -15,10 +15,11 @@ from functools import partial
 import pytest
 import torch
 
-import eagle31.attention
-from eagle31.attention import (
-    ChainKeysValues, QueryTail, reference_attention, resolve_backend, segment_ids, ttt_attention, ttt_attention_of_entries,
-)  # fmt: skip
+import eagle31.attention.kernels
+from eagle31.attention.entries import ChainKeysValues
+from eagle31.attention.kernels import resolve_backend, segment_ids
+from eagle31.attention.query_tail import QueryTail
+from eagle31.attention.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
 from eagle31.mla import mla_keys_values
 
 CUDA = torch.cuda.is_available()
@@ -69,7 +70,7 @@ def names(j: int) -> list[str]:
 @pytest.mark.parametrize("chain_rows", [None, 5], ids=["one-block", "5-row-blocks"])
 def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout, chain_rows, monkeypatch):
     if chain_rows:  # the chain attended a few token rows at a time
-        monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", chain_rows * max(1, j) * heads[0] * 8)
+        monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", chain_rows * max(1, j) * heads[0] * 8)
     inputs = attention_inputs(LAYOUTS[layout], *heads, d=8, j=j, dtype=torch.float64)
     expected = output_and_grads("reference", *inputs)
     got = output_and_grads(backend, *inputs)
@@ -171,7 +172,7 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
 
     full_out, full = run(0, T)
     monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
-    monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
+    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
     d_latent0, d_weight = torch.zeros_like(latents[0]), torch.zeros_like(weight)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every row
         made.clear()

@@ -218,8 +218,8 @@ def test_from_target_config_copies_the_targets_mla_shape():
 @pytest.mark.parametrize("norm_output", [True, False])
 def test_mla_drafting_follows_the_training_unroll_step_by_step(norm_output):
     from eagle31 import ttt_unroll
-    from eagle31.drafting import TreeSpec
-    from tests.test_drafting import context, proposer_at, unroll_log_probs
+    from eagle31.eval.drafting import TreeSpec
+    from tests.eval.test_drafting import context, proposer_at, unroll_log_probs
 
     m = mla_drafter(seed=6, norm_output=norm_output)
     aux, ids = context(m.config)
@@ -239,13 +239,13 @@ def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, m
     """The chain's latents decompressed a few token rows at a time (many blocks), the checkpointed MLP
     in 4-row chunks, packed documents and padding, with and without activation checkpointing: the
     naive fp64 loss and gradients."""
-    import eagle31.attention
+    import eagle31.attention.kernels
     from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll
     from tests.test_ttt import DECAY
 
     import eagle31.ttt
 
-    monkeypatch.setattr(eagle31.attention, "_BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
+    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
     m = mla_drafter(seed=5)
     monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * m.config.intermediate_size)  # MLP in 4-row chunks
     doc = layouts()["packed"]

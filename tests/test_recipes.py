@@ -89,7 +89,7 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
 
     assert_vllm_serves(out / "export" / "eagle3", tmp_path)
     # reload the export and decode speculatively with the miniature Kimi target
-    from eagle31.acceptance import AcceptanceConfig, run_acceptance
+    from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
     from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
 
     prompts = tmp_path / "prompts.jsonl"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from eagle31.attention import QueryTail
+from eagle31.attention.query_tail import QueryTail
 from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle31.acceptance import check_drafter_fits
+from eagle31.eval.acceptance import check_drafter_fits
 from eagle31.config import ConfigError, DrafterConfig
 from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, target_shape, target_vocab_size, text_config
 

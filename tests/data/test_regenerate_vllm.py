@@ -17,16 +17,10 @@ import pytest
 
 from eagle31.cli import recipe_main
 from eagle31.data.chat import ChatEncoder
-from eagle31.data.regenerate import (
-    EndpointBackend,
-    RegenerateError,
-    ServerRefusedError,
-    Settings,
-    prepare_output,
-    regenerate,
-    request_seed,
-    write_report,
-)
+from eagle31.data.regenerate.backends import EndpointBackend
+from eagle31.data.regenerate.core import RegenerateError, request_seed, ServerRefusedError, Settings
+from eagle31.data.regenerate.pool import regenerate
+from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally, read_conversations
 from tests.data.chat_helpers import supervised_spans, write_jsonl
 from tests.data.vllm_like_server import VLLMLikeServer

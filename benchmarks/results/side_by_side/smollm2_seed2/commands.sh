@@ -1,9 +1,0 @@
-# 2026-12-03, from the repository root, on a 2-core CPU shared with other jobs, torch 2.13.0+cpu.
-# A third seed of the SmolLM2 side-by-side (../smollm2/), in its setting and its runs directory. eagle31-s2 is the
-# loss comparison's kl seed 2 (../../loss_comparison/smollm2_kl_lk_alpha/commands.sh: the same comparison recipe,
-# runs=runs/smollm2), so the side-by-side skipped it and trained speculators' seed 2:
-OMP_NUM_THREADS=2 python -m benchmarks.side_by_side seeds=2 measure=false threads=2 k=3 max_prompts=16 max_new_tokens=128 out=benchmarks/results/side_by_side/smollm2 runs=runs/smollm2 -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' 'eval.data=[runs/smollm2/side_by_side_prompts/heldout.jsonl,runs/smollm2/side_by_side_prompts/unseen_system.jsonl]'
-# Measured here, not into ../smollm2/acceptance: that report predates verification=replay (its drafters decoded
-# live, which the comparison's `measure=true` refuses to mix with replay). The target's decoding has the same token
-# counts per split as there (1724 / 1973 and 1772 / 2048), so both verified against the same greedy tokens.
-OMP_NUM_THREADS=1 python -c "from benchmarks.side_by_side import *; measure_drafters({'eagle31-s2': Path('runs/smollm2/eagle31-s2/drafter'), 'speculators-s2': Path('runs/smollm2/speculators-s2/drafter')}, side_recipe(SideBySideConfig(runs='runs/smollm2', seeds='0'), ['recipe=smollm2_135m', 'regenerate.output_dir=runs/smollm2/regenerated', 'data.source=[runs/smollm2/regenerated/conversations]', 'eval.data=[runs/smollm2/side_by_side_prompts/heldout.jsonl,runs/smollm2/side_by_side_prompts/unseen_system.jsonl]'], 0, 'eagle31'), k=3, max_new_tokens=128, max_prompts=16, out=Path('benchmarks/results/side_by_side/smollm2_seed2'))"

@@ -1,0 +1,45 @@
+"""What a TTT step keeps for the later ones (its entry), and how keys and values are made of it.
+
+A Llama step's entry is its keys and values themselves (`KEYS_VALUES`); an MLA step keeps its latents
+and `ChainKeysValues` decompresses them a block of token rows at a time (`eagle31.mla`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChainKeysValues:
+    """How a chain step's keys and values are made from what that step keeps (its `entry`).
+
+    `fn(*entry_rows, *params) -> (k, v)`, each [n, nkv, d], from the `width` tensors of one
+    entry, each cut to n token rows [n, ...]; `params` are the other tensors it reads (their
+    gradients flow). The chain is attended a block of token rows at a time, so only one
+    block's keys and values ever exist: a drafter whose entry is smaller than its keys and
+    values (MLA's latents) keeps only the entries from step to step.
+    """
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    params: tuple[torch.Tensor, ...] = ()
+    width: int = 2
+
+
+def _keys_values_as_kept(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+KEYS_VALUES = ChainKeysValues(_keys_values_as_kept)  # the entry is (k, v) itself (Llama attention)
+
+
+def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
+    """The causal keys and values [B, T, nkv, d] of the step-0 entry (its tensors [B, T, ...])."""
+    B, T = shape
+    if expand0 is KEYS_VALUES:
+        return entry0
+    k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
+    return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
+

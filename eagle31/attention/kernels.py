@@ -1,0 +1,262 @@
+"""The causal part of the TTT attention: every query over the step-0 keys of its document, up to itself.
+
+Kernels (`resolve_backend` picks one for `auto`), each with the same two calls:
+
+    forward(q, k, v, segments, scale) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
+    backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
+        (backward's out and lse are the *merged* ones, `eagle31.attention.ttt_attention`)
+
+* `FlashCausal` — PyTorch's fused flash-attention ops: on CUDA one varlen call over the packed
+  documents, on CPU one call per document (the faster CPU path);
+* `BlockwiseCausal` — pure PyTorch, any device and dtype, query blocks of bounded size.
+
+Documents: `segment_ids` numbers the runs of equal document id a query may attend within.
+q [B, T, nh, d]; k, v [B, T, nkv, d]; segments [B, T].
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Scores of one query block are kept under this many elements (the blockwise kernel, the chain's
+# token blocks, the key blocks before a sequence shard). Read as `kernels.BLOCK_BUDGET` so tests can lower it.
+BLOCK_BUDGET = 1 << 24
+
+# ----------------------------------------------------------------------------
+# documents
+
+
+def segment_ids(
+    document_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, shape, device=None
+) -> torch.Tensor:
+    """Run ids [B, T]: positions attend only within their run of equal document id.
+
+    `document_ids` [B, T] numbers packed documents (any ints; -1 is padding);
+    `attention_mask` [B, T] marks real tokens with 1. Padding forms runs of its
+    own, so no real token attends padding and no padded query is left empty.
+    """
+    B, T = shape
+    doc = torch.zeros(B, T, dtype=torch.long, device=device) if document_ids is None else document_ids.long()
+    if attention_mask is not None:
+        doc = doc.to(attention_mask.device).masked_fill(attention_mask == 0, -1)
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return new_run.long().cumsum(dim=1)
+
+
+def segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """[B, T]: index of the first position of each position's run."""
+    T = segments.shape[1]
+    idx = torch.arange(T, device=segments.device).expand_as(segments)
+    new_run = torch.ones_like(segments, dtype=torch.bool)
+    new_run[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return torch.where(new_run, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def _runs(segments: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every run, in order."""
+    out = []
+    seg = segments.cpu()
+    for b in range(seg.shape[0]):
+        _, counts = torch.unique_consecutive(seg[b], return_counts=True)
+        start = 0
+        for n in counts.tolist():
+            out.append((b, start, start + n))
+            start += n
+    return out
+
+
+
+# ----------------------------------------------------------------------------
+# causal kernels: forward -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
+#                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
+#                 (backward's out and lse are the *merged* ones; out and dout in q's dtype)
+
+
+class BlockwiseCausal:
+    """Flash-attention algorithm in plain PyTorch, one query block at a time."""
+
+    @staticmethod
+    def _blocks(segments: torch.Tensor, nh: int):
+        B, T = segments.shape
+        block = max(16, min(1024, BLOCK_BUDGET // max(1, B * nh * T)))
+        starts = segment_starts(segments)
+        pos = torch.arange(T, device=segments.device)
+        for i0 in range(0, T, block):
+            i1 = min(T, i0 + block)
+            k0 = int(starts[:, i0].min())
+            allowed = (segments[:, i0:i1, None] == segments[:, None, k0:i1]) & (pos[i0:i1, None] >= pos[None, k0:i1])
+            yield i0, i1, k0, allowed[:, None, None]  # [B, 1, 1, bq, nk]
+
+    @staticmethod
+    def _scores(qg, k, i0, i1, k0, allowed, scale):
+        # qg [B, nkv, g, T, d], k [B, nkv, T, d] -> [B, nkv, g, bq, nk]
+        acc = accumulation_dtype(qg)
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, i0:i1].to(acc), k[:, :, k0:i1].to(acc)) * scale
+        return s.masked_fill(~allowed, float("-inf"))
+
+    @classmethod
+    def forward(cls, q, k, v, segments, scale):
+        B, T, nh, d = q.shape
+        acc = accumulation_dtype(q)
+        nkv = k.shape[2]
+        qg = q.permute(0, 2, 1, 3).reshape(B, nkv, nh // nkv, T, d)
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+        out = q.new_empty(qg.shape, dtype=acc)
+        lse = q.new_empty(qg.shape[:-1], dtype=acc)
+        for i0, i1, k0, allowed in cls._blocks(segments, nh):
+            s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
+            m = s.logsumexp(dim=-1)
+            out[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - m[..., None]), vh[:, :, k0:i1].to(acc))
+            lse[:, :, :, i0:i1] = m
+        return _from_grouped(out), _from_grouped(lse), None
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx):
+        B, T, nh, d = q.shape
+        acc = accumulation_dtype(q)
+        nkv = k.shape[2]
+        qg = q.permute(0, 2, 1, 3).reshape(B, nkv, nh // nkv, T, d)
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+        do = _to_grouped(dout.to(acc), nkv)
+        lse_g = _to_grouped(lse, nkv)
+        D = (do * _to_grouped(out, nkv)).sum(-1)  # [B, nkv, g, T]
+        dq = torch.zeros_like(qg, dtype=acc)
+        dk = torch.zeros(B, nkv, T, d, dtype=acc, device=q.device)
+        dv = torch.zeros_like(dk)
+        for i0, i1, k0, allowed in cls._blocks(segments, nh):
+            s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
+            p = torch.exp(s - lse_g[:, :, :, i0:i1, None])
+            do_b = do[:, :, :, i0:i1]
+            dv[:, :, k0:i1] += torch.einsum("bhgqk,bhgqd->bhkd", p, do_b)
+            dp = torch.einsum("bhgqd,bhkd->bhgqk", do_b, vh[:, :, k0:i1].to(acc))
+            ds = p * (dp - D[:, :, :, i0:i1, None]) * scale
+            dq[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", ds, kh[:, :, k0:i1].to(acc))
+            dk[:, :, k0:i1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg[:, :, :, i0:i1].to(acc))
+        return _from_grouped(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+class FlashCausal:
+    """PyTorch's fused flash-attention ops (CUDA: varlen over documents; CPU: per document)."""
+
+    @staticmethod
+    def forward(q, k, v, segments, scale):
+        if q.is_cuda:
+            return FlashCausal._cuda_forward(q, k, v, segments, scale)
+        B, T, nh, d = q.shape
+        acc = accumulation_dtype(q)
+        g = nh // k.shape[2]
+        out = q.new_empty(B, T, nh, d, dtype=acc)
+        lse = q.new_empty(B, T, nh, dtype=acc)
+        for b, s, e in _runs(segments):
+            qb = q[b : b + 1, s:e].transpose(1, 2)
+            kb = k[b : b + 1, s:e].transpose(1, 2).repeat_interleave(g, dim=1)
+            vb = v[b : b + 1, s:e].transpose(1, 2).repeat_interleave(g, dim=1)
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, True, scale=scale)
+            out[b, s:e] = o[0].transpose(0, 1).to(acc)
+            lse[b, s:e] = l[0].transpose(0, 1).to(acc)
+        return out, lse, None
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, segments, scale, ctx):
+        if q.is_cuda:
+            return FlashCausal._cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx)
+        B, T, nh, d = q.shape
+        acc = accumulation_dtype(q)
+        nkv = k.shape[2]
+        g = nh // nkv
+        dq = torch.empty_like(q)  # every position is in exactly one run: all written below
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        for b, s, e in _runs(segments):
+            def heads(x):
+                return x[b : b + 1, s:e].transpose(1, 2)
+
+            qb, kb, vb = heads(q), heads(k).repeat_interleave(g, dim=1), heads(v).repeat_interleave(g, dim=1)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                heads(dout).to(q.dtype).contiguous(),
+                qb,
+                kb,
+                vb,
+                heads(out).to(q.dtype).contiguous(),
+                lse[b : b + 1, s:e].transpose(1, 2).to(acc).contiguous(),
+                0.0,
+                True,
+                scale=scale,
+            )
+            dq[b, s:e] = gq[0].transpose(0, 1)
+            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
+            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
+        return dq, dk, dv
+
+    # CUDA: one varlen flash-attention call; documents never cross rows.
+    @staticmethod
+    def _cu_seqlens(segments):
+        B, T = segments.shape
+        flat = (segments + torch.arange(B, device=segments.device)[:, None] * (T + 1)).flatten()
+        _, counts = torch.unique_consecutive(flat, return_counts=True)
+        cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=segments.device)
+        cu[1:] = counts.cumsum(0)
+        return cu, int(counts.max())
+
+    @staticmethod
+    def _cuda_forward(q, k, v, segments, scale):
+        B, T, nh, d = q.shape
+        cu, max_len = FlashCausal._cu_seqlens(segments)
+        flat = lambda x: x.reshape(B * T, x.shape[2], d)  # noqa: E731
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            flat(q), flat(k), flat(v), cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+        )
+        lse = _lse_tokens_first(lse, B * T, nh)
+        return out.view(B, T, nh, d).float(), lse.view(B, T, nh).float(), (cu, max_len, rng_state, unused)
+
+    @staticmethod
+    def _cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx):
+        B, T, nh, d = q.shape
+        cu, max_len, rng_state, unused = ctx
+        flat = lambda x: x.reshape(B * T, x.shape[2], d).to(q.dtype).contiguous()  # noqa: E731
+        lse_heads_first = lse.reshape(B * T, nh).t().contiguous()  # the kernel's layout [nh, total]
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
+            cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale,
+        )  # fmt: skip
+        return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
+
+
+
+def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs (tests)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _lse_tokens_first(lse: torch.Tensor, total: int, nh: int) -> torch.Tensor:
+    if lse.shape == (nh, total):
+        return lse.t()
+    if lse.shape == (total, nh):
+        return lse
+    raise RuntimeError(f"unexpected flash-attention LSE shape {tuple(lse.shape)} for {total} tokens, {nh} heads")
+
+
+def _to_grouped(x: torch.Tensor, nkv: int) -> torch.Tensor:
+    """[B, T, nh, ...] -> [B, nkv, g, T, ...]"""
+    B, T, nh = x.shape[:3]
+    x = x.reshape(B, T, nkv, nh // nkv, *x.shape[3:])
+    return x.movedim(1, 3)
+
+
+def _from_grouped(x: torch.Tensor) -> torch.Tensor:
+    """[B, nkv, g, T, ...] -> [B, T, nh, ...]"""
+    x = x.movedim(3, 1)
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+def resolve_backend(q: torch.Tensor) -> str:
+    """`auto`: the fused flash kernels on CPU and on CUDA in bf16/fp16 (head_dim <= 256), blockwise otherwise.
+
+    On CPU the fused kernel is 2-5x faster than the blockwise one (fwd + bwd, measured
+    at T = 1024..4096, docs/performance.md).
+    """
+    if q.device.type == "cpu":
+        return "flash"
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+        return "flash"
+    return "blockwise"

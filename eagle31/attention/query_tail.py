@@ -1,0 +1,168 @@
+"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions.
+
+Sequence parallelism (`eagle31.sequence_parallel`) gives each rank a contiguous shard of a sequence's
+positions and all-gathers the step-0 entries before it; `QueryTail` attends them, made a block at a
+time by `StepZeroKeys`, so the keys before a shard never exist whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle31.attention import kernels
+from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
+from eagle31.attention.kernels import accumulation_dtype, segment_starts
+
+
+class QueryTail:
+    """A causal kernel whose queries are the last Tq of Tk key positions (sequence parallelism).
+
+    q [B, Tq, nh, d] sits at key positions Tk - Tq .. Tk - 1 (this rank's shard; the keys are every
+    position up to its end, given as the step-0 entry they are made of, `StepZeroKeys`). The causal
+    part is the wrapped kernel on the shard's own keys (a square, as without sharding); a document
+    that starts before the shard adds, for its queries, the keys of its earlier positions, attended
+    densely (no mask: they all precede every query) a block of `prefix_block` key positions at a
+    time, each block by blocks of query rows, and merged by LSE. Only the first run of each row can
+    reach before the shard, so the dense part is at most one run of keys per row of the batch. An
+    earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
+    in the forward and again in the backward: the keys before the shard never exist whole.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @staticmethod
+    def _prefixes(segments: torch.Tensor, Tq: int) -> list[tuple[int, int, int]]:
+        """(row, keys before the shard s.., queries ..n) of each row whose first shard run began earlier:
+        its queries 0..n-1 attend key positions s..Tk-Tq-1 too."""
+        B, Tk = segments.shape
+        off = Tk - Tq
+        if off == 0:
+            return []
+        starts = segment_starts(segments)[:, off].tolist()
+        same = (segments[:, off:] == segments[:, off : off + 1]).long().cummin(dim=1).values.sum(dim=1).tolist()
+        return [(b, s, n) for b, (s, n) in enumerate(zip(starts, same)) if s < off]
+
+    @staticmethod
+    def prefix_block(nh: int, d: int) -> int:
+        """Key positions of one block before the shard: its fp32 keys and values, at most nh heads of d, stay under `kernels.BLOCK_BUDGET`."""
+        return max(1, kernels.BLOCK_BUDGET // (2 * nh * d))
+
+    @classmethod
+    def _blocks(cls, q: torch.Tensor, s: int, off: int):
+        """(key block [m0, m1), query rows per block) over positions s..off-1: a block's scores [rows, nh, m]
+        stay under `kernels.BLOCK_BUDGET` (about its fp32 keys and values)."""
+        nh, d = q.shape[2:]
+        m = cls.prefix_block(nh, d)
+        rows = max(1, kernels.BLOCK_BUDGET // (nh * m))
+        return [(m0, min(off, m0 + m), rows) for m0 in range(s, off, m)]
+
+    def forward(self, q, keys: StepZeroKeys, segments, scale):
+        Tq = q.shape[1]
+        off = keys.length - Tq
+        k, v = keys.make(slice(None), slice(off, None))  # the shard's own keys [B, Tq, nkv, d]
+        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale)
+        del k, v
+        acc = accumulation_dtype(q)
+        for b, s, n in self._prefixes(segments, Tq):
+            for m0, m1, rows in self._blocks(q, s, off):
+                kb, vb = (x[0].to(acc) for x in keys.make(slice(b, b + 1), slice(m0, m1)))  # [m, nkv, d]
+                g = q.shape[2] // kb.shape[1]
+                for i0 in range(0, n, rows):
+                    i1 = min(n, i0 + rows)
+                    qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
+                    sc = torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale
+                    lp = sc.logsumexp(-1)  # [n, nkv, g]
+                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
+                    lp = lp.flatten(1)
+                    merged = torch.logaddexp(lse[b, i0:i1], lp)
+                    out[b, i0:i1] = out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None] + op * torch.exp(lp - merged)[..., None]
+                    lse[b, i0:i1] = merged
+        return out, lse, ctx
+
+    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx):
+        """dq, and the gradients of the step-0 entry and of its parameters (`StepZeroKeys.take_back`)."""
+        Tq = q.shape[1]
+        off = keys.length - Tq
+        k, v, take_back = keys.make_with_graph(slice(None), slice(off, None))
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx)
+        take_back(dk, dv)
+        del k, v, dk, dv
+        acc = accumulation_dtype(q)
+        for b, s, n in self._prefixes(segments, Tq):
+            for m0, m1, rows in self._blocks(q, s, off):
+                k, v, take_back = keys.make_with_graph(slice(b, b + 1), slice(m0, m1))
+                kb, vb = k[0].to(acc), v[0].to(acc)  # [m, nkv, d]
+                nkv = kb.shape[1]
+                g = q.shape[2] // nkv
+                dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+                for i0 in range(0, n, rows):
+                    i1 = min(n, i0 + rows)
+                    part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
+                    qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
+                    p = torch.exp(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale - lb[..., None])  # merged LSE
+                    D = (do * ob).sum(-1)
+                    dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
+                    ds = p * (torch.einsum("nkgd,mkd->nkgm", do, vb) - D[..., None]) * scale
+                    dq[b, i0:i1] += torch.einsum("nkgm,mkd->nkgd", ds, kb).flatten(1, 2).to(dq.dtype)
+                    dkb += torch.einsum("nkgm,nkgd->mkd", ds, qb)
+                del kb, vb
+                take_back(dkb[None].to(k.dtype), dvb[None].to(v.dtype))
+        return (dq, *keys.gradients())
+
+
+class StepZeroKeys:
+    """The causal keys and values of a step-0 entry [B, Tk, ...] (`expand.width` tensors), made a block
+    of (rows, positions) at a time (`QueryTail`): `make` in the forward; `make_with_graph` in the
+    backward, whose `take_back(dk, dv)` adds the block's entry and parameter gradients to `gradients()`."""
+
+    def __init__(self, entry, expand: ChainKeysValues, params):
+        self.entry, self.expand, self.params = entry, expand, params
+        self.length = entry[0].shape[1]
+        self._d_entry = self._d_params = None
+
+    def num_kv_heads(self) -> int:
+        return self.make(slice(0, 1), slice(0, 1))[0].shape[2]
+
+    def make(self, rows: slice, positions: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of entry rows `rows`, positions `positions`: each [b, t, nkv, d]."""
+        block = [t[rows, positions] for t in self.entry]
+        return step0_keys_values(block, self.expand, self.params, block[0].shape[:2])
+
+    def make_with_graph(self, rows: slice, positions: slice):
+        """(k, v, take_back): `make`'s block, detached, and the function that takes its gradients back."""
+        if self._d_entry is None:
+            self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
+            self._d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params]
+        if self.expand is KEYS_VALUES:
+            k, v = self.make(rows, positions)
+
+            def add(dk, dv):
+                self._d_entry[0][rows, positions] += dk
+                self._d_entry[1][rows, positions] += dv
+
+            return k, v, add
+        with torch.enable_grad():  # the block's keys and values as a small graph
+            inputs = [t[rows, positions].detach().requires_grad_(t.is_floating_point()) for t in self.entry]
+            leaves = [p.detach().requires_grad_() for p in self.params]
+            k, v = step0_keys_values(inputs, self.expand, leaves, inputs[0].shape[:2])
+        wanted = [t for t in inputs if t.requires_grad] + leaves
+
+        def take_back(dk, dv):
+            grads = iter(torch.autograd.grad((k, v), wanted, (dk, dv), allow_unused=True))
+            for d, t in zip(self._d_entry, inputs):
+                grad = next(grads) if t.requires_grad else None
+                if grad is not None:
+                    d[rows, positions] += grad
+            for d in self._d_params:
+                grad = next(grads)
+                if grad is not None:
+                    d += grad
+
+        return k.detach(), v.detach(), take_back
+
+    def gradients(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """(the entry's gradients, the parameters' in their dtypes) of every block taken back."""
+        return self._d_entry, [d.to(p.dtype) for d, p in zip(self._d_params, self.params)]
+
+

@@ -1,0 +1,146 @@
+"""What a regenerated conversation is: the settings the replies depend on, a reply, and one
+conversation answered again turn by turn (`regenerate_conversation`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from eagle31.config import ConfigError
+from eagle31.data.sources import Conversation
+
+STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
+ON_LENGTH = ("drop", "keep")
+
+
+@dataclass
+class Settings:
+    """What the replies depend on (saved as settings.json; a resume must match it)."""
+
+    max_new_tokens: int = 256  # per reply, reasoning included
+    max_turns: int | None = None  # user turns kept per conversation (the first ones)
+    # hf backend: longer prompts count as not fitting (an endpoint applies its server's context).
+    # Set near data.max_len: a prompt that prepare would cut before its reply is not worth generating for.
+    max_prompt_tokens: int | None = None
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    shard_size: int = 64  # conversations per output shard
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (HF) or the server
+    system_prompt: str | None = None  # for conversations without a system message (data.system_prompt)
+    on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ConfigError(f"regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"regenerate.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"regenerate.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
+        if self.shard_size < 1:
+            raise ConfigError(f"regenerate.shard_size must be >= 1, got {self.shard_size}")
+        self.on_length = str(self.on_length)
+        if self.on_length not in ON_LENGTH:
+            raise ConfigError(f"regenerate.on_length must be one of {list(ON_LENGTH)}, got {self.on_length!r}")
+
+
+@dataclass
+class Reply:
+    content: str  # the answer
+    status: str  # one of STATUSES
+    reasoning: str | None = None  # the thinking, split off the answer
+    new_tokens: int = 0  # counted by the HF backend only
+
+
+class RegenerateError(RuntimeError):
+    """The backend failed for a reason a rerun later may fix (server down); the failing shards are not written."""
+
+
+class ServerRefusedError(ConfigError):
+    """The server refused a request for a reason other than its context length: retrying cannot help."""
+
+
+def request_seed(seed: int, conversation: int, turn: int) -> int:
+    """The sampling seed of one request: from the run's seed, the conversation's input index and the turn."""
+    digest = hashlib.blake2b(f"{seed}/{conversation}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+
+# ---------------------------------------------------------------------------- conversations
+
+
+def user_turns(conv: Conversation, max_turns: int | None) -> tuple[list[dict], list[str]]:
+    """(leading system messages, the user messages' contents); raises ValueError(reason) to drop it."""
+    roles = {m["role"] for m in conv.messages}
+    if "tool" in roles or any(m.get("tool_calls") for m in conv.messages):
+        raise ValueError("tool_turns")
+    system = [{"role": "system", "content": m["content"]} for m in conv.messages[:1] if m["role"] == "system"]
+    users = [m["content"] for m in conv.messages if m["role"] == "user" and m["content"].strip()]
+    if not users:
+        raise ValueError("no_user_turn")
+    return system, users[:max_turns] if max_turns else users
+
+
+@dataclass
+class Outcome:
+    """One conversation regenerated: its record (None: dropped) and what happened to it."""
+
+    record: dict | None
+    turns: int = 0
+    reply_tokens: int = 0
+    replies_cut: int = 0
+    reasoning_turns: int = 0
+    dropped: tuple[str, str] | None = None  # (reason, detail)
+    truncated: tuple[str, str] | None = None
+
+
+def assistant_message(reply: Reply, cut: bool = False) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if cut:
+        message["finish_reason"] = "length"  # prepare leaves the end of this turn unsupervised
+    return message
+
+
+def regenerate_conversation(
+    conv: Conversation, index: int, settings: Settings, complete: Callable[[list[dict], int], Reply]
+) -> Outcome:
+    """Ask `complete(messages, seed)` for each of conversation `index`'s turns, in order."""
+    try:
+        system, users = user_turns(conv, settings.max_turns)
+    except ValueError as e:
+        return Outcome(None, dropped=(str(e), ""))
+    if not system and settings.system_prompt:
+        system = [{"role": "system", "content": settings.system_prompt}]
+    out = Outcome(None)
+    messages = system
+    for turn, user in enumerate(users):
+        prompt = messages + [{"role": "user", "content": user}]
+        reply = complete(prompt, request_seed(settings.seed, index, turn))
+        last = turn == len(users) - 1
+        if reply.status == "too_long":
+            if turn == 0:
+                return Outcome(None, dropped=("prompt_too_long", ""))
+            out.truncated = ("prompt_too_long", f"after {turn} turns")
+            break
+        out.replies_cut += reply.status == "cut"
+        if reply.status == "cut" and settings.on_length == "drop":
+            if turn == 0:
+                return Outcome(None, replies_cut=1, dropped=("reply_cut", "at turn 1"))
+            out.truncated = ("reply_cut", f"dropped from turn {turn + 1}")
+            break
+        messages = prompt + [assistant_message(reply, cut=reply.status == "cut")]
+        out.turns += 1
+        out.reply_tokens += reply.new_tokens
+        out.reasoning_turns += bool(reply.reasoning)
+        if reply.status == "cut":  # kept; the next turn would answer a cut reply
+            if not last:
+                out.truncated = ("reply_cut", f"kept cut at turn {turn + 1}")
+            break
+    out.record = {"messages": messages, "source": conv.where}
+    return out

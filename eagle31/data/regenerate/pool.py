@@ -1,0 +1,181 @@
+"""One pool of requests across this rank's missing shards (`regenerate`): conversations in flight
+at once, the first request first, a shard written when its every conversation is done."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
+from typing import Callable, Iterable
+
+from eagle31.data.regenerate.core import (
+    Outcome,
+    RegenerateError,
+    Reply,
+    Settings,
+    regenerate_conversation,
+)
+from eagle31.data.regenerate.shards import ShardStats, shard_done, shards, write_shard
+from eagle31.data.sources import Conversation
+
+
+class _Shard:
+    def __init__(self, index: int, conversations: list[Conversation]):
+        self.index, self.conversations = index, conversations
+        self.outcomes: list[Outcome | None] = [None] * len(conversations)
+        self.left, self.started = len(conversations), None
+
+    def stats(self) -> tuple[list[dict], ShardStats]:
+        stats = ShardStats()
+        for conv, outcome in zip(self.conversations, self.outcomes):
+            stats.add(outcome, conv.where)  # type: ignore[arg-type]
+        stats.seconds = time.monotonic() - (self.started or time.monotonic())
+        return [o.record for o in self.outcomes if o is not None and o.record is not None], stats
+
+
+class _FirstRequestGate:
+    """Lets one request through first, so that a server refusing every request stops the run after
+    one; `stop` makes requests not yet sent raise instead.
+
+    The others wait for its answer, but at most `wait_s`: a serving engine refuses a request when it
+    validates it, before generating (vLLM's 4xx come back at once), so a first request still running
+    after that was accepted, and the pool need not idle for a whole reply. Nothing is written before
+    the first answer either way (`open`)."""
+
+    def __init__(self, wait_s: float = 1.0):
+        self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
+        self.wait_s = wait_s
+
+    def call(self, complete: Callable[[list[dict], int], Reply], messages: list[dict], seed: int) -> Reply:
+        if not self.open.is_set():
+            if self._first.acquire(blocking=False):  # this is the first request (the lock is never released)
+                self._check()
+                try:
+                    reply = complete(messages, seed)
+                except BaseException:
+                    self.stop.set()  # the requests waiting here are not sent
+                    raise
+                self.open.set()
+                return reply
+            self.open.wait(self.wait_s)
+        self._check()
+        return complete(messages, seed)
+
+    def _check(self) -> None:
+        if self.stop.is_set():
+            raise _Stopped()
+
+
+class _Stopped(Exception):
+    """Another request failed; this conversation is not asked further."""
+
+
+class _DaemonPool:
+    """`workers` daemon threads running submitted calls: unlike ThreadPoolExecutor's, an interrupted
+    run exits at once instead of waiting at interpreter exit for requests still in flight."""
+
+    def __init__(self, workers: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        """Stop each thread after its current call; calls not started are cancelled."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller raises it
+                    future.set_exception(e)
+
+
+def regenerate(
+    conversations: Iterable[Conversation],
+    backend,
+    out_dir: str | Path,
+    settings: Settings,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: Callable[[int], None] = lambda n: None,
+) -> dict[str, int]:
+    """Write this rank's missing shards of `out_dir` (prepared by `prepare_output`); returns counts.
+
+    `backend.complete(messages, seed)` answers one request; `backend.workers` conversations are
+    in flight at a time. `progress(n)` is called with the number of conversations each finished
+    or skipped shard held.
+    """
+    out = Path(out_dir)
+    counts = {"written": 0, "skipped": 0}
+    todo: list[_Shard] = []
+    for index, chunk in shards(conversations, settings.shard_size):
+        if index % world_size != rank:
+            continue
+        if shard_done(out, index):
+            counts["skipped"] += 1
+            progress(len(chunk))
+        else:
+            todo.append(_Shard(index, chunk))
+    jobs = ((shard, i) for shard in todo for i in range(len(shard.conversations)))
+    gate = _FirstRequestGate()
+    finished: list[_Shard] = []  # complete, waiting for the gate to open (nothing is written before the first answer)
+
+    def run(shard: _Shard, i: int) -> Outcome:
+        shard.started = shard.started or time.monotonic()
+        index = shard.index * settings.shard_size + i  # the conversation's index in the input
+        return regenerate_conversation(shard.conversations[i], index, settings, lambda m, s: gate.call(backend.complete, m, s))
+
+    def flush(end: bool = False) -> None:
+        while finished and (gate.open.is_set() or end):
+            shard = finished.pop(0)
+            write_shard(out, shard.index, *shard.stats())
+            counts["written"] += 1
+            progress(len(shard.conversations))
+
+    pending: dict[Future, tuple[_Shard, int]] = {}
+    pool = _DaemonPool(backend.workers)
+    try:
+        while True:
+            while not gate.stop.is_set() and len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None:
+                pending[pool.submit(run, *job)] = job
+            if not pending:
+                break
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            failure = None
+            for future in done:
+                shard, i = pending.pop(future)
+                if future.exception() is not None:  # this shard is never written
+                    if not isinstance(future.exception(), _Stopped):  # the cause (stopped ones follow it)
+                        failure = failure or future.exception()
+                    continue
+                shard.outcomes[i] = future.result()
+                shard.left -= 1
+                if shard.left == 0:
+                    finished.append(shard)
+            flush()
+            if failure is not None:
+                raise failure
+        if gate.stop.is_set():  # every failure was a stopped conversation: cannot happen without a cause
+            raise RegenerateError("regeneration stopped")
+        flush(end=True)  # shards that needed no request (every conversation dropped before asking)
+    except BaseException:
+        gate.stop.set()
+        for future in pending:
+            future.cancel()
+        raise
+    finally:
+        pool.close()
+    return counts

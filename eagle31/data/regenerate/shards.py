@@ -1,0 +1,129 @@
+"""The output directory: settings.json, one JSONL and one stats file per shard, report.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from eagle31.config import ConfigError
+from eagle31.data.regenerate.core import Outcome, Settings
+from eagle31.data.sources import Conversation, Tally
+from eagle31.io import (
+    atomic_write_json,
+    atomic_write_text,
+    claim_output_dir,
+    write_errors,
+)
+
+OUTPUT_KIND = "regenerated-conversations"
+
+
+@dataclass
+class ShardStats:
+    conversations_in: int = 0
+    conversations_out: int = 0
+    turns: int = 0  # assistant replies written
+    reply_tokens: int = 0  # counted by the HF backend only
+    replies_cut: int = 0  # replies that reached max_new_tokens (kept or not, per on_length)
+    reasoning_turns: int = 0  # replies written with reasoning
+    seconds: float = 0.0  # from the shard's first request to its last answer
+    dropped: Tally = field(default_factory=Tally)
+    truncated: Tally = field(default_factory=Tally)
+
+    def add(self, outcome: Outcome, where: str) -> None:
+        self.conversations_in += 1
+        self.conversations_out += outcome.record is not None
+        for key in ("turns", "reply_tokens", "replies_cut", "reasoning_turns"):
+            setattr(self, key, getattr(self, key) + getattr(outcome, key))
+        for tally, entry in ((self.dropped, outcome.dropped), (self.truncated, outcome.truncated)):
+            if entry is not None:
+                tally.add(entry[0], where, entry[1])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dropped"], d["truncated"] = self.dropped.to_dict(), self.truncated.to_dict()
+        return d
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def shards(conversations: Iterable[Conversation], size: int) -> Iterator[tuple[int, list[Conversation]]]:
+    it = iter(conversations)
+    index = 0
+    while chunk := list(islice(it, size)):
+        yield index, chunk
+        index += 1
+
+
+def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, Any]) -> Path:
+    """Claim `out_dir` and save the settings, or check them against a previous run's (resume)."""
+    out = claim_output_dir(out_dir, OUTPUT_KIND)
+    saved = {"settings": asdict(settings), **identity}
+    path = out / "settings.json"
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        for key in saved:
+            if previous.get(key) != saved[key]:
+                raise ConfigError(f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); choose another output directory")
+    else:
+        atomic_write_json(path, saved)
+    (out / "conversations").mkdir(exist_ok=True)
+    (out / "stats").mkdir(exist_ok=True)
+    return out
+
+
+def shard_done(out: Path, index: int) -> bool:
+    return (out / "conversations" / f"{shard_name(index)}.jsonl").is_file() and (out / "stats" / f"{shard_name(index)}.json").is_file()
+
+
+def write_shard(out: Path, index: int, records: list[dict], stats: ShardStats) -> None:
+    """A finished shard: its stats, then its conversations (the JSONL's presence marks it done)."""
+    path = out / "conversations" / f"{shard_name(index)}.jsonl"
+    kept = "the finished shards are kept (a shard counts once both its files are whole); a rerun regenerates the rest"
+    with write_errors(f"the regenerated shard {path}", kept):
+        atomic_write_json(out / "stats" / f"{shard_name(index)}.json", stats.to_dict())
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+
+def write_report(out_dir: str | Path, read_rejects: Tally, total_conversations: int) -> dict[str, Any]:
+    """report.json: totals over the shards' stats, the reader's rejects, and whether every shard is done."""
+    out = Path(out_dir)
+    settings = json.loads((out / "settings.json").read_text())["settings"]
+    expected = -(-total_conversations // settings["shard_size"])
+    keys = ("conversations_in", "conversations_out", "turns", "reply_tokens", "replies_cut", "reasoning_turns")
+    totals: dict[str, Any] = {k: 0 for k in keys}
+    totals["seconds"] = 0.0
+    dropped: dict[str, dict] = {r: {"count": n, "examples": read_rejects.examples[r]} for r, n in read_rejects.counts.items()}
+    truncated: dict[str, dict] = {}
+    found = 0
+    for index in range(expected):
+        if not shard_done(out, index):
+            continue
+        found += 1
+        stats = json.loads((out / "stats" / f"{shard_name(index)}.json").read_text())
+        for key in totals:
+            totals[key] += stats.get(key, 0)
+        for target, source in ((dropped, stats["dropped"]), (truncated, stats["truncated"])):
+            for reason, entry in source.items():
+                slot = target.setdefault(reason, {"count": 0, "examples": []})
+                slot["count"] += entry["count"]
+                slot["examples"] = (slot["examples"] + entry["examples"])[:5]
+    report = {
+        "complete": found == expected,
+        "shards": {"done": found, "expected": expected},
+        **totals,
+        "dropped": dropped,
+        "truncated": truncated,
+        "settings": settings,
+    }
+    atomic_write_json(out / "report.json", report)
+    return report

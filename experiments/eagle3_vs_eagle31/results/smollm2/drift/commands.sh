@@ -1,0 +1,12 @@
+# 2026-12-02, from the repository root, on a 2-core CPU shared with other jobs (torch 2.13.0+cpu).
+# The data and features: scripts/smollm2_chain.sh's regenerate, prepare and capture stages (experiments/eagle3_vs_eagle31/results/smollm2/commands.sh).
+TARGET=$(python -c "from eagle31.targets.smollm2 import ensure_smollm2_target; print(ensure_smollm2_target())")
+# The two drafters: the chain's seed-0 EAGLE 3 and EAGLE 3.1 trainings, one thread each side by side; both were
+# stopped at a checkpoint (steps 73 and 56) and continued from it with resume=auto to step 300.
+# train_eagle3.json, train_eagle31.json: the report.json each training wrote in its output_dir.
+OMP_NUM_THREADS=1 python train/main.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated data.source=\[runs/smollm2/regenerated/conversations\] data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features output_dir=runs/smollm2/eagle31-s0 seed=0 resume=auto logging.progress=false
+OMP_NUM_THREADS=1 python train/main.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated data.source=\[runs/smollm2/regenerated/conversations\] data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features output_dir=runs/smollm2/eagle3-s0 seed=0 resume=auto logging.progress=false drafter.fc_norm=false drafter.norm_output=false
+# <probe>/drift.{json,md}, drift_ttt.png, drift_live.png: the chain's drift stage, one process per probe (one thread each)
+OMP_NUM_THREADS=1 python scripts/diagnose_drift.py drafter=eagle3-s0=runs/smollm2/eagle3-s0/drafter,eagle31-s0=runs/smollm2/eagle31-s0/drafter target=$TARGET questions=mtbench: device=cpu max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4 split=mt_bench out=runs/smollm2/results/drift/mt_bench
+OMP_NUM_THREADS=1 python scripts/diagnose_drift.py drafter=eagle3-s0=runs/smollm2/eagle3-s0/drafter,eagle31-s0=runs/smollm2/eagle31-s0/drafter target=$TARGET questions=mtbench: device=cpu max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4 split=unseen_system out=runs/smollm2/results/drift/unseen_system 'system_prompt=You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice.'
+OMP_NUM_THREADS=1 python scripts/diagnose_drift.py drafter=eagle3-s0=runs/smollm2/eagle3-s0/drafter,eagle31-s0=runs/smollm2/eagle31-s0/drafter target=$TARGET questions=mtbench: device=cpu max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4 split=long_history out=runs/smollm2/results/drift/long_history history=runs/smollm2/regenerated/conversations history_tokens=2048

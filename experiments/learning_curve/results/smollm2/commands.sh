@@ -1,0 +1,12 @@
+# 2026-12-02T20:37:00, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.learning_curve variants=eagle31 budgets=75,150,300 threads=1 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
+# 2026-12-02T20:37:00, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.learning_curve variants=eagle3 budgets=75,150,300 threads=1 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
+# 2026-12-02T20:56:19, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.learning_curve variants=eagle3 budgets=1000 threads=1 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
+# 2026-12-02T20:56:19, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.learning_curve variants=eagle31 budgets=1000 threads=1 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
+# 2026-12-02T21:39:53, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.learning_curve variants=eagle3,eagle31 budgets=75,150,300 threads=1 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
+# 2026-12-02T22:38:43, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.learning_curve variants=eagle3,eagle31 budgets=75,150,300,1000 threads=2 out=experiments/learning_curve/results/smollm2 runs=runs/smollm2/curve -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' data.prepared_dir=runs/smollm2/data features.store_dir=runs/smollm2/features
