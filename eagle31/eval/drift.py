@@ -57,7 +57,7 @@ import torch
 from eagle31.eval.acceptance import (
     AcceptanceConfig,
     AcceptanceStats,
-    _eos_ids,
+    eos_ids,
     _labelled_paths,
     check_model_dirs,
     check_positive,
@@ -480,7 +480,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         raise ConfigError(f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs")
     (aux_layer_ids,) = aux_ids
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = _eos_ids(target, tokenizer)
+    eos = eos_ids(target, tokenizer)
     traced = {split: draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
                                   max_new_tokens=config.max_new_tokens) for split, prompts in splits.items()}  # fmt: skip
     if questions is not None:
