@@ -44,10 +44,9 @@ Reading rules:
 * Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
   would map draft id i to target id i, so acceptance would collapse. A missing half is
   derived from the other.
-* A rope block that the supported vLLM releases read differently (DeepSeek's yarn
-  `mscale` fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning:
-  eagle31 runs the drafter with the newest release's reading (transformers' too), and
-  export refuses the block.
+* A rope block that the supported vLLM releases read differently (docs/export.md, the
+  rope rule; TorchSpec's Kimi drafters carry one) gives a warning: eagle31 runs the drafter
+  with the newest release's reading, and export refuses the block.
 * A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
   running the drafter (vLLM shares the target's).
 * `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it

@@ -1,76 +1,35 @@
 """Export a drafter in vLLM's two layouts (docs/design.md §6): a config writer and a rename table.
 
     eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3`, weights `midlayer.*`
-                 (vLLM >= 0.22 reads the EAGLE 3.1 flags)
     speculators  the `speculators` library layout: `speculators_model_type: eagle3`,
-                 `transformer_layer_config`, weights `layers.0.*` (vLLM >= 0.25)
+                 `transformer_layer_config`, weights `layers.0.*`
 
 Both write `config.json` and `model.safetensors` atomically, after every check has
-passed. The checks and fields guard against the ways a drafter silently fails in vLLM
-(read from vLLM's `llama_eagle3.py` and its speculators config handling, and encoded in
-`tests/export/vllm_contract.py`):
+passed. Each field and check closes a way a drafter loads in vLLM without error and then
+drafts badly; docs/export.md is the one list of them and of the vLLM releases they come
+from (`tests/export/vllm_contract.py` encodes them, and the tests run each release's own
+code on the exports). What this module does about them, in short:
 
-* `fc_norm`, `norm_output`, `norm_before_fc` and `norm_before_residual` are always
-  written. vLLM defaults the 3.1 flags to false, and `norm_before_residual` to false
-  in the HF layout but to *true* in the speculators layout.
-* `eagle_aux_hidden_state_layer_ids` is written at the top level, in vLLM's convention
-  (vLLM reads it verbatim to pick the target layers). SGLang's nested
-  `eagle_config.eagle_aux_hidden_state_layer_ids` means "output of layer k" and is not
-  written. `num_aux_hidden_states` is always written: vLLM sizes `fc` and `fc_norm` from
-  it and otherwise assumes 3. In the speculators layout it sits in
-  `transformer_layer_config`, the only block vLLM copies whole, with `fc_norm` and
-  `norm_output`: vLLM 0.22's speculators reader (`configs/speculators/algos.py::update_eagle3`)
-  copies neither from the top level, so a 3.1 drafter would be served as EAGLE 3.
-* `d2t` and `t2d` are written for a reduced vocabulary (`Vd < V`) only; `d2t` is checked
-  against `t2d` (without it vLLM maps draft id i to target id i and acceptance collapses).
-  With the full vocabulary vLLM >= 0.33 builds no `draft_id_to_target_id` and refuses a
-  checkpoint that carries one (`llama_eagle3.py`, `deepseek_eagle3.py`); older releases
-  leave it at zeros, the identity, so leaving both out is right for every release.
-* `target_hidden_size` is written only when it differs from `hidden_size`: vLLM reads
-  `getattr(config, "target_hidden_size", hidden_size)`, so a `null` breaks it.
-* `max_position_embeddings` is at least the trained context. A lower value is raised
-  to it rather than failing at the end of a run. Rope types whose frequencies depend on
-  it (llama3, yarn, dynamic, longrope) then get the old value pinned as
-  `original_max_position_embeddings`, so the rope is unchanged.
-* The rope is the one the drafter trained with only when every supported vLLM release
-  reads it so (`eagle31.rope`): a block that two releases read as different ropes
-  (DeepSeek's yarn `mscale` fields in a Llama layer, `attn_factor`, an MLA block with
-  `attention_factor: 1.0`, say) is refused, naming the fields and the releases.
-* The rope is written in both forms: `rope_theta` + `rope_scaling` (transformers 4
-  readers) and `rope_parameters` (transformers 5). They always agree, because
-  transformers 5 lets `rope_scaling` win when both are present.
-* Safetensors metadata `{"format": "pt"}` is set, because transformers-based readers
-  (the `speculators` library) refuse files without it.
-* The embedding (`embed_tokens.weight`) is written by default in the speculators layout:
-  speculators' `from_pretrained` (0.9.0) leaves a missing one as uninitialised memory. The
-  HF layout omits it by default (vLLM shares the target's), except for a drafter whose
-  `hidden_size` differs from the target's: vLLM would hand it the target's wider
-  embedding, so its own is always written and an export without it is refused.
-* The speculators layout must name its target (`speculators_config.verifier.name_or_path`):
-  speculators' `from_pretrained` reads the target's config from it and fails on `null`.
-  A local path there is written (speculators reads it) with a warning: `vllm serve
-  <export>` in vLLM 0.33 accepts only a Hub id (`maybe_override_with_speculators`).
-* The output folder is replaced whole (`eagle31.io.atomic_dir`), so no file of an earlier
-  export survives (vLLM loads every `*.safetensors` it finds). Only an empty folder or an
-  earlier export of ours (its marker file) is written to; replacing an export needs
-  `overwrite=True`, and a folder that also holds files eagle31 did not write, or that is
-  (or holds) the drafter being exported, is refused.
+* the 3.1 flags (`fc_norm`, `norm_output`), `norm_before_fc`, `norm_before_residual` and
+  `num_aux_hidden_states` are always written, never left to vLLM's defaults; the aux ids
+  at the top level, in vLLM's convention;
+* `d2t` and `t2d` only for a reduced vocabulary (`Vd < V`), `d2t` checked against `t2d`;
+  `target_hidden_size` only when it differs from `hidden_size`; `max_position_embeddings`
+  at least the trained context (the rope's frequencies kept through a pinned
+  `original_max_position_embeddings`);
+* the rope in both transformers forms, and only as every supported vLLM release reads it
+  (`eagle31.rope`): a block two releases read as different ropes is refused;
+* the embedding by default in the speculators layout, not in the HF one (vLLM shares the
+  target's), and always for a drafter narrower than its target; the speculators layout
+  names its target;
+* the output folder is replaced whole (`eagle31.io.atomic_dir`), and only when it is empty
+  or an earlier export of ours (with `overwrite=True`), never when it holds files eagle31
+  did not write or the drafter being exported.
 
-MLA drafters (`attention="mla"`, `eagle31.mla`) have one layout: the EAGLE-3 HF layout
-as vLLM's DeepSeek EAGLE-3 loader (`deepseek_eagle3.py`) reads it, with
-`architectures: ["Eagle3DeepseekV2ForCausalLM"]`, `model_type: "kimi_k2"` (as TorchSpec and the
-published Kimi drafters write it), the MLA shape (`q_lora_rank`,
-`kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`) and the rope as
-`rope_theta` + `rope_scaling`, which vLLM turns into DeepSeek YaRN. Weights keep DeepSeek's
-names (`midlayer.self_attn.q_a_proj`, `kv_a_proj_with_mqa`, ...); vLLM fuses `q_a_proj`
-with `kv_a_proj_with_mqa` at load. The model type is `kimi_k2` for every MLA drafter, a Kimi or
-a DeepSeek-V3 target alike: vLLM maps it to `DeepseekV3Config` (its
-`transformers_utils/config.py` registry), and its `SpeculativeConfig.hf_config_override`
-leaves it alone, whereas it turns `deepseek_v3` into DeepSeek's MTP drafter
-(`DeepSeekMTPModel`, whose EAGLE-3 name no registry has), in 0.22 and 0.33 alike. The
-speculators layout cannot carry an MLA drafter
-(its `transformer_layer_config` is a Llama or Qwen3 layer, the only ones vLLM's speculators
-reader and the `speculators` library map) and is refused.
+MLA drafters (`attention="mla"`, `eagle31.mla`) have one layout: the EAGLE-3 HF layout as
+vLLM's DeepSeek EAGLE-3 loader reads it, `architectures: ["Eagle3DeepseekV2ForCausalLM"]`,
+`model_type: "kimi_k2"` (vLLM turns `deepseek_v3` into DeepSeek's MTP drafter), the MLA
+shape and DeepSeek's weight names. The speculators layout cannot carry one and is refused.
 
 Both layouts also carry an `eagle31` block (format version, target layer count, name,
 architectures) that `eagle31.convert.load_drafter` uses to read them back exactly.
@@ -308,7 +267,7 @@ def export_config(
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
         },
-        # the 3.1 flags also in the block vLLM copies whole: 0.22's speculators reader copies no other
+        # the 3.1 flags also in the block vLLM copies whole: some releases read them only there (docs/export.md)
         "transformer_layer_config": {**layer, "num_aux_hidden_states": config.num_aux,
                                      "fc_norm": config.fc_norm, "norm_output": config.norm_output},
         **eagle,

@@ -1,4 +1,4 @@
-"""The TTT attention kernels (`eagle31/attention.py`) against the explicit-scores reference.
+"""The TTT attention kernels (`eagle31/attention/`) against the explicit-scores reference.
 
 Every fused path — PyTorch's flash kernel (CPU: per document; CUDA: one varlen call) and the
 blockwise kernel — must give the reference's output and the gradients of q, the step-0 keys and

@@ -11,6 +11,10 @@ for every draft depth k = 1..K, on the target's greedy continuation of each prom
 * `live` — the serving view: greedy speculative decoding with chains of K drafts, the target
   replayed from the trace (`eagle31.eval.speculative.ReplayedTarget`), every round's K steps.
 
+Both views stay in this one module because they fill the same `DepthStats` columns from the same
+traces: split, their definitions of a depth, a query and an acceptance could part ways. What is
+not a measurement, the report (JSON, table, plots), is `eagle31.eval.drift_report`.
+
 Per depth k (the step that makes the k-th draft of a chain; k = 1 reads the target's fused
 feature):
 
