@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,106 @@ def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monke
         while (tmp_path / HELD_FILE).stat().st_mtime < old + 1:
             assert time.time() < deadline, "no heartbeat"
             time.sleep(0.02)
+
+
+def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch):
+    """Two processes judge the same stale lock file (empty: its writer died between creating and writing it);
+    the second breaks it only once the first has broken it and is creating its own, before the first wrote
+    its holder into it (the window the interleaving forces): exactly one of them holds the lock."""
+    import threading
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_bytes(b"")
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    both_judged, first_creating, second_done, release = threading.Barrier(2, timeout=10), threading.Event(), threading.Event(), threading.Event()
+    judged: set[str] = set()
+    real_stale, real_holder = eagle31.io._stale_holder, eagle31.io._holder
+
+    def stale_holder(*args, **kwargs):
+        said = real_stale(*args, **kwargs)
+        name = threading.current_thread().name
+        if name not in judged:  # both have judged the same stale file before either breaks it
+            judged.add(name)
+            both_judged.wait()
+            if name == "second":
+                first_creating.wait(10)
+        return said
+
+    def holder():
+        if threading.current_thread().name == "first" and "first" in judged and not first_creating.is_set():
+            first_creating.set()  # the first has broken the stale file and is creating its own lock
+            second_done.wait(10)
+        return real_holder()
+
+    monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
+    monkeypatch.setattr(eagle31.io, "_holder", holder)
+    outcome: dict[str, str] = {}
+
+    def attempt():
+        name = threading.current_thread().name
+        try:
+            with hold_lock(tmp_path):
+                outcome[name] = "held"
+                if name == "second":
+                    second_done.set()
+                release.wait(10)
+        except OutputInUseError:
+            outcome[name] = "refused"
+            if name == "second":
+                second_done.set()
+
+    threads = [threading.Thread(target=attempt, name=name) for name in ("first", "second")]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 20
+    while len(outcome) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(20)
+    assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(tmp_path, no_flock, monkeypatch, capsys):
+    """A process dies after claiming a stale lock file for breaking and before removing it: the next one is
+    refused (the claimant would hold the lock next), until the claim is as old as a stale heartbeat."""
+    import subprocess
+    import sys
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    code = (
+        "import errno, os\n"
+        "import eagle31.io\n"
+        "def flock(fd, op): raise OSError(errno.ENOLCK, 'No locks available')\n"
+        "eagle31.io.fcntl.flock = flock\n"
+        "real = eagle31.io._lock_identity\n"
+        "def identity(path):\n"
+        "    if '.break-' in path.name: os._exit(9)  # killed with its claim made\n"
+        "    return real(path)\n"
+        "eagle31.io._lock_identity = identity\n"
+        f"with eagle31.io.hold_lock({str(tmp_path)!r}): pass\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert child.returncode == 9 and held.exists()
+    with pytest.raises(OutputInUseError, match="is being taken over by another run from pid 1 on another-node"), hold_lock(tmp_path):
+        pass
+    monkeypatch.setattr(eagle31.io, "STALE_AFTER_S", 1.0)
+    time.sleep(1.5)
+    with hold_lock(tmp_path):
+        assert json.loads(held.read_text())["pid"] == os.getpid()
+    assert "taking over the lock of pid 1 on another-node" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]
