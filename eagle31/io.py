@@ -191,10 +191,11 @@ def hold_lock(directory: str | Path) -> Iterator[None]:
 
     Where the filesystem has no `flock` (`ENOLCK`: NFS mounted without a lock manager),
     the lock is the file `HELD_FILE`, linked into place whole (so it never exists empty),
-    naming the holder's host, pid and a random token, and touched every `HEARTBEAT_S` by a
-    thread of the holder. A second process takes it over when it is stale: its pid is gone on
-    this host, or it was not touched for `STALE_AFTER_S` (the holder's host died), and says
-    so in one line (`_break_lock`).
+    naming the holder's host, pid, PID namespace and a random token, and touched every
+    `HEARTBEAT_S` by a thread of the holder. A second process takes it over when it is stale:
+    its pid is gone in the same PID namespace of this kernel (a pid of another container,
+    even one sharing the host name, says nothing here), or it was not touched for
+    `STALE_AFTER_S` (the holder's host died), and says so in one line (`_break_lock`).
     """
     directory = Path(directory)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
@@ -234,7 +235,7 @@ def _flock(fd: int, directory: Path) -> bool:
 def _hold_lock_file(directory: Path) -> Iterator[None]:
     path = directory / HELD_FILE
     while True:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(16), "holder": _holder()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(), "token": secrets.token_hex(16), "holder": _holder()}
         if _create_lock_file(path, me):
             break
         holder, why_stale, identity = _stale_holder(path)
@@ -279,6 +280,19 @@ def _create_lock_file(path: Path, record: dict) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+def _pid_namespace() -> str | None:
+    """This process's PID namespace as the kernel names it (boot id and namespace inode), or None off Linux.
+
+    A pid means something only within its namespace: two containers sharing the host name
+    (host networking) each number their processes from 1.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def _read_holder(path: Path) -> dict | None:
     try:
         holder = json.loads(path.read_text())
@@ -310,7 +324,8 @@ def _stale_holder(path: Path) -> tuple[str, str | None, tuple | None]:
         return "a holder that just let go", "released", None
     age = time.time() - identity[1] / 1e9
     said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
-    if holder and holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", 0))):
+    namespace = _pid_namespace()
+    if holder and namespace is not None and holder.get("pid_ns") == namespace and not pid_alive(int(holder.get("pid", 0))):
         return said, f"pid {holder.get('pid')} is gone on this host", identity
     if age > STALE_AFTER_S:
         return said, f"its heartbeat is {age:.0f} s old", identity

@@ -225,21 +225,13 @@ def test_without_flock_a_lock_file_keeps_a_second_run_out_and_goes_with_its_hold
         pass
 
 
-def test_without_flock_a_stale_lock_file_is_taken_over_and_said(tmp_path, no_flock, capsys):
-    import socket
-    import subprocess
+def test_without_flock_a_lock_file_of_another_host_is_taken_over_once_its_heartbeat_stops(tmp_path, no_flock, capsys):
     import time
 
     from eagle31.errors import OutputInUseError
     from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
 
-    gone_pid = subprocess.Popen(["true"])  # a pid that no longer runs
-    gone_pid.wait()
     held = tmp_path / HELD_FILE
-    held.write_text(json.dumps({"host": socket.gethostname(), "pid": gone_pid.pid, "holder": f"pid {gone_pid.pid} on here"}))
-    with hold_lock(tmp_path):
-        assert json.loads(held.read_text())["pid"] == os.getpid()
-    assert f"taking over the lock of pid {gone_pid.pid} on here (pid {gone_pid.pid} is gone on this host)" in capsys.readouterr().err
     held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
     with pytest.raises(OutputInUseError, match="pid 1 on another-node"), hold_lock(tmp_path):
         pass  # its heartbeat is fresh: that host's run is alive
@@ -247,7 +239,8 @@ def test_without_flock_a_stale_lock_file_is_taken_over_and_said(tmp_path, no_flo
     os.utime(held, (old, old))  # that host died: no heartbeat since
     with hold_lock(tmp_path):
         pass
-    assert "its heartbeat is" in capsys.readouterr().err
+    assert "taking over the lock of pid 1 on another-node (its heartbeat is" in capsys.readouterr().err
+    assert not held.exists() and os.listdir(tmp_path) == [".eagle31-lock"]  # no claim or temporary left behind
 
 
 def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monkeypatch):
@@ -328,6 +321,53 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     for t in threads:
         t.join(20)
     assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def _hold_lock_in_a_child(directory) -> "subprocess.Popen":
+    """A process holding `directory`'s lock file (no flock), until it is killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import errno, sys, time\n"
+        "import eagle31.io\n"
+        "def flock(fd, op): raise OSError(errno.ENOLCK, 'No locks available')\n"
+        "eagle31.io.fcntl.flock = flock\n"
+        f"with eagle31.io.hold_lock({str(directory)!r}):\n"
+        "    print('held', flush=True); time.sleep(120)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_lock_file_of_a_killed_holder_is_taken_over_but_not_one_of_another_pid_namespace(tmp_path, no_flock, capsys):
+    """A holder SIGKILLed on this host: its pid is gone, the lock is taken over at once. The same file as a
+    process of another PID namespace would write it (a container sharing the hostname, where that pid may
+    well be alive): its fresh heartbeat keeps it, whatever our namespace says of the pid."""
+    import signal
+
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, hold_lock
+
+    child = _hold_lock_in_a_child(tmp_path)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    held = tmp_path / HELD_FILE
+    record = json.loads(held.read_text())
+    assert record["pid"] == child.pid
+    with hold_lock(tmp_path):
+        pass
+    assert f"(pid {child.pid} is gone on this host)" in capsys.readouterr().err
+
+    record["pid_ns"] = "another"  # the same host name, the same pid, another PID namespace
+    held.write_text(json.dumps(record))
+    with pytest.raises(OutputInUseError, match=f"pid {child.pid} on"), hold_lock(tmp_path):
+        pass
+    del record["pid_ns"]  # a lock file that does not say its namespace: only its heartbeat tells
+    held.write_text(json.dumps(record))
+    with pytest.raises(OutputInUseError, match=f"pid {child.pid} on"), hold_lock(tmp_path):
+        pass
 
 
 def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(tmp_path, no_flock, monkeypatch, capsys):
