@@ -105,7 +105,8 @@ def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Te
 
 class _GatherShards(torch.autograd.Function):
     """x [B, Ts, ...] of every rank of the group -> [B, keep, ...], the shards in order, cut to `keep`
-    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32."""
+    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least
+    (bf16 gradients are summed in fp32, fp64 ones stay fp64)."""
 
     @staticmethod
     def forward(ctx, x, group: SequenceGroup, keep: int):
@@ -116,7 +117,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, (B, Ts, *rest) = ctx.group, ctx.shape
-        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.float32, device=grad.device)
+        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
         full[:, : ctx.keep] = grad
         return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None
 
