@@ -89,6 +89,7 @@ class TrainState:
     tokens_seen: int = 0
     nonfinite_streak: int = 0
     train_seconds: float = 0.0
+    eval_due: bool = False  # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float = 0.1):
@@ -246,6 +247,7 @@ class Trainer:
         loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         self.model.eval()
+        self.eval_loader.rewind()
         for batch in self.eval_loader:
             b, sup, argmax, shard = self._prepare(batch)
             stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard)  # no gradients
@@ -279,9 +281,12 @@ class Trainer:
         """Train to `max_steps`; return the final held-out metrics.
 
         With `stop` (`eagle31.preemption`), a SIGTERM / SIGUSR1 that reached any rank stops every rank
-        after the same step, with a complete checkpoint of it: `RunPreempted`.
+        after the same step, with a complete checkpoint of it: `RunPreempted`. The evaluation due at
+        that step is left to the resumed run, which does it first (`TrainState.eval_due`).
         """
         cfg, state = self.cfg, self.state
+        if state.eval_due and state.step < cfg.max_steps:
+            self._log_evaluation(logger)
         stream = self._stream()
         window_tokens, window_start = 0, time.perf_counter()
         while state.step < cfg.max_steps:
@@ -316,18 +321,30 @@ class Trainer:
                 state.step,
                 {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
             )
-            if stop is not None and state.step < cfg.max_steps and self._agree_to_stop(stop):
+            if state.step == cfg.max_steps:
+                break
+            evaluate_now = bool(cfg.eval_every) and state.step % cfg.eval_every == 0
+            if stop is not None and self._agree_to_stop(stop):
+                state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
-                by = stop.received.name if stop.requested else "a signal that another rank received"
-                raise RunPreempted(f"stopped by {by} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
-                logger.log(state.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
-            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.max_steps:
+                raise RunPreempted(f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
+            if evaluate_now:
+                self._log_evaluation(logger)
+            if cfg.save_every and state.step % cfg.save_every == 0:
                 self.save_checkpoint()
+        state.eval_due = True  # a run resumed from the final checkpoint evaluates again, in place of what this one logs
         self.save_checkpoint()
-        final = self.evaluate()
-        logger.log(state.step, {f"eval/{k}": v for k, v in final.items()})
-        return final
+        return self._log_evaluation(logger)
+
+    def _log_evaluation(self, logger: RunLogger) -> dict[str, float]:
+        metrics = self.evaluate()
+        logger.log(self.state.step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.state.eval_due = False
+        return metrics
+
+    @staticmethod
+    def _stopped_by(stop: StopSignals) -> str:
+        return stop.received.name if stop.requested else "a signal that another rank received"
 
     def _agree_to_stop(self, stop: StopSignals) -> bool:
         """Whether any rank was asked to stop: one all-reduce per step, so that every rank stops at this step."""

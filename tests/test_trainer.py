@@ -35,6 +35,9 @@ class ListLoader:
     def load_state_dict(self, state):
         self.position = state["position"]
 
+    def rewind(self):
+        self.position = 0
+
 
 def make_trainer(tmp_path, batches, **train):
     drafter = tiny_drafter(seed=0, dtype=torch.float32)

@@ -117,6 +117,35 @@ def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identica
     assert losses(out) == losses(reference_run)
 
 
+def evaluations(run_dir: Path) -> list[dict]:
+    """The evaluation lines of `run_dir`'s metrics.jsonl, in order."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if any(k.startswith("eval/") for k in x)]
+
+
+def test_the_evaluation_of_a_preempted_step_is_logged_once_by_the_resumed_run(tiny_target, chats, tmp_path, capsys):
+    """SIGTERM during step 4, an evaluation step: its checkpoint is written before its evaluation, which the
+    resumed run does first. That run SIGKILLed during step 5 has logged it; resumed again from step 4, the
+    run logs it once more in its place, not twice: every evaluation point once, as in an uninterrupted run."""
+    extra = {"train.eval_every": "2"}
+    reference = tmp_path / "reference"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, reference, **extra), monkeypatch) == 0
+    assert [x["step"] for x in evaluations(reference)] == [2, 4, 6]
+
+    out = tmp_path / "preempted"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_during_step(monkeypatch, 4)
+        assert run_script(MAIN, base_args(tiny_target, chats, out, **extra), monkeypatch) == 143
+    assert [x["step"] for x in evaluations(out)] == [2]
+    killed = run_main(base_args(tiny_target, chats, out, resume="auto", **extra), signal_at="0:5:SIGKILL")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [x["step"] for x in evaluations(out)] == [2, 4]  # the resumed run's first act
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto", **extra), monkeypatch) == 0
+    assert evaluations(out) == evaluations(reference)
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tiny_target, chats, tmp_path):
     out = tmp_path / "run"
