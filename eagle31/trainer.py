@@ -282,7 +282,8 @@ class Trainer:
 
         With `stop` (`eagle31.preemption`), a SIGTERM / SIGUSR1 that reached any rank stops every rank
         after the same step, with a complete checkpoint of it: `RunPreempted`. The evaluation due at
-        that step is left to the resumed run, which does it first (`TrainState.eval_due`).
+        that step is left to the resumed run, which does it first (`TrainState.eval_due`); a signal
+        during the final checkpoint or evaluation stops the run there too, before the export.
         """
         cfg, state = self.cfg, self.state
         if state.eval_due and state.step < cfg.max_steps:
@@ -333,14 +334,25 @@ class Trainer:
             if cfg.save_every and state.step % cfg.save_every == 0:
                 self.save_checkpoint()
         state.eval_due = True  # a run resumed from the final checkpoint evaluates again, in place of what this one logs
-        self.save_checkpoint()
-        return self._log_evaluation(logger)
+        saved = self.save_checkpoint()
+        self._stop_after_the_last_step(stop, saved)
+        final = self._log_evaluation(logger)
+        self._stop_after_the_last_step(stop, saved)
+        return final
 
     def _log_evaluation(self, logger: RunLogger) -> dict[str, float]:
         metrics = self.evaluate()
         logger.log(self.state.step, {f"eval/{k}": v for k, v in metrics.items()})
         self.state.eval_due = False
         return metrics
+
+    def _stop_after_the_last_step(self, stop: StopSignals | None, saved: Path) -> None:
+        """A signal during the final checkpoint or evaluation: stop before the export (every rank, as after a step)."""
+        if stop is not None and self._agree_to_stop(stop):
+            raise RunPreempted(
+                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is complete; "
+                "rerun with resume=auto to evaluate and export"
+            )
 
     @staticmethod
     def _stopped_by(stop: StopSignals) -> str:

@@ -146,6 +146,26 @@ def test_the_evaluation_of_a_preempted_step_is_logged_once_by_the_resumed_run(ti
     assert evaluations(out) == evaluations(reference)
 
 
+@pytest.mark.parametrize("during", ["save_checkpoint", "evaluate"])
+def test_a_signal_during_the_final_checkpoint_or_evaluation_stops_before_the_export(tiny_target, chats, tmp_path, capsys, during):
+    """SIGTERM while the last step's checkpoint is written, or during the final evaluation: the run stops there
+    (143) instead of exporting and measuring acceptance until the scheduler's SIGKILL; resumed, it evaluates
+    once and exports."""
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_during_step(monkeypatch, 6, during=during)
+        code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 143, line
+    assert line == (f"error: stopped by SIGTERM after the last step (6): checkpoint {out / 'checkpoints' / 'step_00000006'} "
+                    "is complete; rerun with resume=auto to evaluate and export")  # fmt: skip
+    assert not (out / "export").exists() and not (out / "report.json").exists()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
+    assert (out / "report.json").is_file() and (out / "export" / "eagle3" / "config.json").is_file()
+    assert [x["step"] for x in evaluations(out)] == [6]
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tiny_target, chats, tmp_path):
     out = tmp_path / "run"
