@@ -140,7 +140,10 @@ def recover_swap(dest: str | Path) -> None:
 
     Killed between its two renames (`dest` -> `.dest.old-*`, then `.dest.tmp-*` -> `dest`), the
     swap leaves no `dest`: the old output is renamed back (the new one was not in place yet).
-    Killed after the second, it leaves the old output beside the new one: it is removed.
+    Killed after the second, it leaves the old output beside the new one: it is removed. A swap
+    that a live process is making (another run writing a shared directory) is waited for, not
+    undone: its writer holds `flock` on the new directory's marker between the two renames
+    (`_swap_lock`; a filesystem without `flock` cannot tell the two apart).
     """
     dest = Path(dest)
     if not dest.parent.is_dir():
@@ -149,13 +152,67 @@ def recover_swap(dest: str | Path) -> None:
         match = _SWAPPED_OUT.fullmatch(old.name)
         if not match or match.group(1) != dest.name:
             continue
-        if dest.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            continue
-        old.rename(dest)
-        fsync_dir(dest.parent)
-        shutil.rmtree(dest.with_name(f".{dest.name}.tmp-{match.group(2)}"), ignore_errors=True)
-        print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
+        new = dest.with_name(f".{dest.name}.tmp-{match.group(2)}")
+        if not dest.exists():
+            _wait_for_swap(new, dest)
+        if not dest.exists():
+            try:
+                old.rename(dest)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # the writer put its new output in place after all
+            else:
+                fsync_dir(dest.parent)
+                shutil.rmtree(new, ignore_errors=True)
+                print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
+                continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
+SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
+
+
+@contextmanager
+def _swap_lock(new: Path) -> Iterator[None]:
+    """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
+    fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def _wait_for_swap(new: Path, dest: Path) -> None:
+    """Return once no live process holds `new`'s swap lock: its swap of `dest` is done, or it died."""
+    try:
+        fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+    except OSError:
+        return  # no new directory there: nothing in flight
+    try:
+        deadline = time.monotonic() + SWAP_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OutputInUseError(
+                        f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
+                        "wait for it to end, then rerun"
+                    ) from None
+                time.sleep(0.01)
+            except OSError as e:
+                if e.errno in _NO_FLOCK:
+                    return
+                raise
+    finally:
+        os.close(fd)
 
 
 def check_writable(path: str | Path) -> None:
@@ -426,9 +483,10 @@ def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
         atomic_write_json(tmp / OUTPUT_MARKER, {"kind": kind})
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
-        if dest.exists():
-            dest.rename(old)
-        tmp.rename(dest)
+        with _swap_lock(tmp):  # another process's `recover_swap` waits for the two renames
+            if dest.exists():
+                dest.rename(old)
+            tmp.rename(dest)
         fsync_dir(dest.parent)
         shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -193,6 +193,48 @@ def test_a_kill_during_the_swap_of_a_directory_is_repaired_on_the_next_start(tmp
     assert ("restored" in said and str(dest) in said) == (killed_after == 1), said
 
 
+def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path, monkeypatch, capfd):
+    """One process replaces a shared directory (two runs sharing a `data.prepared_dir`, or the target cache) and is
+    between its two renames when another process's step starts writing there: the second waits for the swap, it
+    does not take the first one's old directory, put aside, for one a kill left behind and undo the swap."""
+    import threading
+
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    with atomic_dir(dest, kind="prepared-data") as tmp:
+        (tmp / "x").write_text("old")
+    between, checked = threading.Event(), threading.Event()
+    real_rename = Path.rename
+
+    def rename(self, target):
+        moved = real_rename(self, target)
+        if threading.current_thread().name == "writer" and self == dest:  # the old one is aside, the new one not in place
+            between.set()
+            checked.wait(1.0)  # the other step's check, unless it waits for this swap
+        return moved
+
+    monkeypatch.setattr(Path, "rename", rename)
+    failed: list[BaseException] = []
+
+    def write():
+        try:
+            with atomic_dir(dest, kind="prepared-data") as tmp:
+                (tmp / "x").write_text("new")
+        except BaseException as e:
+            failed.append(e)
+
+    writer = threading.Thread(target=write, name="writer")
+    writer.start()
+    assert between.wait(10)
+    check_output_dir(dest, "prepared-data")  # the other process's step, starting
+    checked.set()
+    writer.join(10)
+    assert not failed, failed
+    assert (dest / "x").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------- locks without flock
 
 
