@@ -10,6 +10,7 @@ from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_met
 from eagle31.attention.kernels import segment_ids
 from eagle31.loss import Divergence
 from eagle31.recipe import DraftLoss
+from tests.peers import peer_module
 
 
 def supervised_positions(sup):
@@ -196,7 +197,7 @@ def naive_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logi
 
 def speculators_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logits: torch.Tensor) -> torch.Tensor:
     """[n]: the same from `speculators.losses.eager` (0.9.0), which takes [1, n, Vd] logits of both sides."""
-    eager = pytest.importorskip("speculators.losses.eager")
+    eager = peer_module("speculators.losses.eager")
     fn = {
         DraftLoss.kl: eager.kl_div_loss,
         DraftLoss.tv: eager.tv_loss,
@@ -281,7 +282,7 @@ def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
     from eagle31.loss import _divergence
 
-    eager = pytest.importorskip("speculators.losses.eager")
+    eager = peer_module("speculators.losses.eager")
     logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
     rows, dz = _divergence(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1))
