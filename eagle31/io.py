@@ -328,13 +328,28 @@ def _create_lock_file(path: Path, record: dict) -> bool:
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, path)
+            _link(tmp, path)
         except FileExistsError:
             return os.stat(tmp).st_nlink == 2  # NFS: a link the client sent again may fail although the first one took
         fsync_dir(path.parent)
         return True
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link(source: Path, name: Path) -> None:
+    """`os.link`, and a filesystem with neither `flock` nor hard links one line (FileAccessError)."""
+    try:
+        os.link(source, name)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        raise FileAccessError(
+            f"{name.parent}: its filesystem has neither flock nor hard links, one of which the lock of a run needs "
+            f"({e.strerror}); choose a directory on another filesystem"
+        ) from None
 
 
 def _pid_namespace() -> str | None:
@@ -420,7 +435,7 @@ def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
     while True:
         claim = path.with_name(f"{path.name}.break-{name}-{len(dead)}")
         try:
-            os.link(path, claim)
+            _link(path, claim)
             break
         except FileNotFoundError:
             return False  # released, or broken by another process

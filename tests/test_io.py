@@ -449,3 +449,19 @@ def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_
         assert json.loads(held.read_text())["pid"] == os.getpid()
     assert "taking over the lock of pid 1 on another-node" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]
+
+
+def test_a_filesystem_with_neither_flock_nor_hard_links_is_one_line(tmp_path, no_flock, monkeypatch):
+    import errno
+
+    import eagle31.io
+    from eagle31.errors import FileAccessError
+    from eagle31.io import hold_lock
+
+    def link(source, name):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(eagle31.io.os, "link", link)
+    with pytest.raises(FileAccessError, match="filesystem has neither flock nor hard links"), hold_lock(tmp_path):
+        pass
+    assert os.listdir(tmp_path) == [".eagle31-lock"]  # its record was not left behind
