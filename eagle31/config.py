@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
 from eagle31.errors import ConfigError
-from eagle31.rope import ambiguity, check_rope, for_llama_drafter
 
 
 @dataclass
@@ -49,8 +49,9 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
-    # attention type; the MLA fields below are used (and required) only with attention="mla"
-    attention: str = "llama"  # llama | mla
+    # the attention kind (`eagle31.drafter_attention`); each kind's own fields below are 0 for the others
+    attention: DrafterAttention = DrafterAttention.llama
+    # mla (`eagle31.drafter_attention.mla`)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -63,6 +64,7 @@ class DrafterConfig:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         self.target_architectures = tuple(self.target_architectures)
         self.rope_parameters = dict(self.rope_parameters)
+        self.attention = DrafterAttention.parse(self.attention)
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -76,9 +78,14 @@ class DrafterConfig:
         return self.num_aux * self.target_hidden_size
 
     @property
+    def kind(self) -> AttentionKind:
+        """What this drafter's attention does differently (`eagle31.drafter_attention`)."""
+        return self.attention.kind
+
+    @property
     def qk_head_dim(self) -> int:
         """Head dim of q and k: `head_dim` (Llama), `qk_nope_head_dim + qk_rope_head_dim` (MLA)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.kind.qk_head_dim(self)
 
     # --------------------------------------------------------------- validation
 
@@ -128,47 +135,11 @@ class DrafterConfig:
             raise ConfigError(
                 f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
             )
-        if self.attention == "mla":
-            self._validate_mla()
-        elif self.attention != "llama":
-            raise ConfigError(f"drafter.attention must be 'llama' or 'mla', got {self.attention!r}")
-        else:
-            set_mla = [name for name in MLA_FIELDS if getattr(self, name)]
-            if set_mla:
-                raise ConfigError(f"drafter.{set_mla[0]} is an MLA field: set drafter.attention=mla or leave it 0")
-            check_rope(self.rope_parameters)
-
-    def _validate_mla(self) -> None:
-        for name in MLA_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"drafter.{name} must be a positive integer for attention=mla, got {value!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"drafter.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ConfigError(
-                f"drafter.num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
-                f"{self.num_attention_heads} for attention=mla (every head has its own key and value)"
-            )
-        if self.head_dim != self.qk_head_dim:
-            raise ConfigError(
-                f"drafter.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} "
-                "for attention=mla"
-            )
-        if self.v_head_dim > self.qk_head_dim:
-            raise ConfigError(
-                f"drafter.v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim}"
-            )
-        if self.norm_before_fc:
-            raise ConfigError(
-                "drafter.norm_before_fc is not read by vLLM's DeepSeek EAGLE-3 layer: an MLA drafter cannot use it"
-            )
-        rope_type = self.rope_parameters["rope_type"]
-        if rope_type not in MLA_ROPE_TYPES:
-            raise ConfigError(
-                f"drafter.rope_parameters.rope_type={rope_type!r} is not supported for attention=mla "
-                f"(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); use one of {list(MLA_ROPE_TYPES)}"
-            )
+        for other, kind in KINDS.items():
+            used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
+            if used:
+                raise ConfigError(f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0")
+        self.kind.validate(self)
 
     # ------------------------------------------------------------ construction
 
@@ -208,7 +179,6 @@ class DrafterConfig:
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             hidden_act=t.get("hidden_act", "silu"),
-            rope_parameters=for_llama_drafter(rope_parameters_from(t)),
             max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
             vocab_size=_require(t, "vocab_size"),
             draft_vocab_size=min(32000, int(t["vocab_size"])),
@@ -222,13 +192,10 @@ class DrafterConfig:
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        if overrides.get("attention") == "mla":
-            mla = {name: int(t.get(name) or 0) for name in MLA_FIELDS}
-            mla.update({k: v for k, v in overrides.items() if k in MLA_FIELDS})
-            values.update(mla, num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"])
-            values["rope_parameters"] = rope_parameters_from(t)  # DeepSeek YaRN, mscale fields included
+        kind = DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama)).kind
+        values.update(kind.from_target(t, rope_parameters_from(t), overrides))
         values.update(overrides)
-        reason = ambiguity(values["rope_parameters"], values.get("attention", "llama"))
+        reason = kind.rope_ambiguity(values["rope_parameters"])
         if reason:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
@@ -241,6 +208,7 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["attention"] = str(self.attention)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         d["target_architectures"] = list(self.target_architectures)
         return d
@@ -273,9 +241,9 @@ class DrafterConfig:
         )
 
 
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-# rope types an MLA drafter trains exactly as vLLM serves it (`eagle31.mla.DeepseekRotaryEmbedding`)
-MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
+# the EAGLE 3 / 3.1 switches, in the order every export writes them (`eagle31.layouts.eagle_fields`), read back
+# with vLLM's default where missing, and a drafter to fine-tune must have them as the run does (`eagle31.plan`)
+SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def text_config(target_config: dict[str, Any]) -> dict[str, Any]:

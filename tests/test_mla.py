@@ -181,7 +181,7 @@ def test_mla_activation_checkpointing_keeps_loss_and_gradients():
         (dict(v_head_dim=11), "v_head_dim=11 exceeds"),
         (dict(qk_rope_head_dim=3, head_dim=9), "qk_rope_head_dim must be even"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "rope_type='llama3' is not supported"),
-        (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is an MLA field"),
+        (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla"),
         (dict(fc_norm=False, norm_before_fc=True), "norm_before_fc is not read by vLLM's DeepSeek"),
     ],
 )
