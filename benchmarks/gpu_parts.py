@@ -127,7 +127,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     device = ["train.device=cpu", "train.precision=fp32"] if smoke else ["train.device=cuda", "train.precision=bf16"]
     problems = _flash_problems("cpu" if smoke else "cuda")
     if problems:  # this torch's fused ops differ from what eagle31 calls: train on the blockwise kernel
-        device.append("train.attention=blockwise")
+        device.append("train.attention_kernel=blockwise")
     base = [
         "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=128", "data.eval_fraction=0.1",
         "drafter.draft_vocab_size=128", "features.tokens_per_batch=256", "train.save_every=2", "train.log_every=1",

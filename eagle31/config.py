@@ -22,41 +22,50 @@ from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
 from eagle31.errors import ConfigError
 
 
+# Where a recipe's `drafter.<field>` comes from: `eagle31.recipe.DrafterSection` is made of these fields. TARGET:
+# only the target says (no recipe field); OVERRIDE: the target's unless a recipe sets it (None keeps it); the
+# rest: a recipe's setting, with the default below.
+TARGET = {"recipe": "target"}
+OVERRIDE = {"recipe": "override"}
+
+
 @dataclass
 class DrafterConfig:
     # the decoder layer (H, heads, ...)
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    hidden_act: str = "silu"
+    hidden_size: int = field(metadata=OVERRIDE)
+    num_attention_heads: int = field(metadata=OVERRIDE)
+    num_key_value_heads: int = field(metadata=OVERRIDE)
+    head_dim: int = field(metadata=OVERRIDE)
+    intermediate_size: int = field(metadata=OVERRIDE)
+    rms_norm_eps: float = field(default=1e-6, metadata=TARGET)
+    hidden_act: str = field(default="silu", metadata=TARGET)
     # transformers >= 5 form: {"rope_type": ..., "rope_theta": ..., yarn fields ...}
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}, metadata=TARGET
+    )
+    max_position_embeddings: int = field(default=4096, metadata=OVERRIDE)
     # vocabularies
-    vocab_size: int = 32000  # V, the target's
+    vocab_size: int = field(default=32000, metadata=TARGET)  # V, the target's
     draft_vocab_size: int = 32000  # Vd
     # the target
-    target_hidden_size: int = 0  # Ht; 0 means "same as hidden_size"
-    target_num_layers: int = 0  # L
-    aux_layer_ids: tuple[int, ...] = ()  # vLLM convention: input of decoder layer k
-    target_name_or_path: str | None = None
-    target_architectures: tuple[str, ...] = ()
-    # EAGLE 3 / 3.1 switches
+    target_hidden_size: int = field(default=0, metadata=TARGET)  # Ht; 0 means "same as hidden_size"
+    target_num_layers: int = field(default=0, metadata=TARGET)  # L
+    aux_layer_ids: tuple[int, ...] = field(default=(), metadata=OVERRIDE)  # vLLM convention: input of decoder layer k
+    target_name_or_path: str | None = field(default=None, metadata=TARGET)
+    target_architectures: tuple[str, ...] = field(default=(), metadata=TARGET)
+    # EAGLE 3 / 3.1 switches (`SWITCHES`)
     fc_norm: bool = True  # EAGLE 3.1: one RMSNorm per aux chunk before fc
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
     # the attention kind (`eagle31.drafter_attention`); each kind's own fields below are 0 for the others
     attention: DrafterAttention = DrafterAttention.llama
-    # mla (`eagle31.drafter_attention.mla`)
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    # mla (`eagle31.drafter_attention.mla`): the target's MLA shape unless set
+    q_lora_rank: int = field(default=0, metadata=OVERRIDE)
+    kv_lora_rank: int = field(default=0, metadata=OVERRIDE)
+    qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
+    qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
+    v_head_dim: int = field(default=0, metadata=OVERRIDE)
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:

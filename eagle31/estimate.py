@@ -24,7 +24,7 @@ the bytes the tensors of real training steps hold):
     step's state gradient waits; on CPU also the layer's gradient buffers made by then,
     `layer_gradient_bytes`: the deepest step, whose backward runs first, has only those of the
     weights after the attention when its attention's backward runs);
-  * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
+  * `loss_working_set`: the chunked lm_head + loss (`eagle31.loss.FusedDraftLoss`): the one fp32 lm_head
     gradient, d loss / d state of every supervised query, chunk temporaries;
   * `sequence_keys` (`train.sequence_parallel` N > 1, `sequence_keys_bytes`): with each sequence split
     N ways every term above that grows with T is taken at a shard's length and its halo
@@ -195,7 +195,7 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
 
 
 def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
-    """What is alive when `DraftKL.backward` runs: d loss / d state of every supervised query (saved)
+    """What is alive when `FusedDraftLoss.backward` runs: d loss / d state of every supervised query (saved)
     and the state gradients it makes of them, the one fp32 lm_head gradient (and its cast to the
     gathered weight's dtype under FSDP), one chunk's fp32 temporaries."""
     H, Vd, T = cfg.hidden_size, cfg.draft_vocab_size, seq_len
