@@ -26,7 +26,7 @@ only `YARN_FIELDS[release]` on):
     0.33.0  magnitude attention_factor, else mscale/mscale_all_dim's ratio when both are
             set, else 0.1·ln(factor) + 1; as transformers reads it
 
-The MLA drafter's rope (`eagle31.mla`) is vLLM's DeepSeek YaRN
+The MLA drafter's rope (`eagle31.drafter_attention.mla`) is vLLM's DeepSeek YaRN
 (`deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding`), reading
 `DEEPSEEK_YARN_FIELDS[release]`, and the DeepSeek attention
 (`deepseek_v2.py::DeepseekV2MLAAttention`) multiplies the softmax scale by

@@ -73,7 +73,7 @@ class DrafterObjective(nn.Module):
             input_ids,
             ttt_length=self.ttt_length,
             document_ids=document_ids,
-            attention=self.attention_kernel,
+            attention_kernel=self.attention_kernel,
             activation_checkpointing=self.activation_checkpointing,
             sequence=sequence,
         )

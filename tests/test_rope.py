@@ -20,7 +20,7 @@ from eagle31.config import ConfigError, DrafterConfig
 from eagle31.convert import load_drafter
 from eagle31.distributed import init_world
 from eagle31.export import export_config
-from eagle31.model import RotaryEmbedding
+from eagle31.drafter_attention.llama import RotaryEmbedding
 from eagle31.plan import plan_run
 from eagle31.recipe import ExportFormat, load_recipe
 from eagle31.drafter_attention import DrafterAttention

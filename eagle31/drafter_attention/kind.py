@@ -1,14 +1,25 @@
 """`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it.
 
-Each method names the module that calls it. Sizes are per token; `c` is the compute dtype's bytes.
-A kind whose entries the TTT chain keeps (step 0's keys, or what it remakes them from) differs from
-another in the same few places; every other line of eagle31 is the same for all kinds.
+Each group of methods names the module that calls it; sizes are per token, `c` the compute dtype's bytes.
+Every other line of eagle31 is the same for all kinds.
+
+The attention module a kind builds (`attention`) is what the drafter's step calls:
+
+    query_entry(z, cos, sin)   z [B, T, 2H] -> q [B, T, nh, d] (rope applied) and the step's entry (a tuple)
+    keys_values(*entry)        the entry -> k, v [*, nkv, d] for the kernels (one head dim for q, k, v)
+    output(attn)               attn [B, T, nh, d] -> o_proj's output [B, T, H]
+    step0_keys_values()        how the TTT attention makes the causal keys and values of the step-0 entry
+    chain_keys_values()        how it makes those of the chain's entries (a kind not `chain_keeps_input`)
+    query(z, cos, sin), key_value(z, cos, sin, k_weight, v_weight)   q alone; k, v with given weights
+                               (a kind that `chain_keeps_input`: the drafter remakes them from the input)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
+
+from torch import nn
 
 from eagle31.rope import ambiguity
 
@@ -28,6 +39,19 @@ class AttentionKind(ABC):
     # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
     rope_fields_read: dict[str, tuple[str, ...]]
     rope_quantities: str
+    # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
+    # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
+    chain_keeps_input: bool
+
+    # ------------------------------------------------------------------ model (eagle31.model)
+
+    @abstractmethod
+    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+        """The layer's attention projections (module docstring: what the drafter asks of them)."""
+
+    @abstractmethod
+    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+        """The rope: position_ids [B, T] -> cos, sin [B, T, rope dims] in a dtype."""
 
     # ------------------------------------------------------------- config (eagle31.config)
 

@@ -1,24 +1,52 @@
-"""Multi-head Latent Attention (`drafter.attention=mla`): the published Kimi K2.6 drafter, vLLM's DeepSeek EAGLE-3 layer.
+"""Multi-head Latent Attention (`drafter.attention=mla`): the published Kimi K2.6 drafter's attention.
 
-DeepSeek-V2/V3's attention on the 2H-wide input (`eagle31.mla` computes it). The TTT chain keeps each
-step's latent (kv_lora_rank + rope values per token) and decompresses keys and values where it attends.
+DeepSeek-V2/V3's attention with the EAGLE-3 twist that its projections read the
+2H-wide input `z = concat(input_layernorm(emb), hidden_norm(h))`. vLLM serves it
+with `Eagle3DeepseekV2ForCausalLM`; this module computes what that layer computes
+from the exported config (parameter names are DeepSeek's, so export is a rename):
 
-Export: vLLM's DeepSeek EAGLE-3 loader (`deepseek_eagle3.py`) reads the EAGLE-3 HF layout with
-`architectures: ["Eagle3DeepseekV2ForCausalLM"]`, `model_type: "kimi_k2"` (as TorchSpec and the published
-Kimi drafters write it) and the MLA shape. The model type is `kimi_k2` for every MLA drafter, a Kimi or a
-DeepSeek-V3 target alike: vLLM maps it to `DeepseekV3Config` (its `transformers_utils/config.py` registry),
-and its `SpeculativeConfig.hf_config_override` leaves it alone, whereas it turns `deepseek_v3` into DeepSeek's
-MTP drafter (`DeepSeekMTPModel`, whose EAGLE-3 name no registry has), in 0.22 and 0.33 alike.
+    c_q         = q_a_layernorm(q_a_proj(z))                 [*, q_lora_rank]
+    q           = q_b_proj(c_q)                              [*, nh, nope + rope]
+    c_kv, k_pe  = kv_a_proj_with_mqa(z)                      [*, kv_lora_rank], [*, rope]
+    k_nope, v   = kv_b_proj(kv_a_layernorm(c_kv))            [*, nh, nope], [*, nh, v_head_dim]
+    k           = concat(k_nope, rope(k_pe) shared by every head)
+    out         = o_proj(softmax(q·k * scale) v)
 
-Reading: a checkpoint with vLLM's DeepSeek EAGLE-3 architecture under either registry name, or with
-`kv_lora_rank`, is an MLA drafter; one eagle31 did not write is TorchSpec's (the published Kimi MLA
-drafters, e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`).
+The rope acts on the last `qk_rope_head_dim` dims of q and k with interleaved
+pairs (dims 2i, 2i+1: vLLM's `is_neox_style=False`). It is DeepSeek YaRN
+(`DeepseekRotaryEmbedding`), and the softmax scale is `qk_head_dim^-0.5 * m^2`
+with `m = yarn_mscale(factor, mscale_all_dim)`, DeepSeek's correction for the
+YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
+`fused_qkv_a_proj` at load time; checkpoints keep them apart.
+
+The TTT attention kernels (`eagle31.attention`) take one head dim for q, k and v
+and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
+zero columns up to the q·k head dim: zero value columns give zero output columns,
+which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
+only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
+decompresses keys and values where it attends: the step-0 keys inside the attention,
+in its forward and again in its backward (never saved between them), the chain's a
+block of tokens at a time (`eagle31.attention.entries.ChainKeysValues`), so
+neither decompressed nor padded values are stored across steps.
+
+`MLAAttentionKind` carries what the rest of eagle31 asks of this kind (`eagle31.drafter_attention`).
+Exported, it is vLLM's DeepSeek EAGLE-3 layer (`Eagle3DeepseekV2ForCausalLM`, model type `kimi_k2`:
+docs/export.md says why) in the EAGLE-3 HF layout only; a checkpoint with that architecture under
+either registry name, or with `kv_lora_rank`, is read as one, and one eagle31 did not write is
+TorchSpec's (the published Kimi MLA drafters, e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`).
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle31.attention.entries import ChainKeysValues
 from eagle31.drafter_attention.kind import AttentionKind
 from eagle31.errors import ConfigError
 from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
@@ -26,7 +54,143 @@ from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
 if TYPE_CHECKING:
     from eagle31.config import DrafterConfig
 
-# rope types an MLA drafter trains exactly as vLLM serves it (`eagle31.mla.DeepseekRotaryEmbedding`)
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN magnitude `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class DeepseekRotaryEmbedding(nn.Module):
+    """The MLA drafter's rope: default, or DeepSeek YaRN (vLLM's `deepseek_yarn`, which its DeepSeek
+    EAGLE-3 layer makes of any `rope_scaling`), on `qk_rope_head_dim` dims with interleaved pairs.
+
+    YaRN blends interpolated (`1 / (factor * theta^(2i/d))`) and original frequencies
+    with a linear ramp between the correction dims of `beta_fast` and `beta_slow`
+    rotations over `original_max_position_embeddings`, and scales cos/sin by
+    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) * attn_factor`
+    (the softmax-scale correction lives in `MLAAttention.q_scale`).
+    Frequencies are float64, kept outside the buffers so a bf16 cast never degrades them.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
+            self.inv_freq, self.attention_scaling, _ = deepseek_rope_frequencies(
+                config.rope_parameters, config.qk_rope_head_dim
+            )
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] -> cos, sin [B, T, qk_rope_head_dim] in `dtype`, each frequency twice (pairs)."""
+        acc = torch.promote_types(dtype, torch.float32)
+        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
+        emb = freqs.repeat_interleave(2, dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def deepseek_rope_frequencies(rope: dict, d: int) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [d/2] float64, cos/sin magnitude, softmax-scale factor) of `DeepseekRotaryEmbedding`."""
+    theta = float(rope["rope_theta"])
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if rope["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0, 1.0
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+    if missing:
+        raise ConfigError(f"drafter.rope_parameters needs {missing[0]} for rope_type={rope['rope_type']!r}")
+    factor = float(rope["factor"])
+    original = int(rope["original_max_position_embeddings"])
+    low, high = _correction_range(float(rope.get("beta_fast", 32)), float(rope.get("beta_slow", 1)), d, theta, original)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = (1 - ramp) * float(rope.get("extrapolation_factor", 1))  # 1: original frequency, 0: interpolated
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    all_dim = yarn_mscale(factor, float(rope.get("mscale_all_dim", 0)))
+    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / all_dim * float(rope.get("attn_factor", 1))
+    return inv_freq, magnitude, all_dim**2
+
+
+def _correction_range(beta_fast: float, beta_slow: float, d: int, theta: float, original: int) -> tuple[int, int]:
+    """YaRN's ramp bounds: the dims completing `beta_fast` / `beta_slow` rotations over `original` positions."""
+
+    def dim(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    return max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), d - 1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved-pair rotation."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]; cos/sin [B, T, d] with each frequency on a pair of dims."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_pairs(x) * sin
+
+
+def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
+    """MLA's keys and values from its latent [*, r + rope] (normed c_kv, roped k_pe) and kv_b_proj's
+    weight [nh * (nope + v_dim), r]: k = (k_nope, k_pe shared by every head), v zero-padded to k's width."""
+    rank = kv_b_weight.shape[1]
+    c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
+    k_nope, v = F.linear(c_kv, kv_b_weight).unflatten(-1, (num_heads, nope + v_dim)).split([nope, v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], num_heads, k_pe.shape[-1])], dim=-1)
+    return k, F.pad(v, (0, k.shape[-1] - v_dim))
+
+
+class MLAAttention(nn.Module):
+    """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.attention`."""
+
+    def __init__(self, config: DrafterConfig, rms_norm: type[nn.Module]):
+        super().__init__()
+        H, nh, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
+        self.num_heads = nh
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        self.kv_lora_rank = config.kv_lora_rank
+        # query compression is required: vLLM's DeepSeek EAGLE-3 loader fuses q_a_proj with kv_a_proj_with_mqa
+        self.q_a_proj = nn.Linear(2 * H, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = rms_norm(config.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = rms_norm(config.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
+        self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
+
+    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (rope applied, the softmax-scale correction
+        folded in) and the entry the TTT chain keeps: the latent [B, T, kv_lora_rank + rope],
+        kv_a_layernorm(c_kv) beside the roped k_pe (`keys_values` decompresses it)."""
+        B, T, _ = z.shape
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, nh, self.qk_dim)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
+        q_pe = apply_interleaved_rope(q[..., self.nope :], cos, sin)
+        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).view(B, T, self.rope)
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
+        return q, (torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1),)
+
+    def keys_values(self, latent: torch.Tensor):
+        """latent [*, kv_lora_rank + rope] -> k, v [*, nh, nope + rope] (v zero-padded, module docstring)."""
+        return mla_keys_values(latent, self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
+
+    def chain_keys_values(self) -> ChainKeysValues:
+        """The TTT chain decompresses each step's latents a block of tokens at a time (`eagle31.attention`)."""
+        fn = partial(mla_keys_values, num_heads=self.num_heads, nope=self.nope, v_dim=self.v_dim)
+        return ChainKeysValues(fn, (self.kv_b_proj.weight,), width=1)
+
+    def step0_keys_values(self) -> ChainKeysValues:
+        """The causal (step-0) keys and values, decompressed inside the attention (so they are not saved)."""
+        return self.chain_keys_values()
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, nh, nope + rope] (v padded) -> o_proj of its first v_head_dim columns, [B, T, H]."""
+        return self.o_proj(attn[..., : self.v_dim].flatten(2))
+
+
+# ---------------------------------------------------------------------------- the kind
+
+# rope types an MLA drafter trains exactly as vLLM serves it (`DeepseekRotaryEmbedding`)
 MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
 # vLLM's DeepSeek EAGLE-3 drafter (deepseek_eagle3.py) under both registry names
 MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
@@ -41,6 +205,13 @@ class MLAAttentionKind(AttentionKind):
     unmarked_format = "torchspec"
     rope_fields_read = DEEPSEEK_YARN_FIELDS_READ
     rope_quantities = "extrapolation, magnitude, softmax factor"
+    chain_keeps_input = False  # its latents are what the chain keeps
+
+    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+        return MLAAttention(config, rms_norm)
+
+    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+        return DeepseekRotaryEmbedding(config)
 
     def validate(self, cfg: DrafterConfig) -> None:
         for name in self.fields:
@@ -90,7 +261,7 @@ class MLAAttentionKind(AttentionKind):
     # ------------------------------------------------------------------ estimate
 
     def attention_parameters(self, cfg: DrafterConfig) -> int:
-        """q_a + norm + q_b, kv_a + norm + kv_b, o (`eagle31.mla.MLAAttention`)."""
+        """q_a + norm + q_b, kv_a + norm + kv_b, o (`MLAAttention`)."""
         H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
         q = 2 * H * qr + qr + qr * nh * self.qk_head_dim(cfg)
         kv = 2 * H * (kvr + cfg.qk_rope_head_dim) + kvr + kvr * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)

@@ -178,7 +178,7 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
         torch.testing.assert_close(c[k], d[k], rtol=1e-4, atol=1e-5)
 
 
-# an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+# an MLA drafter (eagle31.drafter_attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
 MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
                "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
                "export.formats": "[eagle3]"}  # fmt: skip
