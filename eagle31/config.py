@@ -2,12 +2,13 @@
 
 A drafter is one decoder layer whose attention input is `2H` wide (token
 embedding + feature), fed by a fused projection of `n` target hidden states.
-Its attention is Llama's (`attention="llama"`: q/k/v projections, served by
-vLLM's Llama EAGLE-3 layer) or DeepSeek's Multi-head Latent Attention
-(`attention="mla"`: the published Kimi K2.6 drafter, served by vLLM's DeepSeek
-EAGLE-3 layer). The config is a plain dataclass, saved as the `eagle31` block of a
-drafter's `config.json`; `from_target_config` derives it from the target's HF
-config (Llama, Qwen3, DeepSeek-V3/Kimi, also nested under `text_config`).
+Its attention is one of the kinds of `eagle31.drafter_attention` (`drafter.attention`):
+Llama's q/k/v projections, served by vLLM's Llama EAGLE-3 layer, or DeepSeek's Multi-head
+Latent Attention, the published Kimi K2.6 drafter's, served by vLLM's DeepSeek EAGLE-3
+layer; what differs between them is the kind's (`DrafterConfig.kind`). The config is
+a plain dataclass, saved as the `eagle31` block of a drafter's `config.json`;
+`from_target_config` derives it from the target's HF config (Llama, Qwen3,
+DeepSeek-V3/Kimi, also nested under `text_config`).
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ class DrafterConfig:
         v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
         rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
         so that every supported vLLM release reads it alike (a block they still read
-        differently is refused); an MLA drafter (`attention="mla"`) copies the
+        differently is refused); an MLA drafter (`drafter.attention=mla`) copies the
         target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
-        is, as the published Kimi K2.6 EAGLE 3.1 drafter does. `overrides` may set
-        any field; `None` values are ignored.
+        is, as the published Kimi K2.6 EAGLE 3.1 drafter does (each kind's
+        `AttentionKind.from_target`). `overrides` may set any field; `None` values are ignored.
         """
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model

@@ -27,7 +27,7 @@ code on the exports). What this module does about them, in short:
   or an earlier export of ours (with `overwrite=True`), never when it holds files eagle31
   did not write or the drafter being exported.
 
-MLA drafters (`attention="mla"`, `eagle31.drafter_attention.mla`) have one layout: the EAGLE-3 HF layout as
+MLA drafters (`drafter.attention=mla`, `eagle31.drafter_attention.mla`) have one layout: the EAGLE-3 HF layout as
 vLLM's DeepSeek EAGLE-3 loader reads it, `architectures: ["Eagle3DeepseekV2ForCausalLM"]`,
 `model_type: "kimi_k2"` (vLLM turns `deepseek_v3` into DeepSeek's MTP drafter), the MLA
 shape and DeepSeek's weight names. The speculators layout cannot carry one and is refused.

@@ -262,6 +262,12 @@ def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, refer
         assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3
 
 
+def test_every_train_loss_choice_has_its_function():
+    import eagle31.loss
+
+    assert set(eagle31.loss.LOSSES) == set(DraftLoss)
+
+
 def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
     """docs/architecture.md, "How to add a loss": a loss registered from this module alone (its function and its
     `LOSSES` line; a recipe's `train.loss` also needs its `DraftLoss` member) is what the fused chunked pass

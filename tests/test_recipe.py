@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from eagle31.cli import parse_key_values, recipe_main
-from eagle31.config import ConfigError
+from eagle31.config import ConfigError, DrafterConfig
 from eagle31.data.store import STORE_DTYPES
 from eagle31.pipeline import run
-from eagle31.recipe import RunConfig, StoreDtype, load_recipe, to_container
+from eagle31.recipe import DrafterSection, RunConfig, StoreDtype, drafter_section, load_recipe, to_container
 from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +123,43 @@ def test_choices_compose_as_the_strings_recipes_spell():
     plain = to_container(cfg)
     assert plain["export"]["formats"] == ["speculators"] and type(plain["train"]["device"]) is str
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # the run directory's config.yaml
+
+
+INITIALISATION = ("init_from", "init_from_format", "upgrade_to_eagle31")  # the section's own fields
+
+
+def test_the_drafter_section_is_made_of_drafter_config_fields():
+    """Every DrafterConfig field a recipe may set is a `drafter.*` field, an override (None: the target's) or a
+    setting with DrafterConfig's default; a field only the target decides is not; then the initialisation's."""
+    section = {f.name: f for f in dataclasses.fields(DrafterSection)}
+    hints = typing.get_type_hints(DrafterSection)
+    assert list(section)[-3:] == list(INITIALISATION)
+    for f in dataclasses.fields(DrafterConfig):
+        source = f.metadata.get("recipe")
+        if source == "target":
+            assert f.name not in section, f.name
+        elif source == "override":
+            assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
+        else:
+            assert section[f.name].default == f.default and hints[f.name] is typing.get_type_hints(DrafterConfig)[f.name]
+    assert len(section) == len(INITIALISATION) + sum(f.metadata.get("recipe") != "target" for f in dataclasses.fields(DrafterConfig))
+
+
+def test_a_new_drafter_field_is_a_recipe_field_with_no_line_in_recipe_py(tmp_path):
+    """docs/architecture.md, "How to add a drafter switch": a field on DrafterConfig (here on a subclass, as the
+    toy of a test) is in the section made of it, with its default, and composes from the command line."""
+
+    @dataclasses.dataclass
+    class WithToySwitch(DrafterConfig):
+        toy_switch: bool = False
+
+    section = drafter_section(WithToySwitch)
+    toy = next(f for f in dataclasses.fields(section) if f.name == "toy_switch")
+    assert toy.default is False and typing.get_type_hints(section)["toy_switch"] is bool
+    from omegaconf import OmegaConf
+
+    composed = OmegaConf.merge(OmegaConf.structured(section), OmegaConf.from_dotlist(["toy_switch=true"]))
+    assert composed.toy_switch is True
 
 
 def test_store_dtype_choices_are_the_dtypes_the_store_writes():
