@@ -1,9 +1,9 @@
-"""The EAGLE-3 HF layout (`export.formats=[eagle3]`): vLLM's `llama_eagle3.py` and `deepseek_eagle3.py`.
+"""The EAGLE-3 HF layout (`export.formats=[eagle3]`), as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
 
 `config.json` is the decoder layer's HF config with the EAGLE fields at the top level and the architecture
-vLLM serves the drafter's attention kind with (`LlamaForCausalLMEagle3`, `Eagle3DeepseekV2ForCausalLM`);
-weights `midlayer.*`. Every attention kind can be carried. The embedding is left out by default (vLLM
-shares the target's). eagle31's native names are this layout's, so its rename table is empty.
+vLLM serves the drafter's attention kind with (`AttentionKind.architecture`); weights `midlayer.*`, eagle31's
+own names, so its rename table is empty. Every attention kind can be carried; the embedding is left out by
+default (vLLM shares the target's). docs/export.md: what vLLM reads, release by release.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM >= 0.25 also serves.
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves.
 
 `config.json`: `speculators_model_type: eagle3`, the proposal settings, the target as `verifier`, the decoder
-layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags: vLLM 0.22's
-speculators reader copies only that block), the EAGLE fields also at the top level; weights `layers.0.*`.
-The embedding is written by default (speculators' `from_pretrained` leaves a missing one uninitialised), and
-the target must be named (speculators reads its config from there). Only Llama and Qwen3 layers can be
-carried: vLLM's speculators reader and the `speculators` library map no other. A missing
-`norm_before_residual` means true, as vLLM reads this layout.
+layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags), the EAGLE fields
+also at the top level; weights `layers.0.*`. The embedding is written by default and the target must be
+named; only Llama and Qwen3 layers can be carried; a missing `norm_before_residual` reads as true. Why,
+release by release: docs/export.md.
 """
 
 from __future__ import annotations
