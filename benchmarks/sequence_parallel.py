@@ -115,7 +115,8 @@ def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.d
     drafter, head, batch = build(cfg, spec["seq_len"])
     drafter.to(world.device, dtype)
     head = TargetHead(head.weight.to(world.device, dtype), head.draft_ids)
-    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention=spec.get("backend", "flash"), sequence_parallel=group.size)
+    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention_kernel=spec.get("backend", "flash"),
+                        sequence_parallel=group.size)
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:

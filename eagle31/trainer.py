@@ -59,7 +59,7 @@ class DrafterObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.ttt_length = train.ttt_length
-        self.attention = train.attention
+        self.attention_kernel = train.attention_kernel
         self.activation_checkpointing = train.activation_checkpointing
         self.loss = Divergence(train.loss, train.lk_eta)
 
@@ -73,7 +73,7 @@ class DrafterObjective(nn.Module):
             input_ids,
             ttt_length=self.ttt_length,
             document_ids=document_ids,
-            attention=self.attention,
+            attention_kernel=self.attention_kernel,
             activation_checkpointing=self.activation_checkpointing,
             sequence=sequence,
         )

@@ -110,7 +110,7 @@ def test_target_argmax_in_vocabulary_tiles_equals_argmax_with_ties(monkeypatch):
 
 
 def _explicit_loss_sums(states, W, final, sup, head):
-    """Per-step KL sums from full [B, T, Vd] logits, by autograd (the reference for DraftKL)."""
+    """Per-step KL sums from full [B, T, Vd] logits, by autograd (the reference for FusedDraftLoss)."""
     K = len(states)
     label = torch.log_softmax(final @ head.draft_weight.to(final.dtype).T, -1)  # [B, T, Vd]
     sums = []
@@ -125,7 +125,7 @@ def _explicit_loss_sums(states, W, final, sup, head):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_one_lm_head_gradient_accumulator_equals_per_step_gradients(dtype, monkeypatch):
-    """DraftKL's single weighted dW (and dh) equal autograd through explicit logits, across several chunks."""
+    """FusedDraftLoss's single weighted dW (and dh) equal autograd through explicit logits, across several chunks."""
     import eagle31.loss
 
     monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 40)  # 4 label rows per chunk, many chunks
@@ -261,6 +261,41 @@ def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, refer
     if kind != DraftLoss.kl:  # the kind reached the loss: it is not KL under another name
         kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, argmax, scale).loss_sum, stats.count, DECAY)
         assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3
+
+
+def test_every_train_loss_choice_has_its_function():
+    import eagle31.loss
+
+    assert set(eagle31.loss.LOSSES) == set(DraftLoss)
+
+
+def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
+    """docs/architecture.md, "How to add a loss": a loss registered from this module alone (its function and its
+    `LOSSES` line; a recipe's `train.loss` also needs its `DraftLoss` member) is what the fused chunked pass
+    minimises, in value and gradient: a toy, half the squared distance between p and q."""
+    import eagle31.loss
+
+    def squared(label_logp, draft_logq, eta):  # the loss per query and its gradient with respect to the logits
+        p, q = label_logp.exp(), draft_logq.exp()
+        g = q - p
+        return 0.5 * (g * g).sum(-1), q * (g - (q * g).sum(-1, keepdim=True))
+
+    def naive(kind, eta, logits, label_logits):
+        return 0.5 * ((logits.softmax(-1) - label_logits.softmax(-1)) ** 2).sum(-1)
+
+    monkeypatch.setitem(eagle31.loss.LOSSES, "squared", squared)
+    monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 3 * 12)  # several chunks
+    states, W, draft_ids, head, final, sup = loss_case(seed=23)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    scale = step_scales(sup.sum(dim=(1, 2)), DECAY)
+    stats = ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale, Divergence("squared"))
+    ours = weighted_loss(stats.loss_sum, stats.count, DECAY)
+    expected = reference_loss(naive, "squared", 0.0, states, W, head, final, sup)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(ours, [W, *states]), torch.autograd.grad(expected, [W, *states])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale).loss_sum, stats.count, DECAY)
+    assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3  # it is not KL under another name
 
 
 def test_loss_kinds_meet_at_their_limits():

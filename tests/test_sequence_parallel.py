@@ -55,7 +55,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
     group = sequence_group(world, sequence)
     mine = batches(cfg)[group.data_rank :: group.data_size]
     train = TrainConfig(ttt_length=K, warmup_steps=1, max_steps=STEPS, lr=1e-2, max_grad_norm=1e9, activation_checkpointing=ckpt,
-                        attention="flash", sequence_parallel=sequence, grad_accum=len(mine), log_every=1, eval_every=0, save_every=0)  # fmt: skip
+                        attention_kernel="flash", sequence_parallel=sequence, grad_accum=len(mine), log_every=1, eval_every=0, save_every=0)  # fmt: skip
     trainer = Trainer(train, world, tmp, drafter, head, ListLoader(mine), None, torch.float32, group)
     grads = []
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from eagle31.data.batch import Sample, bucket_by_length
+from eagle31.data.batch import TOKEN_COLUMNS, Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import World, barrier
 from eagle31.io import write_errors
@@ -27,20 +27,20 @@ from eagle31.target import TargetFeatures, target_fingerprint
 # ---------------------------------------------------------------- prepared data
 
 
-def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of rows `ids`."""
+def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
+    """The token columns of rows `ids`, in `TOKEN_COLUMNS`' order (input_ids, loss_mask, ...)."""
     rows = dataset[[int(i) for i in ids]]
-    return list(zip(rows["input_ids"], rows["loss_mask"]))
+    return list(zip(*(rows[name] for name in TOKEN_COLUMNS)))
 
 
-def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], list[int]]], batch_tokens: int) -> list[Sample]:
+def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
     """Features of each row, computed in length-sorted, right-padded batches of <= `batch_tokens` tokens.
 
     Returns one `Sample` per row, in the order of `rows`, on the device of the target's output.
     """
     device = feats.model.get_input_embeddings().weight.device
     out: list[Sample | None] = [None] * len(rows)
-    for group in bucket_by_length([len(ids) for ids, _ in rows], batch_tokens):
+    for group in bucket_by_length([len(row[0]) for row in rows], batch_tokens):  # row[0]: its input ids
         T = max(len(rows[i][0]) for i in group)
         input_ids = torch.zeros(len(group), T, dtype=torch.long)
         attention_mask = torch.zeros(len(group), T, dtype=torch.long)
@@ -51,8 +51,7 @@ def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], list[int]]
         for b, i in enumerate(group):
             n = len(rows[i][0])
             out[i] = Sample(
-                input_ids=input_ids[b, :n].to(final.device),
-                loss_mask=torch.tensor(rows[i][1], dtype=torch.long, device=final.device),
+                **{name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, rows[i])},
                 aux=aux[b, :n],
                 final=final[b, :n],
             )

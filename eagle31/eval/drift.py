@@ -269,7 +269,7 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
 
     out = ttt_unroll(
         drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
-        attention="reference", attention_probe=probe, sequence=tail,
+        attention_kernel="reference", attention_probe=probe, sequence=tail,
     )  # fmt: skip
     fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
