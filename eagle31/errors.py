@@ -13,6 +13,7 @@ list:
     6    DiskFullError: the disk filled up while writing (what was complete is kept)
     7    OutputInUseError: another run holds the output directory
     8    RankLost (eagle31.distributed): another rank of a torchrun run died or stopped answering
+    9    EngineError (eagle31.engine): an inference worker failed (its own error, or dead more often than allowed)
     130  RunInterrupted: Ctrl-C (SIGINT), the shell's code for it
     137  StoppedAtOnce (eagle31.preemption): a second SIGTERM/SIGUSR1, or the grace ran out
     143  RunPreempted: SIGTERM or SIGUSR1; the run stopped after a complete checkpoint
@@ -73,6 +74,13 @@ class RankLost(Eagle31Error):
     """A rank of the run died (or its node was lost); the last complete checkpoint is kept."""
 
     exit_code = 8
+
+
+class EngineError(Eagle31Error):
+    """The inference engine of `features.mode=engine` cannot go on: a worker's own error, a worker that does not
+    compute what the recipe asks, or one dead more often than `features.engine.max_restarts`."""
+
+    exit_code = 9
 
 
 class RunPreempted(Eagle31Error):
