@@ -133,9 +133,9 @@ def check_engine(cfg) -> None:
     if e.rates_from and not Path(e.rates_from).is_file():
         raise ConfigError(f"features.engine.rates_from: no such file {e.rates_from}")
     if not cfg.dry_run:
-        from eagle31.engine.cluster import import_ray
+        from eagle31.engine.cluster import check_ray_installed
 
-        import_ray()
+        check_ray_installed()
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or

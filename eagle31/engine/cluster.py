@@ -9,6 +9,7 @@ cluster of several nodes each node needs eagle31 and its dependencies installed,
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from contextlib import contextmanager
@@ -17,12 +18,19 @@ from typing import Iterator
 
 from eagle31.config import ConfigError
 
+AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication, which ray.init sets when it starts a cluster
 NAMESPACE = "eagle31"  # the named actors of a run (its feature pool) live here, whoever started Ray
 RAY_MISSING = "features.mode=engine needs Ray, which is not installed: pip install 'eagle31[engine]' (ray>=2.40)"
 
 
+def check_ray_installed() -> None:
+    """One line when Ray is not installed (checked before any model is built; Ray itself is not imported here)."""
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(RAY_MISSING)
+
+
 def import_ray():
-    """The `ray` module, or one line saying how to install it (checked before any model is built)."""
+    """The `ray` module, or the one line of `check_ray_installed`."""
     try:
         import ray
     except ImportError:
@@ -40,9 +48,13 @@ def actor_runtime_env() -> dict:
 
 
 @contextmanager
-def ray_session(address: str | None, num_cpus: int | None) -> Iterator[str]:
-    """Join the cluster at `address`, or start one on this node with `num_cpus` CPUs (None: all); yields the
-    address the other ranks join. A process already connected to Ray (a test's cluster) stays connected."""
+def ray_session(address: str | None, num_cpus: int | None, auth_mode: str | None = None) -> Iterator[tuple[str, str | None]]:
+    """Join the cluster at `address`, or start one on this node with `num_cpus` CPUs (None: all); yields what
+    the other ranks join it with: (address, Ray's authentication mode). A cluster that Ray started with token
+    authentication (its default) is joined in that mode (`auth_mode`): a process joining by address alone
+    would not send the token. A process already connected to Ray (a test's cluster) stays connected."""
+    if auth_mode and AUTH_MODE not in os.environ:
+        os.environ[AUTH_MODE] = auth_mode  # read by Ray when it is imported, so before that
     ray = import_ray()
     joined = not ray.is_initialized()
     if joined:
@@ -50,9 +62,10 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[str]:
         try:
             ray.init(namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False, **where)
         except ConnectionError as e:
-            raise ConfigError(f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]})") from None
+            cause = f": {str(e.__cause__).splitlines()[-1]}" if e.__cause__ else ""
+            raise ConfigError(f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]}{cause})") from None
     try:
-        yield ray.get_runtime_context().gcs_address
+        yield ray.get_runtime_context().gcs_address, os.environ.get(AUTH_MODE)
     finally:
         if joined:
             ray.shutdown()  # stops the cluster this process started; leaves a joined one running

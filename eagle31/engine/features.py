@@ -22,29 +22,34 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-import ray
 import torch
-from ray.exceptions import RayActorError
 
 from eagle31.data.batch import Sample
 from eagle31.data.capture import prepared_rows
 from eagle31.data.store import prepared_lengths
 from eagle31.distributed import broadcast_object
-from eagle31.engine.cluster import NAMESPACE, actor_runtime_env, ray_session
-from eagle31.engine.pool import FeaturePool, PoolSettings
-from eagle31.engine.worker import WORKERS, WorkerSpec
+from eagle31.engine.cluster import NAMESPACE, actor_runtime_env, import_ray, ray_session
 from eagle31.errors import EngineError
 from eagle31.target import target_shape
+
+# Ray is imported when first needed (`import_ray`), not with this module: a rank that joins the cluster
+# rank 0 started must first learn from rank 0 how Ray authenticates (`eagle31.engine.cluster.ray_session`).
 
 POOL_GONE = "the feature pool is gone (rank 0 or its node stopped); the last complete checkpoint is kept: rerun with resume=auto"
 
 
-def _call(ref):
-    """`ray.get` of a pool call that answers (status, value): the value, or the pool's error as `EngineError`."""
+def _get(refs):
+    """`ray.get`, a pool that is gone being one `EngineError` line."""
+    ray = import_ray()
     try:
-        status, value = ray.get(ref)
-    except RayActorError:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError:
         raise EngineError(POOL_GONE) from None
+
+
+def _call(ref):
+    """A pool call that answers (status, value): the value, or the pool's error as `EngineError`."""
+    status, value = _get(ref)
     if status == "error":
         raise EngineError(value)
     return value
@@ -63,10 +68,7 @@ class EngineFeatures:
     def samples(self, ids: Sequence[int]) -> list[Sample]:
         ids = [int(i) for i in ids]
         reply = _call(self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids))
-        try:
-            computed = ray.get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
-        except RayActorError:
-            raise EngineError(POOL_GONE) from None
+        computed = _get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
         feats: list = [None] * len(ids)
         for (positions, _), part in zip(reply, computed):
             for p, f in zip(positions, part):
@@ -104,19 +106,16 @@ class FeatureEngine:
             raise ValueError(f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}")
         state = loader.state_dict()
         for call in (self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]), self.pool.ready.remote()):
-            try:
-                error = ray.get(call)
-            except RayActorError:
-                raise EngineError(POOL_GONE) from None
+            error = _get(call)
             if error:
                 raise EngineError(error)
-        self._last = ray.get(self.pool.stats.remote())
+        self._last = _get(self.pool.stats.remote())
 
     def metrics(self) -> dict[str, float]:
         """`engine/*`: what the workers can compute (samples per second of their work since the engine started,
         times the workers: idle time under backpressure does not count), what they produced in the window since
         the last call, restarts and re-asked samples since the engine started, the tokens held for the trainers."""
-        now = ray.get(self.pool.stats.remote())
+        now = _get(self.pool.stats.remote())
         last, self._last = self._last or now, now
         seconds = now["seconds"] - last["seconds"]
         per_worker = now["worker_samples"] / now["worker_busy_s"] if now["worker_busy_s"] > 0 else 0.0
@@ -141,20 +140,23 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
     with ExitStack() as stack:
         shared = None
         if world.is_main:
-            address = stack.enter_context(ray_session(e.address, e.num_cpus))
+            cluster = stack.enter_context(ray_session(e.address, e.num_cpus))
             name = f"features-{uuid.uuid4().hex[:12]}"
             pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size)
             stack.callback(close_pool, pool)
-            shared = (address, name)
-        address, name = broadcast_object(shared, world.device)
+            shared = (cluster, name)
+        (address, auth_mode), name = broadcast_object(shared, world.device)
         if not world.is_main:
-            stack.enter_context(ray_session(address, None))
-            pool = ray.get_actor(name, namespace=NAMESPACE)
+            stack.enter_context(ray_session(address, None, auth_mode))
+            pool = import_ray().get_actor(name, namespace=NAMESPACE)
         yield FeatureEngine(pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype)
 
 
 def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
     """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says."""
+    from eagle31.engine.pool import PoolSettings
+    from eagle31.engine.worker import WORKERS, WorkerSpec
+
     cfg, e = plan.cfg, plan.cfg.features.engine
     spec = WorkerSpec(
         target_dir=str(plan.target_dir),
@@ -183,21 +185,26 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
     return pool_actor(settings, WORKERS[e.worker], spec, expected, name=name)
 
 
-def pool_actor(settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, name: str | None = None):
+def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = None):
     """A `FeaturePool` actor on this node (it reads the prepared splits there) with `settings.workers` workers of
     `kind` (an `InferenceWorker` class); every actor imports this process's eagle31."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from eagle31.engine.pool import FeaturePool, spawn_worker
+
+    ray = import_ray()
     env = actor_runtime_env()
     settings = dataclasses.replace(settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0})
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     named = {"name": name, "namespace": NAMESPACE} if name else {}
     actor = ray.remote(FeaturePool).options(num_cpus=0, runtime_env=env, scheduling_strategy=here, **named)
-    return actor.remote(settings, kind, spec, expected)
+    workers = [spawn_worker(settings, kind, spec) for _ in range(settings.workers)]  # they load while the pool starts
+    return actor.remote(settings, kind, spec, expected, workers)
 
 
 def close_pool(pool) -> None:
     """Stop the workers and the pool (whatever state the cluster is in)."""
+    ray = import_ray()
     try:
         ray.get(pool.close.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - a pool already gone has nothing to stop

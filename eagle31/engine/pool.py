@@ -61,6 +61,11 @@ class PoolSettings:
     inflight_per_worker: int = 2
 
 
+def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
+    """A new worker actor (it starts loading the target at once)."""
+    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec)
+
+
 class WorkerActor:
     """The Ray actor around an `InferenceWorker`: the record of each computation apart from its features."""
 
@@ -131,19 +136,17 @@ def _last_line(e: BaseException) -> str:
 class FeaturePool:
     """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods); see the module docstring."""
 
-    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict):
-        """kind: the InferenceWorker class; expected: what `describe()` must say (aux_layer_ids, hidden_size, dtype)."""
+    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None):
+        """kind: the InferenceWorker class; expected: what `describe()` must say (aux_layer_ids, hidden_size, dtype);
+        workers: the first workers' actors, started beside the pool (default: started here)."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
 
         self.settings, self.kind, self.spec, self.expected = settings, kind, spec, expected
         self.splits = load_prepared_splits(Path(settings.prepared_dir))
         self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
-        self.actor = ray.remote(WorkerActor)
         self.booted = False
-        self.slots = [Slot(i) for i in range(settings.workers)]
-        for slot in self.slots:
-            self._spawn(slot)
+        self.slots = [Slot(i, handle) for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])]
         self.changed = asyncio.Condition()
         self.error: str | None = None
         self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
@@ -300,10 +303,9 @@ class FeaturePool:
     # ------------------------------------------------------------ the workers
 
     def _spawn(self, slot: Slot) -> None:
-        slot.handle = self.actor.options(**self.settings.worker_options).remote(self.kind, self.spec)
+        slot.handle = spawn_worker(self.settings, self.kind, self.spec)
         slot.ready = False
-        if self.booted:
-            asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
+        asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
 
     def _boot(self) -> None:
         """Start asking the workers of __init__ to describe themselves (needs the actor's event loop)."""

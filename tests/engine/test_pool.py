@@ -39,30 +39,38 @@ def prepared(tmp_path_factory) -> Path:
     return path
 
 
-def make_engine(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, rank=0, world_size=1):
+def make_pool(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, world_size=1, copies=1):
     settings = PoolSettings(
-        prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=1, capture_batch_tokens=BATCH_TOKENS,
+        prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
         pool_tokens=pool_tokens, max_restarts=max_restarts, worker_options={"num_cpus": 0.5}, **LOADER,
     )  # fmt: skip
     spec = WorkerSpec(str(target_dir), "float32", None, False, AUX, BATCH_TOKENS, threads=1, gpus=0)
-    pool = pool_actor(settings, kind, spec, {"aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"})
-    config = {"num_hidden_layers": 6, "hidden_size": 32}
-    return pool, FeatureEngine(pool, rank, rank, world_size, world_size, config, AUX, "float32")
+    return pool_actor(settings, kind, spec, {"aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"})
 
 
-def loaders(engine, prepared, world_size=1):
+def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1):
+    return FeatureEngine(pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX, "float32")
+
+
+def make_engine(target_dir, prepared, **kwargs):
+    pool = make_pool(target_dir, prepared, **kwargs)
+    return pool, rank_engine(pool)
+
+
+def loaders(engine, prepared):
     from eagle31.data.prepare import load_prepared_splits
 
     sources = engine.sources(load_prepared_splits(prepared))
-    return FeatureLoader(sources["train"], world_size=world_size, rank=engine.rank, **LOADER), sources
+    return FeatureLoader(sources["train"], world_size=engine.data_size, rank=engine.data_rank, **LOADER), sources
 
 
-def online_batches(target_dir, prepared, n, split="train", start=0):
-    """The first n batches (from batch `start`) of the loader over features computed in this process."""
+def online_batches(target_dir, prepared, n, start=0, rank=0, world_size=1):
+    """The first n batches (from batch `start`) of rank `rank`'s loader over features computed in this process."""
     from eagle31.data.prepare import load_prepared_splits
 
     model = load_target(target_dir, torch.device("cpu"), dtype="float32")
-    loader = FeatureLoader(OnlineFeatures(model, load_prepared_splits(prepared)[split], AUX, batch_tokens=BATCH_TOKENS), **LOADER)
+    source = OnlineFeatures(model, load_prepared_splits(prepared)["train"], AUX, batch_tokens=BATCH_TOKENS)
+    loader = FeatureLoader(source, rank=rank, world_size=world_size, **LOADER)
     loader.position = start
     stream = iter_batches(loader)
     return [next(stream) for _ in range(n)], loader
@@ -134,6 +142,28 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_samples_asked_again(ra
         for a, b in zip(held_out, direct):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert engine.metrics()["engine/worker_restarts"] == 1
+    finally:
+        close_pool(pool)
+
+
+@pytest.mark.parametrize("data_size, copies", [(2, 1), (1, 2)])
+def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group(ray_cluster, target_dir, prepared, data_size, copies):
+    """Two trainer ranks in lockstep: on 2 data ranks each gets its loader's batches; as one sequence-parallel
+    group (1 data rank) both get every batch. Bit-identical to online features either way."""
+    pool = make_pool(target_dir, prepared, world_size=data_size, copies=copies, pool_tokens=120)
+    try:
+        engines = [rank_engine(pool, rank, rank % data_size, data_size, trainers=2) for rank in range(2)]
+        streams = []
+        for engine in engines:
+            loader, _ = loaders(engine, prepared)
+            engine.start(loader)
+            streams.append(iter_batches(loader))
+        expected = [online_batches(target_dir, prepared, 8, rank=r % data_size, world_size=data_size)[0] for r in range(2)]
+        for step in range(8):
+            for rank, stream in enumerate(streams):
+                assert_same(next(stream), expected[rank][step])
+        stats = ray_cluster.get(pool.stats.remote())
+        assert stats["delivered_samples"] == sum(b.num_samples for e in expected for b in e)
     finally:
         close_pool(pool)
 

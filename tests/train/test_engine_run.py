@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import base_args, run_script
-from tests.train.test_main import MAIN, REPO, losses, one_line_error, weights
+from tests.train.test_main import MAIN, REPO, losses, one_line_error, run_main, weights
 
 # several target forwards per micro-batch (each one request to a worker), on both sides
 SHARED = {"features.capture_batch_tokens": "64", "export.formats": "[eagle3]"}
@@ -103,6 +103,24 @@ def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterr
 
     assert run_script(MAIN, [*args, "resume=auto"], monkeypatch) == 0
     assert_same_run(out, online_run)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_from_one_engine_as_one_process_does(target, chats, tmp_path, monkeypatch):
+    """Two torchrun ranks and no Ray cluster given: rank 0 starts one on this node and the pool, rank 1 joins
+    them and finds the pool by its name, each rank takes its own micro-batches. The losses are those of one
+    online process with the same global batch (grad_accum=2), within float error (tests/train/test_main.py)."""
+    extra = {**SHARED, "train.max_steps": "3"}
+    one = tmp_path / "one"
+    assert run_script(MAIN, base_args(target, chats, one, **extra, **{"train.grad_accum": "2"}), monkeypatch) == 0
+    two = tmp_path / "two"
+    engine = {**ENGINE, **extra, "features.engine.num_cpus": "2"}
+    done = run_main(base_args(target, chats, two, **engine), torchrun=2, PYTHONPATH=str(REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), rtol=1e-5, atol=1e-6)
+    logged = [x for x in lines(two) if "engine/trainers" in x]
+    assert len(logged) == 3 and all(x["engine/trainers"] == 2 for x in logged)
+    assert [r["samples"] for r in consumed(two)] != [0, 0] and sum(r["samples"] for r in consumed(two)) == consumed(one)[0]["samples"]
 
 
 # ---------------------------------------------------------------------------- dry run and bad input
