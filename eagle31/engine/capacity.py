@@ -22,7 +22,6 @@ trainer GPUs (at T = 4096, one). An engine reaching a lower share of its GPUs' p
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from eagle31.config import ConfigError, DrafterConfig, text_config
 from eagle31.estimate import count_parameters
+from eagle31.metrics_log import read_metrics
 
 
 @dataclass
@@ -54,7 +54,7 @@ def workers_needed(trainers: int, trainer_rate: float, worker_rate: float) -> in
 def measured_sizing(metrics: Path, trainers: int) -> Sizing | None:
     """From an engine run's metrics.jsonl; None when it has no window after the first with both rates."""
     try:
-        lines = [json.loads(x) for x in Path(metrics).read_text().splitlines() if x.strip()]
+        lines = read_metrics(metrics)
     except (OSError, ValueError) as e:
         raise ConfigError(f"features.engine.rates_from={metrics}: cannot read it as metrics.jsonl ({e})") from None
     windows = [x for x in lines if x.get("engine/inference_samples_per_s") and x.get("train/capacity_samples_per_s")][1:]

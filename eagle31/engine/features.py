@@ -35,16 +35,20 @@ from eagle31.target import target_shape
 # Ray is imported when first needed (`import_ray`), not with this module: a rank that joins the cluster
 # rank 0 started must first learn from rank 0 how Ray authenticates (`eagle31.engine.cluster.ray_session`).
 
-POOL_GONE = "the feature pool is gone (rank 0 or its node stopped); the last complete checkpoint is kept: rerun with resume=auto"
+KEPT = "the last complete checkpoint is kept: rerun with resume=auto"
+POOL_GONE = f"the feature pool is gone (rank 0 or its node stopped); {KEPT}"
+FEATURES_LOST = f"features an inference worker had computed were lost with its node before a trainer took them; {KEPT}"
 
 
 def _get(refs):
-    """`ray.get`, a pool that is gone being one `EngineError` line."""
+    """`ray.get`, a pool that is gone or features lost with their node being one `EngineError` line."""
     ray = import_ray()
     try:
         return ray.get(refs)
-    except ray.exceptions.RayActorError:
+    except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError):  # the pool owns the features' objects
         raise EngineError(POOL_GONE) from None
+    except ray.exceptions.ObjectLostError:
+        raise EngineError(FEATURES_LOST) from None
 
 
 def _call(ref):

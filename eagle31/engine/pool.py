@@ -231,6 +231,10 @@ class FeaturePool:
             "seconds": time.perf_counter() - self.started_at,
         }
 
+    def workers(self) -> list[tuple[object, int]]:
+        """(actor, requests it holds) of each worker now, in slot order: for operators, and the benchmark's kill."""
+        return [(s.handle, len(s.inflight)) for s in self.slots]
+
     def close(self) -> None:
         for slot in self.slots:
             if slot.handle is not None:

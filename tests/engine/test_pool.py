@@ -20,6 +20,8 @@ from eagle31.target import load_target
 from tests.engine.workers import DyingWorker, RaisingWorker
 from tests.tiny_targets import prepared_split, tiny_llama
 
+pytestmark = pytest.mark.slow  # each test starts a pool and its workers: 10-30 s on 2 cores
+
 AUX = (1, 3, 4)
 LOADER = dict(batching="pack", tokens_per_batch=64, seed=3)  # 40 samples of 3-24 tokens: about 10 batches an epoch
 BATCH_TOKENS = 40  # each micro-batch is several target forwards (requests)

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import base_args, run_script
+from eagle31.metrics_log import read_metrics
+from tests.helpers import base_args, run_script, sigkill_after_checkpoint
 from tests.train.test_main import MAIN, REPO, losses, one_line_error, run_main, weights
 
 # several target forwards per micro-batch (each one request to a worker), on both sides
@@ -25,7 +23,7 @@ ENGINE = {**SHARED, "features.mode": "engine", "features.engine.workers": "2", "
 
 
 def lines(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def consumed(run_dir: Path) -> list[dict]:
@@ -91,15 +89,7 @@ def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterr
     the run ends as the uninterrupted one, bit for bit, and trains on the same samples in the same order."""
     out = tmp_path / "killed"
     args = base_args(target, chats, out, **ENGINE, **{"features.engine.address": ray_cluster.get_runtime_context().gcs_address})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(MAIN), *args], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "report.json").exists()
+    sigkill_after_checkpoint([sys.executable, str(MAIN), *args], out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
 
     assert run_script(MAIN, [*args, "resume=auto"], monkeypatch) == 0
     assert_same_run(out, online_run)
@@ -151,7 +141,6 @@ def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys)
         ({"features.engine.workers": "0"}, "features.engine.workers must be >= 1, got 0"),
         ({"features.engine.worker_gpus": "-1"}, "features.engine.worker_gpus must be >= 0, got -1.0"),
         ({"features.engine.rates_from": "/no/such/metrics.jsonl"}, "features.engine.rates_from: no such file /no/such/metrics.jsonl"),
-        ({"features.engine.worker": "vllm"}, "features.engine.worker"),
     ],
 )
 def test_bad_engine_settings_are_one_line_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
