@@ -268,6 +268,15 @@ def broadcast_object(obj, device: torch.device, src: int = 0):
     return obj
 
 
+def all_gather_objects(obj) -> list:
+    """`obj` (picklable) of every rank, in rank order; `[obj]` when undistributed."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    return [obj]
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

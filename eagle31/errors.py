@@ -64,6 +64,13 @@ class RankLost(Eagle31Error):
     exit_code = 8
 
 
+class EngineError(Eagle31Error):
+    """The inference engine of `features.mode=engine` cannot go on: a worker's own error, a worker that does not
+    compute what the recipe asks, or one dead more often than `features.engine.max_restarts`."""
+
+    exit_code = 9
+
+
 class RunPreempted(Eagle31Error):
     """SIGTERM / SIGUSR1 (a scheduler's preemption): every rank stopped after writing a complete checkpoint.
 

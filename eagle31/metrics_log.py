@@ -106,6 +106,11 @@ def start_wandb(mode: str, **init_kwargs: Any):
         return init("offline")
 
 
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a run's `metrics.jsonl`, each a dict of its step and metrics."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
     """Keep the lines of `path` (metrics.jsonl) logged at or before `step`; return how many were dropped.
 

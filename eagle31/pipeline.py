@@ -5,14 +5,15 @@ each. Everything that can be checked without building a model is checked first
 (`eagle31.plan.plan_run`), so bad input fails in seconds with one line; `dry_run=true`
 stops there and prints parameter counts and a per-GPU memory estimate. The data steps
 are the ones `data_prep/prepare.py` and `data_prep/capture.py` run
-(`eagle31.data.prepare`, `eagle31.data.capture`).
+(`eagle31.data.prepare`, `eagle31.data.capture`); with `features.mode=engine` the features come
+from inference workers on Ray instead (`eagle31.engine`, docs/engine.md), which live until training ends.
 
 The run directory (`output_dir`, default `runs/<recipe>`), described here and nowhere else:
 
     config.yaml          the resolved config (credentials masked by what they are, every setting kept)
     data/                prepared conversations: train/, eval/, vocab.safetensors, report.json
                          (unless data.prepared_dir points elsewhere)
-    features/            the shard store, train/ and eval/ (features.mode=store)
+    features/            the shard store, train/ and eval/ (features.mode=store; online and engine write none)
     metrics.jsonl        one line per logged step: loss, acc_k, cond_acc_k, tau_sim, lr, grad norm, tokens/s
     checkpoints/         step_XXXXXXXX/ (torch.distributed.checkpoint), keep-last-N
     drafter/             the trained drafter, native format (config.json + model.safetensors)
@@ -34,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from eagle31.config import ConfigError
 from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import check_prepared, load_draft_vocab, load_prepared_splits, prepare_with_target_tokenizer, template_kwargs
 from eagle31.data.sources import data_section, resolve_sources
-from eagle31.distributed import World, barrier, close_world, init_world
+from eagle31.distributed import World, all_gather_objects, barrier, close_world, init_world
 from eagle31.errors import Eagle31Error, RunInterrupted
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
@@ -104,14 +105,18 @@ def train_run(plan: RunPlan) -> dict | None:
     started = time.time()
     prepared = prepare_data(plan)
     sequence = sequence_group(plan.world, plan.cfg.train.sequence_parallel)  # the (data x sequence) mesh
-    train_loader, eval_loader = build_loaders(plan, prepared, sequence)
-    drafter, head = build_drafter(plan, prepared)
-    trainer = build_trainer(plan, drafter, head, train_loader, eval_loader, sequence)
-    final, skipped = train(plan, trainer, train_loader, eval_loader)
-    state = trainer.full_drafter_state()  # the last collective: every rank takes part
-    # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
-    # that tore down gloo while rank 0 was still exporting aborted once (SIGABRT at exit).
-    barrier()
+    with ExitStack() as stack:  # the inference engine of features.mode=engine lives until training ends
+        engine = stack.enter_context(open_engine(plan, prepared, sequence)) if plan.cfg.features.mode == "engine" else None
+        train_loader, eval_loader = build_loaders(plan, prepared, sequence, engine)
+        drafter, head = build_drafter(plan, prepared)
+        trainer = build_trainer(plan, drafter, head, train_loader, eval_loader, sequence)
+        if engine is not None:
+            engine.start(train_loader)  # from the restored position, once its workers hold the target
+        final, skipped = train(plan, trainer, train_loader, eval_loader)
+        state = trainer.full_drafter_state()  # the last collective: every rank takes part
+        # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
+        # that tore down gloo while rank 0 was still exporting aborted once (SIGABRT at exit).
+        barrier()
     close_world(plan.world)
     if not plan.world.is_main:
         return None
@@ -140,9 +145,10 @@ def prepare_data(plan: RunPlan) -> Path:
     return prepared
 
 
-def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None = None):
-    """Train and held-out `FeatureLoader`s over online features or the shard store, splitting batches over the
-    data axis of `sequence` (the ranks of a sequence group share each batch; default: every rank its own)."""
+def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None = None, engine=None):
+    """Train and held-out `FeatureLoader`s over online features, the inference `engine` (`features.mode=engine`) or
+    the shard store, splitting batches over the data axis of `sequence` (the ranks of a sequence group share each
+    batch; default: every rank its own)."""
     from eagle31.data.loader import FeatureLoader
 
     cfg, world = plan.cfg, plan.world
@@ -153,6 +159,8 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
 
         target = load_recipe_target(plan.target_dir, cfg.target, world.device)
         sources = {n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens) for n, ds in splits.items()}
+    elif cfg.features.mode == "engine":
+        sources = engine.sources(splits)
     else:
         from eagle31.data.store import FeatureStore, store_state
 
@@ -169,6 +177,13 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
     train = FeatureLoader(sources["train"], seed=cfg.seed, **kwargs)
     held_out = FeatureLoader(sources["eval"], seed=cfg.seed, **kwargs) if "eval" in sources and len(splits["eval"]) else None
     return train, held_out
+
+
+def open_engine(plan: RunPlan, prepared: Path, sequence: SequenceGroup):
+    """`features.mode=engine`: the run's inference workers and their pool (`eagle31.engine`, imported only then: it needs Ray)."""
+    from eagle31.engine.features import open_engine as engine
+
+    return engine(plan, prepared, sequence)
 
 
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
@@ -273,10 +288,7 @@ def skipped_features(world: World, *loaders) -> dict[str, int]:
         skipped = getattr(getattr(loader, "source", None), "skipped", None)  # online features skip nothing
         if skipped is not None:
             found.update({str(loader.source.root / name): n for name, n in skipped().items()})
-    if world.distributed:
-        gathered: list[dict[str, int]] = [{} for _ in range(world.world_size)]
-        torch.distributed.all_gather_object(gathered, found)
-        found = {name: n for ranks in gathered for name, n in ranks.items()}
+    found = {name: n for ranks in all_gather_objects(found) for name, n in ranks.items()}
     return dict(sorted(found.items()))
 
 

@@ -75,6 +75,7 @@ def plan_run(cfg, world: World) -> RunPlan:
     if not cfg.train.lk_eta >= 0:
         raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
     check_sequence_parallel(cfg, world)
+    check_engine(cfg)
 
     target_dir = None
     if cfg.dry_run and cfg.target.config:
@@ -116,6 +117,25 @@ def check_sequence_parallel(cfg, world: World) -> None:
         raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
     if n > 1 and cfg.train.attention_kernel == "reference":
         raise ConfigError("train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
+
+
+def check_engine(cfg) -> None:
+    """`features.mode=engine`: settings it can run with, and (for a real run) Ray installed."""
+    if cfg.features.mode != "engine":
+        return
+    e = cfg.features.engine
+    for name, least in (("workers", 1), ("pool_tokens", 1), ("max_restarts", 0)):
+        if getattr(e, name) < least:
+            raise ConfigError(f"features.engine.{name} must be >= {least}, got {getattr(e, name)}")
+    for name in ("worker_cpus", "worker_gpus"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"features.engine.{name} must be >= 0, got {getattr(e, name)}")
+    if e.rates_from and not Path(e.rates_from).is_file():
+        raise ConfigError(f"features.engine.rates_from: no such file {e.rates_from}")
+    if not cfg.dry_run:
+        from eagle31.engine.cluster import check_ray_installed
+
+        check_ray_installed()
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
@@ -245,6 +265,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
     built = sum(p.numel() for p in model.parameters())
     if built != counts.total:
         raise RuntimeError(f"parameter count formula ({counts.total}) disagrees with the model ({built})")
+    engine = engine_sizing(plan, world_size)
     report = {
         "recipe": cfg.name,
         "drafter": d.to_dict(),
@@ -256,6 +277,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "sequence_parallel": options["sequence_parallel"],
         "longest_seq_len_per_gpu_gib": longest,
     }
+    if engine is not None:
+        report["engine"] = {"workers": engine.workers, "trainers": engine.trainers, "measured": engine.measured, "basis": engine.basis}
     if plan.world.is_main:
         print(f"dry run of recipe {cfg.name!r}: config valid")
         print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
@@ -270,4 +293,22 @@ def describe_dry_run(plan: RunPlan) -> dict:
                 print(f"    {k:30s} {v:8.2f} GiB")
         for g, T in longest.items():
             print(f"  longest T that fits {world_size} GPU(s) of {g} GiB: {T:,}" if T else f"  no T fits {world_size} GPU(s) of {g} GiB")
+        if engine is not None:
+            print(f"  engine: {engine.describe(cfg.features.engine.worker_gpus)}")
     return report
+
+
+def engine_sizing(plan: RunPlan, trainers: int):
+    """`features.mode=engine`: the inference workers that keep `trainers` busy (`eagle31.engine.capacity`), from the
+    measured rates of `features.engine.rates_from` or of this run's own metrics.jsonl, else estimated."""
+    cfg = plan.cfg
+    if cfg.features.mode != "engine":
+        return None
+    from eagle31.engine.capacity import estimated_sizing, measured_sizing
+
+    for metrics in (cfg.features.engine.rates_from, plan.run_dir / "metrics.jsonl"):
+        if metrics and Path(metrics).is_file():
+            sizing = measured_sizing(Path(metrics), trainers)
+            if sizing is not None:
+                return sizing
+    return estimated_sizing(plan.target_config, plan.drafter, cfg.train.ttt_length, cfg.data.max_len, trainers, cfg.features.engine.worker_gpus)

@@ -50,6 +50,13 @@ class Overflow(StrEnum):
 class FeatureMode(StrEnum):
     online = "online"  # the target runs in the trainer
     store = "store"  # features read from a shard store (data_prep/capture.py first)
+    engine = "engine"  # inference workers on Ray compute them and stream them to the trainers (eagle31.engine)
+
+
+class EngineWorker(StrEnum):
+    """What computes the features in `features.mode=engine` (`eagle31.engine.worker`)."""
+
+    hf = "hf"  # the Hugging Face target in a Ray actor, as online features compute them
 
 
 class StoreDtype(StrEnum):
@@ -207,6 +214,21 @@ class RegenerateConfig:
 
 
 @dataclass
+class EngineConfig:
+    """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a bounded pool (docs/engine.md)."""
+
+    workers: int = 1  # inference workers, each holding a copy of the target
+    worker: EngineWorker = EngineWorker.hf
+    worker_cpus: float = 1.0  # Ray CPUs per worker (torch threads on CPU: at least 1)
+    worker_gpus: float = 0.0  # Ray GPUs per worker (a worker spreads the target over them with target.device_map)
+    address: Optional[str] = None  # a running Ray cluster ("auto", or host:port); None: start one on this node
+    num_cpus: Optional[int] = None  # CPUs of the cluster started on this node; None: all of them
+    pool_tokens: int = 131072  # features computed ahead of the trainers, in tokens (Kimi K2.6, bf16: 56 KiB each)
+    max_restarts: int = 3  # per worker: a worker that dies is restarted and its samples asked again, this often
+    rates_from: Optional[str] = None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
+
+
+@dataclass
 class FeaturesConfig:
     """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
@@ -214,7 +236,7 @@ class FeaturesConfig:
     store_dir: str = "${output_dir}/features"  # one store per split: <store_dir>/train, <store_dir>/eval
     store_dtype: StoreDtype = StoreDtype.bfloat16
     shard_max_tokens: int = 32768  # Kimi K2.6 in bf16 stores 56 KiB/token: 1.75 GiB per shard
-    capture_batch_tokens: int = 8192  # padded tokens per target forward (capture and online)
+    capture_batch_tokens: int = 8192  # padded tokens per target forward (capture, online and engine)
     batching: Batching = Batching.pack
     tokens_per_batch: int = 4096  # micro-batch budget: pack row length, or bucket B * max T
     skip_corrupt: bool = False  # skip shards whose checksum fails (counted) instead of stopping
@@ -223,6 +245,7 @@ class FeaturesConfig:
     import_split: Split = Split.train  # the store written: <store_dir>/<import_split>
     import_dataset_dir: Optional[str] = None  # rows the files were made from (loss masks); default the prepared split
     import_all_tokens: bool = False  # no loss masks available: supervise every token
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 def drafter_section(config: type = DrafterConfig) -> type:

@@ -27,7 +27,7 @@ from torch import nn
 from eagle31.attention.kernels import segment_ids
 from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
-from eagle31.distributed import World, all_reduce_sum
+from eagle31.distributed import World, all_gather_objects, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
 from eagle31.loss import (
     Divergence,
@@ -229,12 +229,14 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()  # a skipped step counts toward max_steps, so it moves the schedule too
         # every collective's tensor lives on the world's device: NCCL refuses host memory
-        tokens = all_reduce_sum(torch.tensor(sum(b.num_tokens for b, *_ in prepared), dtype=torch.float64, device=self.world.device))
+        seen = [sum(b.num_tokens for b, *_ in prepared), sum(b.num_samples for b in micro_batches)]
+        tokens, samples = all_reduce_sum(torch.tensor(seen, dtype=torch.float64, device=self.world.device)).tolist()
         return {
             "loss": total,
             "grad_norm": grad_norm,
             "finite": finite,
             "tokens": int(tokens),
+            "samples": int(samples),
             **ttt_metrics(counters),
         }
 
@@ -262,10 +264,13 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
+        """Every rank's data position and consumed record (`data_ranks`; `data` is rank 0's) with the weights."""
+        data = all_gather_objects(self.train_loader.state_dict())
         state = {
             "trainer": asdict(self.state),
             "scheduler": self.scheduler.state_dict(),
-            "data": self.train_loader.state_dict(),
+            "data": data[0],
+            "data_ranks": data,
         }
         return self.checkpoints.save(self.state.step, self.model, self.optimizer, state)
 
@@ -273,7 +278,8 @@ class Trainer:
         saved = self.checkpoints.load(path, self.model, self.optimizer)
         self.state = TrainState(**saved["trainer"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.train_loader.load_state_dict(saved["data"])
+        ranks = saved.get("data_ranks", [])
+        self.train_loader.load_state_dict(ranks[self.world.rank] if len(ranks) == self.world.world_size else saved["data"])
 
     # ------------------------------------------------------------------ the loop
 
@@ -289,10 +295,12 @@ class Trainer:
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
         stream = self._stream()
-        window_tokens, window_start = 0, time.perf_counter()
+        window = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
+        window_start = time.perf_counter()
         while state.step < cfg.max_steps:
             t0 = time.perf_counter()
             micro = [next(stream) for _ in range(cfg.grad_accum)]
+            waited = time.perf_counter() - t0  # for the features: the pool, the store or the in-process target
             result = self.train_step(micro)
             state.train_seconds += time.perf_counter() - t0
             if not result["finite"]:
@@ -307,17 +315,12 @@ class Trainer:
                 state.nonfinite_streak = 0
             state.step += 1
             state.tokens_seen += result["tokens"]
-            window_tokens += result["tokens"]
+            for key, value in (("tokens", result["tokens"]), ("samples", result["samples"]), ("wait_s", waited), ("steps", 1)):
+                window[key] += value
             if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-                elapsed = time.perf_counter() - window_start
-                metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens")}
-                metrics.update(
-                    lr=self.scheduler.get_last_lr()[0],
-                    tokens_per_s=window_tokens / max(elapsed, 1e-9),
-                    tokens_seen=state.tokens_seen,
-                )
-                logger.log(state.step, {f"train/{k}": v for k, v in metrics.items()})
-                window_tokens, window_start = 0, time.perf_counter()
+                logger.log(state.step, self._window_metrics(result, window, time.perf_counter() - window_start))
+                window = dict.fromkeys(window, 0)
+                window_start = time.perf_counter()
             logger.advance(
                 state.step,
                 {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
@@ -357,6 +360,27 @@ class Trainer:
     @staticmethod
     def _stopped_by(stop: StopSignals) -> str:
         return stop.received.name if stop.requested else "a signal that another rank received"
+
+    def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
+        """The logged metrics of a window of steps: the last step's, rates over the window, and (rank 0) the
+        feature source's own (`engine/*` of `features.mode=engine`).
+
+        `wait_s` is this rank's time per step waiting for its micro-batches; `capacity_samples_per_s` the
+        samples all ranks consumed per second of the window less that wait: what the trainers could consume."""
+        metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens", "samples")}
+        metrics.update(
+            lr=self.scheduler.get_last_lr()[0],
+            tokens_per_s=window["tokens"] / max(elapsed, 1e-9),
+            tokens_seen=self.state.tokens_seen,
+            samples_per_s=window["samples"] / max(elapsed, 1e-9),
+            capacity_samples_per_s=window["samples"] / max(elapsed - window["wait_s"], 1e-9),
+            wait_s=window["wait_s"] / window["steps"],
+        )
+        logged = {f"train/{k}": v for k, v in metrics.items()}
+        source_metrics = getattr(getattr(self.train_loader, "source", None), "metrics", None)
+        if source_metrics is not None and self.world.is_main:
+            logged.update(source_metrics())
+        return logged
 
     def _agree_to_stop(self, stop: StopSignals) -> bool:
         """Whether any rank was asked to stop: one all-reduce per step, so that every rank stops at this step."""

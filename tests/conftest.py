@@ -120,3 +120,17 @@ def export_dir(run_dir):
 
     return export_drafter(tiny_drafter(seed=1, dtype=torch.float32), run_dir / "export" / "eagle3",
                           target_name_or_path="moonshotai/Kimi-K2.6")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs for the engine's tests (eagle31.engine), started once per session."""
+    import logging
+
+    import ray
+
+    from eagle31.engine.cluster import NAMESPACE
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
+    yield ray
+    ray.shutdown()

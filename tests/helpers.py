@@ -119,3 +119,19 @@ def fill_disk(disk: Path, leave_pages: int) -> Path:
         size = f.tell()
     os.truncate(ballast, max(0, size - leave_pages * 4096))
     return ballast
+
+
+def sigkill_after_checkpoint(cmd: list[str], out: Path, env: dict, step: int = 2, timeout: float = 300) -> None:
+    """Start `cmd` (a run into `out`), SIGKILL it once its step-`step` checkpoint is complete, and wait for it."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / f"step_{step:08d}" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "report.json").exists()

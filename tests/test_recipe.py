@@ -31,6 +31,7 @@ BAD_CHOICES = [
     ("features.store_dtype=int2", "features.store_dtype"),
     ("features.batching=bogus", "features.batching"),
     ("features.import_split=test", "features.import_split"),
+    ("features.engine.worker=sglang", "features.engine.worker"),
     ("drafter.init_from_format=eagle2", "drafter.init_from_format"),
     ("drafter.attention=gqa", "drafter.attention"),
     ("regenerate.backend=grpc", "regenerate.backend"),

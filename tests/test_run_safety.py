@@ -151,7 +151,7 @@ def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys,
 def test_ctrl_c_before_training_says_what_is_kept(tiny_target, chats, tmp_path, capsys, monkeypatch):
     import eagle31.pipeline
 
-    def interrupted(plan, prepared, sequence=None):
+    def interrupted(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eagle31.pipeline, "build_loaders", interrupted)

@@ -1,7 +1,8 @@
 """Target features of prepared data (docs/design.md §2), and their capture into the store.
 
-`run_target` computes the features (`eagle31.target.TargetFeatures`) of prepared rows
-(columns `input_ids`, `loss_mask`) in length-sorted, right-padded batches;
+`target_forward` computes the features (`eagle31.target.TargetFeatures`) of rows of token ids in
+length-sorted, right-padded batches, and `run_target` makes them `Sample`s of prepared rows
+(columns `input_ids`, `loss_mask`);
 `capture_to_store` runs it over a prepared split shard by shard into a `StoreWriter`;
 `open_store_writers` and `capture_splits` are that step for a recipe's splits, as both
 `data_prep/capture.py` and a training run with `features.mode=store` take it.
@@ -33,28 +34,36 @@ def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
     return list(zip(*(rows[name] for name in TOKEN_COLUMNS)))
 
 
-def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
-    """Features of each row, computed in length-sorted, right-padded batches of <= `batch_tokens` tokens.
+def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(aux [T, n*Ht], final [T, Ht]) of each row of token ids, computed in length-sorted, right-padded batches
+    of <= `batch_tokens` tokens; in the order of `token_rows`, views into each batch's output, on its device.
 
-    Returns one `Sample` per row, in the order of `rows`, on the device of the target's output.
+    The padded batches depend only on the rows' lengths and `batch_tokens`, so a caller that sends the rows of
+    one batch (`bucket_by_length`'s group) gets the features of the very forward it would have run itself.
     """
     device = feats.model.get_input_embeddings().weight.device
-    out: list[Sample | None] = [None] * len(rows)
-    for group in bucket_by_length([len(row[0]) for row in rows], batch_tokens):  # row[0]: its input ids
-        T = max(len(rows[i][0]) for i in group)
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(token_rows)
+    for group in bucket_by_length([len(ids) for ids in token_rows], batch_tokens):
+        T = max(len(token_rows[i]) for i in group)
         input_ids = torch.zeros(len(group), T, dtype=torch.long)
         attention_mask = torch.zeros(len(group), T, dtype=torch.long)
         for b, i in enumerate(group):
-            input_ids[b, : len(rows[i][0])] = torch.tensor(rows[i][0])
-            attention_mask[b, : len(rows[i][0])] = 1
+            input_ids[b, : len(token_rows[i])] = torch.tensor(token_rows[i])
+            attention_mask[b, : len(token_rows[i])] = 1
         aux, final = feats.capture(input_ids.to(device), attention_mask.to(device))
         for b, i in enumerate(group):
-            n = len(rows[i][0])
-            out[i] = Sample(
-                **{name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, rows[i])},
-                aux=aux[b, :n],
-                final=final[b, :n],
-            )
+            n = len(token_rows[i])
+            out[i] = (aux[b, :n], final[b, :n])
+    return out
+
+
+def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
+    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row, on the device
+    of the target's output."""
+    out = []
+    for row, (aux, final) in zip(rows, target_forward(feats, [row[0] for row in rows], batch_tokens)):
+        columns = {name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, row)}
+        out.append(Sample(**columns, aux=aux, final=final))
     return out
 
 

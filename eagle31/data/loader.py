@@ -24,11 +24,15 @@ number of steps.
 
 Iterating a loader yields the rest of the current epoch and then moves to the
 next one; `state_dict()` / `load_state_dict()` save and restore (epoch, position),
-the position counting the batches already yielded.
+the position counting the batches already yielded, and the record of what was consumed:
+the number of samples this rank's batches held and a sha256 chain over their ids in the
+order they came (`consumed`), so two runs that trained on the same samples in the same
+order end with the same record, whatever computed their features.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -97,6 +101,7 @@ class FeatureLoader:
         self.batching, self.tokens_per_batch, self.seed = batching, tokens_per_batch, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
+        self.consumed = {"samples": 0, "sha256": hashlib.sha256().hexdigest()}
         self._plan: tuple[int, list[np.ndarray | None]] | None = None
 
     def _rank_plan(self) -> list[np.ndarray | None]:
@@ -133,11 +138,18 @@ class FeatureLoader:
 
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
         src = self.source
-        samples = [] if positions is None else src.samples(src.sample_ids[positions].tolist())
-        samples = [s for s in samples if s is not None]  # a skipped corrupt shard drops its samples
+        ids = [] if positions is None else src.sample_ids[positions].tolist()
+        pairs = [(i, s) for i, s in zip(ids, src.samples(ids) if ids else []) if s is not None]  # a skipped corrupt shard drops its samples
+        self._record([i for i, _ in pairs])
+        samples = [s for _, s in pairs]
         if not samples:
             return empty_batch(src.aux_size, src.hidden_size, src.dtype)
         return pack(samples) if self.batching == "pack" else pad(samples)
+
+    def _record(self, ids: list[int]) -> None:
+        """Add the ids of a batch's samples to the consumed record."""
+        chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(ids, dtype=np.int64).tobytes())
+        self.consumed = {"samples": self.consumed["samples"] + len(ids), "sha256": chain.hexdigest()}
 
     # ------------------------------------------------------------ resumable position
 
@@ -150,10 +162,14 @@ class FeatureLoader:
             "batching": self.batching,
             "tokens_per_batch": self.tokens_per_batch,
             "num_samples": len(self.source.sample_ids),
+            "consumed": dict(self.consumed),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a saved position; a different world size resumes at the same global batch if it divides."""
+        """Resume at a saved position; a different world size resumes at the same global batch if it divides.
+
+        The consumed record continues where it was saved; on another world size (the record is per rank) it
+        starts anew."""
         for key in ("seed", "batching", "tokens_per_batch", "num_samples"):
             mine = self.state_dict()[key]
             if state[key] != mine:
@@ -165,3 +181,5 @@ class FeatureLoader:
                 f"on world_size={self.world_size}"
             )
         self.epoch, self.position = state["epoch"], done // self.world_size
+        if state["world_size"] == self.world_size and "consumed" in state:
+            self.consumed = dict(state["consumed"])

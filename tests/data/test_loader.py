@@ -151,6 +151,27 @@ def test_resume_on_another_world_size_keeps_the_global_position():
         FeatureLoader(src, tokens_per_batch=40, seed=5).load_state_dict(two[0].state_dict())
 
 
+def test_the_consumed_record_names_the_samples_in_their_order_and_survives_a_resume():
+    src = ToySource(toy_lengths())
+    full = FeatureLoader(src, tokens_per_batch=40, seed=2)
+    ids = [i for b in full for i in ids_in(b)]
+    assert full.consumed["samples"] == len(ids) == len(src.lengths)  # one epoch: every sample once
+    loader = FeatureLoader(src, tokens_per_batch=40, seed=2)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    resumed = FeatureLoader(src, tokens_per_batch=40, seed=2)
+    resumed.load_state_dict(loader.state_dict())
+    list(resumed)
+    assert resumed.consumed == full.consumed
+    other = FeatureLoader(src, tokens_per_batch=40, seed=3)  # the same samples in another order
+    list(other)
+    assert other.consumed["samples"] == full.consumed["samples"] and other.consumed["sha256"] != full.consumed["sha256"]
+    on_two = FeatureLoader(src, tokens_per_batch=40, seed=2, world_size=2)
+    on_two.load_state_dict({**loader.state_dict(), "position": 2, "world_size": 4})  # another world size: a new record
+    assert on_two.consumed == FeatureLoader(src, tokens_per_batch=40, seed=2).consumed
+
+
 def test_a_sample_over_the_budget_is_an_error():
     with pytest.raises(ConfigError, match="sample 11 has 50 tokens, more than features.tokens_per_batch=40"):
         FeatureLoader(ToySource([3, 50]), tokens_per_batch=40)

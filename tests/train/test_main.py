@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.data.chat_helpers import write_jsonl
-from tests.helpers import base_args, run_script
+from tests.helpers import base_args, run_script, sigkill_after_checkpoint
 from tests.train.signal_worker import signal_during_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,16 +75,7 @@ def test_run_directory_holds_everything(reference_run):
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.time() + 240
-    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "report.json").exists()
+    sigkill_after_checkpoint([sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], out, {**os.environ, "OMP_NUM_THREADS": "1"})
 
     resumed = run_main(base_args(tiny_target, chats, out, resume="auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""How many inference workers keep the trainers busy (the dry run of `features.mode=engine`).
+
+    workers = ceil(trainers * one trainer's rate / one worker's rate)
+
+Measured, from the metrics.jsonl of an engine run (`features.engine.rates_from`, or the run's own when
+it has logged engine metrics): a worker's rate is `engine/inference_samples_per_s / engine/workers`
+(samples per second of its work since the engine started: idle time under backpressure does not count), a trainer's is
+`train/capacity_samples_per_s / engine/trainers` (samples per second of training less the waits for
+features), each the median over the logged windows after the first (warm-up). The rates belong to that
+run's target, drafter, data and machines: a short run on the real setting measures the real ratio.
+
+Estimated, when no such run exists: from FLOPs per token, both sides assumed to sustain the same FLOP
+rate per GPU (a worker of g GPUs g times one). A worker runs the target's forward: 2 FLOPs per active
+parameter (a MoE layer's shared and routed-per-token experts, not all of them; no embedding and no
+lm_head, as the capture stops at its input) and causal attention over `data.max_len` tokens (on average
+T/2 keys). A trainer runs the drafter's TTT unroll forward and backward (3x the forward): `fc` once,
+then at each of the K steps the layer, its attention and the lm_head. For recipe=kimi_k26 at its
+T = 65536 this gives two 8-GPU workers for 8 trainers, the published drafter's 16 vLLM GPUs for 8
+trainer GPUs (at T = 4096, one). An engine reaching a lower share of its GPUs' peak than the trainers
+(MoE routing, int4 kernels) needs more workers than the estimate says: measure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle31.config import ConfigError, DrafterConfig, text_config
+from eagle31.estimate import count_parameters
+from eagle31.metrics_log import read_metrics
+
+
+@dataclass
+class Sizing:
+    workers: int  # inference workers that keep `trainers` busy
+    trainers: int
+    worker_rate: float  # one worker, one trainer: samples/s (measured) or tokens per FLOP-second ratio (estimated)
+    trainer_rate: float
+    measured: bool
+    basis: str  # where the rates come from, one sentence
+
+    def describe(self, worker_gpus: float) -> str:
+        each = f" of {worker_gpus:g} GPU(s)" if worker_gpus else ""
+        how = "measured" if self.measured else "estimated"
+        return f"{self.workers} inference worker(s){each} keep {self.trainers} trainer(s) busy ({how}: {self.basis})"
+
+
+def workers_needed(trainers: int, trainer_rate: float, worker_rate: float) -> int:
+    return max(1, math.ceil(trainers * trainer_rate / worker_rate - 1e-9))
+
+
+def measured_sizing(metrics: Path, trainers: int) -> Sizing | None:
+    """From an engine run's metrics.jsonl; None when it has no window after the first with both rates."""
+    try:
+        lines = read_metrics(metrics)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"features.engine.rates_from={metrics}: cannot read it as metrics.jsonl ({e})") from None
+    windows = [x for x in lines if x.get("engine/inference_samples_per_s") and x.get("train/capacity_samples_per_s")][1:]
+    if not windows:
+        return None
+    worker = statistics.median(x["engine/inference_samples_per_s"] / x["engine/workers"] for x in windows)
+    trainer = statistics.median(x["train/capacity_samples_per_s"] / x["engine/trainers"] for x in windows)
+    basis = f"{worker:.3g} samples/s per worker, {trainer:.3g} per trainer, medians of {len(windows)} windows of {metrics}"
+    return Sizing(workers_needed(trainers, trainer, worker), trainers, worker, trainer, True, basis)
+
+
+def estimated_sizing(target_config: dict, drafter: DrafterConfig, ttt_length: int, seq_len: int, trainers: int, worker_gpus: float) -> Sizing:
+    """From FLOPs per token (see the module docstring)."""
+    target = target_forward_flops(target_config, seq_len)
+    trainer = drafter_training_flops(drafter, ttt_length, seq_len)
+    gpus = worker_gpus if worker_gpus > 0 else 1.0
+    basis = (f"FLOPs per token at T={seq_len}: target forward {target / 1e9:.3g} G on {gpus:g} GPU(s) per worker, drafter training "
+             f"{trainer / 1e9:.3g} G per trainer, the same FLOP rate per GPU assumed; run an engine run for measured rates")  # fmt: skip
+    # rates in tokens per unit of one GPU's FLOP rate
+    return Sizing(workers_needed(trainers, 1 / trainer, gpus / target), trainers, gpus / target, 1 / trainer, False, basis)
+
+
+# ---------------------------------------------------------------------------- FLOPs per token
+
+
+def _attention_shape(t: dict) -> tuple[int, int, int]:
+    """(heads, q·k dim, v dim) of a target's or drafter's attention."""
+    heads = int(t["num_attention_heads"])
+    if t.get("kv_lora_rank"):  # MLA
+        return heads, int(t["qk_nope_head_dim"]) + int(t["qk_rope_head_dim"]), int(t["v_head_dim"])
+    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
+    return heads, head_dim, head_dim
+
+
+def target_active_parameters(target_config: dict) -> int:
+    """Parameters a token passes through in the decoder layers (attention and the MLP or the experts it is routed to)."""
+    t = text_config(target_config)
+    H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
+    heads, qk, v = _attention_shape(t)
+    if t.get("kv_lora_rank"):
+        q_rank, kv_rank, rope = t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_rope_head_dim"])
+        q = H * q_rank + q_rank * heads * qk if q_rank else H * heads * qk
+        attention = q + H * (kv_rank + rope) + kv_rank * heads * (qk - rope + v) + heads * v * H
+    else:
+        kv_heads = int(t.get("num_key_value_heads") or heads)
+        attention = H * heads * qk + 2 * H * kv_heads * v + heads * v * H
+    dense = 3 * H * int(t["intermediate_size"])
+    routed = int(t.get("n_routed_experts") or t.get("num_experts") or 0)
+    if not routed:
+        return L * (attention + dense)
+    expert = 3 * H * int(t["moe_intermediate_size"])
+    shared = int(t.get("n_shared_experts") or 0) * expert + 3 * H * int(t.get("shared_expert_intermediate_size") or 0)
+    moe = int(t["num_experts_per_tok"]) * expert + shared + H * routed  # the router too
+    dense_layers = int(t.get("first_k_dense_replace") or 0)
+    return dense_layers * (attention + dense) + (L - dense_layers) * (attention + moe)
+
+
+def target_forward_flops(target_config: dict, seq_len: int) -> float:
+    """One token's share of the target's forward over a causal sequence of `seq_len` tokens."""
+    t = text_config(target_config)
+    heads, qk, v = _attention_shape(t)
+    return 2 * target_active_parameters(target_config) + 2 * (seq_len / 2) * heads * (qk + v) * int(t["num_hidden_layers"])
+
+
+def drafter_training_flops(d: DrafterConfig, ttt_length: int, seq_len: int) -> float:
+    """One token's share of the drafter's TTT unroll, forward and backward (3x the forward)."""
+    fc = d.fc_in_features * d.hidden_size
+    per_step = count_parameters(d).trainable - fc  # the layer, its norms and the lm_head
+    if d.attention == "mla":
+        heads, qk, v = d.num_attention_heads, d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim
+    else:
+        heads, qk, v = d.num_attention_heads, d.head_dim, d.head_dim
+    attention = 2 * (seq_len / 2) * heads * (qk + v)
+    return 3 * (2 * fc + ttt_length * (2 * per_step + attention))

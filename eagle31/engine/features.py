@@ -1,0 +1,219 @@
+"""The engine as the trainer ranks see it: feature sources over the pool, its start, its metrics, its lifetime.
+
+    with open_engine(plan, prepared, sequence) as engine:        # rank 0 starts the pool and its workers
+        sources = engine.sources(splits)                          # FeatureSources for the FeatureLoaders
+        ...build the drafter and the trainer, restore a checkpoint...
+        engine.start(train_loader)                                # where the loader resumes; workers loaded
+        trainer.fit(...)                                          # engine.metrics() at each logged step
+
+Rank 0 joins or starts Ray (`eagle31.engine.cluster`) and creates the `FeaturePool` with its workers,
+which load the target while the trainers build the drafter; every rank reaches the pool by its name.
+`EngineFeatures` streams the training split in the loader's order (`FeaturePool.take`) and asks for
+the held-out split batch by batch (`FeaturePool.ask`); it puts each micro-batch's samples together
+by position, with the tokens and loss masks of the rank's own copy of the prepared split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from eagle31.data.batch import Sample
+from eagle31.data.capture import prepared_rows
+from eagle31.data.store import prepared_lengths
+from eagle31.distributed import broadcast_object
+from eagle31.engine.cluster import NAMESPACE, actor_runtime_env, import_ray, ray_session
+from eagle31.errors import EngineError
+from eagle31.target import target_shape
+
+# Ray is imported when first needed (`import_ray`), not with this module: a rank that joins the cluster
+# rank 0 started must first learn from rank 0 how Ray authenticates (`eagle31.engine.cluster.ray_session`).
+
+KEPT = "the last complete checkpoint is kept: rerun with resume=auto"
+POOL_GONE = f"the feature pool is gone (rank 0 or its node stopped); {KEPT}"
+FEATURES_LOST = f"features an inference worker had computed were lost with its node before a trainer took them; {KEPT}"
+
+
+def _get(refs):
+    """`ray.get`, a pool that is gone or features lost with their node being one `EngineError` line."""
+    ray = import_ray()
+    try:
+        return ray.get(refs)
+    except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError):  # the pool owns the features' objects
+        raise EngineError(POOL_GONE) from None
+    except ray.exceptions.ObjectLostError:
+        raise EngineError(FEATURES_LOST) from None
+
+
+def _call(ref):
+    """A pool call that answers (status, value): the value, or the pool's error as `EngineError`."""
+    status, value = _get(ref)
+    if status == "error":
+        raise EngineError(value)
+    return value
+
+
+class EngineFeatures:
+    """A `FeatureSource` whose features the pool's workers compute: the training stream (`stream`) or held-out asks."""
+
+    def __init__(self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None):
+        """metrics: the engine's `engine/*` metrics, which the trainer logs with the training stream's."""
+        self.pool, self.dataset, self.rank, self.stream, self.metrics = pool, dataset, rank, stream, metrics
+        self.hidden_size, self.aux_size, self.dtype = hidden_size, aux_size, dtype
+        self.lengths = prepared_lengths(dataset)
+        self.sample_ids = np.arange(len(self.lengths))  # rows of the split, as the pool plans them
+
+    def samples(self, ids: Sequence[int]) -> list[Sample]:
+        ids = [int(i) for i in ids]
+        reply = _call(self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids))
+        computed = _get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
+        feats: list = [None] * len(ids)
+        for (positions, _), part in zip(reply, computed):
+            for p, f in zip(positions, part):
+                feats[p] = f
+        out = []
+        for i, (tokens, mask), (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):
+            if aux.shape[0] != len(tokens) or final.shape[0] != len(tokens):
+                raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(tokens)}")
+            out.append(Sample(torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long), aux, final))
+        return out
+
+
+class FeatureEngine:
+    """One rank's handle on the pool (see the module docstring)."""
+
+    def __init__(self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str):
+        self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
+        self.hidden_size = target_shape(target_config)[1]
+        self.aux_size = len(aux_ids) * self.hidden_size
+        self.dtype = getattr(torch, dtype)
+        self._last: dict | None = None
+
+    def sources(self, splits: dict) -> dict[str, EngineFeatures]:
+        """{split: EngineFeatures}: "train" streamed in the loader's order, the others asked batch by batch."""
+        return {
+            name: EngineFeatures(self.pool, ds, self.rank, name == "train", self.hidden_size, self.aux_size, self.dtype,
+                                 metrics=self.metrics if name == "train" else None)  # fmt: skip
+            for name, ds in splits.items()
+        }
+
+    def start(self, loader) -> None:
+        """Send the training stream from where `loader` (the rank's training FeatureLoader) resumes, once every
+        worker has loaded the target; a worker that cannot is one `EngineError` line."""
+        if loader.world_size != self.data_size:
+            raise ValueError(f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}")
+        state = loader.state_dict()
+        for call in (self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]), self.pool.ready.remote()):
+            error = _get(call)
+            if error:
+                raise EngineError(error)
+        self._last = _get(self.pool.stats.remote())
+
+    def metrics(self) -> dict[str, float]:
+        """`engine/*`: what the workers can compute (samples per second of their work since the engine started,
+        times the workers: idle time under backpressure does not count), what they produced in the window since
+        the last call, restarts and re-asked samples since the engine started, the tokens held for the trainers."""
+        now = _get(self.pool.stats.remote())
+        last, self._last = self._last or now, now
+        seconds = now["seconds"] - last["seconds"]
+        per_worker = now["worker_samples"] / now["worker_busy_s"] if now["worker_busy_s"] > 0 else 0.0
+        return {
+            "engine/inference_samples_per_s": now["workers"] * per_worker,
+            "engine/produced_samples_per_s": (now["produced_samples"] - last["produced_samples"]) / seconds if seconds > 0 else 0.0,
+            "engine/worker_restarts": now["worker_restarts"],
+            "engine/requeued": now["requeued"],
+            "engine/pool_tokens": now["held_tokens"],
+            "engine/workers": now["workers"],
+            "engine/trainers": self.trainers,
+        }
+
+
+@contextmanager
+def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
+    """The run's engine (`features.engine`): rank 0 creates the pool and its workers; every rank gets a
+    `FeatureEngine`; rank 0 stops them (and the Ray cluster it started) on the way out."""
+    cfg, world, e = plan.cfg, plan.world, plan.cfg.features.engine
+    data_rank, data_size = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
+    aux_ids = tuple(plan.drafter.aux_layer_ids)
+    with ExitStack() as stack:
+        shared = None
+        if world.is_main:
+            cluster = stack.enter_context(ray_session(e.address, e.num_cpus))
+            name = f"features-{uuid.uuid4().hex[:12]}"
+            pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size)
+            stack.callback(close_pool, pool)
+            shared = (cluster, name)
+        (address, auth_mode), name = broadcast_object(shared, world.device)
+        if not world.is_main:
+            stack.enter_context(ray_session(address, None, auth_mode))
+            pool = import_ray().get_actor(name, namespace=NAMESPACE)
+        yield FeatureEngine(pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype)
+
+
+def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
+    """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says."""
+    from eagle31.engine.pool import PoolSettings
+    from eagle31.engine.worker import WORKERS, WorkerSpec
+
+    cfg, e = plan.cfg, plan.cfg.features.engine
+    spec = WorkerSpec(
+        target_dir=str(plan.target_dir),
+        dtype=str(cfg.target.dtype),
+        device_map=cfg.target.device_map,
+        trust_remote_code=cfg.target.trust_remote_code,
+        aux_layer_ids=aux_ids,
+        batch_tokens=cfg.features.capture_batch_tokens,
+        threads=max(1, int(e.worker_cpus)),
+        gpus=e.worker_gpus,
+    )
+    settings = PoolSettings(
+        prepared_dir=str(Path(prepared).resolve()),
+        workers=e.workers,
+        batching=str(cfg.features.batching),
+        tokens_per_batch=cfg.features.tokens_per_batch,
+        seed=cfg.seed,
+        world_size=data_size,
+        copies=copies,
+        capture_batch_tokens=cfg.features.capture_batch_tokens,
+        pool_tokens=e.pool_tokens,
+        max_restarts=e.max_restarts,
+        worker_options={"num_cpus": e.worker_cpus, "num_gpus": e.worker_gpus},
+    )
+    expected = {"aux_layer_ids": aux_ids, "hidden_size": target_shape(plan.target_config)[1], "dtype": str(cfg.target.dtype)}
+    return pool_actor(settings, WORKERS[e.worker], spec, expected, name=name)
+
+
+def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = None):
+    """A `FeaturePool` actor on this node (it reads the prepared splits there) with `settings.workers` workers of
+    `kind` (an `InferenceWorker` class); every actor imports this process's eagle31."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from eagle31.engine.pool import FeaturePool, spawn_worker
+
+    ray = import_ray()
+    env = actor_runtime_env()
+    settings = dataclasses.replace(settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0})
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    named = {"name": name, "namespace": NAMESPACE} if name else {}
+    actor = ray.remote(FeaturePool).options(num_cpus=0, runtime_env=env, scheduling_strategy=here, **named)
+    workers = [spawn_worker(settings, kind, spec) for _ in range(settings.workers)]  # they load while the pool starts
+    return actor.remote(settings, kind, spec, expected, workers)
+
+
+def close_pool(pool) -> None:
+    """Stop the workers and the pool (whatever state the cluster is in)."""
+    ray = import_ray()
+    try:
+        ray.get(pool.close.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - a pool already gone has nothing to stop
+        pass
+    try:
+        ray.kill(pool)
+    except Exception:  # noqa: BLE001
+        pass

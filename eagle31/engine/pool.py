@@ -1,0 +1,407 @@
+"""The feature pool: one Ray actor between the inference workers and the trainer ranks.
+
+The pool plans the training stream as the trainers' loaders do (`eagle31.data.loader.plan_epoch`:
+the same seed, batching and budget), so it knows which micro-batch each rank will ask for next.
+Global micro-batch `g` of an epoch belongs to data rank `g % world_size`; the ranks that share a
+data rank (a sequence-parallel group) each take it, and it is dropped after the last of them.
+
+Work. A micro-batch is cut into the length-sorted groups its target forwards would have
+(`eagle31.data.batch.bucket_by_length` over `capture_batch_tokens`, as `target_forward` cuts it),
+and each group is one request to a worker. Requests go out strictly in the stream's order (the held-out
+asks of `ask` first, as the trainers wait for them), at most `inflight_per_worker` per worker,
+so a worker always has its next request queued behind the one it computes.
+
+Backpressure. The training requests sent out and not yet taken hold at most `pool_tokens` tokens
+(one request more when nothing is held): the workers wait when the trainers are slow. Because the
+stream goes out in order, the micro-batch any waiting rank needs is always among the first to go,
+so ranks in lockstep (a step's all-reduce) can never wait on each other through a full pool.
+
+Failures. A worker that dies (its process killed, its node lost) is started again; the requests it
+held go back to the head of the queue in their own order, and are counted (`requeued`, samples).
+A worker that raises, that cannot start, that computes what the recipe does not ask (other aux ids,
+hidden size or dtype), or that dies more than `max_restarts` times sets the pool's error: every
+waiting and later call returns it, one line, and the trainers stop (`eagle31.errors.EngineError`).
+
+What travels. The pool never holds a tensor: a worker's result is two objects, a small record the
+pool awaits and the features, whose reference the pool hands to the rank that takes the
+micro-batch; Ray moves them from the worker's node to the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from eagle31.data.batch import bucket_by_length
+from eagle31.data.loader import plan_epoch
+from eagle31.engine.worker import WorkerInfo, WorkerSpec
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    prepared_dir: str  # the prepared splits (read on the pool's node)
+    workers: int
+    batching: str  # the loaders' plan: features.batching, features.tokens_per_batch, seed
+    tokens_per_batch: int
+    seed: int
+    world_size: int  # data ranks
+    copies: int  # ranks that take each micro-batch (train.sequence_parallel)
+    capture_batch_tokens: int
+    pool_tokens: int
+    max_restarts: int
+    worker_options: dict = field(default_factory=dict)  # Ray actor options of a worker (CPUs, GPUs, runtime env)
+    inflight_per_worker: int = 2
+
+
+def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
+    """A new worker actor (it starts loading the target at once)."""
+    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec)
+
+
+class WorkerActor:
+    """The Ray actor around an `InferenceWorker`: the record of each computation apart from its features."""
+
+    def __init__(self, kind: type, spec: WorkerSpec):
+        self.worker = kind(spec)
+
+    def describe(self) -> WorkerInfo:
+        return self.worker.describe()
+
+    def compute(self, token_rows: list[list[int]]):
+        start = time.perf_counter()
+        feats = self.worker.features(token_rows)
+        return {"seconds": time.perf_counter() - start}, feats
+
+
+@dataclass
+class Request:
+    """One target forward's samples: a group of a micro-batch, or of a held-out ask."""
+
+    order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training: the queue's order
+    split: str
+    ids: list[int]  # sample ids, in the forward's row order
+    tokens: int
+    owner: tuple  # the key of its Part in `FeaturePool.parts`
+    group: int
+    admitted: bool = False  # its tokens count toward pool_tokens (training)
+    done: bool = False  # computed: a copy still queued or in flight is dropped
+
+
+@dataclass
+class Part:
+    """A micro-batch (or held-out ask) being put together from its groups' features."""
+
+    ids: list[int]
+    groups: list[list[int]]  # positions into ids, one list per request
+    tokens: int
+    refs: dict[int, object] = field(default_factory=dict)  # group -> ObjectRef of its features
+    takes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.refs) == len(self.groups)
+
+    def reply(self) -> list[tuple[list[int], object]]:
+        return [(self.groups[j], self.refs[j]) for j in range(len(self.groups))]
+
+
+@dataclass
+class Slot:
+    """One worker's place: the actor now in it and what it holds."""
+
+    index: int
+    handle: object = None
+    incarnation: int = 0
+    ready: bool = False
+    restarts: int = 0
+    inflight: dict[int, Request] = field(default_factory=dict)
+    samples: int = 0
+    busy_s: float = 0.0
+
+
+def _last_line(e: BaseException) -> str:
+    """The line of a Ray error that says what happened (an exception's own line; a death's cause, without Ray's advice)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return (lines[-1] if lines else type(e).__name__).split(" Worker exit detail:")[0]
+
+
+class FeaturePool:
+    """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods); see the module docstring."""
+
+    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None):
+        """kind: the InferenceWorker class; expected: what `describe()` must say (aux_layer_ids, hidden_size, dtype);
+        workers: the first workers' actors, started beside the pool (default: started here)."""
+        from eagle31.data.prepare import load_prepared_splits
+        from eagle31.data.store import prepared_lengths
+
+        self.settings, self.kind, self.spec, self.expected = settings, kind, spec, expected
+        self.splits = load_prepared_splits(Path(settings.prepared_dir))
+        self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
+        self.booted = False
+        self.slots = [Slot(i, handle) for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])]
+        self.changed = asyncio.Condition()
+        self.error: str | None = None
+        self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
+        self.parts: dict[tuple, Part] = {}
+        self.asks = itertools.count()
+        self.sequence = itertools.count()
+        self.epoch_plans: dict[int, list[np.ndarray]] = {}
+        self.start_at: tuple[int, int] | None = None  # (epoch, position) every rank resumes at
+        self.next_batch: tuple[int, int] | None = None  # the next training micro-batch to plan
+        self.rank_next: dict[int, tuple[int, int, int]] = {}  # rank -> (epoch, g, data rank) of its next take
+        self.held = 0  # tokens of the admitted training requests not yet taken
+        self.started_at = time.perf_counter()
+        self.counts = {"produced_samples": 0, "delivered_samples": 0, "worker_restarts": 0, "requeued": 0, "max_held_tokens": 0}
+
+    # ------------------------------------------------------------ the trainers' calls
+
+    async def ready(self) -> str | None:
+        """Wait until every worker has started and described itself; the pool's error, or None."""
+        self._boot()
+        await self._wait(lambda: all(s.ready for s in self.slots))
+        return self.error
+
+    async def start(self, rank: int, data_rank: int, epoch: int, position: int) -> str | None:
+        """Rank `rank` resumes its loader at (epoch, position); every rank must say the same."""
+        self._boot()
+        W = self.settings.world_size
+        if self.start_at is None:
+            self.start_at = (epoch, position)
+            self.next_batch = self._in_plan(epoch, position * W, first=0)
+        elif self.start_at != (epoch, position):
+            return self._fail(f"rank {rank} resumes at epoch {epoch}, batch {position}; another rank at epoch {self.start_at[0]}, batch {self.start_at[1]}")
+        self.rank_next[rank] = (epoch, position * W + data_rank, data_rank)
+        self._pump()
+        return self.error
+
+    async def take(self, rank: int, ids: list[int]):
+        """The features of rank `rank`'s next micro-batch, which must be `ids`: ("ok", [(positions, ref)]) or ("error", line)."""
+        if rank not in self.rank_next:
+            return "error", f"rank {rank} asked for features before the engine was started"
+        epoch, g, data_rank = self.rank_next[rank]
+        epoch, g = self._in_plan(epoch, g, first=data_rank)  # a rank asks only when a micro-batch is due to it
+        key = ("train", epoch, g)
+        planned = self._batch_ids(epoch, g)
+        if ids != planned:
+            return "error", (f"rank {rank} asks for samples {ids[:4]}... where the engine plans {planned[:4]}...: the loader "
+                             "and the engine differ in features.batching, features.tokens_per_batch, seed or world size")  # fmt: skip
+        self._pump()
+        await self._wait(lambda: key in self.parts and self.parts[key].complete)
+        if self.error:
+            return "error", self.error
+        part = self.parts[key]
+        part.takes += 1
+        if part.takes == self.settings.copies:
+            del self.parts[key]
+            self.held -= part.tokens
+        self.rank_next[rank] = (epoch, g + self.settings.world_size, data_rank)
+        self.counts["delivered_samples"] += len(ids)
+        self._pump()
+        return "ok", part.reply()
+
+    async def ask(self, ids: list[int]):
+        """The held-out features of `ids`, asked now and sent before any training request: as `take`."""
+        self._boot()
+        key = ("eval", next(self.asks))
+        part = self._plan_part(key, "eval", ids)
+        for j, group in enumerate(part.groups):
+            self._queue(Request((0, key[1], j), "eval", [ids[p] for p in group], self._tokens("eval", ids, group), key, j))
+        self._pump()
+        await self._wait(lambda: part.complete)
+        self.parts.pop(key, None)
+        return ("error", self.error) if self.error else ("ok", part.reply())
+
+    def stats(self) -> dict:
+        """Counters since the pool started (the trainers' metrics are differences of these)."""
+        return {
+            **self.counts,
+            "workers": len(self.slots),
+            "ready_workers": sum(s.ready for s in self.slots),
+            "worker_samples": sum(s.samples for s in self.slots),
+            "worker_busy_s": sum(s.busy_s for s in self.slots),
+            "held_tokens": self.held,
+            "seconds": time.perf_counter() - self.started_at,
+        }
+
+    def workers(self) -> list[tuple[object, int]]:
+        """(actor, requests it holds) of each worker now, in slot order: for operators, and the benchmark's kill."""
+        return [(s.handle, len(s.inflight)) for s in self.slots]
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot.handle is not None:
+                ray.kill(slot.handle, no_restart=True)
+                slot.handle = None
+
+    # ------------------------------------------------------------ the plan
+
+    def _epoch(self, epoch: int) -> list[np.ndarray]:
+        """The global micro-batches of `epoch` (a few epochs kept: the stream runs ahead of the ranks)."""
+        if epoch not in self.epoch_plans:
+            s = self.settings
+            if len(self.epoch_plans) >= 4:
+                del self.epoch_plans[min(self.epoch_plans)]
+            self.epoch_plans[epoch] = plan_epoch(self.lengths["train"], batching=s.batching, tokens_per_batch=s.tokens_per_batch, seed=s.seed, epoch=epoch)
+        return self.epoch_plans[epoch]
+
+    def _in_plan(self, epoch: int, g: int, first: int) -> tuple[int, int]:
+        """(epoch, g), or (next epoch, `first`) when the epoch has no micro-batch g (its last round's empty batches)."""
+        while g >= len(self._epoch(epoch)):
+            epoch, g = epoch + 1, first
+        return epoch, g
+
+    def _batch_ids(self, epoch: int, g: int) -> list[int]:
+        return self._epoch(epoch)[g].tolist()  # positions are the sample ids of a prepared split (its rows)
+
+    def _plan_part(self, key: tuple, split: str, ids: list[int]) -> Part:
+        lengths = self.lengths[split][ids].tolist()
+        groups = bucket_by_length(lengths, self.settings.capture_batch_tokens)
+        part = self.parts[key] = Part(ids, groups, int(sum(lengths)))
+        return part
+
+    def _tokens(self, split: str, ids: list[int], group: list[int]) -> int:
+        return int(self.lengths[split][[ids[p] for p in group]].sum())
+
+    def _plan_next_batch(self) -> None:
+        """Queue the groups of the next training micro-batch."""
+        epoch, g = self.next_batch
+        ids = self._batch_ids(epoch, g)
+        key = ("train", epoch, g)
+        part = self._plan_part(key, "train", ids)
+        for j, group in enumerate(part.groups):
+            self._queue(Request((1, epoch, g, j), "train", [ids[p] for p in group], self._tokens("train", ids, group), key, j))
+        self.next_batch = self._in_plan(epoch, g + 1, first=0)
+
+    def _queue(self, request: Request) -> None:
+        heapq.heappush(self.queues[request.split], (request.order, request))
+
+    def _next_request(self) -> Request | None:
+        """The next request to send, held-out asks first; a training one only within pool_tokens."""
+        for split in ("eval", "train"):
+            queue = self.queues[split]
+            while queue and queue[0][1].done:
+                heapq.heappop(queue)
+            if split == "train" and not queue and self.next_batch is not None:
+                self._plan_next_batch()
+            if not queue:
+                continue
+            request = queue[0][1]
+            if split == "train" and not request.admitted:
+                if self.held and self.held + request.tokens > self.settings.pool_tokens:
+                    return None
+                request.admitted = True
+                self.held += request.tokens
+                self.counts["max_held_tokens"] = max(self.counts["max_held_tokens"], self.held)
+            heapq.heappop(queue)
+            return request
+        return None
+
+    # ------------------------------------------------------------ the workers
+
+    def _spawn(self, slot: Slot) -> None:
+        slot.handle = spawn_worker(self.settings, self.kind, self.spec)
+        slot.ready = False
+        asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
+
+    def _boot(self) -> None:
+        """Start asking the workers of __init__ to describe themselves (needs the actor's event loop)."""
+        if not self.booted:
+            self.booted = True
+            for slot in self.slots:
+                asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
+
+    async def _describe(self, slot: Slot, incarnation: int) -> None:
+        try:
+            info = WorkerInfo(*await slot.handle.describe.remote())
+        except RayActorError as e:
+            if incarnation == slot.incarnation:
+                if getattr(e, "actor_init_failed", False):  # its own error while loading: it would fail again
+                    self._fail(f"inference worker {slot.index} could not start: {_last_line(e)}")
+                else:
+                    self._lost(slot, e)
+            await self._notify()
+            return
+        differ = [f"{name} {getattr(info, name)}, the recipe asks for {want}" for name, want in self.expected.items() if getattr(info, name) != want]
+        if differ:
+            self._fail(f"inference worker {slot.index} ({info.kind}) computes {'; '.join(differ)}")
+        elif incarnation == slot.incarnation:
+            slot.ready = True
+            self._pump()
+        await self._notify()
+
+    def _pump(self) -> None:
+        """Send requests while a worker has room and one is due."""
+        while self.error is None:
+            free = [s for s in self.slots if s.ready and len(s.inflight) < self.settings.inflight_per_worker]
+            if not free:
+                return
+            request = self._next_request()
+            if request is None:
+                return
+            slot = min(free, key=lambda s: (len(s.inflight), s.index))
+            seq = next(self.sequence)
+            slot.inflight[seq] = request
+            rows = self.splits[request.split][request.ids]["input_ids"]
+            record, features = slot.handle.compute.options(num_returns=2).remote(rows)
+            asyncio.get_running_loop().create_task(self._receive(slot, slot.incarnation, seq, request, record, features))
+
+    async def _receive(self, slot: Slot, incarnation: int, seq: int, request: Request, record, features) -> None:
+        try:
+            done = await record
+        except RayActorError as e:
+            if incarnation == slot.incarnation:
+                self._lost(slot, e)
+        except Exception as e:  # noqa: BLE001 - the worker's own error (RayTaskError): it would fail again
+            self._fail(f"inference worker {slot.index} failed on samples {request.ids[:4]} of {request.split}: {_last_line(e)}")
+        else:
+            slot.inflight.pop(seq, None)
+            if not request.done:
+                request.done = True
+                self.parts[request.owner].refs[request.group] = features
+                self.counts["produced_samples"] += len(request.ids)
+                slot.samples += len(request.ids)
+                slot.busy_s += done["seconds"]
+        self._pump()
+        await self._notify()
+
+    def _lost(self, slot: Slot, e: BaseException) -> None:
+        """A worker died: its requests go back to the head of the queue, a new worker takes its place."""
+        for request in slot.inflight.values():
+            if not request.done:
+                self._queue(request)
+                self.counts["requeued"] += len(request.ids)
+        slot.inflight.clear()
+        slot.incarnation += 1
+        slot.restarts += 1
+        self.counts["worker_restarts"] += 1
+        if slot.restarts > self.settings.max_restarts:
+            self._fail(f"inference worker {slot.index} died {slot.restarts} times, more than features.engine.max_restarts="
+                       f"{self.settings.max_restarts}; the last time: {_last_line(e)}")  # fmt: skip
+            return
+        try:
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self._spawn(slot)
+
+    # ------------------------------------------------------------ waiting
+
+    def _fail(self, message: str) -> str:
+        self.error = self.error or message
+        return self.error
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _wait(self, done) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.error is not None or done())

@@ -1,0 +1,200 @@
+"""The feature pool on a local Ray cluster: the loader's batches, bit-identical to online features, whichever
+worker computed what; backpressure; a killed worker (nothing lost, nothing repeated); failures in one line."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import DatasetDict
+
+from eagle31.data.loader import FeatureLoader
+from eagle31.data.online import OnlineFeatures
+from eagle31.engine.features import FeatureEngine, close_pool, pool_actor
+from eagle31.engine.pool import PoolSettings
+from eagle31.engine.worker import HFInferenceWorker, WorkerSpec
+from eagle31.errors import EngineError
+from eagle31.target import load_target
+from tests.engine.workers import DyingWorker, RaisingWorker
+from tests.tiny_targets import prepared_split, tiny_llama
+
+pytestmark = pytest.mark.slow  # each test starts a pool and its workers: 10-30 s on 2 cores
+
+AUX = (1, 3, 4)
+LOADER = dict(batching="pack", tokens_per_batch=64, seed=3)  # 40 samples of 3-24 tokens: about 10 batches an epoch
+BATCH_TOKENS = 40  # each micro-batch is several target forwards (requests)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("engine_target")
+    tiny_llama(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prepared")
+    DatasetDict(train=prepared_split(40, seed=3), eval=prepared_split(9, seed=4)).save_to_disk(str(path))
+    return path
+
+
+def make_pool(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, world_size=1, copies=1):
+    settings = PoolSettings(
+        prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
+        pool_tokens=pool_tokens, max_restarts=max_restarts, worker_options={"num_cpus": 0.5}, **LOADER,
+    )  # fmt: skip
+    spec = WorkerSpec(str(target_dir), "float32", None, False, AUX, BATCH_TOKENS, threads=1, gpus=0)
+    return pool_actor(settings, kind, spec, {"aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"})
+
+
+def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1):
+    return FeatureEngine(pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX, "float32")
+
+
+def make_engine(target_dir, prepared, **kwargs):
+    pool = make_pool(target_dir, prepared, **kwargs)
+    return pool, rank_engine(pool)
+
+
+def loaders(engine, prepared):
+    from eagle31.data.prepare import load_prepared_splits
+
+    sources = engine.sources(load_prepared_splits(prepared))
+    return FeatureLoader(sources["train"], world_size=engine.data_size, rank=engine.data_rank, **LOADER), sources
+
+
+def online_batches(target_dir, prepared, n, start=0, rank=0, world_size=1):
+    """The first n batches (from batch `start`) of rank `rank`'s loader over features computed in this process."""
+    from eagle31.data.prepare import load_prepared_splits
+
+    model = load_target(target_dir, torch.device("cpu"), dtype="float32")
+    source = OnlineFeatures(model, load_prepared_splits(prepared)["train"], AUX, batch_tokens=BATCH_TOKENS)
+    loader = FeatureLoader(source, rank=rank, world_size=world_size, **LOADER)
+    loader.position = start
+    stream = iter_batches(loader)
+    return [next(stream) for _ in range(n)], loader
+
+
+def iter_batches(loader):
+    while True:
+        yield from loader
+
+
+def assert_same(a, b):
+    for name in ("input_ids", "loss_mask", "document_ids", "aux", "final"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.fixture
+def target_copy(target_dir, tmp_path) -> Path:
+    """A copy of the target, whose directory can carry the dying worker's instructions (tests/engine/workers.py)."""
+    return Path(shutil.copytree(target_dir, tmp_path / "target"))
+
+
+def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_within_the_pool_budget(ray_cluster, target_dir, prepared):
+    """15 batches (over an epoch's end) from 2 workers, each micro-batch cut into several forwards, the pool held
+    to 100 tokens: the same batches, bit for bit, as the loader over features computed in this process."""
+    expected, online = online_batches(target_dir, prepared, 15)
+    pool, engine = make_engine(target_dir, prepared, pool_tokens=100)
+    try:
+        loader, _ = loaders(engine, prepared)
+        engine.start(loader)
+        stream = iter_batches(loader)
+        for i, want in enumerate(expected):
+            assert_same(next(stream), want)
+        stats = ray_cluster.get(pool.stats.remote())
+        assert stats["delivered_samples"] == sum(b.num_samples for b in expected)
+        assert stats["worker_restarts"] == 0 and stats["requeued"] == 0
+        assert 0 < stats["max_held_tokens"] <= 100  # a request (<= 40 tokens) goes out only within the budget
+        assert loader.consumed == online.consumed  # the same samples in the same order
+        metrics = engine.metrics()
+        assert metrics["engine/inference_samples_per_s"] > 0 and metrics["engine/workers"] == 2
+    finally:
+        close_pool(pool)
+
+
+def test_a_worker_killed_mid_request_is_restarted_and_its_samples_asked_again(ray_cluster, target_copy, prepared):
+    """A worker ends its process in the middle of its 3rd computation: the run goes on, the worker is replaced
+    once, the samples it held are asked again, and the batches are the uninterrupted ones: nothing lost, nothing
+    repeated. Started at batch 4 (a resumed run), with held-out asks between."""
+    expected, online = online_batches(target_copy, prepared, 10, start=4)
+    (target_copy / "die_at").write_text("3")
+    pool, engine = make_engine(target_copy, prepared, kind=DyingWorker)
+    try:
+        loader, sources = loaders(engine, prepared)
+        loader.position = 4
+        engine.start(loader)
+        stream = iter_batches(loader)
+        got = [next(stream) for _ in range(10)]
+        held_out = sources["eval"].samples([4, 0, 8])
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+        assert (target_copy / "died").is_file()
+        stats = ray_cluster.get(pool.stats.remote())
+        assert stats["worker_restarts"] == 1 and stats["requeued"] >= 1, stats
+        assert stats["delivered_samples"] == sum(b.num_samples for b in expected)  # each sample once
+        assert loader.consumed == online.consumed
+        model = load_target(target_copy, torch.device("cpu"), dtype="float32")
+        from eagle31.data.prepare import load_prepared_splits
+
+        direct = OnlineFeatures(model, load_prepared_splits(prepared)["eval"], AUX, batch_tokens=BATCH_TOKENS).samples([4, 0, 8])
+        for a, b in zip(held_out, direct):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert engine.metrics()["engine/worker_restarts"] == 1
+    finally:
+        close_pool(pool)
+
+
+@pytest.mark.parametrize("data_size, copies", [(2, 1), (1, 2)])
+def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group(ray_cluster, target_dir, prepared, data_size, copies):
+    """Two trainer ranks in lockstep: on 2 data ranks each gets its loader's batches; as one sequence-parallel
+    group (1 data rank) both get every batch. Bit-identical to online features either way."""
+    pool = make_pool(target_dir, prepared, world_size=data_size, copies=copies, pool_tokens=120)
+    try:
+        engines = [rank_engine(pool, rank, rank % data_size, data_size, trainers=2) for rank in range(2)]
+        streams = []
+        for engine in engines:
+            loader, _ = loaders(engine, prepared)
+            engine.start(loader)
+            streams.append(iter_batches(loader))
+        expected = [online_batches(target_dir, prepared, 8, rank=r % data_size, world_size=data_size)[0] for r in range(2)]
+        for step in range(8):
+            for rank, stream in enumerate(streams):
+                assert_same(next(stream), expected[rank][step])
+        stats = ray_cluster.get(pool.stats.remote())
+        assert stats["delivered_samples"] == sum(b.num_samples for e in expected for b in e)
+    finally:
+        close_pool(pool)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("raises", "inference worker 0 failed on samples"),
+        ("dies_always", "inference worker 0 died 2 times, more than features.engine.max_restarts=1"),
+        ("other_aux_ids", "inference worker 0 (hf) computes aux_layer_ids (1, 3, 4), the recipe asks for (1, 3, 5)"),
+        ("no_target", "inference worker 0 could not start"),
+    ],
+)
+def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_copy, prepared, case, expected):
+    kind = {"raises": RaisingWorker, "dies_always": DyingWorker}.get(case, HFInferenceWorker)
+    if case == "dies_always":
+        (target_copy / "die_at").write_text("always")
+    if case == "no_target":
+        shutil.rmtree(target_copy)
+    pool, engine = make_engine(target_copy, prepared, kind=kind, workers=1, max_restarts=1, aux=(1, 3, 5) if case == "other_aux_ids" else AUX)
+    try:
+        loader, _ = loaders(engine, prepared)
+        with pytest.raises(EngineError) as error:
+            engine.start(loader)
+            next(iter(loader))
+        line = str(error.value)
+        print(line)
+        assert expected in line and "\n" not in line, line
+        if case == "raises":
+            assert "ValueError: cannot compute" in line
+    finally:
+        close_pool(pool)
