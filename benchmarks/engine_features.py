@@ -206,7 +206,7 @@ def table(result: dict) -> str:
         "",
         f"At the demo's own K = 5, one worker: trainer wait {k5['wait_s_per_step']:.3f} s/step, inference capacity "
         f"{k5['inference_samples_per_s']:.1f} samples/s against a training capacity of {k5['training_capacity_samples_per_s']:.1f}: "
-        f"{k5['workers_for_one_trainer']} worker keeps the trainer busy.",
+        f"the measured rates ask for {k5['workers_for_one_trainer']} worker(s) to keep the trainer busy.",
         "",
         "Engine against online features (the target in the trainer's process), same settings:",
         "",
