@@ -79,7 +79,7 @@ from eagle31.config import (
     read_json_config,
     rope_parameters_from,
 )
-from eagle31.export import LAYER_PREFIX, native_key
+from eagle31.export import LAYER_PREFIX, native_key, served_sliding_window
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
 from eagle31.rope import ambiguity as rope_ambiguity
 from eagle31.recipe import DrafterFormat, choose
@@ -272,6 +272,7 @@ def drafter_config(
         norm_before_fc=bool(eagle_config.get("norm_before_fc", meta.get("norm_before_fc", False))),
         norm_output=_norm_output(meta, fmt) if norm_output is None else norm_output,
         norm_before_residual=bool(meta.get("norm_before_residual", speculators)),  # vLLM's per-layout default
+        sliding_window=None if mla else served_sliding_window(raw_layer),  # vLLM's MLA layer has none
     )
 
 

@@ -39,6 +39,16 @@ passed. The checks and fields guard against the ways a drafter silently fails in
 * The rope is written in both forms: `rope_theta` + `rope_scaling` (transformers 4
   readers) and `rope_parameters` (transformers 5). They always agree, because
   transformers 5 lets `rope_scaling` win when both are present.
+* A sliding window (`drafter.sliding_window = W`) is written as vLLM reads a draft layer's window:
+  `sliding_window: W` with `layer_types: ["sliding_attention"]`, in the layer's fields (so inside
+  `transformer_layer_config` in the speculators layout). vLLM 0.22 to 0.33 take a layer's window only
+  from there (`model_executor/models/llama.py::LlamaAttention.__init__`: `layer_types[layer_idx -
+  target_layer_count]`, the count `llama_eagle3.py::Eagle3LlamaForCausalLM.__init__` stores); a top-level
+  `sliding_window` alone is not read for a drafter (the model-wide window of `CacheConfig` is the
+  target's). Every attention backend then attends keys `P - W + 1 .. P` from a query at position P (flash
+  attention's `window_size = (W - 1, 0)`), the window the drafter trained with. vLLM's DeepSeek EAGLE-3
+  layer builds its MLA attention without a window in both releases, so an MLA drafter with a window is
+  refused: it would be served with full attention. A full-attention drafter writes neither field.
 * Safetensors metadata `{"format": "pt"}` is set, because transformers-based readers
   (the `speculators` library) refuse files without it.
 * The embedding (`embed_tokens.weight`) is written by default in the speculators layout:
@@ -252,6 +262,12 @@ def export_config(
             f"export format {str(format)!r} cannot carry an MLA drafter (drafter.attention=mla): the speculators layout "
             "maps only Llama/Qwen3 layers; export it as 'eagle3' (vLLM's Eagle3DeepseekV2ForCausalLM)"
         )
+    if config.attention == "mla" and config.sliding_window is not None:
+        raise ConfigError(
+            f"drafter.sliding_window={config.sliding_window} cannot be served: vLLM's DeepSeek EAGLE-3 layer "
+            "(Eagle3DeepseekV2ForCausalLM, 0.22 to 0.33) builds its MLA attention without a window and would attend "
+            "every key. Train the MLA drafter with sliding_window=null, or a Llama-attention drafter with the window"
+        )
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
@@ -334,6 +350,7 @@ def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None)
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": max_positions,
         **rope_fields(rope),
+        **sliding_window_fields(config),
         "vocab_size": config.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,
@@ -341,6 +358,21 @@ def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None)
         "dtype": dtype,  # transformers >= 5
         "torch_dtype": dtype,  # transformers 4 and older vLLM
     }
+
+
+def sliding_window_fields(config: DrafterConfig) -> dict[str, Any]:
+    """The layer's window as vLLM's Llama attention reads it (module docstring); nothing for full attention."""
+    if config.sliding_window is None:
+        return {}
+    return {"sliding_window": config.sliding_window, "layer_types": ["sliding_attention"]}
+
+
+def served_sliding_window(layer: dict[str, Any]) -> int | None:
+    """The window vLLM serves a Llama drafter layer (`layer`: its config.json fields) with: `sliding_window`
+    when its one layer type is `sliding_attention`, otherwise none."""
+    if (layer.get("layer_types") or [None])[0] != "sliding_attention":
+        return None
+    return layer.get("sliding_window")
 
 
 def max_positions_and_rope(config: DrafterConfig, trained_context: int | None) -> tuple[int, dict[str, Any]]:

@@ -87,6 +87,11 @@ def plan_run(cfg, world: World) -> RunPlan:
     drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
     if cfg.data.max_len > drafter.max_position_embeddings:
         drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
+    if drafter.sliding_window is not None and drafter.sliding_window < cfg.train.ttt_length:
+        raise ConfigError(
+            f"drafter.sliding_window={drafter.sliding_window} must be >= train.ttt_length={cfg.train.ttt_length}: "
+            f"step k's query at position p + k sees the step-0 keys of p + k - W + 1 .. p, none past the window"
+        )
     for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
         export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len),
                       target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None))

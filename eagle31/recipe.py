@@ -253,6 +253,9 @@ class DrafterSection:
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    # a sliding window of this many positions (vLLM's `sliding_window`; Llama attention only: vLLM's DeepSeek
+    # EAGLE-3 layer has none); null = full attention. At least train.ttt_length
+    sliding_window: Optional[int] = None
     init_from: Optional[str] = None  # a drafter to fine-tune (any layout eagle31 reads)
     init_from_format: DrafterFormat = DrafterFormat.auto
     upgrade_to_eagle31: bool = False  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output

@@ -3,7 +3,7 @@
 Four gloo processes (torch.multiprocessing) run the trainer with the sequence split 4 ways (data 1 ×
 sequence 4) and on a 2 × 2 mesh (data 2 × sequence 2); one process runs the same global batches
 unsplit. Loss, every gradient of every step and the weights after the optimizer steps agree to fp32
-rounding, for the Llama and MLA drafters, activation checkpointing on and off, with packed documents
+rounding, for the Llama and MLA drafters (and a sliding-window one), activation checkpointing on and off, with packed documents
 that cross the shard edges, a length no N divides (padded) and padding at the end; the keys before a
 shard are made in blocks of 3 positions, so several blocks merge.
 """
@@ -33,8 +33,10 @@ K = 3
 STEPS = 3
 MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
            qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
-DRAFTERS = {"llama": {}, "mla": MLA}
-CASES = [(name, ckpt) for name in DRAFTERS for ckpt in (False, True)]
+# W = 4 < the shard length 6: a shard gathers only the step-0 keys of the 3 positions before it, and the
+# deeper steps see fewer of them (step 2: 2)
+DRAFTERS = {"llama": {}, "mla": MLA, "window": dict(sliding_window=4)}
+CASES = [(name, ckpt) for name in ("llama", "mla") for ckpt in (False, True)] + [("window", True)]
 
 
 def batches(cfg) -> list[FeatureBatch]:
