@@ -193,3 +193,31 @@ def test_a_windowed_shard_gathers_only_the_keys_its_queries_see():
     split = estimate_memory(w, T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
     full = estimate_memory(dataclasses.replace(d, sliding_window=None), T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
     assert split["sequence_keys"] < full["sequence_keys"] / 3
+
+
+LONG_CONTEXTS = [(65536, []), (131072, []), (262144, ["plan.world_size=4", "train.sequence_parallel=4"])]
+
+
+@pytest.mark.parametrize("T, launch", LONG_CONTEXTS, ids=["64k", "128k", "256k"])
+def test_the_kimi_recipes_dry_run_at_64k_128k_and_256k_with_their_windows(T, launch, capsys):
+    """recipe=kimi_k26_llama carries the 2,048-position window and recipe=kimi_k26 (MLA: vLLM serves no window)
+    none; the dry run shows each one's memory at 64k and 128k on one H200 and 256k split over 4, and the window's
+    bounded attention: a windowed Llama step costs less, and at 256k its shards gather only the keys they see."""
+    from eagle31.plan import describe_dry_run
+
+    def dry_run(recipe, *extra):
+        args = [f"recipe={recipe}", "dry_run=true", f"data.max_len={T}", "plan.gpu_memory_gib=141", *launch, *extra]
+        return describe_dry_run(plan_run(load_recipe(RECIPES, args), init_world("cpu")))
+
+    llama, mla = dry_run("kimi_k26_llama"), dry_run("kimi_k26")
+    out = capsys.readouterr().out
+    assert llama["drafter"]["sliding_window"] == 2048 and mla["drafter"]["sliding_window"] is None
+    assert "sliding_window=2048" in out and "sliding_window=None" in out
+    assert f"memory per GPU (T={T}, K=7" in out and "TFLOP per T=" in out
+    for report in (llama, mla):
+        assert report["memory_gib_per_gpu"]["total"] < 141, report["memory_gib_per_gpu"]
+    full = dry_run("kimi_k26_llama", "drafter.sliding_window=null")
+    assert llama["flops_per_sequence"] < full["flops_per_sequence"]
+    assert llama["attention_flops_share"] < 0.05 < full["attention_flops_share"]
+    if launch:
+        assert llama["memory_gib_per_gpu"]["sequence_keys"] < full["memory_gib_per_gpu"]["sequence_keys"] / 3
