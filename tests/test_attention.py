@@ -281,3 +281,21 @@ def test_shard_queries_see_only_the_earlier_keys_inside_their_window(backend, wi
         dv0[:, :b] += leaves[2].grad
     torch.testing.assert_close(dk0, full[2], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dv0, full[3], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_windowed_kernels_match_the_reference_on_cuda_in_bf16(backend, layout):
+    """The varlen flash op's window arguments (window_size_left = W - k - 1, right 0) against the reference."""
+    doc = [row * 8 for row in LAYOUTS[layout]]  # 192 tokens a row: the window (40) splits every document
+    j = 3
+    inputs = attention_inputs(doc, 8, 2, 64, j, torch.bfloat16, device="cuda")
+    q, k0, v0, chain_k, chain_v, segments, dout = inputs
+    as_fp32 = [x.float() for x in (q, k0, v0)]
+    expected = windowed_output_and_grads("reference", 40, *as_fp32, [c.float() for c in chain_k],
+                                         [c.float() for c in chain_v], segments, dout.float())  # fmt: skip
+    got = windowed_output_and_grads(backend, 40, *inputs)
+    for name, a, b in zip(names(j), got, expected):
+        error = float((a.float() - b).abs().max() / b.abs().max())
+        assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"
