@@ -9,6 +9,7 @@ compares, measures them together by one `eagle31.eval.acceptance` run, and summa
                         settings, and the same weights by sha256 or a run no longer here)
     training_reports    what each run's report.json says of its training (or the earlier summary)
     study_main          the command line of a study: key=value, then `--` and recipe overrides
+    separation          whether one setting's seeds all lie above (or below) another's
 """
 
 from __future__ import annotations
@@ -185,6 +186,15 @@ def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
     """tau of the drafters `labels` (one per seed) on `split`: the list, mean, min and max."""
     taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == label) for label in labels]
     return {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
+
+
+def separation(row: dict, baseline: dict) -> str | None:
+    """`higher` / `lower` when every seed of `row` is above (below) every seed of `baseline` (`tau_over_seeds`), else None."""
+    if row["min"] > baseline["max"]:
+        return "higher"
+    if row["max"] < baseline["min"]:
+        return "lower"
+    return None
 
 
 def measured_earlier(out: Path) -> set[str]:

@@ -39,6 +39,7 @@ from experiments.harness import (
     measure_drafters,
     measured_earlier,
     parse_seeds,
+    separation,
     shared_settings,
     study_main,
     tau_over_seeds,
@@ -98,15 +99,6 @@ def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
 def run_dirs(cfg: LossComparisonConfig) -> dict[str, Path]:
     """Every run of the comparison: its name -> its directory under `runs`."""
     return {run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in cfg.loss_list for s in cfg.seed_list}
-
-
-def separation(row: dict, baseline: dict) -> str | None:
-    """`higher` / `lower` when every seed of one is above every seed of the other, else None."""
-    if row["min"] > baseline["max"]:
-        return "higher"
-    if row["max"] < baseline["min"]:
-        return "lower"
-    return None
 
 
 def summarize(cfg: LossComparisonConfig, acceptance: dict, recipe) -> dict:
