@@ -27,27 +27,25 @@ k, max_prompts (per split), max_new_tokens, threads, measure.
 from __future__ import annotations
 
 import datetime
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError
-from eagle31.io import atomic_write_json, atomic_write_text
 from experiments.harness import (
+    StudyConfig,
     acceptance_splits_of,
     comparison_recipe,
     format_training,
     log_command,
     measure_drafters,
-    measured_earlier,
-    parse_seeds,
+    report_body,
     separation,
     shared_settings,
     study_main,
     tau_over_seeds,
-    train_eagle31,
-    trained_before,
+    train_missing,
     training_reports,
+    write_summary,
 )
 
 # the EAGLE 3.1 switches, as recipe overrides (EAGLE 3 is EAGLE 3.1 with both off)
@@ -58,28 +56,17 @@ HOLDS = 0.9  # the issue's goal: tau on the long probe >= 90% of tau in distribu
 
 
 @dataclass
-class LongContextConfig:
+class LongContextConfig(StudyConfig):
     out: str = "experiments/long_context/results/demo"
     runs: str = "runs/long_context"
     variants: str = "eagle3,eagle31"
     windows: str = "none,128"  # drafter.sliding_window of each attention setting; none: full attention
-    seeds: str = "0,1"
-    max_steps: int | None = None  # None: the recipe's train.max_steps
-    k: int = 3
     max_prompts: int = 32
-    max_new_tokens: int = 48
-    threads: int = 1
-    measure: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.variant_list  # raise on bad lists
         self.window_list
-        self.seed_list
-        for name in ("k", "max_prompts", "max_new_tokens", "threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
 
     @property
     def variant_list(self) -> list[str]:
@@ -101,10 +88,6 @@ class LongContextConfig:
         if not windows or len(set(windows)) != len(windows):
             raise ConfigError(f"windows must list distinct settings, got {self.windows!r}")
         return windows
-
-    @property
-    def seed_list(self) -> list[int]:
-        return parse_seeds(self.seeds)
 
 
 def window_name(window: int | None) -> str:
@@ -194,30 +177,17 @@ def long_context(cfg: LongContextConfig, overrides: list[str], command: str) -> 
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
-    earlier = measured_earlier(out)
-    for name, run_recipe in recipes.items():
-        if trained_before(runs / name, earlier):
-            print(f"skip (done): {name}", file=sys.stderr)
-            continue
-        print(f"train: {name}", file=sys.stderr)
-        train_eagle31(run_recipe)
+    train_missing(recipes, runs, out)
     if not cfg.measure:
         return None
     drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
     acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
     summary = summarize(cfg, acceptance, recipe)
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "results.md", format_results(summary) + "\n")
-    return summary
+    return write_summary(out, summary, format_results(summary))
 
 
 def main(argv: list[str]) -> int:
-    def body(cfg: LongContextConfig, overrides: list[str], command: str) -> None:
-        summary = long_context(cfg, overrides, command)
-        if summary is None:
-            print(f"trained variants {cfg.variants}, windows {cfg.windows}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them")
-            return
-        print(format_results(summary))
-        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+    def trained(cfg: LongContextConfig) -> str:
+        return f"trained variants {cfg.variants}, windows {cfg.windows}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, LongContextConfig, SMOKE, "experiments.long_context", body)
+    return study_main(argv, __doc__, LongContextConfig, SMOKE, "experiments.long_context", report_body(long_context, format_results, trained))
