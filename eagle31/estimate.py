@@ -34,7 +34,9 @@ the bytes the tensors of real training steps hold):
 A sliding window of W positions (`DrafterConfig.sliding_window`) bounds what attention costs per query:
 `step_flops` counts each query's visible keys (at most W - k step-0 keys at step k, not p + 1), and
 `sequence_keys` holds the step-0 entries of the keys a shard's queries can see (its own positions and the
-W - 1 before it, not the whole sequence). The other terms are linear in T with or without it.
+W - 1 before it, not the whole sequence). The other terms are linear in T with or without it; on CPU
+the causal kernel's per-document temporaries (`attention_backward_bytes`) are then those of one block of
+W queries and their 2W - 1 keys, so the term taken at the whole document is an upper bound.
 
 The backward's moments are compared as a whole: `activations` carries the largest one, the
 loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
