@@ -11,9 +11,10 @@ Nothing else. So every step is "causal attention over the step-0 keys" plus
 A sliding window of W positions (`DrafterConfig.sliding_window`) is a window over RoPE positions, as
 vLLM serves it: the query `(p, k)` sits at position `p + k` and sees the keys of positions
 `p + k - W + 1 .. p + k` — the step-0 keys of `p + k - W + 1 .. p` (a causal window of `W - k`
-positions at step k) and its whole chain (positions `p + 1 .. p + k`, inside the window while `k < W`). The efficient path computes the causal part with a
-kernel that returns its log-sum-exp (LSE), adds the chain scores, and merges
-the two by LSE; its backward calls the kernel's backward with the *merged*
+positions at step k) and its whole chain (positions `p + 1 .. p + k`, inside the window while `k < W`).
+
+The efficient path computes the causal part with a kernel that returns its
+log-sum-exp (LSE), adds the chain scores, and merges the two by LSE; its backward calls the kernel's backward with the *merged*
 output and LSE (the standard flash-attention identity), then adds the chain's
 gradients. Memory is O(T) in the sequence length: no `T x T` or `T x (K*T)`
 tensor is built.
@@ -152,8 +153,8 @@ class _TTTAttention(torch.autograd.Function):
     """Causal kernel + chain keys merged by log-sum-exp.
 
     Inputs (q, segments, kernel, window, expand0, expand, j, *entry0, *entries, *expand0.params,
-    *expand.params): window the causal kernel's (the drafter's sliding window less j, or None); entry0 the `expand0.width` tensors of step 0 (its keys and values, made by
-    `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
+    *expand.params): window the causal kernel's (the drafter's sliding window less j, or None);
+    entry0 the `expand0.width` tensors of step 0 (its keys and values, made by `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
     after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
     are not saved: backward makes them again for the causal kernel's backward and turns their
     gradients into the entry's (and the parameters') before the chain blocks run. On a sequence
