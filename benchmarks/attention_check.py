@@ -22,7 +22,8 @@ from eagle31.attention.ttt_attention import reference_attention, ttt_attention
 from eagle31.config import DrafterConfig
 
 # Positional argument types and number of results of each private op, as FlashCausal calls it;
-# each also takes `scale` as a keyword.
+# each also takes the keywords of KEYWORDS (the CUDA ops their window arguments, the CPU ops a mask).
+KEYWORDS = {"cuda": {"scale", "window_size_left", "window_size_right"}, "cpu": {"scale", "attn_mask"}}
 PRIVATE_OPS = {
     "cuda": {
         "_flash_attention_forward": (
@@ -49,7 +50,7 @@ def private_op_problems(device: torch.device) -> list[str]:
         schema = op.default._schema
         got = tuple(str(a.type) for a in schema.arguments if not a.kwarg_only)
         keywords = {a.name for a in schema.arguments if a.kwarg_only}
-        if got != positional or "scale" not in keywords or len(schema.returns) != results:
+        if got != positional or not KEYWORDS[device.type] <= keywords or len(schema.returns) != results:
             problems.append(f"torch {torch.__version__}: aten.{name} is `{schema}`, not the signature eagle31 calls")
     return problems
 
@@ -72,7 +73,9 @@ def check_attention_parity(
     """Fused backends against `reference_attention`: forward and gradients of every input.
 
     One row of `seq_len` tokens: two packed documents, padding at the end, and the j = 3 chain
-    keys of a step k = 3 query, at the drafter's heads and head dims. Inputs are rounded to
+    keys of a step k = 3 query, at the drafter's heads and head dims; a drafter with a sliding window is
+    checked with a window of at most seq_len // 3 positions, so that it cuts the documents (the kernels
+    take the same path for any window that does). Inputs are rounded to
     `dtype` once; the reference runs in fp32 on the same values. `backends`: default all fused
     ones that take `dtype` on `device`. Raises RuntimeError when a backend disagrees; returns
     {backend: {tensor: max error relative to the largest value}}.
@@ -95,14 +98,15 @@ def check_attention_parity(
     segments = segment_ids(doc.to(device), None, (1, T), device=device)
     dout = rand(nh, d_v)
     names = ["out", "dq", "dk0", "dv0"] + [f"dchain_k{i}" for i in range(j)] + [f"dchain_v{i}" for i in range(j)]
+    window = None if cfg.sliding_window is None else max(j + 1, min(cfg.sliding_window, T // 3))
 
     def run(backend, tensors):
         leaves = [t.detach().requires_grad_() for t in tensors]
         q, k0, v0, chain = leaves[0], leaves[1], leaves[2], leaves[3:]
         if backend == "reference":
-            out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments)
+            out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, window=window)
         else:
-            out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend)
+            out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, window=window)
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
         return [out.detach().float()] + [x.float() for x in grads]
 

@@ -82,7 +82,7 @@ def chain_and_unroll_logits(drafter: Eagle31Drafter, n: int, depth: int, seed: i
         hook.remove()
     tokens = torch.cat([ids, drafts[:-1]])[None]  # [1, n + depth]
     feats = torch.cat([aux, aux.new_zeros(depth, aux.shape[-1])])[None]  # no target feature after position n-1
-    out = ttt_unroll(drafter, feats, tokens, ttt_length=depth, attention="auto")
+    out = ttt_unroll(drafter, feats, tokens, ttt_length=depth, attention_kernel="auto")
     unrolled = torch.stack([drafter.lm_head(state[0, n - 1]) for state in out.states])
     return torch.stack(drafted), unrolled
 

@@ -33,7 +33,8 @@ import torch.utils._pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.attention_check import check_attention_parity
-from benchmarks.train_step import BenchConfig, EagleStep, step_flops
+from benchmarks.train_step import BenchConfig, EagleStep
+from eagle31.estimate import step_flops
 
 GiB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,7 +241,7 @@ def _run_benchmark(bench: BenchConfig, log: Callable[[str], None]) -> dict[str, 
         "config": dataclasses.asdict(bench),
         "precision": str(dtype).removeprefix("torch."),
         "flops_per_step": flops,
-        "flops_formula": "benchmarks.train_step.step_flops: matmul FLOPs, fwd + bwd = 3x fwd (fc 2x), causal attention",
+        "flops_formula": "eagle31.estimate.step_flops: matmul FLOPs, fwd + bwd = 3x fwd (fc 2x), the keys each query sees",
         "peak_tflops": peak_tflops,
         "runs": {},
     }

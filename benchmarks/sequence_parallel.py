@@ -120,7 +120,7 @@ def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.d
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:
-        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group)
+        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, cfg.sliding_window)
         count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
         stats = objective(b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard)
         loss = weighted_loss(stats.loss_sum, count, train.ttt_decay)

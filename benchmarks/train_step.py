@@ -3,7 +3,7 @@
 * `BenchConfig`: a shape (a recipe name, or `tiny`), T, K and how to run (parsed from `key=value`);
 * `EagleStep`: exactly `Trainer.train_step` — forward, backward, gradient clipping, AdamW — on
   one synthetic packed sequence (the peer's step is `benchmarks.peer.SpeculatorsStep`);
-* `step_flops`: the model FLOPs of one step (formula in its docstring), for tokens/s and MFU.
+* `step_flops` (`eagle31.estimate`): the model FLOPs of one step, for tokens/s and MFU.
 
 How it is timed and reported: `benchmarks.measure`, `benchmarks.report`.
 """
@@ -132,35 +132,6 @@ class BenchConfig:
 
 # ----------------------------------------------------------------------------
 # FLOPs
-
-
-def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int | None:
-    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document).
-
-    Counted for the Llama-attention drafter; None for another attention type (not counted yet).
-
-    Matrix multiplications only, 2 FLOPs per multiply-add, backward = 2x forward for
-    trainable layers whose input also needs a gradient (PaLM's convention, no
-    recomputation counted — activation checkpointing and the loss's recomputed logits
-    are overhead, not model FLOPs):
-
-        fc (input has no gradient: forward + weight gradient)     2 * 2 T (n Ht) H
-        per TTT step, 3x forward of
-            q, k, v (2H wide input), o, SwiGLU MLP, lm_head       2 T (2H (nh + 2 nkv) d + nh d H + 3 H I + H Vd)
-            attention: QK^T and PV over the visible keys          4 nh d (T (T + 1) / 2 + k T)
-
-    The labels (target lm_head rows, the full-vocabulary argmax) are data preparation and
-    not counted; `speculators` runs the same model, so the same count serves both.
-    """
-    if getattr(cfg, "attention", "llama") != "llama":
-        return None
-    T, K = seq_len, ttt_length
-    H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
-    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    fc = 2 * 2 * T * cfg.fc_in_features * H
-    dense = 2 * T * (2 * H * (nh + 2 * nkv) * d + nh * d * H + 3 * H * I + H * Vd)
-    attention = sum(4 * nh * d * (T * (T + 1) // 2 + k * T) for k in range(K))
-    return fc + 3 * (K * dense + attention)
 
 
 # ----------------------------------------------------------------------------

@@ -11,8 +11,8 @@
 
 Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the target
 (`target.builtin` / `target.path` in this process, or the endpoint) for every assistant
-turn, turn by turn, with `data.system_prompt` and `data.chat_template_kwargs` (the prompt
-training renders), and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+turn, turn by turn, with `data.system_prompt` (or one of `data.system_prompts` per conversation,
+drawn from `regenerate.seed`) and `data.chat_template_kwargs` (the prompt training renders), and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
 `conversations/` is the `data.source` of the next step. Rerunning resumes: finished
 shards are kept. Bad settings, and a server refusing requests, stop with one line and
 exit code 2 before any shard is written; a server still down after
@@ -34,6 +34,7 @@ from eagle31.data.regenerate.core import RegenerateError, Settings
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths
+from eagle31.data.system_prompts import data_system_prompts
 from eagle31.distributed import barrier, close_world, init_world
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -47,13 +48,14 @@ def main(cfg) -> None:
         raise ConfigError("regenerate.backend=endpoint needs regenerate.endpoint (e.g. http://localhost:8000/v1)")
     if r.max_conversations is not None and r.max_conversations < 1:
         raise ConfigError(f"regenerate.max_conversations must be >= 1 or null, got {r.max_conversations}")
-    # the prompt training renders: data.system_prompt and data.chat_template_kwargs
+    # the prompt training renders: data.system_prompt(s) and data.chat_template_kwargs
     template_kwargs = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
     template_kwargs = check_template_kwargs(OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None)
     settings = Settings(
         max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
         temperature=r.temperature, top_p=r.top_p, seed=r.seed, shard_size=r.shard_size,
-        chat_template_kwargs=template_kwargs or None, system_prompt=cfg.data.system_prompt, on_length=r.on_length,
+        chat_template_kwargs=template_kwargs or None, system_prompts=data_system_prompts(cfg.data) or None,
+        on_length=r.on_length,
     )  # fmt: skip
     check_sources(sources)
     world = init_world(r.device if r.backend == "hf" else "cpu")

@@ -67,6 +67,9 @@ class DrafterConfig:
     qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
     qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
     v_head_dim: int = field(default=0, metadata=OVERRIDE)
+    # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
+    # the keys of P - W + 1 .. P (`eagle31.attention.ttt_attention`); None = full attention
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:
@@ -145,6 +148,9 @@ class DrafterConfig:
             raise ConfigError(
                 f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
             )
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"drafter.sliding_window must be a positive integer (positions) or null, got {w!r}")
         for other, kind in KINDS.items():
             used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
             if used:

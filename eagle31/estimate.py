@@ -1,4 +1,5 @@
-"""Parameter counts and a per-GPU memory estimate for a training run (used by `dry_run=true`).
+"""Parameter counts, the model FLOPs of a training step and a per-GPU memory estimate for a training run
+(used by `dry_run=true`).
 
 Every attention kind is counted, what differs between them on the kind's class (`eagle31.drafter_attention`:
 its parameters, widths, entries and extra saved tensors). The estimate follows
@@ -30,6 +31,13 @@ the bytes the tensors of real training steps hold):
     N ways every term above that grows with T is taken at a shard's length and its halo
     (ceil(T / N) + K + 1); this one adds the step-0 entries exchanged between the shards, on the last
     shard's rank (its queries see the whole sequence), and one block of the keys made of them.
+
+A sliding window of W positions (`DrafterConfig.sliding_window`) bounds what attention costs per query:
+`step_flops` counts each query's visible keys (at most W - k step-0 keys at step k, not p + 1), and
+`sequence_keys` holds the step-0 entries of the keys a shard's queries can see (its own positions and the
+W - 1 before it, not the whole sequence). The other terms are linear in T with or without it; on CPU
+the causal kernel's per-document temporaries (`attention_backward_bytes`) are then those of one block of
+W queries and their 2W - 1 keys, so the term taken at the whole document is an upper bound.
 
 The backward's moments are compared as a whole: `activations` carries the largest one, the
 loss terms that are alive at it stay in `loss_working_set`. `total` is the peak: the terms' sum,
@@ -67,6 +75,59 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     norms = 4 * H + (cfg.num_aux * Ht if cfg.fc_norm else 0) + (cfg.fc_in_features if cfg.norm_before_fc else 0)
     trainable = cfg.fc_in_features * H + attn + mlp + norms + cfg.draft_vocab_size * H
     return ParamCounts(trainable=trainable, frozen_embedding=cfg.vocab_size * H)
+
+
+def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list[int]:
+    """Per TTT step k, the (query, key) pairs its attention scores over one document of T positions: the step-0
+    keys of positions max(0, p + k - W + 1) .. p for the query at p (all of 0..p without a window), plus its k
+    chain keys."""
+    T, pairs = seq_len, []
+    for k in range(ttt_length):
+        n = T if window is None else min(T, window - k)  # the most step-0 keys a query sees
+        causal = n * (n + 1) // 2 + (T - n) * n  # query p sees min(p + 1, n)
+        pairs.append(causal + k * T)
+    return pairs
+
+
+def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
+    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document).
+
+    Matrix multiplications only, 2 FLOPs per multiply-add, backward = 2x forward for
+    trainable layers whose input also needs a gradient (PaLM's convention, no
+    recomputation counted — activation checkpointing and the loss's recomputed logits
+    are overhead, not model FLOPs):
+
+        fc (input has no gradient: forward + weight gradient)     2 * 2 T (n Ht) H
+        per TTT step, 3x forward of
+            the attention's projections (2H wide input), o, SwiGLU MLP, lm_head
+                Llama: 2 T (2H (nh + 2 nkv) d + nh d H + 3 H I + H Vd)
+                MLA:   2 T (2H (qr + kvr + dr) + qr nh dqk + kvr nh (dn + dv) + nh dv H + 3 H I + H Vd)
+            attention: QK^T and PV over the keys each query sees     2 nh (dqk + dv) x `visible_key_pairs`
+
+    The labels (target lm_head rows, the full-vocabulary argmax) are data preparation and
+    not counted.
+    """
+    T, K = seq_len, ttt_length
+    H, I, Vd, nh = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size, cfg.num_attention_heads
+    fc = 2 * 2 * T * cfg.fc_in_features * H
+    dqk, dv = head_dims(cfg)
+    projections = cfg.kind.attention_parameters(cfg)  # 2 FLOPs a weight a token (an MLA's two norms too: < 0.1%)
+    dense = 2 * T * (projections + 3 * H * I + H * Vd)
+    attention = sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(T, K, cfg.sliding_window))
+    return fc + 3 * (K * dense + attention)
+
+
+def head_dims(cfg: DrafterConfig) -> tuple[int, int]:
+    """(q·k head dim, value head dim) of the drafter's attention kind."""
+    return cfg.kind.qk_head_dim(cfg), cfg.kind.o_proj_in_features(cfg) // cfg.num_attention_heads
+
+
+def attention_flops_share(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> float:
+    """The share of `step_flops` spent in the attention's QK^T and PV."""
+    nh = cfg.num_attention_heads
+    dqk, dv = head_dims(cfg)
+    attention = 3 * sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(seq_len, ttt_length, cfg.sliding_window))
+    return attention / step_flops(cfg, seq_len, ttt_length)
 
 
 def _norm(width: int, c: int, input_kept: bool) -> int:
@@ -210,13 +271,17 @@ def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: i
     }
 
 
-def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
+def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int, shard: int | None = None) -> int:
     """Bytes the last rank of a sequence group holds for the keys of the whole sequence
     (`eagle31.sequence_parallel`): the gathered step-0 entry (kept across steps) and, in the step's
     backward, its gradient and the fp32 copy of that which is reduce-scattered back. The keys and values
-    of the positions before the shard exist one block at a time (`prefix_block_bytes`), whatever T."""
+    of the positions before the shard exist one block at a time (`prefix_block_bytes`), whatever T. With
+    a sliding window W only the keys its queries see are gathered: its `shard` positions and W - 1 before."""
     entry, _ = cfg.kind.entry_elements(cfg)  # the step-0 entry is what is gathered
-    return seq_len * entry * (2 * c + 4) + prefix_block_bytes(cfg, c)
+    keys = seq_len
+    if cfg.sliding_window is not None and shard is not None:
+        keys = min(seq_len, shard + cfg.sliding_window - 1)
+    return keys * entry * (2 * c + 4) + prefix_block_bytes(cfg, c)
 
 
 def prefix_block_bytes(cfg: DrafterConfig, c: int) -> int:
@@ -283,7 +348,7 @@ def estimate_memory(
         "loss_working_set": loss_work,
     }
     if sequence_parallel > 1:
-        parts["sequence_keys"] = sequence_keys_bytes(cfg, seq_len, c)
+        parts["sequence_keys"] = sequence_keys_bytes(cfg, seq_len, c, shard_length(seq_len, sequence_parallel, K))
     parts = {k: v / GiB for k, v in parts.items()}
     parts["gradients_after_the_peak"] = -gradients_after_the_peak(cfg, world_size, device, at_loss) / GiB
     parts["total"] = sum(parts.values())

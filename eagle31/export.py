@@ -26,6 +26,8 @@ code on the exports). What this module does about them, in short:
 * the output folder is replaced whole (`eagle31.io.atomic_dir`), and only when it is empty
   or an earlier export of ours (with `overwrite=True`), never when it holds files eagle31
   did not write or the drafter being exported.
+* a sliding window (`drafter.sliding_window`) as vLLM's Llama attention reads a draft layer's window
+  (`layer_types` + `sliding_window` in the layer's fields); refused for a kind vLLM serves without one (MLA);
 
 MLA drafters (`drafter.attention=mla`, `eagle31.drafter_attention.mla`) have one layout: the EAGLE-3 HF layout as
 vLLM's DeepSeek EAGLE-3 loader reads it, `architectures: ["Eagle3DeepseekV2ForCausalLM"]`,
@@ -180,6 +182,12 @@ def export_config(
     """`config.json` of `format` for a drafter with `config` (`Layout.config`, after its checks and every layout's)."""
     layout = layout_of(format)
     choose(Dtype, dtype, "export.dtype")
+    if config.sliding_window is not None and not config.kind.serves_window:
+        raise ConfigError(
+            f"drafter.sliding_window={config.sliding_window} cannot be served: vLLM builds {config.kind.label}'s attention "
+            "without a window (0.22 to 0.33) and would attend every key. Train it with sliding_window=null, or a "
+            "Llama-attention drafter with the window (docs/export.md)"
+        )
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")

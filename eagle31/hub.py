@@ -25,6 +25,7 @@ from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
 from eagle31.config import ConfigError, read_json_config
 from eagle31.io import atomic_write_text
+from eagle31.layouts.layout import served_sliding_window
 
 CARD_NAME = "README.md"
 REPORT_NAME = "report.json"
@@ -140,6 +141,8 @@ def render_model_card(
         + (" (`d2t`/`t2d` included)" if config["draft_vocab_size"] < layer["vocab_size"] else ""),
         f"* target features: hidden states at the input of decoder layers {config['eagle_aux_hidden_state_layer_ids']} "
         "(vLLM's convention)",
+        *([f"* attention: a sliding window of {layer['sliding_window']} positions (`layer_types`), served as trained"]
+          if served_sliding_window(layer) else []),
         "",
         "## Serving with vLLM",
         "",

@@ -17,7 +17,7 @@ import torch
 
 from eagle31.config import SWITCHES, ConfigError, DrafterConfig
 from eagle31.distributed import World
-from eagle31.estimate import count_parameters, estimate_memory, longest_fitting_length
+from eagle31.estimate import attention_flops_share, count_parameters, estimate_memory, longest_fitting_length, step_flops
 from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
@@ -88,6 +88,11 @@ def plan_run(cfg, world: World) -> RunPlan:
     drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
     if cfg.data.max_len > drafter.max_position_embeddings:
         drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
+    if drafter.sliding_window is not None and drafter.sliding_window < cfg.train.ttt_length:
+        raise ConfigError(
+            f"drafter.sliding_window={drafter.sliding_window} must be >= train.ttt_length={cfg.train.ttt_length}: "
+            f"step k's query at position p + k sees the step-0 keys of p + k - W + 1 .. p, none past the window"
+        )
     for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
         export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len),
                       target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None))
@@ -241,7 +246,8 @@ _GPU_SIZES_GIB = (80.0, 139.0)
 
 
 def describe_dry_run(plan: RunPlan) -> dict:
-    """`dry_run=true`: print (rank 0) and return parameter counts, a per-GPU memory estimate for the
+    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token
+    sequence (and the attention's share: a sliding window bounds it), a per-GPU memory estimate for the
     planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
     cfg, d = plan.cfg, plan.drafter
     counts = count_parameters(d)
@@ -257,6 +263,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
         sequence_parallel=cfg.train.sequence_parallel,
     )
     memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
+    flops = step_flops(d, cfg.data.max_len, cfg.train.ttt_length)
+    attention_share = attention_flops_share(d, cfg.data.max_len, cfg.train.ttt_length)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
     longest = {f"{g:g}": longest_fitting_length(d, cfg.train.ttt_length, g, **options) for g in sizes}
     # build it for real, on the meta device: validates every shape without memory
@@ -271,6 +279,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "drafter": d.to_dict(),
         "parameters": {"trainable": counts.trainable, "frozen_embedding": counts.frozen_embedding, "total": counts.total},
         "memory_gib_per_gpu": memory,
+        "flops_per_sequence": flops,
+        "attention_flops_share": attention_share,
         "seq_len": cfg.data.max_len,
         "ttt_length": cfg.train.ttt_length,
         "world_size": world_size,
@@ -283,8 +293,10 @@ def describe_dry_run(plan: RunPlan) -> dict:
         print(f"dry run of recipe {cfg.name!r}: config valid")
         print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
-              f"fc_norm={d.fc_norm} norm_output={d.norm_output}")  # fmt: skip
+              f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}")  # fmt: skip
         print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")
+        print(f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
+              f"{attention_share:.0%} of it attention")  # fmt: skip
         split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
         print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
               f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip

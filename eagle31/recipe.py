@@ -175,6 +175,9 @@ class DataConfig:
     source: Any = field(default_factory=list)
     prepared_dir: str = "${output_dir}/data"
     system_prompt: Optional[str] = None  # added to conversations that have none
+    # or one of these per conversation, drawn from the seed and its index (eagle31.data.system_prompts):
+    # a list, or a file with one prompt per line (.jsonl: a JSON string or {"content": ...} per line)
+    system_prompts: Any = None
     max_len: int = 2048
     overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn

@@ -20,7 +20,8 @@ shard are (`shard_batch`). The last shard's halo is padding.
 Keys. Query (p, k) attends the causal step-0 keys of its document and its own chain (p, 1..k);
 the chain lives at the query's own position, so only the step-0 entries cross shards: all-gathered
 (Llama: k, v; MLA: the latents c_kv + k_pe, decompressed locally), cut to the keys a shard's queries
-can see (positions before its end), their gradients reduce-scattered back (`SequenceShard.gather`).
+can see (positions before its end; with a sliding window W, from W - 1 positions before its start on),
+their gradients reduce-scattered back (`SequenceShard.gather`).
 The attention over them is `eagle31.attention.query_tail.QueryTail`.
 
 The loss is the mean over the supervised queries of the global batch: each query is counted and
@@ -102,44 +103,49 @@ def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Te
 
 
 class _GatherShards(torch.autograd.Function):
-    """x [B, Ts, ...] of every rank of the group -> [B, keep, ...], the shards in order, cut to `keep`
-    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least
+    """x [B, Ts, ...] of every rank of the group -> [B, end - first, ...], the shards in order, cut to
+    positions first..end-1; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least
     (bf16 gradients are summed in fp32, fp64 ones stay fp64)."""
 
     @staticmethod
-    def forward(ctx, x, group: SequenceGroup, keep: int):
+    def forward(ctx, x, group: SequenceGroup, first: int, end: int):
         parts = all_gather_shards(x, group)  # [N, B, Ts, ...]
-        ctx.group, ctx.shape, ctx.keep = group, x.shape, keep
-        return parts.movedim(0, 1).flatten(1, 2)[:, :keep]
+        ctx.group, ctx.shape, ctx.first, ctx.end = group, x.shape, first, end
+        return parts.movedim(0, 1).flatten(1, 2)[:, first:end]
 
     @staticmethod
     def backward(ctx, grad):
         g, (B, Ts, *rest) = ctx.group, ctx.shape
         full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
-        full[:, : ctx.keep] = grad
-        return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None
+        full[:, ctx.first : ctx.end] = grad
+        return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None, None
 
 
 @dataclass
 class SequenceShard:
     """This rank's shard of a micro-batch, what the TTT unroll needs beyond its own rows.
 
-    start: the global position of its first row; key_segments [B, start + Ts]: the document runs of
-    every position up to its end (the keys its queries may attend).
+    start: the global position of its first row; key_segments [B, start + Ts - first_key]: the document
+    runs of every position from `first_key` up to its end (the keys its queries may attend: all earlier
+    ones, or with a sliding window W those from start - W + 1 on).
     """
 
     group: SequenceGroup
     start: int
     key_segments: torch.Tensor
+    first_key: int = 0
 
     def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A step-0 entry of this shard, each [B, Ts, ...] -> that of every position up to its end [B, start + Ts, ...]."""
-        keep = self.key_segments.shape[1]
-        return tuple(_GatherShards.apply(t, self.group, keep) for t in entry)
+        """A step-0 entry of this shard, each [B, Ts, ...] -> that of positions first_key..end-1 [B, end - first_key, ...]."""
+        end = self.first_key + self.key_segments.shape[1]
+        return tuple(_GatherShards.apply(t, self.group, self.first_key, end) for t in entry)
 
 
-def shard_batch(batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype) -> tuple[FeatureBatch, SequenceShard]:
-    """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`.
+def shard_batch(
+    batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, window: int | None = None
+) -> tuple[FeatureBatch, SequenceShard]:
+    """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`
+    (`window`: the drafter's sliding window, None for full attention).
 
     The shard's `aux` covers its Ts positions; its input ids, loss mask, document ids and final
     states carry the halo too: Ts + K + 1 positions (module docstring). `num_tokens` counts the
@@ -171,5 +177,6 @@ def shard_batch(batch: FeatureBatch, group: SequenceGroup, ttt_length: int, devi
         aux=own.aux, final=torch.cat([own.final, next_final], dim=1),
         num_tokens=int((padded.document_ids[:, rows] >= 0).sum()), num_samples=batch.num_samples,
     )  # fmt: skip
-    key_segments = segment_ids(docs[:, :end], None, (B, end), device=docs.device)
-    return shard, SequenceShard(group, start, key_segments)
+    first = 0 if window is None else max(0, start - window + 1)  # no query of the shard sees an earlier key
+    key_segments = segment_ids(docs[:, first:end], None, (B, end - first), device=docs.device)
+    return shard, SequenceShard(group, start, key_segments, first)

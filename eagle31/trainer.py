@@ -127,18 +127,19 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
 
 
 def prepare_batch(
-    batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup
-) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:
+    batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup,
+    window: int | None = None,
+) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:  # fmt: skip
     """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
     queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
     states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
     path runs wherever `sequence` has a process group, a group of one included (the GPU check's
-    comparison at N = 1)."""
+    comparison at N = 1). `window`: the drafter's sliding window (a shard gathers only the keys it sees)."""
     shard = None
     if sequence.group is None:
         b = batch.to(device, dtype=dtype)
     else:
-        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype)
+        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype, window)
     segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
     argmax = target.argmax(b.final, label_positions(b.loss_mask))
     in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
@@ -162,6 +163,7 @@ class Trainer:
         """`sequence`: this rank's place in the (data × sequence) mesh, `sequence_group(world,
         train.sequence_parallel)` when not given (the loaders split batches over its data axis)."""
         self.cfg = train
+        self.drafter_config = drafter.config
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
         self.run_dir = Path(run_dir)
@@ -191,7 +193,8 @@ class Trainer:
             yield from self.train_loader
 
     def _prepare(self, batch: FeatureBatch):
-        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence)
+        window = self.drafter_config.sliding_window
+        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, window)
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""

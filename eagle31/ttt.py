@@ -7,7 +7,7 @@ and token `x[p+1+k]` (teacher forcing). The step itself is the drafter's
 (`Eagle31Drafter.step_qkv` / `step_output`), shared with inference
 (`eagle31.eval.drafting`); this module adds the TTT attention and the K-step loop. Query (p, k) sits at RoPE position
 p + k and attends to the causal step-0 keys of its document plus its own chain
-(`eagle31.attention`). The unroll returns every step's output; the loss lives
+(`eagle31.attention`) — with `drafter.sliding_window = W`, those of positions p + k - W + 1 .. p + k. The unroll returns every step's output; the loss lives
 in `eagle31.loss`.
 
 Memory: with `activation_checkpointing` each step keeps only its inputs (the
@@ -113,6 +113,7 @@ def ttt_unroll(
         feature = drafter.fuse_aux(aux)
 
     expand0, expand = drafter.step0_keys_values(), drafter.chain_keys_values()
+    window = drafter.config.sliding_window  # None: full attention
 
     def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing
@@ -126,7 +127,7 @@ def ttt_unroll(
             q, entry, residual = drafter.step_entry(feature, ids, positions, chain=True)
             chain = (*chain, entry)
         probe = None if attention_probe is None else lambda probs: attention_probe(len(chain), probs)
-        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention_kernel, expand0, expand, probe)
+        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention_kernel, expand0, expand, probe, window)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
         return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain

@@ -3,12 +3,17 @@
 A study (`experiments/<name>/`) trains eagle31 drafters (and peers') that differ only in what it
 compares, measures them together by one `eagle31.eval.acceptance` run, and summarises. The pieces:
 
+    StudyConfig         the keys every measured study shares (its config's base)
     comparison_recipe   a run of a comparison: the user's overrides, then the keys every run shares
     trained_before      a run that needs no training (its report is there, or an earlier summary has it)
     measure_drafters    one acceptance run over labelled drafters; earlier measurements kept (same
                         settings, and the same weights by sha256 or a run no longer here)
     training_reports    what each run's report.json says of its training (or the earlier summary)
     study_main          the command line of a study: key=value, then `--` and recipe overrides
+    separation          whether one setting's seeds all lie above (or below) another's
+    train_missing       train the runs whose training is not done yet
+    write_summary       summary.json and results.md of a study
+    report_body         a study's `study_main` body: run it, print its results and what it wrote
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hashlib
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +44,33 @@ def parse_seeds(text: str) -> list[int]:
     if not seeds:
         raise ConfigError("seeds= names no seed")
     return seeds
+
+
+@dataclass
+class StudyConfig:
+    """The keys of a study that trains drafters and measures them together (`measure_drafters`)."""
+
+    out: str = ""  # where its results go
+    runs: str = ""  # its training run directories
+    seeds: str = "0,1"
+    max_steps: int | None = None  # None: the recipe's train.max_steps
+    k: int = 3  # draft tokens per round
+    max_prompts: int = 16  # per split
+    max_new_tokens: int = 48
+    threads: int = 1
+    measure: bool = True  # false: train only
+
+    def __post_init__(self) -> None:
+        self.seed_list  # raise on a bad list
+        for name in ("k", "max_prompts", "max_new_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
+
+    @property
+    def seed_list(self) -> list[int]:
+        return parse_seeds(self.seeds)
 
 
 def log_command(out: Path, command: str) -> None:
@@ -88,9 +121,14 @@ def measure_drafters(
     What a report already there measured with the same settings is kept, not measured again: a drafter
     whose weights still have the sha256 it recorded, and one whose directory is gone (an earlier session's
     run that this machine no longer holds; listed in the report's `settings.kept`)."""
-    from eagle31.eval.acceptance import AcceptanceConfig, Verification, report_settings, run_acceptance
-    from eagle31.eval.acceptance_report import write_report
     from eagle31.data.prepare import template_kwargs
+    from eagle31.eval.acceptance import (
+        AcceptanceConfig,
+        Verification,
+        report_settings,
+        run_acceptance,
+    )
+    from eagle31.eval.acceptance_report import write_report
     from eagle31.pipeline import acceptance_splits
     from eagle31.targets import resolve_target_path
 
@@ -188,6 +226,15 @@ def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
     return {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
 
 
+def separation(row: dict, baseline: dict) -> str | None:
+    """`higher` / `lower` when every seed of `row` is above (below) every seed of `baseline` (`tau_over_seeds`), else None."""
+    if row["min"] > baseline["max"]:
+        return "higher"
+    if row["max"] < baseline["min"]:
+        return "lower"
+    return None
+
+
 def measured_earlier(out: Path) -> set[str]:
     """The runs that the summary and acceptance report under `out` record as trained and measured."""
     summary, report = out / "summary.json", out / "acceptance" / "acceptance.json"
@@ -199,6 +246,41 @@ def measured_earlier(out: Path) -> set[str]:
 def trained_before(run: Path, earlier: set[str]) -> bool:
     """`run` needs no training: its report.json is there, or it is gone and `earlier` (`measured_earlier`) has it."""
     return (run / "report.json").is_file() or (not run.exists() and run.name in earlier)
+
+
+def train_missing(recipes: dict, runs: Path, out: Path, describe: Callable[[str], str] = lambda name: "") -> None:
+    """Train, in order, each named run of `recipes` (its directory `runs / name`) that `trained_before` does not
+    skip; `describe(name)` is added to its progress line."""
+    earlier = measured_earlier(out)
+    for name, recipe in recipes.items():
+        if trained_before(runs / name, earlier):
+            print(f"skip (done): {name}", file=sys.stderr)
+            continue
+        print(f"train: {name}{describe(name)}", file=sys.stderr)
+        train_eagle31(recipe)
+
+
+def write_summary(out: Path, summary: dict, results: str) -> dict:
+    """A study's `summary.json` and its `results.md` (the formatted results) under `out`; returns the summary."""
+
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "results.md", results + "\n")
+    return summary
+
+
+def report_body(study: Callable, format_results: Callable[[dict], str], trained: Callable) -> Callable:
+    """The `study_main` body of a study `study(cfg, overrides, command) -> summary | None` (None: trained only,
+    then `trained(cfg)` is printed): its results and the files it wrote."""
+
+    def body(cfg, overrides: list[str], command: str) -> None:
+        summary = study(cfg, overrides, command)
+        if summary is None:
+            print(trained(cfg))
+            return
+        print(format_results(summary))
+        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+
+    return body
 
 
 def training_reports(runs: dict[str, Path], out: Path) -> dict:
@@ -244,16 +326,6 @@ def format_training(training: dict) -> list[str]:
         lines += ["", "\\* trained and measured by an earlier run of this comparison, whose run directory is not kept here."]
     return lines
 
-
-def write_results(out: Path, summary: dict, markdown: str) -> None:
-    """A study's summary.json and results.md under `out`."""
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "results.md", markdown + "\n")
-
-
-def print_results(out: Path, markdown: str) -> None:
-    print(markdown)
-    print(f"\nwrote {out / 'summary.json'}, {out / 'results.md'}, {out / 'acceptance'}")
 
 
 def study_main(argv: list[str], doc: str, config, smoke: dict, module: str, body: Callable) -> int:

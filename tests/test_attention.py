@@ -205,3 +205,116 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
         d_weight += grads[-1]
     torch.testing.assert_close(d_latent0, full[1], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(d_weight, full[-1], rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- sliding window
+
+
+def windowed_output_and_grads(backend: str, window: int, q, k0, v0, chain_k, chain_v, segments, dout):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k0, v0, *chain_k, *chain_v)]
+    j = len(chain_k)
+    q, k0, v0, chain = leaves[0], leaves[1], leaves[2], leaves[3:]
+    if backend == "reference":
+        out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, window=window)
+    else:
+        out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, window=window)
+    out.backward(dout.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def test_the_reference_window_is_over_positions_as_vllm_serves_it():
+    """Query (p, j) at position p + j sees the step-0 keys of p + j - W + 1 .. p and its whole chain: the
+    probabilities of every other key are 0, and with W beyond the sequence the window changes nothing."""
+    W, j = 5, 2
+    q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, j, torch.float64)
+    seen = []
+    reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=seen.append, window=W)
+    probs = seen[0][0, 0]  # [Tq, Tk + j*T], head 0
+    T = q.shape[1]
+    doc = torch.tensor(LAYOUTS["packed"][0])
+    for p in range(T):
+        visible = {m for m in range(T) if doc[m] == doc[p] and p + j - W + 1 <= m <= p}
+        assert {m for m in range(T) if probs[p, m] > 0} == visible, p
+        assert all(probs[p, T + i * T + p] > 0 for i in range(j))  # the chain
+    wide = reference_attention(q, k0, v0, chain_k, chain_v, segments, window=T + j)
+    torch.testing.assert_close(wide, reference_attention(q, k0, v0, chain_k, chain_v, segments), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("j", [0, 1, 3])
+@pytest.mark.parametrize("window", [4, 9])
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_windowed_kernels_match_the_reference_on_cpu(backend, window, j, layout, monkeypatch):
+    """W = 4 splits every document into several CPU flash blocks (and W - j = 1 at j = 3: the query's own step-0
+    key alone); the blockwise kernel runs 16-query blocks whose first key moves with the window."""
+    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 16 * 4 * 24)  # 16 queries a block
+    inputs = attention_inputs(LAYOUTS[layout], 4, 2, d=8, j=j, dtype=torch.float64)
+    expected = windowed_output_and_grads("reference", window, *inputs)
+    got = windowed_output_and_grads(backend, window, *inputs)
+    for name, a, b in zip(names(j), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{backend} W={window} {name}")
+
+
+def test_the_cpu_flash_window_in_bf16_is_the_reference_in_fp32():
+    inputs = attention_inputs(LAYOUTS["packed"], 4, 2, d=8, j=2, dtype=torch.bfloat16)
+    q, k0, v0, chain_k, chain_v, segments, dout = inputs
+    as_fp32 = [x.float() for x in (q, k0, v0)]
+    expected = windowed_output_and_grads("reference", 5, *as_fp32, [c.float() for c in chain_k],
+                                         [c.float() for c in chain_v], segments, dout.float())  # fmt: skip
+    got = windowed_output_and_grads("flash", 5, *inputs)
+    for name, a, b in zip(names(2), got, expected):
+        assert float((a.float() - b).abs().max() / b.abs().max()) < 3e-2, name
+
+
+def test_a_window_that_leaves_a_query_no_step0_key_is_refused():
+    q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 2, torch.float64)
+    with pytest.raises(ValueError, match="sliding window of 2 positions leaves step 2's query no step-0 key"):
+        ttt_attention(q, k0, v0, list(zip(chain_k, chain_v)), segments, "flash", window=2)
+
+
+@pytest.mark.parametrize("backend", ["flash", "blockwise", "reference"])
+@pytest.mark.parametrize("window", [3, 6])
+def test_shard_queries_see_only_the_earlier_keys_inside_their_window(backend, window, monkeypatch):
+    """Sequence parallelism with a window: the shards' queries and key gradients are the full sequence's; the
+    keys before a shard are attended 2 positions a block, and those beyond every query's window are never made."""
+    j = 2
+    monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
+    q, k0, v0, chain_k, chain_v, segments, dout = attention_inputs(LAYOUTS["padded_rows"], 4, 2, 8, j, torch.float64)
+    full = windowed_output_and_grads(backend, window, q, k0, v0, chain_k, chain_v, segments, dout)
+    T = q.shape[1]
+    dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+    for a, b in [(0, 5), (5, 13), (13, T)]:
+        rows = lambda x: x[:, a:b]  # noqa: E731
+        leaves = [x.detach().clone().requires_grad_() for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))]
+        out = ttt_attention(leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b],
+                            backend, window=window)  # fmt: skip
+        out.backward(rows(dout))
+        torch.testing.assert_close(out, rows(full[0]), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(leaves[0].grad, rows(full[1]), rtol=1e-10, atol=1e-10)
+        for i in range(2 * j):
+            torch.testing.assert_close(leaves[3 + i].grad, rows(full[4 + i]), rtol=1e-10, atol=1e-10)
+        # no query of the shard sees a key before a - (window - j) + 1
+        first = max(0, a - (window - j) + 1)
+        assert not leaves[1].grad[:, :first].any()
+        dk0[:, :b] += leaves[1].grad
+        dv0[:, :b] += leaves[2].grad
+    torch.testing.assert_close(dk0, full[2], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dv0, full[3], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("backend", ["flash", "blockwise"])
+def test_windowed_kernels_match_the_reference_on_cuda_in_bf16(backend, layout):
+    """The varlen flash op's window arguments (window_size_left = W - k - 1, right 0) against the reference."""
+    doc = [row * 8 for row in LAYOUTS[layout]]  # 192 tokens a row: the window (40) splits every document
+    j = 3
+    inputs = attention_inputs(doc, 8, 2, 64, j, torch.bfloat16, device="cuda")
+    q, k0, v0, chain_k, chain_v, segments, dout = inputs
+    as_fp32 = [x.float() for x in (q, k0, v0)]
+    expected = windowed_output_and_grads("reference", 40, *as_fp32, [c.float() for c in chain_k],
+                                         [c.float() for c in chain_v], segments, dout.float())  # fmt: skip
+    got = windowed_output_and_grads(backend, 40, *inputs)
+    for name, a, b in zip(names(j), got, expected):
+        error = float((a.float() - b).abs().max() / b.abs().max())
+        assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"

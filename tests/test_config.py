@@ -77,6 +77,9 @@ def test_round_trip_through_dict():
         (dict(num_attention_heads=0), "num_attention_heads"),
         (dict(rms_norm_eps=0.0), "rms_norm_eps"),
         (dict(rope_parameters={"rope_type": "default"}), "rope_parameters"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(sliding_window=True), "sliding_window"),
+        (dict(sliding_window=2.5), "sliding_window"),
     ],
 )
 def test_bad_config_is_one_clear_error_naming_the_field(overrides, field):

@@ -141,3 +141,82 @@ def test_the_peak_is_the_largest_of_the_steps_moments(shape, T, peak_step):
     m = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
     assert m["activations"] * GiB == pytest.approx(max(steps))
     assert after_attention_gradient_bytes(cfg) < layer_gradient_bytes(cfg) / 2  # the deepest step's attention has the fewer
+
+
+# ---------------------------------------------------------------------------- sliding window
+
+
+def test_the_visible_keys_per_step_are_counted_by_hand():
+    from eagle31.estimate import visible_key_pairs
+
+    # T = 10, K = 2: full attention sees 1..10 step-0 keys (55) plus k chain keys a query
+    assert visible_key_pairs(10, 2, None) == [55, 55 + 10]
+    # W = 4: step 0 sees min(p + 1, 4) (1+2+3+4 + 6*4 = 34); step 1 min(p + 1, 3) (1+2+3 + 7*3 = 27) and its chain
+    assert visible_key_pairs(10, 2, 4) == [34, 27 + 10]
+    assert visible_key_pairs(10, 2, 12) == visible_key_pairs(10, 2, None)  # a window past the sequence
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k26", "kimi_k26_llama"])
+def test_a_step_counts_every_matmul_once_and_the_window_bounds_the_attentions(recipe):
+    """The dense FLOPs are 2 per weight per token of the matmuls (the attention's norms excluded), for Llama and MLA
+    alike; a window makes the attention's cost per query constant, so it grows linearly in T, not quadratically."""
+    import dataclasses
+
+    from eagle31.estimate import attention_flops_share, step_flops
+
+    d = dataclasses.replace(drafter(recipe), sliding_window=None)
+    weights = d.kind.attention_parameters(d) + 3 * d.hidden_size * d.intermediate_size + d.hidden_size * d.draft_vocab_size
+    T, K = 1024, 3
+    no_attention = dataclasses.replace(d, sliding_window=K)  # each query sees K - k step-0 keys: almost no attention
+    assert step_flops(no_attention, T, K) < 1.01 * (2 * 2 * T * d.fc_in_features * d.hidden_size + 3 * K * 2 * T * weights)
+    w = dataclasses.replace(d, sliding_window=2048)
+    for T in (4096, 65536, 262144):
+        assert step_flops(w, T, K) < step_flops(d, T, K)
+        assert attention_flops_share(w, T, K) < attention_flops_share(d, T, K)
+    grow = lambda c: (step_flops(c, 4 * 65536, K) - step_flops(c, 2 * 65536, K)) / (step_flops(c, 2 * 65536, K) - step_flops(c, 65536, K))  # noqa: E731
+    assert grow(w) == pytest.approx(2.0, rel=1e-6) and grow(d) > 2.2  # linear with the window
+
+
+def test_a_windowed_shard_gathers_only_the_keys_its_queries_see():
+    import dataclasses
+
+    from eagle31.estimate import prefix_block_bytes, sequence_keys_bytes
+
+    d, T, K = drafter("kimi_k26_llama"), 262144, 7
+    w = dataclasses.replace(d, sliding_window=2048)
+    assert w.sliding_window == 2048
+    shard = T // 4
+    entry = 2 * 64 * 128  # Llama: the step-0 keys and values
+    assert sequence_keys_bytes(w, T, 2, shard) == (shard + 2047) * entry * (2 + 2 + 4) + prefix_block_bytes(w, 2)
+    assert sequence_keys_bytes(dataclasses.replace(d, sliding_window=None), T, 2, shard) == T * entry * 8 + prefix_block_bytes(d, 2)
+    split = estimate_memory(w, T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
+    full = estimate_memory(dataclasses.replace(d, sliding_window=None), T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
+    assert split["sequence_keys"] < full["sequence_keys"] / 3
+
+
+LONG_CONTEXTS = [(65536, []), (131072, []), (262144, ["plan.world_size=4", "train.sequence_parallel=4"])]
+
+
+@pytest.mark.parametrize("T, launch", LONG_CONTEXTS, ids=["64k", "128k", "256k"])
+def test_the_kimi_recipes_dry_run_at_64k_128k_and_256k_with_their_windows(T, launch, capsys):
+    """recipe=kimi_k26_llama carries the 2,048-position window and recipe=kimi_k26 (MLA: vLLM serves no window)
+    none; the dry run shows each one's memory at 64k and 128k on one H200 and 256k split over 4, and the window's
+    bounded attention: a windowed Llama step costs less, and at 256k its shards gather only the keys they see."""
+    from eagle31.plan import describe_dry_run
+
+    def dry_run(recipe, *extra):
+        args = [f"recipe={recipe}", "dry_run=true", f"data.max_len={T}", "plan.gpu_memory_gib=141", *launch, *extra]
+        return describe_dry_run(plan_run(load_recipe(RECIPES, args), init_world("cpu")))
+
+    llama, mla = dry_run("kimi_k26_llama"), dry_run("kimi_k26")
+    out = capsys.readouterr().out
+    assert llama["drafter"]["sliding_window"] == 2048 and mla["drafter"]["sliding_window"] is None
+    assert "sliding_window=2048" in out and "sliding_window=None" in out
+    assert f"memory per GPU (T={T}, K=7" in out and "TFLOP per T=" in out
+    for report in (llama, mla):
+        assert report["memory_gib_per_gpu"]["total"] < 141, report["memory_gib_per_gpu"]
+    full = dry_run("kimi_k26_llama", "drafter.sliding_window=null")
+    assert llama["flops_per_sequence"] < full["flops_per_sequence"]
+    assert llama["attention_flops_share"] < 0.05 < full["attention_flops_share"]
+    if launch:
+        assert llama["memory_gib_per_gpu"]["sequence_keys"] < full["memory_gib_per_gpu"]["sequence_keys"] / 3

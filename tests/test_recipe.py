@@ -142,7 +142,7 @@ def test_the_drafter_section_is_made_of_drafter_config_fields():
         elif source == "override":
             assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
         else:
-            assert section[f.name].default == f.default and hints[f.name] is typing.get_type_hints(DrafterConfig)[f.name]
+            assert section[f.name].default == f.default and hints[f.name] == typing.get_type_hints(DrafterConfig)[f.name]
     assert len(section) == len(INITIALISATION) + sum(f.metadata.get("recipe") != "target" for f in dataclasses.fields(DrafterConfig))
 
 
@@ -203,3 +203,14 @@ def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["name"] == "kimi_k26" and printed["train"]["lr"] == 5e-5 and printed["features"]["batching"] == "bucket"
     assert printed["target"]["config"].endswith("recipes/targets/kimi_k26.json")  # resolved, not ${recipes_dir:}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["recipe=demo", "drafter.sliding_window=4", "train.ttt_length=7"], "drafter.sliding_window=4 must be >= train.ttt_length=7"),
+    (["recipe=kimi_k26", "drafter.sliding_window=2048"], "drafter.sliding_window=2048 cannot be served: vLLM builds an MLA drafter's attention without a window"),
+])  # fmt: skip
+def test_a_window_the_run_could_not_train_or_serve_is_refused_at_the_plan(overrides, message, tmp_path):
+    args = [*overrides, "dry_run=true", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=message) as e:
+        run(load_recipe(RECIPES, args))
+    assert "\n" not in str(e.value)

@@ -3,7 +3,7 @@
 Four gloo processes (torch.multiprocessing) run the trainer with the sequence split 4 ways (data 1 ×
 sequence 4) and on a 2 × 2 mesh (data 2 × sequence 2); one process runs the same global batches
 unsplit. Loss, every gradient of every step and the weights after the optimizer steps agree to fp32
-rounding, for the Llama and MLA drafters, activation checkpointing on and off, with packed documents
+rounding, for the Llama and MLA drafters (and a sliding-window one), activation checkpointing on and off, with packed documents
 that cross the shard edges, a length no N divides (padded) and padding at the end; the keys before a
 shard are made in blocks of 3 positions, so several blocks merge.
 """
@@ -24,7 +24,7 @@ from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World
 from eagle31.loss import TargetHead
 from eagle31.recipe import TrainConfig
-from eagle31.sequence_parallel import SequenceGroup, sequence_group, shard_batch, shard_length
+from eagle31.sequence_parallel import SequenceGroup, sequence_group, shard_length
 from eagle31.trainer import Trainer
 from tests.helpers import random_batch, tiny_drafter
 from tests.test_trainer import ListLoader
@@ -33,8 +33,10 @@ K = 3
 STEPS = 3
 MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
            qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
-DRAFTERS = {"llama": {}, "mla": MLA}
-CASES = [(name, ckpt) for name in DRAFTERS for ckpt in (False, True)]
+# W = 4 < the shard length 6: a shard gathers only the step-0 keys of the 3 positions before it, and the
+# deeper steps see fewer of them (step 2: 2)
+DRAFTERS = {"llama": {}, "mla": MLA, "window": dict(sliding_window=4)}
+CASES = [(name, ckpt) for name in ("llama", "mla") for ckpt in (False, True)] + [("window", True)]
 
 
 def batches(cfg) -> list[FeatureBatch]:
@@ -137,7 +139,7 @@ def _gather_backward_rank(rank: int, port: int, tmp: str) -> None:
     group = SequenceGroup(2, rank, 0, 1, dist.group.WORLD)
     x = torch.randn(1, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))  # the same on both ranks
-    (_GatherShards.apply(x, group, 5) * weight).sum().backward()
+    (_GatherShards.apply(x, group, 0, 5) * weight).sum().backward()
     torch.save(x.grad, f"{tmp}/grad{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -79,9 +79,11 @@ def naive_logits(m, aux, input_ids, doc, project=llama_project):
                 keys[(p, k)] = (kk, vv)
                 residuals[p] = hn if c.norm_before_residual else h
             for p in range(T):
-                # step-0 keys of the same document, causal; then the query's own chain
-                visible = [(j, 0) for j in range(p + 1) if doc[b, j] == doc[b, p]]
-                visible += [(p, j) for j in range(1, k + 1)]
+                # step-0 keys of the same document, causal; then the query's own chain; with a sliding
+                # window W those at positions p + k - W + 1 .. p + k (the key (p, j) sits at p + j)
+                window = c.sliding_window or T + K
+                visible = [(j, 0) for j in range(p + 1) if doc[b, j] == doc[b, p] and p + k - j < window]
+                visible += [(p, j) for j in range(1, k + 1) if k - j < window]
                 heads = []
                 for h_ in range(c.num_attention_heads):
                     q = queries[p][h_]
@@ -179,6 +181,31 @@ def test_unroll_and_loss_match_naive_loops(switches, layout):
         real = doc >= 0  # padded queries are not part of the contract
         torch.testing.assert_close(logits[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-9, atol=1e-9)
+        loss.backward()
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}")
+
+
+@pytest.mark.parametrize("window", [3, 5])
+def test_windowed_unroll_and_loss_match_naive_loops(window):
+    """`drafter.sliding_window`: every backend, logits, loss and gradients, against the naive loops (W = 3 = K:
+    the deepest step sees its own step-0 key alone)."""
+    m = tiny_drafter(seed=1, sliding_window=window)
+    doc = layouts()["packed"]
+    aux, final, ids, mask = random_batch(m.config, 2, 11, seed=2)
+    target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    expected_logits = naive_logits(m, aux, ids, doc)
+    full = tiny_drafter(seed=1)
+    assert not torch.allclose(expected_logits, naive_logits(full, aux, ids, doc))  # the window matters here
+    expected_loss = naive_loss(m, expected_logits, final, ids, mask, doc, target_w)
+    expected_loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    for attention in ("blockwise", "flash", "reference"):
+        m.zero_grad()
+        loss, out, _ = library_loss(m, aux, final, ids, mask, doc, target_w, attention)
+        logits = torch.stack([m.lm_head(s) for s in out.states])
+        real = doc >= 0
+        torch.testing.assert_close(logits[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9, msg=attention)
         loss.backward()
         for name, grad in expected_grads.items():
             torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}")

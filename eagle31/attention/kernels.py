@@ -2,9 +2,12 @@
 
 Kernels (`resolve_backend` picks one for `auto`), each with the same two calls:
 
-    forward(q, k, v, segments, scale) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
-    backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
+    forward(q, k, v, segments, scale, window) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
+    backward(dout, q, k, v, out, lse, segments, scale, ctx, window) -> dq, dk, dv in q's dtype
         (backward's out and lse are the *merged* ones, `eagle31.attention.ttt_attention`)
+
+`window` (None: every earlier key of the document) limits query p to the keys p - window + 1 .. p
+(a sliding window, `DrafterConfig.sliding_window`; the TTT step sets it, `eagle31.attention.ttt_attention`).
 
 * `FlashCausal` — PyTorch's fused flash-attention ops: on CUDA one varlen call over the packed
   documents, on CPU one call per document (the faster CPU path);
@@ -77,7 +80,7 @@ class BlockwiseCausal:
     """Flash-attention algorithm in plain PyTorch, one query block at a time."""
 
     @staticmethod
-    def _blocks(segments: torch.Tensor, nh: int):
+    def _blocks(segments: torch.Tensor, nh: int, window: int | None):
         B, T = segments.shape
         block = max(16, min(1024, BLOCK_BUDGET // max(1, B * nh * T)))
         starts = segment_starts(segments)
@@ -85,7 +88,12 @@ class BlockwiseCausal:
         for i0 in range(0, T, block):
             i1 = min(T, i0 + block)
             k0 = int(starts[:, i0].min())
-            allowed = (segments[:, i0:i1, None] == segments[:, None, k0:i1]) & (pos[i0:i1, None] >= pos[None, k0:i1])
+            if window is not None:  # no query of the block sees a key before i0 - window + 1
+                k0 = max(k0, i0 - window + 1)
+            back = pos[i0:i1, None] - pos[None, k0:i1]  # [bq, nk] query minus key position
+            allowed = (segments[:, i0:i1, None] == segments[:, None, k0:i1]) & (back >= 0)
+            if window is not None:
+                allowed &= back < window
             yield i0, i1, k0, allowed[:, None, None]  # [B, 1, 1, bq, nk]
 
     @staticmethod
@@ -96,7 +104,7 @@ class BlockwiseCausal:
         return s.masked_fill(~allowed, float("-inf"))
 
     @classmethod
-    def forward(cls, q, k, v, segments, scale):
+    def forward(cls, q, k, v, segments, scale, window=None):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
@@ -104,7 +112,7 @@ class BlockwiseCausal:
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)
         out = q.new_empty(qg.shape, dtype=acc)
         lse = q.new_empty(qg.shape[:-1], dtype=acc)
-        for i0, i1, k0, allowed in cls._blocks(segments, nh):
+        for i0, i1, k0, allowed in cls._blocks(segments, nh, window):
             s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
             m = s.logsumexp(dim=-1)
             out[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - m[..., None]), vh[:, :, k0:i1].to(acc))
@@ -112,7 +120,7 @@ class BlockwiseCausal:
         return _from_grouped(out), _from_grouped(lse), None
 
     @classmethod
-    def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx):
+    def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx, window=None):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
@@ -124,7 +132,7 @@ class BlockwiseCausal:
         dq = torch.zeros_like(qg, dtype=acc)
         dk = torch.zeros(B, nkv, T, d, dtype=acc, device=q.device)
         dv = torch.zeros_like(dk)
-        for i0, i1, k0, allowed in cls._blocks(segments, nh):
+        for i0, i1, k0, allowed in cls._blocks(segments, nh, window):
             s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
             p = torch.exp(s - lse_g[:, :, :, i0:i1, None])
             do_b = do[:, :, :, i0:i1]
@@ -137,57 +145,71 @@ class BlockwiseCausal:
 
 
 class FlashCausal:
-    """PyTorch's fused flash-attention ops (CUDA: varlen over documents; CPU: per document)."""
+    """PyTorch's fused flash-attention ops (CUDA: varlen over documents, its window arguments; CPU: per
+    document, and with a window shorter than the document per block of `window` queries, over the keys that
+    block can see and a band mask: the CPU op has no window arguments)."""
 
     @staticmethod
-    def forward(q, k, v, segments, scale):
+    def forward(q, k, v, segments, scale, window=None):
         if q.is_cuda:
-            return FlashCausal._cuda_forward(q, k, v, segments, scale)
+            return FlashCausal._cuda_forward(q, k, v, segments, scale, window)
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         g = nh // k.shape[2]
         out = q.new_empty(B, T, nh, d, dtype=acc)
         lse = q.new_empty(B, T, nh, dtype=acc)
         for b, s, e in _runs(segments):
-            qb = q[b : b + 1, s:e].transpose(1, 2)
-            kb = k[b : b + 1, s:e].transpose(1, 2).repeat_interleave(g, dim=1)
-            vb = v[b : b + 1, s:e].transpose(1, 2).repeat_interleave(g, dim=1)
-            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, True, scale=scale)
-            out[b, s:e] = o[0].transpose(0, 1).to(acc)
-            lse[b, s:e] = l[0].transpose(0, 1).to(acc)
+            for i0, i1, k0, mask in _cpu_blocks(s, e, window, q.dtype):
+                qb = q[b : b + 1, i0:i1].transpose(1, 2)
+                kb = k[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
+                vb = v[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
+                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qb, kb, vb, 0.0, mask is None, attn_mask=mask, scale=scale
+                )
+                out[b, i0:i1] = o[0].transpose(0, 1).to(acc)
+                lse[b, i0:i1] = l[0].transpose(0, 1).to(acc)
         return out, lse, None
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, segments, scale, ctx):
+    def backward(dout, q, k, v, out, lse, segments, scale, ctx, window=None):
         if q.is_cuda:
-            return FlashCausal._cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx)
+            return FlashCausal._cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx, window)
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
         g = nh // nkv
-        dq = torch.empty_like(q)  # every position is in exactly one run: all written below
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        dq = torch.empty_like(q)  # every position is in exactly one query block: all written below
+        # key blocks overlap when a window splits a document: summed in fp32
+        dk = torch.zeros_like(k, dtype=acc) if window is not None else torch.empty_like(k)
+        dv = torch.zeros_like(v, dtype=acc) if window is not None else torch.empty_like(v)
         for b, s, e in _runs(segments):
-            def heads(x):
-                return x[b : b + 1, s:e].transpose(1, 2)
+            for i0, i1, k0, mask in _cpu_blocks(s, e, window, q.dtype):
+                def heads(x, lo=i0):
+                    return x[b : b + 1, lo:i1].transpose(1, 2)
 
-            qb, kb, vb = heads(q), heads(k).repeat_interleave(g, dim=1), heads(v).repeat_interleave(g, dim=1)
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                heads(dout).to(q.dtype).contiguous(),
-                qb,
-                kb,
-                vb,
-                heads(out).to(q.dtype).contiguous(),
-                lse[b : b + 1, s:e].transpose(1, 2).to(acc).contiguous(),
-                0.0,
-                True,
-                scale=scale,
-            )
-            dq[b, s:e] = gq[0].transpose(0, 1)
-            dk[b, s:e] = gk[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
-            dv[b, s:e] = gv[0].view(nkv, g, e - s, d).sum(1, dtype=acc).transpose(0, 1)
-        return dq, dk, dv
+                kb, vb = heads(k, k0).repeat_interleave(g, dim=1), heads(v, k0).repeat_interleave(g, dim=1)
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    heads(dout).to(q.dtype).contiguous(),
+                    heads(q),
+                    kb,
+                    vb,
+                    heads(out).to(q.dtype).contiguous(),
+                    lse[b : b + 1, i0:i1].transpose(1, 2).to(acc).contiguous(),
+                    0.0,
+                    mask is None,
+                    attn_mask=mask,
+                    scale=scale,
+                )
+                dq[b, i0:i1] = gq[0].transpose(0, 1)
+                n = i1 - k0
+                gk = gk[0].view(nkv, g, n, d).sum(1, dtype=acc).transpose(0, 1)
+                gv = gv[0].view(nkv, g, n, d).sum(1, dtype=acc).transpose(0, 1)
+                if window is None:
+                    dk[b, k0:i1], dv[b, k0:i1] = gk, gv
+                else:
+                    dk[b, k0:i1] += gk
+                    dv[b, k0:i1] += gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
 
     # CUDA: one varlen flash-attention call; documents never cross rows.
     @staticmethod
@@ -201,28 +223,46 @@ class FlashCausal:
         return cu, int((cu[1:] - cu[:-1]).max())
 
     @staticmethod
-    def _cuda_forward(q, k, v, segments, scale):
+    def _cuda_forward(q, k, v, segments, scale, window):
         B, T, nh, d = q.shape
         cu, max_len = FlashCausal._cu_seqlens(segments)
         flat = lambda x: x.reshape(B * T, x.shape[2], d)  # noqa: E731
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            flat(q), flat(k), flat(v), cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+            flat(q), flat(k), flat(v), cu, cu, max_len, max_len, 0.0, True, False, scale=scale, **_cuda_window(window)
         )
         lse = _lse_tokens_first(lse, B * T, nh)
         return out.view(B, T, nh, d).float(), lse.view(B, T, nh).float(), (cu, max_len, rng_state, unused)
 
     @staticmethod
-    def _cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx):
+    def _cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx, window):
         B, T, nh, d = q.shape
         cu, max_len, rng_state, unused = ctx
         flat = lambda x: x.reshape(B * T, x.shape[2], d).to(q.dtype).contiguous()  # noqa: E731
         lse_heads_first = lse.reshape(B * T, nh).t().contiguous()  # the kernel's layout [nh, total]
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
-            cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale,
+            cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale, **_cuda_window(window),
         )  # fmt: skip
         return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
 
+
+def _cuda_window(window: int | None) -> dict[str, int]:
+    """The varlen flash op's window arguments: a query sees the `window - 1` keys before it and none after."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _cpu_blocks(s: int, e: int, window: int | None, dtype: torch.dtype):
+    """(queries i0..i1, first key k0, mask) of the CPU flash calls over document positions s..e-1: one causal call
+    (mask None) unless a window is shorter than the document; then blocks of `window` queries, each over
+    the keys it can see, k0 = i0 - window + 1.., with an additive band mask [1, 1, bq, nk] in `dtype`."""
+    if window is None or e - s <= window:
+        yield s, e, s, None
+        return
+    for i0 in range(s, e, window):
+        i1, k0 = min(e, i0 + window), max(s, i0 - window + 1)
+        back = torch.arange(i0, i1)[:, None] - torch.arange(k0, i1)[None]  # query minus key position
+        mask = torch.zeros(back.shape, dtype=dtype).masked_fill((back < 0) | (back >= window), float("-inf"))
+        yield i0, i1, k0, mask[None, None]
 
 
 def accumulation_dtype(q: torch.Tensor) -> torch.dtype:

@@ -26,22 +26,29 @@ class QueryTail:
     reach before the shard, so the dense part is at most one run of keys per row of the batch. An
     earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
     in the forward and again in the backward: the keys before the shard never exist whole.
+
+    With a `window`, a query sees only the keys of the last `window` positions up to its own: the dense part
+    stops at the earliest key any query can see, its rows at the last query that sees one before the shard,
+    and a key block's scores outside a row's window are masked.
     """
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     @staticmethod
-    def _prefixes(segments: torch.Tensor, Tq: int) -> list[tuple[int, int, int]]:
+    def _prefixes(segments: torch.Tensor, Tq: int, window: int | None) -> list[tuple[int, int, int]]:
         """(row, keys before the shard s.., queries ..n) of each row whose first shard run began earlier:
-        its queries 0..n-1 attend key positions s..Tk-Tq-1 too."""
+        its queries 0..n-1 attend key positions s..Tk-Tq-1 too (with a window, those within it)."""
         B, Tk = segments.shape
         off = Tk - Tq
         if off == 0:
             return []
         starts = segment_starts(segments)[:, off].tolist()
         same = (segments[:, off:] == segments[:, off : off + 1]).long().cummin(dim=1).values.sum(dim=1).tolist()
-        return [(b, s, n) for b, (s, n) in enumerate(zip(starts, same)) if s < off]
+        if window is not None:  # query i sees keys from off + i - window + 1 on: only i < window - 1 reach before off
+            starts = [max(s, off - window + 1) for s in starts]
+            same = [min(n, window - 1) for n in same]
+        return [(b, s, n) for b, (s, n) in enumerate(zip(starts, same)) if s < off and n > 0]
 
     @staticmethod
     def prefix_block(nh: int, d: int) -> int:
@@ -49,29 +56,39 @@ class QueryTail:
         return max(1, kernels.BLOCK_BUDGET // (2 * nh * d))
 
     @classmethod
-    def _blocks(cls, q: torch.Tensor, s: int, off: int):
-        """(key block [m0, m1), query rows per block) over positions s..off-1: a block's scores [rows, nh, m]
-        stay under `kernels.BLOCK_BUDGET` (about its fp32 keys and values)."""
+    def _blocks(cls, q: torch.Tensor, s: int, off: int, n: int, window: int | None):
+        """(key block [m0, m1), its queries 0..n1-1, query rows per block) over positions s..off-1 for queries
+        0..n-1: a block's scores [rows, nh, m] stay under `kernels.BLOCK_BUDGET` (about its fp32 keys and
+        values); with a window, n1 stops at the last query that sees the block's last key."""
         nh, d = q.shape[2:]
         m = cls.prefix_block(nh, d)
         rows = max(1, kernels.BLOCK_BUDGET // (nh * m))
-        return [(m0, min(off, m0 + m), rows) for m0 in range(s, off, m)]
+        blocks = [(m0, min(off, m0 + m)) for m0 in range(s, off, m)]
+        return [(m0, m1, n if window is None else min(n, m1 - 1 - off + window), rows) for m0, m1 in blocks]
 
-    def forward(self, q, keys: StepZeroKeys, segments, scale):
+    @staticmethod
+    def _masked(sc: torch.Tensor, off: int, i0: int, m0: int, window: int | None) -> torch.Tensor:
+        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0..: those outside a query's window at -inf."""
+        if window is None:
+            return sc
+        back = off + i0 + torch.arange(sc.shape[0], device=sc.device)[:, None] - m0 - torch.arange(sc.shape[-1], device=sc.device)
+        return sc.masked_fill((back >= window)[:, None, None], float("-inf"))
+
+    def forward(self, q, keys: StepZeroKeys, segments, scale, window=None):
         Tq = q.shape[1]
         off = keys.length - Tq
         k, v = keys.make(slice(None), slice(off, None))  # the shard's own keys [B, Tq, nkv, d]
-        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale)
+        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, window)
         del k, v
         acc = accumulation_dtype(q)
-        for b, s, n in self._prefixes(segments, Tq):
-            for m0, m1, rows in self._blocks(q, s, off):
+        for b, s, n in self._prefixes(segments, Tq, window):
+            for m0, m1, n1, rows in self._blocks(q, s, off, n, window):
                 kb, vb = (x[0].to(acc) for x in keys.make(slice(b, b + 1), slice(m0, m1)))  # [m, nkv, d]
                 g = q.shape[2] // kb.shape[1]
-                for i0 in range(0, n, rows):
-                    i1 = min(n, i0 + rows)
+                for i0 in range(0, n1, rows):
+                    i1 = min(n1, i0 + rows)
                     qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
-                    sc = torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
                     lp = sc.logsumexp(-1)  # [n, nkv, g]
                     op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
                     lp = lp.flatten(1)
@@ -80,27 +97,28 @@ class QueryTail:
                     lse[b, i0:i1] = merged
         return out, lse, ctx
 
-    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx):
+    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx, window=None):
         """dq, and the gradients of the step-0 entry and of its parameters (`StepZeroKeys.take_back`)."""
         Tq = q.shape[1]
         off = keys.length - Tq
         k, v, take_back = keys.make_with_graph(slice(None), slice(off, None))
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx)
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, window)
         take_back(dk, dv)
         del k, v, dk, dv
         acc = accumulation_dtype(q)
-        for b, s, n in self._prefixes(segments, Tq):
-            for m0, m1, rows in self._blocks(q, s, off):
+        for b, s, n in self._prefixes(segments, Tq, window):
+            for m0, m1, n1, rows in self._blocks(q, s, off, n, window):
                 k, v, take_back = keys.make_with_graph(slice(b, b + 1), slice(m0, m1))
                 kb, vb = k[0].to(acc), v[0].to(acc)  # [m, nkv, d]
                 nkv = kb.shape[1]
                 g = q.shape[2] // nkv
                 dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
-                for i0 in range(0, n, rows):
-                    i1 = min(n, i0 + rows)
+                for i0 in range(0, n1, rows):
+                    i1 = min(n1, i0 + rows)
                     part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
                     qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
-                    p = torch.exp(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale - lb[..., None])  # merged LSE
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
+                    p = torch.exp(sc - lb[..., None])  # merged LSE
                     D = (do * ob).sum(-1)
                     dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
                     ds = p * (torch.einsum("nkgd,mkd->nkgm", do, vb) - D[..., None]) * scale

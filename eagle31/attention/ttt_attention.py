@@ -6,9 +6,15 @@ Query `(p, k)` — position `p`, TTT step `k` — attends to
 * its own chain: the keys `(p, j)` for `j = 1..k`.
 
 Nothing else. So every step is "causal attention over the step-0 keys" plus
-`k` extra keys per query. The efficient path computes the causal part with a
-kernel that returns its log-sum-exp (LSE), adds the chain scores, and merges
-the two by LSE; its backward calls the kernel's backward with the *merged*
+`k` extra keys per query.
+
+A sliding window of W positions (`DrafterConfig.sliding_window`) is a window over RoPE positions, as
+vLLM serves it: the query `(p, k)` sits at position `p + k` and sees the keys of positions
+`p + k - W + 1 .. p + k` — the step-0 keys of `p + k - W + 1 .. p` (a causal window of `W - k`
+positions at step k) and its whole chain (positions `p + 1 .. p + k`, inside the window while `k < W`).
+
+The efficient path computes the causal part with a kernel that returns its
+log-sum-exp (LSE), adds the chain scores, and merges the two by LSE; its backward calls the kernel's backward with the *merged*
 output and LSE (the standard flash-attention identity), then adds the chain's
 gradients. Memory is O(T) in the sequence length: no `T x T` or `T x (K*T)`
 tensor is built.
@@ -50,14 +56,15 @@ from eagle31.recipe import AttentionBackend
 # reference: explicit scores
 
 
-def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None) -> torch.Tensor:
+def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None, window=None) -> torch.Tensor:
     """Explicit softmax over [step-0 keys | chain keys]; O(Tq * Tk) memory.
 
     q [B, Tq, nh, d] are the queries of the last Tq of the Tk positions whose step-0 keys k0, v0
     [B, Tk, nkv, d] are (Tq = Tk but for a query tail, as on a sequence shard); the chain's keys
     are the queries' own, [B, Tq, nkv, d] each; segments [B, Tk]. `probe`, when given, is called
     with the probabilities [B, nh, Tq, Tk + j*Tq] (keys step-major: the Tk step-0 keys, then the
-    Tq keys of each chain step) before they weight the values.
+    Tq keys of each chain step) before they weight the values. `window`: the sliding window W in positions
+    (module docstring), None for full attention.
     """
     B, T, nh, d = q.shape
     Tk, nkv = k0.shape[1], k0.shape[2]
@@ -72,9 +79,14 @@ def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None) -> to
     V = torch.cat([per_query_head(v0, Tk), *[per_query_head(v, T) for v in chain_v]], dim=2)
     query_pos = torch.arange(Tk - T, Tk, device=q.device)
     key_pos = torch.arange(Tk, device=q.device)
-    causal = (query_pos[:, None] >= key_pos[None, :]) & (segments[:, -T:, None] == segments[:, None, :])  # [B, T, Tk]
+    # query (p, j) sits at position p + j, the step-0 key p' at p', the chain key (p, i) at p + i
+    back = query_pos[:, None] + j - key_pos[None, :]  # [T, Tk]
+    causal = (back >= j) & (segments[:, -T:, None] == segments[:, None, :])  # [B, T, Tk]
     diag = (query_pos[:, None] == query_pos[None, :]).expand(B, T, T)
-    allowed = torch.cat([causal] + [diag] * j, dim=2)  # [B, T, Tk + j*T]
+    chain = [diag if window is None or j - i < window else torch.zeros_like(diag) for i in range(1, j + 1)]
+    if window is not None:
+        causal &= back < window
+    allowed = torch.cat([causal, *chain], dim=2)  # [B, T, Tk + j*T]
     probs = attention_probabilities(q, K, allowed)
     if probe is not None:
         probe(probs)
@@ -120,7 +132,7 @@ def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
 
 
 
-def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx):
+def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx, window):
     """The causal kernel's backward over the whole sequence's step-0 keys: (dq, the step-0 entry's gradients,
     its parameters'). The keys and values are made again (a graph unless they are the entry), and their
     gradients turned into the entry's at once: the decompressed keys go before the chain blocks run."""
@@ -128,7 +140,7 @@ def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segmen
         inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
         leaves0 = [p.detach().requires_grad_() for p in params0]
         k0, v0 = step0_keys_values(inputs0, expand0, leaves0, entry0[0].shape[:2])
-    dq, dk0, dv0 = kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, scale, kctx)
+    dq, dk0, dv0 = kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, scale, kctx, window)
     if expand0 is KEYS_VALUES:
         return dq, [dk0, dv0], []
     wanted = [t for t in inputs0 if t.requires_grad] + leaves0
@@ -140,9 +152,9 @@ def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segmen
 class _TTTAttention(torch.autograd.Function):
     """Causal kernel + chain keys merged by log-sum-exp.
 
-    Inputs (q, segments, kernel, expand0, expand, j, *entry0, *entries, *expand0.params,
-    *expand.params): entry0 the `expand0.width` tensors of step 0 (its keys and values, made by
-    `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
+    Inputs (q, segments, kernel, window, expand0, expand, j, *entry0, *entries, *expand0.params,
+    *expand.params): window the causal kernel's (the drafter's sliding window less j, or None);
+    entry0 the `expand0.width` tensors of step 0 (its keys and values, made by `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
     after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
     are not saved: backward makes them again for the causal kernel's backward and turns their
     gradients into the entry's (and the parameters') before the chain blocks run. On a sequence
@@ -150,7 +162,7 @@ class _TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, segments, kernel, expand0, expand, j, *rest):
+    def forward(ctx, q, segments, kernel, window, expand0, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         w0 = expand0.width
@@ -161,11 +173,11 @@ class _TTTAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d)
         if isinstance(kernel, QueryTail):  # a shard: the keys before it are made a block at a time
             keys0 = StepZeroKeys(entry0, expand0, params0)
-            out, lse, kctx = kernel.forward(q, keys0, segments, scale)
+            out, lse, kctx = kernel.forward(q, keys0, segments, scale, window)
             nkv = keys0.num_kv_heads()
         else:
             k0, v0 = step0_keys_values(entry0, expand0, params0, entry0[0].shape[:2])  # [B, T, nkv, d]
-            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale)  # fp32 [B, T, nh, d], [B, T, nh]
+            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale, window)  # fp32 [B, T, nh, d], [B, T, nh]
             nkv = k0.shape[2]
             del k0, v0
         g = nh // nkv
@@ -182,6 +194,7 @@ class _TTTAttention(torch.autograd.Function):
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
         ctx.save_for_backward(q, segments, out, lse, *rest)
         ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = kernel, kctx, scale, j, expand0, expand, nkv
+        ctx.window = window
         return out
 
     @staticmethod
@@ -200,9 +213,9 @@ class _TTTAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         if isinstance(ctx.kernel, QueryTail):
             keys0 = StepZeroKeys(entry0, expand0, params0)
-            dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx)
+            dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window)
         else:
-            causal = (ctx.kernel, dout, q, entry0, expand0, params0, out, lse, segments, ctx.scale, ctx.kctx)
+            causal = (ctx.kernel, dout, q, entry0, expand0, params0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window)
             dq, d_entry0, d_params0 = _causal_backward(*causal)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
         chain_parts = rest[w0 : w0 + j * expand.width]
@@ -239,26 +252,28 @@ class _TTTAttention(torch.autograd.Function):
                         dst += grad
             dq = dq.view(B, T, nh, d)
         d_params = [dp.to(p.dtype) for dp, p in zip(d_params, params)]
-        return dq, None, None, None, None, None, *d_entry0, *d_entries, *d_params0, *d_params
+        return dq, None, None, None, None, None, None, *d_entry0, *d_entries, *d_params0, *d_params
 
 
 def ttt_attention(
-    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES, probe=None
-) -> torch.Tensor:
+    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES, probe=None,
+    window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Attention of one TTT step (see module docstring); returns [B, T, nh, d].
 
     chain: sequence of j entries (empty at step 0), each a tuple of `expand.width` tensors
     [B, T, ...] from which `expand` makes that step's keys and values; with the default,
     an entry is (k, v), each [B, T, nkv, d]. k0, v0 and segments may cover Tk > T positions: the
     queries are then the last T of them (a sequence shard, `QueryTail`). `probe` sees the attention probabilities
-    (`reference_attention`), so it needs the reference backend.
+    (`reference_attention`), so it needs the reference backend. `window`: the sliding window W in positions
+    (module docstring; it must exceed the chain's length j), None for full attention.
     """
-    return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, probe)
+    return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, probe, window)
 
 
 def ttt_attention_of_entries(
     q, entry0, chain, segments, backend: str = "auto", expand0: ChainKeysValues = KEYS_VALUES,
-    expand: ChainKeysValues = KEYS_VALUES, probe=None,
+    expand: ChainKeysValues = KEYS_VALUES, probe=None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`ttt_attention` with the causal keys and values given as the step-0 entry, `expand0.width` tensors
     [B, Tk, ...] that `expand0` makes them of (Tk > T on a sequence shard): MLA's latents are kept, its keys and values decompressed
@@ -267,6 +282,8 @@ def ttt_attention_of_entries(
         backend = resolve_backend(q)
     if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
+    if window is not None and window <= len(chain):
+        raise ValueError(f"a sliding window of {window} positions leaves step {len(chain)}'s query no step-0 key: it must exceed the chain")
     tail = entry0[0].shape[1] != q.shape[1]  # the queries are the last of the keys' positions (sequence parallelism)
     if backend == "reference":
         B, T = q.shape[:2]
@@ -274,7 +291,7 @@ def ttt_attention_of_entries(
         kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
         chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
         chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]
-        return reference_attention(q, k0, v0, chain_k, chain_v, segments, probe)
+        return reference_attention(q, k0, v0, chain_k, chain_v, segments, probe, window)
     if probe is not None:
         raise ValueError(f"the attention probabilities are explicit only in the reference backend, not {backend!r}")
     kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
@@ -282,6 +299,9 @@ def ttt_attention_of_entries(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
     flat = [t for e in chain for t in e]
     kernel = QueryTail(kernels[backend]) if tail else kernels[backend]
-    return _TTTAttention.apply(q, segments, kernel, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params)
+    causal_window = None if window is None else window - len(chain)  # step j: the step-0 keys of p + j - W + 1 .. p
+    return _TTTAttention.apply(
+        q, segments, kernel, causal_window, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
+    )
 
 

@@ -132,10 +132,12 @@ class ChatEncoder:
         markers = think_markers(tokenizer)
         self._closing_ids = self._special_ids | ({markers[1]} if markers else set())
 
-    def encode(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+    def encode(self, conversation: Conversation, system_prompt: str | None = None) -> tuple[list[int], list[int]]:
+        """`system_prompt`: this conversation's (`eagle31.data.system_prompts`) instead of the encoder's."""
         messages = list(conversation.messages)
-        if self.system_prompt and (not messages or messages[0]["role"] != "system"):
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        system_prompt = system_prompt or self.system_prompt
+        if system_prompt and (not messages or messages[0]["role"] != "system"):
+            messages.insert(0, {"role": "system", "content": system_prompt})
         tools = conversation.tools
         full_text = self._render(messages, tools, generation_prompt=False)
         messages = self._drop_unrendered_reasoning(messages, tools, full_text)

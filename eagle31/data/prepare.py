@@ -9,7 +9,9 @@ writes `data_cfg.prepared_dir`:
     vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (docs/design.md §5, eagle31.vocab)
     report.json                 records in, samples out, dropped inputs per reason with locations, token totals
 
-Each conversation becomes one sample (`eagle31.data.chat`). Longer than `max_len`
+Each conversation becomes one sample (`eagle31.data.chat`); one without a system message gets
+`data.system_prompt`, or one of `data.system_prompts` drawn from `data.seed` and its index in the
+input (`eagle31.data.system_prompts`). Longer than `max_len`
 tokens, it is cut to its first `max_len` tokens (`overflow: truncate`, counted) or
 dropped (`overflow: drop`, reason `too_long`). A sample whose mask is all zero
 never reaches the output (reasons `no_assistant_tokens`, and
@@ -52,6 +54,7 @@ from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
+from eagle31.data.system_prompts import data_system_prompts, draw_system_prompt
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
@@ -151,6 +154,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
     if data_cfg.eval_max_samples < 0:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
     template_kwargs(data_cfg)
+    data_system_prompts(data_cfg)
     check_output_dir(prepared, "prepared-data")  # before the tokenizer (or the target) is loaded
     return sources
 
@@ -176,16 +180,12 @@ def prepare_dataset(
     import datasets
 
     sources = check_data_config(data_cfg)
-    encoder = ChatEncoder(
-        tokenizer,
-        last_turn_only=data_cfg.last_turn_only,
-        system_prompt=data_cfg.system_prompt or None,
-        template_kwargs=template_kwargs(data_cfg),
-    )
+    encoder = ChatEncoder(tokenizer, last_turn_only=data_cfg.last_turn_only, template_kwargs=template_kwargs(data_cfg))
+    prompts = data_system_prompts(data_cfg)
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
-    samples = _samples(read_conversations(sources, dropped), encoder, data_cfg, V, dropped, truncated)
+    samples = _samples(read_conversations(sources, dropped), encoder, prompts, data_cfg, V, dropped, truncated)
     kept = "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
     with write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept), atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
         if _write_arrow(samples, tmp / "all.arrow") == 0:
@@ -218,7 +218,7 @@ def prepare_dataset(
                 "max_len": data_cfg.max_len,
                 "overflow": data_cfg.overflow,
                 "last_turn_only": data_cfg.last_turn_only,
-                "system_prompt": data_cfg.system_prompt,
+                "system_prompts": prompts,
                 "chat_template_kwargs": template_kwargs(data_cfg),
                 "eval_fraction": data_cfg.eval_fraction,
                 "eval_max_samples": data_cfg.eval_max_samples,
@@ -280,11 +280,11 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------- steps
 
 
-def _samples(conversations, encoder, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
+def _samples(conversations, encoder, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
     """Encoded conversations that fit `max_len` and supervise something; the others are counted."""
-    for conv in conversations:
+    for index, conv in enumerate(conversations):
         try:
-            ids, mask = encoder.encode(conv)
+            ids, mask = encoder.encode(conv, draw_system_prompt(prompts, data_cfg.seed, index))
         except ChatTemplateError as e:
             dropped.add(e.reason, conv.where, e.detail)
             continue

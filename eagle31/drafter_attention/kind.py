@@ -42,6 +42,8 @@ class AttentionKind(ABC):
     # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
     # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
     chain_keeps_input: bool
+    # vLLM builds this kind's attention with the layer's sliding window (`drafter.sliding_window`)
+    serves_window: bool = True
 
     # ------------------------------------------------------------------ model (eagle31.model)
 

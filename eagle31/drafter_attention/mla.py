@@ -199,6 +199,7 @@ MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM
 class MLAAttentionKind(AttentionKind):
     name = "mla"
     label = "an MLA drafter"
+    serves_window = False  # vLLM's DeepSeek EAGLE-3 layer builds its MLA attention without a window
     fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     architecture = MLA_ARCHITECTURES[0]
     model_type = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter

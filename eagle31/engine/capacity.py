@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError, DrafterConfig, text_config
-from eagle31.estimate import count_parameters
+from eagle31.estimate import count_parameters, head_dims
 from eagle31.metrics_log import read_metrics
 
 
@@ -123,9 +123,6 @@ def drafter_training_flops(d: DrafterConfig, ttt_length: int, seq_len: int) -> f
     """One token's share of the drafter's TTT unroll, forward and backward (3x the forward)."""
     fc = d.fc_in_features * d.hidden_size
     per_step = count_parameters(d).trainable - fc  # the layer, its norms and the lm_head
-    if d.attention == "mla":
-        heads, qk, v = d.num_attention_heads, d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim
-    else:
-        heads, qk, v = d.num_attention_heads, d.head_dim, d.head_dim
+    heads, (qk, v) = d.num_attention_heads, head_dims(d)
     attention = 2 * (seq_len / 2) * heads * (qk + v)
     return 3 * (2 * fc + ttt_length * (2 * per_step + attention))

@@ -19,6 +19,9 @@ A draft tree (EAGLE-2) expands the `top_k` best nodes per level, each query
 seeing the step-0 keys plus its ancestors' draft keys (tree attention), and
 keeps the `total_tokens` nodes of highest cumulative log-probability.
 
+A drafter with a sliding window of W positions (`DrafterConfig.sliding_window`) attends, from a query
+at position P, only the keys of positions P - W + 1 .. P, as vLLM serves it and the unroll trains it.
+
 `Proposer` is the interface the decoding loop (`eagle31.eval.speculative`) drives;
 `EagleProposer` implements it for an `Eagle31Drafter`, and tests implement it
 with oracles. A `DraftProbe` given to `EagleProposer` watches every chain step
@@ -118,12 +121,13 @@ class DraftProbe(Protocol):
 
     def observe(
         self, feature: torch.Tensor, out: DraftStep, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-        attn: torch.Tensor, chain: int,
+        attn: torch.Tensor, chain: int, first: int = 0,
     ) -> None:
         """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
-        [1, S, nkv, d] what it attended to: the step-0 keys, then the last `chain` of them its own draft
-        keys; attn [1, 1, nh, d] the attention output. `chain` is 0 for the step that makes a round's first
-        draft (run by `extend` at the last verified position)."""
+        [1, S, nkv, d] what it attended to: the step-0 keys of positions first.., then the last `chain` of them
+        its own draft keys (`first` > 0 only for a sliding-window drafter); attn [1, 1, nh, d] the attention
+        output. `chain` is 0 for the step that makes a round's first draft (run by `extend` at the last
+        verified position)."""
 
 
 class EagleProposer:
@@ -132,6 +136,7 @@ class EagleProposer:
     def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
         self.drafter = drafter
         self.probe = probe  # chains only: draft trees are not observed
+        self.window = drafter.config.sliding_window  # None: every key
         self.reset()
 
     def reset(self) -> None:
@@ -150,12 +155,14 @@ class EagleProposer:
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
         self.length += m
-        # only the last position's output is needed: it seeds the next draft (its causal keys are all keys)
-        attn = _attend(q[:, -1:], self.keys, self.values)
+        # only the last position's output is needed: it seeds the next draft (its causal keys are all keys,
+        # or those of the window)
+        first, keys, values = self._in_window(self.keys, self.values)
+        attn = _attend(q[:, -1:], keys, values)
         root = self.drafter.step_output(residual[:, -1:], attn)
         self.root = root.hidden
         if self.probe is not None:
-            self.probe.observe(feature[:, -1:], root, q[:, -1:], self.keys, self.values, attn, chain=0)
+            self.probe.observe(feature[:, -1:], root, q[:, -1:], keys, values, attn, chain=0, first=first)
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
@@ -169,11 +176,12 @@ class EagleProposer:
                 break
             position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
             q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
-            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
-            feature, attn = out.feature, _attend(q, keys, values)
+            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)  # [1, position + 1, ...]
+            first, seen_keys, seen_values = self._in_window(keys, values)
+            feature, attn = out.feature, _attend(q, seen_keys, seen_values)
             out = self.drafter.step_output(residual, attn)
             if self.probe is not None:
-                self.probe.observe(feature, out, q, keys, values, attn, chain=step + 1)
+                self.probe.observe(feature, out, q, seen_keys, seen_values, attn, chain=step + 1, first=first)
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()
@@ -197,13 +205,14 @@ class EagleProposer:
         frontier = torch.arange(top_k, device=ids.device)  # candidates expanded at the next level
         keys, values = self.keys, self.values
         key_nodes: list[int] = []  # the candidate each draft key belongs to
+        depths = [1] * top_k  # each candidate's level (the roots' children are at 1)
         for level in range(1, spec.depth):
             width = frontier.numel()
             position = torch.full((1, width), self.length - 1 + level, device=ids.device)
             q, key, value, residual = self.drafter.step_qkv(features[frontier][None], tokens[frontier][None], position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
             key_nodes += frontier.tolist()
-            allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist())
+            allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist(), depths)
             out = self.drafter.step_output(residual, _attend(q, keys, values, allowed))  # each [1, width, H]
             child_scores, child_ids = self._log_probs(out.state)[0].topk(top_k, dim=-1)  # [width, top_k]
             child_scores = (scores[frontier, None] + child_scores).flatten()
@@ -211,6 +220,7 @@ class EagleProposer:
             scores = torch.cat([scores, child_scores])
             tokens = torch.cat([tokens, self.drafter.draft_to_target(child_ids).flatten()])
             parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
+            depths += [level + 1] * child_ids.numel()
             features = torch.cat([features, out.feature[0].repeat_interleave(top_k, dim=0)])
             frontier = first + child_scores.topk(top_k).indices
         # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
@@ -232,9 +242,15 @@ class EagleProposer:
         """state [..., H] (`DraftStep.state`) -> log-probabilities [..., Vd] over the draft vocabulary."""
         return self.drafter.lm_head(state).float().log_softmax(-1)
 
-    def _tree_attention_mask(self, queries: list[int], key_nodes: list[int], parents: list[int]) -> torch.Tensor:
+    def _in_window(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(first, keys, values) a query at the last of the keys' positions sees: those of positions first.. ."""
+        first = 0 if self.window is None else max(0, keys.shape[1] - self.window)
+        return first, keys[:, first:], values[:, first:]
+
+    def _tree_attention_mask(self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
         """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft
-        keys of the query's ancestors and its own."""
+        keys of the query's ancestors and its own; with a sliding window, those within it (a node of
+        level l, its query and its draft key, sits at position length - 1 + l)."""
         mask = torch.zeros(len(queries), self.length + len(key_nodes), dtype=torch.bool)
         mask[:, : self.length] = True
         column = {node: self.length + i for i, node in enumerate(key_nodes)}
@@ -242,6 +258,10 @@ class EagleProposer:
             while node >= 0:
                 mask[row, column[node]] = True
                 node = parents[node]
+        if self.window is not None:
+            positions = torch.tensor(list(range(self.length)) + [self.length - 1 + depths[n] for n in key_nodes])
+            query = torch.tensor([self.length - 1 + depths[n] for n in queries])
+            mask &= query[:, None] - positions[None] < self.window
         return mask.to(self.keys.device)
 
 

@@ -329,7 +329,7 @@ class _LiveRecorder:
         self.reconstruction_error = 0.0
         self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
 
-    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int) -> None:
+    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int, first: int = 0) -> None:
         heads, kv_heads = q.shape[2], keys.shape[2]
         g = heads // kv_heads
         K = keys.transpose(1, 2).repeat_interleave(g, dim=1)  # [1, heads, S, d]: the kv head of each query head
@@ -338,10 +338,10 @@ class _LiveRecorder:
         error = (torch.einsum("bhqk,bhkd->bqhd", probs.to(V.dtype), V) - attn).abs().max()
         self.reconstruction_error = max(self.reconstruction_error, float(error))
         S = keys.shape[1]
-        col = torch.arange(S, device=keys.device)
-        context = col < S - chain  # the step-0 keys; the rest are the round's own drafts
+        col = torch.arange(first, first + S, device=keys.device)  # the keys' positions (a window starts at first)
+        context = col < first + S - chain  # the step-0 keys; the rest are the round's own drafts
         target_sink = None if self.target_sink is None else context & torch.isin(col, self.target_sink.to(col.device))
-        masses = split_mass(probs[0], col < min(self.sink_tokens, S - chain), ~context, target_sink)
+        masses = split_mass(probs[0], context & (col < self.sink_tokens), ~context, target_sink)
         if chain == 0:
             self.rounds.append([])
         self.rounds[-1].append((masses, feature[0], out))

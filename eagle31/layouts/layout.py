@@ -77,6 +77,7 @@ def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None)
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": max_positions,
         **rope_fields(rope),
+        **sliding_window_fields(config),
         "vocab_size": config.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,
@@ -108,6 +109,21 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
         "rope_scaling": None if scaling == {"rope_type": "default"} else scaling,
         "rope_parameters": dict(rope),
     }
+
+
+def sliding_window_fields(config: DrafterConfig) -> dict[str, Any]:
+    """The layer's window as vLLM's Llama attention reads it (docs/export.md); nothing for full attention."""
+    if config.sliding_window is None:
+        return {}
+    return {"sliding_window": config.sliding_window, "layer_types": ["sliding_attention"]}
+
+
+def served_sliding_window(layer: dict[str, Any]) -> int | None:
+    """The window vLLM serves a drafter layer (`layer`: its config.json fields) with: `sliding_window` when its
+    one layer type is `sliding_attention`, otherwise none."""
+    if (layer.get("layer_types") or [None])[0] != "sliding_attention":
+        return None
+    return layer.get("sliding_window")
 
 
 def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
@@ -155,6 +171,7 @@ def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
         rope_parameters=rope_parameters_from(layer),  # transformers keeps a legacy `type` key
         max_position_embeddings=parsed.max_position_embeddings,
         vocab_size=parsed.vocab_size,
+        sliding_window=served_sliding_window(layer),
     )
 
 

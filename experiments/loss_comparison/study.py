@@ -31,50 +31,37 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle31.config import ConfigError
+from eagle31.recipe import DraftLoss
 from experiments.harness import (
+    StudyConfig,
     acceptance_splits_of,
     comparison_recipe,
     format_training,
     log_command,
     measure_drafters,
-    measured_earlier,
-    parse_seeds,
-    print_results,
+    report_body,
+    separation,
     shared_settings,
     study_main,
     tau_over_seeds,
-    train_eagle31,
-    trained_before,
+    train_missing,
     training_reports,
-    write_results,
+    write_summary,
 )
-from eagle31.config import ConfigError
-from eagle31.recipe import DraftLoss
 
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
 
 
 @dataclass
-class LossComparisonConfig:
+class LossComparisonConfig(StudyConfig):
     out: str = "experiments/loss_comparison/results/demo"
     runs: str = "runs/side_by_side"
     losses: str = "kl,tv,lk_alpha,lk_hybrid,ce"
-    seeds: str = "0,1"
-    max_steps: int | None = None  # None: the recipe's train.max_steps
-    k: int = 3
-    max_prompts: int = 16
-    max_new_tokens: int = 48
-    threads: int = 1
-    measure: bool = True
 
     def __post_init__(self) -> None:
-        self.loss_list  # raise on bad lists
-        self.seed_list
-        for name in ("k", "max_prompts", "max_new_tokens", "threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be a positive integer, got {self.max_steps}")
+        super().__post_init__()
+        self.loss_list  # raise on a bad list
 
     @property
     def loss_list(self) -> list[str]:
@@ -86,10 +73,6 @@ class LossComparisonConfig:
             )
         return losses
 
-    @property
-    def seed_list(self) -> list[int]:
-        return parse_seeds(self.seeds)
-
 
 def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
     """The baseline's runs are the side-by-side's eagle31 runs."""
@@ -99,15 +82,6 @@ def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
 def run_dirs(cfg: LossComparisonConfig) -> dict[str, Path]:
     """Every run of the comparison: its name -> its directory under `runs`."""
     return {run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in cfg.loss_list for s in cfg.seed_list}
-
-
-def separation(row: dict, baseline: dict) -> str | None:
-    """`higher` / `lower` when every seed of one is above every seed of the other, else None."""
-    if row["min"] > baseline["max"]:
-        return "higher"
-    if row["max"] < baseline["min"]:
-        return "lower"
-    return None
 
 
 def summarize(cfg: LossComparisonConfig, acceptance: dict, recipe) -> dict:
@@ -170,32 +144,21 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
-    earlier = measured_earlier(out)
-    for (loss, seed), run_recipe in recipes.items():
-        name = run_name(cfg, loss, seed)
-        if trained_before(runs / name, earlier):
-            print(f"skip (done): {name}", file=sys.stderr)
-            continue
-        print(f"train: {name} (train.loss={loss})", file=sys.stderr)
-        train_eagle31(run_recipe)
+    losses = {run_name(cfg, loss, seed): loss for loss, seed in recipes}
+    train_missing({run_name(cfg, *key): r for key, r in recipes.items()}, runs, out, lambda name: f" (train.loss={losses[name]})")
     if not cfg.measure:
         return None
     drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
     acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
     summary = summarize(cfg, acceptance, recipe)
-    write_results(out, summary, format_results(summary))
-    return summary
+    return write_summary(out, summary, format_results(summary))
 
 
 def main(argv: list[str]) -> int:
-    def body(cfg: LossComparisonConfig, overrides: list[str], command: str) -> None:
-        summary = loss_comparison(cfg, overrides, command)
-        if summary is None:
-            print(f"trained losses {cfg.losses}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them")
-            return
-        print_results(Path(cfg.out), format_results(summary))
+    def trained(cfg: LossComparisonConfig) -> str:
+        return f"trained losses {cfg.losses}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, LossComparisonConfig, SMOKE, "experiments.loss_comparison", body)
+    return study_main(argv, __doc__, LossComparisonConfig, SMOKE, "experiments.loss_comparison", report_body(loss_comparison, format_results, trained))
 
 
 if __name__ == "__main__":

@@ -60,14 +60,14 @@ from experiments.harness import (
     measure_drafters,
     measured_earlier,
     parse_seeds,
-    print_results,
     shared_settings,
+    report_body,
     study_main,
     tau_over_seeds,
     train_eagle31,
     trained_before,
     training_reports,
-    write_results,
+    write_summary,
 )
 
 SIDES = ("eagle31", "speculators", "specforge")
@@ -323,19 +323,14 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
         return None
     recipe = recipes[("eagle31", cfg.seeds_list[0])]
     summary = summarize(cfg, measure(cfg, recipe), recipe)
-    write_results(out, summary, format_results(summary))
-    return summary
+    return write_summary(out, summary, format_results(summary))
 
 
 def main(argv: list[str]) -> int:
-    def body(cfg: SideBySideConfig, overrides: list[str], command: str) -> None:
-        summary = side_by_side(cfg, overrides, command)
-        if summary is None:
-            print(f"trained seeds {cfg.seeds} of {cfg.sides} under {cfg.runs}; measure=true measures them")
-            return
-        print_results(Path(cfg.out), format_results(summary))
+    def trained(cfg: SideBySideConfig) -> str:
+        return f"trained seeds {cfg.seeds} of {cfg.sides} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, SideBySideConfig, SMOKE, "experiments.side_by_side", body)
+    return study_main(argv, __doc__, SideBySideConfig, SMOKE, "experiments.side_by_side", report_body(side_by_side, format_results, trained))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import yaml
 from benchmarks.benchmark_train_step import main
 from benchmarks.measure import run_benchmark
 from benchmarks.report import update_table
-from benchmarks.train_step import BenchConfig, step_flops
+from benchmarks.train_step import BenchConfig
 from eagle31.config import ConfigError
-from eagle31.estimate import count_parameters
+from eagle31.estimate import count_parameters, step_flops
 from tests.helpers import tiny_config
 from tests.peers import missing_peer
 

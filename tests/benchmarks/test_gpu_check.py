@@ -79,7 +79,7 @@ def test_the_shard_attention_check_catches_a_lost_block_of_earlier_keys(monkeypa
     cfg = drafter_config("mla", 64)
     assert gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")["passed"]
     blocks = QueryTail._blocks.__func__
-    monkeypatch.setattr(QueryTail, "_blocks", classmethod(lambda cls, q, s, off: blocks(cls, q, s, off)[1:]))
+    monkeypatch.setattr(QueryTail, "_blocks", classmethod(lambda cls, q, s, off, n, window: blocks(cls, q, s, off, n, window)[1:]))
     monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 8))  # several blocks: the first is dropped
     report = gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")
     assert not report["passed"] and report["max_error"]["output"] > 1e-2
@@ -119,11 +119,22 @@ def test_the_attention_check_catches_a_wrong_kernel(monkeypatch):
     assert set(report) == {"flash", "blockwise"} and max(report["flash"].values()) < 1e-4
     forward = FlashCausal.forward
 
-    def off_by_a_bit(q, k, v, segments, scale):
-        out, lse, ctx = forward(q, k, v, segments, scale * 1.01)
+    def off_by_a_bit(q, k, v, segments, scale, window=None):
+        out, lse, ctx = forward(q, k, v, segments, scale * 1.01, window)
         return out, lse, ctx
 
     monkeypatch.setattr(FlashCausal, "forward", staticmethod(off_by_a_bit))
+    with pytest.raises(RuntimeError, match="'flash' disagrees"):
+        attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)
+
+
+def test_the_attention_check_of_a_windowed_drafter_catches_a_kernel_that_ignores_the_window(monkeypatch):
+    cfg = recipe_drafter("kimi_k26_llama")  # its 2,048-position window, checked as 16 of the 48 positions
+    assert cfg.sliding_window == 2048
+    report = attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)
+    assert max(report["flash"].values()) < 1e-4 and max(report["blockwise"].values()) < 1e-4
+    forward = FlashCausal.forward
+    monkeypatch.setattr(FlashCausal, "forward", staticmethod(lambda q, k, v, segments, scale, window=None: forward(q, k, v, segments, scale)))
     with pytest.raises(RuntimeError, match="'flash' disagrees"):
         attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)
 

@@ -84,7 +84,7 @@ def turn_spans(encoder, messages) -> list[str]:
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])  # vLLM 0.33; SGLang and older vLLM
 def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_supervises_it(srv, kimi_tok, tmp_path, field):
     srv.control(reasoning_field=field)
-    settings = Settings(max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompt=SYSTEM_PROMPT,
+    settings = Settings(max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT],
                         temperature=0.7)  # fmt: skip
     conversations = chats(["two plus two", "and times three"], ["hello"], ["name a colour", "another", "one more"])
     counts, records, report = run(conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "out", settings)
@@ -254,7 +254,7 @@ def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, 
     records = [json.loads(line) for p in sorted(shards.glob("*.jsonl")) for line in p.read_text().splitlines()]
     assert [r["source"] for r in records] == [f"{source}:{n}" for n in range(1, 25)]  # each once, in order
 
-    settings = Settings(max_new_tokens=60, shard_size=2, chat_template_kwargs=THINKING, system_prompt=SYSTEM_PROMPT)
+    settings = Settings(max_new_tokens=60, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT])
     fresh = [json.loads(line) for line in source.read_text().splitlines()]
     conversations = [Conversation(f["messages"], where=f"{source}:{n}") for n, f in enumerate(fresh, start=1)]
     _, whole, _ = run(conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "whole", settings)

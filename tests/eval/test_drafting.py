@@ -180,3 +180,43 @@ def test_bad_tree_spec_and_drafting_before_context():
     aux, ids = context(m.config)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         proposer_at(m, aux, ids, 3).draft_tree(TreeSpec(top_k=1000, depth=2, total_tokens=4))
+
+
+# ---------------------------------------------------------------------------- sliding window
+
+W = 4  # shorter than most contexts below: the window cuts the cache
+
+
+def test_a_windowed_chain_follows_the_windowed_training_unroll():
+    """The KV cache attended with the window, at every draft depth, equals the training unroll with it."""
+    m = tiny_drafter(sliding_window=W)
+    full = tiny_drafter()  # same weights, full attention
+    aux, ids = context(m.config)
+    differs = False
+    for n in (2, 6, T - 1):
+        prop = proposer_at(m, aux, ids, n, chunks=(None,) if n < 6 else (3, 2, None))
+        drafts = prop.draft_chain(W).tolist()
+        logp = unroll_log_probs(m, aux, ids, n, drafts[:-1])
+        assert m.draft_to_target(logp.argmax(-1)).tolist() == drafts, n
+        differs |= full.draft_to_target(unroll_log_probs(full, aux, ids, n, drafts[:-1]).argmax(-1)).tolist() != drafts
+    assert differs, "the test must tell the window from full attention"
+
+
+def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
+    """Each expanded node's children are the top-k of the windowed unroll after its path (tree attention with
+    the window over the nodes' positions); full attention would have chosen other children somewhere."""
+    m = tiny_drafter(sliding_window=W)
+    full = tiny_drafter()
+    aux, ids = context(m.config)
+    top_k, depth = 3, 4
+    differs = False
+    for n in (7, T - 1):
+        tree = proposer_at(m, aux, ids, n).draft_tree(TreeSpec(top_k=top_k, depth=depth, total_tokens=10_000))
+        parents = tree.parents.tolist()
+        for i, path in enumerate(tree_paths(tree)):
+            children = sorted(tree.tokens[c].item() for c, p in enumerate(parents) if p == i)
+            if children and len(path) > 1:  # a node below the first level: its query sees draft keys too
+                top = lambda d: sorted(d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist())  # noqa: E731
+                assert children == top(m), (n, path)
+                differs |= children != top(full)
+    assert differs, "the test must tell the window from full attention"

@@ -249,7 +249,7 @@ class _Counter:
     def __init__(self):
         self.calls = 0
 
-    def observe(self, *args, chain):
+    def observe(self, *args, chain, first=0):
         self.calls += 1
 
 

@@ -59,7 +59,7 @@ def test_smoke_trains_each_loss_and_compares_it_with_the_baseline(tiny_target, c
 
 
 def test_separation_needs_every_seed_on_one_side():
-    from experiments.loss_comparison.study import separation
+    from experiments.harness import separation
 
     baseline = {"min": 1.5, "max": 1.7}
     assert separation({"min": 1.71, "max": 1.9}, baseline) == "higher"

@@ -23,7 +23,7 @@ def logits(m, seed=0, K=3):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("switches", [dict(), dict(fc_norm=False, norm_output=False), dict(draft_vocab_size=40)])
+@pytest.mark.parametrize("switches", [dict(), dict(fc_norm=False, norm_output=False), dict(draft_vocab_size=40), dict(sliding_window=4)])
 def test_round_trip_gives_bit_identical_logits_and_config(tmp_path, fmt, switches):
     m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target", **switches)
     loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, dtype="float32"))
@@ -40,6 +40,27 @@ def test_bf16_export_round_trips_the_rounded_weights_exactly(tmp_path, fmt):
     rounded = m.to(torch.bfloat16).float()
     for a, b in zip(logits(rounded), logits(loaded)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_sliding_window_is_written_where_vllm_reads_a_draft_layers_window(tmp_path, fmt):
+    """`sliding_window` with `layer_types: [sliding_attention]` in the layer's fields (the speculators layout's
+    transformer_layer_config); a full-attention drafter writes neither."""
+    windowed = export_drafter(tiny_drafter(sliding_window=6), tmp_path / "w", fmt, target_name_or_path="org/t")
+    full = export_drafter(tiny_drafter(), tmp_path / "f", fmt, target_name_or_path="org/t")
+    layer = lambda cfg: cfg["transformer_layer_config"] if fmt == "speculators" else cfg  # noqa: E731
+    cfg = json.loads((windowed / "config.json").read_text())
+    assert (layer(cfg)["sliding_window"], layer(cfg)["layer_types"]) == (6, ["sliding_attention"])
+    assert not {"sliding_window", "layer_types"} & set(json.loads((full / "config.json").read_text()))
+
+
+def test_an_mla_drafter_with_a_window_is_refused_in_one_line(tmp_path):
+    from tests.test_mla import mla_drafter
+
+    m = mla_drafter(sliding_window=8)
+    with pytest.raises(ConfigError, match="sliding_window=8 cannot be served: vLLM builds an MLA drafter's attention without a window") as e:
+        export_drafter(m, tmp_path / "out", "eagle3")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
 def test_rename_table_is_the_only_difference_between_layouts():

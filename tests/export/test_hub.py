@@ -48,6 +48,15 @@ def test_speculators_card_and_a_run_without_report(tmp_path):
     assert "| top-1 accuracy | 0.500 | - |" in partial and "| - | - | 2.500 | - |" in partial
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_the_card_of_a_windowed_drafter_says_its_window(tmp_path, fmt):
+    out = export_drafter(tiny_drafter(sliding_window=64), tmp_path / fmt, fmt, target_name_or_path="org/t")
+    _, body = front_matter(render_model_card(hub.read_export(out), "me/d"))
+    assert "* attention: a sliding window of 64 positions" in body
+    full = export_drafter(tiny_drafter(), tmp_path / "full", fmt, target_name_or_path="org/t")
+    assert "sliding window" not in render_model_card(hub.read_export(full), "me/d")
+
+
 @pytest.fixture
 def fake_hub(monkeypatch):
     calls = []

@@ -34,7 +34,7 @@ def test_credentials_are_masked_by_what_they_are(monkeypatch):
     config = {
         "hub": {"token": "anything", "license": "mit"},
         "logging": {"wandb": {"api_key": "anything", "mode": "offline", "entity": None}},
-        "data": {"source": [f"https://user:pa55word@example.org/chat.jsonl", f"hf://datasets/org/d?token={HF_TOKEN}"],
+        "data": {"source": ["https://user:pa55word@example.org/chat.jsonl", f"hf://datasets/org/d?token={HF_TOKEN}"],
                  "shard_max_tokens": 4096},
         "notes": f"key {WANDB_KEY} and {HF_TOKEN}",
         "eval": {"num_speculative_tokens": 3, "max_new_tokens": 64},

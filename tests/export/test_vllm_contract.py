@@ -33,6 +33,8 @@ CASES = {
     "llama3_rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 64}),
+    # the window cuts the 6-position sequence of the numerics test at every step (step 2: 2 step-0 keys)
+    "sliding_window": dict(sliding_window=4),
 }
 FORMATS = ("eagle3", "speculators")
 TRAINED_CONTEXT = 1024
@@ -57,7 +59,7 @@ def test_vllm_reads_the_drafters_settings(tmp_path, case, fmt):
     assert s["num_aux"] == c.num_aux
     assert s["target_hidden_size"] == c.target_hidden_size  # never null
     assert (s["draft_vocab_size"], s["vocab_size"]) == (c.draft_vocab_size, c.vocab_size)
-    for flag in ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc"):
+    for flag in ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc", "sliding_window"):
         assert s[flag] == getattr(c, flag), flag
     assert s["max_position_embeddings"] >= TRAINED_CONTEXT
 

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 PEER_SCRIPT = (Path(__file__).parent / "vllm_peer.py").read_text()
 POSITIONS = [0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, 65535, 262143]
+WINDOW = 6  # the extra sliding-window exports' window
 TINY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
             vocab_size=40, target_hidden_size=16)  # fmt: skip
 TINY_MLA = dict(num_key_value_heads=4, head_dim=10, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
@@ -68,6 +69,8 @@ def recipe_cases(name: str) -> list[dict]:
         o = {k: v for k, v in overrides.items() if k not in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                              "intermediate_size", "draft_vocab_size")}  # fmt: skip
         o["attention"] = attention
+        if attention == "mla":  # vLLM's DeepSeek layer serves no window: refused (test_an_mla_window_is_not_served)
+            o.pop("sliding_window", None)
         drafter = DrafterConfig.from_target_config(target, **o)
         if int(cfg.data.max_len) > drafter.max_position_embeddings:  # eagle31.plan.plan_run
             drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
@@ -110,7 +113,16 @@ def exports(tmp_path_factory):
     local = root / "speculators-local-verifier"
     with pytest.warns(UserWarning, match="is a local path, which `vllm serve <export>` .vLLM 0.33. refuses"):
         export_case({**speculators, "target_name": str(root)}, local)  # a local target directory as the verifier
-    return made, {"deepseek_v3": old, "local_verifier": local}
+    windows = {}
+    for fmt in ("eagle3", "speculators"):  # a drafter with a sliding window, in both layouts
+        windows[fmt] = root / f"window-{fmt}"
+        export_case({**speculators, "config": {**speculators["config"], "sliding_window": WINDOW}, "format": fmt}, windows[fmt])
+    mla_window = root / "mla-window"  # what eagle31 refuses to write: an MLA export carrying a window
+    export_case(mla, mla_window)
+    config = json.loads((mla_window / "config.json").read_text())
+    (mla_window / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW, "layer_types": ["sliding_attention"]}))
+    extra = {"deepseek_v3": old, "local_verifier": local, "mla_window": mla_window}
+    return made, {**extra, **{f"window_{fmt}": d for fmt, d in windows.items()}}
 
 
 @pytest.fixture(scope="module", params=VLLM_RELEASES)
@@ -158,6 +170,30 @@ def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 assert f[name] == getattr(c, name), (case_id, name)
         assert f["max_position_embeddings"] >= case["max_len"], case_id
+        assert got["attention_window"] == c.sliding_window, case_id  # the recipes' windows, or none
+
+
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
+def test_each_release_builds_the_draft_attention_with_the_exported_window(vllm_reads, exports):
+    """`llama.py::LlamaAttention.__init__` on the parsed export hands its `Attention` the drafter's window, in both
+    layouts; a full-attention export gets none (`test_vllm_builds_every_export_as_the_drafter_it_is`)."""
+    release, read, _ = vllm_reads
+    _, extra = exports
+    for fmt in ("eagle3", "speculators"):
+        got = read[str(extra[f"window_{fmt}"])]
+        assert got.get("registered") and got["attention_window"] == WINDOW, (release, fmt, got.get("attention_window"))
+        assert got["fields"]["layer_types"] == ["sliding_attention"], (release, fmt)
+
+
+@pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
+def test_an_mla_window_is_not_served(vllm_reads, exports):
+    """Why eagle31 refuses an MLA drafter with a window: vLLM's DeepSeek EAGLE-3 layer builds its MLA attention
+    without reading one, so the export would be served with full attention."""
+    release, read, _ = vllm_reads
+    _, extra = exports
+    got = read[str(extra["mla_window"])]
+    assert got.get("registered") and got["fields"].get("sliding_window") == WINDOW, release  # parsed, then unread
+    assert got["attention_window"] is None, release
 
 
 @pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)

@@ -63,7 +63,14 @@ Read in vllm-project/vllm 0.33.0:
   rope is `get_rope(head_dim, max_position=max_position_embeddings,
   rope_parameters=config.rope_parameters, is_neox_style=True)`, with `head_dim` from the
   config or `hidden_size // num_attention_heads`. `rope_parameters` is transformers'
-  parse of config.json (vLLM standardises it the way transformers 5 does).
+  parse of config.json (vLLM standardises it the way transformers 5 does). Its window: when
+  `config.layer_types[layer_idx - config.target_layer_count] == "sliding_attention"` it builds its
+  `Attention` with `per_layer_sliding_window=config.sliding_window` (the EAGLE-3 layer's index is the
+  target's layer count, `Eagle3LlamaForCausalLM.__init__` stores that count), else None, and `Attention`
+  (`layers/attention/attention.py`) falls back to `CacheConfig.sliding_window`, the target's; the
+  backends attend the keys of positions P - W + 1 .. P from a query at position P
+  (`v1/attention/backends/flash_attn.py`: `window_size = (W - 1, 0)`). The DeepSeek layer's
+  `MultiHeadLatentAttentionWrapper` (`layers/mla.py`) builds `MLAAttention` without a window.
 * `model_executor/layers/rotary_embedding/` (`get_rope` in `__init__.py`, `base.py`,
   `linear_scaling_rope.py`, `dynamic_ntk_scaling_rope.py`, `llama3_rope.py`,
   `yarn_scaling_rope.py`, `common.py`): each class precomputes a table of cos and sin per
@@ -157,6 +164,10 @@ def effective_settings(view: dict) -> dict:
         "norm_before_fc": not is_mla(view)
         and bool(eagle_config.get("norm_before_fc", view.get("norm_before_fc", False))),
         "max_position_embeddings": view.get("max_position_embeddings", 8192),
+        # LlamaAttention.__init__ (a target without a window of its own: CacheConfig's is None)
+        "sliding_window": None
+        if is_mla(view) or (view.get("layer_types") or [None])[0] != "sliding_attention"
+        else view.get("sliding_window"),
     }
 
 
@@ -430,7 +441,8 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
 
     One sequence: aux [T, n*Ht], input_ids [T]. Query (p, j) reads token x[p+1+j] at
     position p+j and attends to the step-0 keys of 0..p plus its own chain, exactly as
-    the proposer's KV cache holds them (tokens teacher-forced instead of sampled).
+    the proposer's KV cache holds them (tokens teacher-forced instead of sampled); a sliding window W keeps
+    the keys of positions p + j - W + 1 .. p + j.
     """
     view = hf_config_view(config_json)
     s = effective_settings(view)
@@ -468,7 +480,7 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
         else:
             chain_k.append(k)
             chain_v.append(v)
-        attn = _attend(q, keys0, values0, chain_k, chain_v, q.shape[1] // k.shape[1], scale)  # [T, nh*dv]
+        attn = _attend(q, keys0, values0, chain_k, chain_v, q.shape[1] // k.shape[1], scale, s["sliding_window"])  # [T, nh*dv]
         x = attn @ W[L + "self_attn.o_proj.weight"].T
         residual = x + residual  # post_attention_layernorm(x, residual): fused add
         x = _rms(residual, W[L + "post_attention_layernorm.weight"], eps)
@@ -521,12 +533,16 @@ def _rope_gptj(x, cos, sin):
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def _attend(q, k0, v0, chain_k, chain_v, groups, scale):
-    """Query p: causal step-0 keys 0..p plus its own chain keys (p, 1..j)."""
-    T = q.shape[0]
+def _attend(q, k0, v0, chain_k, chain_v, groups, scale, window=None):
+    """Query p: causal step-0 keys 0..p plus its own chain keys (p, 1..j); with a window W the keys of the
+    cache slots (= positions) p + j - W + 1 .. p + j, flash attention's `window_size = (W - 1, 0)`."""
+    T, j = q.shape[0], len(chain_k)
     k0, v0 = k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1)
     scores = torch.einsum("thd,shd->hts", q, k0) * scale  # [nh, T, T]
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    back = torch.arange(T)[:, None] + j - torch.arange(T)[None]  # query position p + j minus key position p'
+    seen = (back >= j) & (back <= (window or T + j) - 1)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    assert window is None or window > j, "the chain keys (p, 1..j) are inside the window"
     own = [torch.einsum("thd,thd->ht", q, ck.repeat_interleave(groups, 1)) * scale for ck in chain_k]
     scores = torch.cat([scores, *(o[..., None] for o in own)], -1)
     probs = scores.softmax(-1)

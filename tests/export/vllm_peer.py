@@ -15,7 +15,13 @@ does with it before it needs a GPU, in the release's own code:
   `deepseek_v2.py::DeepseekV2MLAAttention.__init__` chooses it (0.22.0: from `rope_scaling`, as
   `deepseek_eagle3.py::DeepseekV2Eagle3DecoderLayer.__init__` rewrote it), which needs a GPU to construct;
 * 0.33.0's `config/speculative.py::_rope_only_sizes_cache` (whether the served length is capped at the draft's
-  `max_position_embeddings`, `VllmConfig` otherwise).
+  `max_position_embeddings`, `VllmConfig` otherwise);
+* the sliding window the drafter's attention is built with: for the Llama layer, `model_executor/models/
+  llama.py::LlamaAttention.__init__` run on the parsed config (with `target_layer_count` set and the layer
+  prefix given as `llama_eagle3.py::Eagle3LlamaForCausalLM` and its `LlamaModel` give them), its projections
+  and its `Attention` (which need a GPU and a parallel state) replaced in that module by stand-ins that record
+  what they are handed; for the MLA layer, whether `deepseek_v2.py::DeepseekV2MLAAttention.__init__` or
+  `layers/mla.py::MultiHeadLatentAttentionWrapper.__init__` (which builds its `MLAAttention`) reads a window.
 
 And the fields `SpeculativeConfig` declares, for the serving commands of docs/export.md.
 """
@@ -38,7 +44,7 @@ FIELDS = ("model_type", "architectures", "hidden_size", "num_attention_heads", "
           "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_hidden_states",
           "eagle_aux_hidden_state_layer_ids", "fc_norm", "norm_output", "norm_before_residual", "norm_before_fc",
           "max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-          "v_head_dim", "rms_norm_eps", "eagle_config")  # fmt: skip
+          "v_head_dim", "rms_norm_eps", "eagle_config", "sliding_window", "layer_types")  # fmt: skip
 
 
 def plain(value):
@@ -78,6 +84,48 @@ def rope_rows(cfg, mla: bool, positions: list[int]) -> dict:
             "rows": cache[[p for p in positions if p < cache.shape[0]]].tolist()}  # fmt: skip
 
 
+class _Recorder(torch.nn.Module):
+    """Stands in for a layer vLLM builds with a GPU; remembers the keyword arguments of its last construction."""
+
+    handed: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        type(self).handed = kwargs
+
+
+def llama_attention_window(cfg, target_layers: int):
+    """The `per_layer_sliding_window` vLLM's Llama EAGLE-3 layer hands its `Attention` (module docstring)."""
+    from vllm.model_executor.models import llama
+
+    stand_ins = {"QKVParallelLinear": _Recorder, "RowParallelLinear": _Recorder, "Attention": _Recorder,
+                 "get_tensor_model_parallel_world_size": lambda: 1}  # fmt: skip
+    kept = {name: getattr(llama, name) for name in stand_ins}
+    cfg.target_layer_count = target_layers  # llama_eagle3.py::Eagle3LlamaForCausalLM.__init__
+    try:
+        for name, value in stand_ins.items():
+            setattr(llama, name, value)
+        heads = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+        # llama_eagle3.py::LlamaModel names its one layer f"layers.{start_layer_id}" under "model"; the decoder
+        # layer hands its attention f"{prefix}.self_attn"
+        llama.LlamaAttention(cfg, *heads, max_position_embeddings=cfg.max_position_embeddings,
+                             prefix=f"model.layers.{target_layers}.self_attn")  # fmt: skip
+        return _Recorder.handed.get("per_layer_sliding_window")
+    finally:
+        for name, value in kept.items():
+            setattr(llama, name, value)
+
+
+def mla_reads_a_window() -> bool:
+    import inspect
+
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
+
+    builders = (DeepseekV2MLAAttention.__init__, MultiHeadLatentAttentionWrapper.__init__)
+    return any("sliding_window" in inspect.getsource(f) for f in builders)
+
+
 def read_export(path: str, positions: list[int]) -> dict:
     try:
         cfg = get_config(path, trust_remote_code=False, hf_overrides_fn=SpeculativeConfig.hf_config_override)
@@ -95,6 +143,11 @@ def read_export(path: str, positions: list[int]) -> dict:
         answer["rope_only_sizes_cache"] = speculative._rope_only_sizes_cache(cfg)
     mla = any("Deepseek" in a for a in archs)
     answer["rope_table"] = rope_rows(eagle, mla, positions)
+    if mla:
+        answer["attention_window"] = "read" if mla_reads_a_window() else None
+    else:
+        target_layers = json.load(open(f"{path}/config.json")).get("eagle31", {}).get("target_num_layers") or 32
+        answer["attention_window"] = llama_attention_window(eagle, target_layers)
     if speculators:
         try:
             model, _, spec = maybe_override_with_speculators(model=path, tokenizer=None, trust_remote_code=False)

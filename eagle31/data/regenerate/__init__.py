@@ -6,8 +6,8 @@
 
 A drafter learns the target's distribution; trained on another model's answers (ShareGPT
 holds ChatGPT's), its labels disagree with what the target will write at serving time.
-Regeneration keeps the users' messages (and a leading system message, else
-`settings.system_prompt`: the prompt training will render) and asks the target for every
+Regeneration keeps the users' messages (and a leading system message, else one of
+`settings.system_prompts`, drawn per conversation: the prompt training will render) and asks the target for every
 assistant turn, turn by turn: the prompt of turn `j` is the conversation so far *as
 regenerated*, reasoning included, rendered with the target's chat template and
 `settings.chat_template_kwargs` (by the HF tokenizer in-process, by the server for an

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation
+from eagle31.data.system_prompts import draw_system_prompt
 
 STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
 ON_LENGTH = ("drop", "keep")
@@ -28,7 +29,9 @@ class Settings:
     seed: int = 0
     shard_size: int = 64  # conversations per output shard
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (HF) or the server
-    system_prompt: str | None = None  # for conversations without a system message (data.system_prompt)
+    # for conversations without a system message, one drawn per conversation from the seed and its index
+    # (data.system_prompts or data.system_prompt, `eagle31.data.system_prompts`)
+    system_prompts: list[str] | None = None
     on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
 
     def __post_init__(self) -> None:
@@ -115,8 +118,8 @@ def regenerate_conversation(
         system, users = user_turns(conv, settings.max_turns)
     except ValueError as e:
         return Outcome(None, dropped=(str(e), ""))
-    if not system and settings.system_prompt:
-        system = [{"role": "system", "content": settings.system_prompt}]
+    if not system and settings.system_prompts:
+        system = [{"role": "system", "content": draw_system_prompt(settings.system_prompts, settings.seed, index)}]
     out = Outcome(None)
     messages = system
     for turn, user in enumerate(users):

@@ -1,0 +1,85 @@
+"""System prompts drawn per conversation: `data.system_prompts`, so robustness to the system prompt is trained.
+
+    prompts = read_system_prompts(["You are terse.", "You are a pirate."])   # or a file's path
+    draw_system_prompt(prompts, seed, index)                                 # the one of conversation `index`
+
+A conversation without a system message gets one of the prompts, drawn from the seed and its index in
+the input (a hash of both: the same conversation gets the same prompt in every run and on every rank,
+and the draw does not depend on the other conversations). Preparation (`eagle31.data.prepare`, seed
+`data.seed`) and regeneration (`eagle31.data.regenerate`, seed `regenerate.seed`) both draw; a
+regenerated conversation keeps the system message it was answered under, so preparing it adds none.
+
+A file holds one prompt per line (blank lines skipped); a `.jsonl` file one JSON string, or an object
+with a `content` string, per line (for prompts that span lines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle31.config import ConfigError
+
+
+def read_system_prompts(spec: Any, what: str = "data.system_prompts") -> list[str]:
+    """The prompts of `spec`: a list of strings, a path to a file of them, or None (none); checked."""
+    if spec is None:
+        return []
+    if isinstance(spec, (str, Path)):
+        return _read_file(Path(spec), what)
+    prompts = list(spec)
+    bad = [p for p in prompts if not isinstance(p, str) or not p.strip()]
+    if bad or not prompts:
+        raise ConfigError(f"{what} must be a non-empty list of non-empty strings (or a file of them), got {bad[:1] or prompts!r}")
+    return prompts
+
+
+def _read_file(path: Path, what: str) -> list[str]:
+    if not path.is_file():
+        raise ConfigError(f"{what}: no file {path}")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what}: {path} is not a text file") from None
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what}: {path}:{n} is not valid JSON ({e.msg})") from None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{what}: {path}:{n} is neither a JSON string nor an object with a non-empty content string")
+        prompts.append(value)
+    if not prompts:
+        raise ConfigError(f"{what}: {path} holds no prompt")
+    return prompts
+
+
+def data_system_prompts(data_cfg: Any) -> list[str]:
+    """The prompts of a `data` section: `system_prompts`, or the one `system_prompt`; both set is refused."""
+    many, one = getattr(data_cfg, "system_prompts", None), getattr(data_cfg, "system_prompt", None)
+    if many is not None and one:
+        raise ConfigError("data.system_prompt and data.system_prompts are both set: give the one prompt as a list of one")
+    if not isinstance(many, (str, Path, type(None))):
+        from omegaconf import ListConfig, OmegaConf
+
+        if isinstance(many, ListConfig):
+            many = OmegaConf.to_container(many, resolve=True)
+    return read_system_prompts(many) if many is not None else ([one] if one else [])
+
+
+def draw_system_prompt(prompts: list[str], seed: int, index: int) -> str | None:
+    """The prompt of conversation `index` (module docstring); None without prompts."""
+    if not prompts:
+        return None
+    digest = hashlib.blake2b(f"system-prompt/{seed}/{index}".encode(), digest_size=8).digest()
+    return prompts[int.from_bytes(digest, "little") % len(prompts)]
