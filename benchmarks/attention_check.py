@@ -83,7 +83,7 @@ def check_attention_parity(
 
     def rand(heads, dim):
         x = torch.randn(1, T, heads, dim, generator=g)
-        # an MLA drafter zero-pads its values to the q·k head dim for the kernels (eagle31.mla)
+        # an MLA drafter zero-pads its values to the q·k head dim for the kernels (eagle31.drafter_attention.mla)
         return torch.nn.functional.pad(x, (0, d_qk - dim)).to(dtype).to(device)
 
     # q, k0, v0, j chain keys, j chain values

@@ -127,7 +127,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     device = ["train.device=cpu", "train.precision=fp32"] if smoke else ["train.device=cuda", "train.precision=bf16"]
     problems = _flash_problems("cpu" if smoke else "cuda")
     if problems:  # this torch's fused ops differ from what eagle31 calls: train on the blockwise kernel
-        device.append("train.attention=blockwise")
+        device.append("train.attention_kernel=blockwise")
     base = [
         "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=128", "data.eval_fraction=0.1",
         "drafter.draft_vocab_size=128", "features.tokens_per_batch=256", "train.save_every=2", "train.log_every=1",
@@ -153,7 +153,7 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     checks.update({f"export_{fmt}": (run_dir / "export" / fmt / "config.json").is_file() for fmt in formats})
     result = {"status": "pass" if all(checks.values()) else "fail", "checks": checks, "device": device[0]}
     if problems:
-        result["flash"] = "not run (trained with attention=blockwise): " + "; ".join(problems)
+        result["flash"] = "not run (trained with train.attention_kernel=blockwise): " + "; ".join(problems)
     result["tokens_per_s"] = _last_metric(run_dir, "train/tokens_per_s")
     return result
 
@@ -201,7 +201,7 @@ def benchmark(args: list[str]) -> dict[str, Any]:
     finally:
         close_world()
     if problems:
-        result["flash"] = "not run (measured with attention=blockwise): " + "; ".join(problems)
+        result["flash"] = "not run (measured with the blockwise kernel): " + "; ".join(problems)
     ours = result["runs"]["eagle31"]
     result["status"] = "fail" if "error" in ours else "pass"
     if "error" in ours:
@@ -329,7 +329,7 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
     from eagle31.attention.entries import ChainKeysValues
     from eagle31.attention.kernels import segment_ids
     from eagle31.attention.ttt_attention import ttt_attention_of_entries
-    from eagle31.mla import mla_keys_values
+    from eagle31.drafter_attention.mla import mla_keys_values
 
     nh, nope, rope, v_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     g = torch.Generator().manual_seed(0)

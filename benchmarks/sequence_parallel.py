@@ -41,12 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.measure import LiveTensorBytes  # noqa: E402
+from benchmarks.report import write_result_and_table  # noqa: E402
 from eagle31 import DrafterConfig, Eagle31Drafter  # noqa: E402
 from eagle31.data.batch import FeatureBatch  # noqa: E402
 from eagle31.cli import parse_key_values, wants_help  # noqa: E402
 from eagle31.config import ConfigError  # noqa: E402
 from eagle31.distributed import World, all_reduce_sum  # noqa: E402
-from eagle31.io import atomic_write_text  # noqa: E402
 from eagle31.loss import TargetHead, step_scales, weighted_loss  # noqa: E402
 from eagle31.recipe import TrainConfig  # noqa: E402
 from eagle31.sequence_parallel import SequenceGroup, sequence_group  # noqa: E402
@@ -115,7 +115,8 @@ def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.d
     drafter, head, batch = build(cfg, spec["seq_len"])
     drafter.to(world.device, dtype)
     head = TargetHead(head.weight.to(world.device, dtype), head.draft_ids)
-    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention=spec.get("backend", "flash"), sequence_parallel=group.size)
+    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention_kernel=spec.get("backend", "flash"),
+                        sequence_parallel=group.size)
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:
@@ -238,9 +239,7 @@ def main(argv: list[str]) -> int:
         runs.append(measure(size, spec, out.parent))
         print(json.dumps(runs[-1]), flush=True)
     result = {"spec": spec, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "runs": runs}
-    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
-    atomic_write_text(out.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_result_and_table(result, out, markdown(result))
     return 0
 
 

@@ -224,7 +224,7 @@ class EagleStep:
             drafter.compile_blocks()
         train = TrainConfig(
             ttt_length=bench.ttt_length,
-            attention=bench.attention,
+            attention_kernel=bench.attention,
             activation_checkpointing=bench.activation_checkpointing,
             mask_out_of_vocab=False,  # random features: supervise every position, as real batches nearly do
             warmup_steps=1,

@@ -5,8 +5,8 @@
 `parse_key_values`: `key=value` arguments for the small tools in scripts/ (a dataclass is the schema).
 `wants_help`: `-h` / `--help` prints the CLI's docstring instead of parsing it as an argument.
 
-Exit codes are the `exit_code` of the `eagle31.errors` classes (the table is in that
-module and in README); this module only adds the failures Python raises itself:
+Exit codes are the `exit_code` of the `eagle31.errors` classes (docs/reliability.md tables
+them); this module only adds the failures Python raises itself:
 Ctrl-C (130, as `RunInterrupted`), a full disk (6) and other file-system errors (5).
 Under torchrun each rank also writes its line to the elastic agent's error file, so
 that the launcher's closing report shows it as the root cause instead of a hint

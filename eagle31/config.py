@@ -2,12 +2,13 @@
 
 A drafter is one decoder layer whose attention input is `2H` wide (token
 embedding + feature), fed by a fused projection of `n` target hidden states.
-Its attention is Llama's (`attention="llama"`: q/k/v projections, served by
-vLLM's Llama EAGLE-3 layer) or DeepSeek's Multi-head Latent Attention
-(`attention="mla"`: the published Kimi K2.6 drafter, served by vLLM's DeepSeek
-EAGLE-3 layer). The config is a plain dataclass, saved as the `eagle31` block of a
-drafter's `config.json`; `from_target_config` derives it from the target's HF
-config (Llama, Qwen3, DeepSeek-V3/Kimi, also nested under `text_config`).
+Its attention is one of the kinds of `eagle31.drafter_attention` (`drafter.attention`):
+Llama's q/k/v projections, served by vLLM's Llama EAGLE-3 layer, or DeepSeek's Multi-head
+Latent Attention, the published Kimi K2.6 drafter's, served by vLLM's DeepSeek EAGLE-3
+layer; what differs between them is the kind's (`DrafterConfig.kind`). The config is
+a plain dataclass, saved as the `eagle31` block of a drafter's `config.json`;
+`from_target_config` derives it from the target's HF config (Llama, Qwen3,
+DeepSeek-V3/Kimi, also nested under `text_config`).
 """
 
 from __future__ import annotations
@@ -18,44 +19,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
 from eagle31.errors import ConfigError
-from eagle31.rope import ambiguity, check_rope, for_llama_drafter
+
+
+# Where a recipe's `drafter.<field>` comes from: `eagle31.recipe.DrafterSection` is made of these fields. TARGET:
+# only the target says (no recipe field); OVERRIDE: the target's unless a recipe sets it (None keeps it); the
+# rest: a recipe's setting, with the default below.
+TARGET = {"recipe": "target"}
+OVERRIDE = {"recipe": "override"}
 
 
 @dataclass
 class DrafterConfig:
     # the decoder layer (H, heads, ...)
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    hidden_act: str = "silu"
+    hidden_size: int = field(metadata=OVERRIDE)
+    num_attention_heads: int = field(metadata=OVERRIDE)
+    num_key_value_heads: int = field(metadata=OVERRIDE)
+    head_dim: int = field(metadata=OVERRIDE)
+    intermediate_size: int = field(metadata=OVERRIDE)
+    rms_norm_eps: float = field(default=1e-6, metadata=TARGET)
+    hidden_act: str = field(default="silu", metadata=TARGET)
     # transformers >= 5 form: {"rope_type": ..., "rope_theta": ..., yarn fields ...}
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}, metadata=TARGET
+    )
+    max_position_embeddings: int = field(default=4096, metadata=OVERRIDE)
     # vocabularies
-    vocab_size: int = 32000  # V, the target's
+    vocab_size: int = field(default=32000, metadata=TARGET)  # V, the target's
     draft_vocab_size: int = 32000  # Vd
     # the target
-    target_hidden_size: int = 0  # Ht; 0 means "same as hidden_size"
-    target_num_layers: int = 0  # L
-    aux_layer_ids: tuple[int, ...] = ()  # vLLM convention: input of decoder layer k
-    target_name_or_path: str | None = None
-    target_architectures: tuple[str, ...] = ()
-    # EAGLE 3 / 3.1 switches
+    target_hidden_size: int = field(default=0, metadata=TARGET)  # Ht; 0 means "same as hidden_size"
+    target_num_layers: int = field(default=0, metadata=TARGET)  # L
+    aux_layer_ids: tuple[int, ...] = field(default=(), metadata=OVERRIDE)  # vLLM convention: input of decoder layer k
+    target_name_or_path: str | None = field(default=None, metadata=TARGET)
+    target_architectures: tuple[str, ...] = field(default=(), metadata=TARGET)
+    # EAGLE 3 / 3.1 switches (`SWITCHES`)
     fc_norm: bool = True  # EAGLE 3.1: one RMSNorm per aux chunk before fc
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
-    # attention type; the MLA fields below are used (and required) only with attention="mla"
-    attention: str = "llama"  # llama | mla
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    # the attention kind (`eagle31.drafter_attention`); each kind's own fields below are 0 for the others
+    attention: DrafterAttention = DrafterAttention.llama
+    # mla (`eagle31.drafter_attention.mla`): the target's MLA shape unless set
+    q_lora_rank: int = field(default=0, metadata=OVERRIDE)
+    kv_lora_rank: int = field(default=0, metadata=OVERRIDE)
+    qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
+    qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
+    v_head_dim: int = field(default=0, metadata=OVERRIDE)
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:
@@ -63,6 +74,7 @@ class DrafterConfig:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         self.target_architectures = tuple(self.target_architectures)
         self.rope_parameters = dict(self.rope_parameters)
+        self.attention = DrafterAttention.parse(self.attention)
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -76,9 +88,14 @@ class DrafterConfig:
         return self.num_aux * self.target_hidden_size
 
     @property
+    def kind(self) -> AttentionKind:
+        """What this drafter's attention does differently (`eagle31.drafter_attention`)."""
+        return self.attention.kind
+
+    @property
     def qk_head_dim(self) -> int:
         """Head dim of q and k: `head_dim` (Llama), `qk_nope_head_dim + qk_rope_head_dim` (MLA)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.kind.qk_head_dim(self)
 
     # --------------------------------------------------------------- validation
 
@@ -128,47 +145,11 @@ class DrafterConfig:
             raise ConfigError(
                 f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
             )
-        if self.attention == "mla":
-            self._validate_mla()
-        elif self.attention != "llama":
-            raise ConfigError(f"drafter.attention must be 'llama' or 'mla', got {self.attention!r}")
-        else:
-            set_mla = [name for name in MLA_FIELDS if getattr(self, name)]
-            if set_mla:
-                raise ConfigError(f"drafter.{set_mla[0]} is an MLA field: set drafter.attention=mla or leave it 0")
-            check_rope(self.rope_parameters)
-
-    def _validate_mla(self) -> None:
-        for name in MLA_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"drafter.{name} must be a positive integer for attention=mla, got {value!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"drafter.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ConfigError(
-                f"drafter.num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
-                f"{self.num_attention_heads} for attention=mla (every head has its own key and value)"
-            )
-        if self.head_dim != self.qk_head_dim:
-            raise ConfigError(
-                f"drafter.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim} "
-                "for attention=mla"
-            )
-        if self.v_head_dim > self.qk_head_dim:
-            raise ConfigError(
-                f"drafter.v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {self.qk_head_dim}"
-            )
-        if self.norm_before_fc:
-            raise ConfigError(
-                "drafter.norm_before_fc is not read by vLLM's DeepSeek EAGLE-3 layer: an MLA drafter cannot use it"
-            )
-        rope_type = self.rope_parameters["rope_type"]
-        if rope_type not in MLA_ROPE_TYPES:
-            raise ConfigError(
-                f"drafter.rope_parameters.rope_type={rope_type!r} is not supported for attention=mla "
-                f"(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); use one of {list(MLA_ROPE_TYPES)}"
-            )
+        for other, kind in KINDS.items():
+            used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
+            if used:
+                raise ConfigError(f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0")
+        self.kind.validate(self)
 
     # ------------------------------------------------------------ construction
 
@@ -182,10 +163,10 @@ class DrafterConfig:
         v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
         rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
         so that every supported vLLM release reads it alike (a block they still read
-        differently is refused); an MLA drafter (`attention="mla"`) copies the
+        differently is refused); an MLA drafter (`drafter.attention=mla`) copies the
         target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
-        is, as the published Kimi K2.6 EAGLE 3.1 drafter does. `overrides` may set
-        any field; `None` values are ignored.
+        is, as the published Kimi K2.6 EAGLE 3.1 drafter does (each kind's
+        `AttentionKind.from_target`). `overrides` may set any field; `None` values are ignored.
         """
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
@@ -208,7 +189,6 @@ class DrafterConfig:
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             hidden_act=t.get("hidden_act", "silu"),
-            rope_parameters=for_llama_drafter(rope_parameters_from(t)),
             max_position_embeddings=int(t.get("max_position_embeddings", 4096)),
             vocab_size=_require(t, "vocab_size"),
             draft_vocab_size=min(32000, int(t["vocab_size"])),
@@ -222,13 +202,10 @@ class DrafterConfig:
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        if overrides.get("attention") == "mla":
-            mla = {name: int(t.get(name) or 0) for name in MLA_FIELDS}
-            mla.update({k: v for k, v in overrides.items() if k in MLA_FIELDS})
-            values.update(mla, num_key_value_heads=heads, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"])
-            values["rope_parameters"] = rope_parameters_from(t)  # DeepSeek YaRN, mscale fields included
+        kind = DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama)).kind
+        values.update(kind.from_target(t, rope_parameters_from(t), overrides))
         values.update(overrides)
-        reason = ambiguity(values["rope_parameters"], values.get("attention", "llama"))
+        reason = kind.rope_ambiguity(values["rope_parameters"])
         if reason:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
@@ -241,6 +218,7 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["attention"] = str(self.attention)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         d["target_architectures"] = list(self.target_architectures)
         return d
@@ -273,9 +251,9 @@ class DrafterConfig:
         )
 
 
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-# rope types an MLA drafter trains exactly as vLLM serves it (`eagle31.mla.DeepseekRotaryEmbedding`)
-MLA_ROPE_TYPES = ("default", "yarn", "deepseek_yarn")
+# the EAGLE 3 / 3.1 switches, in the order every export writes them (`eagle31.layouts.eagle_fields`), read back
+# with vLLM's default where missing, and a drafter to fine-tune must have them as the run does (`eagle31.plan`)
+SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def text_config(target_config: dict[str, Any]) -> dict[str, Any]:

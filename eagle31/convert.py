@@ -16,16 +16,17 @@
                  are in TorchSpec's "output of layer k" convention and get +1, except in a
                  `--vllm` export of a `kimi_k2` drafter, which TorchSpec already shifted.
 
-MLA drafters (`architectures` `Eagle3DeepseekV2ForCausalLM`/`Eagle3DeepseekV3ForCausalLM`,
-or a config with `kv_lora_rank`) are read as `attention="mla"` drafters (`eagle31.mla`),
-their layer fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
+The files are read through their layout (`eagle31.layouts`: speculators', or the EAGLE-3 HF
+layout for the other three), the layer through the attention kind that recognises it
+(`eagle31.drafter_attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
+`kv_lora_rank`, its fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
 published Kimi MLA drafters (e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`) are TorchSpec's:
 an MLA config that eagle31 did not write is read as `torchspec` (ids +1, `norm_output`
-verbatim). MLA drafters exist only in the EAGLE-3 HF layout (`eagle31.export`).
+verbatim; the kind's `unmarked_format`). MLA drafters exist only in the EAGLE-3 HF layout.
 
 Auto-detection, in order: eagle31's `format`; `speculators_model_type`;
-`_torchspec_version`; eagle31's `eagle31` block (its exports); an MLA architecture
-(TorchSpec's); ids only under `eagle_config` (SpecForge's habit); otherwise eagle3.
+`_torchspec_version`; eagle31's `eagle31` block (its exports); a kind's unmarked format
+(MLA: TorchSpec's); ids only under `eagle_config` (SpecForge's habit); otherwise eagle3.
 
 Reading rules:
 
@@ -44,10 +45,9 @@ Reading rules:
 * Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
   would map draft id i to target id i, so acceptance would collapse. A missing half is
   derived from the other.
-* A rope block that the supported vLLM releases read differently (DeepSeek's yarn
-  `mscale` fields in a Llama layer, as TorchSpec's Kimi drafters carry) gives a warning:
-  eagle31 runs the drafter with the newest release's reading (transformers' too), and
-  export refuses the block.
+* A rope block that the supported vLLM releases read differently (docs/export.md, the
+  rope rule; TorchSpec's Kimi drafters carry one) gives a warning: eagle31 runs the drafter
+  with the newest release's reading, and export refuses the block.
 * A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
   running the drafter (vLLM shares the target's).
 * `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
@@ -69,33 +69,23 @@ from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
-from transformers import DeepseekV3Config, LlamaConfig
 
-from eagle31.config import (
-    MLA_FIELDS,
-    ConfigError,
-    DrafterConfig,
-    default_aux_layer_ids,
-    read_json_config,
-    rope_parameters_from,
-)
-from eagle31.export import LAYER_PREFIX, native_key
+from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config
+from eagle31.drafter_attention import DrafterAttention
+from eagle31.layouts import LAYOUTS, Layout
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
-from eagle31.rope import ambiguity as rope_ambiguity
-from eagle31.recipe import DrafterFormat, choose
+from eagle31.recipe import DrafterFormat, ExportFormat, choose
 
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
 # training-only tensors of the speculators library, never needed for drafting
 _IGNORED_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
-# vLLM's DeepSeek EAGLE-3 drafter (deepseek_eagle3.py) under both registry names
-MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
 def load_drafter(
     path: str | Path,
     *,
-    source_format: str = "auto",
+    source_format: str | Layout = "auto",
     device: str | torch.device = "cpu",
     upgrade_to_eagle31: bool = False,
     norm_output: bool | None = None,
@@ -104,6 +94,7 @@ def load_drafter(
 ) -> Eagle31Drafter:
     """Load a drafter directory of any layout eagle31 reads (module docstring).
 
+    source_format: a `DrafterFormat` name, or a `Layout` (read as its own source format).
     norm_output, aux_layer_ids (vLLM convention), target_num_layers: override what the
     checkpoint says or lacks.
     """
@@ -125,8 +116,8 @@ def load_drafter(
             ids_already_shifted=_ids_already_shifted(meta, fmt, path),
         )
         drafter = Eagle31Drafter(config)
-        _load_weights(drafter, read_weights(path), path)
-    reason = rope_ambiguity(drafter.config.rope_parameters, drafter.config.attention)
+        _load_weights(drafter, read_weights(path, source_layout(fmt)), path)
+    reason = drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters)
     if reason:
         warnings.warn(
             f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
@@ -138,7 +129,7 @@ def load_drafter(
 
 
 def read_drafter_config(
-    path: str | Path, *, source_format: str = "auto", upgrade_to_eagle31: bool = False, target_num_layers: int | None = None
+    path: str | Path, *, source_format: str | Layout = "auto", upgrade_to_eagle31: bool = False, target_num_layers: int | None = None
 ) -> DrafterConfig:
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
     path = Path(path)
@@ -153,11 +144,21 @@ def read_drafter_config(
     return eagle31_config(config) if upgrade_to_eagle31 else config
 
 
-def _read_meta(path: Path, source_format: str) -> tuple[dict[str, Any], str]:
+def _read_meta(path: Path, source_format: str | Layout) -> tuple[dict[str, Any], str | Layout]:
     """(config.json, its source format)."""
     meta = read_json_config(path / "config.json", "drafter config")
+    if isinstance(source_format, Layout):
+        return meta, source_format
     fmt = choose(DrafterFormat, source_format, "source_format")
     return meta, detect_format(meta, path) if fmt == DrafterFormat.auto else fmt
+
+
+def source_layout(fmt: str | Layout) -> Layout:
+    """The layout a source format's files are in: speculators', or the EAGLE-3 HF layout (SpecForge's and
+    TorchSpec's are its dialects)."""
+    if isinstance(fmt, Layout):
+        return fmt
+    return LAYOUTS[ExportFormat.speculators if fmt == DrafterFormat.speculators else ExportFormat.eagle3]
 
 
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
@@ -200,8 +201,9 @@ def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return "eagle3"
-    if is_mla(meta):
-        return "torchspec"
+    unmarked = DrafterAttention.of_layer(meta).kind.unmarked_format  # MLA: TorchSpec's (module docstring)
+    if unmarked:
+        return unmarked
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested_ids and not meta.get("eagle_aux_hidden_state_layer_ids"):
         return "specforge"
@@ -216,29 +218,25 @@ def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
 
 def drafter_config(
     meta: dict[str, Any],
-    fmt: str,
+    fmt: str | Layout,
     *,
     norm_output: bool | None = None,
     aux_layer_ids: Sequence[int] | None = None,
     target_num_layers: int | None = None,
     ids_already_shifted: bool = False,
 ) -> DrafterConfig:
-    """A `DrafterConfig` from a foreign config.json of format `fmt`.
+    """A `DrafterConfig` from a foreign config.json of format `fmt`: what its layout states (`Layout.read`), in
+    the source's conventions (module docstring: aux ids, norm_output) and with the overrides.
 
     ids_already_shifted: the checkpoint's "output of layer k" ids were already converted to vLLM's.
     """
-    speculators = fmt == "speculators"
-    if speculators and meta.get("speculators_model_type") != "eagle3":
-        raise ConfigError(f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
-    raw_layer = meta.get("transformer_layer_config") if speculators else meta
-    mla = is_mla(meta) and not speculators
-    layer = parse_mla_layer(raw_layer) if mla else parse_layer(raw_layer)
-    eagle_config = meta.get("eagle_config") or {}
-    provenance = meta.get("eagle31") or {}
-    verifier = (meta.get("speculators_config") or {}).get("verifier") or {}
-
-    ids = _aux_ids(meta, eagle_config, fmt, ids_already_shifted) if aux_layer_ids is None else tuple(aux_layer_ids)
-    num_layers = target_num_layers or provenance.get("target_num_layers")
+    values = source_layout(fmt).read(meta)
+    ids = values["aux_layer_ids"]
+    if fmt in _OUTPUT_OF_LAYER_IDS and not ids_already_shifted:
+        ids = tuple(i + 1 for i in ids)
+    if aux_layer_ids is not None:
+        ids = tuple(aux_layer_ids)
+    num_layers = target_num_layers or values["target_num_layers"]
     if not ids:
         if not num_layers:
             raise ConfigError(
@@ -246,60 +244,11 @@ def drafter_config(
                 "for the default (2, L//2, L-3)"
             )
         ids = default_aux_layer_ids(num_layers)
-    if mla:
-        shape = {name: getattr(layer, name) for name in MLA_FIELDS}
-        heads = dict(num_key_value_heads=layer.num_attention_heads, head_dim=shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
-        attention = dict(attention="mla", **heads, **shape)  # MLA: every head has its own key and value
-    else:
-        attention = dict(num_key_value_heads=layer.num_key_value_heads, head_dim=layer.head_dim)
-    return DrafterConfig(
-        **attention,
-        hidden_size=layer.hidden_size,
-        num_attention_heads=layer.num_attention_heads,
-        intermediate_size=layer.intermediate_size,
-        rms_norm_eps=float(layer.rms_norm_eps),
-        hidden_act=layer.hidden_act,
-        rope_parameters=rope_parameters_from(raw_layer),  # transformers keeps a legacy `type` key
-        max_position_embeddings=layer.max_position_embeddings,
-        vocab_size=layer.vocab_size,
-        draft_vocab_size=meta.get("draft_vocab_size") or layer.vocab_size,  # vLLM's default
-        target_hidden_size=meta.get("target_hidden_size") or layer.hidden_size,
-        target_num_layers=num_layers or max(ids) + 1,
-        aux_layer_ids=ids,
-        target_name_or_path=provenance.get("target_name_or_path") or verifier.get("name_or_path"),
-        target_architectures=tuple(provenance.get("target_architectures") or verifier.get("architectures") or ()),
-        fc_norm=bool(meta.get("fc_norm", False)),
-        norm_before_fc=bool(eagle_config.get("norm_before_fc", meta.get("norm_before_fc", False))),
-        norm_output=_norm_output(meta, fmt) if norm_output is None else norm_output,
-        norm_before_residual=bool(meta.get("norm_before_residual", speculators)),  # vLLM's per-layout default
-    )
-
-
-def parse_layer(layer: Any) -> LlamaConfig:
-    """The decoder layer's fields as transformers (and so vLLM) reads them, defaults included."""
-    if not isinstance(layer, dict):
-        raise ConfigError("a speculators config needs a transformer_layer_config block")
-    if layer.get("model_type", "llama") != "llama":
-        raise ConfigError(f"only Llama-layer drafters are supported, got model_type={layer['model_type']!r}")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
-    fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
-    return LlamaConfig(**{**fields, "num_hidden_layers": 1})
-
-
-def is_mla(meta: dict[str, Any]) -> bool:
-    """An MLA drafter: vLLM's DeepSeek EAGLE-3 architecture, or MLA fields in the config."""
-    return bool(set(meta.get("architectures") or ()) & set(MLA_ARCHITECTURES)) or "kv_lora_rank" in meta
-
-
-def parse_mla_layer(layer: dict[str, Any]) -> DeepseekV3Config:
-    """An MLA decoder layer's fields as transformers' `DeepseekV3Config` reads them, defaults included."""
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
-    if not layer.get("q_lora_rank"):
-        raise ConfigError("an MLA drafter without q_lora_rank is not supported (vLLM's DeepSeek EAGLE-3 loader needs it)")
-    fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
-    return DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
+    if norm_output is not None:
+        values["norm_output"] = norm_output
+    elif fmt == DrafterFormat.specforge:
+        values["norm_output"] = _specforge_norm_output(meta)
+    return DrafterConfig(**{**values, "aux_layer_ids": ids, "target_num_layers": num_layers or max(ids) + 1})
 
 
 def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
@@ -308,20 +257,12 @@ def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
         return False
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            if any(key.startswith(LAYER_PREFIX["speculators"]) for key in f.keys()):
+            if any(key.startswith(LAYOUTS[ExportFormat.speculators].layer_prefix) for key in f.keys()):
                 return True
     return False
 
 
-def _aux_ids(meta: dict[str, Any], eagle_config: dict[str, Any], fmt: str, already_shifted: bool) -> tuple[int, ...]:
-    ids = meta.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids") or ()
-    shift = 1 if fmt in _OUTPUT_OF_LAYER_IDS and not already_shifted else 0
-    return tuple(int(i) + shift for i in ids)
-
-
-def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
-    if fmt != "specforge":
-        return bool(meta.get("norm_output", False))
+def _specforge_norm_output(meta: dict[str, Any]) -> bool:
     if meta.get("norm_output", True) is False:
         raise ConfigError(
             "SpecForge norm_output=false means lm_head without the final norm, which eagle31 cannot represent"
@@ -336,8 +277,8 @@ def _norm_output(meta: dict[str, Any], fmt: str) -> bool:
 # ---------------------------------------------------------------------- weights
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory, under eagle31's names."""
+def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory in `layout`, under eagle31's names (`Layout.native_key`)."""
     files = sorted(path.glob("*.safetensors"))
     shards = [read_safetensors(f) for f in files]
     if not files:
@@ -354,7 +295,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         for key, tensor in shard.items():
             if key in _IGNORED_KEYS or key.endswith("rotary_emb.inv_freq"):
                 continue
-            name = native_key(key)
+            name = layout.native_key(key)
             if name in state:
                 raise ConfigError(f"{path}: tensor {key!r} appears twice")
             state[name] = tensor

@@ -2,21 +2,9 @@
 
 Every expected failure is an `Eagle31Error` whose message is one line naming the
 file, field or value at fault; the command-line tools (`eagle31.cli`) print that
-line and exit with the class's `exit_code`. README's table of exit codes is this
-list:
-
-    1    TrainingDiverged (eagle31.trainer): too many non-finite steps in a row
-    2    InputError: a bad configuration value or input (ConfigError and its kin)
-    3    CorruptDataError: a feature store or imported file that fails its checks
-    4    CorruptCheckpointError: no intact checkpoint to resume from
-    5    FileAccessError: a file that cannot be read or written (permissions, not a directory)
-    6    DiskFullError: the disk filled up while writing (what was complete is kept)
-    7    OutputInUseError: another run holds the output directory
-    8    RankLost (eagle31.distributed): another rank of a torchrun run died or stopped answering
-    9    EngineError (eagle31.engine): an inference worker failed (its own error, or dead more often than allowed)
-    130  RunInterrupted: Ctrl-C (SIGINT), the shell's code for it
-    137  StoppedAtOnce (eagle31.preemption): a second SIGTERM/SIGUSR1, or the grace ran out
-    143  RunPreempted: SIGTERM or SIGUSR1; the run stopped after a complete checkpoint
+line and exit with the class's `exit_code`. The classes are below, except
+`TrainingDiverged` (1, `eagle31.trainer`). docs/reliability.md tables the codes for users,
+and tests/test_docs.py holds that table to these classes.
 
 Kept free of torch so that any module may import it.
 """

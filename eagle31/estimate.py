@@ -1,6 +1,7 @@
 """Parameter counts and a per-GPU memory estimate for a training run (used by `dry_run=true`).
 
-Both drafter types are counted: Llama attention and MLA (`eagle31.mla`). The estimate follows
+Every attention kind is counted, what differs between them on the kind's class (`eagle31.drafter_attention`:
+its parameters, widths, entries and extra saved tensors). The estimate follows
 what the code allocates, term by term (`benchmarks/memory_model.py` checks each term against
 the bytes the tensors of real training steps hold):
 
@@ -23,7 +24,7 @@ the bytes the tensors of real training steps hold):
     step's state gradient waits; on CPU also the layer's gradient buffers made by then,
     `layer_gradient_bytes`: the deepest step, whose backward runs first, has only those of the
     weights after the attention when its attention's backward runs);
-  * `loss_working_set`: the chunked lm_head + KL (`eagle31.loss.DraftKL`): the one fp32 lm_head
+  * `loss_working_set`: the chunked lm_head + loss (`eagle31.loss.FusedDraftLoss`): the one fp32 lm_head
     gradient, d loss / d state of every supervised query, chunk temporaries;
   * `sequence_keys` (`train.sequence_parallel` N > 1, `sequence_keys_bytes`): with each sequence split
     N ways every term above that grows with T is taken at a shard's length and its halo
@@ -59,21 +60,9 @@ class ParamCounts:
         return self.trainable + self.frozen_embedding
 
 
-def attention_parameters(cfg: DrafterConfig) -> int:
-    """Parameters of the layer's attention (its projections read 2H)."""
-    H, nh = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.attention == "mla":  # eagle31.mla: q_a + norm + q_b, kv_a + norm + kv_b, o
-        qr, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
-        q = 2 * H * qr + qr + qr * nh * cfg.qk_head_dim
-        kv = 2 * H * (kvr + cfg.qk_rope_head_dim) + kvr + kvr * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return q + kv + nh * cfg.v_head_dim * H
-    nkv, d = cfg.num_key_value_heads, cfg.head_dim
-    return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
-
-
 def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
-    attn = attention_parameters(cfg)
+    attn = cfg.kind.attention_parameters(cfg)
     mlp = 3 * H * I
     norms = 4 * H + (cfg.num_aux * Ht if cfg.fc_norm else 0) + (cfg.fc_in_features if cfg.norm_before_fc else 0)
     trainable = cfg.fc_in_features * H + attn + mlp + norms + cfg.draft_vocab_size * H
@@ -85,54 +74,30 @@ def _norm(width: int, c: int, input_kept: bool) -> int:
     return (0 if input_kept else c * width) + 4
 
 
-def entry_elements(cfg: DrafterConfig) -> tuple[int, int]:
-    """Elements per token a step keeps for the later ones beyond its input (state, token ids, positions):
-    (step 0, each step after). Llama: step 0 its keys and values, the others nothing (their chain entry
-    is their input); MLA: its latents, every step."""
-    if cfg.attention == "mla":
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        return latent, latent
-    return 2 * cfg.num_key_value_heads * cfg.head_dim, 0
-
-
 def kept_bytes(cfg: DrafterConfig, ttt_length: int, c: int) -> int:
     """Bytes per token the unroll keeps from the forward to the backward with checkpointing: every step's
-    input state, token ids and positions (int64), and the entries (`entry_elements`)."""
-    step0, later = entry_elements(cfg)
+    input state, token ids and positions (int64), and the entries (the kind's `entry_elements`: Llama's step-0
+    keys and values, MLA's latents of every step)."""
+    step0, later = cfg.kind.entry_elements(cfg)
     return ttt_length * (cfg.hidden_size * c + 16) + (step0 + (ttt_length - 1) * later) * c
-
-
-def _attention_widths(cfg: DrafterConfig) -> tuple[int, int, int]:
-    """(q width nh*d, key/value width nkv*d as the kernel sees them, rope/cos width)."""
-    if cfg.attention == "mla":
-        return cfg.num_attention_heads * cfg.qk_head_dim, cfg.num_attention_heads * cfg.qk_head_dim, cfg.qk_rope_head_dim
-    return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
 
 
 def step_saved_bytes(cfg: DrafterConfig, c: int) -> int:
     """Bytes per token a recomputed step (k >= 1) saves for the backward of what runs before its
     attention output, beyond what the unroll keeps anyway: alive while its attention's backward runs."""
     H = cfg.hidden_size
-    q, kv, rope = _attention_widths(cfg)
+    q, kv, rope = cfg.kind.attention_widths(cfg)
     nh = cfg.num_attention_heads
     b = _norm(H, c, False) + _norm(H, c, True) + 2 * H * c  # input_layernorm(emb), hidden_norm(h), z
     b += 2 * rope * c + 4 * nh  # cos, sin; the merged log-sum-exp (fp32)
     b += 2 * q * c  # q and the attention output
-    if cfg.attention == "mla":
-        qr, r = cfg.q_lora_rank, cfg.kv_lora_rank
-        b += _norm(qr, c, False)  # q_a_layernorm
-        b += _norm(r + cfg.qk_rope_head_dim, c, False)  # kv_a_layernorm: its input is a view of kv_a's output
-        b += entry_elements(cfg)[1] * c  # the recomputed latent
-    return b
+    return b + cfg.kind.step_saved_extra_bytes(cfg, c)  # MLA: its norms' inputs, the recomputed latent
 
 
 def step_after_attention_bytes(cfg: DrafterConfig, c: int) -> int:
     """Bytes per token a recomputed step saves for what runs after its attention (freed before the
     attention's backward): h', the chunked MLP block's input, and MLA's o_proj input (unpadded columns)."""
-    b = cfg.hidden_size * c
-    if cfg.attention == "mla":
-        b += cfg.num_attention_heads * cfg.v_head_dim * c
-    return b
+    return (cfg.hidden_size + cfg.kind.after_attention_saved_elements(cfg)) * c
 
 
 def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str, depth: int) -> dict[str, int]:
@@ -141,14 +106,14 @@ def attention_backward_bytes(cfg: DrafterConfig, c: int, device: str, depth: int
     runs: dk0, dv0, MLA's re-decompressed k0, v0, and what the kernel allocates besides, per device;
     `chain` while the chain blocks run: the gradients of the `depth` chain entries and of the step-0 entry
     (made by the causal part, returned after the chain: Llama's dk0, dv0; MLA's latent's)."""
-    q, kv, _ = _attention_widths(cfg)
+    q, kv, _ = cfg.kind.attention_widths(cfg)
     if device == "cuda":  # varlen flash: its fp32 dq accumulator
         kernel = 4 * q
     else:  # per document: keys and values repeated to every head, dout and out made contiguous, dq, dk, dv
         kernel = 2 * q * c + 2 * q * c + 3 * q * c
-    causal = 2 * kv * c * (2 if cfg.attention == "mla" else 1) + kernel
-    entry_grad = entry_elements(cfg)[1] if cfg.attention == "mla" else cfg.hidden_size  # Llama: d feature
-    entry0_grad = entry_elements(cfg)[0]
+    causal = 2 * kv * c * (2 if cfg.kind.step0_keys_remade() else 1) + kernel
+    entry_grad = cfg.kind.chain_entry_gradient_elements(cfg)  # Llama: d feature
+    entry0_grad = cfg.kind.entry_elements(cfg)[0]
     return {"throughout": 2 * q * c, "causal": causal, "chain": (depth * entry_grad + entry0_grad) * c}
 
 
@@ -169,20 +134,10 @@ def chain_block_bytes(cfg: DrafterConfig, depth: int, c: int, seq_len: int) -> i
     earlier in that graph's backward, its intermediate gradients: MLA's keys' gradient made contiguous for
     the unflatten and the values' cut from their zero padding; Llama's rope backward (the key's gradient
     through cos and through sin, the rotated half, their sum)."""
-    q, kv, rope = _attention_widths(cfg)
-    H = cfg.hidden_size
+    q, kv, _ = cfg.kind.attention_widths(cfg)
     rows = min(seq_len, max(1, BLOCK_BUDGET // (depth * q)))  # `eagle31.attention.ttt_attention._chain_rows`
-    per_row = 2 * kv * (2 * c + (4 if c != 4 else 0))
-    if cfg.attention == "mla":
-        per_row += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
-        intermediate = (kv + cfg.num_attention_heads * cfg.v_head_dim) * c
-        weights = cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        step0_weights = weights * c
-    else:  # stacked feature rows, emb, normed emb (saved), z, its gradient, a key gradient, cos, sin
-        per_row += (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
-        intermediate = 7 * kv * c // 2
-        weights = 2 * kv * 2 * H
-        step0_weights = 0  # the step-0 keys and values are the entry: no weights remake them
+    graph, intermediate, weights, step0_weights = cfg.kind.chain_block_terms(cfg, c)
+    per_row = 2 * kv * (2 * c + (4 if c != 4 else 0)) + graph
     held = rows * depth * per_row + weights * 4 + step0_weights
     return held + max(weights * c, rows * depth * intermediate)
 
@@ -200,7 +155,7 @@ def after_attention_gradient_bytes(cfg: DrafterConfig) -> int:
     weights after the attention (o_proj, the MLP, post_attention_layernorm, the final norm), whose backward
     comes first; the attention's projections and the norms before them get theirs after it."""
     H = cfg.hidden_size
-    o_proj = cfg.num_attention_heads * (cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim) * H
+    o_proj = cfg.kind.o_proj_in_features(cfg) * H
     return (o_proj + 3 * H * cfg.intermediate_size + 2 * H) * 4
 
 
@@ -227,7 +182,7 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
         chain = attn["chain"] * T + chain_block_bytes(cfg, k, c, T) if k else 0
         attention = attn["throughout"] * T + max(attn["causal"] * T, chain)
         # after the deepest step, the step-0 entry's gradient summed over the deeper steps waits for step 0
-        waiting = entry_elements(cfg)[0] * c * T if k < K - 1 else 0
+        waiting = cfg.kind.entry_elements(cfg)[0] * c * T if k < K - 1 else 0
         grads = 0
         if device == "cpu":
             grads = after_attention_gradient_bytes(cfg) if k == K - 1 else layer_gradient_bytes(cfg)
@@ -240,7 +195,7 @@ def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, check
 
 
 def loss_moment_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, c: int, fsdp: bool) -> dict[str, int]:
-    """What is alive when `DraftKL.backward` runs: d loss / d state of every supervised query (saved)
+    """What is alive when `FusedDraftLoss.backward` runs: d loss / d state of every supervised query (saved)
     and the state gradients it makes of them, the one fp32 lm_head gradient (and its cast to the
     gathered weight's dtype under FSDP), one chunk's fp32 temporaries."""
     H, Vd, T = cfg.hidden_size, cfg.draft_vocab_size, seq_len
@@ -260,7 +215,7 @@ def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int) -> int:
     (`eagle31.sequence_parallel`): the gathered step-0 entry (kept across steps) and, in the step's
     backward, its gradient and the fp32 copy of that which is reduce-scattered back. The keys and values
     of the positions before the shard exist one block at a time (`prefix_block_bytes`), whatever T."""
-    entry, _ = entry_elements(cfg)  # the step-0 entry is what is gathered
+    entry, _ = cfg.kind.entry_elements(cfg)  # the step-0 entry is what is gathered
     return seq_len * entry * (2 * c + 4) + prefix_block_bytes(cfg, c)
 
 
@@ -269,13 +224,12 @@ def prefix_block_bytes(cfg: DrafterConfig, c: int) -> int:
     its keys and values made again (MLA: decompressed, with kv_b_proj's output and its gradient; Llama:
     views of the entry), their fp32 copies and gradients, the gradients' cast to the compute dtype, and
     one block of query rows' fp32 scores (probabilities, their gradient and one temporary)."""
-    q, kv, _ = _attention_widths(cfg)
+    q, kv, _ = cfg.kind.attention_widths(cfg)
     nh = cfg.num_attention_heads
     positions = QueryTail.prefix_block(nh, q // nh)
     rows = max(1, BLOCK_BUDGET // (nh * positions))
     per_position = 2 * kv * (4 + (4 + c if c != 4 else 0))  # fp32 gradients; fp32 copies and the casts back
-    if cfg.attention == "mla":
-        per_position += 2 * kv * c + 2 * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * c
+    per_position += cfg.kind.prefix_block_extra_elements(cfg) * c  # MLA: decompressed, kv_b_proj's output and gradient
     return positions * per_position + 3 * rows * nh * positions * 4
 
 

@@ -29,7 +29,7 @@ from eagle31.io import atomic_write_text
 CARD_NAME = "README.md"
 REPORT_NAME = "report.json"
 LIBRARY_NAME = {"eagle3": "vllm", "speculators": "speculators"}
-MIN_VLLM = {"eagle3": "0.22", "speculators": "0.25"}  # docs/design.md §6: first versions reading the 3.1 flags
+MIN_VLLM = {"eagle3": "0.22", "speculators": "0.25"}  # the first releases reading the 3.1 flags (docs/export.md)
 MIN_MLA_VLLM = "0.33"  # the first tested release whose DeepSeek EAGLE-3 class applies fc_norm (docs/export.md)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 

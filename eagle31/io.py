@@ -140,7 +140,10 @@ def recover_swap(dest: str | Path) -> None:
 
     Killed between its two renames (`dest` -> `.dest.old-*`, then `.dest.tmp-*` -> `dest`), the
     swap leaves no `dest`: the old output is renamed back (the new one was not in place yet).
-    Killed after the second, it leaves the old output beside the new one: it is removed.
+    Killed after the second, it leaves the old output beside the new one: it is removed. A swap
+    that a live process is making (another run writing a shared directory) is waited for, not
+    undone: its writer holds `flock` on the new directory's marker between the two renames
+    (`_swap_lock`; a filesystem without `flock` cannot tell the two apart).
     """
     dest = Path(dest)
     if not dest.parent.is_dir():
@@ -149,13 +152,67 @@ def recover_swap(dest: str | Path) -> None:
         match = _SWAPPED_OUT.fullmatch(old.name)
         if not match or match.group(1) != dest.name:
             continue
-        if dest.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            continue
-        old.rename(dest)
-        fsync_dir(dest.parent)
-        shutil.rmtree(dest.with_name(f".{dest.name}.tmp-{match.group(2)}"), ignore_errors=True)
-        print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
+        new = dest.with_name(f".{dest.name}.tmp-{match.group(2)}")
+        if not dest.exists():
+            _wait_for_swap(new, dest)
+        if not dest.exists():
+            try:
+                old.rename(dest)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # the writer put its new output in place after all
+            else:
+                fsync_dir(dest.parent)
+                shutil.rmtree(new, ignore_errors=True)
+                print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
+                continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
+SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
+
+
+@contextmanager
+def _swap_lock(new: Path) -> Iterator[None]:
+    """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
+    fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def _wait_for_swap(new: Path, dest: Path) -> None:
+    """Return once no live process holds `new`'s swap lock: its swap of `dest` is done, or it died."""
+    try:
+        fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+    except OSError:
+        return  # no new directory there: nothing in flight
+    try:
+        deadline = time.monotonic() + SWAP_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OutputInUseError(
+                        f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
+                        "wait for it to end, then rerun"
+                    ) from None
+                time.sleep(0.01)
+            except OSError as e:
+                if e.errno in _NO_FLOCK:
+                    return
+                raise
+    finally:
+        os.close(fd)
 
 
 def check_writable(path: str | Path) -> None:
@@ -190,10 +247,12 @@ def hold_lock(directory: str | Path) -> Iterator[None]:
     start time) for the one-line `OutputInUseError` a second process gets.
 
     Where the filesystem has no `flock` (`ENOLCK`: NFS mounted without a lock manager),
-    the lock is the file `HELD_FILE`, created exclusively, naming the holder's host and pid
-    and touched every `HEARTBEAT_S` by a thread of the holder. A second process takes it over
-    when it is stale: its pid is gone on this host, or it was not touched for `STALE_AFTER_S`
-    (the holder's host died), and says so in one line.
+    the lock is the file `HELD_FILE`, linked into place whole (so it never exists empty),
+    naming the holder's host, pid, PID namespace and a random token, and touched every
+    `HEARTBEAT_S` by a thread of the holder. A second process takes it over when it is stale:
+    its pid is gone in the same PID namespace of this kernel (a pid of another container,
+    even one sharing the host name, says nothing here), or it was not touched for
+    `STALE_AFTER_S` (the holder's host died), and says so in one line (`_break_lock`).
     """
     directory = Path(directory)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
@@ -233,22 +292,17 @@ def _flock(fd: int, directory: Path) -> bool:
 def _hold_lock_file(directory: Path) -> Iterator[None]:
     path = directory / HELD_FILE
     while True:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(), "token": secrets.token_hex(16), "holder": _holder()}
+        if _create_lock_file(path, me):
             break
-        except FileExistsError:
-            holder, why_stale = _stale_holder(path)
-            if why_stale is None:
-                raise OutputInUseError(
-                    f"{directory} is in use by another run ({holder}; a lock file, as its filesystem has no flock); "
-                    f"wait for it to end or choose another directory"
-                ) from None
-            if _break_lock(path, holder):
-                print(f"warning: {directory}: taking over the lock of {holder} ({why_stale})", file=sys.stderr)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "holder": _holder()}
-    os.write(fd, json.dumps(me).encode())
-    os.fsync(fd)
-    os.close(fd)
+        holder, why_stale, identity = _stale_holder(path)
+        if why_stale is None:
+            raise OutputInUseError(
+                f"{directory} is in use by another run ({holder}; a lock file, as its filesystem has no flock); "
+                f"wait for it to end or choose another directory"
+            )
+        if identity is not None and _break_lock(path, identity, holder):
+            print(f"warning: {directory}: taking over the lock of {holder} ({why_stale})", file=sys.stderr)
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(path, stop), name="eagle31-lock-heartbeat", daemon=True)
     beat.start()
@@ -257,8 +311,58 @@ def _hold_lock_file(directory: Path) -> Iterator[None]:
     finally:
         stop.set()
         beat.join()
-        if _read_holder(path) == me:
+        if (_read_holder(path) or {}).get("token") == me["token"]:
             path.unlink(missing_ok=True)
+
+
+def _create_lock_file(path: Path, record: dict) -> bool:
+    """Put the lock file `record` at `path` unless one is there; False when one is.
+
+    Written beside it and hard-linked into place: the link is atomic and exclusive on NFS
+    too, and the lock file never exists without its holder's record.
+    """
+    tmp = _unique_sibling(path)
+    try:
+        with open(tmp, "x") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            _link(tmp, path)
+        except FileExistsError:
+            return os.stat(tmp).st_nlink == 2  # NFS: a link the client sent again may fail although the first one took
+        fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _link(source: Path, name: Path) -> None:
+    """`os.link`, and a filesystem with neither `flock` nor hard links one line (FileAccessError)."""
+    try:
+        os.link(source, name)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        raise FileAccessError(
+            f"{name.parent}: its filesystem has neither flock nor hard links, one of which the lock of a run needs "
+            f"({e.strerror}); choose a directory on another filesystem"
+        ) from None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace as the kernel names it (boot id and namespace inode), or None off Linux.
+
+    A pid means something only within its namespace: two containers sharing the host name
+    (host networking) each number their processes from 1.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
 
 
 def _read_holder(path: Path) -> dict | None:
@@ -269,19 +373,35 @@ def _read_holder(path: Path) -> dict | None:
         return None
 
 
-def _stale_holder(path: Path) -> tuple[str, str | None]:
-    """(who holds the lock file, why it is stale or None while it is live)."""
-    holder = _read_holder(path)
+def _lock_identity(path: Path) -> tuple[tuple | None, dict | None]:
+    """(the identity of the lock file at `path`: inode, mtime and token; its record) — (None, None) when none is there."""
     try:
-        age = time.time() - path.stat().st_mtime
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read(65536)
     except FileNotFoundError:
-        return "a holder that just let go", "released"
+        return None, None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    record = record if isinstance(record, dict) else None
+    return (st.st_ino, st.st_mtime_ns, (record or {}).get("token")), record
+
+
+def _stale_holder(path: Path) -> tuple[str, str | None, tuple | None]:
+    """(who holds the lock file, why it is stale or None while it is live, the identity of the file judged)."""
+    identity, holder = _lock_identity(path)
+    if identity is None:
+        return "a holder that just let go", "released", None
+    age = time.time() - identity[1] / 1e9
     said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
-    if holder and holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", 0))):
-        return said, f"pid {holder.get('pid')} is gone on this host"
+    namespace = _pid_namespace()
+    if holder and namespace is not None and holder.get("pid_ns") == namespace and not pid_alive(int(holder.get("pid", 0))):
+        return said, f"pid {holder.get('pid')} is gone on this host", identity
     if age > STALE_AFTER_S:
-        return said, f"its heartbeat is {age:.0f} s old"
-    return said, None
+        return said, f"its heartbeat is {age:.0f} s old", identity
+    return said, None, identity
 
 
 def pid_alive(pid: int) -> bool:
@@ -300,23 +420,46 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _break_lock(path: Path, holder: str) -> bool:
-    """Remove a stale lock file unless another process replaced it meanwhile (then leave theirs)."""
-    aside = _unique_sibling(path)
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    moved = _read_holder(aside)
-    if (moved.get("holder", "unknown") if moved else "an unreadable lock file") != holder:
+def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
+    """Remove the stale lock file judged as `identity`, and nothing else; False when it is no longer there.
+
+    Several processes may judge one lock file stale at once. Each links whatever is at `path`
+    to a name derived from `identity`: only one can take that name, and it removes `path`
+    only when the file it linked is the one judged (same inode, mtime and token). A lock
+    file created since, or touched by a live holder since, is left alone; a process that finds
+    the name taken is refused, as the one that took it holds the lock next. A claim left by a
+    breaker that died in between is passed over once it is `STALE_AFTER_S` old.
+    """
+    name = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
+    dead: list[Path] = []
+    while True:
+        claim = path.with_name(f"{path.name}.break-{name}-{len(dead)}")
         try:
-            os.link(aside, path)  # a fresh lock moved by mistake goes back, unless a third process took the name
+            _link(path, claim)
+            break
+        except FileNotFoundError:
+            return False  # released, or broken by another process
         except FileExistsError:
-            pass
-        aside.unlink(missing_ok=True)
-        return False
-    aside.unlink(missing_ok=True)
-    return True
+            try:
+                age = time.time() - claim.stat().st_ctime  # the link set it
+            except FileNotFoundError:
+                return False  # its breaker was done: look again
+            if age <= STALE_AFTER_S:
+                raise OutputInUseError(
+                    f"{path.parent} is being taken over by another run from {holder} (a lock file, as its filesystem has no flock); "
+                    "wait for it to end or choose another directory"
+                ) from None
+            dead.append(claim)  # its breaker died before it was done
+    try:
+        if _lock_identity(claim)[0] != identity:
+            return False  # not the file judged stale: a lock taken, or touched by its live holder, since
+        path.unlink(missing_ok=True)  # only the process that linked `claim` gets here for this file
+        fsync_dir(path.parent)
+        for old in dead:
+            old.unlink(missing_ok=True)
+        return True
+    finally:
+        claim.unlink(missing_ok=True)
 
 
 def _heartbeat(path: Path, stop: threading.Event) -> None:
@@ -355,9 +498,10 @@ def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
         atomic_write_json(tmp / OUTPUT_MARKER, {"kind": kind})
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
-        if dest.exists():
-            dest.rename(old)
-        tmp.rename(dest)
+        with _swap_lock(tmp):  # another process's `recover_swap` waits for the two renames
+            if dest.exists():
+                dest.rename(old)
+            tmp.rename(dest)
         fsync_dir(dest.parent)
         shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -11,7 +11,7 @@ D(label, softmax(draft logits)), D chosen by `train.loss` (`Divergence`, default
 KL(label || draft)). A micro-batch returns per-step sums and counts
 (`StepStats`); the trainer all-reduces the counts and divides.
 
-lm_head + loss of all K steps run in one autograd function (`DraftKL`), in
+lm_head + loss of all K steps run in one autograd function (`FusedDraftLoss`), in
 chunks of label positions: each label distribution is computed once and serves
 the up-to-K queries it labels, and the gradients are formed in the same pass.
 The loss is a weighted sum whose weights `w^k / global_count_k` are known before
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -136,41 +137,70 @@ class Divergence:
     eta: float = 3.0
 
 
-def _divergence(loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd].
+# ---------------------------------------------------------------------------- the losses
+# Each: (label_logp, draft_logq [n, Vd] log p (the label) and log q (the draft), each normalised over the
+# draft vocabulary; eta `train.lk_eta`) -> (loss per query [n], its gradient with respect to the draft logits
+# [n, Vd]). The acceptance of a query is alpha = sum_v min(p_v, q_v) (1 - TV); with S = {v : q_v <= p_v} and
+# s = sum_S q, d alpha / d logits = q * (1[S] - s).
 
-    label_logp, draft_logq [n, Vd]: log p (the label) and log q (the draft), each normalised
-    over the draft vocabulary. The acceptance of a query is alpha = sum_v min(p_v, q_v)
-    (1 - TV); with S = {v : q_v <= p_v} and s = sum_S q, d alpha / d logits = q * (1[S] - s).
 
-    kl         KL(p || q)                                   q - p
-    tv         1 - alpha                                    -d alpha
-    lk_alpha   -log alpha                                   -d alpha / alpha
-    lk_hybrid  lam KL + (1 - lam) TV, lam = exp(-eta alpha) lam (q - p) - (1 - lam) d alpha   (lam held constant)
-    ce         -log q[argmax p]: the label's argmax is the target's greedy token among the draft
-               ids (its full-vocabulary greedy token wherever `mask_out_of_vocab` keeps the query);
-               a soft-label cross-entropy would be KL plus a constant, so `kl` is that loss
-    """
+def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p || q); gradient q - p."""
+    p, q = label_logp.exp(), draft_logq.exp()
+    return (p * (label_logp - draft_logq)).sum(-1), q - p
+
+
+def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 - alpha; gradient -d alpha."""
+    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
+    return 1 - alpha, -d_alpha
+
+
+def lk_alpha_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log alpha (an alpha below `_MIN_ACCEPTANCE` counts as it, with no gradient); gradient -d alpha / alpha."""
+    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
+    kept = alpha.clamp(min=_MIN_ACCEPTANCE)
+    return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
+
+
+def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """lam KL + (1 - lam) TV, lam = exp(-eta alpha) held constant; gradient lam (q - p) - (1 - lam) d alpha."""
+    p, q = label_logp.exp(), draft_logq.exp()
+    alpha, d_alpha = _acceptance(p, q)
+    lam = torch.exp(-eta * alpha)[:, None]  # [n, 1]
+    kl = (p * (label_logp - draft_logq)).sum(-1)
+    return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
+
+
+def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log q[argmax p]: the label's argmax is the target's greedy token among the draft ids (its full-vocabulary
+    greedy token wherever `mask_out_of_vocab` keeps the query); a soft-label cross-entropy would be KL plus a
+    constant, so `kl` is that loss. Gradient q - onehot."""
     q = draft_logq.exp()
-    if loss.kind == DraftLoss.ce:
-        greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
-        return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
-    p = label_logp.exp()
-    if loss.kind == DraftLoss.kl:
-        return (p * (label_logp - draft_logq)).sum(-1), q - p
+    greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
+    return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
+
+
+def _acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """alpha [n] and d alpha / d logits [n, Vd] (above)."""
     below = q <= p
-    alpha = torch.minimum(p, q).sum(-1)  # [n]
-    d_alpha = q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))  # [n, Vd]
-    if loss.kind == DraftLoss.tv:
-        return 1 - alpha, -d_alpha
-    if loss.kind == DraftLoss.lk_alpha:
-        kept = alpha.clamp(min=_MIN_ACCEPTANCE)
-        return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
-    if loss.kind == DraftLoss.lk_hybrid:
-        lam = torch.exp(-loss.eta * alpha)[:, None]  # [n, 1]
-        kl = (p * (label_logp - draft_logq)).sum(-1)
-        return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
-    raise ValueError(f"unknown loss kind {loss.kind!r}")
+    alpha = torch.minimum(p, q).sum(-1)
+    return alpha, q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))
+
+
+# `train.loss` -> its function; a new loss is a function above, its line here and its `DraftLoss` member
+LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]] = {
+    DraftLoss.kl: kl_loss,
+    DraftLoss.tv: tv_loss,
+    DraftLoss.lk_alpha: lk_alpha_loss,
+    DraftLoss.lk_hybrid: lk_hybrid_loss,
+    DraftLoss.ce: ce_loss,
+}
+
+
+def _divergence(loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd], of `loss.kind`."""
+    return LOSSES[loss.kind](label_logp, draft_logq, loss.eta)
 
 
 def ttt_loss(
@@ -205,7 +235,7 @@ def ttt_loss(
         b, p = supervised[k].nonzero(as_tuple=True)
         queries.append(b * T + p)
         labels.append(b * Tf + p + 1 + k)
-    loss_sum, draft_argmax = DraftKL.apply(
+    loss_sum, draft_argmax = FusedDraftLoss.apply(
         lm_head_weight,
         final.reshape(B * Tf, -1),
         target.draft_weight.to(final.dtype),
@@ -272,7 +302,7 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
-class DraftKL(torch.autograd.Function):
+class FusedDraftLoss(torch.autograd.Function):
     """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)).
 
     Inputs (W, f, Wt, queries, labels, scale, grads, divergence, *h): W [Vd, H] the draft lm_head;
@@ -333,7 +363,7 @@ class DraftKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
         if getattr(ctx, "consumed", False):
-            raise RuntimeError("DraftKL's backward ran twice (retain_graph): its lm_head gradient is scaled in place")
+            raise RuntimeError("FusedDraftLoss's backward ran twice (retain_graph): its lm_head gradient is scaled in place")
         ctx.consumed = True
         dW, *dh = ctx.saved_tensors
         g = grad_loss.tolist()  # one scalar per step
@@ -361,7 +391,7 @@ def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: f
 
 
 def _shared_factor(grad: list[float], scale: list[float], queries: list[torch.Tensor]) -> float:
-    """The one c with grad[k] = c * scale[k] for every step with a supervised query (`DraftKL`)."""
+    """The one c with grad[k] = c * scale[k] for every step with a supervised query (`FusedDraftLoss`)."""
     steps = [k for k, q in enumerate(queries) if q.numel()]
     if not steps:
         return 0.0

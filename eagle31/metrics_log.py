@@ -6,7 +6,8 @@ server logs offline instead, with one warning (`start_wandb`). It receives the s
 file and the resolved config with secrets redacted.
 
 On resume, `truncate_metrics` drops what a killed run logged after its last
-checkpoint, including a last line torn by the kill.
+checkpoint (an evaluation of the checkpoint's own step included, when it was saved before
+that evaluation), including a last line torn by the kill.
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def truncate_metrics(path: Path, step: int) -> int:
+def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
     """Keep the lines of `path` (metrics.jsonl) logged at or before `step`; return how many were dropped.
 
+    `evaluated=False`: the checkpoint of `step` was written before that step's evaluation, which
+    the resumed run logs; an evaluation line at `step` (logged by a run killed after it) goes too.
     A last line that is not JSON was torn by a kill mid-write and is dropped; a broken
     line before it is damage of another kind and stops with its line number.
     """
@@ -128,7 +131,8 @@ def truncate_metrics(path: Path, step: int) -> int:
             if n == len(lines):
                 break
             raise CorruptDataError(f"{path}:{n} is not a JSON line; fix or remove it to resume") from None
-        if record["step"] <= step:
+        logged_later = record["step"] > step or (record["step"] == step and not evaluated and any(k.startswith("eval/") for k in record))
+        if not logged_later:
             keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
     return len(lines) - len(keep)

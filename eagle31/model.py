@@ -1,14 +1,14 @@
 """The EAGLE 3.1 drafter (docs/design.md §3), with Hugging Face parameter names.
 
-Reads top to bottom: norm → MLP → attention projections → decoder layer →
-drafter. Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
+Reads top to bottom: norm → MLP → decoder layer → drafter; the attention
+projections and the rope are the attention kind's (`eagle31.drafter_attention`:
+Llama's q/k/v, DeepSeek's MLA). Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
 `midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
 defines one drafter step — the fused step-0 feature (`fuse_aux`), the layer on
 either side of attention (`step_qkv`, `step_output`) and the feedback rule of
 `norm_output` (`read_out`) — which `eagle31.ttt` unrolls over K steps in
 training and `eagle31.eval.drafting` runs against its KV cache at inference.
-`eagle31.attention` holds the attention kernels and `eagle31.mla` the MLA
-attention of `attention="mla"` drafters.
+`eagle31.attention` holds the TTT attention and its kernels.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues
+from eagle31.attention.entries import ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
-from eagle31.mla import DeepseekRotaryEmbedding, MLAAttention
-from eagle31.rope import inverse_frequencies
 from eagle31.ttt import ttt_unroll
 
 NATIVE_FORMAT = "eagle31-drafter"
@@ -84,84 +82,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Eagle3Attention(nn.Module):
-    """Projections of the EAGLE 3 attention: q/k/v read the 2H-wide input.
-
-    The attention itself (which keys a query sees) lives in `eagle31.attention`,
-    because in the TTT unroll it spans several steps.
-    """
-
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        H, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d
-        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
-
-    def query(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """z [B, T, 2H] -> q [B, T, nh, d], RoPE applied."""
-        B, T, _ = z.shape
-        return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
-
-    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d] and the step's keys and values (k, v) each [B, T, nkv, d];
-        RoPE applied to q, k."""
-        return self.query(z, cos, sin), self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
-
-    def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
-        """z [B, T, 2H] -> k (RoPE applied), v [B, T, nkv, d], with the given k_proj / v_proj weights."""
-        B, T, _ = z.shape
-        k = F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor):
-        """An entry -> its keys and values: the entry is them."""
-        return k, v
-
-    def output(self, attn: torch.Tensor) -> torch.Tensor:
-        """attn [B, T, nh, d] -> o_proj(attn) [B, T, H]."""
-        return self.o_proj(attn.flatten(2))
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`).
-
-    The inverse frequencies are computed once in float64 and kept outside the module's
-    buffers, so casting the drafter to bf16 never degrades them; `attention_scaling` is
-    the cos/sin magnitude (not 1 for yarn).
-    """
-
-    def __init__(self, config: DrafterConfig):
-        super().__init__()
-        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling = inverse_frequencies(
-                config.rope_parameters, config.head_dim, config.max_position_embeddings
-            )
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
-        acc = torch.promote_types(dtype, torch.float32)
-        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, d]; cos/sin [B, T, d] (Llama's rotate-half convention)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + rotate_half(x) * sin
-
-
 class Eagle3DecoderLayer(nn.Module):
     """The drafter's one decoder layer (docs/design.md §3), split around attention.
 
@@ -170,8 +90,8 @@ class Eagle3DecoderLayer(nn.Module):
         h'  = r + o_proj(Attn(q_proj(z), k_proj(z), v_proj(z)))
         out = h' + mlp(post_attention_layernorm(h'))
 
-    The attention is Llama's (`Eagle3Attention`) or DeepSeek's MLA (`eagle31.mla.MLAAttention`),
-    per `config.attention`; both read the 2H-wide z.
+    The attention projections are the attention kind's (`config.kind.attention`: Llama's q/k/v,
+    DeepSeek's MLA); every kind's read the 2H-wide z.
     """
 
     def __init__(self, config: DrafterConfig):
@@ -181,7 +101,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.self_attn = MLAAttention(config, RMSNorm) if config.attention == "mla" else Eagle3Attention(config)
+        self.self_attn = config.kind.attention(config, RMSNorm)
         self.mlp = MLP(config)
 
     def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entry: bool = True):
@@ -242,7 +162,7 @@ class Eagle31Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(H, eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        self.rotary_emb = DeepseekRotaryEmbedding(config) if config.attention == "mla" else RotaryEmbedding(config)
+        self.rotary_emb = config.kind.rotary_embedding(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.t2d[: config.draft_vocab_size] = True
@@ -310,7 +230,7 @@ class Eagle31Drafter(nn.Module):
         document_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        attention: str = "auto",
+        attention_kernel: str = "auto",
     ) -> list[torch.Tensor]:
         """Per-step draft logits, each [B, T, Vd]; step k at position p is query (p, k) of docs/design.md §4.
 
@@ -324,7 +244,7 @@ class Eagle31Drafter(nn.Module):
             document_ids=document_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            attention=attention,
+            attention_kernel=attention_kernel,
         )
         return [self.lm_head(s) for s in out.states]
 
@@ -354,7 +274,7 @@ class Eagle31Drafter(nn.Module):
         """
         emb = self._embed(tokens, feature.dtype)
         cos, sin = self.rotary_emb(positions, feature.dtype)
-        if chain and self.config.attention != "mla":
+        if chain and self.config.kind.chain_keeps_input:
             q, _, residual = self.midlayer.pre_attention(emb, feature, cos, sin, entry=False)
             return q, (feature, tokens, positions), residual
         return self.midlayer.pre_attention(emb, feature, cos, sin)
@@ -366,13 +286,11 @@ class Eagle31Drafter(nn.Module):
     def step0_keys_values(self) -> ChainKeysValues:
         """How the TTT attention makes the causal (step-0) keys and values of the step-0 entry: MLA
         decompresses its latents (inside the attention, so they are not saved); Llama's are the entry."""
-        if self.config.attention == "mla":
-            return self.midlayer.self_attn.chain_keys_values()
-        return KEYS_VALUES
+        return self.midlayer.self_attn.step0_keys_values()
 
     def chain_keys_values(self) -> ChainKeysValues:
         """How the TTT chain makes keys and values of the entries `step_entry(..., chain=True)` gives."""
-        if self.config.attention == "mla":
+        if not self.config.kind.chain_keeps_input:
             return self.midlayer.self_attn.chain_keys_values()
         layer = self.midlayer
         attn = layer.self_attn

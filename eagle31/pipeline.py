@@ -223,7 +223,7 @@ def build_trainer(
             print(f"resumed from {latest} (step {trainer.state.step})")
     if world.is_main:  # the run really starts: its identity, and the metrics of the steps it keeps
         atomic_write_text(plan.run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
-        truncate_metrics(plan.run_dir / "metrics.jsonl", trainer.state.step)
+        truncate_metrics(plan.run_dir / "metrics.jsonl", trainer.state.step, evaluated=not trainer.state.eval_due)
     return trainer
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eagle31.config import ConfigError, DrafterConfig
+from eagle31.config import SWITCHES, ConfigError, DrafterConfig
 from eagle31.distributed import World
 from eagle31.estimate import count_parameters, estimate_memory, longest_fitting_length
 from eagle31.export import export_config
@@ -115,8 +115,8 @@ def check_sequence_parallel(cfg, world: World) -> None:
     ranks = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size > 0 else world.world_size
     if n < 1 or ranks % n:
         raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
-    if n > 1 and cfg.train.attention == "reference":
-        raise ConfigError("train.attention=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
+    if n > 1 and cfg.train.attention_kernel == "reference":
+        raise ConfigError("train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
 
 
 def check_engine(cfg) -> None:
@@ -140,7 +140,7 @@ def check_engine(cfg) -> None:
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
 # normalisation without changing a tensor shape, so fitting weights would not catch them.
-INIT_FROM_FIELDS = ("aux_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+INIT_FROM_FIELDS = ("aux_layer_ids", *SWITCHES)
 
 
 def check_init_from(drafter: DrafterConfig, section) -> None:

@@ -21,7 +21,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional, Sequence, TypeVar
 
-from eagle31.config import ConfigError
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
 
 
 # ---------------------------------------------------------------------------- choices
@@ -77,11 +78,6 @@ class DrafterFormat(StrEnum):
     speculators = "speculators"
     specforge = "specforge"
     torchspec = "torchspec"
-
-
-class DrafterAttention(StrEnum):
-    llama = "llama"  # q/k/v projections: vLLM's Llama EAGLE-3 layer
-    mla = "mla"  # DeepSeek's Multi-head Latent Attention: vLLM's Eagle3DeepseekV2ForCausalLM
 
 
 class RegenerateBackend(StrEnum):
@@ -252,33 +248,31 @@ class FeaturesConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
-@dataclass
-class DrafterSection:
-    """Overrides of `DrafterConfig.from_target_config`; None keeps the target-derived default."""
+def drafter_section(config: type = DrafterConfig) -> type:
+    """The recipe's `drafter` section, made of `config`'s fields (`eagle31.config.TARGET`, `OVERRIDE`): each
+    overrides `DrafterConfig.from_target_config`, None keeping the target-derived value; then the fields that
+    steer initialisation."""
+    hints = typing.get_type_hints(config)
+    fields: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(config):
+        source = f.metadata.get("recipe")
+        if source == "target":
+            continue
+        hint = hints[f.name]
+        if typing.get_origin(hint) is tuple:  # a recipe spells a list
+            hint = list[typing.get_args(hint)[0]]
+        fields.append((f.name, Optional[hint], field(default=None)) if source == "override" else (f.name, hint, field(default=f.default)))
+    fields += [
+        ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
+        ("init_from_format", DrafterFormat, field(default=DrafterFormat.auto)),
+        ("upgrade_to_eagle31", bool, field(default=False)),  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
+    ]
+    section = dataclasses.make_dataclass("DrafterSection", fields, namespace={"__doc__": drafter_section.__doc__})
+    section.__module__ = __name__
+    return section
 
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    draft_vocab_size: int = 32000
-    aux_layer_ids: Optional[list[int]] = None
-    fc_norm: bool = True
-    norm_before_fc: bool = False
-    norm_output: bool = True
-    norm_before_residual: bool = False
-    # llama: q/k/v projections (vLLM's Llama EAGLE-3 layer); mla: DeepSeek's Multi-head Latent
-    # Attention (vLLM's Eagle3DeepseekV2ForCausalLM), its shape from the target unless set below
-    attention: DrafterAttention = DrafterAttention.llama
-    q_lora_rank: Optional[int] = None
-    kv_lora_rank: Optional[int] = None
-    qk_nope_head_dim: Optional[int] = None
-    qk_rope_head_dim: Optional[int] = None
-    v_head_dim: Optional[int] = None
-    init_from: Optional[str] = None  # a drafter to fine-tune (any layout eagle31 reads)
-    init_from_format: DrafterFormat = DrafterFormat.auto
-    upgrade_to_eagle31: bool = False  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
+
+DrafterSection = drafter_section()
 
 
 @dataclass
@@ -295,7 +289,7 @@ class TrainConfig:
     max_steps: int = 1000
     grad_accum: int = 1
     max_grad_norm: float = 0.5
-    attention: AttentionBackend = AttentionBackend.auto
+    attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.attention)
     activation_checkpointing: bool = False
     # ranks that split each sequence between them (eagle31/sequence_parallel.py); divides the world size
     sequence_parallel: int = 1
@@ -405,13 +399,30 @@ def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     register_schema(recipes_dir)
+    for override in overrides:
+        _refuse_renamed(override.split("=", 1)[0].lstrip("+~"))
     try:
         with initialize_config_dir(config_dir=str(Path(recipes_dir).resolve()), version_base=None):
             cfg = compose(config_name="config", overrides=list(overrides))
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
+        key = re.search(r" full_key: (\S+)", " ".join(str(e).split()))
+        if key:  # a recipe file still spelling a renamed field
+            _refuse_renamed(key.group(1))
         raise ConfigError(_one_line(e)) from None
     return cfg
+
+
+# fields that a recipe or a command line may still spell by an earlier name: the new name, and why
+RENAMED = {
+    "train.attention": ("train.attention_kernel", "it picks the attention kernel; drafter.attention is the drafter's architecture"),
+}
+
+
+def _refuse_renamed(key: str) -> None:
+    if key in RENAMED:
+        new, why = RENAMED[key]
+        raise ConfigError(f"{key} is now {new}: {why}")
 
 
 def describe_recipes(recipes_dir: str | Path) -> str:

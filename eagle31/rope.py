@@ -26,7 +26,7 @@ only `YARN_FIELDS[release]` on):
     0.33.0  magnitude attention_factor, else mscale/mscale_all_dim's ratio when both are
             set, else 0.1·ln(factor) + 1; as transformers reads it
 
-The MLA drafter's rope (`eagle31.mla`) is vLLM's DeepSeek YaRN
+The MLA drafter's rope (`eagle31.drafter_attention.mla`) is vLLM's DeepSeek YaRN
 (`deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding`), reading
 `DEEPSEEK_YARN_FIELDS[release]`, and the DeepSeek attention
 (`deepseek_v2.py::DeepseekV2MLAAttention`) multiplies the softmax scale by
@@ -42,7 +42,7 @@ target's yarn block, so that a Llama drafter's rope means the same in every rele
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -173,25 +173,29 @@ def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[f
     return extrapolation, magnitude * attn_factor, softmax
 
 
-def ambiguity(rope: dict[str, Any], attention: str = "llama") -> str | None:
-    """None when every supported vLLM release reads `rope` (a Llama or an MLA drafter's) as the same rope;
-    otherwise which fields they read differently, naming the releases, in one line."""
+def ambiguity(
+    rope: dict[str, Any], reading: Callable[[dict[str, Any], str], tuple[float, ...]],
+    fields: dict[str, tuple[str, ...]], quantities: str,
+) -> str | None:
+    """None when the supported vLLM releases read `rope` as the same rope; otherwise which fields they read
+    differently, naming the releases, in one line. `reading(rope, release)`: the numbers (`quantities`) that
+    release makes of a yarn block, reading `fields[release]` (a drafter attention kind's: `llama_yarn_reading`,
+    `deepseek_yarn_scales`)."""
     if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):
         return None
-    if attention == "mla":
-        readings = {r: deepseek_yarn_scales(rope, r) for r in VLLM_RELEASES}
-        fields = DEEPSEEK_YARN_FIELDS_READ
-    else:
-        readings = {r: (float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[r] else 1.0,
-                        yarn_magnitude(rope, r)) for r in VLLM_RELEASES}  # fmt: skip
-        fields = YARN_FIELDS
+    readings = {release: reading(rope, release) for release in VLLM_RELEASES}
     if all(_close(readings[r], readings[NEWEST]) for r in VLLM_RELEASES):
         return None
     differing = [k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)]
     named = ", ".join(f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing)
     numbers = "; ".join(f"{r}: " + ", ".join(f"{x:.4g}" for x in readings[r]) for r in VLLM_RELEASES)
-    what = "extrapolation, magnitude, softmax factor" if attention == "mla" else "extrapolation, magnitude"
-    return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({what}: {numbers})"
+    return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({quantities}: {numbers})"
+
+
+def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float]:
+    """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer."""
+    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    return extrapolation, yarn_magnitude(rope, release)
 
 
 def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:

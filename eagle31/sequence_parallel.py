@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from eagle31.attention.kernels import segment_ids
 from eagle31.config import ConfigError
-from eagle31.data.batch import FeatureBatch
+from eagle31.data.batch import TOKEN_COLUMNS, FeatureBatch
 from eagle31.distributed import World
 
 
@@ -81,10 +81,8 @@ def pad_positions(batch: FeatureBatch, T: int) -> FeatureBatch:
     def pad(x, value):
         return torch.cat([x, x.new_full((x.shape[0], n, *x.shape[2:]), value)], dim=1)
 
-    return replace(
-        batch, input_ids=pad(batch.input_ids, 0), loss_mask=pad(batch.loss_mask, 0), document_ids=pad(batch.document_ids, -1),
-        aux=pad(batch.aux, 0), final=pad(batch.final, 0),
-    )  # fmt: skip
+    columns = {name: pad(getattr(batch, name), column.pad) for name, column in TOKEN_COLUMNS.items()}
+    return replace(batch, **columns, document_ids=pad(batch.document_ids, -1), aux=pad(batch.aux, 0), final=pad(batch.final, 0))
 
 
 def all_gather_shards(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -105,7 +103,8 @@ def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Te
 
 class _GatherShards(torch.autograd.Function):
     """x [B, Ts, ...] of every rank of the group -> [B, keep, ...], the shards in order, cut to `keep`
-    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32."""
+    positions; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least
+    (bf16 gradients are summed in fp32, fp64 ones stay fp64)."""
 
     @staticmethod
     def forward(ctx, x, group: SequenceGroup, keep: int):
@@ -116,7 +115,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, (B, Ts, *rest) = ctx.group, ctx.shape
-        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.float32, device=grad.device)
+        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
         full[:, : ctx.keep] = grad
         return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None
 
@@ -152,12 +151,12 @@ def shard_batch(batch: FeatureBatch, group: SequenceGroup, ttt_length: int, devi
     start = group.rank * Ts
     rows = slice(start, start + Ts)
     own = FeatureBatch(
-        input_ids=padded.input_ids[:, rows], loss_mask=padded.loss_mask[:, rows], document_ids=padded.document_ids[:, rows],
+        **{name: getattr(padded, name)[:, rows] for name in TOKEN_COLUMNS}, document_ids=padded.document_ids[:, rows],
         aux=padded.aux[:, rows], final=padded.final[:, rows],
     ).to(device, dtype=dtype)  # fmt: skip
     B = own.input_ids.shape[0]
-    meta = torch.stack([own.input_ids, own.loss_mask, own.document_ids.long()])  # [3, B, Ts]
-    ids, mask, docs = all_gather_shards(meta, group).movedim(0, 2).flatten(2, 3)  # each [B, N * Ts]
+    meta = torch.stack([*(getattr(own, name) for name in TOKEN_COLUMNS), own.document_ids.long()])  # [columns + 1, B, Ts]
+    *columns, docs = all_gather_shards(meta, group).movedim(0, 2).flatten(2, 3)  # each [B, N * Ts]
     heads = all_gather_shards(own.final[:, :halo], group)  # [N, B, K + 1, Ht]
     end = start + Ts
 
@@ -167,7 +166,8 @@ def shard_batch(batch: FeatureBatch, group: SequenceGroup, ttt_length: int, devi
 
     next_final = heads[group.rank + 1] if group.rank + 1 < group.size else torch.zeros_like(heads[0])
     shard = FeatureBatch(
-        input_ids=with_halo(ids, 0), loss_mask=with_halo(mask, 0), document_ids=with_halo(docs, -1),
+        **{name: with_halo(x, column.pad) for (name, column), x in zip(TOKEN_COLUMNS.items(), columns)},
+        document_ids=with_halo(docs, -1),
         aux=own.aux, final=torch.cat([own.final, next_final], dim=1),
         num_tokens=int((padded.document_ids[:, rows] >= 0).sum()), num_samples=batch.num_samples,
     )  # fmt: skip

@@ -59,7 +59,7 @@ class DrafterObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.ttt_length = train.ttt_length
-        self.attention = train.attention
+        self.attention_kernel = train.attention_kernel
         self.activation_checkpointing = train.activation_checkpointing
         self.loss = Divergence(train.loss, train.lk_eta)
 
@@ -73,7 +73,7 @@ class DrafterObjective(nn.Module):
             input_ids,
             ttt_length=self.ttt_length,
             document_ids=document_ids,
-            attention=self.attention,
+            attention_kernel=self.attention_kernel,
             activation_checkpointing=self.activation_checkpointing,
             sequence=sequence,
         )
@@ -89,6 +89,7 @@ class TrainState:
     tokens_seen: int = 0
     nonfinite_streak: int = 0
     train_seconds: float = 0.0
+    eval_due: bool = False  # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float = 0.1):
@@ -248,6 +249,7 @@ class Trainer:
         loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
         counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         self.model.eval()
+        self.eval_loader.rewind()
         for batch in self.eval_loader:
             b, sup, argmax, shard = self._prepare(batch)
             stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard)  # no gradients
@@ -285,9 +287,13 @@ class Trainer:
         """Train to `max_steps`; return the final held-out metrics.
 
         With `stop` (`eagle31.preemption`), a SIGTERM / SIGUSR1 that reached any rank stops every rank
-        after the same step, with a complete checkpoint of it: `RunPreempted`.
+        after the same step, with a complete checkpoint of it: `RunPreempted`. The evaluation due at
+        that step is left to the resumed run, which does it first (`TrainState.eval_due`); a signal
+        during the final checkpoint or evaluation stops the run there too, before the export.
         """
         cfg, state = self.cfg, self.state
+        if state.eval_due and state.step < cfg.max_steps:
+            self._log_evaluation(logger)
         stream = self._stream()
         window = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
         window_start = time.perf_counter()
@@ -319,18 +325,41 @@ class Trainer:
                 state.step,
                 {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
             )
-            if stop is not None and state.step < cfg.max_steps and self._agree_to_stop(stop):
+            if state.step == cfg.max_steps:
+                break
+            evaluate_now = bool(cfg.eval_every) and state.step % cfg.eval_every == 0
+            if stop is not None and self._agree_to_stop(stop):
+                state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
-                by = stop.received.name if stop.requested else "a signal that another rank received"
-                raise RunPreempted(f"stopped by {by} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
-                logger.log(state.step, {f"eval/{k}": v for k, v in self.evaluate().items()})
-            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.max_steps:
+                raise RunPreempted(f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
+            if evaluate_now:
+                self._log_evaluation(logger)
+            if cfg.save_every and state.step % cfg.save_every == 0:
                 self.save_checkpoint()
-        self.save_checkpoint()
-        final = self.evaluate()
-        logger.log(state.step, {f"eval/{k}": v for k, v in final.items()})
+        state.eval_due = True  # a run resumed from the final checkpoint evaluates again, in place of what this one logs
+        saved = self.save_checkpoint()
+        self._stop_after_the_last_step(stop, saved)
+        final = self._log_evaluation(logger)
+        self._stop_after_the_last_step(stop, saved)
         return final
+
+    def _log_evaluation(self, logger: RunLogger) -> dict[str, float]:
+        metrics = self.evaluate()
+        logger.log(self.state.step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.state.eval_due = False
+        return metrics
+
+    def _stop_after_the_last_step(self, stop: StopSignals | None, saved: Path) -> None:
+        """A signal during the final checkpoint or evaluation: stop before the export (every rank, as after a step)."""
+        if stop is not None and self._agree_to_stop(stop):
+            raise RunPreempted(
+                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is complete; "
+                "rerun with resume=auto to evaluate and export"
+            )
+
+    @staticmethod
+    def _stopped_by(stop: StopSignals) -> str:
+        return stop.received.name if stop.requested else "a signal that another rank received"
 
     def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
         """The logged metrics of a window of steps: the last step's, rates over the window, and (rank 0) the

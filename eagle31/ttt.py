@@ -77,7 +77,7 @@ def ttt_unroll(
     document_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    attention: str = "auto",
+    attention_kernel: str = "auto",
     activation_checkpointing: bool = False,
     attention_probe=None,
     sequence=None,
@@ -87,7 +87,7 @@ def ttt_unroll(
     aux [B, T, n*Ht] target features; input_ids [B, T]; document_ids [B, T]
     numbers packed documents (-1 = padding); attention_mask [B, T] 1 = real.
     `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.attention.
-    reference_attention`; needs `attention="reference"`).
+    reference_attention`; needs `attention_kernel="reference"`).
 
     `sequence` (`eagle31.sequence_parallel.SequenceShard`, or a row's query tail as the drift
     diagnostic unrolls it, `eagle31.eval.drift`): aux holds this rank's shard of T
@@ -126,7 +126,7 @@ def ttt_unroll(
             q, entry, residual = drafter.step_entry(feature, ids, positions, chain=True)
             chain = (*chain, entry)
         probe = None if attention_probe is None else lambda probs: attention_probe(len(chain), probs)
-        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention, expand0, expand, probe)
+        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention_kernel, expand0, expand, probe)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
         return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain

@@ -23,6 +23,7 @@ from typing import Callable
 
 from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.config import ConfigError
+from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir, portable_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,6 +243,17 @@ def format_training(training: dict) -> list[str]:
     if any(t.get("earlier") for t in training.values()):
         lines += ["", "\\* trained and measured by an earlier run of this comparison, whose run directory is not kept here."]
     return lines
+
+
+def write_results(out: Path, summary: dict, markdown: str) -> None:
+    """A study's summary.json and results.md under `out`."""
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "results.md", markdown + "\n")
+
+
+def print_results(out: Path, markdown: str) -> None:
+    print(markdown)
+    print(f"\nwrote {out / 'summary.json'}, {out / 'results.md'}, {out / 'acceptance'}")
 
 
 def study_main(argv: list[str], doc: str, config, smoke: dict, module: str, body: Callable) -> int:

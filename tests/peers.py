@@ -1,17 +1,22 @@
 """The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
-release and one for SpecForge, never the project's environment: both pin their own torch).
+release and one for SpecForge, never the project's environment: both pin their own torch), or
+imported in-process from the packages that `.ci/peer_packages.sh` adds to the project's venv
+(vLLM speculators, MT-Bench's questions).
 
 A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
-subprocess (`run_peer`), or `specforge_python()` for SpecForge's. Where the venv is missing the
-test is skipped on a developer's machine and fails in CI (`CI=true`), so CI cannot pass without
-running the neighbour's own code."""
+subprocess (`run_peer`), `specforge_python()` for SpecForge's, or `peer_module("speculators...")`
+for an in-process peer. Where the peer is missing the test is skipped on a developer's machine
+(README's test command installs none of them) and fails in CI (`CI=true`), so CI cannot pass
+without running the neighbour's own code."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -21,17 +26,27 @@ from benchmarks.peer import peers_dir
 VLLM_RELEASES = ("0.22.0", "0.33.0")
 
 
+def missing_peer(message: str) -> None:
+    """Skip the test on a developer's machine; fail it in CI, where every peer must be there."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def peer_python(vllm_version: str) -> Path:
     venv = peers_dir() / f"vllm-{vllm_version}"
     python = venv / "bin" / "python"
     if not (venv / ".eagle31-ready").is_file() or not python.is_file():
-        message = f"no vLLM {vllm_version} venv at {venv}: run `bash .ci/peer_venvs.sh {vllm_version}`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_peer(f"no vLLM {vllm_version} venv at {venv}: run `bash .ci/peer_venvs.sh {vllm_version}`")
     return python
+
+
+def peer_module(name: str) -> ModuleType:
+    """`name` imported from a peer package of `.ci/peer_packages.sh` (speculators, loguru, mtbench_evaluator)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        missing_peer(f"{name} does not import ({e}): the peers' packages come from `bash .ci/peer_packages.sh`")
 
 
 def specforge_python() -> Path:
@@ -42,9 +57,7 @@ def specforge_python() -> Path:
     try:
         return find()
     except ConfigError as e:
-        if os.environ.get("CI"):
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+        missing_peer(str(e))
 
 
 def run_peer(vllm_version: str, script: str, *args: str, timeout: float = 300) -> dict:

@@ -1,4 +1,4 @@
-"""The TTT attention kernels (`eagle31/attention.py`) against the explicit-scores reference.
+"""The TTT attention kernels (`eagle31/attention/`) against the explicit-scores reference.
 
 Every fused path — PyTorch's flash kernel (CPU: per document; CUDA: one varlen call) and the
 blockwise kernel — must give the reference's output and the gradients of q, the step-0 keys and
@@ -20,7 +20,7 @@ from eagle31.attention.entries import ChainKeysValues
 from eagle31.attention.kernels import resolve_backend, segment_ids
 from eagle31.attention.query_tail import QueryTail
 from eagle31.attention.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
-from eagle31.mla import mla_keys_values
+from eagle31.drafter_attention.mla import mla_keys_values
 
 CUDA = torch.cuda.is_available()
 
@@ -140,6 +140,25 @@ def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(
         dv0[:, :b] += leaves[2].grad
     torch.testing.assert_close(dk0, full[2], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dv0, full[3], rtol=1e-10, atol=1e-10)
+
+
+def test_the_cuda_kernels_documents_end_at_every_row_whatever_the_run_ids():
+    """The CUDA varlen call's `cu_seqlens` (plain tensor code, checked on CPU) cut the runs where the CPU path
+    does. A query tail passes a slice of the global run ids, so row 0 may end on run 8 where row 1 starts on
+    run 1: offsetting each row's ids by T + 1 made those one document, row 1's queries attending row 0's keys."""
+    from eagle31.attention.kernels import FlashCausal, _runs
+
+    cu, max_len = FlashCausal._cu_seqlens(torch.tensor([[7, 8, 8, 8, 8, 8], [1, 1, 1, 1, 1, 1]]))
+    assert cu.tolist() == [0, 1, 6, 12] and max_len == 6
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B, T = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        # each row: non-decreasing run ids from its own start, as segments[:, off:] of a query tail
+        segments = torch.randint(0, 2, (B, T), generator=g).cumsum(1) + torch.randint(0, 3 * T, (B, 1), generator=g)
+        cu, max_len = FlashCausal._cu_seqlens(segments)
+        runs = _runs(segments)
+        assert cu.tolist() == [0] + [b * T + e for b, _, e in runs], segments
+        assert max_len == max(e - s for _, s, e in runs)
 
 
 @pytest.mark.parametrize("backend", ["flash", "blockwise"])

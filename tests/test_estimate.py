@@ -117,9 +117,9 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_planned_gpus_is_refus
     args = ["recipe=kimi_k26", "dry_run=true", "plan.world_size=6", "train.sequence_parallel=4"]
     with pytest.raises(ConfigError, match="train.sequence_parallel=4 must be >= 1 and divide the world size 6"):
         plan_run(load_recipe(RECIPES, args), init_world("cpu"))
-    with pytest.raises(ConfigError, match="train.attention=reference cannot attend across sequence shards"):
+    with pytest.raises(ConfigError, match="train.attention_kernel=reference cannot attend across sequence shards"):
         plan_run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", "plan.world_size=4", "train.sequence_parallel=2",
-                                       "train.attention=reference"]), init_world("cpu"))  # fmt: skip
+                                       "train.attention_kernel=reference"]), init_world("cpu"))  # fmt: skip
 
 
 @pytest.mark.parametrize("shape,T,peak_step", [("mla_kimi_heads", 128, 1), ("llama_kimi_heads_no_ckpt", 128, 1),

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,6 +193,48 @@ def test_a_kill_during_the_swap_of_a_directory_is_repaired_on_the_next_start(tmp
     assert ("restored" in said and str(dest) in said) == (killed_after == 1), said
 
 
+def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path, monkeypatch, capfd):
+    """One process replaces a shared directory (two runs sharing a `data.prepared_dir`, or the target cache) and is
+    between its two renames when another process's step starts writing there: the second waits for the swap, it
+    does not take the first one's old directory, put aside, for one a kill left behind and undo the swap."""
+    import threading
+
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    with atomic_dir(dest, kind="prepared-data") as tmp:
+        (tmp / "x").write_text("old")
+    between, checked = threading.Event(), threading.Event()
+    real_rename = Path.rename
+
+    def rename(self, target):
+        moved = real_rename(self, target)
+        if threading.current_thread().name == "writer" and self == dest:  # the old one is aside, the new one not in place
+            between.set()
+            checked.wait(1.0)  # the other step's check, unless it waits for this swap
+        return moved
+
+    monkeypatch.setattr(Path, "rename", rename)
+    failed: list[BaseException] = []
+
+    def write():
+        try:
+            with atomic_dir(dest, kind="prepared-data") as tmp:
+                (tmp / "x").write_text("new")
+        except BaseException as e:
+            failed.append(e)
+
+    writer = threading.Thread(target=write, name="writer")
+    writer.start()
+    assert between.wait(10)
+    check_output_dir(dest, "prepared-data")  # the other process's step, starting
+    checked.set()
+    writer.join(10)
+    assert not failed, failed
+    assert (dest / "x").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------- locks without flock
 
 
@@ -224,21 +267,13 @@ def test_without_flock_a_lock_file_keeps_a_second_run_out_and_goes_with_its_hold
         pass
 
 
-def test_without_flock_a_stale_lock_file_is_taken_over_and_said(tmp_path, no_flock, capsys):
-    import socket
-    import subprocess
+def test_without_flock_a_lock_file_of_another_host_is_taken_over_once_its_heartbeat_stops(tmp_path, no_flock, capsys):
     import time
 
     from eagle31.errors import OutputInUseError
     from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
 
-    gone_pid = subprocess.Popen(["true"])  # a pid that no longer runs
-    gone_pid.wait()
     held = tmp_path / HELD_FILE
-    held.write_text(json.dumps({"host": socket.gethostname(), "pid": gone_pid.pid, "holder": f"pid {gone_pid.pid} on here"}))
-    with hold_lock(tmp_path):
-        assert json.loads(held.read_text())["pid"] == os.getpid()
-    assert f"taking over the lock of pid {gone_pid.pid} on here (pid {gone_pid.pid} is gone on this host)" in capsys.readouterr().err
     held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
     with pytest.raises(OutputInUseError, match="pid 1 on another-node"), hold_lock(tmp_path):
         pass  # its heartbeat is fresh: that host's run is alive
@@ -246,7 +281,8 @@ def test_without_flock_a_stale_lock_file_is_taken_over_and_said(tmp_path, no_flo
     os.utime(held, (old, old))  # that host died: no heartbeat since
     with hold_lock(tmp_path):
         pass
-    assert "its heartbeat is" in capsys.readouterr().err
+    assert "taking over the lock of pid 1 on another-node (its heartbeat is" in capsys.readouterr().err
+    assert not held.exists() and os.listdir(tmp_path) == [".eagle31-lock"]  # no claim or temporary left behind
 
 
 def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monkeypatch):
@@ -263,3 +299,169 @@ def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monke
         while (tmp_path / HELD_FILE).stat().st_mtime < old + 1:
             assert time.time() < deadline, "no heartbeat"
             time.sleep(0.02)
+
+
+def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch):
+    """Two processes judge the same stale lock file (empty: its writer died between creating and writing it);
+    the second breaks it only once the first has broken it and is creating its own, before the first wrote
+    its holder into it (the window the interleaving forces): exactly one of them holds the lock."""
+    import threading
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_bytes(b"")
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    both_judged, first_creating, second_done, release = threading.Barrier(2, timeout=10), threading.Event(), threading.Event(), threading.Event()
+    judged: set[str] = set()
+    real_stale, real_holder = eagle31.io._stale_holder, eagle31.io._holder
+
+    def stale_holder(*args, **kwargs):
+        said = real_stale(*args, **kwargs)
+        name = threading.current_thread().name
+        if name not in judged:  # both have judged the same stale file before either breaks it
+            judged.add(name)
+            both_judged.wait()
+            if name == "second":
+                first_creating.wait(10)
+        return said
+
+    def holder():
+        if threading.current_thread().name == "first" and "first" in judged and not first_creating.is_set():
+            first_creating.set()  # the first has broken the stale file and is creating its own lock
+            second_done.wait(10)
+        return real_holder()
+
+    monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
+    monkeypatch.setattr(eagle31.io, "_holder", holder)
+    outcome: dict[str, str] = {}
+
+    def attempt():
+        name = threading.current_thread().name
+        try:
+            with hold_lock(tmp_path):
+                outcome[name] = "held"
+                if name == "second":
+                    second_done.set()
+                release.wait(10)
+        except OutputInUseError:
+            outcome[name] = "refused"
+            if name == "second":
+                second_done.set()
+
+    threads = [threading.Thread(target=attempt, name=name) for name in ("first", "second")]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 20
+    while len(outcome) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(20)
+    assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def _hold_lock_in_a_child(directory) -> "subprocess.Popen":
+    """A process holding `directory`'s lock file (no flock), until it is killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import errno, sys, time\n"
+        "import eagle31.io\n"
+        "def flock(fd, op): raise OSError(errno.ENOLCK, 'No locks available')\n"
+        "eagle31.io.fcntl.flock = flock\n"
+        f"with eagle31.io.hold_lock({str(directory)!r}):\n"
+        "    print('held', flush=True); time.sleep(120)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_lock_file_of_a_killed_holder_is_taken_over_but_not_one_of_another_pid_namespace(tmp_path, no_flock, capsys):
+    """A holder SIGKILLed on this host: its pid is gone, the lock is taken over at once. The same file as a
+    process of another PID namespace would write it (a container sharing the hostname, where that pid may
+    well be alive): its fresh heartbeat keeps it, whatever our namespace says of the pid."""
+    import signal
+
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, hold_lock
+
+    child = _hold_lock_in_a_child(tmp_path)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    held = tmp_path / HELD_FILE
+    record = json.loads(held.read_text())
+    assert record["pid"] == child.pid
+    with hold_lock(tmp_path):
+        pass
+    assert f"(pid {child.pid} is gone on this host)" in capsys.readouterr().err
+
+    record["pid_ns"] = "another"  # the same host name, the same pid, another PID namespace
+    held.write_text(json.dumps(record))
+    with pytest.raises(OutputInUseError, match=f"pid {child.pid} on"), hold_lock(tmp_path):
+        pass
+    del record["pid_ns"]  # a lock file that does not say its namespace: only its heartbeat tells
+    held.write_text(json.dumps(record))
+    with pytest.raises(OutputInUseError, match=f"pid {child.pid} on"), hold_lock(tmp_path):
+        pass
+
+
+def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(tmp_path, no_flock, monkeypatch, capsys):
+    """A process dies after claiming a stale lock file for breaking and before removing it: the next one is
+    refused (the claimant would hold the lock next), until the claim is as old as a stale heartbeat."""
+    import subprocess
+    import sys
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    code = (
+        "import errno, os\n"
+        "import eagle31.io\n"
+        "def flock(fd, op): raise OSError(errno.ENOLCK, 'No locks available')\n"
+        "eagle31.io.fcntl.flock = flock\n"
+        "real = eagle31.io._lock_identity\n"
+        "def identity(path):\n"
+        "    if '.break-' in path.name: os._exit(9)  # killed with its claim made\n"
+        "    return real(path)\n"
+        "eagle31.io._lock_identity = identity\n"
+        f"with eagle31.io.hold_lock({str(tmp_path)!r}): pass\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert child.returncode == 9 and held.exists()
+    with pytest.raises(OutputInUseError, match="is being taken over by another run from pid 1 on another-node"), hold_lock(tmp_path):
+        pass
+    monkeypatch.setattr(eagle31.io, "STALE_AFTER_S", 1.0)
+    time.sleep(1.5)
+    with hold_lock(tmp_path):
+        assert json.loads(held.read_text())["pid"] == os.getpid()
+    assert "taking over the lock of pid 1 on another-node" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]
+
+
+def test_a_filesystem_with_neither_flock_nor_hard_links_is_one_line(tmp_path, no_flock, monkeypatch):
+    import errno
+
+    import eagle31.io
+    from eagle31.errors import FileAccessError
+    from eagle31.io import hold_lock
+
+    def link(source, name):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(eagle31.io.os, "link", link)
+    with pytest.raises(FileAccessError, match="filesystem has neither flock nor hard links"), hold_lock(tmp_path):
+        pass
+    assert os.listdir(tmp_path) == [".eagle31-lock"]  # its record was not left behind

@@ -10,6 +10,7 @@ from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_met
 from eagle31.attention.kernels import segment_ids
 from eagle31.loss import Divergence
 from eagle31.recipe import DraftLoss
+from tests.peers import peer_module
 
 
 def supervised_positions(sup):
@@ -109,7 +110,7 @@ def test_target_argmax_in_vocabulary_tiles_equals_argmax_with_ties(monkeypatch):
 
 
 def _explicit_loss_sums(states, W, final, sup, head):
-    """Per-step KL sums from full [B, T, Vd] logits, by autograd (the reference for DraftKL)."""
+    """Per-step KL sums from full [B, T, Vd] logits, by autograd (the reference for FusedDraftLoss)."""
     K = len(states)
     label = torch.log_softmax(final @ head.draft_weight.to(final.dtype).T, -1)  # [B, T, Vd]
     sums = []
@@ -124,7 +125,7 @@ def _explicit_loss_sums(states, W, final, sup, head):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_one_lm_head_gradient_accumulator_equals_per_step_gradients(dtype, monkeypatch):
-    """DraftKL's single weighted dW (and dh) equal autograd through explicit logits, across several chunks."""
+    """FusedDraftLoss's single weighted dW (and dh) equal autograd through explicit logits, across several chunks."""
     import eagle31.loss
 
     monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 40)  # 4 label rows per chunk, many chunks
@@ -196,7 +197,7 @@ def naive_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logi
 
 def speculators_row_loss(kind: DraftLoss, eta: float, logits: torch.Tensor, label_logits: torch.Tensor) -> torch.Tensor:
     """[n]: the same from `speculators.losses.eager` (0.9.0), which takes [1, n, Vd] logits of both sides."""
-    eager = pytest.importorskip("speculators.losses.eager")
+    eager = peer_module("speculators.losses.eager")
     fn = {
         DraftLoss.kl: eager.kl_div_loss,
         DraftLoss.tv: eager.tv_loss,
@@ -262,6 +263,41 @@ def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, refer
         assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3
 
 
+def test_every_train_loss_choice_has_its_function():
+    import eagle31.loss
+
+    assert set(eagle31.loss.LOSSES) == set(DraftLoss)
+
+
+def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
+    """docs/architecture.md, "How to add a loss": a loss registered from this module alone (its function and its
+    `LOSSES` line; a recipe's `train.loss` also needs its `DraftLoss` member) is what the fused chunked pass
+    minimises, in value and gradient: a toy, half the squared distance between p and q."""
+    import eagle31.loss
+
+    def squared(label_logp, draft_logq, eta):  # the loss per query and its gradient with respect to the logits
+        p, q = label_logp.exp(), draft_logq.exp()
+        g = q - p
+        return 0.5 * (g * g).sum(-1), q * (g - (q * g).sum(-1, keepdim=True))
+
+    def naive(kind, eta, logits, label_logits):
+        return 0.5 * ((logits.softmax(-1) - label_logits.softmax(-1)) ** 2).sum(-1)
+
+    monkeypatch.setitem(eagle31.loss.LOSSES, "squared", squared)
+    monkeypatch.setattr(eagle31.loss, "_LOGITS_BUDGET", 3 * 12)  # several chunks
+    states, W, draft_ids, head, final, sup = loss_case(seed=23)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    scale = step_scales(sup.sum(dim=(1, 2)), DECAY)
+    stats = ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale, Divergence("squared"))
+    ours = weighted_loss(stats.loss_sum, stats.count, DECAY)
+    expected = reference_loss(naive, "squared", 0.0, states, W, head, final, sup)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(ours, [W, *states]), torch.autograd.grad(expected, [W, *states])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale).loss_sum, stats.count, DECAY)
+    assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3  # it is not KL under another name
+
+
 def test_loss_kinds_meet_at_their_limits():
     """lk_hybrid is KL at eta = 0; TV = 1 - alpha stays below -log alpha."""
     states, W, draft_ids, head, final, sup = loss_case(seed=22)
@@ -281,7 +317,7 @@ def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
     from eagle31.loss import _divergence
 
-    eager = pytest.importorskip("speculators.losses.eager")
+    eager = peer_module("speculators.losses.eager")
     logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
     rows, dz = _divergence(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1))

@@ -1,4 +1,4 @@
-"""The MLA drafter (eagle31.mla) against naive re-implementations.
+"""The MLA drafter (eagle31.drafter_attention.mla) against naive re-implementations.
 
 * Its rope and softmax scale against DeepSeek YaRN written out from vLLM's source
   (`rotary_embedding/deepseek_scaling_rope.py`, `rotary_embedding/common.py`, and
@@ -23,7 +23,7 @@ from tests.export.vllm_contract import OLDEST, deepseek_rope_numbers
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
+# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.drafter_attention.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
 # a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's `deepseek_rope_numbers`
 
 
@@ -92,7 +92,7 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
 
 
 def test_mla_rope_rotates_interleaved_pairs():
-    from eagle31.mla import apply_interleaved_rope
+    from eagle31.drafter_attention.mla import apply_interleaved_rope
 
     x = torch.tensor([[[[1.0, 2.0, 3.0, 4.0]]]], dtype=torch.float64)  # [B, T, heads, d]
     cos = torch.tensor([[[0.0, 0.0, 1.0, 1.0]]], dtype=torch.float64)  # pair 0 by 90 degrees, pair 1 still
@@ -181,7 +181,7 @@ def test_mla_activation_checkpointing_keeps_loss_and_gradients():
         (dict(v_head_dim=11), "v_head_dim=11 exceeds"),
         (dict(qk_rope_head_dim=3, head_dim=9), "qk_rope_head_dim must be even"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "rope_type='llama3' is not supported"),
-        (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is an MLA field"),
+        (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla"),
         (dict(fc_norm=False, norm_before_fc=True), "norm_before_fc is not read by vLLM's DeepSeek"),
     ],
 )
@@ -223,7 +223,7 @@ def test_mla_drafting_follows_the_training_unroll_step_by_step(norm_output):
 
     m = mla_drafter(seed=6, norm_output=norm_output)
     aux, ids = context(m.config)
-    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention="reference")
+    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention_kernel="reference")
     for n in (2, 6, 11):
         prop = proposer_at(m, aux, ids, n)
         torch.testing.assert_close(m.norm(prop.root[0, 0]), out.states[0][0, n - 1])
@@ -256,7 +256,7 @@ def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, m
     expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     m.zero_grad()
-    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention="flash", activation_checkpointing=checkpointing)
+    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing)
     head = TargetHead(target_w, m.draft_token_ids())
     argmax = head.argmax(final)
     sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from eagle31.cli import parse_key_values, recipe_main
-from eagle31.config import ConfigError
+from eagle31.config import ConfigError, DrafterConfig
 from eagle31.data.store import STORE_DTYPES
 from eagle31.pipeline import run
-from eagle31.recipe import RunConfig, StoreDtype, load_recipe, to_container
+from eagle31.recipe import DrafterSection, RunConfig, StoreDtype, drafter_section, load_recipe, to_container
 from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ BAD_CHOICES = [
     ("regenerate.backend=grpc", "regenerate.backend"),
     ("regenerate.device=tpu", "regenerate.device"),
     ("regenerate.on_length=truncate", "regenerate.on_length"),
-    ("train.attention=bogus", "train.attention"),
+    ("train.attention_kernel=bogus", "train.attention_kernel"),
     ("train.device=tpu", "train.device"),
     ("train.precision=fp8", "train.precision"),
     ("train.loss=mse", "train.loss"),
@@ -73,6 +73,22 @@ def test_the_bad_choices_together_are_refused_before_anything_runs(capsys):
     assert "config valid" not in out and err.startswith("error: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("where", ["command line", "recipe file"])
+def test_the_earlier_train_attention_is_refused_naming_train_attention_kernel(where, tmp_path, capsys):
+    """`train.attention` picked the kernel, `drafter.attention` the architecture: the kernel's is now
+    `train.attention_kernel`, and the old key gets one line naming the new one, wherever it is spelled."""
+    recipes, overrides = RECIPES, ["recipe=kimi_k26", "dry_run=true", "train.attention=flash"]
+    if where == "recipe file":
+        recipes, overrides = tmp_path / "recipes", ["recipe=demo"]
+        (recipes / "recipe").mkdir(parents=True)
+        (recipes / "config.yaml").write_text((RECIPES / "config.yaml").read_text())
+        (recipes / "recipe" / "demo.yaml").write_text("# @package _global_\nname: old\ntrain:\n  attention: flash\n")
+    ran = []
+    assert recipe_main(ran.append, recipes, overrides) == 2 and not ran
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.attention is now train.attention_kernel" in err and "drafter.attention" in err
+
+
 def test_a_bad_choice_inside_a_recipe_file_names_its_field(tmp_path):
     recipes = tmp_path / "recipes"
     (recipes / "recipe").mkdir(parents=True)
@@ -103,11 +119,48 @@ def test_every_choice_field_has_a_bad_value_case():
 
 
 def test_choices_compose_as_the_strings_recipes_spell():
-    cfg = load_recipe(RECIPES, ["recipe=kimi_k26", "train.attention=blockwise", "export.formats=[speculators]"])
-    assert cfg.train.attention == "blockwise" and f"{cfg.train.attention}" == "blockwise"
+    cfg = load_recipe(RECIPES, ["recipe=kimi_k26", "train.attention_kernel=blockwise", "export.formats=[speculators]"])
+    assert cfg.train.attention_kernel == "blockwise" and f"{cfg.train.attention_kernel}" == "blockwise"
     plain = to_container(cfg)
     assert plain["export"]["formats"] == ["speculators"] and type(plain["train"]["device"]) is str
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # the run directory's config.yaml
+
+
+INITIALISATION = ("init_from", "init_from_format", "upgrade_to_eagle31")  # the section's own fields
+
+
+def test_the_drafter_section_is_made_of_drafter_config_fields():
+    """Every DrafterConfig field a recipe may set is a `drafter.*` field, an override (None: the target's) or a
+    setting with DrafterConfig's default; a field only the target decides is not; then the initialisation's."""
+    section = {f.name: f for f in dataclasses.fields(DrafterSection)}
+    hints = typing.get_type_hints(DrafterSection)
+    assert list(section)[-3:] == list(INITIALISATION)
+    for f in dataclasses.fields(DrafterConfig):
+        source = f.metadata.get("recipe")
+        if source == "target":
+            assert f.name not in section, f.name
+        elif source == "override":
+            assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
+        else:
+            assert section[f.name].default == f.default and hints[f.name] is typing.get_type_hints(DrafterConfig)[f.name]
+    assert len(section) == len(INITIALISATION) + sum(f.metadata.get("recipe") != "target" for f in dataclasses.fields(DrafterConfig))
+
+
+def test_a_new_drafter_field_is_a_recipe_field_with_no_line_in_recipe_py(tmp_path):
+    """docs/architecture.md, "How to add a drafter switch": a field on DrafterConfig (here on a subclass, as the
+    toy of a test) is in the section made of it, with its default, and composes from the command line."""
+
+    @dataclasses.dataclass
+    class WithToySwitch(DrafterConfig):
+        toy_switch: bool = False
+
+    section = drafter_section(WithToySwitch)
+    toy = next(f for f in dataclasses.fields(section) if f.name == "toy_switch")
+    assert toy.default is False and typing.get_type_hints(section)["toy_switch"] is bool
+    from omegaconf import OmegaConf
+
+    composed = OmegaConf.merge(OmegaConf.structured(section), OmegaConf.from_dotlist(["toy_switch=true"]))
+    assert composed.toy_switch is True
 
 
 def test_store_dtype_choices_are_the_dtypes_the_store_writes():
@@ -140,7 +193,7 @@ def test_every_cli_answers_help(cli, monkeypatch, capsys):
     if cli.startswith(("train/", "data_prep/")):  # the recipe CLIs list the recipes and sections
         assert all(name in out for name in NAMES)
         assert all(f"  {section}" in out for section in ("target", "data", "features", "drafter", "train", "export"))
-        assert "train.attention" not in out and "attention={auto|flash|blockwise|reference}" in out
+        assert "attention_kernel={auto|flash|blockwise|reference}" in out and "attention={llama|mla}" in out
 
 
 def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):

@@ -20,16 +20,18 @@ from eagle31.config import ConfigError, DrafterConfig
 from eagle31.convert import load_drafter
 from eagle31.distributed import init_world
 from eagle31.export import export_config
-from eagle31.model import RotaryEmbedding
+from eagle31.drafter_attention.llama import RotaryEmbedding
 from eagle31.plan import plan_run
 from eagle31.recipe import ExportFormat, load_recipe
-from eagle31.rope import DEEPSEEK_YARN_FIELDS, ambiguity, for_llama_drafter
+from eagle31.drafter_attention import DrafterAttention
+from eagle31.rope import DEEPSEEK_YARN_FIELDS, for_llama_drafter
 from eagle31.target import load_target_config
 from eagle31.targets.kimi_mini import KIMI_YARN
 from tests.export import vllm_contract as vllm
 from tests.helpers import tiny_config, tiny_drafter
 
 REPO = Path(__file__).resolve().parents[1]
+LLAMA, MLA = DrafterAttention.llama.kind, DrafterAttention.mla.kind
 KIMI_MAGNITUDE = 0.1 * math.log(64) + 1  # 1.416: what vLLM serves for Kimi's factor 64
 YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
@@ -82,17 +84,17 @@ def test_ambiguity_is_exactly_where_the_supported_vllm_releases_disagree(rope):
     view = layer_view(tiny_config(rope_parameters=rope))
     (old_cos, old_sin), (new_cos, new_sin) = (vllm.rope_cos_sin(view, POSITIONS, r) for r in (vllm.OLDEST, vllm.NEWEST))
     alike = torch.allclose(old_cos, new_cos, atol=1e-9) and torch.allclose(old_sin, new_sin, atol=1e-9)
-    assert alike == (ambiguity(rope) is None)
+    assert alike == (LLAMA.rope_ambiguity(rope) is None)
 
 
 def test_ambiguity_says_which_fields_which_release_reads():
-    reason = ambiguity({**YARN, "attn_factor": 0.5})
+    reason = LLAMA.rope_ambiguity({**YARN, "attn_factor": 0.5})
     assert "attn_factor (read by vLLM 0.22.0 only)" in reason and "\n" not in reason
-    assert "attention_factor (read by vLLM 0.33.0 only)" in ambiguity({**YARN, "attention_factor": 1.0})
+    assert "attention_factor (read by vLLM 0.33.0 only)" in LLAMA.rope_ambiguity({**YARN, "attention_factor": 1.0})
     # an MLA drafter: 0.33.0 drops the softmax-scale correction for attention_factor 1.0, 0.22.0 keeps it
-    assert ambiguity(dict(KIMI_YARN), "mla") is None
-    assert "attention_factor (read by vLLM 0.33.0 only)" in ambiguity({**KIMI_YARN, "attention_factor": 1.0}, "mla")
-    assert "attn_factor (read by vLLM 0.22.0 only)" in ambiguity({**KIMI_YARN, "attn_factor": 0.9}, "mla")
+    assert MLA.rope_ambiguity(dict(KIMI_YARN)) is None
+    assert "attention_factor (read by vLLM 0.33.0 only)" in MLA.rope_ambiguity({**KIMI_YARN, "attention_factor": 1.0})
+    assert "attn_factor (read by vLLM 0.22.0 only)" in MLA.rope_ambiguity({**KIMI_YARN, "attn_factor": 0.9})
 
 
 def test_kimis_own_yarn_block_is_1_416_in_vllm_0_22_and_1_0_in_0_33_and_transformers():
@@ -104,7 +106,7 @@ def test_kimis_own_yarn_block_is_1_416_in_vllm_0_22_and_1_0_in_0_33_and_transfor
     assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.NEWEST)[0][0, 0]) == pytest.approx(1.0)
     assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.OLDEST)[0][0, 0]) == pytest.approx(KIMI_MAGNITUDE)
     assert float(drafter_cos_sin(config, zero)[0][0, 0]) == pytest.approx(1.0)  # the newest release's reading
-    assert "mscale (read by vLLM 0.33.0 only), mscale_all_dim (read by vLLM 0.33.0 only)" in ambiguity(KIMI_YARN)
+    assert "mscale (read by vLLM 0.33.0 only), mscale_all_dim (read by vLLM 0.33.0 only)" in LLAMA.rope_ambiguity(KIMI_YARN)
 
 
 # ------------------------------------------------------------------- recipes
@@ -142,7 +144,7 @@ def test_kimi_drafters_train_at_vllms_yarn_magnitude(name):
     assert drafter.rope_parameters["rope_type"] == "yarn" and drafter.rope_parameters["factor"] == 64.0
     assert not set(DEEPSEEK_YARN_FIELDS) & set(drafter.rope_parameters)
     assert RotaryEmbedding(drafter).attention_scaling == pytest.approx(KIMI_MAGNITUDE)
-    assert ambiguity(drafter.rope_parameters) is None
+    assert LLAMA.rope_ambiguity(drafter.rope_parameters) is None
 
 
 # ------------------------------------------------------- refusals and warnings

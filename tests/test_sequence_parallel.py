@@ -55,7 +55,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
     group = sequence_group(world, sequence)
     mine = batches(cfg)[group.data_rank :: group.data_size]
     train = TrainConfig(ttt_length=K, warmup_steps=1, max_steps=STEPS, lr=1e-2, max_grad_norm=1e9, activation_checkpointing=ckpt,
-                        attention="flash", sequence_parallel=sequence, grad_accum=len(mine), log_every=1, eval_every=0, save_every=0)  # fmt: skip
+                        attention_kernel="flash", sequence_parallel=sequence, grad_accum=len(mine), log_every=1, eval_every=0, save_every=0)  # fmt: skip
     trainer = Trainer(train, world, tmp, drafter, head, ListLoader(mine), None, torch.float32, group)
     grads = []
 
@@ -126,3 +126,28 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_world_is_refused():
         sequence_group(world, 4)
     with pytest.raises(ConfigError, match="train.sequence_parallel=0"):
         sequence_group(world, 0)
+
+
+def _gather_backward_rank(rank: int, port: int, tmp: str) -> None:
+    """fp64 shards of 2 ranks gathered (cut to 5 of 6 positions), weighted and summed: the gradient of each shard."""
+    from eagle31.sequence_parallel import _GatherShards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = SequenceGroup(2, rank, 0, 1, dist.group.WORLD)
+    x = torch.randn(1, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))  # the same on both ranks
+    (_GatherShards.apply(x, group, 5) * weight).sum().backward()
+    torch.save(x.grad, f"{tmp}/grad{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_gradient_of_gathered_shards_keeps_its_dtype(tmp_path):
+    """fp64 gradients come back in fp64, not rounded through fp32 (which would hide fp64 parity errors below ~5e-8)."""
+    mp.spawn(_gather_backward_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    both = 2 * torch.cat([weight, torch.zeros(1, 1, 2, dtype=torch.float64)], dim=1)  # each rank's rows, summed over the 2 ranks
+    for rank in range(2):
+        grad = torch.load(tmp_path / f"grad{rank}.pt", weights_only=True)
+        assert grad.dtype == torch.float64 and torch.equal(grad, both[:, 3 * rank : 3 * rank + 3]), rank

@@ -35,6 +35,9 @@ class ListLoader:
     def load_state_dict(self, state):
         self.position = state["position"]
 
+    def rewind(self):
+        self.position = 0
+
 
 def make_trainer(tmp_path, batches, **train):
     drafter = tiny_drafter(seed=0, dtype=torch.float32)
@@ -103,7 +106,7 @@ def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
 
 @pytest.mark.parametrize("kind", ["tv", "lk_hybrid"])
 def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
-    """`train.loss` and `train.lk_eta` are what DraftKL's per-chunk divergence is asked for, in training and eval."""
+    """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and eval."""
     import eagle31.loss
 
     seen, divergence = [], eagle31.loss._divergence
@@ -129,7 +132,7 @@ def _shard_rank(rank: int, init_file: str, run_dir: str) -> None:
         drafter = tiny_drafter(seed=0, dtype=torch.float32)
         embedding = drafter.embed_tokens.weight.detach().clone()
         world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-        cfg = TrainConfig(ttt_length=2, warmup_steps=1, max_steps=1, attention="blockwise")
+        cfg = TrainConfig(ttt_length=2, warmup_steps=1, max_steps=1, attention_kernel="blockwise")
         head = TargetHead(torch.randn(drafter.config.vocab_size, drafter.config.hidden_size), drafter.draft_token_ids())
         trainer = Trainer(cfg, world, Path(run_dir), drafter, head, ListLoader([]), None, torch.bfloat16)
         weight = trainer.model.drafter.embed_tokens.weight

@@ -130,7 +130,7 @@ def naive_loss(m, logits, final, input_ids, loss_mask, doc, target_w, mask_oov=T
 
 
 def library_loss(m, aux, final, input_ids, loss_mask, doc, target_w, attention, mask_oov=True):
-    out = ttt_unroll(m, aux, input_ids, ttt_length=K, document_ids=doc, attention=attention)
+    out = ttt_unroll(m, aux, input_ids, ttt_length=K, document_ids=doc, attention_kernel=attention)
     head = TargetHead(target_w, m.draft_token_ids())
     argmax = head.argmax(final)
     sup = supervision_mask(loss_mask, out.segments, K, m.t2d[argmax] if mask_oov else None)
@@ -295,7 +295,7 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention, 
     def loss_and_grads(checkpointing):
         m.zero_grad()
         out = ttt_unroll(
-            m, aux, ids, ttt_length=K, document_ids=doc, attention=attention, activation_checkpointing=checkpointing
+            m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel=attention, activation_checkpointing=checkpointing
         )
         argmax = head.argmax(final)
         sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
@@ -338,7 +338,7 @@ def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops
     expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     m.zero_grad()
-    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention="flash", activation_checkpointing=checkpointing)
+    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing)
     real = doc >= 0
     torch.testing.assert_close(torch.stack([m.lm_head(s) for s in out.states])[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9)
     head = TargetHead(target_w, m.draft_token_ids())

@@ -8,7 +8,7 @@ r"""Train an EAGLE 3.1 drafter from a recipe (Hydra composition over recipes/).
     python train/main.py recipe=kimi_k26 train.lr=5e-5 --cfg   # print the composed config, run nothing
 
 Every expected failure is one line on stderr and an exit code that says its kind: 2 for bad
-input, 1 for a diverged run; the full table is in README (and eagle31/errors.py).
+input, 1 for a diverged run; the full table is docs/reliability.md.
 """
 
 import sys

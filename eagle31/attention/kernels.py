@@ -192,12 +192,13 @@ class FlashCausal:
     # CUDA: one varlen flash-attention call; documents never cross rows.
     @staticmethod
     def _cu_seqlens(segments):
+        """(cu_seqlens int32 [runs + 1], longest run) of the B rows laid end to end: a run starts where the id
+        changes and at every row's start, whatever the ids (a query tail's are a slice of global ones)."""
         B, T = segments.shape
-        flat = (segments + torch.arange(B, device=segments.device)[:, None] * (T + 1)).flatten()
-        _, counts = torch.unique_consecutive(flat, return_counts=True)
-        cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=segments.device)
-        cu[1:] = counts.cumsum(0)
-        return cu, int(counts.max())
+        starts = torch.ones_like(segments, dtype=torch.bool)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([B * T], device=segments.device)]).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())
 
     @staticmethod
     def _cuda_forward(q, k, v, segments, scale):

@@ -1,5 +1,11 @@
 """`FeatureBatch`: what the trainer consumes — tokens, loss masks, document ids and target features.
 
+The per-token columns every sample carries (`TOKEN_COLUMNS`: input ids, loss masks) travel alike from a
+prepared split to the trainer's batch: the prepared split (`eagle31.data.prepare`), the feature store
+(`eagle31.data.store`), the target's features online or captured (`eagle31.data.capture`), packing and
+padding here and the sequence shards (`eagle31.sequence_parallel`) carry each one of them, so a new
+column is its line there, its field on `Sample` and `FeatureBatch`, and the code that makes and reads it.
+
 Two layouts, built from per-sample `Sample`s (see `eagle31.data.loader`):
 
 * `pack`: one row `[1, T]`, the samples concatenated; `document_ids` numbers them
@@ -16,6 +22,22 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple, Sequence
 
 import torch
+
+
+@dataclass(frozen=True)
+class TokenColumn:
+    """How a per-token column is kept: its type in a prepared split (a pyarrow type's name), in a store shard,
+    and its value at padding. In samples and batches every column is int64."""
+
+    arrow: str
+    store: torch.dtype
+    pad: int = 0
+
+
+TOKEN_COLUMNS: dict[str, TokenColumn] = {
+    "input_ids": TokenColumn("int32", torch.int32),
+    "loss_mask": TokenColumn("int8", torch.uint8),  # 1 = assistant token to learn
+}
 
 
 class Sample(NamedTuple):
@@ -60,8 +82,7 @@ def pack(samples: list[Sample]) -> FeatureBatch:
     lengths = torch.tensor([s.input_ids.shape[0] for s in samples], device=samples[0].input_ids.device)
     doc = torch.repeat_interleave(torch.arange(len(samples), device=lengths.device), lengths)
     return FeatureBatch(
-        input_ids=torch.cat([s.input_ids for s in samples]).unsqueeze(0),
-        loss_mask=torch.cat([s.loss_mask for s in samples]).unsqueeze(0),
+        **{name: torch.cat([getattr(s, name) for s in samples]).unsqueeze(0) for name in TOKEN_COLUMNS},
         document_ids=doc.unsqueeze(0),
         aux=torch.cat([s.aux for s in samples]).unsqueeze(0),
         final=torch.cat([s.final for s in samples]).unsqueeze(0),
@@ -71,12 +92,12 @@ def pack(samples: list[Sample]) -> FeatureBatch:
 
 
 def pad(samples: list[Sample]) -> FeatureBatch:
-    """One sample per row, right-padded with zeros to the longest; padding has document id -1."""
+    """One sample per row, right-padded to the longest (token columns with their `pad`, features with zeros);
+    padding has document id -1."""
     B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
     first = samples[0]
     out = FeatureBatch(
-        input_ids=first.input_ids.new_zeros(B, T),
-        loss_mask=first.loss_mask.new_zeros(B, T),
+        **{name: getattr(first, name).new_full((B, T), column.pad) for name, column in TOKEN_COLUMNS.items()},
         document_ids=first.input_ids.new_full((B, T), -1),
         aux=first.aux.new_zeros(B, T, first.aux.shape[-1]),
         final=first.final.new_zeros(B, T, first.final.shape[-1]),
@@ -85,8 +106,8 @@ def pad(samples: list[Sample]) -> FeatureBatch:
     )
     for b, s in enumerate(samples):
         n = s.input_ids.shape[0]
-        out.input_ids[b, :n] = s.input_ids
-        out.loss_mask[b, :n] = s.loss_mask
+        for name in TOKEN_COLUMNS:
+            getattr(out, name)[b, :n] = getattr(s, name)
         out.document_ids[b, :n] = 0
         out.aux[b, :n] = s.aux
         out.final[b, :n] = s.final
@@ -96,8 +117,7 @@ def pad(samples: list[Sample]) -> FeatureBatch:
 def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureBatch:
     """A one-token, all-padding batch: a step with nothing to learn (keeps ranks in lockstep)."""
     return FeatureBatch(
-        input_ids=torch.zeros(1, 1, dtype=torch.long),
-        loss_mask=torch.zeros(1, 1, dtype=torch.long),
+        **{name: torch.full((1, 1), column.pad, dtype=torch.long) for name, column in TOKEN_COLUMNS.items()},
         document_ids=torch.full((1, 1), -1, dtype=torch.long),
         aux=torch.zeros(1, 1, aux_size, dtype=dtype),
         final=torch.zeros(1, 1, hidden_size, dtype=dtype),

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from eagle31.data.batch import Sample, bucket_by_length
+from eagle31.data.batch import TOKEN_COLUMNS, Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import World, barrier
 from eagle31.io import write_errors
@@ -28,10 +28,10 @@ from eagle31.target import TargetFeatures, target_fingerprint
 # ---------------------------------------------------------------- prepared data
 
 
-def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of rows `ids`."""
+def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
+    """The token columns of rows `ids`, in `TOKEN_COLUMNS`' order (input_ids, loss_mask, ...)."""
     rows = dataset[[int(i) for i in ids]]
-    return list(zip(rows["input_ids"], rows["loss_mask"]))
+    return list(zip(*(rows[name] for name in TOKEN_COLUMNS)))
 
 
 def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -57,16 +57,13 @@ def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], b
     return out
 
 
-def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], list[int]]], batch_tokens: int) -> list[Sample]:
-    """`target_forward` of each (input_ids, loss_mask) row, as one `Sample` per row, on the device of the target's output."""
+def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
+    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row, on the device
+    of the target's output."""
     out = []
-    for (ids, mask), (aux, final) in zip(rows, target_forward(feats, [ids for ids, _ in rows], batch_tokens)):
-        out.append(Sample(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=final.device),
-            loss_mask=torch.tensor(mask, dtype=torch.long, device=final.device),
-            aux=aux,
-            final=final,
-        ))  # fmt: skip
+    for row, (aux, final) in zip(rows, target_forward(feats, [row[0] for row in rows], batch_tokens)):
+        columns = {name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, row)}
+        out.append(Sample(**columns, aux=aux, final=final))
     return out
 
 

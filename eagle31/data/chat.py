@@ -38,8 +38,8 @@ A conversation that still disagrees with its prefixes raises
 a template that fails on it raises `ChatTemplateError("template_error")`.
 
 An assistant message with `finish_reason: "length"` is a reply cut at its token limit: the
-special and whitespace tokens the template closes it with (`</think>`, the end-of-turn
-token) were never generated and are not supervised.
+special and whitespace tokens the template closes it with (`</think>`, special or not, and the
+end-of-turn token) were never generated and are not supervised.
 
 `last_turn_only` supervises only the last assistant message. `system_prompt` is
 added as the first message of conversations that have no system message.
@@ -127,6 +127,10 @@ class ChatEncoder:
         self.template_kwargs = check_template_kwargs(template_kwargs)
         self.reasoning = ReasoningTally()
         self._special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        # what closes a cut turn: the special tokens, and `</think>` where it is an added token that is not
+        # special (Qwen3), so that a reply cut while thinking does not supervise the marker the template wrote
+        markers = think_markers(tokenizer)
+        self._closing_ids = self._special_ids | ({markers[1]} if markers else set())
 
     def encode(self, conversation: Conversation) -> tuple[list[int], list[int]]:
         messages = list(conversation.messages)
@@ -212,7 +216,7 @@ class ChatEncoder:
 
     def _trim_closing(self, ids: list[int], start: int, end: int) -> int:
         """`end` moved before the special and whitespace tokens that close a cut turn (`</think>`, end of turn)."""
-        while end > start and (ids[end - 1] in self._special_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()):
+        while end > start and (ids[end - 1] in self._closing_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()):
             end -= 1
         return end
 

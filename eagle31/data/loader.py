@@ -131,6 +131,11 @@ class FeatureLoader:
             yield self._batch(positions)
         self.epoch, self.position = self.epoch + 1, 0
 
+    def rewind(self) -> None:
+        """Back to the start of epoch 0: a held-out loader reads the same batches in the same order at every
+        evaluation, so an evaluation of a resumed run sums its losses as an uninterrupted run's does."""
+        self.epoch, self.position = 0, 0
+
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
         src = self.source
         ids = [] if positions is None else src.sample_ids[positions].tolist()

@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
+from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.errors import CorruptDataError
@@ -290,25 +291,26 @@ def _samples(conversations, encoder, data_cfg, V: int, dropped: Tally, truncated
         if not any(mask):
             dropped.add("no_assistant_tokens", conv.where)
             continue
+        row = {"input_ids": ids, "loss_mask": mask}  # a row's value of every token column (TOKEN_COLUMNS)
         if len(ids) > data_cfg.max_len:
             if data_cfg.overflow == "drop":
                 dropped.add("too_long", conv.where, f"{len(ids)} tokens")
                 continue
             truncated.add("truncated", conv.where, f"{len(ids)} tokens")
-            ids, mask = ids[: data_cfg.max_len], mask[: data_cfg.max_len]
-            if not any(mask):
+            row = {name: values[: data_cfg.max_len] for name, values in row.items()}
+            if not any(row["loss_mask"]):
                 dropped.add("no_assistant_tokens_after_truncation", conv.where)
                 continue
-        if max(ids) >= V:
-            raise ConfigError(f"token id {max(ids)} from the tokenizer is outside the target vocab_size={V}")
-        yield {"input_ids": ids, "loss_mask": mask}
+        if max(row["input_ids"]) >= V:
+            raise ConfigError(f"token id {max(row['input_ids'])} from the tokenizer is outside the target vocab_size={V}")
+        yield row
 
 
 def _write_arrow(samples: Iterable[dict[str, list[int]]], path: Path, batch: int = 1024) -> int:
     """Stream samples into an Arrow IPC file (the format `Dataset.from_file` maps); return the count."""
     import pyarrow as pa
 
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    schema = pa.schema([(name, pa.list_(getattr(pa, column.arrow)())) for name, column in TOKEN_COLUMNS.items()])
     n, rows = 0, []
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for sample in samples:

@@ -66,7 +66,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
-from eagle31.data.batch import Sample
+from eagle31.data.batch import TOKEN_COLUMNS, Sample
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 from eagle31.target import target_shape
@@ -291,8 +291,7 @@ class StoreWriter:
             )
         lengths = torch.tensor([s.input_ids.shape[0] for s in samples])
         tensors = {
-            "input_ids": torch.cat([s.input_ids for s in samples]).cpu().to(torch.int32),
-            "loss_mask": torch.cat([s.loss_mask for s in samples]).cpu().to(torch.uint8),
+            **{name: torch.cat([getattr(s, name) for s in samples]).cpu().to(column.store) for name, column in TOKEN_COLUMNS.items()},
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             "sample_ids": torch.tensor([int(i) for i in sample_ids], dtype=torch.long),
         }
@@ -414,8 +413,7 @@ class FeatureStore:
             aux = dequantize_rows(aux, f.get_slice("aux_scale")[a:b], self.dtype)
             final = dequantize_rows(final, f.get_slice("final_scale")[a:b], self.dtype)
         return Sample(
-            input_ids=f.get_slice("input_ids")[a:b].long(),
-            loss_mask=f.get_slice("loss_mask")[a:b].long(),
+            **{name: f.get_slice(name)[a:b].long() for name in TOKEN_COLUMNS},
             aux=aux.to(self.dtype),
             final=final.to(self.dtype),
         )

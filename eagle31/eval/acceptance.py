@@ -332,7 +332,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = _eos_ids(target, tokenizer)
+    eos = eos_ids(target, tokenizer)
     draft_len = tree.depth if tree else config.k
     traces: dict[tuple, list[GreedyTrace]] = {}  # (split, aux layer ids) -> one trace per prompt
     results = []
@@ -399,7 +399,8 @@ def share_target_embedding(drafter, target):
     return drafter
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
+def eos_ids(target, tokenizer) -> list[int]:
+    """The target's end-of-sequence token ids: its generation config's, and the tokenizer's."""
     ids = getattr(target.generation_config, "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:

@@ -11,6 +11,10 @@ for every draft depth k = 1..K, on the target's greedy continuation of each prom
 * `live` — the serving view: greedy speculative decoding with chains of K drafts, the target
   replayed from the trace (`eagle31.eval.speculative.ReplayedTarget`), every round's K steps.
 
+Both views stay in this one module because they fill the same `DepthStats` columns from the same
+traces: split, their definitions of a depth, a query and an acceptance could part ways. What is
+not a measurement, the report (JSON, table, plots), is `eagle31.eval.drift_report`.
+
 Per depth k (the step that makes the k-th draft of a chain; k = 1 reads the target's fused
 feature):
 
@@ -57,7 +61,7 @@ import torch
 from eagle31.eval.acceptance import (
     AcceptanceConfig,
     AcceptanceStats,
-    _eos_ids,
+    eos_ids,
     _labelled_paths,
     check_model_dirs,
     check_positive,
@@ -265,7 +269,7 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
 
     out = ttt_unroll(
         drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
-        attention="reference", attention_probe=probe, sequence=tail,
+        attention_kernel="reference", attention_probe=probe, sequence=tail,
     )  # fmt: skip
     fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
@@ -480,7 +484,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         raise ConfigError(f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs")
     (aux_layer_ids,) = aux_ids
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = _eos_ids(target, tokenizer)
+    eos = eos_ids(target, tokenizer)
     traced = {split: draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
                                   max_new_tokens=config.max_new_tokens) for split, prompts in splits.items()}  # fmt: skip
     if questions is not None:

@@ -35,7 +35,7 @@ import torch
 
 from eagle31.eval.acceptance import (
     AcceptanceStats,
-    _eos_ids,
+    eos_ids,
     _labelled_paths,
     load_drafters,
     check_model_dirs,
@@ -249,7 +249,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = _eos_ids(target, tokenizer)
+    eos = eos_ids(target, tokenizer)
     draft_len = max(k or tree.depth for k, tree in modes.values())
     traces: dict[tuple[int, ...], list[MTBenchTurn]] = {}  # one greedy decoding per aux-layer choice
     target_seconds = 0.0

@@ -1,6 +1,6 @@
 """EAGLE 3 against EAGLE 3.1 on the demo target: train both, evaluate on every split.
 
-    python -m experiments.eagle3_vs_eagle31.demo                   # the comparison of docs/eagle3_vs_eagle31.md
+    python -m experiments.eagle3_vs_eagle31.demo                   # the comparison of docs/results/eagle3_vs_eagle31.md
     python -m experiments.eagle3_vs_eagle31.demo dry_run=true      # print the commands, run nothing
     python -m experiments.eagle3_vs_eagle31.demo seeds=0 ttt_lengths=5 ks=3 max_prompts=8 out=/tmp/cmp runs=/tmp/cmp/runs
 

@@ -31,7 +31,7 @@ def check(cfg: ReplayCheckConfig) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from eagle31.eval.acceptance import _eos_ids, share_target_embedding
+    from eagle31.eval.acceptance import eos_ids, share_target_embedding
     from eagle31.convert import load_drafter
     from eagle31.data.sources import Tally, read_mt_bench
     from eagle31.eval.drafting import EagleProposer, TreeSpec
@@ -44,7 +44,7 @@ def check(cfg: ReplayCheckConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = load_target(target_dir, torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     drafter = share_target_embedding(load_drafter(cfg.drafter), target).eval()
-    aux_ids, eos = drafter.config.aux_layer_ids, _eos_ids(target, tokenizer)
+    aux_ids, eos = drafter.config.aux_layer_ids, eos_ids(target, tokenizer)
     modes = {"chain-k3": (3, None), "tree-8x5-32": (None, TreeSpec(8, 5, 32))}
     questions = select_questions(read_mt_bench("mtbench:", Tally()), 1)[: cfg.questions]
     turns = trace_mt_bench(target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=cfg.max_new_tokens,

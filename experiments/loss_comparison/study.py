@@ -39,15 +39,16 @@ from experiments.harness import (
     measure_drafters,
     measured_earlier,
     parse_seeds,
+    print_results,
     shared_settings,
     study_main,
     tau_over_seeds,
     train_eagle31,
     trained_before,
     training_reports,
+    write_results,
 )
 from eagle31.config import ConfigError
-from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.recipe import DraftLoss
 
 SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
@@ -182,8 +183,7 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
     drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
     acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
     summary = summarize(cfg, acceptance, recipe)
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "results.md", format_results(summary) + "\n")
+    write_results(out, summary, format_results(summary))
     return summary
 
 
@@ -193,8 +193,7 @@ def main(argv: list[str]) -> int:
         if summary is None:
             print(f"trained losses {cfg.losses}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them")
             return
-        print(format_results(summary))
-        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+        print_results(Path(cfg.out), format_results(summary))
 
     return study_main(argv, __doc__, LossComparisonConfig, SMOKE, "experiments.loss_comparison", body)
 

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError
-from eagle31.io import atomic_write_json, atomic_write_text
+from eagle31.io import atomic_write_json
 from experiments.harness import (
     acceptance_splits_of,
     comparison_recipe,
@@ -60,12 +60,14 @@ from experiments.harness import (
     measure_drafters,
     measured_earlier,
     parse_seeds,
+    print_results,
     shared_settings,
     study_main,
     tau_over_seeds,
     train_eagle31,
     trained_before,
     training_reports,
+    write_results,
 )
 
 SIDES = ("eagle31", "speculators", "specforge")
@@ -321,8 +323,7 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
         return None
     recipe = recipes[("eagle31", cfg.seeds_list[0])]
     summary = summarize(cfg, measure(cfg, recipe), recipe)
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "results.md", format_results(summary) + "\n")
+    write_results(out, summary, format_results(summary))
     return summary
 
 
@@ -332,8 +333,7 @@ def main(argv: list[str]) -> int:
         if summary is None:
             print(f"trained seeds {cfg.seeds} of {cfg.sides} under {cfg.runs}; measure=true measures them")
             return
-        print(format_results(summary))
-        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+        print_results(Path(cfg.out), format_results(summary))
 
     return study_main(argv, __doc__, SideBySideConfig, SMOKE, "experiments.side_by_side", body)
 

@@ -14,6 +14,7 @@ from benchmarks.train_step import BenchConfig, step_flops
 from eagle31.config import ConfigError
 from eagle31.estimate import count_parameters
 from tests.helpers import tiny_config
+from tests.peers import missing_peer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +100,7 @@ def test_our_step_is_not_slower_than_speculators_on_cpu():
 
     reason = speculators_unavailable()
     if reason:
-        pytest.skip(f"no speculators to compare with: {reason}")
+        missing_peer(f"no speculators to compare with: {reason}")
     bench = BenchConfig(
         shape="tiny", seq_len=2048, ttt_length=3, peer="speculators", warmup=1, repeats=3, memory=False, threads=1
     )

@@ -20,6 +20,7 @@ from benchmarks.sequence_parallel import drafter_config
 from benchmarks.shapes import recipe_shapes, recipe_drafter
 from eagle31.attention.kernels import FlashCausal
 from eagle31.attention.query_tail import QueryTail
+from tests.peers import peer_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,6 +175,7 @@ def test_the_wheel_list_leaves_torch_to_the_gpu_machine():
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
+    peer_module("speculators.models.eagle3.core")  # the side-by-side part's peer
     out = tmp_path / "check"
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-smoke", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -129,6 +129,25 @@ def test_a_cut_reply_leaves_the_closing_tokens_unsupervised(kimi_tok, answer):
     assert supervised_spans(kimi_tok, ids, mask) == [f"greet them</think>{answer}" if answer else "greet them"]
 
 
+@pytest.mark.parametrize("answer", ["Hel", ""])  # cut in the answer; cut while thinking
+def test_a_cut_reply_leaves_a_think_marker_that_is_not_a_special_token_unsupervised(answer):
+    """Qwen3's `<think>` and `</think>` are added tokens, not special ones: a reply cut while thinking is closed
+    by the template with a `</think>` the target never wrote, which is not supervised either."""
+    tok = build_tokenizer(
+        "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\n' }}"
+        "{%- if m.reasoning_content -%}{{ '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{%- endif -%}"
+        "{{ m.content + '<|im_end|>\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
+        ["<|im_start|>", "<|im_end|>"],
+    )
+    tok.add_tokens(["<think>", "</think>"])  # added, not special (Qwen3's tokenizer.json)
+    assert not any(t.special for t in tok.added_tokens_decoder.values() if t.content == "</think>")
+    cut = {"role": "assistant", "content": answer, "reasoning_content": "greet them", "finish_reason": "length"}
+    ids, mask = ChatEncoder(tok).encode(to_conversation({"messages": [{"role": "user", "content": "Hi"}, cut]}))
+    assert tok.decode(ids).endswith(f"<think>\ngreet them\n</think>\n\n{answer}<|im_end|>\n")
+    assert supervised_spans(tok, ids, mask) == [f"<think>\ngreet them\n</think>\n\n{answer}" if answer else "<think>\ngreet them"]
+
+
 def test_kimi_history_reasoning_equal_to_the_final_one(kimi_tok):
     same = conv(
         {"role": "user", "content": "1+1?"},

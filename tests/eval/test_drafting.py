@@ -8,6 +8,7 @@ the unroll as its teacher-forced tokens.
 import pytest
 import torch
 
+from benchmarks.drafting_parity import chain_and_unroll_logits, kimi_llama_drafter
 from eagle31 import ttt_unroll
 from eagle31.eval.drafting import DraftTree, EagleProposer, TreeSpec
 from tests.helpers import random_batch, tiny_drafter
@@ -24,7 +25,7 @@ def unroll_log_probs(drafter, aux, ids, n, path):
     d = len(path)
     tokens = torch.cat([ids[: n + 1], torch.tensor(path, dtype=torch.long)])[None]  # [1, n+1+d]
     feats = torch.cat([aux[:n], torch.zeros(1 + d, aux.shape[-1], dtype=aux.dtype)])[None]
-    out = ttt_unroll(drafter, feats, tokens, ttt_length=d + 1, attention="reference")
+    out = ttt_unroll(drafter, feats, tokens, ttt_length=d + 1, attention_kernel="reference")
     return torch.stack([drafter.lm_head(s[0, n - 1]).log_softmax(-1) for s in out.states])
 
 
@@ -48,7 +49,7 @@ def proposer_at(drafter, aux, ids, n, chunks=(None,)):
 def test_first_draft_is_the_argmax_of_training_step_0():
     m = tiny_drafter()
     aux, ids = context(m.config)
-    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention="reference")
+    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention_kernel="reference")
     step0 = m.draft_to_target(m.lm_head(out.states[0][0]).argmax(-1))  # [T] proposal at every position
     for n in (1, 4, T - 1):
         prop = proposer_at(m, aux, ids, n)
@@ -80,6 +81,27 @@ def test_chain_follows_the_training_unroll(norm_output):
         other = unroll_log_probs(flipped, aux, ids, n, drafts[:-1])
         differs |= flipped.draft_to_target(other.argmax(-1)).tolist() != drafts
     assert differs, "the test must tell norm_output on from off"
+
+
+@pytest.mark.parametrize("n", [11, pytest.param(4100, marks=pytest.mark.slow)])  # 4100: past the 4096 original positions
+def test_chain_logits_are_the_training_unrolls_on_kimis_yarn_rope(n):
+    """The Llama drafter of the miniature Kimi K2.6 on Kimi's yarn rope (factor 64, at 1.416): drafting and the
+    training unroll compute the same function, so in fp64 their logits agree to rounding at every depth.
+
+    In fp32 they differ by rounding alone: the attention sums its keys in another order (SDPA in
+    drafting, the fused kernel in training) and each step reads the one before, so the gap grows
+    with the depth, and a little with the context (benchmarks/results/drafting_parity.md, worst of 5
+    random drafters, logits up to ~35: 1e-5 to 8e-5 at depth 1, 1.3e-3 to 2.2e-3 at depth 3; at
+    depth 4 7e-4 to 1e-3 for n = 16 and 256, 7e-3 to 1e-2 for n = 2048 and 8192). The same comparisons in fp64 stay below 2e-11,
+    about 1e-9 times as far, as fp64's epsilon is to fp32's: rounding, not a difference in what is
+    computed. The gap repeats bit for bit at every change to either forward since the Llama drafter
+    took Kimi's yarn at 1.416, the memory work included. fp32 is held to 1e-3 of the largest logit,
+    three times the worst relative gap measured there.
+    """
+    for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-3)):
+        drafted, unrolled = chain_and_unroll_logits(kimi_llama_drafter(0, dtype), n, depth=4)
+        gap = (drafted - unrolled).abs().amax(dim=-1) / unrolled.abs().max()
+        assert (gap < tolerance).all(), f"{dtype}: max |logit difference| / largest logit per depth {gap.tolist()}"
 
 
 def test_tree_with_top_k_1_is_the_chain():

@@ -149,7 +149,7 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
     fed, out, normed, reached, accepted = ([[] for _ in range(depth)] for _ in range(5))
     for t in traces:  # one trace at a time, the plain unroll, RMS written out
         n = t.aux.shape[0]
-        unroll = ttt_unroll(drafter, t.aux[None].double(), t.tokens[None, :n], ttt_length=depth, attention="flash")
+        unroll = ttt_unroll(drafter, t.aux[None].double(), t.tokens[None, :n], ttt_length=depth, attention_kernel="flash")
         feature = drafter.fuse_aux(t.aux[None].double())
         alive = torch.ones(NEW, dtype=torch.bool)
         rows = slice(t.prompt_len - 1, t.prompt_len - 1 + NEW)
@@ -200,7 +200,7 @@ def test_live_depth_one_is_the_teacher_forced_attention_at_each_rounds_root(trac
         step0 = {}
         probe = lambda k, probs: step0.setdefault("probs", probs[0]) if k == 0 else None  # noqa: E731
         with torch.no_grad():
-            ttt_unroll(drafter, t.aux[None], t.tokens[None, :n], ttt_length=1, attention="reference",
+            ttt_unroll(drafter, t.aux[None], t.tokens[None, :n], ttt_length=1, attention_kernel="reference",
                        attention_probe=probe)  # fmt: skip
         probs = step0["probs"].double()  # [heads, T, T]
         gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
@@ -238,11 +238,11 @@ def test_the_diagnostic_leaves_drafting_bit_identical(traces, kind):
     t = traces[0]
     n = t.aux.shape[0]
     args = (drafter, t.aux[None].double(), t.tokens[None, :n])
-    plain = ttt_unroll(*args, ttt_length=3, attention="reference")
-    watched = ttt_unroll(*args, ttt_length=3, attention="reference", attention_probe=lambda k, p: None)
+    plain = ttt_unroll(*args, ttt_length=3, attention_kernel="reference")
+    watched = ttt_unroll(*args, ttt_length=3, attention_kernel="reference", attention_probe=lambda k, p: None)
     assert all(torch.equal(x, y) for x, y in zip(plain.hidden, watched.hidden))
     with pytest.raises(ValueError, match="only in the reference backend"):
-        ttt_unroll(*args, ttt_length=2, attention="flash", attention_probe=lambda k, p: None)
+        ttt_unroll(*args, ttt_length=2, attention_kernel="flash", attention_probe=lambda k, p: None)
 
 
 class _Counter:

@@ -45,7 +45,7 @@ def test_smoke_trains_measures_and_skips_what_is_done(tiny_target, chats, tmp_pa
     assert "eagle31-s0-steps2 / chain-k2" not in err and "eagle31-s0-steps3 / chain-k2" in err  # measured once
     curve = json.loads((out / "curve.json").read_text())
     assert [p["steps"] for p in curve["points"]] == [2, 3, 2, 3]
-    assert "experiments.learning_curve.study --smoke" in (out / "commands.sh").read_text()
+    assert "python -m experiments.learning_curve --smoke" in (out / "commands.sh").read_text()
 
 
 def test_bad_keys_are_one_line(capsys):

@@ -87,7 +87,7 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
     theirs = load_file(tmp_path / "theirs.safetensors")
     plosses = json.loads(proc.stdout.strip().splitlines()[-1])["plosses"]
 
-    out = ttt_unroll(drafter, aux, input_ids, ttt_length=K, attention="reference")
+    out = ttt_unroll(drafter, aux, input_ids, ttt_length=K, attention_kernel="reference")
     ours = [drafter.lm_head(s) for s in out.states]  # lm_head(norm(o_k)) [1, T, Vd]
     assert sum(name.startswith("logits_") for name in theirs) == K
     for k in range(K):

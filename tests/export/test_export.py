@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from eagle31 import ConfigError
 from eagle31.convert import load_drafter
-from eagle31.export import export_drafter, export_options, layout_key, native_key
+from eagle31.export import export_drafter, export_options
+from eagle31.layouts import layout_of
 from eagle31.io import OUTPUT_MARKER
 from tests.helpers import random_batch, tiny_drafter
 
@@ -42,10 +43,13 @@ def test_bf16_export_round_trips_the_rounded_weights_exactly(tmp_path, fmt):
 
 
 def test_rename_table_is_the_only_difference_between_layouts():
-    assert layout_key("midlayer.mlp.up_proj.weight", "speculators") == "layers.0.mlp.up_proj.weight"
-    assert layout_key("fc_norm.2.weight", "speculators") == "fc_norm.2.weight"
-    assert layout_key("midlayer.hidden_norm.weight", "eagle3") == "midlayer.hidden_norm.weight"
-    assert native_key("layers.0.self_attn.q_proj.weight") == "midlayer.self_attn.q_proj.weight"
+    eagle3, speculators = layout_of("eagle3"), layout_of("speculators")
+    assert speculators.key("midlayer.mlp.up_proj.weight") == "layers.0.mlp.up_proj.weight"
+    assert speculators.key("fc_norm.2.weight") == "fc_norm.2.weight"
+    assert eagle3.key("midlayer.hidden_norm.weight") == "midlayer.hidden_norm.weight"
+    for layout in (eagle3, speculators):  # vLLM's loaders read the layer under either name
+        assert layout.native_key("layers.0.self_attn.q_proj.weight") == "midlayer.self_attn.q_proj.weight"
+        assert layout.native_key(layout.key("midlayer.mlp.up_proj.weight")) == "midlayer.mlp.up_proj.weight"
 
 
 def test_max_positions_are_raised_to_the_trained_context_without_changing_a_yarn_rope(tmp_path):

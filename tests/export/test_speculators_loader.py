@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from eagle31.export import export_drafter
 from tests.helpers import tiny_drafter
+from tests.peers import peer_module
 from tests.tiny_targets import drafter_sized_llama
 
 pytestmark = pytest.mark.slow  # importing speculators takes ~10 s: in the test, not at collection
@@ -26,8 +27,8 @@ def verifier(tmp_path_factory):
 
 
 def test_speculators_loads_every_exported_tensor_including_the_embedding(tmp_path, verifier):
-    pytest.importorskip("loguru")  # speculators' loading module imports it (installed with --no-deps in CI)
-    eagle3 = pytest.importorskip("speculators.models.eagle3")
+    peer_module("loguru")  # speculators' loading module imports it (speculators itself goes in with --no-deps)
+    eagle3 = peer_module("speculators.models.eagle3")
     m = tiny_drafter(seed=1, dtype=torch.float32)
     out = export_drafter(m, tmp_path / "s", "speculators", dtype="float32", target_name_or_path=str(verifier))
     loaded = eagle3.Eagle3DraftModel.from_pretrained(str(out))

@@ -5,7 +5,8 @@
 
 Rank <rank> sends itself the signal while computing step <step> (1-based); for a stop signal it
 then waits until the run's `StopSignals` has read it, so the loop sees it after that very step,
-and sends the <times>-1 others once each would count as a new signal.
+and sends the <times>-1 others once each would count as a new signal. `signal_during_step` can
+send it while saving the checkpoint of step <step> or evaluating after it instead.
 `SIGNAL_AT_LOG` names a file that gets the time of the signal.
 """
 
@@ -21,8 +22,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def signal_during_step(monkeypatch, step: int, sig: signal.Signals = signal.SIGTERM, times: int = 1, log: str | None = None) -> None:
-    """Patch the trainer (through `monkeypatch`) so that this process gets `sig` `times` times during step `step`."""
+def signal_during_step(
+    monkeypatch, step: int, sig: signal.Signals = signal.SIGTERM, times: int = 1, log: str | None = None, during: str = "train_step"
+) -> None:
+    """Patch the trainer (through `monkeypatch`) so that this process gets `sig` `times` times during step `step`
+    (`during="train_step"`), or while saving its checkpoint or evaluating after it (`"save_checkpoint"`, `"evaluate"`)."""
     import eagle31.pipeline
     from eagle31.preemption import StopSignals
     from eagle31.trainer import Trainer
@@ -34,10 +38,11 @@ def signal_during_step(monkeypatch, step: int, sig: signal.Signals = signal.SIGT
             entered.append(self)
             return super().__enter__()
 
-    real_step = Trainer.train_step
+    real = getattr(Trainer, during)
+    at = step - 1 if during == "train_step" else step  # the trainer's step counter while it runs
 
-    def train_step(self, micro):
-        if self.state.step == step - 1:
+    def signalled(self, *args):
+        if self.state.step == at:
             if log:
                 Path(log).write_text(f"{time.time()}\n")
             os.kill(os.getpid(), sig)
@@ -48,10 +53,10 @@ def signal_during_step(monkeypatch, step: int, sig: signal.Signals = signal.SIGT
             for _ in range(times - 1):  # a second signal after the window in which it counts as the same one
                 time.sleep(entered[-1].same_within_s + 0.5)
                 os.kill(os.getpid(), sig)
-        return real_step(self, micro)
+        return real(self, *args)
 
     monkeypatch.setattr(eagle31.pipeline, "StopSignals", Recorded)
-    monkeypatch.setattr(Trainer, "train_step", train_step)
+    monkeypatch.setattr(Trainer, during, signalled)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,55 @@ def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identica
     assert losses(out) == losses(reference_run)
 
 
+def evaluations(run_dir: Path) -> list[dict]:
+    """The evaluation lines of `run_dir`'s metrics.jsonl, in order."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if any(k.startswith("eval/") for k in x)]
+
+
+def test_the_evaluation_of_a_preempted_step_is_logged_once_by_the_resumed_run(tiny_target, chats, tmp_path, capsys):
+    """SIGTERM during step 4, an evaluation step: its checkpoint is written before its evaluation, which the
+    resumed run does first. That run SIGKILLed during step 5 has logged it; resumed again from step 4, the
+    run logs it once more in its place, not twice: every evaluation point once, as in an uninterrupted run."""
+    extra = {"train.eval_every": "2"}
+    reference = tmp_path / "reference"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, reference, **extra), monkeypatch) == 0
+    assert [x["step"] for x in evaluations(reference)] == [2, 4, 6]
+
+    out = tmp_path / "preempted"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_during_step(monkeypatch, 4)
+        assert run_script(MAIN, base_args(tiny_target, chats, out, **extra), monkeypatch) == 143
+    assert [x["step"] for x in evaluations(out)] == [2]
+    killed = run_main(base_args(tiny_target, chats, out, resume="auto", **extra), signal_at="0:5:SIGKILL")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [x["step"] for x in evaluations(out)] == [2, 4]  # the resumed run's first act
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto", **extra), monkeypatch) == 0
+    assert evaluations(out) == evaluations(reference)
+
+
+@pytest.mark.parametrize("during", ["save_checkpoint", "evaluate"])
+def test_a_signal_during_the_final_checkpoint_or_evaluation_stops_before_the_export(tiny_target, chats, tmp_path, capsys, during):
+    """SIGTERM while the last step's checkpoint is written, or during the final evaluation: the run stops there
+    (143) instead of exporting and measuring acceptance until the scheduler's SIGKILL; resumed, it evaluates
+    once and exports."""
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        signal_during_step(monkeypatch, 6, during=during)
+        code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 143, line
+    assert line == (f"error: stopped by SIGTERM after the last step (6): checkpoint {out / 'checkpoints' / 'step_00000006'} "
+                    "is complete; rerun with resume=auto to evaluate and export")  # fmt: skip
+    assert not (out / "export").exists() and not (out / "report.json").exists()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
+    assert (out / "report.json").is_file() and (out / "export" / "eagle3" / "config.json").is_file()
+    assert [x["step"] for x in evaluations(out)] == [6]
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tiny_target, chats, tmp_path):
     out = tmp_path / "run"
@@ -135,7 +184,7 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
 
     out = tmp_path / "run"
     stopped = run_main(base_args(tiny_target, chats, out, **extra), torchrun=2, signal_at="1:2:SIGTERM")
-    assert stopped.returncode != 0
+    assert stopped.returncode == 1  # torchrun's own code: the workers' 143 is in its failure summary (README)
     for by in ("SIGTERM", "a signal that another rank received"):  # rank 1's line, rank 0's (the two ranks share
         # stderr, so one rank's line may start before the other's newline: look for each line's text)
         said = f"error: stopped by {by} at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'} is complete; rerun with resume=auto to continue"
@@ -169,7 +218,30 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
         torch.testing.assert_close(c[k], d[k], rtol=1e-4, atol=1e-5)
 
 
-# an MLA drafter (eagle31.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+@pytest.mark.slow
+def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_the_checkpoint(tiny_target, chats, tmp_path):
+    """What a Slurm script sees (README, Preemption): torchrun itself signalled forwards SIGTERM to its workers, waits
+    for them (up to --shutdown-timeout), then ends with its own traceback and exit code 1, not the workers' 143."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29518", str(MAIN),
+           *base_args(tiny_target, chats, out, **{"train.max_steps": "200", "export.formats": "[eagle3]"})]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "SignalException: Process" in stderr and "got signal: 15" in stderr
+    stopped = [x for x in stderr.splitlines() if x.startswith("error: stopped by SIGTERM at step ")]
+    assert len(stopped) == 1, stderr[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert (out / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file() and not (out / "report.json").exists()
+
+
+# an MLA drafter (eagle31.drafter_attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
 MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
                "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
                "export.formats": "[eagle3]"}  # fmt: skip

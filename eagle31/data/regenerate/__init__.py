@@ -49,5 +49,6 @@ Output (`out_dir`, the format `eagle31.data.sources` and data_prep/prepare.py re
 The input, in order, is cut into shards of `shard_size` conversations; rank `r` of `W`
 takes shards `r, r+W, ...`. A shard is written, atomically, only when each of its
 conversations is answered or dropped for a counted reason, so a killed or failed run
-resumes by redoing exactly the shards that are missing.
+resumes by redoing exactly the shards that are missing. A shard's stats record the content of
+the conversations it was made from: a rerun over a source edited since is refused.
 """

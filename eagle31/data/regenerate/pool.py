@@ -17,7 +17,7 @@ from eagle31.data.regenerate.core import (
     Settings,
     regenerate_conversation,
 )
-from eagle31.data.regenerate.shards import ShardStats, shard_done, shards, write_shard
+from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, shards, write_shard
 from eagle31.data.sources import Conversation
 
 
@@ -32,6 +32,7 @@ class _Shard:
         for conv, outcome in zip(self.conversations, self.outcomes):
             stats.add(outcome, conv.where)  # type: ignore[arg-type]
         stats.seconds = time.monotonic() - (self.started or time.monotonic())
+        stats.input_sha256 = input_sha256(self.conversations)
         return [o.record for o in self.outcomes if o is not None and o.record is not None], stats
 
 
@@ -114,14 +115,19 @@ def regenerate(
 ) -> dict[str, int]:
     """Write this rank's missing shards of `out_dir` (prepared by `prepare_output`); returns counts.
 
+    A finished shard is kept only when it was regenerated from the same conversations
+    (`check_resumable`: an edited source is refused before any request).
+
     `backend.complete(messages, seed)` answers one request; `backend.workers` conversations are
     in flight at a time. `progress(n)` is called with the number of conversations each finished
     or skipped shard held.
     """
     out = Path(out_dir)
     counts = {"written": 0, "skipped": 0}
+    chunks = list(shards(conversations, settings.shard_size))
+    check_resumable(out, chunks, settings.shard_size)
     todo: list[_Shard] = []
-    for index, chunk in shards(conversations, settings.shard_size):
+    for index, chunk in chunks:
         if index % world_size != rank:
             continue
         if shard_done(out, index):

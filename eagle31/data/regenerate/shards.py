@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from itertools import islice
@@ -30,6 +31,7 @@ class ShardStats:
     replies_cut: int = 0  # replies that reached max_new_tokens (kept or not, per on_length)
     reasoning_turns: int = 0  # replies written with reasoning
     seconds: float = 0.0  # from the shard's first request to its last answer
+    input_sha256: str = ""  # of the conversations it was regenerated from (`input_sha256`)
     dropped: Tally = field(default_factory=Tally)
     truncated: Tally = field(default_factory=Tally)
 
@@ -78,6 +80,38 @@ def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, 
     (out / "conversations").mkdir(exist_ok=True)
     (out / "stats").mkdir(exist_ok=True)
     return out
+
+
+def input_sha256(conversations: list[Conversation]) -> str:
+    """The content of a shard's input: its conversations' messages and tools, in order."""
+    h = hashlib.sha256()
+    for conv in conversations:
+        h.update(json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], size: int) -> None:
+    """Refuse (one line, before any request) to resume where a finished shard is not of these conversations.
+
+    Each shard's stats record the content of its input (`input_sha256`): a source edited since
+    the shard was written, or one that now holds fewer shards, would pair old replies with new
+    conversations, or leave shards of conversations no longer there for prepare to read.
+    """
+    for index, chunk in chunks:
+        if shard_done(out, index) and json.loads((out / "stats" / f"{shard_name(index)}.json").read_text()).get("input_sha256") != input_sha256(chunk):
+            first = index * size
+            raise ConfigError(
+                f"{out}: {shard_name(index)} was regenerated from other conversations than conversations {first}-{first + len(chunk) - 1} "
+                "of the source now (edited since); restore the source or choose another output directory"
+            )
+    beyond = sorted(p.stem for p in (out / "conversations").glob("shard-*.jsonl") if int(p.stem.removeprefix("shard-")) >= len(chunks))
+    if beyond:
+        total = sum(len(chunk) for _, chunk in chunks)
+        raise ConfigError(
+            f"{out} holds {', '.join(beyond)}, beyond the {len(chunks)} shards of the {total} conversations of the source now "
+            "(edited since); restore the source or choose another output directory"
+        )
 
 
 def shard_done(out: Path, index: int) -> bool:

@@ -1,6 +1,6 @@
 # 2026-12-03, from the repository root, on a 2-core CPU shared with other jobs, torch 2.13.0+cpu.
 # A third seed of the SmolLM2 side-by-side (../smollm2/), in its setting and its runs directory. eagle31-s2 is the
-# loss comparison's kl seed 2 (../../loss_comparison/smollm2_kl_lk_alpha/commands.sh: the same comparison recipe,
+# loss comparison's kl seed 2 (../../../loss_comparison/results/smollm2_kl_lk_alpha/commands.sh: the same comparison recipe,
 # runs=runs/smollm2), so the side-by-side skipped it and trained speculators' seed 2:
 OMP_NUM_THREADS=2 python -m experiments.side_by_side seeds=2 measure=false threads=2 k=3 max_prompts=16 max_new_tokens=128 out=experiments/side_by_side/results/smollm2 runs=runs/smollm2 -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]' 'eval.data=[runs/smollm2/side_by_side_prompts/heldout.jsonl,runs/smollm2/side_by_side_prompts/unseen_system.jsonl]'
 # Measured here, not into ../smollm2/acceptance: that report predates verification=replay (its drafters decoded

@@ -1,0 +1,139 @@
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it.
+
+Each group of methods names the module that calls it; sizes are per token, `c` the compute dtype's bytes.
+Every other line of eagle31 is the same for all kinds.
+
+The attention module a kind builds (`attention`) is what the drafter's step calls:
+
+    query_entry(z, cos, sin)   z [B, T, 2H] -> q [B, T, nh, d] (rope applied) and the step's entry (a tuple)
+    keys_values(*entry)        the entry -> k, v [*, nkv, d] for the kernels (one head dim for q, k, v)
+    output(attn)               attn [B, T, nh, d] -> o_proj's output [B, T, H]
+    step0_keys_values()        how the TTT attention makes the causal keys and values of the step-0 entry
+    chain_keys_values()        how it makes those of the chain's entries (a kind not `chain_keeps_input`)
+    query(z, cos, sin), key_value(z, cos, sin, k_weight, v_weight)   q alone; k, v with given weights
+                               (a kind that `chain_keeps_input`: the drafter remakes them from the input)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from eagle31.rope import ambiguity
+
+if TYPE_CHECKING:  # the kinds sit below the config: they read it, never build it
+    from eagle31.config import DrafterConfig
+
+
+class AttentionKind(ABC):
+    name: str  # `drafter.attention`
+    label: str  # in messages: "an MLA drafter", "drafter.kv_lora_rank is an MLA field"
+    fields: tuple[str, ...] = ()  # its own `DrafterConfig` fields, 0 for every other kind
+    # the EAGLE-3 HF layout: the architecture vLLM serves it with, the layer's model_type
+    architecture: str
+    model_type: str
+    # the source format of a checkpoint of this kind that eagle31 did not write (`eagle31.convert.detect_format`)
+    unmarked_format: str | None = None
+    # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
+    rope_fields_read: dict[str, tuple[str, ...]]
+    rope_quantities: str
+    # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
+    # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
+    chain_keeps_input: bool
+
+    # ------------------------------------------------------------------ model (eagle31.model)
+
+    @abstractmethod
+    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+        """The layer's attention projections (module docstring: what the drafter asks of them)."""
+
+    @abstractmethod
+    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+        """The rope: position_ids [B, T] -> cos, sin [B, T, rope dims] in a dtype."""
+
+    # ------------------------------------------------------------- config (eagle31.config)
+
+    @abstractmethod
+    def validate(self, cfg: DrafterConfig) -> None:
+        """Refuse, naming the field, what this kind cannot train as vLLM serves it."""
+
+    @abstractmethod
+    def qk_head_dim(self, cfg: DrafterConfig) -> int:
+        """Head dim of q and k."""
+
+    @abstractmethod
+    def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+        """The `DrafterConfig` values this kind takes from the target's config (its text part) and rope block."""
+
+    # --------------------------------------------------------------- rope (eagle31.rope)
+
+    @abstractmethod
+    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
+        """The numbers vLLM `release` makes of a yarn block in this kind's layer (`rope_quantities`)."""
+
+    def rope_ambiguity(self, rope: dict[str, Any]) -> str | None:
+        """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""
+        return ambiguity(rope, self.rope_reading, self.rope_fields_read, self.rope_quantities)
+
+    # ------------------------------------------------------- estimate (eagle31.estimate)
+
+    @abstractmethod
+    def attention_parameters(self, cfg: DrafterConfig) -> int:
+        """Parameters of the layer's attention (its projections read 2H)."""
+
+    @abstractmethod
+    def attention_widths(self, cfg: DrafterConfig) -> tuple[int, int, int]:
+        """(q width, key/value width as the kernels see them, rope/cos width)."""
+
+    @abstractmethod
+    def o_proj_in_features(self, cfg: DrafterConfig) -> int:
+        """Width of o_proj's input."""
+
+    @abstractmethod
+    def entry_elements(self, cfg: DrafterConfig) -> tuple[int, int]:
+        """Elements a step keeps for the later ones beyond its input: (step 0, each step after)."""
+
+    @abstractmethod
+    def chain_entry_gradient_elements(self, cfg: DrafterConfig) -> int:
+        """Elements of the gradient of one chain entry."""
+
+    @abstractmethod
+    def step0_keys_remade(self) -> bool:
+        """Whether the causal kernel's backward makes the step-0 keys and values again from the entry."""
+
+    @abstractmethod
+    def step_saved_extra_bytes(self, cfg: DrafterConfig, c: int) -> int:
+        """Bytes a recomputed step saves for its backward before the attention output, beyond every kind's."""
+
+    @abstractmethod
+    def after_attention_saved_elements(self, cfg: DrafterConfig) -> int:
+        """Elements a recomputed step saves after its attention, beyond h'."""
+
+    @abstractmethod
+    def chain_block_terms(self, cfg: DrafterConfig, c: int) -> tuple[int, int, int, int]:
+        """One chain block's backward: (bytes per row beyond the remade keys' and values', bytes per row of the
+        intermediate gradients, elements of the weight gradients that remake them, bytes of step 0's such gradient
+        held across the chain)."""
+
+    @abstractmethod
+    def prefix_block_extra_elements(self, cfg: DrafterConfig) -> int:
+        """Elements per position of a block of the keys before a sequence shard, beyond their gradients and copies."""
+
+    # --------------------------------------------- export (eagle31.layouts) and convert
+
+    @abstractmethod
+    def layer_fields(self, cfg: DrafterConfig) -> dict[str, Any]:
+        """The fields of this kind's decoder layer in an HF config, before every kind's."""
+
+    def recognises(self, layer: dict[str, Any]) -> bool:
+        """Whether a checkpoint's layer config is of this kind; the default kind takes what no other recognises."""
+        return False
+
+    @abstractmethod
+    def read_layer(self, layer: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A checkpoint's layer config -> (its fields as transformers reads them, this kind's `DrafterConfig` values)."""
+
+    def __repr__(self) -> str:
+        return f"<attention kind {self.name}>"

@@ -1,0 +1,192 @@
+"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input, vLLM's Llama EAGLE-3 layer.
+
+Its rope is vLLM's `get_rope` for the layer (`eagle31.rope`), Llama's rotate-half convention. The TTT chain
+keeps each step's input (feature, token ids, positions), which the unroll keeps anyway, and makes keys and
+values of it a block of tokens at a time (`eagle31.model.Eagle31Drafter.chain_keys_values`); step 0's keys
+and values are its entry. `LlamaAttentionKind` carries what the rest of eagle31 asks of this kind.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues
+from eagle31.drafter_attention.kind import AttentionKind
+from eagle31.errors import ConfigError
+from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_frequencies, llama_yarn_reading
+
+if TYPE_CHECKING:
+    from eagle31.config import DrafterConfig
+
+
+class LlamaAttention(nn.Module):
+    """Projections of the EAGLE 3 (Llama) attention: q/k/v read the 2H-wide input.
+
+    The attention itself (which keys a query sees) lives in `eagle31.attention`,
+    because in the TTT unroll it spans several steps.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+
+    def query(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """z [B, T, 2H] -> q [B, T, nh, d], RoPE applied."""
+        B, T, _ = z.shape
+        return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
+
+    def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, d] and the step's keys and values (k, v) each [B, T, nkv, d];
+        RoPE applied to q, k."""
+        return self.query(z, cos, sin), self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
+
+    def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
+        """z [B, T, 2H] -> k (RoPE applied), v [B, T, nkv, d], with the given k_proj / v_proj weights."""
+        B, T, _ = z.shape
+        k = F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim)
+        v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor):
+        """An entry -> its keys and values: the entry is them."""
+        return k, v
+
+    def step0_keys_values(self) -> ChainKeysValues:
+        """The causal (step-0) keys and values are the step-0 entry itself."""
+        return KEYS_VALUES
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, nh, d] -> o_proj(attn) [B, T, H]."""
+        return self.o_proj(attn.flatten(2))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`).
+
+    The inverse frequencies are computed once in float64 and kept outside the module's
+    buffers, so casting the drafter to bf16 never degrades them; `attention_scaling` is
+    the cos/sin magnitude (not 1 for yarn).
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
+            self.inv_freq, self.attention_scaling = inverse_frequencies(
+                config.rope_parameters, config.head_dim, config.max_position_embeddings
+            )
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
+        acc = torch.promote_types(dtype, torch.float32)
+        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]; cos/sin [B, T, d] (Llama's rotate-half convention)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------- the kind
+
+
+class LlamaAttentionKind(AttentionKind):
+    name = "llama"
+    label = "a Llama-attention drafter"
+    architecture = "LlamaForCausalLMEagle3"
+    model_type = "llama"
+    rope_fields_read = YARN_FIELDS
+    rope_quantities = "extrapolation, magnitude"
+    chain_keeps_input = True  # its keys and values are wider than the step's input
+
+    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+        return LlamaAttention(config)
+
+    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+        return RotaryEmbedding(config)
+
+    def validate(self, cfg: DrafterConfig) -> None:
+        check_rope(cfg.rope_parameters)
+
+    def qk_head_dim(self, cfg: DrafterConfig) -> int:
+        return cfg.head_dim
+
+    def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+        """The target's rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`)."""
+        return {"rope_parameters": for_llama_drafter(rope)}
+
+    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
+        return llama_yarn_reading(rope, release)
+
+    # ------------------------------------------------------------------ estimate
+
+    def attention_parameters(self, cfg: DrafterConfig) -> int:
+        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
+
+    def attention_widths(self, cfg: DrafterConfig) -> tuple[int, int, int]:
+        return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+
+    def o_proj_in_features(self, cfg: DrafterConfig) -> int:
+        return cfg.num_attention_heads * cfg.head_dim
+
+    def entry_elements(self, cfg: DrafterConfig) -> tuple[int, int]:
+        """Step 0 its keys and values, the others nothing (their chain entry is their input)."""
+        return 2 * cfg.num_key_value_heads * cfg.head_dim, 0
+
+    def chain_entry_gradient_elements(self, cfg: DrafterConfig) -> int:
+        return cfg.hidden_size  # d feature
+
+    def step0_keys_remade(self) -> bool:
+        return False  # the entry is k0, v0
+
+    def step_saved_extra_bytes(self, cfg: DrafterConfig, c: int) -> int:
+        return 0
+
+    def after_attention_saved_elements(self, cfg: DrafterConfig) -> int:
+        return 0  # o_proj's input is the attention output, saved before it
+
+    def chain_block_terms(self, cfg: DrafterConfig, c: int) -> tuple[int, int, int, int]:
+        """Stacked feature rows, emb, normed emb (saved), z, its gradient, a key gradient, cos, sin per row; the rope
+        backward's intermediates (the key's gradient through cos and through sin, the rotated half, their sum);
+        k_proj's and v_proj's gradients. The step-0 keys and values are the entry: no weights remake them."""
+        _, kv, rope = self.attention_widths(cfg)
+        H = cfg.hidden_size
+        per_row = (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
+        return per_row, 7 * kv * c // 2, 2 * kv * 2 * H, 0
+
+    def prefix_block_extra_elements(self, cfg: DrafterConfig) -> int:
+        return 0  # views of the entry
+
+    # ------------------------------------------------------------ export, convert
+
+    def layer_fields(self, cfg: DrafterConfig) -> dict[str, Any]:
+        return {"model_type": self.model_type, "head_dim": cfg.head_dim}
+
+    def read_layer(self, layer: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """transformers' `LlamaConfig` reading (defaults included), as vLLM reads it."""
+        from transformers import LlamaConfig
+
+        if layer.get("model_type", self.model_type) != self.model_type:
+            raise ConfigError(f"only Llama-layer drafters are supported, got model_type={layer['model_type']!r}")
+        fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
+        parsed = LlamaConfig(**{**fields, "num_hidden_layers": 1})
+        return parsed, {"num_key_value_heads": parsed.num_key_value_heads, "head_dim": parsed.head_dim}

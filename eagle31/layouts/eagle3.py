@@ -1,0 +1,31 @@
+"""The EAGLE-3 HF layout (`export.formats=[eagle3]`), as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
+
+`config.json` is the decoder layer's HF config with the EAGLE fields at the top level and the architecture
+vLLM serves the drafter's attention kind with (`AttentionKind.architecture`); weights `midlayer.*`, eagle31's
+own names, so its rename table is empty. Every attention kind can be carried; the embedding is left out by
+default (vLLM shares the target's). docs/export.md: what vLLM reads, release by release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle31.config import DrafterConfig
+from eagle31.layouts.layout import Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
+
+
+class Eagle3Layout(Layout):
+    name = "eagle3"
+
+    def config(
+        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
+        target: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        layer = layer_fields(config, dtype, trained_context)
+        num_aux = {"num_aux_hidden_states": config.num_aux}  # vLLM sizes fc and fc_norm from it (else 3)
+        return {"architectures": [config.kind.architecture], **layer, **num_aux, **eagle_fields(config),
+                **provenance(config, target)}  # fmt: skip
+
+    def read(self, meta: dict[str, Any]) -> dict[str, Any]:
+        layer = read_layer(meta)
+        return {**layer, **read_eagle(meta, layer, switch_defaults={})}

@@ -1,0 +1,178 @@
+"""`Layout`: one checkpoint format of an exported drafter, its `config()`, `key()` and `read()`.
+
+`eagle31.export` writes a drafter through a layout and `eagle31.convert` reads one back through it; what
+every layout shares (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the
+`eagle31` provenance block, and their reading) is here, for a layout to place where its readers look.
+The rules these fields follow are docs/export.md's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
+from eagle31.drafter_attention import DrafterAttention
+from eagle31.errors import ConfigError
+
+EXPORT_FORMAT_VERSION = 1
+NATIVE_PREFIX = "midlayer."  # eagle31's (= the EAGLE-3 HF layout's) name of the decoder layer
+# the decoder layer's names that vLLM's EAGLE-3 loaders read (they rename midlayer.* to layers.0.*)
+DECODER_LAYER_PREFIXES = ("midlayer.", "layers.0.")
+# rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
+_ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
+
+
+class Layout(ABC):
+    name: str
+    layer_prefix: str = NATIVE_PREFIX  # the decoder layer's key prefix in this layout's weights
+    embeds_by_default: bool = False  # writes the (target's) embedding unless told not to
+
+    def check(self, config: DrafterConfig, target: str | None) -> None:
+        """Refuse, before any work, a drafter this layout cannot carry or a target it cannot name."""
+
+    @abstractmethod
+    def config(
+        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
+        target: str | None,
+    ) -> dict[str, Any]:
+        """The export's `config.json` (after `check`)."""  # fmt: skip
+
+    def key(self, name: str) -> str:
+        """eagle31 parameter name -> its name in this layout (the whole rename table)."""
+        if name.startswith(NATIVE_PREFIX):
+            return self.layer_prefix + name[len(NATIVE_PREFIX) :]
+        return name
+
+    def native_key(self, key: str) -> str:
+        """A weight's name in a checkpoint of this layout -> the eagle31 parameter name."""
+        for prefix in DECODER_LAYER_PREFIXES:
+            if key.startswith(prefix):
+                return NATIVE_PREFIX + key[len(prefix) :]
+        return key
+
+    @abstractmethod
+    def read(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's `config.json` -> the `DrafterConfig` values it states; aux ids verbatim (maybe none),
+        `target_num_layers` None unless stated (`eagle31.convert` applies the source's conventions)."""
+
+    def __repr__(self) -> str:
+        return f"<layout {self.name}>"
+
+
+# ------------------------------------------------------------------------ writing
+
+
+def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
+    """The decoder layer as an HF config: the attention kind's fields (`AttentionKind.layer_fields`), then every kind's."""
+    max_positions, rope = max_positions_and_rope(config, trained_context)
+    return {
+        **config.kind.layer_fields(config),
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": max_positions,
+        **rope_fields(rope),
+        "vocab_size": config.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,  # transformers >= 5
+        "torch_dtype": dtype,  # transformers 4 and older vLLM
+    }
+
+
+def max_positions_and_rope(config: DrafterConfig, trained_context: int | None) -> tuple[int, dict[str, Any]]:
+    """`max_position_embeddings` raised to the trained context, with the rope kept identical."""
+    rope = dict(config.rope_parameters)
+    if trained_context is None:
+        return config.max_position_embeddings, rope
+    if isinstance(trained_context, bool) or not isinstance(trained_context, int) or trained_context < 1:
+        raise ConfigError(f"trained_context must be a positive integer, got {trained_context!r}")
+    if trained_context <= config.max_position_embeddings:
+        return config.max_position_embeddings, rope
+    if rope["rope_type"] in _ROPE_TYPES_READING_MAX_POSITIONS:
+        rope.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return trained_context, rope
+
+
+def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """The same rope as `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters` (5)."""
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "rope_theta": float(rope["rope_theta"]),
+        "rope_scaling": None if scaling == {"rope_type": "default"} else scaling,
+        "rope_parameters": dict(rope),
+    }
+
+
+def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
+    """The draft vocabulary, the aux ids in vLLM's convention, every switch, and `target_hidden_size` when it differs."""
+    eagle: dict[str, Any] = {
+        "draft_vocab_size": config.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        **{name: getattr(config, name) for name in SWITCHES},
+    }
+    if config.target_hidden_size != config.hidden_size:
+        eagle["target_hidden_size"] = config.target_hidden_size
+    return eagle
+
+
+def provenance(config: DrafterConfig, target: str | None) -> dict[str, Any]:
+    """The `eagle31` block that `read` uses to read an export back exactly."""
+    return {
+        "eagle31": {
+            "format_version": EXPORT_FORMAT_VERSION,
+            "target_num_layers": config.target_num_layers,
+            "target_name_or_path": target,
+            "target_architectures": list(config.target_architectures),
+        }
+    }
+
+
+# ------------------------------------------------------------------------ reading
+
+
+def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    """A decoder layer's HF config -> its `DrafterConfig` values, as transformers (and so vLLM) reads them, defaults
+    included; its attention kind is the one that recognises it (`DrafterAttention.of_layer`)."""
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
+    attention = DrafterAttention.of_layer(layer)
+    parsed, values = attention.kind.read_layer(layer)
+    return dict(
+        attention=attention,
+        **values,
+        hidden_size=parsed.hidden_size,
+        num_attention_heads=parsed.num_attention_heads,
+        intermediate_size=parsed.intermediate_size,
+        rms_norm_eps=float(parsed.rms_norm_eps),
+        hidden_act=parsed.hidden_act,
+        rope_parameters=rope_parameters_from(layer),  # transformers keeps a legacy `type` key
+        max_position_embeddings=parsed.max_position_embeddings,
+        vocab_size=parsed.vocab_size,
+    )
+
+
+def read_eagle(meta: dict[str, Any], layer: dict[str, Any], switch_defaults: dict[str, bool]) -> dict[str, Any]:
+    """What `eagle_fields` and `provenance` wrote, read back: vLLM's defaults where a field is missing (a switch:
+    false unless `switch_defaults` says otherwise; the ids and `norm_before_fc` also under SpecForge's `eagle_config`)."""
+    nested = meta.get("eagle_config") or {}
+    ours = meta.get("eagle31") or {}
+    ids = meta.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids") or ()
+    switches = {name: bool(meta.get(name, switch_defaults.get(name, False))) for name in SWITCHES}
+    if "norm_before_fc" in nested:
+        switches["norm_before_fc"] = bool(nested["norm_before_fc"])
+    return dict(
+        draft_vocab_size=meta.get("draft_vocab_size") or layer["vocab_size"],  # vLLM's default
+        target_hidden_size=meta.get("target_hidden_size") or layer["hidden_size"],
+        aux_layer_ids=tuple(int(i) for i in ids),
+        target_num_layers=ours.get("target_num_layers"),
+        target_name_or_path=ours.get("target_name_or_path"),
+        target_architectures=tuple(ours.get("target_architectures") or ()),
+        **switches,
+    )

@@ -1,0 +1,88 @@
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves.
+
+`config.json`: `speculators_model_type: eagle3`, the proposal settings, the target as `verifier`, the decoder
+layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags), the EAGLE fields
+also at the top level; weights `layers.0.*`. The embedding is written by default and the target must be
+named; only Llama and Qwen3 layers can be carried; a missing `norm_before_residual` reads as true. Why,
+release by release: docs/export.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
+from eagle31.layouts.layout import Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
+
+ARCHITECTURE = "Eagle3Speculator"
+LAYER_MODEL_TYPES = ("llama", "qwen3")  # the layers vLLM's speculators reader maps
+THREE_ONE_FLAGS = ("fc_norm", "norm_output")  # the switches vLLM 0.22 reads from transformer_layer_config only
+
+
+class SpeculatorsLayout(Layout):
+    name = "speculators"
+    layer_prefix = "layers.0."
+    embeds_by_default = True
+
+    def check(self, config: DrafterConfig, target: str | None) -> None:
+        kind = config.kind
+        if kind.model_type not in LAYER_MODEL_TYPES:
+            raise ConfigError(
+                f"export format 'speculators' cannot carry {kind.label} (drafter.attention={config.attention}): the "
+                f"speculators layout maps only Llama/Qwen3 layers; export it as 'eagle3' (vLLM's {kind.architecture})"
+            )
+        if not target:
+            raise ConfigError(
+                "the speculators layout must name its target (speculators_config.verifier.name_or_path; speculators' "
+                "from_pretrained fails on null) and the drafter's config names none: pass the target's Hub id or path "
+                "(scripts/export.py target=...)"
+            )
+        if Path(target).exists() or target.startswith(("/", ".", "~")):
+            warnings.warn(
+                f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM "
+                f"0.33) refuses: serve it as `vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", "
+                "\"model\": <export>}'`, or give target.name the target's Hub id"
+            )
+
+    def config(
+        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
+        target: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        layer = {**layer_fields(config, dtype, trained_context), "num_aux_hidden_states": config.num_aux,
+                 **{name: getattr(config, name) for name in THREE_ONE_FLAGS}}  # fmt: skip
+        return {
+            "architectures": [ARCHITECTURE],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": num_speculative_tokens,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
+            },
+            "transformer_layer_config": layer,
+            **eagle_fields(config),
+            **provenance(config, target),
+        }
+
+    def read(self, meta: dict[str, Any]) -> dict[str, Any]:
+        if meta.get("speculators_model_type") != "eagle3":
+            raise ConfigError(f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
+        block = meta.get("transformer_layer_config")
+        if not isinstance(block, dict):
+            raise ConfigError("a speculators config needs a transformer_layer_config block")
+        layer = read_layer(block)
+        values = {**layer, **read_eagle(meta, layer, switch_defaults={"norm_before_residual": True})}
+        verifier = (meta.get("speculators_config") or {}).get("verifier") or {}
+        values["target_name_or_path"] = values["target_name_or_path"] or verifier.get("name_or_path")
+        values["target_architectures"] = values["target_architectures"] or tuple(verifier.get("architectures") or ())
+        return values

@@ -1,0 +1,80 @@
+"""The export layouts as objects (`eagle31.layouts`): every format is one `Layout`, every switch goes through
+every layout without a line of its own, and a new layout is one file (docs/architecture.md, "How to add")."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle31.config import SWITCHES, DrafterConfig
+from eagle31.convert import load_drafter, read_drafter_config
+from eagle31.export import export_drafter
+from eagle31.layouts import LAYOUTS, Layout, layout_of
+from eagle31.layouts.layout import eagle_fields, layer_fields, provenance, read_eagle, read_layer
+from eagle31.recipe import ExportFormat
+from tests.export.test_export import logits
+from tests.helpers import tiny_drafter
+
+
+def test_every_export_format_is_a_layout_and_each_layout_a_format():
+    assert set(LAYOUTS) == set(ExportFormat)
+    assert all(layout_of(fmt) is LAYOUTS[fmt] and layout_of(fmt).name == fmt for fmt in ExportFormat)
+
+
+def flipped(name: str) -> dict[str, bool]:
+    """A drafter config with switch `name` off its default (and what that needs: fc_norm excludes norm_before_fc)."""
+    value = not DrafterConfig.__dataclass_fields__[name].default
+    return {name: value, **({"fc_norm": False} if name == "norm_before_fc" and value else {})}
+
+
+@pytest.mark.parametrize("fmt", list(ExportFormat))
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_every_switch_is_written_and_read_back_by_every_layout(tmp_path, fmt, switch):
+    """`SWITCHES` is all a layout writes and reads back of them: a new switch there needs no line in a layout."""
+    m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target", **flipped(switch))
+    out = export_drafter(m, tmp_path / fmt, fmt, dtype="float32")
+    assert json.loads((out / "config.json").read_text())[switch] == getattr(m.config, switch)
+    assert read_drafter_config(out) == m.config
+
+
+# ----------------------------------------------------------------- a new layout from this module alone
+
+
+class FlatLayout(Layout):
+    """A toy format: the decoder layer's weights under `decoder.`, its HF config under `layer`, and the EAGLE
+    fields and eagle31's block beside it."""
+
+    name = "flat"
+    layer_prefix = "decoder."
+
+    def config(self, config, *, dtype, trained_context, num_speculative_tokens, target) -> dict[str, Any]:
+        return {"flat_format": 1, "layer": layer_fields(config, dtype, trained_context), **eagle_fields(config),
+                **provenance(config, target)}  # fmt: skip
+
+    def native_key(self, key: str) -> str:
+        return "midlayer." + key[len(self.layer_prefix) :] if key.startswith(self.layer_prefix) else key
+
+    def read(self, meta: dict[str, Any]) -> dict[str, Any]:
+        layer = read_layer(meta["layer"])
+        return {**layer, **read_eagle(meta, layer, switch_defaults={})}
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(fc_norm=False, norm_output=False, draft_vocab_size=40)])
+def test_a_layout_defined_in_one_module_exports_and_reads_back_exactly(tmp_path, overrides):
+    m = tiny_drafter(seed=2, dtype=torch.float32, target_name_or_path="org/target", **overrides)
+    out = export_drafter(m, tmp_path / "flat", FlatLayout(), dtype="float32", trained_context=512)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["flat_format"] == 1 and meta["layer"]["max_position_embeddings"] == 512
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "decoder.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    loaded = load_drafter(out, source_format=FlatLayout())
+    assert loaded.config == dataclasses.replace(m.config, max_position_embeddings=512)
+    assert read_drafter_config(out, source_format=FlatLayout()) == loaded.config
+    loaded.embed_tokens.weight.data.copy_(m.embed_tokens.weight)  # shared with the target, as in vLLM
+    for a, b in zip(logits(m), logits(loaded)):
+        assert torch.equal(a, b)

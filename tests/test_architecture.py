@@ -1,0 +1,169 @@
+"""The dependency rule of docs/architecture.md, read from the imports of every file (ast, nothing imported):
+eagle31 <- benchmarks <- experiments; the command lines over eagle31; no import circle inside eagle31.
+
+An import inside a function counts like one at the top of the module: a lazy import that closes a circle
+hides the circle at start-up, not in the design. An import under `if TYPE_CHECKING:` is for annotations
+only and never runs, so it does not count."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# what the library may never import: the layers over it
+OVER_THE_LIBRARY = ("benchmarks", "experiments", "scripts", "data_prep", "train", "tests")
+# the folders outside the library that use it through its public API only
+CLIENTS = ("benchmarks", "experiments", "scripts", "data_prep", "train")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def python_files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+LIBRARY = {module_name(p): p for p in python_files("eagle31")}
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (getattr(test, "id", None) or getattr(test, "attr", None)) == "TYPE_CHECKING"
+
+
+def imported_names(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, the names taken from it, line) for every import of `path` that can run, relative ones made
+    absolute, wherever it sits (module top, a function, a branch; not under `if TYPE_CHECKING:`)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if is_type_checking_block(block) for n in ast.walk(block)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            out.append((module, [alias.name for alias in node.names], node.lineno))
+    return out
+
+
+def library_modules_imported(path: Path) -> set[str]:
+    """The eagle31 modules `path` imports: `from pkg import submodule` is an edge to the submodule, `from
+    module import name` to the module (a package's own __init__ runs for any of its submodules anyway)."""
+    edges = set()
+    for module, names, _ in imported_names(path):
+        targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in LIBRARY]
+        if len(targets) < len(names) or not names:  # some names are attributes of `module` itself
+            targets.append(module)
+        for target in targets:
+            while target and target not in LIBRARY:  # `import eagle31.a.b` where b is not a module
+                target = target.rpartition(".")[0]
+            if target and target != module_name(path):
+                edges.add(target)
+    return edges
+
+
+def test_the_files_are_found():
+    assert {"eagle31.pipeline", "eagle31.eval.acceptance", "eagle31.attention.kernels", "eagle31.data.regenerate.pool"} <= set(LIBRARY)
+    assert python_files("benchmarks") and python_files("experiments")
+
+
+@pytest.mark.parametrize("folder, never", [("eagle31", OVER_THE_LIBRARY), ("benchmarks", ("experiments",))])
+def test_imports_point_one_way(folder, never):
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {module}"
+           for p in python_files(folder) for module, _, line in imported_names(p) if module.split(".")[0] in never]  # fmt: skip
+    assert not bad, bad
+
+
+def private_uses(path: Path) -> list[str]:
+    """Where `path` reaches a private name (`_x`, not a dunder) of eagle31: imported, or as a module's attribute."""
+    tree = ast.parse(path.read_text(), str(path))
+    private = lambda name: name.startswith("_") and not name.endswith("__")  # noqa: E731
+    bad, modules = [], set()  # modules: local names bound to an eagle31 module
+    for module, names, line in imported_names(path):
+        if module.split(".")[0] != "eagle31":
+            continue
+        if any(private(part) for part in module.split(".")):
+            bad.append(f"{line}: {module}")
+        bad += [f"{line}: {module}.{n}" for n in names if private(n)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "eagle31"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "eagle31":
+            modules |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in LIBRARY}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules and private(chain[-1]):
+                bad.append(f"{node.lineno}: {base.id}.{'.'.join(reversed(chain))}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", CLIENTS)
+def test_the_layers_over_the_library_use_no_private_name_of_it(folder):
+    bad = [f"{p.relative_to(ROOT)}:{use}" for p in python_files(folder) for use in private_uses(p)]
+    assert not bad, bad
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_among_the_library_modules():
+    graph = {name: library_modules_imported(path) for name, path in LIBRARY.items()}
+    assert any("eagle31.eval.acceptance" in edges for edges in graph.values())  # the graph is read at all
+    assert not circles(graph), circles(graph)
+
+
+def test_a_type_checking_import_is_no_edge(tmp_path, monkeypatch):
+    module = tmp_path / "eagle31" / "m.py"
+    module.parent.mkdir()
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
+                      "def f():\n    from eagle31.loss import ttt_loss\n")  # fmt: skip
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.loss"]
+
+
+def test_a_circle_is_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
