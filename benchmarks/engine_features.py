@@ -31,7 +31,6 @@ Writes `<out>/engine_features.json` and `.md` (default benchmarks/results/).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eagle31.checkpoint import read_trainer_state
 from eagle31.cli import parse_key_values, run_cli
 from eagle31.engine.capacity import measured_sizing
 from eagle31.engine.cluster import NAMESPACE
@@ -106,20 +106,16 @@ def train(out: Path, data: Path, steps: int, mode: str, workers: int = 0, ttt_le
     return out
 
 
-def lines(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl")
-
-
 def consumed(run_dir: Path) -> list[dict]:
-    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return [r["consumed"] for r in json.loads((last / "trainer_state.json").read_text())["data_ranks"]]
+    """Every rank's record of the samples it trained on, from the run's last checkpoint."""
+    return [rank["consumed"] for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]]
 
 
 def measure(run_dir: Path, workers: int) -> dict:
     """Medians over the windows after the first, and the workers these rates say keep one trainer busy."""
-    windows = [x for x in lines(run_dir) if "train/wait_s" in x][1:]
+    windows = [x for x in read_metrics(run_dir / "metrics.jsonl") if "train/wait_s" in x][1:]
     median = lambda key: statistics.median(x[key] for x in windows)  # noqa: E731
-    last = lines(run_dir)[-1] if "engine/worker_restarts" in lines(run_dir)[-1] else [x for x in lines(run_dir) if "engine/worker_restarts" in x][-1]
+    last = read_metrics(run_dir / "metrics.jsonl")[-1] if "engine/worker_restarts" in read_metrics(run_dir / "metrics.jsonl")[-1] else [x for x in read_metrics(run_dir / "metrics.jsonl") if "engine/worker_restarts" in x][-1]
     sizing = measured_sizing(run_dir / "metrics.jsonl", trainers=1)
     return {
         "workers": workers,
@@ -135,7 +131,7 @@ def measure(run_dir: Path, workers: int) -> dict:
 
 def same_run(a: Path, b: Path) -> dict:
     """Loss curves, final weights and consumed records of two runs, compared."""
-    la, lb = ([x["train/loss"] for x in lines(r) if "train/loss" in x] for r in (a, b))
+    la, lb = ([x["train/loss"] for x in read_metrics(r / "metrics.jsonl") if "train/loss" in x] for r in (a, b))
     wa, wb = (load_file(str(r / "drafter" / "model.safetensors")) for r in (a, b))
     diff = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa if wa[k].is_floating_point())
     equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -170,7 +170,13 @@ class CheckpointManager:
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
             _set_rng_state(load_file(str(rng)))
-        return json.loads((path / "trainer_state.json").read_text())
+        return read_trainer_state(path)
+
+
+def read_trainer_state(checkpoint: str | Path) -> dict:
+    """A checkpoint's trainer state (trainer_state.json): step and tokens seen, the scheduler, rank 0's data position
+    (`data`) and every rank's (`data_ranks`), each with its record of the samples it consumed (`eagle31.data.loader`)."""
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
 
 
 def damage(path: Path) -> str | None:

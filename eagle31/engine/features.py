@@ -10,7 +10,8 @@ Rank 0 joins or starts Ray (`eagle31.engine.cluster`) and creates the `FeaturePo
 which load the target while the trainers build the drafter; every rank reaches the pool by its name.
 `EngineFeatures` streams the training split in the loader's order (`FeaturePool.take`) and asks for
 the held-out split batch by batch (`FeaturePool.ask`); it puts each micro-batch's samples together
-by position, with the tokens and loss masks of the rank's own copy of the prepared split.
+by position, with the token columns (`TOKEN_COLUMNS`: input ids, loss masks) of the rank's own copy of the
+prepared split.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from eagle31.data.batch import Sample
+from eagle31.data.batch import TOKEN_COLUMNS, Sample
 from eagle31.data.capture import prepared_rows
 from eagle31.data.store import prepared_lengths
 from eagle31.distributed import broadcast_object
@@ -78,10 +79,11 @@ class EngineFeatures:
             for p, f in zip(positions, part):
                 feats[p] = f
         out = []
-        for i, (tokens, mask), (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):
-            if aux.shape[0] != len(tokens) or final.shape[0] != len(tokens):
-                raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(tokens)}")
-            out.append(Sample(torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long), aux, final))
+        for i, row, (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):  # row: its TOKEN_COLUMNS, input ids first
+            if aux.shape[0] != len(row[0]) or final.shape[0] != len(row[0]):
+                raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(row[0])}")
+            columns = {name: torch.tensor(values, dtype=torch.long) for name, values in zip(TOKEN_COLUMNS, row)}
+            out.append(Sample(**columns, aux=aux, final=final))
         return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle31.checkpoint import read_trainer_state
 from eagle31.metrics_log import read_metrics
 from tests.helpers import base_args, run_script, sigkill_after_checkpoint
 from tests.train.test_main import MAIN, REPO, losses, one_line_error, run_main, weights
@@ -22,14 +23,9 @@ SHARED = {"features.capture_batch_tokens": "64", "export.formats": "[eagle3]"}
 ENGINE = {**SHARED, "features.mode": "engine", "features.engine.workers": "2", "features.engine.worker_cpus": "0.5"}
 
 
-def lines(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl")
-
-
 def consumed(run_dir: Path) -> list[dict]:
     """Every rank's record of the samples it trained on, from the run's last checkpoint."""
-    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return [rank["consumed"] for rank in json.loads((last / "trainer_state.json").read_text())["data_ranks"]]
+    return [rank["consumed"] for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -72,12 +68,12 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(ray
         (target / "died").unlink(missing_ok=True)
     assert not (target / "die_at").exists()  # the worker did die
     assert_same_run(out, online_run)
-    logged = [x for x in lines(out) if "engine/worker_restarts" in x]
+    logged = [x for x in read_metrics(out / "metrics.jsonl") if "engine/worker_restarts" in x]
     assert [x["step"] for x in logged] == [1, 2, 3, 4, 5, 6]
     assert logged[-1]["engine/worker_restarts"] == 1 and logged[-1]["engine/requeued"] >= 1, logged[-1]
     assert all(x["engine/workers"] == 2 and x["engine/trainers"] == 1 and x["engine/pool_tokens"] <= 300 for x in logged)
     assert all(x["engine/inference_samples_per_s"] > 0 for x in logged)
-    trained = [x for x in lines(out) if "train/wait_s" in x]
+    trained = [x for x in read_metrics(out / "metrics.jsonl") if "train/wait_s" in x]
     assert all(x["train/capacity_samples_per_s"] >= x["train/samples_per_s"] > 0 for x in trained)
     assert not (out / "features").exists()  # no feature touched the disk
 
@@ -108,7 +104,7 @@ def test_torchrun_two_ranks_train_from_one_engine_as_one_process_does(target, ch
     done = run_main(base_args(target, chats, two, **engine), torchrun=2, PYTHONPATH=str(REPO))
     assert done.returncode == 0, done.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), rtol=1e-5, atol=1e-6)
-    logged = [x for x in lines(two) if "engine/trainers" in x]
+    logged = [x for x in read_metrics(two / "metrics.jsonl") if "engine/trainers" in x]
     assert len(logged) == 3 and all(x["engine/trainers"] == 2 for x in logged)
     assert [r["samples"] for r in consumed(two)] != [0, 0] and sum(r["samples"] for r in consumed(two)) == consumed(one)[0]["samples"]
 
