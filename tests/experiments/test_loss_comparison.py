@@ -39,7 +39,7 @@ def test_smoke_trains_each_loss_and_compares_it_with_the_baseline(tiny_target, c
     assert hybrid["separation"] == expected
     assert "loss" not in summary["settings"]["recipe"]["train"]  # the key that differs is per run
     assert "| lk_hybrid |" in (out / "results.md").read_text()
-    assert "experiments.loss_comparison.study --smoke" in (out / "commands.sh").read_text()
+    assert "experiments.loss_comparison --smoke" in (out / "commands.sh").read_text()
 
     # a later session: one run is gone, one loss is new; only the new one trains and is measured
     shutil.rmtree(runs / "eagle31-lk_hybrid-s0")
