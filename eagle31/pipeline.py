@@ -340,24 +340,29 @@ def finish_run(
 
 def measure_acceptance(plan: RunPlan) -> dict:
     """Real speculative decoding with the trained drafter on `eval.data` (acceptance/ in the run dir)."""
-    from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
+    from eagle31.eval.acceptance import run_acceptance
     from eagle31.eval.acceptance_report import write_report
 
-    cfg = plan.cfg
-    result = run_acceptance(
-        AcceptanceConfig(
-            drafter=str(plan.run_dir / "drafter"),
-            target=str(plan.target_dir),
-            data=acceptance_splits(cfg),
-            chat_template_kwargs=json.dumps(template_kwargs(cfg.data)),  # prompts rendered as for training
-            k=cfg.eval.num_speculative_tokens,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            max_prompts=cfg.eval.max_prompts,
-            device=plan.world.device.type,
-        )
-    )
+    result = run_acceptance(acceptance_config(plan.cfg, plan.run_dir, plan.target_dir, plan.world.device.type))
     write_report(result, plan.run_dir / "acceptance")
     return result
+
+
+def acceptance_config(cfg, run_dir: Path, target_dir: Path, device: str):
+    """The `AcceptanceConfig` of a run's acceptance measurement (its drafter, `eval.*`, prompts rendered as
+    for training): what `measure_acceptance` runs, and what another measurement of that run repeats."""
+    from eagle31.eval.acceptance import AcceptanceConfig
+
+    return AcceptanceConfig(
+        drafter=str(Path(run_dir) / "drafter"),
+        target=str(target_dir),
+        data=acceptance_splits(cfg),
+        chat_template_kwargs=json.dumps(template_kwargs(cfg.data)),
+        k=cfg.eval.num_speculative_tokens,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        max_prompts=cfg.eval.max_prompts,
+        device=device,
+    )
 
 
 def acceptance_splits(cfg) -> str:

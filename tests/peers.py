@@ -1,13 +1,13 @@
 """The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
-release and one for SpecForge, never the project's environment: both pin their own torch), or
-imported in-process from the packages that `.ci/peer_packages.sh` adds to the project's venv
-(vLLM speculators, MT-Bench's questions).
+release, one for SpecForge and one for the CPU build of vLLM that runs a real engine; never the
+project's environment: they pin their own torch), or imported in-process from the packages that
+`.ci/peer_packages.sh` adds to the project's venv (vLLM speculators, MT-Bench's questions).
 
 A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
-subprocess (`run_peer`), `specforge_python()` for SpecForge's, or `peer_module("speculators...")`
-for an in-process peer. Where the peer is missing the test is skipped on a developer's machine
-(README's test command installs none of them) and fails in CI (`CI=true`), so CI cannot pass
-without running the neighbour's own code."""
+subprocess (`run_peer`), `specforge_python()` for SpecForge's, `vllm_cpu_python()` for the engine's,
+or `peer_module("speculators...")` for an in-process peer. Where the peer is missing the test is
+skipped on a developer's machine (README's test command installs none of them) and fails in CI
+(`CI=true`), so CI cannot pass without running the neighbour's own code."""
 
 from __future__ import annotations
 
@@ -60,17 +60,38 @@ def specforge_python() -> Path:
         missing_peer(str(e))
 
 
+def vllm_cpu_python() -> Path:
+    """The interpreter of the CPU vLLM's venv (`.ci/vllm_cpu_venv.sh`), which runs a real engine."""
+    from benchmarks.peer import vllm_cpu_python as find
+    from eagle31.config import ConfigError
+
+    try:
+        return find()
+    except ConfigError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
 def run_peer(vllm_version: str, script: str, *args: str, timeout: float = 300) -> dict:
     """Run `script` (Python source) with vLLM `vllm_version`'s interpreter; it prints one JSON
     object as its last stdout line, which is returned. A failing script fails the test with its
     stderr."""
-    python = peer_python(vllm_version)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [str(python), "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return _run(peer_python(vllm_version), f"vLLM {vllm_version}", script, args, timeout)
+
+
+def run_engine(script: str, *args: str, timeout: float = 600) -> dict:
+    """`run_peer` for the CPU vLLM's venv, the engine core in the script's own process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no engine process to spawn, and the script sees its scheduler)."""
+    return _run(vllm_cpu_python(), "the CPU vLLM", script, args, timeout, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
+def _run(python: Path, who: str, script: str, args, timeout: float, **env_extra: str) -> dict:
+    from benchmarks.peer import vllm_env
+
+    env = {**vllm_env(), **env_extra}
+    proc = subprocess.run([str(python), "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        pytest.fail(f"vLLM {vllm_version} script failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{who} script failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     return json.loads(lines[-1])

@@ -111,3 +111,42 @@ def write_vllm_captures(model, data, hs_dir, slots=(1, 3, 4, 6), with_loss_mask=
             tensors["loss_mask"] = torch.tensor(row["loss_mask"])
         save_file(tensors, str(hs_dir / f"hs_{i}.safetensors"))
     handle.remove()
+
+
+def thinking_conversation(a: int, b: int) -> list[dict]:
+    """Two turns of arithmetic with their reasoning, as a thinking model answers them."""
+    s = a + b
+    return [
+        {"role": "user", "content": f"add {a} and {b}"},
+        {"role": "assistant", "reasoning_content": f"{a} plus {b} is {s}", "content": f"The answer is {s}."},
+        {"role": "user", "content": "and double it?"},
+        {"role": "assistant", "reasoning_content": f"{s} times 2 is {2 * s}", "content": f"It is {2 * s}."},
+    ]
+
+
+def save_thinking_target(path: Path, tokenizer, steps: int = 150, seed: int = 0) -> Path:
+    """A small Llama trained on `thinking_conversation`s rendered by the Kimi chat template (reasoning kept):
+    its greedy replies think in `<think>...</think>`, then answer and end the turn, as a reasoning model does.
+    Head dim 32, the smallest vLLM's CPU attention takes. Seconds on a CPU; the same weights for a seed."""
+    model = tiny_llama(seed, vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id).train()  # fmt: skip
+    texts = [tokenizer.apply_chat_template(thinking_conversation(a, b), tokenize=False, thinking=True, preserve_thinking=True)
+             for a in range(10) for b in range(10)]  # fmt: skip
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])  # [100, T]
+    labels = torch.where(ids == tokenizer.pad_token_id, -100, ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval().generation_config.do_sample = False
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

