@@ -13,6 +13,10 @@ other runs or an output of another step is never deleted or mixed with ours
 written is refused before any work too. `atomic_dir` replaces a directory by two renames;
 a kill between them is repaired on the next start (`recover_swap`).
 
+One module, though long: the atomic writes, the ownership marker, the directory swap and the run
+lock lean on each other (a swap's writer holds flock on the new directory's marker; the lock file is
+written as the atomic writes are), so splitting them would spread one set of invariants over files.
+
 `hold_lock` keeps a second process out of a directory for as long as the first runs, with
 `flock`, or with a lock file and a heartbeat where the filesystem has no `flock`.
 """

@@ -8,6 +8,9 @@ one recipe describes the target, the data and the drafter for all steps.
 Every choice is an enum, so composition itself refuses an unknown field, a
 value of the wrong type or a value outside a choice, with one line naming the
 field; the steps that read the config do not check choices again.
+
+One module, though long: it is the one schema Hydra registers, a dataclass and its enums per section,
+so a recipe's every field is read in one place.
 """
 
 from __future__ import annotations
