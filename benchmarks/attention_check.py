@@ -56,15 +56,13 @@ def private_op_problems(device: torch.device) -> list[str]:
 
 
 def attention_dims(cfg: DrafterConfig) -> tuple[int, int, int, int]:
-    """(query heads, key/value heads, q·k head dim, value head dim) of the drafter's attention.
-
-    An MLA drafter (`attention == "mla"`) attends with one key/value head per query head and a
+    """(query heads, key/value heads, q·k head dim, value head dim) of the drafter's attention, as its kind
+    says (`eagle31.drafter_attention`): an MLA drafter attends with one key/value head per query head and a
     q·k head dim (nope + rope parts) that differs from the value head dim.
     """
-    if getattr(cfg, "attention", "llama") == "mla":
-        nh = cfg.num_attention_heads
-        return nh, nh, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
+    q, kv, _ = cfg.kind.attention_widths(cfg)
+    d = cfg.qk_head_dim
+    return q // d, kv // d, d, cfg.kind.o_proj_in_features(cfg) // cfg.num_attention_heads
 
 
 def check_attention_parity(
