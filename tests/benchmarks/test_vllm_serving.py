@@ -30,7 +30,7 @@ def train(out: Path, target: Path, chats: Path, prompts: Path, *overrides: str) 
             f"output_dir={out}", "train.max_steps=30", "data.eval_max_samples=4", "eval.max_prompts=3", "eval.max_new_tokens=32",
             "logging.wandb.mode=disabled", *overrides]  # fmt: skip
     proc = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}, timeout=600)  # fmt: skip
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}, timeout=900)  # fmt: skip  # a hang guard
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
