@@ -103,7 +103,7 @@ class RecordingProposer:
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.inner.extend(aux, next_tokens)
 
-    def observe(self, feature, out, q, keys, values, attn, chain: int) -> None:  # DraftProbe: step `chain` gives draft chain+1
+    def observe(self, feature, out, q, keys, values, attn, chain: int, first: int = 0) -> None:  # DraftProbe: step `chain` gives draft chain+1
         self._logits[chain] = self.drafter.lm_head(out.state)[0, -1].float().cpu()
 
     def draft_chain(self, k: int) -> torch.Tensor:
