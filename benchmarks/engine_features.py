@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 from eagle31.checkpoint import read_trainer_state
 from eagle31.cli import parse_key_values, run_cli
 from eagle31.engine.capacity import measured_sizing
-from eagle31.engine.cluster import NAMESPACE
+from eagle31.engine.cluster import NAMESPACE, init_ray
 from eagle31.engine.worker import HFInferenceWorker
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.metrics_log import read_metrics
@@ -231,7 +231,7 @@ def main(argv: list[str]) -> None:
     steps, K, cpus, out = args.steps, args.ttt_length, args.cpus, Path(args.out)
     torch.set_num_threads(1)  # the trainer on one thread, as each worker (features.engine.worker_cpus=1)
     os.environ[PACE] = str(args.pace_ms_per_token / 1000)  # before Ray starts: its workers inherit this environment
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
+    init_ray(ray, num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

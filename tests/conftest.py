@@ -129,8 +129,8 @@ def ray_cluster():
 
     import ray
 
-    from eagle31.engine.cluster import NAMESPACE
+    from eagle31.engine.cluster import NAMESPACE, init_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
+    init_ray(ray, num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
     yield ray
     ray.shutdown()

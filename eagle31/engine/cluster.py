@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -38,6 +40,19 @@ def import_ray():
     return ray
 
 
+def init_ray(ray, **kwargs) -> None:
+    """`ray.init(**kwargs)` that leaves this process's SIGTERM handler as it was. Ray's init installs its own
+    (exit at once) and its shutdown does not put the old one back: without this a SIGTERM to an engine run
+    would skip the preemption checkpoint, and every later run in the process would inherit Ray's handler."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**kwargs)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+
+
 def actor_runtime_env() -> dict:
     """Ray's runtime environment for eagle31's actors: this process's `eagle31` first on their path."""
     import eagle31
@@ -60,7 +75,7 @@ def ray_session(address: str | None, num_cpus: int | None, auth_mode: str | None
     if joined:
         where = {"address": address} if address else {"num_cpus": num_cpus, "include_dashboard": False}
         try:
-            ray.init(namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False, **where)
+            init_ray(ray, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False, **where)
         except ConnectionError as e:
             cause = f": {str(e.__cause__).splitlines()[-1]}" if e.__cause__ else ""
             raise ConfigError(f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]}{cause})") from None
