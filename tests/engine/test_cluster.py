@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 
+import pytest
+
 from eagle31.engine.cluster import init_ray
 
 
@@ -27,5 +29,6 @@ def test_init_ray_keeps_the_sigterm_handler_the_process_had():
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow  # starts the session's Ray cluster (3 s) when no engine test has
 def test_the_real_ray_cluster_left_sigterm_as_it_was(ray_cluster):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # what the test process had before Ray started
