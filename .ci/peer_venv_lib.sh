@@ -1,6 +1,24 @@
-# Sourced by the peer venv scripts: a fresh venv with the CPU build of torch and one peer's wheel
-# installed --no-deps (the wheel cached in $WHEELS).
-#   fresh_peer_venv <venv dir> <package> <version>     # then: "$venv/bin/python" -m pip install <its imports>
+# Sourced by the peer venv scripts: where the venvs and the cached wheels live, each venv's stamp (the
+# package list it was built with: a venv is rebuilt only when it differs), and a fresh venv with the
+# CPU build of torch and one peer's wheel installed --no-deps (the wheel cached in $WHEELS).
+#   peer_venv_cached <venv dir> "<package list>" && exit 0    # says so when the stamp matches
+#   fresh_peer_venv <venv dir> <package> <version>           # then: "$venv/bin/python" -m pip install <its imports>
+#   stamp_peer_venv <venv dir> "<package list>"               # once the venv imports what it must
+PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
+WHEELS="$PEERS/wheels"
+mkdir -p "$WHEELS"
+
+peer_venv_cached() {
+  local venv=$1 want=$2
+  [ -f "$venv/.eagle31-ready" ] && [ "$(cat "$venv/.eagle31-ready")" = "$want" ] && echo "$(basename "$venv"): $venv (cached)"
+}
+
+stamp_peer_venv() {
+  local venv=$1 want=$2
+  echo "$want" > "$venv/.eagle31-ready"
+  echo "$(basename "$venv"): $venv"
+}
+
 fresh_peer_venv() {
   local venv=$1 package=$2 version=$3
   rm -rf "$venv"

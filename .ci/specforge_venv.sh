@@ -10,19 +10,14 @@
 # package list it was built with) differs.
 #   bash .ci/specforge_venv.sh
 set -euo pipefail
-PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
-WHEELS="$PEERS/wheels"
+. "$(dirname "$0")/peer_venv_lib.sh"
 VERSION=0.2.0
 venv="$PEERS/specforge-$VERSION"
-stamp="$venv/.eagle31-ready"
 DEPS=(transformers==5.8.1 datasets accelerate pydantic pyyaml safetensors numpy tqdm psutil huggingface_hub triton)
 want="torch==2.13.0 ${DEPS[*]}"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then echo "specforge $VERSION: $venv (cached)"; exit 0; fi
-mkdir -p "$WHEELS"
-. "$(dirname "$0")/peer_venv_lib.sh"
+peer_venv_cached "$venv" "$want" && exit 0
 fresh_peer_venv "$venv" specforge "$VERSION"
 py="$venv/bin/python"
 "$py" -m pip install --quiet "${DEPS[@]}"
 "$py" -c "import specforge.cli, specforge.algorithms.eagle3.model, specforge.export.to_hf" >/dev/null
-echo "$want" > "$stamp"
-echo "specforge $VERSION: $venv"
+stamp_peer_venv "$venv" "$want"

