@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.report import write_result_and_table
 from eagle31.checkpoint import read_trainer_state
 from eagle31.cli import parse_key_values, run_cli
 from eagle31.engine.capacity import measured_sizing
 from eagle31.engine.cluster import NAMESPACE, init_ray
 from eagle31.engine.worker import HFInferenceWorker
-from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,10 +261,7 @@ def main(argv: list[str]) -> None:
             "wall_time_s": round(time.time() - started, 1),
         }
     ray.shutdown()
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "engine_features.json", result)
-    atomic_write_text(out / "engine_features.md", table(result))
-    print(table(result))
+    write_result_and_table(result, out / "engine_features.json", table(result))
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.report import write_result_and_table
 from eagle31.data.regenerate.backends import EndpointBackend
 from eagle31.data.regenerate.core import Settings
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally
-from eagle31.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"concurrency": "1,16,64,256", "latency_s": "8.0", "waves": "12", "out": str(ROOT / "benchmarks" / "results"), "python": "",
@@ -123,11 +123,7 @@ def main(argv: list[str]) -> int:
                      "command": "python -m benchmarks.regenerate_throughput " + " ".join(argv)},  # fmt: skip
         "results": results,
     }
-    out = Path(args["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "regenerate_throughput.json", result)
-    atomic_write_text(out / "regenerate_throughput.md", table(result) + "\n")
-    print(table(result))
+    write_result_and_table(result, Path(args["out"]) / "regenerate_throughput.json", table(result) + "\n")
     return 0
 
 

@@ -81,6 +81,7 @@ def write_result(result: dict[str, Any], path: str | Path) -> Path:
 
 def write_result_and_table(result: dict[str, Any], path: str | Path, table: str) -> None:
     """A benchmark's `result` as JSON at `path`, its markdown `table` beside it (`.md`), and the table printed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(result, indent=1) + "\n")
     atomic_write_text(Path(path).with_suffix(".md"), table)
     print(table)

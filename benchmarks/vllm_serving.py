@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from benchmarks.peer import vllm_cpu_python, vllm_env
+from benchmarks.report import write_result_and_table
 from eagle31.config import ConfigError
-from eagle31.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
@@ -372,11 +372,7 @@ def main(argv: list[str]) -> int:
                                "max_new_tokens": runs[0]["max_new_tokens"], "near_tie": NEAR_TIE,
                                "command": "python -m benchmarks.vllm_serving " + " ".join(argv)},
                   "runs": runs}  # fmt: skip
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "vllm_serving.json", result)
-        atomic_write_text(out / "vllm_serving.md", table(result) + "\n")
-        print(table(result))
+        write_result_and_table(result, Path(config.out) / "vllm_serving.json", table(result) + "\n")
 
     return run_cli(body)
 
