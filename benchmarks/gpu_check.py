@@ -81,10 +81,11 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
         return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
     from benchmarks.shapes import recipe_shapes
+    from eagle31.drafter_attention import DrafterAttention
 
     shapes = recipe_shapes().values()
-    kimi = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "llama"), None)
-    kimi_mla = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "mla"), None)
+    kimi = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention is DrafterAttention.llama), None)
+    kimi_mla = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention is DrafterAttention.mla), None)
     llama = next((s.recipe for s in shapes if s.target == "meta-llama/Llama-3.1-8B-Instruct"), None)
     runs = [  # (recipe, what it is, T, more arguments, budget in seconds)
         (kimi, "Kimi K2.6 drafter", 4096, "peer=speculators warmup=2 repeats=5", 150),

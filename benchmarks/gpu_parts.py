@@ -92,6 +92,7 @@ def attention(smoke: bool) -> dict[str, Any]:
 
     from benchmarks.attention_check import check_attention_parity, fused_backends, private_op_problems
     from benchmarks.shapes import recipe_shapes
+    from eagle31.drafter_attention import DrafterAttention
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -102,7 +103,7 @@ def attention(smoke: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"status": "pass", "dtype": str(dtype).removeprefix("torch."), "shapes": {}}
     if problems:
         report["flash"] = "not run: " + "; ".join(problems)
-    if "mla" not in attention_types.values():
+    if DrafterAttention.mla not in attention_types.values():
         report["mla"] = "not available: no recipe has drafter.attention=mla"
     for name, cfg in shapes.items():
         entry: dict[str, Any] = {"attention": attention_types[name]}

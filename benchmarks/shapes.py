@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError, DrafterConfig
+from eagle31.drafter_attention import DrafterAttention
 from eagle31.plan import drafter_overrides
 from eagle31.recipe import load_recipe
 from eagle31.target import load_target_config
@@ -38,9 +39,9 @@ class RecipeShape:
     drafter: DrafterConfig
 
     @property
-    def attention(self) -> str:
-        """The drafter's attention type: "llama" unless the config names another (an MLA drafter)."""
-        return getattr(self.drafter, "attention", "llama")
+    def attention(self) -> DrafterAttention:
+        """The drafter's attention kind (Llama's unless the config names another, e.g. MLA)."""
+        return DrafterAttention.parse(getattr(self.drafter, "attention", DrafterAttention.llama))
 
 
 def recipe_names() -> list[str]:
