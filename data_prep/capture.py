@@ -3,6 +3,7 @@
     python data_prep/capture.py recipe=demo
     torchrun --nproc-per-node 8 data_prep/capture.py recipe=llama31_8b features.store_dtype=float8
     python data_prep/capture.py recipe=kimi_k26 target.device_map=auto    # one process, the target over all GPUs
+    python data_prep/capture.py recipe=kimi_k26 features.engine.worker=vllm features.engine.worker_gpus=8   # vLLM, TP 8
 
 Runs the target (`target.path` or `target.builtin`) over the prepared splits
 (`data.prepared_dir`/train and /eval, from data_prep/prepare.py) in length-sorted
@@ -11,6 +12,11 @@ split, `features.store_dir`/<split>. Aux layers: `drafter.aux_layer_ids`, defaul
 (2, L//2, L-3). Each rank writes its own shards; rerunning skips the finished ones.
 A store made for another target, aux ids, dtype or data is refused with one line
 and exit code 2 before the target is loaded. Train on it with features.mode=store.
+
+`features.engine.worker=vllm` captures with a vLLM engine instead (vLLM >= 0.22 installed beside
+eagle31; one process, tensor parallel over `features.engine.worker_gpus`, engine arguments in
+`features.engine.vllm_args`): vLLM's `extract_hidden_states` and eagle31's connector
+(docs/engine.md), the same store within floating-point tolerance of the HF capture.
 """
 
 import sys
@@ -21,7 +27,9 @@ from eagle31.config import DrafterConfig
 from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
 from eagle31.distributed import close_world, init_world
-from eagle31.errors import RunInterrupted
+from eagle31.engine.worker import VLLMInferenceWorker, WorkerSpec
+from eagle31.errors import ConfigError, RunInterrupted
+from eagle31.recipe import EngineWorker
 from eagle31.target import load_recipe_target, load_target_config
 from eagle31.targets import resolve_target_path
 
@@ -37,8 +45,13 @@ def capture(cfg) -> None:
         aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
         # raises ConfigError before the target loads
         writers = open_store_writers(Path(cfg.features.store_dir), splits, target_dir, target_config, aux_ids, cfg.target, cfg.features)
-        model = load_recipe_target(target_dir, cfg.target, world.device)
-        capture_splits(model, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
+        if cfg.features.engine.worker == EngineWorker.vllm:
+            if world.world_size > 1:
+                raise ConfigError("features.engine.worker=vllm captures in one process (vLLM spreads the target over features.engine.worker_gpus); run it without torchrun")
+            target = VLLMInferenceWorker(WorkerSpec.from_recipe(cfg, target_dir, aux_ids))
+        else:
+            target = load_recipe_target(target_dir, cfg.target, world.device)
+        capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
     except KeyboardInterrupt:
         raise RunInterrupted(
             f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to capture the rest"

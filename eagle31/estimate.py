@@ -315,7 +315,7 @@ def estimate_memory(
     benchmark runs: no gathered copies, one dtype throughout). sequence_parallel: the ranks each
     sequence is split over (module docstring).
     """
-    c, T, K, H = compute_bytes, seq_len, ttt_length, cfg.hidden_size
+    c, T, K = compute_bytes, seq_len, ttt_length
     if sequence_parallel > 1:  # a shard and its halo
         T = shard_length(seq_len, sequence_parallel, K) + K + 1
     V, Vd, Ht = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size

@@ -57,9 +57,10 @@ class FeatureMode(StrEnum):
 
 
 class EngineWorker(StrEnum):
-    """What computes the features in `features.mode=engine` (`eagle31.engine.worker`)."""
+    """What computes the features in `features.mode=engine` and in data_prep/capture.py (`eagle31.engine.worker`)."""
 
-    hf = "hf"  # the Hugging Face target in a Ray actor, as online features compute them
+    hf = "hf"  # the Hugging Face target, as online features compute them
+    vllm = "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
 
 
 class StoreDtype(StrEnum):
@@ -232,6 +233,9 @@ class EngineConfig:
     pool_tokens: int = 131072  # features computed ahead of the trainers, in tokens (Kimi K2.6, bf16: 56 KiB each)
     max_restarts: int = 3  # per worker: a worker that dies is restarted and its samples asked again, this often
     rates_from: Optional[str] = None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
+    # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
+    # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
+    vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -365,7 +365,7 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     assert sorted(outcome.values()) == ["held", "refused"], outcome
 
 
-def _hold_lock_in_a_child(directory) -> "subprocess.Popen":
+def _hold_lock_in_a_child(directory):
     """A process holding `directory`'s lock file (no flock), until it is killed."""
     import subprocess
     import sys

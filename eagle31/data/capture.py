@@ -1,9 +1,10 @@
 """Target features of prepared data (docs/design.md §2), and their capture into the store.
 
 `target_forward` computes the features (`eagle31.target.TargetFeatures`) of rows of token ids in
-length-sorted, right-padded batches, and `run_target` makes them `Sample`s of prepared rows
-(columns `input_ids`, `loss_mask`);
-`capture_to_store` runs it over a prepared split shard by shard into a `StoreWriter`;
+length-sorted, right-padded batches, `as_samples` makes features `Sample`s of prepared rows
+(columns `input_ids`, `loss_mask`), and `run_target` is the two for the HF target;
+`capture_to_store` runs the HF target, or an inference engine (`eagle31.engine.worker`: vLLM's),
+over a prepared split shard by shard into a `StoreWriter`;
 `open_store_writers` and `capture_splits` are that step for a recipe's splits, as both
 `data_prep/capture.py` and a training run with `features.mode=store` take it.
 """
@@ -11,6 +12,7 @@ length-sorted, right-padded batches, and `run_target` makes them `Sample`s of pr
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +23,7 @@ from torch import nn
 from eagle31.data.batch import TOKEN_COLUMNS, Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
 from eagle31.distributed import World, barrier
+from eagle31.errors import ConfigError
 from eagle31.io import write_errors
 from eagle31.target import TargetFeatures, target_fingerprint
 
@@ -57,14 +60,19 @@ def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], b
     return out
 
 
-def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
-    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row, on the device
-    of the target's output."""
+def as_samples(rows: Sequence[tuple[list[int], ...]], features: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Sample]:
+    """One `Sample` per prepared row (its `TOKEN_COLUMNS`) and its (aux, final), on the device of the features."""
     out = []
-    for row, (aux, final) in zip(rows, target_forward(feats, [row[0] for row in rows], batch_tokens)):
+    for row, (aux, final) in zip(rows, features, strict=True):
         columns = {name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, row)}
         out.append(Sample(**columns, aux=aux, final=final))
     return out
+
+
+def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
+    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row, on the device
+    of the target's output."""
+    return as_samples(rows, target_forward(feats, [row[0] for row in rows], batch_tokens))
 
 
 # ---------------------------------------------------------------- capture into the store
@@ -97,8 +105,22 @@ class CaptureStats:
         )
 
 
+@contextmanager
+def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
+    """token rows -> [(aux, final)]: the HF target's `target_forward`, or an engine's own `features` (an
+    `eagle31.engine.worker.InferenceWorker`, which batches as it likes) after checking its aux ids."""
+    if isinstance(target, nn.Module):
+        with TargetFeatures(target, aux_layer_ids) as feats:
+            yield lambda token_rows: target_forward(feats, token_rows, batch_tokens)
+        return
+    info = target.describe()
+    if tuple(info.aux_layer_ids) != tuple(aux_layer_ids):
+        raise ConfigError(f"the {info.kind} engine computes aux ids {list(info.aux_layer_ids)}, the store holds {list(aux_layer_ids)}")
+    yield target.features
+
+
 def capture_to_store(
-    model: nn.Module,
+    target,
     dataset,
     writer: StoreWriter,
     *,
@@ -107,6 +129,7 @@ def capture_to_store(
     world_size: int = 1,
 ) -> CaptureStats:
     """Capture this rank's unfinished shards of `writer`'s plan; the writer's sample ids are rows of `dataset`.
+    `target`: the HF model, or an inference engine (`features_of`).
 
     A full disk or a denied write is one line (`eagle31.io.write_errors`): every shard with a record is
     whole, the one being written was removed, and a rerun captures what is missing.
@@ -115,10 +138,10 @@ def capture_to_store(
     mine = range(rank, len(writer.plan), world_size)
     start = time.perf_counter()
     kept = "the finished shards are kept and the one being written was removed; a rerun captures the rest"
-    with write_errors(f"the feature store {writer.root}", kept), TargetFeatures(model, writer.header.aux_layer_ids) as feats:
+    with write_errors(f"the feature store {writer.root}", kept), features_of(target, writer.header.aux_layer_ids, batch_tokens) as features:
         for index, ids in writer.pending(rank, world_size):
-            samples = run_target(feats, prepared_rows(dataset, ids), batch_tokens)
-            stats.add(writer.write_shard(index, ids, samples))
+            rows = prepared_rows(dataset, ids)
+            stats.add(writer.write_shard(index, ids, as_samples(rows, features([row[0] for row in rows]))))
     stats.shards_skipped = len(mine) - stats.shards_written
     stats.seconds = time.perf_counter() - start
     return stats
@@ -133,11 +156,11 @@ def open_store_writers(store_dir: Path, splits: dict, target_dir, target_config:
     }
 
 
-def capture_splits(model: nn.Module, splits: dict, writers: dict[str, StoreWriter], *, batch_tokens: int, world: World) -> None:
+def capture_splits(target, splits: dict, writers: dict[str, StoreWriter], *, batch_tokens: int, world: World) -> None:
     """Capture every split into its writer (each rank its shards); rank 0 finalizes a split once all ranks are done."""
     for name, ds in splits.items():
         writer = writers[name]
-        stats = capture_to_store(model, ds, writer, batch_tokens=batch_tokens, rank=world.rank, world_size=world.world_size)
+        stats = capture_to_store(target, ds, writer, batch_tokens=batch_tokens, rank=world.rank, world_size=world.world_size)
         print(f"[rank {world.rank}] {name}: {stats.summary()}")
         barrier()
         if world.is_main:

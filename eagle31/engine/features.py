@@ -164,16 +164,7 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
     from eagle31.engine.worker import WORKERS, WorkerSpec
 
     cfg, e = plan.cfg, plan.cfg.features.engine
-    spec = WorkerSpec(
-        target_dir=str(plan.target_dir),
-        dtype=str(cfg.target.dtype),
-        device_map=cfg.target.device_map,
-        trust_remote_code=cfg.target.trust_remote_code,
-        aux_layer_ids=aux_ids,
-        batch_tokens=cfg.features.capture_batch_tokens,
-        threads=max(1, int(e.worker_cpus)),
-        gpus=e.worker_gpus,
-    )
+    spec = WorkerSpec.from_recipe(cfg, plan.target_dir, aux_ids)
     settings = PoolSettings(
         prepared_dir=str(Path(prepared).resolve()),
         workers=e.workers,

@@ -8,13 +8,16 @@ ships a tensor's whole storage: a view into the padded batch would carry the bat
 
 `HFInferenceWorker` holds the Hugging Face target and runs `eagle31.data.capture.target_forward`,
 the code of `features.mode=online`: given the rows of one length-sorted group it runs exactly the
-forward the trainer would have run itself. Another engine (vLLM's, whose `extract_hidden_states`
-hands the same tensors out) is one more class with these two methods and a line in `WORKERS`.
+forward the trainer would have run itself. `VLLMInferenceWorker` holds a vLLM engine on the target
+(`eagle31.engine.vllm_engine`: `extract_hidden_states`, tensor parallel over the worker's GPUs), whose
+own kernels and batching compute the same tensors within floating-point tolerance. Another engine is
+one more class with these two methods and a line in `WORKERS`. data_prep/capture.py runs a worker of
+the same kinds outside Ray to fill the shard store.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence
 
 import torch
@@ -36,6 +39,24 @@ class WorkerSpec:
     batch_tokens: int  # features.capture_batch_tokens
     threads: int  # torch threads on CPU
     gpus: float  # features.engine.worker_gpus
+    max_len: int = 2048  # data.max_len: the longest row the worker is sent
+    vllm_args: dict = field(default_factory=dict)  # features.engine.vllm_args
+
+    @classmethod
+    def from_recipe(cls, cfg, target_dir, aux_layer_ids: Sequence[int]) -> "WorkerSpec":
+        e = cfg.features.engine
+        return cls(
+            target_dir=str(target_dir),
+            dtype=str(cfg.target.dtype),
+            device_map=cfg.target.device_map,
+            trust_remote_code=cfg.target.trust_remote_code,
+            aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
+            batch_tokens=cfg.features.capture_batch_tokens,
+            threads=max(1, int(e.worker_cpus)),
+            gpus=e.worker_gpus,
+            max_len=cfg.data.max_len,
+            vllm_args=dict(e.vllm_args),
+        )
 
 
 class WorkerInfo(NamedTuple):
@@ -84,4 +105,39 @@ class HFInferenceWorker:
         return [(aux.to("cpu", copy=True), final.to("cpu", copy=True)) for aux, final in out]
 
 
-WORKERS: dict[EngineWorker, type] = {EngineWorker.hf: HFInferenceWorker}
+class VLLMInferenceWorker:
+    """A vLLM engine on the target, tensor parallel over the worker's GPUs (or on its CPUs): vLLM's forward, its
+    hidden states through `extract_hidden_states` (`eagle31.engine.vllm_engine.VLLMFeatures`)."""
+
+    kind = "vllm"
+
+    def __init__(self, spec: WorkerSpec):
+        from eagle31.engine.vllm_engine import VLLMFeatures
+
+        self.spec = spec
+        if spec.gpus <= 0:
+            torch.set_num_threads(spec.threads)
+        self.engine = VLLMFeatures(
+            spec.target_dir,
+            spec.aux_layer_ids,
+            dtype=spec.dtype,
+            max_prompt_len=spec.max_len,
+            trust_remote_code=spec.trust_remote_code,
+            tensor_parallel_size=max(1, int(spec.gpus)),
+            engine_args=spec.vllm_args,
+        )
+
+    def describe(self) -> WorkerInfo:
+        """What the engine computes, read off its answer for a two-token row (whose shape `features` checks)."""
+        aux, final = self.engine.features([[1, 2]])[0]
+        device = "cuda" if self.spec.gpus > 0 else "cpu"
+        return WorkerInfo(self.kind, self.engine.aux_layer_ids, int(final.shape[1]), str(aux.dtype).removeprefix("torch."), device)
+
+    def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.engine.features(token_rows)  # fresh CPU tensors, one storage each
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+WORKERS: dict[EngineWorker, type] = {EngineWorker.hf: HFInferenceWorker, EngineWorker.vllm: VLLMInferenceWorker}

@@ -100,3 +100,12 @@ def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path, mo
     capsys.readouterr()
     assert run_script(script, args, monkeypatch) == 2
     assert "hidden-states directory not found: /nonexistent" in capsys.readouterr().err
+
+
+def test_capture_with_vllm_where_none_is_installed_is_one_line_before_the_target_loads(setup, monkeypatch, capsys):
+    root, _ = setup
+    monkeypatch.setattr("eagle31.engine.vllm_engine.installed_vllm", lambda: None)
+    args = [*overrides(root, "vllm_features"), "features.engine.worker=vllm"]
+    code, err = run_script(ROOT / "data_prep" / "capture.py", args, monkeypatch), capsys.readouterr().err
+    assert code == 2 and err.strip() == "error: features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')"
+    assert not list((root / "vllm_features").rglob("*.safetensors"))  # no shard was written

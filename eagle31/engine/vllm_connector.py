@@ -1,0 +1,168 @@
+"""The hidden-states connector vLLM's `extract_hidden_states` method hands its captures to (`eagle31.engine.vllm_engine`).
+
+Loaded by vLLM itself, never by the rest of eagle31 (it imports vLLM): the engine is started with
+
+    kv_transfer_config={"kv_connector": "HiddenStatesToFiles", "kv_connector_module_path": "eagle31.engine.vllm_connector",
+                        "kv_role": "kv_producer", "kv_connector_extra_config": {"hidden_states_dir": <dir>}}
+
+With `extract_hidden_states`, vLLM's target forward keeps the hidden states of the requested layers in a
+cache-only attention layer, one cache slot per prompt token (`[num_blocks, n, block_size, Ht]`). When a request
+finishes, the scheduler side asks to keep its blocks (`request_finished`), the worker side reads its slots out,
+writes them as one safetensors file, `<dir>/<request id>.safetensors` (`hidden_states [T, n, Ht]`, `token_ids [T]`),
+and then lets the blocks go. The file appears by an atomic rename, so a reader that sees it sees all of it.
+
+Why our own and not vLLM's `ExampleHiddenStatesConnector`: that one copies on a CUDA stream into pinned memory
+(it cannot run on vLLM's CPU build) and signals a finished write with a flock beside each file. This one copies
+synchronously (the copy is small beside the target's forward) and needs no lock. Only tensor-parallel rank 0
+writes. The directory is meant to be memory (`/dev/shm`): the reader deletes each file once read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class FinishedRequest:
+    req_id: str
+    path: str
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class HiddenStatesMetadata(KVConnectorMetadata):
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+def hidden_states_group(kv_cache_config: "KVCacheConfig | None") -> int:
+    """The KV cache group of the cache-only layer: its own group beside the target's attention, or the only group
+    (vLLM's CPU build puts every layer in one)."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    if kv_cache_config is None:
+        return 0
+    all_groups = kv_cache_config.kv_cache_groups
+    groups = [g for g, group in enumerate(all_groups) if isinstance(group.kv_cache_spec, HiddenStateCacheSpec)]
+    if not groups and len(all_groups) == 1:
+        return 0
+    if len(groups) != 1:
+        raise ValueError(f"expected one hidden-states KV cache group, found {len(groups)}")
+    return groups[0]
+
+
+class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
+    """Writes each finished request's captured hidden states to `<hidden_states_dir>/<request id>.safetensors`."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.speculative_config is None or vllm_config.speculative_config.method != "extract_hidden_states":
+            raise ValueError("HiddenStatesToFiles needs speculative_config.method='extract_hidden_states'")
+        self.directory = self._kv_transfer_config.get_from_extra_config("hidden_states_dir", None)
+        if not self.directory:
+            raise ValueError("HiddenStatesToFiles needs kv_connector_extra_config.hidden_states_dir")
+        self.group = hidden_states_group(kv_cache_config)
+        if kv_cache_config is None:
+            self.block_size = vllm_config.cache_config.block_size
+        else:
+            self.block_size = kv_cache_config.kv_cache_groups[self.group].kv_cache_spec.block_size
+        self._finished: list[FinishedRequest] = []  # scheduler side, until the next step's metadata
+        self._cache: torch.Tensor | None = None  # worker side: [num_blocks, n, block_size, Ht]
+        self._writes = True
+
+    def get_finished_count(self) -> int:
+        return 1  # only tensor-parallel rank 0 reports a request as sent
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        self._writes = get_tensor_model_parallel_rank() == 0
+        names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if len(names) != 1:
+            raise ValueError(f"expected one cache-only attention layer, found {names}")
+        self._cache = kv_caches[names[0]]
+        if self._cache.shape[2] != self.block_size:
+            raise ValueError(f"hidden-states cache block size {self._cache.shape[2]} is not the group's {self.block_size}")
+
+    def start_load_kv(self, *args, **kwargs: Any) -> None:
+        pass  # nothing is ever loaded
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        pass  # the cache-only layer has already stored the states
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self.has_connector_metadata():
+            return None, None
+        meta = self._get_connector_metadata()
+        done = set()
+        for request in getattr(meta, "finished", []):
+            if self._writes:
+                self._write(request)
+            done.add(request.req_id)
+        return done or None, None
+
+    def _write(self, request: FinishedRequest) -> None:
+        assert self._cache is not None
+        blocks = torch.tensor(request.block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[: request.num_tokens]
+        slots = slots.to(self._cache.device)
+        states = self._cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [T, n, Ht]
+        tmp = f"{request.path}.tmp"
+        save_file({"hidden_states": states.contiguous()}, tmp)
+        os.replace(tmp, request.path)
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = HiddenStatesMetadata(finished=self._finished)
+        self._finished = []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks until the worker has written them; the reply names the file."""
+        if request.prompt_token_ids is None or not block_ids:
+            return False, None
+        path = os.path.join(self.directory, f"{request.request_id}.safetensors")
+        self._finished.append(FinishedRequest(request.request_id, path, len(request.prompt_token_ids), list(block_ids)))
+        return True, {"hidden_states_path": path}
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if not 0 <= self.group < len(block_ids):
+            return False, None
+        return self.request_finished(request, block_ids[self.group])
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return None

