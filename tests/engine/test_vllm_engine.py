@@ -111,3 +111,13 @@ def test_the_connector_implements_the_connector_interface_of_each_supported_vllm
     the engine runs it on 0.32 (tests/benchmarks/test_vllm_features.py)."""
     r = run_peer(version, CONNECTOR_CHECK, str(ROOT))
     assert r == {"abstract": [], "refused": {}}
+
+
+def test_engine_arguments_that_make_the_capture_are_not_the_users_to_set(tmp_path, monkeypatch):
+    tiny_llama(seed=1).save_pretrained(tmp_path)
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "0.32.0")
+    monkeypatch.setattr(vllm_engine, "has_module", lambda name: True)
+    present = ("eagle31.engine.worker", "WorkerInfo")  # a connector that imports here (vLLM's does not)
+    with pytest.raises(ConfigError, match=r"^vLLM engine arguments \['enable_prefix_caching', 'speculative_config'\] are eagle31's"):
+        vllm_engine.VLLMFeatures(tmp_path, (1, 3, 4), dtype="float32", max_prompt_len=64, connector=present,
+                                 engine_args={"speculative_config": {}, "enable_prefix_caching": True, "gpu_memory_utilization": 0.5})  # fmt: skip
