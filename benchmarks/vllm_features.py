@@ -110,8 +110,8 @@ def compare_stores(hf_root: Path, vllm_root: Path) -> dict:
 
 @torch.no_grad()
 def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, apart: float = DIFFERS) -> list[dict]:
-    """Each sample whose `final` differs somewhere by more than `apart` (relative to the sample's largest value): its
-    first such position, and the smallest gap there between the k-th and (k+1)-th expert's routing score over the
+    """Each sample whose `aux` or `final` differs somewhere by more than `apart` (relative to the sample's largest
+    value): its first such position, and the smallest gap there between the k-th and (k+1)-th expert's routing score over the
     MoE layers of the HF target (DeepSeek-V3's sigmoid scores plus the correction bias). A gap near zero is a
     floating-point tie: two engines may route that token to different experts, which changes its state, and the
     later positions attend to it."""
@@ -124,7 +124,7 @@ def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, a
     out = []
     for i in range(len(hf)):
         a, b = hf.sample(i), vl.sample(i)
-        rel = (a.final - b.final).abs().amax(-1) / a.final.abs().amax()  # [T]
+        rel = torch.maximum(*[(getattr(a, n) - getattr(b, n)).abs().amax(-1) / getattr(a, n).abs().amax() for n in ("aux", "final")])  # [T]
         if rel.max() <= apart:
             continue
         first = int((rel > apart).nonzero()[0])
@@ -223,9 +223,11 @@ def table(result: dict) -> str:
         lines += ["", f"Capture rate, vLLM / HF: {c['vllm_over_hf']:.2f}x (2 shared CPU cores; engine start-up not counted).", ""]
         for split, r in c["splits"].items():
             if "differing" in r:
-                gaps = ", ".join(f"{t['min_gap']:.1e}" for t in r["ties"])
-                lines += [f"{split}: {r['differing']} samples whose `final` differs by more than {DIFFERS:g} somewhere; at the first such "
-                          f"position the smallest top-k routing gap is below {NEAR_TIE:g} in {r['explained']} of them ({gaps or 'none'}).", ""]  # fmt: skip
+                gaps = sorted(t["min_gap"] for t in r["ties"])
+                others = ", ".join(f"sample {t['sample']} at {t['position']}: {t['min_gap']:.1e}" for t in r["ties"] if t["min_gap"] >= NEAR_TIE)
+                lines += [f"{split}: {r['differing']} samples whose `aux` or `final` differs by more than {DIFFERS:g} somewhere; at the first such "
+                          f"position the smallest top-k routing gap over the MoE layers is below {NEAR_TIE:g} in {r['explained']} of them"
+                          + (f" (median {gaps[len(gaps) // 2]:.1e})" if gaps else "") + (f"; the others: {others}" if others else "") + ".", ""]  # fmt: skip
     if "training" in result:
         t = result["training"]
         lines += [f"Training {t['steps']} steps, one vLLM inference worker against the HF target in the trainer: loss curves within "
