@@ -183,6 +183,9 @@ class DataConfig:
     # a list, or a file with one prompt per line (.jsonl: a JSON string or {"content": ...} per line)
     system_prompts: Any = None
     max_len: int = 2048
+    # > 1: consecutive conversations merged into multi-turn samples of 1..merge_turns of them each (sizes drawn
+    # from the seed, eagle31.data.merge_turns): long histories of earlier turns from short chats
+    merge_turns: int = 1
     overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn
     # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's

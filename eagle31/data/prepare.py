@@ -9,7 +9,8 @@ writes `data_cfg.prepared_dir`:
     vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (docs/design.md §5, eagle31.vocab)
     report.json                 records in, samples out, dropped inputs per reason with locations, token totals
 
-Each conversation becomes one sample (`eagle31.data.chat`); one without a system message gets
+Each conversation becomes one sample (`eagle31.data.chat`), or, with `data.merge_turns=N`, consecutive
+ones are merged into multi-turn samples of 1..N of them (`eagle31.data.merge_turns`); one without a system message gets
 `data.system_prompt`, or one of `data.system_prompts` drawn from `data.seed` and its index in the
 input (`eagle31.data.system_prompts`). Longer than `max_len`
 tokens, it is cut to its first `max_len` tokens (`overflow: truncate`, counted) or
@@ -53,6 +54,7 @@ from safetensors.torch import save_file
 from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
+from eagle31.data.merge_turns import TurnMerger
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_system_prompt
 from eagle31.errors import CorruptDataError
@@ -153,6 +155,8 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data_cfg.eval_fraction!r}")
     if data_cfg.eval_max_samples < 0:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
+    if data_cfg.merge_turns < 1:
+        raise ConfigError(f"data.merge_turns must be >= 1 (1: no merging), got {data_cfg.merge_turns!r}")
     template_kwargs(data_cfg)
     data_system_prompts(data_cfg)
     check_output_dir(prepared, "prepared-data")  # before the tokenizer (or the target) is loaded
@@ -185,7 +189,11 @@ def prepare_dataset(
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
-    samples = _samples(read_conversations(sources, dropped), encoder, prompts, data_cfg, V, dropped, truncated)
+    conversations = read_conversations(sources, dropped)
+    merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
+    if merger is not None:  # long multi-turn samples (eagle31.data.merge_turns)
+        conversations = merger.merge(conversations)
+    samples = _samples(conversations, encoder, prompts, data_cfg, V, dropped, truncated)
     kept = "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
     with write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept), atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
         if _write_arrow(samples, tmp / "all.arrow") == 0:
@@ -202,8 +210,8 @@ def prepare_dataset(
         report = PrepareReport(
             prepared_dir=str(data_cfg.prepared_dir),
             sources=[str(Path(s).resolve()) for s in sources],
-            # every record read became a sample or was dropped
-            records=len(train) + len(held_out) + dropped.total() - dropped.total(FILE_REASONS),
+            # every record read became (part of) a sample or was dropped
+            records=_records_read(len(train) + len(held_out), dropped, merger),
             samples={"train": len(train), "eval": len(held_out)},
             tokens={"train": train_tokens, "eval": eval_tokens},
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
@@ -216,6 +224,7 @@ def prepare_dataset(
             draft_vocab_coverage=float(counts[t2d].sum() / max(int(counts.sum()), 1)),
             settings={
                 "max_len": data_cfg.max_len,
+                "merge_turns": data_cfg.merge_turns,
                 "overflow": data_cfg.overflow,
                 "last_turn_only": data_cfg.last_turn_only,
                 "system_prompts": prompts,
@@ -278,6 +287,19 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- steps
+
+
+# drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
+_ENCODING_REASONS = ("template_error", "unstable_template", "no_assistant_tokens", "too_long", "no_assistant_tokens_after_truncation")
+
+
+def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:
+    """Records read, accepted or not: the samples and the drops, or, when conversations were merged, the
+    merger's inputs and the records dropped before they reached it."""
+    unreadable = dropped.total() - dropped.total(FILE_REASONS)
+    if merger is None:
+        return samples + unreadable
+    return merger.read + unreadable - dropped.total(_ENCODING_REASONS)
 
 
 def _samples(conversations, encoder, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:

@@ -20,10 +20,10 @@ seed of 3 (`experiments.harness.separation`). Trained runs are reused and a kill
 (`resume=auto`); drafters already measured under `out` are kept (same weights, or a run no longer here).
 Writes under `out`: `commands.sh`, `acceptance/`, `summary.json` and `results.md`.
 
-Long training data: `train_turns=N` (N > 1) trains on the recipe's conversations merged, in their order, into
-multi-turn conversations of 1 to N turns (each size drawn from `seed` 0's generator; written once to
-`<runs>/train_turns<N>.jsonl`), so the drafters see long histories of earlier turns, as the long probe has;
-with `-- data.max_len=<4x>` they train at 4x the length on the same tokens.
+Long training data: `train_turns=N` (N > 1) is the recipe override `data.merge_turns=N`: the recipe's
+conversations merged, in their order, into multi-turn samples of 1 to N of them (`eagle31.data.merge_turns`),
+so the drafters see long histories of earlier turns, as the long probe has; with `-- data.max_len=<4x>` they
+train at 4x the length on the same tokens (`-- recipe=demo_long` is both).
 
 Keys: out, runs, variants (eagle3, eagle31), windows (`none` or positions, comma list), seeds, max_steps,
 k, max_prompts (per split), max_new_tokens, threads, measure, train_turns.
@@ -32,8 +32,6 @@ k, max_prompts (per split), max_new_tokens, threads, measure, train_turns.
 from __future__ import annotations
 
 import datetime
-import json
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,7 +67,7 @@ class LongContextConfig(StudyConfig):
     variants: str = "eagle3,eagle31"
     windows: str = "none,128"  # drafter.sliding_window of each attention setting; none: full attention
     max_prompts: int = 32
-    train_turns: int = 1  # > 1: train on the conversations merged into 1..train_turns turns each
+    train_turns: int = 1  # > 1: data.merge_turns (long multi-turn training samples)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -169,43 +167,14 @@ def format_results(summary: dict) -> str:
     return "\n".join(lines + format_training(summary["training"]))
 
 
-def merged_turns(records: list[dict], max_turns: int, seed: int = 0) -> list[dict]:
-    """`records` (chat conversations) merged, in order, into conversations of 1..max_turns of them each."""
-    from eagle31.targets.demo_corpus import merge
-
-    rng, out, i = random.Random(seed), [], 0
-    while i < len(records):
-        n = rng.randint(1, max_turns)
-        out.append(merge(records[i : i + n]))
-        i += n
-    return out
-
-
-def long_training_source(cfg: LongContextConfig, overrides: list[str], runs: Path) -> list[str]:
-    """The override that trains on `merged_turns` of the recipe's sources (none for train_turns=1)."""
-    if cfg.train_turns == 1:
-        return []
-    from eagle31.data.sources import resolve_sources
-    from eagle31.io import atomic_write_text
-    from eagle31.recipe import load_recipe
-    from eagle31.targets.demo_corpus import read_jsonl
-    from experiments.harness import ROOT
-
-    path = runs / f"train_turns{cfg.train_turns}.jsonl"
-    if not path.is_file():
-        records = [r for source in resolve_sources(load_recipe(ROOT / "recipes", overrides).data.source) for r in read_jsonl(source)]
-        runs.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in merged_turns(records, cfg.train_turns)))
-    return [f"data.source=[{path.resolve()}]"]
-
-
 def long_context(cfg: LongContextConfig, overrides: list[str], command: str) -> dict | None:
     """Train what is missing, then measure and summarise (None with measure=false)."""
     import torch
 
     torch.set_num_threads(cfg.threads)
     out, runs = Path(cfg.out), Path(cfg.runs)
-    overrides = [*overrides, *long_training_source(cfg, overrides, runs)]
+    if cfg.train_turns > 1:  # long multi-turn training samples (eagle31.data.merge_turns)
+        overrides = [*overrides, f"data.merge_turns={cfg.train_turns}"]
     recipes = {}
     for v in cfg.variant_list:
         for w in cfg.window_list:

@@ -253,3 +253,37 @@ def test_a_write_denied_during_prepare_is_one_line(tmp_path, llama_tok, monkeypa
     with pytest.raises(FileAccessError, match=r"^cannot write data.prepared_dir .*out: Permission denied \(.*train\); nothing was left"):
         prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_merge_turns_makes_long_multi_turn_samples_of_the_same_turns(tmp_path, llama_tok):
+    """data.merge_turns=4: consecutive conversations become samples of 1..4 of them, every turn once and in order,
+    every assistant turn supervised; a malformed record and a conversation with tools stay out of the merging,
+    and the report still counts every record read."""
+    from eagle31.data.merge_turns import TurnMerger
+    from eagle31.data.sources import Conversation
+
+    convs = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(30)]
+    tools = {"messages": chat(99)["messages"], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    src = write_jsonl(tmp_path / "a.jsonl", convs[:12] + ["{", tools] + convs[12:])
+    one = prepare_dataset(config(tmp_path / "one", [src], eval_fraction=0.0), llama_tok, draft_vocab_size=40)
+    cfg = config(tmp_path, [src], eval_fraction=0.0, merge_turns=4)
+    report = prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
+
+    assert report.records == one.records == 32 and report.settings["merge_turns"] == 4
+    assert report.samples["train"] < one.samples["train"] == 31
+    assert report.supervised_tokens == one.supervised_tokens  # the same replies, supervised once each
+    train = load_split(cfg, "train")
+    users = [llama_tok.decode(r["input_ids"]).count("Hi ") for r in train]
+    assert sum(users) == 31 and max(users) > 1 and max(users) <= 4
+
+    merger = TurnMerger(4, seed=0)
+    merged = list(merger.merge([Conversation(c["messages"], where=f"a:{i}") for i, c in enumerate(convs)]))
+    assert merger.read == 30 and [m["content"] for c in merged for m in c.messages if m["role"] == "user"] == [f"Hi {i}" for i in range(30)]
+    assert all([m["role"] for m in c.messages].count("system") == 1 for c in merged)
+    assert merged[0].where.startswith("a:0") and merged == list(TurnMerger(4, seed=0).merge(Conversation(c["messages"], where=f"a:{i}") for i, c in enumerate(convs)))
+
+
+def test_merge_turns_below_one_is_refused(tmp_path, llama_tok):
+    src = write_jsonl(tmp_path / "a.jsonl", [chat(0)])
+    with pytest.raises(ConfigError, match=r"^data.merge_turns must be >= 1 \(1: no merging\), got 0$"):
+        prepare_dataset(config(tmp_path, [src], merge_turns=0), llama_tok, draft_vocab_size=40)

@@ -56,19 +56,6 @@ def test_bad_keys_are_one_line(capsys):
     assert main(["windows=128,128"]) == 2
 
 
-def test_long_training_merges_conversations_in_order_into_1_to_n_turns():
-    from experiments.long_context.study import merged_turns
-
-    records = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": f"q{i}"},
-                             {"role": "assistant", "content": f"a{i}"}]} for i in range(40)]  # fmt: skip
-    merged = merged_turns(records, 5, seed=0)
-    users = [[m["content"] for m in r["messages"] if m["role"] == "user"] for r in merged]
-    assert [q for turns in users for q in turns] == [f"q{i}" for i in range(40)]  # every turn once, in order
-    assert {len(t) for t in users} <= set(range(1, 6)) and max(len(t) for t in users) > 1
-    assert all([m["role"] for m in r["messages"]].count("system") == 1 for r in merged)
-    assert merged_turns(records, 5, seed=0) == merged and merged_turns(records, 1) == records
-
-
 def test_train_turns_must_be_positive(capsys):
     from experiments.long_context.study import main
 

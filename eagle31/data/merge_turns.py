@@ -1,0 +1,51 @@
+"""Long multi-turn samples from short conversations (`data.merge_turns`, applied by `eagle31.data.prepare`).
+
+With `data.merge_turns=N` (N > 1) consecutive conversations of the input are merged, in input order, into
+conversations of 1 to N of them each, every size drawn from `data.seed`: the first one's system message,
+then the user and assistant turns of each. Every assistant turn stays supervised, so a drafter trained
+on them learns to draft after long histories of earlier turns, as a served multi-turn prompt has, on the
+same tokens as before. A conversation with tools is never merged: its tools belong to it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterable, Iterator
+
+from eagle31.data.sources import Conversation
+
+
+class TurnMerger:
+    """`merge(conversations)` yields the merged conversations; `read` counts the conversations that went in."""
+
+    def __init__(self, max_conversations: int, seed: int):
+        self.max_conversations = max_conversations
+        self.seed = seed
+        self.read = 0
+
+    def merge(self, conversations: Iterable[Conversation]) -> Iterator[Conversation]:
+        rng = random.Random(self.seed)
+        group: list[Conversation] = []
+        size = 0
+        for conv in conversations:
+            self.read += 1
+            if conv.tools:
+                yield conv
+                continue
+            if not group:
+                size = rng.randint(1, self.max_conversations)
+            group.append(conv)
+            if len(group) == size:
+                yield merged(group)
+                group = []
+        if group:
+            yield merged(group)
+
+
+def merged(group: list[Conversation]) -> Conversation:
+    """One conversation: the first's messages, then the others' less their system messages."""
+    messages = list(group[0].messages)
+    for conv in group[1:]:
+        messages += [m for m in conv.messages if m["role"] != "system"]
+    where = group[0].where if len(group) == 1 else f"{group[0].where}..{group[-1].where}"
+    return Conversation(messages=messages, where=where)
