@@ -191,6 +191,9 @@ class DataConfig:
     # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
     # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # or, per conversation, one of these option sets merged over it, drawn from the seed and its index (prepare),
+    # e.g. [{thinking: true}, {thinking: false}] to train a drafter for both of Kimi's modes
+    chat_template_variants: list[dict[str, Any]] = field(default_factory=list)
     eval_fraction: float = 0.05  # held-out split
     eval_max_samples: int = 256
     seed: int = 0

@@ -53,10 +53,10 @@ from safetensors.torch import save_file
 
 from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS
-from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
+from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
 from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
-from eagle31.data.system_prompts import data_system_prompts, draw_system_prompt
+from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
@@ -131,6 +131,25 @@ def template_kwargs(data_cfg: Any) -> dict[str, Any]:
     return check_template_kwargs(kwargs)
 
 
+def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
+    """`data.chat_template_variants`, each merged over `data.chat_template_kwargs` (checked); without variants,
+    the kwargs alone. Each conversation is rendered with one, drawn from `data.seed` and its index."""
+    base = template_kwargs(data_cfg)
+    variants = getattr(data_cfg, "chat_template_variants", None) or []
+    if not isinstance(variants, list):
+        from omegaconf import ListConfig, OmegaConf
+
+        if not isinstance(variants, ListConfig):
+            raise ConfigError(f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}")
+        variants = OmegaConf.to_container(variants, resolve=True)
+    out = []
+    for i, variant in enumerate(variants):
+        if not isinstance(variant, dict):
+            raise ConfigError(f"data.chat_template_variants[{i}] must be a mapping of template options, got {variant!r}")
+        out.append(check_template_kwargs({**base, **variant}, f"data.chat_template_variants[{i}]"))
+    return out or [base]
+
+
 def check_data_config(data_cfg: Any) -> list[str]:
     """Validate the `data` section, and that `prepared_dir` is the prepare step's to write; return its source paths.
 
@@ -157,7 +176,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError(f"data.eval_max_samples must be >= 0, got {data_cfg.eval_max_samples!r}")
     if data_cfg.merge_turns < 1:
         raise ConfigError(f"data.merge_turns must be >= 1 (1: no merging), got {data_cfg.merge_turns!r}")
-    template_kwargs(data_cfg)
+    template_variants(data_cfg)
     data_system_prompts(data_cfg)
     check_output_dir(prepared, "prepared-data")  # before the tokenizer (or the target) is loaded
     return sources
@@ -184,7 +203,8 @@ def prepare_dataset(
     import datasets
 
     sources = check_data_config(data_cfg)
-    encoder = ChatEncoder(tokenizer, last_turn_only=data_cfg.last_turn_only, template_kwargs=template_kwargs(data_cfg))
+    variants = template_variants(data_cfg)
+    encoders = [ChatEncoder(tokenizer, last_turn_only=data_cfg.last_turn_only, template_kwargs=kwargs) for kwargs in variants]
     prompts = data_system_prompts(data_cfg)
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
@@ -193,7 +213,7 @@ def prepare_dataset(
     merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
     if merger is not None:  # long multi-turn samples (eagle31.data.merge_turns)
         conversations = merger.merge(conversations)
-    samples = _samples(conversations, encoder, prompts, data_cfg, V, dropped, truncated)
+    samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
     kept = "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
     with write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept), atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
         if _write_arrow(samples, tmp / "all.arrow") == 0:
@@ -217,7 +237,7 @@ def prepare_dataset(
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
-            unrendered_reasoning={**asdict(encoder.reasoning), "why": UNRENDERED_WHY},
+            unrendered_reasoning={**{k: sum(asdict(e.reasoning)[k] for e in encoders) for k in asdict(ReasoningTally())}, "why": UNRENDERED_WHY},
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
@@ -229,6 +249,7 @@ def prepare_dataset(
                 "last_turn_only": data_cfg.last_turn_only,
                 "system_prompts": prompts,
                 "chat_template_kwargs": template_kwargs(data_cfg),
+                "chat_template_variants": variants if getattr(data_cfg, "chat_template_variants", None) else [],
                 "eval_fraction": data_cfg.eval_fraction,
                 "eval_max_samples": data_cfg.eval_max_samples,
                 "seed": data_cfg.seed,
@@ -302,9 +323,11 @@ def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> in
     return merger.read + unreadable - dropped.total(_ENCODING_REASONS)
 
 
-def _samples(conversations, encoder, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
-    """Encoded conversations that fit `max_len` and supervise something; the others are counted."""
+def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
+    """Encoded conversations that fit `max_len` and supervise something; the others are counted. `encoders`: one
+    per template variant, each conversation's drawn from the seed and its index."""
     for index, conv in enumerate(conversations):
+        encoder = encoders[0] if len(encoders) == 1 else draw_for_conversation(encoders, data_cfg.seed, index, "template-variant")
         try:
             ids, mask = encoder.encode(conv, draw_system_prompt(prompts, data_cfg.seed, index))
         except ChatTemplateError as e:

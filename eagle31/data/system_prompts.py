@@ -1,4 +1,5 @@
-"""System prompts drawn per conversation: `data.system_prompts`, so robustness to the system prompt is trained.
+"""System prompts drawn per conversation: `data.system_prompts`, so robustness to the system prompt is trained
+(and `draw_for_conversation`, the same draw for `data.chat_template_variants`).
 
     prompts = read_system_prompts(["You are terse.", "You are a pirate."])   # or a file's path
     draw_system_prompt(prompts, seed, index)                                 # the one of conversation `index`
@@ -79,7 +80,13 @@ def data_system_prompts(data_cfg: Any) -> list[str]:
 
 def draw_system_prompt(prompts: list[str], seed: int, index: int) -> str | None:
     """The prompt of conversation `index` (module docstring); None without prompts."""
-    if not prompts:
+    return draw_for_conversation(prompts, seed, index, "system-prompt")
+
+
+def draw_for_conversation(choices: list, seed: int, index: int, what: str):
+    """One of `choices` for conversation `index`, from a hash of `what`, the seed and the index; None without choices.
+    Each `what` draws on its own (`data.chat_template_variants` draws as "template-variant")."""
+    if not choices:
         return None
-    digest = hashlib.blake2b(f"system-prompt/{seed}/{index}".encode(), digest_size=8).digest()
-    return prompts[int.from_bytes(digest, "little") % len(prompts)]
+    digest = hashlib.blake2b(f"{what}/{seed}/{index}".encode(), digest_size=8).digest()
+    return choices[int.from_bytes(digest, "little") % len(choices)]

@@ -287,3 +287,26 @@ def test_merge_turns_below_one_is_refused(tmp_path, llama_tok):
     src = write_jsonl(tmp_path / "a.jsonl", [chat(0)])
     with pytest.raises(ConfigError, match=r"^data.merge_turns must be >= 1 \(1: no merging\), got 0$"):
         prepare_dataset(config(tmp_path, [src], merge_turns=0), llama_tok, draft_vocab_size=40)
+
+
+def test_template_variants_render_each_conversation_with_the_option_set_drawn_for_it(tmp_path, kimi_tok):
+    """data.chat_template_variants: Kimi's history reasoning rendered (preserve_thinking) for some conversations and
+    not for others, each as preparing with that option alone does, the draw following the seed and the index."""
+    from eagle31.data.system_prompts import draw_for_conversation
+
+    src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD] * 12)
+    variants = [{"preserve_thinking": True}, {"preserve_thinking": False}]
+    cfg = config(tmp_path, [src], eval_fraction=0.0, chat_template_variants=variants)
+    report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=600, vocab_size=600)
+    alone = {}
+    for v in variants:
+        one = config(tmp_path / str(v["preserve_thinking"]), [src], eval_fraction=0.0, chat_template_kwargs=v)
+        prepare_dataset(one, kimi_tok, draft_vocab_size=600, vocab_size=600)
+        alone[v["preserve_thinking"]] = load_split(one, "train")[0]["loss_mask"]
+    masks = [row["loss_mask"] for row in load_split(cfg, "train")]
+    drawn = [draw_for_conversation(variants, 0, i, "template-variant")["preserve_thinking"] for i in range(12)]
+    assert masks == [alone[d] for d in drawn] and len(set(drawn)) == 2  # both options, each where it was drawn
+    assert report.settings["chat_template_variants"] == variants
+    assert report.unrendered_reasoning["unrendered_turns"] == 2 * drawn.count(False)  # as the option alone counts them
+    with pytest.raises(ConfigError, match=r"^data.chat_template_variants\[1\]: 'tokenize'"):
+        prepare_dataset(config(tmp_path / "bad", [src], chat_template_variants=[{}, {"tokenize": True}]), kimi_tok, draft_vocab_size=600)
