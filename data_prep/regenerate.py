@@ -12,7 +12,9 @@
 Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the target
 (`target.builtin` / `target.path` in this process, or the endpoint) for every assistant
 turn, turn by turn, with `data.system_prompt` (or one of `data.system_prompts` per conversation,
-drawn from `regenerate.seed`) and `data.chat_template_kwargs` (the prompt training renders), and writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+drawn from `regenerate.seed`) and `data.chat_template_kwargs` (the prompt training renders; with
+`data.chat_template_variants`, one variant drawn per conversation, kept in its record for prepare), and
+writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
 `conversations/` is the `data.source` of the next step. Rerunning resumes: finished
 shards are kept. Bad settings, and a server refusing requests, stop with one line and
 exit code 2 before any shard is written; a server still down after
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 from eagle31.cli import recipe_main
 from eagle31.config import ConfigError
-from eagle31.data.chat import check_template_kwargs
+from eagle31.data.prepare import template_kwargs, template_variants
 from eagle31.data.regenerate.backends import EndpointBackend, HFBackend
 from eagle31.data.regenerate.core import RegenerateError, Settings
 from eagle31.data.regenerate.pool import regenerate
@@ -48,13 +50,13 @@ def main(cfg) -> None:
         raise ConfigError("regenerate.backend=endpoint needs regenerate.endpoint (e.g. http://localhost:8000/v1)")
     if r.max_conversations is not None and r.max_conversations < 1:
         raise ConfigError(f"regenerate.max_conversations must be >= 1 or null, got {r.max_conversations}")
-    # the prompt training renders: data.system_prompt(s) and data.chat_template_kwargs
-    template_kwargs = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
-    template_kwargs = check_template_kwargs(OmegaConf.to_container(template_kwargs) if template_kwargs is not None else None)
+    # the prompt training renders: data.system_prompt(s), data.chat_template_kwargs and data.chat_template_variants
+    variants = template_variants(cfg.data) if OmegaConf.select(cfg, "data.chat_template_variants") else None
     settings = Settings(
         max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
         temperature=r.temperature, top_p=r.top_p, seed=r.seed, shard_size=r.shard_size,
-        chat_template_kwargs=template_kwargs or None, system_prompts=data_system_prompts(cfg.data) or None,
+        chat_template_kwargs=template_kwargs(cfg.data) or None, system_prompts=data_system_prompts(cfg.data) or None,
+        chat_template_variants=variants,
         on_length=r.on_length,
     )  # fmt: skip
     check_sources(sources)

@@ -4,7 +4,8 @@ With `data.merge_turns=N` (N > 1) consecutive conversations of the input are mer
 conversations of 1 to N of them each, every size drawn from `data.seed`: the first one's system message,
 then the user and assistant turns of each. Every assistant turn stays supervised, so a drafter trained
 on them learns to draft after long histories of earlier turns, as a served multi-turn prompt has, on the
-same tokens as before. A conversation with tools is never merged: its tools belong to it.
+same tokens as before. A conversation with tools is never merged: its tools belong to it; nor are
+conversations regenerated under different chat-template options (a group ends early where they change).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class TurnMerger:
             if conv.tools:
                 yield conv
                 continue
+            if group and conv.chat_template_kwargs != group[0].chat_template_kwargs:
+                yield merged(group)
+                group = []
             if not group:
                 size = rng.randint(1, self.max_conversations)
             group.append(conv)
@@ -48,4 +52,4 @@ def merged(group: list[Conversation]) -> Conversation:
     for conv in group[1:]:
         messages += [m for m in conv.messages if m["role"] != "system"]
     where = group[0].where if len(group) == 1 else f"{group[0].where}..{group[-1].where}"
-    return Conversation(messages=messages, where=where)
+    return Conversation(messages=messages, where=where, chat_template_kwargs=group[0].chat_template_kwargs)

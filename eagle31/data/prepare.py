@@ -12,7 +12,9 @@ writes `data_cfg.prepared_dir`:
 Each conversation becomes one sample (`eagle31.data.chat`), or, with `data.merge_turns=N`, consecutive
 ones are merged into multi-turn samples of 1..N of them (`eagle31.data.merge_turns`); one without a system message gets
 `data.system_prompt`, or one of `data.system_prompts` drawn from `data.seed` and its index in the
-input (`eagle31.data.system_prompts`). Longer than `max_len`
+input (`eagle31.data.system_prompts`). It is rendered with `data.chat_template_kwargs`, or one of
+`data.chat_template_variants` drawn the same way, or, for a regenerated record that carries its own
+`chat_template_kwargs` (the options its replies were asked under), with those. Longer than `max_len`
 tokens, it is cut to its first `max_len` tokens (`overflow: truncate`, counted) or
 dropped (`overflow: drop`, reason `too_long`). A sample whose mask is all zero
 never reaches the output (reasons `no_assistant_tokens`, and
@@ -55,7 +57,7 @@ from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
-from eagle31.data.sources import FILE_REASONS, DataError, Tally, read_conversations, source_paths
+from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
@@ -150,6 +152,32 @@ def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
     return out or [base]
 
 
+class TemplateEncoders:
+    """One `ChatEncoder` per set of template options: the variants, drawn per conversation from the seed and its
+    index, and the options a regenerated record carries (those it was answered under), which win."""
+
+    def __init__(self, tokenizer: Any, variants: list[dict[str, Any]], last_turn_only: bool):
+        self.tokenizer, self.last_turn_only = tokenizer, last_turn_only
+        self.variants = [self._encoder(kwargs) for kwargs in variants]
+        self._recorded: dict[str, ChatEncoder] = {}
+
+    def _encoder(self, kwargs: dict[str, Any], name: str = "data.chat_template_variants") -> ChatEncoder:
+        return ChatEncoder(self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name))
+
+    def for_conversation(self, conv: Conversation, seed: int, index: int) -> ChatEncoder:
+        if conv.chat_template_kwargs is not None:
+            key = json.dumps(conv.chat_template_kwargs, sort_keys=True)
+            if key not in self._recorded:
+                self._recorded[key] = self._encoder(conv.chat_template_kwargs, f"{conv.where}: chat_template_kwargs")
+            return self._recorded[key]
+        if len(self.variants) == 1:
+            return self.variants[0]
+        return draw_for_conversation(self.variants, seed, index, "template-variant")
+
+    def all(self) -> list[ChatEncoder]:
+        return self.variants + list(self._recorded.values())
+
+
 def check_data_config(data_cfg: Any) -> list[str]:
     """Validate the `data` section, and that `prepared_dir` is the prepare step's to write; return its source paths.
 
@@ -204,7 +232,7 @@ def prepare_dataset(
 
     sources = check_data_config(data_cfg)
     variants = template_variants(data_cfg)
-    encoders = [ChatEncoder(tokenizer, last_turn_only=data_cfg.last_turn_only, template_kwargs=kwargs) for kwargs in variants]
+    encoders = TemplateEncoders(tokenizer, variants, data_cfg.last_turn_only)
     prompts = data_system_prompts(data_cfg)
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
@@ -237,7 +265,7 @@ def prepare_dataset(
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
-            unrendered_reasoning={**{k: sum(asdict(e.reasoning)[k] for e in encoders) for k in asdict(ReasoningTally())}, "why": UNRENDERED_WHY},
+            unrendered_reasoning={**{k: sum(asdict(e.reasoning)[k] for e in encoders.all()) for k in asdict(ReasoningTally())}, "why": UNRENDERED_WHY},
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
@@ -327,7 +355,7 @@ def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally,
     """Encoded conversations that fit `max_len` and supervise something; the others are counted. `encoders`: one
     per template variant, each conversation's drawn from the seed and its index."""
     for index, conv in enumerate(conversations):
-        encoder = encoders[0] if len(encoders) == 1 else draw_for_conversation(encoders, data_cfg.seed, index, "template-variant")
+        encoder = encoders.for_conversation(conv, data_cfg.seed, index)
         try:
             ids, mask = encoder.encode(conv, draw_system_prompt(prompts, data_cfg.seed, index))
         except ChatTemplateError as e:

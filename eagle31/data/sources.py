@@ -102,6 +102,9 @@ class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     where: str = ""  # location of the record, for reports
+    # the chat-template options its replies were generated under (a regenerated record with
+    # data.chat_template_variants); prepare renders it with them instead of drawing a variant
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -221,9 +224,15 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
     system = record.get("system")
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    conversation = Conversation(messages, _tools(record.get("tools")), where)
+    conversation = Conversation(messages, _tools(record.get("tools")), where, _template_options(record.get("chat_template_kwargs")))
     _check_unicode(conversation)
     return conversation
+
+
+def _template_options(options: Any) -> dict[str, Any] | None:
+    if options is not None and not (isinstance(options, dict) and all(isinstance(k, str) for k in options)):
+        raise BadInput("malformed", f"chat_template_kwargs is not a mapping of template options: {options!r}"[:200])
+    return options
 
 
 def _check_unicode(conversation: Conversation) -> None:

@@ -310,3 +310,31 @@ def test_template_variants_render_each_conversation_with_the_option_set_drawn_fo
     assert report.unrendered_reasoning["unrendered_turns"] == 2 * drawn.count(False)  # as the option alone counts them
     with pytest.raises(ConfigError, match=r"^data.chat_template_variants\[1\]: 'tokenize'"):
         prepare_dataset(config(tmp_path / "bad", [src], chat_template_variants=[{}, {"tokenize": True}]), kimi_tok, draft_vocab_size=600)
+
+
+def test_a_regenerated_record_is_rendered_with_the_template_options_it_was_answered_under(tmp_path, kimi_tok):
+    """A record's own chat_template_kwargs (regeneration with variants) wins over the data's variants; merging
+    stops at a change of options; a malformed value drops the record, an option that is no option stops in one line."""
+    records = [dict(KIMI_RECORD, chat_template_kwargs={"preserve_thinking": i % 2 == 0}) for i in range(6)]
+    src = write_jsonl(tmp_path / "a.jsonl", records)
+    cfg = config(tmp_path / "own", [src], eval_fraction=0.0, chat_template_variants=[{"preserve_thinking": False}, {"x": 1}])
+    report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=600, vocab_size=600)
+    alone = {}
+    for v in (True, False):
+        one = config(tmp_path / str(v), [write_jsonl(tmp_path / f"{v}.jsonl", [KIMI_RECORD])], eval_fraction=0.0,
+                     chat_template_kwargs={"preserve_thinking": v})  # fmt: skip
+        prepare_dataset(one, kimi_tok, draft_vocab_size=600, vocab_size=600)
+        alone[v] = load_split(one, "train")[0]["input_ids"]
+    assert alone[True] != alone[False]
+    assert [row["input_ids"] for row in load_split(cfg, "train")] == [alone[i % 2 == 0] for i in range(6)]
+    assert report.unrendered_reasoning["unrendered_turns"] == 2 * 3
+
+    merged = config(tmp_path / "merged", [src], eval_fraction=0.0, merge_turns=4)
+    assert prepare_dataset(merged, kimi_tok, draft_vocab_size=600, vocab_size=600).samples["train"] == 6
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [dict(KIMI_RECORD, chat_template_kwargs=[1]), KIMI_RECORD])
+    report = prepare_dataset(config(tmp_path / "bad", [bad], eval_fraction=0.0), kimi_tok, draft_vocab_size=600, vocab_size=600)
+    assert report.dropped["malformed"]["count"] == 1 and report.samples["train"] == 1
+    wrong = write_jsonl(tmp_path / "wrong.jsonl", [dict(KIMI_RECORD, chat_template_kwargs={"tokenize": True})])
+    with pytest.raises(ConfigError, match=r"wrong.jsonl:1: chat_template_kwargs: 'tokenize' is an argument"):
+        prepare_dataset(config(tmp_path / "wrong", [wrong]), kimi_tok, draft_vocab_size=600, vocab_size=600)

@@ -175,12 +175,12 @@ class KilledAt:
     def __init__(self, backend, at=None):
         self.backend, self.at, self.asked, self.workers = backend, at, [], 1
 
-    def complete(self, messages, seed=0):
+    def complete(self, messages, seed=0, template_options=None):
         user = next(m["content"] for m in messages if m["role"] == "user")
         if user == f"Hello {self.at}":
             raise KeyboardInterrupt("killed")
         self.asked.append(user)
-        return self.backend.complete(messages, seed)
+        return self.backend.complete(messages, seed, template_options)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
@@ -386,6 +386,35 @@ def test_endpoint_backend_gives_the_same_conversations_as_the_hf_backend(tiny_ta
     assert body["messages"][0] == SYSTEM and "chat_template_kwargs" not in body
     report = write_report(tmp_path / "endpoint", Tally(), 4)
     assert report["dropped"]["prompt_too_long"]["count"] == 1 and report["truncated"]["prompt_too_long"]["count"] == 1
+
+
+def test_template_variants_are_asked_per_conversation_by_both_backends_and_kept_in_the_record(tiny_target, tmp_path):
+    """data.chat_template_variants at regeneration: each conversation is asked under the variant drawn for its
+    index (the server gets it as chat_template_kwargs, the HF backend renders it), and its record keeps it."""
+    from eagle31.data.system_prompts import draw_for_conversation
+
+    variants = [{"brief": True}, {"brief": False}]
+    settings = Settings(max_new_tokens=3, shard_size=4, seed=1, chat_template_kwargs={"brief": False}, chat_template_variants=variants)
+    conversations = [conv(f"Hello {i}") for i in range(8)]
+    drawn = [draw_for_conversation(variants, 1, i, "template-variant") for i in range(8)]
+    assert {d["brief"] for d in drawn} == {True, False}
+    with ChatServer(tiny_target) as server:
+        records = run(conversations, EndpointBackend(server.url, settings, concurrency=3), tmp_path / "endpoint", settings)
+        asked = {r["messages"][-1]["content"]: r["chat_template_kwargs"] for r in server.requests}
+    assert asked == {f"Hello {i}": drawn[i] for i in range(8)}
+    assert [r["chat_template_kwargs"] for r in records] == drawn
+
+    backend = HFBackend(tiny_target, settings)  # a template that reads the option
+    backend.tokenizer.chat_template = "{% if brief %}BRIEF {% endif %}" + backend.tokenizer.chat_template
+    prompt = [SYSTEM, {"role": "user", "content": "Hi"}]
+    brief, plain = backend.prompt_ids(prompt, {"brief": True}), backend.prompt_ids(prompt, {"brief": False})
+    assert backend.tokenizer.decode(brief).startswith("BRIEF") and backend.prompt_ids(prompt) == plain != brief
+    seen = []
+    backend.prompt_ids = lambda messages, options=None: seen.append(options) or plain
+    assert [r["chat_template_kwargs"] for r in run(conversations, backend, tmp_path / "hf", settings)] == drawn
+    assert seen == drawn
+    plain_run = Settings(max_new_tokens=3, chat_template_kwargs={"brief": False})
+    assert "chat_template_kwargs" not in run(conversations[:1], backend, tmp_path / "plain", plain_run)[0]
 
 
 def test_endpoint_retries_server_errors_then_fails_in_one_line(tiny_target):

@@ -85,7 +85,7 @@ def test_multi_turn_regeneration_answers_each_kept_turn_on_the_regenerated_histo
     dataset's), after the system prompt drawn for the conversation's index."""
     prompts_seen = []
 
-    def complete(messages, seed):
+    def complete(messages, seed, template_options):
         prompts_seen.append([dict(m) for m in messages])
         return Reply(content=f"reply {len(prompts_seen)}", status="ok")
 

@@ -11,7 +11,9 @@ Regeneration keeps the users' messages (and a leading system message, else one o
 assistant turn, turn by turn: the prompt of turn `j` is the conversation so far *as
 regenerated*, reasoning included, rendered with the target's chat template and
 `settings.chat_template_kwargs` (by the HF tokenizer in-process, by the server for an
-endpoint). Replies are greedy when `temperature == 0`, else sampled with a seed per request,
+endpoint), or with one of `settings.chat_template_variants` drawn per conversation (as the system
+prompt is), which its record keeps as `chat_template_kwargs` so that prepare renders it as it was
+answered. Replies are greedy when `temperature == 0`, else sampled with a seed per request,
 derived from `settings.seed`, the conversation's index in the input and the turn, so that
 a resumed run, another rank split or another concurrency samples the same replies.
 

@@ -67,15 +67,15 @@ class HFBackend:
         self._wake = threading.Condition()
         threading.Thread(target=self._batcher, daemon=True, name="hf-batcher").start()
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(self.settings.chat_template_kwargs or {})
-        )
+    def prompt_ids(self, messages: list[dict], template_options: dict | None = None) -> list[int]:
+        options = template_options if template_options is not None else self.settings.chat_template_kwargs
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(options or {}))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def complete(self, messages: list[dict], seed: int = 0) -> Reply:
-        """One reply to `messages` (ending with a user turn), in a batch with other threads' prompts."""
-        ids = self.prompt_ids(messages)
+    def complete(self, messages: list[dict], seed: int = 0, template_options: dict | None = None) -> Reply:
+        """One reply to `messages` (ending with a user turn), in a batch with other threads' prompts, rendered with
+        `template_options` (None: the settings' `chat_template_kwargs`)."""
+        ids = self.prompt_ids(messages, template_options)
         limit = min(self.context - self.settings.max_new_tokens, self.settings.max_prompt_tokens or self.context)
         if len(ids) > limit:
             return Reply("", "too_long")
@@ -204,8 +204,9 @@ class EndpointBackend:
             raise ConfigError(f"regenerate.endpoint {self.base_url}: the server lists no model; set regenerate.model")
         return models[0]["id"]
 
-    def body(self, messages: list[dict], seed: int) -> dict[str, Any]:
+    def body(self, messages: list[dict], seed: int, template_options: dict | None = None) -> dict[str, Any]:
         s = self.settings
+        options = template_options if template_options is not None else s.chat_template_kwargs
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -214,12 +215,12 @@ class EndpointBackend:
             "top_p": s.top_p,
             "seed": seed,
         }
-        if s.chat_template_kwargs:
-            body["chat_template_kwargs"] = s.chat_template_kwargs
+        if options:
+            body["chat_template_kwargs"] = options
         return body
 
-    def complete(self, messages: list[dict], seed: int = 0) -> Reply:
-        body = self.body(messages, seed)
+    def complete(self, messages: list[dict], seed: int = 0, template_options: dict | None = None) -> Reply:
+        body = self.body(messages, seed, template_options)
         first_failure = None
         for attempt in count():
             try:

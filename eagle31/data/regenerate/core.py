@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation
-from eagle31.data.system_prompts import draw_system_prompt
+from eagle31.data.system_prompts import draw_for_conversation, draw_system_prompt
 
 STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
 ON_LENGTH = ("drop", "keep")
@@ -32,6 +32,9 @@ class Settings:
     # for conversations without a system message, one drawn per conversation from the seed and its index
     # (data.system_prompts or data.system_prompt, `eagle31.data.system_prompts`)
     system_prompts: list[str] | None = None
+    # data.chat_template_variants (each merged over chat_template_kwargs): one drawn per conversation as for the
+    # system prompt; the reply is asked under it and the record keeps it, so training renders what was answered
+    chat_template_variants: list[dict[str, Any]] | None = None
     on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
 
     def __post_init__(self) -> None:
@@ -60,6 +63,13 @@ class Reply:
 
 class RegenerateError(RuntimeError):
     """The backend failed for a reason a rerun later may fix (server down); the failing shards are not written."""
+
+
+def template_options(settings: Settings, index: int) -> dict[str, Any] | None:
+    """The chat-template options conversation `index` is asked under: its drawn variant, or the run's options."""
+    if settings.chat_template_variants:
+        return draw_for_conversation(settings.chat_template_variants, settings.seed, index, "template-variant")
+    return settings.chat_template_kwargs
 
 
 class ServerRefusedError(ConfigError):
@@ -111,20 +121,21 @@ def assistant_message(reply: Reply, cut: bool = False) -> dict:
 
 
 def regenerate_conversation(
-    conv: Conversation, index: int, settings: Settings, complete: Callable[[list[dict], int], Reply]
+    conv: Conversation, index: int, settings: Settings, complete: Callable[[list[dict], int, dict | None], Reply]
 ) -> Outcome:
-    """Ask `complete(messages, seed)` for each of conversation `index`'s turns, in order."""
+    """Ask `complete(messages, seed, template_options)` for each of conversation `index`'s turns, in order."""
     try:
         system, users = user_turns(conv, settings.max_turns)
     except ValueError as e:
         return Outcome(None, dropped=(str(e), ""))
     if not system and settings.system_prompts:
         system = [{"role": "system", "content": draw_system_prompt(settings.system_prompts, settings.seed, index)}]
+    options = template_options(settings, index)
     out = Outcome(None)
     messages = system
     for turn, user in enumerate(users):
         prompt = messages + [{"role": "user", "content": user}]
-        reply = complete(prompt, request_seed(settings.seed, index, turn))
+        reply = complete(prompt, request_seed(settings.seed, index, turn), options)
         last = turn == len(users) - 1
         if reply.status == "too_long":
             if turn == 0:
@@ -146,4 +157,6 @@ def regenerate_conversation(
                 out.truncated = ("reply_cut", f"kept cut at turn {turn + 1}")
             break
     out.record = {"messages": messages, "source": conv.where}
+    if settings.chat_template_variants:
+        out.record["chat_template_kwargs"] = options  # eagle31.data.prepare renders the record with them
     return out

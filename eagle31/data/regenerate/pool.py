@@ -49,12 +49,13 @@ class _FirstRequestGate:
         self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
         self.wait_s = wait_s
 
-    def call(self, complete: Callable[[list[dict], int], Reply], messages: list[dict], seed: int) -> Reply:
+    def call(self, complete: Callable[..., Reply], *request) -> Reply:
+        """`complete(*request)`: (messages, seed, template options)."""
         if not self.open.is_set():
             if self._first.acquire(blocking=False):  # this is the first request (the lock is never released)
                 self._check()
                 try:
-                    reply = complete(messages, seed)
+                    reply = complete(*request)
                 except BaseException:
                     self.stop.set()  # the requests waiting here are not sent
                     raise
@@ -62,7 +63,7 @@ class _FirstRequestGate:
                 return reply
             self.open.wait(self.wait_s)
         self._check()
-        return complete(messages, seed)
+        return complete(*request)
 
     def _check(self) -> None:
         if self.stop.is_set():
@@ -118,7 +119,7 @@ def regenerate(
     A finished shard is kept only when it was regenerated from the same conversations
     (`check_resumable`: an edited source is refused before any request).
 
-    `backend.complete(messages, seed)` answers one request; `backend.workers` conversations are
+    `backend.complete(messages, seed, template_options)` answers one request; `backend.workers` conversations are
     in flight at a time. `progress(n)` is called with the number of conversations each finished
     or skipped shard held.
     """
@@ -142,7 +143,7 @@ def regenerate(
     def run(shard: _Shard, i: int) -> Outcome:
         shard.started = shard.started or time.monotonic()
         index = shard.index * settings.shard_size + i  # the conversation's index in the input
-        return regenerate_conversation(shard.conversations[i], index, settings, lambda m, s: gate.call(backend.complete, m, s))
+        return regenerate_conversation(shard.conversations[i], index, settings, lambda *request: gate.call(backend.complete, *request))
 
     def flush(end: bool = False) -> None:
         while finished and (gate.open.is_set() or end):
