@@ -30,6 +30,7 @@
 # Results: $OUT (tables, JSON, plots, commands.sh).
 #
 # Environment: OUT, RUNS, SEEDS, ABLATION_SEEDS (of fc_norm and norm_output), VARIANTS, STEPS,
+# WINDOW (drafter.sliding_window for every drafter, named <variant>-w<WINDOW>-s<seed>; unset: full attention),
 # STAGES (chain | train | all), PROBES (any of mt_bench unseen_system long_history heldout drift:
 # the evaluations to run, e.g. split over two processes), THREADS, SMOKE.
 set -euo pipefail
@@ -71,6 +72,8 @@ else
   DRIFT=(max_per_category=2 max_new_tokens=128 depth=7 target_sinks=4)  # the probes' questions; depth past the TTT length 5
   HISTORY_TOKENS=2048
 fi
+WINDOW=${WINDOW:-}
+WINDOW_NAME=${WINDOW:+-w$WINDOW}
 UNSEEN_SYSTEM="You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
 export OMP_NUM_THREADS=$THREADS HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 
@@ -111,11 +114,11 @@ for variant in $VARIANTS; do
   seeds=$SEEDS
   [[ "$variant" == fc_norm || "$variant" == norm_output ]] && seeds=$ABLATION_SEEDS
   for seed in $seeds; do
-    name="$variant-s$seed"
+    name="$variant$WINDOW_NAME-s$seed"
     if [[ ! -f "$RUNS/$name/report.json" ]]; then
       # shellcheck disable=SC2046
       run python train/main.py "${COMMON[@]}" "output_dir=$RUNS/$name" "seed=$seed" resume=auto \
-        ${STEPS:+train.max_steps=$STEPS} logging.progress=false $(switches "$variant")
+        ${STEPS:+train.max_steps=$STEPS} ${WINDOW:+drafter.sliding_window=$WINDOW} logging.progress=false $(switches "$variant")
     fi
     DRAFTERS+=("$name=$RUNS/$name/drafter")
   done
@@ -152,7 +155,7 @@ diagnose() {  # $1: probe, then extra keys
   local probe=$1 first=${SEEDS%% *} drafters=() entry; shift
   [[ " $PROBES " == *" drift "* && ! -f "$OUT/drift/$probe/drift.json" ]] || return 0
   for entry in "${DRAFTERS[@]}"; do
-    [[ "$entry" == "eagle3-s$first="* || "$entry" == "eagle31-s$first="* ]] && drafters+=("$entry")
+    [[ "$entry" == "eagle3$WINDOW_NAME-s$first="* || "$entry" == "eagle31$WINDOW_NAME-s$first="* ]] && drafters+=("$entry")
   done
   run python scripts/diagnose_drift.py "drafter=$(IFS=,; echo "${drafters[*]}")" "target=$TARGET" questions=mtbench: \
     "split=$probe" "out=$OUT/drift/$probe" device=cpu "${DRIFT[@]}" "$@"
