@@ -365,6 +365,72 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     assert sorted(outcome.values()) == ["held", "refused"], outcome
 
 
+def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(tmp_path, no_flock, monkeypatch):
+    """The second of two breakers judges the stale lock file, then waits while the first breaks it and takes the
+    lock; when the second goes on to break what it judged, the file there is the first's fresh lock: the second
+    links it, sees another file than the one judged (inode, mtime, token), leaves it and is refused."""
+    import threading
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    second_judged, first_holds, second_done = threading.Event(), threading.Event(), threading.Event()
+    real_stale, real_break = eagle31.io._stale_holder, eagle31.io._break_lock
+    breaks: list[tuple[bool, str | None]] = []  # the second's: (broken, the token of the lock file after)
+
+    def stale_holder(path):
+        said = real_stale(path)
+        if threading.current_thread().name == "second" and not second_judged.is_set():
+            second_judged.set()  # it judged the stale file; the first breaks it and takes the lock meanwhile
+            first_holds.wait(10)
+        return said
+
+    def break_lock(path, identity, holder):
+        broken = real_break(path, identity, holder)
+        if threading.current_thread().name == "second":
+            breaks.append((broken, (eagle31.io._read_holder(path) or {}).get("token")))
+        return broken
+
+    monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
+    monkeypatch.setattr(eagle31.io, "_break_lock", break_lock)
+    outcome: dict[str, str] = {}
+    first_token: list[str | None] = []  # the first's token as it took the lock, then once the second is done
+
+    def first():
+        with hold_lock(tmp_path):
+            outcome["first"] = "held"
+            first_token.append(json.loads(held.read_text())["token"])
+            first_holds.set()
+            second_done.wait(10)
+            first_token.append((eagle31.io._read_holder(held) or {}).get("token"))
+
+    def second():
+        try:
+            with hold_lock(tmp_path):
+                outcome["second"] = "held"
+        except OutputInUseError:
+            outcome["second"] = "refused"
+        finally:
+            second_done.set()
+
+    threads = [threading.Thread(target=second, name="second"), threading.Thread(target=first, name="first")]
+    threads[0].start()
+    assert second_judged.wait(10)
+    threads[1].start()
+    for t in threads:
+        t.join(20)
+    assert outcome == {"first": "held", "second": "refused"}, outcome
+    assert first_token[0] == first_token[1]  # its lock file stayed its own while it held the lock
+    assert breaks == [(False, first_token[0])]  # the branch of a file linked but not the one judged
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]  # the first let go; no claim left behind
+
+
 def _hold_lock_in_a_child(directory):
     """A process holding `directory`'s lock file (no flock), until it is killed."""
     import subprocess
