@@ -235,6 +235,88 @@ def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path
     assert "restored" not in capfd.readouterr().err
 
 
+def test_a_finished_swaps_old_output_is_not_put_back_over_another_swap_in_progress(tmp_path, monkeypatch, capfd):
+    """Three processes share one output directory. A's swap has done both renames, its old output still beside
+    the directory (A slow to remove it); B is between its two renames (the directory missing); C starts writing
+    there. C waits for B's swap before it puts anything back, so it does not take A's old output for one a kill
+    left behind: B's output stands, and A's is not lost on the way."""
+    import shutil
+    import threading
+
+    import eagle31.io
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    with atomic_dir(dest, kind="prepared-data") as tmp:
+        (tmp / "x").write_text("before A")
+    real_sibling, real_rename, real_rmtree = eagle31.io._unique_sibling, Path.rename, shutil.rmtree
+    names = {"A": "00000000", "B": "ffffffff"}  # A's old output is the first that C finds
+
+    def sibling(path):
+        return path.with_name(f".{path.name}.tmp-{names[threading.current_thread().name]}") if path == dest else real_sibling(path)
+
+    b_written, a_swapped, b_between, c_checked, a_cleans = (threading.Event() for _ in range(5))
+
+    def rmtree(path, *args, **kwargs):
+        if threading.current_thread().name == "A" and Path(path).name == ".prepared.old-00000000":
+            a_swapped.set()  # both of A's renames done; its old output is still there
+            a_cleans.wait(10)
+        return real_rmtree(path, *args, **kwargs)
+
+    def rename(self, target):
+        moved = real_rename(self, target)
+        if threading.current_thread().name == "B" and self == dest:  # B's old output aside, its new one not in place
+            b_between.set()
+            c_checked.wait(1.0)  # C's check, unless it waits for this swap
+        return moved
+
+    monkeypatch.setattr(eagle31.io, "_unique_sibling", sibling)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(Path, "rename", rename)
+    failed: list[BaseException] = []
+
+    def write(after: threading.Event | None = None):
+        try:
+            with atomic_dir(dest, kind="prepared-data") as tmp:
+                (tmp / "x").write_text(threading.current_thread().name)
+                if after is not None:
+                    b_written.set()
+                    after.wait(10)  # A's swap ends while B writes
+        except BaseException as e:
+            failed.append(e)
+
+    b = threading.Thread(target=write, args=(a_swapped,), name="B")
+    a = threading.Thread(target=write, name="A")
+    b.start()
+    assert b_written.wait(10)
+    a.start()
+    assert b_between.wait(10)
+    check_output_dir(dest, "prepared-data")  # C, starting
+    c_checked.set()
+    b.join(10)
+    a_cleans.set()
+    a.join(10)
+    assert not failed, failed
+    assert (dest / "x").read_text() == "B" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" not in capfd.readouterr().err
+
+
+def test_of_two_old_outputs_the_one_whose_swap_a_kill_cut_is_put_back(tmp_path, capfd):
+    """A's swap finished but left its old output beside the directory; B was then killed between its renames,
+    its old output (A's) aside and its new one not in place. The next step puts A's output back, not the one
+    from before A, whatever order their names sort in."""
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    for name, x in ((".prepared.old-00000000", "before A"), (".prepared.old-ffffffff", "A"), (".prepared.tmp-ffffffff", "B")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / OUTPUT_MARKER).write_text(json.dumps({"kind": "prepared-data"}))
+        (tmp_path / name / "x").write_text(x)
+    check_output_dir(dest, "prepared-data")
+    assert (dest / "x").read_text() == "A" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------- locks without flock
 
 
