@@ -5,14 +5,16 @@ vLLM's magnitude for a Llama layer, 1.416).
     python -m benchmarks.drafting_parity [lengths=16,256,2048,8192] [seeds=5] [depth=4] \\
         [out=benchmarks/results/drafting_parity.json]
 
-Per context length n and seed: a random drafter of the shape `recipe=kimi_k26_mini
-drafter.attention=llama` plans (weights N(0, 0.3), norms near one, so that logits reach ~30), n
-positions of random target features and tokens; `EagleProposer` drafts `depth` tokens after them
-(SDPA over its cache), and the training unroll (`ttt_unroll`, the training attention kernel),
-teacher-forced on those drafts, gives the logits of the same queries (n-1, j). Reported per
-length, dtype and depth: the worst max |logit difference| over the seeds, and the largest logit.
-The fp64 rows say whether the two forwards compute the same function; the fp32 rows how far
-rounding alone takes them apart (tests/eval/test_drafting.py holds them to it).
+Per context length n and seed (0 to seeds-1, each a weight draw): a random drafter of the shape
+`recipe=kimi_k26_mini drafter.attention=llama` plans (weights N(0, 0.3), norms near one, so that
+logits reach ~30), n positions of random target features and tokens; `EagleProposer` drafts `depth`
+tokens after them (SDPA over its cache), and the training unroll (`ttt_unroll`, the training
+attention kernel), teacher-forced on those drafts, gives the logits of the same queries (n-1, j).
+Reported per length, dtype and depth: the max |logit difference| of each seed, its spread over the
+seeds (smallest to largest) and the largest logit; the fp32 gaps seed by seed, and how far the draw
+alone moves one. The fp64 rows say whether the two forwards compute the same function; the fp32
+rows how far rounding alone takes them apart (tests/eval/test_drafting.py holds them to it). A
+change to either forward is judged seed by seed: the worst of a few draws moves with the draw.
 """
 
 from __future__ import annotations
@@ -96,32 +98,72 @@ class DraftingParity:
 
 
 def measure(lengths: list[int], seeds: int, depth: int) -> list[dict]:
+    """Per length and dtype: each seed's max |logit difference| by depth, the worst of them, and the largest logit."""
     rows = []
     for n in lengths:
         for dtype in (torch.float32, torch.float64):
-            worst, largest = [0.0] * depth, 0.0
+            by_seed, largest = [], 0.0
             for seed in range(seeds):
                 drafted, unrolled = chain_and_unroll_logits(kimi_llama_drafter(seed, dtype), n, depth, seed)
-                worst = [max(w, float(d)) for w, d in zip(worst, (drafted - unrolled).abs().amax(dim=-1))]
+                by_seed.append((drafted - unrolled).abs().amax(dim=-1).tolist())  # [depth]
                 largest = max(largest, float(unrolled.abs().max()))
-            rows.append({"n": n, "dtype": str(dtype).removeprefix("torch."), "max_abs_difference_by_depth": worst, "largest_logit": largest})
+            worst = [max(gaps) for gaps in zip(*by_seed)]
+            rows.append({
+                "n": n, "dtype": str(dtype).removeprefix("torch."), "max_abs_difference_by_seed": by_seed,
+                "max_abs_difference_by_depth": worst, "largest_logit": largest,
+            })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
+def command(spec: dict) -> str:
+    """The command that measures `spec`."""
+    return f"python -m benchmarks.drafting_parity lengths={','.join(map(str, spec['lengths']))} seeds={spec['seeds']} depth={spec['depth']}"
+
+
+def draw_spread(runs: list[dict]) -> str | None:
+    """One sentence: the widest spread over the seeds of one fp32 gap (one length, one depth); None for one seed."""
+    widest = max(
+        ((max(gaps) / min(gaps), row["n"], k + 1, min(gaps), max(gaps))
+         for row in runs if row["dtype"] == "float32"
+         for k, gaps in enumerate(zip(*row["max_abs_difference_by_seed"])) if len(gaps) > 1 and min(gaps) > 0),
+        default=None,
+    )  # fmt: skip
+    if widest is None:
+        return None
+    ratio, n, k, low, high = widest
+    return (
+        f"In fp32 the weight draw alone moves one gap (one length, one depth) by up to {ratio:.0f}x ({low:.1e} to {high:.1e} "
+        f"at n = {n}, depth {k}), so a change to either forward is judged seed by seed, not by the worst of a few draws."
+    )
+
+
 def markdown(result: dict) -> str:
-    depth = result["spec"]["depth"]
+    spec, runs = result["spec"], result["runs"]
+    depths = " | ".join(f"depth {k + 1}" for k in range(spec["depth"]))
+    rule = "|---|---|" + "---|" * spec["depth"]
     lines = [
-        f"Chain drafting against the training unroll (worst over {result['spec']['seeds']} seeds of the max |logit "
-        f"difference| at each draft depth), the Llama drafter of `recipe=kimi_k26_mini` on Kimi's yarn rope, CPU; "
-        "`python -m benchmarks.drafting_parity`.",
+        f"Chain drafting against the training unroll: the max |logit difference| at each draft depth, smallest to largest "
+        f"over seeds 0-{spec['seeds'] - 1} (each a random drafter), the Llama drafter of `recipe=kimi_k26_mini` on Kimi's "
+        f"yarn rope, CPU, torch {result['torch']}:",
         "",
-        "| n | dtype | " + " | ".join(f"depth {k + 1}" for k in range(depth)) + " | largest logit |",
-        "|---|---|" + "---|" * depth + "---|",
+        f"    {command(spec)}",
+        "",
+        f"| n | dtype | {depths} | largest logit |",
+        rule + "---|",
     ]
-    for row in result["runs"]:
-        cells = " | ".join(f"{x:.1e}" for x in row["max_abs_difference_by_depth"])
+    for row in runs:
+        spread = zip(*row["max_abs_difference_by_seed"])
+        cells = " | ".join(f"{min(gaps):.1e} – {max(gaps):.1e}" for gaps in spread)
         lines.append(f"| {row['n']} | {row['dtype']} | {cells} | {row['largest_logit']:.1f} |")
+    lines += ["", "fp32, seed by seed:", "", f"| n | seed | {depths} |", rule]
+    for row in runs:
+        if row["dtype"] == "float32":
+            for seed, gaps in enumerate(row["max_abs_difference_by_seed"]):
+                lines.append(f"| {row['n']} | {seed} | " + " | ".join(f"{x:.1e}" for x in gaps) + " |")
+    reading = draw_spread(runs)
+    if reading is not None:
+        lines += ["", reading]
     return "\n".join(lines) + "\n"
 
 

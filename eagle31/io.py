@@ -36,7 +36,7 @@ import stat
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -144,34 +144,45 @@ def recover_swap(dest: str | Path) -> None:
 
     Killed between its two renames (`dest` -> `.dest.old-*`, then `.dest.tmp-*` -> `dest`), the
     swap leaves no `dest`: the old output is renamed back (the new one was not in place yet).
-    Killed after the second, it leaves the old output beside the new one: it is removed. A swap
-    that a live process is making (another run writing a shared directory) is waited for, not
-    undone: its writer holds `flock` on the new directory's marker between the two renames
-    (`_swap_lock`; a filesystem without `flock` cannot tell the two apart).
+    Killed after the second, it leaves the old output beside the new one: it is removed. Swaps
+    that live processes are making (other runs writing a shared directory) are waited for, not
+    undone: each writer holds `flock` on its new directory's marker between the two renames
+    (`_swap_lock`), and nothing is restored or removed before every such swap of `dest` has ended
+    (`_holding_swaps`; a filesystem without `flock` cannot tell the two apart). Of several old
+    outputs, the one put back is the one whose swap was cut between its renames (its new directory
+    still there), not an older one that a finished swap had yet to remove.
     """
     dest = Path(dest)
-    if not dest.parent.is_dir():
+    if not dest.parent.is_dir() or not _old_outputs(dest):
         return
-    for old in sorted(dest.parent.iterdir()):
-        match = _SWAPPED_OUT.fullmatch(old.name)
-        if not match or match.group(1) != dest.name:
-            continue
-        new = dest.with_name(f".{dest.name}.tmp-{match.group(2)}")
-        if not dest.exists():
-            _wait_for_swap(new, dest)
-        if not dest.exists():
+    with _holding_swaps(dest):
+        leftovers = _old_outputs(dest)
+        if leftovers and not dest.exists():
+            old = leftovers.pop(0)
+            new = _swap_new(dest, old)
             try:
                 old.rename(dest)
             except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                     raise
-                # the writer put its new output in place after all
+                # another process restored it, or put its own output in place, first
             else:
                 fsync_dir(dest.parent)
-                shutil.rmtree(new, ignore_errors=True)
+                leftovers.append(new)
                 print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
-                continue
-        shutil.rmtree(old, ignore_errors=True)
+    for leftover in leftovers:  # of swaps that have ended: none of them is in flight
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _old_outputs(dest: Path) -> list[Path]:
+    """The old outputs `atomic_dir` moved aside from `dest`: the one whose swap was cut between its renames first."""
+    olds = [p for p in dest.parent.iterdir() if (m := _SWAPPED_OUT.fullmatch(p.name)) and m.group(1) == dest.name]
+    return sorted(olds, key=lambda old: (not _swap_new(dest, old).is_dir(), old.name))
+
+
+def _swap_new(dest: Path, old: Path) -> Path:
+    """The new directory of the swap that moved `dest` aside as `old` (`atomic_dir` names both after one token)."""
+    return dest.with_name(f".{dest.name}.tmp-{old.name[-8:]}")
 
 
 SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
@@ -192,31 +203,47 @@ def _swap_lock(new: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _wait_for_swap(new: Path, dest: Path) -> None:
-    """Return once no live process holds `new`'s swap lock: its swap of `dest` is done, or it died."""
+@contextmanager
+def _holding_swaps(dest: Path) -> Iterator[None]:
+    """Once every swap of `dest` that a live process is making has ended, run the block with none starting.
+
+    Each `atomic_dir` of `dest` in flight is a `.dest.tmp-*` directory whose writer takes `flock` on
+    its marker for the two renames; this takes the same lock on each (`_take_swap_lock`).
+    """
+    new_dirs = re.compile(re.escape(f".{dest.name}.tmp-") + "[0-9a-f]{8}")
+    with ExitStack() as held:
+        for new in sorted(p for p in dest.parent.iterdir() if new_dirs.fullmatch(p.name)):
+            fd = _take_swap_lock(new, dest)
+            if fd is not None:
+                held.callback(os.close, fd)  # releases the lock
+        yield
+
+
+def _take_swap_lock(new: Path, dest: Path) -> int | None:
+    """Take `new`'s swap lock once no live process holds it (its swap of `dest` is done, or it died); the open
+    marker holding it, or None when `new` has no marker (not written yet: nothing in flight)."""
     try:
         fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
     except OSError:
-        return  # no new directory there: nothing in flight
-    try:
-        deadline = time.monotonic() + SWAP_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise OutputInUseError(
-                        f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
-                        "wait for it to end, then rerun"
-                    ) from None
-                time.sleep(0.01)
-            except OSError as e:
-                if e.errno in _NO_FLOCK:
-                    return
-                raise
-    finally:
-        os.close(fd)
+        return None
+    deadline = time.monotonic() + SWAP_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise OutputInUseError(
+                    f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
+                    "wait for it to end, then rerun"
+                ) from None
+            time.sleep(0.01)
+        except OSError as e:
+            if e.errno in _NO_FLOCK:
+                return fd
+            os.close(fd)
+            raise
 
 
 def check_writable(path: str | Path) -> None:

@@ -235,6 +235,88 @@ def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path
     assert "restored" not in capfd.readouterr().err
 
 
+def test_a_finished_swaps_old_output_is_not_put_back_over_another_swap_in_progress(tmp_path, monkeypatch, capfd):
+    """Three processes share one output directory. A's swap has done both renames, its old output still beside
+    the directory (A slow to remove it); B is between its two renames (the directory missing); C starts writing
+    there. C waits for B's swap before it puts anything back, so it does not take A's old output for one a kill
+    left behind: B's output stands, and A's is not lost on the way."""
+    import shutil
+    import threading
+
+    import eagle31.io
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    with atomic_dir(dest, kind="prepared-data") as tmp:
+        (tmp / "x").write_text("before A")
+    real_sibling, real_rename, real_rmtree = eagle31.io._unique_sibling, Path.rename, shutil.rmtree
+    names = {"A": "00000000", "B": "ffffffff"}  # A's old output is the first that C finds
+
+    def sibling(path):
+        return path.with_name(f".{path.name}.tmp-{names[threading.current_thread().name]}") if path == dest else real_sibling(path)
+
+    b_written, a_swapped, b_between, c_checked, a_cleans = (threading.Event() for _ in range(5))
+
+    def rmtree(path, *args, **kwargs):
+        if threading.current_thread().name == "A" and Path(path).name == ".prepared.old-00000000":
+            a_swapped.set()  # both of A's renames done; its old output is still there
+            a_cleans.wait(10)
+        return real_rmtree(path, *args, **kwargs)
+
+    def rename(self, target):
+        moved = real_rename(self, target)
+        if threading.current_thread().name == "B" and self == dest:  # B's old output aside, its new one not in place
+            b_between.set()
+            c_checked.wait(1.0)  # C's check, unless it waits for this swap
+        return moved
+
+    monkeypatch.setattr(eagle31.io, "_unique_sibling", sibling)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(Path, "rename", rename)
+    failed: list[BaseException] = []
+
+    def write(after: threading.Event | None = None):
+        try:
+            with atomic_dir(dest, kind="prepared-data") as tmp:
+                (tmp / "x").write_text(threading.current_thread().name)
+                if after is not None:
+                    b_written.set()
+                    after.wait(10)  # A's swap ends while B writes
+        except BaseException as e:
+            failed.append(e)
+
+    b = threading.Thread(target=write, args=(a_swapped,), name="B")
+    a = threading.Thread(target=write, name="A")
+    b.start()
+    assert b_written.wait(10)
+    a.start()
+    assert b_between.wait(10)
+    check_output_dir(dest, "prepared-data")  # C, starting
+    c_checked.set()
+    b.join(10)
+    a_cleans.set()
+    a.join(10)
+    assert not failed, failed
+    assert (dest / "x").read_text() == "B" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" not in capfd.readouterr().err
+
+
+def test_of_two_old_outputs_the_one_whose_swap_a_kill_cut_is_put_back(tmp_path, capfd):
+    """A's swap finished but left its old output beside the directory; B was then killed between its renames,
+    its old output (A's) aside and its new one not in place. The next step puts A's output back, not the one
+    from before A, whatever order their names sort in."""
+    from eagle31.io import check_output_dir
+
+    dest = tmp_path / "prepared"
+    for name, x in ((".prepared.old-00000000", "before A"), (".prepared.old-ffffffff", "A"), (".prepared.tmp-ffffffff", "B")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / OUTPUT_MARKER).write_text(json.dumps({"kind": "prepared-data"}))
+        (tmp_path / name / "x").write_text(x)
+    check_output_dir(dest, "prepared-data")
+    assert (dest / "x").read_text() == "A" and [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert "restored" in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------- locks without flock
 
 
@@ -363,6 +445,72 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     for t in threads:
         t.join(20)
     assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(tmp_path, no_flock, monkeypatch):
+    """The second of two breakers judges the stale lock file, then waits while the first breaks it and takes the
+    lock; when the second goes on to break what it judged, the file there is the first's fresh lock: the second
+    links it, sees another file than the one judged (inode, mtime, token), leaves it and is refused."""
+    import threading
+    import time
+
+    import eagle31.io
+    from eagle31.errors import OutputInUseError
+    from eagle31.io import HELD_FILE, STALE_AFTER_S, hold_lock
+
+    held = tmp_path / HELD_FILE
+    held.write_text(json.dumps({"host": "another-node", "pid": 1, "holder": "pid 1 on another-node"}))
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(held, (old, old))
+    second_judged, first_holds, second_done = threading.Event(), threading.Event(), threading.Event()
+    real_stale, real_break = eagle31.io._stale_holder, eagle31.io._break_lock
+    breaks: list[tuple[bool, str | None]] = []  # the second's: (broken, the token of the lock file after)
+
+    def stale_holder(path):
+        said = real_stale(path)
+        if threading.current_thread().name == "second" and not second_judged.is_set():
+            second_judged.set()  # it judged the stale file; the first breaks it and takes the lock meanwhile
+            first_holds.wait(10)
+        return said
+
+    def break_lock(path, identity, holder):
+        broken = real_break(path, identity, holder)
+        if threading.current_thread().name == "second":
+            breaks.append((broken, (eagle31.io._read_holder(path) or {}).get("token")))
+        return broken
+
+    monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
+    monkeypatch.setattr(eagle31.io, "_break_lock", break_lock)
+    outcome: dict[str, str] = {}
+    first_token: list[str | None] = []  # the first's token as it took the lock, then once the second is done
+
+    def first():
+        with hold_lock(tmp_path):
+            outcome["first"] = "held"
+            first_token.append(json.loads(held.read_text())["token"])
+            first_holds.set()
+            second_done.wait(10)
+            first_token.append((eagle31.io._read_holder(held) or {}).get("token"))
+
+    def second():
+        try:
+            with hold_lock(tmp_path):
+                outcome["second"] = "held"
+        except OutputInUseError:
+            outcome["second"] = "refused"
+        finally:
+            second_done.set()
+
+    threads = [threading.Thread(target=second, name="second"), threading.Thread(target=first, name="first")]
+    threads[0].start()
+    assert second_judged.wait(10)
+    threads[1].start()
+    for t in threads:
+        t.join(20)
+    assert outcome == {"first": "held", "second": "refused"}, outcome
+    assert first_token[0] == first_token[1]  # its lock file stayed its own while it held the lock
+    assert breaks == [(False, first_token[0])]  # the branch of a file linked but not the one judged
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]  # the first let go; no claim left behind
 
 
 def _hold_lock_in_a_child(directory):

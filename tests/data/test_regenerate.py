@@ -225,6 +225,27 @@ def test_a_resume_over_an_edited_source_is_refused_before_any_request(tiny_targe
         regenerate(conversations[:4], asked, out, settings)
 
 
+def test_a_resume_over_shards_without_a_record_of_their_inputs_says_so_before_any_request(tmp_path):
+    """Shards written by an eagle31 that did not record their input: the refusal says that, names the folder
+    and what to do, rather than calling the source edited."""
+    from eagle31.data.regenerate.shards import ShardStats, write_shard
+
+    settings = Settings(max_new_tokens=2, shard_size=2)
+    conversations = [conv(f"Hello {i}") for i in range(4)]
+    out = tmp_path / "out"
+    prepare_output(out, settings, {"sources": ["x"]})
+    write_shard(out, 0, [{"messages": conversations[0].messages}], ShardStats())
+    stats = out / "stats" / "shard-00000.json"
+    stats.write_text(json.dumps({k: v for k, v in json.loads(stats.read_text()).items() if k != "input_sha256"}))
+    asked = KilledAt(None)
+    with pytest.raises(ConfigError) as refused:
+        regenerate(conversations, asked, out, settings)
+    said = str(refused.value)
+    assert said.startswith(f"{out}: shard-00000 was written by an older eagle31, without a record of the conversations it was regenerated from"), said
+    assert "edited" not in said and "a new regenerate.output_dir" in said
+    assert asked.asked == []
+
+
 def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_completes(tiny_target, small_disk):
     from eagle31.errors import DiskFullError
     from tests.helpers import fill_disk

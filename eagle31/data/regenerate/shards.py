@@ -96,10 +96,20 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
 
     Each shard's stats record the content of its input (`input_sha256`): a source edited since
     the shard was written, or one that now holds fewer shards, would pair old replies with new
-    conversations, or leave shards of conversations no longer there for prepare to read.
+    conversations, or leave shards of conversations no longer there for prepare to read. A shard
+    an older eagle31 wrote records no input, so it cannot be checked: refused too, saying so.
     """
     for index, chunk in chunks:
-        if shard_done(out, index) and json.loads((out / "stats" / f"{shard_name(index)}.json").read_text()).get("input_sha256") != input_sha256(chunk):
+        if not shard_done(out, index):
+            continue
+        recorded = json.loads((out / "stats" / f"{shard_name(index)}.json").read_text()).get("input_sha256")
+        if not recorded:
+            raise ConfigError(
+                f"{out}: {shard_name(index)} was written by an older eagle31, without a record of the conversations it was "
+                "regenerated from, so a resume cannot check it against the source; regenerate into a new "
+                "regenerate.output_dir (this one is left as it is)"
+            )
+        if recorded != input_sha256(chunk):
             first = index * size
             raise ConfigError(
                 f"{out}: {shard_name(index)} was regenerated from other conversations than conversations {first}-{first + len(chunk) - 1} "
