@@ -430,10 +430,15 @@ def test_template_variants_are_asked_per_conversation_by_both_backends_and_kept_
     prompt = [SYSTEM, {"role": "user", "content": "Hi"}]
     brief, plain = backend.prompt_ids(prompt, {"brief": True}), backend.prompt_ids(prompt, {"brief": False})
     assert backend.tokenizer.decode(brief).startswith("BRIEF") and backend.prompt_ids(prompt) == plain != brief
-    seen = []
-    backend.prompt_ids = lambda messages, options=None: seen.append(options) or plain
+    seen = {}  # the conversations are asked from a pool: in any order
+
+    def prompt_ids(messages, options=None):
+        seen[messages[-1]["content"]] = options
+        return plain
+
+    backend.prompt_ids = prompt_ids
     assert [r["chat_template_kwargs"] for r in run(conversations, backend, tmp_path / "hf", settings)] == drawn
-    assert seen == drawn
+    assert seen == {f"Hello {i}": drawn[i] for i in range(8)}
     plain_run = Settings(max_new_tokens=3, chat_template_kwargs={"brief": False})
     assert "chat_template_kwargs" not in run(conversations[:1], backend, tmp_path / "plain", plain_run)[0]
 
