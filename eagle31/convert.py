@@ -17,16 +17,18 @@
                  `--vllm` export of a `kimi_k2` drafter, which TorchSpec already shifted.
 
 The files are read through their layout (`eagle31.layouts`: speculators', or the EAGLE-3 HF
-layout for the other three), the layer through the attention kind that recognises it
-(`eagle31.drafter_attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
+layout for the other three; SpecForge's and TorchSpec's are its `dialects`), the layer through
+the attention kind that recognises it (`eagle31.drafter_attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
 `kv_lora_rank`, its fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
 published Kimi MLA drafters (e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`) are TorchSpec's:
 an MLA config that eagle31 did not write is read as `torchspec` (ids +1, `norm_output`
 verbatim; the kind's `unmarked_format`). MLA drafters exist only in the EAGLE-3 HF layout.
 
-Auto-detection, in order: eagle31's `format`; `speculators_model_type`;
-`_torchspec_version`; eagle31's `eagle31` block (its exports); a kind's unmarked format
-(MLA: TorchSpec's); ids only under `eagle_config` (SpecForge's habit); otherwise eagle3.
+Auto-detection, in order: eagle31's `format`; the layout whose mark the config carries
+(`eagle31.layouts.layout_of_config`: speculators' `speculators_model_type`), else the EAGLE-3
+HF layout, and then its dialect: `_torchspec_version`; eagle31's `eagle31` block (its exports:
+none); a kind's unmarked format (MLA: TorchSpec's); ids only under `eagle_config` (SpecForge's
+habit); otherwise none, eagle3.
 
 Reading rules:
 
@@ -72,9 +74,11 @@ from safetensors import safe_open
 
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config
 from eagle31.drafter_attention import DrafterAttention
-from eagle31.layouts import LAYOUTS, Layout
+from eagle31.layouts import Layout, layout_of_config, source_formats, source_layout
+from eagle31.layouts.layout import VLLM_PREFIX
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
-from eagle31.recipe import DrafterFormat, ExportFormat, choose
+
+AUTO, NATIVE = "auto", "eagle31"  # the source formats besides the layouts' (`source_formats`)
 
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
@@ -94,13 +98,14 @@ def load_drafter(
 ) -> Eagle31Drafter:
     """Load a drafter directory of any layout eagle31 reads (module docstring).
 
-    source_format: a `DrafterFormat` name, or a `Layout` (read as its own source format).
+    source_format: "auto", "eagle31", a layout's name or a dialect's (`eagle31.layouts.source_formats`), or a
+    `Layout` (read as its own source format).
     norm_output, aux_layer_ids (vLLM convention), target_num_layers: override what the
     checkpoint says or lacks.
     """
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
-    if fmt == "eagle31":
+    if fmt == NATIVE:
         drafter = Eagle31Drafter.load(path)
         overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
         overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -134,7 +139,7 @@ def read_drafter_config(
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
-    if fmt == "eagle31":
+    if fmt == NATIVE:
         config = DrafterConfig.from_dict(read_native_config(path)["drafter"])
         if target_num_layers is not None:
             config = dataclasses.replace(config, target_num_layers=target_num_layers)
@@ -149,16 +154,10 @@ def _read_meta(path: Path, source_format: str | Layout) -> tuple[dict[str, Any],
     meta = read_json_config(path / "config.json", "drafter config")
     if isinstance(source_format, Layout):
         return meta, source_format
-    fmt = choose(DrafterFormat, source_format, "source_format")
-    return meta, detect_format(meta, path) if fmt == DrafterFormat.auto else fmt
-
-
-def source_layout(fmt: str | Layout) -> Layout:
-    """The layout a source format's files are in: speculators', or the EAGLE-3 HF layout (SpecForge's and
-    TorchSpec's are its dialects)."""
-    if isinstance(fmt, Layout):
-        return fmt
-    return LAYOUTS[ExportFormat.speculators if fmt == DrafterFormat.speculators else ExportFormat.eagle3]
+    choices = [AUTO, NATIVE, *source_formats()]
+    if source_format not in choices:
+        raise ConfigError(f"source_format must be one of {choices}, got {source_format!r}")
+    return meta, detect_format(meta, path) if source_format == AUTO else str(source_format)
 
 
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
@@ -194,13 +193,18 @@ def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Draft
 def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
     """The source format of a checkpoint from its config.json (module docstring)."""
     if meta.get("format") == NATIVE_FORMAT:
-        return "eagle31"
-    if "speculators_model_type" in meta:
-        return "speculators"
+        return NATIVE
+    layout = layout_of_config(meta)
+    dialect = _dialect(meta, layout, path) if layout.dialects else None
+    return dialect or layout.name
+
+
+def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | None:
+    """Which of `layout`'s dialects (SpecForge's, TorchSpec's) wrote a config in it, None for the layout's own."""
     if "_torchspec_version" in meta:
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
-        return "eagle3"
+        return None
     unmarked = DrafterAttention.of_layer(meta).kind.unmarked_format  # MLA: TorchSpec's (module docstring)
     if unmarked:
         return unmarked
@@ -211,9 +215,9 @@ def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
         raise ConfigError(
             f"{path}/config.json says norm_output=true but was not written by eagle31: SpecForge before its fix "
             "trained such drafters feeding back the pre-norm state. Pass source_format='specforge' (pre-norm "
-            "feedback) or source_format='eagle3' (post-norm feedback, vLLM's reading)"
+            f"feedback) or source_format='{layout.name}' (post-norm feedback, vLLM's reading)"
         )
-    return "eagle3"
+    return None
 
 
 def drafter_config(
@@ -246,7 +250,7 @@ def drafter_config(
         ids = default_aux_layer_ids(num_layers)
     if norm_output is not None:
         values["norm_output"] = norm_output
-    elif fmt == DrafterFormat.specforge:
+    elif fmt == "specforge":
         values["norm_output"] = _specforge_norm_output(meta)
     return DrafterConfig(**{**values, "aux_layer_ids": ids, "target_num_layers": num_layers or max(ids) + 1})
 
@@ -257,7 +261,7 @@ def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
         return False
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            if any(key.startswith(LAYOUTS[ExportFormat.speculators].layer_prefix) for key in f.keys()):
+            if any(key.startswith(VLLM_PREFIX) for key in f.keys()):
                 return True
     return False
 

@@ -1,7 +1,8 @@
 """Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload.
 
 `write_model_card` renders README.md (YAML metadata: `base_model` = the target,
-`library_name`, `license`, `tags`) from the export's config.json, the run's config and
+`library_name`, `license`, `tags`) from the export's config.json, read through its layout
+(`eagle31.layouts`: what the layout and the attention kind say of themselves), the run's config and
 its `report.json` (`tau_sim`, per-step `acc`, `tokens_seen`, `steps`, and an optional
 `acceptance` block from real speculative decoding), and the prepared data's report
 (sample and token counts). The card is published, so it names datasets and a local
@@ -25,13 +26,10 @@ from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
 from eagle31.config import ConfigError, read_json_config
 from eagle31.io import atomic_write_text
-from eagle31.layouts.layout import served_sliding_window
+from eagle31.layouts import Layout, layout_of_config
 
 CARD_NAME = "README.md"
 REPORT_NAME = "report.json"
-LIBRARY_NAME = {"eagle3": "vllm", "speculators": "speculators"}
-MIN_VLLM = {"eagle3": "0.22", "speculators": "0.25"}  # the first releases reading the 3.1 flags (docs/export.md)
-MIN_MLA_VLLM = "0.33"  # the first tested release whose DeepSeek EAGLE-3 class applies fc_norm (docs/export.md)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -96,10 +94,6 @@ def check_repo_id(repo_id: str) -> None:
         raise ConfigError(f"repo_id must look like <user or org>/<name>, got {repo_id!r}")
 
 
-def export_layout(config: dict[str, Any]) -> str:
-    return "speculators" if "speculators_model_type" in config else "eagle3"
-
-
 def render_model_card(
     config: dict[str, Any],
     repo_id: str,
@@ -109,44 +103,43 @@ def render_model_card(
 ) -> str:
     """README.md text for an export with `config` (its config.json), published as `repo_id`."""
     run = run_config or {}
-    layout = export_layout(config)
-    layer = config.get("transformer_layer_config", config)
-    named = (run.get("target") or {}).get("name") or config["eagle31"].get("target_name_or_path")
+    layout = layout_of_config(config)
+    drafter = layout.read(config)  # its DrafterConfig values
+    named = (run.get("target") or {}).get("name") or drafter["target_name_or_path"]
     target = public_name(named) if named else "<target>"
     served = target if _REPO_ID.match(target) else f"<path to {target}>"
     hub = run.get("hub") or {}
-    k = _num_speculative_tokens(config, run)
+    k = _num_speculative_tokens(config, layout, run)
     metadata = ModelCardData(
         base_model=target if _REPO_ID.match(target) else None,
-        library_name=LIBRARY_NAME[layout],
+        library_name=layout.library_name,
         license=hub.get("license", "apache-2.0"),
         tags=list(hub.get("tags") or ["eagle3", "eagle3.1", "speculative-decoding", "vllm"]),
     )
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
-    flags = ", ".join(f"`{f}={str(config[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
-    mla_31 = "kv_lora_rank" in layer and config["fc_norm"]
+    flags = ", ".join(f"`{f}={str(drafter[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
     lines = [
         "---",
         metadata.to_yaml(),
         "---",
         "",
-        f"# {'EAGLE 3.1' if config['fc_norm'] and config['norm_output'] else 'EAGLE 3'} drafter for {target}",
+        f"# {'EAGLE 3.1' if drafter['fc_norm'] and drafter['norm_output'] else 'EAGLE 3'} drafter for {target}",
         "",
         f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
-        f"trained with eagle31 and stored in vLLM's {_LAYOUT_TEXT[layout]}.",
+        f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
         "",
-        f"* one decoder layer: hidden size {layer['hidden_size']}, {layer['num_attention_heads']} heads "
-        f"({layer['num_key_value_heads']} KV), MLP {layer['intermediate_size']}",
-        f"* draft vocabulary {config['draft_vocab_size']} of the target's {layer['vocab_size']} tokens"
-        + (" (`d2t`/`t2d` included)" if config["draft_vocab_size"] < layer["vocab_size"] else ""),
-        f"* target features: hidden states at the input of decoder layers {config['eagle_aux_hidden_state_layer_ids']} "
+        f"* one decoder layer: hidden size {drafter['hidden_size']}, {drafter['num_attention_heads']} heads "
+        f"({drafter['num_key_value_heads']} KV), MLP {drafter['intermediate_size']}",
+        f"* draft vocabulary {drafter['draft_vocab_size']} of the target's {drafter['vocab_size']} tokens"
+        + (" (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""),
+        f"* target features: hidden states at the input of decoder layers {list(drafter['aux_layer_ids'])} "
         "(vLLM's convention)",
-        *([f"* attention: a sliding window of {layer['sliding_window']} positions (`layer_types`), served as trained"]
-          if served_sliding_window(layer) else []),
+        *([f"* attention: a sliding window of {drafter['sliding_window']} positions (`layer_types`), served as trained"]
+          if drafter["sliding_window"] else []),
         "",
         "## Serving with vLLM",
         "",
-        f"Needs vLLM >= {MIN_MLA_VLLM if mla_31 else MIN_VLLM[layout]}.",
+        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
         "",
         "```bash",
         f"vllm serve {served} --speculative-config '{spec}'",
@@ -177,17 +170,16 @@ def write_model_card(
     return path
 
 
-_LAYOUT_TEXT = {
-    "eagle3": "EAGLE-3 layout (`LlamaForCausalLMEagle3`)",
-    "speculators": "`speculators` layout (`speculators_model_type: eagle3`)",
-}
+def _num_speculative_tokens(config: dict[str, Any], layout: Layout, run: dict[str, Any]) -> int:
+    """The export's k where its layout keeps one, else the run's."""
+    k = layout.num_speculative_tokens(config)
+    return k if k is not None else (run.get("eval") or {}).get("num_speculative_tokens", 3)
 
 
-def _num_speculative_tokens(config: dict[str, Any], run: dict[str, Any]) -> int:
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
-    if methods:
-        return methods[0]["speculative_tokens"]
-    return (run.get("eval") or {}).get("num_speculative_tokens", 3)
+def _min_vllm(layout: Layout, drafter: dict[str, Any]) -> str:
+    """The first vLLM release that serves the drafter as trained: its layout's, or its kind's for fc_norm when later."""
+    kind = drafter["attention"].kind
+    return kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
 
 
 def _training_lines(run: dict[str, Any], report: dict[str, Any] | None, data_report: dict[str, Any] | None) -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, TypeVar
 
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
+from eagle31.layouts import LAYOUTS, source_formats
 
 
 # ---------------------------------------------------------------------------- choices
@@ -75,13 +76,9 @@ class Batching(StrEnum):
     bucket = "bucket"  # similar lengths together, padded
 
 
-class DrafterFormat(StrEnum):
-    auto = "auto"  # detected from the checkpoint's config.json
-    eagle31 = "eagle31"
-    eagle3 = "eagle3"
-    speculators = "speculators"
-    specforge = "specforge"
-    torchspec = "torchspec"
+# a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
+# layout or a layout's dialect (`eagle31.layouts.source_formats`)
+DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in ("auto", "eagle31", *source_formats())], module=__name__)
 
 
 class RegenerateBackend(StrEnum):
@@ -123,9 +120,7 @@ class Precision(StrEnum):
     fp32 = "fp32"
 
 
-class ExportFormat(StrEnum):
-    eagle3 = "eagle3"  # vLLM's EAGLE-3 Hugging Face layout
-    speculators = "speculators"  # the speculators library's layout
+ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # eagle31.layouts
 
 
 class WandbMode(StrEnum):

@@ -12,7 +12,11 @@ import pytest
 from eagle31.config import DrafterConfig
 from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
 
-LIBRARY = Path(__file__).resolve().parents[1] / "eagle31"
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "eagle31"
+# the library and the code over it: none of it tells the kinds apart by comparing a name
+CODE = sorted(p for folder in ("eagle31", "experiments", "benchmarks", "scripts", "data_prep", "train")
+              for p in (REPO / folder).rglob("*.py") if "drafter_attention" not in p.parts)  # fmt: skip
 
 
 def test_every_choice_has_its_kind_and_each_kind_its_own_fields():
@@ -46,3 +50,37 @@ def test_no_module_outside_the_kinds_names_one(path):
     found = [node.lineno for node in ast.walk(tree)
              if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings]  # fmt: skip
     assert not found, f"{path.relative_to(LIBRARY)}: lines {found}"
+
+
+def kind_name_comparisons(source: str) -> list[int]:
+    """Lines of `source` that compare a value with a kind's name (`==`, `!=`, `in` a literal tuple, a `case`); a
+    name as a config value or a dict key is no comparison."""
+    names = {member.value for member in DrafterAttention}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            spelled = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+        elif isinstance(node, ast.MatchValue):
+            spelled = [node.value]
+        else:
+            continue
+        if any(isinstance(e, ast.Constant) and e.value in names for e in spelled):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize("path", CODE, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_code_compares_with_a_kind_name(path):
+    """`recipe.drafter.attention != "llama"` asks the name, not the kind: compare with the member, or ask the kind."""
+    found = kind_name_comparisons(path.read_text())
+    assert not found, f"{path.relative_to(REPO)}: lines {found}"
+
+
+def test_a_comparison_with_a_kind_name_is_found_and_a_value_is_not():
+    compared = ['if recipe.drafter.attention != "llama":\n    pass', 'x = a in ("mla", "b")',
+                'match kind:\n    case "mla":\n        pass', 'ok = "llama" == name']  # fmt: skip
+    assert all(kind_name_comparisons(source) for source in compared)
+    spelled = ['overrides = ["drafter.attention=mla"]', 'cfg = {"attention": "llama"}', 'x = {"mla": 1}["mla"]',
+               'if kind == DrafterAttention.llama:\n    pass']  # fmt: skip
+    assert not any(kind_name_comparisons(source) for source in spelled)

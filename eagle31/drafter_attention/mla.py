@@ -207,6 +207,7 @@ class MLAAttentionKind(AttentionKind):
     rope_fields_read = DEEPSEEK_YARN_FIELDS_READ
     rope_quantities = "extrapolation, magnitude, softmax factor"
     chain_keeps_input = False  # its latents are what the chain keeps
+    min_vllm_fc_norm = "0.33"  # vLLM 0.22's DeepSeek EAGLE-3 class builds fc_norm and never applies it (docs/export.md)
 
     def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
         return MLAAttention(config, rms_norm)

@@ -3,30 +3,47 @@
     eagle3       the EAGLE-3 HF layout vLLM reads (`layouts/eagle3.py`)
     speculators  the `speculators` library's layout, which vLLM >= 0.25 also serves (`layouts/speculators.py`)
 
-A new layout is a module here with its `Layout` (`config`, `key`, `read`), an `ExportFormat` member
-(eagle31/recipe.py) and its line below; `export_drafter` and `load_drafter` also take a `Layout` object
-itself (docs/architecture.md, "How to add").
+`LAYOUTS` is the one list of export formats: the recipe's choices (`ExportFormat`, `DrafterFormat`), detection
+(`layout_of_config`), reading (`source_layout`) and the model card (`eagle31.hub`) all ask it. A new layout is a
+module here with its `Layout` and its line below; `export_drafter` and `load_drafter` also take a `Layout`
+object itself (docs/architecture.md, "How to add").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from eagle31.errors import ConfigError
 from eagle31.layouts.eagle3 import Eagle3Layout
 from eagle31.layouts.layout import Layout
 from eagle31.layouts.speculators import SpeculatorsLayout
-from eagle31.recipe import ExportFormat
 
-LAYOUTS: dict[ExportFormat, Layout] = {
-    ExportFormat.eagle3: Eagle3Layout(),
-    ExportFormat.speculators: SpeculatorsLayout(),
-}
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (Eagle3Layout(), SpeculatorsLayout())}
+UNMARKED = Eagle3Layout.name  # the layout of a config no layout recognises: vLLM's own
 
 
 def layout_of(format: str | Layout) -> Layout:
     """The layout of an export format's name (a `Layout` is itself); another name is a one-line ConfigError."""
     if isinstance(format, Layout):
         return format
-    try:
-        return LAYOUTS[ExportFormat(format)]
-    except ValueError:
-        raise ConfigError(f"export format must be one of {[m.value for m in ExportFormat]}, got {format!r}") from None
+    if format not in LAYOUTS:
+        raise ConfigError(f"export format must be one of {list(LAYOUTS)}, got {format!r}")
+    return LAYOUTS[format]
+
+
+def layout_of_config(meta: dict[str, Any]) -> Layout:
+    """The layout a checkpoint's `config.json` is in: the one that recognises it (`Layout.recognises`), else vLLM's."""
+    marked = (layout for name, layout in LAYOUTS.items() if name != UNMARKED and layout.recognises(meta))
+    return next(marked, LAYOUTS[UNMARKED])
+
+
+def source_formats() -> list[str]:
+    """The formats a checkpoint can be read as, besides eagle31's own: every layout, then every layout's dialects."""
+    return [*LAYOUTS, *(dialect for layout in LAYOUTS.values() for dialect in layout.dialects)]
+
+
+def source_layout(format: str | Layout) -> Layout:
+    """The layout a source format's files are in: its own, or the one it is a dialect of (a `Layout` is itself)."""
+    if isinstance(format, Layout):
+        return format
+    return next(layout for name, layout in LAYOUTS.items() if format == name or format in layout.dialects)

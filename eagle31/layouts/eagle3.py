@@ -3,7 +3,9 @@
 `config.json` is the decoder layer's HF config with the EAGLE fields at the top level and the architecture
 vLLM serves the drafter's attention kind with (`AttentionKind.architecture`); weights `midlayer.*`, eagle31's
 own names, so its rename table is empty. Every attention kind can be carried; the embedding is left out by
-default (vLLM shares the target's). docs/export.md: what vLLM reads, release by release.
+default (vLLM shares the target's). vLLM reads a config with no mark of another layout in this one, and so does
+eagle31: SpecForge's and TorchSpec's checkpoints are in it too, its `dialects` (`eagle31.convert` reads their
+conventions). docs/export.md: what vLLM reads, release by release.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from eagle31.layouts.layout import Layout, eagle_fields, layer_fields, provenanc
 
 class Eagle3Layout(Layout):
     name = "eagle3"
+    library_name = "vllm"
+    card_name = "EAGLE-3 layout (`LlamaForCausalLMEagle3`)"
+    min_vllm = "0.22"
+    dialects = ("specforge", "torchspec")
 
     def config(
         self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,

@@ -1,7 +1,7 @@
 """`Layout`: one checkpoint format of an exported drafter, its `config()`, `key()` and `read()`.
 
-`eagle31.export` writes a drafter through a layout and `eagle31.convert` reads one back through it; what
-every layout shares (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the
+`eagle31.export` writes a drafter through a layout, `eagle31.convert` recognises and reads one back through it,
+and `eagle31.hub` describes one on its model card from what the layout says of itself; what every layout shares (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the
 `eagle31` provenance block, and their reading) is here, for a layout to place where its readers look.
 The rules these fields follow are docs/export.md's.
 """
@@ -17,16 +17,28 @@ from eagle31.errors import ConfigError
 
 EXPORT_FORMAT_VERSION = 1
 NATIVE_PREFIX = "midlayer."  # eagle31's (= the EAGLE-3 HF layout's) name of the decoder layer
+VLLM_PREFIX = "layers.0."  # vLLM's own name of it
 # the decoder layer's names that vLLM's EAGLE-3 loaders read (they rename midlayer.* to layers.0.*)
-DECODER_LAYER_PREFIXES = ("midlayer.", "layers.0.")
+DECODER_LAYER_PREFIXES = (NATIVE_PREFIX, VLLM_PREFIX)
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
 _ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
 
 
 class Layout(ABC):
-    name: str
+    name: str  # `export.formats`, `source_format`
+    library_name: str  # the model card's `library_name`: the library that loads an export of this layout
+    card_name: str  # the layout as the model card names it ("stored in vLLM's <card_name>")
+    min_vllm: str  # the first vLLM release that serves this layout with the 3.1 flags (docs/export.md)
     layer_prefix: str = NATIVE_PREFIX  # the decoder layer's key prefix in this layout's weights
     embeds_by_default: bool = False  # writes the (target's) embedding unless told not to
+    # the source formats of other trainers' checkpoints in this layout, read with their own conventions
+    # (`eagle31.convert`: which one wrote a checkpoint, and how its fields read)
+    dialects: tuple[str, ...] = ()
+
+    def recognises(self, meta: dict[str, Any]) -> bool:
+        """Whether a `config.json` is in this layout, by a mark of its own; the layout vLLM reads an unmarked config
+        in takes what no other recognises (`eagle31.layouts.layout_of_config`)."""
+        return False
 
     def check(self, config: DrafterConfig, target: str | None) -> None:
         """Refuse, before any work, a drafter this layout cannot carry or a target it cannot name."""
@@ -55,6 +67,10 @@ class Layout(ABC):
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint's `config.json` -> the `DrafterConfig` values it states; aux ids verbatim (maybe none),
         `target_num_layers` None unless stated (`eagle31.convert` applies the source's conventions)."""
+
+    def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
+        """The k a `config.json` of this layout states (`config()`'s `num_speculative_tokens`), None if it keeps none."""
+        return None
 
     def __repr__(self) -> str:
         return f"<layout {self.name}>"

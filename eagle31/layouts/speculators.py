@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
-from eagle31.layouts.layout import Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
+from eagle31.layouts.layout import VLLM_PREFIX, Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
 
 ARCHITECTURE = "Eagle3Speculator"
 LAYER_MODEL_TYPES = ("llama", "qwen3")  # the layers vLLM's speculators reader maps
@@ -24,8 +24,14 @@ THREE_ONE_FLAGS = ("fc_norm", "norm_output")  # the switches vLLM 0.22 reads fro
 
 class SpeculatorsLayout(Layout):
     name = "speculators"
-    layer_prefix = "layers.0."
+    library_name = "speculators"
+    card_name = "`speculators` layout (`speculators_model_type: eagle3`)"
+    min_vllm = "0.25"
+    layer_prefix = VLLM_PREFIX
     embeds_by_default = True
+
+    def recognises(self, meta: dict[str, Any]) -> bool:
+        return "speculators_model_type" in meta
 
     def check(self, config: DrafterConfig, target: str | None) -> None:
         kind = config.kind
@@ -73,6 +79,10 @@ class SpeculatorsLayout(Layout):
             **eagle_fields(config),
             **provenance(config, target),
         }
+
+    def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
+        methods = (meta.get("speculators_config") or {}).get("proposal_methods") or []
+        return methods[0]["speculative_tokens"] if methods else None
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
         if meta.get("speculators_model_type") != "eagle3":

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError
+from eagle31.drafter_attention import DrafterAttention
 from eagle31.io import atomic_write_json
 from experiments.harness import (
     acceptance_splits_of,
@@ -138,7 +139,7 @@ def check_recipe(recipe, sides: list[str]) -> None:
     """What a peer side cannot do, refused before anything runs."""
     if "specforge" in sides and recipe.train.device == "cuda":
         raise ConfigError("device=cuda: the SpecForge side trains in its CPU venv; compare it with device=cpu")
-    if recipe.drafter.attention != "llama":
+    if recipe.drafter.attention != DrafterAttention.llama:
         raise ConfigError(f"drafter.attention={recipe.drafter.attention}: the peers' EAGLE-3 drafters have Llama attention only")
     if "specforge" in sides:
         from experiments.side_by_side.specforge_training import check_specforge_recipe, specforge_python

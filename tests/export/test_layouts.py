@@ -1,5 +1,6 @@
 """The export layouts as objects (`eagle31.layouts`): every format is one `Layout`, every switch goes through
-every layout without a line of its own, and a new layout is one file (docs/architecture.md, "How to add")."""
+every layout without a line of its own, and a new layout is one file and its line in `LAYOUTS`
+(docs/architecture.md, "How to add")."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from eagle31.config import SWITCHES, DrafterConfig
-from eagle31.convert import load_drafter, read_drafter_config
+from eagle31.convert import detect_format, load_drafter, read_drafter_config
 from eagle31.export import export_drafter
-from eagle31.layouts import LAYOUTS, Layout, layout_of
+from eagle31.hub import write_model_card
+from eagle31.layouts import LAYOUTS, Layout, layout_of, source_formats
 from eagle31.layouts.layout import eagle_fields, layer_fields, provenance, read_eagle, read_layer
-from eagle31.recipe import ExportFormat
+from eagle31.recipe import DrafterFormat, ExportFormat
 from tests.export.test_export import logits
 from tests.helpers import tiny_drafter
 
@@ -24,6 +26,7 @@ from tests.helpers import tiny_drafter
 def test_every_export_format_is_a_layout_and_each_layout_a_format():
     assert set(LAYOUTS) == set(ExportFormat)
     assert all(layout_of(fmt) is LAYOUTS[fmt] and layout_of(fmt).name == fmt for fmt in ExportFormat)
+    assert list(DrafterFormat) == ["auto", "eagle31", *source_formats()]  # every layout is read back by name
 
 
 def flipped(name: str) -> dict[str, bool]:
@@ -47,10 +50,16 @@ def test_every_switch_is_written_and_read_back_by_every_layout(tmp_path, fmt, sw
 
 class FlatLayout(Layout):
     """A toy format: the decoder layer's weights under `decoder.`, its HF config under `layer`, and the EAGLE
-    fields and eagle31's block beside it."""
+    fields and eagle31's block beside it; `flat_format` marks its configs."""
 
     name = "flat"
+    library_name = "flatlib"
+    card_name = "flat layout (`flat_format: 1`)"
+    min_vllm = "9.9"
     layer_prefix = "decoder."
+
+    def recognises(self, meta: dict[str, Any]) -> bool:
+        return "flat_format" in meta
 
     def config(self, config, *, dtype, trained_context, num_speculative_tokens, target) -> dict[str, Any]:
         return {"flat_format": 1, "layer": layer_fields(config, dtype, trained_context), **eagle_fields(config),
@@ -78,3 +87,21 @@ def test_a_layout_defined_in_one_module_exports_and_reads_back_exactly(tmp_path,
     loaded.embed_tokens.weight.data.copy_(m.embed_tokens.weight)  # shared with the target, as in vLLM
     for a, b in zip(logits(m), logits(loaded)):
         assert torch.equal(a, b)
+
+
+def test_a_layout_and_its_line_in_layouts_are_a_format_by_name_detected_and_described(tmp_path, monkeypatch):
+    """All a new format needs beyond its module: export, reading by name and by detection, and its model card."""
+    monkeypatch.setitem(LAYOUTS, FlatLayout.name, FlatLayout())  # its line in LAYOUTS (restored after the test)
+    m = tiny_drafter(seed=3, dtype=torch.float32, target_name_or_path="org/target")  # a reduced vocabulary
+    out = export_drafter(m, tmp_path / "flat", "flat", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["flat_format"] == 1
+    assert detect_format(json.loads((out / "config.json").read_text())) == "flat"
+    by_name, detected = load_drafter(out, source_format="flat"), load_drafter(out)
+    assert by_name.config == detected.config == m.config == read_drafter_config(out)
+    detected.embed_tokens.weight.data.copy_(m.embed_tokens.weight)  # shared with the target, as in vLLM
+    for a, b in zip(logits(m), logits(detected)):
+        assert torch.equal(a, b)
+    card = write_model_card(out, "me/flat", {"eval": {"num_speculative_tokens": 4}}).read_text()
+    assert "library_name: flatlib" in card and "stored in vLLM's flat layout (`flat_format: 1`)." in card
+    assert "Needs vLLM >= 9.9." in card and '"num_speculative_tokens": 4' in card
+    assert f"draft vocabulary {m.config.draft_vocab_size} of the target's {m.config.vocab_size} tokens (`d2t`" in card
