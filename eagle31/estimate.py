@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle31.attention.kernels import BLOCK_BUDGET
-from eagle31.attention.query_tail import QueryTail
+from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
 from eagle31.sequence_parallel import shard_length
@@ -285,7 +285,7 @@ def sequence_keys_bytes(cfg: DrafterConfig, seq_len: int, c: int, shard: int | N
 
 
 def prefix_block_bytes(cfg: DrafterConfig, c: int) -> int:
-    """Bytes of one block of the keys before a shard in the backward (`eagle31.attention.query_tail.QueryTail`):
+    """Bytes of one block of the keys before a shard in the backward (`eagle31.sequence_parallel.query_tail.QueryTail`):
     its keys and values made again (MLA: decompressed, with kv_b_proj's output and its gradient; Llama:
     views of the entry), their fp32 copies and gradients, the gradients' cast to the compute dtype, and
     one block of query rows' fp32 scores (probabilities, their gradient and one temporary)."""

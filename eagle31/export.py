@@ -1,38 +1,14 @@
 """Export a drafter in vLLM's two layouts (docs/design.md §6): each a `Layout` (`eagle31.layouts`), its
 config writer and its rename table.
 
-    eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3`, weights `midlayer.*`
+    eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3` (an MLA drafter's only layout:
+                 `Eagle3DeepseekV2ForCausalLM`), weights `midlayer.*`
     speculators  the `speculators` library layout: `speculators_model_type: eagle3`,
                  `transformer_layer_config`, weights `layers.0.*`
 
-Both write `config.json` and `model.safetensors` atomically, after every check has
-passed. Each field and check closes a way a drafter loads in vLLM without error and then
-drafts badly; docs/export.md is the one list of them and of the vLLM releases they come
-from (`tests/export/vllm_contract.py` encodes them, and the tests run each release's own
-code on the exports). What this module does about them, in short:
-
-* the 3.1 flags (`fc_norm`, `norm_output`), `norm_before_fc`, `norm_before_residual` and
-  `num_aux_hidden_states` are always written, never left to vLLM's defaults; the aux ids
-  at the top level, in vLLM's convention;
-* `d2t` and `t2d` only for a reduced vocabulary (`Vd < V`), `d2t` checked against `t2d`;
-  `target_hidden_size` only when it differs from `hidden_size`; `max_position_embeddings`
-  at least the trained context (the rope's frequencies kept through a pinned
-  `original_max_position_embeddings`);
-* the rope in both transformers forms, and only as every supported vLLM release reads it
-  (`eagle31.rope`): a block two releases read as different ropes is refused;
-* the embedding by default in the speculators layout, not in the HF one (vLLM shares the
-  target's), and always for a drafter narrower than its target; the speculators layout
-  names its target;
-* the output folder is replaced whole (`eagle31.io.atomic_dir`), and only when it is empty
-  or an earlier export of ours (with `overwrite=True`), never when it holds files eagle31
-  did not write or the drafter being exported.
-* a sliding window (`drafter.sliding_window`) as vLLM's Llama attention reads a draft layer's window
-  (`layer_types` + `sliding_window` in the layer's fields); refused for a kind vLLM serves without one (MLA);
-
-MLA drafters (`drafter.attention=mla`, `eagle31.drafter_attention.mla`) have one layout: the EAGLE-3 HF layout as
-vLLM's DeepSeek EAGLE-3 loader reads it, `architectures: ["Eagle3DeepseekV2ForCausalLM"]`,
-`model_type: "kimi_k2"` (vLLM turns `deepseek_v3` into DeepSeek's MTP drafter), the MLA
-shape and DeepSeek's weight names. The speculators layout cannot carry one and is refused.
+Both write `config.json` and `model.safetensors` atomically, after every check has passed. Each
+field and check closes a way a drafter loads in vLLM without error and then drafts badly; what is
+written, why, and for which vLLM release: docs/export.md, "What the export guards against".
 
 Both layouts also carry an `eagle31` block (format version, target layer count, name,
 architectures) that `eagle31.convert.load_drafter` uses to read them back exactly.
@@ -57,7 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 EXPORT_KIND = "export"  # the kind in an export folder's marker (eagle31.io.OUTPUT_MARKER)
 # what an export folder may hold: the export itself and the model card scripts/push_to_hub.py adds
 EXPORT_FILES = ("config.json", WEIGHTS_NAME, "README.md", OUTPUT_MARKER)
-# the vocabulary maps, written only for a reduced vocabulary (module docstring)
+# the vocabulary maps, written only for a reduced vocabulary (docs/export.md: vLLM 0.33 refuses d2t otherwise)
 VOCAB_MAPS = ("d2t", "t2d")
 
 
@@ -78,7 +54,7 @@ def export_drafter(
 
     dtype: "bfloat16" | "float16" | "float32" for the floating-point weights (d2t stays
     int64, t2d bool; both only for Vd < V). include_embed: also write the (frozen, target's) embedding; None
-    means the layout's default (module docstring). trained_context: the longest training
+    means the layout's default (docs/export.md, "The embedding"). trained_context: the longest training
     sequence (`data.max_len`). num_speculative_tokens: the k written in the speculators
     layout. target_name_or_path: the target's Hub id or path (default: the drafter
     config's). overwrite: replace an earlier export in `out_dir`. source: the directory
@@ -130,7 +106,7 @@ def export_tensors(
 
 
 def embed_included(config: DrafterConfig, layout: Layout, include_embed: bool | None) -> bool:
-    """Whether the export carries `embed_tokens.weight` (module docstring: the layout's default)."""
+    """Whether the export carries `embed_tokens.weight` (docs/export.md, "The embedding": the layout's default)."""
     own = config.target_hidden_size != config.hidden_size
     if include_embed is None:
         return own or layout.embeds_by_default
@@ -212,7 +188,7 @@ def check_rope_reading(config: DrafterConfig) -> None:
 
 
 def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path | None = None) -> None:
-    """Refuse an output folder that is not ours to replace (module docstring), before any work."""
+    """Refuse an output folder that is not ours to replace (docs/export.md, "The output folder"), before any work."""
     if source is not None:
         src, dest = Path(source).resolve(), out.resolve()
         if dest == src or dest in src.parents:

@@ -302,7 +302,7 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.attention)
     activation_checkpointing: bool = False
-    # ranks that split each sequence between them (eagle31/sequence_parallel.py); divides the world size
+    # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
     sequence_parallel: int = 1
     compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
     device: Device = Device.auto

@@ -14,24 +14,10 @@ tables are multiplied by (the magnitude); every q·k logit scales with its squar
               kept below original/high_freq_factor, blended linearly in between
     yarn      a ramp between default/factor and default over the dimensions whose
               rotations at original_max_position_embeddings lie between beta_slow and
-              beta_fast; magnitude below
+              beta_fast; its magnitude (`yarn_magnitude`) as the release reads it
 
-The supported vLLM releases (`VLLM_RELEASES`, oldest and newest) read yarn's optional
-fields differently (`model_executor/layers/rotary_embedding/__init__.py::get_rope` passes
-only `YARN_FIELDS[release]` on):
-
-    0.22.0  magnitude (0.1·ln(factor) + 1)·attn_factor, attn_factor alone when
-            apply_yarn_scaling is false; extrapolation_factor scales the ramp
-            (`yarn_scaling_rope.py::YaRNScalingRotaryEmbedding`)
-    0.33.0  magnitude attention_factor, else mscale/mscale_all_dim's ratio when both are
-            set, else 0.1·ln(factor) + 1; as transformers reads it
-
-The MLA drafter's rope (`eagle31.drafter_attention.mla`) is vLLM's DeepSeek YaRN
-(`deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding`), reading
-`DEEPSEEK_YARN_FIELDS[release]`, and the DeepSeek attention
-(`deepseek_v2.py::DeepseekV2MLAAttention`) multiplies the softmax scale by
-yarn_mscale(factor, mscale_all_dim)² only under `deepseek_yarn`, which it picks unless
-`apply_yarn_scaling` is false (0.22.0) or `attention_factor` is 1.0 (0.33.0).
+How the supported vLLM releases (`VLLM_RELEASES`) read a yarn block, in the Llama layer and in the MLA
+drafter's DeepSeek YaRN (`eagle31.drafter_attention.mla`): docs/export.md, "Where the two releases differ".
 
 `ambiguity` names, in one line, the fields of a block that the releases read differently
 (none for every recipe's drafter); export refuses such a block, and a drafter trains with
@@ -144,7 +130,7 @@ def _log_magnitude(factor: float, weight: float = 1.0) -> float:
 
 
 def yarn_magnitude(rope: dict[str, Any], release: str = NEWEST) -> float:
-    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (module docstring)."""
+    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (docs/export.md, "Where the two releases differ")."""
     factor = float(rope["factor"])
     if "attn_factor" in YARN_FIELDS[release]:  # 0.22.0
         attn_factor = float(rope.get("attn_factor", 1.0))
@@ -159,7 +145,7 @@ def yarn_magnitude(rope: dict[str, Any], release: str = NEWEST) -> float:
 
 def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float, float]:
     """(extrapolation factor, cos/sin magnitude, softmax-scale factor) of vLLM `release`'s MLA layer for a yarn block
-    (module docstring)."""
+    (docs/export.md, "Where the two releases differ")."""
     factor = float(rope["factor"])
     read = DEEPSEEK_YARN_FIELDS_READ[release]
     if "apply_yarn_scaling" in read:

@@ -112,11 +112,12 @@ def train_eagle31(recipe) -> dict:
 
 
 def measure_drafters(
-    drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path, device: str = "cpu"
+    drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path, device: str = "cpu",
+    report_folder: str = "acceptance",
 ) -> dict:
     """One `eagle31.eval.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
     split (greedy chains of k, verified from the target's one greedy decoding of each prompt); its report
-    under out/acceptance.
+    under out/`report_folder` (a study that measures several times: one folder each).
 
     What a report already there measured with the same settings is kept, not measured again: a drafter
     whose weights still have the sha256 it recorded, and one whose directory is gone (an earlier session's
@@ -146,7 +147,7 @@ def measure_drafters(
         )
 
     sha256 = {label: drafter_sha256(path) for label, path in drafters.items() if path.is_dir()}
-    report_path = out / "acceptance" / "acceptance.json"
+    report_path = out / report_folder / "acceptance.json"
     if not sha256:
         raise ConfigError(f"none of the drafters {', '.join(drafters)} is here to measure (what {report_path} holds stands)")
     settings = {**report_settings(config_of(list(sha256))), "drafters": {label: portable_path(p) for label, p in drafters.items()}}
@@ -174,7 +175,7 @@ def measure_drafters(
         "results": [rows[(label, split)] for label in drafters for split in settings["data"]],
     }
     check_one_target_decoding(report, report_path)
-    write_report(report, out / "acceptance")
+    write_report(report, out / report_folder)
     return report
 
 

@@ -18,7 +18,7 @@ import torch
 import eagle31.attention.kernels
 from eagle31.attention.entries import ChainKeysValues
 from eagle31.attention.kernels import resolve_backend, segment_ids
-from eagle31.attention.query_tail import QueryTail
+from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.attention.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
 from eagle31.drafter_attention.mla import mla_keys_values
 

@@ -79,7 +79,7 @@ def test_a_sequence_split_n_ways_holds_a_shard_of_every_length_term_and_the_whol
     """train.sequence_parallel = N: what grows with T is taken at a shard and its halo; the exchanged keys
     (MLA latents gathered, their gradients) are the whole sequence's on the last rank, their decompressed
     keys and values one block's."""
-    from eagle31.attention.query_tail import QueryTail
+    from eagle31.sequence_parallel.query_tail import QueryTail
     from eagle31.estimate import prefix_block_bytes, sequence_keys_bytes
 
     d, T, K = drafter("kimi_k26"), 262144, 7

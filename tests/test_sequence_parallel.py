@@ -1,4 +1,4 @@
-"""Sequence parallelism (eagle31/sequence_parallel.py): N ranks sharing each sequence train exactly as one.
+"""Sequence parallelism (eagle31/sequence_parallel/): N ranks sharing each sequence train exactly as one.
 
 Four gloo processes (torch.multiprocessing) run the trainer with the sequence split 4 ways (data 1 ×
 sequence 4) and on a 2 × 2 mesh (data 2 × sequence 2); one process runs the same global batches
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from eagle31.attention.query_tail import QueryTail
+from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World

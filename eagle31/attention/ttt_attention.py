@@ -20,7 +20,7 @@ gradients. Memory is O(T) in the sequence length: no `T x T` or `T x (K*T)`
 tensor is built.
 
 The causal part is a kernel of `eagle31.attention.kernels` (on a sequence shard wrapped in
-`eagle31.attention.query_tail.QueryTail`):
+`eagle31.sequence_parallel.query_tail.QueryTail`):
   * `flash` — PyTorch's fused flash-attention ops: on CUDA one varlen call
     over the packed documents, on CPU one call per document (the faster CPU path);
   * `blockwise` — pure PyTorch, any device and dtype, query blocks of bounded size.
@@ -49,7 +49,7 @@ from eagle31.attention.kernels import (
     accumulation_dtype,
     resolve_backend,
 )
-from eagle31.attention.query_tail import QueryTail, StepZeroKeys
+from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
 from eagle31.recipe import AttentionBackend
 
 # ----------------------------------------------------------------------------

@@ -1,21 +1,24 @@
 """EAGLE 3 against EAGLE 3.1 on the demo target: train both, evaluate on every split.
 
     python -m experiments.eagle3_vs_eagle31.demo                   # the comparison of docs/results/eagle3_vs_eagle31.md
-    python -m experiments.eagle3_vs_eagle31.demo dry_run=true      # print the commands, run nothing
+    python -m experiments.eagle3_vs_eagle31.demo dry_run=true      # print the trainings and measurements, run nothing
     python -m experiments.eagle3_vs_eagle31.demo seeds=0 ttt_lengths=5 ks=3 max_prompts=8 out=/tmp/cmp runs=/tmp/cmp/runs
+    python -m experiments.eagle3_vs_eagle31.demo --smoke out=/tmp/cmp runs=/tmp/cmp/runs   # tiny sizes (also SMOKE=1)
 
-For every seed and TTT length it trains two drafters with `train/main.py recipe=demo` and the
-same data (one prepared directory), seed, steps and settings; they differ only in the two
-EAGLE 3.1 switches (`drafter.fc_norm`, `drafter.norm_output`). Then, per TTT length and per k,
-one `scripts/eval_acceptance.py` run decodes every split with all of them. A step whose
-output exists (`report.json`, `acceptance.json`) is skipped, so an interrupted comparison
-continues where it stopped. Writes under `out`: `commands.sh` (what ran), `ttt<T>-k<k>/`
-(each evaluation's JSON, table and plot), `summary.json`, `results.md` and `comparison.png`.
+For every seed and TTT length it trains two drafters with `train/main.py`'s pipeline
+(`eagle31.pipeline.run`, `recipe=demo`) and the same data (one prepared directory), seed, steps
+and settings; they differ only in the two EAGLE 3.1 switches (`drafter.fc_norm`,
+`drafter.norm_output`). Then, per TTT length and per k, one acceptance run
+(`experiments.harness.measure_drafters`: the target decodes each prompt once, every drafter is
+verified from that decoding) measures all of them on every split. Resumable: a finished training
+is skipped, a killed one continues from its checkpoint, and a measurement of the same weights with
+the same settings is kept. After `--`: recipe overrides of every training. Writes under `out`:
+`commands.sh` (what ran), `ttt<T>-k<k>/` (each measurement's JSON, table and plot),
+`summary.json`, `results.md` and `comparison.png`.
 
 Keys: out, runs (training run directories), seeds, ttt_lengths, ks (comma lists), max_steps,
-max_prompts (per split), max_new_tokens, splits (of the demo corpus), threads (per process:
-OpenMP threads oversubscribed on a shared 2-core machine made decoding ten times slower),
-dry_run.
+max_prompts (per split), max_new_tokens, splits (of the demo corpus), threads (OpenMP threads:
+oversubscribed on a shared 2-core machine they made decoding ten times slower), dry_run.
 """
 
 from __future__ import annotations
@@ -25,17 +28,14 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import ConfigError
-from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
-from eagle31.targets.cache import cache_dir
+from eagle31.io import atomic_path
+from experiments.harness import ROOT, log_command, measure_drafters, study_main, train_missing, write_summary
 
-ROOT = Path(__file__).resolve().parents[2]
 # The one difference between the drafters: EAGLE 3 is EAGLE 3.1 with both switches off;
 # the two single-switch variants are the ablation (variants=eagle3,fc_norm,norm_output,eagle31).
 VARIANTS = {
@@ -46,6 +46,7 @@ VARIANTS = {
 }
 NAMES = {"eagle3": "EAGLE 3", "fc_norm": "+fc_norm only", "norm_output": "+norm_output only", "eagle31": "EAGLE 3.1"}
 COLORS = {"eagle3": "tab:orange", "fc_norm": "tab:green", "norm_output": "tab:purple", "eagle31": "tab:blue"}
+SMOKE = dict(seeds="0", ttt_lengths="2", ks="2", max_steps=2, max_prompts=1, max_new_tokens=8, splits="heldout")
 
 
 @dataclass
@@ -91,7 +92,7 @@ class CompareConfig:
     variants_list = property(lambda self: [v.strip() for v in self.variants.split(",") if v.strip()])
 
 
-# ---------------------------------------------------------------------------- commands
+# ---------------------------------------------------------------------------- trainings and measurements
 
 
 def run_name(variant: str, ttt: int, seed: int) -> str:
@@ -104,65 +105,83 @@ def parse_run_name(name: str) -> tuple[str, int, int]:
     return variant, int(ttt.removeprefix("ttt")), int(seed.removeprefix("s"))
 
 
-def train_command(cfg: CompareConfig, variant: str, ttt: int, seed: int) -> list[str]:
-    """The demo recipe with only seed, TTT length, steps and the variant's switches changed."""
+def training_overrides(cfg: CompareConfig, overrides: list[str], variant: str, ttt: int, seed: int) -> list[str]:
+    """The demo recipe, the user's `overrides`, then only seed, TTT length, steps and the variant's switches changed."""
     return [
-        "python", "train/main.py", "recipe=demo",
+        "recipe=demo", *overrides,
         f"output_dir={cfg.runs}/{run_name(variant, ttt, seed)}",
         f"data.prepared_dir={cfg.runs}/data",  # prepared once: every drafter reads the same tokens
         f"seed={seed}", f"train.ttt_length={ttt}", f"train.max_steps={cfg.max_steps}",
+        "resume=auto",  # a killed training continues from its last checkpoint
         "eval.enabled=false", "logging.wandb.mode=disabled", "logging.progress=false",
         *VARIANTS[variant],
     ]  # fmt: skip
 
 
-def eval_command(cfg: CompareConfig, ttt: int, k: int, target: Path, corpus: Path) -> list[str]:
-    """One evaluation: every drafter of one TTT length, every split, chain drafting with k tokens."""
-    drafters = [f"{run_name(v, ttt, s)}={cfg.runs}/{run_name(v, ttt, s)}/drafter" for v in cfg.variants_list for s in cfg.seeds_list]
-    return [
-        "python", "scripts/eval_acceptance.py",
-        "drafter=" + ",".join(drafters),
-        f"target={target}",
-        "data=" + ",".join(f"{s}={corpus}/{s}.jsonl" for s in cfg.splits_list),
-        f"k={k}", f"max_new_tokens={cfg.max_new_tokens}", f"max_prompts={cfg.max_prompts}",
-        "device=cpu", f"out={eval_dir(cfg, ttt, k)}",
-    ]  # fmt: skip
+def trainings(cfg: CompareConfig, overrides: list[str]) -> dict[str, list[str]]:
+    """run name -> its recipe overrides, in the order they train."""
+    return {
+        run_name(variant, ttt, seed): training_overrides(cfg, overrides, variant, ttt, seed)
+        for ttt in cfg.ttt_lengths_list
+        for seed in cfg.seeds_list
+        for variant in cfg.variants_list
+    }
 
 
-def eval_dir(cfg: CompareConfig, ttt: int, k: int) -> Path:
-    return Path(cfg.out) / f"ttt{ttt}-k{k}"
+def measurement_recipe(cfg: CompareConfig, overrides: list[str]):
+    """The recipe the measurements read: the demo target, its corpus' `splits` as `eval.data`."""
+    from eagle31.recipe import load_recipe
+
+    return load_recipe(ROOT / "recipes", ["recipe=demo", *overrides, f"eval.data=[{','.join(f'demo:{s}' for s in cfg.splits_list)}]"])
 
 
-def plan(cfg: CompareConfig, target: Path, corpus: Path) -> list[tuple[list[str], Path]]:
-    """(command, the file it writes) in the order they run: trainings, then evaluations."""
-    steps = []
-    for ttt in cfg.ttt_lengths_list:
-        for seed in cfg.seeds_list:
-            for variant in cfg.variants_list:
-                steps.append((train_command(cfg, variant, ttt, seed), Path(cfg.runs) / run_name(variant, ttt, seed) / "report.json"))
+def drafters(cfg: CompareConfig, ttt: int) -> dict[str, Path]:
+    """label -> drafter directory of every drafter of one TTT length."""
+    return {run_name(v, ttt, s): Path(cfg.runs) / run_name(v, ttt, s) / "drafter" for v in cfg.variants_list for s in cfg.seeds_list}
+
+
+def measurement_folder(ttt: int, k: int) -> str:
+    return f"ttt{ttt}-k{k}"
+
+
+def describe_plan(cfg: CompareConfig, overrides: list[str]) -> str:
+    """What a run does, in order: each training as the `train/main.py` command of the same run, then each measurement."""
+    lines = [f"OMP_NUM_THREADS={cfg.threads} python train/main.py " + shlex.join(o) for o in trainings(cfg, overrides).values()]
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
-            steps.append((eval_command(cfg, ttt, k, target, corpus), eval_dir(cfg, ttt, k) / "acceptance.json"))
-    return steps
+            lines.append(f"measure {Path(cfg.out) / measurement_folder(ttt, k)}: k={k}, {', '.join(drafters(cfg, ttt))} "
+                         f"on {', '.join(cfg.splits_list)}")  # fmt: skip
+    return "\n".join(lines)
 
 
-def execute(cfg: CompareConfig, steps: list[tuple[list[str], Path]]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
-    log = Path(cfg.out) / "commands.sh"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')}, from the repository root\n")
-        f.write('EAGLE31_CACHE="${EAGLE31_CACHE:-$HOME/.cache/eagle31}"\n')
-    for command, output in steps:
-        line = f"OMP_NUM_THREADS={cfg.threads} " + shlex.join(command)
-        line = line.replace(str(cache_dir()), "$EAGLE31_CACHE")  # the demo target's path on this machine
-        if (ROOT / output).is_file():
-            print(f"skip (done: {output}): {line}", file=sys.stderr)
-            continue
-        print(f"run: {line}", file=sys.stderr)
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-        subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, check=True)
+def compare(cfg: CompareConfig, overrides: list[str], command: str) -> None:
+    """Train what is missing, measure every TTT length at every k, summarise (`dry_run`: print the plan only)."""
+    if cfg.dry_run:
+        print(describe_plan(cfg, overrides))
+        return
+    import torch
+
+    from eagle31.recipe import load_recipe
+    from eagle31.targets.demo import demo_corpus_dir, ensure_demo_target
+
+    torch.set_num_threads(cfg.threads)
+    out, runs = Path(cfg.out), Path(cfg.runs)
+    recipes = {name: load_recipe(ROOT / "recipes", o) for name, o in trainings(cfg, overrides).items()}  # checked before any work
+    recipe = measurement_recipe(cfg, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    log_command(out, command)
+    train_missing(recipes, runs, out)
+    for ttt in cfg.ttt_lengths_list:
+        for k in cfg.ks_list:
+            measure_drafters(drafters(cfg, ttt), recipe, k=k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts,
+                             out=out, report_folder=measurement_folder(ttt, k))  # fmt: skip
+    summary = summarize(cfg)
+    summary["feature_scale"] = feature_scale(cfg, ensure_demo_target(), demo_corpus_dir())  # the target is built once per machine (cached)
+    table = format_results(summary)
+    write_summary(out, summary, table)
+    plot_results(summary, out / "comparison.png")
+    print(table)
+    print(f"\nwrote {out / 'summary.json'}, {out / 'results.md'}, {out / 'comparison.png'}")
 
 
 # ---------------------------------------------------------------------------- results
@@ -174,13 +193,13 @@ def summarize(cfg: CompareConfig) -> dict:
     for ttt in cfg.ttt_lengths_list:
         for variant in cfg.variants_list:
             for seed in cfg.seeds_list:
-                report = json.loads((ROOT / cfg.runs / run_name(variant, ttt, seed) / "report.json").read_text())
+                report = json.loads((Path(cfg.runs) / run_name(variant, ttt, seed) / "report.json").read_text())
                 keys = ("tau_sim", "acc", "eval_loss", "train_time_s", "steps", "tokens_seen")
                 training.append({"variant": variant, "ttt_length": ttt, "seed": seed, **{k: report[k] for k in keys}})
     acceptance = []
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
-            results = json.loads((ROOT / eval_dir(cfg, ttt, k) / "acceptance.json").read_text())["results"]
+            results = json.loads((Path(cfg.out) / measurement_folder(ttt, k) / "acceptance.json").read_text())["results"]
             for split in cfg.splits_list:
                 for variant in cfg.variants_list:
                     rows = [r for r in results if r["split"] == split and parse_run_name(r["drafter"])[0] == variant]
@@ -354,30 +373,7 @@ def plot_results(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if wants_help(argv, __doc__):
-        return 0
-    try:
-        cfg = parse_key_values(argv, CompareConfig)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from eagle31.targets.demo import demo_corpus_dir, ensure_demo_target
-
-    steps = plan(cfg, ensure_demo_target(), demo_corpus_dir())  # the target is built once per machine (cached)
-    if cfg.dry_run:
-        print("\n".join(f"OMP_NUM_THREADS={cfg.threads} " + shlex.join(c) for c, _ in steps))
-        return 0
-    execute(cfg, steps)
-    summary = summarize(cfg)
-    summary["feature_scale"] = feature_scale(cfg, ensure_demo_target(), demo_corpus_dir())
-    out = ROOT / cfg.out
-    atomic_write_json(out / "summary.json", summary)
-    table = format_results(summary)
-    atomic_write_text(out / "results.md", table + "\n")
-    plot_results(summary, out / "comparison.png")
-    print(table)
-    print(f"\nwrote {out / 'summary.json'}, {out / 'results.md'}, {out / 'comparison.png'}")
-    return 0
+    return study_main(argv, __doc__, CompareConfig, SMOKE, "experiments.eagle3_vs_eagle31.demo", compare)
 
 
 if __name__ == "__main__":

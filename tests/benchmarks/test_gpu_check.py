@@ -19,7 +19,7 @@ from benchmarks.report import put_gpu_table
 from benchmarks.sequence_parallel import drafter_config
 from benchmarks.shapes import recipe_shapes, recipe_drafter
 from eagle31.attention.kernels import FlashCausal
-from eagle31.attention.query_tail import QueryTail
+from eagle31.sequence_parallel.query_tail import QueryTail
 from tests.peers import peer_module
 
 ROOT = Path(__file__).resolve().parents[2]

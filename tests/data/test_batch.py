@@ -5,7 +5,10 @@ schema through the store, packing, padding and the sequence shards, nothing name
 from __future__ import annotations
 
 import dataclasses
+import sys
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -69,3 +72,122 @@ def test_the_store_keeps_each_column_in_its_dtype(tmp_path, loss_mask_padded_wit
     store = FeatureStore(tmp_path / "s", dtype=torch.float32)
     for got, s in zip(store.samples(range(len(samples))), samples):
         assert torch.equal(got.loss_mask, s.loss_mask) and torch.equal(got.input_ids, s.input_ids)
+
+
+# ------------------------------------------------------------------ a new column, added as docs/architecture.md says
+
+
+class ToySample(NamedTuple):
+    """`Sample` with the toy column's field (what a new column adds to batch.py)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    parity: torch.Tensor  # [T] long: the toy column, each input id mod 2
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+@dataclasses.dataclass
+class ToyBatch(FeatureBatch):
+    """`FeatureBatch` with the toy column's field."""
+
+    parity: torch.Tensor | None = None  # [B, T] long
+
+
+PARITY_PAD = 7  # not a parity: padding is told apart from every real value
+
+
+@pytest.fixture
+def parity_column(monkeypatch):
+    """A per-token column `parity` added as the "How to add" table says, and nowhere else: its line in
+    `TOKEN_COLUMNS` and its field on `Sample` and `FeatureBatch` (batch.py; every module that bound the two
+    classes by name gets the new ones, as editing batch.py would give them), and its value in each row that
+    prepare.py's `_samples` yields. No reader: the column is checked where the trainer would read it."""
+    import eagle31.data.capture
+    import eagle31.data.loader
+    import eagle31.data.online
+    import eagle31.data.prepare
+    import eagle31.data.speculators_import
+    import eagle31.data.store
+    import eagle31.engine.features
+    import eagle31.sequence_parallel
+    import eagle31.trainer
+
+    monkeypatch.setitem(TOKEN_COLUMNS, "parity", TokenColumn("int8", torch.uint8, pad=PARITY_PAD))
+    for old, new in ((Sample, ToySample), (FeatureBatch, ToyBatch)):
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "eagle31":
+                for attr, value in list(vars(module).items()):
+                    if value is old:
+                        monkeypatch.setattr(module, attr, new)
+    rows = eagle31.data.prepare._samples
+    with_parity = lambda *args: ({**row, "parity": [i % 2 for i in row["input_ids"]]} for row in rows(*args))  # noqa: E731
+    monkeypatch.setattr(eagle31.data.prepare, "_samples", with_parity)
+
+
+def assert_parity_travelled(batch: FeatureBatch) -> None:
+    """The batch carries the toy column: each real token's input id mod 2, the column's pad elsewhere."""
+    assert isinstance(batch, ToyBatch) and batch.parity.dtype == torch.long
+    real = batch.document_ids >= 0
+    assert torch.equal(batch.parity[real], batch.input_ids[real] % 2)
+    assert bool((batch.parity[~real] == PARITY_PAD).all())
+
+
+class OnePool:
+    """An engine pool whose one request per take answers with features computed here (no Ray)."""
+
+    def __init__(self, online):
+        self.online = online
+        self.take = self
+
+    def remote(self, rank, ids):
+        return "ok", [(list(range(len(ids))), [(s.aux, s.final) for s in self.online.samples(ids)])]
+
+
+def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_sequence_shard(parity_column, tmp_path, llama_tok, monkeypatch):
+    """Prepared split -> online features, the feature store and the engine's samples -> packed and padded
+    batches -> a sequence shard with its halo: the toy column arrives everywhere the trainer reads columns."""
+    import eagle31.engine.features
+    import eagle31.sequence_parallel
+    from eagle31.data.capture import capture_to_store
+    from eagle31.data.loader import FeatureLoader
+    from eagle31.data.online import OnlineFeatures
+    from eagle31.data.prepare import load_prepared_splits, prepare_dataset
+    from eagle31.data.store import StoreHeader, StoreWriter, prepared_lengths
+    from eagle31.engine.features import EngineFeatures
+    from eagle31.recipe import DataConfig
+    from eagle31.sequence_parallel import SequenceGroup, shard_batch
+    from tests.data.chat_helpers import write_jsonl
+    from tests.tiny_targets import tiny_llama
+
+    chats = [{"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello " * (i % 4 + 1)}]} for i in range(12)]
+    data = DataConfig(source=[str(write_jsonl(tmp_path / "chats.jsonl", chats))], prepared_dir=str(tmp_path / "prepared"))
+    prepare_dataset(data, llama_tok, draft_vocab_size=8)
+    train = load_prepared_splits(tmp_path / "prepared")["train"]
+    assert train.features["parity"].feature.dtype == "int8"
+    assert all(row["parity"] == [i % 2 for i in row["input_ids"]] for row in train)
+
+    aux_ids = (1, 2, 3)
+    target = tiny_llama(vocab_size=len(llama_tok))
+    online = OnlineFeatures(target, train, aux_ids)
+    header = StoreHeader("tiny", None, 6, online.hidden_size, aux_ids, "float32")
+    writer = StoreWriter(tmp_path / "store", header, np.arange(len(train)), prepared_lengths(train), shard_max_tokens=64)
+    capture_to_store(target, train, writer, batch_tokens=256)
+    writer.finalize()
+    with safe_open(str(next((tmp_path / "store").rglob("*.safetensors"))), "pt") as f:
+        assert f.get_slice("parity").get_dtype() == "U8"
+    monkeypatch.setattr(eagle31.engine.features, "_get", lambda refs: refs)  # the pool's answers are the values
+    engine = EngineFeatures(OnePool(online), train, rank=0, stream=True, hidden_size=online.hidden_size,
+                            aux_size=online.aux_size, dtype=online.dtype)  # fmt: skip
+    # one rank's group: the gather of every rank's shard is its own
+    monkeypatch.setattr(eagle31.sequence_parallel, "all_gather_shards", lambda x, group: x.unsqueeze(0))
+    one_rank = SequenceGroup(size=1, rank=0, data_rank=0, data_size=1)
+    for source in (online, FeatureStore(tmp_path / "store"), engine):
+        for batching in ("pack", "bucket"):  # bucket: padded rows
+            batches = list(FeatureLoader(source, batching=batching, tokens_per_batch=256))
+            assert sum(b.num_samples for b in batches) == len(train)
+            for batch in batches:
+                assert_parity_travelled(batch)
+                shard, _ = shard_batch(batch, one_rank, ttt_length=2, device="cpu", dtype=torch.float32)
+                assert_parity_travelled(shard)
+                assert shard.parity.shape[1] == shard.input_ids.shape[1] > batch.input_ids.shape[1]  # the halo

@@ -1,6 +1,8 @@
-"""experiments/eagle3_vs_eagle31/demo.py: the commands it runs and the tables it writes, not the comparison itself."""
+"""experiments/eagle3_vs_eagle31/demo.py: what it trains and measures and the tables it writes; end to end at tiny
+sizes (`--smoke`, slow: it builds the demo target once per machine)."""
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -15,34 +17,48 @@ CompareConfig = script["CompareConfig"]
 
 def test_the_two_drafters_differ_only_in_the_eagle31_switches():
     cfg = parse_key_values(["seeds=3", "ttt_lengths=6", "max_steps=40", "runs=r"], CompareConfig)
-    eagle3 = script["train_command"](cfg, "eagle3", 6, 3)
-    eagle31 = script["train_command"](cfg, "eagle31", 6, 3)
+    eagle3 = script["training_overrides"](cfg, ["train.lr=1e-3"], "eagle3", 6, 3)
+    eagle31 = script["training_overrides"](cfg, ["train.lr=1e-3"], "eagle31", 6, 3)
     differ = set(eagle3) ^ set(eagle31)
     assert differ == {"output_dir=r/eagle3-ttt6-s3", "output_dir=r/eagle31-ttt6-s3", "drafter.fc_norm=false", "drafter.norm_output=false"}
-    for arg in ("recipe=demo", "seed=3", "train.ttt_length=6", "train.max_steps=40", "data.prepared_dir=r/data", "eval.enabled=false"):
+    assert eagle3[:2] == ["recipe=demo", "train.lr=1e-3"]  # the user's overrides, then the comparison's own keys
+    for arg in ("seed=3", "train.ttt_length=6", "train.max_steps=40", "data.prepared_dir=r/data", "eval.enabled=false", "resume=auto"):
         assert arg in eagle3 and arg in eagle31
     # the ablation: one switch each
-    assert set(script["train_command"](cfg, "fc_norm", 6, 3)) - set(eagle31) == {"output_dir=r/fc_norm-ttt6-s3", "drafter.norm_output=false"}
-    assert set(script["train_command"](cfg, "norm_output", 6, 3)) - set(eagle31) == {"output_dir=r/norm_output-ttt6-s3", "drafter.fc_norm=false"}
+    assert set(script["training_overrides"](cfg, [], "fc_norm", 6, 3)) - set(eagle31) == {"output_dir=r/fc_norm-ttt6-s3", "drafter.norm_output=false"}
+    assert set(script["training_overrides"](cfg, [], "norm_output", 6, 3)) - set(eagle31) == {"output_dir=r/norm_output-ttt6-s3", "drafter.fc_norm=false"}
 
 
-def test_plan_trains_every_drafter_before_evaluating_each_k(tmp_path):
-    cfg = parse_key_values(["seeds=0,1", "ttt_lengths=5,7", "ks=3,6", "runs=r", "out=o", "splits=heldout,long_prompt"], CompareConfig)
-    steps = script["plan"](cfg, tmp_path / "target", tmp_path / "corpus")
-    trains, evals = steps[:8], steps[8:]
-    assert all(c[1] == "train/main.py" for c, _ in trains) and len(evals) == 4
-    assert [str(out) for _, out in evals] == [f"o/ttt{t}-k{k}/acceptance.json" for t in (5, 7) for k in (3, 6)]
-    command = evals[0][0]
-    drafters = next(a for a in command if a.startswith("drafter=")).removeprefix("drafter=").split(",")
-    assert drafters == [f"{v}-ttt5-s{s}=r/{v}-ttt5-s{s}/drafter" for v in ("eagle3", "eagle31") for s in (0, 1)]
-    assert f"data=heldout={tmp_path}/corpus/heldout.jsonl,long_prompt={tmp_path}/corpus/long_prompt.jsonl" in command
+def test_the_plan_trains_every_drafter_then_measures_each_ttt_length_at_each_k(capsys):
+    argv = ["seeds=0,1", "ttt_lengths=5,7", "ks=3,6", "runs=r", "out=o", "splits=heldout,long_prompt", "dry_run=true"]
+    assert script["main"](argv) == 0  # nothing built, trained or written
+    lines = capsys.readouterr().out.splitlines()
+    trains, measures = lines[:8], lines[8:]
+    assert all(line.startswith("OMP_NUM_THREADS=1 python train/main.py recipe=demo output_dir=r/") for line in trains)
+    assert [t.split("output_dir=r/")[1].split()[0] for t in trains[:4]] == ["eagle3-ttt5-s0", "eagle31-ttt5-s0", "eagle3-ttt5-s1", "eagle31-ttt5-s1"]
+    assert [m.split(":")[0] for m in measures] == [f"measure o/ttt{t}-k{k}" for t in (5, 7) for k in (3, 6)]
+    assert measures[0] == "measure o/ttt5-k3: k=3, eagle3-ttt5-s0, eagle3-ttt5-s1, eagle31-ttt5-s0, eagle31-ttt5-s1 on heldout, long_prompt"
+    cfg = parse_key_values(["ttt_lengths=5", "seeds=0", "runs=r"], CompareConfig)
+    assert script["drafters"](cfg, 5) == {"eagle3-ttt5-s0": Path("r/eagle3-ttt5-s0/drafter"), "eagle31-ttt5-s0": Path("r/eagle31-ttt5-s0/drafter")}
     assert script["parse_run_name"]("eagle31-ttt7-s1") == ("eagle31", 7, 1)
 
 
+def test_every_training_and_the_measurement_are_recipes_of_the_demo():
+    cfg = parse_key_values(["seeds=0", "ttt_lengths=5", "splits=heldout,long_prompt", "runs=r"], CompareConfig)
+    from eagle31.recipe import load_recipe
+
+    for overrides in script["trainings"](cfg, ["train.lr=1e-3"]).values():
+        recipe = load_recipe(ROOT / "recipes", overrides)
+        assert recipe.name == "demo" and recipe.train.lr == 1e-3 and recipe.output_dir.startswith("r/")
+    assert list(script["measurement_recipe"](cfg, []).eval.data) == ["demo:heldout", "demo:long_prompt"]
+
+
 @pytest.mark.parametrize("arg, message", [("ks=3,x", "ks must be"), ("ttt_lengths=0", "positive"), ("max_prompts=0", "max_prompts"), ("splits=,", "no split"), ("variants=eagle4", "variants must")])
-def test_bad_arguments_are_one_line_errors(arg, message):
+def test_bad_arguments_are_one_line_errors(arg, message, capsys):
     with pytest.raises(ConfigError, match=message):
         parse_key_values([arg], CompareConfig)
+    assert script["main"]([arg]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 @pytest.mark.slow
@@ -104,15 +120,31 @@ def test_feature_scale_is_the_rms_of_the_targets_hidden_states(tmp_path):
 
 
 def test_commands_log_names_the_cache_by_its_variable(tmp_path, monkeypatch):
+    from experiments.harness import log_command
+
     cache = tmp_path / "cache"
     monkeypatch.setenv("EAGLE31_CACHE", str(cache))
-    cfg = parse_key_values([f"out={tmp_path / 'o'}", "threads=1"], CompareConfig)
-    done = tmp_path / "done.json"
-    steps = [(["python", "-c", "pass", f"target={cache}/targets/demo"], done)]
-    script["execute"](cfg, steps)
-    log = (tmp_path / "o" / "commands.sh").read_text()
-    assert "from the repository root" in log and 'EAGLE31_CACHE="${EAGLE31_CACHE:-$HOME/.cache/eagle31}"' in log
-    assert "target=$EAGLE31_CACHE/targets/demo" in log and str(tmp_path) not in log.replace(str(tmp_path / "o"), "")
+    log_command(tmp_path, f"OMP_NUM_THREADS=1 python -m experiments.eagle3_vs_eagle31.demo runs={cache}/runs")
+    log = (tmp_path / "commands.sh").read_text()
+    assert "from the repository root" in log and "runs=$EAGLE31_CACHE/runs" in log and str(cache) not in log
+
+
+@pytest.mark.slow
+def test_smoke_trains_both_drafters_and_measures_them_into_the_results_of_the_full_comparison(tmp_path, capsys):
+    """End to end at tiny sizes on the demo target (built once per machine, minutes): the files the full comparison writes."""
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    assert script["main"](["--smoke", f"out={out}", f"runs={runs}", "threads=2"]) == 0
+    assert {p.name for p in runs.iterdir()} >= {"data", "eagle3-ttt2-s0", "eagle31-ttt2-s0"}
+    report = json.loads((out / "ttt2-k2" / "acceptance.json").read_text())
+    assert {(r["drafter"], r["split"]) for r in report["results"]} == {("eagle3-ttt2-s0", "heldout"), ("eagle31-ttt2-s0", "heldout")}
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(t["variant"], t["steps"]) for t in summary["training"]] == [("eagle3", 2), ("eagle31", 2)]
+    assert "| 2 | 2 | heldout | 1 |" in (out / "results.md").read_text() and (out / "comparison.png").is_file()
+    assert "experiments.eagle3_vs_eagle31.demo --smoke" in (out / "commands.sh").read_text()
+    first = (out / "ttt2-k2" / "acceptance.json").read_text()
+    assert script["main"](["--smoke", f"out={out}", f"runs={runs}", "threads=2"]) == 0  # resumed: nothing trained or measured again
+    assert (out / "ttt2-k2" / "acceptance.json").read_text() == first
+    assert "skip (done): eagle3-ttt2-s0" in capsys.readouterr().err
 
 
 def test_committed_results_carry_no_machine_paths():

@@ -3,19 +3,7 @@ the forward), encoded from the source of the newest supported release, vLLM 0.33
 copied), with the oldest one's (0.22.0) differences where they matter. What runs on a CPU (the config
 pipeline, the registry, the rope tables) is run from both releases instead (`tests/export/vllm_peer.py`).
 
-vLLM 0.33.0 differs from 0.22.0 here:
-
-* `llama_eagle3.py`, `qwen3_eagle3.py`, `deepseek_eagle3.py` (`Eagle3*ForCausalLM.__init__`): no
-  `draft_id_to_target_id` parameter when `draft_vocab_size` equals the target's vocabulary, so
-  `AutoWeightsLoader` refuses a `d2t` tensor (0.22.0 keeps the parameter at zeros, the identity).
-* `deepseek_eagle3.py::Eagle3DeepseekV2ForCausalLM.combine_hidden_states` applies `fc_norm`
-  (0.22.0 builds the norms but never applies them: an MLA EAGLE 3.1 drafter needs 0.33).
-* `deepseek_eagle3.py::DeepseekV2Eagle3DecoderLayer` keeps the config's parsed `rope_parameters`
-  (0.22.0 replaced them by `rope_scaling` as `deepseek_yarn`); `deepseek_v2.py::DeepseekV2MLAAttention`
-  then picks `deepseek_llama_scaling` (no softmax-scale correction) when `attention_factor == 1.0`
-  (0.22.0: when `apply_yarn_scaling` is false).
-* `rotary_embedding/__init__.py::get_rope` hands YaRN `mscale`, `mscale_all_dim`, `attention_factor`
-  (as transformers reads them) instead of `attn_factor`, `extrapolation_factor`, `apply_yarn_scaling`.
+Where 0.33.0 differs from 0.22.0, and where in vLLM's source: docs/export.md, "Where the two releases differ".
 
 Read in vllm-project/vllm 0.33.0:
 
@@ -76,8 +64,7 @@ Read in vllm-project/vllm 0.33.0:
   `yarn_scaling_rope.py`, `common.py`): each class precomputes a table of cos and sin per
   position, `[cos | sin]` of `position * inv_freq`, and the kernel gathers rows by
   position. `get_rope` hands YaRN only `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`,
-  `attention_factor` and `truncate` (0.22.0: `extrapolation_factor`, `attn_factor`, `beta_fast`,
-  `beta_slow`, `apply_yarn_scaling`, `truncate`).
+  `attention_factor` and `truncate`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ the chain lives at the query's own position, so only the step-0 entries cross sh
 (Llama: k, v; MLA: the latents c_kv + k_pe, decompressed locally), cut to the keys a shard's queries
 can see (positions before its end; with a sliding window W, from W - 1 positions before its start on),
 their gradients reduce-scattered back (`SequenceShard.gather`).
-The attention over them is `eagle31.attention.query_tail.QueryTail`.
+The attention over them is `QueryTail` (query_tail.py: the causal part on a shard, the keys before it made
+a block of positions at a time by `StepZeroKeys`).
 
 The loss is the mean over the supervised queries of the global batch: each query is counted and
 summed on the rank that holds its position, and the trainer all-reduces the counts over the world.
