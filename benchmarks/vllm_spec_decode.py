@@ -3,7 +3,8 @@ speculative decoding of token-id prompts in a real vLLM engine, with vLLM's own 
 
     <vllm python> benchmarks/vllm_spec_decode.py request.json      # prints one JSON answer as its last line
 
-The request: `target` (an HF model directory), `dtype`, `max_model_len`, and `jobs`, each `{"label",
+The request: `target` (an HF model directory), `dtype`, `max_model_len`, optionally `attention_backend` (vLLM's
+`attention_backend`, for the target and the drafter), and `jobs`, each `{"label",
 "drafter" (an export directory), "k", "max_new_tokens", "stop_token_ids", "splits": {split: [[token ids],
 ...]}}`. For each job one `LLM(model=target, speculative_config={"method": "eagle3", "model": <drafter>,
 "num_speculative_tokens": k}, enforce_eager=True, disable_log_stats=False)`, one after the other in this
@@ -88,16 +89,19 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
     from vllm import LLM, SamplingParams
 
     k = job["k"]
+    backend = {"attention_backend": request["attention_backend"]} if request.get("attention_backend") else {}
     started = time.perf_counter()
     llm = LLM(
         model=request["target"],
-        speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k},
+        # the drafter's backend is its own choice unless the speculative config names one
+        speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k, **backend},
         dtype=request.get("dtype", "float32"),
         enforce_eager=True,
         disable_log_stats=False,
         max_model_len=request["max_model_len"],
         kv_cache_memory_bytes=request.get("kv_cache_bytes", 1 << 28),  # the CPU backend's default claims most of the RAM
         seed=0,
+        **backend,
     )
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], stop_token_ids=job["stop_token_ids"])

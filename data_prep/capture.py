@@ -16,7 +16,9 @@ and exit code 2 before the target is loaded. Train on it with features.mode=stor
 `features.engine.worker=vllm` captures with a vLLM engine instead (vLLM >= 0.22 installed beside
 eagle31; one process, tensor parallel over `features.engine.worker_gpus`, engine arguments in
 `features.engine.vllm_args`): vLLM's `extract_hidden_states` and eagle31's connector
-(docs/engine.md), the same store within floating-point tolerance of the HF capture.
+(docs/engine.md), the same store within floating-point tolerance of the HF capture. The engine is checked
+as the training pool checks its workers (aux ids, hidden size, dtype, the target's and its tokenizer's
+fingerprints) before it captures anything.
 """
 
 import sys
@@ -27,10 +29,10 @@ from eagle31.config import DrafterConfig
 from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
 from eagle31.distributed import close_world, init_world
-from eagle31.engine.worker import VLLMInferenceWorker, WorkerSpec
+from eagle31.engine.worker import VLLMInferenceWorker, WorkerSpec, expected_info, worker_mismatch
 from eagle31.errors import ConfigError, RunInterrupted
 from eagle31.recipe import EngineWorker
-from eagle31.target import load_recipe_target, load_target_config
+from eagle31.target import load_recipe_target, load_target_config, target_shape
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -49,6 +51,10 @@ def capture(cfg) -> None:
             if world.world_size > 1:
                 raise ConfigError("features.engine.worker=vllm captures in one process (vLLM spreads the target over features.engine.worker_gpus); run it without torchrun")
             target = VLLMInferenceWorker(WorkerSpec.from_recipe(cfg, target_dir, aux_ids))
+            expected = expected_info(target_dir, aux_ids, target_shape(target_config)[1], str(cfg.target.dtype))
+            mismatch = worker_mismatch(target.describe(), expected, target_dir)  # as the pool checks its workers
+            if mismatch:
+                raise ConfigError(f"the inference worker ({target.kind}) {mismatch}")
         else:
             target = load_recipe_target(target_dir, cfg.target, world.device)
         capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)

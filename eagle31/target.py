@@ -13,6 +13,8 @@ tokenizer). Everything eagle31 reads of it goes through here:
 - `target_fingerprint`: identifies the target whose features a store holds, beyond
   its name: two checkpoints of one shape (a base model and its fine-tune, two random
   demo targets) get different fingerprints, so a store is never trained on with another target.
+  `tokenizer_fingerprint` does the same for its tokenizer files; `target_fingerprints` gives both, as an
+  inference worker's description and the trainer's expectation of it (`eagle31.engine.worker`) name them.
 - `load_target` / `inference_device_and_dtype`: the model itself, for capture, online
   features and evaluation.
 - `TargetFeatures`: forward pre-hooks that keep the drafter's inputs. `aux`
@@ -48,6 +50,12 @@ from eagle31.config import ConfigError, read_json_config, text_config
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
 _FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell checkpoints apart, cheap for any V
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when a checkpoint is copied or re-saved
+# What `AutoTokenizer.from_pretrained` reads from a folder: the fast tokenizer, its config and special tokens, the
+# slow tokenizers' vocabularies (BPE, WordPiece, SentencePiece, tiktoken) and the chat template saved beside them.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "vocab.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- config and shape
@@ -128,6 +136,29 @@ def target_fingerprint(target_dir) -> str:
         if weight is not None:
             digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def tokenizer_fingerprint(target_dir) -> str:
+    """sha256 of the tokenizer files (`TOKENIZER_FILES`) in the target's folder: each present file's name and bytes.
+
+    The files, not the loaded vocabulary: an inference worker never loads a tokenizer (vLLM's runs with
+    `skip_tokenizer_init`), some need remote code to load (Kimi's tiktoken), and the files hold everything that
+    gives a token id its meaning (vocabulary, merges, added and special tokens). Copies of one checkpoint have the
+    same files; a tokenizer re-saved by another transformers version may not, and is told apart too: copy the
+    folder to another node, do not re-save it.
+    """
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(target_dir) / name
+        if path.is_file():
+            digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def target_fingerprints(target_dir) -> dict[str, str]:
+    """{"target_fingerprint", "tokenizer_fingerprint"} of the target at `target_dir` as this node sees it."""
+    return {"target_fingerprint": target_fingerprint(target_dir), "tokenizer_fingerprint": tokenizer_fingerprint(target_dir)}
 
 
 # ---------------------------------------------------------------- the model

@@ -39,3 +39,26 @@ def test_inference_device_and_dtype_choices():
     assert inference_device_and_dtype("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match="dtype must be auto"):
         inference_device_and_dtype("cpu", "int8")
+
+
+def test_the_tokenizer_fingerprint_follows_the_tokenizer_files_not_the_folder(tmp_path, llama_tok):
+    """Two copies of one tokenizer agree wherever they are; a changed vocabulary, a missing file or a folder
+    without a tokenizer are told apart; the weights do not enter it."""
+    import json
+    import shutil
+
+    from eagle31.target import tokenizer_fingerprint
+
+    llama_tok.save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    (tmp_path / "copy" / "model.safetensors").write_bytes(b"not a tokenizer file")
+    assert tokenizer_fingerprint(tmp_path / "copy") == tokenizer_fingerprint(tmp_path / "a")
+    swapped = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    vocab = swapped["model"]["vocab"]
+    vocab["A"], vocab["B"] = vocab["B"], vocab["A"]
+    (tmp_path / "copy" / "tokenizer.json").write_text(json.dumps(swapped))
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(tmp_path / "a", tmp_path / "no_template")
+    (tmp_path / "no_template" / "chat_template.jinja").unlink()
+    prints = {tokenizer_fingerprint(tmp_path / name) for name in ("a", "copy", "empty", "no_template")}
+    assert len(prints) == 4

@@ -161,7 +161,7 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
 def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
     """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says."""
     from eagle31.engine.pool import PoolSettings
-    from eagle31.engine.worker import WORKERS, WorkerSpec
+    from eagle31.engine.worker import WORKERS, WorkerSpec, expected_info
 
     cfg, e = plan.cfg, plan.cfg.features.engine
     spec = WorkerSpec.from_recipe(cfg, plan.target_dir, aux_ids)
@@ -178,7 +178,7 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
         max_restarts=e.max_restarts,
         worker_options={"num_cpus": e.worker_cpus, "num_gpus": e.worker_gpus},
     )
-    expected = {"aux_layer_ids": aux_ids, "hidden_size": target_shape(plan.target_config)[1], "dtype": str(cfg.target.dtype)}
+    expected = expected_info(plan.target_dir, aux_ids, target_shape(plan.target_config)[1], str(cfg.target.dtype))
     return pool_actor(settings, WORKERS[e.worker], spec, expected, name=name)
 
 

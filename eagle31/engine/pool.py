@@ -19,7 +19,8 @@ so ranks in lockstep (a step's all-reduce) can never wait on each other through 
 Failures. A worker that dies (its process killed, its node lost) is started again; the requests it
 held go back to the head of the queue in their own order, and are counted (`requeued`, samples).
 A worker that raises, that cannot start, that computes what the recipe does not ask (other aux ids,
-hidden size or dtype), or that dies more than `max_restarts` times sets the pool's error: every
+hidden size or dtype), whose target on its node is not the trainer's (`eagle31.engine.worker.worker_mismatch`:
+the fingerprints of its weights and of its tokenizer), or that dies more than `max_restarts` times sets the pool's error: every
 waiting and later call returns it, one line, and the trainers stop (`eagle31.errors.EngineError`).
 
 What travels. The pool never holds a tensor: a worker's result is two objects, a small record the
@@ -42,7 +43,7 @@ from ray.exceptions import RayActorError
 
 from eagle31.data.batch import bucket_by_length
 from eagle31.data.loader import plan_epoch
-from eagle31.engine.worker import WorkerInfo, WorkerSpec
+from eagle31.engine.worker import WorkerInfo, WorkerSpec, worker_mismatch
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class FeaturePool:
     """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods); see the module docstring."""
 
     def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None):
-        """kind: the InferenceWorker class; expected: what `describe()` must say (aux_layer_ids, hidden_size, dtype);
+        """kind: the InferenceWorker class; expected: what `describe()` must say (`eagle31.engine.worker.expected_info`);
         workers: the first workers' actors, started beside the pool (default: started here)."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
@@ -329,9 +330,9 @@ class FeaturePool:
                     self._lost(slot, e)
             await self._notify()
             return
-        differ = [f"{name} {getattr(info, name)}, the recipe asks for {want}" for name, want in self.expected.items() if getattr(info, name) != want]
-        if differ:
-            self._fail(f"inference worker {slot.index} ({info.kind}) computes {'; '.join(differ)}")
+        mismatch = worker_mismatch(info, self.expected, self.spec.target_dir)
+        if mismatch:
+            self._fail(f"inference worker {slot.index} ({info.kind}) {mismatch}")
         elif incarnation == slot.incarnation:
             slot.ready = True
             self._pump()

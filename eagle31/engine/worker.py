@@ -1,8 +1,9 @@
 """Inference workers: what computes the target's features in `features.mode=engine`.
 
 An `InferenceWorker` is built from a `WorkerSpec` inside a Ray actor (`eagle31.engine.pool` wraps
-it) and answers two calls: `describe()`, what it computes (checked against the recipe before any
-training), and `features(token_rows)`, the aux and final hidden states of each row of token ids,
+it) and answers two calls: `describe()`, what it computes and the target it computes it with, as its
+own node sees `spec.target_dir` (checked against the recipe before any training: `expected_info`,
+`worker_mismatch`), and `features(token_rows)`, the aux and final hidden states of each row of token ids,
 `[T, n*Ht]` and `[T, Ht]` in the target's dtype, on the CPU, each in a storage of its own (Ray
 ships a tensor's whole storage: a view into the padded batch would carry the batch).
 
@@ -24,7 +25,7 @@ import torch
 
 from eagle31.data.capture import target_forward
 from eagle31.recipe import EngineWorker
-from eagle31.target import TargetFeatures, load_target
+from eagle31.target import TargetFeatures, load_target, target_fingerprints
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,34 @@ class WorkerInfo(NamedTuple):
     hidden_size: int
     dtype: str  # of the features, e.g. "bfloat16"
     device: str
+    target_fingerprint: str  # eagle31.target.target_fingerprint of spec.target_dir on the worker's node
+    tokenizer_fingerprint: str  # eagle31.target.tokenizer_fingerprint, the same
+
+
+# What a differing fingerprint means, in the line that refuses the worker.
+FINGERPRINTS = {"target_fingerprint": "weights or config differ", "tokenizer_fingerprint": "tokenizer differs"}
+
+
+def expected_info(target_dir, aux_layer_ids: Sequence[int], hidden_size: int, dtype: str) -> dict:
+    """What every worker's `describe()` must say for a recipe, the fingerprints of `target_dir` as this node sees it."""
+    return {"aux_layer_ids": tuple(int(i) for i in aux_layer_ids), "hidden_size": int(hidden_size), "dtype": str(dtype),
+            **target_fingerprints(target_dir)}  # fmt: skip
+
+
+def worker_mismatch(info: WorkerInfo, expected: dict, target_dir) -> str | None:
+    """What in `info` differs from `expected` (`expected_info`, or some of its keys), as the end of one line
+    that begins with the worker's name; None when nothing does. `target_dir`: the recipe's target."""
+    differ = []
+    for name, want in expected.items():
+        got = getattr(info, name)
+        if got == want:
+            continue
+        if name in FINGERPRINTS:
+            differ.append(f"runs a target whose {FINGERPRINTS[name]} from the recipe's target {target_dir} "
+                          f"(fingerprint {got[:12]}..., expected {want[:12]}...)")  # fmt: skip
+        else:
+            differ.append(f"computes {name} {got}, the recipe asks for {want}")
+    return "; ".join(differ) or None
 
 
 class InferenceWorker(Protocol):
@@ -97,7 +126,8 @@ class HFInferenceWorker:
 
     def describe(self) -> WorkerInfo:
         head = self.model.get_output_embeddings().weight  # [V, Ht]
-        return WorkerInfo(self.kind, self.spec.aux_layer_ids, int(head.shape[1]), str(head.dtype).removeprefix("torch."), str(self.device))
+        return WorkerInfo(self.kind, self.spec.aux_layer_ids, int(head.shape[1]), str(head.dtype).removeprefix("torch."), str(self.device),
+                          **target_fingerprints(self.spec.target_dir))  # fmt: skip
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with TargetFeatures(self.model, self.spec.aux_layer_ids) as feats:
@@ -131,7 +161,8 @@ class VLLMInferenceWorker:
         """What the engine computes, read off its answer for a two-token row (whose shape `features` checks)."""
         aux, final = self.engine.features([[1, 2]])[0]
         device = "cuda" if self.spec.gpus > 0 else "cpu"
-        return WorkerInfo(self.kind, self.engine.aux_layer_ids, int(final.shape[1]), str(aux.dtype).removeprefix("torch."), device)
+        return WorkerInfo(self.kind, self.engine.aux_layer_ids, int(final.shape[1]), str(aux.dtype).removeprefix("torch."), device,
+                          **target_fingerprints(self.spec.target_dir))  # fmt: skip
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.engine.features(token_rows)  # fresh CPU tensors, one storage each

@@ -109,3 +109,32 @@ def test_capture_with_vllm_where_none_is_installed_is_one_line_before_the_target
     code, err = run_script(ROOT / "data_prep" / "capture.py", args, monkeypatch), capsys.readouterr().err
     assert code == 2 and err.strip() == "error: features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')"
     assert not list((root / "vllm_features").rglob("*.safetensors"))  # no shard was written
+
+
+class BFloat16Engine:
+    """A vLLM worker whose engine was told another dtype (`features.engine.vllm_args={dtype: ...}`): it describes
+    itself, and is never asked for features."""
+
+    kind = "vllm"
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def describe(self):
+        from eagle31.engine.worker import WorkerInfo
+        from eagle31.target import target_fingerprints
+
+        return WorkerInfo(self.kind, self.spec.aux_layer_ids, 32, "bfloat16", "cpu", **target_fingerprints(self.spec.target_dir))
+
+    def features(self, token_rows):
+        raise AssertionError("a refused engine captures nothing")
+
+
+def test_capture_with_an_engine_that_differs_from_the_recipe_is_one_line_before_any_shard(setup, monkeypatch, capsys):
+    """The engine is checked as the training pool checks its workers (`eagle31.engine.worker.worker_mismatch`)."""
+    root, _ = setup
+    monkeypatch.setattr("eagle31.engine.worker.VLLMInferenceWorker", BFloat16Engine)
+    args = [*overrides(root, "vllm_bf16"), "features.engine.worker=vllm"]
+    code, err = run_script(ROOT / "data_prep" / "capture.py", args, monkeypatch), capsys.readouterr().err
+    assert code == 2 and err.strip() == "error: the inference worker (vllm) computes dtype bfloat16, the recipe asks for float32", err
+    assert not list((root / "vllm_bf16").rglob("*.safetensors"))

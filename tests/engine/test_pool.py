@@ -3,6 +3,7 @@ worker computed what; backpressure; a killed worker (nothing lost, nothing repea
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from eagle31.data.loader import FeatureLoader
 from eagle31.data.online import OnlineFeatures
 from eagle31.engine.features import FeatureEngine, close_pool, pool_actor
 from eagle31.engine.pool import PoolSettings
-from eagle31.engine.worker import HFInferenceWorker, WorkerSpec
+from eagle31.engine.worker import HFInferenceWorker, WorkerSpec, expected_info
 from eagle31.errors import EngineError
 from eagle31.target import load_target
 from tests.engine.workers import DyingWorker, RaisingWorker
@@ -28,9 +29,10 @@ BATCH_TOKENS = 40  # each micro-batch is several target forwards (requests)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
+def target_dir(tmp_path_factory, llama_tok) -> Path:
     path = tmp_path_factory.mktemp("engine_target")
     tiny_llama(seed=0).save_pretrained(path)
+    llama_tok.save_pretrained(path)
     return path
 
 
@@ -41,13 +43,17 @@ def prepared(tmp_path_factory) -> Path:
     return path
 
 
-def make_pool(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, world_size=1, copies=1):
+def make_pool(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, world_size=1, copies=1,
+              recipe_target=None):
+    """recipe_target: the target the trainer expects (default: the workers' `target_dir`)."""
     settings = PoolSettings(
         prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
         pool_tokens=pool_tokens, max_restarts=max_restarts, worker_options={"num_cpus": 0.5}, **LOADER,
     )  # fmt: skip
     spec = WorkerSpec(str(target_dir), "float32", None, False, AUX, BATCH_TOKENS, threads=1, gpus=0)
-    return pool_actor(settings, kind, spec, {"aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"})
+    expected = expected_info(recipe_target or target_dir, aux, 32, "float32") if kind is HFInferenceWorker else {
+        "aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"}  # the failing workers' directories hold their instructions
+    return pool_actor(settings, kind, spec, expected)
 
 
 def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1):
@@ -176,16 +182,29 @@ def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group
         ("raises", "inference worker 0 failed on samples"),
         ("dies_always", "inference worker 0 died 2 times, more than features.engine.max_restarts=1"),
         ("other_aux_ids", "inference worker 0 (hf) computes aux_layer_ids (1, 3, 4), the recipe asks for (1, 3, 5)"),
+        ("other_tokenizer", "inference worker 0 (hf) runs a target whose tokenizer differs from the recipe's target "),
+        ("other_weights", "inference worker 0 (hf) runs a target whose weights or config differ from the recipe's target "),
         ("no_target", "inference worker 0 could not start"),
     ],
 )
-def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_copy, prepared, case, expected):
+def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_dir, target_copy, prepared, case, expected):
+    """other_tokenizer, other_weights: the worker's node holds another checkpoint at the recipe's path. Here the
+    worker reads a copy of the trainer's target (standing for the same path on another node) with two tokens' ids
+    swapped, or with another model's weights of the same shape."""
     kind = {"raises": RaisingWorker, "dies_always": DyingWorker}.get(case, HFInferenceWorker)
     if case == "dies_always":
         (target_copy / "die_at").write_text("always")
     if case == "no_target":
         shutil.rmtree(target_copy)
-    pool, engine = make_engine(target_copy, prepared, kind=kind, workers=1, max_restarts=1, aux=(1, 3, 5) if case == "other_aux_ids" else AUX)
+    if case == "other_tokenizer":
+        tokenizer = json.loads((target_copy / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        vocab["A"], vocab["B"] = vocab["B"], vocab["A"]  # two ids that mean each other's token
+        (target_copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+    if case == "other_weights":
+        tiny_llama(seed=1).save_pretrained(target_copy)
+    pool, engine = make_engine(target_copy, prepared, kind=kind, workers=1, max_restarts=1, aux=(1, 3, 5) if case == "other_aux_ids" else AUX,
+                               recipe_target=target_dir)  # fmt: skip
     try:
         loader, _ = loaders(engine, prepared)
         with pytest.raises(EngineError) as error:
@@ -196,5 +215,7 @@ def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_c
         assert expected in line and "\n" not in line, line
         if case == "raises":
             assert "ValueError: cannot compute" in line
+        if case in ("other_tokenizer", "other_weights"):
+            assert f"recipe's target {target_copy} (fingerprint " in line and ", expected " in line  # the path both read
     finally:
         close_pool(pool)

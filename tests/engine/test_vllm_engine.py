@@ -64,7 +64,7 @@ def test_the_final_norm_of_the_last_layer_state_is_the_targets_lm_head_input(tmp
 
 class OtherIdsEngine:
     def describe(self) -> WorkerInfo:
-        return WorkerInfo("vllm", (1, 2, 3), 32, "float32", "cpu")
+        return WorkerInfo("vllm", (1, 2, 3), 32, "float32", "cpu", "target", "tokenizer")
 
     def features(self, token_rows):
         raise AssertionError("never asked")

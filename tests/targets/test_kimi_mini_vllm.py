@@ -20,7 +20,10 @@ from vllm import LLM, SamplingParams
 answers = {}
 for path in sys.argv[1:]:
     try:
-        llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=1 << 28)
+        # CPU_MLA, the reference CPU MLA backend: on a CPU with AMX tiles vLLM would pick AMX_MLA, whose weight
+        # packing refuses the miniature's 16-wide heads before the latent width is ever checked
+        llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=1 << 28,
+                  attention_backend="CPU_MLA")
         out = llm.generate([{"prompt_token_ids": %s}], SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True),
                            use_tqdm=False)
         answers[path] = {"tokens": list(out[0].outputs[0].token_ids)}
