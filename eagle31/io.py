@@ -182,7 +182,7 @@ def _old_outputs(dest: Path) -> list[Path]:
 
 def _swap_new(dest: Path, old: Path) -> Path:
     """The new directory of the swap that moved `dest` aside as `old` (`atomic_dir` names both after one token)."""
-    return dest.with_name(f".{dest.name}.tmp-{old.name[-8:]}")
+    return dest.with_name(f".{dest.name}.tmp-{_SWAPPED_OUT.fullmatch(old.name).group(2)}")
 
 
 SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
@@ -210,9 +210,9 @@ def _holding_swaps(dest: Path) -> Iterator[None]:
     Each `atomic_dir` of `dest` in flight is a `.dest.tmp-*` directory whose writer takes `flock` on
     its marker for the two renames; this takes the same lock on each (`_take_swap_lock`).
     """
-    new_dirs = re.compile(re.escape(f".{dest.name}.tmp-") + "[0-9a-f]{8}")
+    prefix = f".{dest.name}.tmp-"
     with ExitStack() as held:
-        for new in sorted(p for p in dest.parent.iterdir() if new_dirs.fullmatch(p.name)):
+        for new in sorted(p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)):
             fd = _take_swap_lock(new, dest)
             if fd is not None:
                 held.callback(os.close, fd)  # releases the lock
