@@ -74,11 +74,10 @@ from safetensors import safe_open
 
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config
 from eagle31.drafter_attention import DrafterAttention
-from eagle31.layouts import Layout, layout_of_config, source_formats, source_layout
+from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
 from eagle31.layouts.layout import VLLM_PREFIX
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
 
-AUTO, NATIVE = "auto", "eagle31"  # the source formats besides the layouts' (`source_formats`)
 
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, TypeVar
 
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
-from eagle31.layouts import LAYOUTS, source_formats
+from eagle31.layouts import AUTO, LAYOUTS, NATIVE, source_formats
 
 
 # ---------------------------------------------------------------------------- choices
@@ -78,7 +78,7 @@ class Batching(StrEnum):
 
 # a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
 # layout or a layout's dialect (`eagle31.layouts.source_formats`)
-DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in ("auto", "eagle31", *source_formats())], module=__name__)
+DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__)
 
 
 class RegenerateBackend(StrEnum):

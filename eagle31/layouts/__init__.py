@@ -37,6 +37,9 @@ def layout_of_config(meta: dict[str, Any]) -> Layout:
     return next(marked, LAYOUTS[UNMARKED])
 
 
+AUTO, NATIVE = "auto", "eagle31"  # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+
+
 def source_formats() -> list[str]:
     """The formats a checkpoint can be read as, besides eagle31's own: every layout, then every layout's dialects."""
     return [*LAYOUTS, *(dialect for layout in LAYOUTS.values() for dialect in layout.dialects)]
