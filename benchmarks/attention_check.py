@@ -7,7 +7,7 @@ varlen over packed documents) is exercised only here, on a GPU machine:
     check_attention_parity(cfg, device, dtype)   # forward and every gradient vs the reference
 
 The private ops are not a stable API (their arguments changed between torch releases), so their
-signatures are compared with what `eagle31.attention.kernels.FlashCausal` passes before anything calls
+signatures are compared with what `eagle31.kernels.causal.FlashCausal` passes before anything calls
 them; a mismatch names the op instead of failing inside the kernel.
 """
 
@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from eagle31.attention.kernels import segment_ids
-from eagle31.attention.ttt_attention import reference_attention, ttt_attention
+from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.ttt_attention import reference_attention, ttt_attention
 from eagle31.config import DrafterConfig
 
 # Positional argument types and number of results of each private op, as FlashCausal calls it;
@@ -57,7 +57,7 @@ def private_op_problems(device: torch.device) -> list[str]:
 
 def attention_dims(cfg: DrafterConfig) -> tuple[int, int, int, int]:
     """(query heads, key/value heads, q·k head dim, value head dim) of the drafter's attention, as its kind
-    says (`eagle31.drafter_attention`): an MLA drafter attends with one key/value head per query head and a
+    says (`eagle31.attention`): an MLA drafter attends with one key/value head per query head and a
     q·k head dim (nope + rope parts) that differs from the value head dim.
     """
     q, kv, _ = cfg.kind.attention_widths(cfg)
@@ -84,7 +84,7 @@ def check_attention_parity(
 
     def rand(heads, dim):
         x = torch.randn(1, T, heads, dim, generator=g)
-        # an MLA drafter zero-pads its values to the q·k head dim for the kernels (eagle31.drafter_attention.mla)
+        # an MLA drafter zero-pads its values to the q·k head dim for the kernels (eagle31.attention.mla)
         return torch.nn.functional.pad(x, (0, d_qk - dim)).to(dtype).to(device)
 
     # q, k0, v0, j chain keys, j chain values

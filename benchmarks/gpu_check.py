@@ -81,7 +81,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
         return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
     from benchmarks.shapes import recipe_shapes
-    from eagle31.drafter_attention import DrafterAttention
+    from eagle31.attention import DrafterAttention
 
     shapes = recipe_shapes().values()
     kimi = next((s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention is DrafterAttention.llama), None)

@@ -2,7 +2,7 @@
 
 A drafter is one decoder layer whose attention input is `2H` wide (token
 embedding + feature), fed by a fused projection of `n` target hidden states.
-Its attention is one of the kinds of `eagle31.drafter_attention` (`drafter.attention`):
+Its attention is one of the kinds of `eagle31.attention` (`drafter.attention`):
 Llama's q/k/v projections, served by vLLM's Llama EAGLE-3 layer, or DeepSeek's Multi-head
 Latent Attention, the published Kimi K2.6 drafter's, served by vLLM's DeepSeek EAGLE-3
 layer; what differs between them is the kind's (`DrafterConfig.kind`). The config is
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.attention import KINDS, AttentionKind, DrafterAttention
 from eagle31.errors import ConfigError
 
 
@@ -59,16 +59,16 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
-    # the attention kind (`eagle31.drafter_attention`); each kind's own fields below are 0 for the others
+    # the attention kind (`eagle31.attention`); each kind's own fields below are 0 for the others
     attention: DrafterAttention = DrafterAttention.llama
-    # mla (`eagle31.drafter_attention.mla`): the target's MLA shape unless set
+    # mla (`eagle31.attention.mla`): the target's MLA shape unless set
     q_lora_rank: int = field(default=0, metadata=OVERRIDE)
     kv_lora_rank: int = field(default=0, metadata=OVERRIDE)
     qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
     qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
     v_head_dim: int = field(default=0, metadata=OVERRIDE)
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
-    # the keys of P - W + 1 .. P (`eagle31.attention.ttt_attention`); None = full attention
+    # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -92,7 +92,7 @@ class DrafterConfig:
 
     @property
     def kind(self) -> AttentionKind:
-        """What this drafter's attention does differently (`eagle31.drafter_attention`)."""
+        """What this drafter's attention does differently (`eagle31.attention`)."""
         return self.attention.kind
 
     @property

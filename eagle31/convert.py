@@ -18,7 +18,7 @@
 
 The files are read through their layout (`eagle31.layouts`: speculators', or the EAGLE-3 HF
 layout for the other three; SpecForge's and TorchSpec's are its `dialects`), the layer through
-the attention kind that recognises it (`eagle31.drafter_attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
+the attention kind that recognises it (`eagle31.attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
 `kv_lora_rank`, its fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
 published Kimi MLA drafters (e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`) are TorchSpec's:
 an MLA config that eagle31 did not write is read as `torchspec` (ids +1, `norm_output`
@@ -73,7 +73,7 @@ import torch
 from safetensors import safe_open
 
 from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config
-from eagle31.drafter_attention import DrafterAttention
+from eagle31.attention import DrafterAttention
 from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
 from eagle31.layouts.layout import VLLM_PREFIX
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors

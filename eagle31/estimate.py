@@ -1,7 +1,7 @@
 """Parameter counts, the model FLOPs of a training step and a per-GPU memory estimate for a training run
 (used by `dry_run=true`).
 
-Every attention kind is counted, what differs between them on the kind's class (`eagle31.drafter_attention`:
+Every attention kind is counted, what differs between them on the kind's class (`eagle31.attention`:
 its parameters, widths, entries and extra saved tensors). The estimate follows
 what the code allocates, term by term (`benchmarks/memory_model.py` checks each term against
 the bytes the tensors of real training steps hold):
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle31.attention.kernels import BLOCK_BUDGET
+from eagle31.kernels.causal import BLOCK_BUDGET
 from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.config import DrafterConfig
 from eagle31.loss import _LOGITS_BUDGET
@@ -196,7 +196,7 @@ def chain_block_bytes(cfg: DrafterConfig, depth: int, c: int, seq_len: int) -> i
     the unflatten and the values' cut from their zero padding; Llama's rope backward (the key's gradient
     through cos and through sin, the rotated half, their sum)."""
     q, kv, _ = cfg.kind.attention_widths(cfg)
-    rows = min(seq_len, max(1, BLOCK_BUDGET // (depth * q)))  # `eagle31.attention.ttt_attention._chain_rows`
+    rows = min(seq_len, max(1, BLOCK_BUDGET // (depth * q)))  # `eagle31.kernels.ttt_attention._chain_rows`
     graph, intermediate, weights, step0_weights = cfg.kind.chain_block_terms(cfg, c)
     per_row = 2 * kv * (2 * c + (4 if c != 4 else 0)) + graph
     held = rows * depth * per_row + weights * 4 + step0_weights

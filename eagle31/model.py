@@ -1,14 +1,14 @@
 """The EAGLE 3.1 drafter (docs/design.md §3), with Hugging Face parameter names.
 
 Reads top to bottom: norm → MLP → decoder layer → drafter; the attention
-projections and the rope are the attention kind's (`eagle31.drafter_attention`:
+projections and the rope are the attention kind's (`eagle31.attention`:
 Llama's q/k/v, DeepSeek's MLA). Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
 `midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
 defines one drafter step — the fused step-0 feature (`fuse_aux`), the layer on
 either side of attention (`step_qkv`, `step_output`) and the feedback rule of
 `norm_output` (`read_out`) — which `eagle31.ttt` unrolls over K steps in
 training and `eagle31.eval.drafting` runs against its KV cache at inference.
-`eagle31.attention` holds the TTT attention and its kernels.
+`eagle31.kernels` holds the TTT attention and its kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle31.attention.entries import ChainKeysValues
+from eagle31.kernels.entries import ChainKeysValues
 from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.ttt import ttt_unroll
 

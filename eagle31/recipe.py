@@ -300,7 +300,7 @@ class TrainConfig:
     max_steps: int = 1000
     grad_accum: int = 1
     max_grad_norm: float = 0.5
-    attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.attention)
+    attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
     activation_checkpointing: bool = False
     # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
     sequence_parallel: int = 1

@@ -17,7 +17,7 @@ tables are multiplied by (the magnitude); every q·k logit scales with its squar
               beta_fast; its magnitude (`yarn_magnitude`) as the release reads it
 
 How the supported vLLM releases (`VLLM_RELEASES`) read a yarn block, in the Llama layer and in the MLA
-drafter's DeepSeek YaRN (`eagle31.drafter_attention.mla`): docs/export.md, "Where the two releases differ".
+drafter's DeepSeek YaRN (`eagle31.attention.mla`): docs/export.md, "Where the two releases differ".
 
 `ambiguity` names, in one line, the fields of a block that the releases read differently
 (none for every recipe's drafter); export refuses such a block, and a drafter trains with

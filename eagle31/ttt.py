@@ -7,7 +7,7 @@ and token `x[p+1+k]` (teacher forcing). The step itself is the drafter's
 (`Eagle31Drafter.step_qkv` / `step_output`), shared with inference
 (`eagle31.eval.drafting`); this module adds the TTT attention and the K-step loop. Query (p, k) sits at RoPE position
 p + k and attends to the causal step-0 keys of its document plus its own chain
-(`eagle31.attention`) — with `drafter.sliding_window = W`, those of positions p + k - W + 1 .. p + k. The unroll returns every step's output; the loss lives
+(`eagle31.kernels`) — with `drafter.sliding_window = W`, those of positions p + k - W + 1 .. p + k. The unroll returns every step's output; the loss lives
 in `eagle31.loss`.
 
 Memory: with `activation_checkpointing` each step keeps only its inputs (the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle31.attention.kernels import segment_ids
-from eagle31.attention.ttt_attention import ttt_attention_of_entries
+from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.ttt_attention import ttt_attention_of_entries
 
 # With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
 # intermediate activations hold about this many elements.
@@ -86,7 +86,7 @@ def ttt_unroll(
 
     aux [B, T, n*Ht] target features; input_ids [B, T]; document_ids [B, T]
     numbers packed documents (-1 = padding); attention_mask [B, T] 1 = real.
-    `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.attention.
+    `attention_probe(k, probs)` sees step k's attention probabilities (`eagle31.kernels.
     reference_attention`; needs `attention_kernel="reference"`).
 
     `sequence` (`eagle31.sequence_parallel.SequenceShard`, or a row's query tail as the drift

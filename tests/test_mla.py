@@ -1,4 +1,4 @@
-"""The MLA drafter (eagle31.drafter_attention.mla) against naive re-implementations.
+"""The MLA drafter (eagle31.attention.mla) against naive re-implementations.
 
 * Its rope and softmax scale against DeepSeek YaRN written out from vLLM's source
   (`rotary_embedding/deepseek_scaling_rope.py`, `rotary_embedding/common.py`, and
@@ -23,7 +23,7 @@ from tests.export.vllm_contract import OLDEST, deepseek_rope_numbers
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.drafter_attention.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
+# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.attention.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
 # a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's `deepseek_rope_numbers`
 
 
@@ -92,7 +92,7 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
 
 
 def test_mla_rope_rotates_interleaved_pairs():
-    from eagle31.drafter_attention.mla import apply_interleaved_rope
+    from eagle31.attention.mla import apply_interleaved_rope
 
     x = torch.tensor([[[[1.0, 2.0, 3.0, 4.0]]]], dtype=torch.float64)  # [B, T, heads, d]
     cos = torch.tensor([[[0.0, 0.0, 1.0, 1.0]]], dtype=torch.float64)  # pair 0 by 90 degrees, pair 1 still
@@ -239,13 +239,13 @@ def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, m
     """The chain's latents decompressed a few token rows at a time (many blocks), the checkpointed MLP
     in 4-row chunks, packed documents and padding, with and without activation checkpointing: the
     naive fp64 loss and gradients."""
-    import eagle31.attention.kernels
+    import eagle31.kernels.causal
     from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll
     from tests.test_ttt import DECAY
 
     import eagle31.ttt
 
-    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
+    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
     m = mla_drafter(seed=5)
     monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * m.config.intermediate_size)  # MLP in 4-row chunks
     doc = layouts()["packed"]

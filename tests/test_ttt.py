@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll, weighted_loss
-from eagle31.attention.kernels import segment_ids
+from eagle31.kernels.causal import segment_ids
 from tests.helpers import random_batch, tiny_drafter
 
 K = 3
@@ -345,7 +345,7 @@ def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops
     for later steps; the chain remakes them a few token rows at a time (many blocks), the checkpointed MLP in
     4-row chunks, packed documents and padding, with and without activation checkpointing: the naive fp64
     loss and gradients."""
-    import eagle31.attention.kernels
+    import eagle31.kernels.causal
     import eagle31.ttt
 
     m = tiny_drafter(seed=21)
@@ -356,7 +356,7 @@ def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops
     _, entry, _ = m.step_entry(feature, ids, positions, chain=True)
     assert entry[0] is feature and entry[1] is ids and entry[2] is positions
 
-    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 3 * c.num_attention_heads * c.head_dim)  # 3 rows at j = 1
+    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 3 * c.num_attention_heads * c.head_dim)  # 3 rows at j = 1
     monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * c.intermediate_size)
     doc = layouts()["packed"]
     target_w = torch.randn(c.vocab_size, c.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(23))

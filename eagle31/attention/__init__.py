@@ -1,6 +1,56 @@
-"""The attention of the training-time-test unroll (docs/design.md §4).
+"""The drafter's attention kinds (`drafter.attention`): what differs between them lives on each kind's class.
 
-    ttt_attention      one TTT step: the causal step-0 keys + the query's own chain, merged by log-sum-exp
-    kernels            the causal part (flash, blockwise), documents' segment ids, the backend choice
-    entries            what a step keeps (its entry) and how keys and values are made of it
+`DrafterAttention` is the choice a recipe spells; `DrafterAttention.<name>.kind` is its `AttentionKind`,
+which the rest of eagle31 asks instead of comparing names:
+
+    config      its own fields, their checks, what it takes from the target    eagle31.config
+    rope        how the supported vLLM releases read its rope block             eagle31.rope (ambiguity)
+    estimate    its parameter count and the memory terms that differ            eagle31.estimate
+    export      its layer's fields and the architecture vLLM serves it with     eagle31.layouts
+    convert     recognising and reading its checkpoints, ours and others'       eagle31.convert
+
+    llama       q/k/v projections: vLLM's Llama EAGLE-3 layer                    attention/llama.py
+    mla         DeepSeek's Multi-head Latent Attention: vLLM's Eagle3DeepseekV2ForCausalLM
+                (the published Kimi K2.6 drafter)                                attention/mla.py
+
+A new kind is a module here with its `AttentionKind`, a member below, and its own fields on
+`DrafterConfig` (docs/architecture.md, "How to add").
 """
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from eagle31.attention.kind import AttentionKind
+from eagle31.attention.llama import LlamaAttentionKind
+from eagle31.attention.mla import MLAAttentionKind
+from eagle31.errors import ConfigError
+
+
+class DrafterAttention(StrEnum):
+    llama = "llama"
+    mla = "mla"
+
+    @property
+    def kind(self) -> AttentionKind:
+        return KINDS[self]
+
+    @classmethod
+    def parse(cls, value: Any) -> "DrafterAttention":
+        """`value` as a member; anything else is a one-line ConfigError naming `drafter.attention`."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"drafter.attention must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+    @classmethod
+    def of_layer(cls, layer: dict[str, Any]) -> "DrafterAttention":
+        """The kind of a checkpoint's layer config: the first that recognises it, else Llama (vLLM's default layer)."""
+        return next((m for m in cls if m.kind.recognises(layer)), cls.llama)
+
+
+KINDS: dict[DrafterAttention, AttentionKind] = {
+    DrafterAttention.llama: LlamaAttentionKind(),
+    DrafterAttention.mla: MLAAttentionKind(),
+}

@@ -37,7 +37,7 @@ inputs are then the drafter's own, as in a live round); in `live` it is the acce
 `eagle31.eval.acceptance`.
 
 The probabilities are those of the attention the drafter runs: in `ttt` the unroll runs the
-reference backend (`eagle31.attention.ttt_attention.reference_attention`) and hands them out; in `live` the
+reference backend (`eagle31.kernels.ttt_attention.reference_attention`) and hands them out; in `live` the
 proposer runs its own attention unchanged (`eagle31.eval.drafting.DraftProbe` watches it) and the
 probabilities are computed from the exact query and keys it used by the reference's
 `attention_probabilities`, then checked against its output (`live_reconstruction_error`: the
@@ -69,8 +69,8 @@ from eagle31.eval.acceptance import (
     load_prompts,
     share_target_embedding,
 )
-from eagle31.attention.kernels import segment_ids
-from eagle31.attention.ttt_attention import attention_probabilities
+from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.ttt_attention import attention_probabilities
 from eagle31.config import ConfigError
 from eagle31.data.sources import Tally, read_conversations, read_mt_bench
 from eagle31.eval.drafting import EagleProposer

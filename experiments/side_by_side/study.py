@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.config import ConfigError
-from eagle31.drafter_attention import DrafterAttention
+from eagle31.attention import DrafterAttention
 from eagle31.io import atomic_write_json
 from experiments.harness import (
     acceptance_splits_of,

@@ -19,7 +19,7 @@ SMALL = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
     vocab_size=512, draft_vocab_size=256,
 )  # fmt: skip
-# the same width with MLA attention (eagle31.drafter_attention.mla): q·k head dim 24, v head dim 16
+# the same width with MLA attention (eagle31.attention.mla): q·k head dim 24, v head dim 16
 SMALL_MLA = dict(
     SMALL, attention="mla", num_key_value_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,

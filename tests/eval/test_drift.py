@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle31.attention.ttt_attention import reference_attention
+from eagle31.kernels.ttt_attention import reference_attention
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.drift import DepthStats, live_view, rms, split_mass, target_sink_positions, ttt_view
 from eagle31.eval.speculative import greedy_trace, speculative_generate

@@ -135,7 +135,7 @@ def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(
     m[p+1+k] = 1; `eagle31_loss_mask` makes their supervised queries exactly eagle31's `supervision_mask`,
     out-of-vocabulary argmax included."""
     from experiments.side_by_side.peer_training import eagle31_loss_mask, speculators_samples
-    from eagle31.attention.kernels import segment_ids
+    from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, supervision_mask
 
     # each document opens with a prompt longer than K, as a chat template's opening is: their queries at a
@@ -174,7 +174,7 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
     own mask it does not. What is left between the sides is then the draw of the initial weights."""
     from benchmarks.peer import speculators_drafter
     from experiments.side_by_side.peer_training import SpeculatorsTraining
-    from eagle31.attention.kernels import segment_ids
+    from eagle31.kernels.causal import segment_ids
     from eagle31.config import DrafterConfig
     from eagle31.convert import load_drafter
     from eagle31.loss import TargetHead, label_positions, step_scales, supervision_mask, weighted_loss

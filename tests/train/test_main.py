@@ -241,7 +241,7 @@ def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_
     assert (out / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file() and not (out / "report.json").exists()
 
 
-# an MLA drafter (eagle31.drafter_attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
+# an MLA drafter (eagle31.attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
 MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
                "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
                "export.formats": "[eagle3]"}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The drafter's attention kinds (`eagle31.drafter_attention`): each choice has its class, each class its own
+"""The drafter's attention kinds (`eagle31.attention`): each choice has its class, each class its own
 fields, and no module outside the kinds tells them apart by name."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from eagle31.config import DrafterConfig
-from eagle31.drafter_attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.attention import KINDS, AttentionKind, DrafterAttention
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "eagle31"
 # the library and the code over it: none of it tells the kinds apart by comparing a name
 CODE = sorted(p for folder in ("eagle31", "experiments", "benchmarks", "scripts", "data_prep", "train")
-              for p in (REPO / folder).rglob("*.py") if "drafter_attention" not in p.parts)  # fmt: skip
+              for p in (REPO / folder).rglob("*.py") if "attention" not in p.parts)  # fmt: skip
 
 
 def test_every_choice_has_its_kind_and_each_kind_its_own_fields():
@@ -39,7 +39,7 @@ def test_a_kind_that_leaves_out_a_method_cannot_be_made():
         Half()
 
 
-@pytest.mark.parametrize("path", sorted(p for p in LIBRARY.rglob("*.py") if "drafter_attention" not in p.parts),
+@pytest.mark.parametrize("path", sorted(p for p in LIBRARY.rglob("*.py") if "attention" not in p.parts),
                          ids=lambda p: str(p.relative_to(LIBRARY)))  # fmt: skip
 def test_no_module_outside_the_kinds_names_one(path):
     """A kind's name in code (a string to compare with) belongs to its class; docstrings and comments may say it."""

@@ -19,17 +19,17 @@ with `m = yarn_mscale(factor, mscale_all_dim)`, DeepSeek's correction for the
 YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
 `fused_qkv_a_proj` at load time; checkpoints keep them apart.
 
-The TTT attention kernels (`eagle31.attention`) take one head dim for q, k and v
+The TTT attention kernels (`eagle31.kernels`) take one head dim for q, k and v
 and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
 zero columns up to the q·k head dim: zero value columns give zero output columns,
 which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
 only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
 decompresses keys and values where it attends: the step-0 keys inside the attention,
 in its forward and again in its backward (never saved between them), the chain's a
-block of tokens at a time (`eagle31.attention.entries.ChainKeysValues`), so
+block of tokens at a time (`eagle31.kernels.entries.ChainKeysValues`), so
 neither decompressed nor padded values are stored across steps.
 
-`MLAAttentionKind` carries what the rest of eagle31 asks of this kind (`eagle31.drafter_attention`).
+`MLAAttentionKind` carries what the rest of eagle31 asks of this kind (`eagle31.attention`).
 Exported, it is vLLM's DeepSeek EAGLE-3 layer (`Eagle3DeepseekV2ForCausalLM`, model type `kimi_k2`:
 docs/export.md says why) in the EAGLE-3 HF layout only; a checkpoint with that architecture under
 either registry name, or with `kv_lora_rank`, is read as one, and one eagle31 did not write is
@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.attention.entries import ChainKeysValues
-from eagle31.drafter_attention.kind import AttentionKind
+from eagle31.kernels.entries import ChainKeysValues
+from eagle31.attention.kind import AttentionKind
 from eagle31.errors import ConfigError
 from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
 
@@ -138,7 +138,7 @@ def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: 
 
 
 class MLAAttention(nn.Module):
-    """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.attention`."""
+    """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.kernels`."""
 
     def __init__(self, config: DrafterConfig, rms_norm: type[nn.Module]):
         super().__init__()
@@ -175,7 +175,7 @@ class MLAAttention(nn.Module):
         return mla_keys_values(latent, self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
 
     def chain_keys_values(self) -> ChainKeysValues:
-        """The TTT chain decompresses each step's latents a block of tokens at a time (`eagle31.attention`)."""
+        """The TTT chain decompresses each step's latents a block of tokens at a time (`eagle31.kernels`)."""
         fn = partial(mla_keys_values, num_heads=self.num_heads, nope=self.nope, v_dim=self.v_dim)
         return ChainKeysValues(fn, (self.kv_b_proj.weight,), width=1)
 

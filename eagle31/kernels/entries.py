@@ -1,7 +1,7 @@
 """What a TTT step keeps for the later ones (its entry), and how keys and values are made of it.
 
 A Llama step's entry is its keys and values themselves (`KEYS_VALUES`); an MLA step keeps its latents
-and `ChainKeysValues` decompresses them a block of token rows at a time (`eagle31.drafter_attention.mla`).
+and `ChainKeysValues` decompresses them a block of token rows at a time (`eagle31.attention.mla`).
 """
 
 from __future__ import annotations

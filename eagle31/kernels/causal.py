@@ -4,10 +4,10 @@ Kernels (`resolve_backend` picks one for `auto`), each with the same two calls:
 
     forward(q, k, v, segments, scale, window) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
     backward(dout, q, k, v, out, lse, segments, scale, ctx, window) -> dq, dk, dv in q's dtype
-        (backward's out and lse are the *merged* ones, `eagle31.attention.ttt_attention`)
+        (backward's out and lse are the *merged* ones, `eagle31.kernels.ttt_attention`)
 
 `window` (None: every earlier key of the document) limits query p to the keys p - window + 1 .. p
-(a sliding window, `DrafterConfig.sliding_window`; the TTT step sets it, `eagle31.attention.ttt_attention`).
+(a sliding window, `DrafterConfig.sliding_window`; the TTT step sets it, `eagle31.kernels.ttt_attention`).
 
 * `FlashCausal` — PyTorch's fused flash-attention ops: on CUDA one varlen call over the packed
   documents, on CPU one call per document (the faster CPU path);

@@ -19,7 +19,7 @@ output and LSE (the standard flash-attention identity), then adds the chain's
 gradients. Memory is O(T) in the sequence length: no `T x T` or `T x (K*T)`
 tensor is built.
 
-The causal part is a kernel of `eagle31.attention.kernels` (on a sequence shard wrapped in
+The causal part is a kernel of `eagle31.kernels.causal` (on a sequence shard wrapped in
 `eagle31.sequence_parallel.query_tail.QueryTail`):
   * `flash` — PyTorch's fused flash-attention ops: on CUDA one varlen call
     over the packed documents, on CPU one call per document (the faster CPU path);
@@ -41,9 +41,9 @@ import math
 
 import torch
 
-from eagle31.attention import kernels
-from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
-from eagle31.attention.kernels import (
+from eagle31.kernels import causal as kernels
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
+from eagle31.kernels.causal import (
     BlockwiseCausal,
     FlashCausal,
     accumulation_dtype,

@@ -1,4 +1,4 @@
-"""The TTT attention kernels (`eagle31/attention/`) against the explicit-scores reference.
+"""The TTT attention kernels (`eagle31/kernels/`) against the explicit-scores reference.
 
 Every fused path — PyTorch's flash kernel (CPU: per document; CUDA: one varlen call) and the
 blockwise kernel — must give the reference's output and the gradients of q, the step-0 keys and
@@ -15,12 +15,12 @@ from functools import partial
 import pytest
 import torch
 
-import eagle31.attention.kernels
-from eagle31.attention.entries import ChainKeysValues
-from eagle31.attention.kernels import resolve_backend, segment_ids
+import eagle31.kernels.causal
+from eagle31.kernels.entries import ChainKeysValues
+from eagle31.kernels.causal import resolve_backend, segment_ids
 from eagle31.sequence_parallel.query_tail import QueryTail
-from eagle31.attention.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
-from eagle31.drafter_attention.mla import mla_keys_values
+from eagle31.kernels.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
+from eagle31.attention.mla import mla_keys_values
 
 CUDA = torch.cuda.is_available()
 
@@ -70,7 +70,7 @@ def names(j: int) -> list[str]:
 @pytest.mark.parametrize("chain_rows", [None, 5], ids=["one-block", "5-row-blocks"])
 def test_kernels_match_the_reference_on_cpu(backend, heads, j, layout, chain_rows, monkeypatch):
     if chain_rows:  # the chain attended a few token rows at a time
-        monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", chain_rows * max(1, j) * heads[0] * 8)
+        monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", chain_rows * max(1, j) * heads[0] * 8)
     inputs = attention_inputs(LAYOUTS[layout], *heads, d=8, j=j, dtype=torch.float64)
     expected = output_and_grads("reference", *inputs)
     got = output_and_grads(backend, *inputs)
@@ -146,7 +146,7 @@ def test_the_cuda_kernels_documents_end_at_every_row_whatever_the_run_ids():
     """The CUDA varlen call's `cu_seqlens` (plain tensor code, checked on CPU) cut the runs where the CPU path
     does. A query tail passes a slice of the global run ids, so row 0 may end on run 8 where row 1 starts on
     run 1: offsetting each row's ids by T + 1 made those one document, row 1's queries attending row 0's keys."""
-    from eagle31.attention.kernels import FlashCausal, _runs
+    from eagle31.kernels.causal import FlashCausal, _runs
 
     cu, max_len = FlashCausal._cu_seqlens(torch.tensor([[7, 8, 8, 8, 8, 8], [1, 1, 1, 1, 1, 1]]))
     assert cu.tolist() == [0, 1, 6, 12] and max_len == 6
@@ -191,7 +191,7 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
 
     full_out, full = run(0, T)
     monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
-    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
+    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
     d_latent0, d_weight = torch.zeros_like(latents[0]), torch.zeros_like(weight)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every row
         made.clear()
@@ -247,7 +247,7 @@ def test_the_reference_window_is_over_positions_as_vllm_serves_it():
 def test_windowed_kernels_match_the_reference_on_cpu(backend, window, j, layout, monkeypatch):
     """W = 4 splits every document into several CPU flash blocks (and W - j = 1 at j = 3: the query's own step-0
     key alone); the blockwise kernel runs 16-query blocks whose first key moves with the window."""
-    monkeypatch.setattr(eagle31.attention.kernels, "BLOCK_BUDGET", 16 * 4 * 24)  # 16 queries a block
+    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 16 * 4 * 24)  # 16 queries a block
     inputs = attention_inputs(LAYOUTS[layout], 4, 2, d=8, j=j, dtype=torch.float64)
     expected = windowed_output_and_grads("reference", window, *inputs)
     got = windowed_output_and_grads(backend, window, *inputs)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.attention.entries import KEYS_VALUES, ChainKeysValues
-from eagle31.drafter_attention.kind import AttentionKind
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues
+from eagle31.attention.kind import AttentionKind
 from eagle31.errors import ConfigError
 from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_frequencies, llama_yarn_reading
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class LlamaAttention(nn.Module):
     """Projections of the EAGLE 3 (Llama) attention: q/k/v read the 2H-wide input.
 
-    The attention itself (which keys a query sees) lives in `eagle31.attention`,
+    The attention itself (which keys a query sees) lives in `eagle31.kernels`,
     because in the TTT unroll it spans several steps.
     """
 
