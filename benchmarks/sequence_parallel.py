@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.measure import LiveTensorBytes  # noqa: E402
 from benchmarks.report import write_result_and_table  # noqa: E402
 from eagle31 import DrafterConfig, Eagle31Drafter  # noqa: E402
-from eagle31.data.batch import FeatureBatch  # noqa: E402
 from eagle31.cli import parse_key_values, wants_help  # noqa: E402
-from eagle31.config import ConfigError  # noqa: E402
+from eagle31.data.batch import FeatureBatch  # noqa: E402
 from eagle31.distributed import World, all_reduce_sum  # noqa: E402
+from eagle31.errors import ConfigError  # noqa: E402
 from eagle31.loss import TargetHead, step_scales, weighted_loss  # noqa: E402
 from eagle31.recipe import TrainConfig  # noqa: E402
 from eagle31.sequence_parallel import SequenceGroup, sequence_group  # noqa: E402

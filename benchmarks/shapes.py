@@ -16,8 +16,9 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError, DrafterConfig
 from eagle31.attention import DrafterAttention
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
 from eagle31.plan import drafter_overrides
 from eagle31.recipe import load_recipe
 from eagle31.target import load_target_config

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.shapes import TINY, recipe_drafter
-from eagle31.config import ConfigError, DrafterConfig
+from eagle31.config import DrafterConfig
 from eagle31.data.batch import FeatureBatch
+from eagle31.errors import ConfigError
 from eagle31.loss import TargetHead
 from eagle31.model import Eagle31Drafter
 from eagle31.vocab import vocab_maps

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.vllm_server import VLLMServer
 from benchmarks.report import write_result_and_table
+from benchmarks.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
 THINKING = {"thinking": True, "preserve_thinking": True}

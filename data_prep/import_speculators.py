@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from eagle31.cli import recipe_main
-from eagle31.config import ConfigError
 from eagle31.data.speculators_import import import_speculators
 from eagle31.data.store import target_identity
+from eagle31.errors import ConfigError
 from eagle31.targets import resolve_target_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -9,7 +9,8 @@ Public API (see README.md):
     build_draft_vocab      d2t / t2d from token counts (vocab.py)
 """
 
-from eagle31.config import ConfigError, DrafterConfig
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
 from eagle31.loss import StepStats, TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.model import Eagle31Drafter
 from eagle31.ttt import TTTOutput, ttt_unroll

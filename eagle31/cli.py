@@ -32,8 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from eagle31.config import ConfigError
-from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, RunInterrupted
+from eagle31.errors import ConfigError, DiskFullError, Eagle31Error, FileAccessError, RunInterrupted
 from eagle31.recipe import choose
 
 T = TypeVar("T")

@@ -22,7 +22,6 @@ from typing import Any
 from eagle31.attention import KINDS, AttentionKind, DrafterAttention
 from eagle31.errors import ConfigError
 
-
 # Where a recipe's `drafter.<field>` comes from: `eagle31.recipe.DrafterSection` is made of these fields. TARGET:
 # only the target says (no recipe field); OVERRIDE: the target's unless a recipe sets it (None keeps it); the
 # rest: a recipe's setting, with the default below.

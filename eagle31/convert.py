@@ -72,12 +72,12 @@ from typing import Any, Sequence
 import torch
 from safetensors import safe_open
 
-from eagle31.config import ConfigError, DrafterConfig, default_aux_layer_ids, read_json_config
 from eagle31.attention import DrafterAttention
+from eagle31.config import DrafterConfig, default_aux_layer_ids, read_json_config
+from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
 from eagle31.layouts.layout import VLLM_PREFIX
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
-
 
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")

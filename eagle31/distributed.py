@@ -32,8 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from eagle31.config import ConfigError
-from eagle31.errors import RankLost
+from eagle31.errors import ConfigError, RankLost
 from eagle31.io import pid_alive
 from eagle31.recipe import Device, choose
 

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle31.kernels.causal import BLOCK_BUDGET
-from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.config import DrafterConfig
+from eagle31.kernels.causal import BLOCK_BUDGET
 from eagle31.loss import _LOGITS_BUDGET
 from eagle31.sequence_parallel import shard_length
+from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.ttt import FEED_FORWARD_BUDGET
 
 GiB = 1024**3

@@ -22,8 +22,16 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle31.config import ConfigError, DrafterConfig
-from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
+from eagle31.io import (
+    OUTPUT_MARKER,
+    ForeignDirectoryError,
+    atomic_dir,
+    atomic_save_safetensors,
+    atomic_write_json,
+    check_output_dir,
+)
 from eagle31.layouts import Layout, layout_of
 from eagle31.model import Eagle31Drafter
 from eagle31.recipe import Dtype, choose

@@ -24,7 +24,8 @@ from typing import Any
 
 from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
-from eagle31.config import ConfigError, read_json_config
+from eagle31.config import read_json_config
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
 from eagle31.layouts import Layout, layout_of_config
 

@@ -22,8 +22,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from eagle31.config import DrafterConfig, read_json_config
+from eagle31.errors import ConfigError
 from eagle31.kernels.entries import ChainKeysValues
-from eagle31.config import ConfigError, DrafterConfig, read_json_config
 from eagle31.ttt import ttt_unroll
 
 NATIVE_FORMAT = "eagle31-drafter"
@@ -336,7 +337,7 @@ class Eagle31Drafter(nn.Module):
 
     def save(self, path: str | Path, include_embed: bool = True) -> None:
         """Native format: config.json + model.safetensors (written atomically)."""
-        from eagle31.io import atomic_write_json, atomic_save_safetensors
+        from eagle31.io import atomic_save_safetensors, atomic_write_json
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

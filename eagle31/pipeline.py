@@ -41,12 +41,17 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle31.config import ConfigError
 from eagle31.data.capture import capture_splits, open_store_writers
-from eagle31.data.prepare import check_prepared, load_draft_vocab, load_prepared_splits, prepare_with_target_tokenizer, template_kwargs
+from eagle31.data.prepare import (
+    check_prepared,
+    load_draft_vocab,
+    load_prepared_splits,
+    prepare_with_target_tokenizer,
+    template_kwargs,
+)
 from eagle31.data.sources import data_section, resolve_sources
 from eagle31.distributed import World, all_gather_objects, barrier, close_world, init_world
-from eagle31.errors import Eagle31Error, RunInterrupted
+from eagle31.errors import ConfigError, Eagle31Error, RunInterrupted
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets, truncate_metrics

@@ -15,9 +15,16 @@ from typing import Any
 
 import torch
 
-from eagle31.config import SWITCHES, ConfigError, DrafterConfig
+from eagle31.config import SWITCHES, DrafterConfig
 from eagle31.distributed import World
-from eagle31.estimate import attention_flops_share, count_parameters, estimate_memory, longest_fitting_length, step_flops
+from eagle31.errors import ConfigError
+from eagle31.estimate import (
+    attention_flops_share,
+    count_parameters,
+    estimate_memory,
+    longest_fitting_length,
+    step_flops,
+)
 from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets

@@ -28,7 +28,6 @@ from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, LAYOUTS, NATIVE, source_formats
 
-
 # ---------------------------------------------------------------------------- choices
 # StrEnum members are their own names, so they compare, hash and print as the strings a
 # recipe spells; `to_container` writes them back as strings.

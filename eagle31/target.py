@@ -44,7 +44,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from eagle31.config import ConfigError, read_json_config, text_config
+from eagle31.config import read_json_config, text_config
+from eagle31.errors import ConfigError
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")

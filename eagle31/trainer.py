@@ -24,11 +24,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from eagle31.kernels.causal import segment_ids
 from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World, all_gather_objects, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
+from eagle31.kernels.causal import segment_ids
 from eagle31.loss import (
     Divergence,
     StepStats,

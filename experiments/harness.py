@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir, portable_path
 

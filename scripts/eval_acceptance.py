@@ -26,9 +26,9 @@ the table; see eagle31/eval/acceptance.py for the metrics.
 
 import sys
 
+from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
 from eagle31.eval.acceptance_report import REPORT_KIND, format_table, write_report
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.io import check_output_dir
 
 
@@ -36,7 +36,13 @@ def main(argv: list[str]) -> int:
     if wants_help(argv, __doc__):
         return 0
     if argv[:1] == ["mtbench"]:
-        from eagle31.eval.mtbench import MT_BENCH_KIND, MTBenchConfig, format_summary, run_mt_bench, write_mt_bench_report
+        from eagle31.eval.mtbench import (
+            MT_BENCH_KIND,
+            MTBenchConfig,
+            format_summary,
+            run_mt_bench,
+            write_mt_bench_report,
+        )
 
         return evaluate(argv[1:], MTBenchConfig, MT_BENCH_KIND, run_mt_bench, write_mt_bench_report, format_summary)
     return evaluate(argv, AcceptanceConfig, REPORT_KIND, run_acceptance, write_report, format_table)

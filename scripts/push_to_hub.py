@@ -19,9 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle31.cli import parse_key_values, wants_help
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.export import is_run_dir, read_run_config
-from eagle31.hub import HubError, check_repo_id, push_folder, read_data_report, read_export, read_report, write_model_card
+from eagle31.hub import (
+    HubError,
+    check_repo_id,
+    push_folder,
+    read_data_report,
+    read_export,
+    read_report,
+    write_model_card,
+)
 
 
 @dataclass

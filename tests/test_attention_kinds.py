@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.config import DrafterConfig
 from eagle31.attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.config import DrafterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "eagle31"

@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 
 from eagle31.cli import recipe_main, run_cli
-from eagle31.config import ConfigError
 from eagle31.data.store import CorruptShardError
-from eagle31.errors import CorruptCheckpointError, OutputInUseError, RankLost, RunInterrupted, RunPreempted, StoppedAtOnce
+from eagle31.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    OutputInUseError,
+    RankLost,
+    RunInterrupted,
+    RunPreempted,
+    StoppedAtOnce,
+)
 from eagle31.io import ForeignDirectoryError
 from eagle31.trainer import TrainingDiverged
 

@@ -95,8 +95,8 @@ def test_unknown_override_is_rejected():
 
 
 def test_missing_or_malformed_config_json_is_one_line_naming_the_file(tmp_path):
-    from eagle31.target import load_target_config
     from eagle31.convert import load_drafter
+    from eagle31.target import load_target_config
 
     with pytest.raises(ConfigError, match=f"target config not found: {tmp_path}/config.json"):
         load_target_config(tmp_path)

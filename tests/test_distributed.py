@@ -85,8 +85,8 @@ def test_a_failed_collective_waits_for_the_rank_that_left_on_an_error():
 
 @pytest.mark.parametrize("timeout", [0, -1])
 def test_a_bad_timeout_is_one_line(timeout):
-    from eagle31.config import ConfigError
     from eagle31.distributed import init_world
+    from eagle31.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"train.rank_timeout_s must be positive, got {timeout}"):
         init_world("cpu", timeout)

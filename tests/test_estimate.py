@@ -6,7 +6,13 @@ import pytest
 
 from eagle31.distributed import init_world
 from eagle31.estimate import (
-    GiB, activation_bytes, count_parameters, estimate_memory, layer_gradient_bytes, longest_fitting_length, loss_moment_bytes,
+    GiB,
+    activation_bytes,
+    count_parameters,
+    estimate_memory,
+    layer_gradient_bytes,
+    longest_fitting_length,
+    loss_moment_bytes,
 )  # fmt: skip
 from eagle31.plan import plan_run
 from eagle31.recipe import load_recipe
@@ -79,8 +85,8 @@ def test_a_sequence_split_n_ways_holds_a_shard_of_every_length_term_and_the_whol
     """train.sequence_parallel = N: what grows with T is taken at a shard and its halo; the exchanged keys
     (MLA latents gathered, their gradients) are the whole sequence's on the last rank, their decompressed
     keys and values one block's."""
-    from eagle31.sequence_parallel.query_tail import QueryTail
     from eagle31.estimate import prefix_block_bytes, sequence_keys_bytes
+    from eagle31.sequence_parallel.query_tail import QueryTail
 
     d, T, K = drafter("kimi_k26"), 262144, 7
     whole = estimate_memory(d, T, K, world_size=4, activation_checkpointing=True)

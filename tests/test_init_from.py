@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.pipeline import init_from_checkpoint
 from eagle31.plan import check_init_from
 from tests.helpers import tiny_config, tiny_drafter

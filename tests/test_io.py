@@ -10,7 +10,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle31.io import OUTPUT_MARKER, ForeignDirectoryError, atomic_dir, atomic_path, claim_output_dir, atomic_save_safetensors, atomic_write_json, atomic_write_text, sha256_file
+from eagle31.io import (
+    OUTPUT_MARKER,
+    ForeignDirectoryError,
+    atomic_dir,
+    atomic_path,
+    atomic_save_safetensors,
+    atomic_write_json,
+    atomic_write_text,
+    claim_output_dir,
+    sha256_file,
+)
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import eagle31.kernels.causal
-from eagle31.kernels.entries import ChainKeysValues
-from eagle31.kernels.causal import resolve_backend, segment_ids
-from eagle31.sequence_parallel.query_tail import QueryTail
-from eagle31.kernels.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
 from eagle31.attention.mla import mla_keys_values
+from eagle31.kernels.causal import resolve_backend, segment_ids
+from eagle31.kernels.entries import ChainKeysValues
+from eagle31.kernels.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
+from eagle31.sequence_parallel.query_tail import QueryTail
 
 CUDA = torch.cuda.is_available()
 

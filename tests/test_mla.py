@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from eagle31 import ConfigError, DrafterConfig
-from tests.helpers import random_batch, tiny_drafter
 from tests.export.vllm_contract import OLDEST, deepseek_rope_numbers
+from tests.helpers import random_batch, tiny_drafter
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
@@ -198,8 +198,9 @@ def test_yarn_without_factor_is_refused_in_one_line():
 
 
 def test_from_target_config_copies_the_targets_mla_shape():
-    from eagle31.target import load_target_config
     from pathlib import Path
+
+    from eagle31.target import load_target_config
 
     target = load_target_config(Path(__file__).parents[1] / "recipes/targets/kimi_k26.json")
     cfg = DrafterConfig.from_target_config(target, attention="mla", draft_vocab_size=163840)
@@ -240,10 +241,9 @@ def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, m
     in 4-row chunks, packed documents and padding, with and without activation checkpointing: the
     naive fp64 loss and gradients."""
     import eagle31.kernels.causal
+    import eagle31.ttt
     from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll
     from tests.test_ttt import DECAY
-
-    import eagle31.ttt
 
     monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 3 * 4 * 16)  # a 3-row block at j = 1, 1 row after
     m = mla_drafter(seed=5)

@@ -195,9 +195,8 @@ def captured_store(tiny_target, chats, tmp_path_factory) -> Path:
 
 
 def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(captured_store, tiny_target, chats, tmp_path, capsys):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     other = tmp_path / "other_target"
     config = LlamaConfig.from_pretrained(tiny_target)

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from eagle31.sequence_parallel.query_tail import QueryTail
-from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World
+from eagle31.errors import ConfigError
 from eagle31.loss import TargetHead
 from eagle31.recipe import TrainConfig
 from eagle31.sequence_parallel import SequenceGroup, sequence_group, shard_length
+from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.trainer import Trainer
 from tests.helpers import random_batch, tiny_drafter
 from tests.test_trainer import ListLoader

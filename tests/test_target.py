@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from eagle31.config import DrafterConfig
+from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import check_drafter_fits
-from eagle31.config import ConfigError, DrafterConfig
 from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, target_shape, target_vocab_size, text_config
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4,

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues
 from eagle31.attention.kind import AttentionKind
 from eagle31.errors import ConfigError
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues
 from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_frequencies, llama_yarn_reading
 
 if TYPE_CHECKING:

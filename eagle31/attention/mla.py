@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.kernels.entries import ChainKeysValues
 from eagle31.attention.kind import AttentionKind
 from eagle31.errors import ConfigError
+from eagle31.kernels.entries import ChainKeysValues
 from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
 
 if TYPE_CHECKING:

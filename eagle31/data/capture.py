@@ -27,7 +27,6 @@ from eagle31.errors import ConfigError
 from eagle31.io import write_errors
 from eagle31.target import TargetFeatures, target_fingerprint
 
-
 # ---------------------------------------------------------------- prepared data
 
 

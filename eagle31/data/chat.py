@@ -53,8 +53,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation
+from eagle31.errors import ConfigError
 
 # Most tokens a template may add to an assistant turn when it is the final one.
 _MAX_SCAFFOLD = 64

@@ -38,8 +38,8 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from eagle31.config import ConfigError
 from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
+from eagle31.errors import ConfigError
 from eagle31.recipe import Batching, choose
 
 

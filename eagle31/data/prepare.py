@@ -53,13 +53,12 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
 from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
-from eagle31.errors import CorruptDataError
+from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 ROLES = {
     "system": "system",

@@ -47,11 +47,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eagle31.config import ConfigError, default_aux_layer_ids
+from eagle31.config import default_aux_layer_ids
 from eagle31.data.batch import Sample
 from eagle31.data.capture import CaptureStats
 from eagle31.data.store import StoreHeader, StoreWriter
-from eagle31.errors import CorruptDataError
+from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.target import (
     check_aux_layer_ids,
     load_target_config,

@@ -65,9 +65,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS, Sample
-from eagle31.errors import CorruptDataError
+from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 from eagle31.target import target_shape
 

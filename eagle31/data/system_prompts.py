@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 
 def read_system_prompts(spec: Any, what: str = "data.system_prompts") -> list[str]:

@@ -27,7 +27,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError, DrafterConfig, text_config
+from eagle31.config import DrafterConfig, text_config
+from eagle31.errors import ConfigError
 from eagle31.estimate import count_parameters, head_dims
 from eagle31.metrics_log import read_metrics
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 
 AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication, which ray.init sets when it starts a cluster
 NAMESPACE = "eagle31"  # the named actors of a run (its feature pool) live here, whoever started Ray

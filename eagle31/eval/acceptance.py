@@ -40,12 +40,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from eagle31.config import ConfigError
 from eagle31.data.chat import parse_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
+from eagle31.errors import ConfigError
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
-from eagle31.recipe import DrafterFormat
 from eagle31.eval.speculative import Generation, GreedyTrace, greedy_trace, speculative_generate
+from eagle31.recipe import DrafterFormat
 from eagle31.target import (
     check_aux_layer_ids,
     inference_device_and_dtype,

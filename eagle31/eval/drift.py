@@ -58,26 +58,26 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from eagle31.data.sources import Tally, read_conversations, read_mt_bench
+from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import (
     AcceptanceConfig,
     AcceptanceStats,
-    eos_ids,
     _labelled_paths,
     check_model_dirs,
     check_positive,
+    eos_ids,
     load_drafters,
     load_prompts,
     share_target_embedding,
 )
+from eagle31.eval.drafting import EagleProposer
+from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_bench
+from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
 from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import attention_probabilities
-from eagle31.config import ConfigError
-from eagle31.data.sources import Tally, read_conversations, read_mt_bench
-from eagle31.eval.drafting import EagleProposer
 from eagle31.model import DraftStep, Eagle31Drafter
-from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_bench
 from eagle31.recipe import DrafterFormat
-from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
 from eagle31.targets.cache import portable_path
 from eagle31.ttt import ttt_unroll
 

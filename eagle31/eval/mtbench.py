@@ -33,22 +33,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from eagle31.data.chat import parse_template_kwargs, split_reasoning, think_markers
+from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
+from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import (
     AcceptanceStats,
-    eos_ids,
     _labelled_paths,
-    load_drafters,
     check_model_dirs,
     check_positive,
+    eos_ids,
+    load_drafters,
     share_target_embedding,
     tree_spec,
 )
-from eagle31.config import ConfigError
-from eagle31.data.chat import parse_template_kwargs, split_reasoning, think_markers
-from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
-from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
+from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 from eagle31.target import inference_device_and_dtype, load_target, load_target_config
 from eagle31.targets.cache import portable_path
 

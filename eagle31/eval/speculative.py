@@ -35,9 +35,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from eagle31.config import ConfigError
-from eagle31.target import TargetFeatures
+from eagle31.errors import ConfigError
 from eagle31.eval.drafting import DraftTree, Proposer, TreeSpec
+from eagle31.target import TargetFeatures
 
 
 @dataclass

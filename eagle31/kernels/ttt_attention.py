@@ -42,15 +42,15 @@ import math
 import torch
 
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 from eagle31.kernels.causal import (
     BlockwiseCausal,
     FlashCausal,
     accumulation_dtype,
     resolve_backend,
 )
-from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 from eagle31.recipe import AttentionBackend
+from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
 
 # ----------------------------------------------------------------------------
 # reference: explicit scores

@@ -11,8 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
 from eagle31.attention import DrafterAttention
+from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
 from eagle31.errors import ConfigError
 
 EXPORT_FORMAT_VERSION = 1

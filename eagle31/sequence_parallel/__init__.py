@@ -37,10 +37,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from eagle31.kernels.causal import segment_ids
-from eagle31.config import ConfigError
 from eagle31.data.batch import TOKEN_COLUMNS, FeatureBatch
 from eagle31.distributed import World
+from eagle31.errors import ConfigError
+from eagle31.kernels.causal import segment_ids
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 from eagle31.kernels.causal import accumulation_dtype, segment_starts
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 
 
 class QueryTail:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.recipe import BuiltinTarget
 
 

@@ -22,7 +22,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, sha256_file
 from eagle31.packaged import smollm2_gguf_path
 from eagle31.targets.cache import ensure_built

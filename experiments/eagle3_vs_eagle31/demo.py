@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_path
 from experiments.harness import ROOT, log_command, measure_drafters, study_main, train_missing, write_summary
 
@@ -240,8 +240,8 @@ def feature_scale(cfg: CompareConfig, target: Path, corpus: Path, trained_len: i
     import torch
     from transformers import AutoTokenizer
 
-    from eagle31.eval.acceptance import load_prompts
     from eagle31.config import DrafterConfig
+    from eagle31.eval.acceptance import load_prompts
     from eagle31.target import TargetFeatures, load_target, load_target_config
 
     aux_ids = DrafterConfig.from_target_config(load_target_config(target)).aux_layer_ids

@@ -24,8 +24,8 @@ from enum import StrEnum
 from itertools import islice
 
 from eagle31.cli import parse_key_values, run_cli, wants_help
-from eagle31.config import ConfigError
 from eagle31.data.sources import Tally, read_conversations
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
 
 

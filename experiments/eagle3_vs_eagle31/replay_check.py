@@ -31,9 +31,9 @@ def check(cfg: ReplayCheckConfig) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from eagle31.eval.acceptance import eos_ids, share_target_embedding
     from eagle31.convert import load_drafter
     from eagle31.data.sources import Tally, read_mt_bench
+    from eagle31.eval.acceptance import eos_ids, share_target_embedding
     from eagle31.eval.drafting import EagleProposer, TreeSpec
     from eagle31.eval.mtbench import select_questions, trace_mt_bench
     from eagle31.eval.speculative import speculative_generate

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle31.cli import parse_key_values, run_cli, wants_help
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]

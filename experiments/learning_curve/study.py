@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_path, atomic_write_json, atomic_write_text
 from experiments.harness import ROOT, log_command, study_main, trained_before
 

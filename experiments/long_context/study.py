@@ -35,7 +35,7 @@ import datetime
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from experiments.harness import (
     StudyConfig,
     acceptance_splits_of,

@@ -31,7 +31,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.recipe import DraftLoss
 from experiments.harness import (
     StudyConfig,

@@ -53,10 +53,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.peer import peers_dir
-from experiments.side_by_side.peer_training import batch_documents
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.recipe import DraftLoss
+from experiments.side_by_side.peer_training import batch_documents
 
 SPECFORGE_VERSION = "0.2.0"
 ENTRY = Path(__file__).resolve().with_name("specforge_entry.py")

@@ -50,8 +50,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle31.config import ConfigError
 from eagle31.attention import DrafterAttention
+from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json
 from experiments.harness import (
     acceptance_splits_of,
@@ -61,8 +61,8 @@ from experiments.harness import (
     measure_drafters,
     measured_earlier,
     parse_seeds,
-    shared_settings,
     report_body,
+    shared_settings,
     study_main,
     tau_over_seeds,
     train_eagle31,
@@ -169,8 +169,8 @@ def peer_inputs(recipe):
 
 def train_specforge(recipe) -> dict:
     """SpecForge's own trainer on the recipe's prepared data and store; writes drafter/ and report.json."""
-    from experiments.side_by_side import specforge_training
     from eagle31.io import claim_output_dir
+    from experiments.side_by_side import specforge_training
 
     plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
     claim_output_dir(plan.run_dir, "run")
@@ -185,13 +185,13 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
     import torch
 
     from benchmarks.peer import speculators_drafter
-    from experiments.side_by_side.peer_training import SpeculatorsTraining
     from eagle31.checkpoint import CheckpointManager
     from eagle31.data.speculators_import import final_norm_weight
     from eagle31.io import claim_output_dir
     from eagle31.loss import TargetHead
     from eagle31.target import read_target_embeddings
     from eagle31.vocab import draft_to_target
+    from experiments.side_by_side.peer_training import SpeculatorsTraining
 
     plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
     mask_head = None

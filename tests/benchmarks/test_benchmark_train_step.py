@@ -11,7 +11,7 @@ from benchmarks.benchmark_train_step import main
 from benchmarks.measure import run_benchmark
 from benchmarks.report import update_table
 from benchmarks.train_step import BenchConfig
-from eagle31.config import ConfigError
+from eagle31.errors import ConfigError
 from eagle31.estimate import count_parameters, step_flops
 from tests.helpers import tiny_config
 from tests.peers import missing_peer

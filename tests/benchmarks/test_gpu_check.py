@@ -17,7 +17,7 @@ from benchmarks import attention_check, gpu_check, gpu_parts
 from benchmarks.fetch_gpu_wheels import platform_tags, project_requirements
 from benchmarks.report import put_gpu_table
 from benchmarks.sequence_parallel import drafter_config
-from benchmarks.shapes import recipe_shapes, recipe_drafter
+from benchmarks.shapes import recipe_drafter, recipe_shapes
 from eagle31.kernels.causal import FlashCausal
 from eagle31.sequence_parallel.query_tail import QueryTail
 from tests.peers import peer_module

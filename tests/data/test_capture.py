@@ -10,9 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from eagle31.config import ConfigError
 from eagle31.data.capture import capture_to_store, prepared_rows, run_target
-from eagle31.target import TargetFeatures
 from eagle31.data.store import (
     FeatureStore,
     StoreHeader,
@@ -21,6 +19,8 @@ from eagle31.data.store import (
     check_store_compatible,
     prepared_lengths,
 )
+from eagle31.errors import ConfigError
+from eagle31.target import TargetFeatures
 from tests.tiny_targets import prepared_split, tiny_deepseek_v3, tiny_llama
 
 BUILDERS = {"llama": tiny_llama, "deepseek_v3": tiny_deepseek_v3}

@@ -2,10 +2,9 @@
 
 import pytest
 
-from eagle31.config import ConfigError
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally
 from eagle31.data.sources import to_conversation
-
+from eagle31.errors import ConfigError
 from tests.data.chat_helpers import build_tokenizer, supervised_spans
 
 

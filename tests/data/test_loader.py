@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from eagle31.config import ConfigError
 from eagle31.data.batch import Sample, bucket_by_length, pack, pad
 from eagle31.data.capture import capture_to_store
 from eagle31.data.loader import FeatureLoader
 from eagle31.data.online import OnlineFeatures
 from eagle31.data.store import FeatureStore, StoreHeader, StoreWriter, prepared_lengths
+from eagle31.errors import ConfigError
 from tests.tiny_targets import prepared_split, tiny_llama
 
 

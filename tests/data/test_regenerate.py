@@ -9,13 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from eagle31.config import ConfigError
 from eagle31.data.regenerate.backends import EndpointBackend, HFBackend
 from eagle31.data.regenerate.core import RegenerateError, Settings
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally, read_conversations
-
+from eagle31.errors import ConfigError
 from tests.data.chat_helpers import write_jsonl
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

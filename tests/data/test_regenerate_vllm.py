@@ -18,7 +18,7 @@ import pytest
 from eagle31.cli import recipe_main
 from eagle31.data.chat import ChatEncoder
 from eagle31.data.regenerate.backends import EndpointBackend
-from eagle31.data.regenerate.core import RegenerateError, request_seed, ServerRefusedError, Settings
+from eagle31.data.regenerate.core import RegenerateError, ServerRefusedError, Settings, request_seed
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally, read_conversations

@@ -5,9 +5,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from eagle31.config import ConfigError
 from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths, to_conversation
-
+from eagle31.errors import ConfigError
 from tests.data.chat_helpers import write_jsonl
 from tests.peers import peer_module
 

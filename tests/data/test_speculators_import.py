@@ -8,12 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle31.config import ConfigError
 from eagle31.data.capture import prepared_rows, run_target
-from eagle31.target import TargetFeatures
 from eagle31.data.speculators_import import final_norm_weight, import_speculators
 from eagle31.data.store import FeatureStore
-from eagle31.errors import CorruptDataError
+from eagle31.errors import ConfigError, CorruptDataError
+from eagle31.target import TargetFeatures
 from tests.tiny_targets import prepared_split, tiny_llama, write_vllm_captures
 
 AUX_IDS = (1, 3, 4)  # vLLM convention; launch_vllm.py adds L = 6

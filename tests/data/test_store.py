@@ -10,16 +10,16 @@ import torch
 
 from eagle31.data.batch import Sample
 from eagle31.data.capture import prepared_rows, run_target
-from eagle31.target import TargetFeatures
 from eagle31.data.store import (
-    CorruptShardError,
     MANIFEST,
+    CorruptShardError,
     FeatureStore,
     StoreHeader,
     StoreWriter,
     dequantize_rows,
     quantize_rows,
 )
+from eagle31.target import TargetFeatures
 from tests.tiny_targets import prepared_split, tiny_llama
 
 HT, N_AUX = 16, 3

@@ -7,8 +7,8 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from eagle31.config import ConfigError
 from eagle31.engine.capacity import estimated_sizing, measured_sizing, target_active_parameters, workers_needed
+from eagle31.errors import ConfigError
 from tests.helpers import tiny_config
 from tests.tiny_targets import tiny_deepseek_v3, tiny_llama
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle31.kernels.ttt_attention import reference_attention
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.drift import DepthStats, live_view, rms, split_mass, target_sink_positions, ttt_view
 from eagle31.eval.speculative import greedy_trace, speculative_generate
+from eagle31.kernels.ttt_attention import reference_attention
 from eagle31.ttt import ttt_unroll
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import AUX, VOCAB, save_target

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from eagle31.cli import parse_key_values
-from eagle31.config import ConfigError
 from eagle31.convert import load_drafter
 from eagle31.data.sources import MTBenchQuestion
+from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import AcceptanceStats
 from eagle31.eval.drafting import EagleProposer, TreeSpec
 from eagle31.eval.mtbench import ALL, MTBenchConfig, evaluate_mt_bench, select_questions, trace_mt_bench

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from experiments.eagle3_vs_eagle31.heldout_questions import HeldoutConfig, heldout_questions, main
-from eagle31.config import ConfigError
 from eagle31.data.sources import Tally, read_mt_bench
+from eagle31.errors import ConfigError
+from experiments.eagle3_vs_eagle31.heldout_questions import HeldoutConfig, heldout_questions, main
 
 
 def write_source(path, n=8):

@@ -109,8 +109,8 @@ def test_the_settings_an_earlier_measurement_differs_in_are_named():
 
 
 def test_drafters_verified_against_different_target_decodings_are_refused(tmp_path):
+    from eagle31.errors import ConfigError
     from experiments.harness import check_one_target_decoding
-    from eagle31.config import ConfigError
 
     mixed = report({"a": "ra", "b": "rb"})
     check_one_target_decoding(mixed, tmp_path / "acceptance.json")

@@ -134,9 +134,9 @@ def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(
     """Through their collate, `shift_batch` and `align_for_step`: their trainer's mask supervises (p, k) when
     m[p+1+k] = 1; `eagle31_loss_mask` makes their supervised queries exactly eagle31's `supervision_mask`,
     out-of-vocabulary argmax included."""
-    from experiments.side_by_side.peer_training import eagle31_loss_mask, speculators_samples
     from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, supervision_mask
+    from experiments.side_by_side.peer_training import eagle31_loss_mask, speculators_samples
 
     # each document opens with a prompt longer than K, as a chat template's opening is: their queries at a
     # document's end read the mask of the next document's first K positions, unsupervised in both
@@ -173,15 +173,15 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
     per-step mean and 0.8^k weights) equals eagle31's training loss, and so do the gradients; under their
     own mask it does not. What is left between the sides is then the draw of the initial weights."""
     from benchmarks.peer import speculators_drafter
-    from experiments.side_by_side.peer_training import SpeculatorsTraining
-    from eagle31.kernels.causal import segment_ids
     from eagle31.config import DrafterConfig
     from eagle31.convert import load_drafter
+    from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, label_positions, step_scales, supervision_mask, weighted_loss
     from eagle31.recipe import TrainConfig
     from eagle31.target import load_target_config
     from eagle31.trainer import DrafterObjective
     from eagle31.vocab import vocab_maps
+    from experiments.side_by_side.peer_training import SpeculatorsTraining
 
     cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
     V, Ht = cfg.vocab_size, cfg.target_hidden_size
@@ -231,8 +231,8 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
 
 @pytest.mark.slow
 def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, speculators):
-    from experiments.side_by_side.study import main
     from eagle31.convert import load_drafter
+    from experiments.side_by_side.study import main
 
     out, runs = tmp_path / "out", tmp_path / "runs"
     # measure=false trains only; the next call measures what it trained
@@ -343,8 +343,8 @@ def test_smoke_runs_specforge_side_end_to_end(tiny_target, chats, tmp_path, caps
 
     specforge_python()  # skipped without its venv, failing under CI=true
 
-    from experiments.side_by_side.study import main
     from eagle31.convert import load_drafter
+    from experiments.side_by_side.study import main
 
     out, runs = tmp_path / "out", tmp_path / "runs"
     overrides = [*tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from eagle31.errors import ConfigError
 from experiments.eagle3_vs_eagle31.smollm2_summary import SummaryConfig, format_results, parse_label, summarize, verdict
-from eagle31.config import ConfigError
 
 TAU = {  # (probe, label) -> tau over all questions at chain-k3
     ("mt_bench", "eagle3-s0"): 1.50, ("mt_bench", "eagle3-s1"): 1.60,

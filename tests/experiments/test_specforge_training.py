@@ -62,8 +62,8 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
     """Step k's logits at every position, K = 3: their unroll (pre-norm feedback, RoPE at p + k, the
     step-0 causal keys plus the query's own chain) is eagle31's with norm_output=false; their loss is
     the KL at their alignment computed on our logits, and so are its gradients."""
-    from experiments.side_by_side.specforge_training import draft_config
     from eagle31.ttt import ttt_unroll
+    from experiments.side_by_side.specforge_training import draft_config
 
     python = specforge_python()  # skipped without its venv, failing under CI=true
     K, T = 3, 12
@@ -113,8 +113,8 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
 
 def test_features_are_one_file_per_document_in_our_order(tmp_path):
     """Each document of a packed batch becomes one offline file with the keys their reader needs."""
-    from experiments.side_by_side.specforge_training import write_features
     from eagle31.data.batch import FeatureBatch
+    from experiments.side_by_side.specforge_training import write_features
 
     def packed(lengths, start):
         T = sum(lengths)

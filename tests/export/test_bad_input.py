@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from eagle31 import ConfigError
-from eagle31.eval.acceptance import load_prompts
 from eagle31.convert import load_drafter
+from eagle31.eval.acceptance import load_prompts
 from eagle31.export import export_drafter
 from eagle31.plan import check_run_dir
 from tests.helpers import tiny_drafter

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from eagle31 import ConfigError
 from eagle31.convert import load_drafter
 from eagle31.export import export_drafter, export_options
-from eagle31.layouts import layout_of
 from eagle31.io import OUTPUT_MARKER
+from eagle31.layouts import layout_of
 from tests.helpers import random_batch, tiny_drafter
 
 FORMATS = ("eagle3", "speculators")

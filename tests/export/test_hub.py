@@ -6,8 +6,7 @@ import httpx
 import pytest
 import yaml
 
-from eagle31 import ConfigError
-from eagle31 import hub
+from eagle31 import ConfigError, hub
 from eagle31.export import export_drafter, read_run_config
 from eagle31.hub import HubError, push_folder, read_report, render_model_card, write_model_card
 from tests.helpers import tiny_drafter

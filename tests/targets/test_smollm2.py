@@ -16,8 +16,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from eagle31.config import ConfigError  # noqa: E402
 from eagle31 import packaged  # noqa: E402
+from eagle31.errors import ConfigError  # noqa: E402
 from eagle31.targets import smollm2  # noqa: E402
 
 CHATML = (

@@ -442,8 +442,9 @@ def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, c
 
 
 def test_store_made_for_another_target_is_refused(reference_run, tiny_target, chats, tmp_path, monkeypatch, capsys):
-    from eagle31.data.store import StoreHeader, StoreWriter
     import numpy as np
+
+    from eagle31.data.store import StoreHeader, StoreWriter
 
     store = tmp_path / "features"
     header = StoreHeader(target_name="another", target_revision=None, num_layers=8, hidden_size=48, aux_layer_ids=(2, 4, 5), dtype="float32")

@@ -14,7 +14,6 @@ from itertools import count
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagle31.config import ConfigError
 from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.regenerate.core import (
     RegenerateError,
@@ -22,6 +21,7 @@ from eagle31.data.regenerate.core import (
     ServerRefusedError,
     Settings,
 )
+from eagle31.errors import ConfigError
 
 # The context-length errors of vLLM 0.33 (HTTP 400): renderers/params.py::TokenizeParams._token_len_check
 # and ::_text_len_check ("This model's maximum context length is N tokens. However, your prompt ..."),

@@ -7,9 +7,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from eagle31.config import ConfigError
 from eagle31.data.sources import Conversation
 from eagle31.data.system_prompts import draw_for_conversation, draw_system_prompt
+from eagle31.errors import ConfigError
 
 STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
 ON_LENGTH = ("drop", "keep")

@@ -9,9 +9,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from eagle31.config import ConfigError
 from eagle31.data.regenerate.core import Outcome, Settings
 from eagle31.data.sources import Conversation, Tally
+from eagle31.errors import ConfigError
 from eagle31.io import (
     atomic_write_json,
     atomic_write_text,
