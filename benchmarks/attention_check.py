@@ -27,7 +27,18 @@ KEYWORDS = {"cuda": {"scale", "window_size_left", "window_size_right"}, "cpu": {
 PRIVATE_OPS = {
     "cuda": {
         "_flash_attention_forward": (
-            ("Tensor", "Tensor", "Tensor", "Optional[Tensor]", "Optional[Tensor]", "int", "int", "float", "bool", "bool"),
+            (
+                "Tensor",
+                "Tensor",
+                "Tensor",
+                "Optional[Tensor]",
+                "Optional[Tensor]",
+                "int",
+                "int",
+                "float",
+                "bool",
+                "bool",
+            ),
             5,
         ),
         "_flash_attention_backward": (("Tensor",) * 8 + ("int", "int", "float", "bool", "Tensor", "Tensor"), 3),
@@ -66,7 +77,11 @@ def attention_dims(cfg: DrafterConfig) -> tuple[int, int, int, int]:
 
 
 def check_attention_parity(
-    cfg: DrafterConfig, device: torch.device, dtype: torch.dtype, seq_len: int = 300, backends: tuple[str, ...] | None = None
+    cfg: DrafterConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_len: int = 300,
+    backends: tuple[str, ...] | None = None,
 ) -> dict:
     """Fused backends against `reference_attention`: forward and gradients of every input.
 
@@ -113,11 +128,15 @@ def check_attention_parity(
     report = {}
     for backend in fused_backends(device, dtype) if backends is None else backends:
         got = run(backend, inputs)
-        errors = {n: float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for n, a, b in zip(names, got, expected)}
+        errors = {
+            n: float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for n, a, b in zip(names, got, expected)
+        }
         report[backend] = errors
         bad = {n: e for n, e in errors.items() if not math.isfinite(e) or e > tol}
         if bad:
-            raise RuntimeError(f"attention backend {backend!r} disagrees with the reference on {device} ({dtype}): {bad}")
+            raise RuntimeError(
+                f"attention backend {backend!r} disagrees with the reference on {device} ({dtype}): {bad}"
+            )
     return report
 
 

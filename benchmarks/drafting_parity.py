@@ -68,7 +68,9 @@ def kimi_llama_drafter(seed: int, dtype: torch.dtype) -> Eagle31Drafter:
 
 
 @torch.no_grad()
-def chain_and_unroll_logits(drafter: Eagle31Drafter, n: int, depth: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def chain_and_unroll_logits(
+    drafter: Eagle31Drafter, n: int, depth: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [depth, Vd] of a chain drafted after n context positions, and the training unroll's at the same
     queries (n-1, j), teacher-forced on the drafted ids."""
     dtype = drafter.fc.weight.dtype
@@ -78,7 +80,9 @@ def chain_and_unroll_logits(drafter: Eagle31Drafter, n: int, depth: int, seed: i
     proposer = EagleProposer(drafter)
     proposer.extend(aux, ids[1:])
     drafted = []  # the lm_head output of each draft step
-    hook = drafter.lm_head.register_forward_hook(lambda module, args, out: drafted.append(out.reshape(-1, out.shape[-1])[-1]))
+    hook = drafter.lm_head.register_forward_hook(
+        lambda module, args, out: drafted.append(out.reshape(-1, out.shape[-1])[-1])
+    )
     try:
         drafts = proposer.draft_chain(depth)
     finally:
@@ -182,7 +186,12 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = {"lengths": lengths, "seeds": args.seeds, "depth": args.depth}
-    result = {"spec": spec, "torch": torch.__version__, "cpu_cores": os.cpu_count(), "runs": measure(lengths, args.seeds, args.depth)}
+    result = {
+        "spec": spec,
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "runs": measure(lengths, args.seeds, args.depth),
+    }
     write_result_and_table(result, out, markdown(result))
     return 0
 

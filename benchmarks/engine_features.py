@@ -86,7 +86,9 @@ class PacedWorker(HFInferenceWorker):
 # ---------------------------------------------------------------------------- one run
 
 
-def train(out: Path, data: Path, steps: int, mode: str, workers: int = 0, ttt_length: int = 1, kind: type = HFInferenceWorker) -> Path:
+def train(
+    out: Path, data: Path, steps: int, mode: str, workers: int = 0, ttt_length: int = 1, kind: type = HFInferenceWorker
+) -> Path:
     """A run of recipe=demo into `out` (with workers of `kind` for features.mode=engine); returns it."""
     from unittest import mock
 
@@ -108,14 +110,21 @@ def train(out: Path, data: Path, steps: int, mode: str, workers: int = 0, ttt_le
 
 def consumed(run_dir: Path) -> list[dict]:
     """Every rank's record of the samples it trained on, from the run's last checkpoint."""
-    return [rank["consumed"] for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]]
+    return [
+        rank["consumed"]
+        for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]
+    ]
 
 
 def measure(run_dir: Path, workers: int) -> dict:
     """Medians over the windows after the first, and the workers these rates say keep one trainer busy."""
     windows = [x for x in read_metrics(run_dir / "metrics.jsonl") if "train/wait_s" in x][1:]
     median = lambda key: statistics.median(x[key] for x in windows)  # noqa: E731
-    last = read_metrics(run_dir / "metrics.jsonl")[-1] if "engine/worker_restarts" in read_metrics(run_dir / "metrics.jsonl")[-1] else [x for x in read_metrics(run_dir / "metrics.jsonl") if "engine/worker_restarts" in x][-1]
+    last = (
+        read_metrics(run_dir / "metrics.jsonl")[-1]
+        if "engine/worker_restarts" in read_metrics(run_dir / "metrics.jsonl")[-1]
+        else [x for x in read_metrics(run_dir / "metrics.jsonl") if "engine/worker_restarts" in x][-1]
+    )
     sizing = measured_sizing(run_dir / "metrics.jsonl", trainers=1)
     return {
         "workers": workers,
@@ -135,7 +144,12 @@ def same_run(a: Path, b: Path) -> dict:
     wa, wb = (load_file(str(r / "drafter" / "model.safetensors")) for r in (a, b))
     diff = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa if wa[k].is_floating_point())
     equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    return {"losses_equal": la == lb, "weights_max_abs_diff": diff, "weights_equal": equal, "consumed_equal": consumed(a) == consumed(b)}
+    return {
+        "losses_equal": la == lb,
+        "weights_max_abs_diff": diff,
+        "weights_equal": equal,
+        "consumed_equal": consumed(a) == consumed(b),
+    }
 
 
 # ---------------------------------------------------------------------------- the kill
@@ -148,7 +162,9 @@ def kill_a_worker_when(ray, delivered: int, done: dict) -> threading.Thread:
     def watch() -> None:
         pool = None
         while pool is None:
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("features-")]
+            names = [
+                a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("features-")
+            ]
             pool = ray.get_actor(names[0], namespace=NAMESPACE) if names else None
             time.sleep(0.2)
         while ray.get(pool.stats.remote())["delivered_samples"] < delivered:
@@ -231,7 +247,14 @@ def main(argv: list[str]) -> None:
     steps, K, cpus, out = args.steps, args.ttt_length, args.cpus, Path(args.out)
     torch.set_num_threads(1)  # the trainer on one thread, as each worker (features.engine.worker_cpus=1)
     os.environ[PACE] = str(args.pace_ms_per_token / 1000)  # before Ray starts: its workers inherit this environment
-    init_ray(ray, num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
+    init_ray(
+        ray,
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+        namespace=NAMESPACE,
+    )
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -247,12 +270,25 @@ def main(argv: list[str]) -> None:
         killer.join(timeout=5)
         paced = []
         if args.pace_ms_per_token > 0:
-            paced = [measure(train(work / f"paced{n}", data, args.paced_steps, "engine", n, K, PacedWorker), n) for n in workers]
+            paced = [
+                measure(train(work / f"paced{n}", data, args.paced_steps, "engine", n, K, PacedWorker), n)
+                for n in workers
+            ]
         result = {
-            "settings": {"recipe": "demo", "steps": steps, "ttt_length": K, "ray_cpus": cpus, "workers": workers,
-                         "pace_ms_per_token": args.pace_ms_per_token, "paced_steps": args.paced_steps, "cpu_count": os.cpu_count(),
-                         "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-                         "command": "python -m benchmarks.engine_features " + " ".join(argv)},  # fmt: skip
+            "settings": {
+                "recipe": "demo",
+                "steps": steps,
+                "ttt_length": K,
+                "ray_cpus": cpus,
+                "workers": workers,
+                "pace_ms_per_token": args.pace_ms_per_token,
+                "paced_steps": args.paced_steps,
+                "cpu_count": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "ray": ray.__version__,
+                "command": "python -m benchmarks.engine_features " + " ".join(argv),
+            },  # fmt: skip
             "scaling": [measure(runs[n], n) for n in workers],
             "paced": paced,
             "k5": measure(k5, 1),

@@ -90,11 +90,15 @@ def resolve(requirements: Path, dest: Path, python_version: str, platform: str) 
             continue
         with_torch.add(name)
         todo += [_name(r) for r in requires[name] if "extra ==" not in r]
-    return {i["metadata"]["name"]: i["metadata"]["version"] for i in items if _name(i["metadata"]["name"]) not in with_torch}
+    return {
+        i["metadata"]["name"]: i["metadata"]["version"] for i in items if _name(i["metadata"]["name"]) not in with_torch
+    }
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--python-version", required=True, help="the GPU machine's Python, e.g. 3.12")
     parser.add_argument("--platform", required=True, help="its wheel platform tag, e.g. manylinux_2_28_x86_64")
     parser.add_argument("--dest", type=Path, default=ROOT / "benchmarks" / "wheels")

@@ -78,7 +78,16 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         Part("sequence parallel", "sequence_parallel", 120 if smoke else 45),
     ]
     if smoke:
-        tiny = ["shape=tiny", "T=128", "ttt=2", "peer=speculators", "warmup=0", "repeats=1", "memory=false", "threads=1"]
+        tiny = [
+            "shape=tiny",
+            "T=128",
+            "ttt=2",
+            "peer=speculators",
+            "warmup=0",
+            "repeats=1",
+            "memory=false",
+            "threads=1",
+        ]
         return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
     from benchmarks.shapes import recipe_shapes
     from eagle31.attention import DrafterAttention
@@ -96,11 +105,20 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
     ]
     for recipe, what, T, args, budget in runs:
         if recipe is None:
-            parts.append(Part(f"benchmark {what} T={T}", "unavailable", 0, [f"not available: no recipe trains the {what}"]))
+            parts.append(
+                Part(f"benchmark {what} T={T}", "unavailable", 0, [f"not available: no recipe trains the {what}"])
+            )
             continue
         ckpt = needs_checkpointing(recipe, T, gpu_memory_gib)
         name = f"benchmark {recipe} T={T}" + (" ckpt" if ckpt else "")
-        parts.append(Part(name, "benchmark", budget, [f"shape={recipe}", "ttt=7", f"T={T}", f"ckpt={str(ckpt).lower()}", *args.split()]))
+        parts.append(
+            Part(
+                name,
+                "benchmark",
+                budget,
+                [f"shape={recipe}", "ttt=7", f"T={T}", f"ckpt={str(ckpt).lower()}", *args.split()],
+            )
+        )
     return parts
 
 
@@ -126,8 +144,20 @@ def install_wheels(wheels: Path | None, log: Path) -> dict:
         return {"status": "skipped", "detail": "every needed package imports"}
     if wheels is None or not (wheels / "requirements.txt").is_file():
         where = wheels or DEFAULT_WHEELS
-        return {"status": "skipped", "detail": f"missing {missing}; no wheels at {where} (benchmarks/fetch_gpu_wheels.py)"}
-    pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-index", "--find-links", str(wheels)]
+        return {
+            "status": "skipped",
+            "detail": f"missing {missing}; no wheels at {where} (benchmarks/fetch_gpu_wheels.py)",
+        }
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-index",
+        "--find-links",
+        str(wheels),
+    ]
     if sys.prefix == sys.base_prefix:  # a system interpreter, not a virtual environment
         if not os.access(sys.prefix, os.W_OK):
             pip.append("--user")
@@ -135,12 +165,20 @@ def install_wheels(wheels: Path | None, log: Path) -> dict:
             pip.append("--break-system-packages")  # PEP 668 marker: the GPU machine is lent, not kept
     status = "pass"
     with log.open("w") as f:
-        for extra in (["-r", str(wheels / "requirements.txt")], ["--no-deps", "-r", str(wheels / "requirements-no-deps.txt")]):
+        for extra in (
+            ["-r", str(wheels / "requirements.txt")],
+            ["--no-deps", "-r", str(wheels / "requirements-no-deps.txt")],
+        ):
             proc = subprocess.run([*pip, *extra], stdout=f, stderr=subprocess.STDOUT, text=True)
             status = status if proc.returncode == 0 else "fail"
     importlib.invalidate_caches()
     still = missing_modules(NEEDED_MODULES + PEER_MODULES)
-    return {"status": status, "was_missing": missing, "still_missing": still, "log": str(log.relative_to(log.parents[1]))}
+    return {
+        "status": status,
+        "was_missing": missing,
+        "still_missing": still,
+        "log": str(log.relative_to(log.parents[1])),
+    }
 
 
 # ---------------------------------------------------------------------------- running the parts
@@ -152,11 +190,23 @@ def run_part(part: Part, out: Path, smoke: bool, timeout: float) -> dict:
         return {"status": "skipped", "detail": part.args[0]}
     slug = part.name.replace(" ", "_").replace("=", "")
     result_path, log_path = out / "parts" / f"{slug}.json", out / "logs" / f"{slug}.log"
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part.kind, "--result", str(result_path), "--part-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--part",
+        part.kind,
+        "--result",
+        str(result_path),
+        "--part-out",
+        str(out),
+    ]
     cmd += (["--cpu-smoke-part"] if smoke else []) + ["--bench-args", " ".join(part.args)]
     started = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(), start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -168,9 +218,19 @@ def run_part(part: Part, out: Path, smoke: bool, timeout: float) -> dict:
             code = None
     seconds = round(time.monotonic() - started, 1)
     if code is None:
-        return {"status": "timeout", "seconds": seconds, "error": f"stopped after its budget of {timeout:.0f} s", "log": _tail(log_path)}
+        return {
+            "status": "timeout",
+            "seconds": seconds,
+            "error": f"stopped after its budget of {timeout:.0f} s",
+            "log": _tail(log_path),
+        }
     if not result_path.is_file():
-        return {"status": "fail", "seconds": seconds, "error": f"exited {code} without a result", "log": _tail(log_path)}
+        return {
+            "status": "fail",
+            "seconds": seconds,
+            "error": f"exited {code} without a result",
+            "log": _tail(log_path),
+        }
     result = json.loads(result_path.read_text())
     result["seconds"] = seconds
     return result
@@ -204,7 +264,14 @@ def part_main(kind: str, result: Path, out: Path, smoke: bool, args: list[str]) 
     return 0 if report["status"] in ("pass", "skipped") else 1
 
 
-def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, parts: list[Part] | None = None, mode: str | None = None) -> int:
+def check_main(
+    out: Path,
+    smoke: bool,
+    wheels: Path | None,
+    budget_s: float,
+    parts: list[Part] | None = None,
+    mode: str | None = None,
+) -> int:
     """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary under `out`."""
     started = time.monotonic()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "parts").is_dir())):
@@ -217,6 +284,7 @@ def check_main(out: Path, smoke: bool, wheels: Path | None, budget_s: float, par
     mode = mode or ("cpu-smoke" if smoke else "gpu")
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": mode,
                "budget_s": budget_s, "install": install, "parts": {}}  # fmt: skip
+
     def run(part: Part) -> dict:
         left = budget_s - (time.monotonic() - started)
         if part.kind != "unavailable" and left < 15:
@@ -254,10 +322,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("out", nargs="?", type=Path, help="output directory (GPU run)")
     parser.add_argument("--cpu-smoke", type=Path, metavar="OUT", help="the same parts on CPU with tiny shapes")
-    parser.add_argument("--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"wall-clock budget of all parts (default {BUDGET_S:.0f})")
+    parser.add_argument(
+        "--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help=f"wall-clock budget of all parts (default {BUDGET_S:.0f})"
+    )
     parser.add_argument("--to-doc", type=Path, metavar="SUMMARY", help="put a summary.json's table into --doc")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md", help="default docs/performance.md")
+    parser.add_argument(
+        "--doc", type=Path, default=ROOT / "docs" / "performance.md", help="default docs/performance.md"
+    )
     parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: one part in this process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
@@ -279,7 +353,10 @@ def main(argv: list[str]) -> int:
         return 0
     outs = [o for o in (ns.out, ns.cpu_smoke) if o is not None]
     if len(outs) != 1:
-        print("error: give one output directory: `<out dir>` on a GPU machine, or `--cpu-smoke <out dir>`", file=sys.stderr)
+        print(
+            "error: give one output directory: `<out dir>` on a GPU machine, or `--cpu-smoke <out dir>`",
+            file=sys.stderr,
+        )
         return 2
     return check_main(outs[0], ns.cpu_smoke is not None, default_wheels(ns.wheels), ns.budget_s)
 

@@ -108,7 +108,9 @@ def attention(smoke: bool) -> dict[str, Any]:
     for name, cfg in shapes.items():
         entry: dict[str, Any] = {"attention": attention_types[name]}
         try:
-            entry["max_error"] = check_attention_parity(cfg, device, dtype, seq_len=64 if smoke else 1024, backends=backends)
+            entry["max_error"] = check_attention_parity(
+                cfg, device, dtype, seq_len=64 if smoke else 1024, backends=backends
+            )
             entry["status"] = "pass"
         except Exception as e:  # noqa: BLE001 — one shape failing must not hide the others
             entry.update(status="fail", error=f"{type(e).__name__}: {e}"[:2000])
@@ -136,7 +138,15 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="eagle31-gpu-check-cache-") as cache:
         env = {**child_env(), "EAGLE31_CACHE": cache, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(ROOT / "train" / "main.py")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            str(ROOT / "train" / "main.py"),
+        ]
         runs = {}
         for name, extra in (("first", ["train.max_steps=2"]), ("resumed", ["train.max_steps=4", "resume=auto"])):
             proc = subprocess.run([*cmd, *base, *extra], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -221,17 +231,25 @@ def memory(smoke: bool) -> dict[str, Any]:
     if smoke or not torch.cuda.is_available():
         shapes = {name: memory_model.compare(name, spec) for name, spec in memory_model.SHAPES["tiny"].items()}
         status = "pass" if all(s["passed"] for s in shapes.values()) else "fail"
-        return {"status": status, "device": "cpu", "detail": f"{len(shapes)} shape(s) term by term", "memory_shapes": shapes}
+        return {
+            "status": status,
+            "device": "cpu",
+            "detail": f"{len(shapes)} shape(s) term by term",
+            "memory_shapes": shapes,
+        }
     points = {}
     try:
         for name, spec in memory_model.SHAPES["full"].items():
-            points[name] = [memory_model.cuda_point(spec["overrides"], T, spec.get("checkpointing", True)) for T in spec["seq_lens"]]
+            points[name] = [
+                memory_model.cuda_point(spec["overrides"], T, spec.get("checkpointing", True)) for T in spec["seq_lens"]
+            ]
     finally:
         close_world()
-    within = all(abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps)
+    within = all(
+        abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps
+    )
     detail = "totals within 10%" if within else "a total off by more than 10% (points)"
     return {"status": "pass", "device": "cuda", "detail": detail, "total_within_tolerance": within, "points": points}
-
 
 
 def sequence_parallel(smoke: bool) -> dict[str, Any]:
@@ -253,7 +271,11 @@ def sequence_parallel(smoke: bool) -> dict[str, Any]:
 
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     dtype = torch.float32 if smoke else torch.bfloat16
-    spec = {"attention": "mla", "seq_len": 64 if smoke else 32768, "backend": "blockwise" if _flash_problems(device.type) else "flash"}
+    spec = {
+        "attention": "mla",
+        "seq_len": 64 if smoke else 32768,
+        "backend": "blockwise" if _flash_problems(device.type) else "flash",
+    }
     warmup, repeats = (1, 1) if smoke else (2, 5)
     world = World(rank=0, world_size=1, local_rank=0, device=device)
     ensure_single_process_group(device)
@@ -282,7 +304,12 @@ def sequence_parallel(smoke: bool) -> dict[str, Any]:
                 with LiveTensorBytes() as tensors:
                     step()
                 peak = tensors.peak
-            runs[name] = {"step_s": statistics.median(times), "peak_bytes": peak, "loss": float(loss), "exchanged_bytes_per_step": exchanged}
+            runs[name] = {
+                "step_s": statistics.median(times),
+                "peak_bytes": peak,
+                "loss": float(loss),
+                "exchanged_bytes_per_step": exchanged,
+            }
             del step
             gc.collect()
             if device.type == "cuda":
@@ -312,7 +339,9 @@ def sequence_parallel(smoke: bool) -> dict[str, Any]:
         f"{shards['last_shard_s'] * 1e3:.0f} ms vs {shards['whole_s'] * 1e3:.0f} ms whole"
     )
     if not ok:
-        report["error"] = report["detail"] + ("" if split["exchanged_bytes_per_step"] else "; no collective ran (not the sequence-parallel path)")
+        report["error"] = report["detail"] + (
+            "" if split["exchanged_bytes_per_step"] else "; no collective ran (not the sequence-parallel path)"
+        )
     return report
 
 
@@ -332,23 +361,37 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
     from eagle31.kernels.entries import ChainKeysValues
     from eagle31.kernels.ttt_attention import ttt_attention_of_entries
 
-    nh, nope, rope, v_dim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    nh, nope, rope, v_dim, rank = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731
     q, dout = rand(1, seq_len, nh, nope + rope), rand(1, seq_len, nh, nope + rope)
-    latents, weight = [rand(1, seq_len, rank + rope) for _ in range(3)], rand(nh * (nope + v_dim), rank, scale=rank**-0.5)
+    latents, weight = (
+        [rand(1, seq_len, rank + rope) for _ in range(3)],
+        rand(nh * (nope + v_dim), rank, scale=rank**-0.5),
+    )
     segments = segment_ids(None, None, (1, seq_len), device=device)  # one document across every shard
     cuda = device.type == "cuda"
 
     def run(a: int, b: int):
-        leaves = [x.detach().clone().requires_grad_() for x in (q[:, a:b], latents[0][:, :b], latents[1][:, a:b], latents[2][:, a:b], weight)]
+        leaves = [
+            x.detach().clone().requires_grad_()
+            for x in (q[:, a:b], latents[0][:, :b], latents[1][:, a:b], latents[2][:, a:b], weight)
+        ]
         expand = ChainKeysValues(partial(mla_keys_values, num_heads=nh, nope=nope, v_dim=v_dim), (leaves[-1],), width=1)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device) if cuda else 0
         t0 = time.perf_counter()
-        out = ttt_attention_of_entries(leaves[0], (leaves[1],), [(leaves[2],), (leaves[3],)], segments[:, :b], backend, expand, expand)
+        out = ttt_attention_of_entries(
+            leaves[0], (leaves[1],), [(leaves[2],), (leaves[3],)], segments[:, :b], backend, expand, expand
+        )
         out.backward(dout[:, a:b])
         if cuda:
             torch.cuda.synchronize(device)
@@ -371,7 +414,9 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
             else:  # the shard's own rows
                 got[i][:, a:b] = t
     names = ["output", "q", "step0_latents", "chain_latents_1", "chain_latents_2", "kv_b_proj"]
-    error = {n: float((x.float() - y.float()).abs().max() / y.float().abs().max()) for n, x, y in zip(names, got, whole)}
+    error = {
+        n: float((x.float() - y.float()).abs().max() / y.float().abs().max()) for n, x, y in zip(names, got, whole)
+    }
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return {
         "seq_len": seq_len, "shards": parts, "heads": nh, "max_error": error, "passed": max(error.values()) <= tolerance,

@@ -65,7 +65,8 @@ SHAPES = {
     "full": {
         "mla_kimi_heads": dict(overrides={**_NARROW, **_KIMI_MLA_HEADS}, seq_lens=(128, 256, 512)),
         "llama_kimi_heads": dict(
-            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128}, seq_lens=(128, 256, 512)
+            overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128},
+            seq_lens=(128, 256, 512),
         ),
         "llama_kimi_heads_no_ckpt": dict(
             overrides={**_NARROW, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128},
@@ -75,9 +76,16 @@ SHAPES = {
         # the full vocabulary (Vd = V = 163840, as kimi_k26) at a small width: the vocabulary terms
         "mla_full_vocab": dict(
             overrides={
-                **_KIMI_MLA_HEADS, "hidden_size": 128, "target_hidden_size": 128, "intermediate_size": 256,
-                "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
-                "vocab_size": 163840, "draft_vocab_size": 163840,
+                **_KIMI_MLA_HEADS,
+                "hidden_size": 128,
+                "target_hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "q_lora_rank": 64,
+                "kv_lora_rank": 32,
+                "vocab_size": 163840,
+                "draft_vocab_size": 163840,
             },
             seq_lens=(128, 256),
             # its working set is the loss's fixed-size chunk (rows x V), the per-token part a few KB on
@@ -88,9 +96,19 @@ SHAPES = {
     "tiny": {
         "mla_tiny": dict(
             overrides=dict(
-                attention="mla", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=24,
-                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                intermediate_size=128, vocab_size=512, draft_vocab_size=256,
+                attention="mla",
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                head_dim=24,
+                q_lora_rank=32,
+                kv_lora_rank=16,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+                intermediate_size=128,
+                vocab_size=512,
+                draft_vocab_size=256,
             ),
             seq_lens=(128, 256),
         ),  # fmt: skip
@@ -184,10 +202,14 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
             "activations_and_loss": working,
         }
         # the true peak: the model, what a step leaves alive, and the second step's peak above it
-        peak = m["trainable_bytes"] + m["frozen_embedding_bytes"] + m["target_lm_head_bytes"] + m["target_features_bytes"]
+        peak = (
+            m["trainable_bytes"] + m["frozen_embedding_bytes"] + m["target_lm_head_bytes"] + m["target_features_bytes"]
+        )
         measured = {k: v / GiB for k, v in measured.items()}
         measured["total"] = (peak + m["step_peak_bytes"]) / GiB
-        estimated = {k: est[k] for k in ("param_grad_optimizer_states", "frozen_embedding", "target_lm_head", "target_features")}
+        estimated = {
+            k: est[k] for k in ("param_grad_optimizer_states", "frozen_embedding", "target_lm_head", "target_features")
+        }
         estimated["activations_and_loss"] = est["activations"] + est["loss_working_set"]
         estimated["total"] = est["total"]
         ratios = {k: estimated[k] / measured[k] if measured[k] else None for k in measured}
@@ -288,4 +310,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-

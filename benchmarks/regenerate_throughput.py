@@ -35,8 +35,14 @@ from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = {"concurrency": "1,16,64,256", "latency_s": "8.0", "waves": "12", "out": str(ROOT / "benchmarks" / "results"), "python": "",
-            "reasoning_parser": "kimi_k2"}
+DEFAULTS = {
+    "concurrency": "1,16,64,256",
+    "latency_s": "8.0",
+    "waves": "12",
+    "out": str(ROOT / "benchmarks" / "results"),
+    "python": "",
+    "reasoning_parser": "kimi_k2",
+}
 THINKING = {"thinking": True, "preserve_thinking": True}
 
 
@@ -117,10 +123,15 @@ def main(argv: list[str]) -> int:
     vllm = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     result = {
-        "settings": {"latency_s": latency_s, "waves": waves, "max_new_tokens": 64, "shard_size": 64,
-                     "reasoning_parser": args["reasoning_parser"] or None,
-                     "server": {"vllm": vllm, "cpu_count": os.cpu_count(), "python": platform.python_version()},
-                     "command": "python -m benchmarks.regenerate_throughput " + " ".join(argv)},  # fmt: skip
+        "settings": {
+            "latency_s": latency_s,
+            "waves": waves,
+            "max_new_tokens": 64,
+            "shard_size": 64,
+            "reasoning_parser": args["reasoning_parser"] or None,
+            "server": {"vllm": vllm, "cpu_count": os.cpu_count(), "python": platform.python_version()},
+            "command": "python -m benchmarks.regenerate_throughput " + " ".join(argv),
+        },  # fmt: skip
         "results": results,
     }
     write_result_and_table(result, Path(args["out"]) / "regenerate_throughput.json", table(result) + "\n")

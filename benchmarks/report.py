@@ -140,7 +140,9 @@ def _part_note(part: dict[str, Any]) -> str:
     if "checks" in part:
         notes.append(", ".join(n for n, ok in part["checks"].items() if ok) + " ok")
     if "packages" in part:
-        notes.append("missing: " + (", ".join(n for n, v in part["packages"].items() if v.startswith("missing")) or "none"))
+        notes.append(
+            "missing: " + (", ".join(n for n, v in part["packages"].items() if v.startswith("missing")) or "none")
+        )
     return "; ".join(notes)
 
 

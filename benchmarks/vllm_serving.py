@@ -60,7 +60,9 @@ from eagle31.targets.cache import portable_path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
 FORMATS = tuple(LAYOUTS)
-NEAR_TIE = 1e-3  # a logit margin below this is a floating-point tie: float32 kernels of two engines may order it either way
+NEAR_TIE = (
+    1e-3  # a logit margin below this is a floating-point tie: float32 kernels of two engines may order it either way
+)
 
 
 @dataclass
@@ -127,7 +129,9 @@ class RecordingProposer:
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.inner.extend(aux, next_tokens)
 
-    def observe(self, feature, out, q, keys, values, attn, chain: int, first: int = 0) -> None:  # DraftProbe: step `chain` gives draft chain+1
+    def observe(
+        self, feature, out, q, keys, values, attn, chain: int, first: int = 0
+    ) -> None:  # DraftProbe: step `chain` gives draft chain+1
         self._logits[chain] = self.drafter.lm_head(out.state)[0, -1].float().cpu()
 
     def draft_chain(self, k: int) -> torch.Tensor:
@@ -161,8 +165,13 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     else:
         config = acceptance_config(cfg, run_dir, target_dir, "cpu")
         k, max_new_tokens = config.k, config.max_new_tokens
-        prompts = {split: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for split, path in config.splits.items()}
-    (drafter,) = load_drafters({"drafter": str(drafter_dir or Path(run_dir) / "drafter")}, "auto", target_config).values()
+        prompts = {
+            split: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
+            for split, path in config.splits.items()
+        }
+    (drafter,) = load_drafters(
+        {"drafter": str(drafter_dir or Path(run_dir) / "drafter")}, "auto", target_config
+    ).values()
     target = load_target(str(target_dir), torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     drafter = share_target_embedding(drafter, target).float().eval()
     eos = eos_ids(target, tokenizer)
@@ -191,10 +200,15 @@ def mt_bench_prompts(prompts_of: ServingConfig, tokenizer, template_kwargs: dict
         conversations = list(read_conversations([prompts_of.history], Tally()))
         histories = long_histories(tokenizer, conversations, len(questions), prompts_of.history_tokens)
         splits["long_history"] = [history + turn for history, turn in zip(histories, first_turns)]
-    return {split: [render(tokenizer, messages, template_kwargs=template_kwargs) for messages in chats] for split, chats in splits.items()}
+    return {
+        split: [render(tokenizer, messages, template_kwargs=template_kwargs) for messages in chats]
+        for split, chats in splits.items()
+    }
 
 
-def decode_splits(drafter, target, prompts: dict[str, list[list[int]]], k: int, max_new_tokens: int, eos) -> dict[str, list[dict]]:
+def decode_splits(
+    drafter, target, prompts: dict[str, list[list[int]]], k: int, max_new_tokens: int, eos
+) -> dict[str, list[dict]]:
     """Greedy speculative decoding of every prompt, live verification by the target: each prompt's tokens and rounds."""
     from eagle31.eval.speculative import speculative_generate
 
@@ -205,7 +219,9 @@ def decode_splits(drafter, target, prompts: dict[str, list[list[int]]], k: int, 
             proposer = RecordingProposer(drafter)
             generation = speculative_generate(target, proposer, torch.tensor(ids), aux_layer_ids=drafter.config.aux_layer_ids,
                                               max_new_tokens=max_new_tokens, k=k, eos_token_ids=eos)  # fmt: skip
-            splits[split].append({"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds})
+            splits[split].append(
+                {"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds}
+            )
     return splits
 
 
@@ -271,7 +287,9 @@ def compare_prompt(ours: dict, theirs: dict, drafter, target, k: int) -> dict:
         diff = {"kind": "draft", "token_index": start, "eagle31_drafts": oround["drafts"], "vllm_drafts": vround["drafts"],
                 "eagle31_accepted": accepted, "vllm_accepted": vround["accepted"]}  # fmt: skip
         if j is not None:
-            diff.update(position=j + 1, **drafter_margin(drafter, oround["logits"][j], oround["drafts"][j], vround["drafts"][j]))
+            diff.update(
+                position=j + 1, **drafter_margin(drafter, oround["logits"][j], oround["drafts"][j], vround["drafts"][j])
+            )
         row["differences"].append(diff)
     row["rounds_after_a_difference"] = followed
     return row
@@ -318,11 +336,22 @@ def summarise(rows: list[dict], k: int) -> dict:
 
 def report_counts(report: dict, split: str) -> dict:
     (result,) = [r for r in report["results"] if r["split"] == split]
-    return {"rounds": result["rounds"], "accepted": result["accepted"], "accepted_at": result["accepted_at"], "tau": result["tau"]}
+    return {
+        "rounds": result["rounds"],
+        "accepted": result["accepted"],
+        "accepted_at": result["accepted_at"],
+        "tau": result["tau"],
+    }
 
 
-def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, log=print, prompts_of: ServingConfig | None = None,
-                 attention_backend: str | None = None) -> list[dict]:
+def measure_runs(
+    runs: dict[str, Path],
+    formats: list[str],
+    timeout_s: float,
+    log=print,
+    prompts_of: ServingConfig | None = None,
+    attention_backend: str | None = None,
+) -> list[dict]:
     """Every run's exports against eagle31 decoding with the same weights; one vLLM process per target.
 
     vLLM serves an export, whose weights are the trained drafter's rounded to the export's dtype (bfloat16 by
@@ -341,7 +370,10 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
         for fmt in exports:
             export = (Path(run_dir) / "export" / fmt).resolve()
             log(f"{label}/{fmt}: eagle31 decoding with the export's weights")
-            ours = sides[f"{label}/{fmt}"] = {**eagle31_side(Path(run_dir), prompts_of, export), "trained": trained[label]}
+            ours = sides[f"{label}/{fmt}"] = {
+                **eagle31_side(Path(run_dir), prompts_of, export),
+                "trained": trained[label],
+            }
             jobs.setdefault(ours["target_dir"], []).append(
                 {"label": f"{label}/{fmt}", "drafter": str(export), "k": ours["k"],
                  "max_new_tokens": ours["max_new_tokens"], "stop_token_ids": ours["eos"],
@@ -350,7 +382,9 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
     for target_dir, target_jobs in jobs.items():
         log(f"vLLM serves {', '.join(j['label'] for j in target_jobs)}")
         # the longest prompt and its reply, not the target's whole context: the KV cache is sized for one such request
-        longest = max(len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps)
+        longest = max(
+            len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps
+        )
         max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
         engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs,
                              "attention_backend": attention_backend}, timeout_s)  # fmt: skip
@@ -358,9 +392,17 @@ def measure_runs(runs: dict[str, Path], formats: list[str], timeout_s: float, lo
         version = engine["vllm_version"]
     results = []
     for label, ours in trained.items():
-        prompts = "the run's acceptance prompts" if ours["report"] else {
-            "questions": portable_path(prompts_of.questions), "max_per_category": prompts_of.max_per_category, "turn": 1,
-            "history": portable_path(prompts_of.history) if prompts_of.history else None, "history_tokens": prompts_of.history_tokens}
+        prompts = (
+            "the run's acceptance prompts"
+            if ours["report"]
+            else {
+                "questions": portable_path(prompts_of.questions),
+                "max_per_category": prompts_of.max_per_category,
+                "turn": 1,
+                "history": portable_path(prompts_of.history) if prompts_of.history else None,
+                "history_tokens": prompts_of.history_tokens,
+            }
+        )
         result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"], "max_new_tokens": ours["max_new_tokens"],
                                   "prompts": prompts, "formats": {}}  # fmt: skip
         for name, job in served.items():
@@ -382,10 +424,17 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
         prompts = [compare_prompt(p["ours"], p["vllm"], ours["drafter"], ours["target"], ours["k"]) for p in pairs]
         summary = summarise(pairs, ours["k"])
         trained = ours["trained"]["splits"][split]
-        summary["trained"] = {"rounds": sum(len(r["accepted"]) for r in trained), "accepted": sum(sum(r["accepted"]) for r in trained)}
+        summary["trained"] = {
+            "rounds": sum(len(r["accepted"]) for r in trained),
+            "accepted": sum(sum(r["accepted"]) for r in trained),
+        }
         summary["report"] = report_counts(ours["report"], split) if ours["report"] else None
-        summary["report_matches"] = None if summary["report"] is None else (summary["report"]["rounds"], summary["report"]["accepted"]) == (
-            summary["trained"]["rounds"], summary["trained"]["accepted"])  # the trained drafter gives the run's report
+        summary["report_matches"] = (
+            None
+            if summary["report"] is None
+            else (summary["report"]["rounds"], summary["report"]["accepted"])
+            == (summary["trained"]["rounds"], summary["trained"]["accepted"])
+        )  # the trained drafter gives the run's report
         if ours["without_window"] is not None:
             unwindowed = ours["without_window"][split]
             summary["without_window"] = {
@@ -395,7 +444,8 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
                 "rounds_equal_vllm": sum(u["accepted"] == [r["accepted"] for r in v["rounds"]] for u, v in zip(unwindowed, job["splits"][split])),
             }  # fmt: skip
         summary["counters_match_rounds"] = all(
-            (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"])) == (p["vllm"]["drafts"], p["vllm"]["accepted"])
+            (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"]))
+            == (p["vllm"]["drafts"], p["vllm"]["accepted"])
             for p in pairs
         )  # vLLM's counters and the rounds its scheduler verified are the same count
         summary["prompts"] = len(rows)

@@ -51,11 +51,19 @@ class RoundLog:
             return update(scheduler, scheduler_output, model_runner_output)
 
         def make_spec_decoding_stats(scheduler, *args, **kwargs):
-            names = ("spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens", "num_invalid_spec_tokens", "request_id")
+            names = (
+                "spec_decoding_stats",
+                "num_draft_tokens",
+                "num_accepted_tokens",
+                "num_invalid_spec_tokens",
+                "request_id",
+            )
             call = {**dict(zip(names, args)), **kwargs}
             if scheduler.log_stats and call["num_draft_tokens"]:
                 drafts = log._scheduled.get(call["request_id"], [])
-                log.rounds.setdefault(call["request_id"], []).append({"drafts": drafts, "accepted": call["num_accepted_tokens"]})
+                log.rounds.setdefault(call["request_id"], []).append(
+                    {"drafts": drafts, "accepted": call["num_accepted_tokens"]}
+                )
             return make_stats(scheduler, *args, **kwargs)
 
         Scheduler.update_from_output = update_from_output
@@ -71,7 +79,9 @@ def counters(llm) -> dict:
         if isinstance(metric, Counter) and metric.name in COUNTERS:
             out[metric.name] += metric.value
         elif isinstance(metric, Vector) and metric.name == PER_POS:
-            out[PER_POS] = list(metric.values) if out[PER_POS] is None else [a + b for a, b in zip(out[PER_POS], metric.values)]
+            out[PER_POS] = (
+                list(metric.values) if out[PER_POS] is None else [a + b for a, b in zip(out[PER_POS], metric.values)]
+            )
     return out
 
 
@@ -99,7 +109,9 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
         enforce_eager=True,
         disable_log_stats=False,
         max_model_len=request["max_model_len"],
-        kv_cache_memory_bytes=request.get("kv_cache_bytes", 1 << 28),  # the CPU backend's default claims most of the RAM
+        kv_cache_memory_bytes=request.get(
+            "kv_cache_bytes", 1 << 28
+        ),  # the CPU backend's default claims most of the RAM
         seed=0,
         **backend,
     )
@@ -133,7 +145,10 @@ def main() -> None:
         try:
             answer["jobs"][job["label"]] = serve(request, job, log)
         except Exception as e:  # the engine refused this export: say why, go on with the next one
-            answer["jobs"][job["label"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            answer["jobs"][job["label"]] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
     print(json.dumps(answer))
 
 

@@ -46,10 +46,14 @@ def capture(cfg) -> None:
         target_config = load_target_config(target_dir)
         aux_ids = DrafterConfig.from_target_config(target_config, aux_layer_ids=cfg.drafter.aux_layer_ids).aux_layer_ids
         # raises ConfigError before the target loads
-        writers = open_store_writers(Path(cfg.features.store_dir), splits, target_dir, target_config, aux_ids, cfg.target, cfg.features)
+        writers = open_store_writers(
+            Path(cfg.features.store_dir), splits, target_dir, target_config, aux_ids, cfg.target, cfg.features
+        )
         if cfg.features.engine.worker == EngineWorker.vllm:
             if world.world_size > 1:
-                raise ConfigError("features.engine.worker=vllm captures in one process (vLLM spreads the target over features.engine.worker_gpus); run it without torchrun")
+                raise ConfigError(
+                    "features.engine.worker=vllm captures in one process (vLLM spreads the target over features.engine.worker_gpus); run it without torchrun"
+                )
             target = VLLMInferenceWorker(WorkerSpec.from_recipe(cfg, target_dir, aux_ids))
             expected = expected_info(target_dir, aux_ids, target_shape(target_config)[1], str(cfg.target.dtype))
             mismatch = worker_mismatch(target.describe(), expected, target_dir)  # as the pool checks its workers

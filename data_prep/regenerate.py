@@ -41,6 +41,7 @@ from eagle31.errors import ConfigError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
+
 def main(cfg) -> None:
     r = cfg.regenerate
     sources = source_paths(r.source)
@@ -84,7 +85,9 @@ def main(cfg) -> None:
         conversations = list(islice(read_conversations(sources, rejects), r.max_conversations))
         if not conversations:
             raise DataError(f"no readable conversation in {', '.join(sources)}: {rejects.describe() or 'empty'}")
-        with tqdm(total=len(conversations), desc=f"regenerate (rank {world.rank})", unit="conv", disable=not world.is_main) as bar:
+        with tqdm(
+            total=len(conversations), desc=f"regenerate (rank {world.rank})", unit="conv", disable=not world.is_main
+        ) as bar:
             try:
                 counts = regenerate(conversations, backend, r.output_dir, settings, rank=world.rank,
                                     world_size=world.world_size, progress=bar.update)  # fmt: skip

@@ -144,16 +144,16 @@ class DrafterConfig:
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
             )
         if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
-            raise ConfigError(
-                f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}"
-            )
+            raise ConfigError(f"drafter.rope_parameters needs rope_type and rope_theta, got {self.rope_parameters!r}")
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ConfigError(f"drafter.sliding_window must be a positive integer (positions) or null, got {w!r}")
         for other, kind in KINDS.items():
             used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
             if used:
-                raise ConfigError(f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0")
+                raise ConfigError(
+                    f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0"
+                )
         self.kind.validate(self)
 
     # ------------------------------------------------------------ construction

@@ -133,7 +133,11 @@ def load_drafter(
 
 
 def read_drafter_config(
-    path: str | Path, *, source_format: str | Layout = "auto", upgrade_to_eagle31: bool = False, target_num_layers: int | None = None
+    path: str | Path,
+    *,
+    source_format: str | Layout = "auto",
+    upgrade_to_eagle31: bool = False,
+    target_num_layers: int | None = None,
 ) -> DrafterConfig:
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
     path = Path(path)
@@ -143,8 +147,9 @@ def read_drafter_config(
         if target_num_layers is not None:
             config = dataclasses.replace(config, target_num_layers=target_num_layers)
     else:
-        config = drafter_config(meta, fmt, target_num_layers=target_num_layers,
-                                ids_already_shifted=_ids_already_shifted(meta, fmt, path))  # as load_drafter reads them
+        config = drafter_config(
+            meta, fmt, target_num_layers=target_num_layers, ids_already_shifted=_ids_already_shifted(meta, fmt, path)
+        )  # as load_drafter reads them
     return eagle31_config(config) if upgrade_to_eagle31 else config
 
 
@@ -292,7 +297,9 @@ def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:
             shards = [torch.load(legacy, map_location="cpu", weights_only=True)]
         except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"{legacy} is not a readable PyTorch checkpoint (truncated or corrupt?): {reason}") from None
+            raise ConfigError(
+                f"{legacy} is not a readable PyTorch checkpoint (truncated or corrupt?): {reason}"
+            ) from None
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         for key, tensor in shard.items():

@@ -215,7 +215,9 @@ class RankWatch:
                     return
         except Exception as e:  # noqa: BLE001 - the store itself went away: its host (rank 0's node, torchrun's agent)
             if not self._stopping.is_set():
-                self._give(f"the rendezvous store stopped answering ({' '.join(str(e).split())[:200]}): rank 0's node or torchrun is gone")
+                self._give(
+                    f"the rendezvous store stopped answering ({' '.join(str(e).split())[:200]}): rank 0's node or torchrun is gone"
+                )
         finally:
             self._done.set()
 
@@ -244,7 +246,6 @@ class RankWatch:
         except Exception:  # noqa: BLE001
             pass
         self.on_lost(verdict)
-
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -279,4 +280,3 @@ def all_gather_objects(obj) -> list:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-

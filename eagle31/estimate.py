@@ -220,7 +220,9 @@ def after_attention_gradient_bytes(cfg: DrafterConfig) -> int:
     return (o_proj + 3 * H * cfg.intermediate_size + 2 * H) * 4
 
 
-def activation_bytes(cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str) -> dict:
+def activation_bytes(
+    cfg: DrafterConfig, seq_len: int, ttt_length: int, *, checkpointing: bool, c: int, device: str
+) -> dict:
     """The unroll's bytes: `kept`, what is alive from the forward to the loss's backward, and `steps`, for
     each TTT step k = 0..K-1 (the backward runs k = K-1 first) what is alive at the largest moment of its
     backward: what is left of `kept`, its recomputed saved tensors (with checkpointing), the larger of the
@@ -382,4 +384,3 @@ def longest_fitting_length(cfg: DrafterConfig, ttt_length: int, gpu_memory_gib: 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
     return lo * 1024
-

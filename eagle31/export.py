@@ -130,11 +130,17 @@ def embed_included(config: DrafterConfig, layout: Layout, include_embed: bool | 
 def _missing_embed_message(config: DrafterConfig, layout: Layout, include_embed: bool | None) -> str:
     problem = "the drafter's embedding is all zeros (its checkpoint carries none)"
     if config.target_hidden_size != config.hidden_size:
-        return (f"{problem}, and a drafter whose hidden_size={config.hidden_size} differs from its target's "
-                f"({config.target_hidden_size}) cannot share the target's: load its own embedding first")
-    if include_embed is None:  # the layout's default (speculators': its from_pretrained leaves a missing one uninitialised)
-        return (f"{problem}; the {layout.name} layout carries it by default. Load the target's embedding into the "
-                "drafter first, or pass include_embed=false (vLLM then shares the target's)")
+        return (
+            f"{problem}, and a drafter whose hidden_size={config.hidden_size} differs from its target's "
+            f"({config.target_hidden_size}) cannot share the target's: load its own embedding first"
+        )
+    if (
+        include_embed is None
+    ):  # the layout's default (speculators': its from_pretrained leaves a missing one uninitialised)
+        return (
+            f"{problem}; the {layout.name} layout carries it by default. Load the target's embedding into the "
+            "drafter first, or pass include_embed=false (vLLM then shares the target's)"
+        )
     return f"include_embed=true but {problem}; vLLM would use it instead of the target's. Export without it"
 
 

@@ -135,8 +135,13 @@ def render_model_card(
         + (" (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""),
         f"* target features: hidden states at the input of decoder layers {list(drafter['aux_layer_ids'])} "
         "(vLLM's convention)",
-        *([f"* attention: a sliding window of {drafter['sliding_window']} positions (`layer_types`), served as trained"]
-          if drafter["sliding_window"] else []),
+        *(
+            [
+                f"* attention: a sliding window of {drafter['sliding_window']} positions (`layer_types`), served as trained"
+            ]
+            if drafter["sliding_window"]
+            else []
+        ),
         "",
         "## Serving with vLLM",
         "",
@@ -183,7 +188,9 @@ def _min_vllm(layout: Layout, drafter: dict[str, Any]) -> str:
     return kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
 
 
-def _training_lines(run: dict[str, Any], report: dict[str, Any] | None, data_report: dict[str, Any] | None) -> list[str]:
+def _training_lines(
+    run: dict[str, Any], report: dict[str, Any] | None, data_report: dict[str, Any] | None
+) -> list[str]:
     data, train = run.get("data") or {}, run.get("train") or {}
     report = report or {}
     sources = data.get("source") or []
@@ -191,8 +198,10 @@ def _training_lines(run: dict[str, Any], report: dict[str, Any] | None, data_rep
     lines = [f"* data: {names or 'not recorded'}"]
     if data_report:
         samples, supervised = data_report.get("samples") or {}, data_report.get("supervised_tokens") or {}
-        lines.append(f"* samples: {samples.get('train', 0):,} for training, {samples.get('eval', 0):,} held out "
-                     f"({supervised.get('train', 0):,} supervised training tokens)")
+        lines.append(
+            f"* samples: {samples.get('train', 0):,} for training, {samples.get('eval', 0):,} held out "
+            f"({supervised.get('train', 0):,} supervised training tokens)"
+        )
     if data.get("max_len"):
         lines.append(f"* context: up to {data['max_len']} tokens per sequence")
     if train.get("ttt_length"):
@@ -209,13 +218,18 @@ def _acceptance_lines(report: dict[str, Any] | None) -> list[str]:
     report = report or {}
     lines = []
     if report.get("tau_sim") is not None:
-        lines.append(f"Simulated acceptance length on held-out data (teacher-forced, bonus token counted): "
-                     f"**{report['tau_sim']:.3f}**")
+        lines.append(
+            f"Simulated acceptance length on held-out data (teacher-forced, bonus token counted): "
+            f"**{report['tau_sim']:.3f}**"
+        )
     acc = report.get("acc") or []
     if acc:
-        lines += ["", "| TTT step | " + " | ".join(str(k) for k in range(len(acc))) + " |",
-                  "|---|" + "---|" * len(acc),
-                  "| top-1 accuracy | " + " | ".join(_cell(a) for a in acc) + " |"]
+        lines += [
+            "",
+            "| TTT step | " + " | ".join(str(k) for k in range(len(acc))) + " |",
+            "|---|" + "---|" * len(acc),
+            "| top-1 accuracy | " + " | ".join(_cell(a) for a in acc) + " |",
+        ]
     measured = report.get("acceptance")
     if isinstance(measured, dict) and measured:
         lines += ["", *_measured_lines(measured)]
@@ -228,11 +242,17 @@ def _measured_lines(measured: dict[str, Any]) -> list[str]:
     results = measured["results"] if isinstance(measured.get("results"), list) else [measured]
     shown = [key for key in ("mode", "k", "max_new_tokens") if settings.get(key) is not None]
     mode = ", ".join(f"{key} {settings[key]}" for key in shown)
-    lines = [f"Measured with real speculative decoding{f' ({mode})' if mode else ''}:", "",
-             "| split | prompts | acceptance length | acceptance rate per position |", "|---|---|---|---|"]
+    lines = [
+        f"Measured with real speculative decoding{f' ({mode})' if mode else ''}:",
+        "",
+        "| split | prompts | acceptance length | acceptance rate per position |",
+        "|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r.get('split', '-')} | {r.get('prompts', '-')} | {_cell(r.get('tau'))} | "
-                     f"{_cell(r.get('acceptance_rate'))} |")
+        lines.append(
+            f"| {r.get('split', '-')} | {r.get('prompts', '-')} | {_cell(r.get('tau'))} | "
+            f"{_cell(r.get('acceptance_rate'))} |"
+        )
     return lines
 
 
@@ -253,7 +273,8 @@ def upload_list(out_dir: str | Path) -> list[str]:
     """Files of the export folder that an upload sends (hidden and temporary files excluded)."""
     out = Path(out_dir)
     return sorted(
-        str(p.relative_to(out)) for p in out.rglob("*")
+        str(p.relative_to(out))
+        for p in out.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out).parts)
     )
 

@@ -169,7 +169,10 @@ def recover_swap(dest: str | Path) -> None:
             else:
                 fsync_dir(dest.parent)
                 leftovers.append(new)
-                print(f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames", file=sys.stderr)
+                print(
+                    f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames",
+                    file=sys.stderr,
+                )
     for leftover in leftovers:  # of swaps that have ended: none of them is in flight
         shutil.rmtree(leftover, ignore_errors=True)
 
@@ -212,7 +215,9 @@ def _holding_swaps(dest: Path) -> Iterator[None]:
     """
     prefix = f".{dest.name}.tmp-"
     with ExitStack() as held:
-        for new in sorted(p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)):
+        for new in sorted(
+            p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)
+        ):
             fd = _take_swap_lock(new, dest)
             if fd is not None:
                 held.callback(os.close, fd)  # releases the lock
@@ -323,7 +328,13 @@ def _flock(fd: int, directory: Path) -> bool:
 def _hold_lock_file(directory: Path) -> Iterator[None]:
     path = directory / HELD_FILE
     while True:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(), "token": secrets.token_hex(16), "holder": _holder()}
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_ns": _pid_namespace(),
+            "token": secrets.token_hex(16),
+            "holder": _holder(),
+        }
         if _create_lock_file(path, me):
             break
         holder, why_stale, identity = _stale_holder(path)
@@ -428,7 +439,12 @@ def _stale_holder(path: Path) -> tuple[str, str | None, tuple | None]:
     age = time.time() - identity[1] / 1e9
     said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
     namespace = _pid_namespace()
-    if holder and namespace is not None and holder.get("pid_ns") == namespace and not pid_alive(int(holder.get("pid", 0))):
+    if (
+        holder
+        and namespace is not None
+        and holder.get("pid_ns") == namespace
+        and not pid_alive(int(holder.get("pid", 0)))
+    ):
         return said, f"pid {holder.get('pid')} is gone on this host", identity
     if age > STALE_AFTER_S:
         return said, f"its heartbeat is {age:.0f} s old", identity
@@ -575,7 +591,9 @@ def write_errors(what: str, kept: str) -> Iterator[None]:
         raise
     except Exception as e:
         if is_disk_full(e):
-            raise DiskFullError(f"the disk holding {what} filled up; {kept}; free space, then rerun the same command") from None
+            raise DiskFullError(
+                f"the disk holding {what} filled up; {kept}; free space, then rerun the same command"
+            ) from None
         denied = _os_error(e, (errno.EACCES, errno.EPERM, errno.EROFS))
         if denied is not None:
             where = f" ({denied.filename})" if denied.filename else ""

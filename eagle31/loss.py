@@ -198,7 +198,9 @@ LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torc
 }
 
 
-def _divergence(loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _divergence(
+    loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss per query [n] and its gradient with respect to the draft logits [n, Vd], of `loss.kind`."""
     return LOSSES[loss.kind](label_logp, draft_logq, loss.eta)
 
@@ -337,7 +339,9 @@ class FusedDraftLoss(torch.autograd.Function):
         where = [torch.searchsorted(rows, lab) for lab in labels]  # each query's label, as an index into `rows`
         chunk = max(1, _LOGITS_BUDGET // W.shape[0])
         starts = torch.arange(0, rows.numel() + chunk, chunk, device=W.device).clamp(max=rows.numel())
-        bounds = [torch.searchsorted(w, starts).tolist() for w in where]  # step k's queries of chunk c: bounds[k][c:c+2]
+        bounds = [
+            torch.searchsorted(w, starts).tolist() for w in where
+        ]  # step k's queries of chunk c: bounds[k][c:c+2]
         for c, c0 in enumerate(starts[:-1].tolist()):
             logp = (f[rows[c0 : c0 + chunk]] @ Wt.T).to(acc).log_softmax(-1)  # [c, Vd] label log-probabilities
             for k in range(K):
@@ -346,7 +350,9 @@ class FusedDraftLoss(torch.autograd.Function):
                     continue
                 hk = h[k][queries[k][i:j]]  # [n, H]
                 logq = (hk @ W.T).to(acc).log_softmax(-1)
-                rows_loss, dz = _divergence(divergence, logp[where[k][i:j] - c0], logq)  # [n], d loss / d logits [n, Vd]
+                rows_loss, dz = _divergence(
+                    divergence, logp[where[k][i:j] - c0], logq
+                )  # [n], d loss / d logits [n, Vd]
                 loss[k] += rows_loss.sum()
                 argmax[k][i:j] = logq.argmax(-1)
                 if need_dh:
@@ -363,7 +369,9 @@ class FusedDraftLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_argmax):
         if getattr(ctx, "consumed", False):
-            raise RuntimeError("FusedDraftLoss's backward ran twice (retain_graph): its lm_head gradient is scaled in place")
+            raise RuntimeError(
+                "FusedDraftLoss's backward ran twice (retain_graph): its lm_head gradient is scaled in place"
+            )
         ctx.consumed = True
         dW, *dh = ctx.saved_tensors
         g = grad_loss.tolist()  # one scalar per step

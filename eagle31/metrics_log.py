@@ -131,7 +131,9 @@ def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
             if n == len(lines):
                 break
             raise CorruptDataError(f"{path}:{n} is not a JSON line; fix or remove it to resume") from None
-        logged_later = record["step"] > step or (record["step"] == step and not evaluated and any(k.startswith("eval/") for k in record))
+        logged_later = record["step"] > step or (
+            record["step"] == step and not evaluated and any(k.startswith("eval/") for k in record)
+        )
         if not logged_later:
             keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
@@ -158,7 +160,9 @@ class RunLogger:
         self.wandb = None
         if not is_main:
             return
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True
+        )
         if wandb_mode != "disabled":
             self.wandb = start_wandb(
                 wandb_mode,

@@ -105,7 +105,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = config.kind.attention(config, RMSNorm)
         self.mlp = MLP(config)
 
-    def pre_attention(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entry: bool = True):
+    def pre_attention(
+        self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entry: bool = True
+    ):
         """emb, h [B, T, H] -> (q, entry, residual); the attention's `keys_values(*entry)` gives k, v.
         `entry=False` (Llama attention): q alone, the entry None."""
         h_normed = self.hidden_norm(h)
@@ -116,10 +118,15 @@ class Eagle3DecoderLayer(nn.Module):
         q, kept = self.self_attn.query_entry(z, cos, sin)
         return q, kept, residual
 
-    def attention_input(self, emb: torch.Tensor, h: torch.Tensor, input_norm_weight, hidden_norm_weight) -> torch.Tensor:
+    def attention_input(
+        self, emb: torch.Tensor, h: torch.Tensor, input_norm_weight, hidden_norm_weight
+    ) -> torch.Tensor:
         """z = concat(input_layernorm(emb), hidden_norm(h)) [*, 2H], with the given norm weights."""
         eps = self.input_layernorm.eps
-        return torch.cat([_RMSNormFunction.apply(emb, input_norm_weight, eps), _RMSNormFunction.apply(h, hidden_norm_weight, eps)], -1)
+        return torch.cat(
+            [_RMSNormFunction.apply(emb, input_norm_weight, eps), _RMSNormFunction.apply(h, hidden_norm_weight, eps)],
+            -1,
+        )
 
     def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, T, nh, d] -> layer output [B, T, H]."""
@@ -301,7 +308,9 @@ class Eagle31Drafter(nn.Module):
     def _input_keys_values(self, feature, tokens, positions, input_norm_weight, hidden_norm_weight, k_weight, v_weight):
         """Llama keys and values of token rows from the step's input: feature [n, H], tokens, positions [n]
         -> k, v [n, nkv, d] — what `step_entry` computes for those rows, with the given weights."""
-        z = self.midlayer.attention_input(self._embed(tokens, feature.dtype), feature, input_norm_weight, hidden_norm_weight)
+        z = self.midlayer.attention_input(
+            self._embed(tokens, feature.dtype), feature, input_norm_weight, hidden_norm_weight
+        )
         cos, sin = self.rotary_emb(positions[None], feature.dtype)
         k, v = self.midlayer.self_attn.key_value(z[None], cos, sin, k_weight, v_weight)
         return k[0], v[0]

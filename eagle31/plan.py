@@ -38,7 +38,6 @@ from eagle31.target import load_target_config, target_fingerprint
 RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "data.chat_template_kwargs", "train.ttt_length")
 
 
-
 @dataclass
 class RunPlan:
     """What a run will do, settled before any model is built: the composed config and what it implies."""
@@ -101,8 +100,13 @@ def plan_run(cfg, world: World) -> RunPlan:
             f"step k's query at position p + k sees the step-0 keys of p + k - W + 1 .. p, none past the window"
         )
     for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
-        export_config(drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len),
-                      target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None))
+        export_config(
+            drafter,
+            fmt,
+            dtype=cfg.export.dtype,
+            trained_context=int(cfg.data.max_len),
+            target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None),
+        )
 
     precision = cfg.train.precision
     if precision == "auto":
@@ -128,7 +132,9 @@ def check_sequence_parallel(cfg, world: World) -> None:
     if n < 1 or ranks % n:
         raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
     if n > 1 and cfg.train.attention_kernel == "reference":
-        raise ConfigError("train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1")
+        raise ConfigError(
+            "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1"
+        )
 
 
 def check_engine(cfg) -> None:
@@ -183,7 +189,9 @@ def check_run_dir(plan: RunPlan) -> None:
     if not saved.is_file():
         return
     if plan.cfg.resume != "auto":
-        raise ConfigError(f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir")
+        raise ConfigError(
+            f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir"
+        )
     from eagle31.export import read_run_config
 
     old = read_run_config(plan.run_dir)  # a garbled config.yaml is one line naming it
@@ -237,12 +245,13 @@ def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
     from eagle31.data.prepare import recorded_sources
 
     recorded = recorded_sources(prepared)
-    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new sources would be ignored
+    if recorded is not None and recorded != [
+        str(Path(s).resolve()) for s in sources
+    ]:  # the new sources would be ignored
         raise ConfigError(
             f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
             "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
         )
-
 
 
 # ---------------------------------------------------------------------------- dry run
@@ -284,7 +293,11 @@ def describe_dry_run(plan: RunPlan) -> dict:
     report = {
         "recipe": cfg.name,
         "drafter": d.to_dict(),
-        "parameters": {"trainable": counts.trainable, "frozen_embedding": counts.frozen_embedding, "total": counts.total},
+        "parameters": {
+            "trainable": counts.trainable,
+            "frozen_embedding": counts.frozen_embedding,
+            "total": counts.total,
+        },
         "memory_gib_per_gpu": memory,
         "flops_per_sequence": flops,
         "attention_flops_share": attention_share,
@@ -295,13 +308,20 @@ def describe_dry_run(plan: RunPlan) -> dict:
         "longest_seq_len_per_gpu_gib": longest,
     }
     if engine is not None:
-        report["engine"] = {"workers": engine.workers, "trainers": engine.trainers, "measured": engine.measured, "basis": engine.basis}
+        report["engine"] = {
+            "workers": engine.workers,
+            "trainers": engine.trainers,
+            "measured": engine.measured,
+            "basis": engine.basis,
+        }
     if plan.world.is_main:
         print(f"dry run of recipe {cfg.name!r}: config valid")
         print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
               f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
               f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}")  # fmt: skip
-        print(f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding")
+        print(
+            f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding"
+        )
         print(f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
               f"{attention_share:.0%} of it attention")  # fmt: skip
         split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
@@ -311,7 +331,11 @@ def describe_dry_run(plan: RunPlan) -> dict:
             if k != "total":
                 print(f"    {k:30s} {v:8.2f} GiB")
         for g, T in longest.items():
-            print(f"  longest T that fits {world_size} GPU(s) of {g} GiB: {T:,}" if T else f"  no T fits {world_size} GPU(s) of {g} GiB")
+            print(
+                f"  longest T that fits {world_size} GPU(s) of {g} GiB: {T:,}"
+                if T
+                else f"  no T fits {world_size} GPU(s) of {g} GiB"
+            )
         if engine is not None:
             print(f"  engine: {engine.describe(cfg.features.engine.worker_gpus)}")
     return report
@@ -330,4 +354,11 @@ def engine_sizing(plan: RunPlan, trainers: int):
             sizing = measured_sizing(Path(metrics), trainers)
             if sizing is not None:
                 return sizing
-    return estimated_sizing(plan.target_config, plan.drafter, cfg.train.ttt_length, cfg.data.max_len, trainers, cfg.features.engine.worker_gpus)
+    return estimated_sizing(
+        plan.target_config,
+        plan.drafter,
+        cfg.train.ttt_length,
+        cfg.data.max_len,
+        trainers,
+        cfg.features.engine.worker_gpus,
+    )

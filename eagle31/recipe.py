@@ -60,7 +60,9 @@ class EngineWorker(StrEnum):
     """What computes the features in `features.mode=engine` and in data_prep/capture.py (`eagle31.engine.worker`)."""
 
     hf = "hf"  # the Hugging Face target, as online features compute them
-    vllm = "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
+    vllm = (
+        "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
+    )
 
 
 class StoreDtype(StrEnum):
@@ -232,7 +234,9 @@ class EngineConfig:
     num_cpus: Optional[int] = None  # CPUs of the cluster started on this node; None: all of them
     pool_tokens: int = 131072  # features computed ahead of the trainers, in tokens (Kimi K2.6, bf16: 56 KiB each)
     max_restarts: int = 3  # per worker: a worker that dies is restarted and its samples asked again, this often
-    rates_from: Optional[str] = None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
+    rates_from: Optional[str] = (
+        None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
+    )
     # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
     # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
     vllm_args: dict[str, Any] = field(default_factory=dict)
@@ -271,7 +275,11 @@ def drafter_section(config: type = DrafterConfig) -> type:
         hint = hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
             hint = list[typing.get_args(hint)[0]]
-        fields.append((f.name, Optional[hint], field(default=None)) if source == "override" else (f.name, hint, field(default=f.default)))
+        fields.append(
+            (f.name, Optional[hint], field(default=None))
+            if source == "override"
+            else (f.name, hint, field(default=f.default))
+        )
     fields += [
         ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
         ("init_from_format", DrafterFormat, field(default=DrafterFormat.auto)),
@@ -425,7 +433,10 @@ def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
 
 # fields that a recipe or a command line may still spell by an earlier name: the new name, and why
 RENAMED = {
-    "train.attention": ("train.attention_kernel", "it picks the attention kernel; drafter.attention is the drafter's architecture"),
+    "train.attention": (
+        "train.attention_kernel",
+        "it picks the attention kernel; drafter.attention is the drafter's architecture",
+    ),
 }
 
 

@@ -64,13 +64,17 @@ def check_rope(rope: dict[str, Any]) -> None:
     """Refuse, naming the field, a rope block vLLM's EAGLE-3 Llama layer cannot build as eagle31 trains it."""
     rope_type = rope.get("rope_type")
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"drafter.rope_parameters.rope_type={rope_type!r} is not supported (one of {list(ROPE_TYPES)})")
+        raise ConfigError(
+            f"drafter.rope_parameters.rope_type={rope_type!r} is not supported (one of {list(ROPE_TYPES)})"
+        )
     if "rope_theta" not in rope:
         raise ConfigError(f"drafter.rope_parameters needs rope_theta, got {rope!r}")
     for name in _REQUIRED.get(rope_type, ()):
         value = rope.get(name)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"drafter.rope_parameters.{name} must be a number for rope_type={rope_type!r}, got {value!r}")
+            raise ConfigError(
+                f"drafter.rope_parameters.{name} must be a number for rope_type={rope_type!r}, got {value!r}"
+            )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(
             f"drafter.rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported "
@@ -120,7 +124,9 @@ def _yarn(
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    extrapolation = (
+        float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    )
     keep = (1 - ramp) * extrapolation  # 1: unscaled, 0: divided by factor
     return base / factor * (1 - keep) + base * keep
 
@@ -154,14 +160,18 @@ def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[f
         llama_scaling = rope.get("attention_factor") == 1.0
     attn_factor = float(rope.get("attn_factor", 1.0)) if "attn_factor" in read else 1.0
     extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in read else 1.0
-    magnitude = _log_magnitude(factor, float(rope.get("mscale", 1))) / _log_magnitude(factor, float(rope.get("mscale_all_dim", 0)))
+    magnitude = _log_magnitude(factor, float(rope.get("mscale", 1))) / _log_magnitude(
+        factor, float(rope.get("mscale_all_dim", 0))
+    )
     softmax = 1.0 if llama_scaling else _log_magnitude(factor, float(rope.get("mscale_all_dim", 0))) ** 2
     return extrapolation, magnitude * attn_factor, softmax
 
 
 def ambiguity(
-    rope: dict[str, Any], reading: Callable[[dict[str, Any], str], tuple[float, ...]],
-    fields: dict[str, tuple[str, ...]], quantities: str,
+    rope: dict[str, Any],
+    reading: Callable[[dict[str, Any], str], tuple[float, ...]],
+    fields: dict[str, tuple[str, ...]],
+    quantities: str,
 ) -> str | None:
     """None when the supported vLLM releases read `rope` as the same rope; otherwise which fields they read
     differently, naming the releases, in one line. `reading(rope, release)`: the numbers (`quantities`) that
@@ -172,15 +182,21 @@ def ambiguity(
     readings = {release: reading(rope, release) for release in VLLM_RELEASES}
     if all(_close(readings[r], readings[NEWEST]) for r in VLLM_RELEASES):
         return None
-    differing = [k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)]
-    named = ", ".join(f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing)
+    differing = [
+        k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)
+    ]
+    named = ", ".join(
+        f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing
+    )
     numbers = "; ".join(f"{r}: " + ", ".join(f"{x:.4g}" for x in readings[r]) for r in VLLM_RELEASES)
     return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({quantities}: {numbers})"
 
 
 def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float]:
     """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer."""
-    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    extrapolation = (
+        float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
+    )
     return extrapolation, yarn_magnitude(rope, release)
 
 

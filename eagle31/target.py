@@ -159,7 +159,10 @@ def tokenizer_fingerprint(target_dir) -> str:
 
 def target_fingerprints(target_dir) -> dict[str, str]:
     """{"target_fingerprint", "tokenizer_fingerprint"} of the target at `target_dir` as this node sees it."""
-    return {"target_fingerprint": target_fingerprint(target_dir), "tokenizer_fingerprint": tokenizer_fingerprint(target_dir)}
+    return {
+        "target_fingerprint": target_fingerprint(target_dir),
+        "tokenizer_fingerprint": tokenizer_fingerprint(target_dir),
+    }
 
 
 # ---------------------------------------------------------------- the model
@@ -196,7 +199,11 @@ def load_target(
 def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Module:
     """`load_target` as a recipe's `target` section asks (its dtype, device_map, trust_remote_code)."""
     return load_target(
-        target_dir, device, dtype=section.dtype, device_map=section.device_map, trust_remote_code=section.trust_remote_code
+        target_dir,
+        device,
+        dtype=section.dtype,
+        device_map=section.device_map,
+        trust_remote_code=section.trust_remote_code,
     )
 
 
@@ -241,9 +248,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             obj = getattr(obj, name, None)
         if isinstance(obj, nn.ModuleList):
             return obj
-    raise ConfigError(
-        f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}"
-    )
+    raise ConfigError(f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}")
 
 
 def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -> None:

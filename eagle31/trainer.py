@@ -64,7 +64,15 @@ class DrafterObjective(nn.Module):
         self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(
-        self, aux, input_ids, document_ids, final, supervised, target_argmax, step_scale, target: TargetHead,
+        self,
+        aux,
+        input_ids,
+        document_ids,
+        final,
+        supervised,
+        target_argmax,
+        step_scale,
+        target: TargetHead,
         sequence: SequenceShard | None = None,
     ) -> StepStats:
         out = ttt_unroll(
@@ -89,7 +97,9 @@ class TrainState:
     tokens_seen: int = 0
     nonfinite_streak: int = 0
     train_seconds: float = 0.0
-    eval_due: bool = False  # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
+    eval_due: bool = (
+        False  # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
+    )
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float = 0.1):
@@ -182,7 +192,9 @@ class Trainer:
             weight_decay=train.weight_decay,
             fused=world.device.type == "cuda",
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train.warmup_steps, train.max_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(train.warmup_steps, train.max_steps)
+        )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
 
@@ -198,7 +210,9 @@ class Trainer:
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
-        return self.model(b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target, shard)
+        return self.model(
+            b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target, shard
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -255,7 +269,9 @@ class Trainer:
         self.eval_loader.rewind()
         for batch in self.eval_loader:
             b, sup, argmax, shard = self._prepare(batch)
-            stats = self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard)  # no gradients
+            stats = self._forward(
+                b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard
+            )  # no gradients
             loss_sum += stats.loss_sum.double()
             counters += stats.counters()
         self.model.train()
@@ -282,7 +298,9 @@ class Trainer:
         self.state = TrainState(**saved["trainer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         ranks = saved.get("data_ranks", [])
-        self.train_loader.load_state_dict(ranks[self.world.rank] if len(ranks) == self.world.world_size else saved["data"])
+        self.train_loader.load_state_dict(
+            ranks[self.world.rank] if len(ranks) == self.world.world_size else saved["data"]
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -318,7 +336,12 @@ class Trainer:
                 state.nonfinite_streak = 0
             state.step += 1
             state.tokens_seen += result["tokens"]
-            for key, value in (("tokens", result["tokens"]), ("samples", result["samples"]), ("wait_s", waited), ("steps", 1)):
+            for key, value in (
+                ("tokens", result["tokens"]),
+                ("samples", result["samples"]),
+                ("wait_s", waited),
+                ("steps", 1),
+            ):
                 window[key] += value
             if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
                 logger.log(state.step, self._window_metrics(result, window, time.perf_counter() - window_start))
@@ -326,7 +349,11 @@ class Trainer:
                 window_start = time.perf_counter()
             logger.advance(
                 state.step,
-                {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}"},
+                {
+                    "loss": f"{result['loss']:.3f}",
+                    "tau": f"{result['tau_sim']:.2f}",
+                    "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}",
+                },
             )
             if state.step == cfg.max_steps:
                 break
@@ -334,7 +361,9 @@ class Trainer:
             if stop is not None and self._agree_to_stop(stop):
                 state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
-                raise RunPreempted(f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue")
+                raise RunPreempted(
+                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue"
+                )
             if evaluate_now:
                 self._log_evaluation(logger)
             if cfg.save_every and state.step % cfg.save_every == 0:

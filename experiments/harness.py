@@ -80,7 +80,9 @@ def log_command(out: Path, command: str) -> None:
         f.write(command.replace(str(cache_dir()), "$EAGLE31_CACHE") + "\n")
 
 
-def comparison_recipe(runs: Path, output_dir: Path, seed: int, max_steps: int | None, overrides: list[str], device: str = "cpu"):
+def comparison_recipe(
+    runs: Path, output_dir: Path, seed: int, max_steps: int | None, overrides: list[str], device: str = "cpu"
+):
     """A run of a comparison on equal work: `overrides`, then the keys every run of it shares (one prepared
     data and shard store under `runs`, packed batches, one per step, the device) and its own output_dir and seed."""
     from eagle31.recipe import load_recipe
@@ -112,7 +114,14 @@ def train_eagle31(recipe) -> dict:
 
 
 def measure_drafters(
-    drafters: dict[str, Path], recipe, *, k: int, max_new_tokens: int, max_prompts: int, out: Path, device: str = "cpu",
+    drafters: dict[str, Path],
+    recipe,
+    *,
+    k: int,
+    max_new_tokens: int,
+    max_prompts: int,
+    out: Path,
+    device: str = "cpu",
     report_folder: str = "acceptance",
 ) -> dict:
     """One `eagle31.eval.acceptance` run of the labelled drafters with the recipe's target on every `eval.data`
@@ -149,14 +158,22 @@ def measure_drafters(
     sha256 = {label: drafter_sha256(path) for label, path in drafters.items() if path.is_dir()}
     report_path = out / report_folder / "acceptance.json"
     if not sha256:
-        raise ConfigError(f"none of the drafters {', '.join(drafters)} is here to measure (what {report_path} holds stands)")
-    settings = {**report_settings(config_of(list(sha256))), "drafters": {label: portable_path(p) for label, p in drafters.items()}}
+        raise ConfigError(
+            f"none of the drafters {', '.join(drafters)} is here to measure (what {report_path} holds stands)"
+        )
+    settings = {
+        **report_settings(config_of(list(sha256))),
+        "drafters": {label: portable_path(p) for label, p in drafters.items()},
+    }
     earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
     kept = kept_measurements(earlier, settings, sha256)
     measured_there = {r["drafter"] for r in earlier["results"]} if earlier else set()
     for label, path in drafters.items():
         if label in kept:
-            print(f"kept (measured earlier, {'same weights' if label in sha256 else 'its run is not here'}): {label}", file=sys.stderr)
+            print(
+                f"kept (measured earlier, {'same weights' if label in sha256 else 'its run is not here'}): {label}",
+                file=sys.stderr,
+            )
         elif label not in sha256:
             why = f"no earlier measurement of it under {report_path}"
             if label in measured_there:  # not kept, so its settings differ
@@ -169,7 +186,10 @@ def measure_drafters(
     report = {
         "settings": {
             **settings,
-            "drafter_sha256": {label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label) for label in drafters},
+            "drafter_sha256": {
+                label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label)
+                for label in drafters
+            },
             "kept": sorted(label for label in kept if label not in sha256),
         },
         "results": [rows[(label, split)] for label in drafters for split in settings["data"]],
@@ -195,7 +215,11 @@ def kept_measurements(earlier: dict | None, settings: dict, sha256: dict[str, st
         return set()
     recorded = earlier["settings"].get("drafter_sha256", {})
     measured = {r["drafter"] for r in earlier["results"]}
-    return {label for label in settings["drafters"] if label in measured and (label not in sha256 or recorded.get(label) == sha256[label])}
+    return {
+        label
+        for label in settings["drafters"]
+        if label in measured and (label not in sha256 or recorded.get(label) == sha256[label])
+    }
 
 
 def settings_differ(earlier: dict, settings: dict) -> list[str]:
@@ -223,7 +247,10 @@ def acceptance_splits_of(acceptance: dict) -> list[str]:
 
 def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
     """tau of the drafters `labels` (one per seed) on `split`: the list, mean, min and max."""
-    taus = [next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == label) for label in labels]
+    taus = [
+        next(r["tau"] for r in acceptance["results"] if r["split"] == split and r["drafter"] == label)
+        for label in labels
+    ]
     return {"tau": taus, "mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
 
 
@@ -241,7 +268,9 @@ def measured_earlier(out: Path) -> set[str]:
     summary, report = out / "summary.json", out / "acceptance" / "acceptance.json"
     if not (summary.is_file() and report.is_file()):
         return set()
-    return set(json.loads(summary.read_text())["training"]) & {r["drafter"] for r in json.loads(report.read_text())["results"]}
+    return set(json.loads(summary.read_text())["training"]) & {
+        r["drafter"] for r in json.loads(report.read_text())["results"]
+    }
 
 
 def trained_before(run: Path, earlier: set[str]) -> bool:
@@ -279,7 +308,9 @@ def report_body(study: Callable, format_results: Callable[[dict], str], trained:
             print(trained(cfg))
             return
         print(format_results(summary))
-        print(f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}")
+        print(
+            f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}"
+        )
 
     return body
 
@@ -322,11 +353,15 @@ def format_training(training: dict) -> list[str]:
     lines = ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
     for name, t in training.items():
         tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
-        lines.append(f"| {name}{' *' if t.get('earlier') else ''} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
+        lines.append(
+            f"| {name}{' *' if t.get('earlier') else ''} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |"
+        )
     if any(t.get("earlier") for t in training.values()):
-        lines += ["", "\\* trained and measured by an earlier run of this comparison, whose run directory is not kept here."]
+        lines += [
+            "",
+            "\\* trained and measured by an earlier run of this comparison, whose run directory is not kept here.",
+        ]
     return lines
-
 
 
 def study_main(argv: list[str], doc: str, config, smoke: dict, module: str, body: Callable) -> int:

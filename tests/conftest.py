@@ -57,10 +57,15 @@ def chats(tmp_path_factory) -> Path:
     for i in range(48):
         a, b = i % 7, i % 5
         records.append(
-            {"messages": [
-                {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
-                {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
-            ]}  # fmt: skip
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
+                    {
+                        "role": "assistant",
+                        "content": f"It is {a + b}. The weather is sunny and warm, with a light wind.",
+                    },
+                ]
+            }  # fmt: skip
         )
     return write_jsonl(path, records)
 
@@ -85,7 +90,9 @@ REPORT = {
     "steps": 1000,
     "acceptance": {  # eagle31.eval.acceptance.run_acceptance's report
         "settings": {"mode": "chain", "k": 3, "max_new_tokens": 64},
-        "results": [{"drafter": "run", "split": "eval", "prompts": 16, "tau": 2.91, "acceptance_rate": [0.8, 0.6, 0.45]}],
+        "results": [
+            {"drafter": "run", "split": "eval", "prompts": 16, "tau": 2.91, "acceptance_rate": [0.8, 0.6, 0.45]}
+        ],
     },
 }
 
@@ -118,8 +125,11 @@ def export_dir(run_dir):
     from eagle31.export import export_drafter
     from tests.helpers import tiny_drafter
 
-    return export_drafter(tiny_drafter(seed=1, dtype=torch.float32), run_dir / "export" / "eagle3",
-                          target_name_or_path="moonshotai/Kimi-K2.6")
+    return export_drafter(
+        tiny_drafter(seed=1, dtype=torch.float32),
+        run_dir / "export" / "eagle3",
+        target_name_or_path="moonshotai/Kimi-K2.6",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -131,6 +141,8 @@ def ray_cluster():
 
     from eagle31.engine.cluster import NAMESPACE, init_ray
 
-    init_ray(ray, num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE)
+    init_ray(
+        ray, num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, namespace=NAMESPACE
+    )
     yield ray
     ray.shutdown()

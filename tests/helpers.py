@@ -45,7 +45,9 @@ def tiny_drafter(seed: int = 0, dtype=torch.float64, std: float = 0.3, **overrid
         g = torch.Generator().manual_seed(seed + 1)
         draft_ids = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
         d2t, t2d = vocab_maps(draft_ids, cfg.vocab_size)
-        m.init_from_target(torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size), d2t, t2d)
+        m.init_from_target(
+            torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size), d2t, t2d
+        )
     return m.to(dtype)
 
 
@@ -127,7 +129,9 @@ def sigkill_after_checkpoint(cmd: list[str], out: Path, env: dict, step: int = 2
     import subprocess
     import time
 
-    proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + timeout
     while not (out / "checkpoints" / f"step_{step:08d}" / "COMPLETE").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"

@@ -59,7 +59,9 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
     """ProcessGroupNCCL's check_gpu_single_tensor, with the world's device standing in for CUDA."""
     CHECKED[where] += 1
     if not getattr(t, MARK, False) or t.is_sparse:
-        raise ValueError(f"Tensors must be CUDA and dense ({where} was handed a tensor in host memory, shape {tuple(t.shape)})")
+        raise ValueError(
+            f"Tensors must be CUDA and dense ({where} was handed a tensor in host memory, shape {tuple(t.shape)})"
+        )
     if not t.is_contiguous():
         raise ValueError(f"Tensors must be contiguous ({where})")
 

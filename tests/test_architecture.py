@@ -77,7 +77,12 @@ def library_modules_imported(path: Path) -> set[str]:
 
 
 def test_the_files_are_found():
-    assert {"eagle31.pipeline", "eagle31.eval.acceptance", "eagle31.kernels.causal", "eagle31.data.regenerate.pool"} <= set(LIBRARY)
+    assert {
+        "eagle31.pipeline",
+        "eagle31.eval.acceptance",
+        "eagle31.kernels.causal",
+        "eagle31.data.regenerate.pool",
+    } <= set(LIBRARY)
     assert python_files("benchmarks") and python_files("experiments")
 
 

@@ -38,7 +38,9 @@ def test_a_checkpoint_records_the_checksum_of_every_file(tmp_path):
     path = manager.latest()
     recorded = __import__("json").loads((path / CHECKSUMS).read_text())
     on_disk = {p.name for p in path.iterdir()} - {CHECKSUMS, "COMPLETE"}
-    assert set(recorded) == on_disk and "trainer_state.json" in recorded and any(n.endswith(".distcp") for n in recorded)
+    assert (
+        set(recorded) == on_disk and "trainer_state.json" in recorded and any(n.endswith(".distcp") for n in recorded)
+    )
     assert manager.latest_intact() == path
 
 

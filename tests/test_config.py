@@ -52,7 +52,12 @@ def test_legacy_rope_scaling_is_read():
          "intermediate_size": 128, "vocab_size": 1000, "rope_theta": 50000.0,
          "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}}  # fmt: skip
     c = DrafterConfig.from_target_config(t)
-    assert c.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 50000.0}
+    assert c.rope_parameters == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "rope_theta": 50000.0,
+    }
 
 
 def test_round_trip_through_dict():

@@ -38,7 +38,9 @@ def test_a_rank_on_another_node_that_goes_silent_is_named_within_the_timeout():
     assert lost.wait(10)
     took = time.monotonic() - started
     assert 0.6 <= took < 3, took  # measured: the timeout plus at most a few intervals
-    assert said == ["rank 1 (pid 4242 on node-7) sent no heartbeat for 0.6 s (train.rank_timeout_s): it died or its node was lost"]
+    assert said == [
+        "rank 1 (pid 4242 on node-7) sent no heartbeat for 0.6 s (train.rank_timeout_s): it died or its node was lost"
+    ]
     assert store.get("lost").decode() == said[0]  # for the other ranks to read
 
 

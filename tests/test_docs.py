@@ -20,7 +20,18 @@ CODE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
 # the repository's top-level folders: an inline `path` starting with one names a file that must exist
-TOP = ("eagle31/", "experiments/", "benchmarks/", "docs/", "scripts/", "tests/", "recipes/", "data_prep/", "train/", ".ci/")
+TOP = (
+    "eagle31/",
+    "experiments/",
+    "benchmarks/",
+    "docs/",
+    "scripts/",
+    "tests/",
+    "recipes/",
+    "data_prep/",
+    "train/",
+    ".ci/",
+)
 # what a command writes, named in the docs before it exists (git-ignored)
 WRITTEN = ("benchmarks/wheels/",)
 PLACEHOLDER = re.compile(r"[<>*{}$\[\]|]")
@@ -56,7 +67,13 @@ def rel(path: Path) -> str:
 
 def test_the_docs_are_found():
     names = {rel(p) for p in DOCS}
-    assert {"README.md", "docs/architecture.md", "docs/export.md", "docs/results/README.md", "experiments/README.md"} <= names
+    assert {
+        "README.md",
+        "docs/architecture.md",
+        "docs/export.md",
+        "docs/results/README.md",
+        "experiments/README.md",
+    } <= names
     assert not any("/results/" in n and not n.startswith("docs/results/") for n in names), names
 
 
@@ -117,7 +134,12 @@ def test_every_file_and_module_the_prose_names_exists(doc):
         token = code.strip()
         if token.startswith("train/") and "." not in token:  # a metric's name (train/wait_s), not a file of train/
             continue
-        if token.startswith(TOP) and " " not in token and not PLACEHOLDER.search(token) and not token.startswith(WRITTEN):
+        if (
+            token.startswith(TOP)
+            and " " not in token
+            and not PLACEHOLDER.search(token)
+            and not token.startswith(WRITTEN)
+        ):
             path = token.split("::")[0].rstrip(".,:;")
             if not (ROOT / path).exists():
                 bad.append(f"{token}: no such file")
@@ -172,7 +194,9 @@ def test_the_exit_code_table_is_the_one_the_error_classes_define():
     assert documented.pop(0) == "-", "code 0 (success) names no failure kind"
     for code, name in documented.items():
         assert name in classes, f"docs/reliability.md: exit code {code} names {name}, which is no Eagle31Error"
-        assert classes[name].exit_code == code, f"docs/reliability.md: {name} exits {classes[name].exit_code}, not {code}"
+        assert classes[name].exit_code == code, (
+            f"docs/reliability.md: {name} exits {classes[name].exit_code}, not {code}"
+        )
     defined = {c.exit_code for c in classes.values() if c.__name__ != "Eagle31Error"}
     assert defined == set(documented), f"codes the classes use but the table lacks: {defined - set(documented)}; " \
                                        f"codes the table has but no class uses: {set(documented) - defined}"  # fmt: skip

@@ -26,7 +26,12 @@ def drafter(recipe: str):
 
 @pytest.mark.parametrize(
     "recipe,T,gpus,limit",
-    [("kimi_k26", 131072, 1, 125), ("kimi_k26", 65536, 8, 60), ("kimi_k26", 65536, 1, 75), ("kimi_k26_llama", 131072, 1, 100)],
+    [
+        ("kimi_k26", 131072, 1, 125),
+        ("kimi_k26", 65536, 8, 60),
+        ("kimi_k26", 65536, 1, 75),
+        ("kimi_k26_llama", 131072, 1, 100),
+    ],
 )
 def test_the_kimi_drafters_fit_their_cards(recipe, T, gpus, limit):
     """128k tokens on one H200 and 64k on 8 cards of 80 GB for the published MLA drafter (as shipped:
@@ -57,7 +62,15 @@ def test_the_total_leaves_out_the_gradients_not_yet_formed_at_the_peak(device):
     autograd buffers (counted in the activations) until then, and the lm_head's is in `.grad` once the
     loss's backward has run: the total is the sum less those not there at the peak (a step's here)."""
     d = drafter("kimi_k26")
-    m = estimate_memory(d, 65536, 7, world_size=8, activation_checkpointing=True, device=device, compute_bytes=2 if device == "cuda" else 4)
+    m = estimate_memory(
+        d,
+        65536,
+        7,
+        world_size=8,
+        activation_checkpointing=True,
+        device=device,
+        compute_bytes=2 if device == "cuda" else 4,
+    )
     terms = sum(v for k, v in m.items() if k not in ("total", "gradients_after_the_peak"))
     trainable = count_parameters(d).trainable
     absent = trainable * 4 / 8 if device == "cuda" else (trainable - 163840 * 7168) * 4  # CPU: the lm_head's is there
@@ -146,7 +159,9 @@ def test_the_peak_is_the_largest_of_the_steps_moments(shape, T, peak_step):
     assert len(steps) == TTT_LENGTH and steps.index(max(steps)) == peak_step, steps
     m = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
     assert m["activations"] * GiB == pytest.approx(max(steps))
-    assert after_attention_gradient_bytes(cfg) < layer_gradient_bytes(cfg) / 2  # the deepest step's attention has the fewer
+    assert (
+        after_attention_gradient_bytes(cfg) < layer_gradient_bytes(cfg) / 2
+    )  # the deepest step's attention has the fewer
 
 
 # ---------------------------------------------------------------------------- sliding window
@@ -171,15 +186,22 @@ def test_a_step_counts_every_matmul_once_and_the_window_bounds_the_attentions(re
     from eagle31.estimate import attention_flops_share, step_flops
 
     d = dataclasses.replace(drafter(recipe), sliding_window=None)
-    weights = d.kind.attention_parameters(d) + 3 * d.hidden_size * d.intermediate_size + d.hidden_size * d.draft_vocab_size
+    weights = (
+        d.kind.attention_parameters(d) + 3 * d.hidden_size * d.intermediate_size + d.hidden_size * d.draft_vocab_size
+    )
     T, K = 1024, 3
     no_attention = dataclasses.replace(d, sliding_window=K)  # each query sees K - k step-0 keys: almost no attention
-    assert step_flops(no_attention, T, K) < 1.01 * (2 * 2 * T * d.fc_in_features * d.hidden_size + 3 * K * 2 * T * weights)
+    assert step_flops(no_attention, T, K) < 1.01 * (
+        2 * 2 * T * d.fc_in_features * d.hidden_size + 3 * K * 2 * T * weights
+    )
     w = dataclasses.replace(d, sliding_window=2048)
     for T in (4096, 65536, 262144):
         assert step_flops(w, T, K) < step_flops(d, T, K)
         assert attention_flops_share(w, T, K) < attention_flops_share(d, T, K)
-    grow = lambda c: (step_flops(c, 4 * 65536, K) - step_flops(c, 2 * 65536, K)) / (step_flops(c, 2 * 65536, K) - step_flops(c, 65536, K))  # noqa: E731
+    grow = lambda c: (
+        (step_flops(c, 4 * 65536, K) - step_flops(c, 2 * 65536, K))
+        / (step_flops(c, 2 * 65536, K) - step_flops(c, 65536, K))
+    )  # noqa: E731
     assert grow(w) == pytest.approx(2.0, rel=1e-6) and grow(d) > 2.2  # linear with the window
 
 
@@ -194,9 +216,18 @@ def test_a_windowed_shard_gathers_only_the_keys_its_queries_see():
     shard = T // 4
     entry = 2 * 64 * 128  # Llama: the step-0 keys and values
     assert sequence_keys_bytes(w, T, 2, shard) == (shard + 2047) * entry * (2 + 2 + 4) + prefix_block_bytes(w, 2)
-    assert sequence_keys_bytes(dataclasses.replace(d, sliding_window=None), T, 2, shard) == T * entry * 8 + prefix_block_bytes(d, 2)
+    assert sequence_keys_bytes(
+        dataclasses.replace(d, sliding_window=None), T, 2, shard
+    ) == T * entry * 8 + prefix_block_bytes(d, 2)
     split = estimate_memory(w, T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
-    full = estimate_memory(dataclasses.replace(d, sliding_window=None), T, K, world_size=4, activation_checkpointing=True, sequence_parallel=4)
+    full = estimate_memory(
+        dataclasses.replace(d, sliding_window=None),
+        T,
+        K,
+        world_size=4,
+        activation_checkpointing=True,
+        sequence_parallel=4,
+    )
     assert split["sequence_keys"] < full["sequence_keys"] / 3
 
 

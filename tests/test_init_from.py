@@ -38,7 +38,9 @@ def test_a_drafter_with_the_same_switches_is_accepted(tmp_path):
 )
 def test_a_drafter_whose_weights_fit_but_whose_meaning_differs_is_refused(tmp_path, source, message):
     path = saved(tmp_path, **source)
-    with pytest.raises(ConfigError, match=f"drafter.init_from={path}: " + message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ConfigError, match=f"drafter.init_from={path}: " + message.replace("[", r"\[").replace("]", r"\]")
+    ):
         check_init_from(tiny_config(), section(path))
 
 
@@ -52,7 +54,9 @@ def test_the_eagle3_to_31_upgrade_may_change_norm_output_but_not_the_rest(tmp_pa
 def test_a_shape_that_does_not_fit_is_one_line_naming_the_tensor(tmp_path):
     path = saved(tmp_path, intermediate_size=32)
     drafter = tiny_drafter()
-    with pytest.raises(ConfigError, match=r"midlayer.mlp.gate_proj.weight is \[32, 16\] there but \[24, 16\] in this run"):
+    with pytest.raises(
+        ConfigError, match=r"midlayer.mlp.gate_proj.weight is \[32, 16\] there but \[24, 16\] in this run"
+    ):
         init_from_checkpoint(drafter, section(path))
 
 

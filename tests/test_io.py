@@ -54,7 +54,9 @@ def test_a_failed_directory_leaves_the_old_one(tmp_path):
     assert (dest / "x").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["d"]
     with atomic_dir(dest, kind="k") as tmp:  # success replaces it whole
         (tmp / "y").write_text("new")
-    assert sorted(p.name for p in dest.iterdir()) == [OUTPUT_MARKER, "y"] and [p.name for p in tmp_path.iterdir()] == ["d"]
+    assert sorted(p.name for p in dest.iterdir()) == [OUTPUT_MARKER, "y"] and [p.name for p in tmp_path.iterdir()] == [
+        "d"
+    ]
 
 
 def test_a_directory_of_the_user_is_never_replaced_or_written_into(tmp_path):
@@ -74,7 +76,10 @@ def test_a_directory_of_the_user_is_never_replaced_or_written_into(tmp_path):
 def test_an_output_of_another_kind_is_refused_and_ours_is_reused(tmp_path):
     with atomic_dir(tmp_path / "d", kind="prepared-data") as tmp:
         (tmp / "x").write_text("1")
-    with pytest.raises(ForeignDirectoryError, match="a prepared-data output"), atomic_dir(tmp_path / "d", kind="export"):
+    with (
+        pytest.raises(ForeignDirectoryError, match="a prepared-data output"),
+        atomic_dir(tmp_path / "d", kind="export"),
+    ):
         pass
     run = claim_output_dir(tmp_path / "run", "run")
     (run / "metrics.jsonl").write_text("")
@@ -90,7 +95,11 @@ def test_written_files_and_directories_follow_the_umask(tmp_path, umask_022):
     atomic_save_safetensors({"w": torch.zeros(2)}, tmp_path / "m.safetensors", save_file)  # it recreates the file
     with atomic_dir(tmp_path / "d", kind="k") as tmp:
         (tmp / "g").write_text("y")
-    assert mode(tmp_path / "f.txt") == 0o644 and mode(tmp_path / "m.safetensors") == 0o644 and mode(tmp_path / "d") == 0o755
+    assert (
+        mode(tmp_path / "f.txt") == 0o644
+        and mode(tmp_path / "m.safetensors") == 0o644
+        and mode(tmp_path / "d") == 0o755
+    )
 
 
 def test_sha256_reads_in_chunks(tmp_path):
@@ -152,10 +161,15 @@ def test_a_folder_of_runs_is_never_replaced_by_another_step(tmp_path):
     with atomic_dir(runs / "prepared", kind="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")
     before = sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
-    for step in (lambda: atomic_dir(runs, kind="prepared-data").__enter__(), lambda: claim_output_dir(runs, "feature-store")):
+    for step in (
+        lambda: atomic_dir(runs, kind="prepared-data").__enter__(),
+        lambda: claim_output_dir(runs, "feature-store"),
+    ):
         with pytest.raises(ForeignDirectoryError) as refused:
             step()
-        assert str(refused.value).startswith(f"{runs} holds 1 prepared-data output(s) of eagle31 (prepared) and 2 run output(s) of eagle31 (a, b)")
+        assert str(refused.value).startswith(
+            f"{runs} holds 1 prepared-data output(s) of eagle31 (prepared) and 2 run output(s) of eagle31 (a, b)"
+        )
     assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == before
 
 
@@ -219,7 +233,9 @@ def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path
 
     def rename(self, target):
         moved = real_rename(self, target)
-        if threading.current_thread().name == "writer" and self == dest:  # the old one is aside, the new one not in place
+        if (
+            threading.current_thread().name == "writer" and self == dest
+        ):  # the old one is aside, the new one not in place
             between.set()
             checked.wait(1.0)  # the other step's check, unless it waits for this swap
         return moved
@@ -263,7 +279,11 @@ def test_a_finished_swaps_old_output_is_not_put_back_over_another_swap_in_progre
     names = {"A": "00000000", "B": "ffffffff"}  # A's old output is the first that C finds
 
     def sibling(path):
-        return path.with_name(f".{path.name}.tmp-{names[threading.current_thread().name]}") if path == dest else real_sibling(path)
+        return (
+            path.with_name(f".{path.name}.tmp-{names[threading.current_thread().name]}")
+            if path == dest
+            else real_sibling(path)
+        )
 
     b_written, a_swapped, b_between, c_checked, a_cleans = (threading.Event() for _ in range(5))
 
@@ -318,7 +338,11 @@ def test_of_two_old_outputs_the_one_whose_swap_a_kill_cut_is_put_back(tmp_path, 
     from eagle31.io import check_output_dir
 
     dest = tmp_path / "prepared"
-    for name, x in ((".prepared.old-00000000", "before A"), (".prepared.old-ffffffff", "A"), (".prepared.tmp-ffffffff", "B")):
+    for name, x in (
+        (".prepared.old-00000000", "before A"),
+        (".prepared.old-ffffffff", "A"),
+        (".prepared.tmp-ffffffff", "B"),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / OUTPUT_MARKER).write_text(json.dumps({"kind": "prepared-data"}))
         (tmp_path / name / "x").write_text(x)
@@ -352,7 +376,10 @@ def test_without_flock_a_lock_file_keeps_a_second_run_out_and_goes_with_its_hold
     with hold_lock(tmp_path):
         held = json.loads((tmp_path / HELD_FILE).read_text())
         assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
-        with pytest.raises(OutputInUseError, match=f"pid {os.getpid()} on {socket.gethostname()}.*has no flock"), hold_lock(tmp_path):
+        with (
+            pytest.raises(OutputInUseError, match=f"pid {os.getpid()} on {socket.gethostname()}.*has no flock"),
+            hold_lock(tmp_path),
+        ):
             pass
     assert not (tmp_path / HELD_FILE).exists()
     with hold_lock(tmp_path):
@@ -408,7 +435,12 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     held.write_bytes(b"")
     old = time.time() - STALE_AFTER_S - 60
     os.utime(held, (old, old))
-    both_judged, first_creating, second_done, release = threading.Barrier(2, timeout=10), threading.Event(), threading.Event(), threading.Event()
+    both_judged, first_creating, second_done, release = (
+        threading.Barrier(2, timeout=10),
+        threading.Event(),
+        threading.Event(),
+        threading.Event(),
+    )
     judged: set[str] = set()
     real_stale, real_holder = eagle31.io._stale_holder, eagle31.io._holder
 
@@ -457,7 +489,9 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     assert sorted(outcome.values()) == ["held", "refused"], outcome
 
 
-def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(tmp_path, no_flock, monkeypatch):
+def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(
+    tmp_path, no_flock, monkeypatch
+):
     """The second of two breakers judges the stale lock file, then waits while the first breaks it and takes the
     lock; when the second goes on to break what it judged, the file there is the first's fresh lock: the second
     links it, sees another file than the one judged (inode, mtime, token), leaves it and is refused."""
@@ -536,7 +570,9 @@ def _hold_lock_in_a_child(directory):
         f"with eagle31.io.hold_lock({str(directory)!r}):\n"
         "    print('held', flush=True); time.sleep(120)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert child.stdout.readline().strip() == "held"
     return child
 
@@ -570,7 +606,9 @@ def test_a_lock_file_of_a_killed_holder_is_taken_over_but_not_one_of_another_pid
         pass
 
 
-def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(tmp_path, no_flock, monkeypatch, capsys):
+def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(
+    tmp_path, no_flock, monkeypatch, capsys
+):
     """A process dies after claiming a stale lock file for breaking and before removing it: the next one is
     refused (the claimant would hold the lock next), until the claim is as old as a stale heartbeat."""
     import subprocess
@@ -599,7 +637,10 @@ def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_
     )
     child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert child.returncode == 9 and held.exists()
-    with pytest.raises(OutputInUseError, match="is being taken over by another run from pid 1 on another-node"), hold_lock(tmp_path):
+    with (
+        pytest.raises(OutputInUseError, match="is being taken over by another run from pid 1 on another-node"),
+        hold_lock(tmp_path),
+    ):
         pass
     monkeypatch.setattr(eagle31.io, "STALE_AFTER_S", 1.0)
     time.sleep(1.5)

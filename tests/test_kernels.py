@@ -32,7 +32,9 @@ LAYOUTS = {
 }
 
 
-def attention_inputs(doc, nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0, d_v: int | None = None):
+def attention_inputs(
+    doc, nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0, d_v: int | None = None
+):
     """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys; values d_v wide (default d)."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(doc), len(doc[0])
@@ -95,6 +97,7 @@ def test_auto_picks_the_fused_kernel_where_it_runs():
 
 # ---------------------------------------------------------------------------- the GPU twin
 
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("recipe", ["kimi_k26", "llama31_8b"])
@@ -129,8 +132,13 @@ def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(
     dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every layout
         rows = lambda x: x[:, a:b]  # noqa: E731
-        leaves = [x.detach().clone().requires_grad_() for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))]
-        out = ttt_attention(leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b], backend)
+        leaves = [
+            x.detach().clone().requires_grad_()
+            for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))
+        ]
+        out = ttt_attention(
+            leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b], backend
+        )
         out.backward(rows(dout))
         torch.testing.assert_close(out, rows(full[0]), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(leaves[0].grad, rows(full[1]), rtol=1e-10, atol=1e-10)
@@ -171,7 +179,11 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
     B, T = len(doc), len(doc[0])
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    q, latents, dout = rand(B, T, nh, nope + rope), [rand(B, T, rank + rope) for _ in range(1 + j)], rand(B, T, nh, nope + rope)
+    q, latents, dout = (
+        rand(B, T, nh, nope + rope),
+        [rand(B, T, rank + rope) for _ in range(1 + j)],
+        rand(B, T, nh, nope + rope),
+    )
     weight = rand(nh * (nope + v_dim), rank)
     segments = segment_ids(torch.tensor(doc), None, (B, T))
     decompress = partial(mla_keys_values, num_heads=nh, nope=nope, v_dim=v_dim)
@@ -182,8 +194,14 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
         return decompress(latent, w)
 
     def run(a: int, b: int):
-        leaves = [x.detach().clone().requires_grad_() for x in (q[:, a:b], latents[0][:, :b], *(c[:, a:b] for c in latents[1:]), weight)]
-        expand0, expand = ChainKeysValues(step0, (leaves[-1],), width=1), ChainKeysValues(decompress, (leaves[-1],), width=1)
+        leaves = [
+            x.detach().clone().requires_grad_()
+            for x in (q[:, a:b], latents[0][:, :b], *(c[:, a:b] for c in latents[1:]), weight)
+        ]
+        expand0, expand = (
+            ChainKeysValues(step0, (leaves[-1],), width=1),
+            ChainKeysValues(decompress, (leaves[-1],), width=1),
+        )
         chain = [(c,) for c in leaves[2:-1]]
         out = ttt_attention_of_entries(leaves[0], (leaves[1],), chain, segments[:, :b], backend, expand0, expand)
         out.backward(dout[:, a:b])
@@ -191,7 +209,9 @@ def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(bac
 
     full_out, full = run(0, T)
     monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 2))
-    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 64)  # and 64 // (4 heads x 2 keys) = 8 query rows a block
+    monkeypatch.setattr(
+        eagle31.kernels.causal, "BLOCK_BUDGET", 64
+    )  # and 64 // (4 heads x 2 keys) = 8 query rows a block
     d_latent0, d_weight = torch.zeros_like(latents[0]), torch.zeros_like(weight)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every row
         made.clear()
@@ -285,7 +305,10 @@ def test_shard_queries_see_only_the_earlier_keys_inside_their_window(backend, wi
     dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
     for a, b in [(0, 5), (5, 13), (13, T)]:
         rows = lambda x: x[:, a:b]  # noqa: E731
-        leaves = [x.detach().clone().requires_grad_() for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))]
+        leaves = [
+            x.detach().clone().requires_grad_()
+            for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))
+        ]
         out = ttt_attention(leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b],
                             backend, window=window)  # fmt: skip
         out.backward(rows(dout))

@@ -143,11 +143,16 @@ def test_one_lm_head_gradient_accumulator_equals_per_step_gradients(dtype, monke
 
     def grads(explicit):
         W = torch.randn(Vd, H, generator=torch.Generator().manual_seed(2), dtype=dtype, requires_grad=True)
-        states = [torch.randn(B, T, H, generator=torch.Generator().manual_seed(3 + k), dtype=dtype, requires_grad=True) for k in range(K)]
+        states = [
+            torch.randn(B, T, H, generator=torch.Generator().manual_seed(3 + k), dtype=dtype, requires_grad=True)
+            for k in range(K)
+        ]
         if explicit:
             sums = _explicit_loss_sums(states, W, final, sup, head)
         else:
-            sums = ttt_loss(states, W, torch.zeros(Vd, dtype=torch.long), final, sup, head, head.argmax(final), scale).loss_sum
+            sums = ttt_loss(
+                states, W, torch.zeros(Vd, dtype=torch.long), final, sup, head, head.argmax(final), scale
+            ).loss_sum
         (3.0 * (scale.to(dtype) * sums).sum()).backward()  # any constant factor (the trainer's world size)
         return sums.detach(), W.grad, [s.grad for s in states]
 
@@ -167,7 +172,9 @@ def test_a_gradient_not_of_the_given_step_scale_is_refused():
     sup = supervision_mask(torch.ones(1, 8, dtype=torch.long), segment_ids(None, None, (1, 8)), 2)
     W = torch.randn(9, 4, generator=g, requires_grad=True)
     states = [torch.randn(1, 8, 4, generator=g) for _ in range(2)]
-    stats = ttt_loss(states, W, torch.zeros(9, dtype=torch.long), final, sup, head, head.argmax(final), torch.tensor([1.0, 0.5]))
+    stats = ttt_loss(
+        states, W, torch.zeros(9, dtype=torch.long), final, sup, head, head.argmax(final), torch.tensor([1.0, 0.5])
+    )
     with pytest.raises(RuntimeError, match="not proportional to the step_scale"):
         stats.loss_sum.sum().backward()
 
@@ -235,7 +242,9 @@ def reference_loss(row_loss, kind, eta, states, W, head, final, sup):
 
 
 @pytest.mark.parametrize("kind", list(DraftLoss))
-@pytest.mark.parametrize("reference", ["naive", pytest.param("speculators", marks=pytest.mark.slow)])  # importing speculators takes ~10 s
+@pytest.mark.parametrize(
+    "reference", ["naive", pytest.param("speculators", marks=pytest.mark.slow)]
+)  # importing speculators takes ~10 s
 def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, reference, monkeypatch):
     """The fused chunked pass (3 label rows per chunk here) against explicit logits and autograd."""
     import eagle31.loss
@@ -294,7 +303,9 @@ def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
     for got, want in zip(torch.autograd.grad(ours, [W, *states]), torch.autograd.grad(expected, [W, *states])):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale).loss_sum, stats.count, DECAY)
+    kl = weighted_loss(
+        ttt_loss(states, W, d2t, final, sup, head, head.argmax(final), scale).loss_sum, stats.count, DECAY
+    )
     assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3  # it is not KL under another name
 
 
@@ -320,7 +331,9 @@ def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     eager = peer_module("speculators.losses.eager")
     logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
-    rows, dz = _divergence(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1))
+    rows, dz = _divergence(
+        Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1)
+    )
     theirs = eager.neg_log_acceptance_loss(logits[None], label_logits[None])[0]
     (grad,) = torch.autograd.grad(theirs.sum(), logits)
     torch.testing.assert_close(rows, theirs.double(), rtol=1e-6, atol=0)

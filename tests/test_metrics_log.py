@@ -21,7 +21,12 @@ def test_a_torn_last_line_is_dropped_with_the_steps_after_the_checkpoint(tmp_pat
 
 def test_the_evaluation_of_a_checkpoint_saved_before_it_is_dropped_with_the_later_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [{"step": 2, "eval/loss": 1.0}, {"step": 4, "train/loss": 0.5}, {"step": 4, "eval/loss": 0.9}, {"step": 5, "train/loss": 0.4}]
+    lines = [
+        {"step": 2, "eval/loss": 1.0},
+        {"step": 4, "train/loss": 0.5},
+        {"step": 4, "eval/loss": 0.9},
+        {"step": 5, "train/loss": 0.4},
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert truncate_metrics(path, 4, evaluated=False) == 2  # the resumed run evaluates step 4 again
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:2]

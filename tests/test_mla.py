@@ -77,7 +77,9 @@ def test_mla_rope_and_softmax_scale_match_vllm_deepseek_yarn(name):
     from eagle31 import Eagle31Drafter
 
     rope = ROPES[name]
-    cfg = DrafterConfig(**mla_config(rope, hidden_size=32, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=192, v_head_dim=128))
+    cfg = DrafterConfig(
+        **mla_config(rope, hidden_size=32, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=192, v_head_dim=128)
+    )
     with torch.device("meta"):
         m = Eagle31Drafter(cfg)
     inv, magnitude, softmax = deepseek_rope_numbers(64, rope, OLDEST)
@@ -110,7 +112,9 @@ def mla_project(W, c, z, pos):
     nope, rdim, vdim, kvr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
     inv, magnitude, softmax = deepseek_rope_numbers(rdim, c.rope_parameters, OLDEST)
     a = "midlayer.self_attn."
-    q = (W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)).view(nh, nope + rdim)
+    q = (W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)).view(
+        nh, nope + rdim
+    )
     latent = W[a + "kv_a_proj_with_mqa.weight"] @ z
     kv = (W[a + "kv_b_proj.weight"] @ rms(latent[:kvr], W[a + "kv_a_layernorm.weight"], eps)).view(nh, nope + vdim)
     k_pe = rope_pairs(latent[kvr:], pos, inv, magnitude)
@@ -181,7 +185,10 @@ def test_mla_activation_checkpointing_keeps_loss_and_gradients():
         (dict(v_head_dim=11), "v_head_dim=11 exceeds"),
         (dict(qk_rope_head_dim=3, head_dim=9), "qk_rope_head_dim must be even"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "rope_type='llama3' is not supported"),
-        (dict(attention="llama", head_dim=10), "drafter.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla"),
+        (
+            dict(attention="llama", head_dim=10),
+            "drafter.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla",
+        ),
         (dict(fc_norm=False, norm_before_fc=True), "norm_before_fc is not read by vLLM's DeepSeek"),
     ],
 )
@@ -204,8 +211,19 @@ def test_from_target_config_copies_the_targets_mla_shape():
 
     target = load_target_config(Path(__file__).parents[1] / "recipes/targets/kimi_k26.json")
     cfg = DrafterConfig.from_target_config(target, attention="mla", draft_vocab_size=163840)
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (1536, 512, 128, 64, 128)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (64, 64, 192, 18432)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (
+        64,
+        64,
+        192,
+        18432,
+    )
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["mscale_all_dim"] == 1.0
     assert cfg.aux_layer_ids == (2, 30, 58) and cfg.draft_vocab_size == cfg.vocab_size == 163840
     llama = DrafterConfig.from_target_config(target)
@@ -256,7 +274,9 @@ def test_mla_chain_attended_in_token_blocks_matches_naive_loops(checkpointing, m
     expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     m.zero_grad()
-    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing)
+    out = ttt_unroll(
+        m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing
+    )
     head = TargetHead(target_w, m.draft_token_ids())
     argmax = head.argmax(final)
     sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])

@@ -42,7 +42,9 @@ def test_a_custom_backward_places_like_its_forward(monkeypatch):
     """Autograd drops the torch-function modes in a custom Function's backward; the stand-in follows it there."""
     from tests.nccl_standin import follow_into_backward
 
-    monkeypatch.setattr(torch.autograd.function.BackwardCFunction, "apply", torch.autograd.function.BackwardCFunction.apply)
+    monkeypatch.setattr(
+        torch.autograd.function.BackwardCFunction, "apply", torch.autograd.function.BackwardCFunction.apply
+    )
     follow_into_backward(WORLD)
     seen = []
 

@@ -44,6 +44,13 @@ def test_ci_installs_what_readmes_test_command_installs_and_the_peers_readme_nam
 
 def test_tests_reach_the_peer_packages_through_tests_peers():
     """`pytest.importorskip` of a peer would skip under CI too: CI could pass without running the peer."""
-    pattern = re.compile(r"importorskip\(\s*[\"'](?:%s)|find_spec\(\s*[\"'](?:%s)" % ("|".join(PEER_PACKAGES), "|".join(PEER_PACKAGES)))
-    found = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "tests").rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    pattern = re.compile(
+        r"importorskip\(\s*[\"'](?:%s)|find_spec\(\s*[\"'](?:%s)" % ("|".join(PEER_PACKAGES), "|".join(PEER_PACKAGES))
+    )
+    found = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in (ROOT / "tests").rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not found, found

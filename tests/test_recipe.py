@@ -87,7 +87,9 @@ def test_the_earlier_train_attention_is_refused_naming_train_attention_kernel(wh
     ran = []
     assert recipe_main(ran.append, recipes, overrides) == 2 and not ran
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "train.attention is now train.attention_kernel" in err and "drafter.attention" in err
+    assert (
+        err.count("\n") == 1 and "train.attention is now train.attention_kernel" in err and "drafter.attention" in err
+    )
 
 
 def test_a_bad_choice_inside_a_recipe_file_names_its_field(tmp_path):
@@ -143,8 +145,12 @@ def test_the_drafter_section_is_made_of_drafter_config_fields():
         elif source == "override":
             assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
         else:
-            assert section[f.name].default == f.default and hints[f.name] == typing.get_type_hints(DrafterConfig)[f.name]
-    assert len(section) == len(INITIALISATION) + sum(f.metadata.get("recipe") != "target" for f in dataclasses.fields(DrafterConfig))
+            assert (
+                section[f.name].default == f.default and hints[f.name] == typing.get_type_hints(DrafterConfig)[f.name]
+            )
+    assert len(section) == len(INITIALISATION) + sum(
+        f.metadata.get("recipe") != "target" for f in dataclasses.fields(DrafterConfig)
+    )
 
 
 def test_a_new_drafter_field_is_a_recipe_field_with_no_line_in_recipe_py(tmp_path):
@@ -174,7 +180,9 @@ def test_key_value_choices_are_checked_when_parsed():
         dtype: StoreDtype | None = None
 
     assert parse_key_values(["dtype=float8"], Args).dtype is StoreDtype.float8
-    with pytest.raises(ConfigError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32', 'float8'\], got 'int2'"):
+    with pytest.raises(
+        ConfigError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32', 'float8'\], got 'int2'"
+    ):
         parse_key_values(["dtype=int2"], Args)
 
 
@@ -199,10 +207,14 @@ def test_every_cli_answers_help(cli, monkeypatch, capsys):
 
 def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):
     ran = []
-    assert recipe_main(ran.append, RECIPES, ["recipe=kimi_k26", "--cfg", "train.lr=5e-5", "features.batching=bucket"]) == 0
+    assert (
+        recipe_main(ran.append, RECIPES, ["recipe=kimi_k26", "--cfg", "train.lr=5e-5", "features.batching=bucket"]) == 0
+    )
     assert not ran
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["name"] == "kimi_k26" and printed["train"]["lr"] == 5e-5 and printed["features"]["batching"] == "bucket"
+    assert (
+        printed["name"] == "kimi_k26" and printed["train"]["lr"] == 5e-5 and printed["features"]["batching"] == "bucket"
+    )
     assert printed["target"]["config"].endswith("recipes/targets/kimi_k26.json")  # resolved, not ${recipes_dir:}
 
 

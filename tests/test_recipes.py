@@ -29,11 +29,23 @@ def test_every_recipe_composes_and_names_itself(name):
     assert cfg.train.ttt_length >= 1 and cfg.features.mode in ("online", "store")
 
 
-@pytest.mark.parametrize("name, layers, aux", [("kimi_k26", 61, (2, 30, 58)), ("kimi_k26_llama", 61, (2, 30, 58)), ("llama31_8b", 32, (2, 16, 29)), ("qwen3_8b", 36, (2, 18, 33))])
+@pytest.mark.parametrize(
+    "name, layers, aux",
+    [
+        ("kimi_k26", 61, (2, 30, 58)),
+        ("kimi_k26_llama", 61, (2, 30, 58)),
+        ("llama31_8b", 32, (2, 16, 29)),
+        ("qwen3_8b", 36, (2, 18, 33)),
+    ],
+)
 def test_gpu_recipes_ship_their_target_config(name, layers, aux):
     cfg = load_recipe(RECIPES, [f"recipe={name}"])
     target = load_target_config(cfg.target.config)
-    overrides = {k: v for k, v in dict(cfg.drafter).items() if k in {f for f in DrafterConfig.__dataclass_fields__} and v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(cfg.drafter).items()
+        if k in {f for f in DrafterConfig.__dataclass_fields__} and v is not None
+    }
     if overrides.get("aux_layer_ids"):
         overrides["aux_layer_ids"] = tuple(overrides["aux_layer_ids"])
     drafter = DrafterConfig.from_target_config(target, **overrides)
@@ -41,9 +53,18 @@ def test_gpu_recipes_ship_their_target_config(name, layers, aux):
     assert drafter.fc_norm and drafter.norm_output
 
 
-def train_main(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:  # a hang guard: a loaded 2-core machine needs ~10 min
+def train_main(
+    *args: str, timeout: int = 900
+) -> subprocess.CompletedProcess:  # a hang guard: a loaded 2-core machine needs ~10 min
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(REPO / "train" / "main.py"), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train" / "main.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -93,10 +114,18 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
     from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a python function that adds two numbers."}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Write a python function that adds two numbers."}]}) + "\n"
+    )
     acceptance = run_acceptance(
-        AcceptanceConfig(drafter=str(out / "export" / "eagle3"), target=str(ensure_kimi_k26_mini()), data=str(prompts),
-                         k=3, max_new_tokens=24, out=str(tmp_path / "acceptance")),  # fmt: skip
+        AcceptanceConfig(
+            drafter=str(out / "export" / "eagle3"),
+            target=str(ensure_kimi_k26_mini()),
+            data=str(prompts),
+            k=3,
+            max_new_tokens=24,
+            out=str(tmp_path / "acceptance"),
+        ),  # fmt: skip
         log=lambda _: None,
     )
     (result,) = acceptance["results"]

@@ -41,8 +41,14 @@ SAME_IN_BOTH = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": YARN,
     "yarn_untruncated": {**YARN, "truncate": False, "beta_fast": 8.0},
     "kimi_yarn_for_llama": for_llama_drafter(KIMI_YARN),
@@ -101,13 +107,17 @@ def test_ambiguity_says_which_fields_which_release_reads():
 def test_kimis_own_yarn_block_is_1_416_in_vllm_0_22_and_1_0_in_0_33_and_transformers():
     """vLLM 0.22.0's Llama-layer YaRN ignores DeepSeek's mscale fields; 0.33.0 honours them as transformers does."""
     config = tiny_config(rope_parameters=dict(KIMI_YARN))
-    hf_cos, _ = LlamaRotaryEmbedding(LlamaConfig(**layer_view(config)))(torch.zeros(1), torch.zeros(1, 1, dtype=torch.long))
+    hf_cos, _ = LlamaRotaryEmbedding(LlamaConfig(**layer_view(config)))(
+        torch.zeros(1), torch.zeros(1, 1, dtype=torch.long)
+    )
     zero = torch.zeros(1, dtype=torch.long)
     assert float(hf_cos[0, 0, 0]) == pytest.approx(1.0)
     assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.NEWEST)[0][0, 0]) == pytest.approx(1.0)
     assert float(vllm.rope_cos_sin(layer_view(config), zero, vllm.OLDEST)[0][0, 0]) == pytest.approx(KIMI_MAGNITUDE)
     assert float(drafter_cos_sin(config, zero)[0][0, 0]) == pytest.approx(1.0)  # the newest release's reading
-    assert "mscale (read by vLLM 0.33.0 only), mscale_all_dim (read by vLLM 0.33.0 only)" in LLAMA.rope_ambiguity(KIMI_YARN)
+    assert "mscale (read by vLLM 0.33.0 only), mscale_all_dim (read by vLLM 0.33.0 only)" in LLAMA.rope_ambiguity(
+        KIMI_YARN
+    )
 
 
 # ------------------------------------------------------------------- recipes
@@ -131,7 +141,9 @@ def test_every_recipes_drafter_trains_with_the_rope_vllm_serves_from_its_export(
     max_len = int(plan.cfg.data.max_len)
     exported = export_config(plan.drafter, fmt, trained_context=max_len, target_name_or_path="org/target")
     view = vllm.hf_config_view(exported)
-    positions = torch.tensor(sorted(p for p in {0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, max_len // 2, max_len - 1} if p < max_len))
+    positions = torch.tensor(
+        sorted(p for p in {0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, max_len // 2, max_len - 1} if p < max_len)
+    )
     theirs = vllm.rope_cos_sin(view, positions)
     ours = drafter_cos_sin(plan.drafter, positions)
     for a, b in zip(ours, theirs):
@@ -162,7 +174,10 @@ def test_a_target_rope_that_would_still_be_read_two_ways_is_refused():
 @pytest.mark.parametrize(
     "rope, field",
     [
-        ({"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type"),
+        (
+            {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+            "rope_type",
+        ),
         ({"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_type"),
         ({"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 64}, "factor"),
         ({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),

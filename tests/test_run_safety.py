@@ -63,7 +63,9 @@ def test_output_dir_set_to_the_users_project_keeps_every_file(tiny_target, chats
 def test_a_prepared_dir_holding_a_source_is_refused(tiny_target, chats, tmp_path, capsys):
     project = user_project(tmp_path, chats)
     before = tree(project)
-    args = base_args(tiny_target, project / "data" / "chats.jsonl", tmp_path / "run", **{"data.prepared_dir": str(project / "data")})
+    args = base_args(
+        tiny_target, project / "data" / "chats.jsonl", tmp_path / "run", **{"data.prepared_dir": str(project / "data")}
+    )
     line = one_line(main(args, capsys), 2)
     assert "holds data.source" in line and "chats.jsonl" in line
     assert tree(project) == before and not (tmp_path / "run").exists()
@@ -97,9 +99,14 @@ def test_a_prepared_dir_pointing_at_a_folder_of_runs_deletes_nothing(tiny_target
 
 @pytest.mark.parametrize(
     "field, value, said",
-    [("train.lr", "-1e-4", "train.lr must be positive, got -0.0001"), ("train.lk_eta", "-1", "train.lk_eta must be >= 0, got -1.0")],
+    [
+        ("train.lr", "-1e-4", "train.lr must be positive, got -0.0001"),
+        ("train.lk_eta", "-1", "train.lk_eta must be >= 0, got -1.0"),
+    ],
 )
-def test_a_bad_number_is_refused_before_any_model(field, value, said, tiny_target, chats, tmp_path, capsys, monkeypatch):
+def test_a_bad_number_is_refused_before_any_model(
+    field, value, said, tiny_target, chats, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a model was built"))
     line = one_line(main(base_args(tiny_target, chats, tmp_path / "run", **{field: value}), capsys), 2)
     assert line == f"error: {said}"
@@ -113,13 +120,20 @@ def test_an_output_dir_below_a_file_is_one_line(tiny_target, chats, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes_ahead(tiny_target, chats, tmp_path, capsys):
+def test_a_run_stopped_by_validation_leaves_no_identity_and_the_fixed_rerun_goes_ahead(
+    tiny_target, chats, tmp_path, capsys
+):
     out = tmp_path / "run"
     masked = write_jsonl(tmp_path / "only_users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
     line = one_line(main(base_args(tiny_target, masked, out, **{"data.prepared_dir": str(tmp_path / "p1")}), capsys), 2)
     assert "no sample" in line
     assert not (out / "config.yaml").exists()
-    fixed = base_args(tiny_target, chats, out, **{"data.prepared_dir": str(tmp_path / "p2"), "train.max_steps": "2", "export.formats": "[]"})
+    fixed = base_args(
+        tiny_target,
+        chats,
+        out,
+        **{"data.prepared_dir": str(tmp_path / "p2"), "train.max_steps": "2", "export.formats": "[]"},
+    )
     assert main(fixed, capsys)[0] == 0
     assert (out / "config.yaml").is_file() and (out / OUTPUT_MARKER).is_file()
 
@@ -145,7 +159,9 @@ def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys,
     monkeypatch.setattr(Trainer, "train_step", step)
     out = tmp_path / "run"
     line = one_line(main(base_args(tiny_target, chats, out), capsys), 130)
-    assert "interrupted at step 3" in line and "resume=auto" in line and str(out / "checkpoints" / "step_00000002") in line
+    assert (
+        "interrupted at step 3" in line and "resume=auto" in line and str(out / "checkpoints" / "step_00000002") in line
+    )
 
 
 def test_ctrl_c_before_training_says_what_is_kept(tiny_target, chats, tmp_path, capsys, monkeypatch):
@@ -194,7 +210,9 @@ def captured_store(tiny_target, chats, tmp_path_factory) -> Path:
     return out / "features"
 
 
-def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(captured_store, tiny_target, chats, tmp_path, capsys):
+def test_a_store_captured_from_another_target_of_the_same_shape_is_refused(
+    captured_store, tiny_target, chats, tmp_path, capsys
+):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -227,7 +245,9 @@ def corrupt_copy(captured_store: Path, store: Path) -> Path:
     return shard
 
 
-def test_a_capture_stopped_midway_is_completed_not_trained_on_partly(captured_store, tiny_target, chats, tmp_path, capsys):
+def test_a_capture_stopped_midway_is_completed_not_trained_on_partly(
+    captured_store, tiny_target, chats, tmp_path, capsys
+):
     store = copy_store(captured_store, tmp_path / "features")
     manifest = json.loads((store / "train" / "manifest.json").read_text())
     full = {r["file"]: r for r in manifest["shards"]}
@@ -254,7 +274,12 @@ def test_skip_corrupt_reports_what_it_skipped(captured_store, tiny_target, chats
     store = tmp_path / "features"
     shard = corrupt_copy(captured_store, store)
     out = tmp_path / "run"
-    extra = {"features.mode": "store", "features.store_dir": str(store), "features.skip_corrupt": "true", "export.formats": "[]"}
+    extra = {
+        "features.mode": "store",
+        "features.store_dir": str(store),
+        "features.skip_corrupt": "true",
+        "export.formats": "[]",
+    }
     assert main(base_args(tiny_target, chats, out, **extra), capsys)[0] == 0
     report = json.loads((out / "report.json").read_text())
     assert report["skipped_corrupt"]["shards"] == [str(shard)] and report["skipped_corrupt"]["samples"] > 0
@@ -302,7 +327,9 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_ta
     assert all((resumed[k] == uninterrupted[k]).all() for k in uninterrupted)
 
 
-def test_a_store_dir_holding_the_users_files_is_refused_before_capture(tiny_target, chats, tmp_path, capsys, monkeypatch):
+def test_a_store_dir_holding_the_users_files_is_refused_before_capture(
+    tiny_target, chats, tmp_path, capsys, monkeypatch
+):
     import eagle31.target
 
     monkeypatch.setattr(eagle31.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))

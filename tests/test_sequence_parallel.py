@@ -53,7 +53,10 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
     """STEPS optimizer steps over the two batches (split over the data axis): losses, gradients, weights."""
     drafter = tiny_drafter(seed=0, dtype=torch.float32, **DRAFTERS[drafter_name])
     cfg = drafter.config
-    head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9)), drafter.draft_token_ids())
+    head = TargetHead(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9)),
+        drafter.draft_token_ids(),
+    )
     group = sequence_group(world, sequence)
     mine = batches(cfg)[group.data_rank :: group.data_size]
     train = TrainConfig(ttt_length=K, warmup_steps=1, max_steps=STEPS, lr=1e-2, max_grad_norm=1e9, activation_checkpointing=ckpt,
@@ -72,9 +75,13 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
 
 
 def worker(rank: int, world_size: int, port: int, tmp: str, meshes: list[int]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1"
+    )
     torch.set_num_threads(1)
-    QueryTail.prefix_block = staticmethod(lambda nh, d: 3)  # the keys before a shard in several blocks (this process only)
+    QueryTail.prefix_block = staticmethod(
+        lambda nh, d: 3
+    )  # the keys before a shard in several blocks (this process only)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     world = World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
     results = {(name, ckpt, n): run(world, name, ckpt, n, f"{tmp}/{rank}") for name, ckpt in CASES for n in meshes}
@@ -111,7 +118,9 @@ def test_a_split_sequence_trains_as_the_whole_one(sharded, drafter, ckpt, sequen
         # to lr times its relative error (the update is about lr * g / |g|): later steps get a wider atol
         atol = 1e-5 if step == 0 else 1e-4
         for n in e:
-            torch.testing.assert_close(g[n], e[n], rtol=1e-4, atol=atol * float(e[n].abs().max()), msg=lambda m: f"step {step} {n}: {m}")
+            torch.testing.assert_close(
+                g[n], e[n], rtol=1e-4, atol=atol * float(e[n].abs().max()), msg=lambda m: f"step {step} {n}: {m}"
+            )
     for n, w in one["weights"].items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
@@ -138,7 +147,9 @@ def _gather_backward_rank(rank: int, port: int, tmp: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = SequenceGroup(2, rank, 0, 1, dist.group.WORLD)
     x = torch.randn(1, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-    weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))  # the same on both ranks
+    weight = torch.randn(
+        1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7)
+    )  # the same on both ranks
     (_GatherShards.apply(x, group, 0, 5) * weight).sum().backward()
     torch.save(x.grad, f"{tmp}/grad{rank}.pt")
     dist.barrier()
@@ -149,7 +160,9 @@ def test_the_gradient_of_gathered_shards_keeps_its_dtype(tmp_path):
     """fp64 gradients come back in fp64, not rounded through fp32 (which would hide fp64 parity errors below ~5e-8)."""
     mp.spawn(_gather_backward_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    both = 2 * torch.cat([weight, torch.zeros(1, 1, 2, dtype=torch.float64)], dim=1)  # each rank's rows, summed over the 2 ranks
+    both = 2 * torch.cat(
+        [weight, torch.zeros(1, 1, 2, dtype=torch.float64)], dim=1
+    )  # each rank's rows, summed over the 2 ranks
     for rank in range(2):
         grad = torch.load(tmp_path / f"grad{rank}.pt", weights_only=True)
         assert grad.dtype == torch.float64 and torch.equal(grad, both[:, 3 * rank : 3 * rank + 3]), rank

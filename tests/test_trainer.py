@@ -79,7 +79,9 @@ def test_a_finite_step_resets_the_streak_and_skipped_steps_still_move_the_schedu
     f = lr_lambda(trainer.cfg.warmup_steps, trainer.cfg.max_steps)
     assert trainer.scheduler.last_epoch == 4
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.cfg.lr * f(4))
-    assert [x["train/lr"] for x in lines if "train/lr" in x] == pytest.approx([trainer.cfg.lr * f(s) for s in (1, 2, 3, 4)])
+    assert [x["train/lr"] for x in lines if "train/lr" in x] == pytest.approx(
+        [trainer.cfg.lr * f(s) for s in (1, 2, 3, 4)]
+    )
 
 
 def test_warmup_then_cosine():
@@ -89,7 +91,11 @@ def test_warmup_then_cosine():
 
 
 def test_secrets_are_redacted_from_logged_configs():
-    cfg = {"logging": {"wandb": {"api_key": "abc123", "mode": "offline"}}, "hub": {"token": "hf_xyz", "license": "mit"}, "data": {"source": ["a"]}}
+    cfg = {
+        "logging": {"wandb": {"api_key": "abc123", "mode": "offline"}},
+        "hub": {"token": "hf_xyz", "license": "mit"},
+        "data": {"source": ["a"]},
+    }
     red = redact_secrets(cfg)
     assert "abc123" not in json.dumps(red) and "hf_xyz" not in json.dumps(red)
     assert red["hub"]["license"] == "mit" and red["data"] == {"source": ["a"]}

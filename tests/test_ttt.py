@@ -95,7 +95,8 @@ def naive_logits(m, aux, input_ids, doc, project=llama_project):
                 h1 = residuals[p] + W["midlayer.self_attn.o_proj.weight"] @ attn
                 x = rms(h1, W["midlayer.post_attention_layernorm.weight"], eps)
                 mlp = W["midlayer.mlp.down_proj.weight"] @ (
-                    torch.nn.functional.silu(W["midlayer.mlp.gate_proj.weight"] @ x) * (W["midlayer.mlp.up_proj.weight"] @ x)
+                    torch.nn.functional.silu(W["midlayer.mlp.gate_proj.weight"] @ x)
+                    * (W["midlayer.mlp.up_proj.weight"] @ x)
                 )
                 o = h1 + mlp
                 normed = rms(o, W["norm.weight"], eps)
@@ -166,7 +167,12 @@ def test_unroll_and_loss_match_naive_loops(switches, layout):
     m = tiny_drafter(seed=1, **switches)
     doc = layouts()[layout]
     aux, final, ids, mask = random_batch(m.config, 2, 11, seed=2)
-    target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    target_w = torch.randn(
+        m.config.vocab_size,
+        m.config.target_hidden_size,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(3),
+    )
 
     expected_logits = naive_logits(m, aux, ids, doc)
     expected_loss = naive_loss(m, expected_logits, final, ids, mask, doc, target_w)
@@ -183,7 +189,9 @@ def test_unroll_and_loss_match_naive_loops(switches, layout):
         torch.testing.assert_close(loss, expected_loss, rtol=1e-9, atol=1e-9)
         loss.backward()
         for name, grad in expected_grads.items():
-            torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}")
+            torch.testing.assert_close(
+                dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}"
+            )
 
 
 @pytest.mark.parametrize("window", [3, 5])
@@ -193,7 +201,12 @@ def test_windowed_unroll_and_loss_match_naive_loops(window):
     m = tiny_drafter(seed=1, sliding_window=window)
     doc = layouts()["packed"]
     aux, final, ids, mask = random_batch(m.config, 2, 11, seed=2)
-    target_w = torch.randn(m.config.vocab_size, m.config.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    target_w = torch.randn(
+        m.config.vocab_size,
+        m.config.target_hidden_size,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(3),
+    )
     expected_logits = naive_logits(m, aux, ids, doc)
     full = tiny_drafter(seed=1)
     assert not torch.allclose(expected_logits, naive_logits(full, aux, ids, doc))  # the window matters here
@@ -208,7 +221,9 @@ def test_windowed_unroll_and_loss_match_naive_loops(window):
         torch.testing.assert_close(logits[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9, msg=attention)
         loss.backward()
         for name, grad in expected_grads.items():
-            torch.testing.assert_close(dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}")
+            torch.testing.assert_close(
+                dict(m.named_parameters())[name].grad, grad, rtol=1e-7, atol=1e-9, msg=f"{attention}: {name}"
+            )
 
 
 def test_drafter_forward_returns_the_unroll_logits():
@@ -322,7 +337,13 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(attention, 
     def loss_and_grads(checkpointing):
         m.zero_grad()
         out = ttt_unroll(
-            m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel=attention, activation_checkpointing=checkpointing
+            m,
+            aux,
+            ids,
+            ttt_length=K,
+            document_ids=doc,
+            attention_kernel=attention,
+            activation_checkpointing=checkpointing,
         )
         argmax = head.argmax(final)
         sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])
@@ -356,18 +377,26 @@ def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops
     _, entry, _ = m.step_entry(feature, ids, positions, chain=True)
     assert entry[0] is feature and entry[1] is ids and entry[2] is positions
 
-    monkeypatch.setattr(eagle31.kernels.causal, "BLOCK_BUDGET", 3 * c.num_attention_heads * c.head_dim)  # 3 rows at j = 1
+    monkeypatch.setattr(
+        eagle31.kernels.causal, "BLOCK_BUDGET", 3 * c.num_attention_heads * c.head_dim
+    )  # 3 rows at j = 1
     monkeypatch.setattr(eagle31.ttt, "FEED_FORWARD_BUDGET", 4 * c.intermediate_size)
     doc = layouts()["packed"]
-    target_w = torch.randn(c.vocab_size, c.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
+    target_w = torch.randn(
+        c.vocab_size, c.target_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(23)
+    )
     expected_logits = naive_logits(m, aux, ids, doc)
     naive_loss(m, expected_logits, final, ids, mask, doc, target_w).backward()
     expected = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     m.zero_grad()
-    out = ttt_unroll(m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing)
+    out = ttt_unroll(
+        m, aux, ids, ttt_length=K, document_ids=doc, attention_kernel="flash", activation_checkpointing=checkpointing
+    )
     real = doc >= 0
-    torch.testing.assert_close(torch.stack([m.lm_head(s) for s in out.states])[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        torch.stack([m.lm_head(s) for s in out.states])[:, real], expected_logits[:, real], rtol=1e-9, atol=1e-9
+    )
     head = TargetHead(target_w, m.draft_token_ids())
     argmax = head.argmax(final)
     sup = supervision_mask(mask, out.segments, K, m.t2d[argmax])

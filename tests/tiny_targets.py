@@ -43,7 +43,9 @@ def drafter_sized_llama(seed: int = 0, dtype=torch.float64):
 
 def save_chat_target(path: Path, tokenizer, seed: int = 0) -> Path:
     """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory."""
-    model = tiny_llama(seed, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512)
+    model = tiny_llama(
+        seed, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -323,7 +323,9 @@ class MLAAttentionKind(AttentionKind):
         from transformers import DeepseekV3Config
 
         if not layer.get("q_lora_rank"):
-            raise ConfigError("an MLA drafter without q_lora_rank is not supported (vLLM's DeepSeek EAGLE-3 loader needs it)")
+            raise ConfigError(
+                "an MLA drafter without q_lora_rank is not supported (vLLM's DeepSeek EAGLE-3 loader needs it)"
+            )
         fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
         parsed = DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
         shape = {name: getattr(parsed, name) for name in self.fields}

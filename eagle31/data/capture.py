@@ -36,7 +36,9 @@ def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
     return list(zip(*(rows[name] for name in TOKEN_COLUMNS)))
 
 
-def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def target_forward(
+    feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(aux [T, n*Ht], final [T, Ht]) of each row of token ids, computed in length-sorted, right-padded batches
     of <= `batch_tokens` tokens; in the order of `token_rows`, views into each batch's output, on its device.
 
@@ -59,11 +61,16 @@ def target_forward(feats: TargetFeatures, token_rows: Sequence[Sequence[int]], b
     return out
 
 
-def as_samples(rows: Sequence[tuple[list[int], ...]], features: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Sample]:
+def as_samples(
+    rows: Sequence[tuple[list[int], ...]], features: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[Sample]:
     """One `Sample` per prepared row (its `TOKEN_COLUMNS`) and its (aux, final), on the device of the features."""
     out = []
     for row, (aux, final) in zip(rows, features, strict=True):
-        columns = {name: torch.tensor(values, dtype=torch.long, device=final.device) for name, values in zip(TOKEN_COLUMNS, row)}
+        columns = {
+            name: torch.tensor(values, dtype=torch.long, device=final.device)
+            for name, values in zip(TOKEN_COLUMNS, row)
+        }
         out.append(Sample(**columns, aux=aux, final=final))
     return out
 
@@ -114,7 +121,9 @@ def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
         return
     info = target.describe()
     if tuple(info.aux_layer_ids) != tuple(aux_layer_ids):
-        raise ConfigError(f"the {info.kind} engine computes aux ids {list(info.aux_layer_ids)}, the store holds {list(aux_layer_ids)}")
+        raise ConfigError(
+            f"the {info.kind} engine computes aux ids {list(info.aux_layer_ids)}, the store holds {list(aux_layer_ids)}"
+        )
     yield target.features
 
 
@@ -137,7 +146,10 @@ def capture_to_store(
     mine = range(rank, len(writer.plan), world_size)
     start = time.perf_counter()
     kept = "the finished shards are kept and the one being written was removed; a rerun captures the rest"
-    with write_errors(f"the feature store {writer.root}", kept), features_of(target, writer.header.aux_layer_ids, batch_tokens) as features:
+    with (
+        write_errors(f"the feature store {writer.root}", kept),
+        features_of(target, writer.header.aux_layer_ids, batch_tokens) as features,
+    ):
         for index, ids in writer.pending(rank, world_size):
             rows = prepared_rows(dataset, ids)
             stats.add(writer.write_shard(index, ids, as_samples(rows, features([row[0] for row in rows]))))
@@ -146,11 +158,15 @@ def capture_to_store(
     return stats
 
 
-def open_store_writers(store_dir: Path, splits: dict, target_dir, target_config: dict, aux_layer_ids, target, features) -> dict[str, StoreWriter]:
+def open_store_writers(
+    store_dir: Path, splits: dict, target_dir, target_config: dict, aux_layer_ids, target, features
+) -> dict[str, StoreWriter]:
     """One writer per prepared split under `store_dir`; each refuses a store made otherwise, before the target loads."""
     fingerprint = target_fingerprint(target_dir)
     return {
-        name: StoreWriter.for_dataset(store_dir / name, ds, target_config, aux_layer_ids, target, features, fingerprint=fingerprint)
+        name: StoreWriter.for_dataset(
+            store_dir / name, ds, target_config, aux_layer_ids, target, features, fingerprint=fingerprint
+        )
         for name, ds in splits.items()
     }
 
@@ -159,7 +175,9 @@ def capture_splits(target, splits: dict, writers: dict[str, StoreWriter], *, bat
     """Capture every split into its writer (each rank its shards); rank 0 finalizes a split once all ranks are done."""
     for name, ds in splits.items():
         writer = writers[name]
-        stats = capture_to_store(target, ds, writer, batch_tokens=batch_tokens, rank=world.rank, world_size=world.world_size)
+        stats = capture_to_store(
+            target, ds, writer, batch_tokens=batch_tokens, rank=world.rank, world_size=world.world_size
+        )
         print(f"[rank {world.rank}] {name}: {stats.summary()}")
         barrier()
         if world.is_main:

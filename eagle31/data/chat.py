@@ -218,7 +218,9 @@ class ChatEncoder:
 
     def _trim_closing(self, ids: list[int], start: int, end: int) -> int:
         """`end` moved before the special and whitespace tokens that close a cut turn (`</think>`, end of turn)."""
-        while end > start and (ids[end - 1] in self._closing_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()):
+        while end > start and (
+            ids[end - 1] in self._closing_ids or self.tokenizer.decode(ids[end - 1 : end]).isspace()
+        ):
             end -= 1
         return end
 
@@ -244,7 +246,9 @@ def think_markers(tokenizer) -> tuple[int, int] | None:
     return ids if None not in ids else None  # type: ignore[return-value]
 
 
-def split_reasoning(prompt: list[int], reply: list[int], think: tuple[int, int] | None) -> tuple[list[int] | None, list[int]]:
+def split_reasoning(
+    prompt: list[int], reply: list[int], think: tuple[int, int] | None
+) -> tuple[list[int] | None, list[int]]:
     """(reasoning tokens or None, answer tokens) of a reply, split on the template's think markers.
 
     The reply is reasoning until `</think>` when the prompt leaves a think block open (Kimi's and

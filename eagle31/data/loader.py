@@ -139,7 +139,9 @@ class FeatureLoader:
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
         src = self.source
         ids = [] if positions is None else src.sample_ids[positions].tolist()
-        pairs = [(i, s) for i, s in zip(ids, src.samples(ids) if ids else []) if s is not None]  # a skipped corrupt shard drops its samples
+        pairs = [
+            (i, s) for i, s in zip(ids, src.samples(ids) if ids else []) if s is not None
+        ]  # a skipped corrupt shard drops its samples
         self._record([i for i, _ in pairs])
         samples = [s for _, s in pairs]
         if not samples:

@@ -141,12 +141,16 @@ def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
         from omegaconf import ListConfig, OmegaConf
 
         if not isinstance(variants, ListConfig):
-            raise ConfigError(f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}")
+            raise ConfigError(
+                f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}"
+            )
         variants = OmegaConf.to_container(variants, resolve=True)
     out = []
     for i, variant in enumerate(variants):
         if not isinstance(variant, dict):
-            raise ConfigError(f"data.chat_template_variants[{i}] must be a mapping of template options, got {variant!r}")
+            raise ConfigError(
+                f"data.chat_template_variants[{i}] must be a mapping of template options, got {variant!r}"
+            )
         out.append(check_template_kwargs({**base, **variant}, f"data.chat_template_variants[{i}]"))
     return out or [base]
 
@@ -161,7 +165,9 @@ class TemplateEncoders:
         self._recorded: dict[str, ChatEncoder] = {}
 
     def _encoder(self, kwargs: dict[str, Any], name: str = "data.chat_template_variants") -> ChatEncoder:
-        return ChatEncoder(self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name))
+        return ChatEncoder(
+            self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name)
+        )
 
     def for_conversation(self, conv: Conversation, seed: int, index: int) -> ChatEncoder:
         if conv.chat_template_kwargs is not None:
@@ -241,8 +247,13 @@ def prepare_dataset(
     if merger is not None:  # long multi-turn samples (eagle31.data.merge_turns)
         conversations = merger.merge(conversations)
     samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
-    kept = "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
-    with write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept), atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp:
+    kept = (
+        "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
+    )
+    with (
+        write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept),
+        atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp,
+    ):
         if _write_arrow(samples, tmp / "all.arrow") == 0:
             raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")
         train, held_out = _split(datasets.Dataset.from_file(str(tmp / "all.arrow")), data_cfg)
@@ -264,7 +275,10 @@ def prepare_dataset(
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
-            unrendered_reasoning={**{k: sum(asdict(e.reasoning)[k] for e in encoders.all()) for k in asdict(ReasoningTally())}, "why": UNRENDERED_WHY},
+            unrendered_reasoning={
+                **{k: sum(asdict(e.reasoning)[k] for e in encoders.all()) for k in asdict(ReasoningTally())},
+                "why": UNRENDERED_WHY,
+            },
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
@@ -306,7 +320,9 @@ def check_prepared(prepared_dir: Path) -> dict:
     try:
         summary = json.loads((prepared_dir / "report.json").read_text())
     except ValueError:
-        raise CorruptDataError(f"{prepared_dir / 'report.json'} is not valid JSON; delete {prepared_dir} to prepare the data again") from None
+        raise CorruptDataError(
+            f"{prepared_dir / 'report.json'} is not valid JSON; delete {prepared_dir} to prepare the data again"
+        ) from None
     if summary["samples"]["train"] == 0 or summary["supervised_tokens"]["train"] == 0:
         raise ConfigError(f"the prepared training split in {prepared_dir} has no supervised token")
     return summary
@@ -338,7 +354,13 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
-_ENCODING_REASONS = ("template_error", "unstable_template", "no_assistant_tokens", "too_long", "no_assistant_tokens_after_truncation")
+_ENCODING_REASONS = (
+    "template_error",
+    "unstable_template",
+    "no_assistant_tokens",
+    "too_long",
+    "no_assistant_tokens_after_truncation",
+)
 
 
 def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:
@@ -374,7 +396,9 @@ def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally,
                 dropped.add("no_assistant_tokens_after_truncation", conv.where)
                 continue
         if max(row["input_ids"]) >= V:
-            raise ConfigError(f"token id {max(row['input_ids'])} from the tokenizer is outside the target vocab_size={V}")
+            raise ConfigError(
+                f"token id {max(row['input_ids'])} from the tokenizer is outside the target vocab_size={V}"
+            )
         yield row
 
 

@@ -224,7 +224,9 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
     system = record.get("system")
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    conversation = Conversation(messages, _tools(record.get("tools")), where, _template_options(record.get("chat_template_kwargs")))
+    conversation = Conversation(
+        messages, _tools(record.get("tools")), where, _template_options(record.get("chat_template_kwargs"))
+    )
     _check_unicode(conversation)
     return conversation
 
@@ -391,7 +393,9 @@ def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise BadInput("malformed", f"JSON array cut short or broken at record {i} ({e.msg}); read the {i} before it") from None
+            raise BadInput(
+                "malformed", f"JSON array cut short or broken at record {i} ({e.msg}); read the {i} before it"
+            ) from None
         yield f"{path}[{i}]", record
         i += 1
 
@@ -425,7 +429,10 @@ def resolve_sources(sources) -> list[str]:
     from eagle31.targets import demo_corpus_dir
 
     prefix = "demo:"
-    return [str(demo_corpus_dir() / f"{s[len(prefix):]}.jsonl") if s.startswith(prefix) else s for s in source_paths(sources)]
+    return [
+        str(demo_corpus_dir() / f"{s[len(prefix) :]}.jsonl") if s.startswith(prefix) else s
+        for s in source_paths(sources)
+    ]
 
 
 def data_section(cfg):

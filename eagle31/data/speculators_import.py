@@ -169,7 +169,9 @@ def _capture_file(path: Path):
         with safe_open(path, framework="pt") as f:
             yield f
     except SafetensorError as e:
-        raise CorruptDataError(f"{path}: not a readable safetensors file ({e}); capture it again or remove it") from None
+        raise CorruptDataError(
+            f"{path}: not a readable safetensors file ({e}); capture it again or remove it"
+        ) from None
 
 
 def _load_rows(dataset_dir: str | Path):

@@ -174,7 +174,7 @@ def check_store_compatible(
 
 
 def store_state(root: str | Path) -> str:
-    """"missing" (no manifest), "unfinished" (a capture or import that has not merged its shards) or "finished"."""
+    """ "missing" (no manifest), "unfinished" (a capture or import that has not merged its shards) or "finished"."""
     path = Path(root) / MANIFEST
     if not path.is_file():
         return "missing"
@@ -290,7 +290,10 @@ class StoreWriter:
             )
         lengths = torch.tensor([s.input_ids.shape[0] for s in samples])
         tensors = {
-            **{name: torch.cat([getattr(s, name) for s in samples]).cpu().to(column.store) for name, column in TOKEN_COLUMNS.items()},
+            **{
+                name: torch.cat([getattr(s, name) for s in samples]).cpu().to(column.store)
+                for name, column in TOKEN_COLUMNS.items()
+            },
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             "sample_ids": torch.tensor([int(i) for i in sample_ids], dtype=torch.long),
         }

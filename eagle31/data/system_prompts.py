@@ -33,7 +33,9 @@ def read_system_prompts(spec: Any, what: str = "data.system_prompts") -> list[st
     prompts = list(spec)
     bad = [p for p in prompts if not isinstance(p, str) or not p.strip()]
     if bad or not prompts:
-        raise ConfigError(f"{what} must be a non-empty list of non-empty strings (or a file of them), got {bad[:1] or prompts!r}")
+        raise ConfigError(
+            f"{what} must be a non-empty list of non-empty strings (or a file of them), got {bad[:1] or prompts!r}"
+        )
     return prompts
 
 
@@ -58,7 +60,9 @@ def _read_file(path: Path, what: str) -> list[str]:
         if isinstance(value, dict):
             value = value.get("content")
         if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"{what}: {path}:{n} is neither a JSON string nor an object with a non-empty content string")
+            raise ConfigError(
+                f"{what}: {path}:{n} is neither a JSON string nor an object with a non-empty content string"
+            )
         prompts.append(value)
     if not prompts:
         raise ConfigError(f"{what}: {path} holds no prompt")
@@ -69,7 +73,9 @@ def data_system_prompts(data_cfg: Any) -> list[str]:
     """The prompts of a `data` section: `system_prompts`, or the one `system_prompt`; both set is refused."""
     many, one = getattr(data_cfg, "system_prompts", None), getattr(data_cfg, "system_prompt", None)
     if many is not None and one:
-        raise ConfigError("data.system_prompt and data.system_prompts are both set: give the one prompt as a list of one")
+        raise ConfigError(
+            "data.system_prompt and data.system_prompts are both set: give the one prompt as a list of one"
+        )
     if not isinstance(many, (str, Path, type(None))):
         from omegaconf import ListConfig, OmegaConf
 

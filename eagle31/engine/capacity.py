@@ -58,16 +58,22 @@ def measured_sizing(metrics: Path, trainers: int) -> Sizing | None:
         lines = read_metrics(metrics)
     except (OSError, ValueError) as e:
         raise ConfigError(f"features.engine.rates_from={metrics}: cannot read it as metrics.jsonl ({e})") from None
-    windows = [x for x in lines if x.get("engine/inference_samples_per_s") and x.get("train/capacity_samples_per_s")][1:]
+    windows = [x for x in lines if x.get("engine/inference_samples_per_s") and x.get("train/capacity_samples_per_s")][
+        1:
+    ]
     if not windows:
         return None
     worker = statistics.median(x["engine/inference_samples_per_s"] / x["engine/workers"] for x in windows)
     trainer = statistics.median(x["train/capacity_samples_per_s"] / x["engine/trainers"] for x in windows)
-    basis = f"{worker:.3g} samples/s per worker, {trainer:.3g} per trainer, medians of {len(windows)} windows of {metrics}"
+    basis = (
+        f"{worker:.3g} samples/s per worker, {trainer:.3g} per trainer, medians of {len(windows)} windows of {metrics}"
+    )
     return Sizing(workers_needed(trainers, trainer, worker), trainers, worker, trainer, True, basis)
 
 
-def estimated_sizing(target_config: dict, drafter: DrafterConfig, ttt_length: int, seq_len: int, trainers: int, worker_gpus: float) -> Sizing:
+def estimated_sizing(
+    target_config: dict, drafter: DrafterConfig, ttt_length: int, seq_len: int, trainers: int, worker_gpus: float
+) -> Sizing:
     """From FLOPs per token (see the module docstring)."""
     target = target_forward_flops(target_config, seq_len)
     trainer = drafter_training_flops(drafter, ttt_length, seq_len)
@@ -75,7 +81,9 @@ def estimated_sizing(target_config: dict, drafter: DrafterConfig, ttt_length: in
     basis = (f"FLOPs per token at T={seq_len}: target forward {target / 1e9:.3g} G on {gpus:g} GPU(s) per worker, drafter training "
              f"{trainer / 1e9:.3g} G per trainer, the same FLOP rate per GPU assumed; run an engine run for measured rates")  # fmt: skip
     # rates in tokens per unit of one GPU's FLOP rate
-    return Sizing(workers_needed(trainers, 1 / trainer, gpus / target), trainers, gpus / target, 1 / trainer, False, basis)
+    return Sizing(
+        workers_needed(trainers, 1 / trainer, gpus / target), trainers, gpus / target, 1 / trainer, False, basis
+    )
 
 
 # ---------------------------------------------------------------------------- FLOPs per token
@@ -117,7 +125,9 @@ def target_forward_flops(target_config: dict, seq_len: int) -> float:
     """One token's share of the target's forward over a causal sequence of `seq_len` tokens."""
     t = text_config(target_config)
     heads, qk, v = _attention_shape(t)
-    return 2 * target_active_parameters(target_config) + 2 * (seq_len / 2) * heads * (qk + v) * int(t["num_hidden_layers"])
+    return 2 * target_active_parameters(target_config) + 2 * (seq_len / 2) * heads * (qk + v) * int(
+        t["num_hidden_layers"]
+    )
 
 
 def drafter_training_flops(d: DrafterConfig, ttt_length: int, seq_len: int) -> float:

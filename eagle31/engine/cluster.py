@@ -63,7 +63,9 @@ def actor_runtime_env() -> dict:
 
 
 @contextmanager
-def ray_session(address: str | None, num_cpus: int | None, auth_mode: str | None = None) -> Iterator[tuple[str, str | None]]:
+def ray_session(
+    address: str | None, num_cpus: int | None, auth_mode: str | None = None
+) -> Iterator[tuple[str, str | None]]:
     """Join the cluster at `address`, or start one on this node with `num_cpus` CPUs (None: all); yields what
     the other ranks join it with: (address, Ray's authentication mode). A cluster that Ray started with token
     authentication (its default) is joined in that mode (`auth_mode`): a process joining by address alone
@@ -78,7 +80,9 @@ def ray_session(address: str | None, num_cpus: int | None, auth_mode: str | None
             init_ray(ray, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False, **where)
         except ConnectionError as e:
             cause = f": {str(e.__cause__).splitlines()[-1]}" if e.__cause__ else ""
-            raise ConfigError(f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]}{cause})") from None
+            raise ConfigError(
+                f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]}{cause})"
+            ) from None
     try:
         yield ray.get_runtime_context().gcs_address, os.environ.get(AUTH_MODE)
     finally:

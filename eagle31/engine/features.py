@@ -63,7 +63,9 @@ def _call(ref):
 class EngineFeatures:
     """A `FeatureSource` whose features the pool's workers compute: the training stream (`stream`) or held-out asks."""
 
-    def __init__(self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None):
+    def __init__(
+        self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None
+    ):
         """metrics: the engine's `engine/*` metrics, which the trainer logs with the training stream's."""
         self.pool, self.dataset, self.rank, self.stream, self.metrics = pool, dataset, rank, stream, metrics
         self.hidden_size, self.aux_size, self.dtype = hidden_size, aux_size, dtype
@@ -79,9 +81,13 @@ class EngineFeatures:
             for p, f in zip(positions, part):
                 feats[p] = f
         out = []
-        for i, row, (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):  # row: its TOKEN_COLUMNS, input ids first
+        for i, row, (aux, final) in zip(
+            ids, prepared_rows(self.dataset, ids), feats
+        ):  # row: its TOKEN_COLUMNS, input ids first
             if aux.shape[0] != len(row[0]) or final.shape[0] != len(row[0]):
-                raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(row[0])}")
+                raise EngineError(
+                    f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(row[0])}"
+                )
             columns = {name: torch.tensor(values, dtype=torch.long) for name, values in zip(TOKEN_COLUMNS, row)}
             out.append(Sample(**columns, aux=aux, final=final))
         return out
@@ -90,7 +96,9 @@ class EngineFeatures:
 class FeatureEngine:
     """One rank's handle on the pool (see the module docstring)."""
 
-    def __init__(self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str):
+    def __init__(
+        self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str
+    ):
         self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
         self.hidden_size = target_shape(target_config)[1]
         self.aux_size = len(aux_ids) * self.hidden_size
@@ -100,8 +108,16 @@ class FeatureEngine:
     def sources(self, splits: dict) -> dict[str, EngineFeatures]:
         """{split: EngineFeatures}: "train" streamed in the loader's order, the others asked batch by batch."""
         return {
-            name: EngineFeatures(self.pool, ds, self.rank, name == "train", self.hidden_size, self.aux_size, self.dtype,
-                                 metrics=self.metrics if name == "train" else None)  # fmt: skip
+            name: EngineFeatures(
+                self.pool,
+                ds,
+                self.rank,
+                name == "train",
+                self.hidden_size,
+                self.aux_size,
+                self.dtype,
+                metrics=self.metrics if name == "train" else None,
+            )  # fmt: skip
             for name, ds in splits.items()
         }
 
@@ -109,9 +125,14 @@ class FeatureEngine:
         """Send the training stream from where `loader` (the rank's training FeatureLoader) resumes, once every
         worker has loaded the target; a worker that cannot is one `EngineError` line."""
         if loader.world_size != self.data_size:
-            raise ValueError(f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}")
+            raise ValueError(
+                f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
+            )
         state = loader.state_dict()
-        for call in (self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]), self.pool.ready.remote()):
+        for call in (
+            self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]),
+            self.pool.ready.remote(),
+        ):
             error = _get(call)
             if error:
                 raise EngineError(error)
@@ -127,7 +148,9 @@ class FeatureEngine:
         per_worker = now["worker_samples"] / now["worker_busy_s"] if now["worker_busy_s"] > 0 else 0.0
         return {
             "engine/inference_samples_per_s": now["workers"] * per_worker,
-            "engine/produced_samples_per_s": (now["produced_samples"] - last["produced_samples"]) / seconds if seconds > 0 else 0.0,
+            "engine/produced_samples_per_s": (now["produced_samples"] - last["produced_samples"]) / seconds
+            if seconds > 0
+            else 0.0,
             "engine/worker_restarts": now["worker_restarts"],
             "engine/requeued": now["requeued"],
             "engine/pool_tokens": now["held_tokens"],
@@ -155,7 +178,9 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
         if not world.is_main:
             stack.enter_context(ray_session(address, None, auth_mode))
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
-        yield FeatureEngine(pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype)
+        yield FeatureEngine(
+            pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype
+        )
 
 
 def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
@@ -191,7 +216,9 @@ def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = No
 
     ray = import_ray()
     env = actor_runtime_env()
-    settings = dataclasses.replace(settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0})
+    settings = dataclasses.replace(
+        settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0}
+    )
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     named = {"name": name, "namespace": NAMESPACE} if name else {}
     actor = ray.remote(FeaturePool).options(num_cpus=0, runtime_env=env, scheduling_strategy=here, **named)

@@ -137,7 +137,9 @@ def _last_line(e: BaseException) -> str:
 class FeaturePool:
     """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods); see the module docstring."""
 
-    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None):
+    def __init__(
+        self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None
+    ):
         """kind: the InferenceWorker class; expected: what `describe()` must say (`eagle31.engine.worker.expected_info`);
         workers: the first workers' actors, started beside the pool (default: started here)."""
         from eagle31.data.prepare import load_prepared_splits
@@ -147,7 +149,10 @@ class FeaturePool:
         self.splits = load_prepared_splits(Path(settings.prepared_dir))
         self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
         self.booted = False
-        self.slots = [Slot(i, handle) for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])]
+        self.slots = [
+            Slot(i, handle)
+            for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])
+        ]
         self.changed = asyncio.Condition()
         self.error: str | None = None
         self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
@@ -160,7 +165,13 @@ class FeaturePool:
         self.rank_next: dict[int, tuple[int, int, int]] = {}  # rank -> (epoch, g, data rank) of its next take
         self.held = 0  # tokens of the admitted training requests not yet taken
         self.started_at = time.perf_counter()
-        self.counts = {"produced_samples": 0, "delivered_samples": 0, "worker_restarts": 0, "requeued": 0, "max_held_tokens": 0}
+        self.counts = {
+            "produced_samples": 0,
+            "delivered_samples": 0,
+            "worker_restarts": 0,
+            "requeued": 0,
+            "max_held_tokens": 0,
+        }
 
     # ------------------------------------------------------------ the trainers' calls
 
@@ -178,7 +189,9 @@ class FeaturePool:
             self.start_at = (epoch, position)
             self.next_batch = self._in_plan(epoch, position * W, first=0)
         elif self.start_at != (epoch, position):
-            return self._fail(f"rank {rank} resumes at epoch {epoch}, batch {position}; another rank at epoch {self.start_at[0]}, batch {self.start_at[1]}")
+            return self._fail(
+                f"rank {rank} resumes at epoch {epoch}, batch {position}; another rank at epoch {self.start_at[0]}, batch {self.start_at[1]}"
+            )
         self.rank_next[rank] = (epoch, position * W + data_rank, data_rank)
         self._pump()
         return self.error
@@ -214,7 +227,9 @@ class FeaturePool:
         key = ("eval", next(self.asks))
         part = self._plan_part(key, "eval", ids)
         for j, group in enumerate(part.groups):
-            self._queue(Request((0, key[1], j), "eval", [ids[p] for p in group], self._tokens("eval", ids, group), key, j))
+            self._queue(
+                Request((0, key[1], j), "eval", [ids[p] for p in group], self._tokens("eval", ids, group), key, j)
+            )
         self._pump()
         await self._wait(lambda: part.complete)
         self.parts.pop(key, None)
@@ -250,7 +265,13 @@ class FeaturePool:
             s = self.settings
             if len(self.epoch_plans) >= 4:
                 del self.epoch_plans[min(self.epoch_plans)]
-            self.epoch_plans[epoch] = plan_epoch(self.lengths["train"], batching=s.batching, tokens_per_batch=s.tokens_per_batch, seed=s.seed, epoch=epoch)
+            self.epoch_plans[epoch] = plan_epoch(
+                self.lengths["train"],
+                batching=s.batching,
+                tokens_per_batch=s.tokens_per_batch,
+                seed=s.seed,
+                epoch=epoch,
+            )
         return self.epoch_plans[epoch]
 
     def _in_plan(self, epoch: int, g: int, first: int) -> tuple[int, int]:
@@ -278,7 +299,9 @@ class FeaturePool:
         key = ("train", epoch, g)
         part = self._plan_part(key, "train", ids)
         for j, group in enumerate(part.groups):
-            self._queue(Request((1, epoch, g, j), "train", [ids[p] for p in group], self._tokens("train", ids, group), key, j))
+            self._queue(
+                Request((1, epoch, g, j), "train", [ids[p] for p in group], self._tokens("train", ids, group), key, j)
+            )
         self.next_batch = self._in_plan(epoch, g + 1, first=0)
 
     def _queue(self, request: Request) -> None:
@@ -352,7 +375,9 @@ class FeaturePool:
             slot.inflight[seq] = request
             rows = self.splits[request.split][request.ids]["input_ids"]
             record, features = slot.handle.compute.options(num_returns=2).remote(rows)
-            asyncio.get_running_loop().create_task(self._receive(slot, slot.incarnation, seq, request, record, features))
+            asyncio.get_running_loop().create_task(
+                self._receive(slot, slot.incarnation, seq, request, record, features)
+            )
 
     async def _receive(self, slot: Slot, incarnation: int, seq: int, request: Request, record, features) -> None:
         try:
@@ -361,7 +386,9 @@ class FeaturePool:
             if incarnation == slot.incarnation:
                 self._lost(slot, e)
         except Exception as e:  # noqa: BLE001 - the worker's own error (RayTaskError): it would fail again
-            self._fail(f"inference worker {slot.index} failed on samples {request.ids[:4]} of {request.split}: {_last_line(e)}")
+            self._fail(
+                f"inference worker {slot.index} failed on samples {request.ids[:4]} of {request.split}: {_last_line(e)}"
+            )
         else:
             slot.inflight.pop(seq, None)
             if not request.done:

@@ -102,7 +102,9 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"expected one cache-only attention layer, found {names}")
         self._cache = kv_caches[names[0]]
         if self._cache.shape[2] != self.block_size:
-            raise ValueError(f"hidden-states cache block size {self._cache.shape[2]} is not the group's {self.block_size}")
+            raise ValueError(
+                f"hidden-states cache block size {self._cache.shape[2]} is not the group's {self.block_size}"
+            )
 
     def start_load_kv(self, *args, **kwargs: Any) -> None:
         pass  # nothing is ever loaded
@@ -158,7 +160,9 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         self._finished.append(FinishedRequest(request.request_id, path, len(request.prompt_token_ids), list(block_ids)))
         return True, {"hidden_states_path": path}
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self.group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self.group])

@@ -66,9 +66,13 @@ def check_vllm(connector: tuple[str, str] = CONNECTOR) -> str:
     if installed is None:
         raise ConfigError("features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')")
     if tuple(int(p) for p in installed.split(".")[:2] if p.isdigit()) < MIN_VLLM:
-        raise ConfigError(f"vLLM {installed} is too old for extract_hidden_states: eagle31 needs vLLM >= {'.'.join(map(str, MIN_VLLM))}")
+        raise ConfigError(
+            f"vLLM {installed} is too old for extract_hidden_states: eagle31 needs vLLM >= {'.'.join(map(str, MIN_VLLM))}"
+        )
     if not has_module("vllm.v1.spec_decode.extract_hidden_states"):
-        raise ConfigError(f"vLLM {installed} has no extract_hidden_states speculative method (vllm.v1.spec_decode.extract_hidden_states)")
+        raise ConfigError(
+            f"vLLM {installed} has no extract_hidden_states speculative method (vllm.v1.spec_decode.extract_hidden_states)"
+        )
     module, name = connector
     try:
         found = hasattr(importlib.import_module(module), name)
@@ -107,7 +111,8 @@ class VLLMFeatures:
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
-        kv_cache_bytes: int | None = None,  # the engine's cache; None: vLLM's default share of the device (on CPU: most of the RAM)
+        kv_cache_bytes: int
+        | None = None,  # the engine's cache; None: vLLM's default share of the device (on CPU: most of the RAM)
         connector: tuple[str, str] = CONNECTOR,
         wait_s: float = 120.0,
         engine_args: dict | None = None,
@@ -116,7 +121,9 @@ class VLLMFeatures:
         self.target_dir = Path(target_dir)
         num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not all(0 <= i < num_layers for i in self.aux_layer_ids):
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not all(
+            0 <= i < num_layers for i in self.aux_layer_ids
+        ):
             raise ConfigError(f"aux layer ids {list(self.aux_layer_ids)} must be increasing, in [0, {num_layers})")
         self.dtype = getattr(torch, dtype)
         self.norm = final_norm(self.target_dir, self.dtype)
@@ -128,11 +135,14 @@ class VLLMFeatures:
             "model": str(self.target_dir),
             "skip_tokenizer_init": True,  # token ids in, hidden states out: no text either way
             "enable_prefix_caching": False,  # every prompt's states come from its own forward
-            "max_model_len": max_prompt_len + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
+            "max_model_len": max_prompt_len
+            + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
             "speculative_config": {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*self.aux_layer_ids, num_layers]}},
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [*self.aux_layer_ids, num_layers]}
+                },
             },
             "kv_transfer_config": {
                 "kv_connector": name,
@@ -143,7 +153,9 @@ class VLLMFeatures:
         }
         taken = sorted(set(capture) & set(engine_args or {}))
         if taken:
-            raise ConfigError(f"vLLM engine arguments {taken} are eagle31's to set for the capture; leave them out of features.engine.vllm_args")
+            raise ConfigError(
+                f"vLLM engine arguments {taken} are eagle31's to set for the capture; leave them out of features.engine.vllm_args"
+            )
         settings = {"dtype": dtype, "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
                     "enforce_eager": enforce_eager, **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes})}  # fmt: skip
         from vllm import LLM
@@ -162,11 +174,15 @@ class VLLMFeatures:
         params = output.kv_transfer_params or {}
         path = params.get("hidden_states_path")
         if path is None:
-            raise RuntimeError(f"vLLM request {output.request_id} came back without hidden states (kv_transfer_params={params})")
+            raise RuntimeError(
+                f"vLLM request {output.request_id} came back without hidden states (kv_transfer_params={params})"
+            )
         deadline = time.monotonic() + self.wait_s
         while not os.path.exists(path):  # the engine writes it a step after the request finishes
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM wrote no hidden states for request {output.request_id} within {self.wait_s:.0f} s ({path})")
+                raise RuntimeError(
+                    f"vLLM wrote no hidden states for request {output.request_id} within {self.wait_s:.0f} s ({path})"
+                )
             time.sleep(0.002)
         states = load_file(path)["hidden_states"]  # [T, n+1, Ht]: the aux ids, then the last layer's output
         os.remove(path)

@@ -121,7 +121,11 @@ class HFInferenceWorker:
             torch.set_num_threads(spec.threads)
             self.device = torch.device("cpu")
         self.model = load_target(
-            spec.target_dir, self.device, dtype=spec.dtype, device_map=spec.device_map, trust_remote_code=spec.trust_remote_code
+            spec.target_dir,
+            self.device,
+            dtype=spec.dtype,
+            device_map=spec.device_map,
+            trust_remote_code=spec.trust_remote_code,
         )
 
     def describe(self) -> WorkerInfo:

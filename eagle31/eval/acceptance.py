@@ -134,11 +134,15 @@ def evaluate(
     return stats
 
 
-def greedy_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Sequence[int], length: int) -> list[GreedyTrace]:
+def greedy_traces(
+    target, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Sequence[int], length: int
+) -> list[GreedyTrace]:
     """The target's greedy decoding of each prompt, `length` tokens past it, to replay verification from."""
     device = target.get_input_embeddings().weight.device
     return [
-        greedy_trace(target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids, length=length)
+        greedy_trace(
+            target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids, length=length
+        )
         for p in prompts
     ]
 
@@ -146,7 +150,9 @@ def greedy_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Se
 # ---------------------------------------------------------------------- prompts
 
 
-def load_prompts(path: str | Path, tokenizer, max_prompts: int | None = None, template_kwargs: dict | None = None) -> list[list[int]]:
+def load_prompts(
+    path: str | Path, tokenizer, max_prompts: int | None = None, template_kwargs: dict | None = None
+) -> list[list[int]]:
     """Token ids of the prompts of one JSON Lines file (module docstring)."""
     path = Path(path)
     if not path.is_file():
@@ -329,7 +335,10 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
     tokenizer = load_target_tokenizer(config.target)
-    splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
+    splits = {
+        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
+        for name, path in config.splits.items()
+    }
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = eos_ids(target, tokenizer)
@@ -342,7 +351,9 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
         for split, prompts in splits.items():
             if config.verification == Verification.replay and (split, aux) not in traces:
                 log(f"{split}: the target's greedy decoding of {len(prompts)} prompts")
-                traces[(split, aux)] = greedy_traces(target, prompts, aux_layer_ids=aux, length=config.max_new_tokens + draft_len)
+                traces[(split, aux)] = greedy_traces(
+                    target, prompts, aux_layer_ids=aux, length=config.max_new_tokens + draft_len
+                )
             stats = evaluate(
                 target,
                 EagleProposer(drafter),

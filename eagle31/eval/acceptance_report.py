@@ -1,9 +1,9 @@
 """The acceptance report of `eagle31.eval.acceptance.run_acceptance`: JSON, a table, a plot.
 
-    paths = write_report(report, "runs/demo/acceptance")
-    # acceptance.json   settings + one result per (drafter, split)
-    # acceptance.md     the table that `format_table` prints
-    # acceptance.png    per-position acceptance rate, one panel per split, one line per drafter
+paths = write_report(report, "runs/demo/acceptance")
+# acceptance.json   settings + one result per (drafter, split)
+# acceptance.md     the table that `format_table` prints
+# acceptance.png    per-position acceptance rate, one panel per split, one line per drafter
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def format_table(report: dict[str, Any]) -> str:
     settings = report["settings"]
     mode = f"chain, k={settings['k']}" if settings["mode"] == "chain" else f"tree {settings['tree']}"
     verified = ", verified from the target's greedy decoding of each prompt" if replayed else ""
-    return f"Greedy speculative decoding ({mode}, max_new_tokens={settings['max_new_tokens']}{verified})\n\n" + "\n".join(lines)
+    return (
+        f"Greedy speculative decoding ({mode}, max_new_tokens={settings['max_new_tokens']}{verified})\n\n"
+        + "\n".join(lines)
+    )
 
 
 def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:

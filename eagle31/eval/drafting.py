@@ -120,8 +120,15 @@ class DraftProbe(Protocol):
     """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
 
     def observe(
-        self, feature: torch.Tensor, out: DraftStep, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-        attn: torch.Tensor, chain: int, first: int = 0,
+        self,
+        feature: torch.Tensor,
+        out: DraftStep,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attn: torch.Tensor,
+        chain: int,
+        first: int = 0,
     ) -> None:
         """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
         [1, S, nkv, d] what it attended to: the step-0 keys of positions first.., then the last `chain` of them
@@ -247,7 +254,9 @@ class EagleProposer:
         first = 0 if self.window is None else max(0, keys.shape[1] - self.window)
         return first, keys[:, first:], values[:, first:]
 
-    def _tree_attention_mask(self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
+    def _tree_attention_mask(
+        self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]
+    ) -> torch.Tensor:
         """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft
         keys of the query's ancestors and its own; with a sliding window, those within it (a node of
         level l, its query and its draft key, sits at position length - 1 + l)."""

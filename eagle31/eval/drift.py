@@ -476,12 +476,17 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
     target_config = load_target_config(config.target)
     tokenizer = load_target_tokenizer(config.target)
-    splits = {name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs) for name, path in config.splits.items()}
+    splits = {
+        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
+        for name, path in config.splits.items()
+    }
     questions, histories = _mt_bench_prompts(config, tokenizer, log) if config.questions else (None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
     if len(aux_ids) > 1:
-        raise ConfigError(f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs")
+        raise ConfigError(
+            f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs"
+        )
     (aux_layer_ids,) = aux_ids
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = eos_ids(target, tokenizer)

@@ -1,10 +1,10 @@
 """The drift report of `eagle31.eval.drift.run_drift`: JSON, a table, plots.
 
-    paths = write_report(report, "runs/demo/drift")
-    # drift.json        settings + one result per (drafter, split, view)
-    # drift.md          the table that `format_table` prints
-    # drift_ttt.png     teacher-forced view: attention mass (stacked), hidden RMS, acceptance by depth
-    # drift_live.png    the same for live drafting; a column per split, one line (or bar) per drafter
+paths = write_report(report, "runs/demo/drift")
+# drift.json        settings + one result per (drafter, split, view)
+# drift.md          the table that `format_table` prints
+# drift_ttt.png     teacher-forced view: attention mass (stacked), hidden RMS, acceptance by depth
+# drift_live.png    the same for live drafting; a column per split, one line (or bar) per drafter
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
                             edgecolor="white", label=f"{drafter}: {name}")  # fmt: skip
                 bottom = [b + v for b, v in zip(bottom, values)]
             line = rms_ax.plot(depth, r["out_rms"], marker="o", label=f"{drafter}: out (pre-norm)")[0]
-            rms_ax.plot(depth, r["fed_rms"], marker="s", linestyle="--", color=line.get_color(), label=f"{drafter}: fed")
+            rms_ax.plot(
+                depth, r["fed_rms"], marker="s", linestyle="--", color=line.get_color(), label=f"{drafter}: fed"
+            )
             rates = [float("nan") if a is None else a for a in r["conditional_acceptance_rate"]]
             acc_ax.plot(depth, rates, marker="o", label=drafter)
         mass_ax.set_title(f"{split} — {_VIEW_TITLES[view]}")

@@ -129,7 +129,9 @@ def long_histories(tokenizer, conversations: Sequence[Conversation], count: int,
     """
     turns = []
     for conv in conversations:
-        messages = [{"role": m["role"], "content": m["content"]} for m in conv.messages if m["role"] in ("user", "assistant")]
+        messages = [
+            {"role": m["role"], "content": m["content"]} for m in conv.messages if m["role"] in ("user", "assistant")
+        ]
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()
         if messages and messages[0]["role"] == "user":
@@ -149,7 +151,9 @@ def long_histories(tokenizer, conversations: Sequence[Conversation], count: int,
     return histories
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+def render(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+) -> list[int]:
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
@@ -258,7 +262,9 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux_ids = tuple(drafter.config.aux_layer_ids)
         if aux_ids not in traces:
-            log(f"decoding {sum(len(q.turns) for q in questions)} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})")
+            log(
+                f"decoding {sum(len(q.turns) for q in questions)} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})"
+            )
             start = time.perf_counter()
             traces[aux_ids] = trace_mt_bench(
                 target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,
@@ -304,7 +310,9 @@ def format_summary(report: dict[str, Any]) -> str:
         rows.setdefault((r["drafter"], r["mode"]), {})[r["split"]] = r["tau"]
     lines = ["| drafter | mode | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 2)]
     for (drafter, mode), taus in rows.items():
-        lines.append(f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |")
+        lines.append(
+            f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |"
+        )
     s = report["settings"]
     head = f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
     if s["system_prompt"]:

@@ -69,7 +69,6 @@ def _runs(segments: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
-
 # ----------------------------------------------------------------------------
 # causal kernels: forward -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
 #                 backward(dout, q, k, v, out, lse, segments, scale, ctx) -> dq, dk, dv in q's dtype
@@ -115,7 +114,9 @@ class BlockwiseCausal:
         for i0, i1, k0, allowed in cls._blocks(segments, nh, window):
             s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
             m = s.logsumexp(dim=-1)
-            out[:, :, :, i0:i1] = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - m[..., None]), vh[:, :, k0:i1].to(acc))
+            out[:, :, :, i0:i1] = torch.einsum(
+                "bhgqk,bhkd->bhgqd", torch.exp(s - m[..., None]), vh[:, :, k0:i1].to(acc)
+            )
             lse[:, :, :, i0:i1] = m
         return _from_grouped(out), _from_grouped(lse), None
 
@@ -184,6 +185,7 @@ class FlashCausal:
         dv = torch.zeros_like(v, dtype=acc) if window is not None else torch.empty_like(v)
         for b, s, e in _runs(segments):
             for i0, i1, k0, mask in _cpu_blocks(s, e, window, q.dtype):
+
                 def heads(x, lo=i0):
                     return x[b : b + 1, lo:i1].transpose(1, 2)
 
@@ -219,7 +221,9 @@ class FlashCausal:
         B, T = segments.shape
         starts = torch.ones_like(segments, dtype=torch.bool)
         starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-        cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([B * T], device=segments.device)]).to(torch.int32)
+        cu = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([B * T], device=segments.device)]).to(
+            torch.int32
+        )
         return cu, int((cu[1:] - cu[:-1]).max())
 
     @staticmethod
@@ -289,6 +293,7 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
     """[B, nkv, g, T, ...] -> [B, T, nh, ...]"""
     x = x.movedim(3, 1)
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
 
 def resolve_backend(q: torch.Tensor) -> str:
     """`auto`: the fused flash kernels on CPU and on CUDA in bf16/fp16 (head_dim <= 256), blockwise otherwise.

@@ -42,4 +42,3 @@ def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
         return entry0
     k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
     return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
-

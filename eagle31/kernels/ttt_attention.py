@@ -102,11 +102,8 @@ def attention_probabilities(q: torch.Tensor, K: torch.Tensor, allowed: torch.Ten
     return scores.softmax(dim=-1)
 
 
-
-
 # ----------------------------------------------------------------------------
 # the merged step: causal part + chain, by log-sum-exp
-
 
 
 def _chain_rows(N: int, j: int, nh: int, d: int):
@@ -129,7 +126,6 @@ def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
     """Keys and values of every chain step from the stacked entry rows (one `expand` call): each [n, j, nkv, d]."""
     k, v = expand.fn(*stacked, *params)  # [j * n, nkv, d]
     return k.unflatten(0, (j, -1)).transpose(0, 1), v.unflatten(0, (j, -1)).transpose(0, 1)
-
 
 
 def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx, window):
@@ -193,7 +189,15 @@ class _TTTAttention(torch.autograd.Function):
                 lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
         ctx.save_for_backward(q, segments, out, lse, *rest)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = kernel, kctx, scale, j, expand0, expand, nkv
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = (
+            kernel,
+            kctx,
+            scale,
+            j,
+            expand0,
+            expand,
+            nkv,
+        )
         ctx.window = window
         return out
 
@@ -213,9 +217,24 @@ class _TTTAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         if isinstance(ctx.kernel, QueryTail):
             keys0 = StepZeroKeys(entry0, expand0, params0)
-            dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window)
+            dq, d_entry0, d_params0 = ctx.kernel.backward(
+                dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window
+            )
         else:
-            causal = (ctx.kernel, dout, q, entry0, expand0, params0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window)
+            causal = (
+                ctx.kernel,
+                dout,
+                q,
+                entry0,
+                expand0,
+                params0,
+                out,
+                lse,
+                segments,
+                ctx.scale,
+                ctx.kctx,
+                ctx.window,
+            )
             dq, d_entry0, d_params0 = _causal_backward(*causal)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
         chain_parts = rest[w0 : w0 + j * expand.width]
@@ -227,7 +246,9 @@ class _TTTAttention(torch.autograd.Function):
             of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
                 with torch.enable_grad():  # the block's keys and values, again, as a small graph
-                    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in _stacked_rows(_rows(entries, r))]
+                    inputs = [
+                        t.detach().requires_grad_(t.is_floating_point()) for t in _stacked_rows(_rows(entries, r))
+                    ]
                     leaves = [p.detach().requires_grad_() for p in params]
                     ck, cv = _chain_block(inputs, j, expand, leaves)
                     differentiable = [t for t in inputs if t.requires_grad]
@@ -283,7 +304,9 @@ def ttt_attention_of_entries(
     if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     if window is not None and window <= len(chain):
-        raise ValueError(f"a sliding window of {window} positions leaves step {len(chain)}'s query no step-0 key: it must exceed the chain")
+        raise ValueError(
+            f"a sliding window of {window} positions leaves step {len(chain)}'s query no step-0 key: it must exceed the chain"
+        )
     tail = entry0[0].shape[1] != q.shape[1]  # the queries are the last of the keys' positions (sequence parallelism)
     if backend == "reference":
         B, T = q.shape[:2]
@@ -303,5 +326,3 @@ def ttt_attention_of_entries(
     return _TTTAttention.apply(
         q, segments, kernel, causal_window, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
     )
-
-

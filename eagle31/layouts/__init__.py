@@ -37,7 +37,10 @@ def layout_of_config(meta: dict[str, Any]) -> Layout:
     return next(marked, LAYOUTS[UNMARKED])
 
 
-AUTO, NATIVE = "auto", "eagle31"  # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+AUTO, NATIVE = (
+    "auto",
+    "eagle31",
+)  # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
 
 
 def source_formats() -> list[str]:

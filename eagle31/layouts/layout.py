@@ -45,7 +45,12 @@ class Layout(ABC):
 
     @abstractmethod
     def config(
-        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
+        self,
+        config: DrafterConfig,
+        *,
+        dtype: str,
+        trained_context: int | None,
+        num_speculative_tokens: int,
         target: str | None,
     ) -> dict[str, Any]:
         """The export's `config.json` (after `check`)."""  # fmt: skip

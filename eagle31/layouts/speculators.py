@@ -49,7 +49,7 @@ class SpeculatorsLayout(Layout):
         if Path(target).exists() or target.startswith(("/", ".", "~")):
             warnings.warn(
                 f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM "
-                f"0.33) refuses: serve it as `vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", "
+                f'0.33) refuses: serve it as `vllm serve {target} --speculative-config \'{{"method": "eagle3", '
                 "\"model\": <export>}'`, or give target.name the target's Hub id"
             )
 
@@ -86,7 +86,9 @@ class SpeculatorsLayout(Layout):
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
         if meta.get("speculators_model_type") != "eagle3":
-            raise ConfigError(f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
+            raise ConfigError(
+                f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter"
+            )
         block = meta.get("transformer_layer_config")
         if not isinstance(block, dict):
             raise ConfigError("a speculators config needs a transformer_layer_config block")

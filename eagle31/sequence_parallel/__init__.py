@@ -65,7 +65,11 @@ def sequence_group(world: World, size: int) -> SequenceGroup:
 
     mesh = init_device_mesh(world.device.type, (world.world_size // size, size), mesh_dim_names=("data", "sequence"))
     return SequenceGroup(
-        size, mesh["sequence"].get_local_rank(), mesh["data"].get_local_rank(), world.world_size // size, mesh["sequence"].get_group()
+        size,
+        mesh["sequence"].get_local_rank(),
+        mesh["data"].get_local_rank(),
+        world.world_size // size,
+        mesh["sequence"].get_group(),
     )
 
 
@@ -84,7 +88,9 @@ def pad_positions(batch: FeatureBatch, T: int) -> FeatureBatch:
         return torch.cat([x, x.new_full((x.shape[0], n, *x.shape[2:]), value)], dim=1)
 
     columns = {name: pad(getattr(batch, name), column.pad) for name, column in TOKEN_COLUMNS.items()}
-    return replace(batch, **columns, document_ids=pad(batch.document_ids, -1), aux=pad(batch.aux, 0), final=pad(batch.final, 0))
+    return replace(
+        batch, **columns, document_ids=pad(batch.document_ids, -1), aux=pad(batch.aux, 0), final=pad(batch.final, 0)
+    )
 
 
 def all_gather_shards(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -117,7 +123,9 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, (B, Ts, *rest) = ctx.group, ctx.shape
-        full = torch.zeros((B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+        full = torch.zeros(
+            (B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device
+        )
         full[:, ctx.first : ctx.end] = grad
         return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None, None
 
@@ -162,7 +170,9 @@ def shard_batch(
         aux=padded.aux[:, rows], final=padded.final[:, rows],
     ).to(device, dtype=dtype)  # fmt: skip
     B = own.input_ids.shape[0]
-    meta = torch.stack([*(getattr(own, name) for name in TOKEN_COLUMNS), own.document_ids.long()])  # [columns + 1, B, Ts]
+    meta = torch.stack(
+        [*(getattr(own, name) for name in TOKEN_COLUMNS), own.document_ids.long()]
+    )  # [columns + 1, B, Ts]
     *columns, docs = all_gather_shards(meta, group).movedim(0, 2).flatten(2, 3)  # each [B, N * Ts]
     heads = all_gather_shards(own.final[:, :halo], group)  # [N, B, K + 1, Ht]
     end = start + Ts

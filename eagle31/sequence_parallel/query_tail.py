@@ -71,7 +71,13 @@ class QueryTail:
         """Scores [n, nkv, g, m] of queries off + i0.. over keys m0..: those outside a query's window at -inf."""
         if window is None:
             return sc
-        back = off + i0 + torch.arange(sc.shape[0], device=sc.device)[:, None] - m0 - torch.arange(sc.shape[-1], device=sc.device)
+        back = (
+            off
+            + i0
+            + torch.arange(sc.shape[0], device=sc.device)[:, None]
+            - m0
+            - torch.arange(sc.shape[-1], device=sc.device)
+        )
         return sc.masked_fill((back >= window)[:, None, None], float("-inf"))
 
     def forward(self, q, keys: StepZeroKeys, segments, scale, window=None):
@@ -93,7 +99,10 @@ class QueryTail:
                     op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
                     lp = lp.flatten(1)
                     merged = torch.logaddexp(lse[b, i0:i1], lp)
-                    out[b, i0:i1] = out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None] + op * torch.exp(lp - merged)[..., None]
+                    out[b, i0:i1] = (
+                        out[b, i0:i1] * torch.exp(lse[b, i0:i1] - merged)[..., None]
+                        + op * torch.exp(lp - merged)[..., None]
+                    )
                     lse[b, i0:i1] = merged
         return out, lse, ctx
 
@@ -151,7 +160,9 @@ class StepZeroKeys:
         """(k, v, take_back): `make`'s block, detached, and the function that takes its gradients back."""
         if self._d_entry is None:
             self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
-            self._d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params]
+            self._d_params = [
+                torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params
+            ]
         if self.expand is KEYS_VALUES:
             k, v = self.make(rows, positions)
 
@@ -182,5 +193,3 @@ class StepZeroKeys:
     def gradients(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
         """(the entry's gradients, the parameters' in their dtypes) of every block taken back."""
         return self._d_entry, [d.to(p.dtype) for d, p in zip(self._d_params, self.params)]
-
-

@@ -36,7 +36,9 @@ def resolve_target_path(target_cfg: Any) -> Path:
 
         return ensure_smollm2_target()
     if builtin is not None:
-        raise ConfigError(f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}")
+        raise ConfigError(
+            f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}"
+        )
     path = getattr(target_cfg, "path", None)
     if not path:
         raise ConfigError("target.path is not set (and no target.builtin is given)")

@@ -335,7 +335,14 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == recipe.steps - 1:
             eta = (time.perf_counter() - started) / (step + 1) * (recipe.steps - step - 1)
-            log.info("demo target [3/%d] step %d/%d, loss %.3f, ETA %s", BUILD_PHASES, step + 1, recipe.steps, loss.item(), _clock(eta))
+            log.info(
+                "demo target [3/%d] step %d/%d, loss %.3f, ETA %s",
+                BUILD_PHASES,
+                step + 1,
+                recipe.steps,
+                loss.item(),
+                _clock(eta),
+            )
     model.eval()
 
 

@@ -80,7 +80,9 @@ class CompareConfig:
         try:
             values = [int(v) for v in getattr(self, name).split(",") if v.strip()]
         except ValueError:
-            raise ConfigError(f"{name} must be a comma-separated list of integers, got {getattr(self, name)!r}") from None
+            raise ConfigError(
+                f"{name} must be a comma-separated list of integers, got {getattr(self, name)!r}"
+            ) from None
         if not values or (name != "seeds" and min(values) < 1):
             raise ConfigError(f"{name} must list positive integers, got {getattr(self, name)!r}")
         return values
@@ -132,12 +134,18 @@ def measurement_recipe(cfg: CompareConfig, overrides: list[str]):
     """The recipe the measurements read: the demo target, its corpus' `splits` as `eval.data`."""
     from eagle31.recipe import load_recipe
 
-    return load_recipe(ROOT / "recipes", ["recipe=demo", *overrides, f"eval.data=[{','.join(f'demo:{s}' for s in cfg.splits_list)}]"])
+    return load_recipe(
+        ROOT / "recipes", ["recipe=demo", *overrides, f"eval.data=[{','.join(f'demo:{s}' for s in cfg.splits_list)}]"]
+    )
 
 
 def drafters(cfg: CompareConfig, ttt: int) -> dict[str, Path]:
     """label -> drafter directory of every drafter of one TTT length."""
-    return {run_name(v, ttt, s): Path(cfg.runs) / run_name(v, ttt, s) / "drafter" for v in cfg.variants_list for s in cfg.seeds_list}
+    return {
+        run_name(v, ttt, s): Path(cfg.runs) / run_name(v, ttt, s) / "drafter"
+        for v in cfg.variants_list
+        for s in cfg.seeds_list
+    }
 
 
 def measurement_folder(ttt: int, k: int) -> str:
@@ -146,7 +154,10 @@ def measurement_folder(ttt: int, k: int) -> str:
 
 def describe_plan(cfg: CompareConfig, overrides: list[str]) -> str:
     """What a run does, in order: each training as the `train/main.py` command of the same run, then each measurement."""
-    lines = [f"OMP_NUM_THREADS={cfg.threads} python train/main.py " + shlex.join(o) for o in trainings(cfg, overrides).values()]
+    lines = [
+        f"OMP_NUM_THREADS={cfg.threads} python train/main.py " + shlex.join(o)
+        for o in trainings(cfg, overrides).values()
+    ]
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
             lines.append(f"measure {Path(cfg.out) / measurement_folder(ttt, k)}: k={k}, {', '.join(drafters(cfg, ttt))} "
@@ -166,7 +177,9 @@ def compare(cfg: CompareConfig, overrides: list[str], command: str) -> None:
 
     torch.set_num_threads(cfg.threads)
     out, runs = Path(cfg.out), Path(cfg.runs)
-    recipes = {name: load_recipe(ROOT / "recipes", o) for name, o in trainings(cfg, overrides).items()}  # checked before any work
+    recipes = {
+        name: load_recipe(ROOT / "recipes", o) for name, o in trainings(cfg, overrides).items()
+    }  # checked before any work
     recipe = measurement_recipe(cfg, overrides)
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
@@ -176,7 +189,9 @@ def compare(cfg: CompareConfig, overrides: list[str], command: str) -> None:
             measure_drafters(drafters(cfg, ttt), recipe, k=k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts,
                              out=out, report_folder=measurement_folder(ttt, k))  # fmt: skip
     summary = summarize(cfg)
-    summary["feature_scale"] = feature_scale(cfg, ensure_demo_target(), demo_corpus_dir())  # the target is built once per machine (cached)
+    summary["feature_scale"] = feature_scale(
+        cfg, ensure_demo_target(), demo_corpus_dir()
+    )  # the target is built once per machine (cached)
     table = format_results(summary)
     write_summary(out, summary, table)
     plot_results(summary, out / "comparison.png")
@@ -199,7 +214,9 @@ def summarize(cfg: CompareConfig) -> dict:
     acceptance = []
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
-            results = json.loads((Path(cfg.out) / measurement_folder(ttt, k) / "acceptance.json").read_text())["results"]
+            results = json.loads((Path(cfg.out) / measurement_folder(ttt, k) / "acceptance.json").read_text())[
+                "results"
+            ]
             for split in cfg.splits_list:
                 for variant in cfg.variants_list:
                     rows = [r for r in results if r["split"] == split and parse_run_name(r["drafter"])[0] == variant]
@@ -261,7 +278,9 @@ def feature_scale(cfg: CompareConfig, target: Path, corpus: Path, trained_len: i
                     for part, values in (("below", rms[:trained_len]), ("beyond", rms[trained_len:])):
                         sums[name][part][0] += values.sum().item()
                         sums[name][part][1] += values.numel()
-            out["splits"][split] = {n: {p: (t / c if c else None) for p, (t, c) in parts.items()} for n, parts in sums.items()}
+            out["splits"][split] = {
+                n: {p: (t / c if c else None) for p, (t, c) in parts.items()} for n, parts in sums.items()
+            }
     return out
 
 
@@ -276,7 +295,11 @@ def cpu_name() -> str:
 
 
 def _by(summary: dict, ttt: int, k: int, split: str, variant: str) -> dict:
-    return next(a for a in summary["acceptance"] if (a["ttt_length"], a["k"], a["split"], a["variant"]) == (ttt, k, split, variant))
+    return next(
+        a
+        for a in summary["acceptance"]
+        if (a["ttt_length"], a["k"], a["split"], a["variant"]) == (ttt, k, split, variant)
+    )
 
 
 def _tau_cell(row: dict) -> str:
@@ -290,11 +313,17 @@ def format_results(summary: dict) -> str:
     out = [f"Training (held-out split of the prepared data, teacher-forced; {cfg.max_steps} steps):", ""]
     out += ["| variant | ttt_length | seed | tau_sim | eval loss | train s |", "|---|---|---|---|---|---|"]
     for t in summary["training"]:
-        out.append(f"| {NAMES[t['variant']]} | {t['ttt_length']} | {t['seed']} | {t['tau_sim']:.3f} | {t['eval_loss']:.4f} | {t['train_time_s']:.0f} |")
+        out.append(
+            f"| {NAMES[t['variant']]} | {t['ttt_length']} | {t['seed']} | {t['tau_sim']:.3f} | {t['eval_loss']:.4f} | {t['train_time_s']:.0f} |"
+        )
     out += ["", f"Acceptance length tau, greedy speculative decoding (mean over seeds; per seed: {seeds}):", ""]
     variants = cfg.variants_list
     delta = "eagle3" in variants and "eagle31" in variants
-    header = ["ttt_length", "k", "split", "prompts", "prompt tok"] + [f"{NAMES[v]} tau" for v in variants] + (["3.1 − 3"] if delta else [])
+    header = (
+        ["ttt_length", "k", "split", "prompts", "prompt tok"]
+        + [f"{NAMES[v]} tau" for v in variants]
+        + (["3.1 − 3"] if delta else [])
+    )
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
@@ -325,10 +354,16 @@ def format_results(summary: dict) -> str:
 def format_feature_scale(scale: dict) -> str:
     n = scale["trained_len"]
     names = list(next(iter(scale["splits"].values())))
-    lines = [f"RMS of the target features per prompt position (first 16 prompts of each split), at positions below {n} (the training length) / from {n} on:", ""]
+    lines = [
+        f"RMS of the target features per prompt position (first 16 prompts of each split), at positions below {n} (the training length) / from {n} on:",
+        "",
+    ]
     lines += ["| split | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
     for split, values in scale["splits"].items():
-        cells = [" / ".join("–" if values[m][p] is None else f"{values[m][p]:.2f}" for p in ("below", "beyond")) for m in names]
+        cells = [
+            " / ".join("–" if values[m][p] is None else f"{values[m][p]:.2f}" for p in ("below", "beyond"))
+            for m in names
+        ]
         lines.append(f"| {split} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -351,7 +386,9 @@ def plot_results(summary: dict, path: Path) -> None:
                 low = [m - min(r["tau"]) for m, r in zip(mean, rows)]
                 high = [max(r["tau"]) - m for m, r in zip(mean, rows)]
                 label = f"{NAMES[v]}, ttt {ttt}"
-                top.errorbar(ks, mean, yerr=[low, high], color=COLORS[v], ls=styles[i % 4], marker="o", capsize=3, label=label)
+                top.errorbar(
+                    ks, mean, yerr=[low, high], color=COLORS[v], ls=styles[i % 4], marker="o", capsize=3, label=label
+                )
                 rates = _by(summary, ttt, max(ks), split, v)["acceptance_rate_mean"]
                 bottom.plot(range(1, len(rates) + 1), rates, color=COLORS[v], ls=styles[i % 4], marker="o", label=label)
         top.set_title(f"{split} ({rows[0]['mean_prompt_tokens']:.0f} prompt tokens)")

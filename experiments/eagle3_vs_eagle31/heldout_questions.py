@@ -59,7 +59,9 @@ def heldout_questions(cfg: HeldoutConfig) -> list[dict]:
             questions.append({"question_id": number, "category": cfg.category, "turns": [first]})
             if len(questions) == cfg.count:
                 return questions
-    raise ConfigError(f"source {cfg.source}: only {len(questions)} prompts after the first {cfg.skip}, {cfg.count} wanted")
+    raise ConfigError(
+        f"source {cfg.source}: only {len(questions)} prompts after the first {cfg.skip}, {cfg.count} wanted"
+    )
 
 
 def as_records(cfg: HeldoutConfig, questions: list[dict]) -> list[dict]:

@@ -62,7 +62,12 @@ def check(cfg: ReplayCheckConfig) -> dict:
                 "tau_replayed": 1 + sum(replayed.accepted) / len(replayed.accepted),
                 "identical": (live.tokens, live.accepted) == (replayed.tokens, replayed.accepted),
             })  # fmt: skip
-    return {"drafter": cfg.drafter, "decodings": len(rows), "identical": sum(r["identical"] for r in rows), "rows": rows}
+    return {
+        "drafter": cfg.drafter,
+        "decodings": len(rows),
+        "identical": sum(r["identical"] for r in rows),
+        "rows": rows,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +79,12 @@ def main(argv: list[str]) -> int:
         result = check(cfg)
         atomic_write_json(cfg.out, result)
         for r in result["rows"]:
-            print(f"{r['category']:>12} {r['mode']:>12}  tau live {r['tau_live']:.3f}  replayed {r['tau_replayed']:.3f}  identical {r['identical']}")
-        print(f"{result['identical']} of {result['decodings']} decodings identical (tokens and accepted lengths); wrote {cfg.out}")
+            print(
+                f"{r['category']:>12} {r['mode']:>12}  tau live {r['tau_live']:.3f}  replayed {r['tau_replayed']:.3f}  identical {r['identical']}"
+            )
+        print(
+            f"{result['identical']} of {result['decodings']} decodings identical (tokens and accepted lengths); wrote {cfg.out}"
+        )
 
     return run_cli(body)
 

@@ -137,7 +137,9 @@ def feature_scale(
     if history is not None:
         conversations = list(read_conversations([str(history)], Tally()))
         histories = long_histories(tokenizer, conversations, len(questions), history_tokens)
-        sets[f"after >= {history_tokens} tokens of history"] = [h + [{"role": "user", "content": q.turns[0]}] for h, q in zip(histories, questions)]
+        sets[f"after >= {history_tokens} tokens of history"] = [
+            h + [{"role": "user", "content": q.turns[0]}] for h, q in zip(histories, questions)
+        ]
     names = [f"aux layer {i}" for i in aux_ids] + ["final"]
     out: dict[str, Any] = {"aux_layer_ids": list(aux_ids), "trained_len": cfg.trained_len, "sets": {}, "fc_share": {}}
     loaded = {label: load_drafter(path).eval() for label, path in drafters.items()}
@@ -156,9 +158,12 @@ def feature_scale(
                     for label, drafter in loaded.items():
                         shares[label].append(fc_share(drafter, aux[0, 1:]))
             out["sets"][set_name] = {
-                name: {part: statistics.median(v) if v else None for part, v in parts.items()} for name, parts in rms.items()
+                name: {part: statistics.median(v) if v else None for part, v in parts.items()}
+                for name, parts in rms.items()
             }
-    out["fc_share"] = {label: [statistics.mean(p[i] for p in per) for i in range(len(aux_ids))] for label, per in shares.items()}
+    out["fc_share"] = {
+        label: [statistics.mean(p[i] for p in per) for i in range(len(aux_ids))] for label, per in shares.items()
+    }
     return out
 
 
@@ -176,7 +181,9 @@ def fc_share(drafter, aux) -> list[float]:
 
 def summarize(cfg: SummaryConfig, target_dir: str | None) -> dict[str, Any]:
     out, runs = ROOT / cfg.out, ROOT / cfg.runs
-    reports = {p: json.loads((out / p / "mt_bench.json").read_text()) for p in PROBES if (out / p / "mt_bench.json").is_file()}
+    reports = {
+        p: json.loads((out / p / "mt_bench.json").read_text()) for p in PROBES if (out / p / "mt_bench.json").is_file()
+    }
     if "mt_bench" not in reports:
         raise ConfigError(f"{out / 'mt_bench' / 'mt_bench.json'}: not found; run scripts/smollm2_chain.sh first")
     labels = list(reports["mt_bench"]["settings"]["drafters"])
@@ -190,13 +197,19 @@ def summarize(cfg: SummaryConfig, target_dir: str | None) -> dict[str, Any]:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "settings": {p: {k: v for k, v in r["settings"].items() if k not in ("drafters", "target")} for p, r in reports.items()},
+        "settings": {
+            p: {k: v for k, v in r["settings"].items() if k not in ("drafters", "target")} for p, r in reports.items()
+        },
         "training": training_rows(runs, labels),
         "acceptance": acceptance,
         "categories": category_rows(reports["mt_bench"]),
     }
     if target_dir is not None:
-        seed0 = {label: str(ROOT / path) for label, path in reports["mt_bench"]["settings"]["drafters"].items() if label.endswith("-s0")}
+        seed0 = {
+            label: str(ROOT / path)
+            for label, path in reports["mt_bench"]["settings"]["drafters"].items()
+            if label.endswith("-s0")
+        }
         summary["feature_scale"] = feature_scale(
             target_dir, ROOT / history if history else None, long_settings.get("history_tokens") or 0, seed0, cfg
         )
@@ -214,8 +227,14 @@ def format_results(summary: dict[str, Any]) -> str:
     out = ["Training (teacher-forced on the held-out part of the prepared data):", ""]
     out += ["| variant | seed | steps | tau_sim | eval loss | train s |", "|---|---|---|---|---|---|"]
     for t in summary["training"]:
-        out.append(f"| {NAMES[t['variant']]} | {t['seed']} | {t['steps']} | {t['tau_sim']:.3f} | {t['eval_loss']:.3f} | {t['train_time_s']:.0f} |")
-    out += ["", "Acceptance length tau, mean over seeds (each seed's value in brackets); last column: EAGLE 3.1 against EAGLE 3:", ""]
+        out.append(
+            f"| {NAMES[t['variant']]} | {t['seed']} | {t['steps']} | {t['tau_sim']:.3f} | {t['eval_loss']:.3f} | {t['train_time_s']:.0f} |"
+        )
+    out += [
+        "",
+        "Acceptance length tau, mean over seeds (each seed's value in brackets); last column: EAGLE 3.1 against EAGLE 3:",
+        "",
+    ]
     header = ["probe", "mode", "prompt tok"] + [NAMES[v] for v in variants] + ["3.1 vs 3"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for probe in PROBES:
@@ -230,10 +249,19 @@ def format_results(summary: dict[str, Any]) -> str:
             cells.append(f"{present['eagle31']['tau_mean'] - present['eagle3']['tau_mean']:+.3f}, "
                          f"{verdict(present['eagle31']['tau'], present['eagle3']['tau'])}" if both else "")  # fmt: skip
             out.append("| " + " | ".join(cells) + " |")
-    deepest = max(modes, key=lambda m: len(next(a for a in summary["acceptance"] if a["mode"] == m)["acceptance_rate_mean"]))
+    deepest = max(
+        modes, key=lambda m: len(next(a for a in summary["acceptance"] if a["mode"] == m)["acceptance_rate_mean"])
+    )
     positions = len(next(a for a in summary["acceptance"] if a["mode"] == deepest)["acceptance_rate_mean"])
-    out += ["", f"Conditional acceptance rate per draft position ({deepest}, mean over seeds): the chance that position i is accepted when 1..i-1 were:", ""]
-    out += ["| probe | variant | " + " | ".join(f"@{i + 1}" for i in range(positions)) + " |", "|" + "---|" * (2 + positions)]
+    out += [
+        "",
+        f"Conditional acceptance rate per draft position ({deepest}, mean over seeds): the chance that position i is accepted when 1..i-1 were:",
+        "",
+    ]
+    out += [
+        "| probe | variant | " + " | ".join(f"@{i + 1}" for i in range(positions)) + " |",
+        "|" + "---|" * (2 + positions),
+    ]
     for probe in PROBES:
         for v in variants:
             if (probe, deepest, v) in rows:
@@ -247,7 +275,11 @@ def format_results(summary: dict[str, Any]) -> str:
     for mode in modes:
         for v in variants:
             if (mode, v, "all") in cats:
-                out.append(f"| {mode} | {NAMES[v]} | " + " | ".join(f"{cats.get((mode, v, c), float('nan')):.3f}" for c in ["all"] + categories) + " |")
+                out.append(
+                    f"| {mode} | {NAMES[v]} | "
+                    + " | ".join(f"{cats.get((mode, v, c), float('nan')):.3f}" for c in ["all"] + categories)
+                    + " |"
+                )
     if "feature_scale" in summary:
         out += ["", format_feature_scale(summary["feature_scale"])]
     return "\n".join(out)
@@ -255,15 +287,25 @@ def format_results(summary: dict[str, Any]) -> str:
 
 def format_feature_scale(scale: dict[str, Any]) -> str:
     n = scale["trained_len"]
-    lines = [f"RMS of the target's states over the hidden dimension: position 0 / median of positions 1..{n - 1} / median from {n} on:", ""]
+    lines = [
+        f"RMS of the target's states over the hidden dimension: position 0 / median of positions 1..{n - 1} / median from {n} on:",
+        "",
+    ]
     names = list(next(iter(scale["sets"].values())))
     lines += ["| prompts | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
     for set_name, values in scale["sets"].items():
-        cells = [" / ".join("–" if values[m][p] is None else f"{values[m][p]:.1f}" for p in ("first", "below", "beyond")) for m in names]
+        cells = [
+            " / ".join("–" if values[m][p] is None else f"{values[m][p]:.1f}" for p in ("first", "below", "beyond"))
+            for m in names
+        ]
         lines.append(f"| {set_name} | " + " | ".join(cells) + " |")
     if scale.get("fc_share"):
         layers = [f"aux layer {i}" for i in scale["aux_layer_ids"]]
-        lines += ["", "Share of each aux layer in the fused feature `fc(...)` (RMS of its columns' output, MT-Bench turn-1 prompts, positions 1..):", ""]
+        lines += [
+            "",
+            "Share of each aux layer in the fused feature `fc(...)` (RMS of its columns' output, MT-Bench turn-1 prompts, positions 1..):",
+            "",
+        ]
         lines += ["| drafter | " + " | ".join(layers) + " |", "|" + "---|" * (1 + len(layers))]
         for label, share in scale["fc_share"].items():
             lines.append(f"| {label} | " + " | ".join(f"{x:.2f}" for x in share) + " |")

@@ -85,7 +85,11 @@ class CurveConfig:
 
     @property
     def tree(self) -> dict:
-        return dict(tree_top_k=self.tree_top_k, tree_depth=self.tree_depth, tree_total_tokens=self.tree_total_tokens) if self.tree_top_k else {}
+        return (
+            dict(tree_top_k=self.tree_top_k, tree_depth=self.tree_depth, tree_total_tokens=self.tree_total_tokens)
+            if self.tree_top_k
+            else {}
+        )
 
 
 def point_name(cfg: CurveConfig, variant: str, steps: int) -> str:
@@ -155,7 +159,13 @@ def format_curve(curve: dict) -> str:
         "|" + "---|" * (5 + len(modes)),
     ]
     for p in curve["points"]:
-        cells = [p["variant"], str(p["steps"]), str(p["tokens_seen"]), f"{p['epochs']:.2f}", f"{p['train_time_s'] or 0:.0f}"]
+        cells = [
+            p["variant"],
+            str(p["steps"]),
+            str(p["tokens_seen"]),
+            f"{p['epochs']:.2f}",
+            f"{p['train_time_s'] or 0:.0f}",
+        ]
         lines.append("| " + " | ".join(cells + [f"{p['tau'][m]:.3f}" if m in p["tau"] else "–" for m in modes]) + " |")
     return "\n".join(lines)
 
@@ -218,7 +228,9 @@ def learning_curve(cfg: CurveConfig, overrides: list[str], command: str) -> dict
     }
     for variant, steps in points:
         point = json.loads((out / "points" / f"{point_name(cfg, variant, steps)}.json").read_text())
-        curve["points"].append({"variant": variant, **{k: v for k, v in point.items() if k not in ("results", "mt_bench")}})
+        curve["points"].append(
+            {"variant": variant, **{k: v for k, v in point.items() if k not in ("results", "mt_bench")}}
+        )
     atomic_write_json(out / "curve.json", curve)
     atomic_write_text(out / "curve.md", format_curve(curve) + "\n")
     plot_curve(curve, out / "curve.png")

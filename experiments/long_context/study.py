@@ -191,7 +191,9 @@ def long_context(cfg: LongContextConfig, overrides: list[str], command: str) -> 
     if not cfg.measure:
         return None
     drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
-    acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
+    acceptance = measure_drafters(
+        drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out
+    )
     summary = summarize(cfg, acceptance, recipe)
     return write_summary(out, summary, format_results(summary))
 
@@ -200,4 +202,11 @@ def main(argv: list[str]) -> int:
     def trained(cfg: LongContextConfig) -> str:
         return f"trained variants {cfg.variants}, windows {cfg.windows}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, LongContextConfig, SMOKE, "experiments.long_context", report_body(long_context, format_results, trained))
+    return study_main(
+        argv,
+        __doc__,
+        LongContextConfig,
+        SMOKE,
+        "experiments.long_context",
+        report_body(long_context, format_results, trained),
+    )

@@ -81,14 +81,18 @@ def run_name(cfg: LossComparisonConfig, loss: str, seed: int) -> str:
 
 def run_dirs(cfg: LossComparisonConfig) -> dict[str, Path]:
     """Every run of the comparison: its name -> its directory under `runs`."""
-    return {run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in cfg.loss_list for s in cfg.seed_list}
+    return {
+        run_name(cfg, loss, s): Path(cfg.runs) / run_name(cfg, loss, s) for loss in cfg.loss_list for s in cfg.seed_list
+    }
 
 
 def summarize(cfg: LossComparisonConfig, acceptance: dict, recipe) -> dict:
     losses, baseline = cfg.loss_list, cfg.loss_list[0]
     rows = []
     for split in acceptance_splits_of(acceptance):
-        taus = {loss: tau_over_seeds(acceptance, split, [run_name(cfg, loss, s) for s in cfg.seed_list]) for loss in losses}
+        taus = {
+            loss: tau_over_seeds(acceptance, split, [run_name(cfg, loss, s) for s in cfg.seed_list]) for loss in losses
+        }
         for loss, row in taus.items():
             row["ratio"] = row["mean"] / taus[baseline]["mean"]
             row["separation"] = None if loss == baseline else separation(row, taus[baseline])
@@ -135,7 +139,9 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
     torch.set_num_threads(cfg.threads)
     out, runs = Path(cfg.out), Path(cfg.runs)
     recipes = {
-        (loss, s): comparison_recipe(runs, runs / run_name(cfg, loss, s), s, cfg.max_steps, [*overrides, f"train.loss={loss}"])
+        (loss, s): comparison_recipe(
+            runs, runs / run_name(cfg, loss, s), s, cfg.max_steps, [*overrides, f"train.loss={loss}"]
+        )
         for loss in cfg.loss_list
         for s in cfg.seed_list
     }  # composed (and so checked) before anything runs
@@ -145,11 +151,15 @@ def loss_comparison(cfg: LossComparisonConfig, overrides: list[str], command: st
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
     losses = {run_name(cfg, loss, seed): loss for loss, seed in recipes}
-    train_missing({run_name(cfg, *key): r for key, r in recipes.items()}, runs, out, lambda name: f" (train.loss={losses[name]})")
+    train_missing(
+        {run_name(cfg, *key): r for key, r in recipes.items()}, runs, out, lambda name: f" (train.loss={losses[name]})"
+    )
     if not cfg.measure:
         return None
     drafters = {name: run / "drafter" for name, run in run_dirs(cfg).items()}
-    acceptance = measure_drafters(drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out)
+    acceptance = measure_drafters(
+        drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=out
+    )
     summary = summarize(cfg, acceptance, recipe)
     return write_summary(out, summary, format_results(summary))
 
@@ -158,7 +168,14 @@ def main(argv: list[str]) -> int:
     def trained(cfg: LossComparisonConfig) -> str:
         return f"trained losses {cfg.losses}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, LossComparisonConfig, SMOKE, "experiments.loss_comparison", report_body(loss_comparison, format_results, trained))
+    return study_main(
+        argv,
+        __doc__,
+        LossComparisonConfig,
+        SMOKE,
+        "experiments.loss_comparison",
+        report_body(loss_comparison, format_results, trained),
+    )
 
 
 if __name__ == "__main__":

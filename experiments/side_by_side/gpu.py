@@ -59,20 +59,34 @@ def side_by_side(smoke: bool, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.side_by_side.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m experiments.side_by_side.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("out", nargs="?", type=Path, help="output directory (GPU run)")
     parser.add_argument("--cpu-smoke", type=Path, metavar="OUT", help="the tiny variant on CPU")
-    parser.add_argument("--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)")
+    parser.add_argument(
+        "--wheels", type=Path, help="wheels to install offline (default benchmarks/wheels when present)"
+    )
     ns = parser.parse_args(argv)
     outs = [o for o in (ns.out, ns.cpu_smoke) if o is not None]
     if len(outs) != 1:
-        print("error: give one output directory: `<out dir>` on a GPU machine, or `--cpu-smoke <out dir>`", file=sys.stderr)
+        print(
+            "error: give one output directory: `<out dir>` on a GPU machine, or `--cpu-smoke <out dir>`",
+            file=sys.stderr,
+        )
         return 2
     smoke = ns.cpu_smoke is not None
     part = SIDE_BY_SIDE if not smoke else Part(SIDE_BY_SIDE.name, SIDE_BY_SIDE.kind, 240)
     budget = SMOKE_BUDGET_S if smoke else BUDGET_S
-    return check_main(outs[0], smoke, default_wheels(ns.wheels), budget, parts=[part], mode="cpu-smoke side by side" if smoke else "gpu side by side")
+    return check_main(
+        outs[0],
+        smoke,
+        default_wheels(ns.wheels),
+        budget,
+        parts=[part],
+        mode="cpu-smoke side by side" if smoke else "gpu side by side",
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ def eagle31_loss_mask(batch: FeatureBatch, head: TargetHead | None) -> torch.Ten
     return mask
 
 
-def speculators_samples(batch: FeatureBatch, norm_weight: torch.Tensor, loss_mask: torch.Tensor | None = None) -> list[dict]:
+def speculators_samples(
+    batch: FeatureBatch, norm_weight: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> list[dict]:
     """The documents of one packed `[1, T]` batch as samples of their dataset (before `shift_batch`).
 
     norm_weight [Ht]: the target's final norm weight (see the module docstring); loss_mask [1, T]:
@@ -132,8 +134,12 @@ class SpeculatorsTraining:
             loss = {name: (partial(fn, eta=float(train.lk_eta)), weight)}
         self.call_kwargs = dict(ttt_steps=train.ttt_length, ttt_step_loss_decay=train.ttt_decay, loss_config=loss)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train.warmup_steps, train.max_steps))
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(train.warmup_steps, train.max_steps)
+        )
         self.history: list[dict] = []
 
     def loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict]:
@@ -166,7 +172,12 @@ class SpeculatorsTraining:
 
     def save_checkpoint(self, checkpoints, loader, progress: dict) -> Path:
         """A checkpoint of `progress` (steps, tokens, seconds so far) and of everything `restore` needs."""
-        state = {"progress": progress, "scheduler": self.scheduler.state_dict(), "data": loader.state_dict(), "history": self.history}
+        state = {
+            "progress": progress,
+            "scheduler": self.scheduler.state_dict(),
+            "data": loader.state_dict(),
+            "history": self.history,
+        }
         return checkpoints.save(progress["steps"], self.model, self.optimizer, state)
 
     def restore(self, checkpoints, path: Path, loader) -> dict:

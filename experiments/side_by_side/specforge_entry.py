@@ -100,7 +100,12 @@ def main(work: Path) -> dict:
     if code:
         raise SystemExit(f"specforge export exited with {code}")
     tokens = tokens_fed(inputs["lengths"], inputs["batch_size"], inputs["max_steps"], inputs["seed"])
-    return {"steps": steps[-1]["step"] if steps else 0, "step_log": steps, "tokens_seen": tokens, "train_time_s": seconds}
+    return {
+        "steps": steps[-1]["step"] if steps else 0,
+        "step_log": steps,
+        "tokens_seen": tokens,
+        "train_time_s": seconds,
+    }
 
 
 if __name__ == "__main__":

@@ -90,7 +90,9 @@ def check_specforge_recipe(recipe) -> None:
     if d.norm_before_fc or d.norm_before_residual:
         raise ConfigError("drafter.norm_before_fc / norm_before_residual: SpecForge's EAGLE-3 layer has neither")
     if DraftLoss(train.loss) not in SPECFORGE_LOSS:
-        raise ConfigError(f"train.loss={train.loss}: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only")
+        raise ConfigError(
+            f"train.loss={train.loss}: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only"
+        )
     if train.ttt_decay != SPECFORGE_STEP_DECAY:
         raise ConfigError(f"train.ttt_decay={train.ttt_decay}: SpecForge weights TTT step k by 0.8^k, fixed")
     if train.weight_decay:
@@ -110,7 +112,9 @@ def write_features(loader, directory: Path) -> tuple[list[int], int]:
             sample = {
                 "input_ids": batch.input_ids[0, at].clone(),  # [n]
                 "loss_mask": batch.loss_mask[0, at].clone(),  # [n], 1 = assistant token
-                "hidden_state": batch.final[0, at][None].to(torch.bfloat16).clone(),  # [1, n, Ht]: their TargetHead is bf16
+                "hidden_state": batch.final[0, at][None]
+                .to(torch.bfloat16)
+                .clone(),  # [1, n, Ht]: their TargetHead is bf16
                 "aux_hidden_state": batch.aux[0, at][None].clone(),  # [1, n, 3*Ht], the store's dtype
             }
             torch.save(sample, directory / f"{len(lengths):08d}.ckpt")
@@ -181,7 +185,11 @@ def run_config(recipe, work: Path, target: Path, lm_head_key: str, batch_size: i
             "lm_head_key": lm_head_key,
             "torch_dtype": "float32",
         },
-        "data": {"hidden_states_path": str(work / "features"), "max_length": recipe.data.max_len, "dataloader_num_workers": 0},
+        "data": {
+            "hidden_states_path": str(work / "features"),
+            "max_length": recipe.data.max_len,
+            "dataloader_num_workers": 0,
+        },
         "training": {
             "max_steps": train.max_steps,
             "total_steps": train.max_steps,
@@ -222,7 +230,9 @@ def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Te
     target, lm_head_key = target_view(plan.target_dir, work / "target")
     atomic_write_json(work / "draft_config.json", draft_config(drafter))
     torch.save({"d2t": d2t, "t2d": t2d}, work / "vocab_mapping.pt")
-    atomic_write_text(work / "run.json", json.dumps(run_config(recipe, work, target, lm_head_key, batch_size, epochs), indent=2))
+    atomic_write_text(
+        work / "run.json", json.dumps(run_config(recipe, work, target, lm_head_key, batch_size, epochs), indent=2)
+    )
     if (work / "checkpoints").exists():  # a killed run starts over (its features are kept)
         print(f"restart: specforge seed {recipe.seed} (an earlier run did not finish)", file=sys.stderr)
         shutil.rmtree(work / "checkpoints")
@@ -241,7 +251,9 @@ def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Te
     proc = subprocess.run([str(python), str(ENTRY), str(work)], capture_output=True, text=True, env=env)
     (work / "specforge.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"SpecForge's trainer failed (exit {proc.returncode}), see {work / 'specforge.log'}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"SpecForge's trainer failed (exit {proc.returncode}), see {work / 'specforge.log'}:\n{proc.stderr[-3000:]}"
+        )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     steps = [{k: v for k, v in s.items() if not k.startswith("perf/")} for s in result["step_log"]]
     atomic_write_text(drafter_dir / "training_steps.jsonl", "".join(json.dumps(s) + "\n" for s in steps))

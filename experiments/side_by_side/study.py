@@ -140,7 +140,9 @@ def check_recipe(recipe, sides: list[str]) -> None:
     if "specforge" in sides and recipe.train.device == "cuda":
         raise ConfigError("device=cuda: the SpecForge side trains in its CPU venv; compare it with device=cpu")
     if recipe.drafter.attention != DrafterAttention.llama:
-        raise ConfigError(f"drafter.attention={recipe.drafter.attention}: the peers' EAGLE-3 drafters have Llama attention only")
+        raise ConfigError(
+            f"drafter.attention={recipe.drafter.attention}: the peers' EAGLE-3 drafters have Llama attention only"
+        )
     if "specforge" in sides:
         from experiments.side_by_side.specforge_training import check_specforge_recipe, specforge_python
 
@@ -196,12 +198,20 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
     plan, train_loader, d2t, t2d, drafter_cfg = peer_inputs(recipe)
     mask_head = None
     if peer_mask == "eagle31":
-        mask_head = TargetHead(read_target_embeddings(plan.target_dir)[1].float(), draft_to_target(torch.arange(d2t.numel()), d2t))
+        mask_head = TargetHead(
+            read_target_embeddings(plan.target_dir)[1].float(), draft_to_target(torch.arange(d2t.numel()), d2t)
+        )
     torch.manual_seed(recipe.seed)
     device = plan.world.device  # their default attention on CUDA (compiled flex); FlexAttention has no CPU backward
     attention = "simple_flex_attention" if device.type == "cuda" else "sdpa"
     model = speculators_drafter(
-        drafter_cfg, d2t, t2d, attention=attention, ttt_length=recipe.train.ttt_length, verifier=str(plan.target_dir), device=device
+        drafter_cfg,
+        d2t,
+        t2d,
+        attention=attention,
+        ttt_length=recipe.train.ttt_length,
+        verifier=str(plan.target_dir),
+        device=device,
     )
     if peer_lm_head:
         model.lm_head.weight.requires_grad_(True)
@@ -219,7 +229,9 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
     # every train.save_every steps a checkpoint (the trainer's format): a killed run continues from it
     checkpoints = CheckpointManager(plan.run_dir / "checkpoints", plan.world, keep_last=1)
     latest = checkpoints.latest_intact()
-    progress = training.restore(checkpoints, latest, train_loader) if latest else {"steps": 0, "tokens": 0, "seconds": 0.0}
+    progress = (
+        training.restore(checkpoints, latest, train_loader) if latest else {"steps": 0, "tokens": 0, "seconds": 0.0}
+    )
     if latest:
         print(f"resume: speculators seed {recipe.seed} from step {progress['steps']} ({latest})", file=sys.stderr)
     steps, started = progress["steps"], time.perf_counter() - progress["seconds"]
@@ -235,7 +247,12 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
                 training.save_checkpoint(checkpoints, train_loader, progress)
     seconds = time.perf_counter() - started
     training.save(plan.run_dir / "drafter")
-    report = {"steps": steps, "tokens_seen": progress["tokens"], "train_time_s": seconds, "last_step": training.history[-1]}
+    report = {
+        "steps": steps,
+        "tokens_seen": progress["tokens"],
+        "train_time_s": seconds,
+        "last_step": training.history[-1],
+    }
     atomic_write_json(plan.run_dir / "report.json", report)
     return report
 
@@ -245,9 +262,17 @@ def train_speculators(recipe, peer_lm_head: bool, peer_mask: str = "theirs") -> 
 
 def measure(cfg: SideBySideConfig, recipe) -> dict:
     """One acceptance run over every drafter of every side (read by eagle31's readers)."""
-    drafters = {f"{side}-s{seed}": run_dir(cfg, side, seed) / "drafter" for side in cfg.sides_list for seed in cfg.seeds_list}
+    drafters = {
+        f"{side}-s{seed}": run_dir(cfg, side, seed) / "drafter" for side in cfg.sides_list for seed in cfg.seeds_list
+    }
     return measure_drafters(
-        drafters, recipe, k=cfg.k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts, out=Path(cfg.out), device=cfg.device
+        drafters,
+        recipe,
+        k=cfg.k,
+        max_new_tokens=cfg.max_new_tokens,
+        max_prompts=cfg.max_prompts,
+        out=Path(cfg.out),
+        device=cfg.device,
     )
 
 
@@ -280,14 +305,26 @@ def format_results(summary: dict) -> str:
         f"eagle31 against {', '.join(PEER_NAMES[p] for p in peers)} (drafters with fc_norm {drafter['fc_norm']}, "
         f"norm_output {drafter['norm_output']}), recipe {cfg['recipe']['recipe']}, "
         f"{train['max_steps']} steps, TTT {train['ttt_length']}, loss {train['loss']}, lr {train['lr']}"
-        + (f"; speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}" if "speculators" in peers else "")
-        + ("; speculators trained on eagle31's loss mask" if "speculators" in peers and cfg.get("peer_mask") == "eagle31" else "")
+        + (
+            f"; speculators' lm_head {'trained' if cfg['peer_lm_head'] else 'frozen (their default)'}"
+            if "speculators" in peers
+            else ""
+        )
+        + (
+            "; speculators trained on eagle31's loss mask"
+            if "speculators" in peers and cfg.get("peer_mask") == "eagle31"
+            else ""
+        )
         + ".",
         "",
         f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
         f"(mean over seeds; per seed: {seeds}):",
         "",
-        "| split | " + " | ".join(f"{s} tau" for s in sides) + " | " + " | ".join(f"eagle31 / {p}" for p in peers) + " |",
+        "| split | "
+        + " | ".join(f"{s} tau" for s in sides)
+        + " | "
+        + " | ".join(f"eagle31 / {p}" for p in peers)
+        + " |",
         "|---|" + "---|" * (len(sides) + len(peers)),
     ]
     for row in summary["acceptance"]:
@@ -311,7 +348,11 @@ def side_by_side(cfg: SideBySideConfig, overrides: list[str], command: str) -> d
     sides = cfg.sides_list
     recipes = {(side, s): side_recipe(cfg, overrides, s, side) for s in cfg.seeds_list for side in sides}
     check_recipe(recipes[("eagle31", cfg.seeds_list[0])], sides)  # one recipe for all: only output_dir and seed differ
-    trainers = {"eagle31": train_eagle31, "speculators": lambda r: train_speculators(r, cfg.peer_lm_head, cfg.peer_mask), "specforge": train_specforge}
+    trainers = {
+        "eagle31": train_eagle31,
+        "speculators": lambda r: train_speculators(r, cfg.peer_lm_head, cfg.peer_mask),
+        "specforge": train_specforge,
+    }
     earlier = measured_earlier(out)
     for seed in cfg.seeds_list:
         for side in sides:
@@ -331,7 +372,14 @@ def main(argv: list[str]) -> int:
     def trained(cfg: SideBySideConfig) -> str:
         return f"trained seeds {cfg.seeds} of {cfg.sides} under {cfg.runs}; measure=true measures them"
 
-    return study_main(argv, __doc__, SideBySideConfig, SMOKE, "experiments.side_by_side", report_body(side_by_side, format_results, trained))
+    return study_main(
+        argv,
+        __doc__,
+        SideBySideConfig,
+        SMOKE,
+        "experiments.side_by_side",
+        report_body(side_by_side, format_results, trained),
+    )
 
 
 if __name__ == "__main__":

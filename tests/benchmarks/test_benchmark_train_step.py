@@ -51,7 +51,9 @@ def test_config_reads_key_values_and_names_bad_ones():
     with pytest.raises(ConfigError, match="gpt5"):
         BenchConfig.from_args(["shape=gpt5"])
     with pytest.raises(ConfigError, match="no shipped target config"):
-        BenchConfig.from_args(["shape=kimi_k26_mini"])  # its target is built locally with random weights: no fixed shape
+        BenchConfig.from_args(
+            ["shape=kimi_k26_mini"]
+        )  # its target is built locally with random weights: no fixed shape
     with pytest.raises(ConfigError, match="unknown argument"):
         BenchConfig.from_args(["seqlen=4"])
     with pytest.raises(ConfigError, match="T="):
@@ -79,7 +81,9 @@ def test_table_rows_are_added_and_replaced(tmp_path):
 
 def test_command_writes_json_and_a_table_row(tmp_path):
     out, doc = tmp_path / "r.json", tmp_path / "perf.md"
-    assert main(["shape=tiny", "T=64", "ttt=2", "warmup=0", "repeats=1", "memory=false", f"out={out}", f"doc={doc}"]) == 0
+    assert (
+        main(["shape=tiny", "T=64", "ttt=2", "warmup=0", "repeats=1", "memory=false", f"out={out}", f"doc={doc}"]) == 0
+    )
     result = json.loads(out.read_text())
     ours = result["runs"]["eagle31"]
     assert ours["step_s"] > 0 and ours["tokens_per_s"] == pytest.approx(64 / ours["step_s"])

@@ -10,7 +10,9 @@ def test_the_benchmark_writes_its_result_and_table(tmp_path):
     assert main(["lengths=8,20", "seeds=1", "depth=2", f"out={out}"]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [(r["n"], r["dtype"]) for r in runs] == [(8, "float32"), (8, "float64"), (20, "float32"), (20, "float64")]
-    assert all(max(r["max_abs_difference_by_depth"]) < 1e-10 * r["largest_logit"] for r in runs if r["dtype"] == "float64")
+    assert all(
+        max(r["max_abs_difference_by_depth"]) < 1e-10 * r["largest_logit"] for r in runs if r["dtype"] == "float64"
+    )
     assert "| 20 | float64 |" in out.with_suffix(".md").read_text()
 
 

@@ -16,7 +16,9 @@ from eagle31.cli import run_cli
 def fake_run(path, losses, weight, consumed="aa", waits=(2.0, 1.0, 1.0)):
     """A run directory as the pipeline leaves it, as far as the benchmark reads it."""
     (path / "drafter").mkdir(parents=True)
-    save_file({"w": torch.tensor([weight]), "t2d": torch.tensor([True, False])}, str(path / "drafter" / "model.safetensors"))
+    save_file(
+        {"w": torch.tensor([weight]), "t2d": torch.tensor([True, False])}, str(path / "drafter" / "model.safetensors")
+    )
     lines = [{"step": 5 * (i + 1), "train/loss": loss, "train/wait_s": wait, "train/samples_per_s": 2.0, "train/capacity_samples_per_s": 4.0,
               "engine/inference_samples_per_s": 1.0, "engine/workers": 1, "engine/trainers": 1, "engine/worker_restarts": 0, "engine/requeued": 0}
              for i, (loss, wait) in enumerate(zip(losses, waits))]  # fmt: skip
@@ -32,7 +34,12 @@ def test_same_run_tells_equal_runs_from_runs_that_differ_in_losses_weights_or_sa
     assert bench.same_run(a, fake_run(tmp_path / "b", [3.0, 2.0, 1.0], 0.5)) == {
         "losses_equal": True, "weights_max_abs_diff": 0.0, "weights_equal": True, "consumed_equal": True}  # fmt: skip
     other = bench.same_run(a, fake_run(tmp_path / "c", [3.0, 2.0, 1.5], 0.5 + 2**-20, consumed="bb"))
-    assert other == {"losses_equal": False, "weights_max_abs_diff": pytest.approx(2**-20), "weights_equal": False, "consumed_equal": False}
+    assert other == {
+        "losses_equal": False,
+        "weights_max_abs_diff": pytest.approx(2**-20),
+        "weights_equal": False,
+        "consumed_equal": False,
+    }
 
 
 def test_measure_takes_medians_after_the_first_window_and_the_table_shows_ratios(tmp_path):

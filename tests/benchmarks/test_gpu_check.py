@@ -79,8 +79,12 @@ def test_the_shard_attention_check_catches_a_lost_block_of_earlier_keys(monkeypa
     cfg = drafter_config("mla", 64)
     assert gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")["passed"]
     blocks = QueryTail._blocks.__func__
-    monkeypatch.setattr(QueryTail, "_blocks", classmethod(lambda cls, q, s, off, n, window: blocks(cls, q, s, off, n, window)[1:]))
-    monkeypatch.setattr(QueryTail, "prefix_block", staticmethod(lambda nh, d: 8))  # several blocks: the first is dropped
+    monkeypatch.setattr(
+        QueryTail, "_blocks", classmethod(lambda cls, q, s, off, n, window: blocks(cls, q, s, off, n, window)[1:])
+    )
+    monkeypatch.setattr(
+        QueryTail, "prefix_block", staticmethod(lambda nh, d: 8)
+    )  # several blocks: the first is dropped
     report = gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")
     assert not report["passed"] and report["max_error"]["output"] > 1e-2
 
@@ -134,7 +138,11 @@ def test_the_attention_check_of_a_windowed_drafter_catches_a_kernel_that_ignores
     report = attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)
     assert max(report["flash"].values()) < 1e-4 and max(report["blockwise"].values()) < 1e-4
     forward = FlashCausal.forward
-    monkeypatch.setattr(FlashCausal, "forward", staticmethod(lambda q, k, v, segments, scale, window=None: forward(q, k, v, segments, scale)))
+    monkeypatch.setattr(
+        FlashCausal,
+        "forward",
+        staticmethod(lambda q, k, v, segments, scale, window=None: forward(q, k, v, segments, scale)),
+    )
     with pytest.raises(RuntimeError, match="'flash' disagrees"):
         attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)
 
@@ -205,7 +213,9 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert "| tiny | 128 | 2 | no |" in (out / "summary.md").read_text()
 
     doc = tmp_path / "performance.md"
-    doc.write_text("# Performance\n\n## GPU\n\n<!-- gpu-check:start -->\nnot measured yet\n<!-- gpu-check:end -->\n\n## After\n")
+    doc.write_text(
+        "# Performance\n\n## GPU\n\n<!-- gpu-check:start -->\nnot measured yet\n<!-- gpu-check:end -->\n\n## After\n"
+    )
     put_gpu_table(doc, summary)
     put_gpu_table(doc, summary)  # replaced, not repeated
     text = doc.read_text()

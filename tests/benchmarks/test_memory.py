@@ -25,7 +25,11 @@ SMALL_MLA = dict(
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
 )  # fmt: skip
 # Kimi K2.6's full vocabulary (Vd = V = 163840, as the published MLA drafter) on the MLA drafter
-DRAFTERS = {"llama": SMALL, "mla": SMALL_MLA, "mla_full_vocab": dict(SMALL_MLA, vocab_size=163840, draft_vocab_size=163840)}
+DRAFTERS = {
+    "llama": SMALL,
+    "mla": SMALL_MLA,
+    "mla_full_vocab": dict(SMALL_MLA, vocab_size=163840, draft_vocab_size=163840),
+}
 
 
 def bench(T: int, checkpointing: bool = True, attention: str = "auto", drafter: str = "llama") -> BenchConfig:
@@ -66,7 +70,9 @@ def test_step_memory_grows_linearly_with_sequence_length(drafter):
     (measured 2.000 for both drafters), 4 for a T^2 part; the fixed part cancels out."""
     p1, p2, p4 = (peak_bytes(T, drafter=drafter) for T in (1024, 2048, 4096))
     ratio = (p4 - p2) / (p2 - p1)
-    print(f"{drafter} peak T=1024/2048/4096: {p1 / 2**20:.1f} / {p2 / 2**20:.1f} / {p4 / 2**20:.1f} MiB, growth ratio {ratio:.3f}")
+    print(
+        f"{drafter} peak T=1024/2048/4096: {p1 / 2**20:.1f} / {p2 / 2**20:.1f} / {p4 / 2**20:.1f} MiB, growth ratio {ratio:.3f}"
+    )
     assert ratio <= 2.2
     assert p4 < 4096 * 4096 * 4  # less than a single fp32 T x T score matrix of one head
 
@@ -97,7 +103,9 @@ def test_full_vocabulary_loss_never_holds_the_logits():
     V, short, long = 163840, 128, 256
     grown = peak_bytes(long, drafter="mla_full_vocab") - peak_bytes(short, drafter="mla_full_vocab")
     logits_grown = (long - short) * V * 4
-    print(f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.1f} MiB; [T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB")
+    print(
+        f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.1f} MiB; [T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB"
+    )
     assert grown < logits_grown / 4
 
 

@@ -25,10 +25,14 @@ def test_recorded_measurements_are_compared_again_without_running(tmp_path, monk
             "trainable_bytes": 1000, "gradient_bytes": 1000, "persistent_bytes": 2000, "frozen_embedding_bytes": 10,
             "target_lm_head_bytes": 10, "target_features_bytes": 10, "step_peak_bytes": 5000 + T, "step_peak_without_gradients_bytes": 4500 + T,
         }  # fmt: skip
-    earlier = {"shapes": [{"shape": "mla_tiny", "points": [{"seq_len": T, "raw": r} for T, r in recorded["mla_tiny"].items()]}]}
+    earlier = {
+        "shapes": [{"shape": "mla_tiny", "points": [{"seq_len": T, "raw": r} for T, r in recorded["mla_tiny"].items()]}]
+    }
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
-    monkeypatch.setattr(memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    monkeypatch.setattr(
+        memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again"))
+    )
     out = tmp_path / "again.json"
     assert main(["size=tiny", f"measured={path}", f"out={out}"]) == 1  # made-up bytes: the checks fail
     again = json.loads(out.read_text())
@@ -48,7 +52,9 @@ def test_the_committed_measurements_hold_against_the_estimate_as_it_is(monkeypat
     from pathlib import Path
 
     committed = Path(memory_model.ROOT) / "benchmarks" / "results" / "memory_model.json"
-    monkeypatch.setattr(memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+    monkeypatch.setattr(
+        memory_model, "measure_point", lambda *a: (_ for _ in ()).throw(AssertionError("measured again"))
+    )
     assert main([f"measured={committed}", "out=none"]) == 0, capsys.readouterr().err
     slopes = [line for line in capsys.readouterr().out.splitlines() if "| slope |" in line]
     assert len(slopes) == len(SHAPES["full"])  # one per shape, from more than two T where checked

@@ -42,4 +42,6 @@ def test_the_routing_gap_is_the_kth_choice_less_the_next_as_deepseek_routes():
 
     gate = SimpleNamespace(weight=torch.eye(4), e_score_correction_bias=torch.tensor([0.0, 0.0, 0.5, 0.0]))
     hidden = torch.tensor([[[0.0, 3.0, 0.0, 1.0]]])  # sigmoid scores 0.5, 0.95, 0.5 (+0.5 bias), 0.73
-    assert topk_gap(gate, hidden, 2).tolist() == pytest.approx([torch.sigmoid(torch.tensor(3.0)).item() - torch.sigmoid(torch.tensor(1.0)).item()])
+    assert topk_gap(gate, hidden, 2).tolist() == pytest.approx(
+        [torch.sigmoid(torch.tensor(3.0)).item() - torch.sigmoid(torch.tensor(1.0)).item()]
+    )

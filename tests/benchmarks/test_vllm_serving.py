@@ -96,7 +96,9 @@ def test_a_drafted_token_vllm_orders_otherwise_is_a_difference_with_its_margin()
     assert not summary["equal"] and summary["eagle31"]["rounds"] == 2 and summary["vllm"]["drafts"] == 3
 
 
-def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_alone_and_after_a_long_history(tmp_path, llama_tok, chats):
+def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_alone_and_after_a_long_history(
+    tmp_path, llama_tok, chats
+):
     """recipe=smollm2_135m measures no acceptance in its run: the benchmark's prompts are then MT-Bench's first
     turns (the first of each category) and, with `history`, the same after earlier conversations of at least
     `history_tokens` tokens, rendered with the run's chat-template options."""
@@ -111,9 +113,14 @@ def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_
     (run / "config.yaml").write_text("{}")
     prompts_of = ServingConfig(runs=f"smol={run}", questions=str(questions), history=str(chats), history_tokens=200)
     prompts = mt_bench_prompts(prompts_of, llama_tok, {})
-    first = [render(llama_tok, [{"role": "user", "content": q}]) for q in ("Question 0 about writing?", "Question 2 about math?")]
+    first = [
+        render(llama_tok, [{"role": "user", "content": q}])
+        for q in ("Question 0 about writing?", "Question 2 about math?")
+    ]
     assert prompts["mt_bench"] == first  # one question per category, its first turn
     assert len(prompts["long_history"]) == 2
     for long, short in zip(prompts["long_history"], first):
-        assert len(long) >= 200 and long[-(len(short) - 1):] == short[1:]  # the history, then the question (after BOS)
-    assert set(mt_bench_prompts(ServingConfig(runs=f"smol={run}", questions=str(questions)), llama_tok, {})) == {"mt_bench"}
+        assert len(long) >= 200 and long[-(len(short) - 1) :] == short[1:]  # the history, then the question (after BOS)
+    assert set(mt_bench_prompts(ServingConfig(runs=f"smol={run}", questions=str(questions)), llama_tok, {})) == {
+        "mt_bench"
+    }

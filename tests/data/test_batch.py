@@ -144,7 +144,9 @@ class OnePool:
         return "ok", [(list(range(len(ids))), [(s.aux, s.final) for s in self.online.samples(ids)])]
 
 
-def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_sequence_shard(parity_column, tmp_path, llama_tok, monkeypatch):
+def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_sequence_shard(
+    parity_column, tmp_path, llama_tok, monkeypatch
+):
     """Prepared split -> online features, the feature store and the engine's samples -> packed and padded
     batches -> a sequence shard with its halo: the toy column arrives everywhere the trainer reads columns."""
     import eagle31.engine.features
@@ -160,8 +162,13 @@ def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_s
     from tests.data.chat_helpers import write_jsonl
     from tests.tiny_targets import tiny_llama
 
-    chats = [{"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello " * (i % 4 + 1)}]} for i in range(12)]
-    data = DataConfig(source=[str(write_jsonl(tmp_path / "chats.jsonl", chats))], prepared_dir=str(tmp_path / "prepared"))
+    chats = [
+        {"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello " * (i % 4 + 1)}]}
+        for i in range(12)
+    ]
+    data = DataConfig(
+        source=[str(write_jsonl(tmp_path / "chats.jsonl", chats))], prepared_dir=str(tmp_path / "prepared")
+    )
     prepare_dataset(data, llama_tok, draft_vocab_size=8)
     train = load_prepared_splits(tmp_path / "prepared")["train"]
     assert train.features["parity"].feature.dtype == "int8"
@@ -171,7 +178,9 @@ def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_s
     target = tiny_llama(vocab_size=len(llama_tok))
     online = OnlineFeatures(target, train, aux_ids)
     header = StoreHeader("tiny", None, 6, online.hidden_size, aux_ids, "float32")
-    writer = StoreWriter(tmp_path / "store", header, np.arange(len(train)), prepared_lengths(train), shard_max_tokens=64)
+    writer = StoreWriter(
+        tmp_path / "store", header, np.arange(len(train)), prepared_lengths(train), shard_max_tokens=64
+    )
     capture_to_store(target, train, writer, batch_tokens=256)
     writer.finalize()
     with safe_open(str(next((tmp_path / "store").rglob("*.safetensors"))), "pt") as f:

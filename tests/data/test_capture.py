@@ -203,10 +203,14 @@ def test_writer_from_recipe_sections_and_the_trainers_compatibility_check(tmp_pa
     assert sorted(int(i) for ids in writer.plan for i in ids) == list(range(5))
     identity = dict(target_name="/models/tiny", target_revision="abc", target_fingerprint="f1")
     check_store_compatible(tmp_path, config, (1, 3, 4), **identity)
-    check_store_compatible(tmp_path / "absent", config, (1, 2, 4), **identity)  # nothing captured yet: nothing to refuse
+    check_store_compatible(
+        tmp_path / "absent", config, (1, 2, 4), **identity
+    )  # nothing captured yet: nothing to refuse
     with pytest.raises(StoreMismatchError, match=r"train/manifest.json: the store was made with aux_layer_ids"):
         check_store_compatible(tmp_path, config, (1, 2, 4), **identity)
-    with pytest.raises(StoreMismatchError, match=r"made with target_fingerprint='f1', this run has target_fingerprint='f2'"):
+    with pytest.raises(
+        StoreMismatchError, match=r"made with target_fingerprint='f1', this run has target_fingerprint='f2'"
+    ):
         check_store_compatible(tmp_path, config, (1, 3, 4), **{**identity, "target_fingerprint": "f2"})
     with pytest.raises(StoreMismatchError, match=r"made with target_revision='abc'"):
         check_store_compatible(tmp_path, config, (1, 3, 4), **{**identity, "target_revision": "def"})

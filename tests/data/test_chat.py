@@ -103,7 +103,9 @@ def test_kimi_default_render_drops_all_reasoning_and_counts_it(kimi_tok):
     )
     assert supervised_spans(kimi_tok, ids, mask) == ["</think>Hello!<|im_end|>", "</think>4<|im_end|>"]
     reasoning_tokens = len(kimi_tok("greet them")["input_ids"]) + len(kimi_tok("add them")["input_ids"])
-    assert encoder.reasoning == ReasoningTally(turns=2, tokens=reasoning_tokens, unrendered_turns=2, unrendered_tokens=reasoning_tokens)
+    assert encoder.reasoning == ReasoningTally(
+        turns=2, tokens=reasoning_tokens, unrendered_turns=2, unrendered_tokens=reasoning_tokens
+    )
 
 
 def test_kimi_preserve_thinking_supervises_every_reasoning(kimi_tok):
@@ -111,7 +113,10 @@ def test_kimi_preserve_thinking_supervises_every_reasoning(kimi_tok):
     ids, mask = encoder.encode(MULTI_TURN)
     assert "<think>greet them</think>Hello!" in kimi_tok.decode(ids)
     # the generation prompt ends with `<think>`, so the model generates from there on
-    assert supervised_spans(kimi_tok, ids, mask) == ["greet them</think>Hello!<|im_end|>", "add them</think>4<|im_end|>"]
+    assert supervised_spans(kimi_tok, ids, mask) == [
+        "greet them</think>Hello!<|im_end|>",
+        "add them</think>4<|im_end|>",
+    ]
     assert encoder.reasoning.turns == 2 and encoder.reasoning.unrendered_turns == 0
     ids, mask = encode(kimi_tok, MULTI_TURN, last_turn_only=True, template_kwargs=K26)
     assert supervised_spans(kimi_tok, ids, mask) == ["add them</think>4<|im_end|>"]
@@ -144,7 +149,9 @@ def test_a_cut_reply_leaves_a_think_marker_that_is_not_a_special_token_unsupervi
     cut = {"role": "assistant", "content": answer, "reasoning_content": "greet them", "finish_reason": "length"}
     ids, mask = ChatEncoder(tok).encode(to_conversation({"messages": [{"role": "user", "content": "Hi"}, cut]}))
     assert tok.decode(ids).endswith(f"<think>\ngreet them\n</think>\n\n{answer}<|im_end|>\n")
-    assert supervised_spans(tok, ids, mask) == [f"<think>\ngreet them\n</think>\n\n{answer}" if answer else "<think>\ngreet them"]
+    assert supervised_spans(tok, ids, mask) == [
+        f"<think>\ngreet them\n</think>\n\n{answer}" if answer else "<think>\ngreet them"
+    ]
 
 
 def test_kimi_history_reasoning_equal_to_the_final_one(kimi_tok):

@@ -143,7 +143,9 @@ def test_reasoning_the_template_drops_is_counted_and_warned_about(tmp_path, kimi
     cfg = config(tmp_path, [src], eval_fraction=0.0)  # no preserve_thinking: Kimi blanks it all
     report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=32000, vocab_size=600)
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert re.fullmatch(r"warning: most reasoning is not in the prepared data: 6 of 6 turns, (\d+) of \1 tokens; .*", warning)
+    assert re.fullmatch(
+        r"warning: most reasoning is not in the prepared data: 6 of 6 turns, (\d+) of \1 tokens; .*", warning
+    )
     tokens = 3 * (len(kimi_tok("greet them")["input_ids"]) + len(kimi_tok("add them")["input_ids"]))
     r = report.unrendered_reasoning
     assert (r["turns"], r["tokens"], r["unrendered_turns"], r["unrendered_tokens"]) == (6, tokens, 6, tokens)
@@ -151,7 +153,10 @@ def test_reasoning_the_template_drops_is_counted_and_warned_about(tmp_path, kimi
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["unrendered_reasoning"]["unrendered_tokens"] == tokens
     row = load_split(cfg, "train")[0]
-    assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == ["</think>Hello!<|im_end|>", "</think>4<|im_end|>"]
+    assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == [
+        "</think>Hello!<|im_end|>",
+        "</think>4<|im_end|>",
+    ]
 
 
 def test_chat_template_kwargs_are_checked_before_any_work(tmp_path, kimi_tok):
@@ -212,7 +217,9 @@ def test_the_kimi_k26_recipe_supervises_the_reasoning_of_every_turn(tmp_path, ki
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes", ["recipe=kimi_k26"])
     src = write_jsonl(tmp_path / "a.jsonl", [KIMI_RECORD] * 2)
-    data = OmegaConf.merge(recipe.data, {"source": [str(src)], "prepared_dir": str(tmp_path / "out"), "eval_fraction": 0.0})
+    data = OmegaConf.merge(
+        recipe.data, {"source": [str(src)], "prepared_dir": str(tmp_path / "out"), "eval_fraction": 0.0}
+    )
     report = prepare_dataset(data, kimi_tok, draft_vocab_size=64)
     row = load_split(data, "train")[0]
     assert supervised_spans(kimi_tok, row["input_ids"], row["loss_mask"]) == [
@@ -226,7 +233,10 @@ def test_a_full_disk_during_prepare_keeps_the_earlier_set_and_leaves_no_partial_
     from eagle31.errors import DiskFullError
     from tests.helpers import fill_disk
 
-    cfg = DataConfig(source=[str(write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(20)]))], prepared_dir=str(small_disk / "prepared"))
+    cfg = DataConfig(
+        source=[str(write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(20)]))],
+        prepared_dir=str(small_disk / "prepared"),
+    )
     prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
     before = {p.name: p.read_bytes() for p in (small_disk / "prepared").rglob("*") if p.is_file()}
     fill_disk(small_disk, leave_pages=2)
@@ -249,7 +259,9 @@ def test_a_write_denied_during_prepare_is_one_line(tmp_path, llama_tok, monkeypa
 
     monkeypatch.setattr(eagle31.data.prepare, "_save_split", denied)
     cfg = config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(4)])])
-    with pytest.raises(FileAccessError, match=r"^cannot write data.prepared_dir .*out: Permission denied \(.*train\); nothing was left"):
+    with pytest.raises(
+        FileAccessError, match=r"^cannot write data.prepared_dir .*out: Permission denied \(.*train\); nothing was left"
+    ):
         prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
@@ -262,7 +274,10 @@ def test_merge_turns_makes_long_multi_turn_samples_of_the_same_turns(tmp_path, l
     from eagle31.data.sources import Conversation
 
     convs = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(30)]
-    tools = {"messages": chat(99)["messages"], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    tools = {
+        "messages": chat(99)["messages"],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    }
     src = write_jsonl(tmp_path / "a.jsonl", convs[:12] + ["{", tools] + convs[12:])
     one = prepare_dataset(config(tmp_path / "one", [src], eval_fraction=0.0), llama_tok, draft_vocab_size=40)
     cfg = config(tmp_path, [src], eval_fraction=0.0, merge_turns=4)
@@ -277,9 +292,13 @@ def test_merge_turns_makes_long_multi_turn_samples_of_the_same_turns(tmp_path, l
 
     merger = TurnMerger(4, seed=0)
     merged = list(merger.merge([Conversation(c["messages"], where=f"a:{i}") for i, c in enumerate(convs)]))
-    assert merger.read == 30 and [m["content"] for c in merged for m in c.messages if m["role"] == "user"] == [f"Hi {i}" for i in range(30)]
+    assert merger.read == 30 and [m["content"] for c in merged for m in c.messages if m["role"] == "user"] == [
+        f"Hi {i}" for i in range(30)
+    ]
     assert all([m["role"] for m in c.messages].count("system") == 1 for c in merged)
-    assert merged[0].where.startswith("a:0") and merged == list(TurnMerger(4, seed=0).merge(Conversation(c["messages"], where=f"a:{i}") for i, c in enumerate(convs)))
+    assert merged[0].where.startswith("a:0") and merged == list(
+        TurnMerger(4, seed=0).merge(Conversation(c["messages"], where=f"a:{i}") for i, c in enumerate(convs))
+    )
 
 
 def test_merge_turns_below_one_is_refused(tmp_path, llama_tok):
@@ -308,7 +327,11 @@ def test_template_variants_render_each_conversation_with_the_option_set_drawn_fo
     assert report.settings["chat_template_variants"] == variants
     assert report.unrendered_reasoning["unrendered_turns"] == 2 * drawn.count(False)  # as the option alone counts them
     with pytest.raises(ConfigError, match=r"^data.chat_template_variants\[1\]: 'tokenize'"):
-        prepare_dataset(config(tmp_path / "bad", [src], chat_template_variants=[{}, {"tokenize": True}]), kimi_tok, draft_vocab_size=600)
+        prepare_dataset(
+            config(tmp_path / "bad", [src], chat_template_variants=[{}, {"tokenize": True}]),
+            kimi_tok,
+            draft_vocab_size=600,
+        )
 
 
 def test_a_regenerated_record_is_rendered_with_the_template_options_it_was_answered_under(tmp_path, kimi_tok):
@@ -316,7 +339,9 @@ def test_a_regenerated_record_is_rendered_with_the_template_options_it_was_answe
     stops at a change of options; a malformed value drops the record, an option that is no option stops in one line."""
     records = [dict(KIMI_RECORD, chat_template_kwargs={"preserve_thinking": i % 2 == 0}) for i in range(6)]
     src = write_jsonl(tmp_path / "a.jsonl", records)
-    cfg = config(tmp_path / "own", [src], eval_fraction=0.0, chat_template_variants=[{"preserve_thinking": False}, {"x": 1}])
+    cfg = config(
+        tmp_path / "own", [src], eval_fraction=0.0, chat_template_variants=[{"preserve_thinking": False}, {"x": 1}]
+    )
     report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=600, vocab_size=600)
     alone = {}
     for v in (True, False):
@@ -332,7 +357,9 @@ def test_a_regenerated_record_is_rendered_with_the_template_options_it_was_answe
     assert prepare_dataset(merged, kimi_tok, draft_vocab_size=600, vocab_size=600).samples["train"] == 6
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [dict(KIMI_RECORD, chat_template_kwargs=[1]), KIMI_RECORD])
-    report = prepare_dataset(config(tmp_path / "bad", [bad], eval_fraction=0.0), kimi_tok, draft_vocab_size=600, vocab_size=600)
+    report = prepare_dataset(
+        config(tmp_path / "bad", [bad], eval_fraction=0.0), kimi_tok, draft_vocab_size=600, vocab_size=600
+    )
     assert report.dropped["malformed"]["count"] == 1 and report.samples["train"] == 1
     wrong = write_jsonl(tmp_path / "wrong.jsonl", [dict(KIMI_RECORD, chat_template_kwargs={"tokenize": True})])
     with pytest.raises(ConfigError, match=r"wrong.jsonl:1: chat_template_kwargs: 'tokenize' is an argument"):

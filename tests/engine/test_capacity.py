@@ -30,7 +30,12 @@ def test_active_parameters_of_a_moe_target_count_the_experts_a_token_is_routed_t
     cfg = model.config
     dense, moe = model.model.layers[0], model.model.layers[1]
     expert = (moe.mlp.experts.gate_up_proj.numel() + moe.mlp.experts.down_proj.numel()) // cfg.n_routed_experts
-    routed_layer = _weights(moe.self_attn) + cfg.num_experts_per_tok * expert + _weights(moe.mlp.shared_experts) + moe.mlp.gate.weight.numel()
+    routed_layer = (
+        _weights(moe.self_attn)
+        + cfg.num_experts_per_tok * expert
+        + _weights(moe.mlp.shared_experts)
+        + moe.mlp.gate.weight.numel()
+    )
     expected = _weights(dense.self_attn) + _weights(dense.mlp) + (cfg.num_hidden_layers - 1) * routed_layer
     assert target_active_parameters(cfg.to_dict()) == expected
 
@@ -44,7 +49,14 @@ def test_workers_needed_is_the_rate_ratio_rounded_up():
 def test_estimated_sizing_grows_with_the_target_and_shrinks_with_gpus_per_worker():
     drafter = tiny_config()
     small = tiny_llama().config.to_dict()
-    big = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=512, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2).to_dict()
+    big = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).to_dict()
     one = estimated_sizing(small, drafter, 3, 256, trainers=8, worker_gpus=1)
     more = estimated_sizing(big, drafter, 3, 256, trainers=8, worker_gpus=1)
     wide = estimated_sizing(big, drafter, 3, 256, trainers=8, worker_gpus=8)
@@ -54,7 +66,13 @@ def test_estimated_sizing_grows_with_the_target_and_shrinks_with_gpus_per_worker
 
 def test_measured_sizing_skips_the_first_window_and_needs_one_more(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    first = {"step": 5, "engine/inference_samples_per_s": 1.0, "engine/workers": 1, "engine/trainers": 1, "train/capacity_samples_per_s": 99.0}
+    first = {
+        "step": 5,
+        "engine/inference_samples_per_s": 1.0,
+        "engine/workers": 1,
+        "engine/trainers": 1,
+        "train/capacity_samples_per_s": 99.0,
+    }
     path.write_text(json.dumps(first) + "\n" + json.dumps({"step": 5, "train/loss": 1.0}) + "\n")
     assert measured_sizing(path, trainers=4) is None  # only the warm-up window
     later = {**first, "step": 10, "engine/inference_samples_per_s": 4.0, "train/capacity_samples_per_s": 6.0}

@@ -43,21 +43,36 @@ def prepared(tmp_path_factory) -> Path:
     return path
 
 
-def make_pool(target_dir, prepared, kind=HFInferenceWorker, workers=2, pool_tokens=100_000, max_restarts=3, aux=AUX, world_size=1, copies=1,
-              recipe_target=None):
+def make_pool(
+    target_dir,
+    prepared,
+    kind=HFInferenceWorker,
+    workers=2,
+    pool_tokens=100_000,
+    max_restarts=3,
+    aux=AUX,
+    world_size=1,
+    copies=1,
+    recipe_target=None,
+):
     """recipe_target: the target the trainer expects (default: the workers' `target_dir`)."""
     settings = PoolSettings(
         prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
         pool_tokens=pool_tokens, max_restarts=max_restarts, worker_options={"num_cpus": 0.5}, **LOADER,
     )  # fmt: skip
     spec = WorkerSpec(str(target_dir), "float32", None, False, AUX, BATCH_TOKENS, threads=1, gpus=0)
-    expected = expected_info(recipe_target or target_dir, aux, 32, "float32") if kind is HFInferenceWorker else {
-        "aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"}  # the failing workers' directories hold their instructions
+    expected = (
+        expected_info(recipe_target or target_dir, aux, 32, "float32")
+        if kind is HFInferenceWorker
+        else {"aux_layer_ids": aux, "hidden_size": 32, "dtype": "float32"}
+    )  # the failing workers' directories hold their instructions
     return pool_actor(settings, kind, spec, expected)
 
 
 def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1):
-    return FeatureEngine(pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX, "float32")
+    return FeatureEngine(
+        pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX, "float32"
+    )
 
 
 def make_engine(target_dir, prepared, **kwargs):
@@ -100,7 +115,9 @@ def target_copy(target_dir, tmp_path) -> Path:
     return Path(shutil.copytree(target_dir, tmp_path / "target"))
 
 
-def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_within_the_pool_budget(ray_cluster, target_dir, prepared):
+def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_within_the_pool_budget(
+    ray_cluster, target_dir, prepared
+):
     """15 batches (over an epoch's end) from 2 workers, each micro-batch cut into several forwards, the pool held
     to 100 tokens: the same batches, bit for bit, as the loader over features computed in this process."""
     expected, online = online_batches(target_dir, prepared, 15)
@@ -146,7 +163,9 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_samples_asked_again(ra
         model = load_target(target_copy, torch.device("cpu"), dtype="float32")
         from eagle31.data.prepare import load_prepared_splits
 
-        direct = OnlineFeatures(model, load_prepared_splits(prepared)["eval"], AUX, batch_tokens=BATCH_TOKENS).samples([4, 0, 8])
+        direct = OnlineFeatures(model, load_prepared_splits(prepared)["eval"], AUX, batch_tokens=BATCH_TOKENS).samples(
+            [4, 0, 8]
+        )
         for a, b in zip(held_out, direct):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert engine.metrics()["engine/worker_restarts"] == 1
@@ -155,7 +174,9 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_samples_asked_again(ra
 
 
 @pytest.mark.parametrize("data_size, copies", [(2, 1), (1, 2)])
-def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group(ray_cluster, target_dir, prepared, data_size, copies):
+def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group(
+    ray_cluster, target_dir, prepared, data_size, copies
+):
     """Two trainer ranks in lockstep: on 2 data ranks each gets its loader's batches; as one sequence-parallel
     group (1 data rank) both get every batch. Bit-identical to online features either way."""
     pool = make_pool(target_dir, prepared, world_size=data_size, copies=copies, pool_tokens=120)
@@ -166,7 +187,9 @@ def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group
             loader, _ = loaders(engine, prepared)
             engine.start(loader)
             streams.append(iter_batches(loader))
-        expected = [online_batches(target_dir, prepared, 8, rank=r % data_size, world_size=data_size)[0] for r in range(2)]
+        expected = [
+            online_batches(target_dir, prepared, 8, rank=r % data_size, world_size=data_size)[0] for r in range(2)
+        ]
         for step in range(8):
             for rank, stream in enumerate(streams):
                 assert_same(next(stream), expected[rank][step])
@@ -183,11 +206,16 @@ def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group
         ("dies_always", "inference worker 0 died 2 times, more than features.engine.max_restarts=1"),
         ("other_aux_ids", "inference worker 0 (hf) computes aux_layer_ids (1, 3, 4), the recipe asks for (1, 3, 5)"),
         ("other_tokenizer", "inference worker 0 (hf) runs a target whose tokenizer differs from the recipe's target "),
-        ("other_weights", "inference worker 0 (hf) runs a target whose weights or config differ from the recipe's target "),
+        (
+            "other_weights",
+            "inference worker 0 (hf) runs a target whose weights or config differ from the recipe's target ",
+        ),
         ("no_target", "inference worker 0 could not start"),
     ],
 )
-def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_dir, target_copy, prepared, case, expected):
+def test_a_failing_worker_stops_the_trainers_with_one_line(
+    ray_cluster, target_dir, target_copy, prepared, case, expected
+):
     """other_tokenizer, other_weights: the worker's node holds another checkpoint at the recipe's path. Here the
     worker reads a copy of the trainer's target (standing for the same path on another node) with two tokens' ids
     swapped, or with another model's weights of the same shape."""
@@ -216,6 +244,8 @@ def test_a_failing_worker_stops_the_trainers_with_one_line(ray_cluster, target_d
         if case == "raises":
             assert "ValueError: cannot compute" in line
         if case in ("other_tokenizer", "other_weights"):
-            assert f"recipe's target {target_copy} (fingerprint " in line and ", expected " in line  # the path both read
+            assert (
+                f"recipe's target {target_copy} (fingerprint " in line and ", expected " in line
+            )  # the path both read
     finally:
         close_pool(pool)

@@ -76,7 +76,9 @@ def test_an_engine_computing_other_aux_ids_than_the_stores_is_refused(tmp_path):
 
     data = prepared_split(4, seed=1)
     writer = writer_for(tmp_path / "store", tiny_llama(), data)  # aux ids (1, 3, 4)
-    with pytest.raises(ConfigError, match=r"^the vllm engine computes aux ids \[1, 2, 3\], the store holds \[1, 3, 4\]$"):
+    with pytest.raises(
+        ConfigError, match=r"^the vllm engine computes aux ids \[1, 2, 3\], the store holds \[1, 3, 4\]$"
+    ):
         capture_to_store(OtherIdsEngine(), data, writer, batch_tokens=64)
 
 
@@ -118,6 +120,8 @@ def test_engine_arguments_that_make_the_capture_are_not_the_users_to_set(tmp_pat
     monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: "0.32.0")
     monkeypatch.setattr(vllm_engine, "has_module", lambda name: True)
     present = ("eagle31.engine.worker", "WorkerInfo")  # a connector that imports here (vLLM's does not)
-    with pytest.raises(ConfigError, match=r"^vLLM engine arguments \['enable_prefix_caching', 'speculative_config'\] are eagle31's"):
+    with pytest.raises(
+        ConfigError, match=r"^vLLM engine arguments \['enable_prefix_caching', 'speculative_config'\] are eagle31's"
+    ):
         vllm_engine.VLLMFeatures(tmp_path, (1, 3, 4), dtype="float32", max_prompt_len=64, connector=present,
                                  engine_args={"speculative_config": {}, "enable_prefix_caching": True, "gpu_memory_utilization": 0.5})  # fmt: skip

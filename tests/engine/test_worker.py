@@ -11,8 +11,13 @@ def test_a_worker_is_compared_with_the_recipe_field_by_field_and_its_target_by_f
     tiny_llama(seed=0).save_pretrained(tmp_path / "recipe")
     llama_tok.save_pretrained(tmp_path / "recipe")
     expected = expected_info(tmp_path / "recipe", [1, 3, 4], 32, "float32")
-    assert expected["aux_layer_ids"] == (1, 3, 4) and len(expected["target_fingerprint"]) == len(expected["tokenizer_fingerprint"]) == 64
-    same = WorkerInfo("vllm", (1, 3, 4), 32, "float32", "cpu", expected["target_fingerprint"], expected["tokenizer_fingerprint"])
+    assert (
+        expected["aux_layer_ids"] == (1, 3, 4)
+        and len(expected["target_fingerprint"]) == len(expected["tokenizer_fingerprint"]) == 64
+    )
+    same = WorkerInfo(
+        "vllm", (1, 3, 4), 32, "float32", "cpu", expected["target_fingerprint"], expected["tokenizer_fingerprint"]
+    )
     assert worker_mismatch(same, expected, tmp_path / "recipe") is None
     other = same._replace(dtype="bfloat16", tokenizer_fingerprint="f" * 64)
     t = expected["tokenizer_fingerprint"]

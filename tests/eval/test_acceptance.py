@@ -197,8 +197,14 @@ def test_a_drafter_saved_without_embedding_reads_the_targets(tmp_path):
     own.save(tmp_path / "without", include_embed=False)
     kept = share_target_embedding(load_drafter(tmp_path / "with"), target)
     torch.testing.assert_close(kept.embed_tokens.weight, own.embed_tokens.weight)
-    export_drafter(own, tmp_path / "speculators", "speculators", dtype="float32", include_embed=False,
-                   target_name_or_path="org/target")  # vLLM's layout without the embedding
+    export_drafter(
+        own,
+        tmp_path / "speculators",
+        "speculators",
+        dtype="float32",
+        include_embed=False,
+        target_name_or_path="org/target",
+    )  # vLLM's layout without the embedding
     for name in ("without", "speculators"):
         shared = share_target_embedding(load_drafter(tmp_path / name), target)
         torch.testing.assert_close(shared.embed_tokens.weight, target.get_input_embeddings().weight)
@@ -222,8 +228,14 @@ def test_script_end_to_end(tmp_path, capsys):
     target_dir = save_target(tmp_path / "target")
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "a")
     # b: vLLM's speculators layout, without the embedding (it takes the target's)
-    export_drafter(tiny_drafter(seed=1, vocab_size=VOCAB), tmp_path / "b", "speculators", dtype="float32",
-                   include_embed=False, target_name_or_path="org/target")
+    export_drafter(
+        tiny_drafter(seed=1, vocab_size=VOCAB),
+        tmp_path / "b",
+        "speculators",
+        dtype="float32",
+        include_embed=False,
+        target_name_or_path="org/target",
+    )
     data = write_jsonl(
         tmp_path / "heldout.jsonl",
         [{"messages": [{"role": "user", "content": "write a python function"}]}, {"prompt": "the sum of two"}],
@@ -277,8 +289,17 @@ def test_replayed_verification_counts_as_live(tmp_path):
     target_dir = save_target(tmp_path / "target")
     for seed in (0, 1):
         tiny_drafter(seed=seed, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / f"d{seed}")
-    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the sum of two"}, {"prompt": "def x in list"}, {"prompt": "write"}])
-    base = [f"drafter={tmp_path}/d0,{tmp_path}/d1", f"target={target_dir}", f"data={data}", "k=3", "max_new_tokens=12", "device=cpu"]
+    data = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "the sum of two"}, {"prompt": "def x in list"}, {"prompt": "write"}]
+    )
+    base = [
+        f"drafter={tmp_path}/d0,{tmp_path}/d1",
+        f"target={target_dir}",
+        f"data={data}",
+        "k=3",
+        "max_new_tokens=12",
+        "device=cpu",
+    ]
     reports = {}
     for mode in ("live", "replay"):
         assert main([*base, f"verification={mode}", f"out={tmp_path / mode}"]) == 0

@@ -83,7 +83,9 @@ def test_chain_follows_the_training_unroll(norm_output):
     assert differs, "the test must tell norm_output on from off"
 
 
-@pytest.mark.parametrize("n", [11, pytest.param(4100, marks=pytest.mark.slow)])  # 4100: past the 4096 original positions
+@pytest.mark.parametrize(
+    "n", [11, pytest.param(4100, marks=pytest.mark.slow)]
+)  # 4100: past the 4096 original positions
 def test_chain_logits_are_the_training_unrolls_on_kimis_yarn_rope(n):
     """The Llama drafter of the miniature Kimi K2.6 on Kimi's yarn rope (factor 64, at 1.416): drafting and the
     training unroll compute the same function, so in fp64 their logits agree to rounding at every depth.
@@ -217,7 +219,9 @@ def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
         for i, path in enumerate(tree_paths(tree)):
             children = sorted(tree.tokens[c].item() for c, p in enumerate(parents) if p == i)
             if children and len(path) > 1:  # a node below the first level: its query sees draft keys too
-                top = lambda d: sorted(d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist())  # noqa: E731
+                top = lambda d: sorted(
+                    d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist()
+                )  # noqa: E731
                 assert children == top(m), (n, path)
                 differs |= children != top(full)
     assert differs, "the test must tell the window from full attention"

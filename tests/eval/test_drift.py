@@ -149,7 +149,9 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
     fed, out, normed, reached, accepted = ([[] for _ in range(depth)] for _ in range(5))
     for t in traces:  # one trace at a time, the plain unroll, RMS written out
         n = t.aux.shape[0]
-        unroll = ttt_unroll(drafter, t.aux[None].double(), t.tokens[None, :n], ttt_length=depth, attention_kernel="flash")
+        unroll = ttt_unroll(
+            drafter, t.aux[None].double(), t.tokens[None, :n], ttt_length=depth, attention_kernel="flash"
+        )
         feature = drafter.fuse_aux(t.aux[None].double())
         alive = torch.ones(NEW, dtype=torch.bool)
         rows = slice(t.prompt_len - 1, t.prompt_len - 1 + NEW)
@@ -305,7 +307,9 @@ def test_script_end_to_end(tmp_path, capsys):
     assert (out / "drift.md").read_text().strip() in capsys.readouterr().out
     # MT-Bench: both turns of each question under a system prompt, as one split
     questions = tmp_path / "question.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": ["write a function", "sum of two"]}) + "\n")
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "coding", "turns": ["write a function", "sum of two"]}) + "\n"
+    )
     mt = [args[0], args[1], f"questions={questions}", "system_prompt=you are a helpful assistant", "split=unseen_system",
           "depth=2", "max_new_tokens=4", "device=cpu", f"out={tmp_path}/mt"]  # fmt: skip
     assert main(mt) == 0

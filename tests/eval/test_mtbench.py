@@ -47,7 +47,9 @@ def test_turn_two_carries_turn_one_and_the_targets_own_answer():
         messages = [{"role": "system", "content": "you are a helpful assistant"}]
         for turn in q.turns:
             messages.append({"role": "user", "content": turn})
-            prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            prompt = tok(
+                tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+            )["input_ids"]
             expected.append(prompt)
             answer = naive_greedy(target, torch.tensor(prompt), 6)[len(prompt) :].tolist()
             answer = answer[: answer.index(eos[0])] if eos[0] in answer else answer
@@ -121,7 +123,12 @@ def test_script_end_to_end(tmp_path, capsys):
     report = json.loads((out / "mt_bench.json").read_text())
     assert report["settings"]["target_decoding_seconds"] > 0 and report["settings"]["target"] == str(target)
     keys = {(r["drafter"], r["mode"], r["split"]) for r in report["results"]}
-    assert keys == {(d, m, s) for d in ("eagle3", "eagle31") for m in ("chain-k2", "chain-k3", "tree-2x2-3") for s in (ALL, "writing", "math")}
+    assert keys == {
+        (d, m, s)
+        for d in ("eagle3", "eagle31")
+        for m in ("chain-k2", "chain-k3", "tree-2x2-3")
+        for s in (ALL, "writing", "math")
+    }
     for r in report["results"]:
         assert r["tau"] >= 1 and len(r["acceptance_rate"]) == (3 if r["mode"] == "chain-k3" else 2)
         if r["split"] == ALL:
@@ -135,11 +142,25 @@ def test_script_end_to_end(tmp_path, capsys):
     assert load_drafter(tmp_path / "e3").config.fc_norm is False
 
     history = tmp_path / "history.jsonl"
-    history.write_text(json.dumps({"messages": [{"role": "user", "content": "write code " * 8}, {"role": "assistant", "content": "def x " * 8}]}) + "\n")
+    history.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "write code " * 8},
+                    {"role": "assistant", "content": "def x " * 8},
+                ]
+            }
+        )
+        + "\n"
+    )
     long = args[:4] + ["ks=2", "max_new_tokens=3", f"history={history}", "history_tokens=30", f"out={out}/long"]
     assert main(long) == 0
     report = json.loads((out / "long" / "mt_bench.json").read_text())
-    short = {(r["drafter"], r["split"]): r["mean_prompt_tokens"] for r in json.loads((out / "mt_bench.json").read_text())["results"] if r["mode"] == "chain-k2"}
+    short = {
+        (r["drafter"], r["split"]): r["mean_prompt_tokens"]
+        for r in json.loads((out / "mt_bench.json").read_text())["results"]
+        if r["mode"] == "chain-k2"
+    }
     for r in report["results"]:
         assert r["mean_prompt_tokens"] > short[(r["drafter"], r["split"])] + 30
     assert "after >= 30 tokens of history" in (out / "long" / "mt_bench.md").read_text()
@@ -179,4 +200,3 @@ def test_prompts_render_with_the_template_kwargs_and_bad_ones_are_refused(kimi_t
     assert kimi_tok.decode(render(kimi_tok, messages, template_kwargs={"thinking": False})).endswith("<think></think>")
     with pytest.raises(ConfigError, match="chat_template_kwargs must be a JSON object"):
         MTBenchConfig(drafter=str(tmp_path), target=str(tmp_path), chat_template_kwargs="{thinking: true}")
-

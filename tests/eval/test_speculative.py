@@ -88,9 +88,7 @@ def test_lossless_on_an_mla_moe_target(mode):
 def test_chain_and_tree_agree_at_top_k_1(target, prompts):
     drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float64)
     for prompt in prompts:
-        chain = speculative_generate(
-            target, EagleProposer(drafter), prompt, aux_layer_ids=AUX, max_new_tokens=NEW, k=3
-        )
+        chain = speculative_generate(target, EagleProposer(drafter), prompt, aux_layer_ids=AUX, max_new_tokens=NEW, k=3)
         tree = speculative_generate(
             target,
             EagleProposer(drafter),
@@ -167,7 +165,11 @@ def test_replay_from_a_greedy_trace_equals_live_decoding(target, prompts, mode):
             kwargs = dict(max_new_tokens=NEW, k=None if tree else k, tree=tree, eos_token_ids=stop)
             live = speculative_generate(target, make(), prompt, aux_layer_ids=AUX, **kwargs)
             replayed = speculative_generate(trace, make(), prompt, aux_layer_ids=None, **kwargs)
-            assert (replayed.tokens, replayed.accepted, replayed.target_forwards) == (live.tokens, live.accepted, live.target_forwards)
+            assert (replayed.tokens, replayed.accepted, replayed.target_forwards) == (
+                live.tokens,
+                live.accepted,
+                live.target_forwards,
+            )
             if name == 1 and not stop:
                 assert replayed.accepted[:4] == [0, 1, 2, 3]  # the oracle's accepted lengths reach the replay
 

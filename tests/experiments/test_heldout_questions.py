@@ -42,18 +42,30 @@ def test_messages_format_is_an_acceptance_prompt_file(tmp_path):
 
     source = write_source(tmp_path / "chats.jsonl")
     out = tmp_path / "unseen_system.jsonl"
-    assert main([f"source={source}", "skip=3", "count=2", "format=messages", "system_prompt=Be a pirate.", f"out={out}"]) == 0
+    assert (
+        main([f"source={source}", "skip=3", "count=2", "format=messages", "system_prompt=Be a pirate.", f"out={out}"])
+        == 0
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records == [
-        {"messages": [{"role": "system", "content": "Be a pirate."}, {"role": "user", "content": f"question {i}"}]} for i in (3, 4)
+        {"messages": [{"role": "system", "content": "Be a pirate."}, {"role": "user", "content": f"question {i}"}]}
+        for i in (3, 4)
     ]
-    assert [m["role"] for m in to_conversation(records[0], "line 1").messages] == ["system", "user"]  # what acceptance reads
+    assert [m["role"] for m in to_conversation(records[0], "line 1").messages] == [
+        "system",
+        "user",
+    ]  # what acceptance reads
 
     assert main([f"source={source}", "skip=3", "count=1", "format=messages", f"out={out}"]) == 0
-    assert json.loads(out.read_text()) == {"messages": [{"role": "user", "content": "question 3"}]}  # the target's default system
+    assert json.loads(out.read_text()) == {
+        "messages": [{"role": "user", "content": "question 3"}]
+    }  # the target's default system
 
 
 def test_a_system_prompt_without_messages_format_is_refused(tmp_path, capsys):
-    assert main([f"source={write_source(tmp_path / 'chats.jsonl')}", "system_prompt=x", f"out={tmp_path / 'o.jsonl'}"]) == 2
+    assert (
+        main([f"source={write_source(tmp_path / 'chats.jsonl')}", "system_prompt=x", f"out={tmp_path / 'o.jsonl'}"])
+        == 2
+    )
     assert "system_prompt needs format=messages" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()

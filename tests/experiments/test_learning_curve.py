@@ -11,7 +11,10 @@ from tests.experiments.test_side_by_side import tiny_overrides
 
 
 def write_questions(path):
-    rows = [{"question_id": i, "category": c, "turns": [f"What is {i} plus 2?", "And times 3?"]} for i, c in enumerate(["math", "writing"])]
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"What is {i} plus 2?", "And times 3?"]}
+        for i, c in enumerate(["math", "writing"])
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

@@ -22,7 +22,12 @@ def test_smoke_trains_each_variant_with_and_without_a_window_and_compares_them(t
         assert config["drafter"]["sliding_window"] == window and config["drafter"]["fc_norm"] == fc_norm
         assert json.loads((runs / name / "drafter" / "config.json").read_text())["drafter"]["sliding_window"] == window
     summary = json.loads((out / "summary.json").read_text())
-    assert {(r["variant"], r["window"]) for r in summary["acceptance"]} == {("eagle3", None), ("eagle3", 4), ("eagle31", None), ("eagle31", 4)}
+    assert {(r["variant"], r["window"]) for r in summary["acceptance"]} == {
+        ("eagle3", None),
+        ("eagle3", 4),
+        ("eagle31", None),
+        ("eagle31", 4),
+    }
     assert all(r["of_first_split"] == pytest.approx(1.0) for r in summary["acceptance"])  # one split: its own
     assert "| EAGLE 3.1 | 4 |" in (out / "results.md").read_text()
     assert "experiments.long_context --smoke" in (out / "commands.sh").read_text()
@@ -36,14 +41,24 @@ def test_the_summary_compares_each_split_with_the_first_and_3_1_with_3_under_the
             ("heldout", "eagle3", "w128"): (2.5, 2.6), ("heldout", "eagle31", "w128"): (2.7, 2.8),
             ("long", "eagle3", "full"): (1.6, 1.7), ("long", "eagle31", "full"): (1.4, 1.5),
             ("long", "eagle3", "w128"): (2.3, 2.4), ("long", "eagle31", "w128"): (2.5, 2.6)}  # fmt: skip
-    results = [{"drafter": f"{v}-{w}-s{s}", "split": split, "tau": t[s]} for (split, v, w), t in taus.items() for s in (0, 1)]
-    monkeypatch.setattr(study, "shared_settings", lambda recipe: {"drafter": {"sliding_window": None}, "train": {}, "data": {}})
+    results = [
+        {"drafter": f"{v}-{w}-s{s}", "split": split, "tau": t[s]} for (split, v, w), t in taus.items() for s in (0, 1)
+    ]
+    monkeypatch.setattr(
+        study, "shared_settings", lambda recipe: {"drafter": {"sliding_window": None}, "train": {}, "data": {}}
+    )
     monkeypatch.setattr(study, "training_reports", lambda runs, out: {})
     summary = study.summarize(cfg, {"results": results}, None)
     row = {(r["split"], r["variant"], r["window"]): r for r in summary["acceptance"]}
     assert row[("long", "eagle31", 128)]["of_first_split"] == pytest.approx(2.55 / 2.75)
-    assert row[("long", "eagle31", 128)]["separation"] == "higher" and row[("long", "eagle31", None)]["separation"] == "lower"
-    assert row[("heldout", "eagle31", None)]["vs_eagle3"] == pytest.approx(0.2) and "vs_eagle3" not in row[("long", "eagle3", 128)]
+    assert (
+        row[("long", "eagle31", 128)]["separation"] == "higher"
+        and row[("long", "eagle31", None)]["separation"] == "lower"
+    )
+    assert (
+        row[("heldout", "eagle31", None)]["vs_eagle3"] == pytest.approx(0.2)
+        and "vs_eagle3" not in row[("long", "eagle3", 128)]
+    )
     assert "sliding_window" not in summary["settings"]["recipe"]["drafter"]  # per run
 
 

@@ -81,7 +81,10 @@ def report(drafters: dict[str, str], sha256: dict[str, str] | None = None, k: in
     settings = {"target": "t", "drafters": drafters, "data": {"heldout": "h.jsonl"}, "k": k}
     if sha256 is not None:
         settings["drafter_sha256"] = sha256
-    rows = [{"drafter": label, "split": "heldout", "tau": 1.5, "prompt_tokens": 10, "generated_tokens": 20} for label in drafters]
+    rows = [
+        {"drafter": label, "split": "heldout", "tau": 1.5, "prompt_tokens": 10, "generated_tokens": 20}
+        for label in drafters
+    ]
     return {"settings": settings, "results": rows}
 
 

@@ -76,7 +76,9 @@ def test_their_initialisation_is_drawn_as_ours(tiny_target, speculators, tmp_pat
     cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
     d2t, t2d = vocab_maps(torch.arange(0, 128, 2), cfg.vocab_size)
     torch.manual_seed(0)
-    speculators_drafter(cfg, d2t, t2d, attention="sdpa", ttt_length=2, verifier=str(tiny_target)).save_pretrained(tmp_path)
+    speculators_drafter(cfg, d2t, t2d, attention="sdpa", ttt_length=2, verifier=str(tiny_target)).save_pretrained(
+        tmp_path
+    )
     theirs = load_drafter(tmp_path, source_format="speculators").state_dict()
     torch.manual_seed(0)
     ours = Eagle31Drafter(cfg)
@@ -118,7 +120,9 @@ def packed_batch(lengths: list[int], prompt: int, vocab: int, hidden: int, seed:
     from eagle31.data.batch import FeatureBatch
 
     g = torch.Generator().manual_seed(seed)
-    masks = [torch.cat([torch.zeros(prompt), (torch.rand(n - prompt, generator=g) < 0.8).float()]).long() for n in lengths]
+    masks = [
+        torch.cat([torch.zeros(prompt), (torch.rand(n - prompt, generator=g) < 0.8).float()]).long() for n in lengths
+    ]
     T = sum(lengths)
     final = torch.randn(1, T, hidden, generator=g)
     return FeatureBatch(
@@ -159,9 +163,13 @@ def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(
         for p in range(T - 1 - k):
             one_early[k, 0, p] = bool(batch.loss_mask[0, p + 1 + k]) and segments[0, p + 1 + k] == segments[0, p]
     assert torch.equal(theirs, one_early[:, 0, ours_at]) and not torch.equal(theirs, ours(None))
-    aligned = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, None)), K)[:, : ours_at.numel()]
+    aligned = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, None)), K)[
+        :, : ours_at.numel()
+    ]
     assert torch.equal(aligned, ours(None))
-    in_vocab_too = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, head)), K)[:, : ours_at.numel()]
+    in_vocab_too = their_supervision(speculators_samples(batch, norm, eagle31_loss_mask(batch, head)), K)[
+        :, : ours_at.numel()
+    ]
     assert torch.equal(in_vocab_too, ours(in_vocab)) and not torch.equal(in_vocab_too, aligned)
     batch.loss_mask[0, lengths[0]] = 1  # the next document's first token: not a label of this one's last position
     assert not eagle31_loss_mask(batch, None)[0, lengths[0] - 1]
@@ -208,13 +216,17 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
     argmax = head.argmax(batch.final, label_positions(batch.loss_mask))
     supervised = supervision_mask(batch.loss_mask, segments, 3, head.in_draft[argmax.clamp(min=0)] & (argmax >= 0))
     count = supervised.sum(dim=(1, 2)).double()
-    stats = objective(batch.aux, batch.input_ids, batch.document_ids, batch.final, supervised, argmax, step_scales(count, 0.8), head)
+    stats = objective(
+        batch.aux, batch.input_ids, batch.document_ids, batch.final, supervised, argmax, step_scales(count, 0.8), head
+    )
     our_loss = weighted_loss(stats.loss_sum, count, 0.8)
     our_loss.backward()
 
     def their_loss(mask_head):
         model.zero_grad(set_to_none=True)
-        training = SpeculatorsTraining(model, train, torch.ones(Ht), max_len=T, hidden_size=Ht, num_aux=3, mask_head=mask_head)
+        training = SpeculatorsTraining(
+            model, train, torch.ones(Ht), max_len=T, hidden_size=Ht, num_aux=3, mask_head=mask_head
+        )
         loss, _ = training.loss(batch)
         return loss
 
@@ -236,7 +248,9 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
 
     out, runs = tmp_path / "out", tmp_path / "runs"
     # measure=false trains only; the next call measures what it trained
-    assert main(["--smoke", "measure=false", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
+    assert (
+        main(["--smoke", "measure=false", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
+    )
     assert all((runs / f"{side}-s0" / "report.json").is_file() for side in ("eagle31", "speculators"))
     assert not (out / "summary.json").exists() and not (out / "acceptance").exists()
     assert main(["--smoke", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
@@ -255,7 +269,10 @@ def test_smoke_runs_both_sides_end_to_end(tiny_target, chats, tmp_path, capsys, 
 
     saved = load_file(next((runs / "speculators-s0" / "drafter").glob("*.safetensors")))
     torch.testing.assert_close(peer.fc.weight, saved["fc.weight"].to(peer.fc.weight.dtype))
-    steps = [json.loads(line) for line in (runs / "speculators-s0" / "drafter" / "training_steps.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)
+        for line in (runs / "speculators-s0" / "drafter" / "training_steps.jsonl").read_text().splitlines()
+    ]
     assert len(steps) == 2 and all(s["loss"] > 0 for s in steps)
     # a second call finds every step done and only summarises again
     assert main(["--smoke", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]) == 0
@@ -269,7 +286,9 @@ class Killed(Exception):
 
 
 @pytest.mark.slow
-def test_a_killed_speculators_run_resumes_to_the_same_drafter(tiny_target, chats, tmp_path, monkeypatch, capsys, speculators):
+def test_a_killed_speculators_run_resumes_to_the_same_drafter(
+    tiny_target, chats, tmp_path, monkeypatch, capsys, speculators
+):
     """Killed after step 3 with a checkpoint at step 2, the rerun continues from it: the same weights and step log."""
     from safetensors.torch import load_file
 
@@ -299,11 +318,17 @@ def test_a_killed_speculators_run_resumes_to_the_same_drafter(tiny_target, chats
     resumed = train_speculators(recipe(tmp_path / "killed"), peer_lm_head=False)
     assert "resume: speculators seed 0 from step 2" in capsys.readouterr().err
     assert resumed["steps"] == straight["steps"] == 4 and resumed["tokens_seen"] == straight["tokens_seen"]
-    a, b = (load_file(next((tmp_path / run / "speculators-s0" / "drafter").glob("*.safetensors"))) for run in ("straight", "killed"))
+    a, b = (
+        load_file(next((tmp_path / run / "speculators-s0" / "drafter").glob("*.safetensors")))
+        for run in ("straight", "killed")
+    )
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
-    logs = [(tmp_path / run / "speculators-s0" / "drafter" / "training_steps.jsonl").read_text() for run in ("straight", "killed")]
+    logs = [
+        (tmp_path / run / "speculators-s0" / "drafter" / "training_steps.jsonl").read_text()
+        for run in ("straight", "killed")
+    ]
     assert logs[0] == logs[1] and len(logs[0].splitlines()) == 4
 
 
@@ -328,8 +353,12 @@ def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, ca
     assert main([*args, *tiny_overrides(tiny_target, chats)]) == 2
     assert "drafter.norm_output=true: SpecForge 0.2.0 feeds the pre-norm state back" in capsys.readouterr().err
     assert main([*args, *tiny_overrides(tiny_target, chats), "drafter.norm_output=false", "train.loss=tv"]) == 2
-    assert "train.loss=tv: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only" in capsys.readouterr().err
-    assert main([args[0], "device=cuda", *args[1:], *tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]) == 2
+    assert (
+        "train.loss=tv: SpecForge 0.2.0 trains EAGLE-3 with kl, lk_alpha or lk_hybrid only" in capsys.readouterr().err
+    )
+    assert (
+        main([args[0], "device=cuda", *args[1:], *tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]) == 2
+    )
     assert "device=cuda: the SpecForge side trains in its CPU venv" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
@@ -382,9 +411,16 @@ def test_the_gpu_side_by_side_runs_the_environment_and_its_part_alone(tmp_path, 
     from experiments.side_by_side import gpu
 
     ran = []
-    monkeypatch.setattr(gpu_check, "run_part", lambda part, out, smoke, timeout: ran.append((part.name, part.kind, timeout)) or {"status": "pass"})
+    monkeypatch.setattr(
+        gpu_check,
+        "run_part",
+        lambda part, out, smoke, timeout: ran.append((part.name, part.kind, timeout)) or {"status": "pass"},
+    )
     assert gpu.main([str(tmp_path / "check")]) == 0
-    assert ran == [("environment", "environment", 60), ("side by side", "experiments.side_by_side.gpu:side_by_side", gpu.SIDE_BY_SIDE.budget_s)]
+    assert ran == [
+        ("environment", "environment", 60),
+        ("side by side", "experiments.side_by_side.gpu:side_by_side", gpu.SIDE_BY_SIDE.budget_s),
+    ]
     assert gpu.SIDE_BY_SIDE.budget_s < gpu.BUDGET_S < 600  # one command of a lent machine
     assert json.loads((tmp_path / "check" / "summary.json").read_text())["mode"] == "gpu side by side"
     assert gpu.main([]) == 2
@@ -400,7 +436,11 @@ def test_the_gpu_side_by_side_smoke_trains_both_sides_and_measures_them(tmp_path
     cmd = [sys.executable, "-m", "experiments.side_by_side.gpu", "--cpu-smoke", str(out)]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    side = json.loads((out / "summary.json").read_text())["parts"]["side by side"]  # both trainers, then one measurement
+    side = json.loads((out / "summary.json").read_text())["parts"][
+        "side by side"
+    ]  # both trainers, then one measurement
     assert side["status"] == "pass", side
-    assert set(side["training"]) == {"eagle31-s0", "speculators-s0"} and side["acceptance"][0]["ratio"]["speculators"] > 0
+    assert (
+        set(side["training"]) == {"eagle31-s0", "speculators-s0"} and side["acceptance"][0]["ratio"]["speculators"] > 0
+    )
     assert (out / "side_by_side" / "result" / "results.md").is_file()

@@ -26,12 +26,23 @@ def write_results(tmp_path):
                 results.append({"drafter": label, "mode": "chain-k3", "split": split, "tau": t, "prompts": 4,
                                 "mean_prompt_tokens": 100.0, "acceptance_rate": [t - 1, 0.0, 0.0],
                                 "conditional_acceptance_rate": [t - 1, 0.5, 0.25]})  # fmt: skip
-        settings = {"drafters": {label: f"{runs}/{label}/drafter" for label in labels}, "target": "t", "max_new_tokens": 8}
+        settings = {
+            "drafters": {label: f"{runs}/{label}/drafter" for label in labels},
+            "target": "t",
+            "max_new_tokens": 8,
+        }
         (out / probe).mkdir(parents=True)
         (out / probe / "mt_bench.json").write_text(json.dumps({"settings": settings, "results": results}))
     for i, label in enumerate(labels):
         (runs / label).mkdir(parents=True)
-        report = {"tau_sim": 1.5 + i / 10, "acc": [0.5], "eval_loss": 3.0, "train_time_s": 60.0, "steps": 10, "tokens_seen": 100}
+        report = {
+            "tau_sim": 1.5 + i / 10,
+            "acc": [0.5],
+            "eval_loss": 3.0,
+            "train_time_s": 60.0,
+            "steps": 10,
+            "tokens_seen": 100,
+        }
         (runs / label / "report.json").write_text(json.dumps(report))
     return SummaryConfig(out=str(out), runs=str(runs))
 
@@ -45,8 +56,14 @@ def test_summary_means_seeds_and_says_what_holds_outside_their_spread(tmp_path):
     assert [t["seed"] for t in summary["training"]] == [0, 1, 0, 1]
 
     table = format_results(summary)
-    assert "| MT-Bench | chain-k3 | 100 | 1.550 (1.500, 1.600) | 1.750 (1.700, 1.800) | +0.200, higher, outside the seed spread |" in table
-    assert "| MT-Bench after a long history | chain-k3 | 100 | 1.475 (1.400, 1.550) | 1.475 (1.500, 1.450) | +0.000, within the seed spread |" in table
+    assert (
+        "| MT-Bench | chain-k3 | 100 | 1.550 (1.500, 1.600) | 1.750 (1.700, 1.800) | +0.200, higher, outside the seed spread |"
+        in table
+    )
+    assert (
+        "| MT-Bench after a long history | chain-k3 | 100 | 1.475 (1.400, 1.550) | 1.475 (1.500, 1.450) | +0.000, within the seed spread |"
+        in table
+    )
     assert "| chain-k3 | EAGLE 3.1 | 1.750 | 2.250 | 1.500 |" in table  # per category, mean over seeds
     assert "under an unseen system prompt" not in table  # a probe that was not run has no rows
 

@@ -77,7 +77,9 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp_path / "weights.safetensors")
     loss_mask = torch.ones(1, T, dtype=torch.long)
     loss_mask[0, -1] = 0  # as their `normalize_offline_sample` leaves every document
-    save_file({"aux": aux, "input_ids": input_ids, "target": target, "loss_mask": loss_mask}, tmp_path / "batch.safetensors")
+    save_file(
+        {"aux": aux, "input_ids": input_ids, "target": target, "loss_mask": loss_mask}, tmp_path / "batch.safetensors"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(
         [str(python), "-c", THEIR_FORWARD, str(tmp_path), str(ENTRY_DIR), str(K)],

@@ -33,7 +33,10 @@ def edit_drafter_config(folder, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(hidden_size=32, head_dim=8), r"embed_tokens.weight has shape \(40, 16\).*\(vocab_size, hidden_size\) makes it \(40, 32\)"),
+        (
+            dict(hidden_size=32, head_dim=8),
+            r"embed_tokens.weight has shape \(40, 16\).*\(vocab_size, hidden_size\) makes it \(40, 32\)",
+        ),
         (dict(aux_layer_ids=[1, 2, 4, 5]), r"fc.weight has shape \(16, 48\).*aux_layer_ids\) makes it \(16, 64\)"),
         (dict(draft_vocab_size=30), r"d2t has shape \(24,\).*\(draft_vocab_size\) makes it \(30,\)"),
     ],

@@ -18,10 +18,21 @@ from eagle31.convert import detect_format, load_drafter, to_eagle31
 from tests.helpers import random_batch, tiny_drafter
 
 LAYER = {  # tests.helpers.tiny_config as an HF Llama layer
-    "model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
-    "rms_norm_eps": 1e-06, "max_position_embeddings": 256, "rope_theta": 10000.0, "rope_scaling": None,
-    "vocab_size": 40, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "vocab_size": 40,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 OUTPUT_OF_LAYER_IDS = [1, 3, 4]  # tiny_config's vLLM ids (2, 4, 5) in SpecForge/TorchSpec's convention
 
@@ -55,7 +66,9 @@ def specforge_config(**fields):
 
 def test_specforge_eagle3_ids_are_shifted_to_vllms_convention(tmp_path):
     m = tiny_drafter(seed=4, dtype=torch.float32, fc_norm=False, norm_output=False)
-    cfg = specforge_config(eagle_config={"eagle_aux_hidden_state_layer_ids": OUTPUT_OF_LAYER_IDS, "use_aux_hidden_state": True})
+    cfg = specforge_config(
+        eagle_config={"eagle_aux_hidden_state_layer_ids": OUTPUT_OF_LAYER_IDS, "use_aux_hidden_state": True}
+    )
     path = write_checkpoint(tmp_path / "sf", cfg, m)
     assert detect_format(cfg) == "specforge"
     assert_same_drafter(load_drafter(path), m)
@@ -96,8 +109,13 @@ def test_missing_aux_ids_need_the_target_layer_count(tmp_path):
 
 
 def torchspec_config(**fields):
-    return {"architectures": ["LlamaForCausalLMEagle3"], **LAYER, "eagle_aux_hidden_state_layer_ids": OUTPUT_OF_LAYER_IDS,
-            "_torchspec_version": "0.1.0", **fields}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **LAYER,
+        "eagle_aux_hidden_state_layer_ids": OUTPUT_OF_LAYER_IDS,
+        "_torchspec_version": "0.1.0",
+        **fields,
+    }
 
 
 @pytest.mark.parametrize("layer_prefix", ["midlayer.", "layers.0."])  # native keys, or `--vllm`
@@ -109,10 +127,21 @@ def test_torchspec_pruned_vocab_export(tmp_path, layer_prefix):
 
 def test_torchspec_kimi_style_legacy_yarn_rope(tmp_path):
     """configs/draft_models/kimi_k25_eagle3.json writes rope_theta + rope_scaling with `type: yarn`."""
-    yarn = {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-            "mscale": 1.0, "mscale_all_dim": 1.0}
-    m = tiny_drafter(seed=6, dtype=torch.float32, fc_norm=False, norm_output=False,
-                     rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **yarn})
+    yarn = {
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    m = tiny_drafter(
+        seed=6,
+        dtype=torch.float32,
+        fc_norm=False,
+        norm_output=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **yarn},
+    )
     cfg = torchspec_config(draft_vocab_size=24, rope_theta=50000.0, rope_scaling={"type": "yarn", **yarn})
     with pytest.warns(UserWarning, match="rope block is read two ways"):  # DeepSeek's mscale fields in a Llama layer
         loaded = load_drafter(write_checkpoint(tmp_path / "ts", cfg, m))
@@ -164,7 +193,9 @@ def speculators_config(**fields):
 
 def test_speculators_checkpoint_reads_like_vllm_reads_it(tmp_path):
     m = tiny_drafter(seed=7, dtype=torch.float32, norm_before_residual=True)  # vLLM's default for this layout
-    path = write_checkpoint(tmp_path / "sp", speculators_config(fc_norm=True, norm_output=True), m, layer_prefix="layers.0.")
+    path = write_checkpoint(
+        tmp_path / "sp", speculators_config(fc_norm=True, norm_output=True), m, layer_prefix="layers.0."
+    )
     loaded = load_drafter(path)
     assert loaded.config.target_name_or_path == "org/target"
     assert loaded.config.target_architectures == ("LlamaForCausalLM",)
@@ -173,7 +204,9 @@ def test_speculators_checkpoint_reads_like_vllm_reads_it(tmp_path):
 
 def test_speculators_training_only_tensors_are_ignored(tmp_path):
     m = tiny_drafter(seed=7, dtype=torch.float32, fc_norm=False, norm_output=False)
-    path = write_checkpoint(tmp_path / "sp", speculators_config(norm_before_residual=False), m, layer_prefix="layers.0.")
+    path = write_checkpoint(
+        tmp_path / "sp", speculators_config(norm_before_residual=False), m, layer_prefix="layers.0."
+    )
     extra = {"verifier_norm.weight": torch.ones(16), "verifier_lm_head.weight": torch.zeros(40, 16)}
     save_file(extra, str(path / "verifier.safetensors"))
     assert_same_drafter(load_drafter(path), m)
@@ -217,7 +250,10 @@ def test_native_drafter_is_read_with_overrides(tmp_path):
     "config, message",
     [
         (specforge_config(num_hidden_layers=2), "decoder layers"),
-        (specforge_config(intermediate_size=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}), "intermediate_size.*does not match the weights"),
+        (
+            specforge_config(intermediate_size=32, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}),
+            "intermediate_size.*does not match the weights",
+        ),
         (speculators_config(speculators_model_type="mtp"), "not an EAGLE-3"),
         (speculators_config(transformer_layer_config={**LAYER, "model_type": "qwen3"}), "only Llama-layer"),
     ],

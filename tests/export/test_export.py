@@ -23,7 +23,9 @@ def logits(m, seed=0, K=3):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("switches", [dict(), dict(fc_norm=False, norm_output=False), dict(draft_vocab_size=40), dict(sliding_window=4)])
+@pytest.mark.parametrize(
+    "switches", [dict(), dict(fc_norm=False, norm_output=False), dict(draft_vocab_size=40), dict(sliding_window=4)]
+)
 def test_round_trip_gives_bit_identical_logits_and_config(tmp_path, fmt, switches):
     m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target", **switches)
     loaded = load_drafter(export_drafter(m, tmp_path / fmt, fmt, dtype="float32"))
@@ -58,7 +60,9 @@ def test_an_mla_drafter_with_a_window_is_refused_in_one_line(tmp_path):
     from tests.test_mla import mla_drafter
 
     m = mla_drafter(sliding_window=8)
-    with pytest.raises(ConfigError, match="sliding_window=8 cannot be served: vLLM builds an MLA drafter's attention without a window") as e:
+    with pytest.raises(
+        ConfigError, match="sliding_window=8 cannot be served: vLLM builds an MLA drafter's attention without a window"
+    ) as e:
         export_drafter(m, tmp_path / "out", "eagle3")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
@@ -125,8 +129,9 @@ def saved_embedding(out):
 
 def test_the_speculators_layout_carries_the_embedding_by_default_and_the_hf_layout_shares_the_targets(tmp_path):
     m = tiny_drafter(seed=1, dtype=torch.float32, target_name_or_path="org/target")
-    assert torch.equal(saved_embedding(export_drafter(m, tmp_path / "s", "speculators", dtype="float32")),
-                       m.embed_tokens.weight)
+    assert torch.equal(
+        saved_embedding(export_drafter(m, tmp_path / "s", "speculators", dtype="float32")), m.embed_tokens.weight
+    )
     assert saved_embedding(export_drafter(m, tmp_path / "e", "eagle3")) is None
     assert saved_embedding(export_drafter(m, tmp_path / "s2", "speculators", include_embed=False)) is None
     with torch.no_grad():
@@ -155,7 +160,9 @@ def test_the_speculators_layout_needs_the_targets_name(tmp_path):
     with pytest.raises(ConfigError, match="verifier.name_or_path.*target="):
         export_drafter(m, tmp_path / "s", "speculators")
     assert not (tmp_path / "s").exists()
-    cfg = json.loads((export_drafter(m, tmp_path / "s", "speculators", target_name_or_path="org/t") / "config.json").read_text())
+    cfg = json.loads(
+        (export_drafter(m, tmp_path / "s", "speculators", target_name_or_path="org/t") / "config.json").read_text()
+    )
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/t"
 
 
@@ -202,7 +209,16 @@ def test_the_source_drafter_is_never_the_output(tmp_path):
 
 
 def test_export_options_follow_the_run_config():
-    run = {"target": {"name": "moonshotai/Kimi-K2.6"}, "data": {"max_len": 8192},
-           "export": {"dtype": "float16", "include_embed": True}, "eval": {"num_speculative_tokens": 4}}
-    assert export_options(run) == dict(dtype="float16", include_embed=True, trained_context=8192,
-                                       num_speculative_tokens=4, target_name_or_path="moonshotai/Kimi-K2.6")
+    run = {
+        "target": {"name": "moonshotai/Kimi-K2.6"},
+        "data": {"max_len": 8192},
+        "export": {"dtype": "float16", "include_embed": True},
+        "eval": {"num_speculative_tokens": 4},
+    }
+    assert export_options(run) == dict(
+        dtype="float16",
+        include_embed=True,
+        trained_context=8192,
+        num_speculative_tokens=4,
+        target_name_or_path="moonshotai/Kimi-K2.6",
+    )

@@ -25,8 +25,10 @@ def test_model_card_metadata_and_serving_command(run_dir, export_dir):
     assert meta["base_model"] == "moonshotai/Kimi-K2.6"
     assert meta["library_name"] == "vllm" and meta["license"] == "mit"
     assert {"eagle3", "speculative-decoding"} <= set(meta["tags"])
-    assert ("vllm serve moonshotai/Kimi-K2.6 --speculative-config "
-            """'{"method": "eagle3", "model": "me/kimi-eagle3", "num_speculative_tokens": 4}'""") in body
+    assert (
+        "vllm serve moonshotai/Kimi-K2.6 --speculative-config "
+        """'{"method": "eagle3", "model": "me/kimi-eagle3", "num_speculative_tokens": 4}'"""
+    ) in body
     assert "* data: `chat.jsonl`, `dataset`\n" in body  # names, not where they lie
     assert "optimizer steps: 1000" in body and "tokens seen: 1,234,567" in body
     assert "**3.215**" in body and "| top-1 accuracy | 0.810 | 0.720 | 0.600 |" in body
@@ -37,7 +39,9 @@ def test_model_card_metadata_and_serving_command(run_dir, export_dir):
 
 def test_speculators_card_and_a_run_without_report(tmp_path):
     m = tiny_drafter(seed=1, fc_norm=False, norm_output=False)
-    out = export_drafter(m, tmp_path / "s", "speculators", num_speculative_tokens=5, target_name_or_path="/local/target")
+    out = export_drafter(
+        m, tmp_path / "s", "speculators", num_speculative_tokens=5, target_name_or_path="/local/target"
+    )
     meta, body = front_matter(render_model_card(hub.read_export(out), "me/d"))
     assert meta["library_name"] == "speculators" and "base_model" not in meta  # a local path is no Hub id
     assert "/local" not in body and "vllm serve <path to target> " in body
@@ -117,7 +121,6 @@ def test_only_eagle31_exports_are_pushed(tmp_path):
         push_folder(tmp_path, "me/d", dry_run=True)
 
 
-
 def test_the_card_publishes_names_and_counts_never_a_local_path(tmp_path):
     """The paths of this test's own folders (data, target, run) must not reach the published card."""
     private = tmp_path / "home" / "me" / "private"
@@ -125,14 +128,25 @@ def test_the_card_publishes_names_and_counts_never_a_local_path(tmp_path):
     (private / "corpus").mkdir(parents=True)
     sources = [str(private / "chats.jsonl"), str(private / "corpus") + "/", "demo:train"]
     target = private / "models" / "Kimi-K2.6"
-    run_config = {"target": {"name": None, "path": str(target)},
-                  "data": {"source": sources, "prepared_dir": str(run / "data"), "max_len": 2048}}
+    run_config = {
+        "target": {"name": None, "path": str(target)},
+        "data": {"source": sources, "prepared_dir": str(run / "data"), "max_len": 2048},
+    }
     (run / "data").mkdir(parents=True)
-    (run / "data" / "report.json").write_text(json.dumps(
-        {"prepared_dir": str(run / "data"), "sources": sources, "samples": {"train": 1200, "eval": 64},
-         "supervised_tokens": {"train": 345678, "eval": 9000}}))
+    (run / "data" / "report.json").write_text(
+        json.dumps(
+            {
+                "prepared_dir": str(run / "data"),
+                "sources": sources,
+                "samples": {"train": 1200, "eval": 64},
+                "supervised_tokens": {"train": 345678, "eval": 9000},
+            }
+        )
+    )
     out = export_drafter(tiny_drafter(seed=1), run / "export" / "s", "speculators", target_name_or_path=str(target))
-    card = write_model_card(out, "me/d", run_config, read_report(run), hub.read_data_report(run, run_config)).read_text()
+    card = write_model_card(
+        out, "me/d", run_config, read_report(run), hub.read_data_report(run, run_config)
+    ).read_text()
     assert str(tmp_path) not in card and "home/me" not in card
     assert "* data: `chats.jsonl`, `corpus`, `demo:train`" in card
     assert "* samples: 1,200 for training, 64 held out (345,678 supervised training tokens)" in card

@@ -41,7 +41,11 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         assert cfg[name] == getattr(c, name), name
     s = vllm.effective_settings(view)
-    assert (s["aux_layer_ids"], s["num_aux"], s["target_hidden_size"]) == (c.aux_layer_ids, c.num_aux, c.target_hidden_size)
+    assert (s["aux_layer_ids"], s["num_aux"], s["target_hidden_size"]) == (
+        c.aux_layer_ids,
+        c.num_aux,
+        c.target_hidden_size,
+    )
     for flag in ("fc_norm", "norm_output", "norm_before_residual"):
         assert s[flag] == getattr(c, flag), flag
     # the embedding is written only for a drafter narrower than its target (vLLM would share the wider one)
@@ -49,7 +53,10 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     assert vllm.loaded_shapes(tensors) == {
         k: v for k, v in vllm.expected_params(view).items() if embed_written or k != "model.embed_tokens.weight"
     }
-    assert vllm.vllm_name("midlayer.self_attn.kv_a_proj_with_mqa.weight") == "model.layers.0.self_attn.fused_qkv_a_proj.weight"
+    assert (
+        vllm.vllm_name("midlayer.self_attn.kv_a_proj_with_mqa.weight")
+        == "model.layers.0.self_attn.fused_qkv_a_proj.weight"
+    )
     rope = vllm.deepseek_rope(view)
     assert rope["rope_type"] == "deepseek_yarn" and rope["rope_theta"] == c.rope_parameters["rope_theta"]
 
@@ -110,7 +117,11 @@ def torchspec_mla_checkpoint(path, m, *, ids, model_type="kimi_k2", layer_prefix
     }  # fmt: skip
     if version:
         cfg["_torchspec_version"] = "0.2.0"
-    state = {k.replace("midlayer.", layer_prefix): v.contiguous() for k, v in m.state_dict().items() if k not in ("d2t", "t2d")}
+    state = {
+        k.replace("midlayer.", layer_prefix): v.contiguous()
+        for k, v in m.state_dict().items()
+        if k not in ("d2t", "t2d")
+    }
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(state, str(path / "model.safetensors"))
@@ -136,7 +147,9 @@ def test_torchspec_vllm_export_of_a_kimi_drafter_is_not_shifted_twice(tmp_path):
     m = mla_drafter(seed=5, draft_vocab_size=40).float()
     path = torchspec_mla_checkpoint(tmp_path / "ts", m, ids=[2, 4, 5], layer_prefix="layers.0.")
     assert load_drafter(path).config.aux_layer_ids == (2, 4, 5)
-    deepseek = torchspec_mla_checkpoint(tmp_path / "ds", m, ids=[1, 3, 4], model_type="deepseek_v3", layer_prefix="layers.0.")
+    deepseek = torchspec_mla_checkpoint(
+        tmp_path / "ds", m, ids=[1, 3, 4], model_type="deepseek_v3", layer_prefix="layers.0."
+    )
     assert load_drafter(deepseek).config.aux_layer_ids == (2, 4, 5)
     # the config alone (drafter.init_from's check) reads the ids as load_drafter does
     from types import SimpleNamespace
@@ -166,7 +179,13 @@ def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
     }  # fmt: skip
     cfg = drafter_config(meta, detect_format(meta), target_num_layers=61)
     assert cfg.attention == "mla" and cfg.aux_layer_ids == (2, 30, 58) and cfg.head_dim == 192
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
     assert cfg.num_key_value_heads == 64 and cfg.draft_vocab_size == cfg.vocab_size == 163840 and cfg.norm_output
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 64.0
 
@@ -193,7 +212,11 @@ def test_an_older_export_of_ours_still_reads_back(tmp_path):
     m, cfg, tensors, out = export(tmp_path, "full_vocab")
     assert "d2t" not in tensors and "t2d" not in tensors
     (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
-    save_file({**tensors, "d2t": m.d2t.clone(), "t2d": m.t2d.clone()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {**tensors, "d2t": m.d2t.clone(), "t2d": m.t2d.clone()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     old, new = load_drafter(out), m
     assert old.config.attention == "mla" and torch.equal(old.d2t, new.d2t) and torch.equal(old.t2d, new.t2d)
     for name, tensor in new.state_dict().items():

@@ -34,8 +34,10 @@ def test_credentials_are_masked_by_what_they_are(monkeypatch):
     config = {
         "hub": {"token": "anything", "license": "mit"},
         "logging": {"wandb": {"api_key": "anything", "mode": "offline", "entity": None}},
-        "data": {"source": ["https://user:pa55word@example.org/chat.jsonl", f"hf://datasets/org/d?token={HF_TOKEN}"],
-                 "shard_max_tokens": 4096},
+        "data": {
+            "source": ["https://user:pa55word@example.org/chat.jsonl", f"hf://datasets/org/d?token={HF_TOKEN}"],
+            "shard_max_tokens": 4096,
+        },
         "notes": f"key {WANDB_KEY} and {HF_TOKEN}",
         "eval": {"num_speculative_tokens": 3, "max_new_tokens": 64},
     }
@@ -45,7 +47,10 @@ def test_credentials_are_masked_by_what_they_are(monkeypatch):
         assert secret not in text
     assert red["hub"]["license"] == "mit" and red["logging"]["wandb"]["entity"] is None
     assert red["data"]["source"][0] == "https://***@example.org/chat.jsonl"
-    assert red["data"]["shard_max_tokens"] == 4096 and red["eval"] == {"num_speculative_tokens": 3, "max_new_tokens": 64}
+    assert red["data"]["shard_max_tokens"] == 4096 and red["eval"] == {
+        "num_speculative_tokens": 3,
+        "max_new_tokens": 64,
+    }
 
 
 @pytest.fixture
@@ -53,8 +58,12 @@ def finished_run(tmp_path, monkeypatch):
     """runs/demo as `pipeline.train_run` leaves it: config.yaml (redacted as it writes it) and drafter/."""
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
     run = tmp_path / "runs" / "demo"
-    overrides = ["recipe=demo", f"output_dir={run}", "eval.num_speculative_tokens=4",
-                 "target.revision=${oc.env:HF_TOKEN}"]  # a credential that reached the config by interpolation
+    overrides = [
+        "recipe=demo",
+        f"output_dir={run}",
+        "eval.num_speculative_tokens=4",
+        "target.revision=${oc.env:HF_TOKEN}",
+    ]  # a credential that reached the config by interpolation
     cfg = load_recipe(RECIPES, overrides)
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_container(cfg)), sort_keys=False))

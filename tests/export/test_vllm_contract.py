@@ -28,11 +28,26 @@ CASES = {
     "norm_before_residual": dict(norm_before_residual=True),
     "norm_before_fc": dict(fc_norm=False, norm_before_fc=True, norm_output=False),
     # Kimi K2.6's yarn as a Llama drafter carries it (no DeepSeek mscale fields): magnitude 1.416 in vLLM
-    "kimi_yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
-                                       "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}),
-    "llama3_rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 64}),
+    "kimi_yarn": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        }
+    ),
+    "llama3_rope": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
     # the window cuts the 6-position sequence of the numerics test at every step (step 2: 2 step-0 keys)
     "sliding_window": dict(sliding_window=4),
 }
@@ -115,10 +130,22 @@ def test_weights_are_cast_and_readable_by_transformers_based_loaders(tmp_path, f
     "rope",
     [
         {"rope_type": "default", "rope_theta": 500000.0},
-        {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-         "beta_fast": 32.0, "beta_slow": 1.0},
-        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ],
 )
 def test_transformers_4_and_5_readers_get_the_same_rope(tmp_path, fmt, rope):
@@ -137,8 +164,16 @@ def test_transformers_autoconfig_parses_the_hf_layout_as_vllm_does(tmp_path, cas
     assert type(parsed).__name__ == "LlamaConfig"
     s = vllm.effective_settings(parsed.to_dict())
     c = m.config
-    assert (s["num_aux"], s["aux_layer_ids"], s["target_hidden_size"]) == (c.num_aux, c.aux_layer_ids, c.target_hidden_size)
-    assert (parsed.fc_norm, parsed.norm_output, parsed.draft_vocab_size) == (c.fc_norm, c.norm_output, c.draft_vocab_size)
+    assert (s["num_aux"], s["aux_layer_ids"], s["target_hidden_size"]) == (
+        c.num_aux,
+        c.aux_layer_ids,
+        c.target_hidden_size,
+    )
+    assert (parsed.fc_norm, parsed.norm_output, parsed.draft_vocab_size) == (
+        c.fc_norm,
+        c.norm_output,
+        c.draft_vocab_size,
+    )
     assert parsed.rope_parameters == m.config.rope_parameters
 
 
@@ -148,7 +183,10 @@ def test_speculators_layout_names_the_verifier_and_k(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert "model_type" not in cfg and cfg["transformer_layer_config"]["model_type"] == "llama"
     assert vllm.speculative_config(cfg) == {"method": "eagle3", "num_speculative_tokens": 5}
-    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert cfg["speculators_config"]["verifier"] == {
+        "name_or_path": "org/target",
+        "architectures": ["DeepseekV3ForCausalLM"],
+    }
     assert cfg["speculators_config"]["algorithm"] == "eagle3"
 
 
@@ -164,7 +202,11 @@ def test_vllm_numerics_on_the_exported_files_match_the_drafter(tmp_path, case, f
     c = m.config
     # the target's embedding as vLLM would share it: the drafter's own when the widths agree (training froze
     # the target's into it), another [V, Ht] matrix when they differ
-    target_embed = m.embed_tokens.weight if c.target_hidden_size == c.hidden_size else torch.randn(c.vocab_size, c.target_hidden_size)
+    target_embed = (
+        m.embed_tokens.weight
+        if c.target_hidden_size == c.hidden_size
+        else torch.randn(c.vocab_size, c.target_hidden_size)
+    )
     embed = vllm.drafter_embedding(cfg, tensors, target_embed)
     theirs = vllm.chain_logits(cfg, tensors, embed.double(), aux[0], ids[0], K)
     draft_ids = m.draft_token_ids()
@@ -177,17 +219,31 @@ def test_vllm_numerics_on_the_exported_files_match_the_drafter(tmp_path, case, f
 
 def test_the_contract_sees_the_known_failure_modes():
     """The contract's reading of a config that omits what eagle31 always writes."""
-    bare = {"hidden_size": 16, "vocab_size": 40, "eagle_aux_hidden_state_layer_ids": [1, 3, 5, 6],
-            "target_hidden_size": None, "draft_vocab_size": 24}
+    bare = {
+        "hidden_size": 16,
+        "vocab_size": 40,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5, 6],
+        "target_hidden_size": None,
+        "draft_vocab_size": 24,
+    }
     s = vllm.effective_settings(bare)
     assert s["num_aux"] == 3  # four ids but fc sized for three
     assert s["target_hidden_size"] is None  # null kept: fc size breaks
     assert not s["fc_norm"] and not s["norm_output"]  # 3.1 flags missing -> off
-    speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": {"hidden_size": 16, "vocab_size": 40}}
+    speculators = {
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"hidden_size": 16, "vocab_size": 40},
+    }
     assert vllm.effective_settings(vllm.hf_config_view(speculators))["norm_before_residual"] is True
     assert vllm.vllm_name("d2t") == "draft_id_to_target_id" and vllm.vllm_name("t2d") is None
     # a full vocabulary has no draft_id_to_target_id in 0.33: a d2t tensor would be refused
-    full = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "vocab_size": 40, "draft_vocab_size": 40}
+    full = {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "vocab_size": 40,
+        "draft_vocab_size": 40,
+    }
     assert "draft_id_to_target_id" not in vllm.expected_params(full)
     assert "draft_id_to_target_id" in vllm.expected_params({**full, "draft_vocab_size": 24})
     assert vllm.vllm_name("midlayer.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj.weight"

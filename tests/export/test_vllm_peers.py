@@ -75,7 +75,11 @@ def recipe_cases(name: str) -> list[dict]:
         if int(cfg.data.max_len) > drafter.max_position_embeddings:  # eagle31.plan.plan_run
             drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
         for vocab in ("full", "reduced"):
-            shape = {**TINY, **(TINY_MLA if attention == "mla" else {}), "draft_vocab_size": 40 if vocab == "full" else 24}
+            shape = {
+                **TINY,
+                **(TINY_MLA if attention == "mla" else {}),
+                "draft_vocab_size": 40 if vocab == "full" else 24,
+            }
             config = {**dataclasses.asdict(dataclasses.replace(drafter, **shape))}
             for fmt in cfg.export.formats:
                 if attention == "mla" and fmt != "eagle3":
@@ -116,11 +120,15 @@ def exports(tmp_path_factory):
     windows = {}
     for fmt in ("eagle3", "speculators"):  # a drafter with a sliding window, in both layouts
         windows[fmt] = root / f"window-{fmt}"
-        export_case({**speculators, "config": {**speculators["config"], "sliding_window": WINDOW}, "format": fmt}, windows[fmt])
+        export_case(
+            {**speculators, "config": {**speculators["config"], "sliding_window": WINDOW}, "format": fmt}, windows[fmt]
+        )
     mla_window = root / "mla-window"  # what eagle31 refuses to write: an MLA export carrying a window
     export_case(mla, mla_window)
     config = json.loads((mla_window / "config.json").read_text())
-    (mla_window / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW, "layer_types": ["sliding_attention"]}))
+    (mla_window / "config.json").write_text(
+        json.dumps({**config, "sliding_window": WINDOW, "layer_types": ["sliding_attention"]})
+    )
     extra = {"deepseek_v3": old, "local_verifier": local, "mla_window": mla_window}
     return made, {**extra, **{f"window_{fmt}": d for fmt, d in windows.items()}}
 

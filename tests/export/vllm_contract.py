@@ -75,15 +75,24 @@ import torch
 from transformers import LlamaConfig
 
 # the part of vLLM's speculative-decoding registry that loads a Llama-layer EAGLE-3 drafter
-REGISTRY = {"LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM",
-            "Eagle3DeepseekV2ForCausalLM": "Eagle3DeepseekV2ForCausalLM",
-            "Eagle3DeepseekV3ForCausalLM": "Eagle3DeepseekV2ForCausalLM"}
+REGISTRY = {
+    "LlamaForCausalLMEagle3": "Eagle3LlamaForCausalLM",
+    "Eagle3LlamaForCausalLM": "Eagle3LlamaForCausalLM",
+    "Eagle3DeepseekV2ForCausalLM": "Eagle3DeepseekV2ForCausalLM",
+    "Eagle3DeepseekV3ForCausalLM": "Eagle3DeepseekV2ForCausalLM",
+}
 MLA_CLASS = "Eagle3DeepseekV2ForCausalLM"
 NEWEST, OLDEST = "0.33.0", "0.22.0"
 # (checkpoint shard name, vLLM fused parameter), shards of one parameter in order
-STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"),
-           (".q_a_proj", ".fused_qkv_a_proj"), (".kv_a_proj_with_mqa", ".fused_qkv_a_proj"))
+STACKED = (
+    (".q_proj", ".qkv_proj"),
+    (".k_proj", ".qkv_proj"),
+    (".v_proj", ".qkv_proj"),
+    (".gate_proj", ".gate_up_proj"),
+    (".up_proj", ".gate_up_proj"),
+    (".q_a_proj", ".fused_qkv_a_proj"),
+    (".kv_a_proj_with_mqa", ".fused_qkv_a_proj"),
+)
 
 
 # ----------------------------------------------------------------------- config
@@ -203,7 +212,9 @@ def deepseek_rope_numbers(rope_dim: int, rope: dict, release: str = NEWEST) -> t
     high = min(math.ceil(correction_dim(rope.get("beta_slow", 1))), rope_dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.tensor([min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rope_dim // 2)], dtype=torch.float64)
+    ramp = torch.tensor(
+        [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rope_dim // 2)], dtype=torch.float64
+    )
     mask = (1 - ramp) * extrapolation
     inv = (1.0 / (factor * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
     magnitude = yarn_get_mscale(factor, rope.get("mscale", 1)) / yarn_get_mscale(factor, rope.get("mscale_all_dim", 0))
@@ -277,7 +288,9 @@ def _llama3_inv_freq(base: float, rotary_dim: int, rope: dict) -> torch.Tensor:
     wave_len = 2 * math.pi / plain
     smooth = (old_context / wave_len - lo) / (hi - lo) if lo != hi else torch.zeros_like(plain)
     medium = (1 - smooth) * plain / factor + smooth * plain
-    return torch.where(wave_len < old_context / hi, plain, torch.where(wave_len > old_context / lo, plain / factor, medium))
+    return torch.where(
+        wave_len < old_context / hi, plain, torch.where(wave_len > old_context / lo, plain / factor, medium)
+    )
 
 
 def _yarn_inv_freq(base: float, rotary_dim: int, rope: dict, release: str) -> tuple[torch.Tensor, float]:
@@ -352,7 +365,9 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
     Ht, n, Vd = s["target_hidden_size"], s["num_aux"], s["draft_vocab_size"]
     a = "model.layers.0.self_attn."
     if is_mla(view):
-        qr, kvr, nope, rope, dv = (view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        qr, kvr, nope, rope, dv = (
+            view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        )
         attention = {
             a + "fused_qkv_a_proj.weight": (qr + kvr + rope, 2 * H),
             a + "q_a_layernorm.weight": (qr,),
@@ -422,8 +437,15 @@ def drafter_embedding(config_json: dict, tensors: dict[str, torch.Tensor], targe
     return embed
 
 
-def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: torch.Tensor,
-                 aux: torch.Tensor, input_ids: torch.Tensor, steps: int, release: str = NEWEST) -> list[torch.Tensor]:
+def chain_logits(
+    config_json: dict,
+    tensors: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    aux: torch.Tensor,
+    input_ids: torch.Tensor,
+    steps: int,
+    release: str = NEWEST,
+) -> list[torch.Tensor]:
     """Per draft step, logits over the *target* vocabulary [T, V] as vLLM `release` computes them.
 
     One sequence: aux [T, n*Ht], input_ids [T]. Query (p, j) reads token x[p+1+j] at
@@ -444,7 +466,9 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     if s["norm_before_fc"]:
         h = _rms(h, W["model.input_norm.weight"], eps)
     if s["fc_norm"] and not (is_mla(view) and release == OLDEST):  # 0.22.0's DeepSeek class never applies it
-        h = torch.cat([_rms(c, W[f"model.fc_norm.{i}.weight"], eps) for i, c in enumerate(h.chunk(s["num_aux"], -1))], -1)
+        h = torch.cat(
+            [_rms(c, W[f"model.fc_norm.{i}.weight"], eps) for i, c in enumerate(h.chunk(s["num_aux"], -1))], -1
+        )
     hidden = h @ W["model.fc.weight"].T  # [T, H]
 
     targets = torch.arange(Vd) + W.get("draft_id_to_target_id", torch.zeros(Vd, dtype=torch.long))
@@ -452,7 +476,7 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
     chain_k, chain_v = [], []
     out = []
     for j in range(steps):
-        tok = torch.cat([input_ids[1 + j:], input_ids.new_zeros(min(1 + j, T))])[:T]
+        tok = torch.cat([input_ids[1 + j :], input_ids.new_zeros(min(1 + j, T))])[:T]
         pos = torch.arange(T) + j
         emb = _rms(embed[tok].double(), W[L + "input_layernorm.weight"], eps)
         if s["norm_before_residual"]:
@@ -467,7 +491,9 @@ def chain_logits(config_json: dict, tensors: dict[str, torch.Tensor], embed: tor
         else:
             chain_k.append(k)
             chain_v.append(v)
-        attn = _attend(q, keys0, values0, chain_k, chain_v, q.shape[1] // k.shape[1], scale, s["sliding_window"])  # [T, nh*dv]
+        attn = _attend(
+            q, keys0, values0, chain_k, chain_v, q.shape[1] // k.shape[1], scale, s["sliding_window"]
+        )  # [T, nh*dv]
         x = attn @ W[L + "self_attn.o_proj.weight"].T
         residual = x + residual  # post_attention_layernorm(x, residual): fused add
         x = _rms(residual, W[L + "post_attention_layernorm.weight"], eps)
@@ -495,7 +521,9 @@ def _llama_qkv(view, W, z, pos, release):
 def _mla_qkv(view, W, z, pos, release):
     """`DeepseekV2MLAAttention`'s inputs to attention: z [T, 2H] -> q, k [T, nh, nope+rope], v [T, nh, v], scale."""
     a, eps, T, nh = "model.layers.0.self_attn.", view["rms_norm_eps"], z.shape[0], view["num_attention_heads"]
-    qr, kvr, nope, rope, dv = (view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    qr, kvr, nope, rope, dv = (
+        view[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
     q_c, kv_lora = (z @ W[a + "fused_qkv_a_proj.weight"].T).split([qr, kvr + rope], -1)
     q = (_rms(q_c, W[a + "q_a_layernorm.weight"], eps) @ W[a + "q_b_proj.weight"].T).view(T, nh, nope + rope)
     kv_c, k_pe = kv_lora.split([kvr, rope], -1)

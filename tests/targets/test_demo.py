@@ -56,7 +56,9 @@ def test_the_recipes_dry_run_config_is_the_built_targets(demo):
     committed = json.loads(Path(cfg.target.config).read_text())
     built = json.loads((demo[0] / "config.json").read_text())
     ignored = ("transformers_version", "_name_or_path")
-    assert {k: v for k, v in committed.items() if k not in ignored} == {k: v for k, v in built.items() if k not in ignored}
+    assert {k: v for k, v in committed.items() if k not in ignored} == {
+        k: v for k, v in built.items() if k not in ignored
+    }
 
 
 def test_chat_template_prefixes_render_as_prefixes(demo, heldout):

@@ -52,7 +52,10 @@ def test_text_round_trips_and_no_bos_is_added(tok):
 def test_history_up_to_and_including_the_last_answer_renders_no_reasoning(tok):
     # the final answer is history too, as in Kimi's template (hist_msgs ends at the last answer)
     assert tok.apply_chat_template(CONVERSATION, tokenize=False) == EXPECTED
-    single = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"}]
+    single = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+    ]
     assert "<think></think>Hello!" in tok.apply_chat_template(single, tokenize=False)
 
 
@@ -61,7 +64,9 @@ def test_preserve_thinking_renders_every_reasoning(tok):
 
 
 def test_generation_prompt_then_generation_is_the_full_render_only_with_preserve_thinking(tok):
-    prompt = tok.apply_chat_template(CONVERSATION[:-1], tokenize=False, add_generation_prompt=True, preserve_thinking=True)
+    prompt = tok.apply_chat_template(
+        CONVERSATION[:-1], tokenize=False, add_generation_prompt=True, preserve_thinking=True
+    )
     assert prompt.endswith("<|im_assistant|>assistant<|im_middle|><think>")
     assert prompt + "add</think>4<|im_end|>" == PRESERVED
     # by default the earlier answer's reasoning is history in the prompt as well

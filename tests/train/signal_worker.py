@@ -23,7 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def signal_during_step(
-    monkeypatch, step: int, sig: signal.Signals = signal.SIGTERM, times: int = 1, log: str | None = None, during: str = "train_step"
+    monkeypatch,
+    step: int,
+    sig: signal.Signals = signal.SIGTERM,
+    times: int = 1,
+    log: str | None = None,
+    during: str = "train_step",
 ) -> None:
     """Patch the trainer (through `monkeypatch`) so that this process gets `sig` `times` times during step `step`
     (`during="train_step"`), or while saving its checkpoint or evaluating after it (`"save_checkpoint"`, `"evaluate"`)."""
@@ -65,6 +70,12 @@ if __name__ == "__main__":
 
     rank, step, name, *times = os.environ["SIGNAL_AT"].split(":")
     if int(os.environ.get("RANK", "0")) == int(rank):
-        signal_during_step(pytest.MonkeyPatch(), int(step), signal.Signals[name], int(times[0]) if times else 1, os.environ.get("SIGNAL_AT_LOG"))
+        signal_during_step(
+            pytest.MonkeyPatch(),
+            int(step),
+            signal.Signals[name],
+            int(times[0]) if times else 1,
+            os.environ.get("SIGNAL_AT_LOG"),
+        )
     sys.argv = [str(REPO / "train" / "main.py"), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")

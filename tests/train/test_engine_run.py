@@ -25,7 +25,10 @@ ENGINE = {**SHARED, "features.mode": "engine", "features.engine.workers": "2", "
 
 def consumed(run_dir: Path) -> list[dict]:
     """Every rank's record of the samples it trained on, from the run's last checkpoint."""
-    return [rank["consumed"] for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]]
+    return [
+        rank["consumed"]
+        for rank in read_trainer_state(sorted((run_dir / "checkpoints").glob("step_*"))[-1])["data_ranks"]
+    ]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -51,7 +54,9 @@ def online_run(target, chats, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(ray_cluster, online_run, target, chats, tmp_path, monkeypatch):
+def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
+    ray_cluster, online_run, target, chats, tmp_path, monkeypatch
+):
     """Two HF workers, the pool held to about a batch ahead so the workers keep pace with the trainer; one of
     them ends its process in its 8th computation. The run goes on, says so in metrics.jsonl, and ends with
     online training's losses, final weights and consumed samples, bit for bit."""
@@ -63,7 +68,12 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(ray
     (target / "die_at").write_text("8")
     out = tmp_path / "engine"
     try:
-        assert run_script(MAIN, base_args(target, chats, out, **ENGINE, **{"features.engine.pool_tokens": "300"}), monkeypatch) == 0
+        assert (
+            run_script(
+                MAIN, base_args(target, chats, out, **ENGINE, **{"features.engine.pool_tokens": "300"}), monkeypatch
+            )
+            == 0
+        )
     finally:
         (target / "died").unlink(missing_ok=True)
     assert not (target / "die_at").exists()  # the worker did die
@@ -71,7 +81,9 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(ray
     logged = [x for x in read_metrics(out / "metrics.jsonl") if "engine/worker_restarts" in x]
     assert [x["step"] for x in logged] == [1, 2, 3, 4, 5, 6]
     assert logged[-1]["engine/worker_restarts"] == 1 and logged[-1]["engine/requeued"] >= 1, logged[-1]
-    assert all(x["engine/workers"] == 2 and x["engine/trainers"] == 1 and x["engine/pool_tokens"] <= 300 for x in logged)
+    assert all(
+        x["engine/workers"] == 2 and x["engine/trainers"] == 1 and x["engine/pool_tokens"] <= 300 for x in logged
+    )
     assert all(x["engine/inference_samples_per_s"] > 0 for x in logged)
     trained = [x for x in read_metrics(out / "metrics.jsonl") if "train/wait_s" in x]
     assert all(x["train/capacity_samples_per_s"] >= x["train/samples_per_s"] > 0 for x in trained)
@@ -79,13 +91,19 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(ray
 
 
 @pytest.mark.slow
-def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterrupted_run(ray_cluster, online_run, target, chats, tmp_path, monkeypatch):
+def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterrupted_run(
+    ray_cluster, online_run, target, chats, tmp_path, monkeypatch
+):
     """The trainer (its own process, joined to the test's Ray cluster) is SIGKILLed after its step-2 checkpoint;
     Ray ends its pool and workers with it. `resume=auto` starts a new engine at the checkpoint's loader position:
     the run ends as the uninterrupted one, bit for bit, and trains on the same samples in the same order."""
     out = tmp_path / "killed"
-    args = base_args(target, chats, out, **ENGINE, **{"features.engine.address": ray_cluster.get_runtime_context().gcs_address})
-    sigkill_after_checkpoint([sys.executable, str(MAIN), *args], out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    args = base_args(
+        target, chats, out, **ENGINE, **{"features.engine.address": ray_cluster.get_runtime_context().gcs_address}
+    )
+    sigkill_after_checkpoint(
+        [sys.executable, str(MAIN), *args], out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    )
 
     assert run_script(MAIN, [*args, "resume=auto"], monkeypatch) == 0
     assert_same_run(out, online_run)
@@ -106,7 +124,9 @@ def test_torchrun_two_ranks_train_from_one_engine_as_one_process_does(target, ch
     torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), rtol=1e-5, atol=1e-6)
     logged = [x for x in read_metrics(two / "metrics.jsonl") if "engine/trainers" in x]
     assert len(logged) == 3 and all(x["engine/trainers"] == 2 for x in logged)
-    assert [r["samples"] for r in consumed(two)] != [0, 0] and sum(r["samples"] for r in consumed(two)) == consumed(one)[0]["samples"]
+    assert [r["samples"] for r in consumed(two)] != [0, 0] and sum(r["samples"] for r in consumed(two)) == consumed(
+        one
+    )[0]["samples"]
 
 
 # ---------------------------------------------------------------------------- dry run and bad input
@@ -117,18 +137,37 @@ def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys)
     from eagle31.plan import describe_dry_run, plan_run
     from eagle31.recipe import load_recipe
 
-    args = ["recipe=kimi_k26", "dry_run=true", "features.mode=engine", "plan.world_size=8", "features.engine.worker_gpus=8"]
+    args = [
+        "recipe=kimi_k26",
+        "dry_run=true",
+        "features.mode=engine",
+        "plan.world_size=8",
+        "features.engine.worker_gpus=8",
+    ]
     report = describe_dry_run(plan_run(load_recipe(REPO / "recipes", args), init_world("cpu")))
     assert report["engine"]["workers"] == 2 and not report["engine"]["measured"]  # 16 GPUs for 8 trainers at T = 65536
-    assert "engine: 2 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy (estimated: FLOPs per token at T=65536" in capsys.readouterr().out
+    assert (
+        "engine: 2 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy (estimated: FLOPs per token at T=65536"
+        in capsys.readouterr().out
+    )
 
     # an engine run whose workers computed 10 samples/s each and whose 2 trainers could take 35 samples/s each
-    window = {"engine/inference_samples_per_s": 30.0, "engine/workers": 3, "engine/trainers": 2, "train/capacity_samples_per_s": 70.0}
+    window = {
+        "engine/inference_samples_per_s": 30.0,
+        "engine/workers": 3,
+        "engine/trainers": 2,
+        "train/capacity_samples_per_s": 70.0,
+    }
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps({"step": s, **window}) for s in (10, 20, 30)) + "\n")
-    report = describe_dry_run(plan_run(load_recipe(REPO / "recipes", [*args, f"features.engine.rates_from={metrics}"]), init_world("cpu")))
+    report = describe_dry_run(
+        plan_run(load_recipe(REPO / "recipes", [*args, f"features.engine.rates_from={metrics}"]), init_world("cpu"))
+    )
     assert report["engine"] == {"workers": 28, "trainers": 8, "measured": True, "basis": report["engine"]["basis"]}
-    assert "engine: 28 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy (measured: 10 samples/s per worker, 35 per trainer" in capsys.readouterr().out
+    assert (
+        "engine: 28 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy (measured: 10 samples/s per worker, 35 per trainer"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,17 +175,29 @@ def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys)
     [
         ({"features.engine.workers": "0"}, "features.engine.workers must be >= 1, got 0"),
         ({"features.engine.worker_gpus": "-1"}, "features.engine.worker_gpus must be >= 0, got -1.0"),
-        ({"features.engine.rates_from": "/no/such/metrics.jsonl"}, "features.engine.rates_from: no such file /no/such/metrics.jsonl"),
+        (
+            {"features.engine.rates_from": "/no/such/metrics.jsonl"},
+            "features.engine.rates_from: no such file /no/such/metrics.jsonl",
+        ),
     ],
 )
-def test_bad_engine_settings_are_one_line_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
+def test_bad_engine_settings_are_one_line_before_any_model(
+    tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys
+):
     out = tmp_path / "run"
-    line = one_line_error(base_args(tiny_target, chats, out, **{"features.mode": "engine", **extra}), monkeypatch, capsys)
+    line = one_line_error(
+        base_args(tiny_target, chats, out, **{"features.mode": "engine", **extra}), monkeypatch, capsys
+    )
     assert expected in line
     assert not out.exists()
 
 
 def test_engine_mode_without_ray_is_one_line(tiny_target, chats, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as it does where Ray is not installed
-    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **{"features.mode": "engine"}), monkeypatch, capsys)
-    assert line == "error: features.mode=engine needs Ray, which is not installed: pip install 'eagle31[engine]' (ray>=2.40)"
+    line = one_line_error(
+        base_args(tiny_target, chats, tmp_path / "run", **{"features.mode": "engine"}), monkeypatch, capsys
+    )
+    assert (
+        line
+        == "error: features.mode=engine needs Ray, which is not installed: pip install 'eagle31[engine]' (ray>=2.40)"
+    )

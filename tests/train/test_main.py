@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "train" / "main.py"
 
 
-def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300, signal_at: str | None = None, **env_vars) -> subprocess.CompletedProcess:
+def run_main(
+    args: list[str], *, torchrun: int = 0, timeout: int = 300, signal_at: str | None = None, **env_vars
+) -> subprocess.CompletedProcess:
     """`train/main.py <args>` in a subprocess (under torchrun with `torchrun` ranks); `signal_at`: tests/train/signal_worker.py's SIGNAL_AT."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_vars}
     script = MAIN
@@ -31,7 +33,17 @@ def run_main(args: list[str], *, torchrun: int = 0, timeout: int = 300, signal_a
         env["SIGNAL_AT"], script = signal_at, REPO / "tests" / "train" / "signal_worker.py"
     cmd = [sys.executable, str(script), *args]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port", "29517", str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(torchrun),
+            "--master-port",
+            "29517",
+            str(script),
+            *args,
+        ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
@@ -57,7 +69,14 @@ def reference_run(tiny_target, chats, tmp_path_factory) -> Path:
 
 
 def test_run_directory_holds_everything(reference_run):
-    for name in ("config.yaml", "metrics.jsonl", "report.json", "drafter/model.safetensors", "export/eagle3/config.json", "export/speculators/config.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "report.json",
+        "drafter/model.safetensors",
+        "export/eagle3/config.json",
+        "export/speculators/config.json",
+    ):
         assert (reference_run / name).is_file(), name
     report = json.loads((reference_run / "report.json").read_text())
     assert report["steps"] == 6 and report["tokens_seen"] > 0 and report["tau_sim"] >= 1
@@ -75,7 +94,9 @@ def test_run_directory_holds_everything(reference_run):
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
     out = tmp_path / "killed"
-    sigkill_after_checkpoint([sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], out, {**os.environ, "OMP_NUM_THREADS": "1"})
+    sigkill_after_checkpoint(
+        [sys.executable, str(MAIN), *base_args(tiny_target, chats, out)], out, {**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
     resumed = run_main(base_args(tiny_target, chats, out, resume="auto"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -87,7 +108,9 @@ def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_ta
     assert losses(out) == losses(reference_run)
 
 
-def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identical(reference_run, tiny_target, chats, tmp_path, capsys):
+def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identical(
+    reference_run, tiny_target, chats, tmp_path, capsys
+):
     out = tmp_path / "preempted"
     with pytest.MonkeyPatch.context() as monkeypatch:
         signal_during_step(monkeypatch, 3)  # a real SIGTERM to this process, during step 3
@@ -138,7 +161,9 @@ def test_the_evaluation_of_a_preempted_step_is_logged_once_by_the_resumed_run(ti
 
 
 @pytest.mark.parametrize("during", ["save_checkpoint", "evaluate"])
-def test_a_signal_during_the_final_checkpoint_or_evaluation_stops_before_the_export(tiny_target, chats, tmp_path, capsys, during):
+def test_a_signal_during_the_final_checkpoint_or_evaluation_stops_before_the_export(
+    tiny_target, chats, tmp_path, capsys, during
+):
     """SIGTERM while the last step's checkpoint is written, or during the final evaluation: the run stops there
     (143) instead of exporting and measuring acceptance until the scheduler's SIGKILL; resumed, it evaluates
     once and exports."""
@@ -169,7 +194,9 @@ def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tin
 
 
 @pytest.mark.slow
-def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_others_and_both_resume(tiny_target, chats, tmp_path, monkeypatch):
+def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_others_and_both_resume(
+    tiny_target, chats, tmp_path, monkeypatch
+):
     """Rank 1 alone gets SIGTERM at step 2: both ranks stop there with a checkpoint (143). Resumed, rank 1 is
     SIGKILLed at step 5: rank 0 names it and exits within train.rank_timeout_s. Resumed on 2 ranks the run ends
     bit-identical to an uninterrupted 2-rank run; on 1 rank (grad_accum=2, the same global batch) equal, within
@@ -192,11 +219,18 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
     assert "exitcode  : 143" in stopped.stderr
 
     killed_at = tmp_path / "killed_at"
-    killed = run_main(base_args(tiny_target, chats, out, resume="auto", **extra), torchrun=2, signal_at="1:5:SIGKILL", SIGNAL_AT_LOG=str(killed_at))
+    killed = run_main(
+        base_args(tiny_target, chats, out, resume="auto", **extra),
+        torchrun=2,
+        signal_at="1:5:SIGKILL",
+        SIGNAL_AT_LOG=str(killed_at),
+    )
     ended = time.time()
     assert killed.returncode != 0
     lines = [x for x in killed.stderr.splitlines() if x.startswith("error: rank 1 (pid ")]
-    assert len(lines) == 1 and "has died; stopping this rank too" in lines[0] and "resume=auto" in lines[0], killed.stderr[-3000:]
+    assert len(lines) == 1 and "has died; stopping this rank too" in lines[0] and "resume=auto" in lines[0], (
+        killed.stderr[-3000:]
+    )
     took = ended - float(killed_at.read_text())
     print(f"rank 1 SIGKILLed -> torchrun returned after {took:.1f} s (train.rank_timeout_s=30)")
     assert took < 30  # the kill, rank 0's line and exit, torchrun's report: within the timeout
@@ -219,7 +253,9 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
 
 
 @pytest.mark.slow
-def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_the_checkpoint(tiny_target, chats, tmp_path):
+def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_the_checkpoint(
+    tiny_target, chats, tmp_path
+):
     """What a Slurm script sees (README, Preemption): torchrun itself signalled forwards SIGTERM to its workers, waits
     for them (up to --shutdown-timeout), then ends with its own traceback and exit code 1, not the workers' 143."""
     out = tmp_path / "run"
@@ -255,7 +291,9 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tin
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_main(base_args(tiny_target, chats, tmp_path / "two", **extra), torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.slow
@@ -263,16 +301,40 @@ def test_two_processes_under_nccl_device_rule_train_evaluate_resume_and_export(t
     """torchrun on CPU with every collective refusing host tensors the way NCCL does (tests/nccl_standin.py)."""
     out, report = tmp_path / "run", tmp_path / "checked"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_STANDIN_REPORT": str(report)}
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "nccl_worker.py")]
+    worker = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "tests" / "nccl_worker.py"),
+    ]
     extra = {"train.max_steps": "4", "train.eval_every": "2", "train.save_every": "2"}
-    first = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    first = subprocess.run(
+        [*worker, *base_args(tiny_target, chats, out, **extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     extra.update({"train.max_steps": "6", "resume": "auto"})
-    second = subprocess.run([*worker, *base_args(tiny_target, chats, out, **extra)], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    second = subprocess.run(
+        [*worker, *base_args(tiny_target, chats, out, **extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
     assert json.loads((out / "report.json").read_text())["steps"] == 6
-    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (out / "export" / "speculators" / "config.json").is_file()
+    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (
+        out / "export" / "speculators" / "config.json"
+    ).is_file()
     for rank in (0, 1):  # both launches went through the checks: the step's sums, DCP's object collectives
         for line in Path(f"{report}.rank{rank}.json").read_text().splitlines():
             checked = json.loads(line)
@@ -291,11 +353,21 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
 
     out, report = tmp_path / "run", tmp_path / "checked"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_STANDIN_REPORT": str(report)}
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "tests" / "nccl_worker.py")]
+    worker = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "tests" / "nccl_worker.py"),
+    ]
     done = subprocess.run([*worker, *base_args(tiny_target, chats, out, **{"train.sequence_parallel": "2"})],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (out / "export" / "speculators" / "config.json").is_file()
+    assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (
+        out / "export" / "speculators" / "config.json"
+    ).is_file()
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(reference_run)), rtol=1e-5, atol=1e-6)
     a, b = weights(reference_run), weights(out)
     assert a.keys() == b.keys()
@@ -303,7 +375,10 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     for rank in (0, 1):  # the shards' exchanges went through the checks
         checked = json.loads(Path(f"{report}.rank{rank}.json").read_text().splitlines()[-1])
-        assert checked["torch.distributed.all_gather_single"] > 0 and checked["torch.distributed.reduce_scatter_single"] > 0, checked
+        assert (
+            checked["torch.distributed.all_gather_single"] > 0
+            and checked["torch.distributed.reduce_scatter_single"] > 0
+        ), checked
 
     # the run as it was after step 4, resumed at sequence_parallel=1 and at 4
     for done_part in ("report.json", "drafter", "export", "checkpoints/step_00000006"):
@@ -421,7 +496,9 @@ def one_line_error(args: list[str], monkeypatch, capsys) -> str:
         ({"train.sequence_parallel": "2"}, "train.sequence_parallel=2 must be >= 1 and divide the world size 1"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2_before_any_model(tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_exit_2_before_any_model(
+    tiny_target, chats, tmp_path, extra, expected, monkeypatch, capsys
+):
     out = tmp_path / "run"
     line = one_line_error(base_args(tiny_target, chats, out, **extra), monkeypatch, capsys)
     assert expected in line
@@ -437,7 +514,9 @@ def test_all_masked_dataset_is_refused(tiny_target, tmp_path, monkeypatch, capsy
 def test_output_dir_holding_another_run_is_refused(reference_run, tiny_target, chats, monkeypatch, capsys):
     line = one_line_error(base_args(tiny_target, chats, reference_run), monkeypatch, capsys)
     assert "resume=auto" in line
-    line = one_line_error(base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), monkeypatch, capsys)
+    line = one_line_error(
+        base_args(tiny_target, chats, reference_run, **{"resume": "auto", "train.ttt_length": "2"}), monkeypatch, capsys
+    )
     assert "train.ttt_length" in line
 
 
@@ -447,7 +526,14 @@ def test_store_made_for_another_target_is_refused(reference_run, tiny_target, ch
     from eagle31.data.store import StoreHeader, StoreWriter
 
     store = tmp_path / "features"
-    header = StoreHeader(target_name="another", target_revision=None, num_layers=8, hidden_size=48, aux_layer_ids=(2, 4, 5), dtype="float32")
+    header = StoreHeader(
+        target_name="another",
+        target_revision=None,
+        num_layers=8,
+        hidden_size=48,
+        aux_layer_ids=(2, 4, 5),
+        dtype="float32",
+    )
     StoreWriter(store / "train", header, np.arange(1), np.array([4]), 1024)
     extra = {"features.mode": "store", "features.store_dir": str(store)}
     line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **extra), monkeypatch, capsys)

@@ -43,7 +43,9 @@ class HFBackend:
 
     gather_s = 0.02  # how long the batcher waits for more prompts after the first
 
-    def __init__(self, target_dir: str | Path, settings: Settings, *, device: str = "cpu", dtype=None, batch_size: int = 16):
+    def __init__(
+        self, target_dir: str | Path, settings: Settings, *, device: str = "cpu", dtype=None, batch_size: int = 16
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,7 +54,9 @@ class HFBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"target {target_dir}: its tokenizer has no chat template to render prompts with")
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32).to(self.device).eval()
+        )
         config = self.model.config.get_text_config()
         self.context = int(getattr(config, "max_position_embeddings", 0) or self.tokenizer.model_max_length)
         eos = self.model.generation_config.eos_token_id
@@ -69,7 +73,9 @@ class HFBackend:
 
     def prompt_ids(self, messages: list[dict], template_options: dict | None = None) -> list[int]:
         options = template_options if template_options is not None else self.settings.chat_template_kwargs
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(options or {}))
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(options or {})
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def complete(self, messages: list[dict], seed: int = 0, template_options: dict | None = None) -> Reply:
@@ -156,7 +162,9 @@ class _RowSeededSampling:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             outside = sorted_logits.exp().cumsum(-1) - sorted_logits.exp() >= self.top_p  # the nucleus keeps >= 1 token
             logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in self.generators])
+        uniform = torch.stack(
+            [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in self.generators]
+        )
         return logits - torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
 
 
@@ -199,7 +207,9 @@ class EndpointBackend:
         try:
             models = self._request("/models").get("data") or []
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ConfigError(f"regenerate.endpoint {self.base_url}: cannot list models ({e}); is the server up?") from None
+            raise ConfigError(
+                f"regenerate.endpoint {self.base_url}: cannot list models ({e}); is the server up?"
+            ) from None
         if not models:
             raise ConfigError(f"regenerate.endpoint {self.base_url}: the server lists no model; set regenerate.model")
         return models[0]["id"]

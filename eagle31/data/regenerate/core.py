@@ -43,7 +43,9 @@ class Settings:
         if self.max_turns is not None and self.max_turns < 1:
             raise ConfigError(f"regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"regenerate.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+            raise ConfigError(
+                f"regenerate.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
+            )
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"regenerate.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
         if self.shard_size < 1:
@@ -80,7 +82,6 @@ def request_seed(seed: int, conversation: int, turn: int) -> int:
     """The sampling seed of one request: from the run's seed, the conversation's input index and the turn."""
     digest = hashlib.blake2b(f"{seed}/{conversation}/{turn}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
 
 
 # ---------------------------------------------------------------------------- conversations

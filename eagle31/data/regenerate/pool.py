@@ -80,7 +80,9 @@ class _DaemonPool:
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -143,7 +145,9 @@ def regenerate(
     def run(shard: _Shard, i: int) -> Outcome:
         shard.started = shard.started or time.monotonic()
         index = shard.index * settings.shard_size + i  # the conversation's index in the input
-        return regenerate_conversation(shard.conversations[i], index, settings, lambda *request: gate.call(backend.complete, *request))
+        return regenerate_conversation(
+            shard.conversations[i], index, settings, lambda *request: gate.call(backend.complete, *request)
+        )
 
     def flush(end: bool = False) -> None:
         while finished and (gate.open.is_set() or end):
@@ -156,7 +160,9 @@ def regenerate(
     pool = _DaemonPool(backend.workers)
     try:
         while True:
-            while not gate.stop.is_set() and len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None:
+            while (
+                not gate.stop.is_set() and len(pending) < 2 * backend.workers and (job := next(jobs, None)) is not None
+            ):
                 pending[pool.submit(run, *job)] = job
             if not pending:
                 break

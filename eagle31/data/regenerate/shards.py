@@ -74,7 +74,9 @@ def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, 
         previous = json.loads(path.read_text())
         for key in saved:
             if previous.get(key) != saved[key]:
-                raise ConfigError(f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); choose another output directory")
+                raise ConfigError(
+                    f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); choose another output directory"
+                )
     else:
         atomic_write_json(path, saved)
     (out / "conversations").mkdir(exist_ok=True)
@@ -86,7 +88,9 @@ def input_sha256(conversations: list[Conversation]) -> str:
     """The content of a shard's input: its conversations' messages and tools, in order."""
     h = hashlib.sha256()
     for conv in conversations:
-        h.update(json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False).encode())
+        h.update(
+            json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False).encode()
+        )
         h.update(b"\n")
     return h.hexdigest()
 
@@ -115,7 +119,11 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
                 f"{out}: {shard_name(index)} was regenerated from other conversations than conversations {first}-{first + len(chunk) - 1} "
                 "of the source now (edited since); restore the source or choose another output directory"
             )
-    beyond = sorted(p.stem for p in (out / "conversations").glob("shard-*.jsonl") if int(p.stem.removeprefix("shard-")) >= len(chunks))
+    beyond = sorted(
+        p.stem
+        for p in (out / "conversations").glob("shard-*.jsonl")
+        if int(p.stem.removeprefix("shard-")) >= len(chunks)
+    )
     if beyond:
         total = sum(len(chunk) for _, chunk in chunks)
         raise ConfigError(
@@ -125,7 +133,9 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
 
 
 def shard_done(out: Path, index: int) -> bool:
-    return (out / "conversations" / f"{shard_name(index)}.jsonl").is_file() and (out / "stats" / f"{shard_name(index)}.json").is_file()
+    return (out / "conversations" / f"{shard_name(index)}.jsonl").is_file() and (
+        out / "stats" / f"{shard_name(index)}.json"
+    ).is_file()
 
 
 def write_shard(out: Path, index: int, records: list[dict], stats: ShardStats) -> None:
@@ -137,7 +147,6 @@ def write_shard(out: Path, index: int, records: list[dict], stats: ShardStats) -
         atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-
 def write_report(out_dir: str | Path, read_rejects: Tally, total_conversations: int) -> dict[str, Any]:
     """report.json: totals over the shards' stats, the reader's rejects, and whether every shard is done."""
     out = Path(out_dir)
@@ -146,7 +155,9 @@ def write_report(out_dir: str | Path, read_rejects: Tally, total_conversations: 
     keys = ("conversations_in", "conversations_out", "turns", "reply_tokens", "replies_cut", "reasoning_turns")
     totals: dict[str, Any] = {k: 0 for k in keys}
     totals["seconds"] = 0.0
-    dropped: dict[str, dict] = {r: {"count": n, "examples": read_rejects.examples[r]} for r, n in read_rejects.counts.items()}
+    dropped: dict[str, dict] = {
+        r: {"count": n, "examples": read_rejects.examples[r]} for r, n in read_rejects.counts.items()
+    }
     truncated: dict[str, dict] = {}
     found = 0
     for index in range(expected):
