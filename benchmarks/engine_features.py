@@ -92,9 +92,9 @@ def train(
     """A run of recipe=demo into `out` (with workers of `kind` for features.mode=engine); returns it."""
     from unittest import mock
 
-    from eagle31.engine.worker import WORKERS
+    from eagle31.engine.worker import WORKERS, EngineWorker
     from eagle31.pipeline import run
-    from eagle31.recipe import EngineWorker, load_recipe
+    from eagle31.recipe import load_recipe
 
     overrides = [
         "recipe=demo", f"output_dir={out}", f"data.prepared_dir={data}", f"features.mode={mode}", f"train.ttt_length={ttt_length}",

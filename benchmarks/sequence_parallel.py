@@ -48,9 +48,12 @@ from eagle31.data.batch import FeatureBatch  # noqa: E402
 from eagle31.distributed import World, all_reduce_sum  # noqa: E402
 from eagle31.errors import ConfigError  # noqa: E402
 from eagle31.loss import TargetHead, step_scales, weighted_loss  # noqa: E402
-from eagle31.recipe import TrainConfig  # noqa: E402
 from eagle31.sequence_parallel import SequenceGroup, sequence_group  # noqa: E402
-from eagle31.trainer import DrafterObjective, prepare_batch  # noqa: E402
+from eagle31.trainer import (  # noqa: E402
+    DrafterObjective,
+    TrainConfig,  # noqa: E402
+    prepare_batch,
+)
 from eagle31.vocab import vocab_maps  # noqa: E402
 
 K = 7

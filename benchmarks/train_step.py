@@ -182,8 +182,7 @@ class EagleStep:
 
     def __init__(self, bench: BenchConfig):
         from eagle31.distributed import World, ensure_single_process_group
-        from eagle31.recipe import TrainConfig
-        from eagle31.trainer import Trainer
+        from eagle31.trainer import TrainConfig, Trainer
 
         cfg = bench.drafter_config()
         device, dtype = bench.torch_device(), bench.compute_dtype()

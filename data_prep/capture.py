@@ -29,9 +29,8 @@ from eagle31.config import DrafterConfig
 from eagle31.data.capture import capture_splits, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
 from eagle31.distributed import close_world, init_world
-from eagle31.engine.worker import VLLMInferenceWorker, WorkerSpec, expected_info, worker_mismatch
+from eagle31.engine.worker import EngineWorker, VLLMInferenceWorker, WorkerSpec, expected_info, worker_mismatch
 from eagle31.errors import ConfigError, RunInterrupted
-from eagle31.recipe import EngineWorker
 from eagle31.target import load_recipe_target, load_target_config, target_shape
 from eagle31.targets import resolve_target_path
 

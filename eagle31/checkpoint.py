@@ -27,6 +27,7 @@ import shutil
 import sys
 import warnings
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -37,6 +38,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from eagle31.distributed import World, barrier, broadcast_object
 from eagle31.errors import CorruptCheckpointError, DiskFullError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, is_disk_full, sha256_file
+
+
+class Resume(StrEnum):
+    never = "never"  # an output_dir holding a run is refused
+    auto = "auto"  # continue from the latest checkpoint of the same run
+
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)

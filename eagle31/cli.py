@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import sys
-import time
 import types
 import typing
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from eagle31.errors import ConfigError, DiskFullError, Eagle31Error, FileAccessError, RunInterrupted
-from eagle31.recipe import choose
+from eagle31.errors import (
+    ConfigError,
+    DiskFullError,
+    Eagle31Error,
+    FileAccessError,
+    RunInterrupted,
+    choose,
+    report_to_launcher,
+)
 
 T = TypeVar("T")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -106,22 +111,6 @@ def as_expected_failure(e: BaseException) -> Eagle31Error | None:
             return DiskFullError(f"{where}no space left on device; free some and run the command again")
         return FileAccessError(f"{where}{e.strerror or e}")
     return None
-
-
-def report_to_launcher(message: str) -> None:
-    """Under torchrun, write `message` as this rank's error file (the format of torch's `@record`).
-
-    torchrun's agent ends its failure report with the root cause's `py_callstack`;
-    without an error file it would print a pointer to the docs there instead.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
-    try:
-        Path(path).write_text(json.dumps(data))
-    except OSError:
-        pass  # the line is on stderr already
 
 
 def quoting_hint(argv: list[str]) -> str:

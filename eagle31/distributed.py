@@ -27,14 +27,26 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from eagle31.errors import ConfigError, RankLost
+from eagle31.errors import ConfigError, RankLost, choose, report_to_launcher
 from eagle31.io import pid_alive
-from eagle31.recipe import Device, choose
+
+
+class Device(StrEnum):
+    auto = "auto"  # cuda when available
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(StrEnum):
+    auto = "auto"  # bf16 compute on GPU, fp32 on CPU
+    bf16 = "bf16"
+    fp32 = "fp32"
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,6 @@ def close_world(world: World | None = None, left: str = "finished") -> None:
 
 def exit_rank_lost(message: str) -> None:
     """One line on stderr (and in torchrun's error file), then leave at once: a collective may never return."""
-    from eagle31.cli import report_to_launcher
 
     line = (
         f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto "

@@ -11,6 +11,23 @@ Kept free of torch so that any module may import it.
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def choose(kind: type[Choice], value: Any, name: str) -> Choice:
+    """`value` as a member of `kind`: the guard of library functions that take a choice outside a recipe."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
+
 
 class Eagle31Error(Exception):
     """An expected failure: one line for the user, and the exit code that says which kind it is."""
@@ -93,3 +110,19 @@ class RunInterrupted(Eagle31Error):
     """The user pressed Ctrl-C; the message says where the run can resume."""
 
     exit_code = 130
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write `message` as this rank's error file (the format of torch's `@record`).
+
+    torchrun's agent ends its failure report with the root cause's `py_callstack`;
+    without an error file it would print a pointer to the docs there instead.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the line is on stderr already

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.config import DrafterConfig
-from eagle31.errors import ConfigError
+from eagle31.errors import ConfigError, choose
 from eagle31.io import (
     OUTPUT_MARKER,
     ForeignDirectoryError,
@@ -34,7 +34,7 @@ from eagle31.io import (
 )
 from eagle31.layouts import Layout, layout_of
 from eagle31.model import Eagle31Drafter
-from eagle31.recipe import Dtype, choose
+from eagle31.target import Dtype
 
 DTYPES = {d: getattr(torch, d) for d in Dtype}
 WEIGHTS_NAME = "model.safetensors"

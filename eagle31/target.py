@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from enum import StrEnum
 from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
@@ -46,6 +47,13 @@ from torch import nn
 
 from eagle31.config import read_json_config, text_config
 from eagle31.errors import ConfigError
+
+
+class Dtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -26,11 +26,13 @@ from torch import nn
 
 from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
-from eagle31.distributed import World, all_gather_objects, all_reduce_sum
+from eagle31.distributed import Device, Precision, World, all_gather_objects, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
 from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.ttt_attention import AttentionBackend
 from eagle31.loss import (
     Divergence,
+    DraftLoss,
     StepStats,
     TargetHead,
     label_positions,
@@ -43,9 +45,40 @@ from eagle31.loss import (
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter
 from eagle31.preemption import StopSignals
-from eagle31.recipe import TrainConfig
 from eagle31.sequence_parallel import SequenceGroup, SequenceShard, sequence_group, shard_batch
 from eagle31.ttt import ttt_unroll
+
+
+@dataclass
+class TrainConfig:
+    ttt_length: int = 7
+    ttt_decay: float = 0.8
+    mask_out_of_vocab: bool = True
+    loss: DraftLoss = DraftLoss.kl
+    lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    grad_accum: int = 1
+    max_grad_norm: float = 0.5
+    attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
+    activation_checkpointing: bool = False
+    # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
+    sequence_parallel: int = 1
+    compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
+    device: Device = Device.auto
+    precision: Precision = Precision.auto
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    keep_last: int = 2
+    max_nonfinite_steps: int = 5
+    # SIGTERM / SIGUSR1: finish the step, checkpoint, exit 143 within this many seconds (else exit at once)
+    preempt_grace_s: float = 60.0
+    # torchrun: a rank silent this long (dead, its node lost) stops the others with one line naming it (exit 8)
+    rank_timeout_s: float = 180.0
 
 
 class TrainingDiverged(Eagle31Error):

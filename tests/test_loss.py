@@ -8,8 +8,7 @@ import torch
 
 from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
 from eagle31.kernels.causal import segment_ids
-from eagle31.loss import Divergence
-from eagle31.recipe import DraftLoss
+from eagle31.loss import Divergence, DraftLoss
 from tests.peers import peer_module
 
 

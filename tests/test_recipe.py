@@ -13,10 +13,10 @@ import yaml
 
 from eagle31.cli import parse_key_values, recipe_main
 from eagle31.config import DrafterConfig
-from eagle31.data.store import STORE_DTYPES
+from eagle31.data.store import STORE_DTYPES, StoreDtype
 from eagle31.errors import ConfigError
 from eagle31.pipeline import run
-from eagle31.recipe import DrafterSection, RunConfig, StoreDtype, drafter_section, load_recipe, to_container
+from eagle31.recipe import DrafterSection, RunConfig, drafter_section, load_recipe, to_container
 from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,8 +23,9 @@ from eagle31.convert import load_drafter
 from eagle31.distributed import init_world
 from eagle31.errors import ConfigError
 from eagle31.export import export_config
+from eagle31.layouts import ExportFormat
 from eagle31.plan import plan_run
-from eagle31.recipe import ExportFormat, load_recipe
+from eagle31.recipe import load_recipe
 from eagle31.rope import DEEPSEEK_YARN_FIELDS, for_llama_drafter
 from eagle31.target import load_target_config
 from eagle31.targets.kimi_mini import KIMI_YARN

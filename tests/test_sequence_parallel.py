@@ -22,10 +22,9 @@ from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World
 from eagle31.errors import ConfigError
 from eagle31.loss import TargetHead
-from eagle31.recipe import TrainConfig
 from eagle31.sequence_parallel import SequenceGroup, sequence_group, shard_length
 from eagle31.sequence_parallel.query_tail import QueryTail
-from eagle31.trainer import Trainer
+from eagle31.trainer import TrainConfig, Trainer
 from tests.helpers import random_batch, tiny_drafter
 from tests.test_trainer import ListLoader
 

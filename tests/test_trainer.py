@@ -10,8 +10,7 @@ import torch
 from eagle31.distributed import World
 from eagle31.loss import TargetHead
 from eagle31.metrics_log import RunLogger, redact_secrets
-from eagle31.recipe import TrainConfig
-from eagle31.trainer import Trainer, TrainingDiverged, lr_lambda
+from eagle31.trainer import TrainConfig, Trainer, TrainingDiverged, lr_lambda
 from tests.helpers import feature_batch, tiny_drafter
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -33,14 +33,25 @@ order end with the same record, whatever computed their features.
 from __future__ import annotations
 
 import hashlib
+from enum import StrEnum
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
-from eagle31.errors import ConfigError
-from eagle31.recipe import Batching, choose
+from eagle31.errors import ConfigError, choose
+
+
+class FeatureMode(StrEnum):
+    online = "online"  # the target runs in the trainer
+    store = "store"  # features read from a shard store (data_prep/capture.py first)
+    engine = "engine"  # inference workers on Ray compute them and stream them to the trainers (eagle31.engine)
+
+
+class Batching(StrEnum):
+    pack = "pack"  # one row of whole documents, with document ids
+    bucket = "bucket"  # similar lengths together, padded
 
 
 class FeatureSource(Protocol):

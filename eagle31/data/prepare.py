@@ -46,9 +46,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -61,6 +62,41 @@ from eagle31.data.system_prompts import data_system_prompts, draw_for_conversati
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+
+class Overflow(StrEnum):
+    truncate = "truncate"  # keep the first max_len tokens
+    drop = "drop"
+
+
+@dataclass
+class DataConfig:
+    """Conversations -> tokens + loss masks (data_prep/prepare.py)."""
+
+    # a path or a list of paths: JSONL / JSON / Parquet files, `datasets` directories
+    # (Any so that both `data.source=a.jsonl` and `data.source=[a.jsonl,b.parquet]` work)
+    source: Any = field(default_factory=list)
+    prepared_dir: str = "${output_dir}/data"
+    system_prompt: Optional[str] = None  # added to conversations that have none
+    # or one of these per conversation, drawn from the seed and its index (eagle31.data.system_prompts):
+    # a list, or a file with one prompt per line (.jsonl: a JSON string or {"content": ...} per line)
+    system_prompts: Any = None
+    max_len: int = 2048
+    # > 1: consecutive conversations merged into multi-turn samples of 1..merge_turns of them each (sizes drawn
+    # from the seed, eagle31.data.merge_turns): long histories of earlier turns from short chats
+    merge_turns: int = 1
+    overflow: Overflow = Overflow.truncate
+    last_turn_only: bool = False  # supervise only the last assistant turn
+    # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
+    # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # or, per conversation, one of these option sets merged over it, drawn from the seed and its index (prepare),
+    # e.g. [{thinking: true}, {thinking: false}] to train a drafter for both of Kimi's modes
+    chat_template_variants: list[dict[str, Any]] = field(default_factory=list)
+    eval_fraction: float = 0.05  # held-out split
+    eval_max_samples: int = 256
+    seed: int = 0
+
 
 log = logging.getLogger(__name__)
 

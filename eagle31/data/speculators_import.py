@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Sequence
 
@@ -60,6 +61,12 @@ from eagle31.target import (
     target_shape,
     text_config,
 )
+
+
+class Split(StrEnum):
+    train = "train"
+    eval = "eval"  # held out
+
 
 _HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
 

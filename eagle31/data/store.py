@@ -56,6 +56,7 @@ import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -69,6 +70,14 @@ from eagle31.data.batch import TOKEN_COLUMNS, Sample
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 from eagle31.target import target_shape
+
+
+class StoreDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    float8 = "float8"  # e4m3 with per-row scales
+
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -19,13 +19,22 @@ the same kinds outside Ray to fill the shard store.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
 from eagle31.data.capture import target_forward
-from eagle31.recipe import EngineWorker
 from eagle31.target import TargetFeatures, load_target, target_fingerprints
+
+
+class EngineWorker(StrEnum):
+    """What computes the features in `features.mode=engine` and in data_prep/capture.py (`eagle31.engine.worker`)."""
+
+    hf = "hf"  # the Hugging Face target, as online features compute them
+    vllm = (
+        "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
+    )
 
 
 @dataclass(frozen=True)

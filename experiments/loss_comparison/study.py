@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.errors import ConfigError
-from eagle31.recipe import DraftLoss
+from eagle31.loss import DraftLoss
 from experiments.harness import (
     StudyConfig,
     acceptance_splits_of,

@@ -39,8 +39,7 @@ from pathlib import Path
 import torch
 
 from eagle31.data.batch import FeatureBatch
-from eagle31.loss import TargetHead, label_positions
-from eagle31.recipe import DraftLoss
+from eagle31.loss import DraftLoss, TargetHead, label_positions
 from eagle31.trainer import lr_lambda
 
 # train.loss -> the name `speculators.losses.resolve_loss_config` knows

@@ -55,7 +55,7 @@ import torch
 from benchmarks.peer import peers_dir
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
-from eagle31.recipe import DraftLoss
+from eagle31.loss import DraftLoss
 from experiments.side_by_side.peer_training import batch_documents
 
 SPECFORGE_VERSION = "0.2.0"

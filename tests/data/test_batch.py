@@ -154,10 +154,9 @@ def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_s
     from eagle31.data.capture import capture_to_store
     from eagle31.data.loader import FeatureLoader
     from eagle31.data.online import OnlineFeatures
-    from eagle31.data.prepare import load_prepared_splits, prepare_dataset
+    from eagle31.data.prepare import DataConfig, load_prepared_splits, prepare_dataset
     from eagle31.data.store import StoreHeader, StoreWriter, prepared_lengths
     from eagle31.engine.features import EngineFeatures
-    from eagle31.recipe import DataConfig
     from eagle31.sequence_parallel import SequenceGroup, shard_batch
     from tests.data.chat_helpers import write_jsonl
     from tests.tiny_targets import tiny_llama

@@ -8,10 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle31.data.prepare import prepare_dataset
+from eagle31.data.prepare import DataConfig, prepare_dataset
 from eagle31.data.sources import DataError
 from eagle31.errors import ConfigError
-from eagle31.recipe import DataConfig
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 from tests.data.chat_helpers import supervised_spans, write_jsonl
 

@@ -327,8 +327,7 @@ def test_a_rerun_with_other_settings_is_refused(tmp_path):
 def test_output_is_what_prepare_reads(tiny_target, tmp_path, llama_tok):
     from omegaconf import OmegaConf
 
-    from eagle31.data.prepare import prepare_dataset
-    from eagle31.recipe import DataConfig
+    from eagle31.data.prepare import DataConfig, prepare_dataset
 
     settings = Settings(max_new_tokens=4, shard_size=2)
     out = tmp_path / "out"

@@ -9,12 +9,11 @@ from collections import Counter
 import datasets
 import pytest
 
-from eagle31.data.prepare import prepare_dataset
+from eagle31.data.prepare import DataConfig, prepare_dataset
 from eagle31.data.regenerate.core import Reply, Settings, regenerate_conversation
 from eagle31.data.sources import Conversation
 from eagle31.data.system_prompts import data_system_prompts, draw_system_prompt, read_system_prompts
 from eagle31.errors import ConfigError
-from eagle31.recipe import DataConfig
 from tests.data.chat_helpers import write_jsonl
 
 PROMPTS = ["You are terse.", "You are a pirate.", "Answer in French."]

@@ -185,9 +185,8 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
     from eagle31.convert import load_drafter
     from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, label_positions, step_scales, supervision_mask, weighted_loss
-    from eagle31.recipe import TrainConfig
     from eagle31.target import load_target_config
-    from eagle31.trainer import DrafterObjective
+    from eagle31.trainer import DrafterObjective, TrainConfig
     from eagle31.vocab import vocab_maps
     from experiments.side_by_side.peer_training import SpeculatorsTraining
 

@@ -16,9 +16,8 @@ from eagle31.config import SWITCHES, DrafterConfig
 from eagle31.convert import detect_format, load_drafter, read_drafter_config
 from eagle31.export import export_drafter
 from eagle31.hub import write_model_card
-from eagle31.layouts import LAYOUTS, Layout, layout_of, source_formats
+from eagle31.layouts import LAYOUTS, DrafterFormat, ExportFormat, Layout, layout_of, source_formats
 from eagle31.layouts.layout import eagle_fields, layer_fields, provenance, read_eagle, read_layer
-from eagle31.recipe import DrafterFormat, ExportFormat
 from tests.export.test_export import logits
 from tests.helpers import tiny_drafter
 

@@ -3,8 +3,7 @@
 import pytest
 
 from eagle31.errors import ConfigError
-from eagle31.recipe import TargetConfig
-from eagle31.targets import resolve_target_path
+from eagle31.targets import TargetConfig, resolve_target_path
 from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
 
 

@@ -61,7 +61,7 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
     them ends its process in its 8th computation. The run goes on, says so in metrics.jsonl, and ends with
     online training's losses, final weights and consumed samples, bit for bit."""
     from eagle31.engine import worker
-    from eagle31.recipe import EngineWorker
+    from eagle31.engine.worker import EngineWorker
     from tests.engine.workers import DyingWorker
 
     monkeypatch.setitem(worker.WORKERS, EngineWorker.hf, DyingWorker)

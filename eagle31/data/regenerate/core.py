@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable
 
 from eagle31.data.sources import Conversation
 from eagle31.data.system_prompts import draw_for_conversation, draw_system_prompt
 from eagle31.errors import ConfigError
+
+
+class RegenerateBackend(StrEnum):
+    hf = "hf"  # the target in this process
+    endpoint = "endpoint"  # an OpenAI-compatible server (vLLM, SGLang)
+
+
+class OnLength(StrEnum):
+    drop = "drop"  # a reply cut at max_new_tokens ends its conversation before that turn
+    keep = "keep"  # kept, its end of turn unsupervised; the conversation ends with it
+
 
 STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
 ON_LENGTH = ("drop", "keep")
