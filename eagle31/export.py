@@ -38,7 +38,7 @@ from eagle31.target import Dtype
 
 DTYPES = {d: getattr(torch, d) for d in Dtype}
 WEIGHTS_NAME = "model.safetensors"
-EXPORT_KIND = "export"  # the kind in an export folder's marker (eagle31.io.OUTPUT_MARKER)
+EXPORT_CONTENT = "export"  # the kind in an export folder's marker (eagle31.io.OUTPUT_MARKER)
 # what an export folder may hold: the export itself and the model card scripts/push_to_hub.py adds
 EXPORT_FILES = ("config.json", WEIGHTS_NAME, "README.md", OUTPUT_MARKER)
 # the vocabulary maps, written only for a reduced vocabulary (docs/export.md: vLLM 0.33 refuses d2t otherwise)
@@ -79,7 +79,7 @@ def export_drafter(
         target_name_or_path=target_name_or_path,
     )
     tensors = export_tensors(drafter, format, dtype=dtype, include_embed=include_embed)
-    with atomic_dir(out, EXPORT_KIND) as tmp:
+    with atomic_dir(out, EXPORT_CONTENT) as tmp:
         atomic_save_safetensors(tensors, tmp / WEIGHTS_NAME, save_file, metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
     return out
@@ -211,7 +211,7 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
                 "Choose another directory"
             )
     try:
-        check_output_dir(out, EXPORT_KIND)
+        check_output_dir(out, EXPORT_CONTENT)
     except ForeignDirectoryError as e:
         raise ConfigError(f"out: {e}") from None
     if not out.is_dir() or not any(out.iterdir()):

@@ -5,8 +5,8 @@ disk and renamed over the destination, so a reader never sees a partial file
 and a killed writer leaves only a `*.tmp-*` file behind.
 
 Output directories are owned: every directory the project writes carries a marker file
-(`OUTPUT_MARKER`, naming what kind of output it is). A directory is only ever replaced or
-written into when it is empty, missing, or carries our marker of the same kind (or, for a
+(`OUTPUT_MARKER`, naming what it holds: its content, the marker's `kind` field). A directory is only ever replaced or
+written into when it is empty, missing, or carries our marker of the same content (or, for a
 run directory, holds nothing but that run's own parts), so a user's folder, a folder of
 other runs or an output of another step is never deleted or mixed with ours
 (`check_output_dir`, the one rule every step calls). A directory that cannot be created or
@@ -67,25 +67,25 @@ OUTPUT_MARKER = ".eagle31-output.json"
 
 
 class ForeignDirectoryError(InputError):
-    """An output directory exists, is not empty and is not an output of ours (of this kind)."""
+    """An output directory exists, is not empty and is not an output of ours (with this content)."""
 
 
-def output_kind(path: str | Path) -> str | None:
-    """The kind recorded in `path`'s marker, or None when `path` holds no marker of ours."""
+def output_content(path: str | Path) -> str | None:
+    """The content recorded in `path`'s marker, or None when `path` holds no marker of ours."""
     try:
         return json.loads((Path(path) / OUTPUT_MARKER).read_text()).get("kind")
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def check_output_dir(path: str | Path, kind: str, parts: Mapping[str | Path, str] | None = None) -> None:
-    """Refuse (one line, before any work) to write `kind` output into `path` unless `path` is that step's own.
+def check_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, str] | None = None) -> None:
+    """Refuse (one line, before any work) to write `content` output into `path` unless `path` is that step's own.
 
     The one ownership rule of every step (prepare, capture, regeneration, train, export, evaluation):
-    `path` must be missing, empty, or carry our marker of `kind`. `parts` names the outputs a run
+    `path` must be missing, empty, or carry our marker of `content`. `parts` names the outputs a run
     writes inside its own directory before it claims it (`{"<run>/data": "prepared-data", ...}`):
-    a directory holding nothing but those, each of its kind, counts as the run's own too. Anything
-    else — a user's file, another run, an output of another kind or in another place — is refused,
+    a directory holding nothing but those, each with its content, counts as the run's own too. Anything
+    else — a user's file, another run, an output with other content or in another place — is refused,
     and the message names what is there. A swap of `atomic_dir` that a kill interrupted is repaired
     first (`recover_swap`).
     """
@@ -94,47 +94,47 @@ def check_output_dir(path: str | Path, kind: str, parts: Mapping[str | Path, str
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
     check_writable(path)
-    if not path.exists() or output_kind(path) == kind:
+    if not path.exists() or output_content(path) == content:
         return
-    found = output_kind(path)
+    found = output_content(path)
     if found is not None:
         raise ForeignDirectoryError(
-            f"{path} holds a {found} output of eagle31; refusing to write a {kind} output there (choose an empty or new directory)"
+            f"{path} holds a {found} output of eagle31; refusing to write a {content} output there (choose an empty or new directory)"
         )
     wanted = {os.path.abspath(p): k for p, k in (parts or {}).items()}
     foreign = _foreign_entries(path, wanted)
     if foreign:
         raise ForeignDirectoryError(
-            f"{path} holds {_describe(foreign)}; refusing to write a {kind} output there (choose an empty or new directory)"
+            f"{path} holds {_describe(foreign)}; refusing to write a {content} output there (choose an empty or new directory)"
         )
 
 
 def _foreign_entries(directory: Path, parts: dict[str, str]) -> list[tuple[str | None, str]]:
-    """(kind or None, name) of each entry of `directory` that is neither one of `parts` nor a write of ours in flight."""
+    """(content or None, name) of each entry of `directory` that is neither one of `parts` nor a write of ours in flight."""
     found = []
     for entry in sorted(directory.iterdir()):
         if _TEMPORARY.fullmatch(entry.name) or _SWAPPED_OUT.fullmatch(entry.name):
             continue  # ranks claiming one store together; an atomic_dir swap
-        where, kind = os.path.abspath(entry), output_kind(entry)
-        if where in parts and kind == parts[where]:
+        where, content = os.path.abspath(entry), output_content(entry)
+        if where in parts and content == parts[where]:
             continue
         holds_parts = any(p.startswith(where + os.sep) for p in parts)
-        if holds_parts and kind is None and entry.is_dir():  # <run>/features holding the stores <run>/features/<split>
+        if holds_parts and content is None and entry.is_dir():  # <run>/features holding the stores <run>/features/<split>
             found += [(k, f"{entry.name}/{name}") for k, name in _foreign_entries(entry, parts)]
             continue
-        found.append((kind, entry.name))
+        found.append((content, entry.name))
     return found
 
 
 def _describe(entries: list[tuple[str | None, str]], shown: int = 5) -> str:
     """`2 run outputs of eagle31 (a, b) and files that eagle31 did not write (notes.txt)`."""
     by_kind: dict[str | None, list[str]] = {}
-    for kind, name in entries:
-        by_kind.setdefault(kind, []).append(name)
+    for content, name in entries:
+        by_kind.setdefault(content, []).append(name)
     said = []
-    for kind, names in sorted(by_kind.items(), key=lambda kv: (kv[0] is None, kv[0] or "")):
+    for content, names in sorted(by_kind.items(), key=lambda kv: (kv[0] is None, kv[0] or "")):
         listed = ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
-        what = "files that eagle31 did not write" if kind is None else f"{len(names)} {kind} output(s) of eagle31"
+        what = "files that eagle31 did not write" if content is None else f"{len(names)} {content} output(s) of eagle31"
         said.append(f"{what} ({listed})")
     return " and ".join(said)
 
@@ -517,32 +517,32 @@ def _heartbeat(path: Path, stop: threading.Event) -> None:
             pass  # the next process will see the heartbeat stop and say so
 
 
-def claim_output_dir(path: str | Path, kind: str, parts: Mapping[str | Path, str] | None = None) -> Path:
-    """Create `path` (or reuse one of ours of the same kind) for in-place writing, and mark it as ours (`check_output_dir`)."""
+def claim_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, str] | None = None) -> Path:
+    """Create `path` (or reuse one of ours of the same content) for in-place writing, and mark it as ours (`check_output_dir`)."""
     path = Path(path)
-    check_output_dir(path, kind, parts)
+    check_output_dir(path, content, parts)
     path.mkdir(parents=True, exist_ok=True)
-    if output_kind(path) != kind:
-        atomic_write_json(path / OUTPUT_MARKER, {"kind": kind})
+    if output_content(path) != content:
+        atomic_write_json(path / OUTPUT_MARKER, {"kind": content})
     return path
 
 
 @contextmanager
-def atomic_dir(dest: str | Path, kind: str) -> Iterator[Path]:
+def atomic_dir(dest: str | Path, content: str) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed).
 
-    `dest` must be missing, empty, or an output of ours of the same `kind` (`check_output_dir`);
+    `dest` must be missing, empty, or an output of ours of the same `content` (`check_output_dir`);
     the new directory carries the marker, so a later run may replace it again. A kill at any
     point leaves `dest` whole, old or new, or (between the two renames) the old one aside,
     which the next `check_output_dir` of `dest` puts back.
     """
     dest = Path(dest)
-    check_output_dir(dest, kind)
+    check_output_dir(dest, content)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = _unique_sibling(dest)
     tmp.mkdir(0o777)  # the umask applies (tempfile's 0o700 would hide exports from other users)
     try:
-        atomic_write_json(tmp / OUTPUT_MARKER, {"kind": kind})
+        atomic_write_json(tmp / OUTPUT_MARKER, {"kind": content})
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
         with _swap_lock(tmp):  # another process's `recover_swap` waits for the two renames

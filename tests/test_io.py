@@ -46,13 +46,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_a_failed_directory_leaves_the_old_one(tmp_path):
     dest = tmp_path / "d"
-    with atomic_dir(dest, kind="k") as tmp:
+    with atomic_dir(dest, content="k") as tmp:
         (tmp / "x").write_text("old")
-    with pytest.raises(RuntimeError), atomic_dir(dest, kind="k") as tmp:
+    with pytest.raises(RuntimeError), atomic_dir(dest, content="k") as tmp:
         (tmp / "x").write_text("new")
         raise RuntimeError("killed")
     assert (dest / "x").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["d"]
-    with atomic_dir(dest, kind="k") as tmp:  # success replaces it whole
+    with atomic_dir(dest, content="k") as tmp:  # success replaces it whole
         (tmp / "y").write_text("new")
     assert sorted(p.name for p in dest.iterdir()) == [OUTPUT_MARKER, "y"] and [p.name for p in tmp_path.iterdir()] == [
         "d"
@@ -63,7 +63,7 @@ def test_a_directory_of_the_user_is_never_replaced_or_written_into(tmp_path):
     user = tmp_path / "project"
     user.mkdir()
     (user / "chats.jsonl").write_text("{}")
-    with pytest.raises(ForeignDirectoryError, match="did not write"), atomic_dir(user, kind="prepared-data"):
+    with pytest.raises(ForeignDirectoryError, match="did not write"), atomic_dir(user, content="prepared-data"):
         pass
     with pytest.raises(ForeignDirectoryError, match="did not write"):
         claim_output_dir(user, "run")
@@ -74,17 +74,17 @@ def test_a_directory_of_the_user_is_never_replaced_or_written_into(tmp_path):
 
 
 def test_an_output_of_another_kind_is_refused_and_ours_is_reused(tmp_path):
-    with atomic_dir(tmp_path / "d", kind="prepared-data") as tmp:
+    with atomic_dir(tmp_path / "d", content="prepared-data") as tmp:
         (tmp / "x").write_text("1")
     with (
         pytest.raises(ForeignDirectoryError, match="a prepared-data output"),
-        atomic_dir(tmp_path / "d", kind="export"),
+        atomic_dir(tmp_path / "d", content="export"),
     ):
         pass
     run = claim_output_dir(tmp_path / "run", "run")
     (run / "metrics.jsonl").write_text("")
     assert claim_output_dir(run, "run") == run and (run / "metrics.jsonl").exists()
-    with atomic_dir(tmp_path / "d", kind="prepared-data") as tmp:  # ours of this kind: replaced
+    with atomic_dir(tmp_path / "d", content="prepared-data") as tmp:  # ours of this kind: replaced
         (tmp / "y").write_text("2")
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [OUTPUT_MARKER, "y"]
 
@@ -93,7 +93,7 @@ def test_written_files_and_directories_follow_the_umask(tmp_path, umask_022):
     """Exports and checkpoints must be readable by other users (a vLLM server under another account)."""
     atomic_write_text(tmp_path / "f.txt", "x")
     atomic_save_safetensors({"w": torch.zeros(2)}, tmp_path / "m.safetensors", save_file)  # it recreates the file
-    with atomic_dir(tmp_path / "d", kind="k") as tmp:
+    with atomic_dir(tmp_path / "d", content="k") as tmp:
         (tmp / "g").write_text("y")
     assert (
         mode(tmp_path / "f.txt") == 0o644
@@ -138,14 +138,14 @@ def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path)
 def test_a_run_directory_holding_only_its_own_parts_may_be_claimed(tmp_path):
     """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run claims it."""
     run = tmp_path / "run"
-    with atomic_dir(run / "data", kind="prepared-data") as tmp:
+    with atomic_dir(run / "data", content="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")
     claim_output_dir(run / "features" / "train", "feature-store")
     parts = {run / "data": "prepared-data", run / "features" / "train": "feature-store"}
     assert claim_output_dir(run, "run", parts) == run
     other = tmp_path / "other"
     (other / "stuff").mkdir(parents=True)  # a folder of the user's beside the run's own part
-    with atomic_dir(other / "data", kind="prepared-data") as tmp:
+    with atomic_dir(other / "data", content="prepared-data") as tmp:
         pass
     with pytest.raises(ForeignDirectoryError, match=r"files that eagle31 did not write \(stuff\)"):
         claim_output_dir(other, "run", {other / "data": "prepared-data"})
@@ -158,11 +158,11 @@ def test_a_folder_of_runs_is_never_replaced_by_another_step(tmp_path):
     runs = tmp_path / "runs"
     for name in ("a", "b"):
         (claim_output_dir(runs / name, "run") / "metrics.jsonl").write_text("{}\n")
-    with atomic_dir(runs / "prepared", kind="prepared-data") as tmp:
+    with atomic_dir(runs / "prepared", content="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")
     before = sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
     for step in (
-        lambda: atomic_dir(runs, kind="prepared-data").__enter__(),
+        lambda: atomic_dir(runs, content="prepared-data").__enter__(),
         lambda: claim_output_dir(runs, "feature-store"),
     ):
         with pytest.raises(ForeignDirectoryError) as refused:
@@ -189,7 +189,7 @@ def rename(self, target):  # SIGKILL right after the swap's rename number sys.ar
     return moved
 rename.count = 0
 Path.rename = rename
-with atomic_dir(sys.argv[2], kind="prepared-data") as tmp:
+with atomic_dir(sys.argv[2], content="prepared-data") as tmp:
     (tmp / "x").write_text("new")
 """
 
@@ -203,7 +203,7 @@ def test_a_kill_during_the_swap_of_a_directory_is_repaired_on_the_next_start(tmp
     from eagle31.io import check_output_dir
 
     dest = tmp_path / "prepared"
-    with atomic_dir(dest, kind="prepared-data") as tmp:
+    with atomic_dir(dest, content="prepared-data") as tmp:
         (tmp / "x").write_text("old")
     repo = Path(__file__).resolve().parents[1]
     killed = subprocess.run([sys.executable, "-c", KILL_AT_RENAME, str(repo), str(dest), str(killed_after)], timeout=60)
@@ -226,7 +226,7 @@ def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path
     from eagle31.io import check_output_dir
 
     dest = tmp_path / "prepared"
-    with atomic_dir(dest, kind="prepared-data") as tmp:
+    with atomic_dir(dest, content="prepared-data") as tmp:
         (tmp / "x").write_text("old")
     between, checked = threading.Event(), threading.Event()
     real_rename = Path.rename
@@ -245,7 +245,7 @@ def test_a_swap_in_progress_in_another_process_is_waited_for_not_undone(tmp_path
 
     def write():
         try:
-            with atomic_dir(dest, kind="prepared-data") as tmp:
+            with atomic_dir(dest, content="prepared-data") as tmp:
                 (tmp / "x").write_text("new")
         except BaseException as e:
             failed.append(e)
@@ -273,7 +273,7 @@ def test_a_finished_swaps_old_output_is_not_put_back_over_another_swap_in_progre
     from eagle31.io import check_output_dir
 
     dest = tmp_path / "prepared"
-    with atomic_dir(dest, kind="prepared-data") as tmp:
+    with atomic_dir(dest, content="prepared-data") as tmp:
         (tmp / "x").write_text("before A")
     real_sibling, real_rename, real_rmtree = eagle31.io._unique_sibling, Path.rename, shutil.rmtree
     names = {"A": "00000000", "B": "ffffffff"}  # A's old output is the first that C finds
@@ -307,7 +307,7 @@ def test_a_finished_swaps_old_output_is_not_put_back_over_another_swap_in_progre
 
     def write(after: threading.Event | None = None):
         try:
-            with atomic_dir(dest, kind="prepared-data") as tmp:
+            with atomic_dir(dest, content="prepared-data") as tmp:
                 (tmp / "x").write_text(threading.current_thread().name)
                 if after is not None:
                     b_written.set()

@@ -73,7 +73,7 @@ def test_a_prepared_dir_holding_a_source_is_refused(tiny_target, chats, tmp_path
 
 def test_a_prepared_dir_made_from_other_sources_is_refused_not_silently_reused(tiny_target, chats, tmp_path, capsys):
     prepared = tmp_path / "prepared"
-    with atomic_dir(prepared, kind="prepared-data") as tmp:
+    with atomic_dir(prepared, content="prepared-data") as tmp:
         (tmp / "train").mkdir()
         (tmp / "report.json").write_text(json.dumps({"sources": [str(tmp_path / "old.jsonl")]}))
     args = base_args(tiny_target, chats, tmp_path / "run", **{"data.prepared_dir": str(prepared)})

@@ -288,7 +288,7 @@ def prepare_dataset(
     )
     with (
         write_errors(f"data.prepared_dir {data_cfg.prepared_dir}", kept),
-        atomic_dir(Path(data_cfg.prepared_dir), kind="prepared-data") as tmp,
+        atomic_dir(Path(data_cfg.prepared_dir), content="prepared-data") as tmp,
     ):
         if _write_arrow(samples, tmp / "all.arrow") == 0:
             raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")

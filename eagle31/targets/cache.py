@@ -60,6 +60,6 @@ def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
     dest = Path(dest)
     if dest.exists():
         raise FileExistsError(f"{dest} already exists; remove it first")
-    with atomic_dir(dest, kind="target") as tmp:
+    with atomic_dir(dest, content="target") as tmp:
         build(tmp)
     return dest
