@@ -18,19 +18,12 @@ import torch
 from eagle31.config import SWITCHES, DrafterConfig
 from eagle31.distributed import World
 from eagle31.errors import ConfigError
-from eagle31.estimate import (
-    attention_flops_share,
-    count_parameters,
-    estimate_memory,
-    longest_fitting_length,
-    step_flops,
-)
+from eagle31.estimate import RunMemory, attention_flops_share, count_parameters, step_flops
 from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
-from eagle31.model import Eagle31Drafter
 from eagle31.recipe import to_container
-from eagle31.target import load_target_config, target_fingerprint
+from eagle31.target import load_target_config, target_fingerprint, target_parameters
 
 # Sections that define a run: resuming with any of them changed is refused.
 # what a resumed run must share with the run it continues (the rest may change between attempts);
@@ -266,7 +259,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
     sequence (and the attention's share: a sliding window bounds it), a per-GPU memory estimate for the
     planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
     cfg, d = plan.cfg, plan.drafter
-    counts = count_parameters(d)
+    counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
         raise ConfigError(
             f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and {cfg.plan.gpu_memory_gib}"
@@ -277,18 +270,15 @@ def describe_dry_run(plan: RunPlan) -> dict:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
         sequence_parallel=cfg.train.sequence_parallel,
+        attention_kernel=cfg.train.attention_kernel,
+        online_target_bytes=online_target_bytes(plan),
     )
-    memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
+    run_memory = RunMemory(d, cfg.train.ttt_length, **options)
+    memory = run_memory.at(cfg.data.max_len)
     flops = step_flops(d, cfg.data.max_len, cfg.train.ttt_length)
     attention_share = attention_flops_share(d, cfg.data.max_len, cfg.train.ttt_length)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
-    longest = {f"{g:g}": longest_fitting_length(d, cfg.train.ttt_length, g, **options) for g in sizes}
-    # build it for real, on the meta device: validates every shape without memory
-    with torch.device("meta"):
-        model = Eagle31Drafter(d)
-    built = sum(p.numel() for p in model.parameters())
-    if built != counts.total:
-        raise RuntimeError(f"parameter count formula ({counts.total}) disagrees with the model ({built})")
+    longest = {f"{g:g}": run_memory.longest(g) for g in sizes}
     engine = engine_sizing(plan, world_size)
     report = {
         "recipe": cfg.name,
@@ -339,6 +329,13 @@ def describe_dry_run(plan: RunPlan) -> dict:
         if engine is not None:
             print(f"  engine: {engine.describe(cfg.features.engine.worker_gpus)}")
     return report
+
+
+def online_target_bytes(plan: RunPlan) -> int:
+    """The target's weights on every GPU when `features.mode=online` (the target runs in each trainer), else 0."""
+    if plan.cfg.features.mode != "online":
+        return 0
+    return target_parameters(plan.target_config) * getattr(torch, str(plan.cfg.target.dtype)).itemsize
 
 
 def engine_sizing(plan: RunPlan, trainers: int):
