@@ -112,7 +112,8 @@ class RunMemory:
 
     device: `cuda` (FSDP2 on GPUs, as trained) or `cpu` (one plain process, as the CPU memory benchmark runs:
     no gathered copies, one dtype throughout). sequence_parallel: the ranks each sequence is split over.
-    online_target_bytes: the target's weights on each GPU (`features.mode=online`), 0 otherwise.
+    online_target_bytes: the target's weights on each GPU (`features.mode=online`), 0 otherwise. step: the traces
+    of another `RunMemory` of the same drafter and step options (`.step`), when only the fixed terms differ.
     """
 
     def __init__(
@@ -127,10 +128,11 @@ class RunMemory:
         sequence_parallel: int = 1,
         attention_kernel: str = "auto",
         online_target_bytes: int = 0,
+        step: StepMemory | None = None,
     ):
         c, fsdp = compute_bytes, device == "cuda"
         dtype = torch.bfloat16 if c == 2 else torch.float32
-        self.step = StepMemory(
+        self.step = step or StepMemory(
             cfg, ttt_length, activation_checkpointing=activation_checkpointing, dtype=dtype, device=device,
             sequence_parallel=sequence_parallel, attention_kernel=attention_kernel,
         )  # fmt: skip
@@ -159,12 +161,13 @@ class RunMemory:
         its traces, so the lengths there cost no trace; below it, each length tried is traced (a bisection). A trace
         at the answer itself is not made: at 100k tokens and more it would take minutes (docs/performance.md)."""
         fits = lambda T: self.at(T)["total"] <= gpu_memory_gib  # noqa: E731
-        first = 1024 * -(-self.step.fit_lengths()[0] // 1024)
-        lo, hi = (first // 1024, 1 << 14) if fits(first) else (0, first // 1024)
-        if lo == 0 and not fits(1024):
-            return 0
-        lo = max(lo, 1)
-        if fits(hi * 1024):  # 16M tokens: beyond any plan
+        first = -(-self.step.fit_lengths()[0] // 1024)  # in units of 1024 tokens, as the answer
+        lo, hi = (first, 1 << 14) if fits(first * 1024) else (0, first)  # 16M tokens: beyond any plan
+        if lo == 0:
+            if not fits(1024):
+                return 0
+            lo = 1
+        elif fits(hi * 1024):
             return hi * 1024
         while hi - lo > 1:
             mid = (lo + hi) // 2

@@ -33,7 +33,6 @@ give its line. The lines reproduce both traced peaks exactly, or the lengths are
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import sys
@@ -42,24 +41,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from eagle31.config import DrafterConfig
 from eagle31.data.batch import FeatureBatch
+from eagle31 import loss, ttt
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import BlockwiseCausal, FlashCausal, resolve_backend
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
-from eagle31.loss import _LOGITS_BUDGET, TargetHead, step_scales, weighted_loss
+from eagle31.loss import TargetHead, step_scales, weighted_loss
 from eagle31.model import Eagle31Drafter
 from eagle31.sequence_parallel import SequenceGroup, shard_length
 from eagle31.trainer import DrafterObjective, TrainConfig, prepare_batch
-from eagle31.ttt import FEED_FORWARD_BUDGET
 
 SMALL = 1 << 12  # float tensors of up to this many elements carry their values (step scales, loss sums)
+INDEX = 1 << 20  # integer and boolean ones of up to this many (token ids, documents, masks of queries; not a kernel's)
 META = torch.device("meta")
 _EAGLE31 = str(Path(__file__).resolve().parent)
 # the causal kernels' calls, which count the phases of a step; FlashCausal's differ by device (True)
@@ -118,7 +116,7 @@ class _Unknown(Exception):
 
 
 def _keeps_values(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() or t.numel() <= SMALL
+    return t.numel() <= (SMALL if t.is_floating_point() else INDEX)
 
 
 def _tensors(args, kwargs=None) -> list[torch.Tensor]:
@@ -158,6 +156,7 @@ class StepTrace(TorchDispatchMode):
         self._calls = 0  # kernel calls begun: the step's phase
         self._call: int | None = None  # the kernel call running (its frame's id)
         self._held: int | None = None  # inside a FlashCausal call on CUDA: the bytes it holds
+        self._runs: int | None = None  # inside a kernel call: the size of its documents' runs
 
     # ------------------------------------------------------------------ values
 
@@ -231,12 +230,13 @@ class StepTrace(TorchDispatchMode):
                 frame = frame.f_back
             call = frame
         if call is None:
-            self._call = self._held = None
+            self._call = self._held = self._runs = None
         elif id(call) != self._call:
             self._call, self._calls = id(call), self._calls + 1
             flash, backward = _KERNEL_CALLS[call.f_code]
+            a = call.f_locals
+            self._runs = a["segments"].numel()
             if flash and self.cuda:
-                a = call.f_locals
                 others = (a["v"], a["dout"], a["out"]) if backward else (a["v"],)
                 self._held = self.live + flash_cuda_call_bytes(backward, a["q"], a["k"], *others)
         return site
@@ -252,14 +252,14 @@ class StepTrace(TorchDispatchMode):
             return self._placed(real, kwargs)
         if self._held is not None:  # inside a call counted as on CUDA: no value made there is read
             return out
-        if any(t.is_meta and _keeps_values(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,))):
+        if any(self._keeps_values(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,))):
             try:
                 real = self._compute(func, args, kwargs)
             except _Unknown:
                 self._forget_written(func, args, kwargs)
             else:
                 for t, v in zip(tree_leaves(out), tree_leaves(real)):
-                    if isinstance(t, torch.Tensor) and t.is_meta and _keeps_values(t):
+                    if isinstance(t, torch.Tensor) and self._keeps_values(t):
                         self.values[t] = v
         return out
 
@@ -278,6 +278,11 @@ class StepTrace(TorchDispatchMode):
             self._shapes[key] = _Made(out) if isinstance(out, torch.Tensor) else tree_map(_Made.of, out)
             return out
         return made.again() if isinstance(made, _Made) else tree_map(_Made.again_of, made)
+
+    def _keeps_values(self, t: torch.Tensor) -> bool:
+        """Inside a kernel call only tensors no larger than the documents' runs it reads carry values (its masks'
+        are never read)."""
+        return t.is_meta and _keeps_values(t) and (self._runs is None or t.numel() <= self._runs)
 
     def _compute(self, func, args, kwargs):
         """`func` on the inputs' values (CPU); `_Unknown` when one is not known."""
@@ -349,29 +354,21 @@ class StepTrace(TorchDispatchMode):
         del self._refs[key]
 
 
-class _EmulatedCollectives(TorchFunctionMode):
-    """The sequence group's collectives, answered as the last rank of `size` sees them, every rank holding what it
-    holds: a gathered tensor is its input repeated (values and all), a reduce-scatter's output its own rows."""
+class _EmulatedGroup:
+    """The process group of a traced sequence group, answering its two collectives as the last of `size` ranks
+    sees them, every rank holding what it holds: a gathered tensor is its input repeated (values and all), a
+    reduce-scatter's output is left as made (meta tensors hold no values)."""
 
     def __init__(self, trace: StepTrace, size: int):
-        super().__init__()
         self.trace, self.size = trace, size
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is dist.all_gather_single:
-            out, x = args[:2]
-            v = self.trace.value(x)
-            if v is not None:
-                self.trace.set_value(out, torch.cat([v] * self.size))
-            return None
-        if func is dist.reduce_scatter_single:
-            return None
-        return func(*args, **kwargs)
+    def all_gather_single(self, out: torch.Tensor, x: torch.Tensor, opts=None) -> None:
+        v = self.trace.value(x)
+        if v is not None:
+            self.trace.set_value(out, torch.cat([v] * self.size))
 
-
-class _EmulatedGroup:
-    """The process group of a traced sequence group: `_EmulatedCollectives` answers its collectives."""
+    def reduce_scatter_single(self, out: torch.Tensor, parts: torch.Tensor, opts=None) -> None:
+        return None
 
 
 # ---------------------------------------------------------------------------- one traced step
@@ -440,10 +437,9 @@ def trace_step(
     batch = FeatureBatch(input_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=loss_mask[:, :T],
                          document_ids=torch.zeros(1, T, dtype=torch.long), aux=aux, final=final, num_tokens=T,
                          num_samples=1)  # fmt: skip
-    group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup())
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
-    collectives = _EmulatedCollectives(trace, N) if N > 1 else contextlib.nullcontext()
-    with trace, collectives:
+    group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
+    with trace:
         b, mask, argmax, sequence = prepare_batch(batch, train, head, META, dtype, group, cfg.sliding_window)
         count = mask.sum(dim=(1, 2)).double()
         scale = step_scales(count, train.ttt_decay)
@@ -475,32 +471,36 @@ class _Plane:
         return round(peak - held), round(features)
 
 
-def _plane(base: StepBytes, along_T: StepBytes | None, along_P: StepBytes, P: tuple[int, int]) -> _Plane | None:
-    """Each moment's plane through three traces: `base` at (T0, P0), `along_T` at (T1, P0) (None: T is T0's
-    only), `along_P` at (T0, P1); None unless the planes reproduce every trace's peak (module docstring)."""
+def _plane(base: StepBytes, along_T: StepBytes | None, along_P: StepBytes | None, dP: int) -> _Plane | None:
+    """Each moment's plane through `base` (at T0, P0), `along_T` (at T1, P0) and `along_P` (at T0, P0 + dP), either
+    of the last two None for no slope that way; None unless the planes reproduce every trace's peak."""
     traces = [t for t in (base, along_T, along_P) if t is not None]
     keys = set.intersection(*(set(t.moments) for t in traces))
-    if any(max(t.moments[k] for k in keys) != t.peak + t.held_features for t in traces):
+    if not keys or any(max(t.moments[k] for k in keys) != t.peak + t.held_features for t in traces):
         return None
     dT = along_T.seq_len - base.seq_len if along_T else 1
+    slope = lambda t, value: (value(t) - value(base)) / dT if along_T else 0.0  # noqa: E731
     moments = []
     for k in keys:
         a = base.moments[k]
-        b = (along_T.moments[k] - a) / dT if along_T else 0.0
-        moments.append((a, b, (along_P.moments[k] - a) / (P[1] - P[0])))
-    slope = lambda v, w: (v, (w - v) / dT if along_T else 0.0)  # noqa: E731
-    features = slope(base.features, along_T.features if along_T else 0)
-    held = slope(base.held_features, along_T.held_features if along_T else 0)
-    return _Plane(base.seq_len, P[0], moments, features, held)
+        c = (along_P.moments[k] - a) / dP if along_P else 0.0
+        moments.append((a, slope(along_T, lambda t: t.moments[k]), c))
+    features = (base.features, slope(along_T, lambda t: t.features))
+    held = (base.held_features, slope(along_T, lambda t: t.held_features))
+    return _Plane(base.seq_len, 0, moments, features, held)
 
 
 class StepMemory:
     """A drafter's training step, its bytes at any T (`at`), from a few traces (module docstring).
 
-    Every query supervised makes the loss run over T label rows, a long loop of fixed chunks; so the traces
-    supervise two small counts P0 < P1 of positions (past the loss's chunk) and each moment's bytes are taken as
-    a + b T + c P, P = T. Up to P1 one exact trace; up to the first fit length T0 two traces at T (P0 and P1);
-    beyond it three, at (T0, P0), (T1, P0), (T0, P1), and the planes' largest value at T."""
+    Every query supervised makes the loss run over T label rows, a long loop of fixed chunks; where a chunk is
+    short beside the fit lengths the traces supervise two small counts P0 < P1 of positions (past the loss's
+    chunk) and each moment's bytes are taken as a + b T + c P, P = T. Up to P1 one exact trace; up to the
+    first fit length T0 two traces at T (P0 and P1); beyond it three, at (T0, P0), (T1, P0), (T0, P1), and
+    the planes' largest value at T. Where the chunk is long, every trace supervises every position: one
+    trace up to T1, beyond it the lines through the traces at T0 and T1."""
+
+    FIT_LIMIT = 8192  # positions of a shard the fit lengths need at most to run every loop of blocks steadily
 
     def __init__(self, cfg: DrafterConfig, ttt_length: int, **options):
         self.cfg, self.ttt_length, self.options = cfg, ttt_length, options
@@ -518,51 +518,61 @@ class StepMemory:
             )
         return self._traces[key]
 
-    def supervised_counts(self) -> tuple[int, int]:
+    def supervised_counts(self) -> tuple[int, int] | None:
         """P0 < P1: the positions whose label rows (the first P - 2) fill two and three of the loss's chunks (a
-        loop's second block runs beside what the first left, as every later one does)."""
-        rows = max(1, _LOGITS_BUDGET // self.cfg.draft_vocab_size)
-        return 2 * rows + 2, 3 * rows + 2
+        loop's second block runs beside what the first left, as every later one does); None where twice that
+        passes `FIT_LIMIT`: every trace supervises every position."""
+        rows = self._loss_rows()
+        return (2 * rows + 2, 3 * rows + 2) if 2 * (3 * rows + 2) <= self.FIT_LIMIT else None
+
+    def _loss_rows(self) -> int:
+        return max(1, loss._LOGITS_BUDGET // self.cfg.draft_vocab_size)
+
+    def _shard(self, seq_len: int) -> int:
+        return shard_length(seq_len, self.sequence_parallel, self.ttt_length)
 
     def fit_lengths(self) -> tuple[int, int]:
-        """T0 < T1 whose shards hold a whole block of the MLP, two of the chain (a loop's second block runs beside
-        what the first left, as every later one does), two windows, and P1 positions."""
-        cfg, N = self.cfg, self.sequence_parallel
-        rows = max(
-            FEED_FORWARD_BUDGET // cfg.intermediate_size,
-            2 * kernels.BLOCK_BUDGET // (cfg.num_attention_heads * cfg.qk_head_dim),
-            2 * (cfg.sliding_window or 0),
-            self.supervised_counts()[1],
-        )
-        shard = 1024 * math.ceil(rows / 1024) + 531  # no model dimension near its multiples, usually
+        """T0 < T1 (a multiple of the sequence split): each of the step's loops of blocks runs either steadily at
+        both (its blocks whole, a chain's and the loss's second beside what the first left) or in one block at
+        both (then the lines count it as growing with T: an upper bound past it); steadily wherever that needs
+        at most `FIT_LIMIT` positions of a shard, and twice P1."""
+        cfg, P = self.cfg, self.supervised_counts()
+        chain = kernels.BLOCK_BUDGET // (cfg.num_attention_heads * cfg.qk_head_dim)
+        mlp = ttt.FEED_FORWARD_BUDGET // cfg.intermediate_size
+        loops = [(mlp, mlp), (chain, 2 * chain)]  # (one block up to, steady from)
+        if cfg.sliding_window:
+            loops.append((cfg.sliding_window, 2 * cfg.sliding_window))
+        if P is None:
+            loops.append((self._loss_rows(), 2 * self._loss_rows() + 2))
+        steady = sorted({s for _, s in loops})
+        start = max([s for s in steady if s <= self.FIT_LIMIT], default=0)
+        for limit in [start, *[s for s in steady if s > start]]:
+            shard = 1024 * math.ceil(max(limit, 2 * P[1] if P else 1024) / 1024) + 531  # near no model dimension
+            if all(one >= 2 * shard + 1 for one, s in loops if s > limit):
+                break
+        N = self.sequence_parallel
         return N * shard, N * (2 * shard + 1)
 
     def at(self, seq_len: int) -> tuple[int, int]:
         """(the step's peak bytes, the batch's feature bytes) at T = `seq_len`, every query supervised."""
-        shard = shard_length(seq_len, self.sequence_parallel, self.ttt_length)
-        P = self.supervised_counts()
-        if shard <= P[1]:
+        shard, P = self._shard(seq_len), self.supervised_counts()
+        T0, T1 = self.fit_lengths()
+        if (P and shard <= P[1]) or (not P and seq_len <= T1):
             s = self.trace(seq_len)
             return s.peak, s.features
-        T0, T1 = self.fit_lengths()
-        plane = self.plane(None if seq_len >= T0 else seq_len)
-        return plane.at(seq_len, shard)
+        return self.plane(None if seq_len >= T0 else seq_len).at(seq_len, shard)
 
     def plane(self, seq_len: int | None = None) -> _Plane:
-        """The planes of two traces at `seq_len`, or (None) of three at the fit lengths."""
+        """The planes of two traces at `seq_len` (P0 and P1), or (None) of those at the fit lengths."""
         if seq_len not in self._planes:
             P = self.supervised_counts()
             T0, T1 = self.fit_lengths() if seq_len is None else (seq_len, None)
-            for _ in range(3):
-                base, along_P = self.trace(T0, P[0], True), self.trace(T0, P[1], True)
-                along_T = self.trace(T1, P[0], True) if T1 else None
-                plane = _plane(base, along_T, along_P, P)
-                if plane is not None:
-                    self._planes[seq_len] = plane
-                    break
-                if T1 is None:
-                    raise RuntimeError(f"the memory trace's moments at T={T0} do not line up")
-                T0, T1 = 2 * T0, 2 * T1
-            else:
-                raise RuntimeError(f"the memory trace's moments do not line up up to T={T1}")
+            base = self.trace(T0, P and P[0], True)
+            along_P = self.trace(T0, P[1], True) if P else None
+            along_T = self.trace(T1, P and P[0], True) if T1 else None
+            plane = _plane(base, along_T, along_P, P[1] - P[0] if P else 1)
+            if plane is None:
+                raise RuntimeError(f"the memory trace's moments at T={T0} and {T1} do not line up")
+            plane.P0 = P[0] if P else 0
+            self._planes[seq_len] = plane
         return self._planes[seq_len]
