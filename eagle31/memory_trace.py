@@ -24,11 +24,14 @@ meta device it runs its CPU path. For a CUDA run each of its calls counts as the
 `eagle31.kernels.flash_cuda.flash_cuda_call_bytes` (the CUDA path's allocations, with those the varlen flash ops
 make inside); after the call the outputs, the same on both paths, are counted as traced.
 
-Longer sequences (`StepMemory`). A trace costs time in proportion to T (the loss, the chain and the MLP run in
-blocks of fixed size), so beyond two traced lengths T1 < T2, both past every block size, the step's bytes are the
-largest of its moments' lines: each moment (the operations of one kernel call's phase, at one line of eagle31,
-with tensors of the same shape class) holds a + b T bytes, fixed blocks and per-token tensors alike, so two traces
-give its line. The lines reproduce both traced peaks exactly, or the lengths are doubled and traced again.
+Long sequences (`StepMemory`). A trace costs time in proportion to T and to the supervised positions (the loss,
+the chain and the MLP run in blocks of fixed size: about 5,000 operations per 1,000 tokens at Kimi K2.6's shape,
+50 us each), so a long step is not traced whole. Its bytes are the largest of its moments' planes: a moment (the
+operations of one phase, the kernel calls begun so far, at one line of eagle31, on tensors of one shape class:
+each dimension a multiple of T or fixed) holds a + b T + c P bytes, P the supervised positions, blocks and
+per-token tensors alike, while every loop of blocks runs steadily; three traces at (T0, P0), (T1, P0), (T0, P1)
+give each moment's plane, and the planes must reproduce the three traced peaks (`_plane`). Meta kernels' outputs
+are made again from the shapes of their inputs where those recur (the loops' blocks), not recomputed.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from eagle31 import loss, ttt
 from eagle31.config import DrafterConfig
 from eagle31.data.batch import FeatureBatch
-from eagle31 import loss, ttt
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import BlockwiseCausal, FlashCausal, resolve_backend
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
@@ -205,7 +208,9 @@ class StepTrace(TorchDispatchMode):
         found = self._classes.get(shape)
         if found is None:
             ms = [round(d / self.unit) for d in shape]
-            found = self._classes[shape] = tuple(m if m and abs(d - m * self.unit) <= self.slack else 0 for d, m in zip(shape, ms))
+            found = self._classes[shape] = tuple(
+                m if m and abs(d - m * self.unit) <= self.slack else 0 for d, m in zip(shape, ms)
+            )
         return found
 
     def _enter(self, frame):
@@ -513,7 +518,12 @@ class StepMemory:
         key = (seq_len, supervised, moments)
         if key not in self._traces:
             self._traces[key] = trace_step(
-                self.cfg, seq_len, self.ttt_length, supervised=supervised, moments=moments, shapes=self._shapes,
+                self.cfg,
+                seq_len,
+                self.ttt_length,
+                supervised=supervised,
+                moments=moments,
+                shapes=self._shapes,
                 **self.options,
             )
         return self._traces[key]

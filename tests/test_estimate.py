@@ -133,7 +133,7 @@ def test_a_sequence_split_n_ways_holds_a_shard_and_the_keys_before_it():
 
 @pytest.mark.slow
 def test_the_kimi_drafter_trains_256k_tokens_split_over_4_h200s(capsys):
-    """The dry run of the full 256k context on 4 GPUs of 141 GiB, each sequence split 4 ways, fits; unsplit it does not."""
+    """The dry run of the full 256k context on 4 GPUs of 141 GiB, each sequence split 4 ways, fits; unsplit not."""
     args = ["recipe=kimi_k26", "dry_run=true", "data.max_len=262144", "plan.world_size=4", "plan.gpu_memory_gib=141"]
     split = describe_dry_run(plan_run(load_recipe(RECIPES, [*args, "train.sequence_parallel=4"]), init_world("cpu")))
     assert split["sequence_parallel"] == 4 and split["memory_gib_per_gpu"]["total"] < 141
@@ -186,10 +186,12 @@ def test_a_step_counts_every_matmul_once_and_the_window_bounds_the_attentions(re
     for T in (4096, 65536, 262144):
         assert step_flops(w, T, K) < step_flops(d, T, K)
         assert attention_flops_share(w, T, K) < attention_flops_share(d, T, K)
-    grow = lambda c: (
-        (step_flops(c, 4 * 65536, K) - step_flops(c, 2 * 65536, K))
-        / (step_flops(c, 2 * 65536, K) - step_flops(c, 65536, K))
-    )  # noqa: E731
+
+    def grow(c):
+        return (step_flops(c, 4 * 65536, K) - step_flops(c, 2 * 65536, K)) / (
+            step_flops(c, 2 * 65536, K) - step_flops(c, 65536, K)
+        )
+
     assert grow(w) == pytest.approx(2.0, rel=1e-6) and grow(d) > 2.2  # linear with the window
 
 

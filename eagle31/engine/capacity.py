@@ -91,7 +91,7 @@ def estimated_sizing(
 
 
 def target_active_parameters(target_config: dict) -> int:
-    """Parameters a token passes through in the decoder layers (attention and the MLP or the experts it is routed to)."""
+    """Parameters a token passes through in the decoder layers (attention, the MLP or the experts it is routed to)."""
     return decoder_parameters(target_config, active=True)
 
 
