@@ -357,16 +357,16 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
     import torch
 
     from eagle31.attention.mla import mla_keys_values
-    from eagle31.kernels.causal import segment_ids
     from eagle31.kernels.entries import ChainKeysValues
     from eagle31.kernels.ttt_attention import ttt_attention_of_entries
+    from eagle31.model import segment_ids
 
     nh, nope, rope, v_dim, rank = (
         cfg.num_attention_heads,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-        cfg.kv_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.qk_rope_head_dim,
+        cfg.mla.v_head_dim,
+        cfg.mla.kv_lora_rank,
     )
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731

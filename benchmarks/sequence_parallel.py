@@ -59,8 +59,7 @@ from eagle31.vocab import vocab_maps  # noqa: E402
 K = 7
 # small drafters of the two kinds, in the Kimi K2.6 drafter's proportions (MLA: latents 1/4 of H)
 SHAPES = {
-    "mla": dict(attention="mla", num_attention_heads=8, num_key_value_heads=8, head_dim=48, q_lora_rank=128, kv_lora_rank=64,
-                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    "mla": dict(attention="mla", num_attention_heads=8, num_key_value_heads=8, head_dim=48, mla=dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)),
     "llama": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32),
 }  # fmt: skip
 
@@ -132,7 +131,7 @@ def training_step(
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:
-        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, cfg.sliding_window)
+        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, drafter.visibility)
         count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
         stats = objective(
             b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard

@@ -149,6 +149,7 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     from eagle31.data.prepare import template_kwargs
     from eagle31.eval.acceptance import eos_ids, load_drafters, load_prompts, share_target_embedding
     from eagle31.export import read_run_config
+    from eagle31.model import Visibility
     from eagle31.pipeline import acceptance_config
     from eagle31.target import load_target, load_target_config, load_target_tokenizer
     from eagle31.targets import resolve_target_path
@@ -180,6 +181,7 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     if drafter_dir is not None and drafter.config.sliding_window is not None:  # what vLLM serves, without its window
         unwindowed = copy.copy(drafter)  # the same modules and weights, attending every key
         unwindowed.config = dataclasses.replace(drafter.config, sliding_window=None)
+        unwindowed.visibility = Visibility()
         without_window = decode_splits(unwindowed, **decode)
     return {"target_dir": str(Path(target_dir).resolve()), "target": target, "drafter": drafter, "k": k,
             "max_new_tokens": max_new_tokens, "eos": eos, "splits": decode_splits(drafter, **decode), "report": report,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle31.attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.attention.mla import MLAConfig
 from eagle31.errors import ConfigError
 
 # Where a recipe's `drafter.<field>` comes from: `eagle31.recipe.DrafterSection` is made of these fields. TARGET:
@@ -58,14 +59,9 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
-    # the attention kind (`eagle31.attention`); each kind's own fields below are 0 for the others
+    # the attention kind (`eagle31.attention`); each kind's own fields (its `config_type`) are 0 for the others
     attention: DrafterAttention = DrafterAttention.llama
-    # mla (`eagle31.attention.mla`): the target's MLA shape unless set
-    q_lora_rank: int = field(default=0, metadata=OVERRIDE)
-    kv_lora_rank: int = field(default=0, metadata=OVERRIDE)
-    qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
-    qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
-    v_head_dim: int = field(default=0, metadata=OVERRIDE)
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata=OVERRIDE)  # the target's MLA shape unless set
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
     # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
     sliding_window: int | None = None
@@ -77,6 +73,10 @@ class DrafterConfig:
         self.target_architectures = tuple(self.target_architectures)
         self.rope_parameters = dict(self.rope_parameters)
         self.attention = DrafterAttention.parse(self.attention)
+        for kind in KINDS.values():  # a kind's fields given as a dict (a config file, a recipe)
+            value = getattr(self, kind.config_field) if kind.config_field else None
+            if isinstance(value, dict):
+                setattr(self, kind.config_field, kind.config_type(**value))
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -149,10 +149,12 @@ class DrafterConfig:
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ConfigError(f"drafter.sliding_window must be a positive integer (positions) or null, got {w!r}")
         for other, kind in KINDS.items():
-            used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
+            own = getattr(self, kind.config_field) if kind.config_field else None
+            used = [name for name in kind.fields() if other != self.attention and getattr(own, name)]
             if used:
                 raise ConfigError(
-                    f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0"
+                    f"drafter.{kind.config_field}.{used[0]} is a field of {kind.label}: set drafter.attention={other} "
+                    "or leave it 0"
                 )
         self.kind.validate(self)
 
@@ -208,8 +210,13 @@ class DrafterConfig:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
         kind = DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama)).kind
-        values.update(kind.from_target(t, rope_parameters_from(t), overrides))
+        # each kind's own fields, those set: the chosen kind's complete the target's shape, another's are refused
+        given = {
+            k.config_field: _set_fields(overrides.pop(k.config_field, None)) for k in KINDS.values() if k.config_field
+        }
+        values.update(kind.from_target(t, rope_parameters_from(t), {**overrides, **given}))
         values.update(overrides)
+        values.update({name: fields for name, fields in given.items() if fields and name != kind.config_field})
         reason = kind.rope_ambiguity(values["rope_parameters"])
         if reason:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
@@ -229,7 +236,12 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        d = dict(d)
+        for kind in KINDS.values():  # a config written before the kind's fields had their own block
+            flat = {name: d.pop(name) for name in kind.fields() if name in d}
+            if flat:
+                d[kind.config_field] = {**flat, **(d.get(kind.config_field) or {})}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -303,6 +315,12 @@ def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{what} {p} is not a JSON object (it holds a {type(value).__name__})")
     return value
+
+
+def _set_fields(value: Any) -> dict[str, Any]:
+    """The fields of a kind's config (a dataclass, a dict or None) that are set: neither None nor 0."""
+    fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value or {})
+    return {k: v for k, v in fields.items() if v}
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:

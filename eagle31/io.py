@@ -119,7 +119,9 @@ def _foreign_entries(directory: Path, parts: dict[str, str]) -> list[tuple[str |
         if where in parts and content == parts[where]:
             continue
         holds_parts = any(p.startswith(where + os.sep) for p in parts)
-        if holds_parts and content is None and entry.is_dir():  # <run>/features holding the stores <run>/features/<split>
+        if (
+            holds_parts and content is None and entry.is_dir()
+        ):  # <run>/features holding the stores <run>/features/<split>
             found += [(k, f"{entry.name}/{name}") for k, name in _foreign_entries(entry, parts)]
             continue
         found.append((content, entry.name))

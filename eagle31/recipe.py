@@ -128,11 +128,18 @@ def drafter_section(config: type = DrafterConfig) -> type:
         hint = hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
             hint = list[typing.get_args(hint)[0]]
-        fields.append(
-            (f.name, Optional[hint], field(default=None))
-            if source == "override"
-            else (f.name, hint, field(default=f.default))
-        )
+        if dataclasses.is_dataclass(hint):  # an attention kind's own fields, each the target's unless set
+            own = [
+                (g.name, Optional[typing.get_type_hints(hint)[g.name]], field(default=None))
+                for g in dataclasses.fields(hint)
+            ]
+            nested = dataclasses.make_dataclass(f"{hint.__name__}Section", own)
+            nested.__module__ = __name__
+            fields.append((f.name, nested, field(default_factory=nested)))
+        elif source == "override":
+            fields.append((f.name, Optional[hint], field(default=None)))
+        else:
+            fields.append((f.name, hint, field(default=f.default)))
     fields += [
         ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
         ("init_from_format", DrafterFormat, field(default=DrafterFormat.auto)),

@@ -28,7 +28,6 @@ from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import Device, Precision, World, all_gather_objects, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
-from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import AttentionBackend
 from eagle31.loss import (
     Divergence,
@@ -43,7 +42,7 @@ from eagle31.loss import (
     weighted_loss,
 )
 from eagle31.metrics_log import RunLogger
-from eagle31.model import Eagle31Drafter
+from eagle31.model import Eagle31Drafter, Visibility, segment_ids
 from eagle31.preemption import StopSignals
 from eagle31.sequence_parallel import SequenceGroup, SequenceShard, sequence_group, shard_batch
 from eagle31.ttt import ttt_unroll
@@ -171,18 +170,18 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
 
 def prepare_batch(
     batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup,
-    window: int | None = None,
+    rule=Visibility(),
 ) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:  # fmt: skip
     """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
     queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
     states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
     path runs wherever `sequence` has a process group, a group of one included (the GPU check's
-    comparison at N = 1). `window`: the drafter's sliding window (a shard gathers only the keys it sees)."""
+    comparison at N = 1). `rule`: the drafter's visibility rule (a shard gathers only the keys it sees)."""
     shard = None
     if sequence.group is None:
         b = batch.to(device, dtype=dtype)
     else:
-        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype, window)
+        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype, rule)
     segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
     argmax = target.argmax(b.final, label_positions(b.loss_mask))
     in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
@@ -207,6 +206,7 @@ class Trainer:
         train.sequence_parallel)` when not given (the loaders split batches over its data axis)."""
         self.cfg = train
         self.drafter_config = drafter.config
+        self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
         self.run_dir = Path(run_dir)
@@ -238,8 +238,8 @@ class Trainer:
             yield from self.train_loader
 
     def _prepare(self, batch: FeatureBatch):
-        window = self.drafter_config.sliding_window
-        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, window)
+        rule = self.visibility
+        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, rule)
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""

@@ -22,8 +22,10 @@ CODE = sorted(p for folder in ("eagle31", "experiments", "benchmarks", "scripts"
 def test_every_choice_has_its_kind_and_each_kind_its_own_fields():
     assert set(KINDS) == set(DrafterAttention)
     config_fields = {f.name for f in dataclasses.fields(DrafterConfig)}
-    owned = [name for kind in KINDS.values() for name in kind.fields]
+    owned = [kind.config_field for kind in KINDS.values() if kind.config_field]
     assert set(owned) <= config_fields and len(owned) == len(set(owned))
+    for kind in KINDS.values():  # a kind's fields are its config type's, held by its field of DrafterConfig
+        assert (kind.config_field is None) == (kind.config_type is None) == (kind.fields() == ())
     for member, kind in KINDS.items():
         assert isinstance(kind, AttentionKind) and kind.name == member and member.kind is kind
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
-from eagle31.kernels.causal import segment_ids
 from eagle31.loss import Divergence, DraftLoss
+from eagle31.model import segment_ids
 from tests.peers import peer_module
 
 

@@ -142,6 +142,9 @@ def test_the_drafter_section_is_made_of_drafter_config_fields():
         source = f.metadata.get("recipe")
         if source == "target":
             assert f.name not in section, f.name
+        elif dataclasses.is_dataclass(hints[f.name]):  # an attention kind's fields: each None (the target's)
+            nested = hints[f.name]()
+            assert all(getattr(nested, g.name) is None for g in dataclasses.fields(hints[f.name])), f.name
         elif source == "override":
             assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
         else:

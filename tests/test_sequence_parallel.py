@@ -30,8 +30,7 @@ from tests.test_trainer import ListLoader
 
 K = 3
 STEPS = 3
-MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
-           qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
+MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, mla=dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5))  # fmt: skip
 # W = 4 < the shard length 6: a shard gathers only the step-0 keys of the 3 positions before it, and the
 # deeper steps see fewer of them (step 2: 2)
 DRAFTERS = {"llama": {}, "mla": MLA, "window": dict(sliding_window=4)}

@@ -119,22 +119,11 @@ class Proposer(Protocol):
 class DraftProbe(Protocol):
     """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
 
-    def observe(
-        self,
-        feature: torch.Tensor,
-        out: DraftStep,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attn: torch.Tensor,
-        chain: int,
-        first: int = 0,
-    ) -> None:
+    def observe(self, feature, out: DraftStep, q, keys, values, allowed, attn, chain: int) -> None:
         """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
-        [1, S, nkv, d] what it attended to: the step-0 keys of positions first.., then the last `chain` of them
-        its own draft keys (`first` > 0 only for a sliding-window drafter); attn [1, 1, nh, d] the attention
-        output. `chain` is 0 for the step that makes a round's first draft (run by `extend` at the last
-        verified position)."""
+        [1, S, nkv, d]: the step-0 keys of positions 0.., then its `chain` own draft keys; allowed [1, 1, S] the
+        keys the rule lets it see; attn [1, 1, nh, d] the attention output. `chain` is 0 for the step that makes
+        a round's first draft (run by `extend` at the last verified position)."""
 
 
 class EagleProposer:
@@ -143,7 +132,6 @@ class EagleProposer:
     def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
         self.drafter = drafter
         self.probe = probe  # chains only: draft trees are not observed
-        self.window = drafter.config.sliding_window  # None: every key
         self.reset()
 
     def reset(self) -> None:
@@ -162,33 +150,32 @@ class EagleProposer:
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
         self.length += m
-        # only the last position's output is needed: it seeds the next draft (its causal keys are all keys,
-        # or those of the window)
-        first, keys, values = self._in_window(self.keys, self.values)
-        attn = _attend(q[:, -1:], keys, values)
+        # only the last position's output is needed: it seeds the next draft
+        allowed = self._visible([0], [])
+        attn = _attend(q[:, -1:], self.keys, self.values, allowed)
         root = self.drafter.step_output(residual[:, -1:], attn)
         self.root = root.hidden
         if self.probe is not None:
-            self.probe.observe(feature[:, -1:], root, q[:, -1:], keys, values, attn, chain=0, first=first)
+            self.probe.observe(feature[:, -1:], root, q[:, -1:], self.keys, self.values, allowed, attn, chain=0)
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
         self._check_ready()
         out, keys, values = self.drafter.read_out(self.root), self.keys, self.values
         drafts = []
-        for step in range(k):
+        for step in range(1, k + 1):
             token = self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))  # [1, 1]
             drafts.append(token)
-            if step == k - 1:
+            if step == k:
                 break
-            position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
+            position = torch.full((1, 1), self.length - 1 + step, device=token.device)
             q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
-            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)  # [1, position + 1, ...]
-            first, seen_keys, seen_values = self._in_window(keys, values)
-            feature, attn = out.feature, _attend(q, seen_keys, seen_values)
+            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)  # [1, length + step, ...]
+            allowed = self._visible([step], list(range(1, step + 1)))
+            feature, attn = out.feature, _attend(q, keys, values, allowed)
             out = self.drafter.step_output(residual, attn)
             if self.probe is not None:
-                self.probe.observe(feature, out, q, seen_keys, seen_values, attn, chain=step + 1, first=first)
+                self.probe.observe(feature, out, q, keys, values, allowed, attn, chain=step)
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()
@@ -219,7 +206,7 @@ class EagleProposer:
             q, key, value, residual = self.drafter.step_qkv(features[frontier][None], tokens[frontier][None], position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
             key_nodes += frontier.tolist()
-            allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist(), depths)
+            allowed = self._tree_visible(frontier.tolist(), key_nodes, parents.tolist(), depths)
             out = self.drafter.step_output(residual, _attend(q, keys, values, allowed))  # each [1, width, H]
             child_scores, child_ids = self._log_probs(out.state)[0].topk(top_k, dim=-1)  # [width, top_k]
             child_scores = (scores[frontier, None] + child_scores).flatten()
@@ -249,34 +236,33 @@ class EagleProposer:
         """state [..., H] (`DraftStep.state`) -> log-probabilities [..., Vd] over the draft vocabulary."""
         return self.drafter.lm_head(state).float().log_softmax(-1)
 
-    def _in_window(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(first, keys, values) a query at the last of the keys' positions sees: those of positions first.. ."""
-        first = 0 if self.window is None else max(0, keys.shape[1] - self.window)
-        return first, keys[:, first:], values[:, first:]
+    def _visible(self, query_steps: list[int], key_steps: list[int]) -> torch.Tensor:
+        """[1, Q, S] the rule's mask for queries (n-1, s) over the cache's step-0 keys of positions 0..n-1 and
+        draft keys (n-1, s') at steps `key_steps` (n = the verified length; one document)."""
+        n, device = self.length, self.keys.device
+        k_pos = torch.cat([torch.arange(n), torch.full((len(key_steps),), n - 1)]).to(device)
+        k_step = torch.cat([torch.zeros(n, dtype=torch.long), torch.tensor(key_steps, dtype=torch.long)]).to(device)
+        q_step = torch.tensor(query_steps, device=device)[:, None]
+        doc = torch.zeros((), dtype=torch.long, device=device)
+        return self.drafter.visibility(doc, n - 1, q_step, doc, k_pos[None], k_step[None])[None]
 
-    def _tree_attention_mask(
-        self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]
-    ) -> torch.Tensor:
-        """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft
-        keys of the query's ancestors and its own; with a sliding window, those within it (a node of
-        level l, its query and its draft key, sits at position length - 1 + l)."""
-        mask = torch.zeros(len(queries), self.length + len(key_nodes), dtype=torch.bool)
-        mask[:, : self.length] = True
+    def _tree_visible(self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]):
+        """[1, len(queries), S]: the rule's mask (each node at level l a query and a draft key at step l) and, of the
+        draft keys, only the query's own and its ancestors'."""
+        allowed = self._visible([depths[n] for n in queries], [depths[n] for n in key_nodes])
         column = {node: self.length + i for i, node in enumerate(key_nodes)}
+        lineage = torch.zeros_like(allowed)
+        lineage[..., : self.length] = True
         for row, node in enumerate(queries):
             while node >= 0:
-                mask[row, column[node]] = True
+                lineage[0, row, column[node]] = True
                 node = parents[node]
-        if self.window is not None:
-            positions = torch.tensor(list(range(self.length)) + [self.length - 1 + depths[n] for n in key_nodes])
-            query = torch.tensor([self.length - 1 + depths[n] for n in queries])
-            mask &= query[:, None] - positions[None] < self.window
-        return mask.to(self.keys.device)
+        return allowed & lineage
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """q [1, Q, nh, d], k/v [1, S, nkv, d], allowed [Q, S] bool (None: all) -> [1, Q, nh, d]."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q [1, Q, nh, d], k/v [1, S, nkv, d], allowed [1, Q, S] bool -> [1, Q, nh, d]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], enable_gqa=True
     )
     return out.transpose(1, 2)

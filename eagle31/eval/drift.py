@@ -74,12 +74,9 @@ from eagle31.eval.acceptance import (
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_bench
 from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
-from eagle31.kernels.causal import segment_ids
-from eagle31.kernels.ttt_attention import attention_probabilities
 from eagle31.layouts import DrafterFormat
-from eagle31.model import DraftStep, Eagle31Drafter
+from eagle31.model import DraftStep, Eagle31Drafter, explicit_attention, segment_ids
 from eagle31.targets.cache import portable_path
-from eagle31.ttt import ttt_unroll
 
 _MASSES = ("sink", "context", "own")
 
@@ -256,8 +253,7 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
         for (_, positions_i), start in zip(items, starts):
             target_sink[start + positions_i.to(device)] = True
-    tail = _RowTail.of(drafter, aux, ids, positions, segments, start=int(query.nonzero()[0]))
-    rows = slice(tail.start, T)  # the unrolled rows: Tq = T - start
+    rows = slice(int(query.nonzero()[0]), T)  # the unrolled rows (the keys before them only as keys): Tq of them
     query = query[rows]
 
     def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, Tq, T + k*Tq], step-major keys
@@ -267,10 +263,15 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         keys_own = torch.cat([sink.new_zeros(T), ~none])
         stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
 
-    out = ttt_unroll(
-        drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
-        attention_kernel="reference", attention_probe=probe, sequence=tail,
-    )  # fmt: skip
+    out = drafter.unroll(
+        aux,
+        ids,
+        ttt_length=depth,
+        document_ids=document_ids,
+        position_ids=positions,
+        first_query=rows.start,
+        probe=probe,
+    )
     fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
     targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
@@ -284,30 +285,6 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         alive &= correct
         stats.accepted[k] += int(alive.sum())
         fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
-
-
-@dataclass
-class _RowTail:
-    """A row's unroll from its first query on, as `ttt_unroll`'s `sequence` (the query tail of a sequence
-    shard): the rows before `start` are keys only, so their step-0 entry (`before`, [1, start, ...] each) is
-    made by the drafter's step 0 without its attention, and the K steps' attention runs for the tail's
-    queries alone. A long history is mostly prompt: at ~2,300 tokens and ~130 generated ones, that is
-    ~1/18 of the whole row's attention."""
-
-    start: int
-    key_segments: torch.Tensor  # [1, T]: the document runs of every row
-    before: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, drafter, aux, ids, positions, segments, *, start: int) -> "_RowTail":
-        """aux [1, T, n*Ht], ids, positions, segments [1, T]: the unroll's step 0 at rows < start reads
-        fuse_aux(aux) and token x[p+1] at RoPE position p, as `ttt_unroll` does."""
-        _, before, _ = drafter.step_entry(drafter.fuse_aux(aux[:, :start]), ids[:, 1 : start + 1], positions[:, :start])
-        return cls(start, segments, before)
-
-    def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The tail's step-0 entry [1, Tq, ...] -> that of every row [1, T, ...]."""
-        return tuple(torch.cat([b, e], dim=1) for b, e in zip(self.before, entry))
 
 
 def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
@@ -329,17 +306,14 @@ class _LiveRecorder:
         self.reconstruction_error = 0.0
         self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
 
-    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int, first: int = 0) -> None:
-        heads, kv_heads = q.shape[2], keys.shape[2]
-        g = heads // kv_heads
-        K = keys.transpose(1, 2).repeat_interleave(g, dim=1)  # [1, heads, S, d]: the kv head of each query head
-        V = values.transpose(1, 2).repeat_interleave(g, dim=1)
-        probs = attention_probabilities(q, K, None)  # [1, heads, 1, S]
-        error = (torch.einsum("bhqk,bhkd->bqhd", probs.to(V.dtype), V) - attn).abs().max()
+    def observe(self, feature, out: DraftStep, q, keys, values, allowed, attn, chain: int) -> None:
+        seen: list[torch.Tensor] = []
+        error = (explicit_attention(q, keys, values, allowed, seen.append) - attn).abs().max()
         self.reconstruction_error = max(self.reconstruction_error, float(error))
+        probs = seen[0]  # [1, heads, 1, S]
         S = keys.shape[1]
-        col = torch.arange(first, first + S, device=keys.device)  # the keys' positions (a window starts at first)
-        context = col < first + S - chain  # the step-0 keys; the rest are the round's own drafts
+        col = torch.arange(S, device=keys.device)  # the keys' positions
+        context = col < S - chain  # the step-0 keys; the rest are the round's own drafts
         target_sink = None if self.target_sink is None else context & torch.isin(col, self.target_sink.to(col.device))
         masses = split_mass(probs[0], context & (col < self.sink_tokens), ~context, target_sink)
         if chain == 0:

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from eagle31.data.batch import TOKEN_COLUMNS, FeatureBatch
 from eagle31.distributed import World
 from eagle31.errors import ConfigError
-from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.causal import NOT_A_BAND, CausalMask
+from eagle31.model import Visibility, segment_ids
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,10 @@ class SequenceShard:
 
 
 def shard_batch(
-    batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, window: int | None = None
+    batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, rule=Visibility()
 ) -> tuple[FeatureBatch, SequenceShard]:
     """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`
-    (`window`: the drafter's sliding window, None for full attention).
+    (`rule`: the drafter's visibility rule, `Eagle31Drafter.visibility`).
 
     The shard's `aux` covers its Ts positions; its input ids, loss mask, document ids and final
     states carry the halo too: Ts + K + 1 positions (module docstring). `num_tokens` counts the
@@ -188,6 +189,7 @@ def shard_batch(
         aux=own.aux, final=torch.cat([own.final, next_final], dim=1),
         num_tokens=int((padded.document_ids[:, rows] >= 0).sum()), num_samples=batch.num_samples,
     )  # fmt: skip
-    first = 0 if window is None else max(0, start - window + 1)  # no query of the shard sees an earlier key
+    reach = CausalMask(rule, 0).reach(group.size * Ts)  # a band: no query of the shard sees a key before it
+    first = max(0, start - reach + 1) if reach is not None and reach != NOT_A_BAND else 0
     key_segments = segment_ids(docs[:, first:end], None, (B, end - first), device=docs.device)
     return shard, SequenceShard(group, start, key_segments, first)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.causal import accumulation_dtype, segment_starts
+from eagle31.kernels.causal import NOT_A_BAND, CausalMask, accumulation_dtype, segment_starts
 from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 
 
@@ -27,9 +27,9 @@ class QueryTail:
     earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
     in the forward and again in the backward: the keys before the shard never exist whole.
 
-    With a `window`, a query sees only the keys of the last `window` positions up to its own: the dense part
-    stops at the earliest key any query can see, its rows at the last query that sees one before the shard,
-    and a key block's scores outside a row's window are masked.
+    The visibility rule (`CausalMask`) masks a key block's scores; where it is a band of W positions
+    (a sliding window) the dense part stops at the earliest key any query can see, its rows at the last
+    query that sees one before the shard.
     """
 
     def __init__(self, kernel):
@@ -67,24 +67,26 @@ class QueryTail:
         return [(m0, m1, n if window is None else min(n, m1 - 1 - off + window), rows) for m0, m1 in blocks]
 
     @staticmethod
-    def _masked(sc: torch.Tensor, off: int, i0: int, m0: int, window: int | None) -> torch.Tensor:
-        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0..: those outside a query's window at -inf."""
-        if window is None:
-            return sc
-        back = (
-            off
-            + i0
-            + torch.arange(sc.shape[0], device=sc.device)[:, None]
-            - m0
-            - torch.arange(sc.shape[-1], device=sc.device)
-        )
-        return sc.masked_fill((back >= window)[:, None, None], float("-inf"))
+    def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
+        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
+        rule hides at -inf."""
+        queries = off + i0 + torch.arange(sc.shape[0], device=sc.device)
+        keys = m0 + torch.arange(sc.shape[-1], device=sc.device)
+        seen = mask.allowed(segments[queries, None], queries[:, None], segments[None, keys], keys[None])
+        return sc.masked_fill(~seen[:, None, None], float("-inf"))
 
-    def forward(self, q, keys: StepZeroKeys, segments, scale, window=None):
+    @staticmethod
+    def _band(mask: CausalMask, length: int) -> int | None:
+        """The rule's band bounds the dense part; a rule that is no band is attended in full, masked."""
+        window = mask.reach(length)
+        return None if window == NOT_A_BAND else window
+
+    def forward(self, q, keys: StepZeroKeys, segments, scale, mask: CausalMask):
         Tq = q.shape[1]
         off = keys.length - Tq
+        window = self._band(mask, keys.length)
         k, v = keys.make(slice(None), slice(off, None))  # the shard's own keys [B, Tq, nkv, d]
-        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, window)
+        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, mask)
         del k, v
         acc = accumulation_dtype(q)
         for b, s, n in self._prefixes(segments, Tq, window):
@@ -94,9 +96,10 @@ class QueryTail:
                 for i0 in range(0, n1, rows):
                     i1 = min(n1, i0 + rows)
                     qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
-                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
-                    lp = sc.logsumexp(-1)  # [n, nkv, g]
-                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, mask, segments[b], off, i0, m0)
+                    lp = sc.logsumexp(-1)  # [n, nkv, g]; -inf for a query the rule shows none of the block
+                    finite = torch.where(lp.isinf(), 0, lp)
+                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - finite[..., None]), vb).flatten(1, 2)
                     lp = lp.flatten(1)
                     merged = torch.logaddexp(lse[b, i0:i1], lp)
                     out[b, i0:i1] = (
@@ -106,12 +109,13 @@ class QueryTail:
                     lse[b, i0:i1] = merged
         return out, lse, ctx
 
-    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx, window=None):
+    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx, mask: CausalMask):
         """dq, and the gradients of the step-0 entry and of its parameters (`StepZeroKeys.take_back`)."""
         Tq = q.shape[1]
         off = keys.length - Tq
+        window = self._band(mask, keys.length)
         k, v, take_back = keys.make_with_graph(slice(None), slice(off, None))
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, window)
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, mask)
         take_back(dk, dv)
         del k, v, dk, dv
         acc = accumulation_dtype(q)
@@ -126,7 +130,7 @@ class QueryTail:
                     i1 = min(n1, i0 + rows)
                     part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
                     qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
-                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, mask, segments[b], off, i0, m0)
                     p = torch.exp(sc - lb[..., None])  # merged LSE
                     D = (do * ob).sum(-1)
                     dvb += torch.einsum("nkgm,nkgd->mkd", p, do)

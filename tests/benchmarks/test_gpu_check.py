@@ -18,7 +18,8 @@ from benchmarks.fetch_gpu_wheels import platform_tags, project_requirements
 from benchmarks.report import put_gpu_table
 from benchmarks.sequence_parallel import drafter_config
 from benchmarks.shapes import recipe_drafter, recipe_shapes
-from eagle31.kernels.causal import FlashCausal
+from eagle31.kernels.causal import CausalMask, FlashCausal
+from eagle31.model import Visibility
 from eagle31.sequence_parallel.query_tail import QueryTail
 from tests.peers import peer_module
 
@@ -123,8 +124,8 @@ def test_the_attention_check_catches_a_wrong_kernel(monkeypatch):
     assert set(report) == {"flash", "blockwise"} and max(report["flash"].values()) < 1e-4
     forward = FlashCausal.forward
 
-    def off_by_a_bit(q, k, v, segments, scale, window=None):
-        out, lse, ctx = forward(q, k, v, segments, scale * 1.01, window)
+    def off_by_a_bit(q, k, v, segments, scale, mask):
+        out, lse, ctx = forward(q, k, v, segments, scale * 1.01, mask)
         return out, lse, ctx
 
     monkeypatch.setattr(FlashCausal, "forward", staticmethod(off_by_a_bit))
@@ -141,7 +142,9 @@ def test_the_attention_check_of_a_windowed_drafter_catches_a_kernel_that_ignores
     monkeypatch.setattr(
         FlashCausal,
         "forward",
-        staticmethod(lambda q, k, v, segments, scale, window=None: forward(q, k, v, segments, scale)),
+        staticmethod(
+            lambda q, k, v, segments, scale, mask: forward(q, k, v, segments, scale, CausalMask(Visibility(), 0))
+        ),
     )
     with pytest.raises(RuntimeError, match="'flash' disagrees"):
         attention_check.check_attention_parity(cfg, torch.device("cpu"), torch.float32, seq_len=48)

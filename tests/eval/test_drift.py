@@ -202,8 +202,7 @@ def test_live_depth_one_is_the_teacher_forced_attention_at_each_rounds_root(trac
         step0 = {}
         probe = lambda k, probs: step0.setdefault("probs", probs[0]) if k == 0 else None  # noqa: E731
         with torch.no_grad():
-            ttt_unroll(drafter, t.aux[None], t.tokens[None, :n], ttt_length=1, attention_kernel="reference",
-                       attention_probe=probe)  # fmt: skip
+            drafter.unroll(t.aux[None], t.tokens[None, :n], ttt_length=1, probe=probe)
         probs = step0["probs"].double()  # [heads, T, T]
         gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
                                    max_new_tokens=NEW, k=3)  # fmt: skip
@@ -239,19 +238,17 @@ def test_the_diagnostic_leaves_drafting_bit_identical(traces, kind):
     # teacher-forced: the probe does not change the reference unroll's outputs
     t = traces[0]
     n = t.aux.shape[0]
-    args = (drafter, t.aux[None].double(), t.tokens[None, :n])
-    plain = ttt_unroll(*args, ttt_length=3, attention_kernel="reference")
-    watched = ttt_unroll(*args, ttt_length=3, attention_kernel="reference", attention_probe=lambda k, p: None)
+    args = (t.aux[None].double(), t.tokens[None, :n])
+    plain = drafter.unroll(*args, ttt_length=3)
+    watched = drafter.unroll(*args, ttt_length=3, probe=lambda k, p: None)
     assert all(torch.equal(x, y) for x, y in zip(plain.hidden, watched.hidden))
-    with pytest.raises(ValueError, match="only in the reference backend"):
-        ttt_unroll(*args, ttt_length=2, attention_kernel="flash", attention_probe=lambda k, p: None)
 
 
 class _Counter:
     def __init__(self):
         self.calls = 0
 
-    def observe(self, *args, chain, first=0):
+    def observe(self, *args, chain):
         self.calls += 1
 
 

@@ -39,7 +39,7 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     view = vllm.hf_config_view(cfg)
     assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "kimi_k2"
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        assert cfg[name] == getattr(c, name), name
+        assert cfg[name] == getattr(c.mla, name), name
     s = vllm.effective_settings(view)
     assert (s["aux_layer_ids"], s["num_aux"], s["target_hidden_size"]) == (
         c.aux_layer_ids,
@@ -107,8 +107,8 @@ def torchspec_mla_checkpoint(path, m, *, ids, model_type="kimi_k2", layer_prefix
         "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": model_type,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_attention_heads,
-        "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
-        "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "mla_use_nope": True,
+        "q_lora_rank": c.mla.q_lora_rank, "kv_lora_rank": c.mla.kv_lora_rank, "qk_nope_head_dim": c.mla.qk_nope_head_dim,
+        "qk_rope_head_dim": c.mla.qk_rope_head_dim, "v_head_dim": c.mla.v_head_dim, "mla_use_nope": True,
         "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size, "torch_dtype": "float32", "rope_theta": c.rope_parameters["rope_theta"],
         "rope_scaling": {"type": "yarn", **rope}, "max_position_embeddings": c.max_position_embeddings,
@@ -179,7 +179,13 @@ def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
     }  # fmt: skip
     cfg = drafter_config(meta, detect_format(meta), target_num_layers=61)
     assert cfg.attention == "mla" and cfg.aux_layer_ids == (2, 30, 58) and cfg.head_dim == 192
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+    assert (
+        cfg.mla.q_lora_rank,
+        cfg.mla.kv_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.qk_rope_head_dim,
+        cfg.mla.v_head_dim,
+    ) == (
         1536,
         512,
         128,

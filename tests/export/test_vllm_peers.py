@@ -38,8 +38,7 @@ POSITIONS = [0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, 65535, 262143]
 WINDOW = 6  # the extra sliding-window exports' window
 TINY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
             vocab_size=40, target_hidden_size=16)  # fmt: skip
-TINY_MLA = dict(num_key_value_heads=4, head_dim=10, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
-                qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
+TINY_MLA = dict(num_key_value_heads=4, head_dim=10, mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5))  # fmt: skip
 
 
 def recipe_target(name: str, cfg) -> dict:

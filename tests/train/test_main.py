@@ -278,8 +278,8 @@ def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_
 
 
 # an MLA drafter (eagle31.attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
-MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
-               "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
+MLA_DRAFTER = {"drafter.attention": "mla", "drafter.mla.q_lora_rank": "8", "drafter.mla.kv_lora_rank": "8",
+               "drafter.mla.qk_nope_head_dim": "4", "drafter.mla.qk_rope_head_dim": "4", "drafter.mla.v_head_dim": "4",
                "export.formats": "[eagle3]"}  # fmt: skip
 
 
@@ -425,7 +425,7 @@ def test_kimi_k26_drafters_have_the_published_shapes(recipe):
     assert counts.frozen_embedding == 163840 * 7168
     assert d.aux_layer_ids == (2, 30, 58) and d.fc_norm and d.norm_output
     if recipe == "kimi_k26":  # lightseekorg/kimi-k2.6-eagle3.1-mla: MLA, I 18432, full vocabulary
-        assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
+        assert (d.attention, d.mla.q_lora_rank, d.mla.kv_lora_rank, d.mla.qk_nope_head_dim, d.mla.qk_rope_head_dim, d.mla.v_head_dim) == (
             "mla", 1536, 512, 128, 64, 128)  # fmt: skip
         assert (d.intermediate_size, d.draft_vocab_size) == (18432, 163840)
         # fc 21504x7168, MLA 116M, MLP 3x7168x18432, lm_head 163840x7168 (1.17B of the 1.84B)
