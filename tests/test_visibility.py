@@ -74,11 +74,13 @@ def test_a_new_rule_reaches_every_attention_path(rule, name):
     # the memory-lean kernels (auto: flash for a band, blockwise otherwise)
     kernels = ["auto", "blockwise"] + (["flash"] if isinstance(rule, FixedBand) else [])
     for kernel in kernels:
-        run = lambda d, kernel=kernel: (
-            ttt_unroll(  # noqa: E731
+
+        def run(d, kernel=kernel):
+            out = ttt_unroll(
                 d, aux, ids, ttt_length=K, document_ids=DOCS, attention_kernel=kernel, activation_checkpointing=True
-            ).states
-        )
+            )
+            return out.states
+
         assert_same(logits_and_gradients(drafter, run), expected)
     # a sequence shard's query tail
     rows = slice(9, None)
