@@ -141,65 +141,54 @@ class StepStats:
 
 @dataclass(frozen=True)
 class Divergence:
-    """The loss of one query: `kind` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
+    """The loss of one query: `name` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
 
-    kind: DraftLoss = DraftLoss.kl
+    name: DraftLoss = DraftLoss.kl
     eta: float = 3.0
 
 
 # ---------------------------------------------------------------------------- the losses
-# Each: (label_logp, draft_logq [n, Vd] log p (the label) and log q (the draft), each normalised over the
-# draft vocabulary; eta `train.lk_eta`) -> (loss per query [n], its gradient with respect to the draft logits
-# [n, Vd]). The acceptance of a query is alpha = sum_v min(p_v, q_v) (1 - TV); with S = {v : q_v <= p_v} and
-# s = sum_S q, d alpha / d logits = q * (1[S] - s).
+# Each: (label_logp, draft_logq [n, Vd]: log p, the label, and log q, the draft, each normalised over the draft
+# vocabulary; eta `train.lk_eta`) -> the loss of each query [n]. Its gradient comes from autograd, a chunk of
+# queries at a time (`FusedDraftLoss`). The acceptance of a query is alpha = sum_v min(p_v, q_v) = 1 - TV.
 
 
-def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p || q); gradient q - p."""
+def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """KL(p || q)."""
+    return (label_logp.exp() * (label_logp - draft_logq)).sum(-1)
+
+
+def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """1 - alpha."""
+    return 1 - _acceptance(label_logp, draft_logq)
+
+
+def lk_alpha_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """-log alpha; an alpha below `_MIN_ACCEPTANCE` counts as it (no gradient there)."""
+    return -_acceptance(label_logp, draft_logq).clamp(min=_MIN_ACCEPTANCE).log()
+
+
+def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """lam KL + (1 - lam) TV, lam = exp(-eta alpha) held constant."""
+    alpha = _acceptance(label_logp, draft_logq)
+    lam = torch.exp(-eta * alpha.detach())
+    return lam * kl_loss(label_logp, draft_logq, eta) + (1 - lam) * (1 - alpha)
+
+
+def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """-log q[argmax p]: the target's greedy token among the draft ids (a soft-label cross-entropy would be KL plus a
+    constant, so `kl` is that loss)."""
+    return -draft_logq.gather(-1, label_logp.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def _acceptance(label_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    """alpha [n] = sum_v min(p_v, q_v); where q_v = p_v its gradient is q's, as below."""
     p, q = label_logp.exp(), draft_logq.exp()
-    return (p * (label_logp - draft_logq)).sum(-1), q - p
-
-
-def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 - alpha; gradient -d alpha."""
-    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
-    return 1 - alpha, -d_alpha
-
-
-def lk_alpha_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log alpha (an alpha below `_MIN_ACCEPTANCE` counts as it, with no gradient); gradient -d alpha / alpha."""
-    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
-    kept = alpha.clamp(min=_MIN_ACCEPTANCE)
-    return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
-
-
-def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """lam KL + (1 - lam) TV, lam = exp(-eta alpha) held constant; gradient lam (q - p) - (1 - lam) d alpha."""
-    p, q = label_logp.exp(), draft_logq.exp()
-    alpha, d_alpha = _acceptance(p, q)
-    lam = torch.exp(-eta * alpha)[:, None]  # [n, 1]
-    kl = (p * (label_logp - draft_logq)).sum(-1)
-    return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
-
-
-def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log q[argmax p]: the label's argmax is the target's greedy token among the draft ids (its full-vocabulary
-    greedy token wherever `mask_out_of_vocab` keeps the query); a soft-label cross-entropy would be KL plus a
-    constant, so `kl` is that loss. Gradient q - onehot."""
-    q = draft_logq.exp()
-    greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
-    return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
-
-
-def _acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha [n] and d alpha / d logits [n, Vd] (above)."""
-    below = q <= p
-    alpha = torch.minimum(p, q).sum(-1)
-    return alpha, q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))
+    return torch.where(q <= p, q, p).sum(-1)
 
 
 # `train.loss` -> its function; a new loss is a function above, its line here and its `DraftLoss` member
-LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]] = {
+LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     DraftLoss.kl: kl_loss,
     DraftLoss.tv: tv_loss,
     DraftLoss.lk_alpha: lk_alpha_loss,
@@ -208,11 +197,13 @@ LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torc
 }
 
 
-def _divergence(
-    loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd], of `loss.kind`."""
-    return LOSSES[loss.kind](label_logp, draft_logq, loss.eta)
+def loss_and_gradient(loss: Divergence, label_logp: torch.Tensor, logits: torch.Tensor):
+    """The loss of each query [n] and its gradient with respect to the draft logits [n, Vd] (autograd)."""
+    with torch.enable_grad():
+        z = logits.detach().requires_grad_()
+        per_query = LOSSES[loss.name](label_logp, z.log_softmax(-1), loss.eta)
+        (dz,) = torch.autograd.grad(per_query.sum(), z)
+    return per_query.detach(), dz
 
 
 def ttt_loss(
@@ -326,8 +317,8 @@ class FusedDraftLoss(torch.autograd.Function):
     Returns (loss sums [K], draft argmax of every query, steps concatenated).
 
     One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and, since `_divergence` gives d D / d logits in
-    closed form, dh and dW are formed right there.
+    computed once for all K steps, and d D / d logits by autograd on that chunk alone
+    (`loss_and_gradient`), so dh and dW are formed right there.
     dW is one fp32 accumulator of `sum_k scale[k] * dW_k`; backward multiplies it by
     the one factor `grad_loss[k] / scale[k]` shared by every step (and refuses a
     gradient that is not of that form). No logits are recomputed. Memory: O(chunk * Vd)
@@ -359,12 +350,10 @@ class FusedDraftLoss(torch.autograd.Function):
                 if i == j:
                     continue
                 hk = h[k][queries[k][i:j]]  # [n, H]
-                logq = (hk @ W.T).to(acc).log_softmax(-1)
-                rows_loss, dz = _divergence(
-                    divergence, logp[where[k][i:j] - c0], logq
-                )  # [n], d loss / d logits [n, Vd]
+                logits = (hk @ W.T).to(acc)
+                rows_loss, dz = loss_and_gradient(divergence, logp[where[k][i:j] - c0], logits)  # [n], [n, Vd]
                 loss[k] += rows_loss.sum()
-                argmax[k][i:j] = logq.argmax(-1)
+                argmax[k][i:j] = logits.argmax(-1)
                 if need_dh:
                     dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
                 if need_dW:

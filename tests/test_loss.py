@@ -283,10 +283,8 @@ def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
     minimises, in value and gradient: a toy, half the squared distance between p and q."""
     import eagle31.loss
 
-    def squared(label_logp, draft_logq, eta):  # the loss per query and its gradient with respect to the logits
-        p, q = label_logp.exp(), draft_logq.exp()
-        g = q - p
-        return 0.5 * (g * g).sum(-1), q * (g - (q * g).sum(-1, keepdim=True))
+    def squared(label_logp, draft_logq, eta):  # the loss per query: its gradient is autograd's
+        return 0.5 * ((draft_logq.exp() - label_logp.exp()) ** 2).sum(-1)
 
     def naive(kind, eta, logits, label_logits):
         return 0.5 * ((logits.softmax(-1) - label_logits.softmax(-1)) ** 2).sum(-1)
@@ -325,14 +323,12 @@ def test_loss_kinds_meet_at_their_limits():
 @pytest.mark.slow  # imports speculators
 def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
-    from eagle31.loss import _divergence
+    from eagle31.loss import loss_and_gradient
 
     eager = peer_module("speculators.losses.eager")
     logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
-    rows, dz = _divergence(
-        Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1)
-    )
+    rows, dz = loss_and_gradient(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach())
     theirs = eager.neg_log_acceptance_loss(logits[None], label_logits[None])[0]
     (grad,) = torch.autograd.grad(theirs.sum(), logits)
     torch.testing.assert_close(rows, theirs.double(), rtol=1e-6, atol=0)

@@ -114,14 +114,16 @@ def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
     """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and eval."""
     import eagle31.loss
 
-    seen, divergence = [], eagle31.loss._divergence
-    monkeypatch.setattr(eagle31.loss, "_divergence", lambda loss, lp, lq: seen.append(loss) or divergence(loss, lp, lq))
+    seen, original = [], eagle31.loss.loss_and_gradient
+    monkeypatch.setattr(
+        eagle31.loss, "loss_and_gradient", lambda loss, lp, z: seen.append(loss) or original(loss, lp, z)
+    )
     _, good = nan_and_good_batches()
     trainer = make_trainer(tmp_path, [good], loss=kind, lk_eta=1.5)
     trainer.eval_loader = ListLoader([good])
     trained = trainer.train_step([good])
     evaluated = trainer.evaluate()
-    assert seen and {(d.kind, d.eta) for d in seen} == {(kind, 1.5)}
+    assert seen and {(d.name, d.eta) for d in seen} == {(kind, 1.5)}
     assert trained["finite"] and evaluated["loss"] > 0
     if kind == "tv":  # TV of a query is at most 1: the weighted loss is at most sum_k w^k
         assert trained["loss"] <= 1 + trainer.cfg.ttt_decay
