@@ -420,10 +420,13 @@ def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monke
             time.sleep(0.02)
 
 
-def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch):
-    """Two processes judge the same stale lock file (empty: its writer died between creating and writing it);
-    the second breaks it only once the first has broken it and is creating its own, before the first wrote
-    its holder into it (the window the interleaving forces): exactly one of them holds the lock."""
+@pytest.mark.parametrize("where, holder", [("claimed", "first"), ("removed", "second"), ("created", "first")])
+def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch, where, holder):
+    """Two processes judge the same stale lock file (an unreadable one); the first goes on to break it and stops
+    `where` it is (its claim linked, the stale file not yet removed; the stale file removed, its own not yet
+    created; its own lock file in place), the second breaks what it judged meanwhile, then the first goes on:
+    exactly one of them holds the lock. Each interleaving is forced with events: one refuses the second at the
+    claim's name, one lets it find nothing to break, one makes it tell the first's fresh file from the one judged."""
     import threading
     import time
 
@@ -435,33 +438,45 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     held.write_bytes(b"")
     old = time.time() - STALE_AFTER_S - 60
     os.utime(held, (old, old))
-    both_judged, first_creating, second_done, release = (
-        threading.Barrier(2, timeout=10),
-        threading.Event(),
-        threading.Event(),
-        threading.Event(),
-    )
+    both_judged, decided = threading.Barrier(2, timeout=10), threading.Barrier(3, timeout=10)
+    first_there, second_done, release = threading.Event(), threading.Event(), threading.Event()
+    real_stale, real_link, real_create = eagle31.io._stale_holder, eagle31.io._link, eagle31.io._create_lock_file
     judged: set[str] = set()
-    real_stale, real_holder = eagle31.io._stale_holder, eagle31.io._holder
+    first_creates: list[bool] = []
 
-    def stale_holder(*args, **kwargs):
-        said = real_stale(*args, **kwargs)
+    def first_stops_here():
+        first_there.set()
+        second_done.wait(10)
+
+    def stale_holder(path):
+        said = real_stale(path)
         name = threading.current_thread().name
-        if name not in judged:  # both have judged the same stale file before either breaks it
+        if name not in judged:  # both judge the same stale file before either breaks it
             judged.add(name)
             both_judged.wait()
             if name == "second":
-                first_creating.wait(10)
+                assert first_there.wait(10), f"the first never got {where}"
         return said
 
-    def holder():
-        if threading.current_thread().name == "first" and "first" in judged and not first_creating.is_set():
-            first_creating.set()  # the first has broken the stale file and is creating its own lock
-            second_done.wait(10)
-        return real_holder()
+    def link(source, name):
+        real_link(source, name)
+        if threading.current_thread().name == "first" and where == "claimed" and ".break-" in name.name:
+            first_stops_here()  # its claim is linked, the stale file still in place
+
+    def create_lock_file(path, record):
+        first = threading.current_thread().name == "first"
+        if first and where == "removed" and first_creates == [False]:
+            first_stops_here()  # it broke the stale file and has yet to create its own
+        created = real_create(path, record)
+        if first:
+            first_creates.append(created)
+            if where == "created" and created:
+                first_stops_here()  # its own lock file is in place
+        return created
 
     monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
-    monkeypatch.setattr(eagle31.io, "_holder", holder)
+    monkeypatch.setattr(eagle31.io, "_link", link)
+    monkeypatch.setattr(eagle31.io, "_create_lock_file", create_lock_file)
     outcome: dict[str, str] = {}
 
     def attempt():
@@ -471,22 +486,23 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
                 outcome[name] = "held"
                 if name == "second":
                     second_done.set()
+                decided.wait()  # held until both have an outcome
                 release.wait(10)
         except OutputInUseError:
             outcome[name] = "refused"
             if name == "second":
                 second_done.set()
+            decided.wait()
 
     threads = [threading.Thread(target=attempt, name=name) for name in ("first", "second")]
     for t in threads:
         t.start()
-    deadline = time.time() + 20
-    while len(outcome) < 2 and time.time() < deadline:
-        time.sleep(0.01)
+    decided.wait()
     release.set()
     for t in threads:
         t.join(20)
-    assert sorted(outcome.values()) == ["held", "refused"], outcome
+    assert outcome == {holder: "held", ({"first", "second"} - {holder}).pop(): "refused"}, outcome
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]  # the holder let go; no claim left behind
 
 
 def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(
