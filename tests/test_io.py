@@ -108,18 +108,50 @@ def test_sha256_reads_in_chunks(tmp_path):
     assert sha256_file(tmp_path / "b", chunk=4096) == hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_an_unwritable_output_parent_is_refused_before_any_work(tmp_path):
-    from eagle31.errors import FileAccessError
-    from eagle31.io import check_output_dir
+def test_an_unwritable_output_parent_is_refused_before_any_work():
+    """The kernel refuses a write into the parent, and `check_output_dir` says so in one line. Root may write
+    anywhere, so under root (as CI runs) the check runs in a child that drops to an unprivileged user first."""
+    import subprocess
+    import sys
+    import tempfile
 
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    try:
-        with pytest.raises(FileAccessError, match="permission denied"):
-            check_output_dir(locked / "run", "run")
-    finally:
-        locked.chmod(0o755)
+    # not tmp_path: under root its parents are root's alone, and the unprivileged user could not even reach it
+    with tempfile.TemporaryDirectory(dir="/tmp") as base:
+        os.chmod(base, 0o755)
+        locked = Path(base) / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        code = (
+            "import os\n"
+            "from pathlib import Path\n"
+            "from eagle31.errors import FileAccessError\n"
+            "from eagle31.io import check_output_dir\n"
+            "if os.geteuid() == 0:\n"
+            "    os.setgroups([]); os.setgid(65534); os.setuid(65534)  # nobody: the kernel's permissions apply\n"
+            f"locked = Path({str(locked)!r})\n"
+            "assert os.access(locked, os.R_OK | os.X_OK), 'the unprivileged user cannot even reach the directory'\n"
+            "try:\n"
+            "    (locked / 'probe').touch()\n"
+            "    print('the kernel let this user write')\n"
+            "except PermissionError:\n"
+            "    try:\n"
+            "        check_output_dir(locked / 'run', 'run')\n"
+            "        print('accepted')\n"
+            "    except FileAccessError as e:\n"
+            "        print(e)\n"
+        )
+        try:
+            child = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            locked.chmod(0o755)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == f"cannot create {locked / 'run'} in {locked}: permission denied"
 
 
 def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path):
