@@ -161,8 +161,10 @@ class RankWatch:
         *,
         interval_s: float | None = None,
         on_lost: Callable[[str], None] = exit_rank_lost,
+        clock: Callable[[], float] = time.monotonic,  # what silence is measured by (tests pass another)
     ):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.clock = clock
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
         self.on_lost = on_lost
         self.lost: str | None = None
@@ -237,7 +239,7 @@ class RankWatch:
         if self.store.check([f"done/{r}"]):
             left = self.store.get(f"done/{r}").decode()
             return f"rank {r} left ({left})" if self._explaining and left != "finished" else None
-        now = time.monotonic()
+        now = self.clock()
         beats = self.store.add(f"beat/{r}", 0)
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)

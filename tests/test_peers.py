@@ -24,6 +24,14 @@ def test_a_missing_peer_package_is_skipped_here_and_fails_in_ci(monkeypatch):
         peer_module("no_such_peer")
 
 
+def test_ci_run_sets_ci_itself_and_readme_says_so():
+    """Running `.ci/run` anywhere means CI: a missing peer fails there, wherever it runs."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "export CI=true" in lines, ".ci/run does not `export CI=true`: a missing peer would be skipped"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`.ci/run` sets `CI=true`" in readme, "README's test section does not say that .ci/run sets CI=true"
+
+
 def readme_test_command() -> str:
     readme = (ROOT / "README.md").read_text()
     return re.search(r"Set up and run the tests:\n\n```bash\n(.+?)\n```", readme, re.S).group(1)

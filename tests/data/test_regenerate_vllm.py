@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 THINKING = {"thinking": True, "preserve_thinking": True}  # recipe=kimi_k26's data.chat_template_kwargs
 SYSTEM_PROMPT = "You are a careful assistant."
 BASE = {"max_model_len": 512, "reasoning_parser": "kimi_k2", "reasoning_field": "reasoning", "latency_s": 0.0,
-        "refuse_parameter": None, "answer_words": 0}  # fmt: skip
+        "gather_in_flight": 0, "refuse_parameter": None, "answer_words": 0}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +213,7 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
     conversations = chats(*[[f"question {i}", "and then?"] for i in range(6)])
     _, whole, _ = run(conversations, EndpointBackend(srv.url, settings, concurrency=2), tmp_path / "whole", settings)
 
-    srv.control(down_s=2.0)  # the port closes for 2 s
-    time.sleep(0.3)
+    srv.control(down_s=2.0)  # the port is closed when this returns, for 2 s
     backend = EndpointBackend(
         srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=30
     )
@@ -227,32 +226,37 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
     impatient = EndpointBackend(
         srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=0.5
     )
-    import threading
+    downs: list[int] = []
 
-    threading.Timer(1.75, lambda: srv.control(down_s=4.0)).start()  # goes down mid-run, for longer than the window
+    def down_after_the_first_shard(n: int) -> None:  # called once a shard is written
+        if not downs:
+            downs.append(n)
+            srv.control(down_s=4.0)  # mid-run, for longer than the window (and its retries) and until it returns
+
     with pytest.raises(RegenerateError, match=r"failed \d+ times over \d+ s: URLError: .*Connection refused"):
-        regenerate(conversations, impatient, out, settings)
+        regenerate(conversations, impatient, out, settings, progress=down_after_the_first_shard)
     written = sorted(p.name for p in (out / "conversations").iterdir())
-    assert 0 < len(written) < 3
-    time.sleep(4.5)
+    assert downs and 0 < len(written) < 3  # the first shard before the server went down; never the last
+    srv.wait_up()
     srv.control(latency_s=0.0)
     counts, records, report = run(conversations, EndpointBackend(srv.url, settings, concurrency=2), out, settings)
     assert counts["skipped"] == len(written) and records == whole and report["complete"]
 
 
 def test_one_pool_keeps_concurrency_requests_in_flight_across_shards(srv, tmp_path):
-    srv.control(latency_s=0.25, reset_stats=True)
-    settings = Settings(max_new_tokens=60, shard_size=3, chat_template_kwargs=THINKING)
+    """The server holds the first requests until `concurrency` of them are in flight together (at most 60 s):
+    a pool that kept fewer in flight, or one shard's conversations only, would never get there."""
+    concurrency, shard_size = 16, 3
+    srv.control(gather_in_flight=concurrency, reset_stats=True)
+    settings = Settings(max_new_tokens=60, shard_size=shard_size, chat_template_kwargs=THINKING)
     conversations = chats(*[[f"question {i}", "and then?"] for i in range(40)])
-    started = time.monotonic()
     _, records, report = run(
-        conversations, EndpointBackend(srv.url, settings, concurrency=16), tmp_path / "out", settings
+        conversations, EndpointBackend(srv.url, settings, concurrency=concurrency), tmp_path / "out", settings
     )
-    seconds = time.monotonic() - started
-    assert [r["source"] for r in records] == [c.where for c in conversations] and report["turns"] == 80
-    assert srv.stats()["max_in_flight"] == 16  # more than one shard (3 conversations) at a time
-    assert srv.stats()["requests"] == 80
-    assert seconds < 80 * 0.25 / 4  # far from one request at a time (not a timing benchmark)
+    turns = 2 * len(conversations)
+    assert [r["source"] for r in records] == [c.where for c in conversations] and report["turns"] == turns
+    assert srv.stats()["max_in_flight"] == concurrency > shard_size  # more than one shard at a time
+    assert srv.stats()["requests"] == turns
 
 
 def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, tmp_path):
