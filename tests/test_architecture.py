@@ -1,9 +1,9 @@
 """The dependency rule of docs/architecture.md, read from the imports of every file (ast, nothing imported):
 eagle31 <- benchmarks <- experiments; the command lines over eagle31; no import circle inside eagle31.
 
-An import inside a function counts like one at the top of the module: a lazy import that closes a circle
-hides the circle at start-up, not in the design. An import under `if TYPE_CHECKING:` is for annotations
-only and never runs, so it does not count."""
+An import inside a function counts like one at the top of the module, and so does one under
+`if TYPE_CHECKING:`: a lazy or annotation-only import that closes a circle hides the circle at start-up,
+not in the design."""
 
 from __future__ import annotations
 
@@ -32,23 +32,14 @@ def python_files(folder: str) -> list[Path]:
 LIBRARY = {module_name(p): p for p in python_files("eagle31")}
 
 
-def is_type_checking_block(node: ast.AST) -> bool:
-    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only."""
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (getattr(test, "id", None) or getattr(test, "attr", None)) == "TYPE_CHECKING"
-
-
 def imported_names(path: Path) -> list[tuple[str, list[str], int]]:
-    """(module, the names taken from it, line) for every import of `path` that can run, relative ones made
-    absolute, wherever it sits (module top, a function, a branch; not under `if TYPE_CHECKING:`)."""
+    """(module, the names taken from it, line) for every import of `path`, relative ones made absolute, wherever
+    it sits (module top, a function, a branch, `if TYPE_CHECKING:`)."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for block in ast.walk(tree) if is_type_checking_block(block) for n in ast.walk(block)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(alias.name, [], node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -211,13 +202,13 @@ def test_no_import_circle_among_the_library_modules():
     assert not circles(graph), circles(graph)
 
 
-def test_a_type_checking_import_is_no_edge(tmp_path, monkeypatch):
+def test_a_type_checking_import_is_an_edge(tmp_path, monkeypatch):
     module = tmp_path / "eagle31" / "m.py"
     module.parent.mkdir()
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
                       "def f():\n    from eagle31.loss import ttt_loss\n")  # fmt: skip
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.loss"]
+    assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.config", "eagle31.loss"]
 
 
 def test_a_circle_is_found():
