@@ -359,6 +359,21 @@ class TargetFeatures:
         self._reset()
         return aux, final
 
+    @torch.no_grad()
+    def resolved_layer_ids(self) -> tuple[int, ...]:
+        """The ids k of the states these hooks keep, read off a two-token forward, not taken from `aux_layer_ids`:
+        for each slice of `aux`, the k whose `output_hidden_states[k]` it equals (-1: none)."""
+        device = self.model.get_input_embeddings().weight.device
+        with self:
+            out = self.model(
+                input_ids=torch.tensor([[1, 2]], device=device), output_hidden_states=True, use_cache=False
+            )
+            aux, _ = self.pop()
+        states = [h.cpu() for h in out.hidden_states[:-1]]  # the inputs of layers 0..L-1 (the last one is post-norm)
+        width = states[0].shape[-1]
+        slices = [aux[..., j * width : (j + 1) * width].cpu() for j in range(len(self._layers))]
+        return tuple(next((k for k, h in enumerate(states) if torch.equal(h, piece)), -1) for piece in slices)
+
     @torch.no_grad()  # not inference_mode: the trainer's autograd must be able to save these tensors
     def capture(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
