@@ -71,7 +71,11 @@ def _await_pool(pool, ref, rank: int, what: str):
     """`_get(ref)` of a call to the pool that may wait for workers, as long as the pool makes progress: one
     `EngineError` line naming the pool's state when it has made none for longer than its timeouts allow."""
     ray = import_ray()
-    while not ray.wait([ref], timeout=POLL_S)[0]:
+    while True:
+        try:
+            return _get(ref, timeout=POLL_S)
+        except ray.exceptions.GetTimeoutError:
+            pass
         try:
             state = _get(pool.state.remote(), timeout=POOL_ANSWER_S)
         except ray.exceptions.GetTimeoutError:
@@ -82,7 +86,6 @@ def _await_pool(pool, ref, rank: int, what: str):
             raise EngineError(f"rank {rank} waited for {what}, and the feature pool has made no progress for "
                               f"{state['stalled_s']:.0f} s, more than its timeouts allow (features.engine.*_timeout_s):"
                               f" {state['line']}; {KEPT}")  # fmt: skip
-    return _get(ref)
 
 
 def _call(pool, ref, rank: int, what: str):
