@@ -148,6 +148,15 @@ def check_engine(cfg) -> None:
     for name in ("worker_cpus", "worker_gpus"):
         if getattr(e, name) < 0:
             raise ConfigError(f"features.engine.{name} must be >= 0, got {getattr(e, name)}")
+    for name in ("request_timeout_s", "load_timeout_s", "placement_timeout_s"):
+        if not getattr(e, name) > 0:
+            raise ConfigError(f"features.engine.{name} must be positive, got {getattr(e, name)}")
+    if e.pool_tokens < cfg.features.tokens_per_batch:  # a trainer takes a whole micro-batch: the pool must hold one
+        raise ConfigError(
+            f"features.engine.pool_tokens={e.pool_tokens} holds less than one micro-batch (features.tokens_per_batch="
+            f"{cfg.features.tokens_per_batch} tokens), which a trainer takes whole; set features.engine.pool_tokens >= "
+            f"{cfg.features.tokens_per_batch}"
+        )
     if e.rates_from and not Path(e.rates_from).is_file():
         raise ConfigError(f"features.engine.rates_from: no such file {e.rates_from}")
     if not cfg.dry_run:

@@ -87,6 +87,11 @@ class EngineConfig:
     num_cpus: Optional[int] = None  # CPUs of the cluster started on this node; None: all of them
     pool_tokens: int = 131072  # features computed ahead of the trainers, in tokens (Kimi K2.6, bf16: 56 KiB each)
     max_restarts: int = 3  # per worker: a worker that dies is restarted and its samples asked again, this often
+    # a worker holding requests that answers none for this long is taken for dead (restarted, counted): above the
+    # longest target forward of features.capture_batch_tokens, the first ones (kernel warm-up) included
+    request_timeout_s: float = 600.0
+    load_timeout_s: float = 3600.0  # a worker that has not loaded the target in this long is taken for dead
+    placement_timeout_s: float = 600.0  # a worker Ray finds no room for (its CPUs, GPUs) in this long stops the run
     rates_from: Optional[str] = (
         None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
     )

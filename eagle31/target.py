@@ -12,7 +12,9 @@ tokenizer). Everything eagle31 reads of it goes through here:
   to the embedding.
 - `target_fingerprint`: identifies the target whose features a store holds, beyond
   its name: two checkpoints of one shape (a base model and its fine-tune, two random
-  demo targets) get different fingerprints, so a store is never trained on with another target.
+  demo targets, one whose single layer differs) get different fingerprints, so a store is never
+  trained on with another target. It sees every tensor without reading the checkpoint: a few
+  bytes of each.
   `tokenizer_fingerprint` does the same for its tokenizer files; `target_fingerprints` gives both, as an
   inference worker's description and the trainer's expectation of it (`eagle31.engine.worker`) name them.
 - `load_target` / `inference_device_and_dtype`: the model itself, for capture, online
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
@@ -57,7 +60,8 @@ class Dtype(StrEnum):
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
-_FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell checkpoints apart, cheap for any V
+_FINGERPRINT_WINDOW = 64  # bytes of a tensor read at each of its sampled places
+_FINGERPRINT_WINDOWS = 3  # a tensor's sampled places: its first, middle and last bytes
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when a checkpoint is copied or re-saved
 # What `AutoTokenizer.from_pretrained` reads from a folder: the fast tokenizer, its config and special tokens, the
 # slow tokenizers' vocabularies (BPE, WordPiece, SentencePiece, tiktoken) and the chat template saved beside them.
@@ -113,9 +117,9 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
 
 
 def read_target_tensor(
-    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True, rows: int | None = None
+    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True
 ) -> torch.Tensor | None:
-    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights (its first `rows` only)."""
+    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights."""
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
     for prefix in WRAPPER_PREFIXES:
@@ -123,7 +127,7 @@ def read_target_tensor(
             full = prefix + name
             if full in weight_map:
                 with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
-                    return sf.get_tensor(full) if rows is None else sf.get_slice(full)[:rows]
+                    return sf.get_tensor(full)
     if required:
         raise ConfigError(f"target {target_dir}: no tensor among {list(candidates)}")
     return None
@@ -137,14 +141,49 @@ def read_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.
 
 
 def target_fingerprint(target_dir) -> str:
-    """sha256 of the target's config.json (less path and version keys), first embedding rows and final norm weight."""
+    """sha256 of the target's config.json (less path and version keys) and of every tensor of its safetensors files:
+    its name, dtype and shape, and `_FINGERPRINT_WINDOW` bytes at each of `_FINGERPRINT_WINDOWS` evenly spaced places
+    of its data (a small tensor: all of it).
+
+    Every tensor, so a checkpoint whose one layer differs is told apart; a few bytes of each, so a terabyte
+    checkpoint costs a few reads per tensor, not a read of its weights. A change confined to bytes between the
+    sampled places (a single element edited by hand) passes; training, merging or quantising changes them all.
+    The tensors are taken by name, so the same weights split into other files have the same fingerprint.
+    """
+    target_dir = Path(target_dir)
     config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for names in (EMBED_NAMES, ("model.norm.weight",)):
-        weight = read_target_tensor(target_dir, names, required=False, rows=_FINGERPRINT_ROWS)
-        if weight is not None:
-            digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    tensors: dict[str, bytes] = {}
+    for file in sorted(set(_weight_map(target_dir).values())):
+        tensors.update(_sampled_tensors(target_dir / file))
+    for name in sorted(tensors):
+        digest.update(hashlib.sha256(name.encode() + b"\0" + tensors[name]).digest())
     return digest.hexdigest()
+
+
+def _sampled_tensors(path: Path) -> dict[str, bytes]:
+    """{tensor name: its dtype and shape, and its bytes at the sampled places} of one safetensors file."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))  # the format: a u64 header length, the JSON header, the data
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # reads in file order
+            begin, end = entry["data_offsets"]
+            sampled = [f"{entry['dtype']}{entry['shape']}".encode()]
+            for start, size in _sampled_places(begin, end):
+                f.seek(8 + length + start)
+                sampled.append(f.read(size))
+            out[name] = b"".join(sampled)
+    return out
+
+
+def _sampled_places(begin: int, end: int) -> list[tuple[int, int]]:
+    """(offset, size) of the windows read from a tensor stored at [begin, end): evenly spaced, first and last."""
+    size, window, n = end - begin, _FINGERPRINT_WINDOW, _FINGERPRINT_WINDOWS
+    if size <= window * n:
+        return [(begin, size)]
+    return [(begin + (size - window) * i // (n - 1), window) for i in range(n)]
 
 
 def tokenizer_fingerprint(target_dir) -> str:
@@ -319,6 +358,21 @@ class TargetFeatures:
         aux = torch.cat([a.to(final.device) for a in self._aux], dim=-1)
         self._reset()
         return aux, final
+
+    @torch.no_grad()
+    def resolved_layer_ids(self) -> tuple[int, ...]:
+        """The ids k of the states these hooks keep, read off a two-token forward, not taken from `aux_layer_ids`:
+        for each slice of `aux`, the k whose `output_hidden_states[k]` it equals (-1: none)."""
+        device = self.model.get_input_embeddings().weight.device
+        with self:
+            out = self.model(
+                input_ids=torch.tensor([[1, 2]], device=device), output_hidden_states=True, use_cache=False
+            )
+            aux, _ = self.pop()
+        states = [h.cpu() for h in out.hidden_states[:-1]]  # the inputs of layers 0..L-1 (the last one is post-norm)
+        width = states[0].shape[-1]
+        slices = [aux[..., j * width : (j + 1) * width].cpu() for j in range(len(self._layers))]
+        return tuple(next((k for k, h in enumerate(states) if torch.equal(h, piece)), -1) for piece in slices)
 
     @torch.no_grad()  # not inference_mode: the trainer's autograd must be able to save these tensors
     def capture(

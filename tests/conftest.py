@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.deadline import pytest_runtest_protocol  # noqa: E402, F401  (the `deadline` marker's hook)
+
 # Tiny models run several times faster on one thread than on two busy cores.
 torch.set_num_threads(1)
 

@@ -41,14 +41,17 @@ def drafter_sized_llama(seed: int = 0, dtype=torch.float64):
     )  # fmt: skip
 
 
-def save_chat_target(path: Path, tokenizer, seed: int = 0) -> Path:
-    """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory."""
-    model = tiny_llama(
-        seed, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512
-    )
+def save_chat_target(path: Path, tokenizer, seed: int = 0, **shape) -> Path:
+    """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory; `shape`
+    overrides LlamaConfig fields (`VLLM_CPU_LLAMA`: a shape vLLM's CPU attention takes)."""
+    values = dict(intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512)
+    model = tiny_llama(seed, vocab_size=len(tokenizer), **{**values, **shape})
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+VLLM_CPU_LLAMA = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # vLLM CPU: head_dim 32
 
 
 def tiny_deepseek_v3(seed: int = 0):

@@ -16,9 +16,10 @@ to a worker, and keeps what the workers computed until the trainer rank that nee
 
 What is better here than in TorchSpec's design, which this follows:
 
-* a worker that dies is started again and the samples it was computing are asked again; the run goes
-  on (`engine/worker_restarts`, `engine/requeued` in metrics.jsonl); only a worker that fails on its
-  own (an exception) or dies more often than `features.engine.max_restarts` stops the run, in one line;
+* a worker that dies, or hangs past its timeout, is started again and the samples it was computing are
+  asked again; the run goes on (`engine/worker_restarts`, `engine/requeued` in metrics.jsonl); only a
+  worker that fails on its own (an exception), that Ray cannot place, or that dies more often than
+  `features.engine.max_restarts` stops the run, in one line; nothing waits without end (docs/engine.md);
 * the order is the loader's: features are put together by sample position before batching, so what a
   trainer gets does not depend on which worker computed what or when, and the checkpoint's loader
   position (and its record of the consumed sample ids) makes `resume=auto` train on exactly the samples

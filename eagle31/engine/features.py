@@ -12,11 +12,16 @@ which load the target while the trainers build the drafter; every rank reaches t
 the held-out split batch by batch (`FeaturePool.ask`); it puts each micro-batch's samples together
 by position, with the token columns (`TOKEN_COLUMNS`: input ids, loss masks) of the rank's own copy of the
 prepared split.
+
+A rank waits for the pool without end only while the pool makes progress: every `POLL_S` it reads the pool's
+state, and stops with one line naming it when the pool has done nothing for longer than its own timeouts
+allow, or does not answer at all (`POOL_ANSWER_S`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -29,7 +34,15 @@ from eagle31.data.batch import TOKEN_COLUMNS, Sample
 from eagle31.data.capture import prepared_rows
 from eagle31.data.store import prepared_lengths
 from eagle31.distributed import broadcast_object
-from eagle31.engine.cluster import NAMESPACE, actor_runtime_env, import_ray, ray_session
+from eagle31.engine.cluster import (
+    NAMESPACE,
+    actor_runtime_env,
+    check_joined_node,
+    check_worker_gpus,
+    import_ray,
+    lendable_gpus,
+    ray_session,
+)
 from eagle31.errors import EngineError
 from eagle31.target import target_shape
 
@@ -39,22 +52,45 @@ from eagle31.target import target_shape
 KEPT = "the last complete checkpoint is kept: rerun with resume=auto"
 POOL_GONE = f"the feature pool is gone (rank 0 or its node stopped); {KEPT}"
 FEATURES_LOST = f"features an inference worker had computed were lost with its node before a trainer took them; {KEPT}"
+POLL_S = 10.0  # a waiting rank reads the pool's state this often
+POOL_ANSWER_S = 60.0  # a pool that does not say its state in this long is taken for hung
 
 
-def _get(refs):
+def _get(refs, timeout: float | None = None):
     """`ray.get`, a pool that is gone or features lost with their node being one `EngineError` line."""
     ray = import_ray()
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=timeout)
     except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError):  # the pool owns the features' objects
         raise EngineError(POOL_GONE) from None
     except ray.exceptions.ObjectLostError:
         raise EngineError(FEATURES_LOST) from None
 
 
-def _call(ref):
+def _await_pool(pool, ref, rank: int, what: str):
+    """`_get(ref)` of a call to the pool that may wait for workers, as long as the pool makes progress: one
+    `EngineError` line naming the pool's state when it has made none for longer than its timeouts allow."""
+    ray = import_ray()
+    while True:
+        try:
+            return _get(ref, timeout=POLL_S)
+        except ray.exceptions.GetTimeoutError:
+            pass
+        try:
+            state = _get(pool.state.remote(), timeout=POOL_ANSWER_S)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineError(
+                f"the feature pool did not answer for {POOL_ANSWER_S:g} s while rank {rank} waited for {what}; {KEPT}"
+            ) from None
+        if state["stalled_s"] > state["limit_s"]:
+            raise EngineError(f"rank {rank} waited for {what}, and the feature pool has made no progress for "
+                              f"{state['stalled_s']:.0f} s, more than its timeouts allow (features.engine.*_timeout_s):"
+                              f" {state['line']}; {KEPT}")  # fmt: skip
+
+
+def _call(pool, ref, rank: int, what: str):
     """A pool call that answers (status, value): the value, or the pool's error as `EngineError`."""
-    status, value = _get(ref)
+    status, value = _await_pool(pool, ref, rank, what)
     if status == "error":
         raise EngineError(value)
     return value
@@ -74,7 +110,8 @@ class EngineFeatures:
 
     def samples(self, ids: Sequence[int]) -> list[Sample]:
         ids = [int(i) for i in ids]
-        reply = _call(self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids))
+        call = self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids)
+        reply = _call(self.pool, call, self.rank, f"the features of samples {ids[:4]}...")
         computed = _get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
         feats: list = [None] * len(ids)
         for (positions, _), part in zip(reply, computed):
@@ -133,7 +170,7 @@ class FeatureEngine:
             self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]),
             self.pool.ready.remote(),
         ):
-            error = _get(call)
+            error = _await_pool(self.pool, call, self.rank, "the inference workers to load the target")
             if error:
                 raise EngineError(error)
         self._last = _get(self.pool.stats.remote())
@@ -169,18 +206,32 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
     with ExitStack() as stack:
         shared = None
         if world.is_main:
-            cluster = stack.enter_context(ray_session(e.address, e.num_cpus))
+            trainer_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world.device.type == "cuda" else 0
+            lendable = lendable_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(), trainer_gpus)
+            if not e.address:
+                check_worker_gpus(lendable, trainer_gpus, e.workers, e.worker_gpus)
+            cluster = stack.enter_context(ray_session(e.address, e.num_cpus, gpus=lendable))
+            if e.address:
+                check_joined_node(node_gpus(), lendable, trainer_gpus, e.address)
+            print(f"engine: rank 0 {cluster.how}")
             name = f"features-{uuid.uuid4().hex[:12]}"
             pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size)
             stack.callback(close_pool, pool)
-            shared = (cluster, name)
-        (address, auth_mode), name = broadcast_object(shared, world.device)
+            shared = (cluster.address, cluster.auth_mode, name)
+        address, auth_mode, name = broadcast_object(shared, world.device)
         if not world.is_main:
             stack.enter_context(ray_session(address, None, auth_mode))
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
         yield FeatureEngine(
             pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype
         )
+
+
+def node_gpus() -> float:
+    """The GPUs this process's node lends its Ray cluster."""
+    ray = import_ray()
+    here = ray.get_runtime_context().get_node_id()
+    return next((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["NodeID"] == here), 0.0)
 
 
 def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
@@ -201,6 +252,9 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
         capture_batch_tokens=cfg.features.capture_batch_tokens,
         pool_tokens=e.pool_tokens,
         max_restarts=e.max_restarts,
+        request_timeout_s=e.request_timeout_s,
+        load_timeout_s=e.load_timeout_s,
+        placement_timeout_s=e.placement_timeout_s,
         worker_options={"num_cpus": e.worker_cpus, "num_gpus": e.worker_gpus},
     )
     expected = expected_info(plan.target_dir, aux_ids, target_shape(plan.target_config)[1], str(cfg.target.dtype))

@@ -11,17 +11,30 @@ and each group is one request to a worker. Requests go out strictly in the strea
 asks of `ask` first, as the trainers wait for them), at most `inflight_per_worker` per worker,
 so a worker always has its next request queued behind the one it computes.
 
-Backpressure. The training requests sent out and not yet taken hold at most `pool_tokens` tokens
-(one request more when nothing is held): the workers wait when the trainers are slow. Because the
-stream goes out in order, the micro-batch any waiting rank needs is always among the first to go,
-so ranks in lockstep (a step's all-reduce) can never wait on each other through a full pool.
+Backpressure. The training micro-batches sent out and not yet taken hold at most `pool_tokens` tokens:
+a micro-batch is admitted whole, when it fits or when nothing is held (a trainer takes a micro-batch
+whole, so a pool that admitted part of one could wait forever for its rest; the plan refuses a
+`pool_tokens` below `features.tokens_per_batch`, so the bound holds). The workers wait when the trainers
+are slow. Because the stream goes out in order, the micro-batch any waiting rank needs is always among
+the first to go, so ranks in lockstep (a step's all-reduce) can never wait on each other through a full pool.
 
-Failures. A worker that dies (its process killed, its node lost) is started again; the requests it
-held go back to the head of the queue in their own order, and are counted (`requeued`, samples).
-A worker that raises, that cannot start, that computes what the recipe does not ask (other aux ids,
-hidden size or dtype), whose target on its node is not the trainer's (`eagle31.engine.worker.worker_mismatch`:
-the fingerprints of its weights and of its tokenizer), or that dies more than `max_restarts` times sets the pool's error: every
-waiting and later call returns it, one line, and the trainers stop (`eagle31.errors.EngineError`).
+A worker's life. It is placed (Ray finds its CPUs and GPUs: `placement_timeout_s`), loads the target
+(`load_timeout_s`), describes itself and computes (each answer within `request_timeout_s` of the
+worker's last answer, so time spent on its earlier requests does not count).
+
+Failures. A worker that dies (its process killed, its node lost) or hangs (no answer in its time) is
+started again; the requests it held go back to the head of the queue in their own order, and are counted
+(`requeued`, samples). Ray's word that an actor is briefly unreachable (`ActorUnavailableError`) is no
+death: the call is sent again. A worker that raises (loading, describing itself or computing), that Ray
+cannot place, that computes what the recipe does not ask (other aux ids, hidden size or dtype), whose
+target on its node is not the trainer's (`eagle31.engine.worker.worker_mismatch`: the fingerprints of its
+weights and of its tokenizer), or that dies more than `max_restarts` times sets the pool's error: every
+waiting and later call returns it, one line, and the trainers stop (`eagle31.errors.EngineError`). So
+does an error of the pool's own tasks, which would otherwise end them unseen.
+
+The trainers' wait. `state()` says how long the pool has made no progress (no answer, no worker
+placed or loaded, nothing taken) and what it is waiting on; a rank that waits longer than the pool's
+longest timeout allows stops with that line (`eagle31.engine.features`).
 
 What travels. The pool never holds a tensor: a worker's result is two objects, a small record the
 pool awaits and the features, whose reference the pool hands to the rank that takes the
@@ -39,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from eagle31.data.batch import bucket_by_length
 from eagle31.data.loader import plan_epoch
@@ -58,20 +71,39 @@ class PoolSettings:
     capture_batch_tokens: int
     pool_tokens: int
     max_restarts: int
+    request_timeout_s: float  # features.engine.*_timeout_s (the module docstring)
+    load_timeout_s: float
+    placement_timeout_s: float
     worker_options: dict = field(default_factory=dict)  # Ray actor options of a worker (CPUs, GPUs, runtime env)
     inflight_per_worker: int = 2
 
+    @property
+    def stall_limit_s(self) -> float:
+        """The longest the pool can go without progress while it works: its longest timeout, and a margin."""
+        return max(self.request_timeout_s, self.load_timeout_s, self.placement_timeout_s) + STALL_MARGIN_S
+
+
+STALL_MARGIN_S = 60.0
+UNAVAILABLE_RETRY_S = 1.0  # the wait before a call Ray found its actor unreachable for is sent again
+
 
 def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
-    """A new worker actor (it starts loading the target at once)."""
+    """A new worker actor (placed by Ray; it loads the target when the pool asks)."""
     return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec)
 
 
 class WorkerActor:
-    """The Ray actor around an `InferenceWorker`: the record of each computation apart from its features."""
+    """The Ray actor around an `InferenceWorker`: answers once placed, loads the target when asked, and returns
+    the record of each computation apart from its features."""
 
     def __init__(self, kind: type, spec: WorkerSpec):
-        self.worker = kind(spec)
+        self.kind, self.spec, self.worker = kind, spec, None
+
+    def placed(self) -> None:
+        """Answers as soon as Ray has placed the actor and started its process."""
+
+    def load(self) -> None:
+        self.worker = self.kind(self.spec)
 
     def describe(self) -> WorkerInfo:
         return self.worker.describe()
@@ -92,7 +124,6 @@ class Request:
     tokens: int
     owner: tuple  # the key of its Part in `FeaturePool.parts`
     group: int
-    admitted: bool = False  # its tokens count toward pool_tokens (training)
     done: bool = False  # computed: a copy still queued or in flight is dropped
 
 
@@ -105,6 +136,7 @@ class Part:
     tokens: int
     refs: dict[int, object] = field(default_factory=dict)  # group -> ObjectRef of its features
     takes: int = 0
+    admitted: bool = False  # its tokens count toward pool_tokens (training)
 
     @property
     def complete(self) -> bool:
@@ -121,17 +153,54 @@ class Slot:
     index: int
     handle: object = None
     incarnation: int = 0
-    ready: bool = False
+    phase: str = "placing"  # placing, loading, describing, ready
+    since: float = field(default_factory=time.monotonic)  # when the phase began
+    answered_at: float = 0.0  # the last answer of the worker now in the slot
     restarts: int = 0
     inflight: dict[int, Request] = field(default_factory=dict)
     samples: int = 0
     busy_s: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+
+class Computation:
+    """One request's call to a worker: sent again while Ray finds the worker briefly unreachable."""
+
+    def __init__(self, handle, token_rows):
+        self.handle, self.token_rows, self.features = handle, token_rows, None
+
+    def send(self):
+        """The call's record (an ObjectRef); its features' ref is kept apart, never awaited here."""
+        record, self.features = self.handle.compute.options(num_returns=2).remote(self.token_rows)
+        return record
+
+
+class NoAnswer(Exception):
+    """A worker answered nothing for the time a setting gives it."""
+
+    def __init__(self, setting: str, seconds: float):
+        super().__init__(f"no answer within features.engine.{setting}={seconds:g} s")
+        self.setting = setting
 
 
 def _last_line(e: BaseException) -> str:
     """The line of a Ray error that says what happened (an exception's own line; a death's cause, without Ray's advice)."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     return (lines[-1] if lines else type(e).__name__).split(" Worker exit detail:")[0]
+
+
+def _future(ref) -> asyncio.Future:
+    """An ObjectRef as a future whose error, if it is abandoned, is not reported as never retrieved."""
+    future = asyncio.ensure_future(ref)
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _resources(amounts: dict) -> str:
+    return ", ".join(f"{name} {amounts.get(name, 0):g}" for name in ("CPU", "GPU"))
 
 
 class FeaturePool:
@@ -154,7 +223,9 @@ class FeaturePool:
             for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])
         ]
         self.changed = asyncio.Condition()
+        self.tasks: set[asyncio.Task] = set()  # the pool's own tasks, kept until they end (asyncio holds them weakly)
         self.error: str | None = None
+        self.progress_at = time.monotonic()  # the last answer, worker started or micro-batch taken
         self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
         self.parts: dict[tuple, Part] = {}
         self.asks = itertools.count()
@@ -170,6 +241,7 @@ class FeaturePool:
             "delivered_samples": 0,
             "worker_restarts": 0,
             "requeued": 0,
+            "unavailable": 0,  # calls sent again after Ray found their worker briefly unreachable
             "max_held_tokens": 0,
         }
 
@@ -213,6 +285,7 @@ class FeaturePool:
             return "error", self.error
         part = self.parts[key]
         part.takes += 1
+        self.progress_at = time.monotonic()
         if part.takes == self.settings.copies:
             del self.parts[key]
             self.held -= part.tokens
@@ -247,11 +320,26 @@ class FeaturePool:
             "seconds": time.perf_counter() - self.started_at,
         }
 
+    def state(self) -> dict:
+        """For a waiting rank: seconds without progress, the most the pool's timeouts allow, and one line of what
+        it is waiting on."""
+        now = time.monotonic()
+        workers = "; ".join(
+            f"worker {s.index} {s.phase} for {now - s.since:.0f} s"
+            + (f" holding {len(s.inflight)} request(s)" if s.inflight else "")
+            for s in self.slots
+        )
+        queued = sum(not r.done for queue in self.queues.values() for _, r in queue)
+        line = (f"{workers}; {queued} request(s) queued; {self.held} tokens held of features.engine.pool_tokens="
+                f"{self.settings.pool_tokens}")  # fmt: skip
+        return {"stalled_s": now - self.progress_at, "limit_s": self.settings.stall_limit_s, "line": line}
+
     def workers(self) -> list[tuple[object, int]]:
         """(actor, requests it holds) of each worker now, in slot order: for operators, and the benchmark's kill."""
         return [(s.handle, len(s.inflight)) for s in self.slots]
 
     def close(self) -> None:
+        self._fail("the feature pool was closed")
         for slot in self.slots:
             if slot.handle is not None:
                 ray.kill(slot.handle, no_restart=True)
@@ -318,11 +406,12 @@ class FeaturePool:
             if not queue:
                 continue
             request = queue[0][1]
-            if split == "train" and not request.admitted:
-                if self.held and self.held + request.tokens > self.settings.pool_tokens:
+            part = self.parts[request.owner] if split == "train" else None
+            if part is not None and not part.admitted:  # a micro-batch is admitted whole (module docstring)
+                if self.held and self.held + part.tokens > self.settings.pool_tokens:
                     return None
-                request.admitted = True
-                self.held += request.tokens
+                part.admitted = True
+                self.held += part.tokens
                 self.counts["max_held_tokens"] = max(self.counts["max_held_tokens"], self.held)
             heapq.heappop(queue)
             return request
@@ -330,36 +419,108 @@ class FeaturePool:
 
     # ------------------------------------------------------------ the workers
 
+    def _task(self, coroutine) -> None:
+        """Run `coroutine` as one of the pool's tasks; an error it raises becomes the pool's error."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self._fail(f"the feature pool failed: {type(e).__name__}: {_last_line(e)}")
+            self._task(self._notify())
+
     def _spawn(self, slot: Slot) -> None:
         slot.handle = spawn_worker(self.settings, self.kind, self.spec)
-        slot.ready = False
-        asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
+        self._enter(slot, "placing")
+        slot.answered_at = 0.0
+        self._task(self._start(slot, slot.incarnation))
 
     def _boot(self) -> None:
-        """Start asking the workers of __init__ to describe themselves (needs the actor's event loop)."""
+        """Start the workers of __init__ (needs the actor's event loop)."""
         if not self.booted:
             self.booted = True
             for slot in self.slots:
-                asyncio.get_running_loop().create_task(self._describe(slot, slot.incarnation))
+                self._enter(slot, "placing")
+                self._task(self._start(slot, slot.incarnation))
 
-    async def _describe(self, slot: Slot, incarnation: int) -> None:
+    def _enter(self, slot: Slot, phase: str) -> None:
+        slot.phase, slot.since = phase, time.monotonic()
+        self.progress_at = slot.since
+
+    async def _start(self, slot: Slot, incarnation: int) -> None:
+        """Place the worker, load the target, check what it describes; one that cannot is replaced or stops the run."""
+        name, s = f"inference worker {slot.index}", self.settings
         try:
-            info = WorkerInfo(*await slot.handle.describe.remote())
-        except RayActorError as e:
+            await self._answer(slot, slot.handle.placed.remote, "placement_timeout_s")
+            self._enter(slot, "loading")
+            await self._answer(slot, slot.handle.load.remote, "load_timeout_s")
+            self._enter(slot, "describing")
+            info = WorkerInfo(*await self._answer(slot, slot.handle.describe.remote, "request_timeout_s"))
+        except NoAnswer as e:
             if incarnation == slot.incarnation:
-                if getattr(e, "actor_init_failed", False):  # its own error while loading: it would fail again
-                    self._fail(f"inference worker {slot.index} could not start: {_last_line(e)}")
+                if e.setting == "placement_timeout_s":  # no room in the cluster: waiting longer would not make one
+                    limit = f"features.engine.placement_timeout_s={s.placement_timeout_s:g} s"
+                    self._fail(f"{name} could not be placed within {limit}: {self._placement()}")
                 else:
-                    self._lost(slot, e)
-            await self._notify()
-            return
-        mismatch = worker_mismatch(info, self.expected, self.spec.target_dir)
-        if mismatch:
-            self._fail(f"inference worker {slot.index} ({info.kind}) {mismatch}")
-        elif incarnation == slot.incarnation:
-            slot.ready = True
-            self._pump()
+                    self._lost(slot, str(e))
+        except RayActorError as e:  # its process died (killed, its node lost), or never started
+            if incarnation == slot.incarnation:
+                if e.actor_init_failed:  # its own error while starting: it would fail again
+                    self._fail(f"{name} could not start: {_last_line(e)}")
+                else:
+                    self._lost(slot, _last_line(e))
+        except Exception as e:  # noqa: BLE001 - its own error (loading the target, describing itself): it would recur
+            if incarnation == slot.incarnation:
+                doing = "describe itself" if slot.phase == "describing" else "start"
+                self._fail(f"{name} could not {doing}: {_last_line(e)}")
+        else:
+            mismatch = worker_mismatch(info, self.expected, self.spec.target_dir)
+            if mismatch:
+                self._fail(f"{name} ({info.kind}) {mismatch}")
+            elif incarnation == slot.incarnation:
+                self._enter(slot, "ready")
+                self._pump()
         await self._notify()
+
+    def _placement(self) -> str:
+        """What a worker asks of Ray and what the cluster has: the end of the line of a worker that was not placed."""
+        options = self.settings.worker_options
+        asked = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0}
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        largest = {k: max((n.get(k, 0) for n in nodes), default=0) for k in asked}
+        return (f"it asks for {_resources(asked)}; the cluster has {_resources(ray.cluster_resources())} in all "
+                f"(at most {_resources(largest)} on one node), {_resources(ray.available_resources())} free: lower "
+                "features.engine.worker_cpus or worker_gpus, or add nodes")  # fmt: skip
+
+    async def _answer(self, slot: Slot, send, setting: str, sent=None):
+        """The answer of the worker in `slot` to the call `send()` (an ObjectRef; `sent`: its first, already sent).
+        Ray's word that the actor is briefly unreachable is no answer and no death: the call is sent again. NoAnswer
+        when the worker has answered nothing at all for `settings.<setting>` seconds: time it spent on its
+        earlier requests does not count."""
+        limit = getattr(self.settings, setting)
+        since = time.monotonic()
+        answer = _future(send() if sent is None else sent)
+        while True:
+            left = max(since, slot.answered_at) + limit - time.monotonic()
+            if left <= 0:
+                raise NoAnswer(setting, limit)
+            try:
+                try:
+                    result = await asyncio.wait_for(asyncio.shield(answer), left)
+                except TimeoutError:
+                    if not answer.done():
+                        continue  # the worker may have answered another request meanwhile
+                    result = answer.result()  # answered just now, or its own error is a TimeoutError: raised here
+            except ActorUnavailableError:
+                self.counts["unavailable"] += 1
+                await asyncio.sleep(min(UNAVAILABLE_RETRY_S, left))
+                answer = _future(send())
+                continue
+            slot.answered_at = self.progress_at = time.monotonic()
+            return result
 
     def _pump(self) -> None:
         """Send requests while a worker has room and one is due."""
@@ -373,18 +534,16 @@ class FeaturePool:
             slot = min(free, key=lambda s: (len(s.inflight), s.index))
             seq = next(self.sequence)
             slot.inflight[seq] = request
-            rows = self.splits[request.split][request.ids]["input_ids"]
-            record, features = slot.handle.compute.options(num_returns=2).remote(rows)
-            asyncio.get_running_loop().create_task(
-                self._receive(slot, slot.incarnation, seq, request, record, features)
-            )
+            call = Computation(slot.handle, self.splits[request.split][request.ids]["input_ids"])
+            record = call.send()  # here, not in the task: a worker computes its requests in the order they are sent
+            self._task(self._receive(slot, slot.incarnation, seq, request, call, record))
 
-    async def _receive(self, slot: Slot, incarnation: int, seq: int, request: Request, record, features) -> None:
+    async def _receive(self, slot: Slot, incarnation: int, seq: int, request: Request, call, record) -> None:
         try:
-            done = await record
-        except RayActorError as e:
+            done = await self._answer(slot, call.send, "request_timeout_s", sent=record)
+        except (NoAnswer, RayActorError) as e:  # hung, or died
             if incarnation == slot.incarnation:
-                self._lost(slot, e)
+                self._lost(slot, str(e) if isinstance(e, NoAnswer) else _last_line(e))
         except Exception as e:  # noqa: BLE001 - the worker's own error (RayTaskError): it would fail again
             self._fail(
                 f"inference worker {slot.index} failed on samples {request.ids[:4]} of {request.split}: {_last_line(e)}"
@@ -393,15 +552,17 @@ class FeaturePool:
             slot.inflight.pop(seq, None)
             if not request.done:
                 request.done = True
-                self.parts[request.owner].refs[request.group] = features
+                self.parts[request.owner].refs[request.group] = call.features
                 self.counts["produced_samples"] += len(request.ids)
                 slot.samples += len(request.ids)
                 slot.busy_s += done["seconds"]
         self._pump()
         await self._notify()
 
-    def _lost(self, slot: Slot, e: BaseException) -> None:
-        """A worker died: its requests go back to the head of the queue, a new worker takes its place."""
+    def _lost(self, slot: Slot, cause: str) -> None:
+        """A worker died or hung: its requests go back to the head of the queue, a new worker takes its place."""
+        if self.error is not None:  # a pool that has failed, or was closed, replaces no one
+            return
         for request in slot.inflight.values():
             if not request.done:
                 self._queue(request)
@@ -410,14 +571,16 @@ class FeaturePool:
         slot.incarnation += 1
         slot.restarts += 1
         self.counts["worker_restarts"] += 1
-        if slot.restarts > self.settings.max_restarts:
-            self._fail(f"inference worker {slot.index} died {slot.restarts} times, more than features.engine.max_restarts="
-                       f"{self.settings.max_restarts}; the last time: {_last_line(e)}")  # fmt: skip
-            return
         try:
-            ray.kill(slot.handle, no_restart=True)
+            ray.kill(slot.handle, no_restart=True)  # a hung worker holds its resources until killed
         except Exception:  # noqa: BLE001 - already gone
             pass
+        if slot.restarts > self.settings.max_restarts:
+            limit = f"features.engine.max_restarts={self.settings.max_restarts}"
+            self._fail(
+                f"inference worker {slot.index} died {slot.restarts} times, more than {limit}; the last time: {cause}"
+            )
+            return
         self._spawn(slot)
 
     # ------------------------------------------------------------ waiting

@@ -8,8 +8,9 @@ Loaded by vLLM itself, never by the rest of eagle31 (it imports vLLM): the engin
 With `extract_hidden_states`, vLLM's target forward keeps the hidden states of the requested layers in a
 cache-only attention layer, one cache slot per prompt token (`[num_blocks, n, block_size, Ht]`). When a request
 finishes, the scheduler side asks to keep its blocks (`request_finished`), the worker side reads its slots out,
-writes them as one safetensors file, `<dir>/<request id>.safetensors` (`hidden_states [T, n, Ht]`, `token_ids [T]`),
-and then lets the blocks go. The file appears by an atomic rename, so a reader that sees it sees all of it.
+writes them as one safetensors file, `<dir>/<request id>.safetensors` (`hidden_states [T, n, Ht]`; its metadata's
+`layer_ids`: the layers as the engine's configuration resolved them, read in the engine's own process), and then
+lets the blocks go. The file appears by an atomic rename, so a reader that sees it sees all of it.
 
 Why our own and not vLLM's `ExampleHiddenStatesConnector`: that one copies on a CUDA stream into pinned memory
 (it cannot run on vLLM's CPU build) and signals a finished write with a flock beside each file. This one copies
@@ -19,6 +20,7 @@ writes. The directory is meant to be memory (`/dev/shm`): the reader deletes eac
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+from eagle31.engine.vllm_engine import LAYER_IDS_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +83,9 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         if not self.directory:
             raise ValueError("HiddenStatesToFiles needs kv_connector_extra_config.hidden_states_dir")
         self.group = hidden_states_group(kv_cache_config)
+        draft = vllm_config.speculative_config.draft_model_config
+        ids = getattr(draft.hf_config, "eagle_aux_hidden_state_layer_ids", None) if draft is not None else None
+        self.layer_ids = json.dumps([int(i) for i in ids or []])  # what extract_hidden_states keeps, as resolved here
         if kv_cache_config is None:
             self.block_size = vllm_config.cache_config.block_size
         else:
@@ -136,7 +143,7 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         slots = slots.to(self._cache.device)
         states = self._cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [T, n, Ht]
         tmp = f"{request.path}.tmp"
-        save_file({"hidden_states": states.contiguous()}, tmp)
+        save_file({"hidden_states": states.contiguous()}, tmp, metadata={LAYER_IDS_KEY: self.layer_ids})
         os.replace(tmp, request.path)
 
     # ---------------------------------------------------------------- scheduler side

@@ -6,6 +6,12 @@ the prompt keeps the hidden states of the requested layers and our connector han
 request, in memory (`/dev/shm` where it exists), deleted once read. `features(token_rows)` returns what
 `eagle31.data.capture.target_forward` returns for the HF target, row by row: `(aux [T, n*Ht], final [T, Ht])`.
 
+Each file names the layers it holds as the engine's own configuration resolved them (the connector reads it in the
+engine's process); an answer from other layers than asked is refused, and `answer` hands them out for a worker to
+describe itself by. The files of the rows asked together exist at once (a 64k-token Kimi K2.6 group: about
+3.7 GB; a container's /dev/shm is 64 MB by default), so the rows go to the engine in parts that fit the space
+free there, and a row that alone does not fit is refused in one line when the engine starts.
+
 The two conventions line up without a shift: vLLM's layer id `k` is the state entering decoder layer `k` (its
 Llama/DeepSeek forwards record `hidden + residual` after layer `k-1`), which is docs/design.md's aux id `k`. vLLM
 gives no post-norm state, so the engine is also asked for id `L` (the last layer's output, before the final norm)
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -28,10 +35,10 @@ import time
 import weakref
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from eagle31.config import text_config
 from eagle31.errors import ConfigError
@@ -39,6 +46,8 @@ from eagle31.model import RMSNorm
 from eagle31.target import load_target_config, read_target_tensor, target_shape
 
 CONNECTOR = ("eagle31.engine.vllm_connector", "HiddenStatesToFiles")
+LAYER_IDS_KEY = "layer_ids"  # the metadata entry of a hidden-states file naming its layers (a JSON list)
+SHM_SHARE = 0.9  # of the space free where the files go, what the files of one part may take
 MIN_VLLM = (0, 22)  # the first release eagle31 serves; `extract_hidden_states` is there from it on
 FINAL_NORM_NAMES = ("model.norm.weight", "norm.weight")
 
@@ -89,6 +98,40 @@ def memory_dir() -> str:
     return tempfile.mkdtemp(prefix="eagle31-hidden-states-", dir=base)
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def fitting_parts(row_bytes: Sequence[int], free: int) -> list[range]:
+    """Consecutive parts of the rows whose files together take at most `SHM_SHARE` of `free` bytes (a row too big
+    alone makes a part of its own: the engine's start refuses such rows, `check_room`)."""
+    parts, start, taken = [], 0, 0
+    for i, n in enumerate(row_bytes):
+        if i > start and taken + n > free * SHM_SHARE:
+            parts.append(range(start, i))
+            start, taken = i, 0
+        taken += n
+    return [*parts, range(start, len(row_bytes))] if row_bytes else []
+
+
+def check_room(directory: str, row_bytes: int, max_tokens: int) -> None:
+    """One line when the hidden states of the longest row the engine is sent do not fit the space free there."""
+    free = shutil.disk_usage(directory).free
+    if max_tokens * row_bytes > free * SHM_SHARE:
+        raise ConfigError(
+            f"the hidden states of a {max_tokens}-token row (data.max_len) take {_size(max_tokens * row_bytes)} in "
+            f"{directory}, which has {_size(free)} free: give the engine's machine more shared memory "
+            "(docker --shm-size, a memory-backed volume on /dev/shm) or lower data.max_len"
+        )
+
+
+class Answer(NamedTuple):
+    """What the engine hands over for one row."""
+
+    states: torch.Tensor  # [T, n+1, Ht]: the states of the aux ids, then the last layer's output
+    layer_ids: tuple[int, ...]  # the layers they are of, as the engine's configuration resolved them
+
+
 def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
     """The target's final RMSNorm (weight and eps from its checkpoint and config), in `dtype`."""
     weight = read_target_tensor(target_dir, FINAL_NORM_NAMES)
@@ -120,6 +163,7 @@ class VLLMFeatures:
         self.version = check_vllm(connector)
         self.target_dir = Path(target_dir)
         num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
+        self.num_layers = num_layers
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
         if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not all(
             0 <= i < num_layers for i in self.aux_layer_ids
@@ -130,9 +174,12 @@ class VLLMFeatures:
         self.wait_s = wait_s
         self.directory = memory_dir()
         weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        self.row_bytes = (len(self.aux_layer_ids) + 1) * self.hidden_size * self.dtype.itemsize  # per token
+        check_room(self.directory, self.row_bytes, max_prompt_len)
         module, name = connector
         capture = {
             "model": str(self.target_dir),
+            "dtype": dtype,  # the target's: the features are trained on in it
             "skip_tokenizer_init": True,  # token ids in, hidden states out: no text either way
             "enable_prefix_caching": False,  # every prompt's states come from its own forward
             "max_model_len": max_prompt_len
@@ -156,7 +203,7 @@ class VLLMFeatures:
             raise ConfigError(
                 f"vLLM engine arguments {taken} are eagle31's to set for the capture; leave them out of features.engine.vllm_args"
             )
-        settings = {"dtype": dtype, "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
+        settings = {"trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
                     "enforce_eager": enforce_eager, **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes})}  # fmt: skip
         from vllm import LLM
 
@@ -164,13 +211,41 @@ class VLLMFeatures:
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype."""
+        asked = (*self.aux_layer_ids, self.num_layers)
+        out = []
+        for answer, row in zip(self.answer(token_rows), token_rows):
+            states, n = answer.states, len(self.aux_layer_ids)
+            if (
+                answer.layer_ids != asked
+                or tuple(states.shape) != (len(row), n + 1, self.hidden_size)
+                or states.dtype != self.dtype
+            ):
+                expected = f"{(len(row), n + 1, self.hidden_size)} {self.dtype} of layers {list(asked)}"
+                raise RuntimeError(
+                    f"vLLM gave hidden states {tuple(states.shape)} {states.dtype} of layers {list(answer.layer_ids)} "
+                    f"for a {len(row)}-token prompt; expected {expected} (the aux ids and the last layer)"
+                )
+            aux = states[:, :n].reshape(len(row), n * self.hidden_size)
+            with torch.no_grad():
+                final = self.norm(states[:, n])
+            out.append((aux, final))
+        return out
+
+    def answer(self, token_rows: Sequence[Sequence[int]]) -> list[Answer]:
+        """What the engine hands over for each row, unchecked, sent in parts whose files fit the space free."""
         from vllm import SamplingParams, TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in token_rows]
-        outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        return [self._read(out, len(row)) for out, row in zip(outputs, token_rows)]
+        free = shutil.disk_usage(self.directory).free
+        out = []
+        for part in fitting_parts([len(row) * self.row_bytes for row in token_rows], free):
+            outputs = self.llm.generate(
+                [prompts[i] for i in part], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+            )
+            out += [self._read(output) for output in outputs]
+        return out
 
-    def _read(self, output, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, output) -> Answer:
         params = output.kv_transfer_params or {}
         path = params.get("hidden_states_path")
         if path is None:
@@ -184,15 +259,13 @@ class VLLMFeatures:
                     f"vLLM wrote no hidden states for request {output.request_id} within {self.wait_s:.0f} s ({path})"
                 )
             time.sleep(0.002)
-        states = load_file(path)["hidden_states"]  # [T, n+1, Ht]: the aux ids, then the last layer's output
+        answer = read_hidden_states(path)
         os.remove(path)
-        n = len(self.aux_layer_ids)
-        if tuple(states.shape) != (num_tokens, n + 1, self.hidden_size) or states.dtype != self.dtype:
-            raise RuntimeError(
-                f"vLLM gave hidden states {tuple(states.shape)} {states.dtype} for a {num_tokens}-token prompt; expected "
-                f"{(num_tokens, n + 1, self.hidden_size)} {self.dtype} (aux ids {list(self.aux_layer_ids)} and the last layer)"
-            )
-        aux = states[:, :n].reshape(num_tokens, n * self.hidden_size)
-        with torch.no_grad():
-            final = self.norm(states[:, n])
-        return aux, final
+        return answer
+
+
+def read_hidden_states(path: str | Path) -> Answer:
+    """A file of the connector: its states and the layers it names (none: an empty tuple)."""
+    with safe_open(str(path), framework="pt") as f:
+        ids = json.loads((f.metadata() or {}).get(LAYER_IDS_KEY, "[]"))
+        return Answer(f.get_tensor("hidden_states"), tuple(int(i) for i in ids))

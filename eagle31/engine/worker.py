@@ -3,9 +3,11 @@
 An `InferenceWorker` is built from a `WorkerSpec` inside a Ray actor (`eagle31.engine.pool` wraps
 it) and answers two calls: `describe()`, what it computes and the target it computes it with, as its
 own node sees `spec.target_dir` (checked against the recipe before any training: `expected_info`,
-`worker_mismatch`), and `features(token_rows)`, the aux and final hidden states of each row of token ids,
-`[T, n*Ht]` and `[T, Ht]` in the target's dtype, on the CPU, each in a storage of its own (Ray
-ships a tensor's whole storage: a view into the padded batch would carry the batch).
+`worker_mismatch`), read off the engine as it runs (the layers its hooks or vLLM's configuration
+resolved, the dtype of an answer), never copied from the spec; and `features(token_rows)`, the aux
+and final hidden states of each row of token ids, `[T, n*Ht]` and `[T, Ht]` in the target's dtype, on
+the CPU, each in a storage of its own (Ray ships a tensor's whole storage: a view into the padded
+batch would carry the batch).
 
 `HFInferenceWorker` holds the Hugging Face target and runs `eagle31.data.capture.target_forward`,
 the code of `features.mode=online`: given the rows of one length-sorted group it runs exactly the
@@ -136,14 +138,16 @@ class HFInferenceWorker:
             device_map=spec.device_map,
             trust_remote_code=spec.trust_remote_code,
         )
+        self.hooks = TargetFeatures(self.model, spec.aux_layer_ids)  # what `features` runs with
 
     def describe(self) -> WorkerInfo:
+        """The aux ids the installed hooks keep (a forward shows which states), the lm_head's width and dtype."""
         head = self.model.get_output_embeddings().weight  # [V, Ht]
-        return WorkerInfo(self.kind, self.spec.aux_layer_ids, int(head.shape[1]), str(head.dtype).removeprefix("torch."), str(self.device),
-                          **target_fingerprints(self.spec.target_dir))  # fmt: skip
+        return WorkerInfo(self.kind, self.hooks.resolved_layer_ids(), int(head.shape[1]), str(head.dtype).removeprefix("torch."),
+                          str(self.device), **target_fingerprints(self.spec.target_dir))  # fmt: skip
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        with TargetFeatures(self.model, self.spec.aux_layer_ids) as feats:
+        with self.hooks as feats:
             out = target_forward(feats, token_rows, self.spec.batch_tokens)
         return [(aux.to("cpu", copy=True), final.to("cpu", copy=True)) for aux, final in out]
 
@@ -171,10 +175,14 @@ class VLLMInferenceWorker:
         )
 
     def describe(self) -> WorkerInfo:
-        """What the engine computes, read off its answer for a two-token row (whose shape `features` checks)."""
-        aux, final = self.engine.features([[1, 2]])[0]
+        """What the engine computes, read off its answer for a two-token row: the aux ids of the layers vLLM resolved
+        (its configuration in the engine's process, which the connector records with each answer), the width and
+        dtype of the states."""
+        answer = self.engine.answer([[1, 2]])[0]
+        ids = answer.layer_ids  # the aux ids, then the last layer (`final` is its output, normed here)
+        aux_ids = ids[:-1] if ids[-1:] == (self.engine.num_layers,) else ids
         device = "cuda" if self.spec.gpus > 0 else "cpu"
-        return WorkerInfo(self.kind, self.engine.aux_layer_ids, int(final.shape[1]), str(aux.dtype).removeprefix("torch."), device,
+        return WorkerInfo(self.kind, aux_ids, int(answer.states.shape[2]), str(answer.states.dtype).removeprefix("torch."), device,
                           **target_fingerprints(self.spec.target_dir))  # fmt: skip
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

