@@ -60,7 +60,7 @@ class DrafterConfig:
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
     # the attention kind (`eagle31.attention`); each kind's own fields (its `config_type`) are 0 for the others
-    attention: DrafterAttention = DrafterAttention.llama
+    attention: DrafterAttention = DrafterAttention.llama  # a recipe's choice; any name in eagle31.attention.KINDS
     mla: MLAConfig = field(default_factory=MLAConfig, metadata=OVERRIDE)  # the target's MLA shape unless set
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
     # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
@@ -92,7 +92,7 @@ class DrafterConfig:
     @property
     def kind(self) -> AttentionKind:
         """What this drafter's attention does differently (`eagle31.attention`)."""
-        return self.attention.kind
+        return KINDS[self.attention]
 
     @property
     def qk_head_dim(self) -> int:
@@ -209,7 +209,7 @@ class DrafterConfig:
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        kind = DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama)).kind
+        kind = KINDS[DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama))]
         # each kind's own fields, those set: the chosen kind's complete the target's shape, another's are refused
         given = {
             k.config_field: _set_fields(overrides.pop(k.config_field, None)) for k in KINDS.values() if k.config_field

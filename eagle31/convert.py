@@ -72,7 +72,7 @@ from typing import Any, Sequence
 import torch
 from safetensors import safe_open
 
-from eagle31.attention import DrafterAttention
+from eagle31.attention import KINDS, DrafterAttention
 from eagle31.config import DrafterConfig, default_aux_layer_ids, read_json_config
 from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
@@ -209,7 +209,7 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return None
-    unmarked = DrafterAttention.of_layer(meta).kind.unmarked_format  # MLA: TorchSpec's (module docstring)
+    unmarked = KINDS[DrafterAttention.of_layer(meta)].unmarked_format  # MLA: TorchSpec's (module docstring)
     if unmarked:
         return unmarked
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

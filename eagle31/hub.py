@@ -24,6 +24,7 @@ from typing import Any
 
 from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
+from eagle31.attention import KINDS
 from eagle31.config import read_json_config
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
@@ -184,7 +185,7 @@ def _num_speculative_tokens(config: dict[str, Any], layout: Layout, run: dict[st
 
 def _min_vllm(layout: Layout, drafter: dict[str, Any]) -> str:
     """The first vLLM release that serves the drafter as trained: its layout's, or its kind's for fc_norm when later."""
-    kind = drafter["attention"].kind
+    kind = KINDS[drafter["attention"]]
     return kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
 
 

@@ -8,9 +8,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch.nn.functional as F
 
 from eagle31.attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.attention.llama import LlamaAttention, LlamaAttentionKind, apply_rope
 from eagle31.config import DrafterConfig
+from eagle31.kernels.entries import KEYS_VALUES
+from eagle31.ttt import ttt_unroll
+from tests.helpers import random_batch, tiny_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "eagle31"
@@ -86,3 +91,55 @@ def test_a_comparison_with_a_kind_name_is_found_and_a_value_is_not():
     spelled = ['overrides = ["drafter.attention=mla"]', 'cfg = {"attention": "llama"}', 'x = {"mla": 1}["mla"]',
                'if kind == DrafterAttention.llama:\n    pass']  # fmt: skip
     assert not any(kind_name_comparisons(source) for source in spelled)
+
+
+# ---------------------------------------------------------------------------- a kind defined here alone
+
+
+class QKNormAttention(LlamaAttention):
+    """Llama attention with an RMSNorm on each head's query and key (as Qwen3's layer has): a toy kind's module."""
+
+    def __init__(self, config, rms_norm):
+        super().__init__(config)
+        self.q_norm = rms_norm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = rms_norm(config.head_dim, config.rms_norm_eps)
+
+    def query(self, z, cos, sin):
+        B, T, _ = z.shape
+        return apply_rope(self.q_norm(self.q_proj(z).view(B, T, self.num_heads, self.head_dim)), cos, sin)
+
+    def key_value(self, z, cos, sin, k_weight, v_weight):
+        B, T, _ = z.shape
+        k = self.k_norm(F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
+
+    def chain_keys_values(self):
+        return KEYS_VALUES  # each chain step keeps its keys and values
+
+
+class QKNormKind(LlamaAttentionKind):
+    name, label = "qk_norm", "a QK-norm drafter"
+    chain_keeps_input = False  # the chain keeps keys (remaking them from inputs would need k_norm's weight too)
+
+    def attention(self, config, rms_norm):
+        return QKNormAttention(config, rms_norm)
+
+
+def test_a_new_kind_is_its_class_and_its_line_in_kinds(monkeypatch):
+    """docs: CONTRIBUTING.md, "How to add": a kind defined and registered in this module alone (a recipe's choice
+    would also need its `DrafterAttention` member) builds a drafter whose memory-lean unroll is the reference's, its
+    own weights' gradients included."""
+    from tests.test_reference import DOCS, K, assert_same, logits_and_gradients
+
+    monkeypatch.setitem(KINDS, "qk_norm", QKNormKind())
+    drafter = tiny_drafter(seed=11, attention="qk_norm")
+    assert isinstance(drafter.midlayer.self_attn, QKNormAttention) and drafter.config.kind.name == "qk_norm"
+    aux, _, ids, _ = random_batch(drafter.config, 2, 15, seed=12)
+    expected = logits_and_gradients(drafter, lambda d: d.unroll(aux, ids, ttt_length=K, document_ids=DOCS).states)
+    assert "midlayer.self_attn.k_norm.weight" in expected[1]
+    for kernel in ("flash", "blockwise"):
+
+        def run(d, kernel=kernel):
+            return ttt_unroll(d, aux, ids, ttt_length=K, document_ids=DOCS, attention_kernel=kernel).states
+
+        assert_same(logits_and_gradients(drafter, run), expected)

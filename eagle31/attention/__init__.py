@@ -29,6 +29,8 @@ from eagle31.errors import ConfigError
 
 
 class DrafterAttention(StrEnum):
+    """The kinds a recipe spells (`drafter.attention`); `KINDS` holds each one's `AttentionKind`."""
+
     llama = "llama"
     mla = "mla"
 
@@ -37,20 +39,21 @@ class DrafterAttention(StrEnum):
         return KINDS[self]
 
     @classmethod
-    def parse(cls, value: Any) -> "DrafterAttention":
-        """`value` as a member; anything else is a one-line ConfigError naming `drafter.attention`."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"drafter.attention must be one of {[m.value for m in cls]}, got {value!r}") from None
+    def parse(cls, value: Any) -> str:
+        """`value` as the name of a kind in `KINDS` (a member for the built-in kinds); anything else is a one-line
+        ConfigError naming `drafter.attention`."""
+        if value not in KINDS:
+            raise ConfigError(f"drafter.attention must be one of {list(KINDS)}, got {value!r}")
+        return cls(value) if value in cls._value2member_map_ else str(value)
 
-    @classmethod
-    def of_layer(cls, layer: dict[str, Any]) -> "DrafterAttention":
+    @staticmethod
+    def of_layer(layer: dict[str, Any]) -> str:
         """The kind of a checkpoint's layer config: the first that recognises it, else Llama (vLLM's default layer)."""
-        return next((m for m in cls if m.kind.recognises(layer)), cls.llama)
+        return next((name for name, kind in KINDS.items() if kind.recognises(layer)), DrafterAttention.llama)
 
 
-KINDS: dict[DrafterAttention, AttentionKind] = {
+# every attention kind by its name; a new kind is its module and its line here (and its member above, for recipes)
+KINDS: dict[str, AttentionKind] = {
     DrafterAttention.llama: LlamaAttentionKind(),
     DrafterAttention.mla: MLAAttentionKind(),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from eagle31.attention import DrafterAttention
+from eagle31.attention import KINDS, DrafterAttention
 from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
 from eagle31.errors import ConfigError
 
@@ -180,7 +180,7 @@ def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
     if layer.get("num_hidden_layers", 1) != 1:
         raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
     attention = DrafterAttention.of_layer(layer)
-    parsed, values = attention.kind.read_layer(layer)
+    parsed, values = KINDS[attention].read_layer(layer)
     return dict(
         attention=attention,
         **values,

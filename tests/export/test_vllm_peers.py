@@ -175,7 +175,7 @@ def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
         if c.attention == "mla":
             assert got["model_type"] == "kimi_k2" and got["config_class"] == "DeepseekV3Config", case_id
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                assert f[name] == getattr(c, name), (case_id, name)
+                assert f[name] == getattr(c.mla, name), (case_id, name)
         assert f["max_position_embeddings"] >= case["max_len"], case_id
         assert got["attention_window"] == c.sliding_window, case_id  # the recipes' windows, or none
 
