@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class BenchConfig:
     ARG_NAMES = {"T": "seq_len", "ttt": "ttt_length", "ckpt": "activation_checkpointing"}
 
     @classmethod
-    def from_args(cls, argv: Sequence[str]) -> "BenchConfig":
+    def from_args(cls, argv: Sequence[str]) -> BenchConfig:
         """`key=value` arguments; `T`, `ttt` and `ckpt` abbreviate seq_len, ttt_length, activation_checkpointing."""
         known = {f.name: f for f in dataclasses.fields(cls) if f.name != "overrides"}
         names = {**{n: n for n in known}, **cls.ARG_NAMES}

@@ -94,7 +94,7 @@ class VLLMServer:
                 pass
         self.kill()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         self.start()
         return self
 

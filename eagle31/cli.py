@@ -26,9 +26,10 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from eagle31.errors import (
     ConfigError,

@@ -1,15 +1,5 @@
-"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2–§3).
-
-A drafter is one decoder layer whose attention input is `2H` wide (token
-embedding + feature), fed by a fused projection of `n` target hidden states.
-Its attention is one of the kinds of `eagle31.attention` (`drafter.attention`):
-Llama's q/k/v projections, served by vLLM's Llama EAGLE-3 layer, or DeepSeek's Multi-head
-Latent Attention, the published Kimi K2.6 drafter's, served by vLLM's DeepSeek EAGLE-3
-layer; what differs between them is the kind's (`DrafterConfig.kind`). The config is
-a plain dataclass, saved as the `eagle31` block of a drafter's `config.json`;
-`from_target_config` derives it from the target's HF config (Llama, Qwen3,
-DeepSeek-V3/Kimi, also nested under `text_config`).
-"""
+"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2-§3), saved in its
+`config.json`; `from_target_config` derives one from a target's HF config."""
 
 from __future__ import annotations
 
@@ -161,7 +151,7 @@ class DrafterConfig:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, **overrides: Any) -> "DrafterConfig":
+    def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
         """Derive a drafter for a target from its HF config (object or dict).
 
         Defaults: H, heads, kv heads, intermediate size, eps, rope and max

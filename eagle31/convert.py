@@ -66,8 +66,9 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open

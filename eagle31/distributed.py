@@ -25,10 +25,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
-    watch: "RankWatch | None" = field(default=None, compare=False, repr=False)
+    watch: RankWatch | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:

@@ -36,9 +36,10 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, InputError, OutputInUseError
 

@@ -1,32 +1,12 @@
-"""TTT loss and metrics (docs/design.md §4).
-
-Label of query (p, k): the target's distribution for token x[p+2+k], i.e.
-`softmax(target_lm_head(final[p+1+k]))` restricted to the draft vocabulary
-and renormalised. (p, k) is supervised iff p+2+k <= T-1, m[p+2+k] = 1, x[p+2+k]
-is in p's document, and — with `mask_out_of_vocab` — the target's argmax over
-its full vocabulary at p+1+k is a draft token.
-
-Loss: sum_k w^k * mean over the supervised (p, k) of the *global* batch of
-D(label, softmax(draft logits)), D chosen by `train.loss` (`Divergence`, default
-KL(label || draft)). A micro-batch returns per-step sums and counts
-(`StepStats`); the trainer all-reduces the counts and divides.
-
-lm_head + loss of all K steps run in one autograd function (`FusedDraftLoss`), in
-chunks of label positions: each label distribution is computed once and serves
-the up-to-K queries it labels, and the gradients are formed in the same pass.
-The loss is a weighted sum whose weights `w^k / global_count_k` are known before
-the forward (the trainer all-reduces the supervised counts first), so the draft
-lm_head gradient is one fp32 accumulator of every step's weighted contribution.
-No [T, Vd] tensor is kept; what waits for backward is d loss / d state per
-supervised query and that one d loss / d lm_head.
-"""
+"""The TTT loss and metrics (docs/design.md §4): supervision, labels from the target's lm_head, the losses
+(`train.loss`), and lm_head + loss of all K steps in chunks (`FusedDraftLoss`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable
 
 import torch
 

@@ -15,9 +15,9 @@ tests/test_reference.py holds each of them to this file.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

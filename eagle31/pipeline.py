@@ -1,34 +1,8 @@
-"""One run of a recipe, end to end: plan → prepare → features → drafter → train → export → evaluate → report.
+"""One run of a recipe, end to end: plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report.
 
-`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function
-each. Everything that can be checked without building a model is checked first
-(`eagle31.plan.plan_run`), so bad input fails in seconds with one line; `dry_run=true`
-stops there and prints parameter counts and a per-GPU memory estimate. The data steps
-are the ones `data_prep/prepare.py` and `data_prep/capture.py` run
-(`eagle31.data.prepare`, `eagle31.data.capture`); with `features.mode=engine` the features come
-from inference workers on Ray instead (`eagle31.engine`, docs/engine.md), which live until training ends.
-
-The run directory (`output_dir`, default `runs/<recipe>`), described here and nowhere else:
-
-    config.yaml          the resolved config (credentials masked by what they are, every setting kept)
-    data/                prepared conversations: train/, eval/, vocab.safetensors, report.json
-                         (unless data.prepared_dir points elsewhere)
-    features/            the shard store, train/ and eval/ (features.mode=store; online and engine write none)
-    metrics.jsonl        one line per logged step: loss, acc_k, cond_acc_k, tau_sim, lr, grad norm, tokens/s
-    checkpoints/         step_XXXXXXXX/ (torch.distributed.checkpoint), keep-last-N
-    drafter/             the trained drafter, native format (config.json + model.safetensors)
-    export/<format>/     vLLM layouts: export/eagle3/ (EAGLE-3 HF layout), export/speculators/
-    acceptance/          real speculative decoding: acceptance.json, .md, .png (eval.enabled)
-    report.json          held-out tau_sim, acc per step, tokens seen, wall time, tokens/s, acceptance
-    wandb/               offline wandb run (logging.wandb.mode=offline|online|disabled)
-
-The run directory is owned and locked: a folder that is neither empty nor this run's own (a
-run's marker, or only the data/, regenerated/ and features/ parts its data_prep steps wrote there)
-is refused (`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
-second run on the same `output_dir` stops with one line naming the holder. `config.yaml`,
-the run's identity, is written only once training starts: a run stopped by a check
-(say, data in which nothing is supervised) leaves nothing that blocks its corrected rerun.
-"""
+`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each. Everything that can be
+checked without a model is checked first (`eagle31.plan.plan_run`). The run directory it writes, owns and locks:
+docs/training.md, "The run directory"."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eagle31.errors import StoppedAtOnce, report_to_launcher
 
@@ -66,7 +66,7 @@ class StopSignals:
     def requested(self) -> bool:
         return self.received is not None
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers belong to the main thread; a loop run elsewhere is not preemptible
         self._read, self._write = os.pipe()

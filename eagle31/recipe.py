@@ -1,17 +1,6 @@
-"""Typed run configuration: one dataclass per component, composed by Hydra.
-
-`recipes/config.yaml` starts from `RunConfig` (registered as the structured
-schema `eagle31_schema`), and `recipes/recipe/<name>.yaml` overrides it. Every
-CLI (`train/main.py`, `data_prep/*.py`, `scripts/*.py`) reads the same tree, so
-one recipe describes the target, the data and the drafter for all steps.
-
-Every choice is an enum, so composition itself refuses an unknown field, a
-value of the wrong type or a value outside a choice, with one line naming the
-field; the steps that read the config do not check choices again.
-
-One module, though long: it is the one schema Hydra registers, a dataclass and its enums per section,
-so a recipe's every field is read in one place.
-"""
+"""The run configuration Hydra composes: `RunConfig`, made of each component's own section (a dataclass beside the
+code that reads it) and the sections that only compose; `load_recipe` composes `recipes/config.yaml`, a recipe and
+overrides, refusing an unknown field or choice in one line."""
 
 from __future__ import annotations
 
@@ -19,10 +8,11 @@ import dataclasses
 import re
 import textwrap
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from eagle31.checkpoint import Resume
 from eagle31.config import DrafterConfig

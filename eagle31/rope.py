@@ -28,7 +28,8 @@ target's yarn block, so that a Llama drafter's rope means the same in every rele
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -39,10 +39,11 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -327,7 +328,7 @@ class TargetFeatures:
         self._aux: list[torch.Tensor | None] = [None] * len(self._layers)
         self._final: torch.Tensor | None = None
 
-    def __enter__(self) -> "TargetFeatures":
+    def __enter__(self) -> TargetFeatures:
         for slot, layer in enumerate(self._layers):
             hook = partial(self._on_layer_input, slot)
             self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))

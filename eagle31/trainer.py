@@ -1,25 +1,16 @@
-"""The training loop (torchtitan-style): batch → TTT unroll + loss → backward → clip → step → log.
+"""The training loop (torchtitan-style): batch -> TTT unroll + loss -> backward -> clip -> step -> log.
 
-One `train_step` takes `grad_accum` micro-batches. Before any forward it
-computes, without gradients, which queries each micro-batch supervises (the
-target's argmax decides `mask_out_of_vocab`) and all-reduces the per-step
-counts, so every micro-batch divides by the *global* count (docs/design.md §4): the
-loss and its gradients do not depend on world size or accumulation.
-
-On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master
-weights and gradient reduction); on CPU one process runs it plain, several
-processes shard it over gloo. With `train.sequence_parallel` each sequence is split over the
-ranks of a sequence group (`eagle31.sequence_parallel`); FSDP2 still shards over the whole world.
-"""
+Before any forward, a step counts each micro-batch's supervised queries and all-reduces the counts, so the loss is
+the mean over the global batch (docs/design.md §4). FSDP2 on GPU or across processes; one CPU process runs plain."""
 
 from __future__ import annotations
 
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn

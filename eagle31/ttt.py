@@ -1,13 +1,5 @@
-"""The memory-lean training-time-test unroll: what `Eagle31Drafter.unroll` computes (eagle31/model.py, the spec),
-in memory linear in T (docs/design.md §4; tests/test_reference.py holds it to the spec).
-
-The attention runs through `eagle31.kernels` (a causal kernel over the step-0 keys plus each query's chain,
-merged by log-sum-exp), which makes keys and values of what a step keeps for the later ones, its entry:
-step 0's keys and values (Llama) or latents (MLA); for a later step its input (Llama: feature, token ids,
-positions, which the unroll keeps anyway) or its latents (MLA). With `activation_checkpointing` each step
-keeps only its input and entry and is recomputed in backward, its MLP block and read-out again in chunks
-of token rows, so a step's backward holds one chunk of MLP activations.
-"""
+"""The memory-lean training-time-test unroll: `Eagle31Drafter.unroll` (eagle31/model.py, the spec) in memory
+linear in T (docs/design.md §4), held to the spec by tests/test_reference.py."""
 
 from __future__ import annotations
 

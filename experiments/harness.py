@@ -23,9 +23,9 @@ import hashlib
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.errors import ConfigError

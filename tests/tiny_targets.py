@@ -51,7 +51,9 @@ def save_chat_target(path: Path, tokenizer, seed: int = 0, **shape) -> Path:
     return path
 
 
-VLLM_CPU_LLAMA = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # vLLM CPU: head_dim 32
+VLLM_CPU_LLAMA = dict(
+    hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32
+)  # vLLM CPU: head_dim 32
 
 
 def tiny_deepseek_v3(seed: int = 0):

@@ -1,21 +1,6 @@
-"""The drafter's attention kinds (`drafter.attention`): what differs between them lives on each kind's class.
-
-`DrafterAttention` is the choice a recipe spells; `DrafterAttention.<name>.kind` is its `AttentionKind`,
-which the rest of eagle31 asks instead of comparing names:
-
-    config      its own fields, their checks, what it takes from the target    eagle31.config
-    rope        how the supported vLLM releases read its rope block             eagle31.rope (ambiguity)
-    estimate    its parameter count and the memory terms that differ            eagle31.estimate
-    export      its layer's fields and the architecture vLLM serves it with     eagle31.layouts
-    convert     recognising and reading its checkpoints, ours and others'       eagle31.convert
-
-    llama       q/k/v projections: vLLM's Llama EAGLE-3 layer                    attention/llama.py
-    mla         DeepSeek's Multi-head Latent Attention: vLLM's Eagle3DeepseekV2ForCausalLM
-                (the published Kimi K2.6 drafter)                                attention/mla.py
-
-A new kind is a module here with its `AttentionKind`, a member below, and its own fields on
-`DrafterConfig` (docs/architecture.md, "How to add").
-"""
+"""The drafter's attention kinds (`drafter.attention`): Llama's q/k/v (llama.py) and DeepSeek's MLA (mla.py).
+What differs between them lives on each kind's `AttentionKind`, which the rest of eagle31 asks instead of comparing
+names; a new kind is its module and its line in `KINDS` (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it.
-
-Each group of methods names the module that calls it; sizes are per token, `c` the compute dtype's bytes.
-Every other line of eagle31 is the same for all kinds.
-
-The attention module a kind builds (`attention`) is what the drafter's step calls:
-
-    query_entry(z, cos, sin)   z [B, T, 2H] -> q [B, T, nh, d] (rope applied) and the step's entry (a tuple)
-    keys_values(*entry)        the entry -> k, v [*, nkv, d] for the kernels (one head dim for q, k, v)
-    output(attn)               attn [B, T, nh, d] -> o_proj's output [B, T, H]
-    step0_keys_values()        how the TTT attention makes the causal keys and values of the step-0 entry
-    chain_keys_values()        how it makes those of the chain's entries (a kind not `chain_keeps_input`)
-    query(z, cos, sin), key_value(z, cos, sin, k_weight, v_weight)   q alone; k, v with given weights
-                               (a kind that `chain_keeps_input`: the drafter remakes them from the input)
-"""
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it
+(each group of methods names its caller). The module a kind builds (`attention`) is what the drafter's layer calls:
+`qkv(z, cos, sin)` (the reference), `query`, `query_entry`, `keys_values`, `step0_keys_values`, `chain_keys_values`
+(the memory-lean unroll's entries) and `output`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input, vLLM's Llama EAGLE-3 layer.
-
-Its rope is vLLM's `get_rope` for the layer (`eagle31.rope`), Llama's rotate-half convention. The TTT chain
-keeps each step's input (feature, token ids, positions), which the unroll keeps anyway, and makes keys and
-values of it a block of tokens at a time (`eagle31.model.Eagle31Drafter.chain_keys_values`); step 0's keys
-and values are its entry. `LlamaAttentionKind` carries what the rest of eagle31 asks of this kind.
-"""
+"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input and vLLM's rope for the
+layer (`eagle31.rope`), as vLLM's `LlamaForCausalLMEagle3` computes them."""
 
 from __future__ import annotations
 

@@ -1,40 +1,6 @@
-"""Multi-head Latent Attention (`drafter.attention=mla`): the published Kimi K2.6 drafter's attention.
-
-DeepSeek-V2/V3's attention with the EAGLE-3 twist that its projections read the
-2H-wide input `z = concat(input_layernorm(emb), hidden_norm(h))`. vLLM serves it
-with `Eagle3DeepseekV2ForCausalLM`; this module computes what that layer computes
-from the exported config (parameter names are DeepSeek's, so export is a rename):
-
-    c_q         = q_a_layernorm(q_a_proj(z))                 [*, q_lora_rank]
-    q           = q_b_proj(c_q)                              [*, nh, nope + rope]
-    c_kv, k_pe  = kv_a_proj_with_mqa(z)                      [*, kv_lora_rank], [*, rope]
-    k_nope, v   = kv_b_proj(kv_a_layernorm(c_kv))            [*, nh, nope], [*, nh, v_head_dim]
-    k           = concat(k_nope, rope(k_pe) shared by every head)
-    out         = o_proj(softmax(q·k * scale) v)
-
-The rope acts on the last `qk_rope_head_dim` dims of q and k with interleaved
-pairs (dims 2i, 2i+1: vLLM's `is_neox_style=False`). It is DeepSeek YaRN
-(`DeepseekRotaryEmbedding`), and the softmax scale is `qk_head_dim^-0.5 * m^2`
-with `m = yarn_mscale(factor, mscale_all_dim)`, DeepSeek's correction for the
-YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
-`fused_qkv_a_proj` at load time; checkpoints keep them apart.
-
-The TTT attention kernels (`eagle31.kernels`) take one head dim for q, k and v
-and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
-zero columns up to the q·k head dim: zero value columns give zero output columns,
-which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
-only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
-decompresses keys and values where it attends: the step-0 keys inside the attention,
-in its forward and again in its backward (never saved between them), the chain's a
-block of tokens at a time (`eagle31.kernels.entries.ChainKeysValues`), so
-neither decompressed nor padded values are stored across steps.
-
-`MLAAttentionKind` carries what the rest of eagle31 asks of this kind (`eagle31.attention`).
-Exported, it is vLLM's DeepSeek EAGLE-3 layer (`Eagle3DeepseekV2ForCausalLM`, model type `kimi_k2`:
-docs/export.md says why) in the EAGLE-3 HF layout only; a checkpoint with that architecture under
-either registry name, or with `kv_lora_rank`, is read as one, and one eagle31 did not write is
-TorchSpec's (the published Kimi MLA drafters, e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`).
-"""
+"""Multi-head Latent Attention (`drafter.attention=mla`), the published Kimi K2.6 drafter's: DeepSeek's attention
+reading the EAGLE-3 layer's 2H-wide input, as vLLM's `Eagle3DeepseekV2ForCausalLM` computes it (docs/design.md §3).
+The memory-lean unroll keeps its latents and decompresses keys and values where it attends."""
 
 from __future__ import annotations
 

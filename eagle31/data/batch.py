@@ -18,8 +18,9 @@ Two layouts, built from per-sample `Sample`s (see `eagle31.data.loader`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -65,7 +66,7 @@ class FeatureBatch:
         if self.num_samples < 0:  # rows number their documents 0..n-1, so n = max + 1
             self.num_samples = int((self.document_ids.max(dim=1).values + 1).sum())
 
-    def to(self, device, dtype: torch.dtype | None = None) -> "FeatureBatch":
+    def to(self, device, dtype: torch.dtype | None = None) -> FeatureBatch:
         """Move to `device`; `dtype` (if given) applies to the features `aux` and `final` only."""
         moved = {}
         for f in fields(self):

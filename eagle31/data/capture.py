@@ -12,10 +12,10 @@ over a prepared split shard by shard into a `StoreWriter`;
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn

@@ -50,8 +50,9 @@ K2.6's `preserve_thinking`/`thinking` or Qwen3's `enable_thinking`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from eagle31.data.sources import Conversation
 from eagle31.errors import ConfigError

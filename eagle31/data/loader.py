@@ -33,8 +33,9 @@ order end with the same record, whatever computed their features.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -11,7 +11,7 @@ conversations regenerated under different chat-template options (a group ends ea
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from eagle31.data.sources import Conversation
 

@@ -12,7 +12,7 @@ For targets that fit beside the drafter on each rank; use the store otherwise.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from torch import nn

@@ -46,10 +46,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import save_file

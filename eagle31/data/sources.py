@@ -35,9 +35,10 @@ or dataset. `DataError` is raised only when the input cannot be used at all.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eagle31.errors import ConfigError
 

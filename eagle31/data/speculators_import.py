@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -55,10 +55,11 @@ import json
 import re
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -240,7 +241,7 @@ class StoreWriter:
         features: Any,
         *,
         fingerprint: str,
-    ) -> "StoreWriter":
+    ) -> StoreWriter:
         """The writer for capturing a prepared split; `target` / `features` are the recipe's sections."""
         L, Ht = target_shape(target_config)
         header = StoreHeader(

@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

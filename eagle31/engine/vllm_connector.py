@@ -56,7 +56,7 @@ class HiddenStatesMetadata(KVConnectorMetadata):
     finished: list[FinishedRequest] = field(default_factory=list)
 
 
-def hidden_states_group(kv_cache_config: "KVCacheConfig | None") -> int:
+def hidden_states_group(kv_cache_config: KVCacheConfig | None) -> int:
     """The KV cache group of the cache-only layer: its own group beside the target's attention, or the only group
     (vLLM's CPU build puts every layer in one)."""
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
@@ -75,7 +75,7 @@ def hidden_states_group(kv_cache_config: "KVCacheConfig | None") -> int:
 class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
     """Writes each finished request's captured hidden states to `<hidden_states_dir>/<request id>.safetensors`."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.speculative_config is None or vllm_config.speculative_config.method != "extract_hidden_states":
             raise ValueError("HiddenStatesToFiles needs speculative_config.method='extract_hidden_states'")
@@ -148,10 +148,10 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -159,7 +159,7 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         self._finished = []
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker has written them; the reply names the file."""
         if request.prompt_token_ids is None or not block_ids:
             return False, None
@@ -168,12 +168,12 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         return True, {"hidden_states_path": path}
 
     def request_finished_all_groups(
-        self, request: "Request", block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self.group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self.group])
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None

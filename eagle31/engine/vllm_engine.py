@@ -33,9 +33,10 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open

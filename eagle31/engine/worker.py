@@ -20,9 +20,10 @@ the same kinds outside Ray to fill the shard store.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -55,7 +56,7 @@ class WorkerSpec:
     vllm_args: dict = field(default_factory=dict)  # features.engine.vllm_args
 
     @classmethod
-    def from_recipe(cls, cfg, target_dir, aux_layer_ids: Sequence[int]) -> "WorkerSpec":
+    def from_recipe(cls, cfg, target_dir, aux_layer_ids: Sequence[int]) -> WorkerSpec:
         e = cfg.features.engine
         return cls(
             target_dir=str(target_dir),

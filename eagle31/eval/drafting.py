@@ -71,7 +71,7 @@ class DraftTree:
     parents: torch.Tensor
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor) -> "DraftTree":
+    def chain(cls, tokens: torch.Tensor) -> DraftTree:
         return cls(tokens, torch.arange(tokens.numel(), device=tokens.device) - 1)
 
     def __len__(self) -> int:

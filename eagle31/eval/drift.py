@@ -52,9 +52,10 @@ arguments of `scripts/diagnose_drift.py`; `run_drift` loads everything and retur
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -27,9 +27,10 @@ counted. Output under `out`: `mt_bench.json` (settings and every result), `mt_be
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

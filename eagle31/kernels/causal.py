@@ -1,27 +1,13 @@
-"""The causal part of the TTT attention: each query over the step-0 keys of its document that the visibility
-rule (`eagle31.model.Visibility`) lets it see.
-
-Kernels (`resolve_backend` picks one for `auto`), each with the same two calls:
-
-    forward(q, k, v, segments, scale, mask) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
-    backward(dout, q, k, v, out, lse, segments, scale, ctx, mask) -> dq, dk, dv in q's dtype
-        (backward's out and lse are the *merged* ones, `eagle31.kernels.ttt_attention`)
-
-`mask` is the rule at one TTT step (`CausalMask`): its elementwise mask where a kernel masks scores, and the
-band it derives from the rule (`CausalMask.reach`) where a kernel skips blocks or takes a window argument.
-
-* `FlashCausal` - PyTorch's fused flash-attention ops: on CUDA one varlen call over the packed documents,
-  on CPU one call per document (the faster CPU path); a rule that is a band of earlier positions only;
-* `BlockwiseCausal` - pure PyTorch, any device, dtype and rule, query blocks of bounded size.
-
-q [B, T, nh, d]; k, v [B, T, nkv, d]; segments [B, T] the document runs (`eagle31.model.segment_ids`).
-"""
+"""The causal part of the TTT attention: each query over the step-0 keys of its document that the visibility rule
+shows it (docs/design.md §4). Each kernel has `forward(q, k, v, segments, scale, mask) -> (out fp32, lse fp32, ctx)`
+and `backward(dout, q, k, v, out, lse, segments, scale, ctx, mask) -> dq, dk, dv`, the backward's out and lse the
+merged ones; q [B, T, nh, d], k, v [B, T, nkv, d], segments [B, T] document runs."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

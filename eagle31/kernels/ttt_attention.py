@@ -1,18 +1,6 @@
-"""The memory-lean attention of one TTT step: what `eagle31.model.explicit_attention` computes over the keys the
-visibility rule (`eagle31.model.Visibility`) gives a query, in memory O(T) (docs/design.md §4).
-
-Query (p, k) sees step-0 keys of its document (the causal part) and its own chain (p, 1..k). A causal kernel
-(`eagle31.kernels.causal`; on a sequence shard wrapped in `eagle31.sequence_parallel.query_tail.QueryTail`)
-returns the causal part with its log-sum-exp (LSE); the chain's scores are added and merged by LSE; the
-backward calls the kernel's backward with the *merged* output and LSE (the flash-attention identity), then
-adds the chain's gradients. No T x T or T x (K*T) tensor is built.
-
-Layouts: q [B, T, nh, d]; the step-0 entry (`entries`) over Tk >= T positions (Tk > T on a shard: the
-queries are the last T); chain: the j entries of steps 1..j (empty at step 0), each what that step keeps
-(Llama: its input; MLA: its latents), a sequence rather than one stacked tensor so the unroll shares each
-step's entry between later steps (O(K) memory, not O(K^2)); the chain is attended a block of token rows at
-a time, its keys and values made per block. segments [B, Tk] document runs.
-"""
+"""One TTT step's attention in memory O(T): a causal kernel over the step-0 keys, plus each query's chain, merged
+by log-sum-exp (docs/design.md §4). q [B, T, nh, d]; the step-0 entry over Tk >= T positions (Tk > T on a sequence
+shard: the queries are the last T); chain: the entries of steps 1..j, each what that step keeps."""
 
 from __future__ import annotations
 
@@ -76,9 +64,8 @@ def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
 
 
 def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx, mask):
-    """The causal kernel's backward over the whole sequence's step-0 keys: (dq, the step-0 entry's gradients,
-    its parameters'). The keys and values are made again (a graph unless they are the entry), and their
-    gradients turned into the entry's at once: the decompressed keys go before the chain blocks run."""
+    """(dq, the step-0 entry's gradients, its parameters'): the causal kernel's backward over keys made again from
+    the entry, their gradients turned into the entry's before the chain blocks run."""
     with torch.enable_grad():
         inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
         leaves0 = [p.detach().requires_grad_() for p in params0]
@@ -92,27 +79,23 @@ def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segmen
     return dq, d_entry0, [next(grads0) for _ in leaves0]
 
 
-class _TTTAttention(torch.autograd.Function):
-    """Causal kernel + chain keys merged by log-sum-exp.
+def _split(rest, expand0: ChainKeysValues, expand: ChainKeysValues, j: int):
+    """`_TTTAttention`'s flat inputs -> (the step-0 entry, the j chain entries, their parameters: step 0's, the chain's)."""
+    w0, w, n0 = expand0.width, expand.width, len(expand0.params)
+    entries = [rest[w0 + i * w : w0 + (i + 1) * w] for i in range(j)]
+    return rest[:w0], entries, rest[w0 + j * w : w0 + j * w + n0], rest[w0 + j * w + n0 :]
 
-    Inputs (q, segments, kernel, mask, expand0, expand, j, *entry0, *entries, *expand0.params,
-    *expand.params): mask the visibility rule at step j (`CausalMask`);
-    entry0 the `expand0.width` tensors of step 0 (its keys and values, made by `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
-    after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
-    are not saved: backward makes them again for the causal kernel's backward and turns their
-    gradients into the entry's (and the parameters') before the chain blocks run. On a sequence
-    shard (`QueryTail`) they are made a block of positions at a time (`StepZeroKeys`), in both.
-    """
+
+class _TTTAttention(torch.autograd.Function):
+    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, segments, kernel, mask, expand0, expand, j,
+    *entry0, *entries, *expand0.params, *expand.params). Keys and values made of entries are never saved: the
+    backward makes them again (on a shard a block of positions at a time, `StepZeroKeys`)."""
 
     @staticmethod
     def forward(ctx, q, segments, kernel, mask, expand0, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
-        w0 = expand0.width
-        entry0 = rest[:w0]
-        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
-        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
-        params = rest[w0 + j * expand.width + len(expand0.params) :]
+        entry0, entries, params0, params = _split(rest, expand0, expand, j)
         scale = 1.0 / math.sqrt(d)
         if isinstance(kernel, QueryTail):  # a shard: the keys before it are made a block at a time
             keys0 = StepZeroKeys(entry0, expand0, params0)
@@ -136,16 +119,8 @@ class _TTTAttention(torch.autograd.Function):
                 lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
         ctx.save_for_backward(q, segments, out, lse, *rest)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = (
-            kernel,
-            kctx,
-            scale,
-            j,
-            expand0,
-            expand,
-            nkv,
-        )
-        ctx.mask = mask
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.nkv, ctx.mask = kernel, kctx, scale, j, nkv, mask
+        ctx.expand0, ctx.expand = expand0, expand
         return out
 
     @staticmethod
@@ -156,11 +131,7 @@ class _TTTAttention(torch.autograd.Function):
         nkv = ctx.nkv
         g = nh // nkv
         j, expand0, expand = ctx.j, ctx.expand0, ctx.expand
-        w0 = expand0.width
-        entry0 = rest[:w0]
-        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
-        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
-        params = rest[w0 + j * expand.width + len(expand0.params) :]
+        entry0, entries, params0, params = _split(rest, expand0, expand, j)
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         if isinstance(ctx.kernel, QueryTail):
             keys0 = StepZeroKeys(entry0, expand0, params0)
@@ -168,24 +139,10 @@ class _TTTAttention(torch.autograd.Function):
                 dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.mask
             )
         else:
-            causal = (
-                ctx.kernel,
-                dout,
-                q,
-                entry0,
-                expand0,
-                params0,
-                out,
-                lse,
-                segments,
-                ctx.scale,
-                ctx.kctx,
-                ctx.mask,
-            )
-            dq, d_entry0, d_params0 = _causal_backward(*causal)
+            kernel_args = (out, lse, segments, ctx.scale, ctx.kctx, ctx.mask)
+            dq, d_entry0, d_params0 = _causal_backward(ctx.kernel, dout, q, entry0, expand0, params0, *kernel_args)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
-        chain_parts = rest[w0 : w0 + j * expand.width]
-        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for t in chain_parts]
+        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for e in entries for t in e]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
             dq = dq.reshape(B * T, nkv, g, d)

@@ -1,9 +1,5 @@
-"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions.
-
-Sequence parallelism (this package, `eagle31.sequence_parallel`) gives each rank a contiguous shard of a sequence's
-positions and all-gathers the step-0 entries before it; `QueryTail` attends them, made a block at a
-time by `StepZeroKeys`, so the keys before a shard never exist whole.
-"""
+"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions, the keys before the
+shard made a block at a time from the gathered step-0 entry (docs/design.md §4, sequence parallelism)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.regenerate.core import (

@@ -4,9 +4,10 @@ conversation answered again turn by turn (`regenerate_conversation`)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any
 
 from eagle31.data.sources import Conversation
 from eagle31.data.system_prompts import draw_for_conversation, draw_system_prompt

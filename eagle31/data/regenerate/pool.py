@@ -6,9 +6,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
-from typing import Callable, Iterable
 
 from eagle31.data.regenerate.core import (
     Outcome,
