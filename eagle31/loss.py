@@ -197,17 +197,9 @@ def ttt_loss(
     step_scale: torch.Tensor,
     loss: Divergence = Divergence(),
 ) -> StepStats:
-    """Loss sums and accuracy counts of one micro-batch.
-
-    states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
-    final [B, Tf, Ht] (Tf >= T: a sequence shard's rows and its halo); supervised [K, B, T];
-    target_argmax [B, Tf] full-vocab ids;
-    step_scale [K]: the weights the loss sums will get, `step_scales(...)` of the
-    global counts. The gradients of `loss_sum` are formed for a loss proportional
-    to `sum_k step_scale[k] * loss_sum[k]` (`weighted_loss`); any other use of
-    them is refused in backward.
-    loss: what each supervised query minimises.
-    """
+    """Loss sums and accuracy counts of one micro-batch: states per step [B, T, H], final [B, Tf, Ht] (Tf > T on a
+    shard: its halo), supervised [K, B, T], target_argmax [B, Tf]; step_scale [K] the weights the sums get in the
+    loss (`step_scales` of the global counts): only a loss proportional to `weighted_loss` may be differentiated."""
     K = len(states)
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
@@ -286,23 +278,12 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 
 class FusedDraftLoss(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)).
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax.
 
-    Inputs (W, f, Wt, queries, labels, scale, grads, divergence, *h): W [Vd, H] the draft lm_head;
-    f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
-    per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
-    ascending rows of f that label them; scale [K] float64 the weight each step's sum
-    gets in the loss; `grads`: form the gradients (False under no_grad); `divergence`:
-    the `Divergence` D (KL by default).
-    Returns (loss sums [K], draft argmax of every query, steps concatenated).
-
-    One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and d D / d logits by autograd on that chunk alone
-    (`loss_and_gradient`), so dh and dW are formed right there.
-    dW is one fp32 accumulator of `sum_k scale[k] * dW_k`; backward multiplies it by
-    the one factor `grad_loss[k] / scale[k]` shared by every step (and refuses a
-    gradient that is not of that form). No logits are recomputed. Memory: O(chunk * Vd)
-    working set, plus dh [P_k, H] per step and one dW [Vd, H] (fp32) until backward.
+    Inputs (W [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries, labels:
+    per step the ascending rows of h[k] [N, H] and of f that label them, scale [K] the loss's step weights, grads,
+    divergence, *h). One pass over chunks of label rows forms dh and dW right there (autograd on each chunk's
+    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other.
     """
 
     @staticmethod

@@ -11,22 +11,10 @@ from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_val
 
 
 class QueryTail:
-    """A causal kernel whose queries are the last Tq of Tk key positions (sequence parallelism).
-
-    q [B, Tq, nh, d] sits at key positions Tk - Tq .. Tk - 1 (this rank's shard; the keys are every
-    position up to its end, given as the step-0 entry they are made of, `StepZeroKeys`). The causal
-    part is the wrapped kernel on the shard's own keys (a square, as without sharding); a document
-    that starts before the shard adds, for its queries, the keys of its earlier positions, attended
-    densely (no mask: they all precede every query) a block of `prefix_block` key positions at a
-    time, each block by blocks of query rows, and merged by LSE. Only the first run of each row can
-    reach before the shard, so the dense part is at most one run of keys per row of the batch. An
-    earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
-    in the forward and again in the backward: the keys before the shard never exist whole.
-
-    The visibility rule (`CausalMask`) masks a key block's scores; where it is a band of W positions
-    (a sliding window) the dense part stops at the earliest key any query can see, its rows at the last
-    query that sees one before the shard.
-    """
+    """A causal kernel whose queries q [B, Tq, nh, d] are the last Tq of Tk key positions (a shard). The wrapped kernel
+    attends the shard's own keys; the one document per row that began earlier adds its earlier keys, made from the
+    step-0 entry a block of `prefix_block` positions at a time (forward and backward), masked by the rule and merged
+    by log-sum-exp; with a band rule only the blocks and rows that can see each other are visited."""
 
     def __init__(self, kernel):
         self.kernel = kernel
