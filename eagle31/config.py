@@ -62,11 +62,10 @@ class DrafterConfig:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         self.target_architectures = tuple(self.target_architectures)
         self.rope_parameters = dict(self.rope_parameters)
-        self.attention = DrafterAttention.parse(self.attention)
+        self.attention = DrafterAttention.parse(self.attention)  # type: ignore[assignment]  # a registered kind's name
         for kind in KINDS.values():  # a kind's fields given as a dict (a config file, a recipe)
-            value = getattr(self, kind.config_field) if kind.config_field else None
-            if isinstance(value, dict):
-                setattr(self, kind.config_field, kind.config_type(**value))
+            if kind.config_field and isinstance(value := getattr(self, kind.config_field), dict):
+                setattr(self, kind.config_field, kind.own_config(value))
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -212,7 +211,8 @@ class DrafterConfig:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
-                f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"
+                f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's "
+                f"hidden_size={hidden}"
             )
         return cls(**values)
 
@@ -230,7 +230,7 @@ class DrafterConfig:
         d = dict(d)
         for kind in KINDS.values():  # a config written before the kind's fields had their own block
             flat = {name: d.pop(name) for name in kind.fields() if name in d}
-            if flat:
+            if flat and kind.config_field:
                 d[kind.config_field] = {**flat, **(d.get(kind.config_field) or {})}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
@@ -309,7 +309,8 @@ def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
 
 def _set_fields(value: Any) -> dict[str, Any]:
     """The fields of a kind's config (a dataclass, a dict or None) that are set: neither None nor 0."""
-    fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value or {})
+    is_instance = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    fields = dataclasses.asdict(value) if is_instance else dict(value or {})
     return {k: v for k, v in fields.items() if v}
 
 

@@ -244,7 +244,8 @@ class Eagle31Drafter(nn.Module):
         for name, weight in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
                 raise ConfigError(
-                    f"target {name} has shape {tuple(weight.shape)}, drafter expects ({cfg.vocab_size}, {cfg.hidden_size})"
+                    f"target {name} has shape {tuple(weight.shape)}, drafter expects "
+                    f"({cfg.vocab_size}, {cfg.hidden_size})"
                 )
         self.set_vocab(d2t, t2d)
         self.embed_tokens.weight.copy_(embed_weight)

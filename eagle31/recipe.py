@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import textwrap
+import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from eagle31.data.store import StoreDtype
 from eagle31.distributed import Device
 from eagle31.engine.worker import EngineWorker
 from eagle31.errors import ConfigError
-from eagle31.layouts import DrafterFormat, ExportFormat
+from eagle31.layouts import AUTO, DrafterFormat, ExportFormat
 from eagle31.metrics_log import WandbMode
 from eagle31.target import Dtype
 from eagle31.targets import TargetConfig
@@ -67,7 +68,7 @@ class RegenerateConfig:
 
 @dataclass
 class EngineConfig:
-    """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a bounded pool (docs/engine.md)."""
+    """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a pool (docs/engine.md)."""
 
     workers: int = 1  # inference workers, each holding a copy of the target
     worker: EngineWorker = EngineWorker.hf
@@ -122,8 +123,10 @@ def drafter_section(config: type = DrafterConfig) -> type:
             continue
         hint = hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
-            hint = list[typing.get_args(hint)[0]]
-        if dataclasses.is_dataclass(hint):  # an attention kind's own fields, each the target's unless set
+            hint = types.GenericAlias(list, typing.get_args(hint)[:1])
+        if isinstance(hint, type) and dataclasses.is_dataclass(
+            hint
+        ):  # a kind's own fields, each the target's unless set
             own = [
                 (g.name, Optional[typing.get_type_hints(hint)[g.name]], field(default=None))
                 for g in dataclasses.fields(hint)
@@ -137,7 +140,7 @@ def drafter_section(config: type = DrafterConfig) -> type:
             fields.append((f.name, hint, field(default=f.default)))
     fields += [
         ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
-        ("init_from_format", DrafterFormat, field(default=DrafterFormat.auto)),
+        ("init_from_format", DrafterFormat, field(default=DrafterFormat(AUTO))),
         ("upgrade_to_eagle31", bool, field(default=False)),  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
     ]
     section = dataclasses.make_dataclass("DrafterSection", fields, namespace={"__doc__": drafter_section.__doc__})
@@ -205,7 +208,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    drafter: DrafterSection = field(default_factory=DrafterSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)  # type: ignore[valid-type]  # made at import
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -213,7 +216,7 @@ class RunConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
 
-def register_schema(recipes_dir: str | None = None) -> None:
+def register_schema(recipes_dir: str | Path | None = None) -> None:
     """Register `RunConfig` with Hydra's ConfigStore (called by the CLIs).
 
     `recipes_dir` backs the `${recipes_dir:}` interpolation, so recipes can name
@@ -276,7 +279,7 @@ def describe_recipes(recipes_dir: str | Path) -> str:
     scalars = []
     for f in dataclasses.fields(RunConfig):
         hint = typing.get_type_hints(RunConfig)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             text = ", ".join(_describe_field(hint, g) for g in dataclasses.fields(hint))
             lines += textwrap.wrap(text, 100, initial_indent=f"  {f.name:<9} ", subsequent_indent=" " * 12)
         else:

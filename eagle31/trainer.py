@@ -340,7 +340,7 @@ class Trainer:
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
         stream = self._stream()
-        window = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
+        window: dict[str, float] = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
         window_start = time.perf_counter()
         while state.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -350,7 +350,7 @@ class Trainer:
             state.train_seconds += time.perf_counter() - t0
             if not result["finite"]:
                 state.nonfinite_streak += 1
-                warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped")
+                warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped", stacklevel=1)
                 if state.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise TrainingDiverged(
                         f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
@@ -359,7 +359,7 @@ class Trainer:
             else:
                 state.nonfinite_streak = 0
             state.step += 1
-            state.tokens_seen += result["tokens"]
+            state.tokens_seen += int(result["tokens"])
             for key, value in (
                 ("tokens", result["tokens"]),
                 ("samples", result["samples"]),
@@ -386,7 +386,8 @@ class Trainer:
                 state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
                 raise RunPreempted(
-                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue"
+                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; "
+                    "rerun with resume=auto to continue"
                 )
             if evaluate_now:
                 self._log_evaluation(logger)
@@ -409,13 +410,13 @@ class Trainer:
         """A signal during the final checkpoint or evaluation: stop before the export (every rank, as after a step)."""
         if stop is not None and self._agree_to_stop(stop):
             raise RunPreempted(
-                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is complete; "
-                "rerun with resume=auto to evaluate and export"
+                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is "
+                "complete; rerun with resume=auto to evaluate and export"
             )
 
     @staticmethod
     def _stopped_by(stop: StopSignals) -> str:
-        return stop.received.name if stop.requested else "a signal that another rank received"
+        return stop.received.name if stop.requested and stop.received else "a signal that another rank received"
 
     def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
         """The logged metrics of a window of steps: the last step's, rates over the window, and (rank 0) the

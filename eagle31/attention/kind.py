@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -30,7 +31,7 @@ class AttentionKind(ABC):
     # the source format of a checkpoint of this kind that eagle31 did not write (`eagle31.convert.detect_format`)
     unmarked_format: str | None = None
     # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
-    rope_fields_read: dict[str, tuple[str, ...]]
+    rope_fields_read: Mapping[str, tuple[str, ...]]
     rope_quantities: str
     # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
     # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
@@ -40,6 +41,11 @@ class AttentionKind(ABC):
     # the first tested vLLM release that applies this kind's fc_norm, where a later one than the layout's
     # (`eagle31.hub`: the release a 3.1 drafter's model card asks for)
     min_vllm_fc_norm: str | None = None
+
+    def own_config(self, values: dict[str, Any]) -> Any:
+        """Its fields given as a dict (a config file, a recipe) -> its `config_type`."""
+        assert self.config_type is not None, f"{self.name} has no fields of its own"
+        return self.config_type(**values)
 
     def fields(self) -> tuple[str, ...]:
         """The names of its own fields (`config_type`'s)."""
@@ -77,7 +83,7 @@ class AttentionKind(ABC):
 
     def rope_ambiguity(self, rope: dict[str, Any]) -> str | None:
         """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""
-        return ambiguity(rope, self.rope_reading, self.rope_fields_read, self.rope_quantities)
+        return ambiguity(rope, self.rope_reading, dict(self.rope_fields_read), self.rope_quantities)
 
     # ------------------------------------------------------- estimate (eagle31.estimate)
 

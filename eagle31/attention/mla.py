@@ -229,7 +229,8 @@ class MLAAttentionKind(AttentionKind):
         if rope_type not in MLA_ROPE_TYPES:
             raise ConfigError(
                 f"drafter.rope_parameters.rope_type={rope_type!r} is not supported for attention=mla "
-                f"(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); use one of {list(MLA_ROPE_TYPES)}"
+                "(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); "
+                f"use one of {list(MLA_ROPE_TYPES)}"
             )
 
     def qk_head_dim(self, cfg: DrafterShape) -> int:

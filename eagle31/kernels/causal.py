@@ -173,11 +173,11 @@ class FlashCausal:
                 qb = q[b : b + 1, i0:i1].transpose(1, 2)
                 kb = k[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
                 vb = v[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                o, o_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qb, kb, vb, 0.0, band_mask is None, attn_mask=band_mask, scale=scale
                 )
                 out[b, i0:i1] = o[0].transpose(0, 1).to(acc)
-                lse[b, i0:i1] = l[0].transpose(0, 1).to(acc)
+                lse[b, i0:i1] = o_lse[0].transpose(0, 1).to(acc)
         return out, lse, None
 
     @staticmethod
@@ -196,7 +196,7 @@ class FlashCausal:
         for b, s, e in _runs(segments):
             for i0, i1, k0, band_mask in _cpu_blocks(s, e, mask, window, q.dtype):
 
-                def heads(x, lo=i0):
+                def heads(x, lo=i0, b=b, i1=i1):  # [1, heads, i1 - lo, d]
                     return x[b : b + 1, lo:i1].transpose(1, 2)
 
                 kb, vb = heads(k, k0).repeat_interleave(g, dim=1), heads(v, k0).repeat_interleave(g, dim=1)

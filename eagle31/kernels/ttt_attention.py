@@ -42,7 +42,7 @@ def reference_attention(q, k0, v0, chain_k, chain_v, segments, rule=Visibility()
 
 
 def _chain_rows(N: int, j: int, nh: int, d: int):
-    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys stay under `kernels.BLOCK_BUDGET`."""
+    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys within the budget."""
     n = max(1, kernels.BLOCK_BUDGET // max(1, j * nh * d))
     return [slice(r, min(N, r + n)) for r in range(0, N, n)]
 
@@ -80,7 +80,7 @@ def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segmen
 
 
 def _split(rest, expand0: ChainKeysValues, expand: ChainKeysValues, j: int):
-    """`_TTTAttention`'s flat inputs -> (the step-0 entry, the j chain entries, their parameters: step 0's, the chain's)."""
+    """`_TTTAttention`'s flat inputs -> (step-0 entry, the j chain entries, step 0's parameters, the chain's)."""
     w0, w, n0 = expand0.width, expand.width, len(expand0.params)
     entries = [rest[w0 + i * w : w0 + (i + 1) * w] for i in range(j)]
     return rest[:w0], entries, rest[w0 + j * w : w0 + j * w + n0], rest[w0 + j * w + n0 :]

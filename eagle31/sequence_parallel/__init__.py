@@ -119,7 +119,7 @@ class SequenceShard:
     first_key: int = 0
 
     def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A step-0 entry of this shard, each [B, Ts, ...] -> that of positions first_key..end-1 [B, end - first_key, ...]."""
+        """This shard's step-0 entry, each [B, Ts, ...] -> that of positions first_key..end-1, gathered."""
         end = self.first_key + self.key_segments.shape[1]
         return tuple(_GatherShards.apply(t, self.group, self.first_key, end) for t in entry)
 

@@ -36,7 +36,7 @@ class QueryTail:
 
     @staticmethod
     def prefix_block(nh: int, d: int) -> int:
-        """Key positions of one block before the shard: its fp32 keys and values, at most nh heads of d, stay under `kernels.BLOCK_BUDGET`."""
+        """Key positions of one block before the shard: its fp32 keys and values (nh heads of d) within the budget."""
         return max(1, kernels.BLOCK_BUDGET // (2 * nh * d))
 
     @classmethod
@@ -112,8 +112,9 @@ class QueryTail:
                 dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
                 for i0 in range(0, n1, rows):
                     i1 = min(n1, i0 + rows)
-                    part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
-                    qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
+                    qb, do, ob, lb = (
+                        x[b, i0:i1].to(acc).unflatten(1, (nkv, g)) for x in (q, dout, out, lse)
+                    )  # [n, nkv, g, ...]
                     sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, mask, segments[b], off, i0, m0)
                     p = torch.exp(sc - lb[..., None])  # merged LSE
                     D = (do * ob).sum(-1)
@@ -134,7 +135,8 @@ class StepZeroKeys:
     def __init__(self, entry, expand: ChainKeysValues, params):
         self.entry, self.expand, self.params = entry, expand, params
         self.length = entry[0].shape[1]
-        self._d_entry = self._d_params = None
+        self._d_entry: list[torch.Tensor | None] = []
+        self._d_params: list[torch.Tensor] = []
 
     def num_kv_heads(self) -> int:
         return self.make(slice(0, 1), slice(0, 1))[0].shape[2]
@@ -146,7 +148,7 @@ class StepZeroKeys:
 
     def make_with_graph(self, rows: slice, positions: slice):
         """(k, v, take_back): `make`'s block, detached, and the function that takes its gradients back."""
-        if self._d_entry is None:
+        if not self._d_entry:
             self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
             self._d_params = [
                 torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params
