@@ -60,7 +60,8 @@ PEER_MODULES = ("speculators", "hs_connectors", "openai", "accelerate")
 @dataclass
 class Part:
     name: str
-    kind: str  # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable | module:function
+    # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable | module:function
+    kind: str
     budget_s: int
     args: list[str] = field(default_factory=list)  # benchmark: BenchConfig key=value; unavailable: [reason]
 
@@ -272,7 +273,8 @@ def check_main(
     parts: list[Part] | None = None,
     mode: str | None = None,
 ) -> int:
-    """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary under `out`."""
+    """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary
+    under `out`."""
     started = time.monotonic()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "parts").is_dir())):
         print(f"error: {out} exists and is not an empty directory or an earlier check's output", file=sys.stderr)
@@ -282,8 +284,13 @@ def check_main(
     install = install_wheels(wheels, out / "logs" / "install.log")
     print(f"install: {install['status']} ({install.get('detail') or install.get('still_missing')})", flush=True)
     mode = mode or ("cpu-smoke" if smoke else "gpu")
-    summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": mode,
-               "budget_s": budget_s, "install": install, "parts": {}}  # fmt: skip
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "mode": mode,
+        "budget_s": budget_s,
+        "install": install,
+        "parts": {},
+    }
 
     def run(part: Part) -> dict:
         left = budget_s - (time.monotonic() - started)

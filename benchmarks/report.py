@@ -38,10 +38,18 @@ def table_row(result: dict[str, Any]) -> str:
 
     speedup = f"{result['speedup']:.2f}x" if "speedup" in result else "—"
     cells = [
-        result["date"], result["device"], result["torch"], c["shape"], str(c["seq_len"]), str(c["ttt_length"]),
-        "yes" if c["activation_checkpointing"] else "no", result["precision"],
-        *side(result["runs"].get("eagle31"), True), *side(result["runs"].get("speculators"), False), speedup,
-    ]  # fmt: skip
+        result["date"],
+        result["device"],
+        result["torch"],
+        c["shape"],
+        str(c["seq_len"]),
+        str(c["ttt_length"]),
+        "yes" if c["activation_checkpointing"] else "no",
+        result["precision"],
+        *side(result["runs"].get("eagle31"), True),
+        *side(result["runs"].get("speculators"), False),
+        speedup,
+    ]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -127,8 +127,15 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
             seconds = time.perf_counter() - t0
             rounds = [r for request_rounds in log.rounds.values() for r in request_rounds]  # one request in flight
             log.rounds.clear()
-            rows.append({"tokens": list(output.outputs[0].token_ids), "finish_reason": output.outputs[0].finish_reason,
-                         "seconds": seconds, "rounds": rounds, **difference(counters(llm), before, k)})  # fmt: skip
+            rows.append(
+                {
+                    "tokens": list(output.outputs[0].token_ids),
+                    "finish_reason": output.outputs[0].finish_reason,
+                    "seconds": seconds,
+                    "rounds": rounds,
+                    **difference(counters(llm), before, k),
+                }
+            )
         splits[split] = rows
     del llm
     gc.collect()
