@@ -67,7 +67,7 @@ def chats(tmp_path_factory) -> Path:
                         "content": f"It is {a + b}. The weather is sunny and warm, with a light wind.",
                     },
                 ]
-            }  # fmt: skip
+            }
         )
     return write_jsonl(path, records)
 
@@ -101,7 +101,8 @@ REPORT = {
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """runs/demo with config.yaml, drafter/ (native, with the target's embedding, as the pipeline saves it) and report.json."""
+    """runs/demo with config.yaml, drafter/ (native, with the target's embedding, as the pipeline saves it) and
+    report.json."""
     run = tmp_path / "runs" / "demo"
     from omegaconf import OmegaConf
 

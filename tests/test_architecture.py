@@ -79,8 +79,12 @@ def test_the_files_are_found():
 
 @pytest.mark.parametrize("folder, never", [("eagle31", OVER_THE_LIBRARY), ("benchmarks", ("experiments",))])
 def test_imports_point_one_way(folder, never):
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {module}"
-           for p in python_files(folder) for module, _, line in imported_names(p) if module.split(".")[0] in never]  # fmt: skip
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p in python_files(folder)
+        for module, _, line in imported_names(p)
+        if module.split(".")[0] in never
+    ]
     assert not bad, bad
 
 
@@ -205,8 +209,10 @@ def test_no_import_circle_among_the_library_modules():
 def test_a_type_checking_import_is_an_edge(tmp_path, monkeypatch):
     module = tmp_path / "eagle31" / "m.py"
     module.parent.mkdir()
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
-                      "def f():\n    from eagle31.loss import ttt_loss\n")  # fmt: skip
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
+        "def f():\n    from eagle31.loss import ttt_loss\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.config", "eagle31.loss"]
 

@@ -20,8 +20,12 @@ from tests.helpers import random_batch, tiny_drafter
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "eagle31"
 # the library and the code over it: none of it tells the kinds apart by comparing a name
-CODE = sorted(p for folder in ("eagle31", "experiments", "benchmarks", "scripts", "data_prep", "train")
-              for p in (REPO / folder).rglob("*.py") if "attention" not in p.parts)  # fmt: skip
+CODE = sorted(
+    p
+    for folder in ("eagle31", "experiments", "benchmarks", "scripts", "data_prep", "train")
+    for p in (REPO / folder).rglob("*.py")
+    if "attention" not in p.parts
+)
 
 
 def test_every_choice_has_its_kind_and_each_kind_its_own_fields():
@@ -46,16 +50,25 @@ def test_a_kind_that_leaves_out_a_method_cannot_be_made():
         Half()
 
 
-@pytest.mark.parametrize("path", sorted(p for p in LIBRARY.rglob("*.py") if "attention" not in p.parts),
-                         ids=lambda p: str(p.relative_to(LIBRARY)))  # fmt: skip
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in LIBRARY.rglob("*.py") if "attention" not in p.parts),
+    ids=lambda p: str(p.relative_to(LIBRARY)),
+)
 def test_no_module_outside_the_kinds_names_one(path):
     """A kind's name in code (a string to compare with) belongs to its class; docstrings and comments may say it."""
     names = {member.value for member in DrafterAttention} - {"llama"}  # "llama" is also HF's model_type of a layer
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None}  # fmt: skip
-    found = [node.lineno for node in ast.walk(tree)
-             if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings]  # fmt: skip
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None
+    }
+    found = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+    ]
     assert not found, f"{path.relative_to(LIBRARY)}: lines {found}"
 
 
@@ -85,11 +98,19 @@ def test_no_code_compares_with_a_kind_name(path):
 
 
 def test_a_comparison_with_a_kind_name_is_found_and_a_value_is_not():
-    compared = ['if recipe.drafter.attention != "llama":\n    pass', 'x = a in ("mla", "b")',
-                'match kind:\n    case "mla":\n        pass', 'ok = "llama" == name']  # fmt: skip
+    compared = [
+        'if recipe.drafter.attention != "llama":\n    pass',
+        'x = a in ("mla", "b")',
+        'match kind:\n    case "mla":\n        pass',
+        'ok = "llama" == name',
+    ]
     assert all(kind_name_comparisons(source) for source in compared)
-    spelled = ['overrides = ["drafter.attention=mla"]', 'cfg = {"attention": "llama"}', 'x = {"mla": 1}["mla"]',
-               'if kind == DrafterAttention.llama:\n    pass']  # fmt: skip
+    spelled = [
+        'overrides = ["drafter.attention=mla"]',
+        'cfg = {"attention": "llama"}',
+        'x = {"mla": 1}["mla"]',
+        "if kind == DrafterAttention.llama:\n    pass",
+    ]
     assert not any(kind_name_comparisons(source) for source in spelled)
 
 

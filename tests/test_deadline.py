@@ -20,10 +20,15 @@ def test_a_test_past_its_deadline_fails_in_time_and_shows_where_it_waited(tmp_pa
         "    subprocess.run(['sleep', '60'])  # another process that does not answer\n"
     )
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.deadline",
-                           "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path / "test_waits.py")],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=100)  # fmt: skip
+    pytest_run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.deadline"]
+    done = subprocess.run(
+        [*pytest_run, "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path / "test_waits.py")],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert time.monotonic() - start < 30  # not the 60 s of the wait
     assert done.returncode == 1 and "test_waits.py::test_waits ran past its deadline of 1 s" in done.stdout, done.stdout
     assert "line 5 in test_waits" in done.stdout  # the stack of the waiting test, in its report

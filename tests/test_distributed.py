@@ -23,8 +23,9 @@ class Clock:
 
 def watch(store, rank: int, clock: Clock, timeout_s: float = 0.5) -> tuple[RankWatch, list[str], threading.Event]:
     said, lost = [], threading.Event()
-    w = RankWatch(store, rank, 2, timeout_s, interval_s=0.01, clock=clock,
-                  on_lost=lambda m: (said.append(m), lost.set()))  # fmt: skip
+    w = RankWatch(
+        store, rank, 2, timeout_s, interval_s=0.01, clock=clock, on_lost=lambda m: (said.append(m), lost.set())
+    )
     w.start()
     return w, said, lost
 

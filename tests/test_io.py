@@ -173,7 +173,8 @@ def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path)
 
 
 def test_a_run_directory_holding_only_its_own_parts_may_be_claimed(tmp_path):
-    """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run claims it."""
+    """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run
+    claims it."""
     run = tmp_path / "run"
     with atomic_dir(run / "data", content="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")

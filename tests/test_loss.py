@@ -265,7 +265,7 @@ def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, refer
     tol = dict(rtol=1e-10, atol=1e-12) if reference == "naive" else dict(rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(ours, expected.to(ours.dtype), **tol)
     for name, got, want in zip(["lm_head", *[f"state {k}" for k in range(len(states))]], ours_grads, expected_grads):
-        torch.testing.assert_close(got, want.to(got.dtype), **tol, msg=lambda m: f"{kind}, {name}: {m}")
+        torch.testing.assert_close(got, want.to(got.dtype), **tol, msg=lambda m, name=name: f"{kind}, {name}: {m}")
     if kind != DraftLoss.kl:  # the kind reached the loss: it is not KL under another name
         kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, argmax, scale).loss_sum, stats.count, DECAY)
         assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3

@@ -24,8 +24,9 @@ from tests.helpers import random_batch, tiny_drafter
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.attention.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
-# a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's `deepseek_rope_numbers`
+# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.attention.mla reads attn_factor and extrapolation_factor as
+# 0.22.0 does; a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's
+# `deepseek_rope_numbers`
 
 
 def rope_pairs(x, pos, inv, magnitude):
@@ -39,21 +40,43 @@ def rope_pairs(x, pos, inv, magnitude):
 
 
 KIMI_ROPE = {
-    "rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 TINY_ROPE = {
-    "rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0, "original_max_position_embeddings": 32,
-    "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 500.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 4.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+}
 
 
 def mla_config(rope=TINY_ROPE, q_lora_rank=12, **overrides):
     values = dict(
-        hidden_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=10, intermediate_size=24,
-        vocab_size=40, draft_vocab_size=24, target_num_layers=8, aux_layer_ids=(2, 4, 5),
-        attention="mla", mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5), rope_parameters=dict(rope), max_position_embeddings=256,
-    )  # fmt: skip
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=10,
+        intermediate_size=24,
+        vocab_size=40,
+        draft_vocab_size=24,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+        attention="mla",
+        mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+        rope_parameters=dict(rope),
+        max_position_embeddings=256,
+    )
     mla = {k: overrides.pop(k) for k in list(overrides) if k in MLAConfig.__dataclass_fields__}
     values.update(overrides)
     values["mla"] = {**values["mla"], **mla}

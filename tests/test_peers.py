@@ -52,9 +52,8 @@ def test_ci_installs_what_readmes_test_command_installs_and_the_peers_readme_nam
 
 def test_tests_reach_the_peer_packages_through_tests_peers():
     """`pytest.importorskip` of a peer would skip under CI too: CI could pass without running the peer."""
-    pattern = re.compile(
-        r"importorskip\(\s*[\"'](?:%s)|find_spec\(\s*[\"'](?:%s)" % ("|".join(PEER_PACKAGES), "|".join(PEER_PACKAGES))
-    )
+    names = "|".join(PEER_PACKAGES)
+    pattern = re.compile(rf"importorskip\(\s*[\"'](?:{names})|find_spec\(\s*[\"'](?:{names})")
     found = [
         f"{p.relative_to(ROOT)}:{n}"
         for p in (ROOT / "tests").rglob("*.py")

@@ -192,8 +192,11 @@ def test_key_value_choices_are_checked_when_parsed():
 # ---------------------------------------------------------------------------- --help and --cfg
 
 
-CLIS = ["train/main.py", *(f"data_prep/{p.name}" for p in sorted((REPO / "data_prep").glob("*.py"))),
-        *(f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py")))]  # fmt: skip
+CLIS = [
+    "train/main.py",
+    *(f"data_prep/{p.name}" for p in sorted((REPO / "data_prep").glob("*.py"))),
+    *(f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))),
+]
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -221,10 +224,19 @@ def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):
     assert printed["target"]["config"].endswith("recipes/targets/kimi_k26.json")  # resolved, not ${recipes_dir:}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["recipe=demo", "drafter.sliding_window=4", "train.ttt_length=7"], "drafter.sliding_window=4 must be >= train.ttt_length=7"),
-    (["recipe=kimi_k26", "drafter.sliding_window=2048"], "drafter.sliding_window=2048 cannot be served: vLLM builds an MLA drafter's attention without a window"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["recipe=demo", "drafter.sliding_window=4", "train.ttt_length=7"],
+            "drafter.sliding_window=4 must be >= train.ttt_length=7",
+        ),
+        (
+            ["recipe=kimi_k26", "drafter.sliding_window=2048"],
+            "drafter.sliding_window=2048 cannot be served: vLLM builds an MLA drafter's attention without a window",
+        ),
+    ],
+)
 def test_a_window_the_run_could_not_train_or_serve_is_refused_at_the_plan(overrides, message, tmp_path):
     args = [*overrides, "dry_run=true", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(ConfigError, match=message) as e:

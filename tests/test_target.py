@@ -8,8 +8,16 @@ from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import check_drafter_fits
 from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, target_shape, target_vocab_size, text_config
 
-LLAMA = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
-         "intermediate_size": 128, "vocab_size": 300, "rope_theta": 10000.0, "max_position_embeddings": 512}  # fmt: skip
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 8,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 300,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
 WRAPPED = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": LLAMA}
 
 

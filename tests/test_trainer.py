@@ -111,7 +111,8 @@ def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
 
 @pytest.mark.parametrize("kind", ["tv", "lk_hybrid"])
 def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
-    """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and eval."""
+    """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and
+    eval."""
     import eagle31.loss
 
     seen, original = [], eagle31.loss.loss_and_gradient
@@ -171,5 +172,11 @@ def test_fsdp_keeps_the_frozen_embedding_whole_in_the_compute_dtype(tmp_path):
     mp.spawn(_shard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         r = torch.load(tmp_path / f"result.{rank}", weights_only=True)
-        assert r == {"embed_is_dtensor": False, "embed_dtype": "torch.bfloat16", "embed_equal": True, "embed_grad": False,
-                     "others_sharded": True, "finite": True}, r  # fmt: skip
+        assert r == {
+            "embed_is_dtensor": False,
+            "embed_dtype": "torch.bfloat16",
+            "embed_equal": True,
+            "embed_grad": False,
+            "others_sharded": True,
+            "finite": True,
+        }, r

@@ -67,8 +67,14 @@ def test_table_rows_are_added_and_replaced(tmp_path):
     def result(T, step):
         run = {"step_s": step, "step_s_all": [step], "tokens_per_s": T / step, "mfu": None, "peak_gib": 1.0}
         config = {"shape": "tiny", "seq_len": T, "ttt_length": 3, "activation_checkpointing": False}
-        return {"date": "2026-01-01", "device": "cpu", "torch": "2.13", "precision": "float32", "config": config,
-                "runs": {"eagle31": run}}  # fmt: skip
+        return {
+            "date": "2026-01-01",
+            "device": "cpu",
+            "torch": "2.13",
+            "precision": "float32",
+            "config": config,
+            "runs": {"eagle31": run},
+        }
 
     update_table(doc, result(1024, 2.0))
     update_table(doc, result(2048, 4.0))

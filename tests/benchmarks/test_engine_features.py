@@ -1,4 +1,5 @@
-"""benchmarks/engine_features.py without its runs: the comparison of two runs, the measurements, the table, bad input."""
+"""benchmarks/engine_features.py without its runs: the comparison of two runs, the measurements, the table, bad
+input."""
 
 from __future__ import annotations
 
@@ -24,10 +25,15 @@ def fake_run(path, losses, weight, consumed="aa", waits=(2.0, 1.0, 1.0)):
         {"w": torch.tensor([weight]), "t2d": torch.tensor([True, False])}, str(path / "drafter" / "model.safetensors")
     )
     engine = {"engine/workers": 1, "engine/trainers": 1, "engine/worker_restarts": 0, "engine/requeued": 0}
-    rates = {"train/samples_per_s": 2.0, "train/capacity_samples_per_s": TRAINER_RATE,
-             "engine/inference_samples_per_s": WORKER_RATE}  # fmt: skip
-    lines = [{"step": 5 * (i + 1), "train/loss": loss, "train/wait_s": wait, **rates, **engine}
-             for i, (loss, wait) in enumerate(zip(losses, waits))]  # fmt: skip
+    rates = {
+        "train/samples_per_s": 2.0,
+        "train/capacity_samples_per_s": TRAINER_RATE,
+        "engine/inference_samples_per_s": WORKER_RATE,
+    }
+    lines = [
+        {"step": 5 * (i + 1), "train/loss": loss, "train/wait_s": wait, **rates, **engine}
+        for i, (loss, wait) in enumerate(zip(losses, waits))
+    ]
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (path / "checkpoints" / "step_00000015").mkdir(parents=True)
     state = {"data_ranks": [{"consumed": {"samples": 9, "sha256": consumed}}]}
@@ -38,7 +44,11 @@ def fake_run(path, losses, weight, consumed="aa", waits=(2.0, 1.0, 1.0)):
 def test_same_run_tells_equal_runs_from_runs_that_differ_in_losses_weights_or_samples(tmp_path):
     a = fake_run(tmp_path / "a", [3.0, 2.0, 1.0], 0.5)
     assert bench.same_run(a, fake_run(tmp_path / "b", [3.0, 2.0, 1.0], 0.5)) == {
-        "losses_equal": True, "weights_max_abs_diff": 0.0, "weights_equal": True, "consumed_equal": True}  # fmt: skip
+        "losses_equal": True,
+        "weights_max_abs_diff": 0.0,
+        "weights_equal": True,
+        "consumed_equal": True,
+    }
     other = bench.same_run(a, fake_run(tmp_path / "c", [3.0, 2.0, 1.5], 0.5 + 2**-20, consumed="bb"))
     assert other == {
         "losses_equal": False,

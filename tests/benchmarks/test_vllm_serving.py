@@ -26,11 +26,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(out: Path, target: Path, chats: Path, prompts: Path, *overrides: str) -> Path:
-    args = ["recipe=demo", "target.builtin=null", f"target.path={target}", f"data.source=[{chats}]", f"eval.data=[{prompts}]",
-            f"output_dir={out}", "train.max_steps=30", "data.eval_max_samples=4", "eval.max_prompts=3", "eval.max_new_tokens=32",
-            "logging.wandb.mode=disabled", *overrides]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}, timeout=900)  # fmt: skip  # a hang guard
+    args = [
+        "recipe=demo",
+        "target.builtin=null",
+        f"target.path={target}",
+        f"data.source=[{chats}]",
+        f"eval.data=[{prompts}]",
+        f"output_dir={out}",
+        "train.max_steps=30",
+        "data.eval_max_samples=4",
+        "eval.max_prompts=3",
+        "eval.max_new_tokens=32",
+        "logging.wandb.mode=disabled",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train" / "main.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)},
+        timeout=900,  # a hang guard
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -42,10 +59,17 @@ def served(llama_tok, chats, tmp_path_factory):
     target = work / "target"
     save_chat_target(target, llama_tok, **VLLM_CPU_LLAMA)
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i + 2}? And the weather?"}]}) + "\n"
-                               for i in range(3)))  # fmt: skip
-    runs = {"reduced": train(work / "reduced", target, chats, prompts, "drafter.draft_vocab_size=128"),
-            "full": train(work / "full", target, chats, prompts, f"drafter.draft_vocab_size={len(llama_tok)}")}  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i + 2}? And the weather?"}]})
+            + "\n"
+            for i in range(3)
+        )
+    )
+    runs = {
+        "reduced": train(work / "reduced", target, chats, prompts, "drafter.draft_vocab_size=128"),
+        "full": train(work / "full", target, chats, prompts, f"drafter.draft_vocab_size={len(llama_tok)}"),
+    }
     return measure_runs(runs, ["eagle3", "speculators"], timeout_s=900, log=lambda _: None)
 
 
@@ -79,11 +103,27 @@ def test_a_drafted_token_vllm_orders_otherwise_is_a_difference_with_its_margin()
             return ids
 
     logits = torch.tensor([0.0, 5.0, 5.0 - 1e-5, 1.0])  # eagle31 drafts 1; token 2 is a hair behind it
-    ours = {"prompt": [0], "tokens": [7, 1, 1, 3, 8], "accepted": [2, 0], "rounds": [
-        {"drafts": [1, 1, 0], "logits": torch.stack([logits] * 3)}, {"drafts": [3, 3, 3], "logits": torch.stack([logits] * 3)}]}  # fmt: skip
-    theirs = {"tokens": [7, 1, 1, 3, 8], "drafts": 3, "accepted": 1, "draft_tokens": 9, "accepted_per_pos": [1, 0, 0],
-              "rounds": [{"drafts": [1, 2, 0], "accepted": 1}, {"drafts": [1, 0, 0], "accepted": 0},
-                         {"drafts": [3, 3, 3], "accepted": 0}]}  # fmt: skip
+    ours = {
+        "prompt": [0],
+        "tokens": [7, 1, 1, 3, 8],
+        "accepted": [2, 0],
+        "rounds": [
+            {"drafts": [1, 1, 0], "logits": torch.stack([logits] * 3)},
+            {"drafts": [3, 3, 3], "logits": torch.stack([logits] * 3)},
+        ],
+    }
+    theirs = {
+        "tokens": [7, 1, 1, 3, 8],
+        "drafts": 3,
+        "accepted": 1,
+        "draft_tokens": 9,
+        "accepted_per_pos": [1, 0, 0],
+        "rounds": [
+            {"drafts": [1, 2, 0], "accepted": 1},
+            {"drafts": [1, 0, 0], "accepted": 0},
+            {"drafts": [3, 3, 3], "accepted": 0},
+        ],
+    }
     row = compare_prompt(ours, theirs, Drafter, None, 3)
     assert row["tokens_equal"] and not row["rounds_equal"]
     (diff,) = row["differences"]  # the round at token 1; vLLM's round at token 3 starts where none of ours does
@@ -104,8 +144,12 @@ def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_
     from eagle31.eval.mtbench import render
 
     questions = tmp_path / "question.jsonl"
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}?", "And then?"]}) + "\n"
-                                 for i, c in enumerate(["writing", "writing", "math"])))  # fmt: skip
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}?", "And then?"]}) + "\n"
+            for i, c in enumerate(["writing", "writing", "math"])
+        )
+    )
     run = tmp_path / "run"
     (run / "drafter").mkdir(parents=True)
     (run / "config.yaml").write_text("{}")

@@ -30,8 +30,15 @@ pytestmark = pytest.mark.slow  # a vLLM process to start (~20 s on 2 cores), a k
 ROOT = Path(__file__).resolve().parents[2]
 THINKING = {"thinking": True, "preserve_thinking": True}  # recipe=kimi_k26's data.chat_template_kwargs
 SYSTEM_PROMPT = "You are a careful assistant."
-BASE = {"max_model_len": 512, "reasoning_parser": "kimi_k2", "reasoning_field": "reasoning", "latency_s": 0.0,
-        "gather_in_flight": 0, "refuse_parameter": None, "answer_words": 0}  # fmt: skip
+BASE = {
+    "max_model_len": 512,
+    "reasoning_parser": "kimi_k2",
+    "reasoning_field": "reasoning",
+    "latency_s": 0.0,
+    "gather_in_flight": 0,
+    "refuse_parameter": None,
+    "answer_words": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +98,9 @@ def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_sup
     srv, kimi_tok, tmp_path, field
 ):
     srv.control(reasoning_field=field)
-    settings = Settings(max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT],
-                        temperature=0.7)  # fmt: skip
+    settings = Settings(
+        max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT], temperature=0.7
+    )
     conversations = chats(["two plus two", "and times three"], ["hello"], ["name a colour", "another", "one more"])
     counts, records, report = run(
         conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "out", settings
@@ -110,8 +118,11 @@ def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_sup
             rendered = kimi_tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **THINKING)
             n_prompt = len(kimi_tok(rendered, add_special_tokens=False)["input_ids"])
             seed = request_seed(0, index, turn)
-            assert reply == {"role": "assistant", "content": f"The answer to {user} is {n_prompt}.",
-                             "reasoning_content": f"Turn {turn + 1}: the user asks {user}; seed {seed}."}  # fmt: skip
+            assert reply == {
+                "role": "assistant",
+                "content": f"The answer to {user} is {n_prompt}.",
+                "reasoning_content": f"Turn {turn + 1}: the user asks {user}; seed {seed}.",
+            }
 
     tally = Tally()
     read = list(read_conversations([str(tmp_path / "out" / "conversations")], tally))
@@ -188,8 +199,14 @@ def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(
     assert not list((out / "conversations").iterdir()) and not list((out / "stats").iterdir())
     if problem == "unknown_parameter":  # the command line: one line, exit code 2, no shard
         source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c.messages} for c in conversations])
-        args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'cli'}", f"regenerate.source={source}",
-                "regenerate.backend=endpoint", f"regenerate.endpoint={srv.url}", "regenerate.max_new_tokens=60"]  # fmt: skip
+        args = [
+            "recipe=kimi_k26_mini",
+            f"output_dir={tmp_path / 'cli'}",
+            f"regenerate.source={source}",
+            "regenerate.backend=endpoint",
+            f"regenerate.endpoint={srv.url}",
+            "regenerate.max_new_tokens=60",
+        ]
         cli = load_cli()
         assert recipe_main(cli.main, cli.RECIPES, args) == 2
         err = [
@@ -265,12 +282,24 @@ def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, 
         tmp_path / "chats.jsonl",
         [{"messages": c.messages} for c in chats(*[[f"question {i}", "more?"] for i in range(24)])],
     )
-    args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'run'}", f"regenerate.source={source}", "regenerate.backend=endpoint",
-            f"regenerate.endpoint={srv.url}", "regenerate.shard_size=2", "regenerate.concurrency=4", "regenerate.max_new_tokens=60",
-            f"data.system_prompt='{SYSTEM_PROMPT}'"]  # fmt: skip
+    args = [
+        "recipe=kimi_k26_mini",
+        f"output_dir={tmp_path / 'run'}",
+        f"regenerate.source={source}",
+        "regenerate.backend=endpoint",
+        f"regenerate.endpoint={srv.url}",
+        "regenerate.shard_size=2",
+        "regenerate.concurrency=4",
+        "regenerate.max_new_tokens=60",
+        f"data.system_prompt='{SYSTEM_PROMPT}'",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     shards = tmp_path / "run" / "regenerated" / "conversations"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(shards.glob("*.jsonl")) if shards.is_dir() else []) < 2:

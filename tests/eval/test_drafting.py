@@ -211,6 +211,10 @@ def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
     full = tiny_drafter()
     aux, ids = context(m.config)
     top_k, depth = 3, 4
+
+    def top(d, n, path):  # the top_k draft tokens after `path` from position n, as target ids, sorted
+        return sorted(d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist())
+
     differs = False
     for n in (7, T - 1):
         tree = proposer_at(m, aux, ids, n).draft_tree(TreeSpec(top_k=top_k, depth=depth, total_tokens=10_000))
@@ -218,9 +222,6 @@ def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
         for i, path in enumerate(tree_paths(tree)):
             children = sorted(tree.tokens[c].item() for c, p in enumerate(parents) if p == i)
             if children and len(path) > 1:  # a node below the first level: its query sees draft keys too
-                top = lambda d: sorted(
-                    d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist()
-                )  # noqa: E731
-                assert children == top(m), (n, path)
-                differs |= children != top(full)
+                assert children == top(m, n, path), (n, path)
+                differs |= children != top(full, n, path)
     assert differs, "the test must tell the window from full attention"

@@ -48,10 +48,16 @@ def test_the_summary_compares_each_split_with_the_first_and_3_1_with_3_under_the
     from experiments.long_context import study
 
     cfg = study.LongContextConfig(seeds="0,1", windows="none,128")
-    taus = {("heldout", "eagle3", "full"): (2.6, 2.7), ("heldout", "eagle31", "full"): (2.8, 2.9),
-            ("heldout", "eagle3", "w128"): (2.5, 2.6), ("heldout", "eagle31", "w128"): (2.7, 2.8),
-            ("long", "eagle3", "full"): (1.6, 1.7), ("long", "eagle31", "full"): (1.4, 1.5),
-            ("long", "eagle3", "w128"): (2.3, 2.4), ("long", "eagle31", "w128"): (2.5, 2.6)}  # fmt: skip
+    taus = {
+        ("heldout", "eagle3", "full"): (2.6, 2.7),
+        ("heldout", "eagle31", "full"): (2.8, 2.9),
+        ("heldout", "eagle3", "w128"): (2.5, 2.6),
+        ("heldout", "eagle31", "w128"): (2.7, 2.8),
+        ("long", "eagle3", "full"): (1.6, 1.7),
+        ("long", "eagle31", "full"): (1.4, 1.5),
+        ("long", "eagle3", "w128"): (2.3, 2.4),
+        ("long", "eagle31", "w128"): (2.5, 2.6),
+    }
     results = [
         {"drafter": f"{v}-{w}-s{s}", "split": split, "tau": t[s]} for (split, v, w), t in taus.items() for s in (0, 1)
     ]

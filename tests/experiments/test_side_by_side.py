@@ -12,7 +12,8 @@ import torch
 
 @pytest.fixture
 def speculators():
-    """Their EAGLE-3 model, imported when a test needs it (~10 s), not at collection; skipped without it, failing in CI."""
+    """Their EAGLE-3 model, imported when a test needs it (~10 s), not at collection; skipped without it, failing in
+    CI."""
     from tests.peers import peer_module
 
     return peer_module("speculators.models.eagle3.core")

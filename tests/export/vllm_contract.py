@@ -360,7 +360,7 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
     whose vocabulary is `view`'s `vocab_size` (every eagle31 export's). `AutoWeightsLoader.load_weights` refuses a
     checkpoint tensor that maps to none of them."""
     s = effective_settings(view)
-    H, I = view["hidden_size"], view["intermediate_size"]
+    H, inter = view["hidden_size"], view["intermediate_size"]
     nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
     Ht, n, Vd = s["target_hidden_size"], s["num_aux"], s["draft_vocab_size"]
     a = "model.layers.0.self_attn."
@@ -386,8 +386,8 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
         "model.layers.0.hidden_norm.weight": (H,),
         "model.layers.0.post_attention_layernorm.weight": (H,),
         **attention,
-        "model.layers.0.mlp.gate_up_proj.weight": (2 * I, H),
-        "model.layers.0.mlp.down_proj.weight": (H, I),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, H),
+        "model.layers.0.mlp.down_proj.weight": (H, inter),
         "model.norm.weight": (H,),
         "lm_head.weight": (Vd, H),
     }
