@@ -1,23 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-N, resumable.
-
-Layout under `<run>/checkpoints/`:
-
-    step_00000200/            a complete checkpoint (renamed into place last)
-        .metadata, *.distcp   model + optimizer state (sharded by DCP, any world size)
-        trainer_state.json    step, tokens seen, scheduler, data position, ...
-        rng_rank{r}.safetensors
-        checksums.json        sha256 of every file above, written once all ranks are done
-        COMPLETE
-    step_00000400.tmp/        a checkpoint being written: never taken for the latest
-
-The frozen target embedding is not saved (it is re-read from the target).
-
-Resuming takes the newest checkpoint whose files match `checksums.json`; a damaged one
-(a file truncated or changed since it completed) is passed over with a one-line
-warning, and when none is intact the run stops with `CorruptCheckpointError`. A disk
-that fills up while a checkpoint is written stops the run with `DiskFullError`: the
-partial `.tmp` directory is removed and the checkpoints already complete are untouched.
-"""
+"""DCP training checkpoints: atomic, checksummed, keep-last-N, resumed from the newest intact (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -26,6 +7,7 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -52,7 +34,7 @@ _NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a 
 
 
 @contextmanager
-def _quiet_single_process():
+def _quiet_single_process() -> Iterator[None]:
     """DCP warns that it assumes one process when no process group exists: that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -90,12 +72,7 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def latest_intact(self) -> Path | None:
-        """The newest complete checkpoint whose files match their checksums (None when there is none yet).
-
-        Rank 0 reads the checksums and tells the other ranks its choice. Each damaged one
-        passed over is one warning line on stderr; raises `CorruptCheckpointError` on every
-        rank when checkpoints exist and none is intact.
-        """
+        """The newest complete checkpoint matching its checksums, as rank 0 judges (None: none yet; none intact: raises)."""
         choice: tuple[str | None, str | None] = (None, None)  # (path, error)
         if self.world.is_main:
             done = self.complete()
@@ -107,8 +84,8 @@ class CheckpointManager:
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
             else:
                 if done:
-                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); "
-                              "remove the checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the "
+                              "checkpoints directory to start over, or restore it from a backup")  # fmt: skip
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)
@@ -181,8 +158,7 @@ class CheckpointManager:
 
 
 def read_trainer_state(checkpoint: str | Path) -> dict:
-    """A checkpoint's trainer state (trainer_state.json): step and tokens seen, the scheduler, rank 0's data position
-    (`data`) and every rank's (`data_ranks`), each with its record of the samples it consumed (`eagle31.data.loader`)."""
+    """A checkpoint's trainer_state.json (step, tokens, scheduler, the data positions: rank 0's `data`, `data_ranks`)."""
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
 
 
@@ -202,12 +178,7 @@ def damage(path: Path) -> str | None:
 
 
 def _disk_full(e: BaseException, root: Path) -> bool:
-    """Whether a failed checkpoint write ran out of space.
-
-    torch's zip writer reports a short write as `unexpected pos` without an errno, so
-    besides ENOSPC anywhere in the chain (`eagle31.io.is_disk_full`), little space left
-    on the device counts too.
-    """
+    """Whether a failed write ran out of space: ENOSPC, or little space left (torch's zip writer has no errno)."""
     if is_disk_full(e):
         return True
     try:

@@ -1,20 +1,5 @@
-"""torch.distributed set-up for torchrun (NCCL on GPU, gloo on CPU), small collectives, and the watch on ranks.
-
-A single process without torchrun's environment runs undistributed; every
-helper below then degrades to the identity.
-
-A rank that dies (OOM-killed, its node lost) would leave the others waiting in their next
-collective until the process group's timeout (30 min). `RankWatch` keeps each rank's
-heartbeat in the rendezvous store (its own client connection, so a collective in flight never
-delays it): every `interval_s` each rank counts up its key; rank 0 watches every rank, the others
-watch rank 0, and whoever finds a rank silent for `timeout_s` (`train.rank_timeout_s`), or its
-pid gone on this host, writes the verdict to the store for all to read. Each rank then exits at
-once (its main thread may be stuck in that collective) with one line naming the rank lost and
-`RankLost`'s code, 8; the last complete checkpoint stays for `resume=auto`, on any number of ranks.
-A rank that leaves in order says so first (`close_world(world, why)`), so that it is not taken
-for lost; when it left on an error of its own while the others wait for it, their verdict names
-that error.
-"""
+"""torchrun process groups (NCCL on GPU, gloo on CPU; none without torchrun: each helper the identity), small
+collectives, and `RankWatch`: a dead rank named and the others stopped (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -22,18 +7,17 @@ import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from eagle31.errors import ConfigError, RankLost, choose, report_to_launcher
+from eagle31.errors import ConfigError, RankLost, choose, exit_now
 from eagle31.io import pid_alive
 
 
@@ -55,7 +39,7 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
-    watch: "RankWatch | None" = field(default=None, compare=False, repr=False)
+    watch: RankWatch | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -78,10 +62,7 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> World:
-    """Join torchrun's process group when launched by it (multi-node works through its rendezvous).
-
-    With `rank_timeout_s`, a `RankWatch` over the ranks runs until `close_world`.
-    """
+    """Join torchrun's process group when launched by it; with `rank_timeout_s`, a `RankWatch` runs until `close_world`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -134,15 +115,9 @@ def close_world(world: World | None = None, left: str = "finished") -> None:
 
 
 def exit_rank_lost(message: str) -> None:
-    """One line on stderr (and in torchrun's error file), then leave at once: a collective may never return."""
-
-    line = (
-        f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto "
-        "(on the same or another number of ranks)"
-    )
-    print(line, file=sys.stderr, flush=True)
-    report_to_launcher(line)
-    os._exit(RankLost.exit_code)
+    """Leave at once (a collective may never return), after one line."""
+    line = f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto"
+    exit_now(f"{line} (on the same or another number of ranks)", RankLost.exit_code)
 
 
 # a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
@@ -150,7 +125,8 @@ _PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo
 
 
 class RankWatch:
-    """Heartbeats of the ranks in `store`; `on_lost(message)` ends the process when a rank goes silent (module docstring)."""
+    """Heartbeats in the rendezvous store (rank 0 watches all, the others rank 0); `on_lost(verdict)` ends the process
+    when a rank is silent for `timeout_s` or its pid gone on this host. A rank leaving in order says why (`stop`)."""
 
     def __init__(
         self,
@@ -193,7 +169,7 @@ class RankWatch:
             self._thread.join()
 
     def explain(self, error: BaseException) -> None:
-        """A collective failed in the main thread: when a peer went away, wait for the verdict that names it (it exits)."""
+        """A collective failed in the main thread: if a peer went away, wait for the verdict naming it (which exits)."""
         if not (self._thread.is_alive() and _PEER_FAILURE.search(str(error))):
             return
         self._explaining = True
@@ -228,9 +204,8 @@ class RankWatch:
                     return
         except Exception as e:  # noqa: BLE001 - the store itself went away: its host (rank 0's node, torchrun's agent)
             if not self._stopping.is_set():
-                self._give(
-                    f"the rendezvous store stopped answering ({' '.join(str(e).split())[:200]}): rank 0's node or torchrun is gone"
-                )
+                why = " ".join(str(e).split())[:200]
+                self._give(f"the rendezvous store stopped answering ({why}): rank 0's node or torchrun is gone")
         finally:
             self._done.set()
 
@@ -249,7 +224,10 @@ class RankWatch:
         if host == socket.gethostname() and not pid_alive(int(pid)) and not self.store.check([f"done/{r}"]):
             return f"rank {r} (pid {pid} on {host}) has died"
         if now - seen[r][1] > self.timeout_s:
-            return f"rank {r} (pid {pid} on {host}) sent no heartbeat for {self.timeout_s:g} s (train.rank_timeout_s): it died or its node was lost"
+            return (
+                f"rank {r} (pid {pid} on {host}) sent no heartbeat for {self.timeout_s:g} s (train.rank_timeout_s): "
+                "it died or its node was lost"
+            )
         return None
 
     def _give(self, verdict: str) -> None:
@@ -262,11 +240,7 @@ class RankWatch:
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (in place); identity when undistributed.
-
-    `x` must be on the world's device (`World.device`): NCCL refuses a tensor in host
-    memory ("Tensors must be CUDA and dense"), gloo would take it and hide the bug.
-    """
+    """Sum over ranks (in place); identity when undistributed. `x` on the world's device: NCCL refuses host memory."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x

@@ -1,14 +1,4 @@
-"""Run logging on rank 0: a progress bar (rate, tokens/s, ETA), `metrics.jsonl`, and wandb.
-
-wandb runs `offline` by default (files under `<run>/wandb`); `online` or
-`disabled` when the recipe says. An `online` run that cannot reach or log in to the
-server logs offline instead, with one warning (`start_wandb`). It receives the same metrics as the JSONL
-file and the resolved config with secrets redacted.
-
-On resume, `truncate_metrics` drops what a killed run logged after its last
-checkpoint (an evaluation of the checkpoint's own step included, when it was saved before
-that evaluation), including a last line torn by the kill.
-"""
+"""Run logging on rank 0: a progress bar, `metrics.jsonl` and wandb, configs with secrets redacted (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -52,13 +42,8 @@ REDACTED = "***"
 
 
 def redact_secrets(obj: Any) -> Any:
-    """Copy of a config tree with its credentials replaced by '***'.
-
-    A credential is the value of a key in `SECRET_KEYS`, a value that looks like one
-    (`_SECRET_VALUE`), or the value of one of `SECRET_ENV_VARS` found inside a string.
-    Everything else is returned unchanged, so a run's `config.yaml` reads back as the
-    config it ran with.
-    """
+    """Copy of a config tree with its credentials (`SECRET_KEYS`' values, `_SECRET_VALUE`, `SECRET_ENV_VARS`' values
+    inside strings) replaced by '***'; everything else unchanged, so a run's `config.yaml` reads back as it ran."""
     secrets = [v for v in (os.environ.get(name) for name in SECRET_ENV_VARS) if v and len(v) >= 8]
     return _redact(obj, secrets)
 
@@ -88,15 +73,11 @@ ONLINE_INIT_TIMEOUT_S = 30  # wandb retries for 90 s by default before giving up
 
 
 def start_wandb(mode: str, **init_kwargs: Any):
-    """`wandb.init` in `mode`; an `online` start that cannot reach or log in to the server falls back to offline.
-
-    The run keeps its metrics either way (offline files under `<run>/wandb`, to upload later
-    with `wandb sync`), so a network or login problem is one warning line, not a traceback
-    that stops training.
-    """
+    """`wandb.init` in `mode`; an `online` start that cannot reach or log in falls back to offline with one warning line
+    (the metrics stay under `<run>/wandb`, for `wandb sync`)."""
     import wandb
 
-    def init(mode: str):
+    def init(mode: Any):  # WandbMode's values
         timeout = {"init_timeout": ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
         return wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, **timeout), **init_kwargs)
 
@@ -120,13 +101,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
-    """Keep the lines of `path` (metrics.jsonl) logged at or before `step`; return how many were dropped.
-
-    `evaluated=False`: the checkpoint of `step` was written before that step's evaluation, which
-    the resumed run logs; an evaluation line at `step` (logged by a run killed after it) goes too.
-    A last line that is not JSON was torn by a kill mid-write and is dropped; a broken
-    line before it is damage of another kind and stops with its line number.
-    """
+    """Keep the lines of metrics.jsonl logged at or before `step` (and before its evaluation unless `evaluated`), and no
+    torn last line; return how many were dropped."""
     path = Path(path)
     if not path.is_file():
         return 0
