@@ -1,45 +1,17 @@
-"""Micro-batches of target features for the trainer: plan, shuffle, rank split, resumable position.
-
-A `FeatureLoader` reads from a `FeatureSource` — the shard store
-(`eagle31.data.store.FeatureStore`) or the target run in-process
-(`eagle31.data.online.OnlineFeatures`). Both enumerate the samples of a split by
-their row id, and the plan depends only on the sample ids, their lengths and
-the seed, so the two yield identical batches.
-
-Plan of epoch `e` (a permutation drawn from `numpy.random.default_rng([seed, e])`):
-
-* `pack`: samples in permuted order, concatenated into rows of at most
-  `tokens_per_batch` tokens (next fit); a micro-batch is one row `[1, T]`.
-* `bucket`: samples sorted by length (ties in permuted order), cut into batches
-  whose padded size `B * max T` fits `tokens_per_batch`, batch order permuted.
-
-A sample longer than `tokens_per_batch` is an error at construction (raise the
-budget or lower `data.max_len`); nothing is truncated here.
-
-Rank split: global micro-batch `i` goes to rank `i % world_size`. When the count
-is not a multiple of `world_size`, the ranks left without one in the last round
-get an empty batch (`eagle31.data.batch.empty_batch`: one padding token, nothing
-supervised), so every sample is used exactly once and all ranks take the same
-number of steps.
-
-Iterating a loader yields the rest of the current epoch and then moves to the
-next one; `state_dict()` / `load_state_dict()` save and restore (epoch, position),
-the position counting the batches already yielded, and the record of what was consumed:
-the number of samples this rank's batches held and a sha256 chain over their ids in the
-order they came (`consumed`), so two runs that trained on the same samples in the same
-order end with the same record, whatever computed their features.
-"""
+"""Micro-batches of target features for the trainer: the epoch's plan, shuffled and split across ranks, from any
+`FeatureSource`, with a resumable position and a record of the samples consumed (docs/data.md, Batches)."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
+from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, next_fit, pack, pad
 from eagle31.errors import ConfigError, choose
 
 
@@ -73,19 +45,11 @@ def plan_epoch(lengths: np.ndarray, *, batching: str, tokens_per_batch: int, see
     if batching == "bucket":
         groups = bucket_by_length(lengths[perm].tolist(), tokens_per_batch)
         return [perm[groups[i]] for i in rng.permutation(len(groups))]
-    batches, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths[perm]):
-        if i > start and tokens + n > tokens_per_batch:
-            batches.append(perm[start:i])
-            start, tokens = i, 0
-        tokens += int(n)
-    if start < len(perm):
-        batches.append(perm[start:])
-    return batches
+    return [perm[run] for run in next_fit(lengths[perm], tokens_per_batch)]
 
 
 class FeatureLoader:
-    """This rank's micro-batches (`FeatureBatch`, on the source's device); see the module docstring."""
+    """This rank's micro-batches (`FeatureBatch`, on the source's device), epoch after epoch; resumable."""
 
     def __init__(
         self,
@@ -112,7 +76,7 @@ class FeatureLoader:
         self.batching, self.tokens_per_batch, self.seed = batching, tokens_per_batch, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
-        self.consumed = {"samples": 0, "sha256": hashlib.sha256().hexdigest()}
+        self.consumed: dict[str, Any] = {"samples": 0, "sha256": hashlib.sha256().hexdigest()}
         self._plan: tuple[int, list[np.ndarray | None]] | None = None
 
     def _rank_plan(self) -> list[np.ndarray | None]:
@@ -150,9 +114,8 @@ class FeatureLoader:
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
         src = self.source
         ids = [] if positions is None else src.sample_ids[positions].tolist()
-        pairs = [
-            (i, s) for i, s in zip(ids, src.samples(ids) if ids else []) if s is not None
-        ]  # a skipped corrupt shard drops its samples
+        # a skipped corrupt shard drops its samples
+        pairs = [(i, s) for i, s in zip(ids, src.samples(ids) if ids else [], strict=False) if s is not None]
         self._record([i for i, _ in pairs])
         samples = [s for _, s in pairs]
         if not samples:
@@ -163,8 +126,6 @@ class FeatureLoader:
         """Add the ids of a batch's samples to the consumed record."""
         chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(ids, dtype=np.int64).tobytes())
         self.consumed = {"samples": self.consumed["samples"] + len(ids), "sha256": chain.hexdigest()}
-
-    # ------------------------------------------------------------ resumable position
 
     def state_dict(self) -> dict:
         return {
@@ -179,10 +140,7 @@ class FeatureLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a saved position; a different world size resumes at the same global batch if it divides.
-
-        The consumed record continues where it was saved; on another world size (the record is per rank) it
-        starts anew."""
+        """Resume at a saved position (another world size: the same global batch if it divides, a new consumed record)."""
         for key in ("seed", "batching", "tokens_per_batch", "num_samples"):
             mine = self.state_dict()[key]
             if state[key] != mine:

@@ -1,23 +1,19 @@
-"""The output directory: settings.json, one JSONL and one stats file per shard, report.json."""
+"""The output directory: settings.json, one JSONL and one stats file per shard, report.json (docs/regeneration.md)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eagle31.data.regenerate.core import Outcome, Settings
 from eagle31.data.sources import Conversation, Tally
 from eagle31.errors import ConfigError
-from eagle31.io import (
-    atomic_write_json,
-    atomic_write_text,
-    claim_output_dir,
-    write_errors,
-)
+from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, write_errors
 
 OUTPUT_KIND = "regenerated-conversations"
 
@@ -50,9 +46,6 @@ class ShardStats:
         return d
 
 
-# ---------------------------------------------------------------------------- the run
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
@@ -75,7 +68,8 @@ def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, 
         for key in saved:
             if previous.get(key) != saved[key]:
                 raise ConfigError(
-                    f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); choose another output directory"
+                    f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); "
+                    "choose another output directory"
                 )
     else:
         atomic_write_json(path, saved)
@@ -96,28 +90,24 @@ def input_sha256(conversations: list[Conversation]) -> str:
 
 
 def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], size: int) -> None:
-    """Refuse (one line, before any request) to resume where a finished shard is not of these conversations.
-
-    Each shard's stats record the content of its input (`input_sha256`): a source edited since
-    the shard was written, or one that now holds fewer shards, would pair old replies with new
-    conversations, or leave shards of conversations no longer there for prepare to read. A shard
-    an older eagle31 wrote records no input, so it cannot be checked: refused too, saying so.
-    """
+    """Refuse to resume over finished shards not of these conversations (an edited source: old replies to new
+    conversations, or shards beyond the source's), or of an older eagle31, which recorded no `input_sha256`."""
     for index, chunk in chunks:
         if not shard_done(out, index):
             continue
         recorded = json.loads((out / "stats" / f"{shard_name(index)}.json").read_text()).get("input_sha256")
         if not recorded:
             raise ConfigError(
-                f"{out}: {shard_name(index)} was written by an older eagle31, without a record of the conversations it was "
-                "regenerated from, so a resume cannot check it against the source; regenerate into a new "
+                f"{out}: {shard_name(index)} was written by an older eagle31, without a record of the conversations it "
+                "was regenerated from, so a resume cannot check it against the source; regenerate into a new "
                 "regenerate.output_dir (this one is left as it is)"
             )
         if recorded != input_sha256(chunk):
             first = index * size
             raise ConfigError(
-                f"{out}: {shard_name(index)} was regenerated from other conversations than conversations {first}-{first + len(chunk) - 1} "
-                "of the source now (edited since); restore the source or choose another output directory"
+                f"{out}: {shard_name(index)} was regenerated from other conversations than conversations "
+                f"{first}-{first + len(chunk) - 1} of the source now (edited since); restore the source or choose "
+                "another output directory"
             )
     beyond = sorted(
         p.stem
@@ -127,8 +117,8 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
     if beyond:
         total = sum(len(chunk) for _, chunk in chunks)
         raise ConfigError(
-            f"{out} holds {', '.join(beyond)}, beyond the {len(chunks)} shards of the {total} conversations of the source now "
-            "(edited since); restore the source or choose another output directory"
+            f"{out} holds {', '.join(beyond)}, beyond the {len(chunks)} shards of the {total} conversations of the "
+            "source now (edited since); restore the source or choose another output directory"
         )
 
 
