@@ -8,7 +8,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import StrEnum
 from pathlib import Path
 
@@ -21,16 +21,15 @@ from eagle31.distributed import World, barrier, broadcast_object
 from eagle31.errors import CorruptCheckpointError, DiskFullError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, is_disk_full, sha256_file
 
-
-class Resume(StrEnum):
-    never = "never"  # an output_dir holding a run is refused
-    auto = "auto"  # continue from the latest checkpoint of the same run
-
-
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)
 CHECKSUMS = "checksums.json"
 _NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
+
+
+class Resume(StrEnum):
+    never = "never"  # an output_dir holding a run is refused
+    auto = "auto"  # continue from the latest checkpoint of the same run
 
 
 @contextmanager
@@ -55,6 +54,8 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 class CheckpointManager:
+    """The checkpoints under `root`: saved by every rank, the last `keep_last` kept, the newest intact one found."""
+
     def __init__(self, root: str | Path, world: World, keep_last: int = 2):
         self.root = Path(root)
         self.world = world
@@ -68,11 +69,10 @@ class CheckpointManager:
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        return [None, *self.complete()][-1]
 
     def latest_intact(self) -> Path | None:
-        """The newest complete checkpoint matching its checksums, as rank 0 judges (None: none yet; none intact: raises)."""
+        """The newest checkpoint matching its checksums, rank 0 judging; None if none yet, raises if none is intact."""
         choice: tuple[str | None, str | None] = (None, None)  # (path, error)
         if self.world.is_main:
             done = self.complete()
@@ -144,12 +144,9 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
+        options = StateDictOptions(strict=False)
         set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(strict=False),
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
         )
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
@@ -158,7 +155,7 @@ class CheckpointManager:
 
 
 def read_trainer_state(checkpoint: str | Path) -> dict:
-    """A checkpoint's trainer_state.json (step, tokens, scheduler, the data positions: rank 0's `data`, `data_ranks`)."""
+    """A checkpoint's trainer_state.json: step, tokens, scheduler, data positions (rank 0's `data`, `data_ranks`)."""
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
 
 
@@ -181,7 +178,6 @@ def _disk_full(e: BaseException, root: Path) -> bool:
     """Whether a failed write ran out of space: ENOSPC, or little space left (torch's zip writer has no errno)."""
     if is_disk_full(e):
         return True
-    try:
+    with suppress(OSError):
         return shutil.disk_usage(root).free < _NEARLY_FULL
-    except OSError:
-        return False
+    return False

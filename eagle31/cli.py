@@ -34,7 +34,7 @@ _PROGRESS = "eagle31-progress"
 
 
 def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str], usage: str = "") -> int:
-    """Compose the recipe of `argv` and run `fn(cfg)` (`--help`: `usage`, the recipes, the sections; `--cfg`: the config)."""
+    """Compose the recipe of `argv` and run `fn(cfg)`; `--help` prints `usage` and the recipes, `--cfg` the config."""
     from eagle31.recipe import describe_recipes
 
     if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
@@ -146,7 +146,7 @@ def parse_key_values(argv: list[str], schema: type[T]) -> T:
 
 
 def parse_keys_then_overrides(argv: list[str], schema: type[T], smoke: dict[str, Any]) -> tuple[T, list[str]]:
-    """`[key=value ..., "--", overrides ...]` -> (`schema` of the keys, the overrides); `--smoke` or SMOKE=1 applies `smoke`."""
+    """`[key=value ..., "--", overrides ...]` -> (`schema` of the keys, overrides); `--smoke` or SMOKE=1: `smoke`."""
     keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     cfg = parse_key_values([k for k in keys if k != "--smoke"], schema)
     if "--smoke" in keys or os.environ.get("SMOKE") == "1":
@@ -161,11 +161,9 @@ def _convert(key: str, raw: str, hint: Any) -> Any:
             return None
         hint = next(a for a in args if a is not type(None))
     if hint is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        return raw.lower() in _TRUE
     if isinstance(hint, type) and issubclass(hint, StrEnum):
         return choose(hint, raw, key)
     if hint is int:

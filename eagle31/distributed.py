@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -19,6 +20,9 @@ import torch.distributed as dist
 
 from eagle31.errors import ConfigError, RankLost, choose, exit_now
 from eagle31.io import pid_alive
+
+# a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
+_PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo", re.IGNORECASE)
 
 
 class Device(StrEnum):
@@ -62,7 +66,7 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> World:
-    """Join torchrun's process group when launched by it; with `rank_timeout_s`, a `RankWatch` runs until `close_world`."""
+    """Join torchrun's process group when launched by it; `rank_timeout_s`: a `RankWatch` runs until `close_world`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -84,9 +88,8 @@ def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> Wor
 
 def rendezvous_store(timeout_s: float) -> dist.Store:
     """A client of the store the ranks met in (torchrun's agent or rank 0 hosts it), keys of this launch only."""
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
-    )
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(f"eagle31/ranks/{launch}/", client)
 
@@ -120,25 +123,13 @@ def exit_rank_lost(message: str) -> None:
     exit_now(f"{line} (on the same or another number of ranks)", RankLost.exit_code)
 
 
-# a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
-_PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo", re.IGNORECASE)
-
-
 class RankWatch:
     """Heartbeats in the rendezvous store (rank 0 watches all, the others rank 0); `on_lost(verdict)` ends the process
-    when a rank is silent for `timeout_s` or its pid gone on this host. A rank leaving in order says why (`stop`)."""
+    when a rank is silent for `timeout_s` (by `clock`) or its pid gone on this host; one leaving says why (`stop`)."""
 
-    def __init__(
-        self,
-        store: dist.Store,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        *,
-        interval_s: float | None = None,
-        on_lost: Callable[[str], None] = exit_rank_lost,
-        clock: Callable[[], float] = time.monotonic,  # what silence is measured by (tests pass another)
-    ):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
+                 interval_s: float | None = None, on_lost: Callable[[str], None] = exit_rank_lost,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.clock = clock
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
@@ -159,10 +150,8 @@ class RankWatch:
         """End the watch; `left` (why this rank leaves) is what the others read instead of taking it for lost."""
         if self._stopping.is_set():
             return
-        try:
+        with suppress(Exception):  # the store's host is gone: nobody is left to tell
             self.store.set(f"done/{self.rank}", left)
-        except Exception:  # noqa: BLE001 - the store's host is gone: nobody is left to tell
-            pass
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -232,10 +221,8 @@ class RankWatch:
 
     def _give(self, verdict: str) -> None:
         self.lost = verdict
-        try:
+        with suppress(Exception):
             self.store.set("lost", verdict)  # the other ranks read it at their next beat
-        except Exception:  # noqa: BLE001
-            pass
         self.on_lost(verdict)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from contextlib import suppress
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -74,7 +75,7 @@ class RankLost(Eagle31Error):
 
 
 class EngineError(Eagle31Error):
-    """The inference engine of `features.mode=engine` cannot go on (a worker's error, wrong features, too many deaths)."""
+    """The engine of `features.mode=engine` cannot go on (a worker's error, wrong features, too many deaths)."""
 
     exit_code = 9
 
@@ -99,14 +100,10 @@ class RunInterrupted(Eagle31Error):
 
 def report_to_launcher(message: str) -> None:
     """Under torchrun, `message` as this rank's error file (`@record`'s format): the root cause the agent reports."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
-    try:
-        Path(path).write_text(json.dumps(data))
-    except OSError:
-        pass  # the line is on stderr already
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with suppress(OSError):  # the line is on stderr already
+            Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
 
 
 def exit_now(line: str, code: int) -> NoReturn:

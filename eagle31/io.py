@@ -1,5 +1,5 @@
-"""Atomic files and directories, sha256, the ownership rule of output directories, the run lock, write errors as one
-line (docs/reliability.md): one module, as a swap's writer holds flock on its marker and the lock file is written atomically."""
+"""Atomic files and directories, the ownership rule of output directories, the run lock, write errors as one line
+(docs/reliability.md); one module, as a swap's writer flocks its marker and the lock file is written atomically."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ from typing import Any
 
 from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, InputError, OutputInUseError
 
+OUTPUT_MARKER = ".eagle31-output.json"
+SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
+LOCK_FILE = ".eagle31-lock"
+HELD_FILE = ".eagle31-lock.held"  # the lock where the filesystem has no `flock` (an NFS mount without locking)
+HEARTBEAT_S = 30.0  # how often the holder of a HELD_FILE lock touches it
+STALE_AFTER_S = 600.0  # a HELD_FILE untouched this long has lost its holder (a host gone, a clock far off)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+_NO_LINK = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
+_SWAPPED_OUT = re.compile(r"\.(.+)\.old-([0-9a-f]{8})")  # `atomic_dir`'s old directory, moved aside
+
 
 @contextmanager
 def atomic_path(dest: str | Path) -> Iterator[Path]:
@@ -40,11 +51,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, dest)
         fsync_dir(dest.parent)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-OUTPUT_MARKER = ".eagle31-output.json"
+        tmp_path.unlink(missing_ok=True)
 
 
 class ForeignDirectoryError(InputError):
@@ -61,7 +68,7 @@ def output_content(path: str | Path) -> str | None:
 
 def check_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, str] | None = None) -> None:
     """Refuse (naming what is there) to write `content` into `path` unless it is missing, empty, marked as `content`,
-    or holds nothing but `parts` (`{"<run>/data": "prepared-data"}`, what a run writes before claiming its directory)."""
+    or holds nothing but `parts` (`{"<run>/data": "prepared-data"}`: what a run writes before claiming it)."""
     path = Path(path)
     recover_swap(path)
     if path.exists() and not path.is_dir():
@@ -129,17 +136,14 @@ def recover_swap(dest: str | Path) -> None:
             else:
                 fsync_dir(dest.parent)
                 leftovers.append(new)
-                print(
-                    f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two "
-                    "renames",
-                    file=sys.stderr,
-                )
+                why = "a write replacing it was killed between its two renames"
+                print(f"warning: restored {dest} from {old.name}: {why}", file=sys.stderr)
     for leftover in leftovers:  # of swaps that have ended: none of them is in flight
         shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _old_outputs(dest: Path) -> list[Path]:
-    """The old outputs `atomic_dir` moved aside from `dest`; first the one whose swap was cut (its new directory there)."""
+    """The old outputs `atomic_dir` moved aside from `dest`, first the one of a cut swap (its new one still there)."""
     olds = [p for p in dest.parent.iterdir() if (m := _SWAPPED_OUT.fullmatch(p.name)) and m.group(1) == dest.name]
     return sorted(olds, key=lambda old: (not _swap_new(dest, old).is_dir(), old.name))
 
@@ -149,19 +153,12 @@ def _swap_new(dest: Path, old: Path) -> Path:
     return dest.with_name(f".{dest.name}.tmp-{old.name[-8:]}")
 
 
-SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
-
-
 @contextmanager
 def _swap_lock(new: Path) -> Iterator[None]:
     """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
     fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in _NO_FLOCK:
-                raise
+        _flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -169,12 +166,11 @@ def _swap_lock(new: Path) -> Iterator[None]:
 
 @contextmanager
 def _holding_swaps(dest: Path) -> Iterator[None]:
-    """Run the block once every swap of `dest` live processes make has ended, with none starting (their markers' flock)."""
+    """Run the block once the swaps of `dest` live processes make have ended, with none starting (markers' flock)."""
     prefix = f".{dest.name}.tmp-"
     with ExitStack() as held:
-        for new in sorted(
-            p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)
-        ):
+        swaps = [p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)]
+        for new in sorted(swaps):
             fd = _take_swap_lock(new, dest)
             if fd is not None:
                 held.callback(os.close, fd)  # releases the lock
@@ -190,7 +186,7 @@ def _take_swap_lock(new: Path, dest: Path) -> int | None:
     deadline = time.monotonic() + SWAP_WAIT_S
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(fd)  # without flock on the filesystem: no swap can be waited for
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
@@ -200,9 +196,7 @@ def _take_swap_lock(new: Path, dest: Path) -> int | None:
                     "wait for it to end, then rerun"
                 ) from None
             time.sleep(0.01)
-        except OSError as e:
-            if e.errno in _NO_FLOCK:
-                return fd
+        except OSError:
             os.close(fd)
             raise
 
@@ -210,22 +204,12 @@ def _take_swap_lock(new: Path, dest: Path) -> int | None:
 def check_writable(path: str | Path) -> None:
     """Refuse a directory `path` (maybe not there yet) that cannot be created or written, in one line."""
     path = Path(path).absolute()
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ForeignDirectoryError(f"cannot create {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "write to" if existing == path else f"create {path} in"
         raise FileAccessError(f"cannot {what} {existing}: permission denied")
-
-
-LOCK_FILE = ".eagle31-lock"
-HELD_FILE = ".eagle31-lock.held"  # the lock where the filesystem has no `flock` (an NFS mount without locking)
-HEARTBEAT_S = 30.0  # how often the holder of a HELD_FILE lock touches it
-STALE_AFTER_S = 600.0  # a HELD_FILE untouched this long has lost its holder (a host gone, a clock far off)
-_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
-_NO_LINK = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 
 
 @contextmanager
@@ -235,7 +219,14 @@ def hold_lock(directory: str | Path) -> Iterator[None]:
     directory = Path(directory)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        if _flock(fd, directory):
+        try:
+            locked = _flock(fd)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputInUseError(
+                f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
+            ) from None
+        if locked:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{_holder()}\n".encode(), 0)
             yield
@@ -250,19 +241,14 @@ def _holder() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}"
 
 
-def _flock(fd: int, directory: Path) -> bool:
-    """Take `flock` on `fd`; False when the filesystem does not support it."""
+def _flock(fd: int, flags: int = fcntl.LOCK_EX | fcntl.LOCK_NB) -> bool:
+    """`flock(fd, flags)`; False where the filesystem has no flock (`BlockingIOError`: another process holds it)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        raise OutputInUseError(
-            f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
-        ) from None
+        fcntl.flock(fd, flags)
     except OSError as e:
-        if e.errno in _NO_FLOCK:
-            return False
-        raise
+        if e.errno not in _NO_FLOCK:
+            raise
+        return False
     return True
 
 
@@ -270,13 +256,8 @@ def _flock(fd: int, directory: Path) -> bool:
 def _hold_lock_file(directory: Path) -> Iterator[None]:
     path = directory / HELD_FILE
     while True:
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pid_ns": _pid_namespace(),
-            "token": secrets.token_hex(16),
-            "holder": _holder(),
-        }
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
+              "token": secrets.token_hex(16), "holder": _holder()}  # fmt: skip
         if _create_lock_file(path, me):
             break
         holder, why_stale, identity = _stale_holder(path)
@@ -300,7 +281,7 @@ def _hold_lock_file(directory: Path) -> Iterator[None]:
 
 
 def _create_lock_file(path: Path, record: dict) -> bool:
-    """Hard-link the lock file `record` into place at `path` (atomic and exclusive on NFS too); False when one is there."""
+    """Hard-link the lock file `record` into place (atomic and exclusive on NFS too); False when one is there."""
     tmp = _unique_sibling(path)
     try:
         with open(tmp, "x") as f:
@@ -331,7 +312,7 @@ def _link(source: Path, name: Path) -> None:
 
 
 def _pid_namespace() -> str | None:
-    """This process's PID namespace (boot id, namespace inode), within which alone a pid means something; None off Linux."""
+    """This process's PID namespace (boot id, inode), within which alone a pid means something; None off Linux."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
@@ -348,17 +329,16 @@ def _read_holder(path: Path) -> dict | None:
 
 
 def _lock_identity(path: Path) -> tuple[tuple | None, dict | None]:
-    """(the identity of the lock file at `path`: inode, mtime and token; its record); (None, None) when none is there."""
+    """(the lock file's identity: inode, mtime and token; its record), or (None, None) when none is there."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             raw = f.read(65536)
     except FileNotFoundError:
         return None, None
-    try:
+    record = None
+    with suppress(ValueError):
         record = json.loads(raw)
-    except ValueError:
-        record = None
     record = record if isinstance(record, dict) else None
     return (st.st_ino, st.st_mtime_ns, (record or {}).get("token")), record
 
@@ -395,8 +375,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
-    """Remove the stale lock file judged as `identity` and nothing else (only the breaker that takes the claim named
-    after `identity` does, if the file it linked is the one judged); False when it is no longer there."""
+    """Remove the stale lock file judged as `identity` and nothing else (the one breaker holding the claim named after
+    it, if the file linked is the one judged); False when it is no longer there."""
     name = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
     dead: list[Path] = []
     while True:
@@ -472,10 +452,6 @@ def _unique_sibling(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
 
 
-_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
-_SWAPPED_OUT = re.compile(r"\.(.+)\.old-([0-9a-f]{8})")  # `atomic_dir`'s old directory, moved aside
-
-
 def fsync_dir(path: Path) -> None:
     with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -487,7 +463,7 @@ def fsync_dir(path: Path) -> None:
 
 @contextmanager
 def write_errors(what: str, kept: str) -> Iterator[None]:
-    """A write failing under the block for lack of space or permission: one line naming `what` and `kept` (exit 6, 5)."""
+    """A write failing under the block for lack of space (exit 6) or permission (5): one line naming `what`, `kept`."""
     try:
         yield
     except Eagle31Error:

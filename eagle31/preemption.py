@@ -1,5 +1,5 @@
-"""SIGTERM / SIGUSR1: stop after the current step with a checkpoint (docs/reliability.md), read by a thread from the
-wakeup fd, so that it acts even while the main thread waits in a collective whose peer is gone."""
+"""SIGTERM / SIGUSR1: stop after the step with a checkpoint (docs/reliability.md); read by a thread from the wakeup
+fd, so that it acts even while the main thread waits in a collective whose peer is gone."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ class StopSignals:
         deadline: float | None = None
         first: float | None = None
         stop_numbers = {int(s) for s in STOP_SIGNALS}
+        kept = f"exited at once: the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self._read], [], [], wait)
@@ -81,10 +82,8 @@ class StopSignals:
                 return
             if not ready:
                 assert self.received is not None  # the deadline is set with it
-                self._on_expire(
-                    f"the run did not stop within train.preempt_grace_s={self.grace_s:g} s of {self.received.name}; exited "
-                    f"at once: the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
-                )
+                grace = f"train.preempt_grace_s={self.grace_s:g} s of {self.received.name}"
+                self._on_expire(f"the run did not stop within {grace}; {kept}")
                 return
             for number in os.read(self._read, 64):
                 if number not in stop_numbers:
@@ -93,17 +92,10 @@ class StopSignals:
                 if first is not None and time.monotonic() - first < self.same_within_s:
                     continue  # the same request, delivered twice
                 if self.received is not None:
-                    self._on_expire(
-                        f"a second {name} while stopping on {self.received.name}; exited at once: "
-                        f"the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
-                    )
+                    self._on_expire(f"a second {name} while stopping on {self.received.name}; {kept}")
                     return
                 self.received = signal.Signals(number)
                 first = time.monotonic()
                 deadline = first + self.grace_s
-                print(
-                    f"warning: {name}: stopping after this step with a checkpoint (within {self.grace_s:g} s; "
-                    "a second signal exits at once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                said = f"stopping after this step with a checkpoint (within {self.grace_s:g} s"
+                print(f"warning: {name}: {said}; a second signal exits at once)", file=sys.stderr, flush=True)

@@ -1,5 +1,4 @@
-"""`FeatureBatch`: what the trainer consumes (tokens, loss masks, document ids, target features), packed or padded
-from `Sample`s; `TOKEN_COLUMNS`, the per-token columns every stage carries (docs/architecture.md, A per-token data field)."""
+"""`FeatureBatch`, what the trainer consumes, packed or padded from `Sample`s; `TOKEN_COLUMNS` (architecture.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class TokenColumn:
-    """How a per-token column is kept: its pyarrow type in a prepared split, its dtype in a store, its padding (int64
-    in samples and batches)."""
+    """How a per-token column is kept: pyarrow type when prepared, dtype in a store, padding (int64 in batches)."""
 
     arrow: str
     store: torch.dtype
@@ -78,8 +76,7 @@ def pack(samples: list[Sample]) -> FeatureBatch:
 
 
 def pad(samples: list[Sample]) -> FeatureBatch:
-    """One sample per row, right-padded to the longest (token columns with their `pad`, features with zeros);
-    padding has document id -1."""
+    """One sample per row, right-padded to the longest (columns with their `pad`, features 0, document id -1)."""
     B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
     first = samples[0]
     out = FeatureBatch(
@@ -113,8 +110,7 @@ def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureB
 
 
 def bucket_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices of `lengths` sorted by length (stable) and cut greedily into groups of padded size `B * max T` within
-    `budget` (a longer sample alone), shortest first."""
+    """Indices sorted by length (stable), cut greedily into groups of `B * max T` <= `budget`, shortest first."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for i in order:

@@ -1,10 +1,9 @@
-"""Target features of prepared rows (docs/design.md §2), from the HF target or an inference engine, and their capture
-into the store, split by split (`data_prep/capture.py`, and a run with `features.mode=store`)."""
+"""Target features of prepared rows (docs/design.md §2), from the HF target or an engine, captured into the store."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +19,16 @@ from eagle31.io import write_errors
 from eagle31.target import TargetFeatures, target_fingerprint
 
 
-def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
+def prepared_rows(dataset, ids: Iterable[int]) -> list[tuple[list[int], ...]]:
     """The token columns of rows `ids`, in `TOKEN_COLUMNS`' order (input_ids, loss_mask, ...)."""
     rows = dataset[[int(i) for i in ids]]
-    return list(zip(*(rows[name] for name in TOKEN_COLUMNS), strict=True))
+    return list(zip(*(rows[name] for name in TOKEN_COLUMNS), strict=False))
 
 
 def target_forward(
     feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(aux [T, n*Ht], final [T, Ht]) of each row, from length-sorted, right-padded batches of <= `batch_tokens` tokens
-    (which depend on the rows' lengths alone), in `token_rows`' order, views into each batch's output."""
+    """(aux [T, n*Ht], final [T, Ht]) of each row: views of length-sorted padded forwards of <= `batch_tokens`."""
     device = feats.model.get_input_embeddings().weight.device
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(token_rows)
     for group in bucket_by_length([len(ids) for ids in token_rows], batch_tokens):
@@ -95,7 +93,7 @@ class CaptureStats:
 
 @contextmanager
 def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
-    """token rows -> [(aux, final)]: the HF target's `target_forward`, or an `InferenceWorker`'s `features` (aux ids checked)."""
+    """token rows -> [(aux, final)]: the HF target's `target_forward`, or an inference worker's `features` (checked)."""
     if isinstance(target, nn.Module):
         with TargetFeatures(target, aux_layer_ids) as feats:
             yield lambda token_rows: target_forward(feats, token_rows, batch_tokens)
@@ -109,16 +107,9 @@ def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
 
 
 def capture_to_store(
-    target,
-    dataset,
-    writer: StoreWriter,
-    *,
-    batch_tokens: int,
-    rank: int = 0,
-    world_size: int = 1,
+    target, dataset, writer: StoreWriter, *, batch_tokens: int, rank: int = 0, world_size: int = 1
 ) -> CaptureStats:
-    """Capture this rank's unfinished shards of `writer`'s plan (its sample ids: rows of `dataset`) with `target`, the
-    HF model or an inference engine; a full disk or a denied write is one line, every recorded shard kept."""
+    """Capture this rank's unfinished shards of `writer`'s plan (rows of `dataset`); a write error is one line."""
     stats = CaptureStats()
     mine = range(rank, len(writer.plan), world_size)
     start = time.perf_counter()

@@ -68,14 +68,8 @@ class ChatTemplateError(ValueError):
 class ChatEncoder:
     """Conversations -> (input_ids, loss_mask) with a tokenizer's chat template; `reasoning` tallies what it saw."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        last_turn_only: bool = False,
-        system_prompt: str | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, tokenizer: Any, *, last_turn_only: bool = False, system_prompt: str | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):  # fmt: skip
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.tokenizer = tokenizer
@@ -116,9 +110,12 @@ class ChatEncoder:
         if full[: len(prompt)] == prompt:
             return len(prompt)
         # The generation prompt prefills a scaffold the recorded turn does not start with.
-        history = self._prefix_len(messages[:j], tools, full)
+        history = self._tokenize(self._render(messages[:j], tools, generation_prompt=False))
+        if full[: len(history)] != history:
+            detail = f"the render of the first {j} messages is not a prefix of the full render"
+            raise ChatTemplateError("unstable_template", detail)
         start = _common_prefix_len(prompt, full)
-        if start < history:
+        if start < len(history):
             raise ChatTemplateError("unstable_template", f"generation prompt of message {j} rewrites the history")
         return start
 
@@ -135,13 +132,6 @@ class ChatEncoder:
             if full[c : c + len(tail)] == tail:
                 return c + len(tail)
         raise ChatTemplateError("unstable_template", f"message {j} renders differently as the final turn")
-
-    def _prefix_len(self, messages: list[dict], tools: Any, full: list[int]) -> int:
-        ids = self._tokenize(self._render(messages, tools, generation_prompt=False))
-        if full[: len(ids)] != ids:
-            detail = f"the render of the first {len(messages)} messages is not a prefix of the full render"
-            raise ChatTemplateError("unstable_template", detail)
-        return len(ids)
 
     def _drop_unrendered_reasoning(self, messages: list[dict], tools: Any, full_text: str) -> list[dict]:
         """The messages without the reasoning whose removal leaves the full render unchanged; counted in `reasoning`."""
@@ -198,8 +188,7 @@ def think_markers(tokenizer) -> tuple[int, int] | None:
 def split_reasoning(
     prompt: list[int], reply: list[int], think: tuple[int, int] | None
 ) -> tuple[list[int] | None, list[int]]:
-    """(reasoning tokens or None, answer tokens) of a reply: reasoning up to `</think>` (all of it without one) when the
-    prompt leaves a think block open (Kimi's, DeepSeek-R1's) or the reply opens one."""
+    """(reasoning or None, answer) tokens of a reply: up to `</think>` if the prompt or reply opens a think block."""
     if think is None:
         return None, reply
     open_id, close_id = think

@@ -1,5 +1,4 @@
-"""Micro-batches of target features for the trainer: the epoch's plan, shuffled and split across ranks, from any
-`FeatureSource`, with a resumable position and a record of the samples consumed (docs/data.md, Batches)."""
+"""Micro-batches of target features for the trainer: planned, shuffled, split across ranks, resumable (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -51,16 +50,8 @@ def plan_epoch(lengths: np.ndarray, *, batching: str, tokens_per_batch: int, see
 class FeatureLoader:
     """This rank's micro-batches (`FeatureBatch`, on the source's device), epoch after epoch; resumable."""
 
-    def __init__(
-        self,
-        source: FeatureSource,
-        *,
-        batching: str = "pack",
-        tokens_per_batch: int = 4096,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
+    def __init__(self, source: FeatureSource, *, batching: str = "pack", tokens_per_batch: int = 4096, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):  # fmt: skip
         batching = choose(Batching, batching, "features.batching")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world_size {world_size}")
@@ -82,13 +73,8 @@ class FeatureLoader:
     def _rank_plan(self) -> list[np.ndarray | None]:
         """This rank's micro-batches of the current epoch (positions into the source; None = empty batch)."""
         if self._plan is None or self._plan[0] != self.epoch:
-            batches = plan_epoch(
-                self.source.lengths,
-                batching=self.batching,
-                tokens_per_batch=self.tokens_per_batch,
-                seed=self.seed,
-                epoch=self.epoch,
-            )
+            batches = plan_epoch(self.source.lengths, batching=self.batching, tokens_per_batch=self.tokens_per_batch,
+                                 seed=self.seed, epoch=self.epoch)  # fmt: skip
             rounds = -(-len(batches) // self.world_size)
             mine = range(self.rank, rounds * self.world_size, self.world_size)
             self._plan = (self.epoch, [batches[i] if i < len(batches) else None for i in mine])
@@ -107,8 +93,7 @@ class FeatureLoader:
         self.epoch, self.position = self.epoch + 1, 0
 
     def rewind(self) -> None:
-        """Back to the start of epoch 0: a held-out loader reads the same batches in the same order at every
-        evaluation, so an evaluation of a resumed run sums its losses as an uninterrupted run's does."""
+        """Back to epoch 0: every evaluation reads the held-out batches in the same order, resumed or not."""
         self.epoch, self.position = 0, 0
 
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
@@ -123,7 +108,6 @@ class FeatureLoader:
         return pack(samples) if self.batching == "pack" else pad(samples)
 
     def _record(self, ids: list[int]) -> None:
-        """Add the ids of a batch's samples to the consumed record."""
         chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(ids, dtype=np.int64).tobytes())
         self.consumed = {"samples": self.consumed["samples"] + len(ids), "sha256": chain.hexdigest()}
 
@@ -140,7 +124,7 @@ class FeatureLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a saved position (another world size: the same global batch if it divides, a new consumed record)."""
+        """Resume at a saved position (on another world size: the same global batch if it divides, a new record)."""
         for key in ("seed", "batching", "tokens_per_batch", "num_samples"):
             mine = self.state_dict()[key]
             if state[key] != mine:

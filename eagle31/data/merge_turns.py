@@ -12,9 +12,7 @@ class TurnMerger:
     """`merge(conversations)` yields the merged conversations; `read` counts the conversations that went in."""
 
     def __init__(self, max_conversations: int, seed: int):
-        self.max_conversations = max_conversations
-        self.seed = seed
-        self.read = 0
+        self.max_conversations, self.seed, self.read = max_conversations, seed, 0
 
     def merge(self, conversations: Iterable[Conversation]) -> Iterator[Conversation]:
         rng = random.Random(self.seed)

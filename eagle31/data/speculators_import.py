@@ -1,5 +1,4 @@
-"""Hidden states captured with vLLM by `speculators` (`hs_{i}.safetensors`) imported into the shard store (docs/data.md,
-vLLM captures)."""
+"""vLLM hidden states captured by `speculators` (`hs_{i}.safetensors`) into the shard store (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from eagle31.config import default_aux_layer_ids
 from eagle31.data.batch import Sample
 from eagle31.data.capture import CaptureStats
 from eagle31.data.store import StoreHeader, StoreWriter
-from eagle31.model import rms_norm
 from eagle31.errors import ConfigError, CorruptDataError
+from eagle31.model import rms_norm
 from eagle31.target import (
     check_aux_layer_ids,
     load_target_config,
@@ -29,13 +28,12 @@ from eagle31.target import (
     text_config,
 )
 
+_HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
+
 
 class Split(StrEnum):
     train = "train"
     eval = "eval"  # held out
-
-
-_HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
 
 
 def hidden_state_files(hs_dir: str | Path) -> dict[int, Path]:
@@ -58,19 +56,11 @@ def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
     return weight
 
 
-def import_speculators(
-    hs_dir: str | Path,
-    store_dir: str | Path,
-    *,
-    target_dir: str | Path,
-    target_name: str | None = None,
-    target_revision: str | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
-    dataset_dir: str | Path | None = None,
-    all_tokens: bool = False,
-    dtype: str = "bfloat16",
-    shard_max_tokens: int = 32768,
-) -> CaptureStats:
+def import_speculators(hs_dir: str | Path, store_dir: str | Path, *, target_dir: str | Path,
+                       target_name: str | None = None, target_revision: str | None = None,
+                       aux_layer_ids: Sequence[int] | None = None, dataset_dir: str | Path | None = None,
+                       all_tokens: bool = False, dtype: str = "bfloat16",
+                       shard_max_tokens: int = 32768) -> CaptureStats:  # fmt: skip
     """Convert `hs_dir`'s files into the store at `store_dir`, each checked first (resumable, like a capture)."""
     files = hidden_state_files(hs_dir)
     target = load_target_config(target_dir)
@@ -80,15 +70,8 @@ def import_speculators(
     check_aux_layer_ids(aux_ids, L)
     dataset = _load_rows(dataset_dir) if dataset_dir else None
     lengths = np.array([_check(path, i, len(aux_ids) + 1, Ht, dataset, all_tokens) for i, path in files.items()])
-    header = StoreHeader(
-        target_name=target_name or str(target_dir),
-        target_revision=target_revision,
-        num_layers=L,
-        hidden_size=Ht,
-        aux_layer_ids=aux_ids,
-        dtype=dtype,
-        target_fingerprint=target_fingerprint(target_dir),
-    )
+    fingerprint = target_fingerprint(target_dir)
+    header = StoreHeader(target_name or str(target_dir), target_revision, L, Ht, aux_ids, dtype, fingerprint)
     writer = StoreWriter(store_dir, header, np.array(list(files)), lengths, shard_max_tokens)
     weight = final_norm_weight(target_dir)
     stats, start = CaptureStats(), time.perf_counter()

@@ -1,5 +1,4 @@
-"""The shard store: target features on disk, its writer, reader and checks (the format: docs/design.md §6). One module,
-as all three are the one on-disk format."""
+"""The shard store of target features: writer, reader and checks, one on-disk format (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -26,25 +25,20 @@ from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 from eagle31.target import target_shape
 
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float8": torch.float8_e4m3fn}  # fmt: skip
+_FP8_MAX = 448.0  # largest finite float8 e4m3fn
+_OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
+_SHARD_FILE = re.compile(r"shard-\d{6}\.safetensors")
+
 
 class StoreDtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
     float8 = "float8"  # e4m3 with per-row scales
-
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-STORE_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8": torch.float8_e4m3fn,
-}
-_FP8_MAX = 448.0  # largest finite float8 e4m3fn
-_OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
-_SHARD_FILE = re.compile(r"shard-\d{6}\.safetensors")
 
 
 class StoreMismatchError(ConfigError):
@@ -103,15 +97,9 @@ def target_identity(target: Any) -> str:
     return str(target.name or target.builtin or target.path)
 
 
-def check_store_compatible(
-    store_dir: str | Path,
-    target_config: dict,
-    aux_layer_ids: Sequence[int],
-    *,
-    target_name: str,
-    target_revision: str | None,
-    target_fingerprint: str,
-) -> None:
+def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer_ids: Sequence[int], *,
+                           target_name: str, target_revision: str | None,
+                           target_fingerprint: str) -> None:  # fmt: skip
     """Refuse the stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
     L, Ht = target_shape(target_config)
     want = {
@@ -135,16 +123,10 @@ def store_state(root: str | Path) -> str:
 
 
 class StoreWriter:
-    """One rank's shards of a store, planned from the split's `sample_ids` and `lengths` (recorded: a restart over other
-    data is refused); `StoreMismatchError` before any work if `root` holds a store made otherwise."""
+    """One rank's shards of a store, planned from the split's ids and lengths; a store made otherwise is refused."""
 
     def __init__(
-        self,
-        root: str | Path,
-        header: StoreHeader,
-        sample_ids: np.ndarray,
-        lengths: np.ndarray,
-        shard_max_tokens: int,
+        self, root: str | Path, header: StoreHeader, sample_ids: np.ndarray, lengths: np.ndarray, shard_max_tokens: int
     ):
         if shard_max_tokens <= 0:
             raise ConfigError(f"features.shard_max_tokens must be positive, got {shard_max_tokens}")
@@ -167,17 +149,8 @@ class StoreWriter:
         self._create_or_check()
 
     @classmethod
-    def for_dataset(
-        cls,
-        root: str | Path,
-        dataset,
-        target_config: dict,
-        aux_layer_ids: Sequence[int],
-        target: Any,
-        features: Any,
-        *,
-        fingerprint: str,
-    ) -> StoreWriter:
+    def for_dataset(cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any,
+                    features: Any, *, fingerprint: str) -> StoreWriter:  # fmt: skip
         """The writer for capturing a prepared split; `target` / `features` are the recipe's sections."""
         L, Ht = target_shape(target_config)
         header = StoreHeader(
@@ -207,7 +180,7 @@ class StoreWriter:
         data = self.root / shard_name(index)
         return data.exists() and data.stat().st_size == _read_json(record_path)["bytes"]
 
-    def write_shard(self, index: int, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict:
+    def write_shard(self, index: int, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict:
         """Write shard `index` atomically, then its record; returns the record."""
         if list(sample_ids) != [int(i) for i in self.plan[index]]:
             raise ValueError(f"shard {index}: samples {list(sample_ids)}, planned {self.plan[index].tolist()}")
@@ -225,7 +198,7 @@ class StoreWriter:
         atomic_write_json(self.root / _record_name(name), record)
         return record
 
-    def _pack(self, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    def _pack(self, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         h = self.header
         aux = torch.cat([s.aux for s in samples]).cpu()  # [N, n*Ht]
         final = torch.cat([s.final for s in samples]).cpu()  # [N, Ht]
@@ -275,8 +248,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 class FeatureStore:
-    """The samples of a store, memory-mapped: `sample_ids` [S] ascending, `lengths` [S]; features in `dtype` (default: the
-    stored one, bfloat16 for float8), None for a sample of a corrupt shard skipped (`skip_corrupt`)."""
+    """A store's samples, memory-mapped, features in `dtype`; None for those of a skipped corrupt shard."""
 
     def __init__(self, root: str | Path, *, dtype: torch.dtype | None = None, skip_corrupt: bool = False):
         self.root = Path(root)
@@ -284,8 +256,7 @@ class FeatureStore:
         if not path.is_file():
             raise ConfigError(f"no feature store at {self.root} ({MANIFEST} missing); run data_prep/capture.py first")
         manifest = _read_json(path)
-        if manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version")
+        if (version := manifest.get("format_version")) != FORMAT_VERSION:
             raise ConfigError(f"{path}: format_version {version!r}, this reader knows {FORMAT_VERSION}")
         fields_ = {f.name for f in dataclasses.fields(StoreHeader)}
         self.header = StoreHeader(**{k: v for k, v in manifest.items() if k in fields_})

@@ -1,5 +1,4 @@
-"""One of several choices per conversation from the seed and its index: `data.system_prompts`, and the draw
-`data.chat_template_variants` use too (docs/data.md, Prepared samples)."""
+"""A choice per conversation, drawn from the seed and its index: `data.system_prompts`, template variants."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ def draw_system_prompt(prompts: list[str], seed: int, index: int) -> str | None:
 
 
 def draw_for_conversation(choices: list, seed: int, index: int, what: str):
-    """One of `choices` for conversation `index`, from a hash of `what` (each draws on its own), the seed and the index."""
+    """One of `choices` for conversation `index`, from a hash of `what` (each its own draw), the seed and the index."""
     if not choices:
         return None
     digest = hashlib.blake2b(f"{what}/{seed}/{index}".encode(), digest_size=8).digest()

@@ -1,4 +1,4 @@
-"""What answers one request: the target in this process (`HFBackend`) or an OpenAI-compatible server (`EndpointBackend`)."""
+"""What answers one request: the target in this process (`HFBackend`), or an OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,7 @@ _MAX_BACKOFF_S = 30.0
 
 
 class HFBackend:
-    """The target in this process: `complete` (thread-safe) queues a prompt for a thread that runs up to `batch_size`
-    in one left-padded `generate`, each row sampled with its own seed, so that a reply does not depend on its batch."""
+    """The target in-process: thread-safe `complete`s batched into one `generate`, each row with its own seed."""
 
     gather_s = 0.02  # how long the batcher waits for more prompts after the first
 
@@ -97,7 +97,7 @@ class HFBackend:
                 for _, _, future in batch:
                     future.set_exception(e)
                 continue
-            for (_, _, future), reply in zip(batch, replies):
+            for (_, _, future), reply in zip(batch, replies, strict=False):
                 future.set_result(reply)
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
@@ -121,7 +121,7 @@ class HFBackend:
                 logits_processor=LogitsProcessorList(sampling),
             )
         replies = []
-        for prompt, row in zip(prompts, out[:, width:].tolist()):  # [B, <= max_new_tokens]
+        for prompt, row in zip(prompts, out[:, width:].tolist(), strict=False):  # [B, <= max_new_tokens]
             end = next((n for n, t in enumerate(row) if t in self.eos), None)
             tokens = row if end is None else row[:end]
             reasoning, answer = split_reasoning(prompt, tokens, self.think)
@@ -132,8 +132,7 @@ class HFBackend:
 
 
 class _RowSeededSampling:
-    """Sampling as a logits processor: argmax of log-probs / temperature + Gumbel noise within the top-p nucleus, each
-    row's noise from its own generator."""
+    """Sampling as a logits processor: Gumbel-max within the top-p nucleus, each row's noise from its generator."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device):
         import torch
@@ -160,8 +159,7 @@ class _Transient(Exception):
 
 
 class EndpointBackend:
-    """An OpenAI-compatible server (`POST <base_url>/chat/completions`, its template); `complete` is one request
-    (thread-safe), retried after `backoff_s * 2**attempt` s (at most 30) while a wait may fix it (docs/regeneration.md)."""
+    """An OpenAI-compatible server; `complete` (thread-safe) retries while a wait may fix it (regeneration.md)."""
 
     def __init__(self, base_url: str, settings: Settings, *, model: str | None = None, concurrency: int = 16,
                  timeout_s: float = 1800.0, retries: int = 3, backoff_s: float = 1.0, restart_window_s: float = 0.0,
@@ -222,10 +220,8 @@ class EndpointBackend:
                 now = time.monotonic()
                 first_failure = first_failure if first_failure is not None else now
                 if attempt >= self.retries and now - first_failure >= self.restart_window_s:
-                    raise RegenerateError(
-                        f"{self.base_url}/chat/completions failed {attempt + 1} times over {now - first_failure:.0f} s: "
-                        f"{e}"
-                    ) from None
+                    failed = f"failed {attempt + 1} times over {now - first_failure:.0f} s"
+                    raise RegenerateError(f"{self.base_url}/chat/completions {failed}: {e}") from None
                 time.sleep(min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S))
         raise AssertionError("unreachable")
 
@@ -254,10 +250,9 @@ class EndpointBackend:
 
 def _error_message(error: urllib.error.HTTPError) -> str:
     """The server's error text: vLLM's `{"error": {"message": ...}}`, an older flat `{"message": ...}`, or the body."""
-    try:
+    raw = ""
+    with suppress(OSError):
         raw = error.read().decode("utf-8", "replace")
-    except OSError:
-        raw = ""
     try:
         obj = json.loads(raw)
         inner = obj.get("error", obj) if isinstance(obj, dict) else obj

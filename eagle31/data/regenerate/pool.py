@@ -1,5 +1,4 @@
-"""`regenerate`: one pool of requests across this rank's missing shards, the first request first, a shard written
-when its every conversation is done."""
+"""`regenerate`: one pool of requests over this rank's missing shards, a shard written once all its answers are in."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ class _Shard:
 
     def stats(self) -> tuple[list[dict], ShardStats]:
         stats = ShardStats()
-        for conv, outcome in zip(self.conversations, self.outcomes):
+        for conv, outcome in zip(self.conversations, self.outcomes, strict=False):
             stats.add(outcome, conv.where)  # type: ignore[arg-type]  # every outcome is in once the shard is done
         stats.seconds = time.monotonic() - (self.started or time.monotonic())
         stats.input_sha256 = input_sha256(self.conversations)
@@ -32,8 +31,7 @@ class _Shard:
 
 
 class _FirstRequestGate:
-    """One request first, the others waiting up to `wait_s` for its answer (an engine refuses a request at once, so one
-    still running was accepted): a server refusing every request stops the run after one. `stop`: no more requests."""
+    """One request first, the others waiting up to `wait_s` for it: a server refusing all stops the run after one."""
 
     def __init__(self, wait_s: float = 1.0):
         self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
@@ -65,8 +63,7 @@ class _Stopped(Exception):
 
 
 class _DaemonPool:
-    """`workers` daemon threads running submitted calls: unlike ThreadPoolExecutor's, an interrupted
-    run exits at once instead of waiting at interpreter exit for requests still in flight."""
+    """Daemon threads running calls: unlike ThreadPoolExecutor's, an interrupted run exits without waiting on them."""
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,18 +93,10 @@ class _DaemonPool:
                     future.set_exception(e)
 
 
-def regenerate(
-    conversations: Iterable[Conversation],
-    backend,
-    out_dir: str | Path,
-    settings: Settings,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: Callable[[int], None] = lambda n: None,
-) -> dict[str, int]:
-    """Write this rank's missing shards of `out_dir` (`prepare_output`), `backend.workers` conversations in flight at a
-    time; {"written", "skipped"} shards. `progress(n)`: the conversations of each shard finished or skipped."""
+def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Path, settings: Settings, *,
+               rank: int = 0, world_size: int = 1,
+               progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:  # fmt: skip
+    """Write this rank's missing shards of `out_dir` (`prepare_output`); the counts of shards written and skipped."""
     out = Path(out_dir)
     counts = {"written": 0, "skipped": 0}
     chunks = list(shards(conversations, settings.shard_size))

@@ -52,10 +52,7 @@ def shard_name(index: int) -> str:
 
 def shards(conversations: Iterable[Conversation], size: int) -> Iterator[tuple[int, list[Conversation]]]:
     it = iter(conversations)
-    index = 0
-    while chunk := list(islice(it, size)):
-        yield index, chunk
-        index += 1
+    yield from enumerate(iter(lambda: list(islice(it, size)), []))
 
 
 def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, Any]) -> Path:
@@ -82,16 +79,13 @@ def input_sha256(conversations: list[Conversation]) -> str:
     """The content of a shard's input: its conversations' messages and tools, in order."""
     h = hashlib.sha256()
     for conv in conversations:
-        h.update(
-            json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False).encode()
-        )
-        h.update(b"\n")
+        record = {"messages": conv.messages, "tools": conv.tools}
+        h.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode() + b"\n")
     return h.hexdigest()
 
 
 def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], size: int) -> None:
-    """Refuse to resume over finished shards not of these conversations (an edited source: old replies to new
-    conversations, or shards beyond the source's), or of an older eagle31, which recorded no `input_sha256`."""
+    """Refuse to resume over finished shards of other conversations (an edited source) or an older eagle31's."""
     for index, chunk in chunks:
         if not shard_done(out, index):
             continue
