@@ -14,7 +14,7 @@ Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the t
 turn, turn by turn, with `data.system_prompt` (or one of `data.system_prompts` per conversation,
 drawn from `regenerate.seed`) and `data.chat_template_kwargs` (the prompt training renders; with
 `data.chat_template_variants`, one variant drawn per conversation, kept in its record for prepare), and
-writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+writes `regenerate.output_dir` (docs/regeneration.md):
 `conversations/` is the `data.source` of the next step. Rerunning resumes: finished
 shards are kept. Bad settings, and a server refusing requests, stop with one line and
 exit code 2 before any shard is written; a server still down after
