@@ -1,33 +1,10 @@
-"""The demo target: a small Llama trained from scratch on the demo corpus.
+"""The demo target: a small Llama trained from scratch on the demo corpus (docs/demo_target.md).
 
     path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
     build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
-    demo_corpus_dir()                      # <target>/corpus/{train,heldout,other_system,long_prompt}.jsonl
 
-A build (1) writes the conversation splits of `eagle31.targets.demo_corpus`, (2)
-trains a byte-level BPE on the training split, (3) trains `LlamaForCausalLM` on
-the training conversations, merged into multi-turn documents of up to 1536
-tokens (every token; length-bucketed padded batches), (4) measures it on the
-held-out and long-prompt splits and (5) saves a normal HF model folder:
-`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`, `chat_template.jinja`, `corpus/*.jsonl` and
-`build_info.json` (versions, recipe and the metrics; see docs/demo_target.md).
-
-Chat format (`DEMO_CHAT_TEMPLATE`): `<|bos|>`, then each message as
-`<|{role}|>\\n{content}<|end|>` (a default system prompt if none is given), and
-`add_generation_prompt` appends `<|assistant|>\\n`. `<|end|>` is the eos token, so
-an assistant turn is exactly `{content}<|end|>`, and rendering a conversation's
-prefix with the generation prompt gives a prefix of the full rendering (loss
-masks can be derived by rendering growing prefixes).
-
-Progress: the build takes minutes and happens once per cache key; it logs (logger
-`eagle31.targets.demo`, INFO) that it is building and where it caches, one line per
-phase and, while training, the step, loss and ETA. The CLIs show these lines.
-
-Determinism: a fixed seed, a fixed thread count and deterministic algorithms give
-byte-identical files on the same machine and software versions. The corpus
-depends on the Python version (the standard library differs), so the cache key
-and `build_info.json` record it; other CPUs may round differently.
+Deterministic: a fixed seed, thread count and deterministic algorithms give byte-identical files on one machine and
+software version; the build logs one line per phase (logger `eagle31.targets.demo`, INFO).
 """
 
 from __future__ import annotations
@@ -110,7 +87,8 @@ def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
 
     def build(tmp: Path) -> None:
         log.info(
-            "building the demo target, once: it is cached in %s and reused by later runs (a few minutes on 2 CPU cores)",
+            "building the demo target, once: it is cached in %s and reused by later runs "
+            "(a few minutes on 2 CPU cores)",
             cache_dir() / "targets",
         )
         build_demo_target(tmp, seed=seed, recipe=recipe)
@@ -258,13 +236,8 @@ def token_ids(tokenizer, conversations: list[dict], add_generation_prompt: bool 
 
 
 def training_documents(tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> list[list[int]]:
-    """The target's training sequences: runs of 1..`max_turns` training conversations.
-
-    Each run is merged into one multi-turn conversation of at most `max_len` tokens,
-    so the target learns positions and earlier turns far beyond one conversation
-    (the long-prompt split needs both), while `train.jsonl`, what a drafter
-    trains on, stays single-turn and short.
-    """
+    """The target's training sequences: runs of 1..`max_turns` training conversations, each merged into one
+    multi-turn conversation of at most `max_len` tokens (the long-prompt split needs long contexts)."""
     lengths = [len(x) for x in token_ids(tokenizer, conversations)]
     rng = random.Random(seed)
     runs, i = [], 0
@@ -281,7 +254,8 @@ def training_documents(tokenizer, conversations: list[dict], recipe: DemoRecipe,
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by length so that each padded batch holds at most `batch_tokens`."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for i in order:
         if current and (len(current) + 1) * lengths[i] > batch_tokens:
             batches.append(current)
@@ -351,14 +325,8 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) -> dict[str, float]:
-    """Quality on the last assistant answer of each conversation (what a drafter learns to draft).
-
-    `loss`: mean NLL (nats) of the answer tokens (its `<|end|>` included) given the
-    conversation so far; `top1`: teacher-forced argmax accuracy on them;
-    `greedy_prefix_match`: mean number of leading answer tokens that greedy
-    decoding reproduces exactly; `greedy_token_match`: the fraction of the first
-    `eval_greedy_tokens` answer tokens that greedy decoding reproduces in place.
-    """
+    """Quality on the last assistant answer of each conversation: loss, top-1, greedy prefix and token match
+    (docs/demo_target.md, "Measured quality")."""
     model.eval()
     ids = token_ids(tokenizer, conversations)
     prompt_lens = [len(p) for p in token_ids(tokenizer, [_prompt(c) for c in conversations], True)]
@@ -377,7 +345,7 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
     prefix_match, token_match = [], []
     for i in range(min(recipe.eval_greedy_prompts, len(ids))):
         ref = ids[i][prompt_lens[i] :][: recipe.eval_greedy_tokens]
-        same = [a == b for a, b in zip(greedy(model, ids[i][: prompt_lens[i]], len(ref)), ref)]
+        same = [a == b for a, b in zip(greedy(model, ids[i][: prompt_lens[i]], len(ref)), ref, strict=False)]
         same += [False] * (len(ref) - len(same))  # stopped early
         prefix_match.append(same.index(False) if False in same else len(same))
         token_match.append(sum(same) / len(ref))
