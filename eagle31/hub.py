@@ -1,18 +1,7 @@
-"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload.
+"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md).
 
-`write_model_card` renders README.md (YAML metadata: `base_model` = the target,
-`library_name`, `license`, `tags`) from the export's config.json, read through its layout
-(`eagle31.layouts`: what the layout and the attention kind say of themselves), the run's config and
-its `report.json` (`tau_sim`, per-step `acc`, `tokens_seen`, `steps`, and an optional
-`acceptance` block from real speculative decoding), and the prepared data's report
-(sample and token counts). The card is published, so it names datasets and a local
-target by their last path component only, never by a path on the training machine. `push_folder` uploads the folder
-with `huggingface_hub.create_repo` + `upload_folder`. The upload is a single commit, so
-a failure leaves nothing half-published. Any failure becomes a one-line `HubError`.
-
-The token comes from the caller, `HF_TOKEN` or the `hf auth login` cache
-(`huggingface_hub.get_token`). It is never printed, logged or written, and it is
-scrubbed from error messages.
+The card names datasets and a local target by their last path component only. The token (the caller's, `HF_TOKEN`
+or `hf auth login`'s) is never printed, logged or written, and is scrubbed from errors (one-line `HubError`s).
 """
 
 from __future__ import annotations
@@ -74,16 +63,14 @@ def read_data_report(run_dir: str | Path | None, run_config: dict[str, Any] | No
 
 
 def public_name(name: str) -> str:
-    """How a published card names a model: a Hub id as it is, a local path by its last component (the rest
-    of the path says where the user keeps it, which is theirs)."""
+    """How a published card names a model: a Hub id as it is, a local path by its last component."""
     if _REPO_ID.match(name) and not (name.startswith((".", "~", "/")) or Path(name).expanduser().exists()):
         return name
     return _last_component(name)
 
 
 def dataset_name(source: str) -> str:
-    """How a published card names a data source: `demo:<split>` as it is, a file or folder by its own name
-    (sources are local paths, eagle31.data.sources)."""
+    """How a published card names a data source: `demo:<split>` as it is, a file or folder by its own name."""
     return source if source.startswith("demo:") else _last_component(source)
 
 
@@ -119,6 +106,8 @@ def render_model_card(
         tags=list(hub.get("tags") or ["eagle3", "eagle3.1", "speculative-decoding", "vllm"]),
     )
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
+    w = drafter["sliding_window"]
+    window = [f"* attention: a sliding window of {w} positions (`layer_types`), served as trained"] if w else []
     flags = ", ".join(f"`{f}={str(drafter[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
     lines = [
         "---",
@@ -136,13 +125,7 @@ def render_model_card(
         + (" (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""),
         f"* target features: hidden states at the input of decoder layers {list(drafter['aux_layer_ids'])} "
         "(vLLM's convention)",
-        *(
-            [
-                f"* attention: a sliding window of {drafter['sliding_window']} positions (`layer_types`), served as trained"
-            ]
-            if drafter["sliding_window"]
-            else []
-        ),
+        *window,
         "",
         "## Serving with vLLM",
         "",
@@ -288,10 +271,8 @@ def push_folder(
     dry_run: bool = False,
     token: str | None = None,
 ) -> list[str]:
-    """Upload the export folder to the model repo `repo_id` (created if needed); returns the files sent.
-
-    dry_run: touch nothing remote, only return what would be sent.
-    """
+    """Upload the export folder to the model repo `repo_id` (created if needed) in one commit; returns the files sent
+    (with `dry_run`, touching nothing remote)."""
     check_repo_id(repo_id)
     read_export(out_dir)
     files = upload_list(out_dir)

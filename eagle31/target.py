@@ -1,37 +1,12 @@
-"""The target model: its config, shape, weights, identity and features, in one place.
+"""The target model: everything eagle31 reads of it (config, shape, single tensors, fingerprints, the model, features).
 
-A target is a Hugging Face causal LM saved as a directory (config.json, safetensors,
-tokenizer). Everything eagle31 reads of it goes through here:
+`TargetFeatures` keeps the drafter's inputs with forward pre-hooks: `aux`, the hidden states at the *input* of decoder
+layers `aux_layer_ids` (vLLM's convention), concatenated in id order, and `final`, the input of `lm_head`; the L+1
+hidden states are never all kept (docs/design.md §2):
 
-- `load_target_config`, `text_config` / `target_shape`: its config.json; the language model's config, unwrapped from a
-  multimodal wrapper such as Kimi K2.6 (which nests it under `text_config`); (L, Ht).
-- `read_target_tensor` / `read_target_embeddings`: single tensors from the
-  safetensors files, without loading the model (a Kimi-scale target is a terabyte;
-  the trainer needs only its embedding and lm_head, [V, Ht] each), under any of the
-  usual prefixes (`model.`, `language_model.`); tied embeddings: lm_head falls back
-  to the embedding.
-- `target_fingerprint`: identifies the target whose features a store holds, beyond
-  its name: two checkpoints of one shape (a base model and its fine-tune, two random
-  demo targets, one whose single layer differs) get different fingerprints, so a store is never
-  trained on with another target. It sees every tensor without reading the checkpoint: a few
-  bytes of each.
-  `tokenizer_fingerprint` does the same for its tokenizer files; `target_fingerprints` gives both, as an
-  inference worker's description and the trainer's expectation of it (`eagle31.engine.worker`) name them.
-- `load_target` / `inference_device_and_dtype`: the model itself, for capture, online
-  features and evaluation.
-- `TargetFeatures`: forward pre-hooks that keep the drafter's inputs. `aux`
-  concatenates the hidden states at the *input* of the decoder layers
-  `aux_layer_ids` (vLLM convention: id k = HF `output_hidden_states[k]`, checked by
-  `check_aux_layer_ids`), in id order; `final` is the input of `lm_head` (post final
-  norm). Only these tensors are kept, so the `L+1` hidden states are never materialised:
-
-      with TargetFeatures(model, aux_layer_ids) as feats:
-          out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
-          aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for that forward's positions
-
-  (`final` covers the positions lm_head sees: HF's `logits_to_keep`, which `generate`
-  sets to 1 at prefill, narrows it.) `feats.capture(input_ids, mask)` runs a forward
-  that stops at lm_head's input, so no `[B, T, V]` logits are built.
+    with TargetFeatures(model, aux_layer_ids) as feats:
+        out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
+        aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for the positions lm_head saw (`logits_to_keep`)
 """
 
 from __future__ import annotations
@@ -39,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -66,8 +42,9 @@ _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when
 # What `AutoTokenizer.from_pretrained` reads from a folder: the fast tokenizer, its config and special tokens, the
 # slow tokenizers' vocabularies (BPE, WordPiece, SentencePiece, tiktoken) and the chat template saved beside them.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-    "vocab.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja",
+    "chat_template.json",
 )  # fmt: skip
 
 
@@ -134,22 +111,15 @@ def read_target_tensor(
 
 
 def read_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V, Ht], lm_head [V, Ht]) of the target at `target_dir`."""
+    """(embedding [V, Ht], lm_head [V, Ht]) of the target at `target_dir`; tied: the embedding as lm_head."""
     embed = read_target_tensor(target_dir, EMBED_NAMES)
     lm_head = read_target_tensor(target_dir, LM_HEAD_NAMES, required=False)
     return embed, (embed if lm_head is None else lm_head)
 
 
 def target_fingerprint(target_dir) -> str:
-    """sha256 of the target's config.json (less path and version keys) and of every tensor of its safetensors files:
-    its name, dtype and shape, and `_FINGERPRINT_WINDOW` bytes at each of `_FINGERPRINT_WINDOWS` evenly spaced places
-    of its data (a small tensor: all of it).
-
-    Every tensor, so a checkpoint whose one layer differs is told apart; a few bytes of each, so a terabyte
-    checkpoint costs a few reads per tensor, not a read of its weights. A change confined to bytes between the
-    sampled places (a single element edited by hand) passes; training, merging or quantising changes them all.
-    The tensors are taken by name, so the same weights split into other files have the same fingerprint.
-    """
+    """sha256 of the target's config.json (less path and version keys) and of every tensor, by name: its dtype, shape
+    and `_FINGERPRINT_WINDOWS` windows of its bytes (a small tensor: all of it). Why: docs/engine.md."""
     target_dir = Path(target_dir)
     config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
@@ -187,14 +157,7 @@ def _sampled_places(begin: int, end: int) -> list[tuple[int, int]]:
 
 
 def tokenizer_fingerprint(target_dir) -> str:
-    """sha256 of the tokenizer files (`TOKENIZER_FILES`) in the target's folder: each present file's name and bytes.
-
-    The files, not the loaded vocabulary: an inference worker never loads a tokenizer (vLLM's runs with
-    `skip_tokenizer_init`), some need remote code to load (Kimi's tiktoken), and the files hold everything that
-    gives a token id its meaning (vocabulary, merges, added and special tokens). Copies of one checkpoint have the
-    same files; a tokenizer re-saved by another transformers version may not, and is told apart too: copy the
-    folder to another node, do not re-save it.
-    """
+    """sha256 of the tokenizer files (`TOKENIZER_FILES`) in the target's folder: each present file's name and bytes."""
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:
         path = Path(target_dir) / name
@@ -224,10 +187,7 @@ def load_target(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> nn.Module:
-    """The target at `path` in eval mode without gradients.
-
-    On `device`, or spread over devices by `device_map` (e.g. "auto") when set.
-    """
+    """The target at `path` in eval mode without gradients, on `device` or spread by `device_map` (e.g. "auto")."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -265,7 +225,7 @@ def load_target_tokenizer(path: str | Path):
 
 
 def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`device` / `dtype` of an inference run, `auto` meaning CUDA in bfloat16 when there is one, else CPU in float32."""
+    """`device` / `dtype` of an inference run; `auto`: CUDA in bfloat16 when there is one, else CPU in float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -299,7 +259,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -> None:
-    """Aux ids are distinct, increasing decoder-layer inputs `0 <= k < L` (vLLM convention); `who` prefixes the error."""
+    """Aux ids are distinct, increasing decoder-layer inputs `0 <= k < L` (vLLM's convention); `who` prefixes errors."""
     if not ids or list(ids) != sorted(set(ids)):
         raise ConfigError(f"{who}aux_layer_ids must be distinct and increasing, got {list(ids)}")
     bad = [k for k in ids if not 0 <= k < num_layers]
@@ -308,7 +268,7 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -
 
 
 class TargetFeatures:
-    """Hooks that capture `aux` and `final` from the forwards of `model`; see the module docstring."""
+    """Hooks that capture `aux` and `final` from the forwards of `model` (module docstring)."""
 
     def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
         self.model = model
@@ -327,7 +287,7 @@ class TargetFeatures:
         self._aux: list[torch.Tensor | None] = [None] * len(self._layers)
         self._final: torch.Tensor | None = None
 
-    def __enter__(self) -> "TargetFeatures":
+    def __enter__(self) -> TargetFeatures:
         for slot, layer in enumerate(self._layers):
             hook = partial(self._on_layer_input, slot)
             self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -378,7 +338,7 @@ class TargetFeatures:
     def capture(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A forward that stops at lm_head's input; returns `pop()`'s (aux, final)."""
+        """A forward that stops at lm_head's input, so no [B, T, V] logits are built; returns `pop()`'s (aux, final)."""
         self._stop = True
         try:
             self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -1,12 +1,7 @@
-"""The layouts an exported drafter is written in and read back from (`export.formats`, `Layout`).
+"""The layouts an exported drafter is written in and read back from: `LAYOUTS`, the one list of export formats.
 
-    eagle3       the EAGLE-3 HF layout vLLM reads (`layouts/eagle3.py`)
-    speculators  the `speculators` library's layout, which vLLM >= 0.25 also serves (`layouts/speculators.py`)
-
-`LAYOUTS` is the one list of export formats: the recipe's choices (`ExportFormat`, `DrafterFormat`), detection
-(`layout_of_config`), reading (`source_layout`) and the model card (`eagle31.hub`) all ask it. A new layout is a
-module here with its `Layout` and its line below; `export_drafter` and `load_drafter` also take a `Layout`
-object itself (docs/architecture.md, "How to add").
+The recipe's choices (`ExportFormat`, `DrafterFormat`), detection, reading and the model card all ask it; a new
+layout is a module here and its line below (docs/architecture.md, "How to add").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves.
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves (docs/export.md).
 
-`config.json`: `speculators_model_type: eagle3`, the proposal settings, the target as `verifier`, the decoder
-layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags), the EAGLE fields
-also at the top level; weights `layers.0.*`. The embedding is written by default and the target must be
-named; only Llama and Qwen3 layers can be carried; a missing `norm_before_residual` reads as true. Why,
-release by release: docs/export.md.
+Weights `layers.0.*`; the layer in `transformer_layer_config`; the embedding written by default; the target named.
 """
 
 from __future__ import annotations
@@ -50,7 +46,8 @@ class SpeculatorsLayout(Layout):
             warnings.warn(
                 f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM "
                 f'0.33) refuses: serve it as `vllm serve {target} --speculative-config \'{{"method": "eagle3", '
-                "\"model\": <export>}'`, or give target.name the target's Hub id"
+                "\"model\": <export>}'`, or give target.name the target's Hub id",
+                stacklevel=2,
             )
 
     def config(
