@@ -39,11 +39,8 @@ def load_drafter(
     aux_layer_ids: Sequence[int] | None = None,
     target_num_layers: int | None = None,
 ) -> Eagle31Drafter:
-    """Load a drafter directory of any format eagle31 reads (docs/export.md, "Reading the ecosystem's drafters").
-
-    source_format: "auto", "eagle31", a layout's or a dialect's name (`eagle31.layouts.source_formats`), or a `Layout`.
-    norm_output, aux_layer_ids (vLLM convention), target_num_layers: override what the checkpoint says or lacks.
-    """
+    """Load a drafter directory of any format eagle31 reads (`source_format`: auto, eagle31, `source_formats()` or a
+    `Layout`); norm_output, aux_layer_ids (vLLM's convention), target_num_layers override what the checkpoint says."""
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
     if fmt == NATIVE:
@@ -134,9 +131,6 @@ def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Draft
     return new
 
 
-# ----------------------------------------------------------------------- config
-
-
 def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
     """The source format of a checkpoint from its config.json (docs/export.md: the order of the tests)."""
     if meta.get("format") == NATIVE_FORMAT:
@@ -176,9 +170,8 @@ def drafter_config(
     target_num_layers: int | None = None,
     ids_already_shifted: bool = False,
 ) -> DrafterConfig:
-    """A `DrafterConfig` from a foreign config.json of format `fmt`: what its layout states (`Layout.read`), in the
-    source's conventions (aux ids, norm_output) and with the overrides; `ids_already_shifted`: its "output of layer k"
-    ids are already vLLM's."""
+    """A `DrafterConfig` from a foreign config.json of format `fmt` (`Layout.read`), in the source's conventions and
+    with the overrides; `ids_already_shifted`: its "output of layer k" ids are already vLLM's."""
     values = source_layout(fmt).read(meta)
     ids = values["aux_layer_ids"]
     if fmt in _OUTPUT_OF_LAYER_IDS and not ids_already_shifted:
@@ -223,9 +216,6 @@ def _specforge_norm_output(meta: dict[str, Any]) -> bool:
         stacklevel=2,
     )
     return False  # pre-fix SpecForge fed back the pre-norm state
-
-
-# ---------------------------------------------------------------------- weights
 
 
 def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:

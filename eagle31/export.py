@@ -46,13 +46,9 @@ def export_drafter(
     overwrite: bool = False,
     source: str | Path | None = None,
 ) -> Path:
-    """Write `drafter` to `out_dir` in `format` (a layout's name, or a `Layout`); returns `out_dir`.
-
-    dtype: of the floating-point weights. include_embed: write the embedding; None: the layout's default.
-    trained_context: the longest training sequence (`data.max_len`). num_speculative_tokens: the k a layout keeps.
-    target_name_or_path: default the drafter config's. overwrite: replace an earlier export. source: the directory the
-    drafter was read from, which `out_dir` must not be or contain.
-    """
+    """Write `drafter` to `out_dir` in `format` (a layout's name, or a `Layout`); returns `out_dir`. include_embed None:
+    the layout's default; trained_context: `data.max_len`; source: the drafter's directory, which `out_dir` must not be
+    or hold."""
     out = Path(out_dir)
     check_export_out(out, overwrite=overwrite, source=source)
     config = export_config(
@@ -68,9 +64,6 @@ def export_drafter(
         atomic_save_safetensors(tensors, tmp / WEIGHTS_NAME, save_file, metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
     return out
-
-
-# ----------------------------------------------------------------------- weights
 
 
 def export_tensors(
@@ -140,9 +133,6 @@ def check_vocab_maps(drafter: Eagle31Drafter) -> None:
         raise ConfigError("t2d disagrees with d2t: it must mark exactly the draft vocabulary's target ids")
 
 
-# ------------------------------------------------------------------------ config
-
-
 def export_config(
     config: DrafterConfig,
     format: str | Layout,
@@ -168,9 +158,6 @@ def export_config(
     check_rope_reading(config)
     layout.check(config, target)
     return layout.config(config, dtype=dtype, trained_context=trained_context, num_speculative_tokens=k, target=target)
-
-
-# ----------------------------------------------------------------------- checks
 
 
 def check_rope_reading(config: DrafterConfig) -> None:

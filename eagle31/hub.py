@@ -28,9 +28,6 @@ class HubError(RuntimeError):
     """A Hub operation failed; the message is one line and holds no secret."""
 
 
-# ------------------------------------------------------------------ model card
-
-
 def read_export(out_dir: str | Path) -> dict[str, Any]:
     """The config.json of an eagle31 export folder; refuses anything else."""
     out = Path(out_dir)
@@ -248,9 +245,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(_cell(v) for v in value)
     return str(value)
-
-
-# ---------------------------------------------------------------------- upload
 
 
 def upload_list(out_dir: str | Path) -> list[str]:

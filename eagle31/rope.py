@@ -153,10 +153,8 @@ def ambiguity(
     fields: dict[str, tuple[str, ...]],
     quantities: str,
 ) -> str | None:
-    """None when the supported vLLM releases read `rope` as the same rope; otherwise which fields they read
-    differently, naming the releases, in one line. `reading(rope, release)`: the numbers (`quantities`) that
-    release makes of a yarn block, reading `fields[release]` (a drafter attention kind's: `llama_yarn_reading`,
-    `deepseek_yarn_scales`)."""
+    """None when the supported vLLM releases read `rope` alike, else one line naming the fields they read differently;
+    `reading(rope, release)`: the numbers (`quantities`) a release makes of a yarn block, reading `fields[release]`."""
     if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):
         return None
     readings = {release: reading(rope, release) for release in VLLM_RELEASES}

@@ -185,8 +185,6 @@ class EagleProposer:
         kept_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], kept_parents)
         return DraftTree(tokens[keep], kept_parents)
 
-    # ------------------------------------------------------------------ pieces
-
     def _check_ready(self) -> None:
         if self.root is None:
             raise RuntimeError("EagleProposer: call extend() with the verified context before drafting")

@@ -108,10 +108,8 @@ def split_mass(
 
 @torch.no_grad()
 def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int], count: int) -> torch.Tensor:
-    """The `count` positions of tokens [T] the target's attention attends to most at its aux layers
-    (`layer_ids`, whose inputs the drafter reads): attention received, averaged over heads, layers and
-    the queries that see the position (causal). [count] ascending. The target runs eager attention
-    for this forward (its weights are explicit there), then its own implementation again."""
+    """[count] ascending: the positions of tokens [T] that the target's aux layers attend to most (attention received,
+    averaged over heads, layers and the queries that see it), from one forward with eager attention."""
     T = tokens.numel()
     received = torch.zeros(T, dtype=torch.float64)
     layers = target.get_decoder().layers
@@ -306,20 +304,12 @@ def live_view(
 
 
 def diagnose(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 512,
-    target_sinks: Sequence[torch.Tensor] | None = None,
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], config: DriftConfig, eos_token_ids: Sequence[int], sinks
 ) -> dict[str, dict[str, Any]]:
-    """Both views of one drafter on one split's traces: view -> summary."""
-    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                target_sinks=target_sinks)  # fmt: skip
-    ttt = ttt_view(drafter, traces, pack_tokens=pack_tokens, **args).summary()
+    """Both views of one drafter on one split's traces (`sinks`: their `target_sink_positions`): view -> summary."""
+    args = dict(depth=config.depth, sink_tokens=config.sink_tokens, max_new_tokens=config.max_new_tokens,
+                eos_token_ids=eos_token_ids, target_sinks=sinks)  # fmt: skip
+    ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
     live, acceptance, error = live_view(drafter, traces, **args)
     summary = acceptance.summary()
     return {
@@ -411,11 +401,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
             sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
-            views = diagnose(
-                drafter, traces, depth=config.depth, sink_tokens=config.sink_tokens,
-                max_new_tokens=config.max_new_tokens, eos_token_ids=eos, pack_tokens=config.pack_tokens,
-                target_sinks=sinks,
-            )  # fmt: skip
+            views = diagnose(drafter, traces, config, eos, sinks)
             live = views["live"]
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
                 f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip

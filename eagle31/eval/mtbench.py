@@ -92,11 +92,8 @@ def select_questions(questions: Sequence[MTBenchQuestion], max_per_category: int
 
 
 def long_histories(tokenizer, conversations: Sequence[Conversation], count: int, min_tokens: int) -> list[list[dict]]:
-    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`.
-
-    Only user and assistant messages are kept, each conversation cut after its last assistant message, so the history
-    alternates and the question follows as a user turn.
-    """
+    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`; their
+    user and assistant messages, each cut after its last assistant message, so a question follows as a user turn."""
     turns = []
     for conv in conversations:
         messages = [
@@ -151,11 +148,8 @@ def trace_mt_bench(
     histories: Sequence[list[dict]] | None = None,
     template_kwargs: dict | None = None,
 ) -> list[MTBenchTurn]:
-    """Both turns of every question, decoded once by the target; turn `j` sees its answers to turns < j.
-
-    `histories[i]` comes before question `i`'s first turn (after the system prompt); `template_kwargs` go to every
-    render. Each trace runs `draft_len` tokens past `max_new_tokens`, as far as a last round may draft.
-    """
+    """Both turns of every question, decoded once by the target (turn `j` sees its answers to turns < j), each
+    `draft_len` tokens past `max_new_tokens`; `histories[i]` comes before question `i` (after the system prompt)."""
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
     think = think_markers(tokenizer)

@@ -30,11 +30,8 @@ class Generation:
 
 @dataclass
 class GreedyTrace:
-    """The target's greedy decoding of one prompt, with its features at every position but the last.
-
-    tokens [n + L + 1]: the prompt (n tokens), then the continuation; aux [n + L, n_aux*Ht]. The target's choice
-    after position p is tokens[p + 1].
-    """
+    """The target's greedy decoding of one prompt: tokens [n + L + 1] (the prompt, then its choice after each
+    position) and its features aux [n + L, n_aux*Ht] at every position but the last."""
 
     prompt_len: int
     tokens: torch.Tensor
@@ -66,11 +63,8 @@ class TargetRunner:
         return aux, logits[-1:].argmax(-1)
 
     def verify(self, root: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Run `[root, tree tokens]` (root [1]: the last verified token, not yet cached) and keep the accepted path.
-
-        Returns the accepted node indices (root to leaf), the bonus token [1] and the aux features [a+1, ·] of root +
-        accepted nodes, now the cache's newest positions.
-        """
+        """Run `[root [1] (not yet cached), tree tokens]`, keep the accepted path; -> (its node indices, the bonus token
+        [1], aux [a+1, ·] of root + accepted nodes, now the cache's newest positions)."""
         past = self.cache.get_seq_length()
         inputs = torch.cat([root.view(1), tree.tokens])[None]  # [1, N+1]
         if tree.is_chain():  # plain causal attention is the chain's tree mask
@@ -204,11 +198,8 @@ def speculative_generate(
     tree: TreeSpec | None = None,
     eos_token_ids=(),
 ) -> Generation:
-    """Greedy speculative decoding of input_ids [n] with chains of `k` drafts or draft trees (`tree`).
-
-    `target` is the model, or a `GreedyTrace` of its decoding of input_ids at least `max_new_tokens` + the draft
-    depth long, to replay.
-    """
+    """Greedy speculative decoding of input_ids [n] with chains of `k` drafts or draft trees; `target` is the model, or
+    a `GreedyTrace` of its decoding of input_ids (at least `max_new_tokens` + the draft depth long) to replay."""
     k = draft_length(k, tree)
     eos = set(eos_token_ids)
     start = time.perf_counter()

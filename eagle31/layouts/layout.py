@@ -80,31 +80,19 @@ class Layout(ABC):
         return f"<layout {self.name}>"
 
 
-# ------------------------------------------------------------------------ writing
-
-
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
     """The decoder layer as an HF config: the kind's fields (`AttentionKind.layer_fields`), then every kind's."""
     max_positions, rope = max_positions_and_rope(config, trained_context)
     return {
         **config.kind.layer_fields(config),
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": max_positions,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": max_positions,
         **rope_fields(rope),
         **sliding_window_fields(config),
-        "vocab_size": config.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": dtype,  # transformers >= 5
-        "torch_dtype": dtype,  # transformers 4 and older vLLM
-    }
+        "vocab_size": config.vocab_size, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "dtype": dtype, "torch_dtype": dtype,  # transformers >= 5; transformers 4 and older vLLM
+    }  # fmt: skip
 
 
 def max_positions_and_rope(config: DrafterConfig, trained_context: int | None) -> tuple[int, dict[str, Any]]:
@@ -168,9 +156,6 @@ def provenance(config: DrafterConfig, target: str | None) -> dict[str, Any]:
             "target_architectures": list(config.target_architectures),
         }
     }
-
-
-# ------------------------------------------------------------------------ reading
 
 
 def read_layer(layer: dict[str, Any]) -> dict[str, Any]:

@@ -61,21 +61,15 @@ class SpeculatorsLayout(Layout):
             "speculators_model_type": "eagle3",
             "speculators_config": {
                 "algorithm": "eagle3",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": num_speculative_tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
             },
             "transformer_layer_config": layer,
             **eagle_fields(config),
             **provenance(config, target),
-        }
+        }  # fmt: skip
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
         methods = (meta.get("speculators_config") or {}).get("proposal_methods") or []

@@ -204,21 +204,13 @@ def new_model(tokenizer, recipe: DemoRecipe):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_hidden_layers,
-        num_attention_heads=recipe.num_attention_heads,
-        num_key_value_heads=recipe.num_key_value_heads,
-        head_dim=recipe.hidden_size // recipe.num_attention_heads,
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers, num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads, head_dim=recipe.hidden_size // recipe.num_attention_heads,
         max_position_embeddings=recipe.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
     model = LlamaForCausalLM(config)
     model.generation_config.do_sample = False
     return model
@@ -309,14 +301,8 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == recipe.steps - 1:
             eta = (time.perf_counter() - started) / (step + 1) * (recipe.steps - step - 1)
-            log.info(
-                "demo target [3/%d] step %d/%d, loss %.3f, ETA %s",
-                BUILD_PHASES,
-                step + 1,
-                recipe.steps,
-                loss.item(),
-                _clock(eta),
-            )
+            log.info("demo target [3/%d] step %d/%d, loss %.3f, ETA %s", BUILD_PHASES, step + 1, recipe.steps,
+                     loss.item(), _clock(eta))  # fmt: skip
     model.eval()
 
 
@@ -329,7 +315,8 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
     (docs/demo_target.md, "Measured quality")."""
     model.eval()
     ids = token_ids(tokenizer, conversations)
-    prompt_lens = [len(p) for p in token_ids(tokenizer, [_prompt(c) for c in conversations], True)]
+    prompts = [{"messages": c["messages"][:-1]} for c in conversations]
+    prompt_lens = [len(p) for p in token_ids(tokenizer, prompts, True)]
     nll, correct, count = 0.0, 0, 0
     for batch in length_batches([len(x) for x in ids], recipe.batch_tokens):
         input_ids, attention_mask = pad([ids[i] for i in batch], tokenizer.pad_token_id)
@@ -356,10 +343,6 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
         "greedy_token_match": round(sum(token_match) / max(1, len(token_match)), 4),
         "answer_tokens": count,
     }
-
-
-def _prompt(conversation: dict) -> dict:
-    return {"messages": conversation["messages"][:-1]}
 
 
 @torch.no_grad()

@@ -107,9 +107,6 @@ def _function(module: str, prefix: str, node: ast.FunctionDef, lines: list[str])
     return Function(module, prefix + node.name, signature, summary, code)
 
 
-# ------------------------------------------------------------------ conversations
-
-
 def request(fn: Function, rng: random.Random) -> str:
     summary_lc = fn.summary[:1].lower() + fn.summary[1:]
     return rng.choice(_REQUESTS).format(
