@@ -51,13 +51,9 @@ def load_drafter(
             drafter = _with_config(drafter, dataclasses.replace(drafter.config, **overrides))
     else:
         config = drafter_config(
-            meta,
-            fmt,
-            norm_output=norm_output,
-            aux_layer_ids=aux_layer_ids,
-            target_num_layers=target_num_layers,
+            meta, fmt, norm_output=norm_output, aux_layer_ids=aux_layer_ids, target_num_layers=target_num_layers,
             ids_already_shifted=_ids_already_shifted(meta, fmt, path),
-        )
+        )  # fmt: skip
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path, source_layout(fmt)), path)
     reason = drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters)

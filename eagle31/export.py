@@ -52,13 +52,9 @@ def export_drafter(
     out = Path(out_dir)
     check_export_out(out, overwrite=overwrite, source=source)
     config = export_config(
-        drafter.config,
-        format,
-        dtype=dtype,
-        trained_context=trained_context,
-        num_speculative_tokens=num_speculative_tokens,
-        target_name_or_path=target_name_or_path,
-    )
+        drafter.config, format, dtype=dtype, trained_context=trained_context,
+        num_speculative_tokens=num_speculative_tokens, target_name_or_path=target_name_or_path,
+    )  # fmt: skip
     tensors = export_tensors(drafter, format, dtype=dtype, include_embed=include_embed)
     with atomic_dir(out, EXPORT_CONTENT) as tmp:
         atomic_save_safetensors(tensors, tmp / WEIGHTS_NAME, save_file, metadata={"format": "pt"})

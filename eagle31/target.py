@@ -192,12 +192,9 @@ def load_target(
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype),
-        device_map=device_map or None,
-        trust_remote_code=trust_remote_code,
-        **kwargs,
-    )
+        path, dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype), device_map=device_map or None,
+        trust_remote_code=trust_remote_code, **kwargs,
+    )  # fmt: skip
     if not device_map:
         model.to(device)
     return model.eval().requires_grad_(False)
@@ -205,13 +202,8 @@ def load_target(
 
 def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Module:
     """`load_target` as a recipe's `target` section asks (its dtype, device_map, trust_remote_code)."""
-    return load_target(
-        target_dir,
-        device,
-        dtype=section.dtype,
-        device_map=section.device_map,
-        trust_remote_code=section.trust_remote_code,
-    )
+    return load_target(target_dir, device, dtype=section.dtype, device_map=section.device_map,
+                       trust_remote_code=section.trust_remote_code)  # fmt: skip
 
 
 def load_target_tokenizer(path: str | Path):
@@ -315,7 +307,7 @@ class TargetFeatures:
         if self._final is None or any(a is None for a in self._aux):
             raise RuntimeError("no complete forward was captured since the last pop()")
         final = self._final
-        aux = torch.cat([a.to(final.device) for a in self._aux], dim=-1)
+        aux = torch.cat([a.to(final.device) for a in self._aux if a is not None], dim=-1)
         self._reset()
         return aux, final
 

@@ -94,15 +94,9 @@ def evaluate(
     for i, prompt in enumerate(prompts):
         ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
         generation = speculative_generate(
-            target if traces is None else traces[i],
-            proposer,
-            ids,
-            aux_layer_ids=aux_layer_ids,
-            max_new_tokens=max_new_tokens,
-            k=k,
-            tree=tree,
-            eos_token_ids=eos_token_ids,
-        )
+            target if traces is None else traces[i], proposer, ids, aux_layer_ids=aux_layer_ids,
+            max_new_tokens=max_new_tokens, k=k, tree=tree, eos_token_ids=eos_token_ids,
+        )  # fmt: skip
         stats.add(generation, len(prompt))
     return stats
 
@@ -188,6 +182,8 @@ class EvalArgs:
     drafter: str
     target: str
     chat_template_kwargs: str | None
+    device: str
+    dtype: str
 
     @property
     def drafters(self) -> dict[str, str]:
@@ -202,6 +198,13 @@ class EvalArgs:
     def splits(self) -> dict[str, str]:
         """split name -> JSONL prompt file."""
         return {}
+
+    def settings(self, **settings: Any) -> dict[str, Any]:
+        """A report's settings: the target and drafters (`portable_path`), `settings`, then the device and dtype."""
+        device, dtype = inference_device_and_dtype(self.device, self.dtype)
+        drafters = {label: portable_path(p) for label, p in self.drafters.items()}
+        return {"target": portable_path(self.target), "drafters": drafters, **settings, "device": str(device),
+                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
 
     def check_paths(self) -> None:
         """Refuse malformed template options, a missing target or drafter directory, or a missing prompt file."""
@@ -333,16 +336,10 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
                     target, prompts, aux_layer_ids=aux, length=config.max_new_tokens + draft_len
                 )
             stats = evaluate(
-                target,
-                EagleProposer(drafter),
-                prompts,
-                aux_layer_ids=drafter.config.aux_layer_ids,
-                max_new_tokens=config.max_new_tokens,
-                k=None if tree else config.k,
-                tree=tree,
-                eos_token_ids=eos,
+                target, EagleProposer(drafter), prompts, aux_layer_ids=drafter.config.aux_layer_ids,
+                max_new_tokens=config.max_new_tokens, k=None if tree else config.k, tree=tree, eos_token_ids=eos,
                 traces=traces.get((split, aux)),
-            )
+            )  # fmt: skip
             summary = stats.summary()
             log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
             results.append({"drafter": label, "split": split, **summary})
@@ -352,20 +349,11 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
 def report_settings(config: AcceptanceConfig) -> dict[str, Any]:
     """The settings of `config`'s report: the drafters, and what must match for two reports' tau to compare."""
     tree = config.tree
-    device, dtype = inference_device_and_dtype(config.device, config.dtype)
-    return {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "data": {split: portable_path(p) for split, p in config.splits.items()},
-        "mode": "tree" if tree else "chain",
-        "k": None if tree else config.k,
-        "tree": asdict(tree) if tree else None,
-        "max_new_tokens": config.max_new_tokens,
-        "max_prompts": config.max_prompts,
-        "verification": str(config.verification),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    return config.settings(
+        data={split: portable_path(p) for split, p in config.splits.items()}, mode="tree" if tree else "chain",
+        k=None if tree else config.k, tree=asdict(tree) if tree else None, max_new_tokens=config.max_new_tokens,
+        max_prompts=config.max_prompts, verification=str(config.verification),
+    )  # fmt: skip
 
 
 def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str) -> None:

@@ -42,7 +42,7 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
     results = report["results"]
     splits = list(dict.fromkeys(r["split"] for r in results))
     fig = Figure(figsize=(4.2 * len(splits), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(splits), sharey=True, squeeze=False)[0]
+    axes: Any = fig.subplots(1, len(splits), sharey=True, squeeze=False)[0]  # Axes; matplotlib says a bare ndarray
     positions = range(1, max(len(r["acceptance_rate"]) for r in results) + 1)
     for ax, split in zip(axes, splits, strict=True):
         for r in (r for r in results if r["split"] == split):

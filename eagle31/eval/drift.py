@@ -408,24 +408,17 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
             for view, summary in views.items():
                 results.append({"drafter": label, "split": split, "view": view, "prompts": len(traces),
                                 "mean_prompt_tokens": sum(lengths) / len(lengths), **summary})  # fmt: skip
-    settings = {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "drafter_settings": {label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
-                                     "attention": d.config.attention} for label, d in drafters.items()},
-        "data": {split: portable_path(p) for split, p in config.splits.items()},
-        "mt_bench": None if questions is None else {
+    settings = config.settings(
+        drafter_settings={label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
+                                  "attention": d.config.attention} for label, d in drafters.items()},
+        data={split: portable_path(p) for split, p in config.splits.items()},
+        mt_bench=None if questions is None or config.questions is None else {
             "questions": portable_path(config.questions), "turns": sum(len(q.turns) for q in questions),
             "max_per_category": config.max_per_category, "system_prompt": config.system_prompt,
             "history": portable_path(config.history) if config.history else None,
             "history_tokens": config.history_tokens if config.history else None,
         },
-        "depth": config.depth,
-        "sink_tokens": config.sink_tokens,
-        "target_sinks": config.target_sinks,
-        "max_new_tokens": config.max_new_tokens,
-        "max_prompts": config.max_prompts,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }  # fmt: skip
+        depth=config.depth, sink_tokens=config.sink_tokens, target_sinks=config.target_sinks,
+        max_new_tokens=config.max_new_tokens, max_prompts=config.max_prompts,
+    )  # fmt: skip
     return {"settings": settings, "results": results}

@@ -57,7 +57,7 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
     splits = list(dict.fromkeys(r["split"] for r in rows))
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     fig = Figure(figsize=(4.4 * len(splits), 9.5), layout="constrained")
-    axes = fig.subplots(3, len(splits), squeeze=False, sharex=True)
+    axes: Any = fig.subplots(3, len(splits), squeeze=False, sharex=True)  # Axes; matplotlib says a bare ndarray
     width = 0.8 / max(len(drafters), 1)
     colors = {"sink": "tab:blue", "context": "tab:gray", "own": "tab:red"}
     hatches = ["", "//", "..", "xx", "--", "oo"]

@@ -247,24 +247,16 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
             log(f"{label} / {mode}: tau {stats[ALL].summary()['tau']:.3f} over {stats[ALL].rounds} rounds")
             for category, s in stats.items():
                 results.append({"drafter": label, "mode": mode, "split": category, **s.summary()})
-    settings = {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "questions": portable_path(config.questions),
-        "questions_used": len(questions),
-        "skipped_records": rejects.to_dict(),
-        "modes": {m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
-        "max_new_tokens": config.max_new_tokens,
-        "max_per_category": config.max_per_category,
-        "system_prompt": config.system_prompt,
-        "chat_template_kwargs": config.template_kwargs,
-        "history": portable_path(config.history) if config.history else None,
-        "history_tokens": config.history_tokens if config.history else None,
-        "verification": "replayed on the target's greedy decoding of each turn",
-        "target_decoding_seconds": target_seconds,  # the results' `seconds` are the drafters' alone
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    settings = config.settings(
+        questions=portable_path(config.questions), questions_used=len(questions), skipped_records=rejects.to_dict(),
+        modes={m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
+        max_new_tokens=config.max_new_tokens, max_per_category=config.max_per_category,
+        system_prompt=config.system_prompt, chat_template_kwargs=config.template_kwargs,
+        history=portable_path(config.history) if config.history else None,
+        history_tokens=config.history_tokens if config.history else None,
+        verification="replayed on the target's greedy decoding of each turn",
+        target_decoding_seconds=target_seconds,  # the results' `seconds` are the drafters' alone
+    )  # fmt: skip
     return {"settings": settings, "results": results}
 
 

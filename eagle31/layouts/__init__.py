@@ -33,10 +33,8 @@ def layout_of_config(meta: dict[str, Any]) -> Layout:
     return next(marked, LAYOUTS[UNMARKED])
 
 
-AUTO, NATIVE = (
-    "auto",
-    "eagle31",
-)  # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+# the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+AUTO, NATIVE = "auto", "eagle31"
 
 
 def source_formats() -> list[str]:
@@ -53,7 +51,9 @@ def source_layout(format: str | Layout) -> Layout:
 
 # a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
 # layout or a layout's dialect (`eagle31.layouts.source_formats`)
-DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__)
+DrafterFormat = StrEnum(  # type: ignore[misc]  # its members come from LAYOUTS, known at run time
+    "DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__
+)
 
 
-ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # eagle31.layouts
+ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # type: ignore[misc]  # as above

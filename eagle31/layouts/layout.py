@@ -166,18 +166,13 @@ def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
     attention = DrafterAttention.of_layer(layer)
     parsed, values = KINDS[attention].read_layer(layer)
     return dict(
-        attention=attention,
-        **values,
-        hidden_size=parsed.hidden_size,
-        num_attention_heads=parsed.num_attention_heads,
-        intermediate_size=parsed.intermediate_size,
-        rms_norm_eps=float(parsed.rms_norm_eps),
+        attention=attention, **values, hidden_size=parsed.hidden_size, num_attention_heads=parsed.num_attention_heads,
+        intermediate_size=parsed.intermediate_size, rms_norm_eps=float(parsed.rms_norm_eps),
         hidden_act=parsed.hidden_act,
         rope_parameters=rope_parameters_from(layer),  # transformers keeps a legacy `type` key
-        max_position_embeddings=parsed.max_position_embeddings,
-        vocab_size=parsed.vocab_size,
+        max_position_embeddings=parsed.max_position_embeddings, vocab_size=parsed.vocab_size,
         sliding_window=served_sliding_window(layer),
-    )
+    )  # fmt: skip
 
 
 def read_eagle(meta: dict[str, Any], layer: dict[str, Any], switch_defaults: dict[str, bool]) -> dict[str, Any]:

@@ -125,19 +125,12 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
     _phase(5, "saving")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    atomic_write_json(
-        out / "build_info.json",
-        {
-            "name": "eagle31-demo",
-            "build_version": DEMO_BUILD_VERSION,
-            "seed": seed,
-            "python_version": platform.python_version(),
-            "torch_version": torch.__version__,
-            "recipe": dataclasses.asdict(recipe),
-            "splits": {name: len(rows) for name, rows in splits.items()},
-            "metrics": metrics,
-        },
-    )
+    atomic_write_json(out / "build_info.json", {
+        "name": "eagle31-demo", "build_version": DEMO_BUILD_VERSION, "seed": seed,
+        "python_version": platform.python_version(), "torch_version": torch.__version__,
+        "recipe": dataclasses.asdict(recipe), "splits": {name: len(rows) for name, rows in splits.items()},
+        "metrics": metrics,
+    })  # fmt: skip
     log.info("demo target built in %s", _clock(time.perf_counter() - started))
     return out
 

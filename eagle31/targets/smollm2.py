@@ -57,17 +57,10 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     del loaded
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    atomic_write_json(
-        out / "build_info.json",
-        {
-            "name": gguf_file.stem,
-            "build_version": SMOLLM2_BUILD_VERSION,
-            "source": gguf_file.name,
-            "source_sha256": sha256_file(gguf_file),
-            "dtype": "float32",
-            "transformers_version": metadata.version("transformers"),
-            "gguf_version": metadata.version("gguf"),
-            "python_version": platform.python_version(),
-        },
-    )
+    atomic_write_json(out / "build_info.json", {
+        "name": gguf_file.stem, "build_version": SMOLLM2_BUILD_VERSION, "source": gguf_file.name,
+        "source_sha256": sha256_file(gguf_file), "dtype": "float32",
+        "transformers_version": metadata.version("transformers"), "gguf_version": metadata.version("gguf"),
+        "python_version": platform.python_version(),
+    })  # fmt: skip
     return out
