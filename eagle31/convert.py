@@ -30,15 +30,10 @@ _IGNORED_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 
 def load_drafter(
-    path: str | Path,
-    *,
-    source_format: str | Layout = "auto",
-    device: str | torch.device = "cpu",
-    upgrade_to_eagle31: bool = False,
-    norm_output: bool | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
+    path: str | Path, *, source_format: str | Layout = "auto", device: str | torch.device = "cpu",
+    upgrade_to_eagle31: bool = False, norm_output: bool | None = None, aux_layer_ids: Sequence[int] | None = None,
     target_num_layers: int | None = None,
-) -> Eagle31Drafter:
+) -> Eagle31Drafter:  # fmt: skip
     """Load a drafter directory of any format eagle31 reads (`source_format`: auto, eagle31, `source_formats()` or a
     `Layout`); norm_output, aux_layer_ids (vLLM's convention), target_num_layers override what the checkpoint says."""
     path = Path(path)
@@ -69,12 +64,9 @@ def load_drafter(
 
 
 def read_drafter_config(
-    path: str | Path,
-    *,
-    source_format: str | Layout = "auto",
-    upgrade_to_eagle31: bool = False,
+    path: str | Path, *, source_format: str | Layout = "auto", upgrade_to_eagle31: bool = False,
     target_num_layers: int | None = None,
-) -> DrafterConfig:
+) -> DrafterConfig:  # fmt: skip
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
@@ -158,14 +150,9 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
 
 
 def drafter_config(
-    meta: dict[str, Any],
-    fmt: str | Layout,
-    *,
-    norm_output: bool | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
-    target_num_layers: int | None = None,
-    ids_already_shifted: bool = False,
-) -> DrafterConfig:
+    meta: dict[str, Any], fmt: str | Layout, *, norm_output: bool | None = None,
+    aux_layer_ids: Sequence[int] | None = None, target_num_layers: int | None = None, ids_already_shifted: bool = False,
+) -> DrafterConfig:  # fmt: skip
     """A `DrafterConfig` from a foreign config.json of format `fmt` (`Layout.read`), in the source's conventions and
     with the overrides; `ids_already_shifted`: its "output of layer k" ids are already vLLM's."""
     values = source_layout(fmt).read(meta)

@@ -34,18 +34,10 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 
 def export_drafter(
-    drafter: Eagle31Drafter,
-    out_dir: str | Path,
-    format: str | Layout = "eagle3",
-    *,
-    dtype: str = "bfloat16",
-    include_embed: bool | None = None,
-    trained_context: int | None = None,
-    num_speculative_tokens: int = 3,
-    target_name_or_path: str | None = None,
-    overwrite: bool = False,
-    source: str | Path | None = None,
-) -> Path:
+    drafter: Eagle31Drafter, out_dir: str | Path, format: str | Layout = "eagle3", *, dtype: str = "bfloat16",
+    include_embed: bool | None = None, trained_context: int | None = None, num_speculative_tokens: int = 3,
+    target_name_or_path: str | None = None, overwrite: bool = False, source: str | Path | None = None,
+) -> Path:  # fmt: skip
     """Write `drafter` to `out_dir` in `format` (a layout's name, or a `Layout`); returns `out_dir`. include_embed None:
     the layout's default; trained_context: `data.max_len`; source: the drafter's directory, which `out_dir` must not be
     or hold."""
@@ -130,14 +122,9 @@ def check_vocab_maps(drafter: Eagle31Drafter) -> None:
 
 
 def export_config(
-    config: DrafterConfig,
-    format: str | Layout,
-    *,
-    dtype: str = "bfloat16",
-    trained_context: int | None = None,
-    num_speculative_tokens: int = 3,
-    target_name_or_path: str | None = None,
-) -> dict[str, Any]:
+    config: DrafterConfig, format: str | Layout, *, dtype: str = "bfloat16", trained_context: int | None = None,
+    num_speculative_tokens: int = 3, target_name_or_path: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """`config.json` of `format` for a drafter with `config` (`Layout.config`, after its checks and every layout's)."""
     layout = layout_of(format)
     choose(Dtype, dtype, "export.dtype")
@@ -191,8 +178,6 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
             "so move them elsewhere first"
         )
 
-
-# ------------------------------------------------------------------------- runs
 
 RUN_CONFIG = "config.yaml"  # a run directory: <run>/config.yaml, <run>/drafter/, <run>/report.json
 RUN_DRAFTER = "drafter"

@@ -81,12 +81,9 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def render_model_card(
-    config: dict[str, Any],
-    repo_id: str,
-    run_config: dict[str, Any] | None = None,
-    report: dict[str, Any] | None = None,
-    data_report: dict[str, Any] | None = None,
-) -> str:
+    config: dict[str, Any], repo_id: str, run_config: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None, data_report: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
     """README.md text for an export with `config` (its config.json), published as `repo_id`."""
     run = run_config or {}
     layout = layout_of_config(config)
@@ -106,51 +103,37 @@ def render_model_card(
     w = drafter["sliding_window"]
     window = [f"* attention: a sliding window of {w} positions (`layer_types`), served as trained"] if w else []
     flags = ", ".join(f"`{f}={str(drafter[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
-    lines = [
-        "---",
-        metadata.to_yaml(),
-        "---",
-        "",
-        f"# {'EAGLE 3.1' if drafter['fc_norm'] and drafter['norm_output'] else 'EAGLE 3'} drafter for {target}",
-        "",
-        f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
-        f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
-        "",
+    title = "EAGLE 3.1" if drafter["fc_norm"] and drafter["norm_output"] else "EAGLE 3"
+    maps = " (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""
+    shape = [
         f"* one decoder layer: hidden size {drafter['hidden_size']}, {drafter['num_attention_heads']} heads "
         f"({drafter['num_key_value_heads']} KV), MLP {drafter['intermediate_size']}",
-        f"* draft vocabulary {drafter['draft_vocab_size']} of the target's {drafter['vocab_size']} tokens"
-        + (" (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""),
+        f"* draft vocabulary {drafter['draft_vocab_size']} of the target's {drafter['vocab_size']} tokens{maps}",
         f"* target features: hidden states at the input of decoder layers {list(drafter['aux_layer_ids'])} "
         "(vLLM's convention)",
         *window,
-        "",
-        "## Serving with vLLM",
-        "",
-        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
-        "",
-        "```bash",
-        f"vllm serve {served} --speculative-config '{spec}'",
-        "```",
-        "",
-        "## Training",
-        "",
-        *_training_lines(run, report, data_report),
-        "",
-        "## Acceptance",
-        "",
-        *_acceptance_lines(report),
-        "",
     ]
-    return "\n".join(lines)
+    blocks = [
+        f"---\n{metadata.to_yaml()}\n---",
+        f"# {title} drafter for {target}",
+        f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
+        f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
+        "\n".join(shape),
+        "## Serving with vLLM",
+        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
+        f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```",
+        "## Training",
+        "\n".join(_training_lines(run, report, data_report)),
+        "## Acceptance",
+        "\n".join(_acceptance_lines(report)),
+    ]
+    return "\n\n".join(blocks) + "\n"
 
 
 def write_model_card(
-    out_dir: str | Path,
-    repo_id: str,
-    run_config: dict[str, Any] | None = None,
-    report: dict[str, Any] | None = None,
+    out_dir: str | Path, repo_id: str, run_config: dict[str, Any] | None = None, report: dict[str, Any] | None = None,
     data_report: dict[str, Any] | None = None,
-) -> Path:
+) -> Path:  # fmt: skip
     """Write README.md into the export folder `out_dir`; returns its path."""
     path = Path(out_dir) / CARD_NAME
     atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report, data_report))
@@ -258,13 +241,8 @@ def upload_list(out_dir: str | Path) -> list[str]:
 
 
 def push_folder(
-    out_dir: str | Path,
-    repo_id: str,
-    *,
-    private: bool = False,
-    dry_run: bool = False,
-    token: str | None = None,
-) -> list[str]:
+    out_dir: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
+) -> list[str]:  # fmt: skip
     """Upload the export folder to the model repo `repo_id` (created if needed) in one commit; returns the files sent
     (with `dry_run`, touching nothing remote)."""
     check_repo_id(repo_id)
@@ -277,14 +255,8 @@ def push_folder(
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
     try:
         create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
-        upload_folder(
-            repo_id=repo_id,
-            folder_path=str(out_dir),
-            token=token,
-            repo_type="model",
-            allow_patterns=files,
-            commit_message="Upload EAGLE 3.1 drafter (eagle31)",
-        )
+        upload_folder(repo_id=repo_id, folder_path=str(out_dir), token=token, repo_type="model", allow_patterns=files,
+                      commit_message="Upload EAGLE 3.1 drafter (eagle31)")  # fmt: skip
     except Exception as e:  # httpx, OSError and ValueError families from huggingface_hub: all a failed upload
         raise HubError(f"upload to {repo_id} failed (no files were committed): {_one_line(e, token)}") from None
     return files

@@ -148,11 +148,9 @@ def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[f
 
 
 def ambiguity(
-    rope: dict[str, Any],
-    reading: Callable[[dict[str, Any], str], tuple[float, ...]],
-    fields: dict[str, tuple[str, ...]],
-    quantities: str,
-) -> str | None:
+    rope: dict[str, Any], reading: Callable[[dict[str, Any], str], tuple[float, ...]],
+    fields: dict[str, tuple[str, ...]], quantities: str,
+) -> str | None:  # fmt: skip
     """None when the supported vLLM releases read `rope` alike, else one line naming the fields they read differently;
     `reading(rope, release)`: the numbers (`quantities`) a release makes of a yarn block, reading `fields[release]`."""
     if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):

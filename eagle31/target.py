@@ -48,9 +48,6 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
-# ---------------------------------------------------------------- config and shape
-
-
 def load_target_config(path: str | Path) -> dict[str, Any]:
     """Read a target's `config.json` (a file or a model directory) as a dict."""
     p = Path(path)
@@ -68,9 +65,6 @@ def target_vocab_size(target_dir: Path) -> int | None:
     if not (target_dir / "config.json").is_file():
         return None
     return text_config(load_target_config(target_dir)).get("vocab_size")
-
-
-# ---------------------------------------------------------------- weights, without loading the model
 
 
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
@@ -96,7 +90,7 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
 def read_target_tensor(
     target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True
 ) -> torch.Tensor | None:
-    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights."""
+    """The first of `candidates` (under every wrapper prefix) in the target's weights, read without the model."""
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
     for prefix in WRAPPER_PREFIXES:
@@ -175,18 +169,10 @@ def target_fingerprints(target_dir) -> dict[str, str]:
     }
 
 
-# ---------------------------------------------------------------- the model
-
-
 def load_target(
-    path,
-    device: torch.device,
-    *,
-    dtype: str | torch.dtype,
-    device_map: str | None = None,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-) -> nn.Module:
+    path, device: torch.device, *, dtype: str | torch.dtype, device_map: str | None = None,
+    trust_remote_code: bool = False, attn_implementation: str | None = None,
+) -> nn.Module:  # fmt: skip
     """The target at `path` in eval mode without gradients, on `device` or spread by `device_map` (e.g. "auto")."""
     from transformers import AutoModelForCausalLM
 
@@ -230,9 +216,6 @@ def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, t
         return torch.device(device), getattr(torch, dtype)
     except RuntimeError as e:
         raise ConfigError(f"device: {e}") from None
-
-
-# ---------------------------------------------------------------- features
 
 
 class _StopForward(Exception):

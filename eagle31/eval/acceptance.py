@@ -1,7 +1,4 @@
-"""Acceptance length by real speculative decoding, per drafter and prompt split (docs/evaluation.md).
-
-`run_acceptance` checks everything before the target's weights are read, then measures every drafter on every split.
-"""
+"""Acceptance length by real speculative decoding, per drafter and prompt split (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +26,6 @@ from eagle31.target import (
     text_config,
 )
 from eagle31.targets.cache import portable_path
-
-# ---------------------------------------------------------------------- statistics
 
 
 @dataclass
@@ -77,17 +72,10 @@ class AcceptanceStats:
 
 
 def evaluate(
-    target,
-    proposer: Proposer,
-    prompts: Sequence[Sequence[int]],
-    *,
-    aux_layer_ids: Sequence[int],
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids: Sequence[int] = (),
+    target, proposer: Proposer, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Sequence[int], max_new_tokens: int,
+    k: int | None = None, tree: TreeSpec | None = None, eos_token_ids: Sequence[int] = (),
     traces: Sequence[GreedyTrace] | None = None,
-) -> AcceptanceStats:
+) -> AcceptanceStats:  # fmt: skip
     """Speculative decoding of every prompt (token ids); with `traces` (theirs), verified from them, not the target."""
     stats = AcceptanceStats(draft_len=draft_length(k, tree))
     device = target.get_input_embeddings().weight.device
@@ -112,9 +100,6 @@ def greedy_traces(
         )
         for p in prompts
     ]
-
-
-# ---------------------------------------------------------------------- prompts
 
 
 def load_prompts(
@@ -164,9 +149,6 @@ def _prompt_ids(line: str, tokenizer, where: str, template_kwargs: dict) -> list
         messages, tools=conversation.tools, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-# ---------------------------------------------------------------------- the run
 
 
 class Verification(StrEnum):

@@ -34,9 +34,6 @@ from eagle31.targets.cache import portable_path
 _MASSES = ("sink", "context", "own")
 
 
-# ---------------------------------------------------------------------- statistics
-
-
 def rms(x: torch.Tensor) -> torch.Tensor:
     """x [..., H] -> [...]: sqrt(mean(x^2)) over the hidden dimension, in float64."""
     return x.double().pow(2).mean(-1).sqrt()
@@ -130,21 +127,11 @@ def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int]
     return received.topk(min(count, T)).indices.sort().values
 
 
-# ---------------------------------------------------------------------- the two views
-
-
 @torch.no_grad()
 def ttt_view(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 512,
-    target_sinks: Sequence[torch.Tensor] | None = None,
-) -> DepthStats:
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], *, depth: int, sink_tokens: int, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (), pack_tokens: int = 512, target_sinks: Sequence[torch.Tensor] | None = None,
+) -> DepthStats:  # fmt: skip
     """Teacher-forced drift. Traces are packed into rows of up to `pack_tokens` tokens (a longer one alone), each
     keeping its own positions from 0; `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
@@ -205,15 +192,8 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         keys_own = torch.cat([sink.new_zeros(T), ~none])
         stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
 
-    out = drafter.unroll(
-        aux,
-        ids,
-        ttt_length=depth,
-        document_ids=document_ids,
-        position_ids=positions,
-        first_query=rows.start,
-        probe=probe,
-    )
+    out = drafter.unroll(aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
+                         first_query=rows.start, probe=probe)  # fmt: skip
     fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
     targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
@@ -275,15 +255,9 @@ class _LiveRecorder:
 
 @torch.no_grad()
 def live_view(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    target_sinks: Sequence[torch.Tensor] | None = None,
-) -> tuple[DepthStats, AcceptanceStats, float]:
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], *, depth: int, sink_tokens: int, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (), target_sinks: Sequence[torch.Tensor] | None = None,
+) -> tuple[DepthStats, AcceptanceStats, float]:  # fmt: skip
     """Serving-view drift: (depth stats, the acceptance counts, the largest |probs @ V - attention output|)."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     acceptance = AcceptanceStats(draft_len=depth)
@@ -317,9 +291,6 @@ def diagnose(
         "live": {**live.summary(), "tau": summary["tau"], "rounds": acceptance.rounds,
                  "live_reconstruction_error": error},
     }  # fmt: skip
-
-
-# ---------------------------------------------------------------------- the run
 
 
 @dataclass

@@ -136,18 +136,10 @@ class MTBenchTurn:
 
 
 def trace_mt_bench(
-    target,
-    tokenizer,
-    questions: Sequence[MTBenchQuestion],
-    *,
-    aux_layer_ids: Sequence[int],
-    max_new_tokens: int,
-    draft_len: int,
-    eos_token_ids: Sequence[int] = (),
-    system_prompt: str | None = None,
-    histories: Sequence[list[dict]] | None = None,
-    template_kwargs: dict | None = None,
-) -> list[MTBenchTurn]:
+    target, tokenizer, questions: Sequence[MTBenchQuestion], *, aux_layer_ids: Sequence[int], max_new_tokens: int,
+    draft_len: int, eos_token_ids: Sequence[int] = (), system_prompt: str | None = None,
+    histories: Sequence[list[dict]] | None = None, template_kwargs: dict | None = None,
+) -> list[MTBenchTurn]:  # fmt: skip
     """Both turns of every question, decoded once by the target (turn `j` sees its answers to turns < j), each
     `draft_len` tokens past `max_new_tokens`; `histories[i]` comes before question `i` (after the system prompt)."""
     device = target.get_input_embeddings().weight.device
@@ -172,14 +164,9 @@ def trace_mt_bench(
 
 
 def evaluate_mt_bench(
-    turns: Sequence[MTBenchTurn],
-    proposer: Proposer,
-    *,
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids: Sequence[int] = (),
-) -> dict[str, AcceptanceStats]:
+    turns: Sequence[MTBenchTurn], proposer: Proposer, *, max_new_tokens: int, k: int | None = None,
+    tree: TreeSpec | None = None, eos_token_ids: Sequence[int] = (),
+) -> dict[str, AcceptanceStats]:  # fmt: skip
     """category -> stats over both turns of its questions, plus `all`: speculative decoding replayed on each trace."""
     draft_len = draft_length(k, tree)
     stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}

@@ -1,7 +1,4 @@
-"""Greedy speculative decoding with a Hugging Face target (batch size 1), live or replayed from a `GreedyTrace`.
-
-Chains or draft trees, verified as docs/evaluation.md describes; the output is exactly the target's greedy decoding.
-"""
+"""Greedy speculative decoding with an HF target, live or replayed from a `GreedyTrace` (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -84,13 +81,8 @@ class TargetRunner:
     def _forward(self, input_ids, *, logits_to_keep: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits [m', V] (the last `logits_to_keep` positions, all when 0), aux [m, ·]."""
         with TargetFeatures(self.model, self.aux_layer_ids) as feats:
-            out = self.model(
-                input_ids=input_ids,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **{self._cache_arg: self.cache},
-                **kwargs,
-            )
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self._cache_arg: self.cache}, **kwargs)  # fmt: skip
             aux, _ = feats.pop()
         self.forwards += 1
         return out.logits[0], aux[0]
@@ -188,16 +180,9 @@ def draft_length(k: int | None, tree: TreeSpec | None) -> int:
 
 @torch.no_grad()
 def speculative_generate(
-    target,
-    proposer: Proposer,
-    input_ids: torch.Tensor,
-    *,
-    aux_layer_ids,
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids=(),
-) -> Generation:
+    target, proposer: Proposer, input_ids: torch.Tensor, *, aux_layer_ids, max_new_tokens: int, k: int | None = None,
+    tree: TreeSpec | None = None, eos_token_ids=(),
+) -> Generation:  # fmt: skip
     """Greedy speculative decoding of input_ids [n] with chains of `k` drafts or draft trees; `target` is the model, or
     a `GreedyTrace` of its decoding of input_ids (at least `max_new_tokens` + the draft depth long) to replay."""
     k = draft_length(k, tree)

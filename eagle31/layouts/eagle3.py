@@ -1,7 +1,7 @@
 """The EAGLE-3 HF layout (`export.formats=[eagle3]`) as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
 
-Weights under eagle31's own names (`midlayer.*`); any attention kind; no embedding by default. A config no other
-layout recognises is read in this one, SpecForge's and TorchSpec's among them (its `dialects`). docs/export.md.
+Weights under eagle31's own names; no embedding by default; the layout of a config no other layout recognises,
+SpecForge's and TorchSpec's among them (its `dialects`). docs/export.md.
 """
 
 from __future__ import annotations

@@ -44,14 +44,9 @@ class Layout(ABC):
 
     @abstractmethod
     def config(
-        self,
-        config: DrafterConfig,
-        *,
-        dtype: str,
-        trained_context: int | None,
-        num_speculative_tokens: int,
+        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
         target: str | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any]:  # fmt: skip
         """The export's `config.json` (after `check`)."""  # fmt: skip
 
     def key(self, name: str) -> str:

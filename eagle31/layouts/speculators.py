@@ -1,7 +1,4 @@
-"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves (docs/export.md).
-
-Weights `layers.0.*`; the layer in `transformer_layer_config`; the embedding written by default; the target named.
-"""
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves (docs/export.md)."""
 
 from __future__ import annotations
 

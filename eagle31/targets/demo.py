@@ -1,10 +1,7 @@
-"""The demo target: a small Llama trained from scratch on the demo corpus (docs/demo_target.md).
+"""The demo target: a small Llama trained from scratch on the demo corpus, deterministically (docs/demo_target.md).
 
-    path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
-    build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
-
-Deterministic: a fixed seed, thread count and deterministic algorithms give byte-identical files on one machine and
-software version; the build logs one line per phase (logger `eagle31.targets.demo`, INFO).
+path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
+build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
 """
 
 from __future__ import annotations
@@ -101,9 +98,6 @@ def demo_corpus_dir(seed: int = 0) -> Path:
     return ensure_demo_target(seed) / "corpus"
 
 
-# ------------------------------------------------------------------ the build
-
-
 def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
     """Build the demo target into `out_dir` (created); returns it."""
     recipe = recipe or DemoRecipe()
@@ -176,21 +170,15 @@ def train_tokenizer(conversations: list[dict], recipe: DemoRecipe):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size,
-        special_tokens=list(DEMO_SPECIAL_TOKENS),
+        vocab_size=recipe.vocab_size, special_tokens=list(DEMO_SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    )  # fmt: skip
     tok.train_from_iterator((m["content"] for c in conversations for m in c["messages"]), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|end|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-        chat_template=DEMO_CHAT_TEMPLATE,
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"], chat_template=DEMO_CHAT_TEMPLATE,
         model_max_length=recipe.max_position_embeddings,
-    )
+    )  # fmt: skip
 
 
 def new_model(tokenizer, recipe: DemoRecipe):
@@ -207,9 +195,6 @@ def new_model(tokenizer, recipe: DemoRecipe):
     model = LlamaForCausalLM(config)
     model.generation_config.do_sample = False
     return model
-
-
-# ------------------------------------------------------------------ data
 
 
 def token_ids(tokenizer, conversations: list[dict], add_generation_prompt: bool = False) -> list[list[int]]:
@@ -260,9 +245,6 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, mask
 
 
-# ------------------------------------------------------------------ training
-
-
 def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> None:
     """AdamW with warmup and cosine decay on every token of the training documents."""
     ids = training_documents(tokenizer, conversations, recipe, seed)
@@ -297,9 +279,6 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
             log.info("demo target [3/%d] step %d/%d, loss %.3f, ETA %s", BUILD_PHASES, step + 1, recipe.steps,
                      loss.item(), _clock(eta))  # fmt: skip
     model.eval()
-
-
-# ------------------------------------------------------------------ evaluation
 
 
 @torch.no_grad()
@@ -342,11 +321,8 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
 def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (stops after the eos token)."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=model.config.eos_token_id,
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=model.config.eos_token_id,
         pad_token_id=model.config.pad_token_id,
-    )
+    )  # fmt: skip
     return out[0, len(prompt) :].tolist()

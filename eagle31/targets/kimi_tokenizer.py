@@ -124,22 +124,13 @@ def build_kimi_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=KIMI_MINI_VOCAB,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=KIMI_MINI_VOCAB, min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     # repeated so that frequent pairs outrank one-off ones by a clear margin
     tok.train_from_iterator([_BPE_TEXT] * 4, trainer=trainer)
     tok.add_special_tokens(list(KIMI_SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="[BOS]",
-        eos_token="<|im_end|>",
-        unk_token="[UNK]",
-        pad_token="[PAD]",
+        tokenizer_object=tok, bos_token="[BOS]", eos_token="<|im_end|>", unk_token="[UNK]", pad_token="[PAD]",
         additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in _NAMED_SPECIAL_TOKENS],
-        chat_template=KIMI_CHAT_TEMPLATE,
-        model_max_length=262144,
-    )
+        chat_template=KIMI_CHAT_TEMPLATE, model_max_length=262144,
+    )  # fmt: skip
