@@ -178,7 +178,7 @@ class EvalArgs:
 
     @property
     def splits(self) -> dict[str, str]:
-        """split name -> JSONL prompt file."""
+        """split name -> JSONL prompt file (none unless the arguments name prompt files)."""
         return {}
 
     def settings(self, **settings: Any) -> dict[str, Any]:
