@@ -1,32 +1,4 @@
-"""The drafter at inference: its KV cache, chain drafting and EAGLE-2 draft trees.
-
-Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly: both
-run the drafter's own step (`Eagle31Drafter.step_qkv` / `step_output`) and differ only in
-the attention between its halves. Once the target has verified positions `0..n-1` and
-chosen token `x[n]`:
-
-* the drafter's cache holds the **step-0** keys of every verified position `p`,
-  made from the *target's* feature `fc(fc_norm(aux[p]))` and token `x[p+1]` at
-  RoPE position `p` — the causal keys every training query sees;
-* drafting is query `(n-1, j)`: step 0 is the step-0 query at `n-1`; step
-  `j >= 1` reads the previous step's output (`norm(o)` when `norm_output`, else
-  `o`) and the previous proposal, sits at RoPE position `n-1+j`, and attends to
-  the step-0 keys plus its own chain `(n-1, 1..j)`. Draft keys are never cached:
-  once the target verifies, the accepted positions get step-0 keys made from the
-  target's features (`extend`), as training assumes.
-
-A draft tree (EAGLE-2) expands the `top_k` best nodes per level, each query
-seeing the step-0 keys plus its ancestors' draft keys (tree attention), and
-keeps the `total_tokens` nodes of highest cumulative log-probability.
-
-A drafter with a sliding window of W positions (`DrafterConfig.sliding_window`) attends, from a query
-at position P, only the keys of positions P - W + 1 .. P, as vLLM serves it and the unroll trains it.
-
-`Proposer` is the interface the decoding loop (`eagle31.eval.speculative`) drives;
-`EagleProposer` implements it for an `Eagle31Drafter`, and tests implement it
-with oracles. A `DraftProbe` given to `EagleProposer` watches every chain step
-(what it read, its query and keys, what it gave) without changing it (`eagle31.eval.drift`).
-"""
+"""The drafter at inference: a KV cache of step-0 keys, chain drafting and EAGLE-2 draft trees (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -41,12 +13,8 @@ from eagle31.model import DraftStep, Eagle31Drafter
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per
-    level, `depth` levels (= drafter steps = longest path), `total_tokens` nodes verified.
-
-    In SGLang's terms: `speculative_eagle_topk`, `speculative_num_steps` and
-    `speculative_num_draft_tokens - 1` (SGLang counts the root among the draft tokens).
-    """
+    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per level, `depth` levels (drafter
+    steps, the longest path), `total_tokens` nodes verified."""
 
     top_k: int
     depth: int
@@ -61,11 +29,8 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    """Draft tokens to verify, as a tree hanging from the root (the last verified token).
-
-    tokens [N] target ids; parents [N] the index of each node's parent, -1 for the
-    root. Parents come before their children, so a chain is `parents = [-1, 0, 1, ...]`.
-    """
+    """Draft tokens hanging from the root (the last verified token): tokens [N] target ids, parents [N] each node's
+    parent (-1: the root), parents before their children, so a chain is `parents = [-1, 0, 1, ...]`."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -106,8 +71,7 @@ class Proposer(Protocol):
         """Forget the context (a new prompt)."""
 
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Add `m` verified positions: aux [m, n*Ht] their target features, next_tokens [m]
-        the token after each (the last one is the token drafting continues from)."""
+        """Add `m` verified positions: aux [m, n*Ht] their target features, next_tokens [m] the token after each."""
 
     def draft_chain(self, k: int) -> torch.Tensor:
         """[k] target ids: the greedy continuation of the verified context."""
@@ -120,14 +84,12 @@ class DraftProbe(Protocol):
     """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
 
     def observe(self, feature, out: DraftStep, q, keys, values, allowed, attn, chain: int) -> None:
-        """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
-        [1, S, nkv, d]: the step-0 keys of positions 0.., then its `chain` own draft keys; allowed [1, 1, S] the
-        keys the rule lets it see; attn [1, 1, nh, d] the attention output. `chain` is 0 for the step that makes
-        a round's first draft (run by `extend` at the last verified position)."""
+        """feature [1, 1, H] what the step read; q [1, 1, nh, d]; keys, values [1, S, nkv, d]: the step-0 keys, then
+        its `chain` own draft keys; allowed [1, 1, S]; attn [1, 1, nh, d]. `chain` 0: a round's first draft."""
 
 
 class EagleProposer:
-    """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys (module docstring)."""
+    """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys."""
 
     def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
         self.drafter = drafter
@@ -180,11 +142,8 @@ class EagleProposer:
 
     @torch.no_grad()
     def draft_tree(self, spec: TreeSpec) -> DraftTree:
-        """EAGLE-2 expansion and reranking (module docstring).
-
-        Candidates are kept in creation order (parents first); each remembers the
-        next-step feature of the drafter output that proposed it, which it reads when expanded.
-        """
+        """EAGLE-2 expansion and reranking. Candidates are kept in creation order (parents first); each remembers the
+        next-step feature of the drafter output that proposed it, which it reads when expanded."""
         self._check_ready()
         if spec.top_k > self.drafter.config.draft_vocab_size:
             raise ValueError(
@@ -226,8 +185,6 @@ class EagleProposer:
         kept_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], kept_parents)
         return DraftTree(tokens[keep], kept_parents)
 
-    # ------------------------------------------------------------------ pieces
-
     def _check_ready(self) -> None:
         if self.root is None:
             raise RuntimeError("EagleProposer: call extend() with the verified context before drafting")
@@ -237,8 +194,9 @@ class EagleProposer:
         return self.drafter.lm_head(state).float().log_softmax(-1)
 
     def _visible(self, query_steps: list[int], key_steps: list[int]) -> torch.Tensor:
-        """[1, Q, S] the rule's mask for queries (n-1, s) over the cache's step-0 keys of positions 0..n-1 and
-        draft keys (n-1, s') at steps `key_steps` (n = the verified length; one document)."""
+        """[1, Q, S] the rule's mask for queries (n-1, s) over the step-0 keys of positions 0..n-1 and draft keys
+        (n-1, s') at steps `key_steps` (n = the verified length; one document)."""
+        assert self.keys is not None
         n, device = self.length, self.keys.device
         k_pos = torch.cat([torch.arange(n), torch.full((len(key_steps),), n - 1)]).to(device)
         k_step = torch.cat([torch.zeros(n, dtype=torch.long), torch.tensor(key_steps, dtype=torch.long)]).to(device)

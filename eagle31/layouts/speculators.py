@@ -1,11 +1,4 @@
-"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves.
-
-`config.json`: `speculators_model_type: eagle3`, the proposal settings, the target as `verifier`, the decoder
-layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags), the EAGLE fields
-also at the top level; weights `layers.0.*`. The embedding is written by default and the target must be
-named; only Llama and Qwen3 layers can be carried; a missing `norm_before_residual` reads as true. Why,
-release by release: docs/export.md.
-"""
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves (docs/export.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +43,8 @@ class SpeculatorsLayout(Layout):
             warnings.warn(
                 f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM "
                 f'0.33) refuses: serve it as `vllm serve {target} --speculative-config \'{{"method": "eagle3", '
-                "\"model\": <export>}'`, or give target.name the target's Hub id"
+                "\"model\": <export>}'`, or give target.name the target's Hub id",
+                stacklevel=2,
             )
 
     def config(
@@ -64,21 +58,15 @@ class SpeculatorsLayout(Layout):
             "speculators_model_type": "eagle3",
             "speculators_config": {
                 "algorithm": "eagle3",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": num_speculative_tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
             },
             "transformer_layer_config": layer,
             **eagle_fields(config),
             **provenance(config, target),
-        }
+        }  # fmt: skip
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
         methods = (meta.get("speculators_config") or {}).get("proposal_methods") or []
