@@ -140,8 +140,9 @@ def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
     }
     if config.target_hidden_size != config.hidden_size:
         eagle["target_hidden_size"] = config.target_hidden_size
-    if config.parallel_drafting:  # vLLM's parallel drafting reads its mask token here (its mask_hidden: a weight)
-        eagle["mask_token_id"] = config.mask_token_id
+    if config.parallel_drafting:  # vLLM's parallel drafting reads its mask token here (its mask_hidden: a weight):
+        # 0.33 (and speculators) as mask_token_id, 0.22 only as pard_token
+        eagle["mask_token_id"] = eagle["pard_token"] = config.mask_token_id
     return eagle
 
 
