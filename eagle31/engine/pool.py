@@ -61,7 +61,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from eagle31.data.batch import bucket_by_length
 from eagle31.data.loader import plan_epoch
-from eagle31.engine.transport import ObjectStoreTransport
+from eagle31.engine.transport import FeatureTransport, ObjectStoreTransport
 from eagle31.engine.worker import WorkerInfo, WorkerSpec, worker_mismatch
 from eagle31.errors import Eagle31Error
 
@@ -83,7 +83,7 @@ class PoolSettings:
     placement_timeout_s: float
     worker_options: dict = field(default_factory=dict)  # Ray actor options of a worker (CPUs, GPUs, runtime env)
     inflight_per_worker: int = 2
-    transport: object = field(default_factory=ObjectStoreTransport)  # how training features travel (module docstring)
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how training features travel
 
     @property
     def stall_limit_s(self) -> float:
@@ -333,7 +333,7 @@ class FeaturePool:
         part.consumed += 1
         if part.consumed < self.settings.copies:
             return
-        keys = list(part.refs.values())
+        keys = [str(key) for key in part.refs.values()]
         for key in keys:
             self.stored.pop(key, None)
         self.settings.transport.free(keys)

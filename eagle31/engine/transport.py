@@ -399,6 +399,9 @@ class MooncakeTransport:
             self.client = None
 
 
+FeatureTransport = ObjectStoreTransport | MooncakeTransport  # what `features.engine.transport` names
+
+
 def segment_bytes(tokens: int, bytes_per_token: int) -> int:
     """The pool's segment for `tokens` of features: a quarter more for the allocator's fragments, and 32 MiB (Mooncake
     refuses a segment under 16 MiB), in whole MiB."""
