@@ -48,9 +48,7 @@ class Transport(StrEnum):
     """How features travel from the workers to the trainers (`features.engine.transport`, this module)."""
 
     ray = "ray"  # Ray's object store
-    mooncake = (
-        "mooncake"  # a Mooncake distributed store (pip install mooncake-transfer-engine-non-cuda, or its CUDA build)
-    )
+    mooncake = "mooncake"  # a Mooncake distributed store (pip install mooncake-transfer-engine-non-cuda)
 
 
 class MooncakeProtocol(StrEnum):
@@ -127,7 +125,10 @@ class MooncakeAddress:
     metadata_server: str  # http://host:port/metadata
     protocol: str = MooncakeProtocol.tcp
     rdma_devices: str = ""  # protocol=rdma: NIC names, e.g. "mlx5_0,mlx5_1" ("": Mooncake's choice)
-    setting: str = "features.engine.mooncake_master"  # what the user set, for the lines that name it
+    named: str = ""  # how the lines that name it say where it is (default: features.engine.mooncake_master=...)
+
+    def __str__(self) -> str:
+        return self.named or f"features.engine.mooncake_master={self.master}"
 
 
 def check_reachable(address: MooncakeAddress) -> None:
@@ -138,14 +139,14 @@ def check_reachable(address: MooncakeAddress) -> None:
                           "http://host:port/metadata URL")  # fmt: skip
     host, _, port = address.master.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"{address.setting}={address.master} is not host:port")
-    for setting, where in ((address.setting, (host, int(port))), ("features.engine.mooncake_metadata_server",
-                                                                  (url.hostname, url.port))):  # fmt: skip
+        raise ConfigError(f"{address} is not host:port")
+    for named, where in ((str(address), (host, int(port))),
+                         (f"features.engine.mooncake_metadata_server={address.metadata_server}",
+                          (url.hostname, url.port))):  # fmt: skip
         try:
             socket.create_connection(where, timeout=CONNECT_S).close()
         except OSError as e:
-            value = address.master if setting == address.setting else address.metadata_server
-            raise ConfigError(f"{setting}={value}: cannot reach the Mooncake master ({e})") from None
+            raise ConfigError(f"{named}: cannot reach the Mooncake master ({e})") from None
 
 
 def free_ports(n: int) -> list[int]:
@@ -183,7 +184,7 @@ def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterato
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
             )  # fmt: skip
         address = MooncakeAddress(f"{host}:{rpc}", f"http://{host}:{http}/metadata", protocol, rdma_devices,
-                                  setting="the Mooncake master rank 0 started")  # fmt: skip
+                                  f"the Mooncake master rank 0 started at {host}:{rpc}")  # fmt: skip
         try:
             _wait_listening(process, [rpc, http], log_path)
             yield address
@@ -236,7 +237,7 @@ class MooncakeClient:
         rc = self.store.setup(hostname, address.metadata_server, int(segment_bytes), int(buffer_bytes),
                               str(address.protocol), address.rdma_devices, address.master)  # fmt: skip
         if rc != 0:
-            raise EngineError(f"cannot join the Mooncake store at {address.setting}={address.master} over "
+            raise EngineError(f"cannot join the Mooncake store of {address} over "
                               f"{address.protocol} from {hostname} (setup returned {rc})")  # fmt: skip
         self.pinned = store.ReplicateConfig()
         self.pinned.with_hard_pin = True  # never evicted: only the pool removes a key
