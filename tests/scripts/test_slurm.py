@@ -139,3 +139,4 @@ def test_the_engine_job_checkpoints_requeues_itself_and_resumes_to_the_end(slurm
     assert f"requeueing job {job}" in said and f"job {job}, start 2" in said
     assert "resumed from " in said and "eagle31: the run has finished" in said
     assert (out / "report.json").is_file()
+    assert not list(Path("/tmp").glob(f"ray-eagle31-{job}-*"))  # each start's Ray files went with it
