@@ -7,7 +7,7 @@
         trainer.fit(...)                                          # engine.metrics() at each logged step
 
 Rank 0 joins or starts Ray (`eagle31.engine.cluster`), with transport=mooncake starts the Mooncake master (or
-checks that the one given answers: `eagle31.engine.transport`), and creates the `FeaturePool` with its workers,
+uses the one given: `eagle31.engine.transport`), and creates the `FeaturePool` with its workers,
 which load the target while the trainers build the drafter; every rank reaches the pool by its name and joins the
 transport before training.
 `EngineFeatures` streams the training split in the loader's order (`FeaturePool.take`) and asks for
@@ -224,7 +224,7 @@ class FeatureEngine:
 @contextmanager
 def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
     """The run's engine (`features.engine`): rank 0 creates the pool and its workers (and, with transport=mooncake,
-    starts the store's master or checks the one given); every rank gets a `FeatureEngine`; rank 0 stops them (and
+    starts the store's master or uses the one given); every rank gets a `FeatureEngine`; rank 0 stops them (and
     the Ray cluster and the master it started) on the way out."""
     cfg, world, e = plan.cfg, plan.world, plan.cfg.features.engine
     data_rank, data_size = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
