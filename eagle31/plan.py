@@ -161,8 +161,10 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"features.engine.rates_from: no such file {e.rates_from}")
     if not cfg.dry_run:
         from eagle31.engine.cluster import check_ray_installed
+        from eagle31.engine.transport import check_transport
 
         check_ray_installed()
+        check_transport(e)
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or

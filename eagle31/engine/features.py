@@ -6,8 +6,10 @@
         engine.start(train_loader)                                # where the loader resumes; workers loaded
         trainer.fit(...)                                          # engine.metrics() at each logged step
 
-Rank 0 joins or starts Ray (`eagle31.engine.cluster`) and creates the `FeaturePool` with its workers,
-which load the target while the trainers build the drafter; every rank reaches the pool by its name.
+Rank 0 joins or starts Ray (`eagle31.engine.cluster`), with transport=mooncake starts the Mooncake master (or
+uses the one given: `eagle31.engine.transport`), and creates the `FeaturePool` with its workers,
+which load the target while the trainers build the drafter; every rank reaches the pool by its name and joins the
+transport before training.
 `EngineFeatures` streams the training split in the loader's order (`FeaturePool.take`) and asks for
 the held-out split batch by batch (`FeaturePool.ask`); it puts each micro-batch's samples together
 by position, with the token columns (`TOKEN_COLUMNS`: input ids, loss masks) of the rank's own copy of the
@@ -42,6 +44,16 @@ from eagle31.engine.cluster import (
     import_ray,
     lendable_gpus,
     ray_session,
+)
+from eagle31.engine.transport import (
+    FeatureLayout,
+    MooncakeAddress,
+    MooncakeTransport,
+    ObjectStoreTransport,
+    Transport,
+    given_master,
+    mooncake_master,
+    segment_bytes,
 )
 from eagle31.errors import EngineError
 from eagle31.target import target_shape
@@ -100,11 +112,14 @@ class EngineFeatures:
     """A `FeatureSource` whose features the pool's workers compute: the training stream (`stream`) or held-out asks."""
 
     def __init__(
-        self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None
-    ):
-        """metrics: the engine's `engine/*` metrics, which the trainer logs with the training stream's."""
+        self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None,
+        transport=None,
+    ):  # fmt: skip
+        """metrics: the engine's `engine/*` metrics, which the trainer logs with the training stream's; transport: how
+        the features arrive (`eagle31.engine.transport`; default Ray's store)."""
         self.pool, self.dataset, self.rank, self.stream, self.metrics = pool, dataset, rank, stream, metrics
         self.hidden_size, self.aux_size, self.dtype = hidden_size, aux_size, dtype
+        self.transport = transport or ObjectStoreTransport()
         self.lengths = prepared_lengths(dataset)
         self.sample_ids = np.arange(len(self.lengths))  # rows of the split, as the pool plans them
 
@@ -112,7 +127,11 @@ class EngineFeatures:
         ids = [int(i) for i in ids]
         call = self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids)
         reply = _call(self.pool, call, self.rank, f"the features of samples {ids[:4]}...")
-        computed = _get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
+        handles = [handle for _, handle in reply]
+        layouts = [FeatureLayout(tuple(int(self.lengths[ids[p]]) for p in positions), self.aux_size, self.hidden_size,
+                                 self.dtype) for positions, _ in reply]  # fmt: skip
+        computed = self.transport.receive(handles, layouts, _get)  # per request: [(aux [T, n*Ht], final [T, Ht])]
+        self.transport.consumed(self.pool, handles)
         feats: list = [None] * len(ids)
         for (positions, _), part in zip(reply, computed):
             for p, f in zip(positions, part):
@@ -134,16 +153,20 @@ class FeatureEngine:
     """One rank's handle on the pool (see the module docstring)."""
 
     def __init__(
-        self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str
-    ):
+        self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str,
+        transport=None,
+    ):  # fmt: skip
+        """transport: how the training stream's features arrive (`eagle31.engine.transport`; default Ray's store)."""
         self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
         self.hidden_size = target_shape(target_config)[1]
         self.aux_size = len(aux_ids) * self.hidden_size
         self.dtype = getattr(torch, dtype)
+        self.transport = transport or ObjectStoreTransport()
         self._last: dict | None = None
 
     def sources(self, splits: dict) -> dict[str, EngineFeatures]:
-        """{split: EngineFeatures}: "train" streamed in the loader's order, the others asked batch by batch."""
+        """{split: EngineFeatures}: "train" streamed in the loader's order (through the transport), the others asked
+        batch by batch (through Ray's store, `eagle31.engine.pool`)."""
         return {
             name: EngineFeatures(
                 self.pool,
@@ -154,6 +177,7 @@ class FeatureEngine:
                 self.aux_size,
                 self.dtype,
                 metrics=self.metrics if name == "train" else None,
+                transport=self.transport if name == "train" else None,
             )  # fmt: skip
             for name, ds in splits.items()
         }
@@ -166,6 +190,7 @@ class FeatureEngine:
                 f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
             )
         state = loader.state_dict()
+        self.transport.open()  # a store this rank cannot join stops it here, before training
         for call in (
             self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]),
             self.pool.ready.remote(),
@@ -198,8 +223,9 @@ class FeatureEngine:
 
 @contextmanager
 def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
-    """The run's engine (`features.engine`): rank 0 creates the pool and its workers; every rank gets a
-    `FeatureEngine`; rank 0 stops them (and the Ray cluster it started) on the way out."""
+    """The run's engine (`features.engine`): rank 0 creates the pool and its workers (and, with transport=mooncake,
+    starts the store's master or uses the one given); every rank gets a `FeatureEngine`; rank 0 stops them (and
+    the Ray cluster and the master it started) on the way out."""
     cfg, world, e = plan.cfg, plan.world, plan.cfg.features.engine
     data_rank, data_size = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
     aux_ids = tuple(plan.drafter.aux_layer_ids)
@@ -214,17 +240,49 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
             if e.address:
                 check_joined_node(node_gpus(), lendable, trainer_gpus, e.address)
             print(f"engine: rank 0 {cluster.how}")
+            store = stack.enter_context(mooncake_store(e)) if e.transport == Transport.mooncake else None
+            transport = run_transport(plan, store)
             name = f"features-{uuid.uuid4().hex[:12]}"
-            pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size)
+            pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size, transport)
             stack.callback(close_pool, pool)
-            shared = (cluster.address, cluster.auth_mode, name)
-        address, auth_mode, name = broadcast_object(shared, world.device)
+            shared = (cluster.address, cluster.auth_mode, name, store)
+        address, auth_mode, name, store = broadcast_object(shared, world.device)
         if not world.is_main:
             stack.enter_context(ray_session(address, None, auth_mode))
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
-        yield FeatureEngine(
-            pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype
-        )
+            transport = run_transport(plan, store)
+        stack.callback(transport.close)
+        yield FeatureEngine(pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids,
+                            cfg.target.dtype, transport)  # fmt: skip
+
+
+@contextmanager
+def mooncake_store(e) -> Iterator[MooncakeAddress]:
+    """transport=mooncake, on rank 0: the master `e.mooncake_master` names, or one started on this node for the run
+    (`eagle31.engine.transport.mooncake_master`)."""
+    if e.mooncake_master:  # it answered when the run was planned (`check_transport`)
+        address = given_master(e)
+        print(f"engine: features travel through the Mooncake store at features.engine.mooncake_master="
+              f"{e.mooncake_master} over {e.mooncake_protocol}")  # fmt: skip
+        yield address
+        return
+    ray = import_ray()
+    with mooncake_master(ray.util.get_node_ip_address(), e.mooncake_protocol, e.mooncake_rdma_devices) as address:
+        print(f"engine: rank 0 started a Mooncake master at {address.master} (metadata {address.metadata_server}); "
+              f"features travel over {e.mooncake_protocol}")  # fmt: skip
+        yield address
+
+
+def run_transport(plan, store: MooncakeAddress | None):
+    """How the run's training features travel: Ray's store, or the Mooncake store at `store`, whose segment (in the
+    pool's process) holds `pool_tokens` of features, or the largest micro-batch or row if that is more."""
+    if store is None:
+        return ObjectStoreTransport()
+    cfg = plan.cfg
+    hidden = target_shape(plan.target_config)[1]
+    per_token = (len(plan.drafter.aux_layer_ids) + 1) * hidden * getattr(torch, cfg.target.dtype).itemsize
+    tokens = max(cfg.features.engine.pool_tokens, cfg.features.tokens_per_batch, cfg.data.max_len)
+    return MooncakeTransport(store, segment_bytes(tokens, per_token))
 
 
 def node_gpus() -> float:
@@ -234,8 +292,9 @@ def node_gpus() -> float:
     return next((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["NodeID"] == here), 0.0)
 
 
-def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
-    """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says."""
+def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int, transport):
+    """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says; `transport` carries the training
+    features (`run_transport`)."""
     from eagle31.engine.pool import PoolSettings
     from eagle31.engine.worker import WORKERS, WorkerSpec, expected_info
 
@@ -256,6 +315,7 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
         load_timeout_s=e.load_timeout_s,
         placement_timeout_s=e.placement_timeout_s,
         worker_options={"num_cpus": e.worker_cpus, "num_gpus": e.worker_gpus},
+        transport=transport,
     )
     expected = expected_info(plan.target_dir, aux_ids, target_shape(plan.target_config)[1], str(cfg.target.dtype))
     return pool_actor(settings, WORKERS[e.worker], spec, expected, name=name)

@@ -36,9 +36,13 @@ The trainers' wait. `state()` says how long the pool has made no progress (no an
 placed or loaded, nothing taken) and what it is waiting on; a rank that waits longer than the pool's
 longest timeout allows stops with that line (`eagle31.engine.features`).
 
-What travels. The pool never holds a tensor: a worker's result is two objects, a small record the
-pool awaits and the features, whose reference the pool hands to the rank that takes the
-micro-batch; Ray moves them from the worker's node to the trainer's.
+What travels (`eagle31.engine.transport`). The pool never holds a tensor: a worker's result is two objects, a
+small record the pool awaits and its features. With transport=ray the features are a Ray object whose reference
+the pool hands to the rank that takes the micro-batch, and Ray moves them from the worker's node to the trainer's.
+With transport=mooncake the worker writes a training request's features into the Mooncake store, whose memory is
+this pool's process's, under the key the pool gave the request; the pool hands out the key, and counts the
+micro-batch in the budget until every rank that takes it has read it (`consumed`), when it removes the keys.
+A request lost with its worker, and a result computed twice, have their keys removed at once.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import asyncio
 import heapq
 import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +61,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from eagle31.data.batch import bucket_by_length
 from eagle31.data.loader import plan_epoch
+from eagle31.engine.transport import FeatureTransport, ObjectStoreTransport
 from eagle31.engine.worker import WorkerInfo, WorkerSpec, worker_mismatch
+from eagle31.errors import Eagle31Error
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class PoolSettings:
     placement_timeout_s: float
     worker_options: dict = field(default_factory=dict)  # Ray actor options of a worker (CPUs, GPUs, runtime env)
     inflight_per_worker: int = 2
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how training features travel
 
     @property
     def stall_limit_s(self) -> float:
@@ -89,29 +97,33 @@ UNAVAILABLE_RETRY_S = 1.0  # the wait before a call Ray found its actor unreacha
 
 def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
     """A new worker actor (placed by Ray; it loads the target when the pool asks)."""
-    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec)
+    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec, settings.transport)
 
 
 class WorkerActor:
-    """The Ray actor around an `InferenceWorker`: answers once placed, loads the target when asked, and returns
-    the record of each computation apart from its features."""
+    """The Ray actor around an `InferenceWorker`: answers once placed, joins the transport and loads the target when
+    asked, and returns the record of each computation apart from its features."""
 
-    def __init__(self, kind: type, spec: WorkerSpec):
-        self.kind, self.spec, self.worker = kind, spec, None
+    def __init__(self, kind: type, spec: WorkerSpec, transport):
+        self.kind, self.spec, self.transport, self.worker = kind, spec, transport, None
 
     def placed(self) -> None:
         """Answers as soon as Ray has placed the actor and started its process."""
 
     def load(self) -> None:
+        self.transport.open()
         self.worker = self.kind(self.spec)
 
     def describe(self) -> WorkerInfo:
         return self.worker.describe()
 
-    def compute(self, token_rows: list[list[int]]):
+    def compute(self, token_rows: list[list[int]], key: str | None):
+        """(record, features): `key` None sends the features through Ray's store whatever the transport (held-out
+        asks); the record's seconds count the computation and the sending."""
         start = time.perf_counter()
         feats = self.worker.features(token_rows)
-        return {"seconds": time.perf_counter() - start}, feats
+        sent = feats if key is None else self.transport.send(key, feats)
+        return {"seconds": time.perf_counter() - start}, sent
 
 
 @dataclass
@@ -134,8 +146,9 @@ class Part:
     ids: list[int]
     groups: list[list[int]]  # positions into ids, one list per request
     tokens: int
-    refs: dict[int, object] = field(default_factory=dict)  # group -> ObjectRef of its features
+    refs: dict[int, object] = field(default_factory=dict)  # group -> its features' handle (an ObjectRef, or a key)
     takes: int = 0
+    consumed: int = 0  # ranks that have read its stored features (transport=mooncake)
     admitted: bool = False  # its tokens count toward pool_tokens (training)
 
     @property
@@ -169,12 +182,12 @@ class Slot:
 class Computation:
     """One request's call to a worker: sent again while Ray finds the worker briefly unreachable."""
 
-    def __init__(self, handle, token_rows):
-        self.handle, self.token_rows, self.features = handle, token_rows, None
+    def __init__(self, handle, token_rows, key: str | None):
+        self.handle, self.token_rows, self.key, self.features = handle, token_rows, key, None
 
     def send(self):
         """The call's record (an ObjectRef); its features' ref is kept apart, never awaited here."""
-        record, self.features = self.handle.compute.options(num_returns=2).remote(self.token_rows)
+        record, self.features = self.handle.compute.options(num_returns=2).remote(self.token_rows, self.key)
         return record
 
 
@@ -234,7 +247,9 @@ class FeaturePool:
         self.start_at: tuple[int, int] | None = None  # (epoch, position) every rank resumes at
         self.next_batch: tuple[int, int] | None = None  # the next training micro-batch to plan
         self.rank_next: dict[int, tuple[int, int, int]] = {}  # rank -> (epoch, g, data rank) of its next take
-        self.held = 0  # tokens of the admitted training requests not yet taken
+        self.held = 0  # tokens of the admitted training requests not yet taken (transport=mooncake: not yet read)
+        self.stored: dict[str, Part] = {}  # transport=mooncake: key -> its micro-batch, until the keys are removed
+        self.prefix = uuid.uuid4().hex[:12]  # of this pool's keys in the store
         self.started_at = time.perf_counter()
         self.counts = {
             "produced_samples": 0,
@@ -288,7 +303,8 @@ class FeaturePool:
         self.progress_at = time.monotonic()
         if part.takes == self.settings.copies:
             del self.parts[key]
-            self.held -= part.tokens
+            if not self.settings.transport.holds_until_consumed:
+                self.held -= part.tokens
         self.rank_next[rank] = (epoch, g + self.settings.world_size, data_rank)
         self.counts["delivered_samples"] += len(ids)
         self._pump()
@@ -308,6 +324,24 @@ class FeaturePool:
         self.parts.pop(key, None)
         return ("error", self.error) if self.error else ("ok", part.reply())
 
+    async def consumed(self, keys: list[str]) -> None:
+        """A rank has read the features stored under `keys`, one micro-batch's (transport=mooncake). Once each rank
+        that takes it has, its keys are removed and its tokens leave the budget."""
+        part = self.stored.get(keys[0]) if keys else None
+        if part is None:
+            return
+        part.consumed += 1
+        if part.consumed < self.settings.copies:
+            return
+        keys = [str(key) for key in part.refs.values()]
+        for key in keys:
+            self.stored.pop(key, None)
+        self.settings.transport.free(keys)
+        self.held -= part.tokens
+        self.progress_at = time.monotonic()
+        self._pump()
+        await self._notify()
+
     def stats(self) -> dict:
         """Counters since the pool started (the trainers' metrics are differences of these)."""
         return {
@@ -317,6 +351,8 @@ class FeaturePool:
             "worker_samples": sum(s.samples for s in self.slots),
             "worker_busy_s": sum(s.busy_s for s in self.slots),
             "held_tokens": self.held,
+            "stored_keys": len(self.stored),  # transport=mooncake: keys in the store, read by no rank yet
+            "key_prefix": self.prefix,
             "seconds": time.perf_counter() - self.started_at,
         }
 
@@ -344,6 +380,7 @@ class FeaturePool:
             if slot.handle is not None:
                 ray.kill(slot.handle, no_restart=True)
                 slot.handle = None
+        self.settings.transport.close()  # the store's memory goes with this process's client
 
     # ------------------------------------------------------------ the plan
 
@@ -439,9 +476,13 @@ class FeaturePool:
         self._task(self._start(slot, slot.incarnation))
 
     def _boot(self) -> None:
-        """Start the workers of __init__ (needs the actor's event loop)."""
+        """Join the transport, start the workers of __init__ (needs the actor's event loop)."""
         if not self.booted:
             self.booted = True
+            try:
+                self.settings.transport.open_pool()
+            except Eagle31Error as e:
+                self._fail(str(e))
             for slot in self.slots:
                 self._enter(slot, "placing")
                 self._task(self._start(slot, slot.incarnation))
@@ -534,7 +575,9 @@ class FeaturePool:
             slot = min(free, key=lambda s: (len(s.inflight), s.index))
             seq = next(self.sequence)
             slot.inflight[seq] = request
-            call = Computation(slot.handle, self.splits[request.split][request.ids]["input_ids"])
+            call = Computation(
+                slot.handle, self.splits[request.split][request.ids]["input_ids"], self._key(request, seq)
+            )
             record = call.send()  # here, not in the task: a worker computes its requests in the order they are sent
             self._task(self._receive(slot, slot.incarnation, seq, request, call, record))
 
@@ -552,10 +595,18 @@ class FeaturePool:
             slot.inflight.pop(seq, None)
             if not request.done:
                 request.done = True
-                self.parts[request.owner].refs[request.group] = call.features
+                part = self.parts[request.owner]
+                if call.key is None:  # through Ray's store
+                    part.refs[request.group] = call.features
+                else:
+                    part.refs[request.group] = self.settings.transport.handle(call.key, call.features)
+                    if self.settings.transport.holds_until_consumed:
+                        self.stored[call.key] = part
                 self.counts["produced_samples"] += len(request.ids)
                 slot.samples += len(request.ids)
                 slot.busy_s += done["seconds"]
+            elif call.key is not None:  # computed twice: the first copy is the one handed out
+                self.settings.transport.free([call.key])
         self._pump()
         await self._notify()
 
@@ -563,10 +614,13 @@ class FeaturePool:
         """A worker died or hung: its requests go back to the head of the queue, a new worker takes its place."""
         if self.error is not None:  # a pool that has failed, or was closed, replaces no one
             return
-        for request in slot.inflight.values():
+        written = []  # keys it may have written features under before it died
+        for seq, request in slot.inflight.items():
             if not request.done:
                 self._queue(request)
                 self.counts["requeued"] += len(request.ids)
+                if (key := self._key(request, seq)) is not None:
+                    written.append(key)
         slot.inflight.clear()
         slot.incarnation += 1
         slot.restarts += 1
@@ -575,6 +629,7 @@ class FeaturePool:
             ray.kill(slot.handle, no_restart=True)  # a hung worker holds its resources until killed
         except Exception:  # noqa: BLE001 - already gone
             pass
+        self.settings.transport.free(written)
         if slot.restarts > self.settings.max_restarts:
             limit = f"features.engine.max_restarts={self.settings.max_restarts}"
             self._fail(
@@ -582,6 +637,11 @@ class FeaturePool:
             )
             return
         self._spawn(slot)
+
+    def _key(self, request: Request, seq: int) -> str | None:
+        """The key a training request's features are stored under (the transport may ignore it); held-out asks have
+        none: they travel through Ray's store whatever the transport, outside the budget the store is sized for."""
+        return f"{self.prefix}/{seq}" if request.split == "train" else None
 
     # ------------------------------------------------------------ waiting
 
