@@ -105,8 +105,11 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
         model=request["target"],
         # the drafter's backend is its own choice unless the speculative config names one
         speculative_config={
-            "method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k,
-            "parallel_drafting": job.get("parallel_drafting", False), **backend,
+            "method": "eagle3",
+            "model": job["drafter"],
+            "num_speculative_tokens": k,
+            "parallel_drafting": job.get("parallel_drafting", False),
+            **backend,
         },  # fmt: skip
         dtype=request.get("dtype", "float32"),
         enforce_eager=True,
