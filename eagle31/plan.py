@@ -51,7 +51,7 @@ class RunPlan:
     compute_dtype: torch.dtype
 
     @property
-    def parts(self) -> dict[str, str]:
+    def parts(self) -> dict[str | Path, str]:
         """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
         from eagle31.data.regenerate.shards import OUTPUT_KIND
 
@@ -213,10 +213,11 @@ def check_run_dir(plan: RunPlan) -> None:
             raise ConfigError(f"output_dir {plan.run_dir} holds a different run: {key} was {a!r}, now {b!r}")
 
 
-def _get(tree: dict, dotted: str):
+def _get(tree: dict, dotted: str) -> Any:
+    value: Any = tree
     for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def check_data(plan: RunPlan) -> None:

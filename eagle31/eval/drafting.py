@@ -159,10 +159,11 @@ class EagleProposer:
         allowed = self._visible(slots, slots)
         attn = _attend(q, keys, values, allowed)
         out = self.drafter.step_output(residual, attn)
-        for i in slots if self.probe is not None else ():  # each slot as the step of its depth
+        for i in slots:  # each slot as the step of its depth
             at = slice(i - 1, i)
-            step = DraftStep(out.hidden[:, at], out.state[:, at], out.feature[:, at])
-            self.probe.observe(feature[:, at], step, q[:, at], keys, values, allowed[:, at], attn[:, at], chain=i)
+            if self.probe is not None:
+                step = DraftStep(out.hidden[:, at], out.state[:, at], out.feature[:, at])
+                self.probe.observe(feature[:, at], step, q[:, at], keys, values, allowed[:, at], attn[:, at], chain=i)
         return torch.cat([first, self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))], dim=1)[0]
 
     @torch.no_grad()
