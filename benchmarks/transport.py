@@ -162,7 +162,7 @@ def summarise(settings: Settings, nbytes: int, runs: dict[str, list[dict]]) -> d
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "settings": dataclasses.asdict(settings),
+        "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "out"},  # no machine path
         "sample_bytes": nbytes,
         "transports": per,
         "mooncake_over_ray": per["mooncake"]["bytes_per_s"] / per["ray"]["bytes_per_s"],

@@ -271,7 +271,7 @@ def test_the_emulated_0_33_loader_finds_every_tensor_it_expects_and_nothing_else
     for case_id, (_, drafter, out) in made.items():
         fields = read[str(out)]["fields"]
         view = {**fields, "architectures": read[str(out)]["eagle_architectures"]}
-        expected = vllm_contract.expected_params(view)
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(out / "model.safetensors")))
         assert set(loaded) <= set(expected), (case_id, set(loaded) - set(expected))
         missing = set(expected) - set(loaded)
@@ -403,7 +403,8 @@ def assert_vllm_serves(export_dir: Path, work_dir: Path) -> None:
         f = got["fields"]
         assert f["eagle_aux_hidden_state_layer_ids"] == list(drafter.config.aux_layer_ids), release
         assert (f["fc_norm"], f["norm_output"]) == (drafter.config.fc_norm, drafter.config.norm_output), release
-        expected = vllm_contract.expected_params({**f, "architectures": got["eagle_architectures"]})
+        view = {**f, "architectures": got["eagle_architectures"]}
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(export_dir / "model.safetensors")))
         assert set(loaded) <= set(expected) and set(expected) - set(loaded) <= {"model.embed_tokens.weight"}, release
         assert all(loaded[k] == expected[k] for k in loaded), release
