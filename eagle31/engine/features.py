@@ -83,9 +83,8 @@ def _await_pool(pool, ref, rank: int, what: str):
 
 
 class EngineFeatures:
-    """A `FeatureSource` whose features the pool's workers compute: the training stream (`stream`) or held-out asks.
-
-    metrics: the `engine/*` metrics the trainer logs with this source's; transport: how features arrive (None: Ray)."""
+    """A `FeatureSource` computed by the pool's workers: the training stream (`stream`) or held-out asks; `metrics`:
+    the `engine/*` metrics the trainer logs with this source's; `transport`: how features arrive (None: Ray's store)."""
 
     def __init__(
         self,

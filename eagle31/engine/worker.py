@@ -139,8 +139,7 @@ class HFInferenceWorker:
 
 
 class VLLMInferenceWorker:
-    """A vLLM engine on the target (`eagle31.engine.vllm_engine`), tensor parallel over the worker's GPUs or on its
-    CPUs; its features equal transformers' within floating-point tolerance."""
+    """A vLLM engine on the target (`eagle31.engine.vllm_engine`), tensor parallel over the worker's GPUs or on CPUs."""
 
     kind = "vllm"
 
