@@ -142,12 +142,10 @@ def check_engine(cfg) -> None:
     if cfg.features.mode != "engine":
         return
     e = cfg.features.engine
-    for name, least in (("workers", 1), ("pool_tokens", 1), ("max_restarts", 0)):
-        if getattr(e, name) < least:
-            raise ConfigError(f"features.engine.{name} must be >= {least}, got {getattr(e, name)}")
-    for name in ("worker_cpus", "worker_gpus"):
-        if getattr(e, name) < 0:
-            raise ConfigError(f"features.engine.{name} must be >= 0, got {getattr(e, name)}")
+    least = {"workers": 1, "pool_tokens": 1, "max_restarts": 0, "worker_cpus": 0, "worker_gpus": 0}
+    for name, at_least in least.items():
+        if getattr(e, name) < at_least:
+            raise ConfigError(f"features.engine.{name} must be >= {at_least}, got {getattr(e, name)}")
     for name in ("request_timeout_s", "load_timeout_s", "placement_timeout_s"):
         if not getattr(e, name) > 0:
             raise ConfigError(f"features.engine.{name} must be positive, got {getattr(e, name)}")

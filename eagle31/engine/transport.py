@@ -1,25 +1,6 @@
-"""How the features travel from the inference workers to the trainer ranks (`features.engine.transport`).
-
-    ray        a worker's features are the second return of its computation, an object of Ray's store on its node;
-               the pool hands its reference to the rank that takes them and Ray moves the bytes (shared memory on
-               one node, TCP between nodes). The default.
-    mooncake   a Mooncake distributed store, TorchSpec's transport (RDMA where the cluster has it, TCP elsewhere).
-               The pool's process holds the store's memory: one segment sized for `pool_tokens` of features. A
-               worker writes a request's features into it under the key the pool gave the request; the pool passes
-               the key, never a tensor, to the rank that takes the micro-batch; the rank reads the bytes straight
-               into its own tensors and says so (`consumed`), and the pool then removes the key and only then counts
-               its tokens out of the budget, so what the store holds never exceeds `pool_tokens`. The pool also
-               removes the keys of requests lost with their worker and of results computed twice. Held-out asks,
-               which the pool sends outside the budget (the trainers wait for them), travel through Ray's store.
-
-One object per request: each row's aux [T, n*Ht], then its final [T, Ht], in the target's dtype, so the rank that
-reads it knows every size from the rows' lengths (`FeatureLayout`).
-
-The store's master is `features.engine.mooncake_master` (its metadata server `mooncake_metadata_server`), or one
-that rank 0 starts on its node (`mooncake_master`: the wheel's `mooncake_master` with its HTTP metadata server, on
-free ports, stopped with the run, and by the kernel with rank 0's process if that dies). Mooncake is imported here
-only, and only for transport=mooncake: `check_transport` says in one line what is missing (the wheel, libibverbs) or
-unreachable, when the run is planned.
+"""How the features travel from the inference workers to the trainer ranks (`features.engine.transport`): Ray's
+object store, or a Mooncake store whose memory is the pool's (its master, clients and keys). Mooncake is imported
+only for transport=mooncake; docs/engine.md says how each works.
 """
 
 from __future__ import annotations
@@ -33,7 +14,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -45,7 +26,7 @@ from eagle31.errors import ConfigError, EngineError
 
 
 class Transport(StrEnum):
-    """How features travel from the workers to the trainers (`features.engine.transport`, this module)."""
+    """How features travel from the workers to the trainers (`features.engine.transport`)."""
 
     ray = "ray"  # Ray's object store
     mooncake = "mooncake"  # a Mooncake distributed store (pip install mooncake-transfer-engine-non-cuda)
@@ -83,17 +64,19 @@ def import_store():
 
 
 def check_transport(e) -> None:
-    """`features.engine` (`e`): with transport=mooncake, Mooncake importable (the wheel, libibverbs), and a master given
-    with its metadata server that both answer. One line each, before anything runs."""
+    """`features.engine` (`e`) with transport=mooncake: Mooncake importable (the wheel, libibverbs), and a master given
+    with its metadata server that both answer; one line each, before anything runs."""
     if e.transport != Transport.mooncake:
         return
     import_store()
     if bool(e.mooncake_master) != bool(e.mooncake_metadata_server):
-        given, missing = (("mooncake_master", "mooncake_metadata_server") if e.mooncake_master
-                          else ("mooncake_metadata_server", "mooncake_master"))  # fmt: skip
-        raise ConfigError(f"features.engine.{given} is set but features.engine.{missing} is not: a Mooncake master is "
-                          "named by both (host:port of its RPC, http://host:port/metadata of its metadata server); "
-                          "leave both unset and rank 0 starts one")  # fmt: skip
+        names = ["mooncake_master", "mooncake_metadata_server"]
+        given, missing = names if e.mooncake_master else names[::-1]
+        raise ConfigError(
+            f"features.engine.{given} is set but features.engine.{missing} is not: a Mooncake master is named by both "
+            "(host:port of its RPC, http://host:port/metadata of its metadata server); leave both unset and rank 0 "
+            "starts one"
+        )
     if e.mooncake_master:
         check_reachable(given_master(e))
 
@@ -134,15 +117,13 @@ class MooncakeAddress:
 def check_reachable(address: MooncakeAddress) -> None:
     """One line when the master's RPC port or its metadata server does not accept a connection."""
     url = urlparse(address.metadata_server)
+    metadata = f"features.engine.mooncake_metadata_server={address.metadata_server}"
     if url.scheme != "http" or not url.hostname or not url.port:
-        raise ConfigError(f"features.engine.mooncake_metadata_server={address.metadata_server} is not an "
-                          "http://host:port/metadata URL")  # fmt: skip
+        raise ConfigError(f"{metadata} is not an http://host:port/metadata URL")
     host, _, port = address.master.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"{address} is not host:port")
-    for named, where in ((str(address), (host, int(port))),
-                         (f"features.engine.mooncake_metadata_server={address.metadata_server}",
-                          (url.hostname, url.port))):  # fmt: skip
+    for named, where in ((str(address), (host, int(port))), (metadata, (url.hostname, url.port))):
         try:
             socket.create_connection(where, timeout=CONNECT_S).close()
         except OSError as e:
@@ -151,16 +132,11 @@ def check_reachable(address: MooncakeAddress) -> None:
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct TCP ports free on this node now."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in sockets:
-            s.close()
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _die_with_parent() -> None:
@@ -171,20 +147,20 @@ def _die_with_parent() -> None:
 
 @contextmanager
 def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterator[MooncakeAddress]:
-    """A `mooncake_master` on this node, on free ports, with its HTTP metadata server; reached at `host` (this
-    node's address as the other nodes see it). Stopped on the way out, whatever happened."""
+    """A `mooncake_master` on this node, on free ports, with its HTTP metadata server, reached at `host` (this node's
+    address as the other nodes see it); stopped on the way out, whatever happened."""
     rpc, http, metrics = free_ports(3)
+    ports = f"--rpc_port={rpc} --http_metadata_server_port={http} --metrics_port={metrics}".split()
+    # a long lease: reads never race one (removal is forced anyway)
+    args = [str(master_binary()), *ports, "--enable_http_metadata_server=true", "--default_kv_lease_ttl=600000"]
     with tempfile.TemporaryDirectory(prefix="eagle31-mooncake-") as tmp:
         log_path = Path(tmp) / "mooncake_master.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [str(master_binary()), f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
-                 f"--http_metadata_server_port={http}", f"--metrics_port={metrics}",
-                 "--default_kv_lease_ttl=600000"],  # reads never race a lease; removal is forced anyway
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            )  # fmt: skip
-        address = MooncakeAddress(f"{host}:{rpc}", f"http://{host}:{http}/metadata", protocol, rdma_devices,
-                                  f"the Mooncake master rank 0 started at {host}:{rpc}")  # fmt: skip
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
+        named = f"the Mooncake master rank 0 started at {host}:{rpc}"
+        address = MooncakeAddress(f"{host}:{rpc}", f"http://{host}:{http}/metadata", protocol, rdma_devices, named)
         try:
             _wait_listening(process, [rpc, http], log_path)
             yield address
@@ -199,19 +175,19 @@ def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterato
 
 def _wait_listening(process: subprocess.Popen, ports: list[int], log_path: Path) -> None:
     deadline = time.monotonic() + MASTER_START_S
+    master = "features.engine.transport=mooncake: the Mooncake master rank 0 started"
     for port in ports:
         while True:
             if process.poll() is not None:
                 lines = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
-                raise ConfigError(f"features.engine.transport=mooncake: the Mooncake master rank 0 started exited "
-                                  f"({process.returncode}): {lines[-1] if lines else 'no output'}")  # fmt: skip
+                last = lines[-1] if lines else "no output"
+                raise ConfigError(f"{master} exited ({process.returncode}): {last}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise ConfigError(f"features.engine.transport=mooncake: the Mooncake master rank 0 started does "
-                                      f"not listen on port {port} after {MASTER_START_S:g} s") from None  # fmt: skip
+                    raise ConfigError(f"{master} does not listen on port {port} after {MASTER_START_S:g} s") from None
                 time.sleep(0.05)
 
 
@@ -226,19 +202,18 @@ def _node_address() -> str:
 
 
 class MooncakeClient:
-    """One process's client of the store; `segment_bytes` of this process's memory joins the store (0: none).
-
-    Transfers are zero-copy: each call registers the tensors it reads from or writes into, for its duration."""
+    """One process's client of the store, lending it `segment_bytes` of this process's memory (0: none); zero-copy:
+    each call registers the tensors it reads from or writes into, for its duration."""
 
     def __init__(self, address: MooncakeAddress, hostname: str, segment_bytes: int = 0, buffer_bytes: int = 16 << 20):
         self.address = address
         store = import_store()
         self.store = store.MooncakeDistributedStore()
-        rc = self.store.setup(hostname, address.metadata_server, int(segment_bytes), int(buffer_bytes),
-                              str(address.protocol), address.rdma_devices, address.master)  # fmt: skip
+        where = (address.metadata_server, int(segment_bytes), int(buffer_bytes), str(address.protocol))
+        rc = self.store.setup(hostname, *where, address.rdma_devices, address.master)
         if rc != 0:
-            raise EngineError(f"cannot join the Mooncake store of {address} over "
-                              f"{address.protocol} from {hostname} (setup returned {rc})")  # fmt: skip
+            join = f"cannot join the Mooncake store of {address} over {address.protocol} from {hostname}"
+            raise EngineError(f"{join} (setup returned {rc})")
         self.pinned = store.ReplicateConfig()
         self.pinned.with_hard_pin = True  # never evicted: only the pool removes a key
 
@@ -248,9 +223,9 @@ class MooncakeClient:
         try:
             for t in tensors:
                 if t.numel():
-                    rc = self.store.register_buffer(t.data_ptr(), t.numel() * t.element_size())
+                    rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
                     if rc != 0:
-                        raise EngineError(f"Mooncake cannot register {t.numel() * t.element_size()} bytes (error {rc})")
+                        raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
                     done.append(t)
             yield
         finally:
@@ -261,18 +236,17 @@ class MooncakeClient:
         """One object under `key`: the bytes of `tensors` (contiguous), one after another."""
         parts = [t for t in tensors if t.numel()]
         with self._registered(parts):
-            [rc] = self.store.batch_put_from_multi_buffers(
-                [key], [[t.data_ptr() for t in parts]], [[t.numel() * t.element_size() for t in parts]], self.pinned
-            )
+            sizes = [t.nbytes for t in parts]
+            [rc] = self.store.batch_put_from_multi_buffers([key], [[t.data_ptr() for t in parts]], [sizes], self.pinned)
         if rc != 0:
-            size = sum(t.numel() * t.element_size() for t in parts)
-            raise EngineError(f"the Mooncake store at {self.address.master} refused {size} bytes under {key} "
-                              f"(error {rc}{': no room' if rc == -200 else ''})")  # fmt: skip
+            size = sum(sizes)
+            error = f"error {rc}{': no room' if rc == -200 else ''}"
+            raise EngineError(f"the Mooncake store at {self.address.master} refused {size} bytes under {key} ({error})")
 
     def get(self, keys: Sequence[str], tensors: Sequence[Sequence[torch.Tensor]]) -> None:
         """Read the object under each key into its tensors (contiguous, sized as the object's parts)."""
         parts = [[t for t in ts if t.numel()] for ts in tensors]
-        sizes = [[t.numel() * t.element_size() for t in ts] for ts in parts]
+        sizes = [[t.nbytes for t in ts] for ts in parts]
         with self._registered([t for ts in parts for t in ts]):
             for _ in range(2):  # a lease that ran out mid-read: the bytes arrived, the check after them failed
                 rcs = self.store.batch_get_into_multi_buffers(
@@ -282,8 +256,8 @@ class MooncakeClient:
                     break
         for key, rc, size in zip(keys, rcs, sizes, strict=True):
             if rc != sum(size):
-                raise EngineError(f"reading {key} from the Mooncake store at {self.address.master} gave {rc} "
-                                  f"(expected its {sum(size)} bytes)")  # fmt: skip
+                got = f"reading {key} from the Mooncake store at {self.address.master} gave {rc}"
+                raise EngineError(f"{got} (expected its {sum(size)} bytes)")
 
     def remove(self, keys: Sequence[str]) -> None:
         """Free `keys` (a key already gone is no error)."""
@@ -304,7 +278,7 @@ class MooncakeClient:
 
 @dataclass(frozen=True)
 class FeatureLayout:
-    """The features of one request's rows, in a `mooncake` object: each row's aux, then its final state."""
+    """The features of one request's rows in a `mooncake` object: each row's aux, then its final state, in `dtype`."""
 
     lengths: tuple[int, ...]  # T of each row, in the request's order
     aux_size: int  # n * Ht
@@ -313,12 +287,12 @@ class FeatureLayout:
 
     def empty(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n*Ht], final [T, Ht]) of each row, each tensor in its own storage, to read into."""
-        return [(torch.empty(T, self.aux_size, dtype=self.dtype), torch.empty(T, self.hidden_size, dtype=self.dtype))
-                for T in self.lengths]  # fmt: skip
+        aux, final, dtype = self.aux_size, self.hidden_size, self.dtype
+        return [(torch.empty(T, aux, dtype=dtype), torch.empty(T, final, dtype=dtype)) for T in self.lengths]
 
 
 class ObjectStoreTransport:
-    """transport=ray: the features are Ray objects; the pool hands out their references (module docstring)."""
+    """transport=ray: the features are Ray objects; the pool hands out their references."""
 
     holds_until_consumed = False  # the pool's budget counts a micro-batch until its last rank has taken it
 
@@ -335,11 +309,10 @@ class ObjectStoreTransport:
         return get(handles)
 
     def consumed(self, pool, handles: list) -> None:
-        """In a rank, once it holds the features of `handles`: nothing to say (Ray frees an object with its last
-        reference)."""
+        """In a rank that holds the features of `handles` (Ray frees an object with its last reference)."""
 
     def free(self, keys: list[str]) -> None:
-        """In the pool: the stored features of `keys` are not needed (none are stored under keys here)."""
+        """In the pool: the features stored under `keys` are not needed (none are, here)."""
 
     def open_pool(self) -> None:
         """In the pool's process, before any worker computes."""
@@ -352,8 +325,8 @@ class ObjectStoreTransport:
 
 
 class MooncakeTransport:
-    """transport=mooncake (module docstring). The same object travels to the pool, the workers and the ranks; each
-    opens its own client on first use (the pool's holds the segment), none travels."""
+    """transport=mooncake: the same object travels to the pool, the workers and the ranks; each opens its own client
+    on first use (the pool's lends the store its segment), and no client travels."""
 
     holds_until_consumed = True  # the pool's budget counts a micro-batch until its keys are removed
 
@@ -378,7 +351,6 @@ class MooncakeTransport:
 
     def send(self, key: str, features: list) -> None:
         self._client().put(key, [t.contiguous() for pair in features for t in pair])
-        return None
 
     def handle(self, key: str, features_ref) -> str:
         return key
@@ -404,6 +376,6 @@ FeatureTransport = ObjectStoreTransport | MooncakeTransport  # what `features.en
 
 
 def segment_bytes(tokens: int, bytes_per_token: int) -> int:
-    """The pool's segment for `tokens` of features: a quarter more for the allocator's fragments, and 32 MiB (Mooncake
-    refuses a segment under 16 MiB), in whole MiB."""
+    """The pool's segment for `tokens` of features, in whole MiB: a quarter more for the allocator's fragments, and
+    32 MiB (Mooncake refuses a segment under 16 MiB)."""
     return (math.ceil(1.25 * tokens * bytes_per_token / (1 << 20)) + 32) << 20
