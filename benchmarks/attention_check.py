@@ -18,8 +18,8 @@ import math
 import torch
 
 from eagle31.config import DrafterConfig
-from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import reference_attention, ttt_attention
+from eagle31.model import Visibility, segment_ids
 
 # Positional argument types and number of results of each private op, as FlashCausal calls it;
 # each also takes the keywords of KEYWORDS (the CUDA ops their window arguments, the CPU ops a mask).
@@ -117,9 +117,9 @@ def check_attention_parity(
         leaves = [t.detach().requires_grad_() for t in tensors]
         q, k0, v0, chain = leaves[0], leaves[1], leaves[2], leaves[3:]
         if backend == "reference":
-            out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, window=window)
+            out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, Visibility(window))
         else:
-            out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, window=window)
+            out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, rule=Visibility(window))
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
         return [out.detach().float()] + [x.float() for x in grads]
 

@@ -113,33 +113,44 @@ def measure(lengths: list[int], seeds: int, depth: int) -> list[dict]:
                 by_seed.append((drafted - unrolled).abs().amax(dim=-1).tolist())  # [depth]
                 largest = max(largest, float(unrolled.abs().max()))
             worst = [max(gaps) for gaps in zip(*by_seed)]
-            rows.append({
-                "n": n, "dtype": str(dtype).removeprefix("torch."), "max_abs_difference_by_seed": by_seed,
-                "max_abs_difference_by_depth": worst, "largest_logit": largest,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "n": n,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "max_abs_difference_by_seed": by_seed,
+                    "max_abs_difference_by_depth": worst,
+                    "largest_logit": largest,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def command(spec: dict) -> str:
     """The command that measures `spec`."""
-    return f"python -m benchmarks.drafting_parity lengths={','.join(map(str, spec['lengths']))} seeds={spec['seeds']} depth={spec['depth']}"
+    lengths = ",".join(map(str, spec["lengths"]))
+    return f"python -m benchmarks.drafting_parity lengths={lengths} seeds={spec['seeds']} depth={spec['depth']}"
 
 
 def draw_spread(runs: list[dict]) -> str | None:
     """One sentence: the widest spread over the seeds of one fp32 gap (one length, one depth); None for one seed."""
     widest = max(
-        ((max(gaps) / min(gaps), row["n"], k + 1, min(gaps), max(gaps))
-         for row in runs if row["dtype"] == "float32"
-         for k, gaps in enumerate(zip(*row["max_abs_difference_by_seed"])) if len(gaps) > 1 and min(gaps) > 0),
+        (
+            (max(gaps) / min(gaps), row["n"], k + 1, min(gaps), max(gaps))
+            for row in runs
+            if row["dtype"] == "float32"
+            for k, gaps in enumerate(zip(*row["max_abs_difference_by_seed"]))
+            if len(gaps) > 1 and min(gaps) > 0
+        ),
         default=None,
-    )  # fmt: skip
+    )
     if widest is None:
         return None
     ratio, n, k, low, high = widest
     return (
-        f"In fp32 the weight draw alone moves one gap (one length, one depth) by up to {ratio:.0f}x ({low:.1e} to {high:.1e} "
-        f"at n = {n}, depth {k}), so a change to either forward is judged seed by seed, not by the worst of a few draws."
+        f"In fp32 the weight draw alone moves one gap (one length, one depth) by up to {ratio:.0f}x "
+        f"({low:.1e} to {high:.1e} at n = {n}, depth {k}), so a change to either forward is judged seed by seed, "
+        "not by the worst of a few draws."
     )
 
 
@@ -148,9 +159,9 @@ def markdown(result: dict) -> str:
     depths = " | ".join(f"depth {k + 1}" for k in range(spec["depth"]))
     rule = "|---|---|" + "---|" * spec["depth"]
     lines = [
-        f"Chain drafting against the training unroll: the max |logit difference| at each draft depth, smallest to largest "
-        f"over seeds 0-{spec['seeds'] - 1} (each a random drafter), the Llama drafter of `recipe=kimi_k26_mini` on Kimi's "
-        f"yarn rope, CPU, torch {result['torch']}:",
+        "Chain drafting against the training unroll: the max |logit difference| at each draft depth, smallest to "
+        f"largest over seeds 0-{spec['seeds'] - 1} (each a random drafter), the Llama drafter of "
+        f"`recipe=kimi_k26_mini` on Kimi's yarn rope, CPU, torch {result['torch']}:",
         "",
         f"    {command(spec)}",
         "",

@@ -97,10 +97,20 @@ def train(
     from eagle31.recipe import load_recipe
 
     overrides = [
-        "recipe=demo", f"output_dir={out}", f"data.prepared_dir={data}", f"features.mode={mode}", f"train.ttt_length={ttt_length}",
-        f"train.max_steps={steps}", f"train.log_every={WINDOW}", "train.eval_every=0", "train.save_every=0", "eval.enabled=false",
-        "export.formats=[eagle3]", "logging.progress=false", "logging.wandb.mode=disabled",
-    ]  # fmt: skip
+        "recipe=demo",
+        f"output_dir={out}",
+        f"data.prepared_dir={data}",
+        f"features.mode={mode}",
+        f"train.ttt_length={ttt_length}",
+        f"train.max_steps={steps}",
+        f"train.log_every={WINDOW}",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "eval.enabled=false",
+        "export.formats=[eagle3]",
+        "logging.progress=false",
+        "logging.wandb.mode=disabled",
+    ]
     if mode == "engine":
         overrides += [f"features.engine.workers={workers}", "features.engine.worker_cpus=1"]
     with mock.patch.dict(WORKERS, {EngineWorker.hf: kind}):
@@ -187,13 +197,17 @@ def kill_a_worker_when(ray, delivered: int, done: dict) -> threading.Thread:
 def scaling_table(rows: list[dict]) -> list[str]:
     base = rows[0]["wait_s_per_step"]
     out = [
-        "| workers | trainer wait s/step | wait vs 1 worker | inference capacity samples/s | training capacity samples/s | consumed samples/s | workers for 1 trainer (measured) |",
+        "| workers | trainer wait s/step | wait vs 1 worker | inference capacity samples/s "
+        "| training capacity samples/s | consumed samples/s | workers for 1 trainer (measured) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = f"{r['wait_s_per_step'] / base:.2f}x" if base > 0 else "-"
-        out.append(f"| {r['workers']} | {r['wait_s_per_step']:.3f} | {ratio} | {r['inference_samples_per_s']:.1f} | "
-                   f"{r['training_capacity_samples_per_s']:.1f} | {r['consumed_samples_per_s']:.1f} | {r['workers_for_one_trainer']} |")  # fmt: skip
+        out.append(
+            f"| {r['workers']} | {r['wait_s_per_step']:.3f} | {ratio} | {r['inference_samples_per_s']:.1f} | "
+            f"{r['training_capacity_samples_per_s']:.1f} | {r['consumed_samples_per_s']:.1f} | "
+            f"{r['workers_for_one_trainer']} |"
+        )
     return out
 
 
@@ -208,8 +222,8 @@ def table(result: dict) -> str:
     if result.get("paced"):
         out += [
             "",
-            f"Paced workers (each computation at least {s['pace_ms_per_token']} ms per token, as an engine on hardware of its own; "
-            f"{s['paced_steps']} steps, K = {s['ttt_length']}):",
+            f"Paced workers (each computation at least {s['pace_ms_per_token']} ms per token, as an engine on "
+            f"hardware of its own; {s['paced_steps']} steps, K = {s['ttt_length']}):",
             "",
             *scaling_table(result["paced"]),
         ]
@@ -217,8 +231,9 @@ def table(result: dict) -> str:
     out += [
         "",
         f"At the demo's own K = 5, one worker: trainer wait {k5['wait_s_per_step']:.3f} s/step, inference capacity "
-        f"{k5['inference_samples_per_s']:.1f} samples/s against a training capacity of {k5['training_capacity_samples_per_s']:.1f}: "
-        f"the measured rates ask for {k5['workers_for_one_trainer']} worker(s) to keep the trainer busy.",
+        f"{k5['inference_samples_per_s']:.1f} samples/s against a training capacity of "
+        f"{k5['training_capacity_samples_per_s']:.1f}: the measured rates ask for {k5['workers_for_one_trainer']} "
+        "worker(s) to keep the trainer busy.",
         "",
         "Engine against online features (the target in the trainer's process), same settings:",
         "",
@@ -230,11 +245,11 @@ def table(result: dict) -> str:
     k = result["killed"]
     out += [
         "",
-        f"Killed worker: worker 0 of 2 killed (ray.kill) after {k['kill']['at_samples']} samples were delivered, holding "
-        f"{k['kill']['held']} request(s): {k['run']['worker_restarts']} restart, {k['run']['requeued']} samples asked again; "
-        f"against the uninterrupted 2-worker run: losses equal {k['vs_uninterrupted']['losses_equal']}, final weights equal "
-        f"{k['vs_uninterrupted']['weights_equal']}, consumed samples equal {k['vs_uninterrupted']['consumed_equal']} "
-        f"(nothing lost, nothing repeated).",
+        f"Killed worker: worker 0 of 2 killed (ray.kill) after {k['kill']['at_samples']} samples were delivered, "
+        f"holding {k['kill']['held']} request(s): {k['run']['worker_restarts']} restart, {k['run']['requeued']} "
+        "samples asked again; against the uninterrupted 2-worker run: losses equal "
+        f"{k['vs_uninterrupted']['losses_equal']}, final weights equal {k['vs_uninterrupted']['weights_equal']}, "
+        f"consumed samples equal {k['vs_uninterrupted']['consumed_equal']} (nothing lost, nothing repeated).",
     ]
     return "\n".join(out) + "\n"
 
@@ -288,7 +303,7 @@ def main(argv: list[str]) -> None:
                 "torch": torch.__version__,
                 "ray": ray.__version__,
                 "command": "python -m benchmarks.engine_features " + " ".join(argv),
-            },  # fmt: skip
+            },
             "scaling": [measure(runs[n], n) for n in workers],
             "paced": paced,
             "k5": measure(k5, 1),

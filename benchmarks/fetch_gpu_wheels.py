@@ -79,8 +79,11 @@ def resolve(requirements: Path, dest: Path, python_version: str, platform: str) 
     less torch and what torch itself requires (any machine with torch has those)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target", str(Path(tmp) / "t"),
-            "--find-links", str(dest), *target_args(python_version, platform), "-r", str(requirements))  # fmt: skip
+        pip(
+            "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+            "--target", str(Path(tmp) / "t"), "--find-links", str(dest), *target_args(python_version, platform),
+            "-r", str(requirements),
+        )  # fmt: skip
         items = json.loads(report.read_text())["install"]
     requires = {_name(i["metadata"]["name"]): i["metadata"].get("requires_dist") or [] for i in items}
     with_torch, todo = set(), [n for n in requires if WITH_TORCH.match(n)]
@@ -119,8 +122,10 @@ def main(argv: list[str]) -> int:
         pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), *SOURCE_ONLY)
         resolved = resolve(requirements, dest, args.python_version, args.platform)
         wanted = sorted(f"{name}=={version}" for name, version in resolved.items() if _name(name) not in excluded)
-        pip("download", "--quiet", "--no-deps", "--dest", str(dest), "--find-links", str(dest),
-            *target_args(args.python_version, args.platform), *wanted, *PEER_NO_DEPS)  # fmt: skip
+        pip(
+            "download", "--quiet", "--no-deps", "--dest", str(dest), "--find-links", str(dest),
+            *target_args(args.python_version, args.platform), *wanted, *PEER_NO_DEPS,
+        )  # fmt: skip
     except subprocess.CalledProcessError as e:
         print(f"error: pip failed ({e.returncode}); see its output above", file=sys.stderr)
         return 1

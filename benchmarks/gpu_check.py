@@ -60,7 +60,8 @@ PEER_MODULES = ("speculators", "hs_connectors", "openai", "accelerate")
 @dataclass
 class Part:
     name: str
-    kind: str  # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable | module:function
+    # environment | attention | trainer | memory | sequence_parallel | benchmark | unavailable | module:function
+    kind: str
     budget_s: int
     args: list[str] = field(default_factory=list)  # benchmark: BenchConfig key=value; unavailable: [reason]
 
@@ -88,7 +89,8 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
             "memory=false",
             "threads=1",
         ]
-        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
+        parallel = Part("benchmark tiny parallel T=128", "benchmark", 60, [*tiny[:3], "parallel=true", *tiny[4:]])
+        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny), parallel]
     from benchmarks.shapes import recipe_shapes
     from eagle31.attention import DrafterAttention
 
@@ -102,6 +104,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         (kimi, "Kimi K2.6 drafter", 16384, "peer=speculators warmup=1 repeats=2", 120),
         (llama, "Llama 3.1 8B drafter", 4096, "peer=speculators warmup=2 repeats=5", 110),
         (kimi_mla, "Kimi K2.6 MLA drafter", 4096, "warmup=2 repeats=3", 90),
+        (llama, "Llama 3.1 8B parallel (P-EAGLE) drafter", 4096, "parallel=true warmup=2 repeats=3", 90),
     ]
     for recipe, what, T, args, budget in runs:
         if recipe is None:
@@ -272,7 +275,8 @@ def check_main(
     parts: list[Part] | None = None,
     mode: str | None = None,
 ) -> int:
-    """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary under `out`."""
+    """Install what is missing, run `environment`, then `parts` (default: `plan`'s) within `budget_s`; the summary
+    under `out`."""
     started = time.monotonic()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "parts").is_dir())):
         print(f"error: {out} exists and is not an empty directory or an earlier check's output", file=sys.stderr)
@@ -282,8 +286,13 @@ def check_main(
     install = install_wheels(wheels, out / "logs" / "install.log")
     print(f"install: {install['status']} ({install.get('detail') or install.get('still_missing')})", flush=True)
     mode = mode or ("cpu-smoke" if smoke else "gpu")
-    summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mode": mode,
-               "budget_s": budget_s, "install": install, "parts": {}}  # fmt: skip
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "mode": mode,
+        "budget_s": budget_s,
+        "install": install,
+        "parts": {},
+    }
 
     def run(part: Part) -> dict:
         left = budget_s - (time.monotonic() - started)

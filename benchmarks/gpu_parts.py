@@ -34,11 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Packages whose presence the report states (import name -> what needs it).
 OPTIONAL_PACKAGES = {
-    "transformers": "everything", "hydra": "recipes", "safetensors": "checkpoints, export", "datasets": "data",
-    "tokenizers": "data", "triton": "torch.compile, the peer's fused loss", "speculators": "the benchmark's peer",
-    "hs_connectors": "the peer (speculators' import)", "openai": "the peer (speculators' import)",
-    "accelerate": "the peer (speculators' import)", "flash_attn": "nothing (listed for the record)",
-}  # fmt: skip
+    "transformers": "everything",
+    "hydra": "recipes",
+    "safetensors": "checkpoints, export",
+    "datasets": "data",
+    "tokenizers": "data",
+    "triton": "torch.compile, the peer's fused loss",
+    "speculators": "the benchmark's peer",
+    "hs_connectors": "the peer (speculators' import)",
+    "openai": "the peer (speculators' import)",
+    "accelerate": "the peer (speculators' import)",
+    "flash_attn": "nothing (listed for the record)",
+}
 
 
 def environment(smoke: bool) -> dict[str, Any]:
@@ -79,8 +86,12 @@ def environment(smoke: bool) -> dict[str, Any]:
 
 def _driver_version() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown (no nvidia-smi)"
@@ -132,10 +143,18 @@ def trainer(smoke: bool, out: Path) -> dict[str, Any]:
     if problems:  # this torch's fused ops differ from what eagle31 calls: train on the blockwise kernel
         device.append("train.attention_kernel=blockwise")
     base = [
-        "recipe=kimi_k26_mini", f"data.source=[{chats}]", "data.max_len=128", "data.eval_fraction=0.1",
-        "drafter.draft_vocab_size=128", "features.tokens_per_batch=256", "train.save_every=2", "train.log_every=1",
-        "logging.progress=false", f"output_dir={run_dir}", *device,
-    ]  # fmt: skip
+        "recipe=kimi_k26_mini",
+        f"data.source=[{chats}]",
+        "data.max_len=128",
+        "data.eval_fraction=0.1",
+        "drafter.draft_vocab_size=128",
+        "features.tokens_per_batch=256",
+        "train.save_every=2",
+        "train.log_every=1",
+        "logging.progress=false",
+        f"output_dir={run_dir}",
+        *device,
+    ]
     with tempfile.TemporaryDirectory(prefix="eagle31-gpu-check-cache-") as cache:
         env = {**child_env(), "EAGLE31_CACHE": cache, "PYTHONUNBUFFERED": "1"}
         cmd = [
@@ -180,10 +199,12 @@ def _flash_problems(device_type: str) -> list[str]:
 def tiny_chat(i: int) -> dict:
     """Conversation `i` of the tiny chat data the smoke parts train on."""
     a, b = i % 7, i % 5
-    return {"messages": [
-        {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
-        {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
-    ]}  # fmt: skip
+    return {
+        "messages": [
+            {"role": "user", "content": f"What is {a} plus {b}? Tell me about the weather."},
+            {"role": "assistant", "content": f"It is {a + b}. The weather is sunny and warm, with a light wind."},
+        ]
+    }
 
 
 def _last_metric(run_dir: Path, key: str) -> float | None:
@@ -328,14 +349,21 @@ def sequence_parallel(smoke: bool) -> dict[str, Any]:
     ok = loss_difference <= tolerance and split["exchanged_bytes_per_step"] > 0 and shards["passed"]
     report = {
         "status": "pass" if ok else "fail",
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "seq_len": spec["seq_len"], "backend": spec["backend"],
-        "paths": runs, "step_ratio": split["step_s"] / plain["step_s"], "peak_ratio": split["peak_bytes"] / plain["peak_bytes"],
-        "loss_relative_difference": loss_difference, "shard_attention": shards,
-    }  # fmt: skip
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "seq_len": spec["seq_len"],
+        "backend": spec["backend"],
+        "paths": runs,
+        "step_ratio": split["step_s"] / plain["step_s"],
+        "peak_ratio": split["peak_bytes"] / plain["peak_bytes"],
+        "loss_relative_difference": loss_difference,
+        "shard_attention": shards,
+    }
     report["detail"] = (
         f"N=1 through the sequence-parallel path vs plain, T={spec['seq_len']}: step x{report['step_ratio']:.2f}, "
         f"peak x{report['peak_ratio']:.2f}, loss differs by {loss_difference:.1e}; last of {shards['shards']} shards' "
-        f"attention at T={shards['seq_len']} ({shards['heads']} heads): max error {max(shards['max_error'].values()):.1e}, "
+        f"attention at T={shards['seq_len']} ({shards['heads']} heads): "
+        f"max error {max(shards['max_error'].values()):.1e}, "
         f"{shards['last_shard_s'] * 1e3:.0f} ms vs {shards['whole_s'] * 1e3:.0f} ms whole"
     )
     if not ok:
@@ -357,16 +385,16 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
     import torch
 
     from eagle31.attention.mla import mla_keys_values
-    from eagle31.kernels.causal import segment_ids
     from eagle31.kernels.entries import ChainKeysValues
     from eagle31.kernels.ttt_attention import ttt_attention_of_entries
+    from eagle31.model import segment_ids
 
     nh, nope, rope, v_dim, rank = (
         cfg.num_attention_heads,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-        cfg.kv_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.qk_rope_head_dim,
+        cfg.mla.v_head_dim,
+        cfg.mla.kv_lora_rank,
     )
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731
@@ -419,6 +447,13 @@ def shard_attention(cfg, seq_len: int, parts: int, device, dtype, backend: str) 
     }
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return {
-        "seq_len": seq_len, "shards": parts, "heads": nh, "max_error": error, "passed": max(error.values()) <= tolerance,
-        "last_shard_s": last_s, "whole_s": whole_s, "last_shard_peak_bytes": last_peak, "whole_peak_bytes": whole_peak,
-    }  # fmt: skip
+        "seq_len": seq_len,
+        "shards": parts,
+        "heads": nh,
+        "max_error": error,
+        "passed": max(error.values()) <= tolerance,
+        "last_shard_s": last_s,
+        "whole_s": whole_s,
+        "last_shard_peak_bytes": last_peak,
+        "whole_peak_bytes": whole_peak,
+    }

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree
@@ -236,7 +237,9 @@ def _run_benchmark(bench: BenchConfig, log: Callable[[str], None]) -> dict[str, 
         "config": dataclasses.asdict(bench),
         "precision": str(dtype).removeprefix("torch."),
         "flops_per_step": flops,
-        "flops_formula": "eagle31.estimate.step_flops: matmul FLOPs, fwd + bwd = 3x fwd (fc 2x), the keys each query sees",
+        "flops_formula": (
+            "eagle31.estimate.step_flops: matmul FLOPs, fwd + bwd = 3x fwd (fc 2x), the keys each query sees"
+        ),
         "peak_tflops": peak_tflops,
         "runs": {},
     }

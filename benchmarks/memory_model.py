@@ -55,8 +55,7 @@ TOLERANCE, CUDA_TOLERANCE = 0.01, 0.10
 
 # Kimi K2.6's attention shapes at a reduced width (H, I, vocabulary): the per-token terms
 _KIMI_MLA_HEADS = dict(
-    attention="mla", num_attention_heads=64, num_key_value_heads=64, head_dim=192, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    attention="mla", num_attention_heads=64, num_key_value_heads=64, head_dim=192, mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 )  # fmt: skip
 _NARROW = dict(hidden_size=512, target_hidden_size=512, intermediate_size=1024, vocab_size=2048, draft_vocab_size=1024)
 SHAPES = {
@@ -80,8 +79,7 @@ SHAPES = {
                 "intermediate_size": 256,
                 "num_attention_heads": 4,
                 "num_key_value_heads": 4,
-                "q_lora_rank": 64,
-                "kv_lora_rank": 32,
+                "mla": {**_KIMI_MLA_HEADS["mla"], "q_lora_rank": 64, "kv_lora_rank": 32},
                 "vocab_size": 163840,
                 "draft_vocab_size": 163840,
             },
@@ -99,11 +97,7 @@ SHAPES = {
                 num_attention_heads=4,
                 num_key_value_heads=4,
                 head_dim=24,
-                q_lora_rank=32,
-                kv_lora_rank=16,
-                qk_nope_head_dim=16,
-                qk_rope_head_dim=8,
-                v_head_dim=16,
+                mla=dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
                 intermediate_size=128,
                 vocab_size=512,
                 draft_vocab_size=256,

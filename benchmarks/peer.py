@@ -4,12 +4,13 @@
 (`fc_norm`, `norm_before_fc`, `norm_output`: the names are the same in their
 `Eagle3SpeculatorConfig`), aux layer ids and vocabulary; with a verifier directory, their own
 `load_verifier_weights` reads the target's embedding, lm_head rows and final norm, as their
-trainer's `from_training_args` does. `SpeculatorsStep` builds `speculators.models.eagle3.Eagle3DraftModel` offline, with the same
-layer shape, 3.1 flags, vocabularies and K as ours and random weights, and runs one step the
-way `speculators`' trainer does: forward under bf16 autocast on CUDA (fp32 master weights;
-their `forward` is `torch.compile`d on CUDA by the package itself), their KL loss (fused
-Triton kernel when Triton is importable, the eager one otherwise), backward, gradient
-clipping at 1.0, AdamW. Their `lm_head` is frozen by default; here it trains, as ours does.
+trainer's `from_training_args` does. `SpeculatorsStep` builds
+`speculators.models.eagle3.Eagle3DraftModel` offline, with the same layer shape, 3.1 flags,
+vocabularies and K as ours and random weights, and runs one step the way `speculators`' trainer
+does: forward under bf16 autocast on CUDA (fp32 master weights; their `forward` is `torch.compile`d
+on CUDA by the package itself), their KL loss (fused Triton kernel when Triton is importable, the
+eager one otherwise), backward, gradient clipping at 1.0, AdamW. Their `lm_head` is frozen by
+default; here it trains, as ours does.
 
 Layer attention: their default `simple_flex_attention` on CUDA. FlexAttention has no
 backward on CPU, so on CPU the peer runs `sdpa` with their dense `[T, K*T]` mask.
@@ -49,8 +50,14 @@ def vllm_cpu_python() -> Path:
 def vllm_env() -> dict[str, str]:
     """The environment of a vLLM subprocess: this one's less our venv, offline, on the CPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_TARGET_DEVICE="cpu",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
     return env
 
 

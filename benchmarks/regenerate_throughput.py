@@ -49,10 +49,17 @@ THINKING = {"thinking": True, "preserve_thinking": True}
 def measure(url: str, concurrency: int, latency_s: float, waves: int, work: Path) -> dict:
     n_conversations = max(1, concurrency * waves // 2)
     conversations = [
-        Conversation([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "x"},
-                      {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "y"}], where=str(i))
+        Conversation(
+            [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "and then?"},
+                {"role": "assistant", "content": "y"},
+            ],
+            where=str(i),
+        )
         for i in range(n_conversations)
-    ]  # fmt: skip
+    ]
     settings = Settings(max_new_tokens=64, shard_size=64, chat_template_kwargs=THINKING)
     out = work / f"c{concurrency}"
     prepare_output(out, settings, {"sources": ["benchmark"]})
@@ -81,13 +88,16 @@ def table(result: dict) -> str:
         f"Regeneration throughput, per-request latency {s['latency_s']} s, {s['waves']} waves of requests "
         f"(vLLM {s['server']['vllm']} protocol server, {s['server']['cpu_count']} CPUs)",
         "",
-        "| concurrency | requests | seconds | requests/s | ideal (c / latency) | efficiency | client CPU ms / request |",
+        "| concurrency | requests | seconds | requests/s | ideal (c / latency) | efficiency "
+        "| client CPU ms / request |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['seconds']:.2f} | {r['requests_per_s']:.1f} | "
-                     f"{r['ideal_requests_per_s']:.1f} | {r['efficiency']:.3f} | "
-                     f"{r['client_cpu_ms_per_request']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['seconds']:.2f} | {r['requests_per_s']:.1f} | "
+            f"{r['ideal_requests_per_s']:.1f} | {r['efficiency']:.3f} | "
+            f"{r['client_cpu_ms_per_request']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -113,15 +123,21 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_kimi_tokenizer().save_pretrained(work / "tokenizer")
-        spec = {"tokenizer": str(work / "tokenizer"), "model": "kimi-k2.6-test", "max_model_len": 4096,
-                "reasoning_parser": args["reasoning_parser"] or None, "latency_s": latency_s}  # fmt: skip
+        spec = {
+            "tokenizer": str(work / "tokenizer"),
+            "model": "kimi-k2.6-test",
+            "max_model_len": 4096,
+            "reasoning_parser": args["reasoning_parser"] or None,
+            "latency_s": latency_s,
+        }
         with VLLMLikeServer(python, spec, work) as server:
             results = []
             for c in concurrencies:
                 results.append(measure(server.url, c, latency_s, waves, work))
                 print(json.dumps(results[-1]), flush=True)
-    vllm = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    vllm = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"], capture_output=True, text=True
+    ).stdout.strip()
     result = {
         "settings": {
             "latency_s": latency_s,
@@ -131,7 +147,7 @@ def main(argv: list[str]) -> int:
             "reasoning_parser": args["reasoning_parser"] or None,
             "server": {"vllm": vllm, "cpu_count": os.cpu_count(), "python": platform.python_version()},
             "command": "python -m benchmarks.regenerate_throughput " + " ".join(argv),
-        },  # fmt: skip
+        },
         "results": results,
     }
     write_result_and_table(result, Path(args["out"]) / "regenerate_throughput.json", table(result) + "\n")

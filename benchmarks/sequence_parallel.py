@@ -59,17 +59,28 @@ from eagle31.vocab import vocab_maps  # noqa: E402
 K = 7
 # small drafters of the two kinds, in the Kimi K2.6 drafter's proportions (MLA: latents 1/4 of H)
 SHAPES = {
-    "mla": dict(attention="mla", num_attention_heads=8, num_key_value_heads=8, head_dim=48, q_lora_rank=128, kv_lora_rank=64,
-                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    "mla": dict(
+        attention="mla",
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=48,
+        mla=dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    ),
     "llama": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32),
-}  # fmt: skip
+}
 
 
 def drafter_config(attention: str, seq_len: int) -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=256, intermediate_size=768, vocab_size=4096, draft_vocab_size=2048, target_num_layers=8,
-        aux_layer_ids=(2, 4, 5), max_position_embeddings=seq_len, **SHAPES[attention],
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=768,
+        vocab_size=4096,
+        draft_vocab_size=2048,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+        max_position_embeddings=seq_len,
+        **SHAPES[attention],
+    )
 
 
 def build(cfg: DrafterConfig, seq_len: int) -> tuple[Eagle31Drafter, TargetHead, FeatureBatch]:
@@ -87,10 +98,12 @@ def build(cfg: DrafterConfig, seq_len: int) -> tuple[Eagle31Drafter, TargetHead,
     drafter.init_from_target(embed, lm_head, d2t, t2d)
     docs = torch.arange(seq_len) * 4 // seq_len  # documents cross the shard edges at every N
     batch = FeatureBatch(
-        input_ids=torch.randint(0, cfg.vocab_size, (1, seq_len), generator=g), loss_mask=torch.ones(1, seq_len, dtype=torch.long),
-        document_ids=docs[None], aux=torch.randn(1, seq_len, cfg.fc_in_features, generator=g),
+        input_ids=torch.randint(0, cfg.vocab_size, (1, seq_len), generator=g),
+        loss_mask=torch.ones(1, seq_len, dtype=torch.long),
+        document_ids=docs[None],
+        aux=torch.randn(1, seq_len, cfg.fc_in_features, generator=g),
         final=torch.randn(1, seq_len, cfg.target_hidden_size, generator=g),
-    )  # fmt: skip
+    )
     return drafter, TargetHead(lm_head, drafter.draft_token_ids()), batch
 
 
@@ -132,7 +145,7 @@ def training_step(
     objective = DrafterObjective(drafter, train)
 
     def step() -> torch.Tensor:
-        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, cfg.sliding_window)
+        b, sup, argmax, shard = prepare_batch(batch, train, head, world.device, dtype, group, drafter.visibility)
         count = all_reduce_sum(sup.sum(dim=(1, 2)).double())
         stats = objective(
             b.aux, b.input_ids, b.document_ids, b.final, sup, argmax, step_scales(count, train.ttt_decay), head, shard
@@ -210,18 +223,19 @@ def markdown(result: dict) -> str:
     spec = result["spec"]
     one = result["runs"][0]
     lines = [
-        f"Sequence parallelism on CPU (gloo, 1 thread per process, {result['cpu_cores']} cores): {spec['attention']} drafter "
-        f"H 256, T = {spec['seq_len']}, K = {K}, activation checkpointing, fp32; `python benchmarks/sequence_parallel.py "
-        f"seq_len={spec['seq_len']} attention={spec['attention']}`.",
+        f"Sequence parallelism on CPU (gloo, 1 thread per process, {result['cpu_cores']} cores): "
+        f"{spec['attention']} drafter H 256, T = {spec['seq_len']}, K = {K}, activation checkpointing, fp32; "
+        f"`python benchmarks/sequence_parallel.py seq_len={spec['seq_len']} attention={spec['attention']}`.",
         "",
         "| N | step (s) | vs N=1 | peak tensor MiB per rank (max) | vs N=1 | exchanged MiB per step per rank (max) |",
         "|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         peak = max(run["peak_tensor_bytes_per_rank"])
+        exchanged = max(run["exchanged_bytes_per_step_per_rank"])
         lines.append(
-            f"| {run['sequence_parallel']} | {run['step_s']:.2f} | {run['step_s'] / one['step_s']:.2f} | {peak / 2**20:.1f} | "
-            f"{peak / max(one['peak_tensor_bytes_per_rank']):.2f} | {max(run['exchanged_bytes_per_step_per_rank']) / 2**20:.2f} |"
+            f"| {run['sequence_parallel']} | {run['step_s']:.2f} | {run['step_s'] / one['step_s']:.2f} | "
+            f"{peak / 2**20:.1f} | {peak / max(one['peak_tensor_bytes_per_rank']):.2f} | {exchanged / 2**20:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -26,9 +26,16 @@ from eagle31.target import load_target_config
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 TINY = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768,
-    vocab_size=8192, draft_vocab_size=2048, target_num_layers=8, aux_layer_ids=(2, 4, 5),
-)  # fmt: skip
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=8192,
+    draft_vocab_size=2048,
+    target_num_layers=8,
+    aux_layer_ids=(2, 4, 5),
+)
 
 
 @dataclass(frozen=True)

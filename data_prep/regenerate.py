@@ -14,7 +14,7 @@ Reads `regenerate.source` (the first `regenerate.max_conversations`), asks the t
 turn, turn by turn, with `data.system_prompt` (or one of `data.system_prompts` per conversation,
 drawn from `regenerate.seed`) and `data.chat_template_kwargs` (the prompt training renders; with
 `data.chat_template_variants`, one variant drawn per conversation, kept in its record for prepare), and
-writes `regenerate.output_dir` (see eagle31/data/regenerate.py):
+writes `regenerate.output_dir` (docs/regeneration.md):
 `conversations/` is the `data.source` of the next step. Rerunning resumes: finished
 shards are kept. Bad settings, and a server refusing requests, stop with one line and
 exit code 2 before any shard is written; a server still down after
@@ -54,12 +54,18 @@ def main(cfg) -> None:
     # the prompt training renders: data.system_prompt(s), data.chat_template_kwargs and data.chat_template_variants
     variants = template_variants(cfg.data) if OmegaConf.select(cfg, "data.chat_template_variants") else None
     settings = Settings(
-        max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
-        temperature=r.temperature, top_p=r.top_p, seed=r.seed, shard_size=r.shard_size,
-        chat_template_kwargs=template_kwargs(cfg.data) or None, system_prompts=data_system_prompts(cfg.data) or None,
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        max_prompt_tokens=r.max_prompt_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=r.seed,
+        shard_size=r.shard_size,
+        chat_template_kwargs=template_kwargs(cfg.data) or None,
+        system_prompts=data_system_prompts(cfg.data) or None,
         chat_template_variants=variants,
         on_length=r.on_length,
-    )  # fmt: skip
+    )
     check_sources(sources)
     world = init_world(r.device if r.backend == "hf" else "cpu")
     try:
@@ -78,9 +84,15 @@ def main(cfg) -> None:
             backend = HFBackend(target, settings, device=str(world.device), batch_size=r.batch_size)
         else:
             backend = EndpointBackend(
-                r.endpoint, settings, model=r.model, concurrency=r.concurrency, timeout_s=r.timeout_s,
-                retries=r.retries, backoff_s=r.backoff_s, restart_window_s=r.restart_window_s,
-            )  # fmt: skip
+                r.endpoint,
+                settings,
+                model=r.model,
+                concurrency=r.concurrency,
+                timeout_s=r.timeout_s,
+                retries=r.retries,
+                backoff_s=r.backoff_s,
+                restart_window_s=r.restart_window_s,
+            )
         rejects = Tally()
         conversations = list(islice(read_conversations(sources, rejects), r.max_conversations))
         if not conversations:
@@ -89,8 +101,15 @@ def main(cfg) -> None:
             total=len(conversations), desc=f"regenerate (rank {world.rank})", unit="conv", disable=not world.is_main
         ) as bar:
             try:
-                counts = regenerate(conversations, backend, r.output_dir, settings, rank=world.rank,
-                                    world_size=world.world_size, progress=bar.update)  # fmt: skip
+                counts = regenerate(
+                    conversations,
+                    backend,
+                    r.output_dir,
+                    settings,
+                    rank=world.rank,
+                    world_size=world.world_size,
+                    progress=bar.update,
+                )
             except RegenerateError as e:
                 print(f"error: {e}; finished shards are kept, rerun to resume", file=sys.stderr)
                 raise SystemExit(1) from None
@@ -99,8 +118,8 @@ def main(cfg) -> None:
             report = write_report(r.output_dir, rejects, len(conversations))
             print(
                 f"regenerated {report['conversations_out']} of {report['conversations_in']} conversations "
-                f"({report['turns']} replies, {report['reasoning_turns']} with reasoning, {report['replies_cut']} cut at "
-                f"max_new_tokens, on_length={settings.on_length}) into {r.output_dir}/conversations; "
+                f"({report['turns']} replies, {report['reasoning_turns']} with reasoning, {report['replies_cut']} cut "
+                f"at max_new_tokens, on_length={settings.on_length}) into {r.output_dir}/conversations; "
                 f"this run wrote {counts['written']} shards, kept {counts['skipped']}"
             )
             for kind in ("dropped", "truncated"):

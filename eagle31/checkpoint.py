@@ -1,23 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): atomic, keep-last-N, resumable.
-
-Layout under `<run>/checkpoints/`:
-
-    step_00000200/            a complete checkpoint (renamed into place last)
-        .metadata, *.distcp   model + optimizer state (sharded by DCP, any world size)
-        trainer_state.json    step, tokens seen, scheduler, data position, ...
-        rng_rank{r}.safetensors
-        checksums.json        sha256 of every file above, written once all ranks are done
-        COMPLETE
-    step_00000400.tmp/        a checkpoint being written: never taken for the latest
-
-The frozen target embedding is not saved (it is re-read from the target).
-
-Resuming takes the newest checkpoint whose files match `checksums.json`; a damaged one
-(a file truncated or changed since it completed) is passed over with a one-line
-warning, and when none is intact the run stops with `CorruptCheckpointError`. A disk
-that fills up while a checkpoint is written stops the run with `DiskFullError`: the
-partial `.tmp` directory is removed and the checkpoints already complete are untouched.
-"""
+"""DCP training checkpoints: atomic, checksummed, keep-last-N, resumed from the newest intact (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -26,7 +7,8 @@ import re
 import shutil
 import sys
 import warnings
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from enum import StrEnum
 from pathlib import Path
 
@@ -39,20 +21,19 @@ from eagle31.distributed import World, barrier, broadcast_object
 from eagle31.errors import CorruptCheckpointError, DiskFullError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, fsync_dir, is_disk_full, sha256_file
 
-
-class Resume(StrEnum):
-    never = "never"  # an output_dir holding a run is refused
-    auto = "auto"  # continue from the latest checkpoint of the same run
-
-
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FROZEN_KEYS = ("drafter.embed_tokens.weight",)
 CHECKSUMS = "checksums.json"
 _NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
 
 
+class Resume(StrEnum):
+    never = "never"  # an output_dir holding a run is refused
+    auto = "auto"  # continue from the latest checkpoint of the same run
+
+
 @contextmanager
-def _quiet_single_process():
+def _quiet_single_process() -> Iterator[None]:
     """DCP warns that it assumes one process when no process group exists: that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -73,6 +54,8 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 class CheckpointManager:
+    """The checkpoints under `root`: saved by every rank, the last `keep_last` kept, the newest intact one found."""
+
     def __init__(self, root: str | Path, world: World, keep_last: int = 2):
         self.root = Path(root)
         self.world = world
@@ -86,16 +69,10 @@ class CheckpointManager:
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        return [None, *self.complete()][-1]
 
     def latest_intact(self) -> Path | None:
-        """The newest complete checkpoint whose files match their checksums (None when there is none yet).
-
-        Rank 0 reads the checksums and tells the other ranks its choice. Each damaged one
-        passed over is one warning line on stderr; raises `CorruptCheckpointError` on every
-        rank when checkpoints exist and none is intact.
-        """
+        """The newest checkpoint matching its checksums, rank 0 judging; None if none yet, raises if none is intact."""
         choice: tuple[str | None, str | None] = (None, None)  # (path, error)
         if self.world.is_main:
             done = self.complete()
@@ -107,8 +84,8 @@ class CheckpointManager:
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
             else:
                 if done:
-                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); "
-                              "remove the checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the "
+                              "checkpoints directory to start over, or restore it from a backup")  # fmt: skip
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)
@@ -167,12 +144,9 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
+        options = StateDictOptions(strict=False)
         set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(strict=False),
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
         )
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
@@ -181,8 +155,7 @@ class CheckpointManager:
 
 
 def read_trainer_state(checkpoint: str | Path) -> dict:
-    """A checkpoint's trainer state (trainer_state.json): step and tokens seen, the scheduler, rank 0's data position
-    (`data`) and every rank's (`data_ranks`), each with its record of the samples it consumed (`eagle31.data.loader`)."""
+    """A checkpoint's trainer_state.json: step, tokens, scheduler, data positions (rank 0's `data`, `data_ranks`)."""
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
 
 
@@ -202,15 +175,9 @@ def damage(path: Path) -> str | None:
 
 
 def _disk_full(e: BaseException, root: Path) -> bool:
-    """Whether a failed checkpoint write ran out of space.
-
-    torch's zip writer reports a short write as `unexpected pos` without an errno, so
-    besides ENOSPC anywhere in the chain (`eagle31.io.is_disk_full`), little space left
-    on the device counts too.
-    """
+    """Whether a failed write ran out of space: ENOSPC, or little space left (torch's zip writer has no errno)."""
     if is_disk_full(e):
         return True
-    try:
+    with suppress(OSError):
         return shutil.disk_usage(root).free < _NEARLY_FULL
-    except OSError:
-        return False
+    return False

@@ -1,21 +1,5 @@
-"""Command-line plumbing shared by the thin CLIs in train/, data_prep/ and scripts/.
-
-`recipe_main`: the recipe CLIs (Hydra composition over recipes/) with one-line errors.
-`run_cli`: runs a tool's body; every expected failure is one line on stderr and its exit code.
-`parse_key_values`: `key=value` arguments for the small tools in scripts/ (a dataclass is the schema).
-`wants_help`: `-h` / `--help` prints the CLI's docstring instead of parsing it as an argument.
-
-Exit codes are the `exit_code` of the `eagle31.errors` classes (docs/reliability.md tables
-them); this module only adds the failures Python raises itself:
-Ctrl-C (130, as `RunInterrupted`), a full disk (6) and other file-system errors (5).
-Under torchrun each rank also writes its line to the elastic agent's error file, so
-that the launcher's closing report shows it as the root cause instead of a hint
-about tracebacks.
-
-Hydra would bring an output directory and logging setup that these one-shot tools do not
-need. A dataclass gives the names, types and defaults. Unknown or repeated keys, bad
-values and missing required keys are a one-line `ConfigError`.
-"""
+"""The thin CLIs' plumbing: recipes (`recipe_main`), `key=value` arguments with a dataclass as schema (one-shot tools
+need no Hydra), `--help`, and each expected failure as one line and its exit code (`run_cli`, docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -26,9 +10,10 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from eagle31.errors import (
     ConfigError,
@@ -40,18 +25,16 @@ from eagle31.errors import (
     report_to_launcher,
 )
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+_PROGRESS = "eagle31-progress"
 
 
 def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str], usage: str = "") -> int:
-    """Compose the recipe named by `argv` (`recipe=<name> field=value ...`) and run `fn(cfg)`.
-
-    Bad input — an unknown recipe or field, a bad value, a missing file — is one
-    line on stderr and exit code 2; other failures as `run_cli` says. `--help` prints
-    `usage` (the CLI's docstring), the recipes and the config sections; `--cfg` prints
-    the composed config instead of running `fn`.
-    """
+    """Compose the recipe of `argv` and run `fn(cfg)`; `--help` prints `usage` and the recipes, `--cfg` the config."""
     from eagle31.recipe import describe_recipes
 
     if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
@@ -91,10 +74,10 @@ def run_cli(body: Callable[[], Any]) -> int:
 def show_progress_lines() -> None:
     """eagle31's INFO log lines on stderr, bare: the progress of one-time builds (the demo target)."""
     logger = logging.getLogger("eagle31")
-    if not any(getattr(h, "eagle31_progress", False) for h in logger.handlers):
+    if not any(h.get_name() == _PROGRESS for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.eagle31_progress = True
+        handler.set_name(_PROGRESS)
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
@@ -163,8 +146,7 @@ def parse_key_values(argv: list[str], schema: type[T]) -> T:
 
 
 def parse_keys_then_overrides(argv: list[str], schema: type[T], smoke: dict[str, Any]) -> tuple[T, list[str]]:
-    """`[key=value ..., "--", recipe overrides ...]` -> (`schema` of the keys, the overrides); `--smoke`
-    among the keys, or SMOKE=1 in the environment, replaces the fields in `smoke` (tiny sizes)."""
+    """`[key=value ..., "--", overrides ...]` -> (`schema` of the keys, overrides); `--smoke` or SMOKE=1: `smoke`."""
     keys, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     cfg = parse_key_values([k for k in keys if k != "--smoke"], schema)
     if "--smoke" in keys or os.environ.get("SMOKE") == "1":
@@ -179,11 +161,9 @@ def _convert(key: str, raw: str, hint: Any) -> Any:
             return None
         hint = next(a for a in args if a is not type(None))
     if hint is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"{key} must be true or false, got {raw!r}")
+        return raw.lower() in _TRUE
     if isinstance(hint, type) and issubclass(hint, StrEnum):
         return choose(hint, raw, key)
     if hint is int:

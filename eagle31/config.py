@@ -1,15 +1,5 @@
-"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2–§3).
-
-A drafter is one decoder layer whose attention input is `2H` wide (token
-embedding + feature), fed by a fused projection of `n` target hidden states.
-Its attention is one of the kinds of `eagle31.attention` (`drafter.attention`):
-Llama's q/k/v projections, served by vLLM's Llama EAGLE-3 layer, or DeepSeek's Multi-head
-Latent Attention, the published Kimi K2.6 drafter's, served by vLLM's DeepSeek EAGLE-3
-layer; what differs between them is the kind's (`DrafterConfig.kind`). The config is
-a plain dataclass, saved as the `eagle31` block of a drafter's `config.json`;
-`from_target_config` derives it from the target's HF config (Llama, Qwen3,
-DeepSeek-V3/Kimi, also nested under `text_config`).
-"""
+"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2-§3), saved in its
+`config.json`; `from_target_config` derives one from a target's HF config."""
 
 from __future__ import annotations
 
@@ -20,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle31.attention import KINDS, AttentionKind, DrafterAttention
+from eagle31.attention.mla import MLAConfig
 from eagle31.errors import ConfigError
 
 # Where a recipe's `drafter.<field>` comes from: `eagle31.recipe.DrafterSection` is made of these fields. TARGET:
@@ -58,17 +49,17 @@ class DrafterConfig:
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
     norm_before_residual: bool = False
-    # the attention kind (`eagle31.attention`); each kind's own fields below are 0 for the others
-    attention: DrafterAttention = DrafterAttention.llama
-    # mla (`eagle31.attention.mla`): the target's MLA shape unless set
-    q_lora_rank: int = field(default=0, metadata=OVERRIDE)
-    kv_lora_rank: int = field(default=0, metadata=OVERRIDE)
-    qk_nope_head_dim: int = field(default=0, metadata=OVERRIDE)
-    qk_rope_head_dim: int = field(default=0, metadata=OVERRIDE)
-    v_head_dim: int = field(default=0, metadata=OVERRIDE)
+    # the attention kind (`eagle31.attention`); each kind's own fields (its `config_type`) are 0 for the others
+    attention: DrafterAttention = DrafterAttention.llama  # a recipe's choice; any name in eagle31.attention.KINDS
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata=OVERRIDE)  # the target's MLA shape unless set
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
     # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
     sliding_window: int | None = None
+    # parallel drafting (P-EAGLE, vLLM's `parallel_drafting`): steps k >= 1 read a mask token and the learned
+    # `mask_hidden` instead of the previous step's output, so one forward drafts every position of a round
+    parallel_drafting: bool = False
+    # its mask token: the target's pad token (else its eos token, else 0) unless set
+    mask_token_id: int | None = field(default=None, metadata=OVERRIDE)
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:
@@ -76,7 +67,10 @@ class DrafterConfig:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         self.target_architectures = tuple(self.target_architectures)
         self.rope_parameters = dict(self.rope_parameters)
-        self.attention = DrafterAttention.parse(self.attention)
+        self.attention = DrafterAttention.parse(self.attention)  # type: ignore[assignment]  # a registered kind's name
+        for kind in KINDS.values():  # a kind's fields given as a dict (a config file, a recipe)
+            if kind.config_field and isinstance(value := getattr(self, kind.config_field), dict):
+                setattr(self, kind.config_field, kind.own_config(value))
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -92,7 +86,7 @@ class DrafterConfig:
     @property
     def kind(self) -> AttentionKind:
         """What this drafter's attention does differently (`eagle31.attention`)."""
-        return self.attention.kind
+        return KINDS[self.attention]
 
     @property
     def qk_head_dim(self) -> int:
@@ -148,18 +142,31 @@ class DrafterConfig:
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ConfigError(f"drafter.sliding_window must be a positive integer (positions) or null, got {w!r}")
+        if self.parallel_drafting:
+            m = self.mask_token_id
+            if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < self.vocab_size:
+                raise ConfigError(
+                    f"drafter.mask_token_id must be a token id below vocab_size={self.vocab_size}, got {m!r}"
+                )
+            if not self.kind.serves_parallel_drafting:
+                raise ConfigError(
+                    f"drafter.parallel_drafting: vLLM serves {self.kind.label} without parallel drafting (0.22 to "
+                    "0.33); train it with drafter.parallel_drafting=false"
+                )
         for other, kind in KINDS.items():
-            used = [name for name in kind.fields if other != self.attention and getattr(self, name)]
+            own = getattr(self, kind.config_field) if kind.config_field else None
+            used = [name for name in kind.fields() if other != self.attention and getattr(own, name)]
             if used:
                 raise ConfigError(
-                    f"drafter.{used[0]} is a field of {kind.label}: set drafter.attention={other} or leave it 0"
+                    f"drafter.{kind.config_field}.{used[0]} is a field of {kind.label}: set drafter.attention={other} "
+                    "or leave it 0"
                 )
         self.kind.validate(self)
 
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, **overrides: Any) -> "DrafterConfig":
+    def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
         """Derive a drafter for a target from its HF config (object or dict).
 
         Defaults: H, heads, kv heads, intermediate size, eps, rope and max
@@ -207,15 +214,24 @@ class DrafterConfig:
         if unknown:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        kind = DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama)).kind
-        values.update(kind.from_target(t, rope_parameters_from(t), overrides))
+        kind = KINDS[DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama))]
+        # each kind's own fields, those set: the chosen kind's complete the target's shape, another's are refused
+        given = {
+            k.config_field: _set_fields(overrides.pop(k.config_field, None)) for k in KINDS.values() if k.config_field
+        }
+        values.update(kind.from_target(t, rope_parameters_from(t), {**overrides, **given}))
         values.update(overrides)
+        values.update({name: fields for name, fields in given.items() if fields and name != kind.config_field})
+        if values.get("parallel_drafting") and values.get("mask_token_id") is None:
+            ids = (t[k] for k in ("pad_token_id", "eos_token_id") if isinstance(t.get(k), int))
+            values["mask_token_id"] = next(ids, 0)
         reason = kind.rope_ambiguity(values["rope_parameters"])
         if reason:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
-                f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's hidden_size={hidden}"
+                f"drafter.target_hidden_size={values['target_hidden_size']} differs from the target's "
+                f"hidden_size={hidden}"
             )
         return cls(**values)
 
@@ -229,7 +245,12 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        d = dict(d)
+        for kind in KINDS.values():  # a config written before the kind's fields had their own block
+            flat = {name: d.pop(name) for name in kind.fields() if name in d}
+            if flat and kind.config_field:
+                d[kind.config_field] = {**flat, **(d.get(kind.config_field) or {})}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -303,6 +324,13 @@ def read_json_config(path: str | Path, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{what} {p} is not a JSON object (it holds a {type(value).__name__})")
     return value
+
+
+def _set_fields(value: Any) -> dict[str, Any]:
+    """The fields of a kind's config (a dataclass, a dict or None) that are set: neither None nor 0."""
+    is_instance = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    fields = dataclasses.asdict(value) if is_instance else dict(value or {})
+    return {k: v for k, v in fields.items() if v}
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:

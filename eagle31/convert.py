@@ -1,64 +1,7 @@
-"""Read drafters: eagle31's own formats and the ecosystem's EAGLE-3 checkpoints.
+"""Read drafters: eagle31's own checkpoints and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`).
 
-`load_drafter(path)` detects the layout from `config.json`, or takes `source_format`:
-
-    eagle31      native (`"format": "eagle31-drafter"`), see `Eagle31Drafter.save`
-    eagle3       EAGLE-3 HF layout as vLLM reads it (`LlamaForCausalLMEagle3`, `midlayer.*`),
-                 eagle31's own export among them. Aux ids are taken verbatim (vLLM's
-                 convention), from `eagle_aux_hidden_state_layer_ids` or `eagle_config`.
-    speculators  `speculators_model_type: eagle3`, `transformer_layer_config`, `layers.0.*`.
-                 Aux ids verbatim. A missing `norm_before_residual` means true, as vLLM
-                 reads this layout.
-    specforge    SpecForge's `LlamaForCausalLMEagle3`. Its aux ids (`eagle_config`) mean
-                 "output of layer k", so they get +1. `norm_output` is read as false (below).
-    torchspec    TorchSpec's `tools/convert_to_hf.py` output (`_torchspec_version` in
-                 config.json), weights `midlayer.*` or, with `--vllm`, `layers.0.*`. Aux ids
-                 are in TorchSpec's "output of layer k" convention and get +1, except in a
-                 `--vllm` export of a `kimi_k2` drafter, which TorchSpec already shifted.
-
-The files are read through their layout (`eagle31.layouts`: speculators', or the EAGLE-3 HF
-layout for the other three; SpecForge's and TorchSpec's are its `dialects`), the layer through
-the attention kind that recognises it (`eagle31.attention`): an MLA drafter by vLLM's DeepSeek EAGLE-3 architecture or its
-`kv_lora_rank`, its fields as transformers' `DeepseekV3Config` (and so vLLM) reads them. The
-published Kimi MLA drafters (e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`) are TorchSpec's:
-an MLA config that eagle31 did not write is read as `torchspec` (ids +1, `norm_output`
-verbatim; the kind's `unmarked_format`). MLA drafters exist only in the EAGLE-3 HF layout.
-
-Auto-detection, in order: eagle31's `format`; the layout whose mark the config carries
-(`eagle31.layouts.layout_of_config`: speculators' `speculators_model_type`), else the EAGLE-3
-HF layout, and then its dialect: `_torchspec_version`; eagle31's `eagle31` block (its exports:
-none); a kind's unmarked format (MLA: TorchSpec's); ids only under `eagle_config` (SpecForge's
-habit); otherwise none, eagle3.
-
-Reading rules:
-
-* SpecForge before its norm_output fix always fed the pre-norm state `o` to the next TTT
-  step. Its `norm_output` flag (default true) only chose whether `lm_head` saw
-  `norm(o)`. Such a checkpoint is therefore eagle31's `norm_output=False`, and
-  `specforge` reads it so. Pass `norm_output=True` for one trained after the fix. A
-  SpecForge `norm_output: false` (an `lm_head` without the final norm) is refused.
-  `auto` cannot tell such a checkpoint from a vLLM-semantics one. It refuses an HF
-  layout that says `norm_output: true` unless eagle31 wrote it: choose `specforge` or
-  `eagle3`.
-* Missing aux ids: the default `(2, L//2, L-3)` needs `target_num_layers`. Explicit
-  `aux_layer_ids` (vLLM convention) override the checkpoint's.
-* `target_num_layers` comes from the argument, else eagle31's block. Otherwise it is the
-  smallest value the ids allow; it is only used to validate ids.
-* Missing `d2t` and `t2d`: the identity map when `Vd == V`, an error otherwise. vLLM
-  would map draft id i to target id i, so acceptance would collapse. A missing half is
-  derived from the other.
-* A rope block that the supported vLLM releases read differently (docs/export.md, the
-  rope rule; TorchSpec's Kimi drafters carry one) gives a warning: eagle31 runs the drafter
-  with the newest release's reading, and export refuses the block.
-* A missing `embed_tokens.weight` stays zero. Copy the target's embedding in before
-  running the drafter (vLLM shares the target's).
-* `upgrade_to_eagle31=True` turns an EAGLE 3 drafter into a 3.1 one for fine-tuning: it
-  adds `fc_norm` (weights at ones) and sets `norm_output`. This changes the drafter's
-  outputs from the first step: `fc` now sees unit-RMS chunks and later TTT steps read
-  `norm(o)`. Fine-tune before serving.
-
-Weights are read from `*.safetensors`, or from a legacy `pytorch_model.bin` with
-`torch.load(weights_only=True)`.
+Sources, detection and each source's conventions (aux ids, `norm_output`, missing tensors): docs/export.md, "Reading
+the ecosystem's drafters". Weights come from `*.safetensors`, or a legacy `pytorch_model.bin` (`weights_only=True`).
 """
 
 from __future__ import annotations
@@ -66,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from eagle31.attention import DrafterAttention
+from eagle31.attention import KINDS, DrafterAttention
 from eagle31.config import DrafterConfig, default_aux_layer_ids, read_json_config
 from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
@@ -86,46 +30,33 @@ _IGNORED_KEYS = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 
 def load_drafter(
-    path: str | Path,
-    *,
-    source_format: str | Layout = "auto",
-    device: str | torch.device = "cpu",
-    upgrade_to_eagle31: bool = False,
-    norm_output: bool | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
+    path: str | Path, *, source_format: str | Layout = "auto", device: str | torch.device = "cpu",
+    upgrade_to_eagle31: bool = False, norm_output: bool | None = None, aux_layer_ids: Sequence[int] | None = None,
     target_num_layers: int | None = None,
-) -> Eagle31Drafter:
-    """Load a drafter directory of any layout eagle31 reads (module docstring).
-
-    source_format: "auto", "eagle31", a layout's name or a dialect's (`eagle31.layouts.source_formats`), or a
-    `Layout` (read as its own source format).
-    norm_output, aux_layer_ids (vLLM convention), target_num_layers: override what the
-    checkpoint says or lacks.
-    """
+) -> Eagle31Drafter:  # fmt: skip
+    """Load a drafter directory of any format eagle31 reads (`source_format`: auto, eagle31, `source_formats()` or a
+    `Layout`); norm_output, aux_layer_ids (vLLM's convention), target_num_layers override what the checkpoint says."""
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
     if fmt == NATIVE:
         drafter = Eagle31Drafter.load(path)
-        overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
-        overrides = {k: v for k, v in overrides.items() if v is not None}
+        given = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
+        overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         if overrides:
             drafter = _with_config(drafter, dataclasses.replace(drafter.config, **overrides))
     else:
         config = drafter_config(
-            meta,
-            fmt,
-            norm_output=norm_output,
-            aux_layer_ids=aux_layer_ids,
-            target_num_layers=target_num_layers,
+            meta, fmt, norm_output=norm_output, aux_layer_ids=aux_layer_ids, target_num_layers=target_num_layers,
             ids_already_shifted=_ids_already_shifted(meta, fmt, path),
-        )
+        )  # fmt: skip
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path, source_layout(fmt)), path)
     reason = drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters)
     if reason:
         warnings.warn(
             f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
-            "it, which may not be how it was trained, and will not export it as is"
+            "it, which may not be how it was trained, and will not export it as is",
+            stacklevel=2,
         )
     if upgrade_to_eagle31:
         drafter = to_eagle31(drafter)
@@ -133,12 +64,9 @@ def load_drafter(
 
 
 def read_drafter_config(
-    path: str | Path,
-    *,
-    source_format: str | Layout = "auto",
-    upgrade_to_eagle31: bool = False,
+    path: str | Path, *, source_format: str | Layout = "auto", upgrade_to_eagle31: bool = False,
     target_num_layers: int | None = None,
-) -> DrafterConfig:
+) -> DrafterConfig:  # fmt: skip
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
     path = Path(path)
     meta, fmt = _read_meta(path, source_format)
@@ -165,7 +93,7 @@ def _read_meta(path: Path, source_format: str | Layout) -> tuple[dict[str, Any],
 
 
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
-    """EAGLE 3 -> EAGLE 3.1: add `fc_norm` (weights at ones) and set `norm_output` (module docstring)."""
+    """EAGLE 3 -> EAGLE 3.1 for fine-tuning: add `fc_norm` (weights at ones) and set `norm_output`."""
     return _with_config(drafter, eagle31_config(drafter.config))
 
 
@@ -191,11 +119,8 @@ def _with_config(drafter: Eagle31Drafter, config: DrafterConfig) -> Eagle31Draft
     return new
 
 
-# ----------------------------------------------------------------------- config
-
-
 def detect_format(meta: dict[str, Any], path: Path | str = "") -> str:
-    """The source format of a checkpoint from its config.json (module docstring)."""
+    """The source format of a checkpoint from its config.json (docs/export.md: the order of the tests)."""
     if meta.get("format") == NATIVE_FORMAT:
         return NATIVE
     layout = layout_of_config(meta)
@@ -209,7 +134,7 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return None
-    unmarked = DrafterAttention.of_layer(meta).kind.unmarked_format  # MLA: TorchSpec's (module docstring)
+    unmarked = KINDS[DrafterAttention.of_layer(meta)].unmarked_format  # MLA: TorchSpec's published drafters
     if unmarked:
         return unmarked
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -225,19 +150,11 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
 
 
 def drafter_config(
-    meta: dict[str, Any],
-    fmt: str | Layout,
-    *,
-    norm_output: bool | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
-    target_num_layers: int | None = None,
-    ids_already_shifted: bool = False,
-) -> DrafterConfig:
-    """A `DrafterConfig` from a foreign config.json of format `fmt`: what its layout states (`Layout.read`), in
-    the source's conventions (module docstring: aux ids, norm_output) and with the overrides.
-
-    ids_already_shifted: the checkpoint's "output of layer k" ids were already converted to vLLM's.
-    """
+    meta: dict[str, Any], fmt: str | Layout, *, norm_output: bool | None = None,
+    aux_layer_ids: Sequence[int] | None = None, target_num_layers: int | None = None, ids_already_shifted: bool = False,
+) -> DrafterConfig:  # fmt: skip
+    """A `DrafterConfig` from a foreign config.json of format `fmt` (`Layout.read`), in the source's conventions and
+    with the overrides; `ids_already_shifted`: its "output of layer k" ids are already vLLM's."""
     values = source_layout(fmt).read(meta)
     ids = values["aux_layer_ids"]
     if fmt in _OUTPUT_OF_LAYER_IDS and not ids_already_shifted:
@@ -259,7 +176,7 @@ def drafter_config(
     return DrafterConfig(**{**values, "aux_layer_ids": ids, "target_num_layers": num_layers or max(ids) + 1})
 
 
-def _ids_already_shifted(meta: dict[str, Any], fmt: str, path: Path) -> bool:
+def _ids_already_shifted(meta: dict[str, Any], fmt: str | Layout, path: Path) -> bool:
     """TorchSpec's `--vllm` export (`layers.0.*` weights) of a `kimi_k2` drafter already added 1 to its ids."""
     if fmt != "torchspec" or meta.get("model_type") != "kimi_k2":
         return False
@@ -276,13 +193,12 @@ def _specforge_norm_output(meta: dict[str, Any]) -> bool:
             "SpecForge norm_output=false means lm_head without the final norm, which eagle31 cannot represent"
         )
     warnings.warn(
-        "SpecForge drafter with norm_output=true (its default): read with the pre-norm state fed back (SpecForge before its "
-        "norm_output fix); for one trained after it pass norm_output=True (load_drafter) or source_format=eagle3"
+        "SpecForge drafter with norm_output=true (its default): read with the pre-norm state fed back (SpecForge "
+        "before its norm_output fix); for one trained after it pass norm_output=True (load_drafter) or "
+        "source_format=eagle3",
+        stacklevel=2,
     )
-    return False  # pre-fix SpecForge fed back the pre-norm state (module docstring)
-
-
-# ---------------------------------------------------------------------- weights
+    return False  # pre-fix SpecForge fed back the pre-norm state
 
 
 def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:
@@ -336,7 +252,7 @@ def _load_weights(drafter: Eagle31Drafter, state: dict[str, torch.Tensor], path:
     missing, unexpected = load_checked_state(drafter, state, path)
     if "embed_tokens.weight" in missing:
         with torch.no_grad():
-            drafter.embed_tokens.weight.zero_()  # the target's goes here (module docstring)
+            drafter.embed_tokens.weight.zero_()  # the target's goes here, as vLLM shares it
     missing = [k for k in missing if k not in ("embed_tokens.weight", "d2t", "t2d")]
     if missing or unexpected:
         raise ConfigError(f"{path}: missing tensors {missing}, unexpected tensors {unexpected}")

@@ -1,20 +1,5 @@
-"""torch.distributed set-up for torchrun (NCCL on GPU, gloo on CPU), small collectives, and the watch on ranks.
-
-A single process without torchrun's environment runs undistributed; every
-helper below then degrades to the identity.
-
-A rank that dies (OOM-killed, its node lost) would leave the others waiting in their next
-collective until the process group's timeout (30 min). `RankWatch` keeps each rank's
-heartbeat in the rendezvous store (its own client connection, so a collective in flight never
-delays it): every `interval_s` each rank counts up its key; rank 0 watches every rank, the others
-watch rank 0, and whoever finds a rank silent for `timeout_s` (`train.rank_timeout_s`), or its
-pid gone on this host, writes the verdict to the store for all to read. Each rank then exits at
-once (its main thread may be stuck in that collective) with one line naming the rank lost and
-`RankLost`'s code, 8; the last complete checkpoint stays for `resume=auto`, on any number of ranks.
-A rank that leaves in order says so first (`close_world(world, why)`), so that it is not taken
-for lost; when it left on an error of its own while the others wait for it, their verdict names
-that error.
-"""
+"""torchrun process groups (NCCL on GPU, gloo on CPU; none without torchrun: each helper the identity), small
+collectives, and `RankWatch`: a dead rank named and the others stopped (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -22,19 +7,22 @@ import os
 import re
 import signal
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from eagle31.errors import ConfigError, RankLost, choose, report_to_launcher
+from eagle31.errors import ConfigError, RankLost, choose, exit_now
 from eagle31.io import pid_alive
+
+# a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
+_PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo", re.IGNORECASE)
 
 
 class Device(StrEnum):
@@ -55,7 +43,7 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
-    watch: "RankWatch | None" = field(default=None, compare=False, repr=False)
+    watch: RankWatch | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -78,10 +66,7 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> World:
-    """Join torchrun's process group when launched by it (multi-node works through its rendezvous).
-
-    With `rank_timeout_s`, a `RankWatch` over the ranks runs until `close_world`.
-    """
+    """Join torchrun's process group when launched by it; `rank_timeout_s`: a `RankWatch` runs until `close_world`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -103,9 +88,8 @@ def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> Wor
 
 def rendezvous_store(timeout_s: float) -> dist.Store:
     """A client of the store the ranks met in (torchrun's agent or rank 0 hosts it), keys of this launch only."""
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
-    )
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     launch = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(f"eagle31/ranks/{launch}/", client)
 
@@ -134,35 +118,20 @@ def close_world(world: World | None = None, left: str = "finished") -> None:
 
 
 def exit_rank_lost(message: str) -> None:
-    """One line on stderr (and in torchrun's error file), then leave at once: a collective may never return."""
-
-    line = (
-        f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto "
-        "(on the same or another number of ranks)"
-    )
-    print(line, file=sys.stderr, flush=True)
-    report_to_launcher(line)
-    os._exit(RankLost.exit_code)
-
-
-# a collective that failed because a peer went away (gloo: "Connection reset by peer"; NCCL: a timeout or abort)
-_PEER_FAILURE = re.compile(r"connection|peer|timed? ?out|timeout|abort|nccl|gloo", re.IGNORECASE)
+    """Leave at once (a collective may never return), after one line."""
+    line = f"error: {message}; stopping this rank too. The last complete checkpoint is kept: rerun with resume=auto"
+    exit_now(f"{line} (on the same or another number of ranks)", RankLost.exit_code)
 
 
 class RankWatch:
-    """Heartbeats of the ranks in `store`; `on_lost(message)` ends the process when a rank goes silent (module docstring)."""
+    """Heartbeats in the rendezvous store (rank 0 watches all, the others rank 0); `on_lost(verdict)` ends the process
+    when a rank is silent for `timeout_s` (by `clock`) or its pid gone on this host; one leaving says why (`stop`)."""
 
-    def __init__(
-        self,
-        store: dist.Store,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        *,
-        interval_s: float | None = None,
-        on_lost: Callable[[str], None] = exit_rank_lost,
-    ):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
+                 interval_s: float | None = None, on_lost: Callable[[str], None] = exit_rank_lost,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.clock = clock
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
         self.on_lost = on_lost
         self.lost: str | None = None
@@ -181,17 +150,15 @@ class RankWatch:
         """End the watch; `left` (why this rank leaves) is what the others read instead of taking it for lost."""
         if self._stopping.is_set():
             return
-        try:
+        with suppress(Exception):  # the store's host is gone: nobody is left to tell
             self.store.set(f"done/{self.rank}", left)
-        except Exception:  # noqa: BLE001 - the store's host is gone: nobody is left to tell
-            pass
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 
     def explain(self, error: BaseException) -> None:
-        """A collective failed in the main thread: when a peer went away, wait for the verdict that names it (it exits)."""
+        """A collective failed in the main thread: if a peer went away, wait for the verdict naming it (which exits)."""
         if not (self._thread.is_alive() and _PEER_FAILURE.search(str(error))):
             return
         self._explaining = True
@@ -226,9 +193,8 @@ class RankWatch:
                     return
         except Exception as e:  # noqa: BLE001 - the store itself went away: its host (rank 0's node, torchrun's agent)
             if not self._stopping.is_set():
-                self._give(
-                    f"the rendezvous store stopped answering ({' '.join(str(e).split())[:200]}): rank 0's node or torchrun is gone"
-                )
+                why = " ".join(str(e).split())[:200]
+                self._give(f"the rendezvous store stopped answering ({why}): rank 0's node or torchrun is gone")
         finally:
             self._done.set()
 
@@ -237,7 +203,7 @@ class RankWatch:
         if self.store.check([f"done/{r}"]):
             left = self.store.get(f"done/{r}").decode()
             return f"rank {r} left ({left})" if self._explaining and left != "finished" else None
-        now = time.monotonic()
+        now = self.clock()
         beats = self.store.add(f"beat/{r}", 0)
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)
@@ -247,24 +213,21 @@ class RankWatch:
         if host == socket.gethostname() and not pid_alive(int(pid)) and not self.store.check([f"done/{r}"]):
             return f"rank {r} (pid {pid} on {host}) has died"
         if now - seen[r][1] > self.timeout_s:
-            return f"rank {r} (pid {pid} on {host}) sent no heartbeat for {self.timeout_s:g} s (train.rank_timeout_s): it died or its node was lost"
+            return (
+                f"rank {r} (pid {pid} on {host}) sent no heartbeat for {self.timeout_s:g} s (train.rank_timeout_s): "
+                "it died or its node was lost"
+            )
         return None
 
     def _give(self, verdict: str) -> None:
         self.lost = verdict
-        try:
+        with suppress(Exception):
             self.store.set("lost", verdict)  # the other ranks read it at their next beat
-        except Exception:  # noqa: BLE001
-            pass
         self.on_lost(verdict)
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (in place); identity when undistributed.
-
-    `x` must be on the world's device (`World.device`): NCCL refuses a tensor in host
-    memory ("Tensors must be CUDA and dense"), gloo would take it and hide the bug.
-    """
+    """Sum over ranks (in place); identity when undistributed. `x` on the world's device: NCCL refuses host memory."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x

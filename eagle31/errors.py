@@ -1,22 +1,15 @@
-"""The failures a user can cause or meet, each with its own exit code.
-
-Every expected failure is an `Eagle31Error` whose message is one line naming the
-file, field or value at fault; the command-line tools (`eagle31.cli`) print that
-line and exit with the class's `exit_code`. The classes are below, except
-`TrainingDiverged` (1, `eagle31.trainer`). docs/reliability.md tables the codes for users,
-and tests/test_docs.py holds that table to these classes.
-
-Kept free of torch so that any module may import it.
-"""
+"""The expected failures, each a one-line message and an exit code (docs/reliability.md); free of torch."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from contextlib import suppress
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 Choice = TypeVar("Choice", bound=StrEnum)
 
@@ -82,28 +75,21 @@ class RankLost(Eagle31Error):
 
 
 class EngineError(Eagle31Error):
-    """The inference engine of `features.mode=engine` cannot go on: a worker's own error, a worker that does not
-    compute what the recipe asks, or one dead more often than `features.engine.max_restarts`."""
+    """The engine of `features.mode=engine` cannot go on (a worker's error, wrong features, too many deaths)."""
 
     exit_code = 9
 
 
 class RunPreempted(Eagle31Error):
-    """SIGTERM / SIGUSR1 (a scheduler's preemption): every rank stopped after writing a complete checkpoint.
+    """SIGTERM / SIGUSR1 (a scheduler's preemption): every rank stopped after writing a complete checkpoint."""
 
-    128 + SIGTERM, the code a scheduler expects from a job it terminated.
-    """
-
-    exit_code = 143
+    exit_code = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
 
 
 class StoppedAtOnce(Eagle31Error):
-    """A second stop signal, or the grace running out: the process left at once, the last complete checkpoint kept.
+    """A second stop signal, or the grace running out: the process left at once, the last complete checkpoint kept."""
 
-    128 + SIGKILL, as if the scheduler had killed it.
-    """
-
-    exit_code = 137
+    exit_code = 137  # 128 + SIGKILL, as if the scheduler had killed it
 
 
 class RunInterrupted(Eagle31Error):
@@ -113,16 +99,15 @@ class RunInterrupted(Eagle31Error):
 
 
 def report_to_launcher(message: str) -> None:
-    """Under torchrun, write `message` as this rank's error file (the format of torch's `@record`).
+    """Under torchrun, `message` as this rank's error file (`@record`'s format): the root cause the agent reports."""
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with suppress(OSError):  # the line is on stderr already
+            Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
 
-    torchrun's agent ends its failure report with the root cause's `py_callstack`;
-    without an error file it would print a pointer to the docs there instead.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
-    try:
-        Path(path).write_text(json.dumps(data))
-    except OSError:
-        pass  # the line is on stderr already
+
+def exit_now(line: str, code: int) -> NoReturn:
+    """`line` on stderr and in torchrun's error file, then exit with `code` without unwinding."""
+    print(line, file=sys.stderr, flush=True)
+    report_to_launcher(line)
+    os._exit(code)

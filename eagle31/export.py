@@ -1,17 +1,5 @@
-"""Export a drafter in vLLM's two layouts (docs/design.md §6): each a `Layout` (`eagle31.layouts`), its
-config writer and its rename table.
-
-    eagle3       EAGLE-3 HF layout: `LlamaForCausalLMEagle3` (an MLA drafter's only layout:
-                 `Eagle3DeepseekV2ForCausalLM`), weights `midlayer.*`
-    speculators  the `speculators` library layout: `speculators_model_type: eagle3`,
-                 `transformer_layer_config`, weights `layers.0.*`
-
-Both write `config.json` and `model.safetensors` atomically, after every check has passed. Each
-field and check closes a way a drafter loads in vLLM without error and then drafts badly; what is
-written, why, and for which vLLM release: docs/export.md, "What the export guards against".
-
-Both layouts also carry an `eagle31` block (format version, target layer count, name,
-architectures) that `eagle31.convert.load_drafter` uses to read them back exactly.
+"""Export a drafter through a `Layout` (`eagle31.layouts`): every check first, then `config.json` and
+`model.safetensors`, atomically. What each field guards against, release by release: docs/export.md.
 """
 
 from __future__ import annotations
@@ -46,46 +34,24 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 
 def export_drafter(
-    drafter: Eagle31Drafter,
-    out_dir: str | Path,
-    format: str | Layout = "eagle3",
-    *,
-    dtype: str = "bfloat16",
-    include_embed: bool | None = None,
-    trained_context: int | None = None,
-    num_speculative_tokens: int = 3,
-    target_name_or_path: str | None = None,
-    overwrite: bool = False,
-    source: str | Path | None = None,
-) -> Path:
-    """Write `drafter` to `out_dir` in `format` ("eagle3" | "speculators", or a `Layout`); returns `out_dir`.
-
-    dtype: "bfloat16" | "float16" | "float32" for the floating-point weights (d2t stays
-    int64, t2d bool; both only for Vd < V). include_embed: also write the (frozen, target's) embedding; None
-    means the layout's default (docs/export.md, "The embedding"). trained_context: the longest training
-    sequence (`data.max_len`). num_speculative_tokens: the k written in the speculators
-    layout. target_name_or_path: the target's Hub id or path (default: the drafter
-    config's). overwrite: replace an earlier export in `out_dir`. source: the directory
-    the drafter was read from, which `out_dir` must not be or contain.
-    """
+    drafter: Eagle31Drafter, out_dir: str | Path, format: str | Layout = "eagle3", *, dtype: str = "bfloat16",
+    include_embed: bool | None = None, trained_context: int | None = None, num_speculative_tokens: int = 3,
+    target_name_or_path: str | None = None, overwrite: bool = False, source: str | Path | None = None,
+) -> Path:  # fmt: skip
+    """Write `drafter` to `out_dir` in `format` (a layout's name, or a `Layout`); returns `out_dir`. include_embed None:
+    the layout's default; trained_context: `data.max_len`; source: the drafter's directory, which `out_dir` must not be
+    or hold."""
     out = Path(out_dir)
     check_export_out(out, overwrite=overwrite, source=source)
     config = export_config(
-        drafter.config,
-        format,
-        dtype=dtype,
-        trained_context=trained_context,
-        num_speculative_tokens=num_speculative_tokens,
-        target_name_or_path=target_name_or_path,
-    )
+        drafter.config, format, dtype=dtype, trained_context=trained_context,
+        num_speculative_tokens=num_speculative_tokens, target_name_or_path=target_name_or_path,
+    )  # fmt: skip
     tensors = export_tensors(drafter, format, dtype=dtype, include_embed=include_embed)
     with atomic_dir(out, EXPORT_CONTENT) as tmp:
         atomic_save_safetensors(tensors, tmp / WEIGHTS_NAME, save_file, metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
     return out
-
-
-# ----------------------------------------------------------------------- weights
 
 
 def export_tensors(
@@ -134,9 +100,7 @@ def _missing_embed_message(config: DrafterConfig, layout: Layout, include_embed:
             f"{problem}, and a drafter whose hidden_size={config.hidden_size} differs from its target's "
             f"({config.target_hidden_size}) cannot share the target's: load its own embedding first"
         )
-    if (
-        include_embed is None
-    ):  # the layout's default (speculators': its from_pretrained leaves a missing one uninitialised)
+    if include_embed is None:  # the layout's default
         return (
             f"{problem}; the {layout.name} layout carries it by default. Load the target's embedding into the "
             "drafter first, or pass include_embed=false (vLLM then shares the target's)"
@@ -157,26 +121,18 @@ def check_vocab_maps(drafter: Eagle31Drafter) -> None:
         raise ConfigError("t2d disagrees with d2t: it must mark exactly the draft vocabulary's target ids")
 
 
-# ------------------------------------------------------------------------ config
-
-
 def export_config(
-    config: DrafterConfig,
-    format: str | Layout,
-    *,
-    dtype: str = "bfloat16",
-    trained_context: int | None = None,
-    num_speculative_tokens: int = 3,
-    target_name_or_path: str | None = None,
-) -> dict[str, Any]:
+    config: DrafterConfig, format: str | Layout, *, dtype: str = "bfloat16", trained_context: int | None = None,
+    num_speculative_tokens: int = 3, target_name_or_path: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """`config.json` of `format` for a drafter with `config` (`Layout.config`, after its checks and every layout's)."""
     layout = layout_of(format)
     choose(Dtype, dtype, "export.dtype")
     if config.sliding_window is not None and not config.kind.serves_window:
         raise ConfigError(
-            f"drafter.sliding_window={config.sliding_window} cannot be served: vLLM builds {config.kind.label}'s attention "
-            "without a window (0.22 to 0.33) and would attend every key. Train it with sliding_window=null, or a "
-            "Llama-attention drafter with the window (docs/export.md)"
+            f"drafter.sliding_window={config.sliding_window} cannot be served: vLLM builds {config.kind.label}'s "
+            "attention without a window (0.22 to 0.33) and would attend every key. Train it with sliding_window=null, "
+            "or a Llama-attention drafter with the window (docs/export.md)"
         )
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -185,9 +141,6 @@ def export_config(
     check_rope_reading(config)
     layout.check(config, target)
     return layout.config(config, dtype=dtype, trained_context=trained_context, num_speculative_tokens=k, target=target)
-
-
-# ----------------------------------------------------------------------- checks
 
 
 def check_rope_reading(config: DrafterConfig) -> None:
@@ -225,8 +178,6 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
             "so move them elsewhere first"
         )
 
-
-# ------------------------------------------------------------------------- runs
 
 RUN_CONFIG = "config.yaml"  # a run directory: <run>/config.yaml, <run>/drafter/, <run>/report.json
 RUN_DRAFTER = "drafter"

@@ -1,18 +1,7 @@
-"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload.
+"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md).
 
-`write_model_card` renders README.md (YAML metadata: `base_model` = the target,
-`library_name`, `license`, `tags`) from the export's config.json, read through its layout
-(`eagle31.layouts`: what the layout and the attention kind say of themselves), the run's config and
-its `report.json` (`tau_sim`, per-step `acc`, `tokens_seen`, `steps`, and an optional
-`acceptance` block from real speculative decoding), and the prepared data's report
-(sample and token counts). The card is published, so it names datasets and a local
-target by their last path component only, never by a path on the training machine. `push_folder` uploads the folder
-with `huggingface_hub.create_repo` + `upload_folder`. The upload is a single commit, so
-a failure leaves nothing half-published. Any failure becomes a one-line `HubError`.
-
-The token comes from the caller, `HF_TOKEN` or the `hf auth login` cache
-(`huggingface_hub.get_token`). It is never printed, logged or written, and it is
-scrubbed from error messages.
+The card names datasets and a local target by their last path component only. The token (the caller's, `HF_TOKEN`
+or `hf auth login`'s) is never printed, logged or written, and is scrubbed from errors (one-line `HubError`s).
 """
 
 from __future__ import annotations
@@ -24,6 +13,7 @@ from typing import Any
 
 from huggingface_hub import ModelCardData, create_repo, get_token, upload_folder
 
+from eagle31.attention import KINDS
 from eagle31.config import read_json_config
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
@@ -36,9 +26,6 @@ _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 class HubError(RuntimeError):
     """A Hub operation failed; the message is one line and holds no secret."""
-
-
-# ------------------------------------------------------------------ model card
 
 
 def read_export(out_dir: str | Path) -> dict[str, Any]:
@@ -73,16 +60,14 @@ def read_data_report(run_dir: str | Path | None, run_config: dict[str, Any] | No
 
 
 def public_name(name: str) -> str:
-    """How a published card names a model: a Hub id as it is, a local path by its last component (the rest
-    of the path says where the user keeps it, which is theirs)."""
+    """How a published card names a model: a Hub id as it is, a local path by its last component."""
     if _REPO_ID.match(name) and not (name.startswith((".", "~", "/")) or Path(name).expanduser().exists()):
         return name
     return _last_component(name)
 
 
 def dataset_name(source: str) -> str:
-    """How a published card names a data source: `demo:<split>` as it is, a file or folder by its own name
-    (sources are local paths, eagle31.data.sources)."""
+    """How a published card names a data source: `demo:<split>` as it is, a file or folder by its own name."""
     return source if source.startswith("demo:") else _last_component(source)
 
 
@@ -96,12 +81,9 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def render_model_card(
-    config: dict[str, Any],
-    repo_id: str,
-    run_config: dict[str, Any] | None = None,
-    report: dict[str, Any] | None = None,
-    data_report: dict[str, Any] | None = None,
-) -> str:
+    config: dict[str, Any], repo_id: str, run_config: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None, data_report: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
     """README.md text for an export with `config` (its config.json), published as `repo_id`."""
     run = run_config or {}
     layout = layout_of_config(config)
@@ -118,58 +100,40 @@ def render_model_card(
         tags=list(hub.get("tags") or ["eagle3", "eagle3.1", "speculative-decoding", "vllm"]),
     )
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
+    w = drafter["sliding_window"]
+    window = [f"* attention: a sliding window of {w} positions (`layer_types`), served as trained"] if w else []
     flags = ", ".join(f"`{f}={str(drafter[f]).lower()}`" for f in ("fc_norm", "norm_output", "norm_before_residual"))
-    lines = [
-        "---",
-        metadata.to_yaml(),
-        "---",
-        "",
-        f"# {'EAGLE 3.1' if drafter['fc_norm'] and drafter['norm_output'] else 'EAGLE 3'} drafter for {target}",
-        "",
-        f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
-        f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
-        "",
+    title = "EAGLE 3.1" if drafter["fc_norm"] and drafter["norm_output"] else "EAGLE 3"
+    maps = " (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""
+    shape = [
         f"* one decoder layer: hidden size {drafter['hidden_size']}, {drafter['num_attention_heads']} heads "
         f"({drafter['num_key_value_heads']} KV), MLP {drafter['intermediate_size']}",
-        f"* draft vocabulary {drafter['draft_vocab_size']} of the target's {drafter['vocab_size']} tokens"
-        + (" (`d2t`/`t2d` included)" if drafter["draft_vocab_size"] < drafter["vocab_size"] else ""),
+        f"* draft vocabulary {drafter['draft_vocab_size']} of the target's {drafter['vocab_size']} tokens{maps}",
         f"* target features: hidden states at the input of decoder layers {list(drafter['aux_layer_ids'])} "
         "(vLLM's convention)",
-        *(
-            [
-                f"* attention: a sliding window of {drafter['sliding_window']} positions (`layer_types`), served as trained"
-            ]
-            if drafter["sliding_window"]
-            else []
-        ),
-        "",
-        "## Serving with vLLM",
-        "",
-        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
-        "",
-        "```bash",
-        f"vllm serve {served} --speculative-config '{spec}'",
-        "```",
-        "",
-        "## Training",
-        "",
-        *_training_lines(run, report, data_report),
-        "",
-        "## Acceptance",
-        "",
-        *_acceptance_lines(report),
-        "",
+        *window,
     ]
-    return "\n".join(lines)
+    blocks = [
+        f"---\n{metadata.to_yaml()}\n---",
+        f"# {title} drafter for {target}",
+        f"A speculative-decoding drafter (EAGLE 3 with the EAGLE 3.1 switches {flags}) for `{target}`, "
+        f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
+        "\n".join(shape),
+        "## Serving with vLLM",
+        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
+        f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```",
+        "## Training",
+        "\n".join(_training_lines(run, report, data_report)),
+        "## Acceptance",
+        "\n".join(_acceptance_lines(report)),
+    ]
+    return "\n\n".join(blocks) + "\n"
 
 
 def write_model_card(
-    out_dir: str | Path,
-    repo_id: str,
-    run_config: dict[str, Any] | None = None,
-    report: dict[str, Any] | None = None,
+    out_dir: str | Path, repo_id: str, run_config: dict[str, Any] | None = None, report: dict[str, Any] | None = None,
     data_report: dict[str, Any] | None = None,
-) -> Path:
+) -> Path:  # fmt: skip
     """Write README.md into the export folder `out_dir`; returns its path."""
     path = Path(out_dir) / CARD_NAME
     atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report, data_report))
@@ -184,7 +148,7 @@ def _num_speculative_tokens(config: dict[str, Any], layout: Layout, run: dict[st
 
 def _min_vllm(layout: Layout, drafter: dict[str, Any]) -> str:
     """The first vLLM release that serves the drafter as trained: its layout's, or its kind's for fc_norm when later."""
-    kind = drafter["attention"].kind
+    kind = KINDS[drafter["attention"]]
     return kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
 
 
@@ -266,9 +230,6 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-# ---------------------------------------------------------------------- upload
-
-
 def upload_list(out_dir: str | Path) -> list[str]:
     """Files of the export folder that an upload sends (hidden and temporary files excluded)."""
     out = Path(out_dir)
@@ -280,17 +241,10 @@ def upload_list(out_dir: str | Path) -> list[str]:
 
 
 def push_folder(
-    out_dir: str | Path,
-    repo_id: str,
-    *,
-    private: bool = False,
-    dry_run: bool = False,
-    token: str | None = None,
-) -> list[str]:
-    """Upload the export folder to the model repo `repo_id` (created if needed); returns the files sent.
-
-    dry_run: touch nothing remote, only return what would be sent.
-    """
+    out_dir: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
+) -> list[str]:  # fmt: skip
+    """Upload the export folder to the model repo `repo_id` (created if needed) in one commit; returns the files sent
+    (with `dry_run`, touching nothing remote)."""
     check_repo_id(repo_id)
     read_export(out_dir)
     files = upload_list(out_dir)
@@ -301,14 +255,8 @@ def push_folder(
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
     try:
         create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
-        upload_folder(
-            repo_id=repo_id,
-            folder_path=str(out_dir),
-            token=token,
-            repo_type="model",
-            allow_patterns=files,
-            commit_message="Upload EAGLE 3.1 drafter (eagle31)",
-        )
+        upload_folder(repo_id=repo_id, folder_path=str(out_dir), token=token, repo_type="model", allow_patterns=files,
+                      commit_message="Upload EAGLE 3.1 drafter (eagle31)")  # fmt: skip
     except Exception as e:  # httpx, OSError and ValueError families from huggingface_hub: all a failed upload
         raise HubError(f"upload to {repo_id} failed (no files were committed): {_one_line(e, token)}") from None
     return files

@@ -1,25 +1,5 @@
-"""Atomic file writes and checksums, shared by every writer in the package.
-
-A file is written under a temporary name in the same directory, flushed to
-disk and renamed over the destination, so a reader never sees a partial file
-and a killed writer leaves only a `*.tmp-*` file behind.
-
-Output directories are owned: every directory the project writes carries a marker file
-(`OUTPUT_MARKER`, naming what it holds: its content, the marker's `kind` field). A directory is only ever replaced or
-written into when it is empty, missing, or carries our marker of the same content (or, for a
-run directory, holds nothing but that run's own parts), so a user's folder, a folder of
-other runs or an output of another step is never deleted or mixed with ours
-(`check_output_dir`, the one rule every step calls). A directory that cannot be created or
-written is refused before any work too. `atomic_dir` replaces a directory by two renames;
-a kill between them is repaired on the next start (`recover_swap`).
-
-One module, though long: the atomic writes, the ownership marker, the directory swap and the run
-lock lean on each other (a swap's writer holds flock on the new directory's marker; the lock file is
-written as the atomic writes are), so splitting them would spread one set of invariants over files.
-
-`hold_lock` keeps a second process out of a directory for as long as the first runs, with
-`flock`, or with a lock file and a heartbeat where the filesystem has no `flock`.
-"""
+"""Atomic files and directories, the ownership rule of output directories, the run lock, write errors as one line
+(docs/reliability.md); one module, as a swap's writer flocks its marker and the lock file is written atomically."""
 
 from __future__ import annotations
 
@@ -36,11 +16,23 @@ import stat
 import sys
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from eagle31.errors import DiskFullError, Eagle31Error, FileAccessError, InputError, OutputInUseError
+
+OUTPUT_MARKER = ".eagle31-output.json"
+SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
+LOCK_FILE = ".eagle31-lock"
+HELD_FILE = ".eagle31-lock.held"  # the lock where the filesystem has no `flock` (an NFS mount without locking)
+HEARTBEAT_S = 30.0  # how often the holder of a HELD_FILE lock touches it
+STALE_AFTER_S = 600.0  # a HELD_FILE untouched this long has lost its holder (a host gone, a clock far off)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+_NO_LINK = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
+_SWAPPED_OUT = re.compile(r"\.(.+)\.old-([0-9a-f]{8})")  # `atomic_dir`'s old directory, moved aside
 
 
 @contextmanager
@@ -59,11 +51,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, dest)
         fsync_dir(dest.parent)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-OUTPUT_MARKER = ".eagle31-output.json"
+        tmp_path.unlink(missing_ok=True)
 
 
 class ForeignDirectoryError(InputError):
@@ -79,16 +67,8 @@ def output_content(path: str | Path) -> str | None:
 
 
 def check_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, str] | None = None) -> None:
-    """Refuse (one line, before any work) to write `content` output into `path` unless `path` is that step's own.
-
-    The one ownership rule of every step (prepare, capture, regeneration, train, export, evaluation):
-    `path` must be missing, empty, or carry our marker of `content`. `parts` names the outputs a run
-    writes inside its own directory before it claims it (`{"<run>/data": "prepared-data", ...}`):
-    a directory holding nothing but those, each with its content, counts as the run's own too. Anything
-    else — a user's file, another run, an output with other content or in another place — is refused,
-    and the message names what is there. A swap of `atomic_dir` that a kill interrupted is repaired
-    first (`recover_swap`).
-    """
+    """Refuse (naming what is there) to write `content` into `path` unless it is missing, empty, marked as `content`,
+    or holds nothing but `parts` (`{"<run>/data": "prepared-data"}`: what a run writes before claiming it)."""
     path = Path(path)
     recover_swap(path)
     if path.exists() and not path.is_dir():
@@ -97,20 +77,17 @@ def check_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, 
     if not path.exists() or output_content(path) == content:
         return
     found = output_content(path)
-    if found is not None:
-        raise ForeignDirectoryError(
-            f"{path} holds a {found} output of eagle31; refusing to write a {content} output there (choose an empty or new directory)"
-        )
     wanted = {os.path.abspath(p): k for p, k in (parts or {}).items()}
-    foreign = _foreign_entries(path, wanted)
-    if foreign:
+    foreign = _foreign_entries(path, wanted) if found is None else []
+    if found is not None or foreign:
+        held = _describe(foreign) if found is None else f"a {found} output of eagle31"
         raise ForeignDirectoryError(
-            f"{path} holds {_describe(foreign)}; refusing to write a {content} output there (choose an empty or new directory)"
+            f"{path} holds {held}; refusing to write a {content} output there (choose an empty or new directory)"
         )
 
 
 def _foreign_entries(directory: Path, parts: dict[str, str]) -> list[tuple[str | None, str]]:
-    """(content or None, name) of each entry of `directory` that is neither one of `parts` nor a write of ours in flight."""
+    """(content or None, name) of each entry of `directory` neither one of `parts` nor a write of ours in flight."""
     found = []
     for entry in sorted(directory.iterdir()):
         if _TEMPORARY.fullmatch(entry.name) or _SWAPPED_OUT.fullmatch(entry.name):
@@ -118,8 +95,8 @@ def _foreign_entries(directory: Path, parts: dict[str, str]) -> list[tuple[str |
         where, content = os.path.abspath(entry), output_content(entry)
         if where in parts and content == parts[where]:
             continue
-        holds_parts = any(p.startswith(where + os.sep) for p in parts)
-        if holds_parts and content is None and entry.is_dir():  # <run>/features holding the stores <run>/features/<split>
+        holds_parts = any(p.startswith(where + os.sep) for p in parts)  # <run>/features holding <run>/features/<split>
+        if holds_parts and content is None and entry.is_dir():
             found += [(k, f"{entry.name}/{name}") for k, name in _foreign_entries(entry, parts)]
             continue
         found.append((content, entry.name))
@@ -140,18 +117,8 @@ def _describe(entries: list[tuple[str | None, str]], shown: int = 5) -> str:
 
 
 def recover_swap(dest: str | Path) -> None:
-    """Finish what a kill during `atomic_dir`'s swap left beside `dest`, and say what was restored.
-
-    Killed between its two renames (`dest` -> `.dest.old-*`, then `.dest.tmp-*` -> `dest`), the
-    swap leaves no `dest`: the old output is renamed back (the new one was not in place yet).
-    Killed after the second, it leaves the old output beside the new one: it is removed. Swaps
-    that live processes are making (other runs writing a shared directory) are waited for, not
-    undone: each writer holds `flock` on its new directory's marker between the two renames
-    (`_swap_lock`), and nothing is restored or removed before every such swap of `dest` has ended
-    (`_holding_swaps`; a filesystem without `flock` cannot tell the two apart). Of several old
-    outputs, the one put back is the one whose swap was cut between its renames (its new directory
-    still there), not an older one that a finished swap had yet to remove.
-    """
+    """After the swaps live processes make of `dest` end, put back the old output of one killed between its renames
+    (`dest` -> `.dest.old-*`, `.dest.tmp-*` -> `dest`), saying so, and remove those that finished swaps left."""
     dest = Path(dest)
     if not dest.parent.is_dir() or not _old_outputs(dest):
         return
@@ -169,26 +136,21 @@ def recover_swap(dest: str | Path) -> None:
             else:
                 fsync_dir(dest.parent)
                 leftovers.append(new)
-                print(
-                    f"warning: restored {dest} from {old.name}: a write replacing it was killed between its two renames",
-                    file=sys.stderr,
-                )
+                why = "a write replacing it was killed between its two renames"
+                print(f"warning: restored {dest} from {old.name}: {why}", file=sys.stderr)
     for leftover in leftovers:  # of swaps that have ended: none of them is in flight
         shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _old_outputs(dest: Path) -> list[Path]:
-    """The old outputs `atomic_dir` moved aside from `dest`: the one whose swap was cut between its renames first."""
+    """The old outputs `atomic_dir` moved aside from `dest`, first the one of a cut swap (its new one still there)."""
     olds = [p for p in dest.parent.iterdir() if (m := _SWAPPED_OUT.fullmatch(p.name)) and m.group(1) == dest.name]
     return sorted(olds, key=lambda old: (not _swap_new(dest, old).is_dir(), old.name))
 
 
 def _swap_new(dest: Path, old: Path) -> Path:
     """The new directory of the swap that moved `dest` aside as `old` (`atomic_dir` names both after one token)."""
-    return dest.with_name(f".{dest.name}.tmp-{_SWAPPED_OUT.fullmatch(old.name).group(2)}")
-
-
-SWAP_WAIT_S = 30.0  # the longest a step waits for another process's swap (two renames) to end
+    return dest.with_name(f".{dest.name}.tmp-{old.name[-8:]}")
 
 
 @contextmanager
@@ -196,11 +158,7 @@ def _swap_lock(new: Path) -> Iterator[None]:
     """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
     fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in _NO_FLOCK:
-                raise
+        _flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -208,16 +166,11 @@ def _swap_lock(new: Path) -> Iterator[None]:
 
 @contextmanager
 def _holding_swaps(dest: Path) -> Iterator[None]:
-    """Once every swap of `dest` that a live process is making has ended, run the block with none starting.
-
-    Each `atomic_dir` of `dest` in flight is a `.dest.tmp-*` directory whose writer takes `flock` on
-    its marker for the two renames; this takes the same lock on each (`_take_swap_lock`).
-    """
+    """Run the block once the swaps of `dest` live processes make have ended, with none starting (markers' flock)."""
     prefix = f".{dest.name}.tmp-"
     with ExitStack() as held:
-        for new in sorted(
-            p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)
-        ):
+        swaps = [p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)]
+        for new in sorted(swaps):
             fd = _take_swap_lock(new, dest)
             if fd is not None:
                 held.callback(os.close, fd)  # releases the lock
@@ -225,8 +178,7 @@ def _holding_swaps(dest: Path) -> Iterator[None]:
 
 
 def _take_swap_lock(new: Path, dest: Path) -> int | None:
-    """Take `new`'s swap lock once no live process holds it (its swap of `dest` is done, or it died); the open
-    marker holding it, or None when `new` has no marker (not written yet: nothing in flight)."""
+    """The open marker of `new`, holding its swap lock once no live process holds it; None when `new` has no marker."""
     try:
         fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
     except OSError:
@@ -234,7 +186,7 @@ def _take_swap_lock(new: Path, dest: Path) -> int | None:
     deadline = time.monotonic() + SWAP_WAIT_S
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(fd)  # without flock on the filesystem: no swap can be waited for
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
@@ -244,22 +196,15 @@ def _take_swap_lock(new: Path, dest: Path) -> int | None:
                     "wait for it to end, then rerun"
                 ) from None
             time.sleep(0.01)
-        except OSError as e:
-            if e.errno in _NO_FLOCK:
-                return fd
+        except OSError:
             os.close(fd)
             raise
 
 
 def check_writable(path: str | Path) -> None:
-    """Refuse (one line) a directory `path`, maybe not there yet, that could not be created or written.
-
-    A file in the way is a choice to change (`ForeignDirectoryError`, exit 2); no permission is `FileAccessError`.
-    """
+    """Refuse a directory `path` (maybe not there yet) that cannot be created or written, in one line."""
     path = Path(path).absolute()
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ForeignDirectoryError(f"cannot create {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -267,33 +212,21 @@ def check_writable(path: str | Path) -> None:
         raise FileAccessError(f"cannot {what} {existing}: permission denied")
 
 
-LOCK_FILE = ".eagle31-lock"
-HELD_FILE = ".eagle31-lock.held"  # the lock where the filesystem has no `flock` (an NFS mount without locking)
-HEARTBEAT_S = 30.0  # how often the holder of a HELD_FILE lock touches it
-STALE_AFTER_S = 600.0  # a HELD_FILE untouched this long has lost its holder (a host gone, a clock far off)
-_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
-
-
 @contextmanager
 def hold_lock(directory: str | Path) -> Iterator[None]:
-    """Hold an exclusive lock on `directory` (which must exist) while the block runs.
-
-    The lock is `flock` on `LOCK_FILE`, so the kernel releases it when the holder dies,
-    even by SIGKILL: no stale lock to clean up. The file names the holder (pid, host,
-    start time) for the one-line `OutputInUseError` a second process gets.
-
-    Where the filesystem has no `flock` (`ENOLCK`: NFS mounted without a lock manager),
-    the lock is the file `HELD_FILE`, linked into place whole (so it never exists empty),
-    naming the holder's host, pid, PID namespace and a random token, and touched every
-    `HEARTBEAT_S` by a thread of the holder. A second process takes it over when it is stale:
-    its pid is gone in the same PID namespace of this kernel (a pid of another container,
-    even one sharing the host name, says nothing here), or it was not touched for
-    `STALE_AFTER_S` (the holder's host died), and says so in one line (`_break_lock`).
-    """
+    """Lock `directory` while the block runs (`OutputInUseError` naming the holder for a second process): `flock` on
+    `LOCK_FILE`, or where the filesystem has none, `HELD_FILE` with a heartbeat, taken over once stale."""
     directory = Path(directory)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        if _flock(fd, directory):
+        try:
+            locked = _flock(fd)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputInUseError(
+                f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
+            ) from None
+        if locked:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{_holder()}\n".encode(), 0)
             yield
@@ -308,19 +241,14 @@ def _holder() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}"
 
 
-def _flock(fd: int, directory: Path) -> bool:
-    """Take `flock` on `fd`; False when the filesystem does not support it."""
+def _flock(fd: int, flags: int = fcntl.LOCK_EX | fcntl.LOCK_NB) -> bool:
+    """`flock(fd, flags)`; False where the filesystem has no flock (`BlockingIOError`: another process holds it)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        raise OutputInUseError(
-            f"{directory} is in use by another run ({holder}); wait for it to end or choose another directory"
-        ) from None
+        fcntl.flock(fd, flags)
     except OSError as e:
-        if e.errno in _NO_FLOCK:
-            return False
-        raise
+        if e.errno not in _NO_FLOCK:
+            raise
+        return False
     return True
 
 
@@ -328,13 +256,8 @@ def _flock(fd: int, directory: Path) -> bool:
 def _hold_lock_file(directory: Path) -> Iterator[None]:
     path = directory / HELD_FILE
     while True:
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pid_ns": _pid_namespace(),
-            "token": secrets.token_hex(16),
-            "holder": _holder(),
-        }
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
+              "token": secrets.token_hex(16), "holder": _holder()}  # fmt: skip
         if _create_lock_file(path, me):
             break
         holder, why_stale, identity = _stale_holder(path)
@@ -358,11 +281,7 @@ def _hold_lock_file(directory: Path) -> Iterator[None]:
 
 
 def _create_lock_file(path: Path, record: dict) -> bool:
-    """Put the lock file `record` at `path` unless one is there; False when one is.
-
-    Written beside it and hard-linked into place: the link is atomic and exclusive on NFS
-    too, and the lock file never exists without its holder's record.
-    """
+    """Hard-link the lock file `record` into place (atomic and exclusive on NFS too); False when one is there."""
     tmp = _unique_sibling(path)
     try:
         with open(tmp, "x") as f:
@@ -383,10 +302,8 @@ def _link(source: Path, name: Path) -> None:
     """`os.link`, and a filesystem with neither `flock` nor hard links one line (FileAccessError)."""
     try:
         os.link(source, name)
-    except (FileExistsError, FileNotFoundError):
-        raise
     except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+        if isinstance(e, (FileExistsError, FileNotFoundError)) or e.errno not in _NO_LINK:
             raise
         raise FileAccessError(
             f"{name.parent}: its filesystem has neither flock nor hard links, one of which the lock of a run needs "
@@ -395,11 +312,7 @@ def _link(source: Path, name: Path) -> None:
 
 
 def _pid_namespace() -> str | None:
-    """This process's PID namespace as the kernel names it (boot id and namespace inode), or None off Linux.
-
-    A pid means something only within its namespace: two containers sharing the host name
-    (host networking) each number their processes from 1.
-    """
+    """This process's PID namespace (boot id, inode), within which alone a pid means something; None off Linux."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
@@ -416,17 +329,16 @@ def _read_holder(path: Path) -> dict | None:
 
 
 def _lock_identity(path: Path) -> tuple[tuple | None, dict | None]:
-    """(the identity of the lock file at `path`: inode, mtime and token; its record) — (None, None) when none is there."""
+    """(the lock file's identity: inode, mtime and token; its record), or (None, None) when none is there."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             raw = f.read(65536)
     except FileNotFoundError:
         return None, None
-    try:
+    record = None
+    with suppress(ValueError):
         record = json.loads(raw)
-    except ValueError:
-        record = None
     record = record if isinstance(record, dict) else None
     return (st.st_ino, st.st_mtime_ns, (record or {}).get("token")), record
 
@@ -439,12 +351,7 @@ def _stale_holder(path: Path) -> tuple[str, str | None, tuple | None]:
     age = time.time() - identity[1] / 1e9
     said = holder.get("holder", "unknown") if holder else "an unreadable lock file"
     namespace = _pid_namespace()
-    if (
-        holder
-        and namespace is not None
-        and holder.get("pid_ns") == namespace
-        and not pid_alive(int(holder.get("pid", 0)))
-    ):
+    if holder and namespace and holder.get("pid_ns") == namespace and not pid_alive(int(holder.get("pid", 0))):
         return said, f"pid {holder.get('pid')} is gone on this host", identity
     if age > STALE_AFTER_S:
         return said, f"its heartbeat is {age:.0f} s old", identity
@@ -468,15 +375,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
-    """Remove the stale lock file judged as `identity`, and nothing else; False when it is no longer there.
-
-    Several processes may judge one lock file stale at once. Each links whatever is at `path`
-    to a name derived from `identity`: only one can take that name, and it removes `path`
-    only when the file it linked is the one judged (same inode, mtime and token). A lock
-    file created since, or touched by a live holder since, is left alone; a process that finds
-    the name taken is refused, as the one that took it holds the lock next. A claim left by a
-    breaker that died in between is passed over once it is `STALE_AFTER_S` old.
-    """
+    """Remove the stale lock file judged as `identity` and nothing else (the one breaker holding the claim named after
+    it, if the file linked is the one judged); False when it is no longer there."""
     name = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
     dead: list[Path] = []
     while True:
@@ -493,8 +393,8 @@ def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
                 return False  # its breaker was done: look again
             if age <= STALE_AFTER_S:
                 raise OutputInUseError(
-                    f"{path.parent} is being taken over by another run from {holder} (a lock file, as its filesystem has no flock); "
-                    "wait for it to end or choose another directory"
+                    f"{path.parent} is being taken over by another run from {holder} (a lock file, as its filesystem "
+                    "has no flock); wait for it to end or choose another directory"
                 ) from None
             dead.append(claim)  # its breaker died before it was done
     try:
@@ -511,14 +411,12 @@ def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
 
 def _heartbeat(path: Path, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
-        try:
+        with suppress(OSError):  # the next process will see the heartbeat stop and say so
             os.utime(path)
-        except OSError:
-            pass  # the next process will see the heartbeat stop and say so
 
 
 def claim_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, str] | None = None) -> Path:
-    """Create `path` (or reuse one of ours of the same content) for in-place writing, and mark it as ours (`check_output_dir`)."""
+    """Create `path` (or reuse ours of the same content) for writing in place, marked as ours (`check_output_dir`)."""
     path = Path(path)
     check_output_dir(path, content, parts)
     path.mkdir(parents=True, exist_ok=True)
@@ -529,13 +427,7 @@ def claim_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, 
 
 @contextmanager
 def atomic_dir(dest: str | Path, content: str) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `dest` (the old one moved aside, then removed).
-
-    `dest` must be missing, empty, or an output of ours of the same `content` (`check_output_dir`);
-    the new directory carries the marker, so a later run may replace it again. A kill at any
-    point leaves `dest` whole, old or new, or (between the two renames) the old one aside,
-    which the next `check_output_dir` of `dest` puts back.
-    """
+    """Yield a marked temporary sibling directory that replaces `dest` on success by two renames (`recover_swap`)."""
     dest = Path(dest)
     check_output_dir(dest, content)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -556,35 +448,22 @@ def atomic_dir(dest: str | Path, content: str) -> Iterator[Path]:
 
 
 def _unique_sibling(dest: Path) -> Path:
-    """A fresh hidden name beside `dest` (`.name.tmp-<random>`, `_TEMPORARY`), unlikely to collide; O_EXCL / mkdir check it."""
+    """A fresh hidden name beside `dest` (`.name.tmp-<random>`, `_TEMPORARY`); O_EXCL / mkdir check it."""
     return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
 
 
-_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
-_SWAPPED_OUT = re.compile(r"\.(.+)\.old-([0-9a-f]{8})")  # `atomic_dir`'s old directory, moved aside
-
-
 def fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextmanager
 def write_errors(what: str, kept: str) -> Iterator[None]:
-    """A write under the block that fails for lack of space or permission becomes one line naming `what` and `kept`.
-
-    `DiskFullError` (exit 6) when the disk filled up, `FileAccessError` (exit 5) for permission
-    denied or a read-only file system; `kept` says what a rerun will find (the writers under the
-    block are atomic, so a partial file never remains under its real name).
-    """
+    """A write failing under the block for lack of space (exit 6) or permission (5): one line naming `what`, `kept`."""
     try:
         yield
     except Eagle31Error:
@@ -602,7 +481,7 @@ def write_errors(what: str, kept: str) -> Iterator[None]:
 
 
 def is_disk_full(e: BaseException) -> bool:
-    """Whether `e`, or an error it was raised from, is ENOSPC (some writers report it only as text: safetensors, DCP)."""
+    """Whether `e`, or an error it was raised from, is ENOSPC (safetensors and DCP may say it only as text)."""
     return _os_error(e, (errno.ENOSPC,)) is not None or "No space left on device" in str(e)
 
 

@@ -1,32 +1,12 @@
-"""TTT loss and metrics (docs/design.md §4).
-
-Label of query (p, k): the target's distribution for token x[p+2+k], i.e.
-`softmax(target_lm_head(final[p+1+k]))` restricted to the draft vocabulary
-and renormalised. (p, k) is supervised iff p+2+k <= T-1, m[p+2+k] = 1, x[p+2+k]
-is in p's document, and — with `mask_out_of_vocab` — the target's argmax over
-its full vocabulary at p+1+k is a draft token.
-
-Loss: sum_k w^k * mean over the supervised (p, k) of the *global* batch of
-D(label, softmax(draft logits)), D chosen by `train.loss` (`Divergence`, default
-KL(label || draft)). A micro-batch returns per-step sums and counts
-(`StepStats`); the trainer all-reduces the counts and divides.
-
-lm_head + loss of all K steps run in one autograd function (`FusedDraftLoss`), in
-chunks of label positions: each label distribution is computed once and serves
-the up-to-K queries it labels, and the gradients are formed in the same pass.
-The loss is a weighted sum whose weights `w^k / global_count_k` are known before
-the forward (the trainer all-reduces the supervised counts first), so the draft
-lm_head gradient is one fp32 accumulator of every step's weighted contribution.
-No [T, Vd] tensor is kept; what waits for backward is d loss / d state per
-supervised query and that one d loss / d lm_head.
-"""
+"""The TTT loss and metrics (docs/design.md §4): supervision, labels from the target's lm_head, the losses
+(`train.loss`), and lm_head + loss of all K steps in chunks (`FusedDraftLoss`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable
 
 import torch
 
@@ -141,65 +121,54 @@ class StepStats:
 
 @dataclass(frozen=True)
 class Divergence:
-    """The loss of one query: `kind` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
+    """The loss of one query: `name` (`train.loss`) and the lk_hybrid blend's eta (`train.lk_eta`)."""
 
-    kind: DraftLoss = DraftLoss.kl
+    name: DraftLoss = DraftLoss.kl
     eta: float = 3.0
 
 
 # ---------------------------------------------------------------------------- the losses
-# Each: (label_logp, draft_logq [n, Vd] log p (the label) and log q (the draft), each normalised over the
-# draft vocabulary; eta `train.lk_eta`) -> (loss per query [n], its gradient with respect to the draft logits
-# [n, Vd]). The acceptance of a query is alpha = sum_v min(p_v, q_v) (1 - TV); with S = {v : q_v <= p_v} and
-# s = sum_S q, d alpha / d logits = q * (1[S] - s).
+# Each: (label_logp, draft_logq [n, Vd]: log p, the label, and log q, the draft, each normalised over the draft
+# vocabulary; eta `train.lk_eta`) -> the loss of each query [n]. Its gradient comes from autograd, a chunk of
+# queries at a time (`FusedDraftLoss`). The acceptance of a query is alpha = sum_v min(p_v, q_v) = 1 - TV.
 
 
-def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p || q); gradient q - p."""
+def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """KL(p || q)."""
+    return (label_logp.exp() * (label_logp - draft_logq)).sum(-1)
+
+
+def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """1 - alpha."""
+    return 1 - _acceptance(label_logp, draft_logq)
+
+
+def lk_alpha_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """-log alpha; an alpha below `_MIN_ACCEPTANCE` counts as it (no gradient there)."""
+    return -_acceptance(label_logp, draft_logq).clamp(min=_MIN_ACCEPTANCE).log()
+
+
+def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """lam KL + (1 - lam) TV, lam = exp(-eta alpha) held constant."""
+    alpha = _acceptance(label_logp, draft_logq)
+    lam = torch.exp(-eta * alpha.detach())
+    return lam * kl_loss(label_logp, draft_logq, eta) + (1 - lam) * (1 - alpha)
+
+
+def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
+    """-log q[argmax p]: the target's greedy token among the draft ids (a soft-label cross-entropy would be KL plus a
+    constant, so `kl` is that loss)."""
+    return -draft_logq.gather(-1, label_logp.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def _acceptance(label_logp: torch.Tensor, draft_logq: torch.Tensor) -> torch.Tensor:
+    """alpha [n] = sum_v min(p_v, q_v); where q_v = p_v its gradient is q's, as below."""
     p, q = label_logp.exp(), draft_logq.exp()
-    return (p * (label_logp - draft_logq)).sum(-1), q - p
-
-
-def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 - alpha; gradient -d alpha."""
-    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
-    return 1 - alpha, -d_alpha
-
-
-def lk_alpha_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log alpha (an alpha below `_MIN_ACCEPTANCE` counts as it, with no gradient); gradient -d alpha / alpha."""
-    alpha, d_alpha = _acceptance(label_logp.exp(), draft_logq.exp())
-    kept = alpha.clamp(min=_MIN_ACCEPTANCE)
-    return -kept.log(), -d_alpha * ((alpha > _MIN_ACCEPTANCE) / kept)[:, None]
-
-
-def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """lam KL + (1 - lam) TV, lam = exp(-eta alpha) held constant; gradient lam (q - p) - (1 - lam) d alpha."""
-    p, q = label_logp.exp(), draft_logq.exp()
-    alpha, d_alpha = _acceptance(p, q)
-    lam = torch.exp(-eta * alpha)[:, None]  # [n, 1]
-    kl = (p * (label_logp - draft_logq)).sum(-1)
-    return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * (q - p) - (1 - lam) * d_alpha
-
-
-def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log q[argmax p]: the label's argmax is the target's greedy token among the draft ids (its full-vocabulary
-    greedy token wherever `mask_out_of_vocab` keeps the query); a soft-label cross-entropy would be KL plus a
-    constant, so `kl` is that loss. Gradient q - onehot."""
-    q = draft_logq.exp()
-    greedy = label_logp.argmax(-1, keepdim=True)  # [n, 1]
-    return -draft_logq.gather(-1, greedy).squeeze(-1), q.scatter(-1, greedy, q.gather(-1, greedy) - 1)
-
-
-def _acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """alpha [n] and d alpha / d logits [n, Vd] (above)."""
-    below = q <= p
-    alpha = torch.minimum(p, q).sum(-1)
-    return alpha, q * (below.to(q.dtype) - torch.where(below, q, 0).sum(-1, keepdim=True))
+    return torch.where(q <= p, q, p).sum(-1)
 
 
 # `train.loss` -> its function; a new loss is a function above, its line here and its `DraftLoss` member
-LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]] = {
+LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     DraftLoss.kl: kl_loss,
     DraftLoss.tv: tv_loss,
     DraftLoss.lk_alpha: lk_alpha_loss,
@@ -208,11 +177,13 @@ LOSSES: dict[DraftLoss, Callable[[torch.Tensor, torch.Tensor, float], tuple[torc
 }
 
 
-def _divergence(
-    loss: Divergence, label_logp: torch.Tensor, draft_logq: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss per query [n] and its gradient with respect to the draft logits [n, Vd], of `loss.kind`."""
-    return LOSSES[loss.kind](label_logp, draft_logq, loss.eta)
+def loss_and_gradient(loss: Divergence, label_logp: torch.Tensor, logits: torch.Tensor):
+    """The loss of each query [n] and its gradient with respect to the draft logits [n, Vd] (autograd)."""
+    with torch.enable_grad():
+        z = logits.detach().requires_grad_()
+        per_query = LOSSES[loss.name](label_logp, z.log_softmax(-1), loss.eta)
+        (dz,) = torch.autograd.grad(per_query.sum(), z)
+    return per_query.detach(), dz
 
 
 def ttt_loss(
@@ -226,17 +197,9 @@ def ttt_loss(
     step_scale: torch.Tensor,
     loss: Divergence = Divergence(),
 ) -> StepStats:
-    """Loss sums and accuracy counts of one micro-batch.
-
-    states: per step norm(o_k) [B, T, H]; lm_head_weight [Vd, H];
-    final [B, Tf, Ht] (Tf >= T: a sequence shard's rows and its halo); supervised [K, B, T];
-    target_argmax [B, Tf] full-vocab ids;
-    step_scale [K]: the weights the loss sums will get, `step_scales(...)` of the
-    global counts. The gradients of `loss_sum` are formed for a loss proportional
-    to `sum_k step_scale[k] * loss_sum[k]` (`weighted_loss`); any other use of
-    them is refused in backward.
-    loss: what each supervised query minimises.
-    """
+    """Loss sums and accuracy counts of one micro-batch: states per step [B, T, H], final [B, Tf, Ht] (Tf > T on a
+    shard: its halo), supervised [K, B, T], target_argmax [B, Tf]; step_scale [K] the weights the sums get in the
+    loss (`step_scales` of the global counts): only a loss proportional to `weighted_loss` may be differentiated."""
     K = len(states)
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
@@ -286,14 +249,26 @@ def step_weights(ttt_length: int, ttt_decay: float, dtype=torch.float32, device=
     return ttt_decay ** torch.arange(ttt_length, dtype=torch.float64, device=device).to(dtype)
 
 
-def step_scales(global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
-    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0)."""
+def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
+    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0); with ttt_decay None, one
+    mean over the supervised queries of every step (P-EAGLE's): 1 / their total."""
+    if ttt_decay is None:
+        return torch.full_like(global_count, 1 / max(float(global_count.sum()), 1), dtype=torch.float64)
     w = step_weights(global_count.shape[0], ttt_decay, torch.float64, global_count.device)
     return w / global_count.double().clamp(min=1)
 
 
-def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
-    """sum_k w^k * loss_sum[k] / global_count[k] (steps with no supervised query add 0)."""
+def depth_sampling(supervised: torch.Tensor, ratio: float, ratio_min: float, seed: int, start: int = 0):
+    """P-EAGLE's COD sampling of supervised [K, B, T]: query (p, k >= 1) kept with probability max(ratio^k, ratio_min),
+    nested over k, one uniform draw per position from `seed` (positions counted from `start`, a shard's first)."""
+    K, B, T = supervised.shape
+    u = torch.rand(B, start + T, generator=torch.Generator().manual_seed(seed))[:, start:].to(supervised.device)
+    keep = [torch.ones_like(u, dtype=torch.bool)] + [u < max(ratio**k, ratio_min) for k in range(1, K)]
+    return supervised & torch.stack(keep)
+
+
+def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
+    """sum_k w^k * loss_sum[k] / global_count[k] (steps with no supervised query add 0); `step_scales`' decay."""
     return (step_scales(global_count, ttt_decay).to(loss_sum) * loss_sum).sum()
 
 
@@ -315,23 +290,12 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 
 class FusedDraftLoss(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)).
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax.
 
-    Inputs (W, f, Wt, queries, labels, scale, grads, divergence, *h): W [Vd, H] the draft lm_head;
-    f [N, Ht] the flattened `final` and Wt [Vd, Ht] the target's draft rows (frozen);
-    per step k, queries[k] [P_k] ascending rows of h[k] [N, H] and labels[k] [P_k]
-    ascending rows of f that label them; scale [K] float64 the weight each step's sum
-    gets in the loss; `grads`: form the gradients (False under no_grad); `divergence`:
-    the `Divergence` D (KL by default).
-    Returns (loss sums [K], draft argmax of every query, steps concatenated).
-
-    One pass over chunks of label rows: each chunk's label log-probabilities are
-    computed once for all K steps, and, since `_divergence` gives d D / d logits in
-    closed form, dh and dW are formed right there.
-    dW is one fp32 accumulator of `sum_k scale[k] * dW_k`; backward multiplies it by
-    the one factor `grad_loss[k] / scale[k]` shared by every step (and refuses a
-    gradient that is not of that form). No logits are recomputed. Memory: O(chunk * Vd)
-    working set, plus dh [P_k, H] per step and one dW [Vd, H] (fp32) until backward.
+    Inputs (W [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries, labels:
+    per step the ascending rows of h[k] [N, H] and of f that label them, scale [K] the loss's step weights, grads,
+    divergence, *h). One pass over chunks of label rows forms dh and dW right there (autograd on each chunk's
+    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other.
     """
 
     @staticmethod
@@ -359,12 +323,10 @@ class FusedDraftLoss(torch.autograd.Function):
                 if i == j:
                     continue
                 hk = h[k][queries[k][i:j]]  # [n, H]
-                logq = (hk @ W.T).to(acc).log_softmax(-1)
-                rows_loss, dz = _divergence(
-                    divergence, logp[where[k][i:j] - c0], logq
-                )  # [n], d loss / d logits [n, Vd]
+                logits = (hk @ W.T).to(acc)
+                rows_loss, dz = loss_and_gradient(divergence, logp[where[k][i:j] - c0], logits)  # [n], [n, Vd]
                 loss[k] += rows_loss.sum()
-                argmax[k][i:j] = logq.argmax(-1)
+                argmax[k][i:j] = logits.argmax(-1)
                 if need_dh:
                     dh[k][i:j] = (dz.to(W.dtype) @ W).to(hk.dtype)
                 if need_dW:

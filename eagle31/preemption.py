@@ -1,20 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 asks a run to stop after the current step, with a complete checkpoint.
-
-Cluster schedulers send SIGTERM before they kill a job (Slurm: SIGKILL once its grace period
-ends; `--signal=USR1@<seconds>` sends SIGUSR1 ahead of the time limit). While `StopSignals` is
-entered, the first such signal becomes a request that the training loop reads after every step
-(`requested`); every rank takes part in one all-reduce of it there, since a signal may reach only
-some ranks, so all of them stop at the same step, write the checkpoint together and exit with
-`RunPreempted` (143). A second signal, or `grace_s` running out before the loop is done, exits
-the process at once (`StoppedAtOnce`, 137): the checkpoint being written, if any, is never taken
-for complete, and the last complete one stays. A second signal within `same_within_s` (2 s) of
-the first is the same request: a scheduler that signals every process of a job and torchrun's
-agent, which forwards the SIGTERM it got to its workers, deliver it twice.
-
-The signals are read by a thread from the interpreter's wakeup fd (`signal.set_wakeup_fd`), which
-the C-level handler writes at once: the thread acts even while the main thread waits inside a
-collective whose peer is gone, where a Python signal handler would never run.
-"""
+"""SIGTERM / SIGUSR1: stop after the step with a checkpoint (docs/reliability.md); read by a thread from the wakeup
+fd, so that it acts even while the main thread waits in a collective whose peer is gone."""
 
 from __future__ import annotations
 
@@ -24,29 +9,22 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from eagle31.errors import StoppedAtOnce, report_to_launcher
+from eagle31.errors import StoppedAtOnce, exit_now
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def exit_at_once(message: str) -> None:
-    """One line on stderr (and in torchrun's error file), then leave without unwinding: the main thread may be stuck."""
-
-    line = f"error: {message}"
-    print(line, file=sys.stderr, flush=True)
-    report_to_launcher(line)
-    os._exit(StoppedAtOnce.exit_code)
+    """Leave without unwinding (the main thread may be stuck), after one line."""
+    exit_now(f"error: {message}", StoppedAtOnce.exit_code)
 
 
 class StopSignals:
-    """While entered (in the main thread), SIGTERM / SIGUSR1 request a stop instead of killing the process.
-
-    `checkpoints` is the directory named in the lines said; `on_expire(message)` ends the process
-    on a second signal or when the grace runs out (tests pass another).
-    """
+    """While entered in the main thread, a stop signal sets `requested`; `on_expire(message)` ends the process on a
+    second one (not within `same_within_s`: the same, delivered twice) or when `grace_s` runs out."""
 
     def __init__(
         self,
@@ -66,7 +44,7 @@ class StopSignals:
     def requested(self) -> bool:
         return self.received is not None
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers belong to the main thread; a loop run elsewhere is not preemptible
         self._read, self._write = os.pipe()
@@ -93,18 +71,19 @@ class StopSignals:
         os.close(self._write)
 
     def _watch(self) -> None:
-        deadline = first = None
+        deadline: float | None = None
+        first: float | None = None
         stop_numbers = {int(s) for s in STOP_SIGNALS}
+        kept = f"exited at once: the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self._read], [], [], wait)
             if self._closing.is_set():
                 return
             if not ready:
-                self._on_expire(
-                    f"the run did not stop within train.preempt_grace_s={self.grace_s:g} s of {self.received.name}; "
-                    f"exited at once: the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
-                )
+                assert self.received is not None  # the deadline is set with it
+                grace = f"train.preempt_grace_s={self.grace_s:g} s of {self.received.name}"
+                self._on_expire(f"the run did not stop within {grace}; {kept}")
                 return
             for number in os.read(self._read, 64):
                 if number not in stop_numbers:
@@ -113,17 +92,10 @@ class StopSignals:
                 if first is not None and time.monotonic() - first < self.same_within_s:
                     continue  # the same request, delivered twice
                 if self.received is not None:
-                    self._on_expire(
-                        f"a second {name} while stopping on {self.received.name}; exited at once: "
-                        f"the last complete checkpoint in {self.checkpoints} is kept, rerun with resume=auto"
-                    )
+                    self._on_expire(f"a second {name} while stopping on {self.received.name}; {kept}")
                     return
                 self.received = signal.Signals(number)
                 first = time.monotonic()
                 deadline = first + self.grace_s
-                print(
-                    f"warning: {name}: stopping after this step with a checkpoint (within {self.grace_s:g} s; "
-                    "a second signal exits at once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                said = f"stopping after this step with a checkpoint (within {self.grace_s:g} s"
+                print(f"warning: {name}: {said}; a second signal exits at once)", file=sys.stderr, flush=True)

@@ -1,28 +1,19 @@
-"""Typed run configuration: one dataclass per component, composed by Hydra.
-
-`recipes/config.yaml` starts from `RunConfig` (registered as the structured
-schema `eagle31_schema`), and `recipes/recipe/<name>.yaml` overrides it. Every
-CLI (`train/main.py`, `data_prep/*.py`, `scripts/*.py`) reads the same tree, so
-one recipe describes the target, the data and the drafter for all steps.
-
-Every choice is an enum, so composition itself refuses an unknown field, a
-value of the wrong type or a value outside a choice, with one line naming the
-field; the steps that read the config do not check choices again.
-
-One module, though long: it is the one schema Hydra registers, a dataclass and its enums per section,
-so a recipe's every field is read in one place.
-"""
+"""The run configuration Hydra composes: `RunConfig`, made of each component's own section (a dataclass beside the
+code that reads it) and the sections that only compose; `load_recipe` composes `recipes/config.yaml`, a recipe and
+overrides, refusing an unknown field or choice in one line."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import textwrap
+import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from eagle31.checkpoint import Resume
 from eagle31.config import DrafterConfig
@@ -32,9 +23,10 @@ from eagle31.data.regenerate.core import OnLength, RegenerateBackend
 from eagle31.data.speculators_import import Split
 from eagle31.data.store import StoreDtype
 from eagle31.distributed import Device
+from eagle31.engine.transport import MooncakeProtocol, Transport
 from eagle31.engine.worker import EngineWorker
 from eagle31.errors import ConfigError
-from eagle31.layouts import DrafterFormat, ExportFormat
+from eagle31.layouts import AUTO, DrafterFormat, ExportFormat
 from eagle31.metrics_log import WandbMode
 from eagle31.target import Dtype
 from eagle31.targets import TargetConfig
@@ -77,7 +69,7 @@ class RegenerateConfig:
 
 @dataclass
 class EngineConfig:
-    """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a bounded pool (docs/engine.md)."""
+    """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a pool (docs/engine.md)."""
 
     workers: int = 1  # inference workers, each holding a copy of the target
     worker: EngineWorker = EngineWorker.hf
@@ -87,12 +79,23 @@ class EngineConfig:
     num_cpus: Optional[int] = None  # CPUs of the cluster started on this node; None: all of them
     pool_tokens: int = 131072  # features computed ahead of the trainers, in tokens (Kimi K2.6, bf16: 56 KiB each)
     max_restarts: int = 3  # per worker: a worker that dies is restarted and its samples asked again, this often
+    # a worker holding requests that answers none for this long is taken for dead (restarted, counted): above the
+    # longest target forward of features.capture_batch_tokens, the first ones (kernel warm-up) included
+    request_timeout_s: float = 600.0
+    load_timeout_s: float = 3600.0  # a worker that has not loaded the target in this long is taken for dead
+    placement_timeout_s: float = 600.0  # a worker Ray finds no room for (its CPUs, GPUs) in this long stops the run
     rates_from: Optional[str] = (
         None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
     )
     # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
     # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # how features reach the trainers: ray (its object store) or mooncake (a Mooncake store; docs/engine.md)
+    transport: Transport = Transport.ray
+    mooncake_master: Optional[str] = None  # transport=mooncake: a running master, host:port; None: rank 0 starts one
+    mooncake_metadata_server: Optional[str] = None  # ... and its metadata server, http://host:port/metadata
+    mooncake_protocol: MooncakeProtocol = MooncakeProtocol.tcp  # rdma where the cluster has InfiniBand or RoCE
+    mooncake_rdma_devices: str = ""  # protocol=rdma: the NICs, e.g. mlx5_0,mlx5_1 ("": Mooncake picks)
 
 
 @dataclass
@@ -127,15 +130,24 @@ def drafter_section(config: type = DrafterConfig) -> type:
             continue
         hint = hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
-            hint = list[typing.get_args(hint)[0]]
-        fields.append(
-            (f.name, Optional[hint], field(default=None))
-            if source == "override"
-            else (f.name, hint, field(default=f.default))
-        )
+            hint = types.GenericAlias(list, typing.get_args(hint)[:1])
+        if isinstance(hint, type) and dataclasses.is_dataclass(
+            hint
+        ):  # a kind's own fields, each the target's unless set
+            own = [
+                (g.name, Optional[typing.get_type_hints(hint)[g.name]], field(default=None))
+                for g in dataclasses.fields(hint)
+            ]
+            nested = dataclasses.make_dataclass(f"{hint.__name__}Section", own)
+            nested.__module__ = __name__
+            fields.append((f.name, nested, field(default_factory=nested)))
+        elif source == "override":
+            fields.append((f.name, Optional[hint], field(default=None)))
+        else:
+            fields.append((f.name, hint, field(default=f.default)))
     fields += [
         ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
-        ("init_from_format", DrafterFormat, field(default=DrafterFormat.auto)),
+        ("init_from_format", DrafterFormat, field(default=DrafterFormat(AUTO))),
         ("upgrade_to_eagle31", bool, field(default=False)),  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
     ]
     section = dataclasses.make_dataclass("DrafterSection", fields, namespace={"__doc__": drafter_section.__doc__})
@@ -203,7 +215,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    drafter: DrafterSection = field(default_factory=DrafterSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)  # type: ignore[valid-type]  # made at import
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -211,7 +223,7 @@ class RunConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
 
-def register_schema(recipes_dir: str | None = None) -> None:
+def register_schema(recipes_dir: str | Path | None = None) -> None:
     """Register `RunConfig` with Hydra's ConfigStore (called by the CLIs).
 
     `recipes_dir` backs the `${recipes_dir:}` interpolation, so recipes can name
@@ -274,7 +286,7 @@ def describe_recipes(recipes_dir: str | Path) -> str:
     scalars = []
     for f in dataclasses.fields(RunConfig):
         hint = typing.get_type_hints(RunConfig)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             text = ", ".join(_describe_field(hint, g) for g in dataclasses.fields(hint))
             lines += textwrap.wrap(text, 100, initial_indent=f"  {f.name:<9} ", subsequent_indent=" " * 12)
         else:

@@ -1,34 +1,14 @@
-"""The drafter's rotary embedding as vLLM serves it (docs/design.md §3: train what vLLM serves).
+"""The drafter's rotary embedding as vLLM serves it (docs/design.md §3; docs/export.md, "The rope rule").
 
-A Llama-attention drafter trains with the rope that vLLM builds from its exported config:
-vLLM's `get_rope(head_dim, max_position, rope_parameters)` for the EAGLE-3 Llama layer.
-`inverse_frequencies` gives that rope's inverse frequencies and the factor its cos/sin
-tables are multiplied by (the magnitude); every q·k logit scales with its square.
-
-    default   theta^(-2i/d)
-    linear    default / factor
-    dynamic   default: vLLM's dynamic-NTK table keeps theta at every position
-              (transformers changes theta only past max_position_embeddings, which is
-              never below the trained context)
-    llama3    default divided by factor for wavelengths above original/low_freq_factor,
-              kept below original/high_freq_factor, blended linearly in between
-    yarn      a ramp between default/factor and default over the dimensions whose
-              rotations at original_max_position_embeddings lie between beta_slow and
-              beta_fast; its magnitude (`yarn_magnitude`) as the release reads it
-
-How the supported vLLM releases (`VLLM_RELEASES`) read a yarn block, in the Llama layer and in the MLA
-drafter's DeepSeek YaRN (`eagle31.attention.mla`): docs/export.md, "Where the two releases differ".
-
-`ambiguity` names, in one line, the fields of a block that the releases read differently
-(none for every recipe's drafter); export refuses such a block, and a drafter trains with
-the newest release's reading. `for_llama_drafter` drops DeepSeek's magnitude fields from a
-target's yarn block, so that a Llama drafter's rope means the same in every release.
+`inverse_frequencies`: the inverse frequencies and cos/sin magnitude vLLM's `get_rope` builds from an exported
+config, release by release (`VLLM_RELEASES`); `ambiguity` names the fields of a block the releases read differently.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,7 +70,7 @@ def inverse_frequencies(
     rope_type = rope["rope_type"]
     theta = float(rope["rope_theta"])
     base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if rope_type in ("default", "dynamic"):
+    if rope_type in ("default", "dynamic"):  # vLLM's dynamic NTK keeps theta at every position it serves
         return base, 1.0
     factor = float(rope["factor"])
     if rope_type == "linear":
@@ -136,7 +116,7 @@ def _log_magnitude(factor: float, weight: float = 1.0) -> float:
 
 
 def yarn_magnitude(rope: dict[str, Any], release: str = NEWEST) -> float:
-    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (docs/export.md, "Where the two releases differ")."""
+    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (docs/export.md, where the releases differ)."""
     factor = float(rope["factor"])
     if "attn_factor" in YARN_FIELDS[release]:  # 0.22.0
         attn_factor = float(rope.get("attn_factor", 1.0))
@@ -168,15 +148,11 @@ def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[f
 
 
 def ambiguity(
-    rope: dict[str, Any],
-    reading: Callable[[dict[str, Any], str], tuple[float, ...]],
-    fields: dict[str, tuple[str, ...]],
-    quantities: str,
-) -> str | None:
-    """None when the supported vLLM releases read `rope` as the same rope; otherwise which fields they read
-    differently, naming the releases, in one line. `reading(rope, release)`: the numbers (`quantities`) that
-    release makes of a yarn block, reading `fields[release]` (a drafter attention kind's: `llama_yarn_reading`,
-    `deepseek_yarn_scales`)."""
+    rope: dict[str, Any], reading: Callable[[dict[str, Any], str], tuple[float, ...]],
+    fields: dict[str, tuple[str, ...]], quantities: str,
+) -> str | None:  # fmt: skip
+    """None when the supported vLLM releases read `rope` alike, else one line naming the fields they read differently;
+    `reading(rope, release)`: the numbers (`quantities`) a release makes of a yarn block, reading `fields[release]`."""
     if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):
         return None
     readings = {release: reading(rope, release) for release in VLLM_RELEASES}
@@ -201,15 +177,12 @@ def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[flo
 
 
 def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    return all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
+    return all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b, strict=True))
 
 
 def for_llama_drafter(rope: dict[str, Any]) -> dict[str, Any]:
-    """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields.
-
-    Every release then gives the magnitude (0.1·ln(factor) + 1); for Kimi K2.6 (factor 64)
-    that is 1.416 where vLLM 0.33 and transformers read Kimi's own block as 1.0.
-    """
+    """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields, so every release
+    reads the magnitude 0.1·ln(factor) + 1 (docs/export.md)."""
     if rope.get("rope_type") != "yarn":
         return dict(rope)
     return {k: v for k, v in rope.items() if k not in DEEPSEEK_YARN_FIELDS}

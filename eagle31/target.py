@@ -1,45 +1,24 @@
-"""The target model: its config, shape, weights, identity and features, in one place.
+"""The target model: everything eagle31 reads of it (config, shape, single tensors, fingerprints, the model, features).
 
-A target is a Hugging Face causal LM saved as a directory (config.json, safetensors,
-tokenizer). Everything eagle31 reads of it goes through here:
+`TargetFeatures` keeps the drafter's inputs with forward pre-hooks: `aux`, the hidden states at the *input* of decoder
+layers `aux_layer_ids` (vLLM's convention), concatenated in id order, and `final`, the input of `lm_head`; the L+1
+hidden states are never all kept (docs/design.md §2):
 
-- `load_target_config`, `text_config` / `target_shape`: its config.json; the language model's config, unwrapped from a
-  multimodal wrapper such as Kimi K2.6 (which nests it under `text_config`); (L, Ht).
-- `read_target_tensor` / `read_target_embeddings`: single tensors from the
-  safetensors files, without loading the model (a Kimi-scale target is a terabyte;
-  the trainer needs only its embedding and lm_head, [V, Ht] each), under any of the
-  usual prefixes (`model.`, `language_model.`); tied embeddings: lm_head falls back
-  to the embedding.
-- `target_fingerprint`: identifies the target whose features a store holds, beyond
-  its name: two checkpoints of one shape (a base model and its fine-tune, two random
-  demo targets) get different fingerprints, so a store is never trained on with another target.
-  `tokenizer_fingerprint` does the same for its tokenizer files; `target_fingerprints` gives both, as an
-  inference worker's description and the trainer's expectation of it (`eagle31.engine.worker`) name them.
-- `load_target` / `inference_device_and_dtype`: the model itself, for capture, online
-  features and evaluation.
-- `TargetFeatures`: forward pre-hooks that keep the drafter's inputs. `aux`
-  concatenates the hidden states at the *input* of the decoder layers
-  `aux_layer_ids` (vLLM convention: id k = HF `output_hidden_states[k]`, checked by
-  `check_aux_layer_ids`), in id order; `final` is the input of `lm_head` (post final
-  norm). Only these tensors are kept, so the `L+1` hidden states are never materialised:
-
-      with TargetFeatures(model, aux_layer_ids) as feats:
-          out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
-          aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for that forward's positions
-
-  (`final` covers the positions lm_head sees: HF's `logits_to_keep`, which `generate`
-  sets to 1 at prefill, narrows it.) `feats.capture(input_ids, mask)` runs a forward
-  that stops at lm_head's input, so no `[B, T, V]` logits are built.
+    with TargetFeatures(model, aux_layer_ids) as feats:
+        out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
+        aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for the positions lm_head saw (`logits_to_keep`)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
+from collections.abc import Sequence
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -57,17 +36,16 @@ class Dtype(StrEnum):
 
 # Where decoder layers live: Llama / Qwen / DeepSeek-V3 (`model.layers`), multimodal wrappers.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
-_FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell checkpoints apart, cheap for any V
+_FINGERPRINT_WINDOW = 64  # bytes of a tensor read at each of its sampled places
+_FINGERPRINT_WINDOWS = 3  # a tensor's sampled places: its first, middle and last bytes
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")  # change when a checkpoint is copied or re-saved
 # What `AutoTokenizer.from_pretrained` reads from a folder: the fast tokenizer, its config and special tokens, the
 # slow tokenizers' vocabularies (BPE, WordPiece, SentencePiece, tiktoken) and the chat template saved beside them.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-    "vocab.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja",
+    "chat_template.json",
 )  # fmt: skip
-
-
-# ---------------------------------------------------------------- config and shape
 
 
 def load_target_config(path: str | Path) -> dict[str, Any]:
@@ -132,9 +110,6 @@ def target_vocab_size(target_dir: Path) -> int | None:
     return text_config(load_target_config(target_dir)).get("vocab_size")
 
 
-# ---------------------------------------------------------------- weights, without loading the model
-
-
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 LM_HEAD_NAMES = ("lm_head.weight", "output.weight")
 WRAPPER_PREFIXES = ("", "language_model.", "model.language_model.")
@@ -156,9 +131,9 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
 
 
 def read_target_tensor(
-    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True, rows: int | None = None
+    target_dir: str | Path, candidates: tuple[str, ...], *, required: bool = True
 ) -> torch.Tensor | None:
-    """The first of `candidates` (tried under every wrapper prefix) found in the target's weights (its first `rows` only)."""
+    """The first of `candidates` (under every wrapper prefix) in the target's weights, read without the model."""
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
     for prefix in WRAPPER_PREFIXES:
@@ -166,39 +141,60 @@ def read_target_tensor(
             full = prefix + name
             if full in weight_map:
                 with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
-                    return sf.get_tensor(full) if rows is None else sf.get_slice(full)[:rows]
+                    return sf.get_tensor(full)
     if required:
         raise ConfigError(f"target {target_dir}: no tensor among {list(candidates)}")
     return None
 
 
 def read_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V, Ht], lm_head [V, Ht]) of the target at `target_dir`."""
+    """(embedding [V, Ht], lm_head [V, Ht]) of the target at `target_dir`; tied: the embedding as lm_head."""
     embed = read_target_tensor(target_dir, EMBED_NAMES)
     lm_head = read_target_tensor(target_dir, LM_HEAD_NAMES, required=False)
     return embed, (embed if lm_head is None else lm_head)
 
 
 def target_fingerprint(target_dir) -> str:
-    """sha256 of the target's config.json (less path and version keys), first embedding rows and final norm weight."""
+    """sha256 of the target's config.json (less path and version keys) and of every tensor, by name: its dtype, shape
+    and `_FINGERPRINT_WINDOWS` windows of its bytes (a small tensor: all of it). Why: docs/engine.md."""
+    target_dir = Path(target_dir)
     config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for names in (EMBED_NAMES, ("model.norm.weight",)):
-        weight = read_target_tensor(target_dir, names, required=False, rows=_FINGERPRINT_ROWS)
-        if weight is not None:
-            digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    tensors: dict[str, bytes] = {}
+    for file in sorted(set(_weight_map(target_dir).values())):
+        tensors.update(_sampled_tensors(target_dir / file))
+    for name in sorted(tensors):
+        digest.update(hashlib.sha256(name.encode() + b"\0" + tensors[name]).digest())
     return digest.hexdigest()
 
 
-def tokenizer_fingerprint(target_dir) -> str:
-    """sha256 of the tokenizer files (`TOKENIZER_FILES`) in the target's folder: each present file's name and bytes.
+def _sampled_tensors(path: Path) -> dict[str, bytes]:
+    """{tensor name: its dtype and shape, and its bytes at the sampled places} of one safetensors file."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))  # the format: a u64 header length, the JSON header, the data
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # reads in file order
+            begin, end = entry["data_offsets"]
+            sampled = [f"{entry['dtype']}{entry['shape']}".encode()]
+            for start, size in _sampled_places(begin, end):
+                f.seek(8 + length + start)
+                sampled.append(f.read(size))
+            out[name] = b"".join(sampled)
+    return out
 
-    The files, not the loaded vocabulary: an inference worker never loads a tokenizer (vLLM's runs with
-    `skip_tokenizer_init`), some need remote code to load (Kimi's tiktoken), and the files hold everything that
-    gives a token id its meaning (vocabulary, merges, added and special tokens). Copies of one checkpoint have the
-    same files; a tokenizer re-saved by another transformers version may not, and is told apart too: copy the
-    folder to another node, do not re-save it.
-    """
+
+def _sampled_places(begin: int, end: int) -> list[tuple[int, int]]:
+    """(offset, size) of the windows read from a tensor stored at [begin, end): evenly spaced, first and last."""
+    size, window, n = end - begin, _FINGERPRINT_WINDOW, _FINGERPRINT_WINDOWS
+    if size <= window * n:
+        return [(begin, size)]
+    return [(begin + (size - window) * i // (n - 1), window) for i in range(n)]
+
+
+def tokenizer_fingerprint(target_dir) -> str:
+    """sha256 of the tokenizer files (`TOKENIZER_FILES`) in the target's folder: each present file's name and bytes."""
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:
         path = Path(target_dir) / name
@@ -216,32 +212,18 @@ def target_fingerprints(target_dir) -> dict[str, str]:
     }
 
 
-# ---------------------------------------------------------------- the model
-
-
 def load_target(
-    path,
-    device: torch.device,
-    *,
-    dtype: str | torch.dtype,
-    device_map: str | None = None,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
-) -> nn.Module:
-    """The target at `path` in eval mode without gradients.
-
-    On `device`, or spread over devices by `device_map` (e.g. "auto") when set.
-    """
+    path, device: torch.device, *, dtype: str | torch.dtype, device_map: str | None = None,
+    trust_remote_code: bool = False, attn_implementation: str | None = None,
+) -> nn.Module:  # fmt: skip
+    """The target at `path` in eval mode without gradients, on `device` or spread by `device_map` (e.g. "auto")."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype),
-        device_map=device_map or None,
-        trust_remote_code=trust_remote_code,
-        **kwargs,
-    )
+        path, dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype), device_map=device_map or None,
+        trust_remote_code=trust_remote_code, **kwargs,
+    )  # fmt: skip
     if not device_map:
         model.to(device)
     return model.eval().requires_grad_(False)
@@ -249,13 +231,8 @@ def load_target(
 
 def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Module:
     """`load_target` as a recipe's `target` section asks (its dtype, device_map, trust_remote_code)."""
-    return load_target(
-        target_dir,
-        device,
-        dtype=section.dtype,
-        device_map=section.device_map,
-        trust_remote_code=section.trust_remote_code,
-    )
+    return load_target(target_dir, device, dtype=section.dtype, device_map=section.device_map,
+                       trust_remote_code=section.trust_remote_code)  # fmt: skip
 
 
 def load_target_tokenizer(path: str | Path):
@@ -269,7 +246,7 @@ def load_target_tokenizer(path: str | Path):
 
 
 def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`device` / `dtype` of an inference run, `auto` meaning CUDA in bfloat16 when there is one, else CPU in float32."""
+    """`device` / `dtype` of an inference run; `auto`: CUDA in bfloat16 when there is one, else CPU in float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -282,9 +259,6 @@ def inference_device_and_dtype(device: str, dtype: str) -> tuple[torch.device, t
         return torch.device(device), getattr(torch, dtype)
     except RuntimeError as e:
         raise ConfigError(f"device: {e}") from None
-
-
-# ---------------------------------------------------------------- features
 
 
 class _StopForward(Exception):
@@ -303,7 +277,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -> None:
-    """Aux ids are distinct, increasing decoder-layer inputs `0 <= k < L` (vLLM convention); `who` prefixes the error."""
+    """Aux ids are distinct, increasing decoder-layer inputs `0 <= k < L` (vLLM's convention); `who` prefixes errors."""
     if not ids or list(ids) != sorted(set(ids)):
         raise ConfigError(f"{who}aux_layer_ids must be distinct and increasing, got {list(ids)}")
     bad = [k for k in ids if not 0 <= k < num_layers]
@@ -312,7 +286,7 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -
 
 
 class TargetFeatures:
-    """Hooks that capture `aux` and `final` from the forwards of `model`; see the module docstring."""
+    """Hooks that capture `aux` and `final` from the forwards of `model` (module docstring)."""
 
     def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
         self.model = model
@@ -331,7 +305,7 @@ class TargetFeatures:
         self._aux: list[torch.Tensor | None] = [None] * len(self._layers)
         self._final: torch.Tensor | None = None
 
-    def __enter__(self) -> "TargetFeatures":
+    def __enter__(self) -> TargetFeatures:
         for slot, layer in enumerate(self._layers):
             hook = partial(self._on_layer_input, slot)
             self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
@@ -359,15 +333,30 @@ class TargetFeatures:
         if self._final is None or any(a is None for a in self._aux):
             raise RuntimeError("no complete forward was captured since the last pop()")
         final = self._final
-        aux = torch.cat([a.to(final.device) for a in self._aux], dim=-1)
+        aux = torch.cat([a.to(final.device) for a in self._aux if a is not None], dim=-1)
         self._reset()
         return aux, final
+
+    @torch.no_grad()
+    def resolved_layer_ids(self) -> tuple[int, ...]:
+        """The ids k of the states these hooks keep, read off a two-token forward, not taken from `aux_layer_ids`:
+        for each slice of `aux`, the k whose `output_hidden_states[k]` it equals (-1: none)."""
+        device = self.model.get_input_embeddings().weight.device
+        with self:
+            out = self.model(
+                input_ids=torch.tensor([[1, 2]], device=device), output_hidden_states=True, use_cache=False
+            )
+            aux, _ = self.pop()
+        states = [h.cpu() for h in out.hidden_states[:-1]]  # the inputs of layers 0..L-1 (the last one is post-norm)
+        width = states[0].shape[-1]
+        slices = [aux[..., j * width : (j + 1) * width].cpu() for j in range(len(self._layers))]
+        return tuple(next((k for k, h in enumerate(states) if torch.equal(h, piece)), -1) for piece in slices)
 
     @torch.no_grad()  # not inference_mode: the trainer's autograd must be able to save these tensors
     def capture(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A forward that stops at lm_head's input; returns `pop()`'s (aux, final)."""
+        """A forward that stops at lm_head's input, so no [B, T, V] logits are built; returns `pop()`'s (aux, final)."""
         self._stop = True
         try:
             self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -1,25 +1,17 @@
-"""The training loop (torchtitan-style): batch → TTT unroll + loss → backward → clip → step → log.
+"""The training loop (torchtitan-style): batch -> TTT unroll + loss -> backward -> clip -> step -> log.
 
-One `train_step` takes `grad_accum` micro-batches. Before any forward it
-computes, without gradients, which queries each micro-batch supervises (the
-target's argmax decides `mask_out_of_vocab`) and all-reduces the per-step
-counts, so every micro-batch divides by the *global* count (docs/design.md §4): the
-loss and its gradients do not depend on world size or accumulation.
-
-On GPU the drafter runs under FSDP2 (`fully_shard`, bf16 compute, fp32 master
-weights and gradient reduction); on CPU one process runs it plain, several
-processes shard it over gloo. With `train.sequence_parallel` each sequence is split over the
-ranks of a sequence group (`eagle31.sequence_parallel`); FSDP2 still shards over the whole world.
-"""
+Before any forward, a step counts each micro-batch's supervised queries and all-reduces the counts, so the loss is
+the mean over the global batch (docs/design.md §4). FSDP2 on GPU or across processes; one CPU process runs plain."""
 
 from __future__ import annotations
 
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Optional
 
 import torch
 from torch import nn
@@ -28,13 +20,13 @@ from eagle31.checkpoint import CheckpointManager
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import Device, Precision, World, all_gather_objects, all_reduce_sum
 from eagle31.errors import Eagle31Error, RunPreempted
-from eagle31.kernels.causal import segment_ids
 from eagle31.kernels.ttt_attention import AttentionBackend
 from eagle31.loss import (
     Divergence,
     DraftLoss,
     StepStats,
     TargetHead,
+    depth_sampling,
     label_positions,
     step_scales,
     supervision_mask,
@@ -43,7 +35,7 @@ from eagle31.loss import (
     weighted_loss,
 )
 from eagle31.metrics_log import RunLogger
-from eagle31.model import Eagle31Drafter
+from eagle31.model import Eagle31Drafter, Visibility, segment_ids
 from eagle31.preemption import StopSignals
 from eagle31.sequence_parallel import SequenceGroup, SequenceShard, sequence_group, shard_batch
 from eagle31.ttt import ttt_unroll
@@ -52,7 +44,7 @@ from eagle31.ttt import ttt_unroll
 @dataclass
 class TrainConfig:
     ttt_length: int = 7
-    ttt_decay: float = 0.8
+    ttt_decay: Optional[float] = 0.8  # w of sum_k w^k mean_k; null: one mean over every step's queries (P-EAGLE's)
     mask_out_of_vocab: bool = True
     loss: DraftLoss = DraftLoss.kl
     lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
@@ -63,6 +55,9 @@ class TrainConfig:
     max_steps: int = 1000
     grad_accum: int = 1
     max_grad_norm: float = 0.5
+    # P-EAGLE's COD sampling (speculators' 0.7 and 0.2): depth k >= 1 trains a share max(ratio^k, min) of its queries
+    down_sample_ratio: Optional[float] = None
+    down_sample_ratio_min: float = 0.2
     attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
     activation_checkpointing: bool = False
     # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
@@ -171,22 +166,26 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
 
 def prepare_batch(
     batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup,
-    window: int | None = None,
+    rule=Visibility(), draw: int | None = None,
 ) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:  # fmt: skip
     """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
     queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
     states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
     path runs wherever `sequence` has a process group, a group of one included (the GPU check's
-    comparison at N = 1). `window`: the drafter's sliding window (a shard gathers only the keys it sees)."""
+    comparison at N = 1). `rule`: the drafter's visibility rule (a shard gathers only the keys it sees). `draw`: the
+    seed of `train.down_sample_ratio`'s depth sampling (training steps only)."""
     shard = None
     if sequence.group is None:
         b = batch.to(device, dtype=dtype)
     else:
-        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype, window)
+        b, shard = shard_batch(batch, sequence, train.ttt_length, device, dtype, rule)
     segments = segment_ids(b.document_ids, None, b.input_ids.shape, device=b.input_ids.device)
     argmax = target.argmax(b.final, label_positions(b.loss_mask))
     in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
     supervised = supervision_mask(b.loss_mask, segments, train.ttt_length, in_vocab)[:, :, : b.aux.shape[1]]
+    if train.down_sample_ratio is not None and draw is not None:
+        start = 0 if shard is None else shard.start
+        supervised = depth_sampling(supervised, train.down_sample_ratio, train.down_sample_ratio_min, draw, start)
     return b, supervised, argmax, shard
 
 
@@ -207,6 +206,7 @@ class Trainer:
         train.sequence_parallel)` when not given (the loaders split batches over its data axis)."""
         self.cfg = train
         self.drafter_config = drafter.config
+        self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
         self.run_dir = Path(run_dir)
@@ -237,9 +237,9 @@ class Trainer:
         while True:  # epochs follow each other; the loader keeps its position for checkpoints
             yield from self.train_loader
 
-    def _prepare(self, batch: FeatureBatch):
-        window = self.drafter_config.sliding_window
-        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, window)
+    def _prepare(self, batch: FeatureBatch, draw: int | None = None):
+        args = (self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, self.visibility, draw)
+        return prepare_batch(batch, *args)
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
@@ -250,7 +250,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
-        prepared = [self._prepare(b) for b in micro_batches]
+        # the depth sampling's draw depends on the step and micro-batch alone: a resumed run draws the same
+        prepared = [self._prepare(b, self.state.step * len(micro_batches) + i) for i, b in enumerate(micro_batches)]
         global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _, _ in prepared).double())
         scale = step_scales(global_count, self.cfg.ttt_decay)
         K = self.cfg.ttt_length
@@ -349,7 +350,7 @@ class Trainer:
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
         stream = self._stream()
-        window = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
+        window: dict[str, float] = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
         window_start = time.perf_counter()
         while state.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -359,7 +360,7 @@ class Trainer:
             state.train_seconds += time.perf_counter() - t0
             if not result["finite"]:
                 state.nonfinite_streak += 1
-                warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped")
+                warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped", stacklevel=1)
                 if state.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise TrainingDiverged(
                         f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
@@ -368,7 +369,7 @@ class Trainer:
             else:
                 state.nonfinite_streak = 0
             state.step += 1
-            state.tokens_seen += result["tokens"]
+            state.tokens_seen += int(result["tokens"])
             for key, value in (
                 ("tokens", result["tokens"]),
                 ("samples", result["samples"]),
@@ -395,7 +396,8 @@ class Trainer:
                 state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
                 raise RunPreempted(
-                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; rerun with resume=auto to continue"
+                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; "
+                    "rerun with resume=auto to continue"
                 )
             if evaluate_now:
                 self._log_evaluation(logger)
@@ -418,13 +420,13 @@ class Trainer:
         """A signal during the final checkpoint or evaluation: stop before the export (every rank, as after a step)."""
         if stop is not None and self._agree_to_stop(stop):
             raise RunPreempted(
-                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is complete; "
-                "rerun with resume=auto to evaluate and export"
+                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is "
+                "complete; rerun with resume=auto to evaluate and export"
             )
 
     @staticmethod
     def _stopped_by(stop: StopSignals) -> str:
-        return stop.received.name if stop.requested else "a signal that another rank received"
+        return stop.received.name if stop.requested and stop.received else "a signal that another rank received"
 
     def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
         """The logged metrics of a window of steps: the last step's, rates over the window, and (rank 0) the

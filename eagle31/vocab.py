@@ -1,10 +1,4 @@
-"""Draft vocabulary (docs/design.md §5).
-
-Count target tokens at supervised positions over the training set; keep the
-`Vd` most frequent (ties: lower id first); pad with the lowest unused ids when
-fewer were seen; sort ascending. `d2t[i] = target_id_i - i` (offsets, as vLLM
-reads them) and `t2d[target_id] = True`.
-"""
+"""Draft vocabulary: supervised token counts -> d2t / t2d (docs/design.md §5)."""
 
 from __future__ import annotations
 

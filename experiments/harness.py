@@ -23,9 +23,9 @@ import hashlib
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.errors import ConfigError
@@ -61,7 +61,7 @@ class StudyConfig:
     measure: bool = True  # false: train only
 
     def __post_init__(self) -> None:
-        self.seed_list  # raise on a bad list
+        _ = self.seed_list  # raise on a bad list
         for name in ("k", "max_prompts", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -177,7 +177,8 @@ def measure_drafters(
         elif label not in sha256:
             why = f"no earlier measurement of it under {report_path}"
             if label in measured_there:  # not kept, so its settings differ
-                why = f"its earlier measurement under {report_path} has other {', '.join(settings_differ(earlier, settings))}"
+                differ = ", ".join(settings_differ(earlier, settings))
+                why = f"its earlier measurement under {report_path} has other {differ}"
             raise ConfigError(f"{path}: no drafter there to measure {label}, and {why}")
     missing = [label for label in drafters if label not in kept]
     measured = run_acceptance(config_of(missing)) if missing else {"results": []}
@@ -255,7 +256,8 @@ def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
 
 
 def separation(row: dict, baseline: dict) -> str | None:
-    """`higher` / `lower` when every seed of `row` is above (below) every seed of `baseline` (`tau_over_seeds`), else None."""
+    """`higher` / `lower` when every seed of `row` is above (below) every seed of `baseline` (`tau_over_seeds`),
+    else None."""
     if row["min"] > baseline["max"]:
         return "higher"
     if row["max"] < baseline["min"]:
@@ -342,20 +344,33 @@ def shared_settings(recipe) -> dict:
         "recipe": settings["name"],
         "target": settings["target"]["builtin"] or portable_path(settings["target"]["path"]),
         "drafter": settings["drafter"],
-        "train": {k: settings["train"][k] for k in ("ttt_length", "ttt_decay", "loss", "lk_eta", "lr", "betas", "weight_decay",
-                                                  "warmup_steps", "max_steps", "max_grad_norm", "mask_out_of_vocab")},
+        "train": {
+            k: settings["train"][k]
+            for k in (
+                "ttt_length",
+                "ttt_decay",
+                "loss",
+                "lk_eta",
+                "lr",
+                "betas",
+                "weight_decay",
+                "warmup_steps",
+                "max_steps",
+                "max_grad_norm",
+                "mask_out_of_vocab",
+            )
+        },
         "features": {k: settings["features"][k] for k in ("store_dtype", "batching", "tokens_per_batch")},
         "data": {k: settings["data"][k] for k in ("max_len", "eval_fraction")},
-    }  # fmt: skip
+    }
 
 
 def format_training(training: dict) -> list[str]:
     lines = ["", "Training:", "", "| run | steps | tokens | train s | held-out tau_sim |", "|---|---|---|---|---|"]
     for name, t in training.items():
         tau_sim = f"{t['tau_sim']:.3f}" if t.get("tau_sim") is not None else "–"
-        lines.append(
-            f"| {name}{' *' if t.get('earlier') else ''} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |"
-        )
+        earlier = " *" if t.get("earlier") else ""
+        lines.append(f"| {name}{earlier} | {t['steps']} | {t['tokens_seen']} | {t['train_time_s']:.0f} | {tau_sim} |")
     if any(t.get("earlier") for t in training.values()):
         lines += [
             "",

@@ -5,10 +5,10 @@
 
 `out` is a folder written by scripts/export.py. The card (README.md, written into `out`)
 reads the run's config.yaml, its report.json and the prepared data's report.json; it
-names datasets and a local target by their last path component, never by a local path. By default the run is the first parent of
-`out` that is a run directory; name it with `run=` otherwise. `dry_run=true` writes the
-card and lists what would be uploaded, without touching the network. The token comes
-from HF_TOKEN or `hf auth login` and is never printed or written.
+names datasets and a local target by their last path component, never by a local path. By
+default the run is the first parent of `out` that is a run directory; name it with `run=`
+otherwise. `dry_run=true` writes the card and lists what would be uploaded, without touching
+the network. The token comes from HF_TOKEN or `hf auth login` and is never printed or written.
 Exit codes: 0 done, 1 the upload failed (nothing was committed), 2 bad arguments or folder.
 """
 

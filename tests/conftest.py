@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.deadline import pytest_runtest_protocol  # noqa: E402, F401  (the `deadline` marker's hook)
+
 # Tiny models run several times faster on one thread than on two busy cores.
 torch.set_num_threads(1)
 
@@ -65,7 +67,7 @@ def chats(tmp_path_factory) -> Path:
                         "content": f"It is {a + b}. The weather is sunny and warm, with a light wind.",
                     },
                 ]
-            }  # fmt: skip
+            }
         )
     return write_jsonl(path, records)
 
@@ -99,7 +101,8 @@ REPORT = {
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """runs/demo with config.yaml, drafter/ (native, with the target's embedding, as the pipeline saves it) and report.json."""
+    """runs/demo with config.yaml, drafter/ (native, with the target's embedding, as the pipeline saves it) and
+    report.json."""
     run = tmp_path / "runs" / "demo"
     from omegaconf import OmegaConf
 

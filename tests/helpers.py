@@ -64,9 +64,12 @@ def feature_batch(cfg: DrafterConfig, T: int, seed: int = 0, dtype=torch.float32
     """One packed row of one document, every position supervised: a `FeatureBatch` for the trainer."""
     aux, final, input_ids, _ = random_batch(cfg, 1, T, seed, dtype)
     return FeatureBatch(
-        input_ids=input_ids, loss_mask=torch.ones(1, T, dtype=torch.long), document_ids=torch.zeros(1, T, dtype=torch.long),
-        aux=aux, final=final,
-    )  # fmt: skip
+        input_ids=input_ids,
+        loss_mask=torch.ones(1, T, dtype=torch.long),
+        document_ids=torch.zeros(1, T, dtype=torch.long),
+        aux=aux,
+        final=final,
+    )
 
 
 def run_script(path: Path, argv: list[str], monkeypatch) -> int:
@@ -107,7 +110,8 @@ def base_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
 
 
 def fill_disk(disk: Path, leave_pages: int) -> Path:
-    """Fill the file system of `disk` (`small_disk`) but `leave_pages` 4 KiB pages; returns the ballast file to delete."""
+    """Fill the file system of `disk` (`small_disk`) but `leave_pages` 4 KiB pages; returns the ballast file to
+    delete."""
     import errno
     import os
 

@@ -47,9 +47,22 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 MARK = "_on_world_device"
 CHECKED: collections.Counter = collections.Counter()  # collective name -> tensors checked
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 # torch >= 2.13's names of all_gather_into_tensor and reduce_scatter_tensor: checked where eagle31 calls them,
 # not where torch calls them itself (FSDP2's reduce-scatter of gradients, in autograd's final callbacks)
 PUBLIC_ONLY = ("all_gather_single", "reduce_scatter_single")

@@ -1,9 +1,9 @@
 """The dependency rule of docs/architecture.md, read from the imports of every file (ast, nothing imported):
 eagle31 <- benchmarks <- experiments; the command lines over eagle31; no import circle inside eagle31.
 
-An import inside a function counts like one at the top of the module: a lazy import that closes a circle
-hides the circle at start-up, not in the design. An import under `if TYPE_CHECKING:` is for annotations
-only and never runs, so it does not count."""
+An import inside a function counts like one at the top of the module, and so does one under
+`if TYPE_CHECKING:`: a lazy or annotation-only import that closes a circle hides the circle at start-up,
+not in the design."""
 
 from __future__ import annotations
 
@@ -32,23 +32,14 @@ def python_files(folder: str) -> list[Path]:
 LIBRARY = {module_name(p): p for p in python_files("eagle31")}
 
 
-def is_type_checking_block(node: ast.AST) -> bool:
-    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only."""
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (getattr(test, "id", None) or getattr(test, "attr", None)) == "TYPE_CHECKING"
-
-
 def imported_names(path: Path) -> list[tuple[str, list[str], int]]:
-    """(module, the names taken from it, line) for every import of `path` that can run, relative ones made
-    absolute, wherever it sits (module top, a function, a branch; not under `if TYPE_CHECKING:`)."""
+    """(module, the names taken from it, line) for every import of `path`, relative ones made absolute, wherever
+    it sits (module top, a function, a branch, `if TYPE_CHECKING:`)."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for block in ast.walk(tree) if is_type_checking_block(block) for n in ast.walk(block)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(alias.name, [], node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -88,42 +79,97 @@ def test_the_files_are_found():
 
 @pytest.mark.parametrize("folder, never", [("eagle31", OVER_THE_LIBRARY), ("benchmarks", ("experiments",))])
 def test_imports_point_one_way(folder, never):
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {module}"
-           for p in python_files(folder) for module, _, line in imported_names(p) if module.split(".")[0] in never]  # fmt: skip
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p in python_files(folder)
+        for module, _, line in imported_names(p)
+        if module.split(".")[0] in never
+    ]
     assert not bad, bad
 
 
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def module_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the eagle31 module it is bound to: `import eagle31.io` binds `eagle31`, `import eagle31.io as
+    x` binds `x` to eagle31.io, `from eagle31 import io` binds `io`."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "eagle31":
+                    aliases[a.asname or "eagle31"] = a.name if a.asname else "eagle31"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "eagle31":
+            aliases |= {
+                a.asname or a.name: f"{node.module}.{a.name}"
+                for a in node.names
+                if f"{node.module}.{a.name}" in LIBRARY
+            }
+    return aliases
+
+
+def private_attribute(chain: list[str], module: str) -> str | None:
+    """The dotted use of `chain` (attributes read in order from `module`) up to its first private name, while it
+    walks through eagle31 modules (`eagle31.io._unique_sibling`, `x._lock`), or None."""
+    for name in chain:
+        if is_private(name):
+            return f"{module}.{name}"
+        if f"{module}.{name}" not in LIBRARY:
+            return None  # a name of the module, not a module: what lies beyond is that object's own
+        module = f"{module}.{name}"
+    return None
+
+
 def private_uses(path: Path) -> list[str]:
-    """Where `path` reaches a private name (`_x`, not a dunder) of eagle31: imported, or as a module's attribute."""
+    """Where `path` reaches a private name (`_x`, not a dunder) of eagle31: imported, or as an attribute of one of
+    its modules, through a module path (`eagle31.io._x`) or a name bound to a module (`import eagle31.io as x`)."""
     tree = ast.parse(path.read_text(), str(path))
-    private = lambda name: name.startswith("_") and not name.endswith("__")  # noqa: E731
-    bad, modules = [], set()  # modules: local names bound to an eagle31 module
+    bad = []
     for module, names, line in imported_names(path):
         if module.split(".")[0] != "eagle31":
             continue
-        if any(private(part) for part in module.split(".")):
+        if any(is_private(part) for part in module.split(".")):
             bad.append(f"{line}: {module}")
-        bad += [f"{line}: {module}.{n}" for n in names if private(n)]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "eagle31"}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "eagle31":
-            modules |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in LIBRARY}
+        bad += [f"{line}: {module}.{n}" for n in names if is_private(n)]
+    aliases = module_aliases(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             chain, base = [node.attr], node.value
             while isinstance(base, ast.Attribute):
                 chain.append(base.attr)
                 base = base.value
-            if isinstance(base, ast.Name) and base.id in modules and private(chain[-1]):
-                bad.append(f"{node.lineno}: {base.id}.{'.'.join(reversed(chain))}")
-    return bad
+            use = isinstance(base, ast.Name) and base.id in aliases and private_attribute(chain[::-1], aliases[base.id])
+            if use:
+                bad.append(f"{node.lineno}: {use}")
+    return list(dict.fromkeys(bad))  # `a._b.c` and its inner `a._b` are one use
 
 
 @pytest.mark.parametrize("folder", CLIENTS)
 def test_the_layers_over_the_library_use_no_private_name_of_it(folder):
     bad = [f"{p.relative_to(ROOT)}:{use}" for p in python_files(folder) for use in private_uses(p)]
     assert not bad, bad
+
+
+def test_a_private_name_is_found_through_a_module_path_or_a_module_alias(tmp_path, monkeypatch):
+    client = tmp_path / "benchmarks" / "report.py"
+    client.parent.mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    uses = {
+        "import eagle31.io\neagle31.io._unique_sibling(p)\n": ["2: eagle31.io._unique_sibling"],
+        "import eagle31.io as x\nx._unique_sibling(p).name\n": ["2: eagle31.io._unique_sibling"],
+        "from eagle31 import io\nio._unique_sibling\n": ["2: eagle31.io._unique_sibling"],
+        "import eagle31\neagle31.eval.acceptance._x\n": ["2: eagle31.eval.acceptance._x"],
+        "from eagle31.io import _unique_sibling\n": ["1: eagle31.io._unique_sibling"],
+        # public names of eagle31, and what an object of it holds, are not the library's private names
+        "import eagle31.io\neagle31.io.atomic_dir(p)\neagle31.io.__name__\n": [],
+        "import eagle31.config\neagle31.config.DrafterConfig._fields\n": [],
+        "import os\nos.path._x\n": [],
+    }
+    for source, expected in uses.items():
+        client.write_text(source)
+        assert private_uses(client) == expected, source
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -160,13 +206,15 @@ def test_no_import_circle_among_the_library_modules():
     assert not circles(graph), circles(graph)
 
 
-def test_a_type_checking_import_is_no_edge(tmp_path, monkeypatch):
+def test_a_type_checking_import_is_an_edge(tmp_path, monkeypatch):
     module = tmp_path / "eagle31" / "m.py"
     module.parent.mkdir()
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
-                      "def f():\n    from eagle31.loss import ttt_loss\n")  # fmt: skip
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle31.config import DrafterConfig\n"
+        "def f():\n    from eagle31.loss import ttt_loss\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.loss"]
+    assert [m for m, _, _ in imported_names(module)] == ["typing", "eagle31.config", "eagle31.loss"]
 
 
 def test_a_circle_is_found():

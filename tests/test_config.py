@@ -9,11 +9,23 @@ from tests.helpers import tiny_config
 
 def test_from_llama_config_copies_layer_shape_rope_and_default_aux_ids():
     t = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     c = DrafterConfig.from_target_config(t)
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4096, 32, 8, 128)
     assert c.intermediate_size == 14336 and c.rms_norm_eps == 1e-5 and c.max_position_embeddings == 131072
@@ -24,21 +36,41 @@ def test_from_llama_config_copies_layer_shape_rope_and_default_aux_ids():
 
 
 def test_from_qwen3_config_takes_explicit_head_dim():
-    t = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                    intermediate_size=12288, num_hidden_layers=36, vocab_size=151936)  # fmt: skip
+    t = Qwen3Config(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        vocab_size=151936,
+    )
     c = DrafterConfig.from_target_config(t, draft_vocab_size=16000)
     assert c.head_dim == 128 and c.aux_layer_ids == (2, 18, 33) and c.draft_vocab_size == 16000
 
 
 def test_from_kimi_style_nested_deepseek_v3_config_with_yarn():
     text = DeepseekV3Config(
-        hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
-        intermediate_size=18432, vocab_size=163840, v_head_dim=128, qk_rope_head_dim=64,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        intermediate_size=18432,
+        vocab_size=163840,
+        v_head_dim=128,
+        qk_rope_head_dim=64,
         max_position_embeddings=262144,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
-                         "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
-    ).to_dict()  # fmt: skip
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ).to_dict()
     wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text}
     c = DrafterConfig.from_target_config(wrapper, intermediate_size=12288)
     assert c.aux_layer_ids == (2, 30, 58)
@@ -48,9 +80,16 @@ def test_from_kimi_style_nested_deepseek_v3_config_with_yarn():
 
 
 def test_legacy_rope_scaling_is_read():
-    t = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
-         "intermediate_size": 128, "vocab_size": 1000, "rope_theta": 50000.0,
-         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}}  # fmt: skip
+    t = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    }
     c = DrafterConfig.from_target_config(t)
     assert c.rope_parameters == {
         "rope_type": "yarn",
@@ -123,8 +162,11 @@ def test_config_rope_and_target_import_no_circle():
     imports = {}
     for name in modules:
         tree = ast.parse((package / f"{name}.py").read_text())
-        found = {node.module.split(".")[1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                 and (node.module or "").startswith("eagle31.")}  # fmt: skip
+        found = {
+            node.module.split(".")[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eagle31.")
+        }
         imports[name] = found & set(modules)
 
     def reaches(start, goal, seen=()):

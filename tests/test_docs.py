@@ -12,9 +12,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the prose: README, docs/ and every folder's README; not the results tables the studies and benchmarks write
-DOCS = sorted(p for p in {ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("experiments/**/README.md"),
-                          *ROOT.glob("benchmarks/**/README.md")}
-              if p.parent == ROOT or p.relative_to(ROOT).parts[0] == "docs" or "results" not in p.relative_to(ROOT).parts)  # fmt: skip
+DOCS = sorted(
+    p
+    for p in {
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        *ROOT.glob("docs/**/*.md"),
+        *ROOT.glob("experiments/**/README.md"),
+        *ROOT.glob("benchmarks/**/README.md"),
+    }
+    if p.parent == ROOT or p.relative_to(ROOT).parts[0] == "docs" or "results" not in p.relative_to(ROOT).parts
+)
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 CODE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -69,6 +77,7 @@ def test_the_docs_are_found():
     names = {rel(p) for p in DOCS}
     assert {
         "README.md",
+        "CONTRIBUTING.md",
         "docs/architecture.md",
         "docs/export.md",
         "docs/results/README.md",
@@ -148,6 +157,17 @@ def test_every_file_and_module_the_prose_names_exists(doc):
     assert not bad, f"{rel(doc)}: " + "; ".join(bad)
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_test_the_prose_names_is_a_test_of_that_file(doc):
+    """`tests/<file>.py::<name>` in the prose (CONTRIBUTING.md's "held by" column) names a function of that file."""
+    bad = []
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", prose(doc)):
+        tree = ast.parse((ROOT / path).read_text()) if (ROOT / path).exists() else None
+        if tree is None or name not in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}:
+            bad.append(f"{path}::{name}")
+    assert not bad, f"{rel(doc)}: " + "; ".join(bad)
+
+
 # ------------------------------------------------------------------ the exit codes
 
 RELIABILITY = ROOT / "docs" / "reliability.md"
@@ -198,5 +218,7 @@ def test_the_exit_code_table_is_the_one_the_error_classes_define():
             f"docs/reliability.md: {name} exits {classes[name].exit_code}, not {code}"
         )
     defined = {c.exit_code for c in classes.values() if c.__name__ != "Eagle31Error"}
-    assert defined == set(documented), f"codes the classes use but the table lacks: {defined - set(documented)}; " \
-                                       f"codes the table has but no class uses: {set(documented) - defined}"  # fmt: skip
+    assert defined == set(documented), (
+        f"codes the classes use but the table lacks: {defined - set(documented)}; "
+        f"codes the table has but no class uses: {set(documented) - defined}"
+    )

@@ -108,18 +108,55 @@ def test_sha256_reads_in_chunks(tmp_path):
     assert sha256_file(tmp_path / "b", chunk=4096) == hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_an_unwritable_output_parent_is_refused_before_any_work(tmp_path):
-    from eagle31.errors import FileAccessError
-    from eagle31.io import check_output_dir
+def test_an_unwritable_output_parent_is_refused_before_any_work():
+    """The kernel refuses a write into the parent, and `check_output_dir` says so in one line. Root may write
+    anywhere, so under root (as CI runs) the check runs in a child that drops to an unprivileged user first."""
+    import subprocess
+    import sys
+    import tempfile
 
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    try:
-        with pytest.raises(FileAccessError, match="permission denied"):
-            check_output_dir(locked / "run", "run")
-    finally:
-        locked.chmod(0o755)
+    # not tmp_path: under root its parents are root's alone, and the unprivileged user could not even reach it
+    with tempfile.TemporaryDirectory(dir="/tmp") as base:
+        os.chmod(base, 0o755)
+        locked = Path(base) / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        code = (
+            "import os\n"
+            "from pathlib import Path\n"
+            "from eagle31.errors import FileAccessError\n"
+            "from eagle31.io import check_output_dir\n"
+            "if os.geteuid() == 0:\n"
+            "    try:\n"
+            "        os.setgroups([]); os.setgid(65534); os.setuid(65534)  # nobody: the kernel's permissions apply\n"
+            "    except OSError as e:  # a user namespace without that uid\n"
+            "        print(f'cannot drop root here ({e})'); raise SystemExit(0)\n"
+            f"locked = Path({str(locked)!r})\n"
+            "assert os.access(locked, os.R_OK | os.X_OK), 'the unprivileged user cannot even reach the directory'\n"
+            "try:\n"
+            "    (locked / 'probe').touch()\n"
+            "    print('the kernel let this user write')\n"
+            "except PermissionError:\n"
+            "    try:\n"
+            "        check_output_dir(locked / 'run', 'run')\n"
+            "        print('accepted')\n"
+            "    except FileAccessError as e:\n"
+            "        print(e)\n"
+        )
+        try:
+            child = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            locked.chmod(0o755)
+    assert child.returncode == 0, child.stderr
+    if child.stdout.startswith("cannot drop root here"):
+        pytest.skip(child.stdout.strip())
+    assert child.stdout.strip() == f"cannot create {locked / 'run'} in {locked}: permission denied"
 
 
 def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path):
@@ -136,7 +173,8 @@ def test_a_directory_holding_only_our_writes_in_flight_counts_as_empty(tmp_path)
 
 
 def test_a_run_directory_holding_only_its_own_parts_may_be_claimed(tmp_path):
-    """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run claims it."""
+    """`data_prep/prepare.py` writes `<output_dir>/data` (and capture `<output_dir>/features/<split>`) before the run
+    claims it."""
     run = tmp_path / "run"
     with atomic_dir(run / "data", content="prepared-data") as tmp:
         (tmp / "report.json").write_text("{}")
@@ -420,10 +458,13 @@ def test_the_holder_of_a_lock_file_keeps_its_heartbeat(tmp_path, no_flock, monke
             time.sleep(0.02)
 
 
-def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch):
-    """Two processes judge the same stale lock file (empty: its writer died between creating and writing it);
-    the second breaks it only once the first has broken it and is creating its own, before the first wrote
-    its holder into it (the window the interleaving forces): exactly one of them holds the lock."""
+@pytest.mark.parametrize("where, holder", [("claimed", "first"), ("removed", "second"), ("created", "first")])
+def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, no_flock, monkeypatch, where, holder):
+    """Two processes judge the same stale lock file (an unreadable one); the first goes on to break it and stops
+    `where` it is (its claim linked, the stale file not yet removed; the stale file removed, its own not yet
+    created; its own lock file in place), the second breaks what it judged meanwhile, then the first goes on:
+    exactly one of them holds the lock. Each interleaving is forced with events: one refuses the second at the
+    claim's name, one lets it find nothing to break, one makes it tell the first's fresh file from the one judged."""
     import threading
     import time
 
@@ -435,33 +476,45 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
     held.write_bytes(b"")
     old = time.time() - STALE_AFTER_S - 60
     os.utime(held, (old, old))
-    both_judged, first_creating, second_done, release = (
-        threading.Barrier(2, timeout=10),
-        threading.Event(),
-        threading.Event(),
-        threading.Event(),
-    )
+    both_judged, decided = threading.Barrier(2, timeout=10), threading.Barrier(3, timeout=10)
+    first_there, second_done, release = threading.Event(), threading.Event(), threading.Event()
+    real_stale, real_link, real_create = eagle31.io._stale_holder, eagle31.io._link, eagle31.io._create_lock_file
     judged: set[str] = set()
-    real_stale, real_holder = eagle31.io._stale_holder, eagle31.io._holder
+    first_creates: list[bool] = []
 
-    def stale_holder(*args, **kwargs):
-        said = real_stale(*args, **kwargs)
+    def first_stops_here():
+        first_there.set()
+        second_done.wait(10)
+
+    def stale_holder(path):
+        said = real_stale(path)
         name = threading.current_thread().name
-        if name not in judged:  # both have judged the same stale file before either breaks it
+        if name not in judged:  # both judge the same stale file before either breaks it
             judged.add(name)
             both_judged.wait()
             if name == "second":
-                first_creating.wait(10)
+                assert first_there.wait(10), f"the first never got {where}"
         return said
 
-    def holder():
-        if threading.current_thread().name == "first" and "first" in judged and not first_creating.is_set():
-            first_creating.set()  # the first has broken the stale file and is creating its own lock
-            second_done.wait(10)
-        return real_holder()
+    def link(source, name):
+        real_link(source, name)
+        if threading.current_thread().name == "first" and where == "claimed" and ".break-" in name.name:
+            first_stops_here()  # its claim is linked, the stale file still in place
+
+    def create_lock_file(path, record):
+        first = threading.current_thread().name == "first"
+        if first and where == "removed" and first_creates == [False]:
+            first_stops_here()  # it broke the stale file and has yet to create its own
+        created = real_create(path, record)
+        if first:
+            first_creates.append(created)
+            if where == "created" and created:
+                first_stops_here()  # its own lock file is in place
+        return created
 
     monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
-    monkeypatch.setattr(eagle31.io, "_holder", holder)
+    monkeypatch.setattr(eagle31.io, "_link", link)
+    monkeypatch.setattr(eagle31.io, "_create_lock_file", create_lock_file)
     outcome: dict[str, str] = {}
 
     def attempt():
@@ -471,22 +524,23 @@ def test_two_breakers_of_one_stale_lock_file_never_both_hold_the_lock(tmp_path, 
                 outcome[name] = "held"
                 if name == "second":
                     second_done.set()
+                decided.wait()  # held until both have an outcome
                 release.wait(10)
         except OutputInUseError:
             outcome[name] = "refused"
             if name == "second":
                 second_done.set()
+            decided.wait()
 
     threads = [threading.Thread(target=attempt, name=name) for name in ("first", "second")]
     for t in threads:
         t.start()
-    deadline = time.time() + 20
-    while len(outcome) < 2 and time.time() < deadline:
-        time.sleep(0.01)
+    decided.wait()
     release.set()
     for t in threads:
         t.join(20)
-    assert sorted(outcome.values()) == ["held", "refused"], outcome
+    assert outcome == {holder: "held", ({"first", "second"} - {holder}).pop(): "refused"}, outcome
+    assert sorted(os.listdir(tmp_path)) == [".eagle31-lock"]  # the holder let go; no claim left behind
 
 
 def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged_leaves_it_alone(

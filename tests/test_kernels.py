@@ -17,9 +17,10 @@ import torch
 
 import eagle31.kernels.causal
 from eagle31.attention.mla import mla_keys_values
-from eagle31.kernels.causal import resolve_backend, segment_ids
+from eagle31.kernels.causal import CausalMask, resolve_backend
 from eagle31.kernels.entries import ChainKeysValues
-from eagle31.kernels.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries  # fmt: skip
+from eagle31.kernels.ttt_attention import reference_attention, ttt_attention, ttt_attention_of_entries
+from eagle31.model import Visibility, segment_ids
 from eagle31.sequence_parallel.query_tail import QueryTail
 
 CUDA = torch.cuda.is_available()
@@ -35,7 +36,8 @@ LAYOUTS = {
 def attention_inputs(
     doc, nh: int, nkv: int, d: int, j: int, dtype, device="cpu", seed: int = 0, d_v: int | None = None
 ):
-    """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys; values d_v wide (default d)."""
+    """(q, k0, v0, chain_k, chain_v, segments, dout) of one TTT step with `j` chain keys; values d_v wide (default
+    d)."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(doc), len(doc[0])
     d_v = d_v or d
@@ -92,7 +94,7 @@ def test_padding_and_other_documents_do_not_leak():
 
 
 def test_auto_picks_the_fused_kernel_where_it_runs():
-    assert resolve_backend(torch.zeros(1, 1, 1, 8)) == "flash"  # CPU, any dtype
+    assert resolve_backend(torch.zeros(1, 1, 1, 8), CausalMask(Visibility(), 0), 1) == "flash"  # CPU, any dtype
 
 
 # ---------------------------------------------------------------------------- the GPU twin
@@ -131,7 +133,7 @@ def test_queries_of_a_sequence_shard_attend_every_earlier_key_of_their_document(
     T = q.shape[1]
     dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
     for a, b in [(0, 5), (5, 13), (13, T)]:  # uneven shards; 13 is inside a document in every layout
-        rows = lambda x: x[:, a:b]  # noqa: E731
+        rows = lambda x, a=a, b=b: x[:, a:b]  # noqa: E731
         leaves = [
             x.detach().clone().requires_grad_()
             for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))
@@ -172,8 +174,9 @@ def test_the_cuda_kernels_documents_end_at_every_row_whatever_the_run_ids():
 @pytest.mark.parametrize("backend", ["flash", "blockwise"])
 def test_a_shards_earlier_keys_are_made_from_their_latents_a_block_at_a_time(backend, monkeypatch):
     """MLA on a sequence shard: the keys before the shard are decompressed from the gathered latents a block
-    of positions at a time (here 2, by blocks of 8 query rows), in the forward and the backward, never all at once; the output and
-    every gradient (q, the latents of step 0 and of the chain, kv_b_proj's weight) are the full sequence's."""
+    of positions at a time (here 2, by blocks of 8 query rows), in the forward and the backward, never all at once;
+    the output and every gradient (q, the latents of step 0 and of the chain, kv_b_proj's weight) are the full
+    sequence's."""
     nh, nope, rope, v_dim, rank, j = 4, 3, 2, 3, 6, 2
     doc = LAYOUTS["padded_rows"]
     B, T = len(doc), len(doc[0])
@@ -235,9 +238,9 @@ def windowed_output_and_grads(backend: str, window: int, q, k0, v0, chain_k, cha
     j = len(chain_k)
     q, k0, v0, chain = leaves[0], leaves[1], leaves[2], leaves[3:]
     if backend == "reference":
-        out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, window=window)
+        out = reference_attention(q, k0, v0, chain[:j], chain[j:], segments, rule=Visibility(window))
     else:
-        out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, window=window)
+        out = ttt_attention(q, k0, v0, list(zip(chain[:j], chain[j:])), segments, backend, rule=Visibility(window))
     out.backward(dout.to(out.dtype))
     return [out.detach()] + [x.grad for x in leaves]
 
@@ -248,7 +251,7 @@ def test_the_reference_window_is_over_positions_as_vllm_serves_it():
     W, j = 5, 2
     q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, j, torch.float64)
     seen = []
-    reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=seen.append, window=W)
+    reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=seen.append, rule=Visibility(W))
     probs = seen[0][0, 0]  # [Tq, Tk + j*T], head 0
     T = q.shape[1]
     doc = torch.tensor(LAYOUTS["packed"][0])
@@ -256,7 +259,7 @@ def test_the_reference_window_is_over_positions_as_vllm_serves_it():
         visible = {m for m in range(T) if doc[m] == doc[p] and p + j - W + 1 <= m <= p}
         assert {m for m in range(T) if probs[p, m] > 0} == visible, p
         assert all(probs[p, T + i * T + p] > 0 for i in range(j))  # the chain
-    wide = reference_attention(q, k0, v0, chain_k, chain_v, segments, window=T + j)
+    wide = reference_attention(q, k0, v0, chain_k, chain_v, segments, rule=Visibility(T + j))
     torch.testing.assert_close(wide, reference_attention(q, k0, v0, chain_k, chain_v, segments), rtol=0, atol=0)
 
 
@@ -279,8 +282,9 @@ def test_the_cpu_flash_window_in_bf16_is_the_reference_in_fp32():
     inputs = attention_inputs(LAYOUTS["packed"], 4, 2, d=8, j=2, dtype=torch.bfloat16)
     q, k0, v0, chain_k, chain_v, segments, dout = inputs
     as_fp32 = [x.float() for x in (q, k0, v0)]
-    expected = windowed_output_and_grads("reference", 5, *as_fp32, [c.float() for c in chain_k],
-                                         [c.float() for c in chain_v], segments, dout.float())  # fmt: skip
+    expected = windowed_output_and_grads(
+        "reference", 5, *as_fp32, [c.float() for c in chain_k], [c.float() for c in chain_v], segments, dout.float()
+    )
     got = windowed_output_and_grads("flash", 5, *inputs)
     for name, a, b in zip(names(2), got, expected):
         assert float((a.float() - b).abs().max() / b.abs().max()) < 3e-2, name
@@ -288,8 +292,8 @@ def test_the_cpu_flash_window_in_bf16_is_the_reference_in_fp32():
 
 def test_a_window_that_leaves_a_query_no_step0_key_is_refused():
     q, k0, v0, chain_k, chain_v, segments, _ = attention_inputs(LAYOUTS["packed"], 4, 2, 8, 2, torch.float64)
-    with pytest.raises(ValueError, match="sliding window of 2 positions leaves step 2's query no step-0 key"):
-        ttt_attention(q, k0, v0, list(zip(chain_k, chain_v)), segments, "flash", window=2)
+    with pytest.raises(ValueError, match="leaves a query at TTT step 2 no step-0 key"):
+        ttt_attention(q, k0, v0, list(zip(chain_k, chain_v)), segments, "flash", rule=Visibility(2))
 
 
 @pytest.mark.parametrize("backend", ["flash", "blockwise", "reference"])
@@ -304,13 +308,13 @@ def test_shard_queries_see_only_the_earlier_keys_inside_their_window(backend, wi
     T = q.shape[1]
     dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
     for a, b in [(0, 5), (5, 13), (13, T)]:
-        rows = lambda x: x[:, a:b]  # noqa: E731
+        rows = lambda x, a=a, b=b: x[:, a:b]  # noqa: E731
         leaves = [
             x.detach().clone().requires_grad_()
             for x in (rows(q), k0[:, :b], v0[:, :b], *map(rows, chain_k), *map(rows, chain_v))
         ]
-        out = ttt_attention(leaves[0], leaves[1], leaves[2], list(zip(leaves[3 : 3 + j], leaves[3 + j :])), segments[:, :b],
-                            backend, window=window)  # fmt: skip
+        chain = list(zip(leaves[3 : 3 + j], leaves[3 + j :]))
+        out = ttt_attention(leaves[0], leaves[1], leaves[2], chain, segments[:, :b], backend, rule=Visibility(window))
         out.backward(rows(dout))
         torch.testing.assert_close(out, rows(full[0]), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(leaves[0].grad, rows(full[1]), rtol=1e-10, atol=1e-10)
@@ -335,8 +339,9 @@ def test_windowed_kernels_match_the_reference_on_cuda_in_bf16(backend, layout):
     inputs = attention_inputs(doc, 8, 2, 64, j, torch.bfloat16, device="cuda")
     q, k0, v0, chain_k, chain_v, segments, dout = inputs
     as_fp32 = [x.float() for x in (q, k0, v0)]
-    expected = windowed_output_and_grads("reference", 40, *as_fp32, [c.float() for c in chain_k],
-                                         [c.float() for c in chain_v], segments, dout.float())  # fmt: skip
+    expected = windowed_output_and_grads(
+        "reference", 40, *as_fp32, [c.float() for c in chain_k], [c.float() for c in chain_v], segments, dout.float()
+    )
     got = windowed_output_and_grads(backend, 40, *inputs)
     for name, a, b in zip(names(j), got, expected):
         error = float((a.float() - b).abs().max() / b.abs().max())

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_metrics, weighted_loss
-from eagle31.kernels.causal import segment_ids
 from eagle31.loss import Divergence, DraftLoss
+from eagle31.model import segment_ids
 from tests.peers import peer_module
 
 
@@ -265,7 +265,7 @@ def test_each_loss_kind_matches_its_references_in_value_and_gradient(kind, refer
     tol = dict(rtol=1e-10, atol=1e-12) if reference == "naive" else dict(rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(ours, expected.to(ours.dtype), **tol)
     for name, got, want in zip(["lm_head", *[f"state {k}" for k in range(len(states))]], ours_grads, expected_grads):
-        torch.testing.assert_close(got, want.to(got.dtype), **tol, msg=lambda m: f"{kind}, {name}: {m}")
+        torch.testing.assert_close(got, want.to(got.dtype), **tol, msg=lambda m, name=name: f"{kind}, {name}: {m}")
     if kind != DraftLoss.kl:  # the kind reached the loss: it is not KL under another name
         kl = weighted_loss(ttt_loss(states, W, d2t, final, sup, head, argmax, scale).loss_sum, stats.count, DECAY)
         assert abs(float(kl.detach()) - float(ours.detach())) > 1e-3
@@ -283,10 +283,8 @@ def test_a_new_loss_is_a_function_and_its_line_in_losses(monkeypatch):
     minimises, in value and gradient: a toy, half the squared distance between p and q."""
     import eagle31.loss
 
-    def squared(label_logp, draft_logq, eta):  # the loss per query and its gradient with respect to the logits
-        p, q = label_logp.exp(), draft_logq.exp()
-        g = q - p
-        return 0.5 * (g * g).sum(-1), q * (g - (q * g).sum(-1, keepdim=True))
+    def squared(label_logp, draft_logq, eta):  # the loss per query: its gradient is autograd's
+        return 0.5 * ((draft_logq.exp() - label_logp.exp()) ** 2).sum(-1)
 
     def naive(kind, eta, logits, label_logits):
         return 0.5 * ((logits.softmax(-1) - label_logits.softmax(-1)) ** 2).sum(-1)
@@ -325,14 +323,12 @@ def test_loss_kinds_meet_at_their_limits():
 @pytest.mark.slow  # imports speculators
 def test_no_overlap_clamps_log_acceptance_as_speculators_does():
     """Disjoint label and draft: -log alpha is clamped at -log 1e-5 and has no gradient, in both."""
-    from eagle31.loss import _divergence
+    from eagle31.loss import loss_and_gradient
 
     eager = peer_module("speculators.losses.eager")
     logits = torch.tensor([[40.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     label_logits = torch.tensor([[0.0, 0.0, 0.0, 40.0]], dtype=torch.float64)
-    rows, dz = _divergence(
-        Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach().log_softmax(-1)
-    )
+    rows, dz = loss_and_gradient(Divergence(DraftLoss.lk_alpha), label_logits.log_softmax(-1), logits.detach())
     theirs = eager.neg_log_acceptance_loss(logits[None], label_logits[None])[0]
     (grad,) = torch.autograd.grad(theirs.sum(), logits)
     torch.testing.assert_close(rows, theirs.double(), rtol=1e-6, atol=0)

@@ -6,9 +6,10 @@ import torch
 from eagle31 import loss, ttt
 from eagle31.config import DrafterConfig
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.causal import FlashCausal, segment_ids
+from eagle31.kernels.causal import CausalMask, FlashCausal
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
 from eagle31.memory_trace import StepMemory, StepTrace, trace_step
+from eagle31.model import Visibility, segment_ids
 
 META = torch.device("meta")
 TINY = dict(
@@ -56,11 +57,11 @@ def test_a_flash_call_counted_as_on_cuda_holds_the_kernels_bytes():
     with StepTrace(cuda=True) as trace:
         segments = runs.to(META)
         held = trace.live
-        out, lse, ctx = FlashCausal.forward(q, k, v, segments, 0.25)
+        out, lse, ctx = FlashCausal.forward(q, k, v, segments, 0.25, CausalMask(Visibility(), 0))
         assert trace.peak == held + flash_cuda_call_bytes(False, q, k, v)
         assert trace.live == held + out.nbytes + lse.nbytes
     with StepTrace(cuda=False) as cpu:
-        FlashCausal.forward(q, k, v, runs.to(META), 0.25)
+        FlashCausal.forward(q, k, v, runs.to(META), 0.25, CausalMask(Visibility(), 0))
     assert cpu.peak != trace.peak
 
 

@@ -18,13 +18,15 @@ import pytest
 import torch
 
 from eagle31 import ConfigError, DrafterConfig
+from eagle31.attention.mla import MLAConfig
 from tests.export.vllm_contract import OLDEST, deepseek_rope_numbers
 from tests.helpers import random_batch, tiny_drafter
 from tests.test_ttt import K, layouts, library_loss, naive_logits, naive_loss, rms
 
 # ----------------------------------------------------------------------------
-# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.attention.mla reads attn_factor and extrapolation_factor as 0.22.0 does;
-# a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's `deepseek_rope_numbers`
+# DeepSeek YaRN as vLLM 0.22.0 computes it (eagle31.attention.mla reads attn_factor and extrapolation_factor as
+# 0.22.0 does; a block that 0.33.0 reads otherwise is refused at export): tests/export/vllm_contract.py's
+# `deepseek_rope_numbers`
 
 
 def rope_pairs(x, pos, inv, magnitude):
@@ -38,23 +40,46 @@ def rope_pairs(x, pos, inv, magnitude):
 
 
 KIMI_ROPE = {
-    "rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 TINY_ROPE = {
-    "rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0, "original_max_position_embeddings": 32,
-    "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 500.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 4.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+}
 
 
 def mla_config(rope=TINY_ROPE, q_lora_rank=12, **overrides):
     values = dict(
-        hidden_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=10, intermediate_size=24,
-        vocab_size=40, draft_vocab_size=24, target_num_layers=8, aux_layer_ids=(2, 4, 5),
-        attention="mla", q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
-        v_head_dim=5, rope_parameters=dict(rope), max_position_embeddings=256,
-    )  # fmt: skip
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=10,
+        intermediate_size=24,
+        vocab_size=40,
+        draft_vocab_size=24,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+        attention="mla",
+        mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+        rope_parameters=dict(rope),
+        max_position_embeddings=256,
+    )
+    mla = {k: overrides.pop(k) for k in list(overrides) if k in MLAConfig.__dataclass_fields__}
     values.update(overrides)
+    values["mla"] = {**values["mla"], **mla}
     return values
 
 
@@ -109,7 +134,7 @@ def test_mla_rope_rotates_interleaved_pairs():
 def mla_project(W, c, z, pos):
     """MLA q [nh, nope+rope], k [nh, nope+rope], v [nh, v] at position pos, and the softmax scale, written out."""
     eps, nh = c.rms_norm_eps, c.num_attention_heads
-    nope, rdim, vdim, kvr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    nope, rdim, vdim, kvr = c.mla.qk_nope_head_dim, c.mla.qk_rope_head_dim, c.mla.v_head_dim, c.mla.kv_lora_rank
     inv, magnitude, softmax = deepseek_rope_numbers(rdim, c.rope_parameters, OLDEST)
     a = "midlayer.self_attn."
     q = (W[a + "q_b_proj.weight"] @ rms(W[a + "q_a_proj.weight"] @ z, W[a + "q_a_layernorm.weight"], eps)).view(
@@ -178,16 +203,16 @@ def test_mla_activation_checkpointing_keeps_loss_and_gradients():
     "overrides,match",
     [
         (dict(attention="gqa"), "drafter.attention must be"),
-        (dict(kv_lora_rank=0), "drafter.kv_lora_rank must be a positive integer"),
-        (dict(q_lora_rank=0), "drafter.q_lora_rank must be a positive integer"),
+        (dict(kv_lora_rank=0), "drafter.mla.kv_lora_rank must be a positive integer"),
+        (dict(q_lora_rank=0), "drafter.mla.q_lora_rank must be a positive integer"),
         (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
-        (dict(head_dim=8), "head_dim=8 must be qk_nope_head_dim"),
+        (dict(head_dim=8), "head_dim=8 must be mla.qk_nope_head_dim"),
         (dict(v_head_dim=11), "v_head_dim=11 exceeds"),
         (dict(qk_rope_head_dim=3, head_dim=9), "qk_rope_head_dim must be even"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1.0}), "rope_type='llama3' is not supported"),
         (
             dict(attention="llama", head_dim=10),
-            "drafter.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla",
+            "drafter.mla.q_lora_rank is a field of an MLA drafter: set drafter.attention=mla",
         ),
         (dict(fc_norm=False, norm_before_fc=True), "norm_before_fc is not read by vLLM's DeepSeek"),
     ],
@@ -211,7 +236,13 @@ def test_from_target_config_copies_the_targets_mla_shape():
 
     target = load_target_config(Path(__file__).parents[1] / "recipes/targets/kimi_k26.json")
     cfg = DrafterConfig.from_target_config(target, attention="mla", draft_vocab_size=163840)
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+    assert (
+        cfg.mla.q_lora_rank,
+        cfg.mla.kv_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.qk_rope_head_dim,
+        cfg.mla.v_head_dim,
+    ) == (
         1536,
         512,
         128,
@@ -227,7 +258,7 @@ def test_from_target_config_copies_the_targets_mla_shape():
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["mscale_all_dim"] == 1.0
     assert cfg.aux_layer_ids == (2, 30, 58) and cfg.draft_vocab_size == cfg.vocab_size == 163840
     llama = DrafterConfig.from_target_config(target)
-    assert llama.attention == "llama" and llama.kv_lora_rank == 0 and llama.head_dim == 128
+    assert llama.attention == "llama" and llama.mla.kv_lora_rank == 0 and llama.head_dim == 128
 
 
 # ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from tests.peers import peer_module
 
 ROOT = Path(__file__).resolve().parents[1]
 # the packages of .ci/peer_packages.sh, by import name
-PEER_PACKAGES = ("speculators", "hs_connectors", "loguru", "openai", "mtbench_evaluator")
+PEER_PACKAGES = ("speculators", "hs_connectors", "loguru", "openai", "mtbench_evaluator", "mooncake")
 
 
 def test_a_missing_peer_package_is_skipped_here_and_fails_in_ci(monkeypatch):
@@ -22,6 +22,29 @@ def test_a_missing_peer_package_is_skipped_here_and_fails_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="no_such_peer does not import"):
         peer_module("no_such_peer")
+
+
+def test_a_missing_mooncake_is_skipped_here_and_fails_in_ci(monkeypatch):
+    import sys
+
+    from tests.peers import mooncake_store
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as where the wheel is not installed
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs Mooncake, which is not installed"):
+        mooncake_store()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="needs Mooncake, which is not installed"):
+        mooncake_store()
+
+
+def test_ci_run_sets_ci_itself_and_readme_says_so():
+    """Running `.ci/run` anywhere means CI: a missing peer fails there, wherever it runs."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "export CI=true" in lines, ".ci/run does not `export CI=true`: a missing peer would be skipped"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`.ci/run` sets `CI=true`" in readme, "README's test section does not say that .ci/run sets CI=true"
 
 
 def readme_test_command() -> str:
@@ -44,9 +67,8 @@ def test_ci_installs_what_readmes_test_command_installs_and_the_peers_readme_nam
 
 def test_tests_reach_the_peer_packages_through_tests_peers():
     """`pytest.importorskip` of a peer would skip under CI too: CI could pass without running the peer."""
-    pattern = re.compile(
-        r"importorskip\(\s*[\"'](?:%s)|find_spec\(\s*[\"'](?:%s)" % ("|".join(PEER_PACKAGES), "|".join(PEER_PACKAGES))
-    )
+    names = "|".join(PEER_PACKAGES)
+    pattern = re.compile(rf"importorskip\(\s*[\"'](?:{names})|find_spec\(\s*[\"'](?:{names})")
     found = [
         f"{p.relative_to(ROOT)}:{n}"
         for p in (ROOT / "tests").rglob("*.py")

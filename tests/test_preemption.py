@@ -29,8 +29,10 @@ def test_a_signal_is_a_request_and_a_second_one_ends_at_once(tmp_path, sig, caps
         assert stop.received == sig and not ended
         os.kill(os.getpid(), sig)
         wait_for(lambda: ended)
-    assert ended == [f"a second {sig.name} while stopping on {sig.name}; exited at once: the last complete checkpoint "
-                     f"in {tmp_path / 'checkpoints'} is kept, rerun with resume=auto"]  # fmt: skip
+    assert ended == [
+        f"a second {sig.name} while stopping on {sig.name}; exited at once: the last complete checkpoint "
+        f"in {tmp_path / 'checkpoints'} is kept, rerun with resume=auto"
+    ]
     assert f"warning: {sig.name}: stopping after this step" in capsys.readouterr().err
     assert signal.getsignal(sig) is signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1  # all put back
 

@@ -33,6 +33,8 @@ BAD_CHOICES = [
     ("features.batching=bogus", "features.batching"),
     ("features.import_split=test", "features.import_split"),
     ("features.engine.worker=sglang", "features.engine.worker"),
+    ("features.engine.transport=nccl", "features.engine.transport"),
+    ("features.engine.mooncake_protocol=efa", "features.engine.mooncake_protocol"),
     ("drafter.init_from_format=eagle2", "drafter.init_from_format"),
     ("drafter.attention=gqa", "drafter.attention"),
     ("regenerate.backend=grpc", "regenerate.backend"),
@@ -142,6 +144,9 @@ def test_the_drafter_section_is_made_of_drafter_config_fields():
         source = f.metadata.get("recipe")
         if source == "target":
             assert f.name not in section, f.name
+        elif dataclasses.is_dataclass(hints[f.name]):  # an attention kind's fields: each None (the target's)
+            nested = hints[f.name]()
+            assert all(getattr(nested, g.name) is None for g in dataclasses.fields(hints[f.name])), f.name
         elif source == "override":
             assert section[f.name].default is None and type(None) in typing.get_args(hints[f.name]), f.name
         else:
@@ -189,8 +194,11 @@ def test_key_value_choices_are_checked_when_parsed():
 # ---------------------------------------------------------------------------- --help and --cfg
 
 
-CLIS = ["train/main.py", *(f"data_prep/{p.name}" for p in sorted((REPO / "data_prep").glob("*.py"))),
-        *(f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py")))]  # fmt: skip
+CLIS = [
+    "train/main.py",
+    *(f"data_prep/{p.name}" for p in sorted((REPO / "data_prep").glob("*.py"))),
+    *(f"scripts/{p.name}" for p in sorted((REPO / "scripts").glob("*.py"))),
+]
 
 
 @pytest.mark.parametrize("cli", CLIS)
@@ -218,10 +226,19 @@ def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):
     assert printed["target"]["config"].endswith("recipes/targets/kimi_k26.json")  # resolved, not ${recipes_dir:}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["recipe=demo", "drafter.sliding_window=4", "train.ttt_length=7"], "drafter.sliding_window=4 must be >= train.ttt_length=7"),
-    (["recipe=kimi_k26", "drafter.sliding_window=2048"], "drafter.sliding_window=2048 cannot be served: vLLM builds an MLA drafter's attention without a window"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["recipe=demo", "drafter.sliding_window=4", "train.ttt_length=7"],
+            "drafter.sliding_window=4 must be >= train.ttt_length=7",
+        ),
+        (
+            ["recipe=kimi_k26", "drafter.sliding_window=2048"],
+            "drafter.sliding_window=2048 cannot be served: vLLM builds an MLA drafter's attention without a window",
+        ),
+    ],
+)
 def test_a_window_the_run_could_not_train_or_serve_is_refused_at_the_plan(overrides, message, tmp_path):
     args = [*overrides, "dry_run=true", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(ConfigError, match=message) as e:

@@ -125,7 +125,7 @@ def test_kimi_k26_mini_recipe_trains_and_exports(tmp_path):
             k=3,
             max_new_tokens=24,
             out=str(tmp_path / "acceptance"),
-        ),  # fmt: skip
+        ),
         log=lambda _: None,
     )
     (result,) = acceptance["results"]

@@ -35,8 +35,14 @@ from tests.helpers import tiny_config, tiny_drafter
 REPO = Path(__file__).resolve().parents[1]
 LLAMA, MLA = DrafterAttention.llama.kind, DrafterAttention.mla.kind
 KIMI_MAGNITUDE = 0.1 * math.log(64) + 1  # 1.416: what vLLM serves for Kimi's factor 64
-YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 # blocks that vLLM 0.22.0 and 0.33.0 (and transformers, as 0.33.0) read alike
 SAME_IN_BOTH = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -68,9 +74,13 @@ POSITIONS = torch.tensor([0, 1, 2, 5, 31, 63, 64, 100, 200, 255])
 
 def layer_view(config: DrafterConfig) -> dict:
     """The Llama layer fields vLLM reads, for a block that export would refuse."""
-    return {"hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
-            "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-            "rope_parameters": dict(config.rope_parameters)}  # fmt: skip
+    return {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": dict(config.rope_parameters),
+    }
 
 
 def drafter_cos_sin(config: DrafterConfig, positions: torch.Tensor):
@@ -166,8 +176,12 @@ def test_kimi_drafters_train_at_vllms_yarn_magnitude(name):
 
 def test_a_target_rope_that_would_still_be_read_two_ways_is_refused():
     target = load_target_config(REPO / "recipes" / "targets" / "llama31_8b.json")
-    target["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192,
-                              "attn_factor": 0.8}  # fmt: skip
+    target["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "attn_factor": 0.8,
+    }
     with pytest.raises(ConfigError, match="attn_factor"):
         DrafterConfig.from_target_config(target)
 

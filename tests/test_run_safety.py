@@ -92,8 +92,10 @@ def test_a_prepared_dir_pointing_at_a_folder_of_runs_deletes_nothing(tiny_target
         args = base_args(tiny_target, chats, tmp_path / "second", **{"data.prepared_dir": str(runs)})
         code, line = recipe_main(step, RECIPES, args), capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 2, line
-        assert line == (f"error: {runs} holds 1 run output(s) of eagle31 (first); refusing to write a prepared-data output "
-                        "there (choose an empty or new directory)")  # fmt: skip
+        assert line == (
+            f"error: {runs} holds 1 run output(s) of eagle31 (first); refusing to write a prepared-data output "
+            "there (choose an empty or new directory)"
+        )
         assert tree(runs) == before and not (tmp_path / "second").exists()
 
 
@@ -180,10 +182,16 @@ def test_a_second_run_on_a_locked_output_dir_names_the_holder(tiny_target, chats
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import time; from eagle31.io import claim_output_dir, hold_lock; d = claim_output_dir({str(out)!r}, 'run')\n"
-         "with hold_lock(d):\n    print('held', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import time; from eagle31.io import claim_output_dir, hold_lock; "
+            f"d = claim_output_dir({str(out)!r}, 'run')\n"
+            "with hold_lock(d):\n    print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         line = one_line(main(base_args(tiny_target, chats, out), capsys), 7)

@@ -3,9 +3,9 @@
 Four gloo processes (torch.multiprocessing) run the trainer with the sequence split 4 ways (data 1 ×
 sequence 4) and on a 2 × 2 mesh (data 2 × sequence 2); one process runs the same global batches
 unsplit. Loss, every gradient of every step and the weights after the optimizer steps agree to fp32
-rounding, for the Llama and MLA drafters (and a sliding-window one), activation checkpointing on and off, with packed documents
-that cross the shard edges, a length no N divides (padded) and padding at the end; the keys before a
-shard are made in blocks of 3 positions, so several blocks merge.
+rounding, for the Llama and MLA drafters (and a sliding-window one), activation checkpointing on and
+off, with packed documents that cross the shard edges, a length no N divides (padded) and padding at
+the end; the keys before a shard are made in blocks of 3 positions, so several blocks merge.
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ from tests.test_trainer import ListLoader
 
 K = 3
 STEPS = 3
-MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
-           qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
+MLA = dict(
+    attention="mla",
+    num_key_value_heads=4,
+    head_dim=10,
+    mla=dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+)
 # W = 4 < the shard length 6: a shard gathers only the step-0 keys of the 3 positions before it, and the
 # deeper steps see fewer of them (step 2: 2)
 DRAFTERS = {"llama": {}, "mla": MLA, "window": dict(sliding_window=4)}
@@ -58,8 +62,20 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
     )
     group = sequence_group(world, sequence)
     mine = batches(cfg)[group.data_rank :: group.data_size]
-    train = TrainConfig(ttt_length=K, warmup_steps=1, max_steps=STEPS, lr=1e-2, max_grad_norm=1e9, activation_checkpointing=ckpt,
-                        attention_kernel="flash", sequence_parallel=sequence, grad_accum=len(mine), log_every=1, eval_every=0, save_every=0)  # fmt: skip
+    train = TrainConfig(
+        ttt_length=K,
+        warmup_steps=1,
+        max_steps=STEPS,
+        lr=1e-2,
+        max_grad_norm=1e9,
+        activation_checkpointing=ckpt,
+        attention_kernel="flash",
+        sequence_parallel=sequence,
+        grad_accum=len(mine),
+        log_every=1,
+        eval_every=0,
+        save_every=0,
+    )
     trainer = Trainer(train, world, tmp, drafter, head, ListLoader(mine), None, torch.float32, group)
     grads = []
 
@@ -118,10 +134,14 @@ def test_a_split_sequence_trains_as_the_whole_one(sharded, drafter, ckpt, sequen
         atol = 1e-5 if step == 0 else 1e-4
         for n in e:
             torch.testing.assert_close(
-                g[n], e[n], rtol=1e-4, atol=atol * float(e[n].abs().max()), msg=lambda m: f"step {step} {n}: {m}"
+                g[n],
+                e[n],
+                rtol=1e-4,
+                atol=atol * float(e[n].abs().max()),
+                msg=lambda m, step=step, n=n: f"step {step} {n}: {m}",
             )
     for n, w in one["weights"].items():
-        torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(got["weights"][n], w, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_the_shard_length_pads_to_a_multiple_and_holds_the_halo():

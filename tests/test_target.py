@@ -8,8 +8,16 @@ from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import check_drafter_fits
 from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, target_shape, target_vocab_size, text_config
 
-LLAMA = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
-         "intermediate_size": 128, "vocab_size": 300, "rope_theta": 10000.0, "max_position_embeddings": 512}  # fmt: skip
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 8,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 300,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
 WRAPPED = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": LLAMA}
 
 
@@ -63,3 +71,28 @@ def test_the_tokenizer_fingerprint_follows_the_tokenizer_files_not_the_folder(tm
     (tmp_path / "no_template" / "chat_template.jinja").unlink()
     prints = {tokenizer_fingerprint(tmp_path / name) for name in ("a", "copy", "empty", "no_template")}
     assert len(prints) == 4
+
+
+def test_the_target_fingerprint_sees_every_tensor_not_how_the_files_split_them(tmp_path):
+    """A checkpoint whose one layer's q_proj differs (everything else the same) gets another fingerprint, and an
+    inference worker reading it is refused; the same weights in three files get the same one."""
+    from eagle31.engine.worker import WorkerInfo, expected_info, worker_mismatch
+    from eagle31.target import target_fingerprint, target_fingerprints
+    from tests.tiny_targets import tiny_llama
+
+    model = tiny_llama(seed=0)
+    model.save_pretrained(tmp_path / "recipe")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    with torch.no_grad():
+        model.model.layers[3].self_attn.q_proj.weight.mul_(1.01)  # a fine-tune of one tensor of one layer
+    model.save_pretrained(tmp_path / "one_layer_differs")
+    recipe = target_fingerprint(tmp_path / "recipe")
+    assert target_fingerprint(tmp_path / "sharded") == recipe
+    assert target_fingerprint(tmp_path / "one_layer_differs") != recipe
+
+    expected = expected_info(tmp_path / "recipe", [1, 3, 4], 32, "float32")
+    worker = WorkerInfo("hf", (1, 3, 4), 32, "float32", "cpu", **target_fingerprints(tmp_path / "one_layer_differs"))
+    assert worker_mismatch(worker, expected, tmp_path / "recipe").startswith(
+        f"runs a target whose weights or config differ from the recipe's target {tmp_path / 'recipe'} (fingerprint "
+    )

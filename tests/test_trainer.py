@@ -111,17 +111,20 @@ def test_compile_flag_compiles_the_drafter_blocks(tmp_path):
 
 @pytest.mark.parametrize("kind", ["tv", "lk_hybrid"])
 def test_train_loss_reaches_the_fused_loss(kind, tmp_path, monkeypatch):
-    """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and eval."""
+    """`train.loss` and `train.lk_eta` are what FusedDraftLoss's per-chunk divergence is asked for, in training and
+    eval."""
     import eagle31.loss
 
-    seen, divergence = [], eagle31.loss._divergence
-    monkeypatch.setattr(eagle31.loss, "_divergence", lambda loss, lp, lq: seen.append(loss) or divergence(loss, lp, lq))
+    seen, original = [], eagle31.loss.loss_and_gradient
+    monkeypatch.setattr(
+        eagle31.loss, "loss_and_gradient", lambda loss, lp, z: seen.append(loss) or original(loss, lp, z)
+    )
     _, good = nan_and_good_batches()
     trainer = make_trainer(tmp_path, [good], loss=kind, lk_eta=1.5)
     trainer.eval_loader = ListLoader([good])
     trained = trainer.train_step([good])
     evaluated = trainer.evaluate()
-    assert seen and {(d.kind, d.eta) for d in seen} == {(kind, 1.5)}
+    assert seen and {(d.name, d.eta) for d in seen} == {(kind, 1.5)}
     assert trained["finite"] and evaluated["loss"] > 0
     if kind == "tv":  # TV of a query is at most 1: the weighted loss is at most sum_k w^k
         assert trained["loss"] <= 1 + trainer.cfg.ttt_decay
@@ -169,5 +172,11 @@ def test_fsdp_keeps_the_frozen_embedding_whole_in_the_compute_dtype(tmp_path):
     mp.spawn(_shard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         r = torch.load(tmp_path / f"result.{rank}", weights_only=True)
-        assert r == {"embed_is_dtensor": False, "embed_dtype": "torch.bfloat16", "embed_equal": True, "embed_grad": False,
-                     "others_sharded": True, "finite": True}, r  # fmt: skip
+        assert r == {
+            "embed_is_dtensor": False,
+            "embed_dtype": "torch.bfloat16",
+            "embed_equal": True,
+            "embed_grad": False,
+            "others_sharded": True,
+            "finite": True,
+        }, r

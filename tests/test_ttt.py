@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle31 import TargetHead, step_scales, supervision_mask, ttt_loss, ttt_unroll, weighted_loss
-from eagle31.kernels.causal import segment_ids
+from eagle31.model import segment_ids
 from tests.helpers import random_batch, tiny_drafter
 
 K = 3
@@ -254,13 +254,13 @@ def test_next_step_receives_post_norm_output_only_with_norm_output(norm_output):
     m = tiny_drafter(seed=8, norm_output=norm_output)
     aux, _, ids, _ = random_batch(m.config, 1, 7, seed=9)
     received = []
-    pre_attention = m.midlayer.pre_attention
+    attention_input = m.midlayer.attention_input
 
-    def spy(emb, h, cos, sin, **kwargs):
+    def spy(emb, h):
         received.append(h.detach().clone())
-        return pre_attention(emb, h, cos, sin, **kwargs)
+        return attention_input(emb, h)
 
-    m.midlayer.pre_attention = spy
+    m.midlayer.attention_input = spy
     out = ttt_unroll(m, aux, ids, ttt_length=K)
     assert len(received) == K
     for k in range(K - 1):
@@ -374,7 +374,7 @@ def test_llama_chain_remade_from_step_inputs_in_token_blocks_matches_naive_loops
     aux, final, ids, mask = random_batch(c, 2, 11, seed=22)
     positions = torch.arange(11).expand(2, 11) + 1
     feature = m.fuse_aux(aux)
-    _, entry, _ = m.step_entry(feature, ids, positions, chain=True)
+    _, entry, _ = eagle31.ttt.step_entry(m, feature, ids, positions, chain=True)
     assert entry[0] is feature and entry[1] is ids and entry[2] is positions
 
     monkeypatch.setattr(

@@ -35,20 +35,30 @@ def tiny_llama(seed: int = 0, dtype=torch.float32, **shape):
 def drafter_sized_llama(seed: int = 0, dtype=torch.float64):
     """A Llama whose shape matches `tests.helpers.tiny_drafter(vocab_size=DRAFTER_VOCAB)`: 8 layers, hidden 16."""
     return tiny_llama(
-        seed, dtype, vocab_size=DRAFTER_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=8, head_dim=8,
+        seed,
+        dtype,
+        vocab_size=DRAFTER_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=8,
+        head_dim=8,
         initializer_range=0.3,  # logits far apart: the argmax is stable under rounding
         attn_implementation="sdpa",
-    )  # fmt: skip
-
-
-def save_chat_target(path: Path, tokenizer, seed: int = 0) -> Path:
-    """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory."""
-    model = tiny_llama(
-        seed, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512
     )
+
+
+def save_chat_target(path: Path, tokenizer, seed: int = 0, **shape) -> Path:
+    """An 8-layer Llama sized to `tokenizer`, saved with it as `from_pretrained` reads a target directory; `shape`
+    overrides LlamaConfig fields (`VLLM_CPU_LLAMA`: a shape vLLM's CPU attention takes)."""
+    values = dict(intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512)
+    model = tiny_llama(seed, vocab_size=len(tokenizer), **{**values, **shape})
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# vLLM's CPU attention takes head_dim 32 at the smallest
+VLLM_CPU_LLAMA = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
 
 def tiny_deepseek_v3(seed: int = 0):
@@ -130,12 +140,27 @@ def save_thinking_target(path: Path, tokenizer, steps: int = 150, seed: int = 0)
     """A small Llama trained on `thinking_conversation`s rendered by the Kimi chat template (reasoning kept):
     its greedy replies think in `<think>...</think>`, then answer and end the turn, as a reasoning model does.
     Head dim 32, the smallest vLLM's CPU attention takes. Seconds on a CPU; the same weights for a seed."""
-    model = tiny_llama(seed, vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=32, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id).train()  # fmt: skip
-    texts = [tokenizer.apply_chat_template(thinking_conversation(a, b), tokenize=False, thinking=True, preserve_thinking=True)
-             for a in range(10) for b in range(10)]  # fmt: skip
+    model = tiny_llama(
+        seed,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).train()
+    texts = [
+        tokenizer.apply_chat_template(
+            thinking_conversation(a, b), tokenize=False, thinking=True, preserve_thinking=True
+        )
+        for a in range(10)
+        for b in range(10)
+    ]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     width = max(map(len, rows))
     ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])  # [100, T]

@@ -1,76 +1,81 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it.
-
-Each group of methods names the module that calls it; sizes are per token, `c` the compute dtype's bytes.
-Every other line of eagle31 is the same for all kinds.
-
-The attention module a kind builds (`attention`) is what the drafter's step calls:
-
-    query_entry(z, cos, sin)   z [B, T, 2H] -> q [B, T, nh, d] (rope applied) and the step's entry (a tuple)
-    keys_values(*entry)        the entry -> k, v [*, nkv, d] for the kernels (one head dim for q, k, v)
-    output(attn)               attn [B, T, nh, d] -> o_proj's output [B, T, H]
-    step0_keys_values()        how the TTT attention makes the causal keys and values of the step-0 entry
-    chain_keys_values()        how it makes those of the chain's entries (a kind not `chain_keeps_input`)
-    query(z, cos, sin), key_value(z, cos, sin, k_weight, v_weight)   q alone; k, v with given weights
-                               (a kind that `chain_keeps_input`: the drafter remakes them from the input)
-"""
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it
+(each group of methods names its caller). The module a kind builds (`attention`) is what the drafter's layer calls:
+`qkv(z, cos, sin)` (the reference), `query`, `query_entry`, `keys_values`, `step0_keys_values`, `chain_keys_values`
+(the memory-lean unroll's entries) and `output`."""
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 from eagle31.rope import ambiguity
 
-if TYPE_CHECKING:  # the kinds sit below the config: they read it, never build it
-    from eagle31.config import DrafterConfig
+# a drafter's config as the kinds read it (`eagle31.config.DrafterConfig`): the config is built over the kinds, which
+# read its fields by name and never import it
+DrafterShape = Any
 
 
 class AttentionKind(ABC):
     name: str  # `drafter.attention`
-    label: str  # in messages: "an MLA drafter", "drafter.kv_lora_rank is an MLA field"
-    fields: tuple[str, ...] = ()  # its own `DrafterConfig` fields, 0 for every other kind
+    label: str  # in messages: "an MLA drafter", "drafter.mla.kv_lora_rank is a field of an MLA drafter"
+    # its own fields: a dataclass, the `DrafterConfig` field that holds it (`drafter.<config_field>.<name>`)
+    config_field: str | None = None
+    config_type: type | None = None
     # the EAGLE-3 HF layout: the architecture vLLM serves it with, the layer's model_type
     architecture: str
     model_type: str
     # the source format of a checkpoint of this kind that eagle31 did not write (`eagle31.convert.detect_format`)
     unmarked_format: str | None = None
     # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
-    rope_fields_read: dict[str, tuple[str, ...]]
+    rope_fields_read: Mapping[str, tuple[str, ...]]
     rope_quantities: str
     # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
     # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
     chain_keeps_input: bool
     # vLLM builds this kind's attention with the layer's sliding window (`drafter.sliding_window`)
     serves_window: bool = True
+    # vLLM serves this kind's drafter with `parallel_drafting` (its mask slots: `mask_token_id`, `mask_hidden`)
+    serves_parallel_drafting: bool = True
     # the first tested vLLM release that applies this kind's fc_norm, where a later one than the layout's
     # (`eagle31.hub`: the release a 3.1 drafter's model card asks for)
     min_vllm_fc_norm: str | None = None
 
+    def own_config(self, values: dict[str, Any]) -> Any:
+        """Its fields given as a dict (a config file, a recipe) -> its `config_type`."""
+        assert self.config_type is not None, f"{self.name} has no fields of its own"
+        return self.config_type(**values)
+
+    def fields(self) -> tuple[str, ...]:
+        """The names of its own fields (`config_type`'s)."""
+        return tuple(f.name for f in dataclasses.fields(self.config_type)) if self.config_type else ()
+
     # ------------------------------------------------------------------ model (eagle31.model)
 
     @abstractmethod
-    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+    def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         """The layer's attention projections (module docstring: what the drafter asks of them)."""
 
     @abstractmethod
-    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
         """The rope: position_ids [B, T] -> cos, sin [B, T, rope dims] in a dtype."""
 
     # ------------------------------------------------------------- config (eagle31.config)
 
     @abstractmethod
-    def validate(self, cfg: DrafterConfig) -> None:
+    def validate(self, cfg: DrafterShape) -> None:
         """Refuse, naming the field, what this kind cannot train as vLLM serves it."""
 
     @abstractmethod
-    def qk_head_dim(self, cfg: DrafterConfig) -> int:
+    def qk_head_dim(self, cfg: DrafterShape) -> int:
         """Head dim of q and k."""
 
     @abstractmethod
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-        """The `DrafterConfig` values this kind takes from the target's config (its text part) and rope block."""
+        """The `DrafterShape` values this kind takes from the target's config (its text part) and rope block."""
 
     # --------------------------------------------------------------- rope (eagle31.rope)
 
@@ -80,28 +85,28 @@ class AttentionKind(ABC):
 
     def rope_ambiguity(self, rope: dict[str, Any]) -> str | None:
         """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""
-        return ambiguity(rope, self.rope_reading, self.rope_fields_read, self.rope_quantities)
+        return ambiguity(rope, self.rope_reading, dict(self.rope_fields_read), self.rope_quantities)
 
     # ------------------------------------------------------- estimate (eagle31.estimate)
 
     @abstractmethod
-    def attention_parameters(self, cfg: DrafterConfig) -> int:
+    def attention_parameters(self, cfg: DrafterShape) -> int:
         """Parameters of the layer's attention (its projections read 2H)."""
 
     @abstractmethod
-    def attention_widths(self, cfg: DrafterConfig) -> tuple[int, int, int]:
+    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
         """(q width, key/value width as the kernels see them, rope/cos width)."""
 
     @abstractmethod
-    def o_proj_in_features(self, cfg: DrafterConfig) -> int:
+    def o_proj_in_features(self, cfg: DrafterShape) -> int:
         """Width of o_proj's input."""
 
     @abstractmethod
-    def entry_elements(self, cfg: DrafterConfig) -> tuple[int, int]:
+    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
         """Elements a step keeps for the later ones beyond its input: (step 0, each step after)."""
 
     @abstractmethod
-    def chain_entry_gradient_elements(self, cfg: DrafterConfig) -> int:
+    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
         """Elements of the gradient of one chain entry."""
 
     @abstractmethod
@@ -109,27 +114,27 @@ class AttentionKind(ABC):
         """Whether the causal kernel's backward makes the step-0 keys and values again from the entry."""
 
     @abstractmethod
-    def step_saved_extra_bytes(self, cfg: DrafterConfig, c: int) -> int:
+    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
         """Bytes a recomputed step saves for its backward before the attention output, beyond every kind's."""
 
     @abstractmethod
-    def after_attention_saved_elements(self, cfg: DrafterConfig) -> int:
+    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
         """Elements a recomputed step saves after its attention, beyond h'."""
 
     @abstractmethod
-    def chain_block_terms(self, cfg: DrafterConfig, c: int) -> tuple[int, int, int, int]:
+    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
         """One chain block's backward: (bytes per row beyond the remade keys' and values', bytes per row of the
         intermediate gradients, elements of the weight gradients that remake them, bytes of step 0's such gradient
         held across the chain)."""
 
     @abstractmethod
-    def prefix_block_extra_elements(self, cfg: DrafterConfig) -> int:
+    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
         """Elements per position of a block of the keys before a sequence shard, beyond their gradients and copies."""
 
     # --------------------------------------------- export (eagle31.layouts) and convert
 
     @abstractmethod
-    def layer_fields(self, cfg: DrafterConfig) -> dict[str, Any]:
+    def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         """The fields of this kind's decoder layer in an HF config, before every kind's."""
 
     def recognises(self, layer: dict[str, Any]) -> bool:
@@ -138,7 +143,7 @@ class AttentionKind(ABC):
 
     @abstractmethod
     def read_layer(self, layer: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """A checkpoint's layer config -> (its fields as transformers reads them, this kind's `DrafterConfig` values)."""
+        """A checkpoint's layer config -> (its fields as transformers reads them, this kind's `DrafterShape` values)."""
 
     def __repr__(self) -> str:
         return f"<attention kind {self.name}>"

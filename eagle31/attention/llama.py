@@ -1,26 +1,18 @@
-"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input, vLLM's Llama EAGLE-3 layer.
-
-Its rope is vLLM's `get_rope` for the layer (`eagle31.rope`), Llama's rotate-half convention. The TTT chain
-keeps each step's input (feature, token ids, positions), which the unroll keeps anyway, and makes keys and
-values of it a block of tokens at a time (`eagle31.model.Eagle31Drafter.chain_keys_values`); step 0's keys
-and values are its entry. `LlamaAttentionKind` carries what the rest of eagle31 asks of this kind.
-"""
+"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input and vLLM's rope for the
+layer (`eagle31.rope`), as vLLM's `LlamaForCausalLMEagle3` computes them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.attention.kind import AttentionKind
+from eagle31.attention.kind import AttentionKind, DrafterShape
 from eagle31.errors import ConfigError
 from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues
 from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_frequencies, llama_yarn_reading
-
-if TYPE_CHECKING:
-    from eagle31.config import DrafterConfig
 
 
 class LlamaAttention(nn.Module):
@@ -30,7 +22,7 @@ class LlamaAttention(nn.Module):
     because in the TTT unroll it spans several steps.
     """
 
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterShape):
         super().__init__()
         H, d = config.hidden_size, config.head_dim
         self.num_heads = config.num_attention_heads
@@ -58,6 +50,10 @@ class LlamaAttention(nn.Module):
         v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
         return apply_rope(k, cos, sin), v
 
+    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q [B, T, nh, d], k, v [B, T, nkv, d], RoPE applied to q and k."""
+        return self.query(z, cos, sin), *self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
+
     def keys_values(self, k: torch.Tensor, v: torch.Tensor):
         """An entry -> its keys and values: the entry is them."""
         return k, v
@@ -79,7 +75,7 @@ class RotaryEmbedding(nn.Module):
     the cos/sin magnitude (not 1 for yarn).
     """
 
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterShape):
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
             self.inv_freq, self.attention_scaling = inverse_frequencies(
@@ -117,16 +113,16 @@ class LlamaAttentionKind(AttentionKind):
     rope_quantities = "extrapolation, magnitude"
     chain_keeps_input = True  # its keys and values are wider than the step's input
 
-    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+    def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return LlamaAttention(config)
 
-    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
         return RotaryEmbedding(config)
 
-    def validate(self, cfg: DrafterConfig) -> None:
+    def validate(self, cfg: DrafterShape) -> None:
         check_rope(cfg.rope_parameters)
 
-    def qk_head_dim(self, cfg: DrafterConfig) -> int:
+    def qk_head_dim(self, cfg: DrafterShape) -> int:
         return cfg.head_dim
 
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -138,33 +134,33 @@ class LlamaAttentionKind(AttentionKind):
 
     # ------------------------------------------------------------------ estimate
 
-    def attention_parameters(self, cfg: DrafterConfig) -> int:
+    def attention_parameters(self, cfg: DrafterShape) -> int:
         H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
 
-    def attention_widths(self, cfg: DrafterConfig) -> tuple[int, int, int]:
+    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
         return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
 
-    def o_proj_in_features(self, cfg: DrafterConfig) -> int:
+    def o_proj_in_features(self, cfg: DrafterShape) -> int:
         return cfg.num_attention_heads * cfg.head_dim
 
-    def entry_elements(self, cfg: DrafterConfig) -> tuple[int, int]:
+    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
         """Step 0 its keys and values, the others nothing (their chain entry is their input)."""
         return 2 * cfg.num_key_value_heads * cfg.head_dim, 0
 
-    def chain_entry_gradient_elements(self, cfg: DrafterConfig) -> int:
+    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
         return cfg.hidden_size  # d feature
 
     def step0_keys_remade(self) -> bool:
         return False  # the entry is k0, v0
 
-    def step_saved_extra_bytes(self, cfg: DrafterConfig, c: int) -> int:
+    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
         return 0
 
-    def after_attention_saved_elements(self, cfg: DrafterConfig) -> int:
+    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
         return 0  # o_proj's input is the attention output, saved before it
 
-    def chain_block_terms(self, cfg: DrafterConfig, c: int) -> tuple[int, int, int, int]:
+    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
         """Stacked feature rows, emb, normed emb (saved), z, its gradient, a key gradient, cos, sin per row; the rope
         backward's intermediates (the key's gradient through cos and through sin, the rotated half, their sum);
         k_proj's and v_proj's gradients. The step-0 keys and values are the entry: no weights remake them."""
@@ -173,12 +169,12 @@ class LlamaAttentionKind(AttentionKind):
         per_row = (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
         return per_row, 7 * kv * c // 2, 2 * kv * 2 * H, 0
 
-    def prefix_block_extra_elements(self, cfg: DrafterConfig) -> int:
+    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
         return 0  # views of the entry
 
     # ------------------------------------------------------------ export, convert
 
-    def layer_fields(self, cfg: DrafterConfig) -> dict[str, Any]:
+    def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, "head_dim": cfg.head_dim}
 
     def read_layer(self, layer: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -1,58 +1,33 @@
-"""Multi-head Latent Attention (`drafter.attention=mla`): the published Kimi K2.6 drafter's attention.
-
-DeepSeek-V2/V3's attention with the EAGLE-3 twist that its projections read the
-2H-wide input `z = concat(input_layernorm(emb), hidden_norm(h))`. vLLM serves it
-with `Eagle3DeepseekV2ForCausalLM`; this module computes what that layer computes
-from the exported config (parameter names are DeepSeek's, so export is a rename):
-
-    c_q         = q_a_layernorm(q_a_proj(z))                 [*, q_lora_rank]
-    q           = q_b_proj(c_q)                              [*, nh, nope + rope]
-    c_kv, k_pe  = kv_a_proj_with_mqa(z)                      [*, kv_lora_rank], [*, rope]
-    k_nope, v   = kv_b_proj(kv_a_layernorm(c_kv))            [*, nh, nope], [*, nh, v_head_dim]
-    k           = concat(k_nope, rope(k_pe) shared by every head)
-    out         = o_proj(softmax(q·k * scale) v)
-
-The rope acts on the last `qk_rope_head_dim` dims of q and k with interleaved
-pairs (dims 2i, 2i+1: vLLM's `is_neox_style=False`). It is DeepSeek YaRN
-(`DeepseekRotaryEmbedding`), and the softmax scale is `qk_head_dim^-0.5 * m^2`
-with `m = yarn_mscale(factor, mscale_all_dim)`, DeepSeek's correction for the
-YaRN-stretched logits. vLLM fuses `q_a_proj` and `kv_a_proj_with_mqa` into one
-`fused_qkv_a_proj` at load time; checkpoints keep them apart.
-
-The TTT attention kernels (`eagle31.kernels`) take one head dim for q, k and v
-and scale scores by `d^-0.5`. So this layer folds `m^2` into q and pads v with
-zero columns up to the q·k head dim: zero value columns give zero output columns,
-which `output` slices off before `o_proj`. The TTT unroll keeps, from step to step,
-only each step's latent (kv_lora_rank + rope values per token, `query_entry`) and
-decompresses keys and values where it attends: the step-0 keys inside the attention,
-in its forward and again in its backward (never saved between them), the chain's a
-block of tokens at a time (`eagle31.kernels.entries.ChainKeysValues`), so
-neither decompressed nor padded values are stored across steps.
-
-`MLAAttentionKind` carries what the rest of eagle31 asks of this kind (`eagle31.attention`).
-Exported, it is vLLM's DeepSeek EAGLE-3 layer (`Eagle3DeepseekV2ForCausalLM`, model type `kimi_k2`:
-docs/export.md says why) in the EAGLE-3 HF layout only; a checkpoint with that architecture under
-either registry name, or with `kv_lora_rank`, is read as one, and one eagle31 did not write is
-TorchSpec's (the published Kimi MLA drafters, e.g. `lightseekorg/kimi-k2.6-eagle3.1-mla`).
-"""
+"""Multi-head Latent Attention (`drafter.attention=mla`), the published Kimi K2.6 drafter's: DeepSeek's attention
+reading the EAGLE-3 layer's 2H-wide input, as vLLM's `Eagle3DeepseekV2ForCausalLM` computes it (docs/design.md §3).
+The memory-lean unroll keeps its latents and decompresses keys and values where it attends."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle31.attention.kind import AttentionKind
+from eagle31.attention.kind import AttentionKind, DrafterShape
 from eagle31.errors import ConfigError
 from eagle31.kernels.entries import ChainKeysValues
 from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
 
-if TYPE_CHECKING:
-    from eagle31.config import DrafterConfig
+
+@dataclass
+class MLAConfig:
+    """The MLA drafter's own fields, `drafter.mla.<field>`: the target's MLA shape where 0 (or unset in a recipe)."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -72,11 +47,11 @@ class DeepseekRotaryEmbedding(nn.Module):
     Frequencies are float64, kept outside the buffers so a bf16 cast never degrades them.
     """
 
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterShape):
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
             self.inv_freq, self.attention_scaling, _ = deepseek_rope_frequencies(
-                config.rope_parameters, config.qk_rope_head_dim
+                config.rope_parameters, config.mla.qk_rope_head_dim
             )
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -140,20 +115,24 @@ def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: 
 class MLAAttention(nn.Module):
     """Projections of the MLA drafter attention (module docstring); the attention itself is `eagle31.kernels`."""
 
-    def __init__(self, config: DrafterConfig, rms_norm: type[nn.Module]):
+    def __init__(self, config: DrafterShape, rms_norm: type[nn.Module]):
         super().__init__()
         H, nh, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
         self.num_heads = nh
-        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.nope, self.rope, self.v_dim = (
+            config.mla.qk_nope_head_dim,
+            config.mla.qk_rope_head_dim,
+            config.mla.v_head_dim,
+        )
         self.qk_dim = self.nope + self.rope
-        self.kv_lora_rank = config.kv_lora_rank
+        self.kv_lora_rank = config.mla.kv_lora_rank
         # query compression is required: vLLM's DeepSeek EAGLE-3 loader fuses q_a_proj with kv_a_proj_with_mqa
-        self.q_a_proj = nn.Linear(2 * H, config.q_lora_rank, bias=False)
-        self.q_a_layernorm = rms_norm(config.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, nh * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = rms_norm(config.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.q_a_proj = nn.Linear(2 * H, config.mla.q_lora_rank, bias=False)
+        self.q_a_layernorm = rms_norm(config.mla.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.mla.q_lora_rank, nh * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.mla.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = rms_norm(config.mla.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(config.mla.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
         self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
 
@@ -169,6 +148,11 @@ class MLAAttention(nn.Module):
         k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).view(B, T, self.rope)
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
         return q, (torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1),)
+
+    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """z [B, T, 2H] -> q, k, v [B, T, nh, nope + rope]: the latent decompressed (v zero-padded)."""
+        q, (latent,) = self.query_entry(z, cos, sin)
+        return q, *self.keys_values(latent)
 
     def keys_values(self, latent: torch.Tensor):
         """latent [*, kv_lora_rank + rope] -> k, v [*, nh, nope + rope] (v zero-padded, module docstring)."""
@@ -200,7 +184,8 @@ class MLAAttentionKind(AttentionKind):
     name = "mla"
     label = "an MLA drafter"
     serves_window = False  # vLLM's DeepSeek EAGLE-3 layer builds its MLA attention without a window
-    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    serves_parallel_drafting = False  # ... and has no parallel-drafting path (no mask_hidden)
+    config_field, config_type = "mla", MLAConfig  # `DrafterConfig.mla`
     architecture = MLA_ARCHITECTURES[0]
     model_type = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter
     unmarked_format = "torchspec"
@@ -209,19 +194,19 @@ class MLAAttentionKind(AttentionKind):
     chain_keeps_input = False  # its latents are what the chain keeps
     min_vllm_fc_norm = "0.33"  # vLLM 0.22's DeepSeek EAGLE-3 class builds fc_norm and never applies it (docs/export.md)
 
-    def attention(self, config: DrafterConfig, rms_norm: type[nn.Module]) -> nn.Module:
+    def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return MLAAttention(config, rms_norm)
 
-    def rotary_embedding(self, config: DrafterConfig) -> nn.Module:
+    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
         return DeepseekRotaryEmbedding(config)
 
-    def validate(self, cfg: DrafterConfig) -> None:
-        for name in self.fields:
-            value = getattr(cfg, name)
+    def validate(self, cfg: DrafterShape) -> None:
+        for name in self.fields():
+            value = getattr(cfg.mla, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"drafter.{name} must be a positive integer for attention=mla, got {value!r}")
-        if cfg.qk_rope_head_dim % 2:
-            raise ConfigError(f"drafter.qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
+                raise ConfigError(f"drafter.mla.{name} must be a positive integer for attention=mla, got {value!r}")
+        if cfg.mla.qk_rope_head_dim % 2:
+            raise ConfigError(f"drafter.mla.qk_rope_head_dim must be even, got {cfg.mla.qk_rope_head_dim}")
         if cfg.num_key_value_heads != cfg.num_attention_heads:
             raise ConfigError(
                 f"drafter.num_key_value_heads={cfg.num_key_value_heads} must equal num_attention_heads="
@@ -230,10 +215,13 @@ class MLAAttentionKind(AttentionKind):
         qk = self.qk_head_dim(cfg)
         if cfg.head_dim != qk:
             raise ConfigError(
-                f"drafter.head_dim={cfg.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {qk} for attention=mla"
+                f"drafter.head_dim={cfg.head_dim} must be mla.qk_nope_head_dim + mla.qk_rope_head_dim = {qk} for "
+                "attention=mla"
             )
-        if cfg.v_head_dim > qk:
-            raise ConfigError(f"drafter.v_head_dim={cfg.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {qk}")
+        if cfg.mla.v_head_dim > qk:
+            raise ConfigError(
+                f"drafter.mla.v_head_dim={cfg.mla.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {qk}"
+            )
         if cfg.norm_before_fc:
             raise ConfigError(
                 "drafter.norm_before_fc is not read by vLLM's DeepSeek EAGLE-3 layer: an MLA drafter cannot use it"
@@ -242,77 +230,80 @@ class MLAAttentionKind(AttentionKind):
         if rope_type not in MLA_ROPE_TYPES:
             raise ConfigError(
                 f"drafter.rope_parameters.rope_type={rope_type!r} is not supported for attention=mla "
-                f"(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); use one of {list(MLA_ROPE_TYPES)}"
+                "(vLLM's DeepSeek EAGLE-3 layer reads any rope_scaling as DeepSeek YaRN); "
+                f"use one of {list(MLA_ROPE_TYPES)}"
             )
 
-    def qk_head_dim(self, cfg: DrafterConfig) -> int:
-        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    def qk_head_dim(self, cfg: DrafterShape) -> int:
+        return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
 
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         """The target's MLA shape (ranks and head dims, unless overridden), every head its own key and value, and its
         DeepSeek YaRN block as it is, mscale fields included (as the published Kimi K2.6 EAGLE 3.1 drafter has)."""
-        shape = {name: int(target.get(name) or 0) for name in self.fields}
-        shape.update({k: v for k, v in overrides.items() if k in self.fields})
+        shape = {name: int(target.get(name) or 0) for name in self.fields()}
+        given = overrides.get(self.config_field) or {}
+        given = given if isinstance(given, dict) else asdict(given)
+        shape.update({k: v for k, v in given.items() if v})
         heads = target["num_attention_heads"]
         head_dim = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
-        return {**shape, "num_key_value_heads": heads, "head_dim": head_dim, "rope_parameters": rope}
+        return {"mla": MLAConfig(**shape), "num_key_value_heads": heads, "head_dim": head_dim, "rope_parameters": rope}
 
     def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
         return deepseek_yarn_scales(rope, release)
 
     # ------------------------------------------------------------------ estimate
 
-    def attention_parameters(self, cfg: DrafterConfig) -> int:
+    def attention_parameters(self, cfg: DrafterShape) -> int:
         """q_a + norm + q_b, kv_a + norm + kv_b, o (`MLAAttention`)."""
-        H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
         q = 2 * H * qr + qr + qr * nh * self.qk_head_dim(cfg)
-        kv = 2 * H * (kvr + cfg.qk_rope_head_dim) + kvr + kvr * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return q + kv + nh * cfg.v_head_dim * H
+        kv = 2 * H * (kvr + cfg.mla.qk_rope_head_dim) + kvr + kvr * nh * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
+        return q + kv + nh * cfg.mla.v_head_dim * H
 
-    def attention_widths(self, cfg: DrafterConfig) -> tuple[int, int, int]:
+    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
         qk = cfg.num_attention_heads * self.qk_head_dim(cfg)
-        return qk, qk, cfg.qk_rope_head_dim
+        return qk, qk, cfg.mla.qk_rope_head_dim
 
-    def o_proj_in_features(self, cfg: DrafterConfig) -> int:
-        return cfg.num_attention_heads * cfg.v_head_dim
+    def o_proj_in_features(self, cfg: DrafterShape) -> int:
+        return cfg.num_attention_heads * cfg.mla.v_head_dim
 
-    def entry_elements(self, cfg: DrafterConfig) -> tuple[int, int]:
+    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
         """Its latents, every step."""
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         return latent, latent
 
-    def chain_entry_gradient_elements(self, cfg: DrafterConfig) -> int:
+    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
         return self.entry_elements(cfg)[1]  # the latent's
 
     def step0_keys_remade(self) -> bool:
         return True  # decompressed again from the latents
 
-    def step_saved_extra_bytes(self, cfg: DrafterConfig, c: int) -> int:
+    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
         """q_a_layernorm's input and fp32 rsqrt, kv_a_layernorm's (its input a view of kv_a's output), the
         recomputed latent."""
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        return (cfg.q_lora_rank * c + 4) + (latent * c + 4) + self.entry_elements(cfg)[1] * c
+        latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        return (cfg.mla.q_lora_rank * c + 4) + (latent * c + 4) + self.entry_elements(cfg)[1] * c
 
-    def after_attention_saved_elements(self, cfg: DrafterConfig) -> int:
+    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
         return self.o_proj_in_features(cfg)  # o_proj's input: the attention output's unpadded columns
 
-    def chain_block_terms(self, cfg: DrafterConfig, c: int) -> tuple[int, int, int, int]:
+    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
         """kv_b_proj's output gradient per row; the keys' gradient made contiguous for the unflatten and the values'
         cut from their zero padding; kv_b_proj's gradient, and step 0's (made before the chain, returned after it)."""
         _, kv, _ = self.attention_widths(cfg)
-        kv_b = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        weights = cfg.kv_lora_rank * kv_b
+        kv_b = cfg.num_attention_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
+        weights = cfg.mla.kv_lora_rank * kv_b
         return kv_b * c, (kv + self.o_proj_in_features(cfg)) * c, weights, weights * c
 
-    def prefix_block_extra_elements(self, cfg: DrafterConfig) -> int:
+    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
         """The keys and values decompressed, with kv_b_proj's output and its gradient."""
         _, kv, _ = self.attention_widths(cfg)
-        return 2 * kv + 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return 2 * kv + 2 * cfg.num_attention_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
 
     # ------------------------------------------------------------ export, convert
 
-    def layer_fields(self, cfg: DrafterConfig) -> dict[str, Any]:
-        return {"model_type": self.model_type, **{name: getattr(cfg, name) for name in self.fields}}
+    def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
+        return {"model_type": self.model_type, **asdict(cfg.mla)}
 
     def recognises(self, layer: dict[str, Any]) -> bool:
         return bool(set(layer.get("architectures") or ()) & set(MLA_ARCHITECTURES)) or "kv_lora_rank" in layer
@@ -328,6 +319,9 @@ class MLAAttentionKind(AttentionKind):
             )
         fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
         parsed = DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
-        shape = {name: getattr(parsed, name) for name in self.fields}
-        heads = {"num_key_value_heads": parsed.num_attention_heads, "head_dim": self.qk_head_dim(parsed)}
+        shape = {"mla": MLAConfig(**{name: getattr(parsed, name) for name in self.fields()})}
+        heads = {
+            "num_key_value_heads": parsed.num_attention_heads,
+            "head_dim": parsed.qk_nope_head_dim + parsed.qk_rope_head_dim,
+        }
         return parsed, {**heads, **shape}

@@ -1,33 +1,17 @@
-"""`FeatureBatch`: what the trainer consumes — tokens, loss masks, document ids and target features.
-
-The per-token columns every sample carries (`TOKEN_COLUMNS`: input ids, loss masks) travel alike from a
-prepared split to the trainer's batch: the prepared split (`eagle31.data.prepare`), the feature store
-(`eagle31.data.store`), the target's features online or captured (`eagle31.data.capture`), packing and
-padding here and the sequence shards (`eagle31.sequence_parallel`) carry each one of them, so a new
-column is its line there, its field on `Sample` and `FeatureBatch`, and the code that makes and reads it.
-
-Two layouts, built from per-sample `Sample`s (see `eagle31.data.loader`):
-
-* `pack`: one row `[1, T]`, the samples concatenated; `document_ids` numbers them
-  0, 1, ... so attention never crosses a document boundary.
-* `pad`: one sample per row `[B, T]`, right-padded to the longest; `document_ids`
-  is 0 on real tokens and -1 on padding.
-
-`document_ids` goes straight into `eagle31.ttt.ttt_unroll(document_ids=...)`.
-"""
+"""`FeatureBatch`, what the trainer consumes, packed or padded from `Sample`s; `TOKEN_COLUMNS` (architecture.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
 
 @dataclass(frozen=True)
 class TokenColumn:
-    """How a per-token column is kept: its type in a prepared split (a pyarrow type's name), in a store shard,
-    and its value at padding. In samples and batches every column is int64."""
+    """How a per-token column is kept: pyarrow type when prepared, dtype in a store, padding (int64 in batches)."""
 
     arrow: str
     store: torch.dtype
@@ -65,7 +49,7 @@ class FeatureBatch:
         if self.num_samples < 0:  # rows number their documents 0..n-1, so n = max + 1
             self.num_samples = int((self.document_ids.max(dim=1).values + 1).sum())
 
-    def to(self, device, dtype: torch.dtype | None = None) -> "FeatureBatch":
+    def to(self, device, dtype: torch.dtype | None = None) -> FeatureBatch:
         """Move to `device`; `dtype` (if given) applies to the features `aux` and `final` only."""
         moved = {}
         for f in fields(self):
@@ -92,8 +76,7 @@ def pack(samples: list[Sample]) -> FeatureBatch:
 
 
 def pad(samples: list[Sample]) -> FeatureBatch:
-    """One sample per row, right-padded to the longest (token columns with their `pad`, features with zeros);
-    padding has document id -1."""
+    """One sample per row, right-padded to the longest (columns with their `pad`, features 0, document id -1)."""
     B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
     first = samples[0]
     out = FeatureBatch(
@@ -127,11 +110,7 @@ def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureB
 
 
 def bucket_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Group indices of `lengths` into batches whose padded size `B * max T` stays within `budget`.
-
-    Indices are sorted by length (ties keep their order), and cut greedily; a
-    sample longer than `budget` gets a batch of its own. Groups come shortest first.
-    """
+    """Indices sorted by length (stable), cut greedily into groups of `B * max T` <= `budget`, shortest first."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for i in order:
@@ -140,3 +119,17 @@ def bucket_by_length(lengths: Sequence[int], budget: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def next_fit(lengths: Sequence[int], budget: int) -> list[slice]:
+    """Runs of consecutive `lengths` of at most `budget` in all (a longer one alone), in order."""
+    runs: list[slice] = []
+    start = total = 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > budget:
+            runs.append(slice(start, i))
+            start, total = i, 0
+        total += int(n)
+    if start < len(lengths):
+        runs.append(slice(start, len(lengths)))
+    return runs

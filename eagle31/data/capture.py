@@ -1,21 +1,12 @@
-"""Target features of prepared data (docs/design.md §2), and their capture into the store.
-
-`target_forward` computes the features (`eagle31.target.TargetFeatures`) of rows of token ids in
-length-sorted, right-padded batches, `as_samples` makes features `Sample`s of prepared rows
-(columns `input_ids`, `loss_mask`), and `run_target` is the two for the HF target;
-`capture_to_store` runs the HF target, or an inference engine (`eagle31.engine.worker`: vLLM's),
-over a prepared split shard by shard into a `StoreWriter`;
-`open_store_writers` and `capture_splits` are that step for a recipe's splits, as both
-`data_prep/capture.py` and a training run with `features.mode=store` take it.
-"""
+"""Target features of prepared rows (docs/design.md §2), from the HF target or an engine, captured into the store."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -27,24 +18,17 @@ from eagle31.errors import ConfigError
 from eagle31.io import write_errors
 from eagle31.target import TargetFeatures, target_fingerprint
 
-# ---------------------------------------------------------------- prepared data
 
-
-def prepared_rows(dataset, ids: Sequence[int]) -> list[tuple[list[int], ...]]:
+def prepared_rows(dataset, ids: Iterable[int]) -> list[tuple[list[int], ...]]:
     """The token columns of rows `ids`, in `TOKEN_COLUMNS`' order (input_ids, loss_mask, ...)."""
     rows = dataset[[int(i) for i in ids]]
-    return list(zip(*(rows[name] for name in TOKEN_COLUMNS)))
+    return list(zip(*(rows[name] for name in TOKEN_COLUMNS), strict=False))
 
 
 def target_forward(
     feats: TargetFeatures, token_rows: Sequence[Sequence[int]], batch_tokens: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(aux [T, n*Ht], final [T, Ht]) of each row of token ids, computed in length-sorted, right-padded batches
-    of <= `batch_tokens` tokens; in the order of `token_rows`, views into each batch's output, on its device.
-
-    The padded batches depend only on the rows' lengths and `batch_tokens`, so a caller that sends the rows of
-    one batch (`bucket_by_length`'s group) gets the features of the very forward it would have run itself.
-    """
+    """(aux [T, n*Ht], final [T, Ht]) of each row: views of length-sorted padded forwards of <= `batch_tokens`."""
     device = feats.model.get_input_embeddings().weight.device
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(token_rows)
     for group in bucket_by_length([len(ids) for ids in token_rows], batch_tokens):
@@ -58,7 +42,7 @@ def target_forward(
         for b, i in enumerate(group):
             n = len(token_rows[i])
             out[i] = (aux[b, :n], final[b, :n])
-    return out
+    return out  # type: ignore[return-value]  # every row is in a group
 
 
 def as_samples(
@@ -69,24 +53,20 @@ def as_samples(
     for row, (aux, final) in zip(rows, features, strict=True):
         columns = {
             name: torch.tensor(values, dtype=torch.long, device=final.device)
-            for name, values in zip(TOKEN_COLUMNS, row)
+            for name, values in zip(TOKEN_COLUMNS, row, strict=False)
         }
         out.append(Sample(**columns, aux=aux, final=final))
     return out
 
 
 def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:
-    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row, on the device
-    of the target's output."""
+    """`target_forward` of each row (its `TOKEN_COLUMNS`, input ids first), as one `Sample` per row."""
     return as_samples(rows, target_forward(feats, [row[0] for row in rows], batch_tokens))
-
-
-# ---------------------------------------------------------------- capture into the store
 
 
 @dataclass
 class CaptureStats:
-    """What one rank's capture (or import) did; `summary()` prints throughput and bytes per token."""
+    """What one rank's capture (or import) did; `summary()`: throughput and bytes per token."""
 
     shards_written: int = 0
     shards_skipped: int = 0  # this rank's shards finished by an earlier run
@@ -113,8 +93,7 @@ class CaptureStats:
 
 @contextmanager
 def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
-    """token rows -> [(aux, final)]: the HF target's `target_forward`, or an engine's own `features` (an
-    `eagle31.engine.worker.InferenceWorker`, which batches as it likes) after checking its aux ids."""
+    """token rows -> [(aux, final)]: the HF target's `target_forward`, or an inference worker's `features` (checked)."""
     if isinstance(target, nn.Module):
         with TargetFeatures(target, aux_layer_ids) as feats:
             yield lambda token_rows: target_forward(feats, token_rows, batch_tokens)
@@ -128,20 +107,9 @@ def features_of(target, aux_layer_ids: Sequence[int], batch_tokens: int):
 
 
 def capture_to_store(
-    target,
-    dataset,
-    writer: StoreWriter,
-    *,
-    batch_tokens: int,
-    rank: int = 0,
-    world_size: int = 1,
+    target, dataset, writer: StoreWriter, *, batch_tokens: int, rank: int = 0, world_size: int = 1
 ) -> CaptureStats:
-    """Capture this rank's unfinished shards of `writer`'s plan; the writer's sample ids are rows of `dataset`.
-    `target`: the HF model, or an inference engine (`features_of`).
-
-    A full disk or a denied write is one line (`eagle31.io.write_errors`): every shard with a record is
-    whole, the one being written was removed, and a rerun captures what is missing.
-    """
+    """Capture this rank's unfinished shards of `writer`'s plan (rows of `dataset`); a write error is one line."""
     stats = CaptureStats()
     mine = range(rank, len(writer.plan), world_size)
     start = time.perf_counter()

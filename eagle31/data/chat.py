@@ -1,67 +1,24 @@
-"""Tokens and assistant loss masks from the target tokenizer's own chat template.
+"""Tokens and assistant loss masks from the target tokenizer's own chat template (docs/data.md, The loss mask).
 
-    encoder = ChatEncoder(tokenizer, last_turn_only=False, system_prompt=None,
-                          template_kwargs={"preserve_thinking": True})
-    input_ids, loss_mask = encoder.encode(conversation)      # lists of equal length
-    encoder.reasoning                                          # reasoning seen / not rendered, so far
-
-The conversation is rendered once with `apply_chat_template` and tokenised, as the
-target sees it. Assistant message `j` supervises the tokens after its prompt,
-`render(messages[:j], add_generation_prompt=True)`, up to the end of
-`render(messages[:j+1])`: its reasoning, content, tool calls and end-of-turn token.
-Headers, the generation prompt (a prefilled `<think>` included) and the other
-roles are not supervised, nor is whitespace the template writes after the
-end-of-turn token (ChatML's newline after `<|im_end|>`), which is never generated.
-
-Growing prefixes are trusted only when their tokens are a prefix of the full
-tokens. Rendering `messages[:j+1]` makes turn `j` the final one, and templates
-render a final assistant turn differently from the same turn in history:
-
-* Kimi, Qwen3 and DeepSeek-R1 drop the reasoning of history turns (Kimi K2.5/K2.6:
-  every assistant turn up to and including the last answer without tool calls,
-  unless the template option `preserve_thinking` is set). Reasoning that the full
-  render does not show (removing it leaves the full render unchanged) is removed
-  from the messages before any prefix is rendered, so that each prefix has the
-  semantics it has in the full conversation; `encoder.reasoning` counts it (turns
-  and tokens), so that a report can say how much reasoning never reached the data.
-* Qwen3 gives a final turn an empty `<think>` block that the turn lacks in history.
-  A render of `messages[:j+1]` that is not a prefix must be the full tokens with at
-  most `_MAX_SCAFFOLD` tokens inserted where the two diverge; turn `j` ends where
-  the rest of that render ends in the full tokens.
-* A generation prompt may prefill a scaffold that the recorded turn does not start
-  with (`<think>\\n` before a turn rendered without one): the turn starts where
-  prompt and full tokens diverge, provided the history render `render(messages[:j])`
-  is itself a prefix.
-
-A conversation that still disagrees with its prefixes raises
-`ChatTemplateError("unstable_template")` and is dropped, never given a guessed mask;
-a template that fails on it raises `ChatTemplateError("template_error")`.
-
-An assistant message with `finish_reason: "length"` is a reply cut at its token limit: the
-special and whitespace tokens the template closes it with (`</think>`, special or not, and the
-end-of-turn token) were never generated and are not supervised.
-
-`last_turn_only` supervises only the last assistant message. `system_prompt` is
-added as the first message of conversations that have no system message.
-`template_kwargs` are passed to every render: template options such as Kimi
-K2.6's `preserve_thinking`/`thinking` or Qwen3's `enable_thinking`.
+encoder = ChatEncoder(tokenizer, template_kwargs={"preserve_thinking": True})
+input_ids, loss_mask = encoder.encode(conversation)      # lists of equal length
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from eagle31.data.sources import Conversation
 from eagle31.errors import ConfigError
 
-# Most tokens a template may add to an assistant turn when it is the final one.
-_MAX_SCAFFOLD = 64
+_MAX_SCAFFOLD = 64  # most tokens a template may add to an assistant turn when it is the final one
 # apply_chat_template's own arguments: never template options.
-_RENDER_ARGUMENTS = ("conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message",
-                     "chat_template", "return_tensors", "return_dict", "return_assistant_tokens_mask", "padding",
-                     "truncation", "max_length", "tokenizer_kwargs")  # fmt: skip
+_RENDER_ARGUMENTS = ("conversation", "tools", "documents", "tokenize", "add_generation_prompt", "chat_template",
+                     "continue_final_message", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                     "padding", "truncation", "max_length", "tokenizer_kwargs")  # fmt: skip
 
 
 def check_template_kwargs(kwargs: Any, name: str = "data.chat_template_kwargs") -> dict[str, Any]:
@@ -109,16 +66,10 @@ class ChatTemplateError(ValueError):
 
 
 class ChatEncoder:
-    """Conversations -> (input_ids, loss_mask) with a tokenizer's chat template."""
+    """Conversations -> (input_ids, loss_mask) with a tokenizer's chat template; `reasoning` tallies what it saw."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        last_turn_only: bool = False,
-        system_prompt: str | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, tokenizer: Any, *, last_turn_only: bool = False, system_prompt: str | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):  # fmt: skip
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.tokenizer = tokenizer
@@ -133,7 +84,7 @@ class ChatEncoder:
         self._closing_ids = self._special_ids | ({markers[1]} if markers else set())
 
     def encode(self, conversation: Conversation, system_prompt: str | None = None) -> tuple[list[int], list[int]]:
-        """`system_prompt`: this conversation's (`eagle31.data.system_prompts`) instead of the encoder's."""
+        """(input_ids, loss_mask); `system_prompt`, this conversation's, is added when it has no system message."""
         messages = list(conversation.messages)
         system_prompt = system_prompt or self.system_prompt
         if system_prompt and (not messages or messages[0]["role"] != "system"):
@@ -153,17 +104,18 @@ class ChatEncoder:
             mask[start:end] = [1] * (end - start)
         return full, mask
 
-    # ---------------------------------------------------------- boundaries
-
     def _turn_start(self, messages: list[dict], j: int, tools: Any, full: list[int]) -> int:
         """First token after assistant message j's prompt (header, prefilled scaffold)."""
         prompt = self._tokenize(self._render(messages[:j], tools, generation_prompt=True))
         if full[: len(prompt)] == prompt:
             return len(prompt)
         # The generation prompt prefills a scaffold the recorded turn does not start with.
-        history = self._prefix_len(messages[:j], tools, full)
+        history = self._tokenize(self._render(messages[:j], tools, generation_prompt=False))
+        if full[: len(history)] != history:
+            detail = f"the render of the first {j} messages is not a prefix of the full render"
+            raise ChatTemplateError("unstable_template", detail)
         start = _common_prefix_len(prompt, full)
-        if start < history:
+        if start < len(history):
             raise ChatTemplateError("unstable_template", f"generation prompt of message {j} rewrites the history")
         return start
 
@@ -181,19 +133,8 @@ class ChatEncoder:
                 return c + len(tail)
         raise ChatTemplateError("unstable_template", f"message {j} renders differently as the final turn")
 
-    def _prefix_len(self, messages: list[dict], tools: Any, full: list[int]) -> int:
-        ids = self._tokenize(self._render(messages, tools, generation_prompt=False))
-        if full[: len(ids)] != ids:
-            detail = f"the render of the first {len(messages)} messages is not a prefix of the full render"
-            raise ChatTemplateError("unstable_template", detail)
-        return len(ids)
-
     def _drop_unrendered_reasoning(self, messages: list[dict], tools: Any, full_text: str) -> list[dict]:
-        """The messages without the reasoning that the full render does not show (history turns).
-
-        A message's reasoning is unrendered when removing it leaves the full render unchanged;
-        `self.reasoning` counts both kinds.
-        """
+        """The messages without the reasoning whose removal leaves the full render unchanged; counted in `reasoning`."""
         messages = list(messages)
         for i, m in enumerate(messages):
             if not m.get("reasoning_content"):
@@ -224,8 +165,6 @@ class ChatEncoder:
             end -= 1
         return end
 
-    # ---------------------------------------------------------- template
-
     def _render(self, messages: list[dict], tools: Any, *, generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
@@ -243,18 +182,13 @@ def think_markers(tokenizer) -> tuple[int, int] | None:
     """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Kimi, Qwen3, DeepSeek-R1)."""
     vocab = tokenizer.get_vocab()
     ids = vocab.get("<think>"), vocab.get("</think>")
-    return ids if None not in ids else None  # type: ignore[return-value]
+    return ids if None not in ids else None
 
 
 def split_reasoning(
     prompt: list[int], reply: list[int], think: tuple[int, int] | None
 ) -> tuple[list[int] | None, list[int]]:
-    """(reasoning tokens or None, answer tokens) of a reply, split on the template's think markers.
-
-    The reply is reasoning until `</think>` when the prompt leaves a think block open (Kimi's and
-    DeepSeek-R1's generation prompts end inside one) or the reply opens one; with no `</think>`
-    (a reply cut while thinking) it is all reasoning. Without markers it is all answer.
-    """
+    """(reasoning or None, answer) tokens of a reply: up to `</think>` if the prompt or reply opens a think block."""
     if think is None:
         return None, reply
     open_id, close_id = think
@@ -271,4 +205,4 @@ def split_reasoning(
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

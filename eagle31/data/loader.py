@@ -1,45 +1,16 @@
-"""Micro-batches of target features for the trainer: plan, shuffle, rank split, resumable position.
-
-A `FeatureLoader` reads from a `FeatureSource` — the shard store
-(`eagle31.data.store.FeatureStore`) or the target run in-process
-(`eagle31.data.online.OnlineFeatures`). Both enumerate the samples of a split by
-their row id, and the plan depends only on the sample ids, their lengths and
-the seed, so the two yield identical batches.
-
-Plan of epoch `e` (a permutation drawn from `numpy.random.default_rng([seed, e])`):
-
-* `pack`: samples in permuted order, concatenated into rows of at most
-  `tokens_per_batch` tokens (next fit); a micro-batch is one row `[1, T]`.
-* `bucket`: samples sorted by length (ties in permuted order), cut into batches
-  whose padded size `B * max T` fits `tokens_per_batch`, batch order permuted.
-
-A sample longer than `tokens_per_batch` is an error at construction (raise the
-budget or lower `data.max_len`); nothing is truncated here.
-
-Rank split: global micro-batch `i` goes to rank `i % world_size`. When the count
-is not a multiple of `world_size`, the ranks left without one in the last round
-get an empty batch (`eagle31.data.batch.empty_batch`: one padding token, nothing
-supervised), so every sample is used exactly once and all ranks take the same
-number of steps.
-
-Iterating a loader yields the rest of the current epoch and then moves to the
-next one; `state_dict()` / `load_state_dict()` save and restore (epoch, position),
-the position counting the batches already yielded, and the record of what was consumed:
-the number of samples this rank's batches held and a sha256 chain over their ids in the
-order they came (`consumed`), so two runs that trained on the same samples in the same
-order end with the same record, whatever computed their features.
-"""
+"""Micro-batches of target features for the trainer: planned, shuffled, split across ranks, resumable (docs/data.md)."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, pack, pad
+from eagle31.data.batch import FeatureBatch, Sample, bucket_by_length, empty_batch, next_fit, pack, pad
 from eagle31.errors import ConfigError, choose
 
 
@@ -61,7 +32,7 @@ class FeatureSource(Protocol):
     hidden_size: int  # Ht
     dtype: torch.dtype  # of the features it returns
 
-    def samples(self, ids: Sequence[int]) -> list[Sample | None]:
+    def samples(self, ids: Sequence[int]) -> Sequence[Sample | None]:
         """The samples with these ids, in order; None for one that cannot be read (skipped)."""
         ...
 
@@ -73,30 +44,14 @@ def plan_epoch(lengths: np.ndarray, *, batching: str, tokens_per_batch: int, see
     if batching == "bucket":
         groups = bucket_by_length(lengths[perm].tolist(), tokens_per_batch)
         return [perm[groups[i]] for i in rng.permutation(len(groups))]
-    batches, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths[perm]):
-        if i > start and tokens + n > tokens_per_batch:
-            batches.append(perm[start:i])
-            start, tokens = i, 0
-        tokens += int(n)
-    if start < len(perm):
-        batches.append(perm[start:])
-    return batches
+    return [perm[run] for run in next_fit(lengths[perm], tokens_per_batch)]
 
 
 class FeatureLoader:
-    """This rank's micro-batches (`FeatureBatch`, on the source's device); see the module docstring."""
+    """This rank's micro-batches (`FeatureBatch`, on the source's device), epoch after epoch; resumable."""
 
-    def __init__(
-        self,
-        source: FeatureSource,
-        *,
-        batching: str = "pack",
-        tokens_per_batch: int = 4096,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
+    def __init__(self, source: FeatureSource, *, batching: str = "pack", tokens_per_batch: int = 4096, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):  # fmt: skip
         batching = choose(Batching, batching, "features.batching")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world_size {world_size}")
@@ -112,19 +67,14 @@ class FeatureLoader:
         self.batching, self.tokens_per_batch, self.seed = batching, tokens_per_batch, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
-        self.consumed = {"samples": 0, "sha256": hashlib.sha256().hexdigest()}
+        self.consumed: dict[str, Any] = {"samples": 0, "sha256": hashlib.sha256().hexdigest()}
         self._plan: tuple[int, list[np.ndarray | None]] | None = None
 
     def _rank_plan(self) -> list[np.ndarray | None]:
         """This rank's micro-batches of the current epoch (positions into the source; None = empty batch)."""
         if self._plan is None or self._plan[0] != self.epoch:
-            batches = plan_epoch(
-                self.source.lengths,
-                batching=self.batching,
-                tokens_per_batch=self.tokens_per_batch,
-                seed=self.seed,
-                epoch=self.epoch,
-            )
+            batches = plan_epoch(self.source.lengths, batching=self.batching, tokens_per_batch=self.tokens_per_batch,
+                                 seed=self.seed, epoch=self.epoch)  # fmt: skip
             rounds = -(-len(batches) // self.world_size)
             mine = range(self.rank, rounds * self.world_size, self.world_size)
             self._plan = (self.epoch, [batches[i] if i < len(batches) else None for i in mine])
@@ -143,16 +93,14 @@ class FeatureLoader:
         self.epoch, self.position = self.epoch + 1, 0
 
     def rewind(self) -> None:
-        """Back to the start of epoch 0: a held-out loader reads the same batches in the same order at every
-        evaluation, so an evaluation of a resumed run sums its losses as an uninterrupted run's does."""
+        """Back to epoch 0: every evaluation reads the held-out batches in the same order, resumed or not."""
         self.epoch, self.position = 0, 0
 
     def _batch(self, positions: np.ndarray | None) -> FeatureBatch:
         src = self.source
         ids = [] if positions is None else src.sample_ids[positions].tolist()
-        pairs = [
-            (i, s) for i, s in zip(ids, src.samples(ids) if ids else []) if s is not None
-        ]  # a skipped corrupt shard drops its samples
+        # a skipped corrupt shard drops its samples
+        pairs = [(i, s) for i, s in zip(ids, src.samples(ids) if ids else [], strict=False) if s is not None]
         self._record([i for i, _ in pairs])
         samples = [s for _, s in pairs]
         if not samples:
@@ -160,11 +108,8 @@ class FeatureLoader:
         return pack(samples) if self.batching == "pack" else pad(samples)
 
     def _record(self, ids: list[int]) -> None:
-        """Add the ids of a batch's samples to the consumed record."""
         chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(ids, dtype=np.int64).tobytes())
         self.consumed = {"samples": self.consumed["samples"] + len(ids), "sha256": chain.hexdigest()}
-
-    # ------------------------------------------------------------ resumable position
 
     def state_dict(self) -> dict:
         return {
@@ -179,10 +124,7 @@ class FeatureLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a saved position; a different world size resumes at the same global batch if it divides.
-
-        The consumed record continues where it was saved; on another world size (the record is per rank) it
-        starts anew."""
+        """Resume at a saved position (on another world size: the same global batch if it divides, a new record)."""
         for key in ("seed", "batching", "tokens_per_batch", "num_samples"):
             mine = self.state_dict()[key]
             if state[key] != mine:

@@ -1,17 +1,9 @@
-"""Long multi-turn samples from short conversations (`data.merge_turns`, applied by `eagle31.data.prepare`).
-
-With `data.merge_turns=N` (N > 1) consecutive conversations of the input are merged, in input order, into
-conversations of 1 to N of them each, every size drawn from `data.seed`: the first one's system message,
-then the user and assistant turns of each. Every assistant turn stays supervised, so a drafter trained
-on them learns to draft after long histories of earlier turns, as a served multi-turn prompt has, on the
-same tokens as before. A conversation with tools is never merged: its tools belong to it; nor are
-conversations regenerated under different chat-template options (a group ends early where they change).
-"""
+"""Long multi-turn samples from short conversations (`data.merge_turns`, docs/data.md, Prepared samples)."""
 
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from eagle31.data.sources import Conversation
 
@@ -20,9 +12,7 @@ class TurnMerger:
     """`merge(conversations)` yields the merged conversations; `read` counts the conversations that went in."""
 
     def __init__(self, max_conversations: int, seed: int):
-        self.max_conversations = max_conversations
-        self.seed = seed
-        self.read = 0
+        self.max_conversations, self.seed, self.read = max_conversations, seed, 0
 
     def merge(self, conversations: Iterable[Conversation]) -> Iterator[Conversation]:
         rng = random.Random(self.seed)

@@ -1,18 +1,8 @@
-"""Online features: the target runs inside the trainer's process, nothing goes to disk.
-
-`OnlineFeatures` is a `FeatureSource` over a prepared split (columns `input_ids`,
-`loss_mask`): sample ids are the split's rows, as in a store captured from it,
-so `FeatureLoader(OnlineFeatures(...), seed=s)` yields the batches that
-`FeatureLoader(FeatureStore(...), seed=s)` yields. The features are equal up to
-float rounding of differently shaped target forwards (bit-identical when both
-sides run one sample per forward, `batch_tokens=1`).
-
-For targets that fit beside the drafter on each rank; use the store otherwise.
-"""
+"""Online features: the target in the trainer's process computes them, nothing goes to disk (docs/data.md, Batches)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from torch import nn
@@ -24,7 +14,7 @@ from eagle31.target import TargetFeatures
 
 
 class OnlineFeatures:
-    """A `FeatureSource` that computes each requested sample's features with the target, in-process."""
+    """A `FeatureSource` over a prepared split (sample ids: its rows, as in a store), computed by the target."""
 
     def __init__(self, model: nn.Module, dataset, aux_layer_ids: Sequence[int], *, batch_tokens: int = 8192):
         """model: the target (eval mode, on its device); batch_tokens: padded tokens per target forward."""

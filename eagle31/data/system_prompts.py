@@ -1,18 +1,4 @@
-"""System prompts drawn per conversation: `data.system_prompts`, so robustness to the system prompt is trained
-(and `draw_for_conversation`, the same draw for `data.chat_template_variants`).
-
-    prompts = read_system_prompts(["You are terse.", "You are a pirate."])   # or a file's path
-    draw_system_prompt(prompts, seed, index)                                 # the one of conversation `index`
-
-A conversation without a system message gets one of the prompts, drawn from the seed and its index in
-the input (a hash of both: the same conversation gets the same prompt in every run and on every rank,
-and the draw does not depend on the other conversations). Preparation (`eagle31.data.prepare`, seed
-`data.seed`) and regeneration (`eagle31.data.regenerate`, seed `regenerate.seed`) both draw; a
-regenerated conversation keeps the system message it was answered under, so preparing it adds none.
-
-A file holds one prompt per line (blank lines skipped); a `.jsonl` file one JSON string, or an object
-with a `content` string, per line (for prompts that span lines).
-"""
+"""A choice per conversation, drawn from the seed and its index: `data.system_prompts`, template variants."""
 
 from __future__ import annotations
 
@@ -21,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle31.data.sources import plain
 from eagle31.errors import ConfigError
 
 
@@ -76,22 +63,17 @@ def data_system_prompts(data_cfg: Any) -> list[str]:
         raise ConfigError(
             "data.system_prompt and data.system_prompts are both set: give the one prompt as a list of one"
         )
-    if not isinstance(many, (str, Path, type(None))):
-        from omegaconf import ListConfig, OmegaConf
-
-        if isinstance(many, ListConfig):
-            many = OmegaConf.to_container(many, resolve=True)
+    many = plain(many)
     return read_system_prompts(many) if many is not None else ([one] if one else [])
 
 
 def draw_system_prompt(prompts: list[str], seed: int, index: int) -> str | None:
-    """The prompt of conversation `index` (module docstring); None without prompts."""
+    """The prompt of conversation `index`; None without prompts."""
     return draw_for_conversation(prompts, seed, index, "system-prompt")
 
 
 def draw_for_conversation(choices: list, seed: int, index: int, what: str):
-    """One of `choices` for conversation `index`, from a hash of `what`, the seed and the index; None without choices.
-    Each `what` draws on its own (`data.chat_template_variants` draws as "template-variant")."""
+    """One of `choices` for conversation `index`, from a hash of `what` (each its own draw), the seed and the index."""
     if not choices:
         return None
     digest = hashlib.blake2b(f"{what}/{seed}/{index}".encode(), digest_size=8).digest()

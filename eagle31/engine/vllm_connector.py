@@ -1,24 +1,11 @@
-"""The hidden-states connector vLLM's `extract_hidden_states` method hands its captures to (`eagle31.engine.vllm_engine`).
-
-Loaded by vLLM itself, never by the rest of eagle31 (it imports vLLM): the engine is started with
-
-    kv_transfer_config={"kv_connector": "HiddenStatesToFiles", "kv_connector_module_path": "eagle31.engine.vllm_connector",
-                        "kv_role": "kv_producer", "kv_connector_extra_config": {"hidden_states_dir": <dir>}}
-
-With `extract_hidden_states`, vLLM's target forward keeps the hidden states of the requested layers in a
-cache-only attention layer, one cache slot per prompt token (`[num_blocks, n, block_size, Ht]`). When a request
-finishes, the scheduler side asks to keep its blocks (`request_finished`), the worker side reads its slots out,
-writes them as one safetensors file, `<dir>/<request id>.safetensors` (`hidden_states [T, n, Ht]`, `token_ids [T]`),
-and then lets the blocks go. The file appears by an atomic rename, so a reader that sees it sees all of it.
-
-Why our own and not vLLM's `ExampleHiddenStatesConnector`: that one copies on a CUDA stream into pinned memory
-(it cannot run on vLLM's CPU build) and signals a finished write with a flock beside each file. This one copies
-synchronously (the copy is small beside the target's forward) and needs no lock. Only tensor-parallel rank 0
-writes. The directory is meant to be memory (`/dev/shm`): the reader deletes each file once read.
+"""The KV connector vLLM's `extract_hidden_states` hands its captures to: one safetensors file per finished request
+(docs/engine.md, vLLM as the engine). Loaded by vLLM itself (`eagle31.engine.vllm_engine` names it), never by the rest
+of eagle31.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+from eagle31.engine.vllm_engine import LAYER_IDS_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,7 +41,7 @@ class HiddenStatesMetadata(KVConnectorMetadata):
     finished: list[FinishedRequest] = field(default_factory=list)
 
 
-def hidden_states_group(kv_cache_config: "KVCacheConfig | None") -> int:
+def hidden_states_group(kv_cache_config: KVCacheConfig | None) -> int:
     """The KV cache group of the cache-only layer: its own group beside the target's attention, or the only group
     (vLLM's CPU build puts every layer in one)."""
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
@@ -71,7 +60,7 @@ def hidden_states_group(kv_cache_config: "KVCacheConfig | None") -> int:
 class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
     """Writes each finished request's captured hidden states to `<hidden_states_dir>/<request id>.safetensors`."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.speculative_config is None or vllm_config.speculative_config.method != "extract_hidden_states":
             raise ValueError("HiddenStatesToFiles needs speculative_config.method='extract_hidden_states'")
@@ -79,6 +68,9 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         if not self.directory:
             raise ValueError("HiddenStatesToFiles needs kv_connector_extra_config.hidden_states_dir")
         self.group = hidden_states_group(kv_cache_config)
+        draft = vllm_config.speculative_config.draft_model_config
+        ids = getattr(draft.hf_config, "eagle_aux_hidden_state_layer_ids", None) if draft is not None else None
+        self.layer_ids = json.dumps([int(i) for i in ids or []])  # what extract_hidden_states keeps, as resolved here
         if kv_cache_config is None:
             self.block_size = vllm_config.cache_config.block_size
         else:
@@ -136,15 +128,15 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         slots = slots.to(self._cache.device)
         states = self._cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [T, n, Ht]
         tmp = f"{request.path}.tmp"
-        save_file({"hidden_states": states.contiguous()}, tmp)
+        save_file({"hidden_states": states.contiguous()}, tmp, metadata={LAYER_IDS_KEY: self.layer_ids})
         os.replace(tmp, request.path)
 
     # ---------------------------------------------------------------- scheduler side
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -152,7 +144,7 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         self._finished = []
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker has written them; the reply names the file."""
         if request.prompt_token_ids is None or not block_ids:
             return False, None
@@ -161,12 +153,12 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         return True, {"hidden_states_path": path}
 
     def request_finished_all_groups(
-        self, request: "Request", block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self.group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self.group])
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None

@@ -1,42 +1,13 @@
-"""Acceptance length by real speculative decoding, per drafter and prompt split.
-
-Training reports `tau_sim`, a teacher-forced estimate; this module measures what a
-drafter gives when it drafts from its own outputs, with `eagle31.eval.speculative`:
-
-    tau                         1 + accepted / drafts (vLLM's acceptance length; a
-                                draft is one drafting round = one verification)
-    acceptance_rate[i]          rounds whose draft position i+1 was accepted / rounds
-                                (vLLM's per-position rate)
-    conditional_acceptance_rate[i]   the same, among rounds that accepted positions 1..i
-    target_forwards_per_token   (prefill + verifications) / generated tokens
-    seconds, tokens_per_second  wall time of the decoding loop
-
-Verification is `live` (the target verifies every round: wall times are real) or
-`replay`: the target decodes each prompt of a split once (`greedy_trace`) and every
-drafter's rounds are verified from that trace (`eagle31.eval.speculative`). The counts,
-and so tau and the rates, are the same as live up to floating-point ties between
-the target's top tokens, for one greedy decoding per prompt instead of one per
-drafter; the wall times then cover drafting only. Comparisons of many drafters
-use it.
-
-Prompts are JSON Lines: `{"messages": [...]}` (OpenAI or ShareGPT form, read by
-`eagle31.data.sources`), rendered with the target tokenizer's chat template and a
-generation prompt, a final assistant turn dropped; or `{"prompt": "..."}`, tokenised
-as is (with the tokenizer's special tokens, e.g. BOS). Each file is one split.
-
-`AcceptanceConfig` holds the `key=value` arguments of `scripts/eval_acceptance.py`;
-`run_acceptance` loads everything, checks it before the target's weights are read,
-evaluates every drafter on every split and returns the report that
-`eagle31.eval.acceptance_report` writes.
-"""
+"""Acceptance length by real speculative decoding, per drafter and prompt split (docs/evaluation.md)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,7 +15,7 @@ from eagle31.data.chat import parse_template_kwargs
 from eagle31.data.sources import BadInput, to_conversation
 from eagle31.errors import ConfigError
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
-from eagle31.eval.speculative import Generation, GreedyTrace, greedy_trace, speculative_generate
+from eagle31.eval.speculative import Generation, GreedyTrace, draft_length, greedy_trace, speculative_generate
 from eagle31.layouts import DrafterFormat
 from eagle31.target import (
     check_aux_layer_ids,
@@ -55,8 +26,6 @@ from eagle31.target import (
     text_config,
 )
 from eagle31.targets.cache import portable_path
-
-# ---------------------------------------------------------------------- statistics
 
 
 @dataclass
@@ -94,7 +63,7 @@ class AcceptanceStats:
         return {
             "tau": 1 + self.accepted / rounds,
             "acceptance_rate": [a / rounds for a in self.accepted_at],
-            "conditional_acceptance_rate": [a / max(r, 1) for a, r in zip(self.accepted_at, reached)],
+            "conditional_acceptance_rate": [a / max(r, 1) for a, r in zip(self.accepted_at, reached, strict=True)],
             "target_forwards_per_token": self.target_forwards / max(self.generated_tokens, 1),
             "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
             "mean_prompt_tokens": self.prompt_tokens / max(self.prompts, 1),
@@ -103,33 +72,19 @@ class AcceptanceStats:
 
 
 def evaluate(
-    target,
-    proposer: Proposer,
-    prompts: Sequence[Sequence[int]],
-    *,
-    aux_layer_ids: Sequence[int],
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids: Sequence[int] = (),
+    target, proposer: Proposer, prompts: Sequence[Sequence[int]], *, aux_layer_ids: Sequence[int], max_new_tokens: int,
+    k: int | None = None, tree: TreeSpec | None = None, eos_token_ids: Sequence[int] = (),
     traces: Sequence[GreedyTrace] | None = None,
-) -> AcceptanceStats:
-    """Speculative decoding of every prompt (lists of token ids) with one proposer; with `traces`
-    (`greedy_traces` of the same prompts) verified from them instead of by the target."""
-    stats = AcceptanceStats(draft_len=k if tree is None else tree.depth)
+) -> AcceptanceStats:  # fmt: skip
+    """Speculative decoding of every prompt (token ids); with `traces` (theirs), verified from them, not the target."""
+    stats = AcceptanceStats(draft_len=draft_length(k, tree))
     device = target.get_input_embeddings().weight.device
     for i, prompt in enumerate(prompts):
         ids = torch.tensor(list(prompt), dtype=torch.long, device=device)
         generation = speculative_generate(
-            target if traces is None else traces[i],
-            proposer,
-            ids,
-            aux_layer_ids=aux_layer_ids,
-            max_new_tokens=max_new_tokens,
-            k=k,
-            tree=tree,
-            eos_token_ids=eos_token_ids,
-        )
+            target if traces is None else traces[i], proposer, ids, aux_layer_ids=aux_layer_ids,
+            max_new_tokens=max_new_tokens, k=k, tree=tree, eos_token_ids=eos_token_ids,
+        )  # fmt: skip
         stats.add(generation, len(prompt))
     return stats
 
@@ -147,13 +102,10 @@ def greedy_traces(
     ]
 
 
-# ---------------------------------------------------------------------- prompts
-
-
 def load_prompts(
     path: str | Path, tokenizer, max_prompts: int | None = None, template_kwargs: dict | None = None
 ) -> list[list[int]]:
-    """Token ids of the prompts of one JSON Lines file (module docstring)."""
+    """Token ids of the prompts of one JSON Lines file (docs/evaluation.md)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data: prompt file not found: {path}")
@@ -199,9 +151,6 @@ def _prompt_ids(line: str, tokenizer, where: str, template_kwargs: dict) -> list
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# ---------------------------------------------------------------------- the run
-
-
 class Verification(StrEnum):
     """Who verifies the drafts: the target every round, or its greedy decoding of the prompt."""
 
@@ -209,59 +158,95 @@ class Verification(StrEnum):
     replay = "replay"
 
 
-@dataclass
-class AcceptanceConfig:
-    """Arguments of scripts/eval_acceptance.py (read by `eagle31.cli.parse_key_values`).
+class EvalArgs:
+    """What the `key=value` arguments of the evaluations share: a target, `[label=]path` drafters, template options."""
 
-    `drafter` and `data` are comma-separated `[label=]path` lists; an unlabelled entry
-    is named after its file or directory, and a directory given as `data` stands for
-    its `*.jsonl` files (the demo corpus: one split per file).
-    """
-
-    drafter: str  # drafter directories, any layout `eagle31.convert` reads
-    target: str  # HF model directory (weights + tokenizer)
-    data: str  # JSONL prompt files, one per split
-    k: int = 3  # draft tokens per round (chain)
-    tree_top_k: int | None = None  # set all three tree_* for EAGLE-2 draft trees instead of a chain
-    tree_depth: int | None = None
-    tree_total_tokens: int | None = None
-    max_new_tokens: int = 128
-    max_prompts: int | None = None  # per split
-    drafter_format: DrafterFormat = DrafterFormat.auto
-    device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    verification: Verification = Verification.live  # replay: one greedy decoding per prompt (module docstring)
-    out: str = "acceptance"  # directory for acceptance.json / .md / .png
-    # template options for 'messages' prompts, as a JSON object: '{"preserve_thinking": true}'
-    chat_template_kwargs: str | None = None
-
-    def __post_init__(self) -> None:
-        """Check everything that can be checked before a model is loaded."""
-        check_positive(self, ("k", "max_new_tokens", "max_prompts"))
-        self.tree  # raises on incomplete or invalid tree_* values
-        self.template_kwargs  # raises on a malformed chat_template_kwargs
-        check_model_dirs(self.target, self.drafters)
-        for split, path in self.splits.items():
-            if not Path(path).is_file():
-                raise ConfigError(f"data {split}: prompt file not found: {path}")
+    drafter: str
+    target: str
+    chat_template_kwargs: str | None
+    device: str
+    dtype: str
 
     @property
-    def tree(self) -> TreeSpec | None:
-        return tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
+    def drafters(self) -> dict[str, str]:
+        """label -> drafter directory."""
+        return labelled_paths("drafter", self.drafter)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
         return parse_template_kwargs(self.chat_template_kwargs)
 
     @property
-    def drafters(self) -> dict[str, str]:
-        """label -> drafter directory."""
-        return _labelled_paths("drafter", self.drafter)
+    def splits(self) -> dict[str, str]:
+        """split name -> JSONL prompt file (none unless the arguments name prompt files)."""
+        return {}
+
+    def settings(self, **settings: Any) -> dict[str, Any]:
+        """A report's settings: the target and drafters (`portable_path`), `settings`, then the device and dtype."""
+        device, dtype = inference_device_and_dtype(self.device, self.dtype)
+        drafters = {label: portable_path(p) for label, p in self.drafters.items()}
+        return {"target": portable_path(self.target), "drafters": drafters, **settings, "device": str(device),
+                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+
+    def check_paths(self) -> None:
+        """Refuse malformed template options, a missing target or drafter directory, or a missing prompt file."""
+        parse_template_kwargs(self.chat_template_kwargs)
+        if not Path(self.target).is_dir():
+            raise ConfigError(f"target: not a directory: {self.target}")
+        for label, path in self.drafters.items():
+            if not Path(path).is_dir():
+                raise ConfigError(f"drafter {label}: not a directory: {path}")
+        for split, path in self.splits.items():
+            if not Path(path).is_file():
+                raise ConfigError(f"data {split}: prompt file not found: {path}")
+
+
+@dataclass
+class AcceptanceConfig(EvalArgs):
+    """Arguments of scripts/eval_acceptance.py (read by `eagle31.cli.parse_key_values`)."""
+
+    drafter: str  # `[label=]dir,...`, any layout `eagle31.convert` reads
+    target: str  # HF model directory (weights + tokenizer)
+    data: str  # `[label=]file,...`: JSONL prompt files, one per split, or a folder of them
+    k: int = 3  # draft tokens per round (chain)
+    drafting: str = "auto"  # chain | parallel (P-EAGLE, one forward a round) | auto: each drafter's own
+    tree_top_k: int | None = None  # set all three tree_* for EAGLE-2 draft trees instead of a chain
+    tree_depth: int | None = None
+    tree_total_tokens: int | None = None
+    max_new_tokens: int = 128
+    max_prompts: int | None = None  # per split
+    drafter_format: DrafterFormat = DrafterFormat("auto")
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    verification: Verification = Verification.live  # replay: one greedy decoding per prompt
+    out: str = "acceptance"  # directory for acceptance.json / .md / .png
+    # template options for 'messages' prompts, as a JSON object: '{"preserve_thinking": true}'
+    chat_template_kwargs: str | None = None
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("k", "max_new_tokens", "max_prompts"))
+        if self.drafting not in DRAFTING:
+            raise ConfigError(f"drafting must be one of {list(DRAFTING)}, got {self.drafting!r}")
+        tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
+        self.check_paths()
+
+    @property
+    def tree(self) -> TreeSpec | None:
+        return tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
 
     @property
     def splits(self) -> dict[str, str]:
-        """split name -> JSONL prompt file."""
-        return _labelled_paths("data", self.data)
+        return labelled_paths("data", self.data)
+
+
+DRAFTING = ("auto", "chain", "parallel")
+
+
+def check_drafting(drafter_config, drafting: str, label: str) -> None:
+    """A parallel drafter drafts in parallel, a chain drafter in chains (trees too): refuse another mode in one line."""
+    own = "parallel" if drafter_config.parallel_drafting else "chain"
+    if drafting not in ("auto", own):
+        raise ConfigError(f"drafter {label} is a {own} drafter: it cannot draft with drafting={drafting}")
 
 
 def check_positive(config: Any, names: Sequence[str]) -> None:
@@ -288,29 +273,20 @@ def load_drafters(paths: dict[str, str], source_format: str, target_config: dict
     return drafters
 
 
-def check_model_dirs(target: str, drafters: dict[str, str]) -> None:
-    if not Path(target).is_dir():
-        raise ConfigError(f"target: not a directory: {target}")
-    for label, path in drafters.items():
-        if not Path(path).is_dir():
-            raise ConfigError(f"drafter {label}: not a directory: {path}")
-
-
 def tree_spec(top_k: int | None, depth: int | None, total_tokens: int | None) -> TreeSpec | None:
     """The draft tree of the three `tree_*` arguments: None when none is set."""
-    values = (top_k, depth, total_tokens)
-    if all(v is None for v in values):
+    if top_k is None and depth is None and total_tokens is None:
         return None
-    if any(v is None for v in values):
+    if top_k is None or depth is None or total_tokens is None:
         raise ConfigError("a draft tree needs all of tree_top_k, tree_depth and tree_total_tokens")
     try:
-        return TreeSpec(*values)
+        return TreeSpec(top_k, depth, total_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _labelled_paths(name: str, value: str) -> dict[str, str]:
-    """`a,b` or `x=a,y=b` -> {label: path} (see `AcceptanceConfig`)."""
+def labelled_paths(name: str, value: str) -> dict[str, str]:
+    """`a,b` or `x=a,y=b` -> {label: path}; an unlabelled `data` folder stands for its `*.jsonl` files."""
     out: dict[str, str] = {}
     for item in filter(None, (v.strip() for v in value.split(","))):
         label, sep, path = item.partition("=")
@@ -346,6 +322,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     traces: dict[tuple, list[GreedyTrace]] = {}  # (split, aux layer ids) -> one trace per prompt
     results = []
     for label, drafter in drafters.items():
+        check_drafting(drafter.config, config.drafting if tree is None else "chain", label)
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux = tuple(drafter.config.aux_layer_ids)
         for split, prompts in splits.items():
@@ -355,16 +332,10 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
                     target, prompts, aux_layer_ids=aux, length=config.max_new_tokens + draft_len
                 )
             stats = evaluate(
-                target,
-                EagleProposer(drafter),
-                prompts,
-                aux_layer_ids=drafter.config.aux_layer_ids,
-                max_new_tokens=config.max_new_tokens,
-                k=None if tree else config.k,
-                tree=tree,
-                eos_token_ids=eos,
+                target, EagleProposer(drafter), prompts, aux_layer_ids=drafter.config.aux_layer_ids,
+                max_new_tokens=config.max_new_tokens, k=None if tree else config.k, tree=tree, eos_token_ids=eos,
                 traces=traces.get((split, aux)),
-            )
+            )  # fmt: skip
             summary = stats.summary()
             log(f"{label} / {split}: tau {summary['tau']:.3f} over {stats.rounds} rounds, {stats.prompts} prompts")
             results.append({"drafter": label, "split": split, **summary})
@@ -374,20 +345,11 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
 def report_settings(config: AcceptanceConfig) -> dict[str, Any]:
     """The settings of `config`'s report: the drafters, and what must match for two reports' tau to compare."""
     tree = config.tree
-    device, dtype = inference_device_and_dtype(config.device, config.dtype)
-    return {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "data": {split: portable_path(p) for split, p in config.splits.items()},
-        "mode": "tree" if tree else "chain",
-        "k": None if tree else config.k,
-        "tree": asdict(tree) if tree else None,
-        "max_new_tokens": config.max_new_tokens,
-        "max_prompts": config.max_prompts,
-        "verification": str(config.verification),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    return config.settings(
+        data={split: portable_path(p) for split, p in config.splits.items()}, mode="tree" if tree else config.drafting,
+        k=None if tree else config.k, tree=asdict(tree) if tree else None, max_new_tokens=config.max_new_tokens,
+        max_prompts=config.max_prompts, verification=str(config.verification),
+    )  # fmt: skip
 
 
 def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str) -> None:

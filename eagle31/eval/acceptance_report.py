@@ -1,10 +1,4 @@
-"""The acceptance report of `eagle31.eval.acceptance.run_acceptance`: JSON, a table, a plot.
-
-paths = write_report(report, "runs/demo/acceptance")
-# acceptance.json   settings + one result per (drafter, split)
-# acceptance.md     the table that `format_table` prints
-# acceptance.png    per-position acceptance rate, one panel per split, one line per drafter
-"""
+"""The acceptance report of `run_acceptance`: acceptance.json, acceptance.md (`format_table`), acceptance.png."""
 
 from __future__ import annotations
 
@@ -48,9 +42,9 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
     results = report["results"]
     splits = list(dict.fromkeys(r["split"] for r in results))
     fig = Figure(figsize=(4.2 * len(splits), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(splits), sharey=True, squeeze=False)[0]
+    axes: Any = fig.subplots(1, len(splits), sharey=True, squeeze=False)[0]  # Axes; matplotlib says a bare ndarray
     positions = range(1, max(len(r["acceptance_rate"]) for r in results) + 1)
-    for ax, split in zip(axes, splits):
+    for ax, split in zip(axes, splits, strict=True):
         for r in (r for r in results if r["split"] == split):
             rates = r["acceptance_rate"]
             ax.plot(positions[: len(rates)], rates, marker="o", label=f"{r['drafter']} (tau {r['tau']:.2f})")
@@ -69,7 +63,7 @@ REPORT_KIND = "acceptance"  # the output marker's kind (eagle31.io)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Write acceptance.json, acceptance.md and acceptance.png under `out_dir` (new, empty, or an acceptance report's)."""
+    """Write acceptance.json, .md and .png under `out_dir` (new, empty, or an acceptance report's)."""
     out = claim_output_dir(out_dir, REPORT_KIND)
     paths = {"json": out / "acceptance.json", "table": out / "acceptance.md", "plot": out / "acceptance.png"}
     atomic_write_json(paths["json"], report)

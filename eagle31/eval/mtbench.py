@@ -1,45 +1,24 @@
-"""Acceptance on MT-Bench, as the EAGLE papers measure it: both turns, per category and draft position.
+"""Acceptance on MT-Bench as the EAGLE papers measure it: both turns, per category and mode (docs/evaluation.md).
 
-    python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir>
-
-Each of the 80 questions is a two-turn conversation. Turn 1 is the first question under the
-chat template; turn 2 carries turn 1's question, the target's own (greedy) answer to it and
-the second question.
-
-The target decodes each turn once (`trace_mt_bench`); every drafter and mode is then measured
-by replaying greedy speculative decoding on those traces (`eagle31.eval.speculative`: the same
-accepted lengths as live decoding, which the tests check, without a target forward per
-drafter). So `seconds` and `tokens_per_second` in the results time the drafter alone.
-
-Two robustness probes: `system_prompt` puts a system message (e.g. one unseen in training)
-before turn 1, and `history` puts at least `history_tokens` tokens of earlier conversations
-(user and assistant turns of any conversation source) before it, to measure prompts well past
-the drafter's training length.
-
-Every drafter runs in every mode: chains of `k` draft tokens for each `k` in `ks` (default
-3, 5, 7) and, when the `tree_*` keys are set, an EAGLE-2 draft tree. Each (drafter, mode)
-gives `eagle31.eval.acceptance.AcceptanceStats` per category and over all (`all`), both turns
-counted. Output under `out`: `mt_bench.json` (settings and every result), `mt_bench.md`
-(tau per category, one row per drafter and mode) and `<mode>/acceptance.{json,md,png}`
-(the per-position table and plot of `eagle31.eval.acceptance_report`, categories as splits).
+python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir>
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from eagle31.data.chat import parse_template_kwargs, split_reasoning, think_markers
+from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import (
     AcceptanceStats,
-    _labelled_paths,
-    check_model_dirs,
+    EvalArgs,
     check_positive,
     eos_ids,
     load_drafters,
@@ -47,7 +26,7 @@ from eagle31.eval.acceptance import (
     tree_spec,
 )
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
-from eagle31.eval.speculative import GreedyTrace, cut_generation, greedy_trace, speculative_generate
+from eagle31.eval.speculative import GreedyTrace, cut_generation, draft_length, greedy_trace, speculative_generate
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
 from eagle31.target import inference_device_and_dtype, load_target, load_target_config
 from eagle31.targets.cache import portable_path
@@ -57,7 +36,7 @@ MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
 
 
 @dataclass
-class MTBenchConfig:
+class MTBenchConfig(EvalArgs):
     """Arguments of `scripts/eval_acceptance.py mtbench` (read by `eagle31.cli.parse_key_values`)."""
 
     drafter: str  # `[label=]dir,...`, any layout eagle31.convert reads
@@ -82,17 +61,8 @@ class MTBenchConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, ("max_new_tokens", "max_per_category", "history_tokens"))
-        self.modes  # raises on bad ks or tree_* values
-        self.template_kwargs  # raises on a malformed chat_template_kwargs
-        check_model_dirs(self.target, self.drafters)
-
-    @property
-    def drafters(self) -> dict[str, str]:
-        return _labelled_paths("drafter", self.drafter)
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        return parse_template_kwargs(self.chat_template_kwargs)
+        _ = self.modes  # raises on bad ks or tree_* values
+        self.check_paths()
 
     @property
     def modes(self) -> dict[str, tuple[int | None, TreeSpec | None]]:
@@ -122,11 +92,8 @@ def select_questions(questions: Sequence[MTBenchQuestion], max_per_category: int
 
 
 def long_histories(tokenizer, conversations: Sequence[Conversation], count: int, min_tokens: int) -> list[list[dict]]:
-    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`.
-
-    Only user and assistant messages are kept, and each conversation is cut after its last
-    assistant message, so the history alternates and the question follows as a user turn.
-    """
+    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`; their
+    user and assistant messages, each cut after its last assistant message, so a question follows as a user turn."""
     turns = []
     for conv in conversations:
         messages = [
@@ -169,25 +136,12 @@ class MTBenchTurn:
 
 
 def trace_mt_bench(
-    target,
-    tokenizer,
-    questions: Sequence[MTBenchQuestion],
-    *,
-    aux_layer_ids: Sequence[int],
-    max_new_tokens: int,
-    draft_len: int,
-    eos_token_ids: Sequence[int] = (),
-    system_prompt: str | None = None,
-    histories: Sequence[list[dict]] | None = None,
-    template_kwargs: dict | None = None,
-) -> list[MTBenchTurn]:
-    """Both turns of every question, decoded once by the target; turn `j` sees its answers to turns < j.
-
-    `histories[i]`, when given, comes before question `i`'s first turn (after the system prompt).
-    `template_kwargs` go to every render (Kimi's `thinking`, ...); an answer's reasoning, split on the
-    template's think markers, goes back into the history as `reasoning_content`, as regeneration stores it.
-    Each trace runs `draft_len` tokens past `max_new_tokens`, as far as a last round may draft.
-    """
+    target, tokenizer, questions: Sequence[MTBenchQuestion], *, aux_layer_ids: Sequence[int], max_new_tokens: int,
+    draft_len: int, eos_token_ids: Sequence[int] = (), system_prompt: str | None = None,
+    histories: Sequence[list[dict]] | None = None, template_kwargs: dict | None = None,
+) -> list[MTBenchTurn]:  # fmt: skip
+    """Both turns of every question, decoded once by the target (turn `j` sees its answers to turns < j), each
+    `draft_len` tokens past `max_new_tokens`; `histories[i]` comes before question `i` (after the system prompt)."""
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
     think = think_markers(tokenizer)
@@ -210,16 +164,11 @@ def trace_mt_bench(
 
 
 def evaluate_mt_bench(
-    turns: Sequence[MTBenchTurn],
-    proposer: Proposer,
-    *,
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids: Sequence[int] = (),
-) -> dict[str, AcceptanceStats]:
+    turns: Sequence[MTBenchTurn], proposer: Proposer, *, max_new_tokens: int, k: int | None = None,
+    tree: TreeSpec | None = None, eos_token_ids: Sequence[int] = (),
+) -> dict[str, AcceptanceStats]:  # fmt: skip
     """category -> stats over both turns of its questions, plus `all`: speculative decoding replayed on each trace."""
-    draft_len = k if tree is None else tree.depth
+    draft_len = draft_length(k, tree)
     stats: dict[str, AcceptanceStats] = {ALL: AcceptanceStats(draft_len=draft_len)}
     for turn in turns:
         prompt = turn.trace.tokens[: turn.trace.prompt_len]
@@ -232,29 +181,35 @@ def evaluate_mt_bench(
     return stats
 
 
+def read_questions(
+    config: Any, tokenizer, log: Callable[[str], None]
+) -> tuple[list[MTBenchQuestion], list[list[dict]] | None, Tally]:
+    """(the questions `config` keeps, their histories or None, the skipped records) for `tokenizer`'s chat template."""
+    rejects = Tally()
+    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
+    if rejects.counts:
+        log(f"skipped MT-Bench records: {rejects.describe()}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
+    histories = None
+    if config.history:
+        conversations = list(read_conversations([config.history], Tally()))
+        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
+    return questions, histories, rejects
+
+
 def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every drafter in every mode over the questions; returns the report (settings + results)."""
     from transformers import AutoTokenizer
 
     modes = config.modes
     device, dtype = inference_device_and_dtype(config.device, config.dtype)
-    rejects = Tally()
-    questions = select_questions(read_mt_bench(config.questions, rejects), config.max_per_category)
-    if rejects.counts:
-        log(f"skipped MT-Bench records: {rejects.describe()}")
-    target_config = load_target_config(config.target)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"target {config.target}: MT-Bench prompts need a chat template, and its tokenizer has none")
-    histories = None
-    if config.history:
-        history_rejects = Tally()
-        conversations = list(read_conversations([config.history], history_rejects))
-        histories = long_histories(tokenizer, conversations, len(questions), config.history_tokens)
-    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
+    questions, histories, rejects = read_questions(config, tokenizer, log)
+    drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
     eos = eos_ids(target, tokenizer)
-    draft_len = max(k or tree.depth for k, tree in modes.values())
+    draft_len = max(draft_length(k, tree) for k, tree in modes.values())
     traces: dict[tuple[int, ...], list[MTBenchTurn]] = {}  # one greedy decoding per aux-layer choice
     target_seconds = 0.0
     results = []
@@ -262,9 +217,8 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux_ids = tuple(drafter.config.aux_layer_ids)
         if aux_ids not in traces:
-            log(
-                f"decoding {sum(len(q.turns) for q in questions)} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})"
-            )
+            n_turns = sum(len(q.turns) for q in questions)
+            log(f"decoding {n_turns} turns of {len(questions)} questions with the target (aux layers {list(aux_ids)})")
             start = time.perf_counter()
             traces[aux_ids] = trace_mt_bench(
                 target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=config.max_new_tokens,
@@ -280,24 +234,16 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
             log(f"{label} / {mode}: tau {stats[ALL].summary()['tau']:.3f} over {stats[ALL].rounds} rounds")
             for category, s in stats.items():
                 results.append({"drafter": label, "mode": mode, "split": category, **s.summary()})
-    settings = {
-        "target": portable_path(config.target),
-        "drafters": {label: portable_path(p) for label, p in config.drafters.items()},
-        "questions": portable_path(config.questions),
-        "questions_used": len(questions),
-        "skipped_records": rejects.to_dict(),
-        "modes": {m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
-        "max_new_tokens": config.max_new_tokens,
-        "max_per_category": config.max_per_category,
-        "system_prompt": config.system_prompt,
-        "chat_template_kwargs": config.template_kwargs,
-        "history": portable_path(config.history) if config.history else None,
-        "history_tokens": config.history_tokens if config.history else None,
-        "verification": "replayed on the target's greedy decoding of each turn",
-        "target_decoding_seconds": target_seconds,  # the results' `seconds` are the drafters' alone
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    settings = config.settings(
+        questions=portable_path(config.questions), questions_used=len(questions), skipped_records=rejects.to_dict(),
+        modes={m: {"k": k, "tree": asdict(t) if t else None} for m, (k, t) in modes.items()},
+        max_new_tokens=config.max_new_tokens, max_per_category=config.max_per_category,
+        system_prompt=config.system_prompt, chat_template_kwargs=config.template_kwargs,
+        history=portable_path(config.history) if config.history else None,
+        history_tokens=config.history_tokens if config.history else None,
+        verification="replayed on the target's greedy decoding of each turn",
+        target_decoding_seconds=target_seconds,  # the results' `seconds` are the drafters' alone
+    )  # fmt: skip
     return {"settings": settings, "results": results}
 
 
@@ -314,7 +260,8 @@ def format_summary(report: dict[str, Any]) -> str:
             f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |"
         )
     s = report["settings"]
-    head = f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
+    head = "MT-Bench acceptance length tau (greedy, both turns, "
+    head += f"{s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
     if s["system_prompt"]:
         head += f", system prompt {s['system_prompt']!r}"
     if s.get("history"):

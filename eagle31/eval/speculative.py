@@ -1,29 +1,4 @@
-"""Greedy speculative decoding with a Hugging Face target (batch size 1).
-
-Each round a `Proposer` (`eagle31.eval.drafting`) drafts a chain of `k` tokens or a
-draft tree; the target runs once over `[last token, drafts...]` — a tree through
-a 4D tree-attention mask and per-node position ids — and accepts the longest
-draft path that matches its own argmax, plus its argmax after that path (the
-bonus token). So the output is exactly the target's greedy decoding. The target
-keeps its `DynamicCache`, trimmed to the accepted path after each round; the
-features it produced at the accepted positions (`eagle31.target.TargetFeatures`) become
-the drafter's context.
-
-A tree needs a target whose attention honours custom 4D masks (`sdpa` or
-`eager`; flash-attention kernels ignore them).
-
-Replay. Which drafts a round accepts depends only on the target's greedy sequence,
-and the features the drafter reads are the target's at the positions of that
-sequence; neither depends on the drafter. So `greedy_trace` decodes a prompt once
-(the target alone, with its cache, as a round with no drafts) and keeps its tokens
-and features; `speculative_generate` given that `GreedyTrace` instead of the model
-replays verification from it (`ReplayedTarget`): the same tokens, accepted lengths
-and target-forward count as live decoding, with no target forward. Many drafters
-and draft modes are then measured for the price of one greedy decoding per prompt.
-Live and replayed runs agree up to floating-point ties between the target's top
-tokens (a verification forward covers several positions at once); the tests hold
-them equal.
-"""
+"""Greedy speculative decoding with an HF target, live or replayed from a `GreedyTrace` (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -52,12 +27,8 @@ class Generation:
 
 @dataclass
 class GreedyTrace:
-    """The target's greedy decoding of one prompt, with its features at every position.
-
-    tokens [n + L + 1]: the prompt (n tokens), then the target's greedy continuation;
-    aux [n + L, n_aux*Ht]: the target's features at each position but the last, so the
-    target's choice after position p is tokens[p + 1].
-    """
+    """The target's greedy decoding of one prompt: tokens [n + L + 1] (the prompt, then its choice after each
+    position) and its features aux [n + L, n_aux*Ht] at every position but the last."""
 
     prompt_len: int
     tokens: torch.Tensor
@@ -89,12 +60,8 @@ class TargetRunner:
         return aux, logits[-1:].argmax(-1)
 
     def verify(self, root: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Run `[root, tree tokens]` and keep the accepted path.
-
-        root [1] the last verified token (not yet in the cache). Returns the accepted
-        node indices (root to leaf), the bonus token [1] and the aux features [a+1, ·]
-        of root + accepted nodes, now the cache's newest positions.
-        """
+        """Run `[root [1] (not yet cached), tree tokens]`, keep the accepted path; -> (its node indices, the bonus token
+        [1], aux [a+1, ·] of root + accepted nodes, now the cache's newest positions)."""
         past = self.cache.get_seq_length()
         inputs = torch.cat([root.view(1), tree.tokens])[None]  # [1, N+1]
         if tree.is_chain():  # plain causal attention is the chain's tree mask
@@ -114,13 +81,8 @@ class TargetRunner:
     def _forward(self, input_ids, *, logits_to_keep: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """-> logits [m', V] (the last `logits_to_keep` positions, all when 0), aux [m, ·]."""
         with TargetFeatures(self.model, self.aux_layer_ids) as feats:
-            out = self.model(
-                input_ids=input_ids,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **{self._cache_arg: self.cache},
-                **kwargs,
-            )
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self._cache_arg: self.cache}, **kwargs)  # fmt: skip
             aux, _ = feats.pop()
         self.forwards += 1
         return out.logits[0], aux[0]
@@ -139,7 +101,7 @@ class TargetRunner:
 
 
 class ReplayedTarget:
-    """`TargetRunner`'s prefill and verification, read off a `GreedyTrace` (module docstring)."""
+    """`TargetRunner`'s prefill and verification, read off a `GreedyTrace` (docs/evaluation.md, replay)."""
 
     def __init__(self, trace: GreedyTrace):
         self.trace = trace
@@ -169,8 +131,8 @@ class ReplayedTarget:
 
 @torch.no_grad()
 def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int) -> GreedyTrace:
-    """The target's greedy decoding of input_ids [n] for `length` + 1 tokens, EOS not stopping it
-    (a round may draft past EOS), one token per forward with its cache: `length` rounds without drafts."""
+    """The target's greedy decoding of input_ids [n] for `length` + 1 tokens, EOS not stopping it (a round may draft
+    past EOS): `length` rounds without drafts."""
     runner = TargetRunner(target, aux_layer_ids)
     aux, token = runner.prefill(input_ids)
     auxes, tokens = [aux], [input_ids, token]
@@ -192,45 +154,38 @@ def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch
 
 
 def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
-    """The longest root-to-node path whose tokens equal the target's greedy choices.
-
-    greedy [N+1]: the target's argmax after the root (index 0) and after each node.
-    """
+    """The longest root-to-node path whose tokens equal greedy [N+1], the target's argmax after root and each node."""
     tokens, parents, choice = tree.tokens.tolist(), tree.parents.tolist(), greedy.tolist()
     children: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
         children.setdefault(p, []).append(i)
-    path, node = [], -1
-    while True:
-        want = choice[node + 1]
-        node = next((c for c in children.get(node, []) if tokens[c] == want), None)
-        if node is None:
-            return path
-        path.append(node)
+    path: list[int] = []
+    node = -1
+    while (child := next((c for c in children.get(node, []) if tokens[c] == choice[node + 1]), None)) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+def draft_length(k: int | None, tree: TreeSpec | None) -> int:
+    """The most drafts a round makes: `k` for a chain, the tree's depth; exactly one of the two is given."""
+    if k is None and tree is not None:
+        return tree.depth
+    if k is None or tree is not None:
+        raise ValueError("give exactly one of k (chain drafting) and tree (draft trees)")
+    if k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    return k
 
 
 @torch.no_grad()
 def speculative_generate(
-    target,
-    proposer: Proposer,
-    input_ids: torch.Tensor,
-    *,
-    aux_layer_ids,
-    max_new_tokens: int,
-    k: int | None = None,
-    tree: TreeSpec | None = None,
-    eos_token_ids=(),
-) -> Generation:
-    """Greedy speculative decoding of one prompt (input_ids [n]) with a chain of `k`
-    drafts per round, or with draft trees when `tree` is given.
-
-    `target` is the model, or a `GreedyTrace` of its decoding of input_ids, at least
-    `max_new_tokens` + the draft depth long, to replay (module docstring).
-    """
-    if (k is None) == (tree is None):
-        raise ValueError("give exactly one of k (chain drafting) and tree (draft trees)")
-    if k is not None and k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
+    target, proposer: Proposer, input_ids: torch.Tensor, *, aux_layer_ids, max_new_tokens: int, k: int | None = None,
+    tree: TreeSpec | None = None, eos_token_ids=(),
+) -> Generation:  # fmt: skip
+    """Greedy speculative decoding of input_ids [n] with chains of `k` drafts or draft trees; `target` is the model, or
+    a `GreedyTrace` of its decoding of input_ids (at least `max_new_tokens` + the draft depth long) to replay."""
+    k = draft_length(k, tree)
     eos = set(eos_token_ids)
     start = time.perf_counter()
     runner = ReplayedTarget(target) if isinstance(target, GreedyTrace) else TargetRunner(target, aux_layer_ids)

@@ -1,50 +1,58 @@
-"""The causal part of the TTT attention: every query over the step-0 keys of its document, up to itself.
-
-Kernels (`resolve_backend` picks one for `auto`), each with the same two calls:
-
-    forward(q, k, v, segments, scale, window) -> (out fp32 [B, T, nh, d], lse fp32 [B, T, nh], ctx)
-    backward(dout, q, k, v, out, lse, segments, scale, ctx, window) -> dq, dk, dv in q's dtype
-        (backward's out and lse are the *merged* ones, `eagle31.kernels.ttt_attention`)
-
-`window` (None: every earlier key of the document) limits query p to the keys p - window + 1 .. p
-(a sliding window, `DrafterConfig.sliding_window`; the TTT step sets it, `eagle31.kernels.ttt_attention`).
-
-* `FlashCausal` — PyTorch's fused flash-attention ops: on CUDA one varlen call over the packed
-  documents, on CPU one call per document (the faster CPU path);
-* `BlockwiseCausal` — pure PyTorch, any device and dtype, query blocks of bounded size.
-
-Documents: `segment_ids` numbers the runs of equal document id a query may attend within.
-q [B, T, nh, d]; k, v [B, T, nkv, d]; segments [B, T].
-"""
+"""The causal part of the TTT attention: each query over the step-0 keys of its document that the visibility rule
+shows it (docs/design.md §4). Each kernel has `forward(q, k, v, segments, scale, mask) -> (out fp32, lse fp32, ctx)`
+and `backward(dout, q, k, v, out, lse, segments, scale, ctx, mask) -> dq, dk, dv`, the backward's out and lse the
+merged ones; q [B, T, nh, d], k, v [B, T, nkv, d], segments [B, T] document runs."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 # Scores of one query block are kept under this many elements (the blockwise kernel, the chain's
-# token blocks, the key blocks before a sequence shard). Read as `kernels.BLOCK_BUDGET` so tests can lower it.
+# token blocks, the key blocks before a sequence shard). Read as `causal.BLOCK_BUDGET` so tests can lower it.
 BLOCK_BUDGET = 1 << 24
-
-# ----------------------------------------------------------------------------
-# documents
+NOT_A_BAND = -1  # `CausalMask.reach` of a rule whose step-0 keys are not the positions just before the query
 
 
-def segment_ids(
-    document_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, shape, device=None
-) -> torch.Tensor:
-    """Run ids [B, T]: positions attend only within their run of equal document id.
+@dataclass(frozen=True)
+class CausalMask:
+    """The visibility rule as the causal kernels see it at TTT step `step`: queries (p, step), step-0 keys (p', 0).
 
-    `document_ids` [B, T] numbers packed documents (any ints; -1 is padding);
-    `attention_mask` [B, T] marks real tokens with 1. Padding forms runs of its
-    own, so no real token attends padding and no padded query is left empty.
+    Positions are indices into the keys a kernel is given (a shard's keys start at its first key): the rule
+    reads their differences.
     """
-    B, T = shape
-    doc = torch.zeros(B, T, dtype=torch.long, device=device) if document_ids is None else document_ids.long()
-    if attention_mask is not None:
-        doc = doc.to(attention_mask.device).masked_fill(attention_mask == 0, -1)
-    new_run = torch.ones_like(doc, dtype=torch.bool)
-    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    return new_run.long().cumsum(dim=1)
+
+    rule: Callable[..., torch.Tensor]
+    step: int
+
+    def allowed(self, q_seg, q_pos, k_seg, k_pos) -> torch.Tensor:
+        """The rule's mask over broadcastable query and key tensors (document runs, positions)."""
+        return self.rule(q_seg, q_pos, self.step, k_seg, k_pos, 0)
+
+    def reach(self, length: int) -> int | None:
+        """How many step-0 positions up to its own a query sees in one document of `length` positions: None for all
+        of them, `NOT_A_BAND` for a rule that skips some of the positions just before the query (blockwise only).
+        Derived from the rule at the document's last and middle queries; a rule that shows a query a later key or
+        another document's is refused (the kernels attend each document's keys up to the query)."""
+        return _reach(self, length)
+
+
+@functools.cache
+def _reach(mask: CausalMask, length: int) -> int | None:
+    pos, zero = torch.arange(length), torch.zeros((), dtype=torch.long)
+    last, middle = mask.allowed(zero, pos[-1], zero, pos), mask.allowed(zero, pos[length // 2], zero, pos)
+    if bool(middle[length // 2 + 1 :].any()) or bool(mask.allowed(zero, pos[-1], zero + 1, pos).any()):
+        raise ValueError("the visibility rule shows a query a later step-0 key or another document's")
+    n = int(last.sum())
+    if n == 0:
+        raise ValueError(f"the visibility rule leaves a query at TTT step {mask.step} no step-0 key")
+    band = lambda q: (pos <= q) & (pos > q - n)  # noqa: E731 - the n positions up to q
+    if not (torch.equal(last, band(length - 1)) and torch.equal(middle, band(length // 2))):
+        return NOT_A_BAND
+    return None if n == length else n
 
 
 def segment_starts(segments: torch.Tensor) -> torch.Tensor:
@@ -79,20 +87,20 @@ class BlockwiseCausal:
     """Flash-attention algorithm in plain PyTorch, one query block at a time."""
 
     @staticmethod
-    def _blocks(segments: torch.Tensor, nh: int, window: int | None):
+    def _blocks(segments: torch.Tensor, nh: int, mask: CausalMask):
         B, T = segments.shape
         block = max(16, min(1024, BLOCK_BUDGET // max(1, B * nh * T)))
         starts = segment_starts(segments)
         pos = torch.arange(T, device=segments.device)
+        window = mask.reach(T)
         for i0 in range(0, T, block):
             i1 = min(T, i0 + block)
             k0 = int(starts[:, i0].min())
-            if window is not None:  # no query of the block sees a key before i0 - window + 1
+            if window is not None and window != NOT_A_BAND:  # no query of the block sees a key before i0 - window + 1
                 k0 = max(k0, i0 - window + 1)
-            back = pos[i0:i1, None] - pos[None, k0:i1]  # [bq, nk] query minus key position
-            allowed = (segments[:, i0:i1, None] == segments[:, None, k0:i1]) & (back >= 0)
-            if window is not None:
-                allowed &= back < window
+            allowed = mask.allowed(
+                segments[:, i0:i1, None], pos[i0:i1, None], segments[:, None, k0:i1], pos[None, k0:i1]
+            )
             yield i0, i1, k0, allowed[:, None, None]  # [B, 1, 1, bq, nk]
 
     @staticmethod
@@ -103,7 +111,7 @@ class BlockwiseCausal:
         return s.masked_fill(~allowed, float("-inf"))
 
     @classmethod
-    def forward(cls, q, k, v, segments, scale, window=None):
+    def forward(cls, q, k, v, segments, scale, mask: CausalMask):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
@@ -111,7 +119,7 @@ class BlockwiseCausal:
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)
         out = q.new_empty(qg.shape, dtype=acc)
         lse = q.new_empty(qg.shape[:-1], dtype=acc)
-        for i0, i1, k0, allowed in cls._blocks(segments, nh, window):
+        for i0, i1, k0, allowed in cls._blocks(segments, nh, mask):
             s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
             m = s.logsumexp(dim=-1)
             out[:, :, :, i0:i1] = torch.einsum(
@@ -121,7 +129,7 @@ class BlockwiseCausal:
         return _from_grouped(out), _from_grouped(lse), None
 
     @classmethod
-    def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx, window=None):
+    def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx, mask: CausalMask):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
@@ -133,7 +141,7 @@ class BlockwiseCausal:
         dq = torch.zeros_like(qg, dtype=acc)
         dk = torch.zeros(B, nkv, T, d, dtype=acc, device=q.device)
         dv = torch.zeros_like(dk)
-        for i0, i1, k0, allowed in cls._blocks(segments, nh, window):
+        for i0, i1, k0, allowed in cls._blocks(segments, nh, mask):
             s = cls._scores(qg, kh, i0, i1, k0, allowed, scale)
             p = torch.exp(s - lse_g[:, :, :, i0:i1, None])
             do_b = do[:, :, :, i0:i1]
@@ -147,11 +155,12 @@ class BlockwiseCausal:
 
 class FlashCausal:
     """PyTorch's fused flash-attention ops (CUDA: varlen over documents, its window arguments; CPU: per
-    document, and with a window shorter than the document per block of `window` queries, over the keys that
-    block can see and a band mask: the CPU op has no window arguments)."""
+    document, and with a band shorter than the document per block of `band` queries, over the keys that
+    block can see and the rule's mask: the CPU op has no window arguments). The rule must be a band."""
 
     @staticmethod
-    def forward(q, k, v, segments, scale, window=None):
+    def forward(q, k, v, segments, scale, mask: CausalMask):
+        window = _band(mask, segments.shape[1])
         if q.is_cuda:
             return FlashCausal._cuda_forward(q, k, v, segments, scale, window)
         B, T, nh, d = q.shape
@@ -160,19 +169,20 @@ class FlashCausal:
         out = q.new_empty(B, T, nh, d, dtype=acc)
         lse = q.new_empty(B, T, nh, dtype=acc)
         for b, s, e in _runs(segments):
-            for i0, i1, k0, mask in _cpu_blocks(s, e, window, q.dtype):
+            for i0, i1, k0, band_mask in _cpu_blocks(s, e, mask, window, q.dtype):
                 qb = q[b : b + 1, i0:i1].transpose(1, 2)
                 kb = k[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
                 vb = v[b : b + 1, k0:i1].transpose(1, 2).repeat_interleave(g, dim=1)
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qb, kb, vb, 0.0, mask is None, attn_mask=mask, scale=scale
+                o, o_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qb, kb, vb, 0.0, band_mask is None, attn_mask=band_mask, scale=scale
                 )
                 out[b, i0:i1] = o[0].transpose(0, 1).to(acc)
-                lse[b, i0:i1] = l[0].transpose(0, 1).to(acc)
+                lse[b, i0:i1] = o_lse[0].transpose(0, 1).to(acc)
         return out, lse, None
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, segments, scale, ctx, window=None):
+    def backward(dout, q, k, v, out, lse, segments, scale, ctx, mask: CausalMask):
+        window = _band(mask, segments.shape[1])
         if q.is_cuda:
             return FlashCausal._cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx, window)
         B, T, nh, d = q.shape
@@ -184,9 +194,9 @@ class FlashCausal:
         dk = torch.zeros_like(k, dtype=acc) if window is not None else torch.empty_like(k)
         dv = torch.zeros_like(v, dtype=acc) if window is not None else torch.empty_like(v)
         for b, s, e in _runs(segments):
-            for i0, i1, k0, mask in _cpu_blocks(s, e, window, q.dtype):
+            for i0, i1, k0, band_mask in _cpu_blocks(s, e, mask, window, q.dtype):
 
-                def heads(x, lo=i0):
+                def heads(x, lo=i0, b=b, i1=i1):  # [1, heads, i1 - lo, d]
                     return x[b : b + 1, lo:i1].transpose(1, 2)
 
                 kb, vb = heads(k, k0).repeat_interleave(g, dim=1), heads(v, k0).repeat_interleave(g, dim=1)
@@ -198,8 +208,8 @@ class FlashCausal:
                     heads(out).to(q.dtype).contiguous(),
                     lse[b : b + 1, i0:i1].transpose(1, 2).to(acc).contiguous(),
                     0.0,
-                    mask is None,
-                    attn_mask=mask,
+                    band_mask is None,
+                    attn_mask=band_mask,
                     scale=scale,
                 )
                 dq[b, i0:i1] = gq[0].transpose(0, 1)
@@ -255,18 +265,26 @@ def _cuda_window(window: int | None) -> dict[str, int]:
     return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
 
 
-def _cpu_blocks(s: int, e: int, window: int | None, dtype: torch.dtype):
-    """(queries i0..i1, first key k0, mask) of the CPU flash calls over document positions s..e-1: one causal call
-    (mask None) unless a window is shorter than the document; then blocks of `window` queries, each over
-    the keys it can see, k0 = i0 - window + 1.., with an additive band mask [1, 1, bq, nk] in `dtype`."""
+def _band(mask: CausalMask, length: int) -> int | None:
+    """The band a flash kernel attends (`CausalMask.reach`); a rule that is no band is refused in one line."""
+    window = mask.reach(length)
+    if window == NOT_A_BAND:
+        raise ValueError("the flash kernels attend a band of earlier positions; this visibility rule needs blockwise")
+    return window
+
+
+def _cpu_blocks(s: int, e: int, mask: CausalMask, window: int | None, dtype: torch.dtype):
+    """(queries i0..i1, first key k0, additive mask) of the CPU flash calls over document positions s..e-1: one causal
+    call (mask None) unless the band is shorter than the document; then blocks of `window` queries, each over the
+    keys it can see, k0 = i0 - window + 1.., with the rule's mask [1, 1, bq, nk] in `dtype`."""
     if window is None or e - s <= window:
         yield s, e, s, None
         return
     for i0 in range(s, e, window):
         i1, k0 = min(e, i0 + window), max(s, i0 - window + 1)
-        back = torch.arange(i0, i1)[:, None] - torch.arange(k0, i1)[None]  # query minus key position
-        mask = torch.zeros(back.shape, dtype=dtype).masked_fill((back < 0) | (back >= window), float("-inf"))
-        yield i0, i1, k0, mask[None, None]
+        doc = torch.zeros((), dtype=torch.long)
+        seen = mask.allowed(doc, torch.arange(i0, i1)[:, None], doc, torch.arange(k0, i1)[None])
+        yield i0, i1, k0, torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))[None, None]
 
 
 def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
@@ -295,12 +313,12 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def resolve_backend(q: torch.Tensor) -> str:
-    """`auto`: the fused flash kernels on CPU and on CUDA in bf16/fp16 (head_dim <= 256), blockwise otherwise.
-
-    On CPU the fused kernel is 2-5x faster than the blockwise one (fwd + bwd, measured
-    at T = 1024..4096, docs/performance.md).
-    """
+def resolve_backend(q: torch.Tensor, mask: CausalMask, length: int) -> str:
+    """`auto`: the fused flash kernels on CPU and on CUDA in bf16/fp16 (head_dim <= 256) for a rule that is a band
+    (`CausalMask.reach`), blockwise otherwise. On CPU the fused kernel is 2-5x faster than the blockwise one (fwd +
+    bwd at T = 1024..4096, docs/performance.md)."""
+    if mask.reach(length) == NOT_A_BAND:
+        return "blockwise"
     if q.device.type == "cpu":
         return "flash"
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:

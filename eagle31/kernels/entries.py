@@ -1,13 +1,9 @@
-"""What a TTT step keeps for the later ones (its entry), and how keys and values are made of it.
-
-A Llama step's entry is its keys and values themselves (`KEYS_VALUES`); an MLA step keeps its latents
-and `ChainKeysValues` decompresses them a block of token rows at a time (`eagle31.attention.mla`).
-"""
+"""What a TTT step keeps for the later ones (its entry), and how keys and values are made of it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

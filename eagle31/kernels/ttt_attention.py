@@ -1,39 +1,6 @@
-"""Attention of the training-time-test unroll (docs/design.md §4).
-
-Query `(p, k)` — position `p`, TTT step `k` — attends to
-
-* the step-0 keys of positions `0..p` in the same document (causal), and
-* its own chain: the keys `(p, j)` for `j = 1..k`.
-
-Nothing else. So every step is "causal attention over the step-0 keys" plus
-`k` extra keys per query.
-
-A sliding window of W positions (`DrafterConfig.sliding_window`) is a window over RoPE positions, as
-vLLM serves it: the query `(p, k)` sits at position `p + k` and sees the keys of positions
-`p + k - W + 1 .. p + k` — the step-0 keys of `p + k - W + 1 .. p` (a causal window of `W - k`
-positions at step k) and its whole chain (positions `p + 1 .. p + k`, inside the window while `k < W`).
-
-The efficient path computes the causal part with a kernel that returns its
-log-sum-exp (LSE), adds the chain scores, and merges the two by LSE; its backward calls the kernel's backward with the *merged*
-output and LSE (the standard flash-attention identity), then adds the chain's
-gradients. Memory is O(T) in the sequence length: no `T x T` or `T x (K*T)`
-tensor is built.
-
-The causal part is a kernel of `eagle31.kernels.causal` (on a sequence shard wrapped in
-`eagle31.sequence_parallel.query_tail.QueryTail`):
-  * `flash` — PyTorch's fused flash-attention ops: on CUDA one varlen call
-    over the packed documents, on CPU one call per document (the faster CPU path);
-  * `blockwise` — pure PyTorch, any device and dtype, query blocks of bounded size.
-`reference_attention` builds the explicit scores (for tests and readers).
-
-Layouts: q [B, T, nh, d]; k0, v0 [B, T, nkv, d]; chain: a sequence of j entries,
-what steps 1..j keep for the later ones (empty at step 0) — by default (k, v) each
-[B, T, nkv, d]; in the drafter's unroll a Llama step's input (feature, token ids, positions)
-and MLA's latents (`ChainKeysValues` makes keys and values of them) — a sequence, not one stacked tensor, so the unroll shares each
-step's entry between later steps instead of saving a growing copy per step (O(K)
-memory, not O(K^2)). The chain is attended a block of token rows at a time, its keys
-and values made per block: the chain never adds a [B, T, j, nkv, d] tensor. segments [B, T].
-"""
+"""One TTT step's attention in memory O(T): a causal kernel over the step-0 keys, plus each query's chain, merged
+by log-sum-exp (docs/design.md §4). q [B, T, nh, d]; the step-0 entry over Tk >= T positions (Tk > T on a sequence
+shard: the queries are the last T); chain: the entries of steps 1..j, each what that step keeps."""
 
 from __future__ import annotations
 
@@ -43,13 +10,9 @@ from enum import StrEnum
 import torch
 
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.causal import (
-    BlockwiseCausal,
-    FlashCausal,
-    accumulation_dtype,
-    resolve_backend,
-)
+from eagle31.kernels.causal import BlockwiseCausal, CausalMask, FlashCausal, accumulation_dtype, resolve_backend
 from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
+from eagle31.model import Visibility, explicit_attention
 from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
 
 
@@ -57,57 +20,21 @@ class AttentionBackend(StrEnum):
     auto = "auto"
     flash = "flash"
     blockwise = "blockwise"
-    reference = "reference"
+    reference = "reference"  # explicit scores (O(T^2) memory): the spec's attention
 
 
-# ----------------------------------------------------------------------------
-# reference: explicit scores
-
-
-def reference_attention(q, k0, v0, chain_k, chain_v, segments, probe=None, window=None) -> torch.Tensor:
-    """Explicit softmax over [step-0 keys | chain keys]; O(Tq * Tk) memory.
-
-    q [B, Tq, nh, d] are the queries of the last Tq of the Tk positions whose step-0 keys k0, v0
-    [B, Tk, nkv, d] are (Tq = Tk but for a query tail, as on a sequence shard); the chain's keys
-    are the queries' own, [B, Tq, nkv, d] each; segments [B, Tk]. `probe`, when given, is called
-    with the probabilities [B, nh, Tq, Tk + j*Tq] (keys step-major: the Tk step-0 keys, then the
-    Tq keys of each chain step) before they weight the values. `window`: the sliding window W in positions
-    (module docstring), None for full attention.
-    """
-    B, T, nh, d = q.shape
-    Tk, nkv = k0.shape[1], k0.shape[2]
-    g = nh // nkv
-    j = len(chain_k)
-
-    def per_query_head(x, n):  # [B, n, nkv, d] -> [B, nh, n, d]
-        return x.permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
-
-    # keys (p', s) of every query: [B, nh, Tk + j*T, d], step-major
-    K = torch.cat([per_query_head(k0, Tk), *[per_query_head(k, T) for k in chain_k]], dim=2)
-    V = torch.cat([per_query_head(v0, Tk), *[per_query_head(v, T) for v in chain_v]], dim=2)
-    query_pos = torch.arange(Tk - T, Tk, device=q.device)
-    key_pos = torch.arange(Tk, device=q.device)
-    # query (p, j) sits at position p + j, the step-0 key p' at p', the chain key (p, i) at p + i
-    back = query_pos[:, None] + j - key_pos[None, :]  # [T, Tk]
-    causal = (back >= j) & (segments[:, -T:, None] == segments[:, None, :])  # [B, T, Tk]
-    diag = (query_pos[:, None] == query_pos[None, :]).expand(B, T, T)
-    chain = [diag if window is None or j - i < window else torch.zeros_like(diag) for i in range(1, j + 1)]
-    if window is not None:
-        causal &= back < window
-    allowed = torch.cat([causal, *chain], dim=2)  # [B, T, Tk + j*T]
-    probs = attention_probabilities(q, K, allowed)
-    if probe is not None:
-        probe(probs)
-    return torch.einsum("bhqk,bhkd->bqhd", probs, V)
-
-
-def attention_probabilities(q: torch.Tensor, K: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k / sqrt(d)) over the allowed keys: q [B, Q, nh, d], K [B, nh, S, d] (one per query head),
-    allowed [B, Q, S] bool or None (all) -> [B, nh, Q, S]."""
-    scores = torch.einsum("bqhd,bhkd->bhqk", q, K) / math.sqrt(q.shape[-1])
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return scores.softmax(dim=-1)
+def reference_attention(q, k0, v0, chain_k, chain_v, segments, rule=Visibility(), probe=None) -> torch.Tensor:
+    """The explicit attention of one TTT step: q [B, T, nh, d] the queries of the last T of the Tk positions of
+    the step-0 keys k0, v0 [B, Tk, nkv, d]; chain_k, chain_v the j chain steps' keys [B, T, nkv, d]; segments [B, Tk].
+    `probe(probs)` sees the probabilities [B, nh, T, Tk + j*T], keys step-major."""
+    B, T = q.shape[:2]
+    Tk, j = k0.shape[1], len(chain_k)
+    index = torch.arange(Tk, device=q.device)
+    k_pos = torch.cat([index, *[index[Tk - T :]] * j])
+    k_step = torch.cat([torch.zeros_like(index), *[torch.full((T,), s, device=q.device) for s in range(1, j + 1)]])
+    k_doc = torch.cat([segments, *[segments[:, Tk - T :]] * j], dim=1)
+    allowed = rule(segments[:, Tk - T :, None], index[Tk - T :, None], j, k_doc[:, None], k_pos, k_step)
+    return explicit_attention(q, torch.cat([k0, *chain_k], 1), torch.cat([v0, *chain_v], 1), allowed, probe)
 
 
 # ----------------------------------------------------------------------------
@@ -115,7 +42,7 @@ def attention_probabilities(q: torch.Tensor, K: torch.Tensor, allowed: torch.Ten
 
 
 def _chain_rows(N: int, j: int, nh: int, d: int):
-    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys stay under `kernels.BLOCK_BUDGET`."""
+    """Blocks of flattened token rows (b*T + t) for the chain: one block's fp32 chain keys within the budget."""
     n = max(1, kernels.BLOCK_BUDGET // max(1, j * nh * d))
     return [slice(r, min(N, r + n)) for r in range(0, N, n)]
 
@@ -136,15 +63,14 @@ def _chain_block(stacked, j: int, expand: ChainKeysValues, params):
     return k.unflatten(0, (j, -1)).transpose(0, 1), v.unflatten(0, (j, -1)).transpose(0, 1)
 
 
-def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx, window):
-    """The causal kernel's backward over the whole sequence's step-0 keys: (dq, the step-0 entry's gradients,
-    its parameters'). The keys and values are made again (a graph unless they are the entry), and their
-    gradients turned into the entry's at once: the decompressed keys go before the chain blocks run."""
+def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segments, scale, kctx, mask):
+    """(dq, the step-0 entry's gradients, its parameters'): the causal kernel's backward over keys made again from
+    the entry, their gradients turned into the entry's before the chain blocks run."""
     with torch.enable_grad():
         inputs0 = [t.detach().requires_grad_(t.is_floating_point()) for t in entry0]
         leaves0 = [p.detach().requires_grad_() for p in params0]
         k0, v0 = step0_keys_values(inputs0, expand0, leaves0, entry0[0].shape[:2])
-    dq, dk0, dv0 = kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, scale, kctx, window)
+    dq, dk0, dv0 = kernel.backward(dout, q, k0.detach(), v0.detach(), out, lse, segments, scale, kctx, mask)
     if expand0 is KEYS_VALUES:
         return dq, [dk0, dv0], []
     wanted = [t for t in inputs0 if t.requires_grad] + leaves0
@@ -153,35 +79,31 @@ def _causal_backward(kernel, dout, q, entry0, expand0, params0, out, lse, segmen
     return dq, d_entry0, [next(grads0) for _ in leaves0]
 
 
-class _TTTAttention(torch.autograd.Function):
-    """Causal kernel + chain keys merged by log-sum-exp.
+def _split(rest, expand0: ChainKeysValues, expand: ChainKeysValues, j: int):
+    """`_TTTAttention`'s flat inputs -> (step-0 entry, the j chain entries, step 0's parameters, the chain's)."""
+    w0, w, n0 = expand0.width, expand.width, len(expand0.params)
+    entries = [rest[w0 + i * w : w0 + (i + 1) * w] for i in range(j)]
+    return rest[:w0], entries, rest[w0 + j * w : w0 + j * w + n0], rest[w0 + j * w + n0 :]
 
-    Inputs (q, segments, kernel, window, expand0, expand, j, *entry0, *entries, *expand0.params,
-    *expand.params): window the causal kernel's (the drafter's sliding window less j, or None);
-    entry0 the `expand0.width` tensors of step 0 (its keys and values, made by `expand0` over all rows), entries the `expand.width` tensors of each of the j chain steps, step
-    after step. Unless `expand0` is `KEYS_VALUES` (the entry is k0, v0), the step-0 keys and values
-    are not saved: backward makes them again for the causal kernel's backward and turns their
-    gradients into the entry's (and the parameters') before the chain blocks run. On a sequence
-    shard (`QueryTail`) they are made a block of positions at a time (`StepZeroKeys`), in both.
-    """
+
+class _TTTAttention(torch.autograd.Function):
+    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, segments, kernel, mask, expand0, expand, j,
+    *entry0, *entries, *expand0.params, *expand.params). Keys and values made of entries are never saved: the
+    backward makes them again (on a shard a block of positions at a time, `StepZeroKeys`)."""
 
     @staticmethod
-    def forward(ctx, q, segments, kernel, window, expand0, expand, j, *rest):
+    def forward(ctx, q, segments, kernel, mask, expand0, expand, j, *rest):
         B, T, nh, d = q.shape
         acc = accumulation_dtype(q)
-        w0 = expand0.width
-        entry0 = rest[:w0]
-        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
-        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
-        params = rest[w0 + j * expand.width + len(expand0.params) :]
+        entry0, entries, params0, params = _split(rest, expand0, expand, j)
         scale = 1.0 / math.sqrt(d)
         if isinstance(kernel, QueryTail):  # a shard: the keys before it are made a block at a time
             keys0 = StepZeroKeys(entry0, expand0, params0)
-            out, lse, kctx = kernel.forward(q, keys0, segments, scale, window)
+            out, lse, kctx = kernel.forward(q, keys0, segments, scale, mask)
             nkv = keys0.num_kv_heads()
         else:
             k0, v0 = step0_keys_values(entry0, expand0, params0, entry0[0].shape[:2])  # [B, T, nkv, d]
-            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale, window)  # fp32 [B, T, nh, d], [B, T, nh]
+            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale, mask)  # fp32 [B, T, nh, d], [B, T, nh]
             nkv = k0.shape[2]
             del k0, v0
         g = nh // nkv
@@ -197,16 +119,8 @@ class _TTTAttention(torch.autograd.Function):
                 lf[r] = lse_all
         out = out.to(q.dtype)  # saved as returned: the next layer keeps this tensor anyway
         ctx.save_for_backward(q, segments, out, lse, *rest)
-        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.expand0, ctx.expand, ctx.nkv = (
-            kernel,
-            kctx,
-            scale,
-            j,
-            expand0,
-            expand,
-            nkv,
-        )
-        ctx.window = window
+        ctx.kernel, ctx.kctx, ctx.scale, ctx.j, ctx.nkv, ctx.mask = kernel, kctx, scale, j, nkv, mask
+        ctx.expand0, ctx.expand = expand0, expand
         return out
 
     @staticmethod
@@ -217,36 +131,18 @@ class _TTTAttention(torch.autograd.Function):
         nkv = ctx.nkv
         g = nh // nkv
         j, expand0, expand = ctx.j, ctx.expand0, ctx.expand
-        w0 = expand0.width
-        entry0 = rest[:w0]
-        entries = [rest[w0 + i * expand.width : w0 + (i + 1) * expand.width] for i in range(j)]
-        params0 = rest[w0 + j * expand.width : w0 + j * expand.width + len(expand0.params)]
-        params = rest[w0 + j * expand.width + len(expand0.params) :]
+        entry0, entries, params0, params = _split(rest, expand0, expand, j)
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         if isinstance(ctx.kernel, QueryTail):
             keys0 = StepZeroKeys(entry0, expand0, params0)
             dq, d_entry0, d_params0 = ctx.kernel.backward(
-                dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.window
+                dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.mask
             )
         else:
-            causal = (
-                ctx.kernel,
-                dout,
-                q,
-                entry0,
-                expand0,
-                params0,
-                out,
-                lse,
-                segments,
-                ctx.scale,
-                ctx.kctx,
-                ctx.window,
-            )
-            dq, d_entry0, d_params0 = _causal_backward(*causal)
+            kernel_args = (out, lse, segments, ctx.scale, ctx.kctx, ctx.mask)
+            dq, d_entry0, d_params0 = _causal_backward(ctx.kernel, dout, q, entry0, expand0, params0, *kernel_args)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
-        chain_parts = rest[w0 : w0 + j * expand.width]
-        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for t in chain_parts]
+        d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for e in entries for t in e]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
             dq = dq.reshape(B * T, nkv, g, d)
@@ -285,52 +181,37 @@ class _TTTAttention(torch.autograd.Function):
 
 
 def ttt_attention(
-    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES, probe=None,
-    window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """Attention of one TTT step (see module docstring); returns [B, T, nh, d].
-
-    chain: sequence of j entries (empty at step 0), each a tuple of `expand.width` tensors
-    [B, T, ...] from which `expand` makes that step's keys and values; with the default,
-    an entry is (k, v), each [B, T, nkv, d]. k0, v0 and segments may cover Tk > T positions: the
-    queries are then the last T of them (a sequence shard, `QueryTail`). `probe` sees the attention probabilities
-    (`reference_attention`), so it needs the reference backend. `window`: the sliding window W in positions
-    (module docstring; it must exceed the chain's length j), None for full attention.
-    """
-    return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, probe, window)
+    q, k0, v0, chain, segments, backend: str = "auto", expand: ChainKeysValues = KEYS_VALUES, rule=Visibility()
+) -> torch.Tensor:
+    """Attention of one TTT step (module docstring) -> [B, T, nh, d]; the chain's entries are (k, v) by default."""
+    return ttt_attention_of_entries(q, (k0, v0), chain, segments, backend, KEYS_VALUES, expand, rule)
 
 
 def ttt_attention_of_entries(
     q, entry0, chain, segments, backend: str = "auto", expand0: ChainKeysValues = KEYS_VALUES,
-    expand: ChainKeysValues = KEYS_VALUES, probe=None, window: int | None = None,
+    expand: ChainKeysValues = KEYS_VALUES, rule=Visibility(),
 ) -> torch.Tensor:  # fmt: skip
-    """`ttt_attention` with the causal keys and values given as the step-0 entry, `expand0.width` tensors
-    [B, Tk, ...] that `expand0` makes them of (Tk > T on a sequence shard): MLA's latents are kept, its keys and values decompressed
-    in the forward and again in the backward, never saved between them."""
-    if backend == "auto":
-        backend = resolve_backend(q)
+    """`ttt_attention` with the causal keys given as the step-0 entry, `expand0.width` tensors [B, Tk, ...] that
+    `expand0` makes them of: MLA's latents are kept, decompressed in the forward and again in the backward."""
     if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
-    if window is not None and window <= len(chain):
-        raise ValueError(
-            f"a sliding window of {window} positions leaves step {len(chain)}'s query no step-0 key: it must exceed the chain"
-        )
-    tail = entry0[0].shape[1] != q.shape[1]  # the queries are the last of the keys' positions (sequence parallelism)
+    mask = CausalMask(rule, len(chain))
+    Tk = entry0[0].shape[1]
+    if backend == "auto":
+        backend = resolve_backend(q, mask, Tk)
     if backend == "reference":
         B, T = q.shape[:2]
         k0, v0 = step0_keys_values(entry0, expand0, expand0.params, entry0[0].shape[:2])
         kv = [expand.fn(*[t.flatten(0, 1) for t in e], *expand.params) for e in chain]
         chain_k = [k.view(B, T, *k.shape[1:]) for k, _ in kv]
         chain_v = [v.view(B, T, *v.shape[1:]) for _, v in kv]
-        return reference_attention(q, k0, v0, chain_k, chain_v, segments, probe, window)
-    if probe is not None:
-        raise ValueError(f"the attention probabilities are explicit only in the reference backend, not {backend!r}")
-    kernels = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
-    if backend not in kernels:
+        return reference_attention(q, k0, v0, chain_k, chain_v, segments, rule)
+    causal = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
+    if backend not in causal:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
+    mask.reach(Tk)  # refuses, in one line, a rule that leaves a query no key
+    kernel = QueryTail(causal[backend]) if Tk != q.shape[1] else causal[backend]  # a shard: the last Tk positions
     flat = [t for e in chain for t in e]
-    kernel = QueryTail(kernels[backend]) if tail else kernels[backend]
-    causal_window = None if window is None else window - len(chain)  # step j: the step-0 keys of p + j - W + 1 .. p
     return _TTTAttention.apply(
-        q, segments, kernel, causal_window, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
+        q, segments, kernel, mask, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params
     )

@@ -1,12 +1,7 @@
-"""The layouts an exported drafter is written in and read back from (`export.formats`, `Layout`).
+"""The layouts an exported drafter is written in and read back from: `LAYOUTS`, the one list of export formats.
 
-    eagle3       the EAGLE-3 HF layout vLLM reads (`layouts/eagle3.py`)
-    speculators  the `speculators` library's layout, which vLLM >= 0.25 also serves (`layouts/speculators.py`)
-
-`LAYOUTS` is the one list of export formats: the recipe's choices (`ExportFormat`, `DrafterFormat`), detection
-(`layout_of_config`), reading (`source_layout`) and the model card (`eagle31.hub`) all ask it. A new layout is a
-module here with its `Layout` and its line below; `export_drafter` and `load_drafter` also take a `Layout`
-object itself (docs/architecture.md, "How to add").
+The recipe's choices (`ExportFormat`, `DrafterFormat`), detection, reading and the model card all ask it; a new
+layout is a module here and its line below (docs/architecture.md, "How to add").
 """
 
 from __future__ import annotations
@@ -38,10 +33,8 @@ def layout_of_config(meta: dict[str, Any]) -> Layout:
     return next(marked, LAYOUTS[UNMARKED])
 
 
-AUTO, NATIVE = (
-    "auto",
-    "eagle31",
-)  # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+# the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
+AUTO, NATIVE = "auto", "eagle31"
 
 
 def source_formats() -> list[str]:
@@ -58,7 +51,9 @@ def source_layout(format: str | Layout) -> Layout:
 
 # a drafter to read (`eagle31.convert.load_drafter`): detected from its config.json (auto), eagle31's own, or a
 # layout or a layout's dialect (`eagle31.layouts.source_formats`)
-DrafterFormat = StrEnum("DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__)
+DrafterFormat = StrEnum(  # type: ignore[misc]  # its members come from LAYOUTS, known at run time
+    "DrafterFormat", [(name, name) for name in (AUTO, NATIVE, *source_formats())], module=__name__
+)
 
 
-ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # eagle31.layouts
+ExportFormat = StrEnum("ExportFormat", [(name, name) for name in LAYOUTS], module=__name__)  # type: ignore[misc]  # as above

@@ -1,11 +1,7 @@
-"""The EAGLE-3 HF layout (`export.formats=[eagle3]`), as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
+"""The EAGLE-3 HF layout (`export.formats=[eagle3]`) as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
 
-`config.json` is the decoder layer's HF config with the EAGLE fields at the top level and the architecture
-vLLM serves the drafter's attention kind with (`AttentionKind.architecture`); weights `midlayer.*`, eagle31's
-own names, so its rename table is empty. Every attention kind can be carried; the embedding is left out by
-default (vLLM shares the target's). vLLM reads a config with no mark of another layout in this one, and so does
-eagle31: SpecForge's and TorchSpec's checkpoints are in it too, its `dialects` (`eagle31.convert` reads their
-conventions). docs/export.md: what vLLM reads, release by release.
+Weights under eagle31's own names; no embedding by default; the layout of a config no other layout recognises,
+SpecForge's and TorchSpec's among them (its `dialects`). docs/export.md.
 """
 
 from __future__ import annotations

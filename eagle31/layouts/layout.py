@@ -1,9 +1,7 @@
-"""`Layout`: one checkpoint format of an exported drafter, its `config()`, `key()` and `read()`.
+"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and what layouts share.
 
-`eagle31.export` writes a drafter through a layout, `eagle31.convert` recognises and reads one back through it,
-and `eagle31.hub` describes one on its model card from what the layout says of itself; what every layout shares (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the
-`eagle31` provenance block, and their reading) is here, for a layout to place where its readers look.
-The rules these fields follow are docs/export.md's.
+The shared parts (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the `eagle31`
+provenance block, and their reading) are placed by each layout where its readers look; their rules: docs/export.md.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from eagle31.attention import DrafterAttention
+from eagle31.attention import KINDS, DrafterAttention
 from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
 from eagle31.errors import ConfigError
 
@@ -20,6 +18,8 @@ NATIVE_PREFIX = "midlayer."  # eagle31's (= the EAGLE-3 HF layout's) name of the
 VLLM_PREFIX = "layers.0."  # vLLM's own name of it
 # the decoder layer's names that vLLM's EAGLE-3 loaders read (they rename midlayer.* to layers.0.*)
 DECODER_LAYER_PREFIXES = (NATIVE_PREFIX, VLLM_PREFIX)
+# where vLLM's parallel drafting finds a drafter's mask token (llm_base_proposer.py, the order it reads them in)
+MASK_TOKEN_FIELDS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
 _ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
 
@@ -41,18 +41,14 @@ class Layout(ABC):
         return False
 
     def check(self, config: DrafterConfig, target: str | None) -> None:
-        """Refuse, before any work, a drafter this layout cannot carry or a target it cannot name."""
+        """Refuse, before any work, a drafter this layout cannot carry or a target it cannot name (by default: none)."""
+        return None
 
     @abstractmethod
     def config(
-        self,
-        config: DrafterConfig,
-        *,
-        dtype: str,
-        trained_context: int | None,
-        num_speculative_tokens: int,
+        self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
         target: str | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any]:  # fmt: skip
         """The export's `config.json` (after `check`)."""  # fmt: skip
 
     def key(self, name: str) -> str:
@@ -74,38 +70,26 @@ class Layout(ABC):
         `target_num_layers` None unless stated (`eagle31.convert` applies the source's conventions)."""
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
-        """The k a `config.json` of this layout states (`config()`'s `num_speculative_tokens`), None if it keeps none."""
+        """The k (`num_speculative_tokens`) a `config.json` of this layout states, None if it keeps none."""
         return None
 
     def __repr__(self) -> str:
         return f"<layout {self.name}>"
 
 
-# ------------------------------------------------------------------------ writing
-
-
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
-    """The decoder layer as an HF config: the attention kind's fields (`AttentionKind.layer_fields`), then every kind's."""
+    """The decoder layer as an HF config: the kind's fields (`AttentionKind.layer_fields`), then every kind's."""
     max_positions, rope = max_positions_and_rope(config, trained_context)
     return {
         **config.kind.layer_fields(config),
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": max_positions,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": max_positions,
         **rope_fields(rope),
         **sliding_window_fields(config),
-        "vocab_size": config.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": dtype,  # transformers >= 5
-        "torch_dtype": dtype,  # transformers 4 and older vLLM
-    }
+        "vocab_size": config.vocab_size, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "dtype": dtype, "torch_dtype": dtype,  # transformers >= 5; transformers 4 and older vLLM
+    }  # fmt: skip
 
 
 def max_positions_and_rope(config: DrafterConfig, trained_context: int | None) -> tuple[int, dict[str, Any]]:
@@ -148,7 +132,7 @@ def served_sliding_window(layer: dict[str, Any]) -> int | None:
 
 
 def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
-    """The draft vocabulary, the aux ids in vLLM's convention, every switch, and `target_hidden_size` when it differs."""
+    """The draft vocabulary, the aux ids (vLLM's convention), every switch, and `target_hidden_size` when it differs."""
     eagle: dict[str, Any] = {
         "draft_vocab_size": config.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
@@ -156,6 +140,9 @@ def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
     }
     if config.target_hidden_size != config.hidden_size:
         eagle["target_hidden_size"] = config.target_hidden_size
+    if config.parallel_drafting:  # vLLM's parallel drafting reads its mask token here (its mask_hidden: a weight):
+        # 0.33 (and speculators) as mask_token_id, 0.22 only as pard_token
+        eagle["mask_token_id"] = eagle["pard_token"] = config.mask_token_id
     return eagle
 
 
@@ -171,41 +158,36 @@ def provenance(config: DrafterConfig, target: str | None) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------ reading
-
-
 def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
     """A decoder layer's HF config -> its `DrafterConfig` values, as transformers (and so vLLM) reads them, defaults
     included; its attention kind is the one that recognises it (`DrafterAttention.of_layer`)."""
     if layer.get("num_hidden_layers", 1) != 1:
         raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
     attention = DrafterAttention.of_layer(layer)
-    parsed, values = attention.kind.read_layer(layer)
+    parsed, values = KINDS[attention].read_layer(layer)
     return dict(
-        attention=attention,
-        **values,
-        hidden_size=parsed.hidden_size,
-        num_attention_heads=parsed.num_attention_heads,
-        intermediate_size=parsed.intermediate_size,
-        rms_norm_eps=float(parsed.rms_norm_eps),
+        attention=attention, **values, hidden_size=parsed.hidden_size, num_attention_heads=parsed.num_attention_heads,
+        intermediate_size=parsed.intermediate_size, rms_norm_eps=float(parsed.rms_norm_eps),
         hidden_act=parsed.hidden_act,
         rope_parameters=rope_parameters_from(layer),  # transformers keeps a legacy `type` key
-        max_position_embeddings=parsed.max_position_embeddings,
-        vocab_size=parsed.vocab_size,
+        max_position_embeddings=parsed.max_position_embeddings, vocab_size=parsed.vocab_size,
         sliding_window=served_sliding_window(layer),
-    )
+    )  # fmt: skip
 
 
 def read_eagle(meta: dict[str, Any], layer: dict[str, Any], switch_defaults: dict[str, bool]) -> dict[str, Any]:
-    """What `eagle_fields` and `provenance` wrote, read back: vLLM's defaults where a field is missing (a switch:
-    false unless `switch_defaults` says otherwise; the ids and `norm_before_fc` also under SpecForge's `eagle_config`)."""
+    """What `eagle_fields` and `provenance` wrote, read back: vLLM's defaults where a field is missing (a switch: false
+    unless `switch_defaults` says otherwise; the ids and `norm_before_fc` also under SpecForge's `eagle_config`)."""
     nested = meta.get("eagle_config") or {}
     ours = meta.get("eagle31") or {}
     ids = meta.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids") or ()
     switches = {name: bool(meta.get(name, switch_defaults.get(name, False))) for name in SWITCHES}
     if "norm_before_fc" in nested:
         switches["norm_before_fc"] = bool(nested["norm_before_fc"])
+    mask = next((meta[k] for k in MASK_TOKEN_FIELDS if meta.get(k) is not None), None)
     return dict(
+        parallel_drafting=mask is not None,
+        mask_token_id=mask,
         draft_vocab_size=meta.get("draft_vocab_size") or layer["vocab_size"],  # vLLM's default
         target_hidden_size=meta.get("target_hidden_size") or layer["hidden_size"],
         aux_layer_ids=tuple(int(i) for i in ids),

@@ -1,11 +1,4 @@
-"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves.
-
-`config.json`: `speculators_model_type: eagle3`, the proposal settings, the target as `verifier`, the decoder
-layer as `transformer_layer_config` (with the number of aux states and the EAGLE 3.1 flags), the EAGLE fields
-also at the top level; weights `layers.0.*`. The embedding is written by default and the target must be
-named; only Llama and Qwen3 layers can be carried; a missing `norm_before_residual` reads as true. Why,
-release by release: docs/export.md.
-"""
+"""The `speculators` library's layout (`export.formats=[speculators]`), which vLLM also serves (docs/export.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +10,8 @@ from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.layouts.layout import VLLM_PREFIX, Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
 
-ARCHITECTURE = "Eagle3Speculator"
+# speculators' model type and architecture of a chain drafter and of a parallel one (P-EAGLE)
+MODEL_TYPES = {False: ("eagle3", "Eagle3Speculator"), True: ("peagle", "PEagleSpeculator")}
 LAYER_MODEL_TYPES = ("llama", "qwen3")  # the layers vLLM's speculators reader maps
 THREE_ONE_FLAGS = ("fc_norm", "norm_output")  # the switches vLLM 0.22 reads from transformer_layer_config only
 
@@ -50,7 +44,8 @@ class SpeculatorsLayout(Layout):
             warnings.warn(
                 f"speculators_config.verifier.name_or_path={target} is a local path, which `vllm serve <export>` (vLLM "
                 f'0.33) refuses: serve it as `vllm serve {target} --speculative-config \'{{"method": "eagle3", '
-                "\"model\": <export>}'`, or give target.name the target's Hub id"
+                "\"model\": <export>}'`, or give target.name the target's Hub id",
+                stacklevel=2,
             )
 
     def config(
@@ -59,33 +54,28 @@ class SpeculatorsLayout(Layout):
     ) -> dict[str, Any]:  # fmt: skip
         layer = {**layer_fields(config, dtype, trained_context), "num_aux_hidden_states": config.num_aux,
                  **{name: getattr(config, name) for name in THREE_ONE_FLAGS}}  # fmt: skip
+        model_type, architecture = MODEL_TYPES[config.parallel_drafting]
         return {
-            "architectures": [ARCHITECTURE],
-            "speculators_model_type": "eagle3",
+            "architectures": [architecture],
+            "speculators_model_type": model_type,
             "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": num_speculative_tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
+                "algorithm": model_type,
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
             },
             "transformer_layer_config": layer,
             **eagle_fields(config),
             **provenance(config, target),
-        }
+        }  # fmt: skip
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
         methods = (meta.get("speculators_config") or {}).get("proposal_methods") or []
         return methods[0]["speculative_tokens"] if methods else None
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
-        if meta.get("speculators_model_type") != "eagle3":
+        if meta.get("speculators_model_type") not in {t for t, _ in MODEL_TYPES.values()}:
             raise ConfigError(
                 f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter"
             )

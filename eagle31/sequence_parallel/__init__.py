@@ -1,33 +1,6 @@
-"""Sequence parallelism: one sequence of a batch split over the N ranks of a sequence group
-(`train.sequence_parallel = N`, docs/design.md §4).
-
-Mesh. A 2-D `DeviceMesh` (data × sequence) over the world, rank = data_rank * N + sequence_rank: the
-N ranks of a sequence group share each micro-batch (the loader splits batches over the data axis),
-each holding a contiguous shard of its positions. FSDP2 shards the drafter over the whole world,
-not the data axis: every rank holds parameters and partial gradients, and one reduce-scatter over
-all ranks both sums the sequence shards' gradients and averages the data-parallel ones.
-
-Shards. A batch of T positions is padded at the end (document -1, nothing supervised) to N * Ts
-positions, Ts = max(ceil(T / N), K + 1); rank r holds positions [r Ts, (r+1) Ts) of the input ids,
-target features, loss mask and document ids, at their global RoPE positions.
-
-Halo. Step k at p reads token x[p+1+k], and its label and supervision read the target's state at
-p+1+k and the mask at p+2+k: a shard needs the first K + 1 positions of the next one. The token
-metadata (ids, mask, document ids: 24 bytes a position) is all-gathered — the keys' document runs
-need the whole prefix anyway — and of the target's final states only the first K + 1 rows of each
-shard are (`shard_batch`). The last shard's halo is padding.
-
-Keys. Query (p, k) attends the causal step-0 keys of its document and its own chain (p, 1..k);
-the chain lives at the query's own position, so only the step-0 entries cross shards: all-gathered
-(Llama: k, v; MLA: the latents c_kv + k_pe, decompressed locally), cut to the keys a shard's queries
-can see (positions before its end; with a sliding window W, from W - 1 positions before its start on),
-their gradients reduce-scattered back (`SequenceShard.gather`).
-The attention over them is `QueryTail` (query_tail.py: the causal part on a shard, the keys before it made
-a block of positions at a time by `StepZeroKeys`).
-
-The loss is the mean over the supervised queries of the global batch: each query is counted and
-summed on the rank that holds its position, and the trainer all-reduces the counts over the world.
-"""
+"""Sequence parallelism (`train.sequence_parallel = N`): each sequence split over the N ranks of a sequence group,
+on a (data x sequence) mesh; each rank holds a contiguous shard and the next shard's first K + 1 positions (its
+halo), and the step-0 entries are all-gathered for the keys (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -40,7 +13,8 @@ import torch.distributed as dist
 from eagle31.data.batch import TOKEN_COLUMNS, FeatureBatch
 from eagle31.distributed import World
 from eagle31.errors import ConfigError
-from eagle31.kernels.causal import segment_ids
+from eagle31.kernels.causal import NOT_A_BAND, CausalMask
+from eagle31.model import Visibility, segment_ids
 
 
 @dataclass(frozen=True)
@@ -145,16 +119,16 @@ class SequenceShard:
     first_key: int = 0
 
     def gather(self, entry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A step-0 entry of this shard, each [B, Ts, ...] -> that of positions first_key..end-1 [B, end - first_key, ...]."""
+        """This shard's step-0 entry, each [B, Ts, ...] -> that of positions first_key..end-1, gathered."""
         end = self.first_key + self.key_segments.shape[1]
         return tuple(_GatherShards.apply(t, self.group, self.first_key, end) for t in entry)
 
 
 def shard_batch(
-    batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, window: int | None = None
+    batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, rule=Visibility()
 ) -> tuple[FeatureBatch, SequenceShard]:
     """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`
-    (`window`: the drafter's sliding window, None for full attention).
+    (`rule`: the drafter's visibility rule, `Eagle31Drafter.visibility`).
 
     The shard's `aux` covers its Ts positions; its input ids, loss mask, document ids and final
     states carry the halo too: Ts + K + 1 positions (module docstring). `num_tokens` counts the
@@ -188,6 +162,7 @@ def shard_batch(
         aux=own.aux, final=torch.cat([own.final, next_final], dim=1),
         num_tokens=int((padded.document_ids[:, rows] >= 0).sum()), num_samples=batch.num_samples,
     )  # fmt: skip
-    first = 0 if window is None else max(0, start - window + 1)  # no query of the shard sees an earlier key
+    reach = CausalMask(rule, 0).reach(group.size * Ts)  # a band: no query of the shard sees a key before it
+    first = max(0, start - reach + 1) if reach is not None and reach != NOT_A_BAND else 0
     key_segments = segment_ids(docs[:, first:end], None, (B, end - first), device=docs.device)
     return shard, SequenceShard(group, start, key_segments, first)

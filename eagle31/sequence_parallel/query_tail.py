@@ -1,36 +1,20 @@
-"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions.
-
-Sequence parallelism (this package, `eagle31.sequence_parallel`) gives each rank a contiguous shard of a sequence's
-positions and all-gathers the step-0 entries before it; `QueryTail` attends them, made a block at a
-time by `StepZeroKeys`, so the keys before a shard never exist whole.
-"""
+"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions, the keys before the
+shard made a block at a time from the gathered step-0 entry (docs/design.md §4, sequence parallelism)."""
 
 from __future__ import annotations
 
 import torch
 
 from eagle31.kernels import causal as kernels
-from eagle31.kernels.causal import accumulation_dtype, segment_starts
+from eagle31.kernels.causal import NOT_A_BAND, CausalMask, accumulation_dtype, segment_starts
 from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, step0_keys_values
 
 
 class QueryTail:
-    """A causal kernel whose queries are the last Tq of Tk key positions (sequence parallelism).
-
-    q [B, Tq, nh, d] sits at key positions Tk - Tq .. Tk - 1 (this rank's shard; the keys are every
-    position up to its end, given as the step-0 entry they are made of, `StepZeroKeys`). The causal
-    part is the wrapped kernel on the shard's own keys (a square, as without sharding); a document
-    that starts before the shard adds, for its queries, the keys of its earlier positions, attended
-    densely (no mask: they all precede every query) a block of `prefix_block` key positions at a
-    time, each block by blocks of query rows, and merged by LSE. Only the first run of each row can
-    reach before the shard, so the dense part is at most one run of keys per row of the batch. An
-    earlier block's keys are made from the entry when it is reached (MLA decompresses its latents),
-    in the forward and again in the backward: the keys before the shard never exist whole.
-
-    With a `window`, a query sees only the keys of the last `window` positions up to its own: the dense part
-    stops at the earliest key any query can see, its rows at the last query that sees one before the shard,
-    and a key block's scores outside a row's window are masked.
-    """
+    """A causal kernel whose queries q [B, Tq, nh, d] are the last Tq of Tk key positions (a shard). The wrapped kernel
+    attends the shard's own keys; the one document per row that began earlier adds its earlier keys, made from the
+    step-0 entry a block of `prefix_block` positions at a time (forward and backward), masked by the rule and merged
+    by log-sum-exp; with a band rule only the blocks and rows that can see each other are visited."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -52,7 +36,7 @@ class QueryTail:
 
     @staticmethod
     def prefix_block(nh: int, d: int) -> int:
-        """Key positions of one block before the shard: its fp32 keys and values, at most nh heads of d, stay under `kernels.BLOCK_BUDGET`."""
+        """Key positions of one block before the shard: its fp32 keys and values (nh heads of d) within the budget."""
         return max(1, kernels.BLOCK_BUDGET // (2 * nh * d))
 
     @classmethod
@@ -67,24 +51,26 @@ class QueryTail:
         return [(m0, m1, n if window is None else min(n, m1 - 1 - off + window), rows) for m0, m1 in blocks]
 
     @staticmethod
-    def _masked(sc: torch.Tensor, off: int, i0: int, m0: int, window: int | None) -> torch.Tensor:
-        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0..: those outside a query's window at -inf."""
-        if window is None:
-            return sc
-        back = (
-            off
-            + i0
-            + torch.arange(sc.shape[0], device=sc.device)[:, None]
-            - m0
-            - torch.arange(sc.shape[-1], device=sc.device)
-        )
-        return sc.masked_fill((back >= window)[:, None, None], float("-inf"))
+    def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
+        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
+        rule hides at -inf."""
+        queries = off + i0 + torch.arange(sc.shape[0], device=sc.device)
+        keys = m0 + torch.arange(sc.shape[-1], device=sc.device)
+        seen = mask.allowed(segments[queries, None], queries[:, None], segments[None, keys], keys[None])
+        return sc.masked_fill(~seen[:, None, None], float("-inf"))
 
-    def forward(self, q, keys: StepZeroKeys, segments, scale, window=None):
+    @staticmethod
+    def _band(mask: CausalMask, length: int) -> int | None:
+        """The rule's band bounds the dense part; a rule that is no band is attended in full, masked."""
+        window = mask.reach(length)
+        return None if window == NOT_A_BAND else window
+
+    def forward(self, q, keys: StepZeroKeys, segments, scale, mask: CausalMask):
         Tq = q.shape[1]
         off = keys.length - Tq
+        window = self._band(mask, keys.length)
         k, v = keys.make(slice(None), slice(off, None))  # the shard's own keys [B, Tq, nkv, d]
-        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, window)
+        out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, mask)
         del k, v
         acc = accumulation_dtype(q)
         for b, s, n in self._prefixes(segments, Tq, window):
@@ -94,9 +80,10 @@ class QueryTail:
                 for i0 in range(0, n1, rows):
                     i1 = min(n1, i0 + rows)
                     qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], g))  # [n, nkv, g, d]
-                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
-                    lp = sc.logsumexp(-1)  # [n, nkv, g]
-                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - lp[..., None]), vb).flatten(1, 2)
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, mask, segments[b], off, i0, m0)
+                    lp = sc.logsumexp(-1)  # [n, nkv, g]; -inf for a query the rule shows none of the block
+                    finite = torch.where(lp.isinf(), 0, lp)
+                    op = torch.einsum("nkgm,mkd->nkgd", torch.exp(sc - finite[..., None]), vb).flatten(1, 2)
                     lp = lp.flatten(1)
                     merged = torch.logaddexp(lse[b, i0:i1], lp)
                     out[b, i0:i1] = (
@@ -106,12 +93,13 @@ class QueryTail:
                     lse[b, i0:i1] = merged
         return out, lse, ctx
 
-    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx, window=None):
+    def backward(self, dout, q, keys: StepZeroKeys, out, lse, segments, scale, ctx, mask: CausalMask):
         """dq, and the gradients of the step-0 entry and of its parameters (`StepZeroKeys.take_back`)."""
         Tq = q.shape[1]
         off = keys.length - Tq
+        window = self._band(mask, keys.length)
         k, v, take_back = keys.make_with_graph(slice(None), slice(off, None))
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, window)
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, mask)
         take_back(dk, dv)
         del k, v, dk, dv
         acc = accumulation_dtype(q)
@@ -124,9 +112,10 @@ class QueryTail:
                 dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
                 for i0 in range(0, n1, rows):
                     i1 = min(n1, i0 + rows)
-                    part = lambda x: x[b, i0:i1].to(acc).unflatten(1, (nkv, g))  # noqa: E731 - [n, nkv, g, ...]
-                    qb, do, ob, lb = part(q), part(dout), part(out), lse[b, i0:i1].to(acc).unflatten(1, (nkv, g))
-                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, off, i0, m0, window)
+                    qb, do, ob, lb = (
+                        x[b, i0:i1].to(acc).unflatten(1, (nkv, g)) for x in (q, dout, out, lse)
+                    )  # [n, nkv, g, ...]
+                    sc = self._masked(torch.einsum("nkgd,mkd->nkgm", qb, kb) * scale, mask, segments[b], off, i0, m0)
                     p = torch.exp(sc - lb[..., None])  # merged LSE
                     D = (do * ob).sum(-1)
                     dvb += torch.einsum("nkgm,nkgd->mkd", p, do)
@@ -146,7 +135,8 @@ class StepZeroKeys:
     def __init__(self, entry, expand: ChainKeysValues, params):
         self.entry, self.expand, self.params = entry, expand, params
         self.length = entry[0].shape[1]
-        self._d_entry = self._d_params = None
+        self._d_entry: list[torch.Tensor | None] = []
+        self._d_params: list[torch.Tensor] = []
 
     def num_kv_heads(self) -> int:
         return self.make(slice(0, 1), slice(0, 1))[0].shape[2]
@@ -158,7 +148,7 @@ class StepZeroKeys:
 
     def make_with_graph(self, rows: slice, positions: slice):
         """(k, v, take_back): `make`'s block, detached, and the function that takes its gradients back."""
-        if self._d_entry is None:
+        if not self._d_entry:
             self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
             self._d_params = [
                 torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params

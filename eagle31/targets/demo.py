@@ -1,33 +1,7 @@
-"""The demo target: a small Llama trained from scratch on the demo corpus.
+"""The demo target: a small Llama trained from scratch on the demo corpus, deterministically (docs/demo_target.md).
 
-    path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
-    build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
-    demo_corpus_dir()                      # <target>/corpus/{train,heldout,other_system,long_prompt}.jsonl
-
-A build (1) writes the conversation splits of `eagle31.targets.demo_corpus`, (2)
-trains a byte-level BPE on the training split, (3) trains `LlamaForCausalLM` on
-the training conversations, merged into multi-turn documents of up to 1536
-tokens (every token; length-bucketed padded batches), (4) measures it on the
-held-out and long-prompt splits and (5) saves a normal HF model folder:
-`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`, `chat_template.jinja`, `corpus/*.jsonl` and
-`build_info.json` (versions, recipe and the metrics; see docs/demo_target.md).
-
-Chat format (`DEMO_CHAT_TEMPLATE`): `<|bos|>`, then each message as
-`<|{role}|>\\n{content}<|end|>` (a default system prompt if none is given), and
-`add_generation_prompt` appends `<|assistant|>\\n`. `<|end|>` is the eos token, so
-an assistant turn is exactly `{content}<|end|>`, and rendering a conversation's
-prefix with the generation prompt gives a prefix of the full rendering (loss
-masks can be derived by rendering growing prefixes).
-
-Progress: the build takes minutes and happens once per cache key; it logs (logger
-`eagle31.targets.demo`, INFO) that it is building and where it caches, one line per
-phase and, while training, the step, loss and ETA. The CLIs show these lines.
-
-Determinism: a fixed seed, a fixed thread count and deterministic algorithms give
-byte-identical files on the same machine and software versions. The corpus
-depends on the Python version (the standard library differs), so the cache key
-and `build_info.json` record it; other CPUs may round differently.
+path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
+build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
 """
 
 from __future__ import annotations
@@ -110,7 +84,8 @@ def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
 
     def build(tmp: Path) -> None:
         log.info(
-            "building the demo target, once: it is cached in %s and reused by later runs (a few minutes on 2 CPU cores)",
+            "building the demo target, once: it is cached in %s and reused by later runs "
+            "(a few minutes on 2 CPU cores)",
             cache_dir() / "targets",
         )
         build_demo_target(tmp, seed=seed, recipe=recipe)
@@ -121,9 +96,6 @@ def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
 def demo_corpus_dir(seed: int = 0) -> Path:
     """The JSONL splits of the (cached, built on first use) demo target."""
     return ensure_demo_target(seed) / "corpus"
-
-
-# ------------------------------------------------------------------ the build
 
 
 def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
@@ -147,19 +119,12 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
     _phase(5, "saving")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    atomic_write_json(
-        out / "build_info.json",
-        {
-            "name": "eagle31-demo",
-            "build_version": DEMO_BUILD_VERSION,
-            "seed": seed,
-            "python_version": platform.python_version(),
-            "torch_version": torch.__version__,
-            "recipe": dataclasses.asdict(recipe),
-            "splits": {name: len(rows) for name, rows in splits.items()},
-            "metrics": metrics,
-        },
-    )
+    atomic_write_json(out / "build_info.json", {
+        "name": "eagle31-demo", "build_version": DEMO_BUILD_VERSION, "seed": seed,
+        "python_version": platform.python_version(), "torch_version": torch.__version__,
+        "recipe": dataclasses.asdict(recipe), "splits": {name: len(rows) for name, rows in splits.items()},
+        "metrics": metrics,
+    })  # fmt: skip
     log.info("demo target built in %s", _clock(time.perf_counter() - started))
     return out
 
@@ -205,48 +170,31 @@ def train_tokenizer(conversations: list[dict], recipe: DemoRecipe):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size,
-        special_tokens=list(DEMO_SPECIAL_TOKENS),
+        vocab_size=recipe.vocab_size, special_tokens=list(DEMO_SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    )  # fmt: skip
     tok.train_from_iterator((m["content"] for c in conversations for m in c["messages"]), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|end|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-        chat_template=DEMO_CHAT_TEMPLATE,
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"], chat_template=DEMO_CHAT_TEMPLATE,
         model_max_length=recipe.max_position_embeddings,
-    )
+    )  # fmt: skip
 
 
 def new_model(tokenizer, recipe: DemoRecipe):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_hidden_layers,
-        num_attention_heads=recipe.num_attention_heads,
-        num_key_value_heads=recipe.num_key_value_heads,
-        head_dim=recipe.hidden_size // recipe.num_attention_heads,
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers, num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads, head_dim=recipe.hidden_size // recipe.num_attention_heads,
         max_position_embeddings=recipe.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
     model = LlamaForCausalLM(config)
     model.generation_config.do_sample = False
     return model
-
-
-# ------------------------------------------------------------------ data
 
 
 def token_ids(tokenizer, conversations: list[dict], add_generation_prompt: bool = False) -> list[list[int]]:
@@ -258,13 +206,8 @@ def token_ids(tokenizer, conversations: list[dict], add_generation_prompt: bool 
 
 
 def training_documents(tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> list[list[int]]:
-    """The target's training sequences: runs of 1..`max_turns` training conversations.
-
-    Each run is merged into one multi-turn conversation of at most `max_len` tokens,
-    so the target learns positions and earlier turns far beyond one conversation
-    (the long-prompt split needs both), while `train.jsonl`, what a drafter
-    trains on, stays single-turn and short.
-    """
+    """The target's training sequences: runs of 1..`max_turns` training conversations, each merged into one
+    multi-turn conversation of at most `max_len` tokens (the long-prompt split needs long contexts)."""
     lengths = [len(x) for x in token_ids(tokenizer, conversations)]
     rng = random.Random(seed)
     runs, i = [], 0
@@ -281,7 +224,8 @@ def training_documents(tokenizer, conversations: list[dict], recipe: DemoRecipe,
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by length so that each padded batch holds at most `batch_tokens`."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for i in order:
         if current and (len(current) + 1) * lengths[i] > batch_tokens:
             batches.append(current)
@@ -299,9 +243,6 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
         ids[row, : len(s)] = torch.tensor(s)
         mask[row, : len(s)] = 1
     return ids, mask
-
-
-# ------------------------------------------------------------------ training
 
 
 def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> None:
@@ -335,33 +276,19 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == recipe.steps - 1:
             eta = (time.perf_counter() - started) / (step + 1) * (recipe.steps - step - 1)
-            log.info(
-                "demo target [3/%d] step %d/%d, loss %.3f, ETA %s",
-                BUILD_PHASES,
-                step + 1,
-                recipe.steps,
-                loss.item(),
-                _clock(eta),
-            )
+            log.info("demo target [3/%d] step %d/%d, loss %.3f, ETA %s", BUILD_PHASES, step + 1, recipe.steps,
+                     loss.item(), _clock(eta))  # fmt: skip
     model.eval()
-
-
-# ------------------------------------------------------------------ evaluation
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) -> dict[str, float]:
-    """Quality on the last assistant answer of each conversation (what a drafter learns to draft).
-
-    `loss`: mean NLL (nats) of the answer tokens (its `<|end|>` included) given the
-    conversation so far; `top1`: teacher-forced argmax accuracy on them;
-    `greedy_prefix_match`: mean number of leading answer tokens that greedy
-    decoding reproduces exactly; `greedy_token_match`: the fraction of the first
-    `eval_greedy_tokens` answer tokens that greedy decoding reproduces in place.
-    """
+    """Quality on the last assistant answer of each conversation: loss, top-1, greedy prefix and token match
+    (docs/demo_target.md, "Measured quality")."""
     model.eval()
     ids = token_ids(tokenizer, conversations)
-    prompt_lens = [len(p) for p in token_ids(tokenizer, [_prompt(c) for c in conversations], True)]
+    prompts = [{"messages": c["messages"][:-1]} for c in conversations]
+    prompt_lens = [len(p) for p in token_ids(tokenizer, prompts, True)]
     nll, correct, count = 0.0, 0, 0
     for batch in length_batches([len(x) for x in ids], recipe.batch_tokens):
         input_ids, attention_mask = pad([ids[i] for i in batch], tokenizer.pad_token_id)
@@ -377,7 +304,7 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
     prefix_match, token_match = [], []
     for i in range(min(recipe.eval_greedy_prompts, len(ids))):
         ref = ids[i][prompt_lens[i] :][: recipe.eval_greedy_tokens]
-        same = [a == b for a, b in zip(greedy(model, ids[i][: prompt_lens[i]], len(ref)), ref)]
+        same = [a == b for a, b in zip(greedy(model, ids[i][: prompt_lens[i]], len(ref)), ref, strict=False)]
         same += [False] * (len(ref) - len(same))  # stopped early
         prefix_match.append(same.index(False) if False in same else len(same))
         token_match.append(sum(same) / len(ref))
@@ -390,19 +317,12 @@ def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) ->
     }
 
 
-def _prompt(conversation: dict) -> dict:
-    return {"messages": conversation["messages"][:-1]}
-
-
 @torch.no_grad()
 def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (stops after the eos token)."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=model.config.eos_token_id,
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=model.config.eos_token_id,
         pad_token_id=model.config.pad_token_id,
-    )
+    )  # fmt: skip
     return out[0, len(prompt) :].tolist()

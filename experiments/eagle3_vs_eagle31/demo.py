@@ -2,7 +2,8 @@
 
     python -m experiments.eagle3_vs_eagle31.demo                   # the comparison of docs/results/eagle3_vs_eagle31.md
     python -m experiments.eagle3_vs_eagle31.demo dry_run=true      # print the trainings and measurements, run nothing
-    python -m experiments.eagle3_vs_eagle31.demo seeds=0 ttt_lengths=5 ks=3 max_prompts=8 out=/tmp/cmp runs=/tmp/cmp/runs
+    python -m experiments.eagle3_vs_eagle31.demo seeds=0 ttt_lengths=5 ks=3 max_prompts=8 out=/tmp/cmp \\
+        runs=/tmp/cmp/runs
     python -m experiments.eagle3_vs_eagle31.demo --smoke out=/tmp/cmp runs=/tmp/cmp/runs   # tiny sizes (also SMOKE=1)
 
 For every seed and TTT length it trains two drafters with `train/main.py`'s pipeline
@@ -110,14 +111,19 @@ def parse_run_name(name: str) -> tuple[str, int, int]:
 def training_overrides(cfg: CompareConfig, overrides: list[str], variant: str, ttt: int, seed: int) -> list[str]:
     """The demo recipe, the user's `overrides`, then only seed, TTT length, steps and the variant's switches changed."""
     return [
-        "recipe=demo", *overrides,
+        "recipe=demo",
+        *overrides,
         f"output_dir={cfg.runs}/{run_name(variant, ttt, seed)}",
         f"data.prepared_dir={cfg.runs}/data",  # prepared once: every drafter reads the same tokens
-        f"seed={seed}", f"train.ttt_length={ttt}", f"train.max_steps={cfg.max_steps}",
+        f"seed={seed}",
+        f"train.ttt_length={ttt}",
+        f"train.max_steps={cfg.max_steps}",
         "resume=auto",  # a killed training continues from its last checkpoint
-        "eval.enabled=false", "logging.wandb.mode=disabled", "logging.progress=false",
+        "eval.enabled=false",
+        "logging.wandb.mode=disabled",
+        "logging.progress=false",
         *VARIANTS[variant],
-    ]  # fmt: skip
+    ]
 
 
 def trainings(cfg: CompareConfig, overrides: list[str]) -> dict[str, list[str]]:
@@ -153,15 +159,18 @@ def measurement_folder(ttt: int, k: int) -> str:
 
 
 def describe_plan(cfg: CompareConfig, overrides: list[str]) -> str:
-    """What a run does, in order: each training as the `train/main.py` command of the same run, then each measurement."""
+    """What a run does, in order: each training as the `train/main.py` command of the same run, then each
+    measurement."""
     lines = [
         f"OMP_NUM_THREADS={cfg.threads} python train/main.py " + shlex.join(o)
         for o in trainings(cfg, overrides).values()
     ]
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
-            lines.append(f"measure {Path(cfg.out) / measurement_folder(ttt, k)}: k={k}, {', '.join(drafters(cfg, ttt))} "
-                         f"on {', '.join(cfg.splits_list)}")  # fmt: skip
+            lines.append(
+                f"measure {Path(cfg.out) / measurement_folder(ttt, k)}: k={k}, {', '.join(drafters(cfg, ttt))} "
+                f"on {', '.join(cfg.splits_list)}"
+            )
     return "\n".join(lines)
 
 
@@ -186,8 +195,15 @@ def compare(cfg: CompareConfig, overrides: list[str], command: str) -> None:
     train_missing(recipes, runs, out)
     for ttt in cfg.ttt_lengths_list:
         for k in cfg.ks_list:
-            measure_drafters(drafters(cfg, ttt), recipe, k=k, max_new_tokens=cfg.max_new_tokens, max_prompts=cfg.max_prompts,
-                             out=out, report_folder=measurement_folder(ttt, k))  # fmt: skip
+            measure_drafters(
+                drafters(cfg, ttt),
+                recipe,
+                k=k,
+                max_new_tokens=cfg.max_new_tokens,
+                max_prompts=cfg.max_prompts,
+                out=out,
+                report_folder=measurement_folder(ttt, k),
+            )
     summary = summarize(cfg)
     summary["feature_scale"] = feature_scale(
         cfg, ensure_demo_target(), demo_corpus_dir()
@@ -237,14 +253,17 @@ def summarize(cfg: CompareConfig) -> dict:
 def mean_over_seeds(rows: list[dict], ttt: int, k: int, split: str, variant: str) -> dict:
     n = len(rows)
     return {
-        "ttt_length": ttt, "k": k, "split": split, "variant": variant,
+        "ttt_length": ttt,
+        "k": k,
+        "split": split,
+        "variant": variant,
         "seeds": [parse_run_name(r["drafter"])[2] for r in rows],
         "tau": [r["tau"] for r in rows],
         "tau_mean": sum(r["tau"] for r in rows) / n,
         "acceptance_rate_mean": [sum(r["acceptance_rate"][i] for r in rows) / n for i in range(k)],
         "prompts": rows[0]["prompts"],
         "mean_prompt_tokens": rows[0]["mean_prompt_tokens"],
-    }  # fmt: skip
+    }
 
 
 def feature_scale(cfg: CompareConfig, target: Path, corpus: Path, trained_len: int = 384) -> dict:
@@ -314,7 +333,8 @@ def format_results(summary: dict) -> str:
     out += ["| variant | ttt_length | seed | tau_sim | eval loss | train s |", "|---|---|---|---|---|---|"]
     for t in summary["training"]:
         out.append(
-            f"| {NAMES[t['variant']]} | {t['ttt_length']} | {t['seed']} | {t['tau_sim']:.3f} | {t['eval_loss']:.4f} | {t['train_time_s']:.0f} |"
+            f"| {NAMES[t['variant']]} | {t['ttt_length']} | {t['seed']} | {t['tau_sim']:.3f} | {t['eval_loss']:.4f} | "
+            f"{t['train_time_s']:.0f} |"
         )
     out += ["", f"Acceptance length tau, greedy speculative decoding (mean over seeds; per seed: {seeds}):", ""]
     variants = cfg.variants_list
@@ -355,7 +375,8 @@ def format_feature_scale(scale: dict) -> str:
     n = scale["trained_len"]
     names = list(next(iter(scale["splits"].values())))
     lines = [
-        f"RMS of the target features per prompt position (first 16 prompts of each split), at positions below {n} (the training length) / from {n} on:",
+        "RMS of the target features per prompt position (first 16 prompts of each split), "
+        f"at positions below {n} (the training length) / from {n} on:",
         "",
     ]
     lines += ["| split | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]

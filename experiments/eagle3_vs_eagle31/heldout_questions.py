@@ -1,6 +1,7 @@
 """Held-out prompts from the training source, as single-turn MT-Bench questions.
 
-    python -m experiments.eagle3_vs_eagle31.heldout_questions source=sharegpt: skip=640 count=32 out=runs/smollm2/heldout.jsonl
+    python -m experiments.eagle3_vs_eagle31.heldout_questions source=sharegpt: skip=640 count=32 \\
+        out=runs/smollm2/heldout.jsonl
 
 Keeps the first user turn of the conversations that come after the first `skip` of `source`
 (the ones `data_prep/regenerate.py` answered for training, with `regenerate.max_conversations`
@@ -8,7 +9,8 @@ Keeps the first user turn of the conversations that come after the first `skip` 
 question format (`question_id`, `category`, `turns`), so `scripts/eval_acceptance.py mtbench
 questions=<out>` measures drafters in their training distribution on prompts they never saw.
 
-    python -m experiments.eagle3_vs_eagle31.heldout_questions format=messages system_prompt="You are ..." out=unseen_system.jsonl
+    python -m experiments.eagle3_vs_eagle31.heldout_questions format=messages system_prompt="You are ..." \\
+        out=unseen_system.jsonl
 
 `format=messages` writes the same prompts as acceptance prompt files (`{"messages": [...]}`, what
 `eval.data` and `scripts/eval_acceptance.py` read), optionally after a `system_prompt`: the

@@ -1,6 +1,7 @@
 """Replayed against live speculative decoding on SmolLM2-135M-Instruct: are they the same?
 
-    python -m experiments.eagle3_vs_eagle31.replay_check drafter=runs/smollm2/eagle31-s0/drafter questions=2 out=experiments/eagle3_vs_eagle31/results/smollm2/replay_check.json
+    python -m experiments.eagle3_vs_eagle31.replay_check drafter=runs/smollm2/eagle31-s0/drafter questions=2 \\
+        out=experiments/eagle3_vs_eagle31/results/smollm2/replay_check.json
 
 MT-Bench acceptance replays greedy speculative decoding on the target's own greedy decoding of
 each turn (`eagle31.eval.speculative`). The unit tests hold the two equal on tiny random targets;
@@ -47,8 +48,15 @@ def check(cfg: ReplayCheckConfig) -> dict:
     aux_ids, eos = drafter.config.aux_layer_ids, eos_ids(target, tokenizer)
     modes = {"chain-k3": (3, None), "tree-8x5-32": (None, TreeSpec(8, 5, 32))}
     questions = select_questions(read_mt_bench("mtbench:", Tally()), 1)[: cfg.questions]
-    turns = trace_mt_bench(target, tokenizer, questions, aux_layer_ids=aux_ids, max_new_tokens=cfg.max_new_tokens,
-                           draft_len=max(k or tree.depth for k, tree in modes.values()), eos_token_ids=eos)  # fmt: skip
+    turns = trace_mt_bench(
+        target,
+        tokenizer,
+        questions,
+        aux_layer_ids=aux_ids,
+        max_new_tokens=cfg.max_new_tokens,
+        draft_len=max(k or tree.depth for k, tree in modes.values()),
+        eos_token_ids=eos,
+    )
     rows = []
     for turn in turns:
         prompt = turn.trace.tokens[: turn.trace.prompt_len]
@@ -56,12 +64,15 @@ def check(cfg: ReplayCheckConfig) -> dict:
             kwargs = dict(max_new_tokens=cfg.max_new_tokens, k=k, tree=tree, eos_token_ids=eos)
             live = speculative_generate(target, EagleProposer(drafter), prompt, aux_layer_ids=aux_ids, **kwargs)
             replayed = speculative_generate(turn.trace, EagleProposer(drafter), prompt, aux_layer_ids=None, **kwargs)
-            rows.append({
-                "category": turn.category, "mode": mode,
-                "tau_live": 1 + sum(live.accepted) / len(live.accepted),
-                "tau_replayed": 1 + sum(replayed.accepted) / len(replayed.accepted),
-                "identical": (live.tokens, live.accepted) == (replayed.tokens, replayed.accepted),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "category": turn.category,
+                    "mode": mode,
+                    "tau_live": 1 + sum(live.accepted) / len(live.accepted),
+                    "tau_replayed": 1 + sum(replayed.accepted) / len(replayed.accepted),
+                    "identical": (live.tokens, live.accepted) == (replayed.tokens, replayed.accepted),
+                }
+            )
     return {
         "drafter": cfg.drafter,
         "decodings": len(rows),
@@ -80,10 +91,12 @@ def main(argv: list[str]) -> int:
         atomic_write_json(cfg.out, result)
         for r in result["rows"]:
             print(
-                f"{r['category']:>12} {r['mode']:>12}  tau live {r['tau_live']:.3f}  replayed {r['tau_replayed']:.3f}  identical {r['identical']}"
+                f"{r['category']:>12} {r['mode']:>12}  tau live {r['tau_live']:.3f}  "
+                f"replayed {r['tau_replayed']:.3f}  identical {r['identical']}"
             )
         print(
-            f"{result['identical']} of {result['decodings']} decodings identical (tokens and accepted lengths); wrote {cfg.out}"
+            f"{result['identical']} of {result['decodings']} decodings identical (tokens and accepted lengths); "
+            f"wrote {cfg.out}"
         )
 
     return run_cli(body)

@@ -1,11 +1,12 @@
 """EAGLE 3 against EAGLE 3.1 on SmolLM2-135M-Instruct: the tables of `scripts/smollm2_chain.sh`.
 
-    python -m experiments.eagle3_vs_eagle31.smollm2_summary out=experiments/eagle3_vs_eagle31/results/smollm2 runs=runs/smollm2
+    python -m experiments.eagle3_vs_eagle31.smollm2_summary out=experiments/eagle3_vs_eagle31/results/smollm2 \\
+        runs=runs/smollm2
 
-Reads the training reports (`<runs>/<variant>-s<seed>/report.json`) and the MT-Bench
-evaluations under `out` (`mt_bench/`, `mt_bench_unseen_system/`, `mt_bench_long_history/`,
-`mt_bench_heldout/`, whichever exist), and measures the scale of the features the drafters read on the same
-prompts. Writes `summary.json` and `results.md` under `out`.
+Reads the training reports (`<runs>/<variant>-s<seed>/report.json`) and the MT-Bench evaluations under
+`out` (`mt_bench/`, `mt_bench_unseen_system/`, `mt_bench_long_history/`, `mt_bench_heldout/`, whichever
+exist), and measures the scale of the features the drafters read on the same prompts. Writes `summary.json`
+and `results.md` under `out`.
 
 A difference between two variants "holds" when it holds for every pair of seeds: the worst
 seed of one beats the best seed of the other. With two seeds that is a weak test, and the
@@ -74,18 +75,22 @@ def acceptance_rows(report: dict[str, Any], probe: str) -> list[dict[str, Any]]:
     for (mode, variant), results in by.items():
         n = len(results)
         positions = len(results[0]["acceptance_rate"])
-        rows.append({
-            "probe": probe, "mode": mode, "variant": variant,
-            "seeds": [parse_label(r["drafter"])[1] for r in results],
-            "tau": [r["tau"] for r in results],
-            "tau_mean": sum(r["tau"] for r in results) / n,
-            "acceptance_rate_mean": [sum(r["acceptance_rate"][i] for r in results) / n for i in range(positions)],
-            "conditional_acceptance_rate_mean": [
-                sum(r["conditional_acceptance_rate"][i] for r in results) / n for i in range(positions)
-            ],
-            "prompts": results[0]["prompts"],
-            "mean_prompt_tokens": results[0]["mean_prompt_tokens"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "probe": probe,
+                "mode": mode,
+                "variant": variant,
+                "seeds": [parse_label(r["drafter"])[1] for r in results],
+                "tau": [r["tau"] for r in results],
+                "tau_mean": sum(r["tau"] for r in results) / n,
+                "acceptance_rate_mean": [sum(r["acceptance_rate"][i] for r in results) / n for i in range(positions)],
+                "conditional_acceptance_rate_mean": [
+                    sum(r["conditional_acceptance_rate"][i] for r in results) / n for i in range(positions)
+                ],
+                "prompts": results[0]["prompts"],
+                "mean_prompt_tokens": results[0]["mean_prompt_tokens"],
+            }
+        )
     return rows
 
 
@@ -228,11 +233,13 @@ def format_results(summary: dict[str, Any]) -> str:
     out += ["| variant | seed | steps | tau_sim | eval loss | train s |", "|---|---|---|---|---|---|"]
     for t in summary["training"]:
         out.append(
-            f"| {NAMES[t['variant']]} | {t['seed']} | {t['steps']} | {t['tau_sim']:.3f} | {t['eval_loss']:.3f} | {t['train_time_s']:.0f} |"
+            f"| {NAMES[t['variant']]} | {t['seed']} | {t['steps']} | {t['tau_sim']:.3f} | {t['eval_loss']:.3f} | "
+            f"{t['train_time_s']:.0f} |"
         )
     out += [
         "",
-        "Acceptance length tau, mean over seeds (each seed's value in brackets); last column: EAGLE 3.1 against EAGLE 3:",
+        "Acceptance length tau, mean over seeds (each seed's value in brackets); "
+        "last column: EAGLE 3.1 against EAGLE 3:",
         "",
     ]
     header = ["probe", "mode", "prompt tok"] + [NAMES[v] for v in variants] + ["3.1 vs 3"]
@@ -246,8 +253,12 @@ def format_results(summary: dict[str, Any]) -> str:
             cells = [PROBES[probe], mode, f"{first['mean_prompt_tokens']:.0f}"]
             cells += [_cell(present[v]) if v in present else "" for v in variants]
             both = "eagle31" in present and "eagle3" in present
-            cells.append(f"{present['eagle31']['tau_mean'] - present['eagle3']['tau_mean']:+.3f}, "
-                         f"{verdict(present['eagle31']['tau'], present['eagle3']['tau'])}" if both else "")  # fmt: skip
+            cells.append(
+                f"{present['eagle31']['tau_mean'] - present['eagle3']['tau_mean']:+.3f}, "
+                f"{verdict(present['eagle31']['tau'], present['eagle3']['tau'])}"
+                if both
+                else ""
+            )
             out.append("| " + " | ".join(cells) + " |")
     deepest = max(
         modes, key=lambda m: len(next(a for a in summary["acceptance"] if a["mode"] == m)["acceptance_rate_mean"])
@@ -255,7 +266,8 @@ def format_results(summary: dict[str, Any]) -> str:
     positions = len(next(a for a in summary["acceptance"] if a["mode"] == deepest)["acceptance_rate_mean"])
     out += [
         "",
-        f"Conditional acceptance rate per draft position ({deepest}, mean over seeds): the chance that position i is accepted when 1..i-1 were:",
+        f"Conditional acceptance rate per draft position ({deepest}, mean over seeds): "
+        "the chance that position i is accepted when 1..i-1 were:",
         "",
     ]
     out += [
@@ -288,7 +300,8 @@ def format_results(summary: dict[str, Any]) -> str:
 def format_feature_scale(scale: dict[str, Any]) -> str:
     n = scale["trained_len"]
     lines = [
-        f"RMS of the target's states over the hidden dimension: position 0 / median of positions 1..{n - 1} / median from {n} on:",
+        "RMS of the target's states over the hidden dimension: "
+        f"position 0 / median of positions 1..{n - 1} / median from {n} on:",
         "",
     ]
     names = list(next(iter(scale["sets"].values())))
@@ -303,7 +316,8 @@ def format_feature_scale(scale: dict[str, Any]) -> str:
         layers = [f"aux layer {i}" for i in scale["aux_layer_ids"]]
         lines += [
             "",
-            "Share of each aux layer in the fused feature `fc(...)` (RMS of its columns' output, MT-Bench turn-1 prompts, positions 1..):",
+            "Share of each aux layer in the fused feature `fc(...)` "
+            "(RMS of its columns' output, MT-Bench turn-1 prompts, positions 1..):",
             "",
         ]
         lines += ["| drafter | " + " | ".join(layers) + " |", "|" + "---|" * (1 + len(layers))]

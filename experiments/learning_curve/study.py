@@ -59,8 +59,7 @@ class CurveConfig:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        self.budget_list  # raise on bad lists
-        self.variant_list
+        _ = self.budget_list, self.variant_list  # raise on bad lists
         for name in ("max_per_category", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")

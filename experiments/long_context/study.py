@@ -1,4 +1,4 @@
-"""EAGLE 3 and EAGLE 3.1 with full attention and with a sliding window: who holds its acceptance past its training length.
+"""EAGLE 3 and EAGLE 3.1, full attention or a sliding window: who holds its acceptance past its training length.
 
     python -m experiments.long_context windows=none,128 seeds=0,1 out=experiments/long_context/results/demo \\
         runs=runs/long_context -- recipe=demo
@@ -71,8 +71,7 @@ class LongContextConfig(StudyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.variant_list  # raise on bad lists
-        self.window_list
+        _ = self.variant_list, self.window_list  # raise on bad lists
         if self.train_turns < 1:
             raise ConfigError(f"train_turns must be a positive integer, got {self.train_turns}")
 
@@ -146,8 +145,8 @@ def format_results(summary: dict) -> str:
     train, data = cfg["recipe"]["train"], cfg["recipe"]["data"]
     seeds = ", ".join(f"s{s}" for s in cfg["seeds"].split(","))
     lines = [
-        f"EAGLE 3 and EAGLE 3.1, full attention and sliding windows, recipe {cfg['recipe']['recipe']}: {train['max_steps']} "
-        f"steps, TTT {train['ttt_length']}, trained at data.max_len = {data['max_len']}.",
+        f"EAGLE 3 and EAGLE 3.1, full attention and sliding windows, recipe {cfg['recipe']['recipe']}: "
+        f"{train['max_steps']} steps, TTT {train['ttt_length']}, trained at data.max_len = {data['max_len']}.",
         "",
         f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split (mean over "
         f"seeds; per seed: {seeds}); `/ {first}`: the setting's tau over its tau on {first} (goal >= {HOLDS} with a "
@@ -161,8 +160,14 @@ def format_results(summary: dict) -> str:
         versus = "–"
         if "vs_eagle3" in r:
             versus = f"{r['vs_eagle3']:+.3f}" + (f" ({r['separation']})" if r["separation"] else " (within the spread)")
-        cells = [r["split"], NAMES[r["variant"]], "full" if r["window"] is None else str(r["window"]),
-                 f"{r['mean']:.3f} ({', '.join(f'{t:.3f}' for t in r['tau'])})", f"{r['of_first_split']:.3f}", versus]  # fmt: skip
+        cells = [
+            r["split"],
+            NAMES[r["variant"]],
+            "full" if r["window"] is None else str(r["window"]),
+            f"{r['mean']:.3f} ({', '.join(f'{t:.3f}' for t in r['tau'])})",
+            f"{r['of_first_split']:.3f}",
+            versus,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + format_training(summary["training"]))
 
@@ -180,8 +185,9 @@ def long_context(cfg: LongContextConfig, overrides: list[str], command: str) -> 
         for w in cfg.window_list:
             window = [f"drafter.sliding_window={'null' if w is None else w}"]
             for s in cfg.seed_list:  # composed (and so checked) before anything runs
-                recipes[run_name(v, w, s)] = comparison_recipe(runs, runs / run_name(v, w, s), s, cfg.max_steps,
-                                                               [*overrides, *VARIANTS[v], *window])  # fmt: skip
+                recipes[run_name(v, w, s)] = comparison_recipe(
+                    runs, runs / run_name(v, w, s), s, cfg.max_steps, [*overrides, *VARIANTS[v], *window]
+                )
     recipe = next(iter(recipes.values()))
     if not recipe.eval.data:
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
@@ -200,7 +206,10 @@ def long_context(cfg: LongContextConfig, overrides: list[str], command: str) -> 
 
 def main(argv: list[str]) -> int:
     def trained(cfg: LongContextConfig) -> str:
-        return f"trained variants {cfg.variants}, windows {cfg.windows}, seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
+        return (
+            f"trained variants {cfg.variants}, windows {cfg.windows}, seeds {cfg.seeds} under {cfg.runs}; "
+            "measure=true measures them"
+        )
 
     return study_main(
         argv,

@@ -61,7 +61,7 @@ class LossComparisonConfig(StudyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.loss_list  # raise on a bad list
+        _ = self.loss_list  # raise on a bad list
 
     @property
     def loss_list(self) -> list[str]:
@@ -69,7 +69,8 @@ class LossComparisonConfig(StudyConfig):
         unknown = [x for x in losses if x not in DraftLoss.__members__]
         if unknown or len(losses) < 2 or len(set(losses)) != len(losses):
             raise ConfigError(
-                f"losses must be two or more distinct train.loss values ({', '.join(DraftLoss.__members__)}), got {self.losses!r}"
+                f"losses must be two or more distinct train.loss values ({', '.join(DraftLoss.__members__)}), "
+                f"got {self.losses!r}"
             )
         return losses
 
@@ -126,8 +127,13 @@ def format_results(summary: dict) -> str:
     for row in summary["acceptance"]:
         for loss in losses:
             r = row["losses"][loss]
-            cells = [row["split"], loss, f"{r['mean']:.3f} ({', '.join(f'{t:.3f}' for t in r['tau'])})", f"{r['ratio']:.3f}",
-                     "–" if loss == losses[0] else (r["separation"] or "no")]  # fmt: skip
+            cells = [
+                row["split"],
+                loss,
+                f"{r['mean']:.3f} ({', '.join(f'{t:.3f}' for t in r['tau'])})",
+                f"{r['ratio']:.3f}",
+                "–" if loss == losses[0] else (r["separation"] or "no"),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + format_training(summary["training"]))
 

@@ -38,10 +38,15 @@ def side_by_side(smoke: bool, out: Path) -> dict[str, Any]:
         chats.write_text("".join(json.dumps(tiny_chat(i)) + "\n" for i in range(48)))
         keys = dict(device="cpu", **study.SMOKE)
         overrides = [
-            "recipe=kimi_k26_mini", f"data.source=[{chats}]", f"eval.data=[{chats}]", "data.max_len=128",
-            "data.eval_fraction=0.1", "drafter.attention=llama", "drafter.draft_vocab_size=128",
+            "recipe=kimi_k26_mini",
+            f"data.source=[{chats}]",
+            f"eval.data=[{chats}]",
+            "data.max_len=128",
+            "data.eval_fraction=0.1",
+            "drafter.attention=llama",
+            "drafter.draft_vocab_size=128",
             "features.tokens_per_batch=256",
-        ]  # fmt: skip
+        ]
     else:
         keys = dict(device="cuda", seeds="0,1", max_steps=400, k=3, max_prompts=16, max_new_tokens=48)
         overrides = ["recipe=demo"]

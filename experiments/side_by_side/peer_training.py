@@ -88,14 +88,16 @@ def speculators_samples(
     samples = []
     for at in batch_documents(batch):
         n = int(at.sum())
-        samples.append({
-            "hidden_states": batch.aux[0, at],  # [n, 3*Ht]
-            "input_ids": batch.input_ids[0, at],
-            "verifier_last_hidden_states": batch.final[0, at].float() / norm_weight.float(),  # [n, Ht]
-            "loss_mask": loss_mask[0, at].bool(),
-            "lengths": torch.tensor([n]),
-            "position_ids": torch.arange(n),
-        })  # fmt: skip
+        samples.append(
+            {
+                "hidden_states": batch.aux[0, at],  # [n, 3*Ht]
+                "input_ids": batch.input_ids[0, at],
+                "verifier_last_hidden_states": batch.final[0, at].float() / norm_weight.float(),  # [n, Ht]
+                "loss_mask": loss_mask[0, at].bool(),
+                "lengths": torch.tensor([n]),
+                "position_ids": torch.arange(n),
+            }
+        )
     return samples
 
 
@@ -114,8 +116,17 @@ class SpeculatorsTraining:
     model's device; the batches are moved there).
     """
 
-    def __init__(self, model, train, norm_weight: torch.Tensor, max_len: int, hidden_size: int, num_aux: int,
-                 mask_head: TargetHead | None = None, compute_dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        train,
+        norm_weight: torch.Tensor,
+        max_len: int,
+        hidden_size: int,
+        num_aux: int,
+        mask_head: TargetHead | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
         from speculators.losses import resolve_loss_config
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn

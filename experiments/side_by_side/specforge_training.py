@@ -23,15 +23,15 @@ of the same loss runs instead (`experiments/side_by_side/specforge_entry.py`).
 What is ours: the features (each document of our train split, in the order of one epoch of our
 loader, as one `.ckpt` file: input ids, loss mask, `hidden_state` = the store's `final` (the
 target's last state after its norm, what their `TargetHead` projects, in bf16 as that head
-computes), `aux_hidden_state` = the store's aux features), the draft vocabulary (our d2t / t2d), the drafter's shape, and the
-recipe's settings mapped onto their config (`run_config`): `train.lr`, `train.max_steps` (also
-their schedule's length), `train.warmup_steps` (as their `warmup_ratio`), `train.max_grad_norm`,
-`train.ttt_length`, `train.loss` (kl; lk_alpha and lk_hybrid as their `lk_loss_type` alpha and
-lambda, `train.lk_eta` as their `kl_decay`), `seed` and `data.max_len`; fp32 weights (their
-default is bf16) and the thread count of our side. The documents per step
-(`training.batch_size`) are our packed batches' mean, so both sides see about the same tokens
-per step; `report.json` has the tokens their sampler fed. A killed run starts over from step 0
-(the features are kept).
+computes), `aux_hidden_state` = the store's aux features), the draft vocabulary (our d2t / t2d),
+the drafter's shape, and the recipe's settings mapped onto their config (`run_config`):
+`train.lr`, `train.max_steps` (also their schedule's length), `train.warmup_steps` (as their
+`warmup_ratio`), `train.max_grad_norm`, `train.ttt_length`, `train.loss` (kl; lk_alpha and
+lk_hybrid as their `lk_loss_type` alpha and lambda, `train.lk_eta` as their `kl_decay`), `seed`
+and `data.max_len`; fp32 weights (their default is bf16) and the thread count of our side. The
+documents per step (`training.batch_size`) are our packed batches' mean, so both sides see about
+the same tokens per step; `report.json` has the tokens their sampler fed. A killed run starts
+over from step 0 (the features are kept).
 
 SpecForge 0.2.0 feeds the pre-norm state back to the next TTT step (`OnlineEagle3Model.forward`
 assigns the layer's output; their `norm_output` only decides whether `lm_head` sees
@@ -215,7 +215,8 @@ def run_config(recipe, work: Path, target: Path, lm_head_key: str, batch_size: i
 
 
 def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Tensor, drafter) -> dict:
-    """Their trainer on our features; writes `drafter/` (their HF export) and `training_steps.jsonl` under the run dir."""
+    """Their trainer on our features; writes `drafter/` (their HF export) and `training_steps.jsonl` under the run
+    dir."""
     python = specforge_python()
     check_specforge_recipe(recipe)
     work = plan.run_dir / "specforge"
@@ -238,12 +239,18 @@ def train_specforge(recipe, plan, train_loader, d2t: torch.Tensor, t2d: torch.Te
         shutil.rmtree(work / "checkpoints")
     drafter_dir = plan.run_dir / "drafter"
     inputs = {
-        "run_config": str(work / "run.json"), "run_id": RUN_ID,
-        "output_dir": str(work / "checkpoints"), "max_steps": recipe.train.max_steps,
-        "draft_config": str(work / "draft_config.json"), "vocab_mapping": str(work / "vocab_mapping.pt"),
-        "target_dir": str(target), "drafter_dir": str(drafter_dir),
-        "lengths": lengths, "batch_size": batch_size, "seed": recipe.seed,
-    }  # fmt: skip
+        "run_config": str(work / "run.json"),
+        "run_id": RUN_ID,
+        "output_dir": str(work / "checkpoints"),
+        "max_steps": recipe.train.max_steps,
+        "draft_config": str(work / "draft_config.json"),
+        "vocab_mapping": str(work / "vocab_mapping.pt"),
+        "target_dir": str(target),
+        "drafter_dir": str(drafter_dir),
+        "lengths": lengths,
+        "batch_size": batch_size,
+        "seed": recipe.seed,
+    }
     atomic_write_json(work / "inputs.json", inputs)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SPECFORGE_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -94,8 +94,7 @@ class SideBySideConfig:
     measure: bool = True
 
     def __post_init__(self) -> None:
-        self.seeds_list  # raises on a bad list
-        self.sides_list
+        _ = self.seeds_list, self.sides_list  # raise on bad lists
         for name in ("k", "max_prompts", "max_new_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")

@@ -21,8 +21,7 @@ SMALL = dict(
 )  # fmt: skip
 # the same width with MLA attention (eagle31.attention.mla): q·k head dim 24, v head dim 16
 SMALL_MLA = dict(
-    SMALL, attention="mla", num_key_value_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    SMALL, attention="mla", num_key_value_heads=4, head_dim=24, mla=dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 )  # fmt: skip
 # Kimi K2.6's full vocabulary (Vd = V = 163840, as the published MLA drafter) on the MLA drafter
 DRAFTERS = {

@@ -17,7 +17,8 @@ def test_a_split_sequence_holds_less_per_rank_and_exchanges_its_keys(tmp_path):
         len(two["peak_tensor_bytes_per_rank"]) == 2
         and max(two["peak_tensor_bytes_per_rank"]) < one["peak_tensor_bytes_per_rank"][0]
     )
-    # at least: the step-0 latents (64 + 16 fp32 a token) of the other shard, gathered in the step and again in its recompute
+    # at least: the step-0 latents (64 + 16 fp32 a token) of the other shard, gathered in the step and again in its
+    # recompute
     assert min(two["exchanged_bytes_per_step_per_rank"]) >= 2 * 128 * 80 * 4
     table = (tmp_path / "sp.md").read_text()
     assert "| 1 | " in table and "| 2 | " in table

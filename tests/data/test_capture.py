@@ -243,8 +243,10 @@ def test_a_full_disk_during_capture_is_one_line_leaves_only_whole_shards_and_the
     root = small_disk / "store"
     with pytest.raises(DiskFullError) as full:
         capture_to_store(model, data, writer_for(root, model, data), batch_tokens=40)
-    assert str(full.value) == (f"the disk holding the feature store {root} filled up; the finished shards are kept and the one "
-                               "being written was removed; a rerun captures the rest; free space, then rerun the same command")  # fmt: skip
+    assert str(full.value) == (
+        f"the disk holding the feature store {root} filled up; the finished shards are kept and the one "
+        "being written was removed; a rerun captures the rest; free space, then rerun the same command"
+    )
     assert not [p.name for p in root.iterdir() if ".tmp-" in p.name]
     writer = writer_for(root, model, data)
     finished = [i for i in range(len(writer.plan)) if writer.is_finished(i)]

@@ -193,7 +193,10 @@ def test_kimi_tool_calls_keep_reasoning_and_tool_results_are_not_supervised(kimi
         {"role": "tool", "content": "sunny", "tool_call_id": "w:0"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "read it"},
     )
-    call = '<|tool_calls_section_begin|><|tool_call_begin|>w:0<|tool_call_argument_begin|>{"c":1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    call = (
+        '<|tool_calls_section_begin|><|tool_call_begin|>w:0<|tool_call_argument_begin|>{"c":1}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+    )
     ids, mask = encode(kimi_tok, c, template_kwargs=K26)
     assert "<|im_system|>tool<|im_middle|>## Return of w:0\nsunny<|im_end|>" in kimi_tok.decode(ids)
     assert supervised_spans(kimi_tok, ids, mask) == ["ask the tool</think>" + call, "read it</think>Sunny.<|im_end|>"]

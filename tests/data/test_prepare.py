@@ -241,8 +241,11 @@ def test_a_full_disk_during_prepare_keeps_the_earlier_set_and_leaves_no_partial_
     fill_disk(small_disk, leave_pages=2)
     with pytest.raises(DiskFullError) as full:
         prepare_dataset(cfg, llama_tok, draft_vocab_size=40)
-    assert str(full.value) == (f"the disk holding data.prepared_dir {small_disk / 'prepared'} filled up; nothing was left half-written "
-                               "(the partial directory was removed, an earlier prepared set there is untouched); free space, then rerun the same command")  # fmt: skip
+    assert str(full.value) == (
+        f"the disk holding data.prepared_dir {small_disk / 'prepared'} filled up; nothing was left half-written "
+        "(the partial directory was removed, an earlier prepared set there is untouched); free space, then rerun the "
+        "same command"
+    )
     assert sorted(p.name for p in small_disk.iterdir()) == ["ballast", "prepared"]
     assert {p.name: p.read_bytes() for p in (small_disk / "prepared").rglob("*") if p.is_file()} == before
 
@@ -344,8 +347,12 @@ def test_a_regenerated_record_is_rendered_with_the_template_options_it_was_answe
     report = prepare_dataset(cfg, kimi_tok, draft_vocab_size=600, vocab_size=600)
     alone = {}
     for v in (True, False):
-        one = config(tmp_path / str(v), [write_jsonl(tmp_path / f"{v}.jsonl", [KIMI_RECORD])], eval_fraction=0.0,
-                     chat_template_kwargs={"preserve_thinking": v})  # fmt: skip
+        one = config(
+            tmp_path / str(v),
+            [write_jsonl(tmp_path / f"{v}.jsonl", [KIMI_RECORD])],
+            eval_fraction=0.0,
+            chat_template_kwargs={"preserve_thinking": v},
+        )
         prepare_dataset(one, kimi_tok, draft_vocab_size=600, vocab_size=600)
         alone[v] = load_split(one, "train")[0]["input_ids"]
     assert alone[True] != alone[False]

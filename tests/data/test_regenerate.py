@@ -38,9 +38,15 @@ def tiny_target(llama_tok, tmp_path_factory):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(llama_tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(llama_tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        bos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     text = llama_tok.apply_chat_template(
         [SYSTEM, {"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
@@ -87,8 +93,12 @@ def test_hf_replies_are_the_targets_greedy_turns_on_the_regenerated_history(tiny
 
     settings = Settings(max_new_tokens=2, shard_size=2, on_length=on_length)
     backend = HFBackend(tiny_target, settings, batch_size=3)
-    conversations = [conv("Hello there", "What is two plus two?"), conv("Tell me the weather", system=False),
-                     conv("Hi", "And?", "Bye"), conv("Hello", "Go on", "More")]  # fmt: skip
+    conversations = [
+        conv("Hello there", "What is two plus two?"),
+        conv("Tell me the weather", system=False),
+        conv("Hi", "And?", "Bye"),
+        conv("Hello", "Go on", "More"),
+    ]
     records = run(conversations, backend, tmp_path / "out", settings)
 
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_target).eval(), AutoTokenizer.from_pretrained(tiny_target)
@@ -153,8 +163,14 @@ def test_drops_and_truncations_are_counted(tiny_target, tmp_path):
     settings = Settings(max_new_tokens=4, shard_size=10)
     backend = HFBackend(tiny_target, settings)  # context 96 tokens: prompt + 4 must fit
     long = "the weather is sunny and warm " * 12
-    tool = Conversation([{"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
-                         {"role": "tool", "content": "sunny"}], where="tool")  # fmt: skip
+    tool = Conversation(
+        [
+            {"role": "user", "content": "w?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+            {"role": "tool", "content": "sunny"},
+        ],
+        where="tool",
+    )
     no_user = Conversation([SYSTEM, {"role": "assistant", "content": "hi"}], where="no_user")
     conversations = [
         tool,
@@ -266,7 +282,8 @@ def test_a_resume_over_shards_without_a_record_of_their_inputs_says_so_before_an
         regenerate(conversations, asked, out, settings)
     said = str(refused.value)
     assert said.startswith(
-        f"{out}: shard-00000 was written by an older eagle31, without a record of the conversations it was regenerated from"
+        f"{out}: shard-00000 was written by an older eagle31, without a record of the conversations it was "
+        "regenerated from"
     ), said
     assert "edited" not in said and "a new regenerate.output_dir" in said
     assert asked.asked == []
@@ -420,7 +437,7 @@ class ChatServer:
                     "message": {"role": "assistant", "content": self.tok.decode(new, skip_special_tokens=True)},
                     "finish_reason": finish,
                 }
-            ],  # fmt: skip
+            ],
             "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
         }
 
@@ -526,9 +543,15 @@ def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_
         tmp_path / "chats.jsonl", [{"messages": conv(f"Hello {i}").messages} for i in range(3)] + ["{bad"]
     )
     args = [
-        "recipe=demo", "target.builtin=null", f"target.path={tiny_target}", f"output_dir={tmp_path / 'run'}",
-        f"regenerate.source={source}", "regenerate.max_new_tokens=3", "regenerate.shard_size=2", "regenerate.device=cpu",
-    ]  # fmt: skip
+        "recipe=demo",
+        "target.builtin=null",
+        f"target.path={tiny_target}",
+        f"output_dir={tmp_path / 'run'}",
+        f"regenerate.source={source}",
+        "regenerate.max_new_tokens=3",
+        "regenerate.shard_size=2",
+        "regenerate.device=cpu",
+    ]
     assert recipe_main(main, RECIPES, args) == 0
     out = capsys.readouterr().out
     assert "regenerated 3 of 3 conversations" in out and "this run wrote 2 shards, kept 0" in out

@@ -30,8 +30,15 @@ pytestmark = pytest.mark.slow  # a vLLM process to start (~20 s on 2 cores), a k
 ROOT = Path(__file__).resolve().parents[2]
 THINKING = {"thinking": True, "preserve_thinking": True}  # recipe=kimi_k26's data.chat_template_kwargs
 SYSTEM_PROMPT = "You are a careful assistant."
-BASE = {"max_model_len": 512, "reasoning_parser": "kimi_k2", "reasoning_field": "reasoning", "latency_s": 0.0,
-        "refuse_parameter": None, "answer_words": 0}  # fmt: skip
+BASE = {
+    "max_model_len": 512,
+    "reasoning_parser": "kimi_k2",
+    "reasoning_field": "reasoning",
+    "latency_s": 0.0,
+    "gather_in_flight": 0,
+    "refuse_parameter": None,
+    "answer_words": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +98,9 @@ def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_sup
     srv, kimi_tok, tmp_path, field
 ):
     srv.control(reasoning_field=field)
-    settings = Settings(max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT],
-                        temperature=0.7)  # fmt: skip
+    settings = Settings(
+        max_new_tokens=120, shard_size=2, chat_template_kwargs=THINKING, system_prompts=[SYSTEM_PROMPT], temperature=0.7
+    )
     conversations = chats(["two plus two", "and times three"], ["hello"], ["name a colour", "another", "one more"])
     counts, records, report = run(
         conversations, EndpointBackend(srv.url, settings, concurrency=4), tmp_path / "out", settings
@@ -110,8 +118,11 @@ def test_thinking_replies_keep_their_reasoning_through_the_turns_and_prepare_sup
             rendered = kimi_tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **THINKING)
             n_prompt = len(kimi_tok(rendered, add_special_tokens=False)["input_ids"])
             seed = request_seed(0, index, turn)
-            assert reply == {"role": "assistant", "content": f"The answer to {user} is {n_prompt}.",
-                             "reasoning_content": f"Turn {turn + 1}: the user asks {user}; seed {seed}."}  # fmt: skip
+            assert reply == {
+                "role": "assistant",
+                "content": f"The answer to {user} is {n_prompt}.",
+                "reasoning_content": f"Turn {turn + 1}: the user asks {user}; seed {seed}.",
+            }
 
     tally = Tally()
     read = list(read_conversations([str(tmp_path / "out" / "conversations")], tally))
@@ -188,8 +199,14 @@ def test_any_other_4xx_stops_at_the_first_request_and_a_rerun_writes_everything(
     assert not list((out / "conversations").iterdir()) and not list((out / "stats").iterdir())
     if problem == "unknown_parameter":  # the command line: one line, exit code 2, no shard
         source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c.messages} for c in conversations])
-        args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'cli'}", f"regenerate.source={source}",
-                "regenerate.backend=endpoint", f"regenerate.endpoint={srv.url}", "regenerate.max_new_tokens=60"]  # fmt: skip
+        args = [
+            "recipe=kimi_k26_mini",
+            f"output_dir={tmp_path / 'cli'}",
+            f"regenerate.source={source}",
+            "regenerate.backend=endpoint",
+            f"regenerate.endpoint={srv.url}",
+            "regenerate.max_new_tokens=60",
+        ]
         cli = load_cli()
         assert recipe_main(cli.main, cli.RECIPES, args) == 2
         err = [
@@ -213,8 +230,7 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
     conversations = chats(*[[f"question {i}", "and then?"] for i in range(6)])
     _, whole, _ = run(conversations, EndpointBackend(srv.url, settings, concurrency=2), tmp_path / "whole", settings)
 
-    srv.control(down_s=2.0)  # the port closes for 2 s
-    time.sleep(0.3)
+    srv.control(down_s=2.0)  # the port is closed when this returns, for 2 s
     backend = EndpointBackend(
         srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=30
     )
@@ -227,32 +243,37 @@ def test_a_server_restart_within_the_window_loses_nothing_and_one_beyond_it_keep
     impatient = EndpointBackend(
         srv.url, settings, model="kimi-k2.6-test", concurrency=2, retries=1, backoff_s=0.1, restart_window_s=0.5
     )
-    import threading
+    downs: list[int] = []
 
-    threading.Timer(1.75, lambda: srv.control(down_s=4.0)).start()  # goes down mid-run, for longer than the window
+    def down_after_the_first_shard(n: int) -> None:  # called once a shard is written
+        if not downs:
+            downs.append(n)
+            srv.control(down_s=4.0)  # mid-run, for longer than the window (and its retries) and until it returns
+
     with pytest.raises(RegenerateError, match=r"failed \d+ times over \d+ s: URLError: .*Connection refused"):
-        regenerate(conversations, impatient, out, settings)
+        regenerate(conversations, impatient, out, settings, progress=down_after_the_first_shard)
     written = sorted(p.name for p in (out / "conversations").iterdir())
-    assert 0 < len(written) < 3
-    time.sleep(4.5)
+    assert downs and 0 < len(written) < 3  # the first shard before the server went down; never the last
+    srv.wait_up()
     srv.control(latency_s=0.0)
     counts, records, report = run(conversations, EndpointBackend(srv.url, settings, concurrency=2), out, settings)
     assert counts["skipped"] == len(written) and records == whole and report["complete"]
 
 
 def test_one_pool_keeps_concurrency_requests_in_flight_across_shards(srv, tmp_path):
-    srv.control(latency_s=0.25, reset_stats=True)
-    settings = Settings(max_new_tokens=60, shard_size=3, chat_template_kwargs=THINKING)
+    """The server holds the first requests until `concurrency` of them are in flight together (at most 60 s):
+    a pool that kept fewer in flight, or one shard's conversations only, would never get there."""
+    concurrency, shard_size = 16, 3
+    srv.control(gather_in_flight=concurrency, reset_stats=True)
+    settings = Settings(max_new_tokens=60, shard_size=shard_size, chat_template_kwargs=THINKING)
     conversations = chats(*[[f"question {i}", "and then?"] for i in range(40)])
-    started = time.monotonic()
     _, records, report = run(
-        conversations, EndpointBackend(srv.url, settings, concurrency=16), tmp_path / "out", settings
+        conversations, EndpointBackend(srv.url, settings, concurrency=concurrency), tmp_path / "out", settings
     )
-    seconds = time.monotonic() - started
-    assert [r["source"] for r in records] == [c.where for c in conversations] and report["turns"] == 80
-    assert srv.stats()["max_in_flight"] == 16  # more than one shard (3 conversations) at a time
-    assert srv.stats()["requests"] == 80
-    assert seconds < 80 * 0.25 / 4  # far from one request at a time (not a timing benchmark)
+    turns = 2 * len(conversations)
+    assert [r["source"] for r in records] == [c.where for c in conversations] and report["turns"] == turns
+    assert srv.stats()["max_in_flight"] == concurrency > shard_size  # more than one shard at a time
+    assert srv.stats()["requests"] == turns
 
 
 def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, tmp_path):
@@ -261,12 +282,24 @@ def test_a_killed_run_resumes_without_losing_or_duplicating_a_conversation(srv, 
         tmp_path / "chats.jsonl",
         [{"messages": c.messages} for c in chats(*[[f"question {i}", "more?"] for i in range(24)])],
     )
-    args = ["recipe=kimi_k26_mini", f"output_dir={tmp_path / 'run'}", f"regenerate.source={source}", "regenerate.backend=endpoint",
-            f"regenerate.endpoint={srv.url}", "regenerate.shard_size=2", "regenerate.concurrency=4", "regenerate.max_new_tokens=60",
-            f"data.system_prompt='{SYSTEM_PROMPT}'"]  # fmt: skip
+    args = [
+        "recipe=kimi_k26_mini",
+        f"output_dir={tmp_path / 'run'}",
+        f"regenerate.source={source}",
+        "regenerate.backend=endpoint",
+        f"regenerate.endpoint={srv.url}",
+        "regenerate.shard_size=2",
+        "regenerate.concurrency=4",
+        "regenerate.max_new_tokens=60",
+        f"data.system_prompt='{SYSTEM_PROMPT}'",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "data_prep" / "regenerate.py"), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     shards = tmp_path / "run" / "regenerated" / "conversations"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(shards.glob("*.jsonl")) if shards.is_dir() else []) < 2:

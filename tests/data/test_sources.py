@@ -200,12 +200,13 @@ def test_source_paths_accepts_a_path_or_a_list():
 def test_records_that_would_break_the_tokenizer_or_the_json_decoder_are_counted(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     path = tmp_path / "hostile.jsonl"
-    path.write_text(
-        json.dumps(good) + "\n"
-        + '{"messages": [{"role": "user", "content": "a lone \\ud800"}, {"role": "assistant", "content": "x"}]}\n'
-        + "[" * 100_000 + "]" * 100_000 + "\n"
-        + json.dumps(good) + "\n"
-    )  # fmt: skip
+    lines = [
+        json.dumps(good),
+        '{"messages": [{"role": "user", "content": "a lone \\ud800"}, {"role": "assistant", "content": "x"}]}',
+        "[" * 100_000 + "]" * 100_000,
+        json.dumps(good),
+    ]
+    path.write_text("".join(line + "\n" for line in lines))
     tally = Tally()
     got = list(read_conversations([path], tally))
     assert len(got) == 2

@@ -168,8 +168,14 @@ def test_files_written_by_vllm_0_33s_own_connector_import_as_our_capture(capture
     written = run_peer("0.33.0", CONNECTOR_SCRIPT, str(root / "hidden_states"), str(out))["written"]
     assert len(written) == 9 and all(shape[1:] == [4, 32] and dtype == "torch.int64" for _, shape, dtype in written)
     assert len(list(out.glob("*.lock"))) == 9  # the connector's lock files lie beside; the import skips them
-    import_speculators(out, tmp_path / "store", target_dir=root / "target", dataset_dir=root / "prepared",
-                       aux_layer_ids=AUX_IDS, dtype="float32")  # fmt: skip
+    import_speculators(
+        out,
+        tmp_path / "store",
+        target_dir=root / "target",
+        dataset_dir=root / "prepared",
+        aux_layer_ids=AUX_IDS,
+        dtype="float32",
+    )
     with TargetFeatures(model, AUX_IDS) as feats:
         expected = run_target(feats, prepared_rows(data, range(9)), batch_tokens=1)
     for got, want in zip(FeatureStore(tmp_path / "store").samples(range(9)), expected):

@@ -30,14 +30,17 @@ def test_prompts_are_read_from_a_list_a_text_file_or_a_jsonl_file(tmp_path):
     assert read_system_prompts(None) == []
 
 
-@pytest.mark.parametrize("spec, message", [
-    ([], "must be a non-empty list"),
-    (["ok", ""], "must be a non-empty list of non-empty strings"),
-    ("missing.txt", "data.system_prompts: no file"),
-    ("bad.jsonl", "bad.jsonl:2 is not valid JSON"),
-    ("number.jsonl", "number.jsonl:1 is neither a JSON string"),
-    ("empty.txt", "holds no prompt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ([], "must be a non-empty list"),
+        (["ok", ""], "must be a non-empty list of non-empty strings"),
+        ("missing.txt", "data.system_prompts: no file"),
+        ("bad.jsonl", "bad.jsonl:2 is not valid JSON"),
+        ("number.jsonl", "number.jsonl:1 is neither a JSON string"),
+        ("empty.txt", "holds no prompt"),
+    ],
+)
 def test_bad_prompts_are_one_line_naming_the_field_file_or_line(tmp_path, spec, message):
     (tmp_path / "bad.jsonl").write_text('"fine"\n{oops\n')
     (tmp_path / "number.jsonl").write_text("3\n")
@@ -105,8 +108,12 @@ def test_multi_turn_regeneration_answers_each_kept_turn_on_the_regenerated_histo
     system = {"role": "system", "content": draw_system_prompt(PROMPTS, 3, 5)}
     assert out.turns == 2 and len(prompts_seen) == 2
     assert prompts_seen[0] == [system, {"role": "user", "content": "first"}]
-    assert prompts_seen[1] == [system, {"role": "user", "content": "first"}, {"role": "assistant", "content": "reply 1"},
-                               {"role": "user", "content": "second"}]  # fmt: skip
+    assert prompts_seen[1] == [
+        system,
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "reply 1"},
+        {"role": "user", "content": "second"},
+    ]
     assert out.record["messages"] == prompts_seen[1] + [{"role": "assistant", "content": "reply 2"}]
     assert "old" not in json.dumps(out.record)
     other = regenerate_conversation(Conversation(messages, where="x"), 6, settings, complete).record["messages"][0]

@@ -23,12 +23,15 @@ rendered prompt, the last user message and the seed, tokenised by the real token
 cut at `max_tokens` (`finish_reason: "length"`).
 
 Spec (a JSON file, the first argument): `tokenizer` (a directory), `model` (served name),
-`max_model_len`, `reasoning_parser` (null or a vLLM parser name), `reasoning_field`,
-`latency_s` (the time from a request's arrival to its reply), `refuse_parameter` (a request field answered with a 400
-naming it, as a server that does not support it), `answer_words` (filler words).
-`POST /control` changes spec fields, zeroes the counts (`reset_stats`), or with `down_s` closes the port
-for that long and reopens it (a server restart); `GET /stats` gives request counts and the
-most requests ever in flight. The project side starts it with `VLLMLikeServer`.
+`max_model_len`, `reasoning_parser` (null or a vLLM parser name), `reasoning_field`, `latency_s`
+(the time from a request's arrival to its reply), `gather_in_flight` (N > 0: the first requests are
+held until N are in flight at once, at most 60 s: a client's concurrency shown without a race),
+`refuse_parameter` (a request field answered with a 400 naming it, as a server that does not support
+it), `answer_words` (filler words).
+`POST /control` changes spec fields, zeroes the counts (`reset_stats`), or with `down_s` closes the
+port for that long and reopens it (a server restart; it answers once the port is closed);
+`GET /stats` gives request counts and the most requests ever in flight. The project side starts it
+with `VLLMLikeServer` (`wait_up` waits for a restarted server to answer again).
 """
 
 from __future__ import annotations
@@ -62,8 +65,17 @@ def serve(spec_path: str) -> None:
     tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
     from vllm.reasoning import ReasoningParserManager
 
-    state = SimpleNamespace(spec=spec, requests=0, completed=0, in_flight=0, max_in_flight=0, down_s=0.0,
-                            lock=threading.Lock(), httpd=None)  # fmt: skip
+    state = SimpleNamespace(
+        spec=spec,
+        requests=0,
+        completed=0,
+        in_flight=0,
+        max_in_flight=0,
+        down_s=0.0,
+        lock=threading.Condition(),
+        gathered=False,
+        httpd=None,
+    )
 
     def error(exc) -> tuple[int, dict]:
         response = create_error_response(exc)
@@ -112,7 +124,7 @@ def serve(spec_path: str) -> None:
                     message=ChatMessage(role="assistant", content=content, reasoning=reasoning_text),
                     finish_reason=finish,
                 )
-            ],  # fmt: skip
+            ],
             usage=UsageInfo(
                 prompt_tokens=len(ids), completion_tokens=len(generated), total_tokens=len(ids) + len(generated)
             ),
@@ -141,8 +153,15 @@ def serve(spec_path: str) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": spec["model"], "object": "model"}]})
             elif self.path == "/stats":
-                self._send(200, {"requests": state.requests, "completed": state.completed, "max_in_flight": state.max_in_flight,
-                                 "cpu_s": time.process_time()})  # fmt: skip
+                self._send(
+                    200,
+                    {
+                        "requests": state.requests,
+                        "completed": state.completed,
+                        "max_in_flight": state.max_in_flight,
+                        "cpu_s": time.process_time(),
+                    },
+                )
             else:
                 self._send(404, {"error": {"message": "not found"}})
 
@@ -153,16 +172,23 @@ def serve(spec_path: str) -> None:
                 down = body.pop("down_s", 0)
                 if body.pop("reset_stats", False):
                     state.requests = state.completed = state.max_in_flight = 0
+                    state.gathered = False
                 spec.update(body)
-                self._send(200, {"ok": True})
-                if down:
+                if down:  # the reply leaves once the port refuses connections: the caller knows the server is down
                     state.down_s = down
-                    threading.Thread(target=state.httpd.shutdown, daemon=True).start()
+                    state.httpd.shutdown()
+                    state.httpd.server_close()
+                self._send(200, {"ok": True})
                 return
             with state.lock:
                 state.requests += 1
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
+                gather = spec.get("gather_in_flight") or 0
+                if gather and not state.gathered:  # held until `gather` requests are in flight together, once
+                    state.lock.wait_for(lambda: state.in_flight >= gather or state.gathered, timeout=60)
+                    state.gathered = True
+                    state.lock.notify_all()
             try:
                 code, obj = complete(body)
                 # the reply leaves latency_s after the request came, its own processing included
@@ -199,8 +225,13 @@ class VLLMLikeServer:
         env.update(
             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false"
         )
-        self.proc = subprocess.Popen([str(python), __file__, str(self.spec_path)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(python), __file__, str(self.spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
@@ -226,6 +257,20 @@ class VLLMLikeServer:
 
     def stats(self) -> dict:
         return self._call("/stats")
+
+    def wait_up(self, timeout: float = 60.0) -> None:
+        """Return once the server answers again after a `down_s` restart."""
+        import urllib.error
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.stats()
+                return
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the vLLM-like server did not come back within {timeout:g} s") from None
+                time.sleep(0.05)
 
     def close(self) -> None:
         self.proc.kill()

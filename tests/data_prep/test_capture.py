@@ -77,8 +77,8 @@ def test_capture_under_torchrun_matches_one_process(setup):
     root, _ = setup
     single = run([sys.executable, "data_prep/capture.py", *overrides(root, "single")])
     assert single.returncode == 0, single.stderr
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "data_prep/capture.py", *overrides(root, "two")])  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = run([*torchrun, "data_prep/capture.py", *overrides(root, "two")])
     assert two.returncode == 0, two.stderr
     assert "[rank 0]" in two.stdout and "[rank 1]" in two.stdout
     for split in ("train", "eval"):  # the same shards, bit for bit: a shard's batches do not depend on the rank

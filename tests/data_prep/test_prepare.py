@@ -38,8 +38,14 @@ def test_prepares_a_recipe_with_a_local_tokenizer(tmp_path, llama_tok_dir, monke
     ]
     a = write_jsonl(tmp_path / "a.jsonl", chats[:3])
     b = write_jsonl(tmp_path / "b.jsonl", chats[3:] + ["{"])
-    args = ["target.builtin=null", f"target.path={llama_tok_dir}", f"data.source=[{a},{b}]",
-            f"data.prepared_dir={tmp_path / 'out'}", "data.eval_fraction=0.3", "drafter.draft_vocab_size=16"]  # fmt: skip
+    args = [
+        "target.builtin=null",
+        f"target.path={llama_tok_dir}",
+        f"data.source=[{a},{b}]",
+        f"data.prepared_dir={tmp_path / 'out'}",
+        "data.eval_fraction=0.3",
+        "drafter.draft_vocab_size=16",
+    ]
     code, (out, err) = run_script(SCRIPT, args, monkeypatch), capsys.readouterr()
     assert code == 0, err
     assert "4 train + 2 eval samples from 7 records" in out

@@ -4,7 +4,11 @@ interface of the oldest and newest supported vLLM; the engine itself runs in tes
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -107,6 +111,7 @@ print(json.dumps({"abstract": sorted(getattr(HiddenStatesToFiles, "__abstractmet
 """
 
 
+@pytest.mark.deadline(400)  # a vLLM process (run_peer's own limit is 300 s)
 @pytest.mark.parametrize("version", VLLM_RELEASES)
 def test_the_connector_implements_the_connector_interface_of_each_supported_vllm(version):
     """What vLLM 0.22 and 0.33 (their own base class) call on a connector, ours takes, with their arguments;
@@ -125,3 +130,92 @@ def test_engine_arguments_that_make_the_capture_are_not_the_users_to_set(tmp_pat
     ):
         vllm_engine.VLLMFeatures(tmp_path, (1, 3, 4), dtype="float32", max_prompt_len=64, connector=present,
                                  engine_args={"speculative_config": {}, "enable_prefix_caching": True, "gpu_memory_utilization": 0.5})  # fmt: skip
+
+
+class FakeLLM:
+    """vLLM's `LLM` as `VLLMFeatures` drives it, without vLLM: each prompt's hidden states written where, and as,
+    the connector writes them, naming the layers this engine "resolved": those asked, `shift` above them."""
+
+    shift = 0
+    batches: list[int] = []  # prompts per generate call
+
+    def __init__(self, **args):
+        self.directory = Path(args["kv_transfer_config"]["kv_connector_extra_config"]["hidden_states_dir"])
+        asked = args["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+        self.layer_ids, self.dtype = [i + self.shift for i in asked], getattr(torch, args["dtype"])
+
+    def generate(self, prompts, params, use_tqdm):
+        from safetensors.torch import save_file
+
+        FakeLLM.batches.append(len(prompts))
+        outputs = []
+        for prompt in prompts:
+            request = f"r{len(list(self.directory.iterdir()))}-{len(outputs)}"
+            states = torch.zeros(len(prompt["prompt_token_ids"]), len(self.layer_ids), 32, dtype=self.dtype)
+            path = str(self.directory / f"{request}.safetensors")
+            save_file({"hidden_states": states}, path, metadata={"layer_ids": json.dumps(self.layer_ids)})
+            outputs.append(SimpleNamespace(request_id=request, kv_transfer_params={"hidden_states_path": path}))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tmp_path):
+    """A target directory, and `vllm` standing for the engine that would run on it."""
+    tiny_llama(seed=1).save_pretrained(tmp_path / "target")
+    vllm = ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams, vllm.TokensPrompt = FakeLLM, dict, dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(vllm_engine, "check_vllm", lambda connector: "0.32.0")
+    monkeypatch.setattr(FakeLLM, "batches", [])
+    return tmp_path / "target"
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_a_vllm_worker_describes_the_layers_the_engine_resolved_and_other_ones_are_refused(
+    fake_vllm, monkeypatch, shift
+):
+    """The aux ids a vLLM worker describes are those its engine's configuration names in each answer, not the spec's:
+    an engine that resolved other layers is refused before training, and each answer of other layers is an error."""
+    from eagle31.engine.worker import VLLMInferenceWorker, WorkerSpec, expected_info, worker_mismatch
+
+    monkeypatch.setattr(FakeLLM, "shift", shift)
+    worker = VLLMInferenceWorker(WorkerSpec(str(fake_vllm), "float32", None, False, (1, 3, 4), 64, threads=1, gpus=0))
+    info = worker.describe()
+    mismatch = worker_mismatch(info, expected_info(fake_vllm, (1, 3, 4), 32, "float32"), fake_vllm)
+    if shift == 0:
+        assert info.aux_layer_ids == (1, 3, 4) and mismatch is None
+        assert [(a.shape, f.shape) for a, f in worker.features([[5, 6, 7]])] == [((3, 96), (3, 32))]
+    else:
+        assert mismatch == "computes aux_layer_ids (2, 4, 5, 7), the recipe asks for (1, 3, 4)"
+        with pytest.raises(
+            RuntimeError, match=r"of layers \[2, 4, 5, 7\] for a 3-token prompt; expected .* of layers \[1, 3, 4, 6\]"
+        ):
+            worker.features([[5, 6, 7]])
+    assert not list(Path(worker.engine.directory).iterdir())  # every file read is deleted
+
+
+def test_rows_go_to_the_engine_in_parts_whose_states_fit_the_shared_memory(fake_vllm, monkeypatch):
+    """The states of the rows sent together are files in /dev/shm at once: rows are sent in parts that fit what is
+    free there (here room for 100 tokens' states); an engine whose longest row cannot fit is refused as it starts."""
+    row_bytes = 4 * 32 * 4  # 3 aux ids and the last layer, Ht = 32, float32: per token
+    free = 100 * row_bytes / vllm_engine.SHM_SHARE
+    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda path: SimpleNamespace(free=int(free) + 1))
+    engine = vllm_engine.VLLMFeatures(fake_vllm, (1, 3, 4), dtype="float32", max_prompt_len=100)
+    rows = [[1] * n for n in (60, 30, 20, 70, 100, 5)]
+    assert [a.shape[0] for a, _ in engine.features(rows)] == [60, 30, 20, 70, 100, 5]  # all, in order
+    assert FakeLLM.batches == [2, 2, 1, 1]  # 60 + 30 | 20 + 70 | 100 | 5
+    with pytest.raises(ConfigError) as e:
+        vllm_engine.VLLMFeatures(fake_vllm, (1, 3, 4), dtype="float32", max_prompt_len=4096)
+    assert re.fullmatch(
+        r"the hidden states of a 4096-token row \(data.max_len\) take 2.0 MiB in .*eagle31-hidden-states-\w+, which "
+        r"has 0.1 MiB free: give the engine's machine more shared memory \(docker --shm-size, a memory-backed volume "
+        r"on /dev/shm\) or lower data.max_len",
+        str(e.value),
+    ), str(e.value)
+
+
+def test_the_dtype_of_the_features_is_the_targets_not_the_engine_arguments(fake_vllm):
+    with pytest.raises(ConfigError, match=r"^vLLM engine arguments \['dtype'\] are eagle31's to set for the capture"):
+        vllm_engine.VLLMFeatures(
+            fake_vllm, (1, 3, 4), dtype="float32", max_prompt_len=64, engine_args={"dtype": "bfloat16"}
+        )

@@ -75,9 +75,15 @@ def test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1(tree):
 
     def tau(good, traces=None):
         stats = evaluate(
-            target, PerPrompt(good), [p.tolist() for p in prompts], aux_layer_ids=AUX,
-            max_new_tokens=new, k=None if tree else k, tree=tree, traces=traces,
-        )  # fmt: skip
+            target,
+            PerPrompt(good),
+            [p.tolist() for p in prompts],
+            aux_layer_ids=AUX,
+            max_new_tokens=new,
+            k=None if tree else k,
+            tree=tree,
+            traces=traces,
+        )
         return {key: v for key, v in stats.summary().items() if key not in ("seconds", "tokens_per_second")}
 
     right = tau(lambda r, k: k)
@@ -160,10 +166,16 @@ def test_arguments(tmp_path):
     assert list(cfg.splits) == ["heldout", "long_prompt"]
     assert cfg.k == 5 and cfg.tree is None
     named = parse_key_values(
-        base[:2] + [f"data=long={tmp_path}/corpus/long_prompt.jsonl", "tree_top_k=4", "tree_depth=3",
-                    "tree_total_tokens=10", "max_prompts=2"],
+        base[:2]
+        + [
+            f"data=long={tmp_path}/corpus/long_prompt.jsonl",
+            "tree_top_k=4",
+            "tree_depth=3",
+            "tree_total_tokens=10",
+            "max_prompts=2",
+        ],
         AcceptanceConfig,
-    )  # fmt: skip
+    )
     assert named.splits == {"long": f"{tmp_path}/corpus/long_prompt.jsonl"}
     assert named.tree == TreeSpec(4, 3, 10) and named.max_prompts == 2 and named.template_kwargs == {}
     options = parse_key_values(base + ['chat_template_kwargs={"preserve_thinking": true}'], AcceptanceConfig)
@@ -254,8 +266,11 @@ def test_script_end_to_end(tmp_path, capsys):
     assert main(args) == 0
     report = json.loads((out / "acceptance.json").read_text())
     assert [(r["drafter"], r["split"]) for r in report["results"]] == [
-        ("a", "heldout"), ("a", "sys"), ("b", "heldout"), ("b", "sys")
-    ]  # fmt: skip
+        ("a", "heldout"),
+        ("a", "sys"),
+        ("b", "heldout"),
+        ("b", "sys"),
+    ]
     for r in report["results"]:
         assert r["tau"] >= 1 and len(r["acceptance_rate"]) == 2
         assert r["generated_tokens"] == 6 * r["prompts"]  # the tiny target never says <end>

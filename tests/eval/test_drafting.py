@@ -1,4 +1,4 @@
-"""The drafter at inference against the training unroll (docs/design.md §4).
+"""The drafter at inference against the reference unroll (eagle31/model.py, docs/design.md §4).
 
 Every proposal of `EagleProposer` must be the argmax (chain) or top-k (tree) of
 the training unroll's logits at the same query, with the drafted tokens fed to
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from benchmarks.drafting_parity import chain_and_unroll_logits, kimi_llama_drafter
-from eagle31 import ttt_unroll
 from eagle31.eval.drafting import DraftTree, EagleProposer, TreeSpec
 from tests.helpers import random_batch, tiny_drafter
 
@@ -25,7 +24,7 @@ def unroll_log_probs(drafter, aux, ids, n, path):
     d = len(path)
     tokens = torch.cat([ids[: n + 1], torch.tensor(path, dtype=torch.long)])[None]  # [1, n+1+d]
     feats = torch.cat([aux[:n], torch.zeros(1 + d, aux.shape[-1], dtype=aux.dtype)])[None]
-    out = ttt_unroll(drafter, feats, tokens, ttt_length=d + 1, attention_kernel="reference")
+    out = drafter.unroll(feats, tokens, ttt_length=d + 1)
     return torch.stack([drafter.lm_head(s[0, n - 1]).log_softmax(-1) for s in out.states])
 
 
@@ -49,7 +48,7 @@ def proposer_at(drafter, aux, ids, n, chunks=(None,)):
 def test_first_draft_is_the_argmax_of_training_step_0():
     m = tiny_drafter()
     aux, ids = context(m.config)
-    out = ttt_unroll(m, aux[None], ids[None], ttt_length=1, attention_kernel="reference")
+    out = m.unroll(aux[None], ids[None], ttt_length=1)
     step0 = m.draft_to_target(m.lm_head(out.states[0][0]).argmax(-1))  # [T] proposal at every position
     for n in (1, 4, T - 1):
         prop = proposer_at(m, aux, ids, n)
@@ -212,6 +211,10 @@ def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
     full = tiny_drafter()
     aux, ids = context(m.config)
     top_k, depth = 3, 4
+
+    def top(d, n, path):  # the top_k draft tokens after `path` from position n, as target ids, sorted
+        return sorted(d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist())
+
     differs = False
     for n in (7, T - 1):
         tree = proposer_at(m, aux, ids, n).draft_tree(TreeSpec(top_k=top_k, depth=depth, total_tokens=10_000))
@@ -219,9 +222,6 @@ def test_a_windowed_tree_expands_each_node_as_the_windowed_unroll():
         for i, path in enumerate(tree_paths(tree)):
             children = sorted(tree.tokens[c].item() for c, p in enumerate(parents) if p == i)
             if children and len(path) > 1:  # a node below the first level: its query sees draft keys too
-                top = lambda d: sorted(
-                    d.draft_to_target(unroll_log_probs(d, aux, ids, n, path)[-1].topk(top_k).indices).tolist()
-                )  # noqa: E731
-                assert children == top(m), (n, path)
-                differs |= children != top(full)
+                assert children == top(m, n, path), (n, path)
+                differs |= children != top(full, n, path)
     assert differs, "the test must tell the window from full attention"

@@ -101,8 +101,9 @@ def test_uniform_attention_gives_the_constructed_masses_in_both_views(traces, ki
     live = live.summary()
     roots = []  # the position each live round drafts from
     for t in traces:
-        gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
-                                   max_new_tokens=NEW, k=depth)  # fmt: skip
+        gen = speculative_generate(
+            t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX, max_new_tokens=NEW, k=depth
+        )
         root = t.prompt_len - 1
         for a in gen.accepted:
             roots.append((root, 0))
@@ -118,8 +119,17 @@ def test_target_sinks_are_where_the_targets_aux_layers_attend_most(target, trace
     tokens = traces[1].tokens[:-1]
     got = target_sink_positions(target, tokens, AUX, 3)
     assert target.config._attn_implementation == "sdpa"  # restored
-    eager = tiny_llama(0, torch.float64, vocab_size=DRAFTER_VOCAB, hidden_size=16, intermediate_size=32,
-                       num_hidden_layers=8, head_dim=8, initializer_range=0.3, attn_implementation="eager")  # fmt: skip
+    eager = tiny_llama(
+        0,
+        torch.float64,
+        vocab_size=DRAFTER_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=8,
+        head_dim=8,
+        initializer_range=0.3,
+        attn_implementation="eager",
+    )
     eager.load_state_dict(target.state_dict())
     weights = eager(input_ids=tokens[None], output_attentions=True).attentions  # per layer [1, heads, T, T]
     T = tokens.numel()
@@ -130,8 +140,11 @@ def test_target_sinks_are_where_the_targets_aux_layers_attend_most(target, trace
     sinks = [target_sink_positions(target, t.tokens[:-1], AUX, 3) for t in traces]
     ttt = ttt_view(drafter, traces, depth=3, sink_tokens=SINK, max_new_tokens=NEW, target_sinks=sinks).summary()
     for k in range(3):
-        want = [(s <= p).sum().item() / (p + 1 + k) for t, s in zip(traces, sinks)
-                for p in range(t.prompt_len - 1, t.prompt_len - 1 + NEW)]  # fmt: skip
+        want = [
+            (s <= p).sum().item() / (p + 1 + k)
+            for t, s in zip(traces, sinks)
+            for p in range(t.prompt_len - 1, t.prompt_len - 1 + NEW)
+        ]
         assert ttt["target_sink_mass"][k] == pytest.approx(sum(want) / len(want))
     live, _, _ = live_view(drafter, traces, depth=3, sink_tokens=SINK, max_new_tokens=NEW, target_sinks=sinks)
     assert 0 < live.summary()["target_sink_mass"][0] < 1
@@ -175,8 +188,9 @@ def test_hidden_rms_and_acceptance_equal_a_direct_computation(traces, kind, norm
     live, acceptance, _ = live_view(drafter, traces, depth=depth, sink_tokens=SINK, max_new_tokens=NEW)
     roots = []
     for t in traces:
-        gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
-                                   max_new_tokens=NEW, k=depth)  # fmt: skip
+        gen = speculative_generate(
+            t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX, max_new_tokens=NEW, k=depth
+        )
         root = t.prompt_len - 1
         for a in gen.accepted:
             with torch.no_grad():
@@ -200,13 +214,13 @@ def test_live_depth_one_is_the_teacher_forced_attention_at_each_rounds_root(trac
     for t in traces:
         n = t.aux.shape[0]
         step0 = {}
-        probe = lambda k, probs: step0.setdefault("probs", probs[0]) if k == 0 else None  # noqa: E731
+        probe = lambda k, probs, step0=step0: step0.setdefault("probs", probs[0]) if k == 0 else None  # noqa: E731
         with torch.no_grad():
-            ttt_unroll(drafter, t.aux[None], t.tokens[None, :n], ttt_length=1, attention_kernel="reference",
-                       attention_probe=probe)  # fmt: skip
+            drafter.unroll(t.aux[None], t.tokens[None, :n], ttt_length=1, probe=probe)
         probs = step0["probs"].double()  # [heads, T, T]
-        gen = speculative_generate(t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX,
-                                   max_new_tokens=NEW, k=3)  # fmt: skip
+        gen = speculative_generate(
+            t, EagleProposer(drafter), t.tokens[: t.prompt_len], aux_layer_ids=AUX, max_new_tokens=NEW, k=3
+        )
         root = t.prompt_len - 1
         for a in gen.accepted:
             sink.append(float(probs[:, root, :SINK].sum(-1).mean()))
@@ -233,25 +247,24 @@ def test_the_diagnostic_leaves_drafting_bit_identical(traces, kind):
         assert torch.equal(plain.draft_chain(7), watched.draft_chain(7))
         assert watched.probe.calls == 7  # the root and six chain steps
         a = speculative_generate(t, EagleProposer(drafter), prompt, aux_layer_ids=AUX, max_new_tokens=NEW, k=5)
-        b = speculative_generate(t, EagleProposer(drafter, probe=_Counter()), prompt, aux_layer_ids=AUX,
-                                 max_new_tokens=NEW, k=5)  # fmt: skip
+        b = speculative_generate(
+            t, EagleProposer(drafter, probe=_Counter()), prompt, aux_layer_ids=AUX, max_new_tokens=NEW, k=5
+        )
         assert (a.tokens, a.accepted) == (b.tokens, b.accepted)
     # teacher-forced: the probe does not change the reference unroll's outputs
     t = traces[0]
     n = t.aux.shape[0]
-    args = (drafter, t.aux[None].double(), t.tokens[None, :n])
-    plain = ttt_unroll(*args, ttt_length=3, attention_kernel="reference")
-    watched = ttt_unroll(*args, ttt_length=3, attention_kernel="reference", attention_probe=lambda k, p: None)
+    args = (t.aux[None].double(), t.tokens[None, :n])
+    plain = drafter.unroll(*args, ttt_length=3)
+    watched = drafter.unroll(*args, ttt_length=3, probe=lambda k, p: None)
     assert all(torch.equal(x, y) for x, y in zip(plain.hidden, watched.hidden))
-    with pytest.raises(ValueError, match="only in the reference backend"):
-        ttt_unroll(*args, ttt_length=2, attention_kernel="flash", attention_probe=lambda k, p: None)
 
 
 class _Counter:
     def __init__(self):
         self.calls = 0
 
-    def observe(self, *args, chain, first=0):
+    def observe(self, *args, chain):
         self.calls += 1
 
 
@@ -269,8 +282,9 @@ def test_packed_prompts_give_what_single_prompts_give(traces, kind):
 
 def test_depth_stats_summary_averages_per_query():
     stats = DepthStats(depth=2, heads=2)
-    stats.add_attention(1, {"sink": torch.tensor([[1.0, 0.0], [0.5, 0.5]]), "context": torch.zeros(2, 2),
-                            "own": torch.zeros(2, 2)})  # fmt: skip
+    stats.add_attention(
+        1, {"sink": torch.tensor([[1.0, 0.0], [0.5, 0.5]]), "context": torch.zeros(2, 2), "own": torch.zeros(2, 2)}
+    )
     stats.add_states(1, torch.full((2, 4), 2.0), torch.full((2, 4), 3.0), torch.ones(2, 4))
     s = stats.summary()
     assert s["queries"] == [2, 0]
@@ -289,16 +303,28 @@ def test_script_end_to_end(tmp_path, capsys):
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "e31")
     tiny_drafter(seed=1, vocab_size=VOCAB, dtype=torch.float32, fc_norm=False, norm_output=False).save(tmp_path / "e3")
     data = tmp_path / "heldout.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "write a python function"}]}) + "\n"
-                    + json.dumps({"prompt": "the sum of two"}) + "\n")  # fmt: skip
+    records = [{"messages": [{"role": "user", "content": "write a python function"}]}, {"prompt": "the sum of two"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "drift"
-    args = [f"drafter=eagle3={tmp_path}/e3,eagle31={tmp_path}/e31", f"target={target_dir}", f"data={data}",
-            "depth=3", "max_new_tokens=6", "sink_tokens=1", "target_sinks=2", "device=cpu", f"out={out}"]  # fmt: skip
+    args = [
+        f"drafter=eagle3={tmp_path}/e3,eagle31={tmp_path}/e31",
+        f"target={target_dir}",
+        f"data={data}",
+        "depth=3",
+        "max_new_tokens=6",
+        "sink_tokens=1",
+        "target_sinks=2",
+        "device=cpu",
+        f"out={out}",
+    ]
     assert main(args) == 0
     report = json.loads((out / "drift.json").read_text())
     assert [(r["drafter"], r["view"]) for r in report["results"]] == [
-        ("eagle3", "ttt"), ("eagle3", "live"), ("eagle31", "ttt"), ("eagle31", "live")
-    ]  # fmt: skip
+        ("eagle3", "ttt"),
+        ("eagle3", "live"),
+        ("eagle31", "ttt"),
+        ("eagle31", "live"),
+    ]
     assert report["settings"]["drafter_settings"]["eagle3"]["fc_norm"] is False
     for r in report["results"]:
         assert len(r["sink_mass"]) == 3 and len(r["target_sink_mass"]) == 3 and r["queries"][0] > 0
@@ -310,8 +336,17 @@ def test_script_end_to_end(tmp_path, capsys):
     questions.write_text(
         json.dumps({"question_id": 1, "category": "coding", "turns": ["write a function", "sum of two"]}) + "\n"
     )
-    mt = [args[0], args[1], f"questions={questions}", "system_prompt=you are a helpful assistant", "split=unseen_system",
-          "depth=2", "max_new_tokens=4", "device=cpu", f"out={tmp_path}/mt"]  # fmt: skip
+    mt = [
+        args[0],
+        args[1],
+        f"questions={questions}",
+        "system_prompt=you are a helpful assistant",
+        "split=unseen_system",
+        "depth=2",
+        "max_new_tokens=4",
+        "device=cpu",
+        f"out={tmp_path}/mt",
+    ]
     assert main(mt) == 0
     report = json.loads((tmp_path / "mt" / "drift.json").read_text())
     assert {r["split"] for r in report["results"]} == {"unseen_system"} and report["settings"]["mt_bench"]["turns"] == 2

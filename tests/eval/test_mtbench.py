@@ -38,8 +38,16 @@ def test_turn_two_carries_turn_one_and_the_targets_own_answer():
     target, tok = drafter_sized_llama(dtype=torch.float32), tiny_tokenizer()
     drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
     eos = [tok.eos_token_id]
-    turns = trace_mt_bench(target, tok, QUESTIONS[:2], aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=6,
-                           draft_len=3, eos_token_ids=eos, system_prompt="you are a helpful assistant")  # fmt: skip
+    turns = trace_mt_bench(
+        target,
+        tok,
+        QUESTIONS[:2],
+        aux_layer_ids=drafter.config.aux_layer_ids,
+        max_new_tokens=6,
+        draft_len=3,
+        eos_token_ids=eos,
+        system_prompt="you are a helpful assistant",
+    )
     stats = evaluate_mt_bench(turns, EagleProposer(drafter), max_new_tokens=6, k=3, eos_token_ids=eos)
 
     expected = []
@@ -71,14 +79,29 @@ def test_replayed_stats_equal_live_decoding(mode):
     drafter = tiny_drafter(vocab_size=VOCAB, dtype=torch.float32)
     tree = TreeSpec(top_k=2, depth=3, total_tokens=5) if mode == "tree" else None
     k, eos = (None if tree else 3), [tok.eos_token_id]
-    turns = trace_mt_bench(target, tok, QUESTIONS, aux_layer_ids=drafter.config.aux_layer_ids, max_new_tokens=9,
-                           draft_len=3, eos_token_ids=eos)  # fmt: skip
+    turns = trace_mt_bench(
+        target,
+        tok,
+        QUESTIONS,
+        aux_layer_ids=drafter.config.aux_layer_ids,
+        max_new_tokens=9,
+        draft_len=3,
+        eos_token_ids=eos,
+    )
     replayed = evaluate_mt_bench(turns, EagleProposer(drafter), max_new_tokens=9, k=k, tree=tree, eos_token_ids=eos)
     live = {}
     for turn in turns:
         prompt = turn.trace.tokens[: turn.trace.prompt_len]
-        generation = speculative_generate(target, EagleProposer(drafter), prompt, aux_layer_ids=drafter.config.aux_layer_ids,
-                                          max_new_tokens=9, k=k, tree=tree, eos_token_ids=eos)  # fmt: skip
+        generation = speculative_generate(
+            target,
+            EagleProposer(drafter),
+            prompt,
+            aux_layer_ids=drafter.config.aux_layer_ids,
+            max_new_tokens=9,
+            k=k,
+            tree=tree,
+            eos_token_ids=eos,
+        )
         for key in (turn.category, ALL):
             live.setdefault(key, AcceptanceStats(draft_len=3)).add(generation, len(prompt))
     counts = ("prompts", "prompt_tokens", "rounds", "accepted", "accepted_at", "generated_tokens", "target_forwards")
@@ -115,8 +138,19 @@ def test_script_end_to_end(tmp_path, capsys):
     tiny_drafter(seed=1, vocab_size=VOCAB, dtype=torch.float32, fc_norm=False, norm_output=False).save(tmp_path / "e3")
     questions = write_questions(tmp_path / "question.jsonl", extra=["{broken"])
     out = tmp_path / "mt"
-    args = ["mtbench", f"drafter=eagle3={tmp_path}/e3,eagle31={tmp_path}/e31", f"target={target}", f"questions={questions}",
-            "ks=2,3", "tree_top_k=2", "tree_depth=2", "tree_total_tokens=3", "max_new_tokens=5", f"out={out}", "device=cpu"]  # fmt: skip
+    args = [
+        "mtbench",
+        f"drafter=eagle3={tmp_path}/e3,eagle31={tmp_path}/e31",
+        f"target={target}",
+        f"questions={questions}",
+        "ks=2,3",
+        "tree_top_k=2",
+        "tree_depth=2",
+        "tree_total_tokens=3",
+        "max_new_tokens=5",
+        f"out={out}",
+        "device=cpu",
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "skipped MT-Bench records: malformed 1" in captured.err
@@ -177,11 +211,17 @@ def test_long_histories_reach_the_length_and_alternate():
 
     tok = tiny_tokenizer()
     convs = [
-        Conversation([{"role": "system", "content": "you"}, {"role": "user", "content": "write code"},
-                      {"role": "assistant", "content": "def x return y"}, {"role": "user", "content": "dangling"}]),
+        Conversation(
+            [
+                {"role": "system", "content": "you"},
+                {"role": "user", "content": "write code"},
+                {"role": "assistant", "content": "def x return y"},
+                {"role": "user", "content": "dangling"},
+            ]
+        ),
         Conversation([{"role": "assistant", "content": "no user first"}]),
         Conversation([{"role": "user", "content": "list the sum"}, {"role": "assistant", "content": "sum of list"}]),
-    ]  # fmt: skip
+    ]
     histories = long_histories(tok, convs, count=3, min_tokens=20)
     assert len(histories) == 3
     for history in histories:

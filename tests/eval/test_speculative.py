@@ -78,9 +78,14 @@ def test_lossless_on_an_mla_moe_target(mode):
     ref = naive_greedy(target, prompt, NEW + 4)
     tree = TreeSpec(top_k=2, depth=3, total_tokens=6) if mode == "tree" else None
     out = speculative_generate(
-        target, Oracle(ref, good=lambda r, k: r % (k + 1), vocab=DS_VOCAB), prompt, aux_layer_ids=(1, 2, 3),
-        max_new_tokens=NEW, k=None if tree else 3, tree=tree,
-    )  # fmt: skip
+        target,
+        Oracle(ref, good=lambda r, k: r % (k + 1), vocab=DS_VOCAB),
+        prompt,
+        aux_layer_ids=(1, 2, 3),
+        max_new_tokens=NEW,
+        k=None if tree else 3,
+        tree=tree,
+    )
     assert out.tokens == ref[prompt.numel() : prompt.numel() + NEW].tolist()
     assert out.accepted[:4] == [0, 1, 2, 3]
 
@@ -142,9 +147,15 @@ def test_stops_at_eos(target, prompts, mode):
     expected = generated[: generated.index(eos) + 1]
     tree = TreeSpec(top_k=2, depth=k, total_tokens=6) if mode == "tree" else None
     out = speculative_generate(
-        target, Oracle(ref), prompt, aux_layer_ids=AUX, max_new_tokens=NEW,
-        k=None if tree else k, tree=tree, eos_token_ids=[eos],
-    )  # fmt: skip
+        target,
+        Oracle(ref),
+        prompt,
+        aux_layer_ids=AUX,
+        max_new_tokens=NEW,
+        k=None if tree else k,
+        tree=tree,
+        eos_token_ids=[eos],
+    )
     assert out.tokens == expected
     assert 1 + sum(a + 1 for a in out.accepted) - len(expected) <= k  # no round after the one with eos
 
@@ -160,7 +171,10 @@ def test_replay_from_a_greedy_trace_equals_live_decoding(target, prompts, mode):
         trace = greedy_trace(target, prompt, aux_layer_ids=AUX, length=NEW + k)
         assert trace.tokens.tolist() == naive_greedy(target, prompt, NEW + k + 1).tolist()
         eos = [trace.continuation[9]]
-        proposers = (lambda: EagleProposer(drafter), lambda: Oracle(trace.tokens, good=lambda r, k: r % (k + 1)))
+        proposers = (
+            lambda: EagleProposer(drafter),
+            lambda trace=trace: Oracle(trace.tokens, good=lambda r, k: r % (k + 1)),
+        )
         for (name, make), stop in itertools.product(enumerate(proposers), ([], eos)):
             kwargs = dict(max_new_tokens=NEW, k=None if tree else k, tree=tree, eos_token_ids=stop)
             live = speculative_generate(target, make(), prompt, aux_layer_ids=AUX, **kwargs)

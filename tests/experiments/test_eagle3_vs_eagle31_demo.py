@@ -60,9 +60,9 @@ def test_the_plan_trains_every_drafter_then_measures_each_ttt_length_at_each_k(c
         "eagle31-ttt5-s1",
     ]
     assert [m.split(":")[0] for m in measures] == [f"measure o/ttt{t}-k{k}" for t in (5, 7) for k in (3, 6)]
-    assert (
-        measures[0]
-        == "measure o/ttt5-k3: k=3, eagle3-ttt5-s0, eagle3-ttt5-s1, eagle31-ttt5-s0, eagle31-ttt5-s1 on heldout, long_prompt"
+    assert measures[0] == (
+        "measure o/ttt5-k3: k=3, eagle3-ttt5-s0, eagle3-ttt5-s1, eagle31-ttt5-s0, eagle31-ttt5-s1 "
+        "on heldout, long_prompt"
     )
     cfg = parse_key_values(["ttt_lengths=5", "seeds=0", "runs=r"], CompareConfig)
     assert script["drafters"](cfg, 5) == {
@@ -103,9 +103,20 @@ def test_bad_arguments_are_one_line_errors(arg, message, capsys):
 def test_tables_and_plot_from_a_summary(tmp_path):
     cfg = parse_key_values(["seeds=0,1", "ttt_lengths=5", "ks=2,3", "splits=heldout,long_prompt"], CompareConfig)
     training = [
-        {"variant": v, "ttt_length": 5, "seed": s, "tau_sim": 2.5, "acc": [0.7] * 5, "eval_loss": 0.5, "train_time_s": 99.0, "steps": 300, "tokens_seen": 1}
-        for v in ("eagle3", "eagle31") for s in (0, 1)
-    ]  # fmt: skip
+        {
+            "variant": v,
+            "ttt_length": 5,
+            "seed": s,
+            "tau_sim": 2.5,
+            "acc": [0.7] * 5,
+            "eval_loss": 0.5,
+            "train_time_s": 99.0,
+            "steps": 300,
+            "tokens_seen": 1,
+        }
+        for v in ("eagle3", "eagle31")
+        for s in (0, 1)
+    ]
     results = []
     for k in (2, 3):
         for v, base in (("eagle3", 2.0), ("eagle31", 2.5)):
@@ -216,7 +227,8 @@ def test_commands_log_names_the_cache_by_its_variable(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smoke_trains_both_drafters_and_measures_them_into_the_results_of_the_full_comparison(tmp_path, capsys):
-    """End to end at tiny sizes on the demo target (built once per machine, minutes): the files the full comparison writes."""
+    """End to end at tiny sizes on the demo target (built once per machine, minutes): the files the full comparison
+    writes."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     assert script["main"](["--smoke", f"out={out}", f"runs={runs}", "threads=2"]) == 0
     assert {p.name for p in runs.iterdir()} >= {"data", "eagle3-ttt2-s0", "eagle31-ttt2-s0"}

@@ -1,4 +1,5 @@
-"""experiments/eagle3_vs_eagle31/heldout_questions.py: first user turns after the training conversations, as MT-Bench questions."""
+"""experiments/eagle3_vs_eagle31/heldout_questions.py: first user turns after the training conversations, as MT-Bench
+questions."""
 
 import json
 

@@ -12,7 +12,8 @@ import torch
 
 @pytest.fixture
 def speculators():
-    """Their EAGLE-3 model, imported when a test needs it (~10 s), not at collection; skipped without it, failing in CI."""
+    """Their EAGLE-3 model, imported when a test needs it (~10 s), not at collection; skipped without it, failing in
+    CI."""
     from tests.peers import peer_module
 
     return peer_module("speculators.models.eagle3.core")
@@ -138,8 +139,8 @@ def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(
     """Through their collate, `shift_batch` and `align_for_step`: their trainer's mask supervises (p, k) when
     m[p+1+k] = 1; `eagle31_loss_mask` makes their supervised queries exactly eagle31's `supervision_mask`,
     out-of-vocabulary argmax included."""
-    from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, supervision_mask
+    from eagle31.model import segment_ids
     from experiments.side_by_side.peer_training import eagle31_loss_mask, speculators_samples
 
     # each document opens with a prompt longer than K, as a chat template's opening is: their queries at a
@@ -183,8 +184,8 @@ def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculato
     from benchmarks.peer import speculators_drafter
     from eagle31.config import DrafterConfig
     from eagle31.convert import load_drafter
-    from eagle31.kernels.causal import segment_ids
     from eagle31.loss import TargetHead, label_positions, step_scales, supervision_mask, weighted_loss
+    from eagle31.model import segment_ids
     from eagle31.target import load_target_config
     from eagle31.trainer import DrafterObjective, TrainConfig
     from eagle31.vocab import vocab_maps

@@ -1,4 +1,5 @@
-"""experiments/eagle3_vs_eagle31/smollm2_summary.py: the tables of the SmolLM2 comparison, from evaluation files (not the comparison itself)."""
+"""experiments/eagle3_vs_eagle31/smollm2_summary.py: the tables of the SmolLM2 comparison, from evaluation files (not
+the comparison itself)."""
 
 import json
 
@@ -8,11 +9,15 @@ from eagle31.errors import ConfigError
 from experiments.eagle3_vs_eagle31.smollm2_summary import SummaryConfig, format_results, parse_label, summarize, verdict
 
 TAU = {  # (probe, label) -> tau over all questions at chain-k3
-    ("mt_bench", "eagle3-s0"): 1.50, ("mt_bench", "eagle3-s1"): 1.60,
-    ("mt_bench", "eagle31-s0"): 1.70, ("mt_bench", "eagle31-s1"): 1.80,
-    ("mt_bench_long_history", "eagle3-s0"): 1.40, ("mt_bench_long_history", "eagle3-s1"): 1.55,
-    ("mt_bench_long_history", "eagle31-s0"): 1.50, ("mt_bench_long_history", "eagle31-s1"): 1.45,
-}  # fmt: skip
+    ("mt_bench", "eagle3-s0"): 1.50,
+    ("mt_bench", "eagle3-s1"): 1.60,
+    ("mt_bench", "eagle31-s0"): 1.70,
+    ("mt_bench", "eagle31-s1"): 1.80,
+    ("mt_bench_long_history", "eagle3-s0"): 1.40,
+    ("mt_bench_long_history", "eagle3-s1"): 1.55,
+    ("mt_bench_long_history", "eagle31-s0"): 1.50,
+    ("mt_bench_long_history", "eagle31-s1"): 1.45,
+}
 
 
 def write_results(tmp_path):
@@ -23,9 +28,18 @@ def write_results(tmp_path):
         for label in labels:
             tau = TAU[(probe, label)]
             for split, t in (("all", tau), ("coding", tau + 0.5), ("writing", tau - 0.25)):
-                results.append({"drafter": label, "mode": "chain-k3", "split": split, "tau": t, "prompts": 4,
-                                "mean_prompt_tokens": 100.0, "acceptance_rate": [t - 1, 0.0, 0.0],
-                                "conditional_acceptance_rate": [t - 1, 0.5, 0.25]})  # fmt: skip
+                results.append(
+                    {
+                        "drafter": label,
+                        "mode": "chain-k3",
+                        "split": split,
+                        "tau": t,
+                        "prompts": 4,
+                        "mean_prompt_tokens": 100.0,
+                        "acceptance_rate": [t - 1, 0.0, 0.0],
+                        "conditional_acceptance_rate": [t - 1, 0.5, 0.25],
+                    }
+                )
         settings = {
             "drafters": {label: f"{runs}/{label}/drafter" for label in labels},
             "target": "t",
@@ -57,12 +71,12 @@ def test_summary_means_seeds_and_says_what_holds_outside_their_spread(tmp_path):
 
     table = format_results(summary)
     assert (
-        "| MT-Bench | chain-k3 | 100 | 1.550 (1.500, 1.600) | 1.750 (1.700, 1.800) | +0.200, higher, outside the seed spread |"
-        in table
+        "| MT-Bench | chain-k3 | 100 | 1.550 (1.500, 1.600) | 1.750 (1.700, 1.800) "
+        "| +0.200, higher, outside the seed spread |" in table
     )
     assert (
-        "| MT-Bench after a long history | chain-k3 | 100 | 1.475 (1.400, 1.550) | 1.475 (1.500, 1.450) | +0.000, within the seed spread |"
-        in table
+        "| MT-Bench after a long history | chain-k3 | 100 | 1.475 (1.400, 1.550) | 1.475 (1.500, 1.450) "
+        "| +0.000, within the seed spread |" in table
     )
     assert "| chain-k3 | EAGLE 3.1 | 1.750 | 2.250 | 1.500 |" in table  # per category, mean over seeds
     assert "under an unseen system prompt" not in table  # a probe that was not run has no rows

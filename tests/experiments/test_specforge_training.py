@@ -46,8 +46,8 @@ draft.compute_logits = lambda h: logits.append(compute_logits(h)) or logits[-1]
 model = eagle3_model.OnlineEagle3Model(draft, length=int(sys.argv[3]), attention_backend="sdpa")
 ids = batch["input_ids"]
 plosses = model(
-    input_ids=padding(ids, left=False), attention_mask=torch.ones_like(ids), target=padding(batch["target"], left=False),
-    loss_mask=batch["loss_mask"][..., None], hidden_states=batch["aux"],
+    input_ids=padding(ids, left=False), attention_mask=torch.ones_like(ids),
+    target=padding(batch["target"], left=False), loss_mask=batch["loss_mask"][..., None], hidden_states=batch["aux"],
 )[0]
 sum(0.8**k * p for k, p in enumerate(plosses)).backward()
 out = {f"logits_{k}": l.detach().contiguous() for k, l in enumerate(logits)}
@@ -83,8 +83,11 @@ def test_their_ttt_forward_equals_ours_with_the_same_weights(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(
         [str(python), "-c", THEIR_FORWARD, str(tmp_path), str(ENTRY_DIR), str(K)],
-        capture_output=True, text=True, timeout=600, env={**env, "SPECFORGE_DEVICE": "cpu"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "SPECFORGE_DEVICE": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     theirs = load_file(tmp_path / "theirs.safetensors")
     plosses = json.loads(proc.stdout.strip().splitlines()[-1])["plosses"]
@@ -122,9 +125,12 @@ def test_features_are_one_file_per_document_in_our_order(tmp_path):
         T = sum(lengths)
         docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
         return FeatureBatch(
-            input_ids=torch.arange(start, start + T)[None], loss_mask=(torch.arange(T) % 2)[None], document_ids=docs,
-            aux=torch.randn(1, T, 6), final=torch.randn(1, T, 2),
-        )  # fmt: skip
+            input_ids=torch.arange(start, start + T)[None],
+            loss_mask=(torch.arange(T) % 2)[None],
+            document_ids=docs,
+            aux=torch.randn(1, T, 6),
+            final=torch.randn(1, T, 2),
+        )
 
     batches = [packed([3, 2], 0), packed([4], 100)]
     lengths, n = write_features(batches, tmp_path)

@@ -1,4 +1,5 @@
-"""Damaged or hand-edited inputs of export and evaluation: one line naming the file and the field, exit 2, never a traceback."""
+"""Damaged or hand-edited inputs of export and evaluation: one line naming the file and the field, exit 2, never a
+traceback."""
 
 import json
 import runpy

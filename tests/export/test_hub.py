@@ -157,8 +157,9 @@ def test_the_card_of_a_full_vocabulary_mla_drafter_names_the_vllm_it_needs(tmp_p
     """vLLM 0.22's DeepSeek EAGLE-3 class never applies fc_norm; a full vocabulary carries no d2t/t2d."""
     from tests.test_mla import mla_drafter
 
-    out = export_drafter(mla_drafter(seed=3, draft_vocab_size=40).float(), tmp_path / "mla", "eagle3",
-                         target_name_or_path="org/target")  # fmt: skip
+    out = export_drafter(
+        mla_drafter(seed=3, draft_vocab_size=40).float(), tmp_path / "mla", "eagle3", target_name_or_path="org/target"
+    )
     _, body = front_matter(render_model_card(hub.read_export(out), "me/mla"))
     assert "Needs vLLM >= 0.33." in body and "d2t" not in body
     reduced = export_drafter(tiny_drafter(seed=3), tmp_path / "llama", "eagle3", target_name_or_path="org/target")

@@ -61,8 +61,12 @@ class FlatLayout(Layout):
         return "flat_format" in meta
 
     def config(self, config, *, dtype, trained_context, num_speculative_tokens, target) -> dict[str, Any]:
-        return {"flat_format": 1, "layer": layer_fields(config, dtype, trained_context), **eagle_fields(config),
-                **provenance(config, target)}  # fmt: skip
+        return {
+            "flat_format": 1,
+            "layer": layer_fields(config, dtype, trained_context),
+            **eagle_fields(config),
+            **provenance(config, target),
+        }
 
     def native_key(self, key: str) -> str:
         return "midlayer." + key[len(self.layer_prefix) :] if key.startswith(self.layer_prefix) else key

@@ -39,7 +39,7 @@ def test_vllm_deepseek_eagle3_reads_the_mla_export(tmp_path, case):
     view = vllm.hf_config_view(cfg)
     assert vllm.model_class(view) == "Eagle3DeepseekV2ForCausalLM" and cfg["model_type"] == "kimi_k2"
     for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        assert cfg[name] == getattr(c, name), name
+        assert cfg[name] == getattr(c.mla, name), name
     s = vllm.effective_settings(view)
     assert (s["aux_layer_ids"], s["num_aux"], s["target_hidden_size"]) == (
         c.aux_layer_ids,
@@ -104,17 +104,31 @@ def torchspec_mla_checkpoint(path, m, *, ids, model_type="kimi_k2", layer_prefix
     c = m.config
     rope = {k: v for k, v in c.rope_parameters.items() if k not in ("rope_type", "rope_theta")}
     cfg = {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": model_type,
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_attention_heads,
-        "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
-        "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "mla_use_nope": True,
-        "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
-        "draft_vocab_size": c.draft_vocab_size, "torch_dtype": "float32", "rope_theta": c.rope_parameters["rope_theta"],
-        "rope_scaling": {"type": "yarn", **rope}, "max_position_embeddings": c.max_position_embeddings,
-        "fc_norm": c.fc_norm, "norm_output": c.norm_output,
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": model_type,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads,
+        "q_lora_rank": c.mla.q_lora_rank,
+        "kv_lora_rank": c.mla.kv_lora_rank,
+        "qk_nope_head_dim": c.mla.qk_nope_head_dim,
+        "qk_rope_head_dim": c.mla.qk_rope_head_dim,
+        "v_head_dim": c.mla.v_head_dim,
+        "mla_use_nope": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "torch_dtype": "float32",
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "rope_scaling": {"type": "yarn", **rope},
+        "max_position_embeddings": c.max_position_embeddings,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
-    }  # fmt: skip
+    }
     if version:
         cfg["_torchspec_version"] = "0.2.0"
     state = {
@@ -168,18 +182,46 @@ def test_published_kimi_k26_shape_is_read_from_its_config(tmp_path):
     from eagle31.convert import drafter_config
 
     meta = {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
-        "intermediate_size": 18432, "num_hidden_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "hidden_act": "silu", "rms_norm_eps": 1e-05, "vocab_size": 163840, "draft_vocab_size": 163840,
-        "rope_theta": 50000.0, "max_position_embeddings": 262144, "fc_norm": True, "norm_output": True,
-        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "kimi_k2",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "vocab_size": 163840,
+        "draft_vocab_size": 163840,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
+        "fc_norm": True,
+        "norm_output": True,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]},
-    }  # fmt: skip
+    }
     cfg = drafter_config(meta, detect_format(meta), target_num_layers=61)
     assert cfg.attention == "mla" and cfg.aux_layer_ids == (2, 30, 58) and cfg.head_dim == 192
-    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+    assert (
+        cfg.mla.q_lora_rank,
+        cfg.mla.kv_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.qk_rope_head_dim,
+        cfg.mla.v_head_dim,
+    ) == (
         1536,
         512,
         128,
@@ -208,7 +250,8 @@ def test_init_from_continues_training_a_published_mla_drafter(tmp_path):
 
 
 def test_an_older_export_of_ours_still_reads_back(tmp_path):
-    """Before vLLM 0.33's rules an MLA export said model_type deepseek_v3 and carried d2t/t2d with the full vocabulary."""
+    """Before vLLM 0.33's rules an MLA export said model_type deepseek_v3 and carried d2t/t2d with the full
+    vocabulary."""
     m, cfg, tensors, out = export(tmp_path, "full_vocab")
     assert "d2t" not in tensors and "t2d" not in tensors
     (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))

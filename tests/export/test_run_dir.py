@@ -114,8 +114,8 @@ class FakeWandb:
         self.modes.append((mode, settings.get("init_timeout")))
         if mode == "online":
             raise self.errors.CommError(
-                f'Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: no such host key={WANDB_KEY}\n'
-                "Consider increasing the init_timeout setting"
+                'Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: no such host '
+                f"key={WANDB_KEY}\nConsider increasing the init_timeout setting"
             )
         return types.SimpleNamespace(mode=mode)
 

@@ -36,10 +36,21 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 PEER_SCRIPT = (Path(__file__).parent / "vllm_peer.py").read_text()
 POSITIONS = [0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, 65535, 262143]
 WINDOW = 6  # the extra sliding-window exports' window
-TINY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
-            vocab_size=40, target_hidden_size=16)  # fmt: skip
-TINY_MLA = dict(num_key_value_heads=4, head_dim=10, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
-                qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
+PARALLEL_MASK_TOKEN = 7  # the extra parallel exports' mask token
+TINY = dict(
+    hidden_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    intermediate_size=24,
+    vocab_size=40,
+    target_hidden_size=16,
+)
+TINY_MLA = dict(
+    num_key_value_heads=4,
+    head_dim=10,
+    mla=dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5),
+)
 
 
 def recipe_target(name: str, cfg) -> dict:
@@ -50,11 +61,19 @@ def recipe_target(name: str, cfg) -> dict:
         return kimi_k26_mini_config(vocab_size=532, bos_token_id=0, eos_token_id=1, pad_token_id=2).to_dict()
     assert name == "demo", f"recipe {name}: no target config to read"
     d = DemoRecipe()
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": d.hidden_size,
-            "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
-            "num_key_value_heads": d.num_key_value_heads, "intermediate_size": d.intermediate_size,
-            "max_position_embeddings": d.max_position_embeddings, "vocab_size": d.vocab_size, "rms_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": d.hidden_size,
+        "num_hidden_layers": d.num_hidden_layers,
+        "num_attention_heads": d.num_attention_heads,
+        "num_key_value_heads": d.num_key_value_heads,
+        "intermediate_size": d.intermediate_size,
+        "max_position_embeddings": d.max_position_embeddings,
+        "vocab_size": d.vocab_size,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
 
 
 def recipe_cases(name: str) -> list[dict]:
@@ -66,8 +85,8 @@ def recipe_cases(name: str) -> list[dict]:
     attentions = ["llama", "mla"] if "kv_lora_rank" in text else ["llama"]
     cases = []
     for attention in attentions:
-        o = {k: v for k, v in overrides.items() if k not in ("num_attention_heads", "num_key_value_heads", "head_dim",
-                                                             "intermediate_size", "draft_vocab_size")}  # fmt: skip
+        shape = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "draft_vocab_size")
+        o = {k: v for k, v in overrides.items() if k not in shape}
         o["attention"] = attention
         if attention == "mla":  # vLLM's DeepSeek layer serves no window: refused (test_an_mla_window_is_not_served)
             o.pop("sliding_window", None)
@@ -83,11 +102,19 @@ def recipe_cases(name: str) -> list[dict]:
             config = {**dataclasses.asdict(dataclasses.replace(drafter, **shape))}
             for fmt in cfg.export.formats:
                 if attention == "mla" and fmt != "eagle3":
-                    continue  # the speculators layout cannot carry an MLA drafter (refused, tests/export/test_mla_export.py)
-                cases.append({"id": f"{name}-{attention}-{vocab}-{fmt}", "recipe": name, "config": config,
-                              "format": str(fmt), "max_len": int(cfg.data.max_len),
-                              "target_max_positions": int(text.get("max_position_embeddings", 4096)),
-                              "target_name": cfg.target.name or "org/target"})  # fmt: skip
+                    # the speculators layout cannot carry an MLA drafter (refused, tests/export/test_mla_export.py)
+                    continue
+                cases.append(
+                    {
+                        "id": f"{name}-{attention}-{vocab}-{fmt}",
+                        "recipe": name,
+                        "config": config,
+                        "format": str(fmt),
+                        "max_len": int(cfg.data.max_len),
+                        "target_max_positions": int(text.get("max_position_embeddings", 4096)),
+                        "target_name": cfg.target.name or "org/target",
+                    }
+                )
     return cases
 
 
@@ -98,8 +125,14 @@ def export_case(case: dict, out: Path):
     config = dict(case["config"])
     config["aux_layer_ids"] = tuple(config["aux_layer_ids"])
     drafter = tiny_drafter(seed=3, dtype=torch.float32, **config)
-    export_drafter(drafter, out, case["format"], dtype="float32", trained_context=case["max_len"],
-                   target_name_or_path=case["target_name"])  # fmt: skip
+    export_drafter(
+        drafter,
+        out,
+        case["format"],
+        dtype="float32",
+        trained_context=case["max_len"],
+        target_name_or_path=case["target_name"],
+    )
     return drafter
 
 
@@ -130,6 +163,10 @@ def exports(tmp_path_factory):
         json.dumps({**config, "sliding_window": WINDOW, "layer_types": ["sliding_attention"]})
     )
     extra = {"deepseek_v3": old, "local_verifier": local, "mla_window": mla_window}
+    for fmt in ("eagle3", "speculators"):  # a parallel (P-EAGLE) drafter, in both layouts
+        extra[f"parallel_{fmt}"] = root / f"parallel-{fmt}"
+        parallel = {**speculators["config"], "parallel_drafting": True, "mask_token_id": PARALLEL_MASK_TOKEN}
+        export_case({**speculators, "config": parallel, "format": fmt}, extra[f"parallel_{fmt}"])
     return made, {**extra, **{f"window_{fmt}": d for fmt, d in windows.items()}}
 
 
@@ -148,8 +185,14 @@ def vllm_reads(request, exports, tmp_path_factory):
 def test_the_cases_cover_every_recipe_both_drafter_types_both_vocabularies_and_formats():
     assert {c["recipe"] for c in CASES} == set(RECIPES)
     kinds = {(c["config"]["attention"], c["config"]["draft_vocab_size"] == 40, c["format"]) for c in CASES}
-    assert kinds == {("llama", True, "eagle3"), ("llama", False, "eagle3"), ("llama", True, "speculators"),
-                     ("llama", False, "speculators"), ("mla", True, "eagle3"), ("mla", False, "eagle3")}  # fmt: skip
+    assert kinds == {
+        ("llama", True, "eagle3"),
+        ("llama", False, "eagle3"),
+        ("llama", True, "speculators"),
+        ("llama", False, "speculators"),
+        ("mla", True, "eagle3"),
+        ("mla", False, "eagle3"),
+    }
 
 
 @pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
@@ -176,7 +219,7 @@ def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
         if c.attention == "mla":
             assert got["model_type"] == "kimi_k2" and got["config_class"] == "DeepseekV3Config", case_id
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                assert f[name] == getattr(c, name), (case_id, name)
+                assert f[name] == getattr(c.mla, name), (case_id, name)
         assert f["max_position_embeddings"] >= case["max_len"], case_id
         assert got["attention_window"] == c.sliding_window, case_id  # the recipes' windows, or none
 
@@ -194,6 +237,22 @@ def test_each_release_builds_the_draft_attention_with_the_exported_window(vllm_r
 
 
 @pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
+def test_each_release_serves_a_parallel_drafter_with_its_mask_token_and_a_chain_drafter_without_one(
+    vllm_reads, exports
+):
+    """vLLM's parallel drafting reads the export's mask token (the EAGLE-3 layout's mask_token_id; the speculators
+    layout's peagle type, which vLLM serves as eagle3 with parallel_drafting); a chain export names none."""
+    release, read, _ = vllm_reads
+    made, extra = exports
+    for fmt in ("eagle3", "speculators"):
+        got = read[str(extra[f"parallel_{fmt}"])]
+        assert got["registered"] and got["parallel_drafting"] == {"token_id": PARALLEL_MASK_TOKEN}, (release, fmt, got)
+    serve = read[str(extra["parallel_speculators"])]["serve"]["speculative_config"]
+    assert serve["method"] == "eagle3" and serve["parallel_drafting"] is True, (release, serve)
+    for case, _, path in made.values():
+        assert "error" in read[str(path)]["parallel_drafting"], (release, case["id"])
+
+
 def test_an_mla_window_is_not_served(vllm_reads, exports):
     """Why eagle31 refuses an MLA drafter with a window: vLLM's DeepSeek EAGLE-3 layer builds its MLA attention
     without reading one, so the export would be served with full attention."""
@@ -209,10 +268,10 @@ def test_the_emulated_0_33_loader_finds_every_tensor_it_expects_and_nothing_else
     """`AutoWeightsLoader` (0.33.0) refuses a tensor no parameter takes, a d2t for a full vocabulary among them."""
     release, read, _ = vllm_reads
     made, _ = exports
-    for case_id, (case, drafter, out) in made.items():
+    for case_id, (_, drafter, out) in made.items():
         fields = read[str(out)]["fields"]
         view = {**fields, "architectures": read[str(out)]["eagle_architectures"]}
-        expected = vllm_contract.expected_params(view)
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(out / "model.safetensors")))
         assert set(loaded) <= set(expected), (case_id, set(loaded) - set(expected))
         missing = set(expected) - set(loaded)
@@ -237,15 +296,19 @@ def test_every_drafter_trains_with_the_rope_and_scale_each_release_serves(vllm_r
     softmax-scale factor its DeepSeek attention applies for that rope type."""
     release, read, _ = vllm_reads
     made, _ = exports
-    for case_id, (case, drafter, out) in made.items():
+    for case_id, (_, drafter, out) in made.items():
         table = read[str(out)]["rope_table"]
         positions = [p for p in POSITIONS if p < table["table_len"]]
         rows = torch.tensor(table["rows"], dtype=torch.float64)
         half = rows.shape[-1] // 2
         cos, sin = _ours(drafter.double(), positions)
         # vLLM builds its table in float32: at position 262143 an angle carries ~1e-5 of rounding
-        torch.testing.assert_close(cos, rows[:, :half], rtol=0, atol=1e-4, msg=lambda m: f"{case_id}: {m}")
-        torch.testing.assert_close(sin, rows[:, half:], rtol=0, atol=1e-4, msg=lambda m: f"{case_id}: {m}")
+        torch.testing.assert_close(
+            cos, rows[:, :half], rtol=0, atol=1e-4, msg=lambda m, case_id=case_id: f"{case_id}: {m}"
+        )
+        torch.testing.assert_close(
+            sin, rows[:, half:], rtol=0, atol=1e-4, msg=lambda m, case_id=case_id: f"{case_id}: {m}"
+        )
         if drafter.config.attention == "mla":
             rope = table["rope"]
             softmax = 1.0
@@ -260,7 +323,7 @@ def test_the_served_context_is_not_capped_below_the_targets(vllm_reads, exports)
     (`SpeculativeConfig._maybe_override_draft_max_position_embeddings`, `VllmConfig`)."""
     release, read, _ = vllm_reads
     made, _ = exports
-    for case_id, (case, drafter, out) in made.items():
+    for case_id, (case, _, out) in made.items():
         got = read[str(out)]
         if got.get("rope_only_sizes_cache") is False:
             assert got["fields"]["max_position_embeddings"] >= case["target_max_positions"], case_id
@@ -307,8 +370,10 @@ def documented_commands() -> list[tuple[str, dict]]:
 def test_docs_give_a_serving_command_per_layout_and_drafter_type():
     commands = documented_commands()
     # runs/<recipe>/export/<format>: recipe=kimi_k26 trains the MLA drafter
-    kinds = {(spec["method"], "mla" if "/kimi_k26/" in spec["model"] else "llama", spec["model"].endswith("/speculators"))
-             for _, spec in commands}  # fmt: skip
+    kinds = {
+        (spec["method"], "mla" if "/kimi_k26/" in spec["model"] else "llama", spec["model"].endswith("/speculators"))
+        for _, spec in commands
+    }
     assert {("eagle3", "llama", False), ("eagle3", "mla", False), ("eagle3", "llama", True)} <= kinds, kinds
     for target, spec in commands:  # each serves its recipe's target
         recipe = spec["model"].split("/")[1]
@@ -318,7 +383,7 @@ def test_docs_give_a_serving_command_per_layout_and_drafter_type():
 @pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
 def test_the_documented_speculative_configs_are_fields_vllm_declares(vllm_reads):
     release, _, declared = vllm_reads
-    for target, spec in documented_commands():
+    for _, spec in documented_commands():
         assert set(spec) <= set(declared), (release, set(spec) - set(declared))
         assert spec["method"] == "eagle3" and "eagle3" in declared["method"], release
         assert isinstance(spec["num_speculative_tokens"], int) and spec["num_speculative_tokens"] >= 1
@@ -338,7 +403,8 @@ def assert_vllm_serves(export_dir: Path, work_dir: Path) -> None:
         f = got["fields"]
         assert f["eagle_aux_hidden_state_layer_ids"] == list(drafter.config.aux_layer_ids), release
         assert (f["fc_norm"], f["norm_output"]) == (drafter.config.fc_norm, drafter.config.norm_output), release
-        expected = vllm_contract.expected_params({**f, "architectures": got["eagle_architectures"]})
+        view = {**f, "architectures": got["eagle_architectures"]}
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(export_dir / "model.safetensors")))
         assert set(loaded) <= set(expected) and set(expected) - set(loaded) <= {"model.embed_tokens.weight"}, release
         assert all(loaded[k] == expected[k] for k in loaded), release

@@ -333,6 +333,8 @@ def vllm_name(key: str) -> str | None:
         return None
     if "d2t" in key:
         return "draft_id_to_target_id"
+    if "mask_hidden" in key:  # Eagle3LlamaForCausalLM.load_weights copies it into its buffer itself
+        return "mask_hidden"
     name = key if "lm_head" in key else "model." + key
     name = name.replace("midlayer.", "layers.0.")
     for shard, fused in STACKED:
@@ -355,12 +357,13 @@ def loaded_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
+def expected_params(view: dict, parallel_drafting: bool = False) -> dict[str, tuple[int, ...]]:
     """vLLM 0.33.0's parameter -> shape for the drafter it builds from `view` (embed_tokens optional), for a target
     whose vocabulary is `view`'s `vocab_size` (every eagle31 export's). `AutoWeightsLoader.load_weights` refuses a
-    checkpoint tensor that maps to none of them."""
+    checkpoint tensor that maps to none of them; with `parallel_drafting` served, the model also takes (and needs)
+    the `mask_hidden` buffer [1, n * Ht]."""
     s = effective_settings(view)
-    H, I = view["hidden_size"], view["intermediate_size"]
+    H, inter = view["hidden_size"], view["intermediate_size"]
     nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
     Ht, n, Vd = s["target_hidden_size"], s["num_aux"], s["draft_vocab_size"]
     a = "model.layers.0.self_attn."
@@ -386,8 +389,8 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
         "model.layers.0.hidden_norm.weight": (H,),
         "model.layers.0.post_attention_layernorm.weight": (H,),
         **attention,
-        "model.layers.0.mlp.gate_up_proj.weight": (2 * I, H),
-        "model.layers.0.mlp.down_proj.weight": (H, I),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, H),
+        "model.layers.0.mlp.down_proj.weight": (H, inter),
         "model.norm.weight": (H,),
         "lm_head.weight": (Vd, H),
     }
@@ -397,6 +400,8 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
         p.update({f"model.fc_norm.{i}.weight": (Ht,) for i in range(n)})
     if s["norm_before_fc"]:
         p["model.input_norm.weight"] = (Ht * n,)
+    if parallel_drafting:
+        p["mask_hidden"] = (1, Ht * n)
     return p
 
 

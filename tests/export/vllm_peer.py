@@ -40,11 +40,34 @@ from vllm.transformers_utils.config import get_config, maybe_override_with_specu
 from vllm.transformers_utils.configs.eagle import EAGLEConfig
 
 OLDEST = "0.22.0"
-FIELDS = ("model_type", "architectures", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-          "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size", "num_aux_hidden_states",
-          "eagle_aux_hidden_state_layer_ids", "fc_norm", "norm_output", "norm_before_residual", "norm_before_fc",
-          "max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-          "v_head_dim", "rms_norm_eps", "eagle_config", "sliding_window", "layer_types")  # fmt: skip
+FIELDS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "num_aux_hidden_states",
+    "eagle_aux_hidden_state_layer_ids",
+    "fc_norm",
+    "norm_output",
+    "norm_before_residual",
+    "norm_before_fc",
+    "max_position_embeddings",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rms_norm_eps",
+    "eagle_config",
+    "sliding_window",
+    "layer_types",
+)
 
 
 def plain(value):
@@ -80,8 +103,12 @@ def rope_rows(cfg, mla: bool, positions: list[int]) -> dict:
         neox = True
     emb = get_rope(dim, max_position=cfg.max_position_embeddings, rope_parameters=rope, is_neox_style=neox)
     cache = emb.cos_sin_cache.to(torch.float64)
-    return {"class": type(emb).__name__, "rope": plain(rope), "table_len": cache.shape[0],
-            "rows": cache[[p for p in positions if p < cache.shape[0]]].tolist()}  # fmt: skip
+    return {
+        "class": type(emb).__name__,
+        "rope": plain(rope),
+        "table_len": cache.shape[0],
+        "rows": cache[[p for p in positions if p < cache.shape[0]]].tolist(),
+    }
 
 
 class _Recorder(torch.nn.Module):
@@ -98,8 +125,12 @@ def llama_attention_window(cfg, target_layers: int):
     """The `per_layer_sliding_window` vLLM's Llama EAGLE-3 layer hands its `Attention` (module docstring)."""
     from vllm.model_executor.models import llama
 
-    stand_ins = {"QKVParallelLinear": _Recorder, "RowParallelLinear": _Recorder, "Attention": _Recorder,
-                 "get_tensor_model_parallel_world_size": lambda: 1}  # fmt: skip
+    stand_ins = {
+        "QKVParallelLinear": _Recorder,
+        "RowParallelLinear": _Recorder,
+        "Attention": _Recorder,
+        "get_tensor_model_parallel_world_size": lambda: 1,
+    }
     kept = {name: getattr(llama, name) for name in stand_ins}
     cfg.target_layer_count = target_layers  # llama_eagle3.py::Eagle3LlamaForCausalLM.__init__
     try:
@@ -108,8 +139,12 @@ def llama_attention_window(cfg, target_layers: int):
         heads = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
         # llama_eagle3.py::LlamaModel names its one layer f"layers.{start_layer_id}" under "model"; the decoder
         # layer hands its attention f"{prefix}.self_attn"
-        llama.LlamaAttention(cfg, *heads, max_position_embeddings=cfg.max_position_embeddings,
-                             prefix=f"model.layers.{target_layers}.self_attn")  # fmt: skip
+        llama.LlamaAttention(
+            cfg,
+            *heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            prefix=f"model.layers.{target_layers}.self_attn",
+        )
         return _Recorder.handed.get("per_layer_sliding_window")
     finally:
         for name, value in kept.items():
@@ -126,6 +161,22 @@ def mla_reads_a_window() -> bool:
     return any("sliding_window" in inspect.getsource(f) for f in builders)
 
 
+def parallel_drafting_token(cfg) -> dict:
+    """The mask token `v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._init_parallel_drafting_params`
+    reads from the draft's config when the drafter is served with `parallel_drafting`, on a stand-in proposer
+    (a real one needs a GPU): its token id, or the error it stops with."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=cfg), pass_hidden_states_to_model=False)
+    try:
+        SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
+    except ValueError as e:
+        return {"error": str(e).splitlines()[0]}
+    return {"token_id": proposer.parallel_drafting_token_id}
+
+
 def read_export(path: str, positions: list[int]) -> dict:
     try:
         cfg = get_config(path, trust_remote_code=False, hf_overrides_fn=SpeculativeConfig.hf_config_override)
@@ -134,9 +185,14 @@ def read_export(path: str, positions: list[int]) -> dict:
     speculators = type(cfg).__name__ == "SpeculatorsConfig"
     eagle = cfg if speculators else EAGLEConfig(cfg, method="eagle3", model_type="eagle")
     archs = list(eagle.architectures)
-    answer = {"config_class": type(cfg).__name__, "model_type": cfg.model_type, "eagle_architectures": archs,
-              "registered": all(a in ModelRegistry.get_supported_archs() for a in archs),
-              "fields": {k: plain(getattr(eagle, k)) for k in FIELDS if hasattr(eagle, k)}}  # fmt: skip
+    answer = {
+        "config_class": type(cfg).__name__,
+        "model_type": cfg.model_type,
+        "eagle_architectures": archs,
+        "registered": all(a in ModelRegistry.get_supported_archs() for a in archs),
+        "fields": {k: plain(getattr(eagle, k)) for k in FIELDS if hasattr(eagle, k)},
+        "parallel_drafting": parallel_drafting_token(eagle),
+    }
     import vllm.config.speculative as speculative
 
     if hasattr(speculative, "_rope_only_sizes_cache"):  # 0.33.0

@@ -8,26 +8,35 @@ import pytest
 
 from eagle31.targets.cache import build_atomically, ensure_built, portable_path
 
-# Each process waits until both are ready (a barrier of files), then asks for the
-# target; a build is logged to `builds.log` and is slow enough for the calls to overlap.
+# Each process asks for the target; the one that builds it finishes its build only once the other has reached the
+# build lock (`seen/lock-<pid>`), or is building too (`seen/build-<pid>`: no lock held them apart), so the two calls
+# overlap by construction, not by a sleep. A build is logged to `builds.log`.
 _CALLER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from eagle31.targets.cache import ensure_built
+    import eagle31.targets.cache as cache
 
-    log, barrier = Path(sys.argv[1]), Path(sys.argv[2])
-    (barrier / str(os.getpid())).touch()
-    while len(list(barrier.iterdir())) < 2:
-        time.sleep(0.01)
+    log, seen = Path(sys.argv[1]), Path(sys.argv[2])
+
+    class Lock(cache.FileLock):
+        def acquire(self, *args, **kwargs):
+            (seen / f"lock-{os.getpid()}").touch()
+            return super().acquire(*args, **kwargs)
+
+    cache.FileLock = Lock
 
     def build(d):
+        (seen / f"build-{os.getpid()}").touch()
         with open(log, "a") as f:
             f.write("built\\n")
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not [p for p in seen.iterdir() if not p.name.endswith(f"-{os.getpid()}")]:
+            assert time.monotonic() < deadline, "the other process never reached the lock"
+            time.sleep(0.01)
         (d / "weights.bin").write_bytes(b"x" * 10)
 
-    print(ensure_built("toy", "v1", build))
+    print(cache.ensure_built("toy", "v1", build))
     """
 )
 
@@ -35,10 +44,10 @@ _CALLER = textwrap.dedent(
 @pytest.mark.slow
 def test_concurrent_processes_build_once(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE31_CACHE", str(tmp_path / "cache"))
-    log, barrier = tmp_path / "builds.log", tmp_path / "barrier"
-    barrier.mkdir()
+    log, seen = tmp_path / "builds.log", tmp_path / "seen"
+    seen.mkdir()
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CALLER, str(log), str(barrier)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", _CALLER, str(log), str(seen)], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]

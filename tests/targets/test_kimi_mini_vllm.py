@@ -13,6 +13,7 @@ from tests.peers import run_engine
 
 PROMPT = [512, 5, 6, 7, 8, 9]  # <|bos|> then a few ids
 NEW_TOKENS = 12
+# vLLM decodes each checkpoint in argv; the test puts PROMPT and NEW_TOKENS before it
 ENGINE = """
 import json, sys
 from vllm import LLM, SamplingParams
@@ -24,21 +25,21 @@ for path in sys.argv[1:]:
         # packing refuses the miniature's 16-wide heads before the latent width is ever checked
         llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=1 << 28,
                   attention_backend="CPU_MLA")
-        out = llm.generate([{"prompt_token_ids": %s}], SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True),
-                           use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                           ignore_eos=True), use_tqdm=False)
         answers[path] = {"tokens": list(out[0].outputs[0].token_ids)}
         del llm
     except Exception as e:  # what the engine stops with, as a user would see it
         answers[path] = {"error": f"{type(e).__name__}: {e}"}
 print(json.dumps(answers))
-""" % (PROMPT, NEW_TOKENS)
+"""
 
 
 @pytest.mark.slow  # a vLLM process, two engines (~60 s)
 def test_vllm_loads_the_miniature_and_decodes_it_as_transformers_does(tmp_path):
     mini = ensure_kimi_k26_mini()
     wide = build_kimi_k26_mini(tmp_path / "mini-576", **VLLM_CPU_MLA)
-    answers = run_engine(ENGINE, str(wide), str(mini))
+    answers = run_engine(f"PROMPT, NEW_TOKENS = {PROMPT}, {NEW_TOKENS}\n{ENGINE}", str(wide), str(mini))
     # the checkpoint loads (no missing `e_score_correction_bias`); the miniature's latent width (16 + 8) is
     # what vLLM's CPU MLA kernel refuses, when the first forward builds its attention metadata
     assert answers[str(mini)] == {"error": "ValueError: Head dimension 24 is not supported by MLA."}

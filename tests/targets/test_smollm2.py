@@ -54,10 +54,19 @@ def write_tiny_gguf(path, vocab: dict[str, int], merges: list, seed: int = 0):
     torch.manual_seed(seed)
     heads, kv_heads, hidden = 4, 2, 32
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -89,10 +98,14 @@ def write_tiny_gguf(path, vocab: dict[str, int], merges: list, seed: int = 0):
     for i in range(2):
         pre = f"model.layers.{i}."
         names = {
-            "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-        }  # fmt: skip
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        }
         for gguf_name, hf_name in names.items():
             w.add_tensor(f"blk.{i}.{gguf_name}.weight", sd[pre + hf_name + ".weight"])
         w.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(sd[pre + "self_attn.q_proj.weight"], heads))

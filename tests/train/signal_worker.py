@@ -31,7 +31,8 @@ def signal_during_step(
     during: str = "train_step",
 ) -> None:
     """Patch the trainer (through `monkeypatch`) so that this process gets `sig` `times` times during step `step`
-    (`during="train_step"`), or while saving its checkpoint or evaluating after it (`"save_checkpoint"`, `"evaluate"`)."""
+    (`during="train_step"`), or while saving its checkpoint or evaluating after it (`"save_checkpoint"`,
+    `"evaluate"`)."""
     import eagle31.pipeline
     from eagle31.preemption import StopSignals
     from eagle31.trainer import Trainer

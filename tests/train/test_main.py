@@ -26,7 +26,8 @@ MAIN = REPO / "train" / "main.py"
 def run_main(
     args: list[str], *, torchrun: int = 0, timeout: int = 300, signal_at: str | None = None, **env_vars
 ) -> subprocess.CompletedProcess:
-    """`train/main.py <args>` in a subprocess (under torchrun with `torchrun` ranks); `signal_at`: tests/train/signal_worker.py's SIGNAL_AT."""
+    """`train/main.py <args>` in a subprocess (under torchrun with `torchrun` ranks); `signal_at`:
+    tests/train/signal_worker.py's SIGNAL_AT."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_vars}
     script = MAIN
     if signal_at:
@@ -117,8 +118,10 @@ def test_sigterm_stops_with_a_checkpoint_of_that_step_and_resume_is_bit_identica
         code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 143, line
-    assert line == (f"error: stopped by SIGTERM at step 3: checkpoint {out / 'checkpoints' / 'step_00000003'} is complete; "
-                    "rerun with resume=auto to continue")  # fmt: skip
+    assert line == (
+        f"error: stopped by SIGTERM at step 3: checkpoint {out / 'checkpoints' / 'step_00000003'} is complete; "
+        "rerun with resume=auto to continue"
+    )
     assert (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file() and not (out / "report.json").exists()
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]  # flushed
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -173,8 +176,10 @@ def test_a_signal_during_the_final_checkpoint_or_evaluation_stops_before_the_exp
         code = run_script(MAIN, base_args(tiny_target, chats, out), monkeypatch)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 143, line
-    assert line == (f"error: stopped by SIGTERM after the last step (6): checkpoint {out / 'checkpoints' / 'step_00000006'} "
-                    "is complete; rerun with resume=auto to evaluate and export")  # fmt: skip
+    assert line == (
+        f"error: stopped by SIGTERM after the last step (6): checkpoint {out / 'checkpoints' / 'step_00000006'} "
+        "is complete; rerun with resume=auto to evaluate and export"
+    )
     assert not (out / "export").exists() and not (out / "report.json").exists()
     with pytest.MonkeyPatch.context() as monkeypatch:
         assert run_script(MAIN, base_args(tiny_target, chats, out, resume="auto"), monkeypatch) == 0
@@ -188,8 +193,9 @@ def test_a_second_sigterm_exits_at_once_leaving_the_last_complete_checkpoint(tin
     proc = run_main(base_args(tiny_target, chats, out), signal_at="0:3:SIGTERM:2")
     assert proc.returncode == 137, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: a second SIGTERM while stopping on SIGTERM; exited at once: the last complete checkpoint in {out / 'checkpoints'} "
-        "is kept, rerun with resume=auto")  # fmt: skip
+        "error: a second SIGTERM while stopping on SIGTERM; exited at once: the last complete checkpoint in "
+        f"{out / 'checkpoints'} is kept, rerun with resume=auto"
+    )
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
 
 
@@ -214,7 +220,10 @@ def test_torchrun_a_signal_to_one_rank_stops_all_and_a_dead_rank_stops_the_other
     assert stopped.returncode == 1  # torchrun's own code: the workers' 143 is in its failure summary (README)
     for by in ("SIGTERM", "a signal that another rank received"):  # rank 1's line, rank 0's (the two ranks share
         # stderr, so one rank's line may start before the other's newline: look for each line's text)
-        said = f"error: stopped by {by} at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'} is complete; rerun with resume=auto to continue"
+        said = (
+            f"error: stopped by {by} at step 2: checkpoint {out / 'checkpoints' / 'step_00000002'} is complete; "
+            "rerun with resume=auto to continue"
+        )
         assert said in stopped.stderr, stopped.stderr[-3000:]
     assert "exitcode  : 143" in stopped.stderr
 
@@ -260,8 +269,12 @@ def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_
     for them (up to --shutdown-timeout), then ends with its own traceback and exit code 1, not the workers' 143."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29518", str(MAIN),
-           *base_args(tiny_target, chats, out, **{"train.max_steps": "200", "export.formats": "[eagle3]"})]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29518"]
+    cmd = [
+        *torchrun,
+        str(MAIN),
+        *base_args(tiny_target, chats, out, **{"train.max_steps": "200", "export.formats": "[eagle3]"}),
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists():
@@ -278,9 +291,15 @@ def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_
 
 
 # an MLA drafter (eagle31.attention.mla) of explicit shape on the tiny target: FSDP2 shards it like the Llama one
-MLA_DRAFTER = {"drafter.attention": "mla", "drafter.q_lora_rank": "8", "drafter.kv_lora_rank": "8",
-               "drafter.qk_nope_head_dim": "4", "drafter.qk_rope_head_dim": "4", "drafter.v_head_dim": "4",
-               "export.formats": "[eagle3]"}  # fmt: skip
+MLA_DRAFTER = {
+    "drafter.attention": "mla",
+    "drafter.mla.q_lora_rank": "8",
+    "drafter.mla.kv_lora_rank": "8",
+    "drafter.mla.qk_nope_head_dim": "4",
+    "drafter.mla.qk_rope_head_dim": "4",
+    "drafter.mla.v_head_dim": "4",
+    "export.formats": "[eagle3]",
+}
 
 
 @pytest.mark.slow
@@ -362,8 +381,14 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
         "2",
         str(REPO / "tests" / "nccl_worker.py"),
     ]
-    done = subprocess.run([*worker, *base_args(tiny_target, chats, out, **{"train.sequence_parallel": "2"})],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [*worker, *base_args(tiny_target, chats, out, **{"train.sequence_parallel": "2"})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "export" / "eagle3" / "model.safetensors").is_file() and (
         out / "export" / "speculators" / "config.json"
@@ -387,8 +412,14 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
     out4 = tmp_path / "run4"
     shutil.copytree(out, out4)
     worker4 = [*worker[:-2], "4", worker[-1]]
-    done = subprocess.run([*worker4, *base_args(tiny_target, chats, out4, resume="auto", **{"train.sequence_parallel": "4"})],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [*worker4, *base_args(tiny_target, chats, out4, resume="auto", **{"train.sequence_parallel": "4"})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {out4 / 'checkpoints' / 'step_00000004'} (step 4)" in done.stdout + done.stderr
     b = weights(out4)
@@ -425,8 +456,14 @@ def test_kimi_k26_drafters_have_the_published_shapes(recipe):
     assert counts.frozen_embedding == 163840 * 7168
     assert d.aux_layer_ids == (2, 30, 58) and d.fc_norm and d.norm_output
     if recipe == "kimi_k26":  # lightseekorg/kimi-k2.6-eagle3.1-mla: MLA, I 18432, full vocabulary
-        assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
-            "mla", 1536, 512, 128, 64, 128)  # fmt: skip
+        assert (
+            d.attention,
+            d.mla.q_lora_rank,
+            d.mla.kv_lora_rank,
+            d.mla.qk_nope_head_dim,
+            d.mla.qk_rope_head_dim,
+            d.mla.v_head_dim,
+        ) == ("mla", 1536, 512, 128, 64, 128)
         assert (d.intermediate_size, d.draft_vocab_size) == (18432, 163840)
         # fc 21504x7168, MLA 116M, MLP 3x7168x18432, lm_head 163840x7168 (1.17B of the 1.84B)
         assert 1.83e9 < counts.trainable < 1.85e9, counts

@@ -1,5 +1,4 @@
-"""The backends that answer one request: the target in this process (`HFBackend`) or an
-OpenAI-compatible server (`EndpointBackend`: vLLM, SGLang), with retries and back-off."""
+"""What answers one request: the target in this process (`HFBackend`), or an OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -9,18 +8,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from itertools import count
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from eagle31.data.chat import split_reasoning, think_markers
-from eagle31.data.regenerate.core import (
-    RegenerateError,
-    Reply,
-    ServerRefusedError,
-    Settings,
-)
+from eagle31.data.regenerate.core import RegenerateError, Reply, ServerRefusedError, Settings
 from eagle31.errors import ConfigError
 
 # The context-length errors of vLLM 0.33 (HTTP 400): renderers/params.py::TokenizeParams._token_len_check
@@ -30,16 +26,8 @@ CONTEXT_LENGTH_ERROR = "maximum context length"
 _MAX_BACKOFF_S = 30.0
 
 
-# ---------------------------------------------------------------------------- backends
-
-
 class HFBackend:
-    """The target in this process: its chat template, batched `generate`, left padding.
-
-    `complete` (one request, thread-safe) queues the prompt for a batcher thread that runs
-    up to `batch_size` queued prompts in one `generate`. Each row samples with its own seed
-    (Gumbel noise from a generator per row), so a reply does not depend on its batch.
-    """
+    """The target in-process: thread-safe `complete`s batched into one `generate`, each row with its own seed."""
 
     gather_s = 0.02  # how long the batcher waits for more prompts after the first
 
@@ -79,8 +67,7 @@ class HFBackend:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def complete(self, messages: list[dict], seed: int = 0, template_options: dict | None = None) -> Reply:
-        """One reply to `messages` (ending with a user turn), in a batch with other threads' prompts, rendered with
-        `template_options` (None: the settings' `chat_template_kwargs`)."""
+        """One reply to `messages` (ending with a user turn), rendered with `template_options` (None: the settings')."""
         ids = self.prompt_ids(messages, template_options)
         limit = min(self.context - self.settings.max_new_tokens, self.settings.max_prompt_tokens or self.context)
         if len(ids) > limit:
@@ -110,7 +97,7 @@ class HFBackend:
                 for _, _, future in batch:
                     future.set_exception(e)
                 continue
-            for (_, _, future), reply in zip(batch, replies):
+            for (_, _, future), reply in zip(batch, replies, strict=False):
                 future.set_result(reply)
 
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
@@ -134,7 +121,7 @@ class HFBackend:
                 logits_processor=LogitsProcessorList(sampling),
             )
         replies = []
-        for prompt, row in zip(prompts, out[:, width:].tolist()):  # [B, <= max_new_tokens]
+        for prompt, row in zip(prompts, out[:, width:].tolist(), strict=False):  # [B, <= max_new_tokens]
             end = next((n for n, t in enumerate(row) if t in self.eos), None)
             tokens = row if end is None else row[:end]
             reasoning, answer = split_reasoning(prompt, tokens, self.think)
@@ -145,8 +132,7 @@ class HFBackend:
 
 
 class _RowSeededSampling:
-    """Sampling as a logits processor: argmax of log-probs / temperature plus Gumbel noise (the
-    Gumbel-max trick) within the top-p nucleus, the noise of each row from its own generator."""
+    """Sampling as a logits processor: Gumbel-max within the top-p nucleus, each row's noise from its generator."""
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device):
         import torch
@@ -173,19 +159,14 @@ class _Transient(Exception):
 
 
 class EndpointBackend:
-    """Any OpenAI-compatible server (`POST <base_url>/chat/completions`); the server applies the template.
-
-    `complete` is one request (thread-safe); `workers` = `concurrency` requests are kept in
-    flight by `regenerate`. Failures that a wait may fix (connection errors, time-outs after
-    `timeout_s`, 5xx, 408/429) are retried after `backoff_s * 2**attempt` seconds (at most 30)
-    until `retries` retries are used and the server has been failing for `restart_window_s`.
-    """
+    """An OpenAI-compatible server; `complete` (thread-safe) retries while a wait may fix it (regeneration.md)."""
 
     def __init__(self, base_url: str, settings: Settings, *, model: str | None = None, concurrency: int = 16,
                  timeout_s: float = 1800.0, retries: int = 3, backoff_s: float = 1.0, restart_window_s: float = 0.0,
                  api_key: str | None = None):  # fmt: skip
-        for name, value, low in (("concurrency", concurrency, 1), ("timeout_s", timeout_s, 1e-3), ("retries", retries, 0),
-                                 ("backoff_s", backoff_s, 0), ("restart_window_s", restart_window_s, 0)):  # fmt: skip
+        bounds = (("concurrency", concurrency, 1), ("timeout_s", timeout_s, 1e-3), ("retries", retries, 0),
+                  ("backoff_s", backoff_s, 0), ("restart_window_s", restart_window_s, 0))  # fmt: skip
+        for name, value, low in bounds:
             if value < low:
                 raise ConfigError(f"regenerate.{name} must be >= {low}, got {value}")
         self.base_url = base_url.rstrip("/")
@@ -239,9 +220,8 @@ class EndpointBackend:
                 now = time.monotonic()
                 first_failure = first_failure if first_failure is not None else now
                 if attempt >= self.retries and now - first_failure >= self.restart_window_s:
-                    raise RegenerateError(
-                        f"{self.base_url}/chat/completions failed {attempt + 1} times over {now - first_failure:.0f} s: {e}"
-                    ) from None
+                    failed = f"failed {attempt + 1} times over {now - first_failure:.0f} s"
+                    raise RegenerateError(f"{self.base_url}/chat/completions {failed}: {e}") from None
                 time.sleep(min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S))
         raise AssertionError("unreachable")
 
@@ -250,14 +230,14 @@ class EndpointBackend:
         try:
             choice = self._request("/chat/completions", body)["choices"][0]
         except urllib.error.HTTPError as e:
-            message = _error_message(e)
-            if e.code == 400 and CONTEXT_LENGTH_ERROR in message:
+            error = _error_message(e)
+            if e.code == 400 and CONTEXT_LENGTH_ERROR in error:
                 return Reply("", "too_long")
             if 400 <= e.code < 500 and e.code not in (408, 429):
                 raise ServerRefusedError(
-                    f"regenerate.endpoint {self.base_url}: the server refused a request with HTTP {e.code}: {message}"
+                    f"regenerate.endpoint {self.base_url}: the server refused a request with HTTP {e.code}: {error}"
                 ) from None
-            raise _Transient(f"HTTP {e.code}: {message}") from None
+            raise _Transient(f"HTTP {e.code}: {error}") from None
         except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
             raise _Transient(f"{type(e).__name__}: {e}") from None
         finish = choice.get("finish_reason")
@@ -270,10 +250,9 @@ class EndpointBackend:
 
 def _error_message(error: urllib.error.HTTPError) -> str:
     """The server's error text: vLLM's `{"error": {"message": ...}}`, an older flat `{"message": ...}`, or the body."""
-    try:
+    raw = ""
+    with suppress(OSError):
         raw = error.read().decode("utf-8", "replace")
-    except OSError:
-        raw = ""
     try:
         obj = json.loads(raw)
         inner = obj.get("error", obj) if isinstance(obj, dict) else obj

@@ -1,16 +1,16 @@
-"""What a regenerated conversation is: the settings the replies depend on, a reply, and one
-conversation answered again turn by turn (`regenerate_conversation`)."""
+"""The settings replies depend on, a reply, and one conversation answered again turn by turn."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any
 
 from eagle31.data.sources import Conversation
 from eagle31.data.system_prompts import draw_for_conversation, draw_system_prompt
-from eagle31.errors import ConfigError
+from eagle31.errors import ConfigError, choose
 
 
 class RegenerateBackend(StrEnum):
@@ -21,10 +21,6 @@ class RegenerateBackend(StrEnum):
 class OnLength(StrEnum):
     drop = "drop"  # a reply cut at max_new_tokens ends its conversation before that turn
     keep = "keep"  # kept, its end of turn unsupervised; the conversation ends with it
-
-
-STATUSES = ("ok", "cut", "too_long")  # reply complete; reply reached max_new_tokens; prompt does not fit
-ON_LENGTH = ("drop", "keep")
 
 
 @dataclass
@@ -62,21 +58,19 @@ class Settings:
             raise ConfigError(f"regenerate.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
         if self.shard_size < 1:
             raise ConfigError(f"regenerate.shard_size must be >= 1, got {self.shard_size}")
-        self.on_length = str(self.on_length)
-        if self.on_length not in ON_LENGTH:
-            raise ConfigError(f"regenerate.on_length must be one of {list(ON_LENGTH)}, got {self.on_length!r}")
+        self.on_length = str(choose(OnLength, str(self.on_length), "regenerate.on_length"))
 
 
 @dataclass
 class Reply:
     content: str  # the answer
-    status: str  # one of STATUSES
+    status: str  # "ok"; "cut": it reached max_new_tokens; "too_long": the prompt does not fit
     reasoning: str | None = None  # the thinking, split off the answer
     new_tokens: int = 0  # counted by the HF backend only
 
 
 class RegenerateError(RuntimeError):
-    """The backend failed for a reason a rerun later may fix (server down); the failing shards are not written."""
+    """The backend failed for a reason a later rerun may fix (server down); the failing shards are not written."""
 
 
 def template_options(settings: Settings, index: int) -> dict[str, Any] | None:

@@ -1,22 +1,15 @@
-"""One pool of requests across this rank's missing shards (`regenerate`): conversations in flight
-at once, the first request first, a shard written when its every conversation is done."""
+"""`regenerate`: one pool of requests over this rank's missing shards, a shard written once all its answers are in."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
-from typing import Callable, Iterable
 
-from eagle31.data.regenerate.core import (
-    Outcome,
-    RegenerateError,
-    Reply,
-    Settings,
-    regenerate_conversation,
-)
+from eagle31.data.regenerate.core import Outcome, RegenerateError, Reply, Settings, regenerate_conversation
 from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, shards, write_shard
 from eagle31.data.sources import Conversation
 
@@ -25,25 +18,20 @@ class _Shard:
     def __init__(self, index: int, conversations: list[Conversation]):
         self.index, self.conversations = index, conversations
         self.outcomes: list[Outcome | None] = [None] * len(conversations)
-        self.left, self.started = len(conversations), None
+        self.left = len(conversations)
+        self.started: float | None = None
 
     def stats(self) -> tuple[list[dict], ShardStats]:
         stats = ShardStats()
-        for conv, outcome in zip(self.conversations, self.outcomes):
-            stats.add(outcome, conv.where)  # type: ignore[arg-type]
+        for conv, outcome in zip(self.conversations, self.outcomes, strict=False):
+            stats.add(outcome, conv.where)  # type: ignore[arg-type]  # every outcome is in once the shard is done
         stats.seconds = time.monotonic() - (self.started or time.monotonic())
         stats.input_sha256 = input_sha256(self.conversations)
         return [o.record for o in self.outcomes if o is not None and o.record is not None], stats
 
 
 class _FirstRequestGate:
-    """Lets one request through first, so that a server refusing every request stops the run after
-    one; `stop` makes requests not yet sent raise instead.
-
-    The others wait for its answer, but at most `wait_s`: a serving engine refuses a request when it
-    validates it, before generating (vLLM's 4xx come back at once), so a first request still running
-    after that was accepted, and the pool need not idle for a whole reply. Nothing is written before
-    the first answer either way (`open`)."""
+    """One request first, the others waiting up to `wait_s` for it: a server refusing all stops the run after one."""
 
     def __init__(self, wait_s: float = 1.0):
         self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
@@ -75,8 +63,7 @@ class _Stopped(Exception):
 
 
 class _DaemonPool:
-    """`workers` daemon threads running submitted calls: unlike ThreadPoolExecutor's, an interrupted
-    run exits at once instead of waiting at interpreter exit for requests still in flight."""
+    """Daemon threads running calls: unlike ThreadPoolExecutor's, an interrupted run exits without waiting on them."""
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,25 +93,10 @@ class _DaemonPool:
                     future.set_exception(e)
 
 
-def regenerate(
-    conversations: Iterable[Conversation],
-    backend,
-    out_dir: str | Path,
-    settings: Settings,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: Callable[[int], None] = lambda n: None,
-) -> dict[str, int]:
-    """Write this rank's missing shards of `out_dir` (prepared by `prepare_output`); returns counts.
-
-    A finished shard is kept only when it was regenerated from the same conversations
-    (`check_resumable`: an edited source is refused before any request).
-
-    `backend.complete(messages, seed, template_options)` answers one request; `backend.workers` conversations are
-    in flight at a time. `progress(n)` is called with the number of conversations each finished
-    or skipped shard held.
-    """
+def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Path, settings: Settings, *,
+               rank: int = 0, world_size: int = 1,
+               progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:  # fmt: skip
+    """Write this rank's missing shards of `out_dir` (`prepare_output`); the counts of shards written and skipped."""
     out = Path(out_dir)
     counts = {"written": 0, "skipped": 0}
     chunks = list(shards(conversations, settings.shard_size))

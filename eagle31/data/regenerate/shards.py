@@ -1,23 +1,19 @@
-"""The output directory: settings.json, one JSONL and one stats file per shard, report.json."""
+"""The output directory: settings.json, one JSONL and one stats file per shard, report.json (docs/regeneration.md)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eagle31.data.regenerate.core import Outcome, Settings
 from eagle31.data.sources import Conversation, Tally
 from eagle31.errors import ConfigError
-from eagle31.io import (
-    atomic_write_json,
-    atomic_write_text,
-    claim_output_dir,
-    write_errors,
-)
+from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, write_errors
 
 OUTPUT_KIND = "regenerated-conversations"
 
@@ -50,19 +46,13 @@ class ShardStats:
         return d
 
 
-# ---------------------------------------------------------------------------- the run
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
 def shards(conversations: Iterable[Conversation], size: int) -> Iterator[tuple[int, list[Conversation]]]:
     it = iter(conversations)
-    index = 0
-    while chunk := list(islice(it, size)):
-        yield index, chunk
-        index += 1
+    yield from enumerate(iter(lambda: list(islice(it, size)), []))
 
 
 def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, Any]) -> Path:
@@ -75,7 +65,8 @@ def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, 
         for key in saved:
             if previous.get(key) != saved[key]:
                 raise ConfigError(
-                    f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); choose another output directory"
+                    f"{out} holds regenerated data made with other {key} ({previous.get(key)!r}, now {saved[key]!r}); "
+                    "choose another output directory"
                 )
     else:
         atomic_write_json(path, saved)
@@ -88,36 +79,29 @@ def input_sha256(conversations: list[Conversation]) -> str:
     """The content of a shard's input: its conversations' messages and tools, in order."""
     h = hashlib.sha256()
     for conv in conversations:
-        h.update(
-            json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False).encode()
-        )
-        h.update(b"\n")
+        record = {"messages": conv.messages, "tools": conv.tools}
+        h.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode() + b"\n")
     return h.hexdigest()
 
 
 def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], size: int) -> None:
-    """Refuse (one line, before any request) to resume where a finished shard is not of these conversations.
-
-    Each shard's stats record the content of its input (`input_sha256`): a source edited since
-    the shard was written, or one that now holds fewer shards, would pair old replies with new
-    conversations, or leave shards of conversations no longer there for prepare to read. A shard
-    an older eagle31 wrote records no input, so it cannot be checked: refused too, saying so.
-    """
+    """Refuse to resume over finished shards of other conversations (an edited source) or an older eagle31's."""
     for index, chunk in chunks:
         if not shard_done(out, index):
             continue
         recorded = json.loads((out / "stats" / f"{shard_name(index)}.json").read_text()).get("input_sha256")
         if not recorded:
             raise ConfigError(
-                f"{out}: {shard_name(index)} was written by an older eagle31, without a record of the conversations it was "
-                "regenerated from, so a resume cannot check it against the source; regenerate into a new "
+                f"{out}: {shard_name(index)} was written by an older eagle31, without a record of the conversations it "
+                "was regenerated from, so a resume cannot check it against the source; regenerate into a new "
                 "regenerate.output_dir (this one is left as it is)"
             )
         if recorded != input_sha256(chunk):
             first = index * size
             raise ConfigError(
-                f"{out}: {shard_name(index)} was regenerated from other conversations than conversations {first}-{first + len(chunk) - 1} "
-                "of the source now (edited since); restore the source or choose another output directory"
+                f"{out}: {shard_name(index)} was regenerated from other conversations than conversations "
+                f"{first}-{first + len(chunk) - 1} of the source now (edited since); restore the source or choose "
+                "another output directory"
             )
     beyond = sorted(
         p.stem
@@ -127,8 +111,8 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
     if beyond:
         total = sum(len(chunk) for _, chunk in chunks)
         raise ConfigError(
-            f"{out} holds {', '.join(beyond)}, beyond the {len(chunks)} shards of the {total} conversations of the source now "
-            "(edited since); restore the source or choose another output directory"
+            f"{out} holds {', '.join(beyond)}, beyond the {len(chunks)} shards of the {total} conversations of the "
+            "source now (edited since); restore the source or choose another output directory"
         )
 
 
