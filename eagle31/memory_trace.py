@@ -43,6 +43,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,6 +56,7 @@ from eagle31.data.batch import FeatureBatch
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import BlockwiseCausal, CausalMask, FlashCausal, resolve_backend
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
+from eagle31.kernels.ttt_attention import AttentionBackend
 from eagle31.loss import TargetHead, step_scales, weighted_loss
 from eagle31.model import Eagle31Drafter
 from eagle31.sequence_parallel import SequenceGroup, shard_length
@@ -66,18 +68,24 @@ META = torch.device("meta")
 _EAGLE31 = str(Path(__file__).resolve().parent)
 # the causal kernels' calls, which count the phases of a step; FlashCausal's differ by device (True)
 _KERNEL_CALLS = {
-    FlashCausal.forward.__code__: (True, False),
-    FlashCausal.backward.__code__: (True, True),
-    BlockwiseCausal.forward.__func__.__code__: (False, False),
-    BlockwiseCausal.backward.__func__.__code__: (False, True),
+    FlashCausal.__dict__["forward"].__func__.__code__: (True, False),
+    FlashCausal.__dict__["backward"].__func__.__code__: (True, True),
+    BlockwiseCausal.__dict__["forward"].__func__.__code__: (False, False),
+    BlockwiseCausal.__dict__["backward"].__func__.__code__: (False, True),
 }
 _aten = torch.ops.aten
 # operations whose output's values do not depend on their inputs' values
 _VALUE_FREE = {
-    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
-    _aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default,
+    _aten.empty_like.default,
+    _aten.zeros_like.default,
+    _aten.ones_like.default,
+    _aten.full_like.default,
+    _aten.new_empty.default,
+    _aten.new_zeros.default,
+    _aten.new_ones.default,
+    _aten.new_full.default,
     _aten.new_empty_strided.default,
-}  # fmt: skip
+}
 
 
 @functools.cache
@@ -88,10 +96,11 @@ def _makes_new_tensors(func) -> bool:
 
 
 def _shape_key(x):
-    """What a meta kernel reads of its arguments: tensors' shapes, strides and dtypes, and plain values."""
+    """What a meta kernel reads of its arguments: tensors' shapes, strides, dtypes and devices (meta or the CPU),
+    and plain values."""
     if isinstance(x, torch.Tensor):
-        return (x.shape, x.stride(), x.dtype, x.device.type)
-    if isinstance(x, (list, tuple)):
+        return (x.shape, x.stride(), x.dtype, x.is_meta)
+    if type(x) is list or type(x) is tuple:
         return tuple(map(_shape_key, x))
     hash(x)
     return x
@@ -129,9 +138,14 @@ def _tensors(args, kwargs=None) -> list[torch.Tensor]:
     for x in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(x, torch.Tensor):
             found.append(x)
-        elif isinstance(x, (list, tuple)):
+        elif type(x) is list or type(x) is tuple:
             found.extend(y for y in x if isinstance(y, torch.Tensor))
     return found
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    """The tensors an operation returned."""
+    return [out] if isinstance(out, torch.Tensor) else _tensors(out if isinstance(out, (list, tuple)) else (out,))
 
 
 class StepTrace(TorchDispatchMode):
@@ -193,9 +207,8 @@ class StepTrace(TorchDispatchMode):
         if not any(t.is_meta for t in inputs) and kwargs.get("device") != META:
             if inputs or self._held is None or "device" not in kwargs:
                 return func(*args, **kwargs)  # work on index values (CPU): no device memory
-            kwargs = {**kwargs, "device": META}  # a CPU-path mask inside a call counted as on CUDA: never read
-        out = self._run(func, args, kwargs)
-        outputs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
+            kwargs = {**kwargs, "device": META}  # the CPU path's own tensors inside a call counted as on CUDA
+        out, outputs = self._run(func, args, kwargs)
         made = self._track(outputs, inputs)
         now = self.live if self._held is None else self._held
         self.peak = max(self.peak, now)
@@ -247,7 +260,8 @@ class StepTrace(TorchDispatchMode):
                 self._held = self.live + flash_cuda_call_bytes(backward, a["q"], a["k"], *others)
         return site
 
-    def _run(self, func, args, kwargs):
+    def _run(self, func, args, kwargs) -> tuple[Any, list[torch.Tensor]]:
+        """`func`'s result on the meta device, and its tensors."""
         try:
             out = self._meta(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:  # its output's shape (or its value) depends on values
@@ -255,8 +269,10 @@ class StepTrace(TorchDispatchMode):
                 real = self._compute(func, args, kwargs)
             except _Unknown:
                 raise RuntimeError(f"the memory trace does not know the input values {func} needs") from e
-            return self._placed(real, kwargs)
-        if any(self._keeps_values(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,))):
+            out = self._placed(real, kwargs)
+            return out, _outputs(out)
+        outputs = _outputs(out)
+        if any(self._keeps_values(t) for t in outputs):
             try:
                 real = self._compute(func, args, kwargs)
             except _Unknown:
@@ -265,7 +281,7 @@ class StepTrace(TorchDispatchMode):
                 for t, v in zip(tree_leaves(out), tree_leaves(real)):
                     if isinstance(t, torch.Tensor) and self._keeps_values(t):
                         self.values[t] = v
-        return out
+        return out, outputs
 
     def _meta(self, func, args, kwargs):
         """`func` on the meta device; an operation that makes new tensors takes their shapes from an earlier call on
@@ -273,7 +289,7 @@ class StepTrace(TorchDispatchMode):
         if not _makes_new_tensors(func):
             return func(*args, **kwargs)
         try:
-            key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+            key = (func, _shape_key(args), tuple((k, _shape_key(v)) for k, v in kwargs.items()))
         except TypeError:  # an argument that is not a shape, a tensor or a plain value
             return func(*args, **kwargs)
         made = self._shapes.get(key)
@@ -439,16 +455,27 @@ def trace_step(
         aux = torch.empty(1, T, cfg.fc_in_features, dtype=dtype)
         final = torch.empty(1, T, cfg.target_hidden_size, dtype=dtype)
     kernel = attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)
-    train = TrainConfig(ttt_length=K, activation_checkpointing=activation_checkpointing, attention_kernel=kernel,
-                        mask_out_of_vocab=False, sequence_parallel=N)  # fmt: skip
+    train = TrainConfig(
+        ttt_length=K,
+        activation_checkpointing=activation_checkpointing,
+        attention_kernel=AttentionBackend(kernel),
+        mask_out_of_vocab=False,
+        sequence_parallel=N,
+    )
     objective = DrafterObjective(drafter, train)
     shard = shard_length(T, N, K)
     start = (N - 1) * shard
     loss_mask = torch.zeros(1, max(T, N * shard), dtype=torch.long)
     loss_mask[:, start : start + (shard if supervised is None else supervised)] = 1
-    batch = FeatureBatch(input_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=loss_mask[:, :T],
-                         document_ids=torch.zeros(1, T, dtype=torch.long), aux=aux, final=final, num_tokens=T,
-                         num_samples=1)  # fmt: skip
+    batch = FeatureBatch(
+        input_ids=torch.zeros(1, T, dtype=torch.long),
+        loss_mask=loss_mask[:, :T],
+        document_ids=torch.zeros(1, T, dtype=torch.long),
+        aux=aux,
+        final=final,
+        num_tokens=T,
+        num_samples=1,
+    )
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
     group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
     with trace:
@@ -490,15 +517,17 @@ def _plane(base: StepBytes, along_T: StepBytes | None, along_P: StepBytes | None
     keys = set.intersection(*(set(t.moments) for t in traces))
     if not keys or any(max(t.moments[k] for k in keys) != t.peak + t.held_features for t in traces):
         return None
-    dT = along_T.seq_len - base.seq_len if along_T else 1
-    slope = lambda t, value: (value(t) - value(base)) / dT if along_T else 0.0  # noqa: E731
+
+    def line(value) -> tuple[float, float]:
+        """(value at T0, its slope in T) of a trace's figure."""
+        at_T0 = value(base)
+        return at_T0, (value(along_T) - at_T0) / (along_T.seq_len - base.seq_len) if along_T else 0.0
+
     moments = []
     for k in keys:
-        a = base.moments[k]
-        c = (along_P.moments[k] - a) / dP if along_P else 0.0
-        moments.append((a, slope(along_T, lambda t: t.moments[k]), c))
-    features = (base.features, slope(along_T, lambda t: t.features))
-    held = (base.held_features, slope(along_T, lambda t: t.held_features))
+        a, b = line(lambda t, k=k: t.moments[k])
+        moments.append((a, b, (along_P.moments[k] - a) / dP if along_P else 0.0))
+    features, held = line(lambda t: t.features), line(lambda t: t.held_features)
     return _Plane(base.seq_len, 0, moments, features, held)
 
 
