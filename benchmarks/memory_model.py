@@ -2,7 +2,8 @@
 
     python -m benchmarks.memory_model                  # the committed run (CPU, a few minutes)
     python -m benchmarks.memory_model size=tiny out=none   # seconds (the test)
-    python -m benchmarks.memory_model measured=benchmarks/results/memory_model.json   # the estimate again, same measurements
+    # the estimate again, against the same measurements:
+    python -m benchmarks.memory_model measured=benchmarks/results/memory_model.json
 
 Keys (key=value; a bad one is a one-line error, exit 2):
     size=full|tiny       the shapes below (full) or one tiny MLA shape (tiny)
@@ -54,9 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE, CUDA_TOLERANCE = 0.01, 0.10
 
 # Kimi K2.6's attention shapes at a reduced width (H, I, vocabulary): the per-token terms
-_KIMI_MLA_HEADS = dict(
-    attention="mla", num_attention_heads=64, num_key_value_heads=64, head_dim=192, mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-)  # fmt: skip
+_KIMI_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+_KIMI_MLA_HEADS = dict(attention="mla", num_attention_heads=64, num_key_value_heads=64, head_dim=192, mla=_KIMI_MLA)
 _NARROW = dict(hidden_size=512, target_hidden_size=512, intermediate_size=1024, vocab_size=2048, draft_vocab_size=1024)
 SHAPES = {
     "full": {
@@ -87,7 +87,7 @@ SHAPES = {
             # its working set is the loss's fixed-size chunk (rows x V), the per-token part a few KB on
             # 0.5 GiB: a slope ratio is noise there, the absolute term at each T is the check
             slope_checked=False,
-        ),  # fmt: skip
+        ),
     },
     "tiny": {
         "mla_tiny": dict(
@@ -103,7 +103,7 @@ SHAPES = {
                 draft_vocab_size=256,
             ),
             seq_lens=(128, 256),
-        ),  # fmt: skip
+        ),
     },
 }
 TTT_LENGTH = 3
@@ -112,9 +112,15 @@ TTT_LENGTH = 3
 def measure_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
     """One point's measured bytes, from a fresh process (`_terms_child`)."""
     bench = BenchConfig(
-        shape="tiny", seq_len=seq_len, ttt_length=TTT_LENGTH, overrides=overrides, activation_checkpointing=checkpointing,
-        threads=1, device="cpu", precision="fp32",
-    )  # fmt: skip
+        shape="tiny",
+        seq_len=seq_len,
+        ttt_length=TTT_LENGTH,
+        overrides=overrides,
+        activation_checkpointing=checkpointing,
+        threads=1,
+        device="cpu",
+        precision="fp32",
+    )
     return cpu_step_memory("eagle31", bench, child="benchmarks.memory_model:_terms_child")
 
 
@@ -158,9 +164,14 @@ def cuda_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
     steps, absolute (the built model included), beside the estimate's total for `device="cuda"` (on GPUs the
     causal kernel runs its CUDA path, which the estimate counts from `eagle31.kernels.flash_cuda`)."""
     bench = BenchConfig(
-        shape="tiny", seq_len=seq_len, ttt_length=TTT_LENGTH, overrides=overrides, activation_checkpointing=checkpointing,
-        device="cuda", precision="bf16",
-    )  # fmt: skip
+        shape="tiny",
+        seq_len=seq_len,
+        ttt_length=TTT_LENGTH,
+        overrides=overrides,
+        activation_checkpointing=checkpointing,
+        device="cuda",
+        precision="bf16",
+    )
     device = bench.torch_device()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -172,8 +183,13 @@ def cuda_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
     del step
     gc.collect()
     torch.cuda.empty_cache()
-    return {"seq_len": seq_len, "measured_gib": peak, "estimated_gib": est["total"], "estimate_over_measured": est["total"] / peak,
-            "estimated_terms_gib": est}  # fmt: skip
+    return {
+        "seq_len": seq_len,
+        "measured_gib": peak,
+        "estimated_gib": est["total"],
+        "estimate_over_measured": est["total"] / peak,
+        "estimated_terms_gib": est,
+    }
 
 
 def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None = None) -> dict:
@@ -200,10 +216,13 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
         measured["total"] = (peak + m["step_peak_bytes"]) / GiB
         estimated = {k: est[k] for k in measured}
         ratios = {k: estimated[k] / measured[k] if measured[k] else None for k in measured}
-        points.append({"seq_len": T, "measured_gib": measured, "estimated_gib": estimated, "estimate_over_measured": ratios,
-                       "raw": m, "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
-        log(f"{name} T={T}: measured {measured['total']:.3f} GiB, estimated {estimated['total']:.3f} GiB "
-            f"(the step {measured['training_step']:.3f} vs {estimated['training_step']:.3f})")  # fmt: skip
+        seconds = round(time.perf_counter() - t0, 1)
+        point = {"seq_len": T, "measured_gib": measured, "estimated_gib": estimated, "estimate_over_measured": ratios}
+        points.append({**point, "raw": m, "seconds": seconds})
+        log(
+            f"{name} T={T}: measured {measured['total']:.3f} GiB, estimated {estimated['total']:.3f} GiB "
+            f"(the step {measured['training_step']:.3f} vs {estimated['training_step']:.3f})"
+        )
     slope = {side: working_set_slope(points, side) for side in ("measured", "estimated")}
     checks = {}
     for p in points:
@@ -242,11 +261,15 @@ def markdown(result: dict) -> str:
         for p in s["points"]:
             for k, v in p["measured_gib"].items():
                 r = p["estimate_over_measured"][k]
-                rows.append(f"| {s['shape']} | {p['seq_len']} | {k} | {v:.4f} | {p['estimated_gib'][k]:.4f} | "
-                            f"{'-' if r is None else f'{r:.3f}'} |")  # fmt: skip
+                rows.append(
+                    f"| {s['shape']} | {p['seq_len']} | {k} | {v:.4f} | {p['estimated_gib'][k]:.4f} | "
+                    f"{'-' if r is None else f'{r:.3f}'} |"
+                )
         b = s["bytes_per_token"]
-        rows.append(f"| {s['shape']} | slope | bytes per token | {b['measured']:,.0f} | {b['estimated']:,.0f} | "
-                    f"{b['estimated'] / b['measured']:.3f} |")  # fmt: skip
+        rows.append(
+            f"| {s['shape']} | slope | bytes per token | {b['measured']:,.0f} | {b['estimated']:,.0f} | "
+            f"{b['estimated'] / b['measured']:.3f} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -269,7 +292,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
+
     recorded = {}  # measured=<json>: the estimate again, against that file's measurements
     if args.measured != "none":
         earlier = json.loads(Path(args.measured).read_text())

@@ -84,11 +84,11 @@ def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
     not counted.
     """
     T, K = seq_len, ttt_length
-    H, I, Vd, nh = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size, cfg.num_attention_heads
+    H, Vd, nh = cfg.hidden_size, cfg.draft_vocab_size, cfg.num_attention_heads
     fc = 2 * 2 * T * cfg.fc_in_features * H
     dqk, dv = head_dims(cfg)
     projections = cfg.kind.attention_parameters(cfg)  # 2 FLOPs a weight a token (an MLA's two norms too: < 0.1%)
-    dense = 2 * T * (projections + 3 * H * I + H * Vd)
+    dense = 2 * T * (projections + 3 * H * cfg.intermediate_size + H * Vd)
     attention = sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(T, K, cfg.sliding_window))
     return fc + 3 * (K * dense + attention)
 
@@ -133,9 +133,14 @@ class RunMemory:
         c, fsdp = compute_bytes, device == "cuda"
         dtype = torch.bfloat16 if c == 2 else torch.float32
         self.step = step or StepMemory(
-            cfg, ttt_length, activation_checkpointing=activation_checkpointing, dtype=dtype, device=device,
-            sequence_parallel=sequence_parallel, attention_kernel=attention_kernel,
-        )  # fmt: skip
+            cfg,
+            ttt_length,
+            activation_checkpointing=activation_checkpointing,
+            dtype=dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+            attention_kernel=attention_kernel,
+        )
         p = count_parameters(cfg)
         V, Vd, Ht = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
         fixed = {
@@ -160,7 +165,10 @@ class RunMemory:
         Past the step's first fit length (`StepMemory.fit_lengths`) every moment of the step is a line in T through
         its traces, so the lengths there cost no trace; below it, each length tried is traced (a bisection). A trace
         at the answer itself is not made: at 100k tokens and more it would take minutes (docs/performance.md)."""
-        fits = lambda T: self.at(T)["total"] <= gpu_memory_gib  # noqa: E731
+
+        def fits(T: int) -> bool:
+            return self.at(T)["total"] <= gpu_memory_gib
+
         first = -(-self.step.fit_lengths()[0] // 1024)  # in units of 1024 tokens, as the answer
         lo, hi = (first, 1 << 14) if fits(first * 1024) else (0, first)  # 16M tokens: beyond any plan
         if lo == 0:
@@ -178,9 +186,3 @@ class RunMemory:
 def estimate_memory(cfg: DrafterConfig, seq_len: int, ttt_length: int, **options) -> dict[str, float]:
     """`RunMemory(cfg, ttt_length, **options).at(seq_len)`."""
     return RunMemory(cfg, ttt_length, **options).at(seq_len)
-
-
-def longest_fitting_length(cfg: DrafterConfig, ttt_length: int, gpu_memory_gib: float, **options) -> int:
-    """`RunMemory(cfg, ttt_length, **options).longest(gpu_memory_gib)`: lines through traces at two lengths past
-    the step's blocks, a trace per length below them (`RunMemory.longest`)."""
-    return RunMemory(cfg, ttt_length, **options).longest(gpu_memory_gib)

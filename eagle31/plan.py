@@ -45,7 +45,7 @@ class RunPlan:
 
     @property
     def parts(self) -> dict[str | Path, str]:
-        """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
+        """The outputs this run's own steps (data_prep/*.py) may have written in its directory before it claims it."""
         from eagle31.data.regenerate.shards import OUTPUT_KIND
 
         cfg, store = self.cfg, Path(self.cfg.features.store_dir)
@@ -126,7 +126,8 @@ def check_sequence_parallel(cfg, world: World) -> None:
         raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
     if n > 1 and cfg.train.attention_kernel == "reference":
         raise ConfigError(
-            "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1"
+            "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise "
+            "with train.sequence_parallel > 1"
         )
 
 
@@ -192,7 +193,8 @@ def check_run_dir(plan: RunPlan) -> None:
         return
     if plan.cfg.resume != "auto":
         raise ConfigError(
-            f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir"
+            f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another "
+            "output_dir"
         )
     from eagle31.export import read_run_config
 
@@ -272,7 +274,8 @@ def describe_dry_run(plan: RunPlan) -> dict:
     counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
         raise ConfigError(
-            f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and {cfg.plan.gpu_memory_gib}"
+            f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and "
+            f"{cfg.plan.gpu_memory_gib}"
         )
     world_size = cfg.plan.world_size or max(plan.world.world_size, 1)
     options = dict(
@@ -315,18 +318,25 @@ def describe_dry_run(plan: RunPlan) -> dict:
             "basis": engine.basis,
         }
     if plan.world.is_main:
-        print(f"dry run of recipe {cfg.name!r}: config valid")
-        print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
-              f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
-              f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}")  # fmt: skip
-        print(
-            f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding"
-        )
-        print(f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
-              f"{attention_share:.0%} of it attention")  # fmt: skip
+        heads = f"{d.num_attention_heads}/{d.num_key_value_heads}"
+        checkpointing = "on" if cfg.train.activation_checkpointing else "off"
         split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
-        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
-              f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip
+        print(f"dry run of recipe {cfg.name!r}: config valid")
+        print(
+            f"  drafter: attention={d.attention} H={d.hidden_size} heads={heads} head_dim={d.head_dim} "
+            f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
+            f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}"
+        )
+        trainable, frozen = counts.trainable / 1e6, counts.frozen_embedding / 1e6
+        print(f"  parameters: {trainable:,.1f}M trainable + {frozen:,.1f}M frozen embedding")
+        print(
+            f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
+            f"{attention_share:.0%} of it attention"
+        )
+        print(
+            f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
+            f"activation checkpointing {checkpointing}): ~{memory['total']:.1f} GiB"
+        )
         for k, v in memory.items():
             if k != "total":
                 print(f"    {k:30s} {v:8.2f} GiB")

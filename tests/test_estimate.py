@@ -18,9 +18,17 @@ from eagle31.target import load_target_config, target_parameters
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TINY = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-    vocab_size=512, draft_vocab_size=256, target_num_layers=8, aux_layer_ids=(2, 4, 5), max_position_embeddings=4096,
-)  # fmt: skip
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    draft_vocab_size=256,
+    target_num_layers=8,
+    aux_layer_ids=(2, 4, 5),
+    max_position_embeddings=4096,
+)
 
 
 def plan(recipe: str, *args: str):
@@ -150,8 +158,8 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_planned_gpus_is_refus
     with pytest.raises(ConfigError, match="train.sequence_parallel=4 must be >= 1 and divide the world size 6"):
         plan_run(load_recipe(RECIPES, args), init_world("cpu"))
     with pytest.raises(ConfigError, match="train.attention_kernel=reference cannot attend across sequence shards"):
-        plan_run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", "plan.world_size=4", "train.sequence_parallel=2",
-                                       "train.attention_kernel=reference"]), init_world("cpu"))  # fmt: skip
+        args = ["recipe=kimi_k26", "dry_run=true", "plan.world_size=4", "train.sequence_parallel=2"]
+        plan_run(load_recipe(RECIPES, [*args, "train.attention_kernel=reference"]), init_world("cpu"))
 
 
 # ---------------------------------------------------------------------------- sliding window
@@ -216,8 +224,15 @@ def test_the_kimi_recipes_dry_run_at_256k_split_over_4_with_their_windows(capsys
     its step holds less than the unwindowed one's."""
 
     def dry_run(recipe, *extra):
-        args = [f"recipe={recipe}", "dry_run=true", "data.max_len=262144", "plan.gpu_memory_gib=141",
-                "plan.world_size=4", "train.sequence_parallel=4", *extra]  # fmt: skip
+        args = [
+            f"recipe={recipe}",
+            "dry_run=true",
+            "data.max_len=262144",
+            "plan.gpu_memory_gib=141",
+            "plan.world_size=4",
+            "train.sequence_parallel=4",
+            *extra,
+        ]
         return describe_dry_run(plan_run(load_recipe(RECIPES, args), init_world("cpu")))
 
     llama, mla = dry_run("kimi_k26_llama"), dry_run("kimi_k26")

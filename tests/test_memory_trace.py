@@ -13,9 +13,17 @@ from eagle31.model import Visibility, segment_ids
 
 META = torch.device("meta")
 TINY = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-    vocab_size=512, draft_vocab_size=256, max_position_embeddings=1 << 16, target_num_layers=8, aux_layer_ids=(2, 4, 5),
-)  # fmt: skip
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    draft_vocab_size=256,
+    max_position_embeddings=1 << 16,
+    target_num_layers=8,
+    aux_layer_ids=(2, 4, 5),
+)
 
 
 def test_a_storage_counts_once_while_a_tensor_holds_it():

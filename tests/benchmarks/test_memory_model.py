@@ -22,9 +22,14 @@ def test_recorded_measurements_are_compared_again_without_running(tmp_path, monk
     recorded = {"mla_tiny": {}}
     for T in SHAPES["tiny"]["mla_tiny"]["seq_lens"]:
         recorded["mla_tiny"][T] = {
-            "trainable_bytes": 1000, "gradient_bytes": 1000, "persistent_bytes": 2000, "frozen_embedding_bytes": 10,
-            "target_lm_head_bytes": 10, "target_features_bytes": 10, "step_peak_bytes": 5000 + T,
-        }  # fmt: skip
+            "trainable_bytes": 1000,
+            "gradient_bytes": 1000,
+            "persistent_bytes": 2000,
+            "frozen_embedding_bytes": 10,
+            "target_lm_head_bytes": 10,
+            "target_features_bytes": 10,
+            "step_peak_bytes": 5000 + T,
+        }
     earlier = {
         "shapes": [{"shape": "mla_tiny", "points": [{"seq_len": T, "raw": r} for T, r in recorded["mla_tiny"].items()]}]
     }
