@@ -104,6 +104,21 @@ SHAPES = {
             ),
             seq_lens=(128, 256),
         ),
+        # a parallel (P-EAGLE) drafter: its steps k >= 1 read the mask slots (fuse_aux of mask_hidden)
+        "llama_tiny_parallel": dict(
+            overrides=dict(
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                intermediate_size=128,
+                vocab_size=512,
+                draft_vocab_size=256,
+                parallel_drafting=True,
+                mask_token_id=0,
+            ),
+            seq_lens=(128, 256),
+        ),
     },
 }
 TTT_LENGTH = 3
