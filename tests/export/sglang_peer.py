@@ -57,16 +57,15 @@ _vllm._custom_ops = _custom_ops
 sys.modules.setdefault("vllm", _vllm)
 sys.modules.setdefault("vllm._custom_ops", _custom_ops)
 
+import sglang  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-
-import sglang  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.distributed import parallel_state  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (  # noqa: E402
     resolve_spec_aux_hidden_state_config,
@@ -128,7 +127,9 @@ def free_port() -> int:
 
 
 def server_args(**fields) -> ServerArgs:
-    return ServerArgs(model_path="dummy", device="cpu", tp_size=1, ep_size=1, pp_size=1, **fields)
+    return ServerArgs(
+        model_path="dummy", device="cpu", attention_backend="torch_native", tp_size=1, ep_size=1, pp_size=1, **fields
+    )
 
 
 def init_one_rank() -> None:
@@ -147,9 +148,11 @@ def captured_layers(path: str, target_layers: int) -> dict:
     args = server_args(speculative_algorithm="EAGLE3", speculative_draft_model_path=path)
     with get_spec().override(speculative_draft_model_path=path):
         resolved = resolve_spec_aux_hidden_state_config(
-            server_args=args, model_config=None, spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"),
+            server_args=args,
+            model_config=None,
+            spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"),
             is_draft_worker=False,
-        )  # fmt: skip
+        )
     ids = resolved.eagle_aux_hidden_state_layer_ids
     captured = {}
     for target in (LlamaForCausalLM, DeepseekV2ForCausalLM):
@@ -205,20 +208,39 @@ def batch(mode: ForwardMode, ids: torch.Tensor, positions: torch.Tensor, seq_len
     """A `ForwardBatch` of one request (pool row 1) whose cache slots are 1..seq_len."""
     n = ids.shape[0]
     fb = ForwardBatch(
-        forward_mode=mode, batch_size=1, input_ids=ids, req_pool_indices=torch.tensor([1]),
-        seq_lens=torch.tensor([seq_len]), out_cache_loc=torch.arange(seq_len - n + 1, seq_len + 1),
-        seq_lens_sum=seq_len, positions=positions, seq_lens_cpu=torch.tensor([seq_len]),
-    )  # fmt: skip
+        forward_mode=mode,
+        batch_size=1,
+        input_ids=ids,
+        req_pool_indices=torch.tensor([1]),
+        seq_lens=torch.tensor([seq_len]),
+        out_cache_loc=torch.arange(seq_len - n + 1, seq_len + 1),
+        seq_lens_sum=seq_len,
+        positions=positions,
+        seq_lens_cpu=torch.tensor([seq_len]),
+    )
     if mode.is_extend():
         fb.extend_prefix_lens = torch.tensor([seq_len - n])
         fb.extend_seq_lens = torch.tensor([n])
         fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [seq_len - n], [n]
     fb.spec_info = types.SimpleNamespace(hidden_states=hidden)  # what the draft model reads of EagleDraftInput
+    fb.capture_hidden_mode = CaptureHiddenMode.LAST  # as the EAGLE worker's draft forwards capture it
     return fb
 
 
+def recording(dispatch, seen: list):
+    """`dispatch_attn_forward_method` that also appends the method's name and its backend's to `seen`."""
+
+    def dispatched(forward_batch):
+        method = dispatch(forward_batch)
+        seen.append([method.name, dispatch.__self__.current_attention_backend])
+        return method
+
+    return dispatched
+
+
 def run_steps(model, cfg, mla: bool, inputs: dict) -> dict:
-    """Step 0 (draft extend) over the prompt and, for the Llama drafter, step 1 (draft decode) at its end."""
+    """Step 0 (the draft extend over the prompt) and step 1 (a draft decode at its end, fed step 0's captured
+    hidden state), each through the model's own `forward` as `draft_runner.forward` calls it."""
     aux, tokens, embed = inputs["aux"], inputs["tokens"], inputs["embed"]  # [T, n*Ht], [T], [V, H]
     T = tokens.shape[0]
     model.model.embed_tokens.weight.data[: embed.shape[0]] = embed  # set_embed: the target's embedding
@@ -226,21 +248,39 @@ def run_steps(model, cfg, mla: bool, inputs: dict) -> dict:
     req.req_to_token[1, : T + 1] = torch.arange(1, T + 2)
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv_pool(cfg, mla, T + 2))
     backend = (_MHAPrefillKernel if mla else TorchNativeAttnBackend)(runner)
-    fused = []
-    hook = model.model.fc.register_forward_hook(lambda m, i, o: fused.append(o[0] if isinstance(o, tuple) else o))
+    fused, inner, methods = [], [], []
+    if mla:  # which of DeepseekV2AttentionMLA's forward methods each step takes (MHA prefill, absorbed MLA decode)
+        attn = model.model.midlayer.self_attn
+        attn.dispatch_attn_forward_method = recording(attn.dispatch_attn_forward_method, methods)
+    hooks = [
+        model.model.fc.register_forward_hook(lambda m, i, o: fused.append(o[0] if isinstance(o, tuple) else o)),
+        model.model.register_forward_hook(lambda m, i, o: inner.append(o)),
+    ]
     out = {}
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
-        fb = batch(ForwardMode.EXTEND, tokens, torch.arange(T), T, aux)
-        backend.init_forward_metadata(fb)
-        state, (feature,) = model.model(tokens, fb.positions, fb)
-        out["step0"] = {"fused": plain(fused[0]), "state": plain(state), "feature": plain(feature)}
-        if not mla:
-            token = inputs["next_token"]  # [1]
-            fb = batch(ForwardMode.DECODE, token, torch.tensor([T]), T + 1, feature[-1:])
+        hidden = aux
+        for step, (mode, ids, positions, seq_len) in enumerate(
+            [
+                (ForwardMode.EXTEND, tokens, torch.arange(T), T),
+                (ForwardMode.DECODE, inputs["next_token"], torch.tensor([T]), T + 1),
+            ]
+        ):
+            fb = batch(mode, ids, positions, seq_len, hidden)
             backend.init_forward_metadata(fb)
-            state, (feature,) = model.model(token, fb.positions, fb)
-            out["step1"] = {"state": plain(state), "feature": plain(feature), "fc_calls": len(fused)}
-    hook.remove()
+            logits = model(ids, fb.positions, fb)
+            state, (feature,) = inner[-1]
+            hidden = logits.hidden_states  # [1, H] the last position's feature: the next step's input
+            out[f"step{step}"] = {
+                "state": plain(state),
+                "feature": plain(feature),
+                "logits": plain(logits.next_token_logits),  # [1, draft V] at the last position
+                "captured": plain(hidden),
+            }
+        out["step0"]["fused"] = plain(fused[0])
+        out["fc_calls"] = len(fused)
+        out["mla_methods"] = methods
+    for hook in hooks:
+        hook.remove()
     return out
 
 

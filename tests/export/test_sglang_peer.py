@@ -58,6 +58,7 @@ LLAMA = {
     "window_without_flag": dict(sliding_window=WINDOW),
     "llama3_rope": dict(rope_parameters=LLAMA3_ROPE),
     "yarn_rope": dict(rope_parameters=YARN_ROPE),
+    "parallel": dict(parallel_drafting=True, mask_token_id=5),  # SGLang has no parallel drafting: served as a chain
 }
 MLA = {
     "mla_eagle31": dict(),
@@ -101,8 +102,9 @@ def sglang_run(tmp_path_factory):
         }
         save_file(inputs, str(root / f"{case}.inputs.safetensors"))
         made[case] = (drafter, out, inputs, aux[:, : T + 2], ids)
-        request.append({"path": str(out), "inputs": str(root / f"{case}.inputs.safetensors"),
-                        "window": SERVED_WINDOW.get(case)})  # fmt: skip
+        request.append(
+            {"path": str(out), "inputs": str(root / f"{case}.inputs.safetensors"), "window": SERVED_WINDOW.get(case)}
+        )
     for target, ids in SGLANG_IDS.items():  # the other ids' export with SGLang's `eagle_config` added by hand
         copy = root / f"other_aux_ids-for-{target}"
         copy.mkdir()
@@ -130,7 +132,8 @@ def sglang_reads(sglang_run):
 def expected_placement(key: str, tensor: torch.Tensor, tensors: dict, mla: bool) -> list:
     """[SGLang's parameter, first row, end row] that `load_weights` must put an exported tensor in: `midlayer.` is
     `model.layers.0.` (Llama) or `model.midlayer.` (MLA), q/k/v fuse into `qkv_proj`, gate/up into `gate_up_proj`,
-    q_a/kv_a into `fused_qkv_a_proj_with_mqa`, in that order; everything else under `model.` but `lm_head`."""
+    q_a/kv_a into `fused_qkv_a_proj_with_mqa`, in that order; everything else under `model.` but `lm_head`; a
+    parallel drafter's `mask_hidden` nowhere (`load_weights` skips a name the model lacks, unsaid)."""
     fused = {
         "q_proj": ("qkv_proj", ()),
         "k_proj": ("qkv_proj", ("q_proj",)),
@@ -140,6 +143,8 @@ def expected_placement(key: str, tensor: torch.Tensor, tensors: dict, mla: bool)
         "q_a_proj": ("fused_qkv_a_proj_with_mqa", ()),
         "kv_a_proj_with_mqa": ("fused_qkv_a_proj_with_mqa", ("q_a_proj",)),
     }
+    if key == "mask_hidden":
+        return []
     name = key.replace("midlayer.", "midlayer." if mla else "layers.0.")
     name = name if name.startswith("lm_head.") else f"model.{name}"
     start = 0
@@ -178,7 +183,8 @@ def test_sglang_load_weights_places_every_exported_tensor_and_leaves_only_the_sh
         tensors = load_file(str(out / "model.safetensors"))
         weights = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
         for key, tensor in weights.items():
-            assert model["placed"][key] == [expected_placement(key, tensor, tensors, mla)], (case, key)
+            expected = expected_placement(key, tensor, tensors, mla)
+            assert model["placed"][key] == ([expected] if expected else []), (case, key)
         assert model["loader_warnings"] == [], case
         # set_embed shares the target's embedding, except with a drafter narrower than its target, whose export
         # carries its own (docs/export.md, "The embedding")
@@ -202,31 +208,54 @@ def test_sglang_builds_the_eagle31_switches_it_reads(sglang_reads):
         assert model["input_norm"] == (c.norm_before_fc and case not in MLA), case
 
 
+def assert_steps_match(read: dict, drafter, aux: torch.Tensor, ids: torch.Tensor, case: str) -> None:
+    """SGLang's step 0 over the prompt and step 1 at its end = eagle31's unroll of `drafter` (chain steps): the
+    fused feature, the state lm_head reads, the feature the next step reads (every position, and the last one's as
+    the logits processor captures it), and the draft logits at the last position."""
+    out = drafter.double().unroll(aux.double(), ids, ttt_length=2, first_query=0)
+    forward, tol = read["forward"], dict(rtol=1e-5, atol=1e-5)
+    assert forward["fc_calls"] == 1, case  # step 1 reads step 0's captured feature, not fc of target states
+    for k, rows in ((0, slice(0, T)), (1, slice(T - 1, T))):
+        got = {name: torch.tensor(v, dtype=torch.float64) for name, v in forward[f"step{k}"].items()}
+        state = out.states[k][0, rows]
+        feature = state if drafter.config.norm_output else out.hidden[k][0, rows]
+        torch.testing.assert_close(got["state"], state, **tol, msg=f"{case} step {k}")
+        torch.testing.assert_close(got["feature"], feature, **tol, msg=f"{case} step {k}")
+        torch.testing.assert_close(got["captured"], feature[-1:], **tol, msg=f"{case} step {k}")
+        torch.testing.assert_close(got["logits"], drafter.lm_head(state[-1:]), **tol, msg=f"{case} step {k}")
+    fused = torch.tensor(forward["step0"]["fused"], dtype=torch.float64)
+    torch.testing.assert_close(fused, drafter.fuse_aux(aux.double())[0, :T], **tol, msg=case)
+
+
 @pytest.mark.slow  # SGLang's own code in its venv: one subprocess for every case (~1 min on 2 cores)
 @pytest.mark.deadline(600)
 def test_sglang_drafts_what_the_drafter_trained(sglang_reads):
-    """Step 0 over the prompt (the fused feature, what lm_head reads, what the next step reads) and, for the Llama
-    drafter, step 1 at the prompt's end = eagle31's unroll, on the export's weights."""
+    """Step 0 (the draft extend over the prompt) and step 1 (a draft decode at its end) through SGLang's own model
+    forward, logits processor included, = eagle31's unroll on the export's weights; the MLA drafter's prompt takes
+    `DeepseekV2AttentionMLA`'s MHA path and its decode the absorbed MLA path (w_kc, w_vc of `post_load_weights`)."""
     for case, (drafter, _, _, aux, ids, read) in sglang_reads.items():
-        if case in ("norm_before_residual", "window_without_flag"):
-            continue  # served otherwise: test_sglang_ignores_norm_before_residual, test_sglang_serves_the_window_...
-        out = drafter.double().unroll(aux.double(), ids, ttt_length=2, first_query=0)
-        forward = read["forward"]
-        step0 = {k: torch.tensor(v, dtype=torch.float64) for k, v in forward["step0"].items()}
-        ours_state = out.states[0][0, :T]
-        ours_feature = ours_state if drafter.config.norm_output else out.hidden[0][0, :T]
-        tol = dict(rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(step0["fused"], drafter.fuse_aux(aux.double())[0, :T], **tol, msg=case)
-        torch.testing.assert_close(step0["state"], ours_state, **tol, msg=case)
-        torch.testing.assert_close(step0["feature"], ours_feature, **tol, msg=case)
-        if case in MLA:
-            continue
-        step1 = {k: torch.tensor(v, dtype=torch.float64) for k, v in forward["step1"].items() if k != "fc_calls"}
-        assert forward["step1"]["fc_calls"] == 1, case  # a later step reads the feature, not fc of target states
-        ours_state = out.states[1][0, T - 1 : T]
-        ours_feature = ours_state if drafter.config.norm_output else out.hidden[1][0, T - 1 : T]
-        torch.testing.assert_close(step1["state"], ours_state, **tol, msg=case)
-        torch.testing.assert_close(step1["feature"], ours_feature, **tol, msg=case)
+        if case in ("norm_before_residual", "window_without_flag", "parallel"):
+            continue  # served otherwise: the tests below
+        assert_steps_match(read, drafter, aux, ids, case)
+        methods = read["forward"]["mla_methods"]
+        assert methods == ([["MHA", "torch_native"], ["MLA", "torch_native"]] if case in MLA else []), case
+
+
+@pytest.mark.slow  # SGLang's own code in its venv: one subprocess for every case (~1 min on 2 cores)
+@pytest.mark.deadline(600)
+def test_sglang_serves_a_parallel_drafter_as_a_chain_drafter(sglang_reads):
+    """SGLang 0.5.23 has no parallel drafting for EAGLE-3: it reads neither `mask_token_id` nor `mask_hidden`
+    (skipped without a word) and drafts step 1 from step 0's feature, as the same weights drafting in a chain
+    (docs/export.md, "Served by SGLang")."""
+    drafter, out, _, aux, ids, read = sglang_reads["parallel"]
+    assert "mask_hidden" in load_file(str(out / "model.safetensors"))
+    assert read["model"]["placed"]["mask_hidden"] == [] and read["model"]["loader_warnings"] == []
+    chain = tiny_drafter(seed=3, dtype=torch.float32)
+    chain.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "mask_hidden"})
+    assert_steps_match(read, chain, aux, ids, "parallel")
+    parallel = drafter.double().unroll(aux.double(), ids, ttt_length=2).states[1][0, T - 1 : T]
+    served = torch.tensor(read["forward"]["step1"]["state"], dtype=torch.float64)
+    assert not torch.allclose(served, parallel, rtol=1e-3, atol=1e-3)  # not the mask slot's step
 
 
 @pytest.mark.slow  # SGLang's own code in its venv: one subprocess for every case (~1 min on 2 cores)
