@@ -5,8 +5,9 @@
 # wheel goes in with --no-deps, with SGLang's own pins of torch (2.14.1, the registry's CUDA build:
 # no CPU build of it exists there, and SGLang's configs import torchvision, whose registry builds
 # need that torch) and of transformers, and the packages its model modules import (their
-# ImportErrors name them). The wheel is cached in $EAGLE31_PEERS/wheels; the venv is rebuilt only
-# when its stamp (the package list it was built with) differs.
+# ImportErrors name them). Every wheel (torch's CUDA libraries are ~2.5 GB of them) is cached in
+# $EAGLE31_PEERS/wheels and the venv installed from there alone, so a rebuild downloads nothing; the
+# venv is rebuilt only when its stamp (the package list it was built with) differs.
 #   bash .ci/sglang_venv.sh
 set -euo pipefail
 . "$(dirname "$0")/peer_venv_lib.sh"
@@ -20,6 +21,6 @@ want="${TORCH[*]} ${DEPS[*]}"
 peer_venv_cached "$venv" "$want" && exit 0
 fresh_peer_venv "$venv" sglang "$VERSION" "${TORCH[@]}"
 py="$venv/bin/python"
-"$py" -m pip install --quiet "${DEPS[@]}"
+cached_install "$venv" "${TORCH[@]}" "${DEPS[@]}"  # torch pinned: the resolver keeps the cached build
 "$py" -c "import sglang.srt.models.llama_eagle3, sglang.srt.models.kimi_k25_eagle3" >/dev/null
 stamp_peer_venv "$venv" "$want"

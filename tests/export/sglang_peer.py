@@ -14,21 +14,31 @@ For every export directory, what `python -m sglang.launch_server --speculative-a
   safetensors (the model's own `load_weights`): which parameters stay NaN (never loaded), and where each exported
   tensor landed (the rows of the parameter that hold it); the switches it built, its attention's softmax scale and
   window, and the rows of its rope's cos/sin table at the asked positions;
-* step 0 of the draft on given target hidden states and tokens (the draft extend over a prompt): the model's own
-  `forward` (`models/llama_eagle3.py::LlamaModel`, `models/kimi_k25_eagle3.py::Eagle3MLAModel`) with a
-  `ForwardBatch` of one request, the embedding set to the target's as `set_embed` shares it, and the fused feature
-  (the output of `fc`) seen by a forward hook; for the Llama drafter also step 1, a draft decode at the next
-  position fed step 0's auxiliary output of the last position.
+* the draft's first two steps on given target hidden states and tokens, each through the model's own `forward`
+  (`models/llama_eagle3.py::LlamaForCausalLMEagle3`, `models/kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM`:
+  the drafter, then its `LogitsProcessor` over its `lm_head`) as `speculative/eagle_worker_v2.py` runs them with
+  `CaptureHiddenMode.LAST`: step 0, the draft extend over a prompt (`_draft_extend_for_prefill`: an `EXTEND`
+  batch), then step 1, a draft decode (`DECODE`) at the next position fed the hidden state step 0 captured. One
+  request, the embedding set to the target's as `set_embed` shares it; forward hooks see the fused feature (the
+  output of `fc`) and the drafter's two outputs (the state `lm_head` reads, the feature the next step reads); for
+  the MLA drafter, which of `DeepseekV2AttentionMLA`'s forward methods each step dispatched to.
+* `python -m sglang.launch_server ARGV` for each given ARGV, as far as `server_args.py::prepare_server_args`.
+
+The attention backend is SGLang's own `torch_native` (`--attention-backend torch_native`: `TorchNativeAttnBackend`
+on a real `ReqToTokenPool` and `MHATokenToKVPool` or `MLATokenToKVPool`), under which `DeepseekV2AttentionMLA`
+takes its MHA path for a prompt (`forward_mha.py`) and its absorbed MLA path for a decode (`forward_mla.py`: q
+through `w_kc`, the output through `w_vc`, both split from `kv_b_proj` by `post_load_weights`), as the FlashInfer,
+FA3 and Triton backends dispatch them.
 
 Emulated, because it needs a GPU or a kernel that is not on a CPU:
 * `vllm._custom_ops.rotary_embedding`, which `layers/rotary_embedding/base.py::RotaryEmbedding.__init__` imports as
   its fused-kernel fallback on a platform that is neither CUDA nor SGLang's CPU engine: a stand-in that fails if it
   is called (the forward runs `forward_native`, SGLang's torch implementation);
-* the attention backend: the Llama drafter runs SGLang's own `TorchNativeAttnBackend` on a real `MHATokenToKVPool`
-  and `ReqToTokenPool`; the MLA drafter's prefill takes `DeepseekV2AttentionMLA`'s MHA path (`forward_mha.py`: q, k,
-  v decompressed, `attn_mha` with `save_kv_cache=False`), whose kernel (FlashInfer, FA3 or Triton's ragged
-  prefill: causal attention over the given q, k, v at `layer.scaling`) is replaced by
-  `torch.nn.functional.scaled_dot_product_attention`; the latent still goes into a real `MLATokenToKVPool`.
+* the MLA prompt's attention kernel: the MHA path hands the backend decompressed q, k, v with
+  `save_kv_cache=False` (the latent goes into the `MLATokenToKVPool` before), which FlashInfer's, FA3's and
+  Triton's ragged prefill attend causally at `layer.scaling`; `TorchNativeAttnBackend.forward_extend` would read
+  k and v from the pool, which holds the latent, so that one call is
+  `torch.nn.functional.scaled_dot_product_attention` over the given q, k, v (`_MHAPrefillKernel`).
 
 The server args are published as SGLang's own layer tests publish them (`sglang/test/layer_ut_utils.py::
 init_single_process_dist`, `sglang/test/test_utils.py::publish_build_topology`: world size 1, gloo), with
@@ -76,7 +86,7 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype  # noqa: E402
 from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM  # noqa: E402
 from sglang.srt.models.llama import LlamaForCausalLM  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, get_parallel, get_spec, publish, reset_context  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -354,6 +364,17 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def parse_command(argv: list[str]) -> dict:
+    """`python -m sglang.launch_server ARGV` as `launch_server.py` parses it (`prepare_server_args`, before the
+    server resolves anything): its serving and speculative fields, or the parser's error."""
+    try:
+        args = prepare_server_args(argv)
+    except SystemExit:
+        return {"error": traceback.format_exc()[-1000:]}
+    names = ("model_path", "trust_remote_code", "tp_size")
+    return {n: plain(getattr(args, n)) for n in dir(args) if n in names or n.startswith("speculative_")}
+
+
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     init_one_rank()
@@ -365,7 +386,8 @@ def main() -> None:
             )
         except Exception:
             exports[item["path"]] = {"crash": traceback.format_exc()[-3000:]}
-    print(json.dumps({"version": sglang.__version__, "exports": exports}))
+    commands = [parse_command(argv) for argv in request.get("commands", [])]
+    print(json.dumps({"version": sglang.__version__, "exports": exports, "commands": commands}))
 
 
 main()

@@ -11,6 +11,8 @@ SGLang's own forward, which are compared with eagle31's TTT unroll on the same w
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,16 @@ from safetensors.torch import load_file, save_file
 from eagle31.attention.mla import deepseek_rope_frequencies
 from eagle31.export import export_drafter
 from eagle31.model import Visibility
+from eagle31.recipe import load_recipe
 from eagle31.rope import inverse_frequencies
 from tests.helpers import random_batch, tiny_drafter
 from tests.peers import SGLANG_VERSION, run_sglang
 from tests.test_mla import KIMI_ROPE, mla_drafter
 
+REPO = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = (Path(__file__).parent / "sglang_peer.py").read_text()
+DOC = REPO / "docs" / "export.md"
+SERVE = re.compile(r"python -m sglang\.launch_server ([^\n`]*)")
 T = 7  # prompt positions of the forward check
 WINDOW = 4  # the windowed drafter's window (positions, vLLM's and eagle31's convention), below T
 OTHER_IDS = (3, 4, 6)  # not SGLang's default (2, 4, 5) for the tiny target's 8 layers
@@ -78,6 +84,29 @@ SGLANG_IDS = {
 SGLANG_CLASS = {False: "LlamaForCausalLMEagle3", True: "Eagle3DeepseekV2ForCausalLM"}
 
 
+def documented_commands() -> list[list[str]]:
+    """The argv of each `python -m sglang.launch_server` command of docs/export.md."""
+    return [shlex.split(m.group(1)) for m in SERVE.finditer(DOC.read_text())]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_docs_give_an_sglang_command_per_drafter():
+    """A Llama and an MLA drafter's command, each serving its recipe's export with its recipe's target."""
+    commands = documented_commands()
+    drafters = set()
+    for argv in commands:
+        recipe = flag(argv, "--speculative-draft-model-path").split("/")[1]  # runs/<recipe>/export/eagle3
+        assert flag(argv, "--speculative-draft-model-path") == f"runs/{recipe}/export/eagle3", argv
+        assert flag(argv, "--speculative-algorithm") == "EAGLE3", argv
+        config = load_recipe(REPO / "recipes", [f"recipe={recipe}"])
+        assert flag(argv, "--model-path") == config.target.name, recipe
+        drafters.add(config.drafter.attention)
+    assert drafters == {"llama", "mla"}, commands
+
+
 def drafter_of(case: str):
     if case in MLA:
         return mla_drafter(seed=3, **MLA[case]).float()
@@ -114,14 +143,14 @@ def sglang_run(tmp_path_factory):
         (copy / "model.safetensors").write_bytes((made["other_aux_ids"][1] / "model.safetensors").read_bytes())
         request.append({"path": str(copy)})
     ask = root / "request.json"
-    ask.write_text(json.dumps({"exports": request, "positions": POSITIONS}))
-    answer = run_sglang(PEER_SCRIPT, str(ask), timeout=540)
+    ask.write_text(json.dumps({"exports": request, "positions": POSITIONS, "commands": documented_commands()}))
+    answer = run_sglang(PEER_SCRIPT, str(ask))  # 300 s at most; about 40 s on 2 cores
     assert answer["version"] == SGLANG_VERSION
     for path, read in answer["exports"].items():
         assert "crash" not in read, f"{path}: SGLang's code failed on the export:\n{read['crash']}"
     reads = {case: (*made[case], answer["exports"][str(made[case][1])]) for case in made}
     hand_edited = {target: answer["exports"][str(root / f"other_aux_ids-for-{target}")] for target in SGLANG_IDS}
-    return reads, hand_edited
+    return reads, hand_edited, answer["commands"]
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +310,7 @@ def test_sglang_captures_its_default_target_layers_not_the_exported_ids(sglang_r
     leaves out (vLLM reads the top-level ids): it captures (2, L // 2, L - 3), the inputs of those layers. That is
     the drafter's own ids for every recipe; for others, `eagle_config` added by hand in SGLang's convention for the
     target makes it capture them (docs/export.md, "Served by SGLang")."""
-    reads, hand_edited = sglang_run
+    reads, hand_edited, _ = sglang_run
     for case, (drafter, _, _, _, _, read) in reads.items():
         c, capture = drafter.config, read["capture"]
         assert capture["layer_ids"] is None and capture["use_aux"], case
@@ -336,3 +365,17 @@ def test_sglang_builds_the_rope_and_softmax_scale_the_drafter_trained_with(sglan
         ours = torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude
         torch.testing.assert_close(cache, ours, rtol=1e-5, atol=1e-5, msg=case)
         assert model["attention_scaling"] == pytest.approx(scale, rel=1e-6), case
+
+
+@pytest.mark.slow  # SGLang's own code in its venv: one subprocess for every case (~1 min on 2 cores)
+@pytest.mark.deadline(600)
+def test_sglang_parses_the_documented_serving_commands(sglang_run):
+    """`launch_server`'s own parser takes every flag of docs/export.md's commands, as written there."""
+    _, _, parsed = sglang_run
+    for argv, args in zip(documented_commands(), parsed, strict=True):
+        assert "error" not in args, (argv, args)
+        assert args["model_path"] == flag(argv, "--model-path"), argv
+        assert args["speculative_algorithm"] == "EAGLE3", argv
+        assert args["speculative_draft_model_path"] == flag(argv, "--speculative-draft-model-path"), argv
+        for name in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+            assert args[name[2:].replace("-", "_")] == int(flag(argv, name)), (argv, name)
