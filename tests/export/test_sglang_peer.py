@@ -3,8 +3,9 @@ the Llama drafter, `Eagle3DeepseekV2ForCausalLM` (`kimi_k25_eagle3.py`) for the 
 
 One subprocess in SGLang's venv (`tests/export/sglang_peer.py`, run by `tests/peers.py`) reads every export below as
 `--speculative-algorithm EAGLE3 --speculative-draft-model-path <export>` would on one CPU rank: SGLang's config
-parsing, its model class and `load_weights`, the target layers it captures, and the drafter's first steps through
-SGLang's own forward, which are compared with eagle31's TTT unroll on the same weights. What that script emulates
+parsing, its model class and `load_weights`, the target layers it captures, and the drafter's first two steps through
+SGLang's own forward and logits processor, which are compared with eagle31's TTT unroll on the same weights; and it
+parses docs/export.md's `launch_server` commands with SGLang's own parser. What that script emulates
 (a GPU kernel import, the MLA prefill's attention kernel): its docstring; docs/export.md, "Served by SGLang".
 """
 
