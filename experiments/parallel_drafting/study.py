@@ -6,11 +6,14 @@
 
 One composed recipe for every run (`experiments.harness.comparison_recipe`: the prepared data and shard
 store under `runs`, the packed batches in the same order, steps, optimizer and seeds), TTT length
-`ttt_length` (>= the largest k, so every measured depth was trained) on both sides. The sides differ in
+`ttt_length` (>= the largest k, so every measured depth was trained) on every side. The sides differ in
 what `recipe=demo_parallel` sets (`PARALLEL`): `chain` is the recipe's EAGLE 3.1 drafter, `parallel` adds
 `drafter.parallel_drafting` with P-EAGLE's recipe (COD depth sampling 0.7, floor 0.2, one mean over every
-depth's queries). Every drafter is measured, at each k of `ks`, by one `eagle31.eval.acceptance` run on every
-`eval.data` split (greedy; each drafter in its own mode: chains of k, or k tokens from one forward).
+depth's queries), and `speculators` (unless peer=false) is speculators 0.9.0's own P-EAGLE on the parallel
+side's recipe (`experiments.side_by_side.study.train_speculators`: their model, forward, COD draw, loss mask
+and loss; its rounds cost what the parallel side's do, the same shape). Every drafter is measured, at each k of
+`ks`, by one `eagle31.eval.acceptance` run on every `eval.data` split (greedy; each drafter in its own mode:
+chains of k, or k tokens from one forward).
 
 Then the costs (`experiments.parallel_drafting.costs`): the first seed's drafters decode `cost_prompts`
 prompts of the first split live with the target at each k, timing every target forward and every
@@ -18,7 +21,7 @@ drafter call; and the target's plain greedy decoding of the same prompts, timing
 From tau and the measured costs, per side and k: the speedup over plain decoding
 S = tau * T_1 / (T_verify(k) + D(k)), and the crossover: parallel beats chain at the same k when the cost
 of one drafter forward over the target's verification exceeds c* = (tau_chain - tau_par) /
-(k * tau_par - tau_chain) (one parallel forward costing one chain forward, as at batch 1 on a GPU).
+(k * tau_par - tau_chain) (one parallel round costing one chain forward, as vLLM runs it at batch 1 on a GPU).
 
 Trained runs are reused and a killed one continues (`resume=auto`); drafters already measured under
 `out` are kept (same weights, or a run no longer here), and so are the costs (`costs.json`, same
@@ -26,7 +29,7 @@ settings). Writes under `out`: `commands.sh`, `k<k>/` (each acceptance run), `co
 `summary.json` and `results.md`.
 
 Keys: out, runs, seeds, ks (comma list), ttt_length, max_steps, max_prompts (per split), max_new_tokens,
-cost_prompts, threads, measure.
+cost_prompts, threads, measure, peer.
 """
 
 from __future__ import annotations
