@@ -82,21 +82,28 @@ def speculators_drafter(
     verifier: str | None = None,
     device: torch.device | str = "cpu",
 ):
-    """Their `Eagle3DraftModel` for our drafter `cfg` (random weights from the current torch seed).
+    """Their `Eagle3DraftModel` for our drafter `cfg`, their `PEagleDraftModel` for a parallel one (random weights
+    from the current torch seed).
 
     attention: their `_attn_implementation` (`simple_flex_attention`, `sdpa`, `eager`);
     verifier: the target's directory, whose embedding, lm_head and final norm their code loads
-    (lm_head and embedding then frozen, as in their trainer); None leaves those NaN.
+    (lm_head frozen, as in their trainer; the embedding too, but for P-EAGLE's); None leaves those NaN.
     """
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     layer = cfg.layer_config()
     layer._attn_implementation = attention
     architectures = list(cfg.target_architectures) or ["LlamaForCausalLM"]
-    config = Eagle3SpeculatorConfig(
+    algorithm, config_class, model_class = "eagle3", Eagle3SpeculatorConfig, Eagle3DraftModel
+    parallel = {}
+    if cfg.parallel_drafting:
+        algorithm, config_class, model_class = "peagle", PEagleSpeculatorConfig, PEagleDraftModel
+        parallel = {"mask_token_id": cfg.mask_token_id}
+    config = config_class(
         transformer_layer_config=layer,
         draft_vocab_size=cfg.draft_vocab_size,
         norm_before_residual=cfg.norm_before_residual,
@@ -104,15 +111,16 @@ def speculators_drafter(
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
         eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+        **parallel,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
+            algorithm=algorithm,
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_length)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=verifier, architectures=architectures),
         ),
     )
     with torch.device(device):
-        model = Eagle3DraftModel(config)
+        model = model_class(config)
     model.load_vocab_mappings(t2d, d2t)
     if verifier is not None:
         model.load_verifier_weights()

@@ -222,6 +222,8 @@ def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:
             if key in _IGNORED_KEYS or key.endswith("rotary_emb.inv_freq"):
                 continue
             name = layout.native_key(key)
+            if name == "mask_hidden":  # [1, n·Ht] from any layout's shape (speculators': [1, 1, n·Ht]), as vLLM
+                tensor = tensor.reshape(1, -1)
             if name in state:
                 raise ConfigError(f"{path}: tensor {key!r} appears twice")
             state[name] = tensor

@@ -75,7 +75,7 @@ def export_tensors(
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point():
             tensor = tensor.to(torch_dtype)
-        out[layout.key(name)] = tensor.contiguous()
+        out[layout.key(name)] = layout.stored(name, tensor).contiguous()
     return out
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
+
 from eagle31.attention import KINDS, DrafterAttention
 from eagle31.config import SWITCHES, DrafterConfig, rope_parameters_from
 from eagle31.errors import ConfigError
@@ -56,6 +58,10 @@ class Layout(ABC):
         if name.startswith(NATIVE_PREFIX):
             return self.layer_prefix + name[len(NATIVE_PREFIX) :]
         return name
+
+    def stored(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An eagle31 tensor as this layout stores it (by default as it is)."""
+        return tensor
 
     def native_key(self, key: str) -> str:
         """A weight's name in a checkpoint of this layout -> the eagle31 parameter name."""

@@ -6,6 +6,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.layouts.layout import VLLM_PREFIX, Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
@@ -69,6 +71,10 @@ class SpeculatorsLayout(Layout):
             **eagle_fields(config),
             **provenance(config, target),
         }  # fmt: skip
+
+    def stored(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`mask_hidden` as speculators' `PEagleDraftModel` holds it, [1, 1, n·Ht] (vLLM views it as [1, n·Ht])."""
+        return tensor.view(1, 1, -1) if name == "mask_hidden" else tensor
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
         methods = (meta.get("speculators_config") or {}).get("proposal_methods") or []

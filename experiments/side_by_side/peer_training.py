@@ -1,4 +1,5 @@
-"""`speculators`' EAGLE-3 drafter trained on eagle31's batches, in the loop its trainer runs.
+"""`speculators`' EAGLE-3 drafter (or its P-EAGLE, `PEagleDraftModel`, for a parallel drafter) trained on eagle31's
+batches, in the loop its trainer runs.
 
 Their `speculators.train.trainer.Trainer` cannot run on a CPU: it autocasts to the
 accelerator's device type and falls back to "cuda" when there is none (`Trainer.__init__`),
@@ -142,7 +143,18 @@ class SpeculatorsTraining:
         if train.loss == DraftLoss.lk_hybrid:  # their default eta is 3; pass the recipe's
             name, (fn, weight) = next(iter(loss.items()))
             loss = {name: (partial(fn, eta=float(train.lk_eta)), weight)}
-        self.call_kwargs = dict(ttt_steps=train.ttt_length, ttt_step_loss_decay=train.ttt_decay, loss_config=loss)
+        if model.config.speculators_model_type == "peagle":  # their P-EAGLE: COD-sampled depths, one mean
+            ratio = train.down_sample_ratio
+            self.call_kwargs = dict(
+                num_depths=train.ttt_length,
+                down_sample_ratio=1.0 if ratio is None else ratio,  # None: every depth whole
+                down_sample_ratio_min=1.0 if ratio is None else train.down_sample_ratio_min,
+                loss_config=loss,
+            )
+            self.accuracy = "position_{}_acc"
+        else:
+            self.call_kwargs = dict(ttt_steps=train.ttt_length, ttt_step_loss_decay=train.ttt_decay, loss_config=loss)
+            self.accuracy = "full_acc_{}"
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
@@ -175,8 +187,9 @@ class SpeculatorsTraining:
         self.scheduler.step()
         out = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "tokens": batch.num_tokens}
         for k in range(self.train_cfg.ttt_length):
-            total = float(metrics[f"full_acc_{k}_total"])
-            out[f"acc_{k}"] = float(metrics[f"full_acc_{k}_sum"]) / total if total else None
+            name = self.accuracy.format(k)
+            total = float(metrics[f"{name}_total"])
+            out[f"acc_{k}"] = float(metrics[f"{name}_sum"]) / total if total else None
         self.history.append(out)
         return out
 

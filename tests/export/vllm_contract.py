@@ -350,7 +350,9 @@ def loaded_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
         name = vllm_name(key)
         if name is None:
             continue
-        if name in shapes:  # a second shard of a stacked parameter: rows add up
+        if name == "mask_hidden":  # Eagle3LlamaForCausalLM.load_weights copies loaded_weight.view(1, -1)
+            shapes[name] = (1, t.numel())
+        elif name in shapes:  # a second shard of a stacked parameter: rows add up
             shapes[name] = (shapes[name][0] + t.shape[0], *t.shape[1:])
         else:
             shapes[name] = tuple(t.shape)

@@ -1,0 +1,7 @@
+# 2026-12-06T14:14:22, from the repository root (the data: held-out prompts, then 64 first turns answered by the target)
+OMP_NUM_THREADS=1 python -m experiments.eagle3_vs_eagle31.heldout_questions source=sharegpt: skip=64 count=16 format=messages out=runs/parallel_drafting_smollm2/heldout.jsonl
+OMP_NUM_THREADS=1 python data_prep/regenerate.py recipe=smollm2_135m regenerate.output_dir=runs/parallel_drafting_smollm2/regenerated regenerate.max_conversations=64 regenerate.max_new_tokens=64 regenerate.max_prompt_tokens=128 regenerate.batch_size=32
+# 2026-12-06T14:22:15, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.parallel_drafting seeds=0,1 max_steps=40 measure=false threads=1 out=experiments/parallel_drafting/results/smollm2 runs=runs/parallel_drafting_smollm2 -- recipe=smollm2_135m 'data.source=[runs/parallel_drafting_smollm2/regenerated/conversations]' data.max_len=256 features.tokens_per_batch=512 'eval.data=[runs/parallel_drafting_smollm2/heldout.jsonl]'
+# 2026-12-06T15:02:30, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.parallel_drafting seeds=0,1 max_steps=40 max_prompts=8 cost_prompts=3 threads=1 out=experiments/parallel_drafting/results/smollm2 runs=runs/parallel_drafting_smollm2 -- recipe=smollm2_135m 'data.source=[runs/parallel_drafting_smollm2/regenerated/conversations]' data.max_len=256 features.tokens_per_batch=512 'eval.data=[runs/parallel_drafting_smollm2/heldout.jsonl]'
