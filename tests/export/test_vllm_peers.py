@@ -204,8 +204,8 @@ def test_vllm_builds_every_export_as_the_drafter_it_is(vllm_reads, exports):
         assert "error" not in got and "crash" not in got, (case_id, got)
         c = drafter.config
         expected = {"mla": ["Eagle3DeepseekV2ForCausalLM"], "llama": ["LlamaForCausalLMEagle3"]}[c.attention]
-        if case["format"] == "speculators":
-            expected = ["Eagle3LlamaForCausalLM"]
+        if case["format"] == "speculators":  # the peagle type: vLLM's alias of Eagle3LlamaForCausalLM
+            expected = ["PeagleLlamaForCausalLM" if c.parallel_drafting else "Eagle3LlamaForCausalLM"]
         assert got["eagle_architectures"] == expected and got["registered"], (case_id, got["eagle_architectures"])
         f = got["fields"]
         # v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config (0.33.0's default

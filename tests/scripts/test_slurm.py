@@ -108,12 +108,14 @@ def wait_for(what: str, done, deadline: float, log: Path) -> None:
         time.sleep(1)
 
 
-@pytest.mark.slow  # two starts of a one-node job: Ray, the engine, 20 steps; about 2.5 minutes on 2 cores
+@pytest.mark.slow  # two starts of a one-node job: Ray, the engine, 120 steps; about 3 minutes on 2 cores
 @pytest.mark.deadline(1200)
 def test_the_engine_job_checkpoints_requeues_itself_and_resumes_to_the_end(slurm, tiny_target, chats, tmp_path):
     out = tmp_path / "run"
     log = tmp_path / "job.out"
-    extra = {"export.formats": "[eagle3]", "features.engine.worker_cpus": "0.5", "train.max_steps": "20"}
+    extra = {"export.formats": "[eagle3]", "features.engine.worker_cpus": "0.5", "train.max_steps": "120"}
+    # 120 steps: the first start must still be training when the test, polling each second, sees its first
+    # checkpoint and signals it (20 steps could all pass in that time)
     args = base_args(tiny_target, chats, out, **extra)
     env = {**slurm, "PYTHON": sys.executable, "RAY_PORT": str(free_ports(1)[0]), "RAY_START_TIMEOUT_S": "120",
            "OMP_NUM_THREADS": "1",
@@ -128,7 +130,11 @@ def test_the_engine_job_checkpoints_requeues_itself_and_resumes_to_the_end(slurm
     checkpoint = out / "checkpoints" / "step_00000002" / "COMPLETE"
     wait_for("the first checkpoint", checkpoint.exists, deadline, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)  # time nearly up
-    requeued = lambda: job_field(env, job, "Restarts") == "1" and job_field(env, job, "JobState") == "PENDING"  # noqa: E731
+
+    def requeued() -> bool:
+        assert not (out / "report.json").exists(), "the first start finished before the signal: give it more steps"
+        return job_field(env, job, "Restarts") == "1" and job_field(env, job, "JobState") == "PENDING"
+
     wait_for("the requeue", requeued, deadline, log)
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=env, check=True, timeout=30)
     wait_for(
