@@ -11,7 +11,6 @@ the end; the keys before a shard are made in blocks of 3 positions, so several b
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 
 from eagle31.data.batch import FeatureBatch
 from eagle31.distributed import World
+from eagle31.engine.transport import free_ports
 from eagle31.errors import ConfigError
 from eagle31.loss import TargetHead
 from eagle31.sequence_parallel import SequenceGroup, sequence_group, shard_length
@@ -106,16 +106,10 @@ def worker(rank: int, world_size: int, port: int, tmp: str, meshes: list[int]) -
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("sp")
-    mp.spawn(worker, args=(4, free_port(), str(tmp), [4, 2]), nprocs=4, join=True)
+    mp.spawn(worker, args=(4, free_ports(1)[0], str(tmp), [4, 2]), nprocs=4, join=True)
     return torch.load(tmp / "results.pt", weights_only=True)
 
 
@@ -177,7 +171,7 @@ def _gather_backward_rank(rank: int, port: int, tmp: str) -> None:
 
 def test_the_gradient_of_gathered_shards_keeps_its_dtype(tmp_path):
     """fp64 gradients come back in fp64, not rounded through fp32 (which would hide fp64 parity errors below ~5e-8)."""
-    mp.spawn(_gather_backward_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gather_backward_rank, args=(free_ports(1)[0], str(tmp_path)), nprocs=2, join=True)
     weight = torch.randn(1, 5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     both = 2 * torch.cat(
         [weight, torch.zeros(1, 1, 2, dtype=torch.float64)], dim=1

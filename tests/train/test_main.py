@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle31.engine.transport import free_ports
 from tests.data.chat_helpers import write_jsonl
 from tests.helpers import base_args, run_script, sigkill_after_checkpoint
 from tests.train.signal_worker import signal_during_step
@@ -41,7 +42,7 @@ def run_main(
             "--nproc-per-node",
             str(torchrun),
             "--master-port",
-            "29517",
+            str(free_ports(1)[0]),  # a port of its own: another test may run torchrun beside it
             str(script),
             *args,
         ]
@@ -269,7 +270,15 @@ def test_torchrun_sent_sigterm_forwards_it_and_returns_1_after_its_worker_saved_
     for them (up to --shutdown-timeout), then ends with its own traceback and exit code 1, not the workers' 143."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29518"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        str(free_ports(1)[0]),
+    ]
     cmd = [
         *torchrun,
         str(MAIN),
