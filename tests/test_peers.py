@@ -63,6 +63,8 @@ def test_ci_installs_what_readmes_test_command_installs_and_the_peers_readme_nam
         if line.startswith("bash "):
             assert f"`{line}`" in readme, f".ci/run runs `{line}`, which README does not name"
     assert "python -m pytest" in command
+    ci_pytest = [x.split("#")[0].strip() for x in (ROOT / ".ci" / "run").read_text().splitlines() if "-m pytest" in x]
+    assert ci_pytest == [command.split("&&")[-1].strip()], "CI must run README's pytest command as README gives it"
 
 
 def test_tests_reach_the_peer_packages_through_tests_peers():

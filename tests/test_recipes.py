@@ -54,7 +54,7 @@ def test_gpu_recipes_ship_their_target_config(name, layers, aux):
 
 
 def train_main(
-    *args: str, timeout: int = 900
+    *args: str, timeout: int = 1500
 ) -> subprocess.CompletedProcess:  # a hang guard: a loaded 2-core machine needs ~10 min
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
