@@ -260,9 +260,13 @@ def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Te
 
 def depth_sampling(supervised: torch.Tensor, ratio: float, ratio_min: float, seed: int, start: int = 0):
     """P-EAGLE's COD sampling of supervised [K, B, T]: query (p, k >= 1) kept with probability max(ratio^k, ratio_min),
-    nested over k, one uniform draw per position from `seed` (positions counted from `start`, a shard's first)."""
+    nested over k, one uniform draw per position from `seed` and its row (positions counted from `start`, a shard's
+    first): a shard draws what the whole sequence draws at its positions, whatever the rows' length."""
     K, B, T = supervised.shape
-    u = torch.rand(B, start + T, generator=torch.Generator().manual_seed(seed))[:, start:].to(supervised.device)
+    rows = [
+        torch.rand(start + T, generator=torch.Generator().manual_seed(seed * 1_000_003 + r))[start:] for r in range(B)
+    ]
+    u = torch.stack(rows).to(supervised.device)  # [B, T]
     keep = [torch.ones_like(u, dtype=torch.bool)] + [u < max(ratio**k, ratio_min) for k in range(1, K)]
     return supervised & torch.stack(keep)
 

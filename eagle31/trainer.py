@@ -250,8 +250,11 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
-        # the depth sampling's draw depends on the step and micro-batch alone: a resumed run draws the same
-        prepared = [self._prepare(b, self.state.step * len(micro_batches) + i) for i, b in enumerate(micro_batches)]
+        # the depth sampling's draw depends on the step and the micro-batch's index over the data ranks alone
+        # (rank r's i-th is i * data_size + r): a resumed run, and one process taking every rank's, draws the same
+        n, r = self.sequence.data_size, self.sequence.data_rank
+        first = self.state.step * len(micro_batches) * n
+        prepared = [self._prepare(b, first + i * n + r) for i, b in enumerate(micro_batches)]
         global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _, _ in prepared).double())
         scale = step_scales(global_count, self.cfg.ttt_decay)
         K = self.cfg.ttt_length

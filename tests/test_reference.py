@@ -23,6 +23,7 @@ MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, mla=MLAConfig(8,
 DRAFTERS = {
     "llama": {},
     "llama-parallel": dict(parallel_drafting=True, mask_token_id=5),
+    "llama-parallel-window": dict(parallel_drafting=True, mask_token_id=5, sliding_window=4),
     "mla": MLA,
     "llama-window": dict(sliding_window=4),
     "mla-norm_output-off": {**MLA, "norm_output": False},

@@ -38,8 +38,14 @@ MLA = dict(
 )
 # W = 4 < the shard length 6: a shard gathers only the step-0 keys of the 3 positions before it, and the
 # deeper steps see fewer of them (step 2: 2)
-DRAFTERS = {"llama": {}, "mla": MLA, "window": dict(sliding_window=4)}
-CASES = [(name, ckpt) for name in ("llama", "mla") for ckpt in (False, True)] + [("window", True)]
+# "parallel": a P-EAGLE drafter with a window, trained with depth sampling and one pooled mean (its recipe)
+DRAFTERS = {
+    "llama": {},
+    "mla": MLA,
+    "window": dict(sliding_window=4),
+    "parallel": dict(parallel_drafting=True, mask_token_id=5, sliding_window=4),
+}
+CASES = [(name, ckpt) for name in ("llama", "mla") for ckpt in (False, True)] + [("window", True), ("parallel", False)]
 
 
 def batches(cfg) -> list[FeatureBatch]:
@@ -72,6 +78,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
         attention_kernel="flash",
         sequence_parallel=sequence,
         grad_accum=len(mine),
+        **(dict(down_sample_ratio=0.7, ttt_decay=None) if cfg.parallel_drafting else {}),
         log_every=1,
         eval_every=0,
         save_every=0,
