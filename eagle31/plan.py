@@ -84,6 +84,8 @@ def plan_run(cfg, world: World) -> RunPlan:
     check_engine(cfg)
 
     target_dir = None
+    if cfg.dry_run:
+        check_named_paths(cfg)
     if cfg.dry_run and cfg.target.config:
         target_config = load_target_config(cfg.target.config)
     else:
@@ -135,6 +137,17 @@ def check_sequence_parallel(cfg, world: World) -> None:
         raise ConfigError(
             "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1"
         )
+
+
+def check_named_paths(cfg) -> None:
+    """A dry run reads no weights or data, but a `target.path` or `data.source` that does not exist is refused."""
+    from eagle31.data.sources import resolve_source, source_paths
+
+    if cfg.target.path and not cfg.target.builtin and not Path(cfg.target.path).is_dir():
+        raise ConfigError(f"target.path={cfg.target.path!r} is not a directory")
+    for source in source_paths(cfg.data.source):
+        if not source.startswith("demo:") and not resolve_source(source).exists():
+            raise ConfigError(f"data.source: no such file or directory: {source}")
 
 
 def check_engine(cfg) -> None:

@@ -57,6 +57,26 @@ def test_every_recipe_dry_runs(name, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("target.path=/nonexistent/Kimi-K2.6", "error: target.path='/nonexistent/Kimi-K2.6' is not a directory"),
+        (
+            "data.source=[/nonexistent/chats.jsonl]",
+            "error: data.source: no such file or directory: /nonexistent/chats.jsonl",
+        ),
+    ],
+)
+def test_a_dry_run_refuses_a_target_or_data_that_does_not_exist(override, error, tmp_path, capsys):
+    """The dry run reads neither, but a path it would train on that is not there is one line, not "config valid"."""
+    argv = ["recipe=kimi_k26", "dry_run=true", override, f"output_dir={tmp_path / 'run'}"]
+    assert recipe_main(run, RECIPES, argv) == 2
+    out, err = capsys.readouterr()
+    assert "config valid" not in out and err == error + "\n"
+    argv[2] = f"{override.split('=')[0]}={'[' if '[' in override else ''}{tmp_path}{']' if '[' in override else ''}"
+    assert recipe_main(run, RECIPES, argv) == 0, capsys.readouterr().err  # an existing folder passes
+
+
 @pytest.mark.parametrize("override, field", BAD_CHOICES)
 def test_each_bad_choice_is_refused_at_composition(override, field):
     with pytest.raises(ConfigError) as e:
