@@ -21,6 +21,7 @@ from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, p
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
+from eagle31.target import check_remote_code
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
 log = logging.getLogger(__name__)
@@ -279,6 +280,7 @@ def prepare_with_target_tokenizer(
     """`prepare_dataset` with the tokenizer saved beside the target at `target_dir`."""
     from transformers import AutoTokenizer
 
+    check_remote_code(target_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     return prepare_dataset(data_cfg, tokenizer, draft_vocab_size=draft_vocab_size, vocab_size=vocab_size)
 
