@@ -18,7 +18,7 @@ NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
 
 
 def test_the_expected_recipes_exist():
-    assert {"demo", "kimi_k26", "kimi_k26_llama", "kimi_k26_mini", "llama31_8b", "qwen3_8b"} <= set(NAMES)
+    assert set(SUPPORTED) | {"demo", "kimi_k26_mini", "demo_long", "smollm2_135m"} == set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -29,17 +29,29 @@ def test_every_recipe_composes_and_names_itself(name):
     assert cfg.train.ttt_length >= 1 and cfg.features.mode in ("online", "store")
 
 
-@pytest.mark.parametrize(
-    "name, layers, aux",
-    [
-        ("kimi_k26", 61, (2, 30, 58)),
-        ("kimi_k26_llama", 61, (2, 30, 58)),
-        ("llama31_8b", 32, (2, 16, 29)),
-        ("qwen3_8b", 36, (2, 18, 33)),
-    ],
-)
-def test_gpu_recipes_ship_their_target_config(name, layers, aux):
+# the recipes of full-size targets: (Hub id, layers, aux ids), each from its config.json as published
+SUPPORTED = {
+    "llama31_8b": ("meta-llama/Llama-3.1-8B-Instruct", 32, (2, 16, 29)),
+    "llama31_70b": ("meta-llama/Llama-3.1-70B-Instruct", 80, (2, 40, 77)),
+    "qwen3_8b": ("Qwen/Qwen3-8B", 36, (2, 18, 33)),
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", 48, (2, 24, 45)),
+    "gpt_oss_20b": ("openai/gpt-oss-20b", 24, (2, 12, 21)),
+    "gpt_oss_120b": ("openai/gpt-oss-120b", 36, (2, 18, 33)),
+    "kimi_k26": ("moonshotai/Kimi-K2.6", 61, (2, 30, 58)),
+    "kimi_k26_llama": ("moonshotai/Kimi-K2.6", 61, (2, 30, 58)),
+    "deepseek_v3": ("deepseek-ai/DeepSeek-V3", 61, (2, 30, 58)),
+}
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_gpu_recipes_ship_their_target_config(name):
+    """Each names its Hub id (in its comment too, where its config comes from) and ships that config, read
+    with no download; a target spread over a node (`target.device_map`) never trains online."""
+    hub_id, layers, aux = SUPPORTED[name]
     cfg = load_recipe(RECIPES, [f"recipe={name}"])
+    assert cfg.target.name == hub_id and f"{hub_id}'s config.json" in (RECIPES / "recipe" / f"{name}.yaml").read_text()
+    assert Path(cfg.target.config).parent == RECIPES / "targets" and cfg.target.path is None
+    assert not (cfg.target.device_map and cfg.features.mode == "online")
     target = load_target_config(cfg.target.config)
     overrides = {
         k: v
