@@ -57,6 +57,12 @@ def test_every_recipe_dry_runs(name, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+def test_a_dry_run_of_a_store_run_says_the_disk_the_store_takes(tmp_path, capsys):
+    report = run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", f"output_dir={tmp_path / 'run'}"]))
+    assert report["store_bytes_per_token"] == 4 * 7168 * 2 + 5  # 3 aux + final in bf16, input id and loss mask
+    assert "feature store (bfloat16): 56.0 KiB per token, 5.22 TiB per 100M tokens of data" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "override, error",
     [
