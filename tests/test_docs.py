@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,63 @@ def test_the_exit_code_table_is_the_one_the_error_classes_define():
         f"codes the classes use but the table lacks: {defined - set(documented)}; "
         f"codes the table has but no class uses: {set(documented) - defined}"
     )
+
+
+# ------------------------------------------------------------------ the documented commands
+
+# the command lines of a recipe: what a reader copies from a page, a recipe's comment or a script's docstring
+RECIPE_CLIS = ("train/main.py", "data_prep/prepare.py", "data_prep/capture.py", "data_prep/import_speculators.py")
+COMMAND_SOURCES = [
+    *DOCS,
+    *sorted((ROOT / "recipes" / "recipe").glob("*.yaml")),
+    *sorted((ROOT / "data_prep").glob("*.py")),
+    ROOT / "train" / "main.py",
+]
+
+
+def recipe_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(processes per node, arguments) of each recipe command line in `path`: the fenced blocks of a page, every
+    line of a recipe or a script (comment marks dropped); continuations joined, trailing comments cut."""
+    text = path.read_text()
+    blocks = FENCE.findall(text) if path.suffix == ".md" else [re.sub(r"(?m)^\s*# ?", "", text)]
+    commands = []
+    for block in blocks:
+        for line in re.sub(r"\\\n\s*(#\s*)?", " ", block).splitlines():
+            for part in re.split(r"&&|;", line):
+                try:
+                    words = shlex.split(part, comments=True)
+                except ValueError:  # not a shell line (output, a table)
+                    continue
+                cli = next((i for i, w in enumerate(words) if w in RECIPE_CLIS), None)
+                if cli is not None:
+                    launcher = " ".join(words[:cli])
+                    nproc = re.search(r"--nproc[-_]per[-_]node[ =](\d+)", launcher)
+                    commands.append((int(nproc.group(1)) if nproc else 1, words[cli:]))
+    return commands
+
+
+@pytest.mark.parametrize("source", COMMAND_SOURCES, ids=rel)
+def test_every_documented_recipe_command_composes_and_can_run(source):
+    """A command a reader copies composes; one that loads the target names it (a recipe for a Hub model carries
+    its config for dry runs, never its weights, so `target.path=` is the reader's to give); and a target spread
+    over a node's GPUs is never launched once per GPU to capture or train online."""
+    from eagle31.errors import ConfigError
+    from eagle31.recipe import load_recipe
+
+    bad = []
+    for nproc, words in recipe_commands(source):
+        overrides = [w for w in words[1:] if "=" in w and not w.startswith("-")]
+        if "..." in words or {"--help", "-h", "--cfg"} & set(words) or "dry_run=true" in overrides:
+            continue
+        command = " ".join(words)
+        try:
+            cfg = load_recipe(ROOT / "recipes", overrides)
+        except ConfigError as e:
+            bad.append(f"{command}: {e}")
+            continue
+        if cfg.target.builtin is None and cfg.target.path is None:
+            bad.append(f"{command}: no target.path (the command stops with 'target.path is not set')")
+        spread = cfg.target.device_map and nproc > 1 and cfg.features.engine.worker != "vllm"
+        if spread and (words[0] == "data_prep/capture.py" or cfg.features.mode == "online"):
+            bad.append(f"{command}: {nproc} processes per node each load a target spread over the node")
+    assert not bad, "\n".join(bad)
