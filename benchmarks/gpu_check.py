@@ -89,7 +89,8 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
             "memory=false",
             "threads=1",
         ]
-        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny)]
+        parallel = Part("benchmark tiny parallel T=128", "benchmark", 60, [*tiny[:3], "parallel=true", *tiny[4:]])
+        return parts + [Part("benchmark tiny T=128", "benchmark", 120, tiny), parallel]
     from benchmarks.shapes import recipe_shapes
     from eagle31.attention import DrafterAttention
 
@@ -103,6 +104,7 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
         (kimi, "Kimi K2.6 drafter", 16384, "peer=speculators warmup=1 repeats=2", 120),
         (llama, "Llama 3.1 8B drafter", 4096, "peer=speculators warmup=2 repeats=5", 110),
         (kimi_mla, "Kimi K2.6 MLA drafter", 4096, "warmup=2 repeats=3", 90),
+        (llama, "Llama 3.1 8B parallel (P-EAGLE) drafter", 4096, "parallel=true warmup=2 repeats=3", 90),
     ]
     for recipe, what, T, args, budget in runs:
         if recipe is None:

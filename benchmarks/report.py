@@ -158,7 +158,8 @@ def _run_row(result: dict[str, Any]) -> str:
     c = result["config"]
     ours, peer = result["runs"].get("eagle31", {}), result["runs"].get("speculators", {})
     flops = result.get("flops_per_step")
-    cells = [c["shape"], str(c["seq_len"]), str(c["ttt_length"]), "yes" if c["activation_checkpointing"] else "no"]
+    shape = c["shape"] + (" parallel" if c.get("parallel") else "")
+    cells = [shape, str(c["seq_len"]), str(c["ttt_length"]), "yes" if c["activation_checkpointing"] else "no"]
     cells += _side(ours) + [f"{flops / 1e12:.1f}" if flops else "—", f"{ours['mfu']:.1%}" if ours.get("mfu") else "—"]
     cells.append(f"{ours['peak_gib']:.1f} GiB" if "peak_gib" in ours else "—")
     cells += _side(peer) + [f"{peer['peak_gib']:.1f} GiB" if "peak_gib" in peer else "—"]

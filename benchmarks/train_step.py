@@ -48,6 +48,7 @@ class BenchConfig:
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look it up (CUDA) or leave MFU out
     threads: int = 0  # CPU threads for torch; 0 = torch's default (on a shared machine 1 is steadier)
     seed: int = 0
+    parallel: bool = False  # a parallel (P-EAGLE) drafter: its steps k >= 1 read the mask slots
     overrides: dict[str, Any] = field(default_factory=dict)  # DrafterConfig fields over the shape
 
     ARG_NAMES = {"T": "seq_len", "ttt": "ttt_length", "ckpt": "activation_checkpointing"}
@@ -124,11 +125,13 @@ class BenchConfig:
         """The recipe's drafter (or `TINY`), with `overrides`, and room for T + K positions."""
         cfg = DrafterConfig(**TINY) if self.shape == "tiny" else recipe_drafter(self.shape)
         cfg = dataclasses.replace(cfg, **self.overrides)
+        if self.parallel:
+            cfg = dataclasses.replace(cfg, parallel_drafting=True, mask_token_id=0)
         positions = max(cfg.max_position_embeddings, self.seq_len + self.ttt_length)
         return dataclasses.replace(cfg, max_position_embeddings=positions)
 
     def name(self) -> str:
-        ckpt = "-ckpt" if self.activation_checkpointing else ""
+        ckpt = ("-ckpt" if self.activation_checkpointing else "") + ("-parallel" if self.parallel else "")
         return f"{self.shape}-T{self.seq_len}-K{self.ttt_length}{ckpt}-{self.torch_device().type}"
 
 

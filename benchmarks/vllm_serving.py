@@ -131,9 +131,7 @@ class RecordingProposer:
     def extend(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.inner.extend(aux, next_tokens)
 
-    def observe(
-        self, feature, out, q, keys, values, attn, chain: int, first: int = 0
-    ) -> None:  # DraftProbe: step `chain` gives draft chain+1
+    def observe(self, feature, out, q, keys, values, allowed, attn, chain: int) -> None:  # DraftProbe: draft chain+1
         self._logits[chain] = self.drafter.lm_head(out.state)[0, -1].float().cpu()
 
     def draft_chain(self, k: int) -> torch.Tensor:
@@ -433,6 +431,8 @@ def measure_runs(
                     "max_new_tokens": ours["max_new_tokens"],
                     "stop_token_ids": ours["eos"],
                     "splits": {s: [r["prompt"] for r in rows] for s, rows in ours["splits"].items()},
+                    # a P-EAGLE drafter is served with vLLM's parallel drafting (its mask slots), as eagle31 drafts it
+                    "parallel_drafting": ours["drafter"].config.parallel_drafting,
                 }
             )
     served, version = {}, None

@@ -104,7 +104,13 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
     llm = LLM(
         model=request["target"],
         # the drafter's backend is its own choice unless the speculative config names one
-        speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k, **backend},
+        speculative_config={
+            "method": "eagle3",
+            "model": job["drafter"],
+            "num_speculative_tokens": k,
+            "parallel_drafting": job.get("parallel_drafting", False),
+            **backend,
+        },  # fmt: skip
         dtype=request.get("dtype", "float32"),
         enforce_eager=True,
         disable_log_stats=False,

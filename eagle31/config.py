@@ -55,6 +55,11 @@ class DrafterConfig:
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
     # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
     sliding_window: int | None = None
+    # parallel drafting (P-EAGLE, vLLM's `parallel_drafting`): steps k >= 1 read a mask token and the learned
+    # `mask_hidden` instead of the previous step's output, so one forward drafts every position of a round
+    parallel_drafting: bool = False
+    # its mask token: the target's pad token (else its eos token, else 0) unless set
+    mask_token_id: int | None = field(default=None, metadata=OVERRIDE)
 
     def __post_init__(self) -> None:
         if not self.target_hidden_size:
@@ -137,6 +142,17 @@ class DrafterConfig:
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ConfigError(f"drafter.sliding_window must be a positive integer (positions) or null, got {w!r}")
+        if self.parallel_drafting:
+            m = self.mask_token_id
+            if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < self.vocab_size:
+                raise ConfigError(
+                    f"drafter.mask_token_id must be a token id below vocab_size={self.vocab_size}, got {m!r}"
+                )
+            if not self.kind.serves_parallel_drafting:
+                raise ConfigError(
+                    f"drafter.parallel_drafting: vLLM serves {self.kind.label} without parallel drafting (0.22 to "
+                    "0.33); train it with drafter.parallel_drafting=false"
+                )
         for other, kind in KINDS.items():
             own = getattr(self, kind.config_field) if kind.config_field else None
             used = [name for name in kind.fields() if other != self.attention and getattr(own, name)]
@@ -206,6 +222,9 @@ class DrafterConfig:
         values.update(kind.from_target(t, rope_parameters_from(t), {**overrides, **given}))
         values.update(overrides)
         values.update({name: fields for name, fields in given.items() if fields and name != kind.config_field})
+        if values.get("parallel_drafting") and values.get("mask_token_id") is None:
+            ids = (t[k] for k in ("pad_token_id", "eos_token_id") if isinstance(t.get(k), int))
+            values["mask_token_id"] = next(ids, 0)
         reason = kind.rope_ambiguity(values["rope_parameters"])
         if reason:
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")

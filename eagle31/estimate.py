@@ -73,7 +73,7 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     attn = cfg.kind.attention_parameters(cfg)
     mlp = 3 * H * I
     norms = 4 * H + (cfg.num_aux * Ht if cfg.fc_norm else 0) + (cfg.fc_in_features if cfg.norm_before_fc else 0)
-    trainable = cfg.fc_in_features * H + attn + mlp + norms + cfg.draft_vocab_size * H
+    trainable = cfg.fc_in_features * (H + cfg.parallel_drafting) + attn + mlp + norms + cfg.draft_vocab_size * H
     return ParamCounts(trainable=trainable, frozen_embedding=cfg.vocab_size * H)
 
 

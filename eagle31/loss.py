@@ -249,14 +249,26 @@ def step_weights(ttt_length: int, ttt_decay: float, dtype=torch.float32, device=
     return ttt_decay ** torch.arange(ttt_length, dtype=torch.float64, device=device).to(dtype)
 
 
-def step_scales(global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
-    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0)."""
+def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
+    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0); with ttt_decay None, one
+    mean over the supervised queries of every step (P-EAGLE's): 1 / their total."""
+    if ttt_decay is None:
+        return torch.full_like(global_count, 1 / max(float(global_count.sum()), 1), dtype=torch.float64)
     w = step_weights(global_count.shape[0], ttt_decay, torch.float64, global_count.device)
     return w / global_count.double().clamp(min=1)
 
 
-def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay: float) -> torch.Tensor:
-    """sum_k w^k * loss_sum[k] / global_count[k] (steps with no supervised query add 0)."""
+def depth_sampling(supervised: torch.Tensor, ratio: float, ratio_min: float, seed: int, start: int = 0):
+    """P-EAGLE's COD sampling of supervised [K, B, T]: query (p, k >= 1) kept with probability max(ratio^k, ratio_min),
+    nested over k, one uniform draw per position from `seed` (positions counted from `start`, a shard's first)."""
+    K, B, T = supervised.shape
+    u = torch.rand(B, start + T, generator=torch.Generator().manual_seed(seed))[:, start:].to(supervised.device)
+    keep = [torch.ones_like(u, dtype=torch.bool)] + [u < max(ratio**k, ratio_min) for k in range(1, K)]
+    return supervised & torch.stack(keep)
+
+
+def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
+    """sum_k w^k * loss_sum[k] / global_count[k] (steps with no supervised query add 0); `step_scales`' decay."""
     return (step_scales(global_count, ttt_decay).to(loss_sum) * loss_sum).sum()
 
 

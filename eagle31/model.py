@@ -222,6 +222,8 @@ class Eagle31Drafter(nn.Module):
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.rotary_emb = config.kind.rotary_embedding(config)
         self.visibility = Visibility(config.sliding_window)
+        if config.parallel_drafting:  # the mask slots' state, an fc input (`fuse_aux` makes their feature)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, config.fc_in_features))
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.t2d[: config.draft_vocab_size] = True
@@ -229,12 +231,14 @@ class Eagle31Drafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Llama-style init: linears N(0, std), norms at ones (fc_norm included)."""
+        """Llama-style init: linears N(0, std), norms at ones (fc_norm included); `mask_hidden` N(0, 1)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        if self.config.parallel_drafting:
+            self.mask_hidden.normal_(0.0, 1.0)
 
     @torch.no_grad()
     def init_from_target(self, embed_weight, lm_head_weight, d2t, t2d) -> None:
@@ -281,6 +285,12 @@ class Eagle31Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
+    def mask_slots(self, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): the feature
+        fuse_aux(mask_hidden) [B, T, H] and the mask token [B, T]."""
+        feature = self.fuse_aux(self.mask_hidden)[0].expand(*shape, -1)
+        return feature, torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
+
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with torch.no_grad():  # the target's embedding, frozen
             return self.embed_tokens(tokens).to(dtype)  # [*, H]
@@ -322,7 +332,8 @@ class Eagle31Drafter(nn.Module):
         """K = `ttt_length` drafter steps over every position (docs/design.md §4).
 
         Step 0 at p reads fc(fc_norm(aux[p])) and token x[p+1]; step k reads step k-1's `DraftStep.feature`
-        at p and token x[p+1+k] (teacher forcing), at RoPE position p + k; every step's query attends the
+        at p and token x[p+1+k] (teacher forcing), or with `parallel_drafting` the mask slot's (`mask_slots`), at
+        RoPE position p + k; every step's query attends the
         keys `Visibility` gives it. aux [B, T, n*Ht], input_ids [B, T]; document_ids [B, T] numbers packed
         documents (-1 padding), attention_mask [B, T] 1 = real, position_ids [B, T] the RoPE positions.
         Queries start at `first_query` (earlier positions are keys only, e.g. a long prompt); the outputs
@@ -347,8 +358,10 @@ class Eagle31Drafter(nn.Module):
                 q, key, value, residual = self.step_qkv(feature, tokens, positions)
                 q, residual, seen = q[:, rows], residual[:, rows], slice(None)
             else:
-                q, key, value, residual = self.step_qkv(feature, tokens[:, rows], positions[:, rows] + k)
-                seen = rows
+                tokens, seen = tokens[:, rows], rows
+                if self.config.parallel_drafting:
+                    feature, tokens = self.mask_slots(tokens.shape, tokens.device)
+                q, key, value, residual = self.step_qkv(feature, tokens, positions[:, rows] + k)
             keys.append(key)
             values.append(value)
             key_index.append(index[:, seen])

@@ -51,7 +51,7 @@ class RunPlan:
     compute_dtype: torch.dtype
 
     @property
-    def parts(self) -> dict[str, str]:
+    def parts(self) -> dict[str | Path, str]:
         """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
         from eagle31.data.regenerate.shards import OUTPUT_KIND
 
@@ -159,12 +159,10 @@ def check_engine(cfg) -> None:
     if cfg.features.mode != "engine":
         return
     e = cfg.features.engine
-    for name, least in (("workers", 1), ("pool_tokens", 1), ("max_restarts", 0)):
-        if getattr(e, name) < least:
-            raise ConfigError(f"features.engine.{name} must be >= {least}, got {getattr(e, name)}")
-    for name in ("worker_cpus", "worker_gpus"):
-        if getattr(e, name) < 0:
-            raise ConfigError(f"features.engine.{name} must be >= 0, got {getattr(e, name)}")
+    least = {"workers": 1, "pool_tokens": 1, "max_restarts": 0, "worker_cpus": 0, "worker_gpus": 0}
+    for name, at_least in least.items():
+        if getattr(e, name) < at_least:
+            raise ConfigError(f"features.engine.{name} must be >= {at_least}, got {getattr(e, name)}")
     for name in ("request_timeout_s", "load_timeout_s", "placement_timeout_s"):
         if not getattr(e, name) > 0:
             raise ConfigError(f"features.engine.{name} must be positive, got {getattr(e, name)}")
@@ -178,8 +176,10 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"features.engine.rates_from: no such file {e.rates_from}")
     if not cfg.dry_run:
         from eagle31.engine.cluster import check_ray_installed
+        from eagle31.engine.transport import check_transport
 
         check_ray_installed()
+        check_transport(e)
 
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
@@ -228,10 +228,11 @@ def check_run_dir(plan: RunPlan) -> None:
             raise ConfigError(f"output_dir {plan.run_dir} holds a different run: {key} was {a!r}, now {b!r}")
 
 
-def _get(tree: dict, dotted: str):
+def _get(tree: dict, dotted: str) -> Any:
+    value: Any = tree
     for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def check_data(plan: RunPlan) -> None:

@@ -23,6 +23,7 @@ from eagle31.data.regenerate.core import OnLength, RegenerateBackend
 from eagle31.data.speculators_import import Split
 from eagle31.data.store import StoreDtype
 from eagle31.distributed import Device
+from eagle31.engine.transport import MooncakeProtocol, Transport
 from eagle31.engine.worker import EngineWorker
 from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, DrafterFormat, ExportFormat
@@ -89,6 +90,12 @@ class EngineConfig:
     # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
     # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # how features reach the trainers: ray (its object store) or mooncake (a Mooncake store; docs/engine.md)
+    transport: Transport = Transport.ray
+    mooncake_master: Optional[str] = None  # transport=mooncake: a running master, host:port; None: rank 0 starts one
+    mooncake_metadata_server: Optional[str] = None  # ... and its metadata server, http://host:port/metadata
+    mooncake_protocol: MooncakeProtocol = MooncakeProtocol.tcp  # rdma where the cluster has InfiniBand or RoCE
+    mooncake_rdma_devices: str = ""  # protocol=rdma: the NICs, e.g. mlx5_0,mlx5_1 ("": Mooncake picks)
 
 
 @dataclass

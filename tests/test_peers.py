@@ -12,7 +12,7 @@ from tests.peers import peer_module
 
 ROOT = Path(__file__).resolve().parents[1]
 # the packages of .ci/peer_packages.sh, by import name
-PEER_PACKAGES = ("speculators", "hs_connectors", "loguru", "openai", "mtbench_evaluator")
+PEER_PACKAGES = ("speculators", "hs_connectors", "loguru", "openai", "mtbench_evaluator", "mooncake")
 
 
 def test_a_missing_peer_package_is_skipped_here_and_fails_in_ci(monkeypatch):
@@ -22,6 +22,21 @@ def test_a_missing_peer_package_is_skipped_here_and_fails_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="no_such_peer does not import"):
         peer_module("no_such_peer")
+
+
+def test_a_missing_mooncake_is_skipped_here_and_fails_in_ci(monkeypatch):
+    import sys
+
+    from tests.peers import mooncake_store
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as where the wheel is not installed
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs Mooncake, which is not installed"):
+        mooncake_store()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="needs Mooncake, which is not installed"):
+        mooncake_store()
 
 
 def test_ci_run_sets_ci_itself_and_readme_says_so():

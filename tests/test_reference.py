@@ -22,6 +22,7 @@ K = 3
 MLA = dict(attention="mla", num_key_value_heads=4, head_dim=10, mla=MLAConfig(8, 8, 6, 4, 5))
 DRAFTERS = {
     "llama": {},
+    "llama-parallel": dict(parallel_drafting=True, mask_token_id=5),
     "mla": MLA,
     "llama-window": dict(sliding_window=4),
     "mla-norm_output-off": {**MLA, "norm_output": False},

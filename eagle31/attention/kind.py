@@ -38,6 +38,8 @@ class AttentionKind(ABC):
     chain_keeps_input: bool
     # vLLM builds this kind's attention with the layer's sliding window (`drafter.sliding_window`)
     serves_window: bool = True
+    # vLLM serves this kind's drafter with `parallel_drafting` (its mask slots: `mask_token_id`, `mask_hidden`)
+    serves_parallel_drafting: bool = True
     # the first tested vLLM release that applies this kind's fc_norm, where a later one than the layout's
     # (`eagle31.hub`: the release a 3.1 drafter's model card asks for)
     min_vllm_fc_norm: str | None = None

@@ -184,6 +184,7 @@ class MLAAttentionKind(AttentionKind):
     name = "mla"
     label = "an MLA drafter"
     serves_window = False  # vLLM's DeepSeek EAGLE-3 layer builds its MLA attention without a window
+    serves_parallel_drafting = False  # ... and has no parallel-drafting path (no mask_hidden)
     config_field, config_type = "mla", MLAConfig  # `DrafterConfig.mla`
     architecture = MLA_ARCHITECTURES[0]
     model_type = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter

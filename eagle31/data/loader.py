@@ -32,7 +32,7 @@ class FeatureSource(Protocol):
     hidden_size: int  # Ht
     dtype: torch.dtype  # of the features it returns
 
-    def samples(self, ids: Sequence[int]) -> list[Sample | None]:
+    def samples(self, ids: Sequence[int]) -> Sequence[Sample | None]:
         """The samples with these ids, in order; None for one that cannot be read (skipped)."""
         ...
 

@@ -1,23 +1,6 @@
 """How many inference workers keep the trainers busy (the dry run of `features.mode=engine`).
 
-    workers = ceil(trainers * one trainer's rate / one worker's rate)
-
-Measured, from the metrics.jsonl of an engine run (`features.engine.rates_from`, or the run's own when
-it has logged engine metrics): a worker's rate is `engine/inference_samples_per_s / engine/workers`
-(samples per second of its work since the engine started: idle time under backpressure does not count), a trainer's is
-`train/capacity_samples_per_s / engine/trainers` (samples per second of training less the waits for
-features), each the median over the logged windows after the first (warm-up). The rates belong to that
-run's target, drafter, data and machines: a short run on the real setting measures the real ratio.
-
-Estimated, when no such run exists: from FLOPs per token, both sides assumed to sustain the same FLOP
-rate per GPU (a worker of g GPUs g times one). A worker runs the target's forward: 2 FLOPs per active
-parameter (a MoE layer's shared and routed-per-token experts, not all of them; no embedding and no
-lm_head, as the capture stops at its input) and causal attention over `data.max_len` tokens (on average
-T/2 keys). A trainer runs the drafter's TTT unroll forward and backward (3x the forward): `fc` once,
-then at each of the K steps the layer, its attention and the lm_head. For recipe=kimi_k26 at its
-T = 65536 this gives two 8-GPU workers for 8 trainers, the published drafter's 16 vLLM GPUs for 8
-trainer GPUs (at T = 4096, one). An engine reaching a lower share of its GPUs' peak than the trainers
-(MoE routing, int4 kernels) needs more workers than the estimate says: measure.
+Measured from an engine run's metrics.jsonl, or estimated from FLOPs per token (docs/engine.md says how).
 """
 
 from __future__ import annotations
@@ -58,9 +41,8 @@ def measured_sizing(metrics: Path, trainers: int) -> Sizing | None:
         lines = read_metrics(metrics)
     except (OSError, ValueError) as e:
         raise ConfigError(f"features.engine.rates_from={metrics}: cannot read it as metrics.jsonl ({e})") from None
-    windows = [x for x in lines if x.get("engine/inference_samples_per_s") and x.get("train/capacity_samples_per_s")][
-        1:
-    ]
+    both = ("engine/inference_samples_per_s", "train/capacity_samples_per_s")
+    windows = [x for x in lines if all(x.get(k) for k in both)][1:]  # the first window is warm-up
     if not windows:
         return None
     worker = statistics.median(x["engine/inference_samples_per_s"] / x["engine/workers"] for x in windows)
@@ -74,16 +56,17 @@ def measured_sizing(metrics: Path, trainers: int) -> Sizing | None:
 def estimated_sizing(
     target_config: dict, drafter: DrafterConfig, ttt_length: int, seq_len: int, trainers: int, worker_gpus: float
 ) -> Sizing:
-    """From FLOPs per token (see the module docstring)."""
+    """From FLOPs per token, the same FLOP rate per GPU assumed on both sides."""
     target = target_forward_flops(target_config, seq_len)
     trainer = drafter_training_flops(drafter, ttt_length, seq_len)
     gpus = worker_gpus if worker_gpus > 0 else 1.0
-    basis = (f"FLOPs per token at T={seq_len}: target forward {target / 1e9:.3g} G on {gpus:g} GPU(s) per worker, drafter training "
-             f"{trainer / 1e9:.3g} G per trainer, the same FLOP rate per GPU assumed; run an engine run for measured rates")  # fmt: skip
-    # rates in tokens per unit of one GPU's FLOP rate
-    return Sizing(
-        workers_needed(trainers, 1 / trainer, gpus / target), trainers, gpus / target, 1 / trainer, False, basis
+    basis = (
+        f"FLOPs per token at T={seq_len}: target forward {target / 1e9:.3g} G on {gpus:g} GPU(s) per worker, drafter "
+        f"training {trainer / 1e9:.3g} G per trainer, the same FLOP rate per GPU assumed; run an engine run for "
+        "measured rates"
     )
+    rate, per_trainer = gpus / target, 1 / trainer  # tokens per unit of one GPU's FLOP rate
+    return Sizing(workers_needed(trainers, per_trainer, rate), trainers, rate, per_trainer, False, basis)
 
 
 # ---------------------------------------------------------------------------- FLOPs per token
@@ -99,7 +82,7 @@ def _attention_shape(t: dict) -> tuple[int, int, int]:
 
 
 def target_active_parameters(target_config: dict) -> int:
-    """Parameters a token passes through in the decoder layers (attention and the MLP or the experts it is routed to)."""
+    """Parameters a token passes through in the decoder layers (attention, the MLP or the experts it is routed to)."""
     t = text_config(target_config)
     H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
     heads, qk, v = _attention_shape(t)
@@ -125,9 +108,8 @@ def target_forward_flops(target_config: dict, seq_len: int) -> float:
     """One token's share of the target's forward over a causal sequence of `seq_len` tokens."""
     t = text_config(target_config)
     heads, qk, v = _attention_shape(t)
-    return 2 * target_active_parameters(target_config) + 2 * (seq_len / 2) * heads * (qk + v) * int(
-        t["num_hidden_layers"]
-    )
+    attention = 2 * (seq_len / 2) * heads * (qk + v) * int(t["num_hidden_layers"])  # T/2 keys on average
+    return 2 * target_active_parameters(target_config) + attention
 
 
 def drafter_training_flops(d: DrafterConfig, ttt_length: int, seq_len: int) -> float:

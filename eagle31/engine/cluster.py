@@ -1,17 +1,7 @@
 """Ray for the engine: imported only when asked for (one line when it is missing), joined or started, left.
 
-A run with `features.engine.address` joins that cluster (`auto`: the one started on this node by
-`ray start`); without it rank 0 starts a new cluster on its node, whatever `RAY_ADDRESS` or an earlier
-`ray start` would point Ray to, the other ranks join it, and rank 0 stops it at the end. Either way the
-run says which (`RaySession.how`). The actors eagle31 starts import the same `eagle31` as the process that
-starts them (`actor_runtime_env`), so a source checkout runs as an installed package does; on a
-cluster of several nodes each node needs eagle31 and its dependencies installed, as Ray expects.
-
-GPUs. The trainers on a node use its first visible GPUs (local rank r: the r-th of `CUDA_VISIBLE_DEVICES`,
-else of all); a cluster started on that node is lent only the others (`lendable_gpus`), so no worker is
-placed on a trainer's GPU, and workers asking for more GPUs than that are refused before Ray starts. A
-joined cluster's node is the user's to start; one that lends Ray more GPUs than its trainers leave is
-refused (`check_joined_node`).
+A run joins `features.engine.address`, or rank 0 starts a new cluster on its node lent only the GPUs its
+trainers leave (docs/engine.md, GPUs on the trainers' node).
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ RAY_MISSING = "features.mode=engine needs Ray, which is not installed: pip insta
 
 
 def check_ray_installed() -> None:
-    """One line when Ray is not installed (checked before any model is built; Ray itself is not imported here)."""
+    """One line when Ray is not installed, without importing it."""
     if importlib.util.find_spec("ray") is None:
         raise ConfigError(RAY_MISSING)
 
@@ -49,9 +39,8 @@ def import_ray():
 
 
 def init_ray(ray, **kwargs) -> None:
-    """`ray.init(**kwargs)` that leaves this process's SIGTERM handler as it was. Ray's init installs its own
-    (exit at once) and its shutdown does not put the old one back: without this a SIGTERM to an engine run
-    would skip the preemption checkpoint, and every later run in the process would inherit Ray's handler."""
+    """`ray.init(**kwargs)` that keeps this process's SIGTERM handler: Ray's (exit at once, never undone) would skip
+    the preemption checkpoint, in this run and every later one in the process."""
     main = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main else None
     try:
@@ -71,16 +60,14 @@ def actor_runtime_env() -> dict:
 
 
 def lendable_gpus(visible: str | None, count: int, trainer_gpus: int) -> list[str]:
-    """The ids of this node's GPUs that Ray may lend workers: those visible to this process (`visible`, the value of
-    CUDA_VISIBLE_DEVICES, or None: all `count`) after the first `trainer_gpus`, which the trainers here use."""
-    ids = (
-        [i.strip() for i in visible.split(",") if i.strip()] if visible is not None else [str(i) for i in range(count)]
-    )
+    """This node's GPU ids that Ray may lend workers: those visible (`visible`: CUDA_VISIBLE_DEVICES; None: all
+    `count`) after the first `trainer_gpus`, which the trainers here use."""
+    ids = [str(i) for i in range(count)] if visible is None else [i.strip() for i in visible.split(",") if i.strip()]
     return ids[trainer_gpus:]
 
 
 def check_worker_gpus(lendable: list[str], trainer_gpus: int, workers: int, worker_gpus: float) -> None:
-    """Workers asking for more GPUs than the cluster started on this node is lent: one line, before Ray starts."""
+    """One line when the workers ask for more GPUs than a cluster started on this node is lent."""
     if workers * worker_gpus > len(lendable):
         raise ConfigError(
             f"features.engine.workers={workers} x worker_gpus={worker_gpus:g} need {workers * worker_gpus:g} GPU(s); "
@@ -91,7 +78,7 @@ def check_worker_gpus(lendable: list[str], trainer_gpus: int, workers: int, work
 
 
 def check_joined_node(node_gpus: float, lendable: list[str], trainer_gpus: int, address: str) -> None:
-    """A joined cluster whose node here lends Ray more GPUs than the trainers leave: a worker could take a trainer's."""
+    """One line when this node lends a joined cluster more GPUs than its trainers leave."""
     if trainer_gpus and node_gpus > len(lendable):
         raise ConfigError(
             f"features.engine.address={address}: this node lends Ray {node_gpus:g} GPU(s), but its {trainer_gpus} "
@@ -111,21 +98,20 @@ class RaySession(NamedTuple):
 def ray_session(
     address: str | None, num_cpus: int | None, auth_mode: str | None = None, gpus: list[str] | None = None
 ) -> Iterator[RaySession]:
-    """Join the cluster at `address`, or start a new one on this node with `num_cpus` CPUs (None: all) and the
-    GPUs `gpus` (ids as CUDA_VISIBLE_DEVICES names them; None: none). A cluster that Ray started with token
-    authentication (its default) is joined in that mode (`auth_mode`): a process joining by address alone would
-    not send the token. A process already connected to Ray (a test's cluster) stays connected."""
+    """Join the cluster at `address`, or start one here with `num_cpus` CPUs (None: all) and the GPU ids `gpus`.
+    `auth_mode`: the cluster's token authentication, without which a process joining by address sends no token. A
+    process already connected to Ray (a test's cluster) stays connected."""
+    gpus = gpus or []
     if auth_mode and AUTH_MODE not in os.environ:
         os.environ[AUTH_MODE] = auth_mode  # read by Ray when it is imported, so before that
     ray = import_ray()
-    joined = not ray.is_initialized()
-    if joined:
+    connects = not ray.is_initialized()  # else a test's cluster: left as it is
+    if connects:
         options = dict(namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
         try:
             if address:
                 init_ray(ray, address=address, **options)
             else:
-                gpus = gpus or []
                 with visible_gpus(gpus):  # the raylet, and every worker it starts, sees these alone
                     init_ray(
                         ray, address="local", num_cpus=num_cpus, num_gpus=len(gpus), include_dashboard=False, **options
@@ -136,7 +122,7 @@ def ray_session(
                 f"features.engine.address={address}: cannot join the Ray cluster ({str(e).splitlines()[0]}{cause})"
             ) from None
     here = ray.get_runtime_context().gcs_address
-    if not joined:
+    if not connects:
         how = f"uses the Ray cluster this process is connected to ({here})"
     elif address:
         how = f"joined the Ray cluster at features.engine.address={address} ({here})"
@@ -146,7 +132,7 @@ def ray_session(
     try:
         yield RaySession(here, os.environ.get(AUTH_MODE), how)
     finally:
-        if joined:
+        if connects:
             ray.shutdown()  # stops the cluster this process started; leaves a joined one running
 
 

@@ -1,21 +1,7 @@
-"""The engine as the trainer ranks see it: feature sources over the pool, its start, its metrics, its lifetime.
+"""The engine as the trainer ranks see it: `open_engine` starts it (rank 0: Ray, the Mooncake master, the pool and
+its workers), `FeatureEngine` starts the stream and reads its metrics, `EngineFeatures` is one split's FeatureSource.
 
-    with open_engine(plan, prepared, sequence) as engine:        # rank 0 starts the pool and its workers
-        sources = engine.sources(splits)                          # FeatureSources for the FeatureLoaders
-        ...build the drafter and the trainer, restore a checkpoint...
-        engine.start(train_loader)                                # where the loader resumes; workers loaded
-        trainer.fit(...)                                          # engine.metrics() at each logged step
-
-Rank 0 joins or starts Ray (`eagle31.engine.cluster`) and creates the `FeaturePool` with its workers,
-which load the target while the trainers build the drafter; every rank reaches the pool by its name.
-`EngineFeatures` streams the training split in the loader's order (`FeaturePool.take`) and asks for
-the held-out split batch by batch (`FeaturePool.ask`); it puts each micro-batch's samples together
-by position, with the token columns (`TOKEN_COLUMNS`: input ids, loss masks) of the rank's own copy of the
-prepared split.
-
-A rank waits for the pool without end only while the pool makes progress: every `POLL_S` it reads the pool's
-state, and stops with one line naming it when the pool has done nothing for longer than its own timeouts
-allow, or does not answer at all (`POOL_ANSWER_S`).
+A rank waits for the pool only while it makes progress: it reads the pool's state every `POLL_S`.
 """
 
 from __future__ import annotations
@@ -24,7 +10,7 @@ import dataclasses
 import os
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -43,11 +29,20 @@ from eagle31.engine.cluster import (
     lendable_gpus,
     ray_session,
 )
+from eagle31.engine.transport import (
+    FeatureLayout,
+    MooncakeAddress,
+    MooncakeTransport,
+    ObjectStoreTransport,
+    Transport,
+    given_master,
+    mooncake_master,
+    segment_bytes,
+)
 from eagle31.errors import EngineError
 from eagle31.target import target_shape
 
-# Ray is imported when first needed (`import_ray`), not with this module: a rank that joins the cluster
-# rank 0 started must first learn from rank 0 how Ray authenticates (`eagle31.engine.cluster.ray_session`).
+# Ray is imported when first needed: a rank joining rank 0's cluster must first learn how Ray authenticates there.
 
 KEPT = "the last complete checkpoint is kept: rerun with resume=auto"
 POOL_GONE = f"the feature pool is gone (rank 0 or its node stopped); {KEPT}"
@@ -68,8 +63,7 @@ def _get(refs, timeout: float | None = None):
 
 
 def _await_pool(pool, ref, rank: int, what: str):
-    """`_get(ref)` of a call to the pool that may wait for workers, as long as the pool makes progress: one
-    `EngineError` line naming the pool's state when it has made none for longer than its timeouts allow."""
+    """`_get(ref)` of a pool call while the pool makes progress; one `EngineError` line when it stalls or is silent."""
     ray = import_ray()
     while True:
         try:
@@ -83,80 +77,88 @@ def _await_pool(pool, ref, rank: int, what: str):
                 f"the feature pool did not answer for {POOL_ANSWER_S:g} s while rank {rank} waited for {what}; {KEPT}"
             ) from None
         if state["stalled_s"] > state["limit_s"]:
-            raise EngineError(f"rank {rank} waited for {what}, and the feature pool has made no progress for "
-                              f"{state['stalled_s']:.0f} s, more than its timeouts allow (features.engine.*_timeout_s):"
-                              f" {state['line']}; {KEPT}")  # fmt: skip
-
-
-def _call(pool, ref, rank: int, what: str):
-    """A pool call that answers (status, value): the value, or the pool's error as `EngineError`."""
-    status, value = _await_pool(pool, ref, rank, what)
-    if status == "error":
-        raise EngineError(value)
-    return value
+            stalled = f"the feature pool has made no progress for {state['stalled_s']:.0f} s"
+            allowed = "more than its timeouts allow (features.engine.*_timeout_s)"
+            raise EngineError(f"rank {rank} waited for {what}, and {stalled}, {allowed}: {state['line']}; {KEPT}")
 
 
 class EngineFeatures:
-    """A `FeatureSource` whose features the pool's workers compute: the training stream (`stream`) or held-out asks."""
+    """A `FeatureSource` computed by the pool's workers: the training stream (`stream`) or held-out asks; `metrics`:
+    the `engine/*` metrics the trainer logs with this source's; `transport`: how features arrive (None: Ray's store)."""
 
     def __init__(
-        self, pool, dataset, rank: int, stream: bool, hidden_size: int, aux_size: int, dtype: torch.dtype, metrics=None
+        self,
+        pool,
+        dataset,
+        rank: int,
+        stream: bool,
+        hidden_size: int,
+        aux_size: int,
+        dtype: torch.dtype,
+        metrics=None,
+        transport=None,
     ):
-        """metrics: the engine's `engine/*` metrics, which the trainer logs with the training stream's."""
         self.pool, self.dataset, self.rank, self.stream, self.metrics = pool, dataset, rank, stream, metrics
         self.hidden_size, self.aux_size, self.dtype = hidden_size, aux_size, dtype
+        self.transport = transport or ObjectStoreTransport()
         self.lengths = prepared_lengths(dataset)
         self.sample_ids = np.arange(len(self.lengths))  # rows of the split, as the pool plans them
 
     def samples(self, ids: Sequence[int]) -> list[Sample]:
         ids = [int(i) for i in ids]
         call = self.pool.take.remote(self.rank, ids) if self.stream else self.pool.ask.remote(ids)
-        reply = _call(self.pool, call, self.rank, f"the features of samples {ids[:4]}...")
-        computed = _get([ref for _, ref in reply])  # per request: [(aux [T, n*Ht], final [T, Ht])]
+        status, reply = _await_pool(self.pool, call, self.rank, f"the features of samples {ids[:4]}...")
+        if status == "error":
+            raise EngineError(reply)
+        handles = [handle for _, handle in reply]
+        shape = (self.aux_size, self.hidden_size, self.dtype)
+        layouts = [FeatureLayout(tuple(int(self.lengths[ids[p]]) for p in positions), *shape) for positions, _ in reply]
+        computed = self.transport.receive(handles, layouts, _get)  # per request: [(aux [T, n*Ht], final [T, Ht])]
+        self.transport.consumed(self.pool, handles)
         feats: list = [None] * len(ids)
         for (positions, _), part in zip(reply, computed):
             for p, f in zip(positions, part):
                 feats[p] = f
         out = []
-        for i, row, (aux, final) in zip(
-            ids, prepared_rows(self.dataset, ids), feats
-        ):  # row: its TOKEN_COLUMNS, input ids first
-            if aux.shape[0] != len(row[0]) or final.shape[0] != len(row[0]):
-                raise EngineError(
-                    f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {len(row[0])}"
-                )
+        for i, row, (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):  # row: TOKEN_COLUMNS, ids first
+            T = len(row[0])
+            if aux.shape[0] != T or final.shape[0] != T:
+                raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {T}")
             columns = {name: torch.tensor(values, dtype=torch.long) for name, values in zip(TOKEN_COLUMNS, row)}
             out.append(Sample(**columns, aux=aux, final=final))
         return out
 
 
 class FeatureEngine:
-    """One rank's handle on the pool (see the module docstring)."""
+    """One rank's handle on the pool; `transport`: how the training stream's features arrive (None: Ray's store)."""
 
     def __init__(
-        self, pool, rank: int, data_rank: int, data_size: int, trainers: int, target_config: dict, aux_ids, dtype: str
+        self,
+        pool,
+        rank: int,
+        data_rank: int,
+        data_size: int,
+        trainers: int,
+        target_config: dict,
+        aux_ids,
+        dtype: str,
+        transport=None,
     ):
         self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
         self.hidden_size = target_shape(target_config)[1]
         self.aux_size = len(aux_ids) * self.hidden_size
         self.dtype = getattr(torch, dtype)
+        self.transport = transport or ObjectStoreTransport()
         self._last: dict | None = None
 
     def sources(self, splits: dict) -> dict[str, EngineFeatures]:
-        """{split: EngineFeatures}: "train" streamed in the loader's order, the others asked batch by batch."""
-        return {
-            name: EngineFeatures(
-                self.pool,
-                ds,
-                self.rank,
-                name == "train",
-                self.hidden_size,
-                self.aux_size,
-                self.dtype,
-                metrics=self.metrics if name == "train" else None,
-            )  # fmt: skip
-            for name, ds in splits.items()
-        }
+        """{split: EngineFeatures}: "train" streamed in the loader's order through the transport, the others asked
+        batch by batch through Ray's store."""
+        shape, sources = (self.hidden_size, self.aux_size, self.dtype), {}
+        for name, ds in splits.items():
+            stream = (self.metrics, self.transport) if name == "train" else ()
+            sources[name] = EngineFeatures(self.pool, ds, self.rank, name == "train", *shape, *stream)
+        return sources
 
     def start(self, loader) -> None:
         """Send the training stream from where `loader` (the rank's training FeatureLoader) resumes, once every
@@ -166,28 +168,24 @@ class FeatureEngine:
                 f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
             )
         state = loader.state_dict()
-        for call in (
-            self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"]),
-            self.pool.ready.remote(),
-        ):
+        self.transport.open()  # a store this rank cannot join stops it here, before training
+        start = self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"])
+        for call in (start, self.pool.ready.remote()):
             error = _await_pool(self.pool, call, self.rank, "the inference workers to load the target")
             if error:
                 raise EngineError(error)
         self._last = _get(self.pool.stats.remote())
 
     def metrics(self) -> dict[str, float]:
-        """`engine/*`: what the workers can compute (samples per second of their work since the engine started,
-        times the workers: idle time under backpressure does not count), what they produced in the window since
-        the last call, restarts and re-asked samples since the engine started, the tokens held for the trainers."""
+        """`engine/*` (docs/engine.md): rates over the window since the last call, counts since the engine started."""
         now = _get(self.pool.stats.remote())
         last, self._last = self._last or now, now
         seconds = now["seconds"] - last["seconds"]
         per_worker = now["worker_samples"] / now["worker_busy_s"] if now["worker_busy_s"] > 0 else 0.0
+        produced = (now["produced_samples"] - last["produced_samples"]) / seconds if seconds > 0 else 0.0
         return {
             "engine/inference_samples_per_s": now["workers"] * per_worker,
-            "engine/produced_samples_per_s": (now["produced_samples"] - last["produced_samples"]) / seconds
-            if seconds > 0
-            else 0.0,
+            "engine/produced_samples_per_s": produced,
             "engine/worker_restarts": now["worker_restarts"],
             "engine/requeued": now["requeued"],
             "engine/pool_tokens": now["held_tokens"],
@@ -198,8 +196,7 @@ class FeatureEngine:
 
 @contextmanager
 def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
-    """The run's engine (`features.engine`): rank 0 creates the pool and its workers; every rank gets a
-    `FeatureEngine`; rank 0 stops them (and the Ray cluster it started) on the way out."""
+    """The run's engine (`features.engine`), a `FeatureEngine` on every rank; rank 0 starts and stops what it needs."""
     cfg, world, e = plan.cfg, plan.world, plan.cfg.features.engine
     data_rank, data_size = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
     aux_ids = tuple(plan.drafter.aux_layer_ids)
@@ -214,17 +211,47 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
             if e.address:
                 check_joined_node(node_gpus(), lendable, trainer_gpus, e.address)
             print(f"engine: rank 0 {cluster.how}")
+            store = stack.enter_context(mooncake_store(e)) if e.transport == Transport.mooncake else None
+            transport = run_transport(plan, store)
             name = f"features-{uuid.uuid4().hex[:12]}"
-            pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size)
+            pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size, transport)
             stack.callback(close_pool, pool)
-            shared = (cluster.address, cluster.auth_mode, name)
-        address, auth_mode, name = broadcast_object(shared, world.device)
+            shared = (cluster.address, cluster.auth_mode, name, store)
+        address, auth_mode, name, store = broadcast_object(shared, world.device)
         if not world.is_main:
             stack.enter_context(ray_session(address, None, auth_mode))
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
-        yield FeatureEngine(
-            pool, world.rank, data_rank, data_size, world.world_size, plan.target_config, aux_ids, cfg.target.dtype
-        )
+            transport = run_transport(plan, store)
+        stack.callback(transport.close)
+        ranks = (world.rank, data_rank, data_size, world.world_size)
+        yield FeatureEngine(pool, *ranks, plan.target_config, aux_ids, cfg.target.dtype, transport)
+
+
+@contextmanager
+def mooncake_store(e) -> Iterator[MooncakeAddress]:
+    """transport=mooncake, on rank 0: the master `e.mooncake_master` names, or one started on this node for the run."""
+    if e.mooncake_master:  # it answered when the run was planned (`check_transport`)
+        store = f"the Mooncake store at features.engine.mooncake_master={e.mooncake_master}"
+        print(f"engine: features travel through {store} over {e.mooncake_protocol}")
+        yield given_master(e)
+        return
+    ray = import_ray()
+    with mooncake_master(ray.util.get_node_ip_address(), e.mooncake_protocol, e.mooncake_rdma_devices) as address:
+        started = f"a Mooncake master at {address.master} (metadata {address.metadata_server})"
+        print(f"engine: rank 0 started {started}; features travel over {e.mooncake_protocol}")
+        yield address
+
+
+def run_transport(plan, store: MooncakeAddress | None):
+    """How the run's training features travel: Ray's store, or the Mooncake store at `store`, whose segment holds
+    `pool_tokens` of features, or the largest micro-batch or row if that is more."""
+    if store is None:
+        return ObjectStoreTransport()
+    cfg = plan.cfg
+    hidden = target_shape(plan.target_config)[1]
+    per_token = (len(plan.drafter.aux_layer_ids) + 1) * hidden * getattr(torch, cfg.target.dtype).itemsize
+    tokens = max(cfg.features.engine.pool_tokens, cfg.features.tokens_per_batch, cfg.data.max_len)
+    return MooncakeTransport(store, segment_bytes(tokens, per_token))
 
 
 def node_gpus() -> float:
@@ -234,7 +261,7 @@ def node_gpus() -> float:
     return next((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["NodeID"] == here), 0.0)
 
 
-def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int):
+def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_size: int, copies: int, transport):
     """The run's named `FeaturePool` and its workers, as `plan.cfg.features` says."""
     from eagle31.engine.pool import PoolSettings
     from eagle31.engine.worker import WORKERS, WorkerSpec, expected_info
@@ -256,13 +283,14 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
         load_timeout_s=e.load_timeout_s,
         placement_timeout_s=e.placement_timeout_s,
         worker_options={"num_cpus": e.worker_cpus, "num_gpus": e.worker_gpus},
+        transport=transport,
     )
     expected = expected_info(plan.target_dir, aux_ids, target_shape(plan.target_config)[1], str(cfg.target.dtype))
     return pool_actor(settings, WORKERS[e.worker], spec, expected, name=name)
 
 
 def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = None):
-    """A `FeaturePool` actor on this node (it reads the prepared splits there) with `settings.workers` workers of
+    """A `FeaturePool` actor on this node (it reads the prepared splits here) with `settings.workers` workers of
     `kind` (an `InferenceWorker` class); every actor imports this process's eagle31."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -283,11 +311,7 @@ def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = No
 def close_pool(pool) -> None:
     """Stop the workers and the pool (whatever state the cluster is in)."""
     ray = import_ray()
-    try:
+    with suppress(Exception):  # a pool already gone has nothing to stop
         ray.get(pool.close.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - a pool already gone has nothing to stop
-        pass
-    try:
+    with suppress(Exception):
         ray.kill(pool)
-    except Exception:  # noqa: BLE001
-        pass

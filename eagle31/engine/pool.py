@@ -1,54 +1,20 @@
-"""The feature pool: one Ray actor between the inference workers and the trainer ranks.
+"""The feature pool: one Ray actor that plans the trainers' micro-batches, sends them to the inference workers in
+the loaders' order within `pool_tokens`, replaces workers that die or hang, and hands each rank its features.
 
-The pool plans the training stream as the trainers' loaders do (`eagle31.data.loader.plan_epoch`:
-the same seed, batching and budget), so it knows which micro-batch each rank will ask for next.
-Global micro-batch `g` of an epoch belongs to data rank `g % world_size`; the ranks that share a
-data rank (a sequence-parallel group) each take it, and it is dropped after the last of them.
-
-Work. A micro-batch is cut into the length-sorted groups its target forwards would have
-(`eagle31.data.batch.bucket_by_length` over `capture_batch_tokens`, as `target_forward` cuts it),
-and each group is one request to a worker. Requests go out strictly in the stream's order (the held-out
-asks of `ask` first, as the trainers wait for them), at most `inflight_per_worker` per worker,
-so a worker always has its next request queued behind the one it computes.
-
-Backpressure. The training micro-batches sent out and not yet taken hold at most `pool_tokens` tokens:
-a micro-batch is admitted whole, when it fits or when nothing is held (a trainer takes a micro-batch
-whole, so a pool that admitted part of one could wait forever for its rest; the plan refuses a
-`pool_tokens` below `features.tokens_per_batch`, so the bound holds). The workers wait when the trainers
-are slow. Because the stream goes out in order, the micro-batch any waiting rank needs is always among
-the first to go, so ranks in lockstep (a step's all-reduce) can never wait on each other through a full pool.
-
-A worker's life. It is placed (Ray finds its CPUs and GPUs: `placement_timeout_s`), loads the target
-(`load_timeout_s`), describes itself and computes (each answer within `request_timeout_s` of the
-worker's last answer, so time spent on its earlier requests does not count).
-
-Failures. A worker that dies (its process killed, its node lost) or hangs (no answer in its time) is
-started again; the requests it held go back to the head of the queue in their own order, and are counted
-(`requeued`, samples). Ray's word that an actor is briefly unreachable (`ActorUnavailableError`) is no
-death: the call is sent again. A worker that raises (loading, describing itself or computing), that Ray
-cannot place, that computes what the recipe does not ask (other aux ids, hidden size or dtype), whose
-target on its node is not the trainer's (`eagle31.engine.worker.worker_mismatch`: the fingerprints of its
-weights and of its tokenizer), or that dies more than `max_restarts` times sets the pool's error: every
-waiting and later call returns it, one line, and the trainers stop (`eagle31.errors.EngineError`). So
-does an error of the pool's own tasks, which would otherwise end them unseen.
-
-The trainers' wait. `state()` says how long the pool has made no progress (no answer, no worker
-placed or loaded, nothing taken) and what it is waiting on; a rank that waits longer than the pool's
-longest timeout allows stops with that line (`eagle31.engine.features`).
-
-What travels. The pool never holds a tensor: a worker's result is two objects, a small record the
-pool awaits and the features, whose reference the pool hands to the rank that takes the
-micro-batch; Ray moves them from the worker's node to the trainer's.
+docs/engine.md says what it guarantees (order, backpressure, restarts, one-line failures, transports).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
@@ -56,7 +22,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from eagle31.data.batch import bucket_by_length
 from eagle31.data.loader import plan_epoch
-from eagle31.engine.worker import WorkerInfo, WorkerSpec, worker_mismatch
+from eagle31.engine.transport import FeatureTransport, ObjectStoreTransport
+from eagle31.engine.worker import InferenceWorker, WorkerInfo, WorkerSpec, worker_mismatch
+from eagle31.errors import Eagle31Error
 
 
 @dataclass(frozen=True)
@@ -71,11 +39,12 @@ class PoolSettings:
     capture_batch_tokens: int
     pool_tokens: int
     max_restarts: int
-    request_timeout_s: float  # features.engine.*_timeout_s (the module docstring)
+    request_timeout_s: float  # features.engine.*_timeout_s
     load_timeout_s: float
     placement_timeout_s: float
     worker_options: dict = field(default_factory=dict)  # Ray actor options of a worker (CPUs, GPUs, runtime env)
-    inflight_per_worker: int = 2
+    inflight_per_worker: int = 2  # a worker's next request is queued behind the one it computes
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how training features travel
 
     @property
     def stall_limit_s(self) -> float:
@@ -89,29 +58,34 @@ UNAVAILABLE_RETRY_S = 1.0  # the wait before a call Ray found its actor unreacha
 
 def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
     """A new worker actor (placed by Ray; it loads the target when the pool asks)."""
-    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec)
+    return ray.remote(WorkerActor).options(**settings.worker_options).remote(kind, spec, settings.transport)
 
 
 class WorkerActor:
-    """The Ray actor around an `InferenceWorker`: answers once placed, loads the target when asked, and returns
-    the record of each computation apart from its features."""
+    """The Ray actor around an `InferenceWorker`: placed first, loaded when the pool asks."""
 
-    def __init__(self, kind: type, spec: WorkerSpec):
-        self.kind, self.spec, self.worker = kind, spec, None
+    def __init__(self, kind: type, spec: WorkerSpec, transport):
+        self.kind, self.spec, self.transport = kind, spec, transport
+        self.worker: InferenceWorker | None = None
 
     def placed(self) -> None:
         """Answers as soon as Ray has placed the actor and started its process."""
 
     def load(self) -> None:
+        self.transport.open()
         self.worker = self.kind(self.spec)
 
     def describe(self) -> WorkerInfo:
+        assert self.worker is not None, "load() first"
         return self.worker.describe()
 
-    def compute(self, token_rows: list[list[int]]):
+    def compute(self, token_rows: list[list[int]], key: str | None):
+        """(record, features); `key` None: through Ray's store whatever the transport (held-out asks)."""
+        assert self.worker is not None, "load() first"
         start = time.perf_counter()
         feats = self.worker.features(token_rows)
-        return {"seconds": time.perf_counter() - start}, feats
+        sent = feats if key is None else self.transport.send(key, feats)
+        return {"seconds": time.perf_counter() - start}, sent
 
 
 @dataclass
@@ -121,7 +95,6 @@ class Request:
     order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training: the queue's order
     split: str
     ids: list[int]  # sample ids, in the forward's row order
-    tokens: int
     owner: tuple  # the key of its Part in `FeaturePool.parts`
     group: int
     done: bool = False  # computed: a copy still queued or in flight is dropped
@@ -131,11 +104,11 @@ class Request:
 class Part:
     """A micro-batch (or held-out ask) being put together from its groups' features."""
 
-    ids: list[int]
     groups: list[list[int]]  # positions into ids, one list per request
     tokens: int
-    refs: dict[int, object] = field(default_factory=dict)  # group -> ObjectRef of its features
+    refs: dict[int, object] = field(default_factory=dict)  # group -> its features' handle (an ObjectRef, or a key)
     takes: int = 0
+    consumed: int = 0  # ranks that have read its stored features (transport=mooncake)
     admitted: bool = False  # its tokens count toward pool_tokens (training)
 
     @property
@@ -151,7 +124,7 @@ class Slot:
     """One worker's place: the actor now in it and what it holds."""
 
     index: int
-    handle: object = None
+    handle: Any = None  # the worker's actor
     incarnation: int = 0
     phase: str = "placing"  # placing, loading, describing, ready
     since: float = field(default_factory=time.monotonic)  # when the phase began
@@ -167,14 +140,14 @@ class Slot:
 
 
 class Computation:
-    """One request's call to a worker: sent again while Ray finds the worker briefly unreachable."""
+    """One request's call to a worker, which can be sent again (Ray found the worker briefly unreachable)."""
 
-    def __init__(self, handle, token_rows):
-        self.handle, self.token_rows, self.features = handle, token_rows, None
+    def __init__(self, handle, token_rows, key: str | None):
+        self.handle, self.token_rows, self.key, self.features = handle, token_rows, key, None
 
     def send(self):
         """The call's record (an ObjectRef); its features' ref is kept apart, never awaited here."""
-        record, self.features = self.handle.compute.options(num_returns=2).remote(self.token_rows)
+        record, self.features = self.handle.compute.options(num_returns=2).remote(self.token_rows, self.key)
         return record
 
 
@@ -187,7 +160,7 @@ class NoAnswer(Exception):
 
 
 def _last_line(e: BaseException) -> str:
-    """The line of a Ray error that says what happened (an exception's own line; a death's cause, without Ray's advice)."""
+    """The line of an error that says what happened (a death's cause without Ray's advice)."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     return (lines[-1] if lines else type(e).__name__).split(" Worker exit detail:")[0]
 
@@ -204,13 +177,13 @@ def _resources(amounts: dict) -> str:
 
 
 class FeaturePool:
-    """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods); see the module docstring."""
+    """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods)."""
 
     def __init__(
         self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None
     ):
-        """kind: the InferenceWorker class; expected: what `describe()` must say (`eagle31.engine.worker.expected_info`);
-        workers: the first workers' actors, started beside the pool (default: started here)."""
+        """kind: the InferenceWorker class; expected: `eagle31.engine.worker.expected_info`; workers: the first workers'
+        actors (default: started here)."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
 
@@ -218,10 +191,8 @@ class FeaturePool:
         self.splits = load_prepared_splits(Path(settings.prepared_dir))
         self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
         self.booted = False
-        self.slots = [
-            Slot(i, handle)
-            for i, handle in enumerate(workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)])
-        ]
+        workers = workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)]
+        self.slots = [Slot(i, handle) for i, handle in enumerate(workers)]
         self.changed = asyncio.Condition()
         self.tasks: set[asyncio.Task] = set()  # the pool's own tasks, kept until they end (asyncio holds them weakly)
         self.error: str | None = None
@@ -234,16 +205,12 @@ class FeaturePool:
         self.start_at: tuple[int, int] | None = None  # (epoch, position) every rank resumes at
         self.next_batch: tuple[int, int] | None = None  # the next training micro-batch to plan
         self.rank_next: dict[int, tuple[int, int, int]] = {}  # rank -> (epoch, g, data rank) of its next take
-        self.held = 0  # tokens of the admitted training requests not yet taken
+        self.held = 0  # tokens of the admitted training requests not yet taken (transport=mooncake: not yet read)
+        self.stored: dict[str, Part] = {}  # transport=mooncake: key -> its micro-batch, until the keys are removed
+        self.prefix = uuid.uuid4().hex[:12]  # of this pool's keys in the store
         self.started_at = time.perf_counter()
-        self.counts = {
-            "produced_samples": 0,
-            "delivered_samples": 0,
-            "worker_restarts": 0,
-            "requeued": 0,
-            "unavailable": 0,  # calls sent again after Ray found their worker briefly unreachable
-            "max_held_tokens": 0,
-        }
+        counted = "produced_samples delivered_samples worker_restarts requeued unavailable max_held_tokens"
+        self.counts = dict.fromkeys(counted.split(), 0)  # unavailable: calls sent again after Ray found no worker
 
     # ------------------------------------------------------------ the trainers' calls
 
@@ -261,15 +228,14 @@ class FeaturePool:
             self.start_at = (epoch, position)
             self.next_batch = self._in_plan(epoch, position * W, first=0)
         elif self.start_at != (epoch, position):
-            return self._fail(
-                f"rank {rank} resumes at epoch {epoch}, batch {position}; another rank at epoch {self.start_at[0]}, batch {self.start_at[1]}"
-            )
+            other = f"epoch {self.start_at[0]}, batch {self.start_at[1]}"
+            return self._fail(f"rank {rank} resumes at epoch {epoch}, batch {position}; another rank at {other}")
         self.rank_next[rank] = (epoch, position * W + data_rank, data_rank)
         self._pump()
         return self.error
 
     async def take(self, rank: int, ids: list[int]):
-        """The features of rank `rank`'s next micro-batch, which must be `ids`: ("ok", [(positions, ref)]) or ("error", line)."""
+        """Rank `rank`'s next micro-batch, which must be `ids`: ("ok", [(positions, handle)]) or ("error", line)."""
         if rank not in self.rank_next:
             return "error", f"rank {rank} asked for features before the engine was started"
         epoch, g, data_rank = self.rank_next[rank]
@@ -277,8 +243,9 @@ class FeaturePool:
         key = ("train", epoch, g)
         planned = self._batch_ids(epoch, g)
         if ids != planned:
-            return "error", (f"rank {rank} asks for samples {ids[:4]}... where the engine plans {planned[:4]}...: the loader "
-                             "and the engine differ in features.batching, features.tokens_per_batch, seed or world size")  # fmt: skip
+            asked = f"rank {rank} asks for samples {ids[:4]}... where the engine plans {planned[:4]}..."
+            differ = "features.batching, features.tokens_per_batch, seed or world size"
+            return "error", f"{asked}: the loader and the engine differ in {differ}"
         self._pump()
         await self._wait(lambda: key in self.parts and self.parts[key].complete)
         if self.error:
@@ -288,7 +255,8 @@ class FeaturePool:
         self.progress_at = time.monotonic()
         if part.takes == self.settings.copies:
             del self.parts[key]
-            self.held -= part.tokens
+            if not self.settings.transport.holds_until_consumed:
+                self.held -= part.tokens
         self.rank_next[rank] = (epoch, g + self.settings.world_size, data_rank)
         self.counts["delivered_samples"] += len(ids)
         self._pump()
@@ -297,23 +265,36 @@ class FeaturePool:
     async def ask(self, ids: list[int]):
         """The held-out features of `ids`, asked now and sent before any training request: as `take`."""
         self._boot()
-        key = ("eval", next(self.asks))
-        part = self._plan_part(key, "eval", ids)
-        for j, group in enumerate(part.groups):
-            self._queue(
-                Request((0, key[1], j), "eval", [ids[p] for p in group], self._tokens("eval", ids, group), key, j)
-            )
+        ask = next(self.asks)
+        key = ("eval", ask)
+        part = self._plan_part(key, "eval", ids, (0, ask))
         self._pump()
         await self._wait(lambda: part.complete)
         self.parts.pop(key, None)
         return ("error", self.error) if self.error else ("ok", part.reply())
+
+    async def consumed(self, keys: list[str]) -> None:
+        """A rank has read one micro-batch's stored `keys` (transport=mooncake); after its last, they are removed."""
+        part = self.stored.get(keys[0]) if keys else None
+        if part is None:
+            return
+        part.consumed += 1
+        if part.consumed < self.settings.copies:
+            return
+        keys = [str(key) for key in part.refs.values()]
+        for key in keys:
+            self.stored.pop(key, None)
+        self.settings.transport.free(keys)
+        self.held -= part.tokens
+        self.progress_at = time.monotonic()
+        self._pump()
+        await self._notify()
 
     def stats(self) -> dict:
         """Counters since the pool started (the trainers' metrics are differences of these)."""
         return {
             **self.counts,
             "workers": len(self.slots),
-            "ready_workers": sum(s.ready for s in self.slots),
             "worker_samples": sum(s.samples for s in self.slots),
             "worker_busy_s": sum(s.busy_s for s in self.slots),
             "held_tokens": self.held,
@@ -321,8 +302,7 @@ class FeaturePool:
         }
 
     def state(self) -> dict:
-        """For a waiting rank: seconds without progress, the most the pool's timeouts allow, and one line of what
-        it is waiting on."""
+        """For a waiting rank: seconds without progress, the most its timeouts allow, a line of what it waits on."""
         now = time.monotonic()
         workers = "; ".join(
             f"worker {s.index} {s.phase} for {now - s.since:.0f} s"
@@ -330,12 +310,12 @@ class FeaturePool:
             for s in self.slots
         )
         queued = sum(not r.done for queue in self.queues.values() for _, r in queue)
-        line = (f"{workers}; {queued} request(s) queued; {self.held} tokens held of features.engine.pool_tokens="
-                f"{self.settings.pool_tokens}")  # fmt: skip
+        held = f"{self.held} tokens held of features.engine.pool_tokens={self.settings.pool_tokens}"
+        line = f"{workers}; {queued} request(s) queued; {held}"
         return {"stalled_s": now - self.progress_at, "limit_s": self.settings.stall_limit_s, "line": line}
 
     def workers(self) -> list[tuple[object, int]]:
-        """(actor, requests it holds) of each worker now, in slot order: for operators, and the benchmark's kill."""
+        """(actor, requests it holds) of each worker, in slot order (the benchmark kills one)."""
         return [(s.handle, len(s.inflight)) for s in self.slots]
 
     def close(self) -> None:
@@ -344,21 +324,18 @@ class FeaturePool:
             if slot.handle is not None:
                 ray.kill(slot.handle, no_restart=True)
                 slot.handle = None
+        self.settings.transport.close()  # the store's memory goes with this process's client
 
     # ------------------------------------------------------------ the plan
 
     def _epoch(self, epoch: int) -> list[np.ndarray]:
         """The global micro-batches of `epoch` (a few epochs kept: the stream runs ahead of the ranks)."""
         if epoch not in self.epoch_plans:
-            s = self.settings
             if len(self.epoch_plans) >= 4:
                 del self.epoch_plans[min(self.epoch_plans)]
+            s, lengths = self.settings, self.lengths["train"]
             self.epoch_plans[epoch] = plan_epoch(
-                self.lengths["train"],
-                batching=s.batching,
-                tokens_per_batch=s.tokens_per_batch,
-                seed=s.seed,
-                epoch=epoch,
+                lengths, batching=s.batching, tokens_per_batch=s.tokens_per_batch, seed=s.seed, epoch=epoch
             )
         return self.epoch_plans[epoch]
 
@@ -371,25 +348,19 @@ class FeaturePool:
     def _batch_ids(self, epoch: int, g: int) -> list[int]:
         return self._epoch(epoch)[g].tolist()  # positions are the sample ids of a prepared split (its rows)
 
-    def _plan_part(self, key: tuple, split: str, ids: list[int]) -> Part:
-        lengths = self.lengths[split][ids].tolist()
-        groups = bucket_by_length(lengths, self.settings.capture_batch_tokens)
-        part = self.parts[key] = Part(ids, groups, int(sum(lengths)))
+    def _plan_part(self, key: tuple, split: str, ids: list[int], order: tuple) -> Part:
+        """The Part `key` of samples `ids`, one request queued per target forward (`order`: its place in the queue)."""
+        lengths = self.lengths[split][ids]
+        groups = bucket_by_length(lengths.tolist(), self.settings.capture_batch_tokens)
+        part = self.parts[key] = Part(groups, int(lengths.sum()))
+        for j, group in enumerate(groups):
+            self._queue(Request((*order, j), split, [ids[p] for p in group], key, j))
         return part
 
-    def _tokens(self, split: str, ids: list[int], group: list[int]) -> int:
-        return int(self.lengths[split][[ids[p] for p in group]].sum())
-
     def _plan_next_batch(self) -> None:
-        """Queue the groups of the next training micro-batch."""
+        assert self.next_batch is not None
         epoch, g = self.next_batch
-        ids = self._batch_ids(epoch, g)
-        key = ("train", epoch, g)
-        part = self._plan_part(key, "train", ids)
-        for j, group in enumerate(part.groups):
-            self._queue(
-                Request((1, epoch, g, j), "train", [ids[p] for p in group], self._tokens("train", ids, group), key, j)
-            )
+        self._plan_part(("train", epoch, g), "train", self._batch_ids(epoch, g), (1, epoch, g))
         self.next_batch = self._in_plan(epoch, g + 1, first=0)
 
     def _queue(self, request: Request) -> None:
@@ -407,7 +378,7 @@ class FeaturePool:
                 continue
             request = queue[0][1]
             part = self.parts[request.owner] if split == "train" else None
-            if part is not None and not part.admitted:  # a micro-batch is admitted whole (module docstring)
+            if part is not None and not part.admitted:  # admitted whole: a trainer takes it whole
                 if self.held and self.held + part.tokens > self.settings.pool_tokens:
                     return None
                 part.admitted = True
@@ -427,24 +398,26 @@ class FeaturePool:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            e = task.exception()
+        if not task.cancelled() and (e := task.exception()) is not None:
             self._fail(f"the feature pool failed: {type(e).__name__}: {_last_line(e)}")
             self._task(self._notify())
 
-    def _spawn(self, slot: Slot) -> None:
-        slot.handle = spawn_worker(self.settings, self.kind, self.spec)
+    def _place(self, slot: Slot) -> None:
+        """Start the worker now in `slot`: placed, loaded, described."""
         self._enter(slot, "placing")
         slot.answered_at = 0.0
         self._task(self._start(slot, slot.incarnation))
 
     def _boot(self) -> None:
-        """Start the workers of __init__ (needs the actor's event loop)."""
+        """Join the transport, start the first workers (needs the actor's event loop)."""
         if not self.booted:
             self.booted = True
+            try:
+                self.settings.transport.open_pool()
+            except Eagle31Error as e:
+                self._fail(str(e))
             for slot in self.slots:
-                self._enter(slot, "placing")
-                self._task(self._start(slot, slot.incarnation))
+                self._place(slot)
 
     def _enter(self, slot: Slot, phase: str) -> None:
         slot.phase, slot.since = phase, time.monotonic()
@@ -452,38 +425,35 @@ class FeaturePool:
 
     async def _start(self, slot: Slot, incarnation: int) -> None:
         """Place the worker, load the target, check what it describes; one that cannot is replaced or stops the run."""
-        name, s = f"inference worker {slot.index}", self.settings
         try:
             await self._answer(slot, slot.handle.placed.remote, "placement_timeout_s")
             self._enter(slot, "loading")
             await self._answer(slot, slot.handle.load.remote, "load_timeout_s")
             self._enter(slot, "describing")
             info = WorkerInfo(*await self._answer(slot, slot.handle.describe.remote, "request_timeout_s"))
-        except NoAnswer as e:
+        except Exception as e:  # noqa: BLE001 - told apart in _not_started
             if incarnation == slot.incarnation:
-                if e.setting == "placement_timeout_s":  # no room in the cluster: waiting longer would not make one
-                    limit = f"features.engine.placement_timeout_s={s.placement_timeout_s:g} s"
-                    self._fail(f"{name} could not be placed within {limit}: {self._placement()}")
-                else:
-                    self._lost(slot, str(e))
-        except RayActorError as e:  # its process died (killed, its node lost), or never started
-            if incarnation == slot.incarnation:
-                if e.actor_init_failed:  # its own error while starting: it would fail again
-                    self._fail(f"{name} could not start: {_last_line(e)}")
-                else:
-                    self._lost(slot, _last_line(e))
-        except Exception as e:  # noqa: BLE001 - its own error (loading the target, describing itself): it would recur
-            if incarnation == slot.incarnation:
-                doing = "describe itself" if slot.phase == "describing" else "start"
-                self._fail(f"{name} could not {doing}: {_last_line(e)}")
+                self._not_started(slot, e)
         else:
             mismatch = worker_mismatch(info, self.expected, self.spec.target_dir)
             if mismatch:
-                self._fail(f"{name} ({info.kind}) {mismatch}")
+                self._fail(f"inference worker {slot.index} ({info.kind}) {mismatch}")
             elif incarnation == slot.incarnation:
                 self._enter(slot, "ready")
                 self._pump()
         await self._notify()
+
+    def _not_started(self, slot: Slot, e: Exception) -> None:
+        """A worker that died or hung while starting is replaced; its own error, or no room for it, stops the run."""
+        name = f"inference worker {slot.index}"
+        if isinstance(e, NoAnswer) and e.setting == "placement_timeout_s":  # waiting longer would not make room
+            limit = f"features.engine.placement_timeout_s={self.settings.placement_timeout_s:g} s"
+            self._fail(f"{name} could not be placed within {limit}: {self._placement()}")
+        elif isinstance(e, NoAnswer) or (isinstance(e, RayActorError) and not e.actor_init_failed):
+            self._lost(slot, _last_line(e))  # hung, or its process died (killed, its node lost)
+        else:  # its own error (its __init__, loading the target, describing itself): it would recur
+            doing = "describe itself" if slot.phase == "describing" else "start"
+            self._fail(f"{name} could not {doing}: {_last_line(e)}")
 
     def _placement(self) -> str:
         """What a worker asks of Ray and what the cluster has: the end of the line of a worker that was not placed."""
@@ -491,15 +461,14 @@ class FeaturePool:
         asked = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0}
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         largest = {k: max((n.get(k, 0) for n in nodes), default=0) for k in asked}
-        return (f"it asks for {_resources(asked)}; the cluster has {_resources(ray.cluster_resources())} in all "
-                f"(at most {_resources(largest)} on one node), {_resources(ray.available_resources())} free: lower "
-                "features.engine.worker_cpus or worker_gpus, or add nodes")  # fmt: skip
+        has = f"{_resources(ray.cluster_resources())} in all (at most {_resources(largest)} on one node)"
+        free = _resources(ray.available_resources())
+        advice = "lower features.engine.worker_cpus or worker_gpus, or add nodes"
+        return f"it asks for {_resources(asked)}; the cluster has {has}, {free} free: {advice}"
 
     async def _answer(self, slot: Slot, send, setting: str, sent=None):
-        """The answer of the worker in `slot` to the call `send()` (an ObjectRef; `sent`: its first, already sent).
-        Ray's word that the actor is briefly unreachable is no answer and no death: the call is sent again. NoAnswer
-        when the worker has answered nothing at all for `settings.<setting>` seconds: time it spent on its
-        earlier requests does not count."""
+        """The answer of `slot`'s worker to `send()` (`sent`: its first call, already sent), sent again while Ray finds
+        the worker briefly unreachable; NoAnswer once the worker has answered nothing for `settings.<setting>` s."""
         limit = getattr(self.settings, setting)
         since = time.monotonic()
         answer = _future(send() if sent is None else sent)
@@ -534,7 +503,8 @@ class FeaturePool:
             slot = min(free, key=lambda s: (len(s.inflight), s.index))
             seq = next(self.sequence)
             slot.inflight[seq] = request
-            call = Computation(slot.handle, self.splits[request.split][request.ids]["input_ids"])
+            rows = self.splits[request.split][request.ids]["input_ids"]
+            call = Computation(slot.handle, rows, self._key(request, seq))
             record = call.send()  # here, not in the task: a worker computes its requests in the order they are sent
             self._task(self._receive(slot, slot.incarnation, seq, request, call, record))
 
@@ -543,19 +513,26 @@ class FeaturePool:
             done = await self._answer(slot, call.send, "request_timeout_s", sent=record)
         except (NoAnswer, RayActorError) as e:  # hung, or died
             if incarnation == slot.incarnation:
-                self._lost(slot, str(e) if isinstance(e, NoAnswer) else _last_line(e))
+                self._lost(slot, _last_line(e))
         except Exception as e:  # noqa: BLE001 - the worker's own error (RayTaskError): it would fail again
-            self._fail(
-                f"inference worker {slot.index} failed on samples {request.ids[:4]} of {request.split}: {_last_line(e)}"
-            )
+            samples = f"samples {request.ids[:4]} of {request.split}"
+            self._fail(f"inference worker {slot.index} failed on {samples}: {_last_line(e)}")
         else:
             slot.inflight.pop(seq, None)
             if not request.done:
                 request.done = True
-                self.parts[request.owner].refs[request.group] = call.features
+                part, transport = self.parts[request.owner], self.settings.transport
+                if call.key is None:  # through Ray's store
+                    part.refs[request.group] = call.features
+                else:
+                    part.refs[request.group] = transport.handle(call.key, call.features)
+                    if transport.holds_until_consumed:
+                        self.stored[call.key] = part
                 self.counts["produced_samples"] += len(request.ids)
                 slot.samples += len(request.ids)
                 slot.busy_s += done["seconds"]
+            elif call.key is not None:  # computed twice: the first copy is the one handed out
+                self.settings.transport.free([call.key])
         self._pump()
         await self._notify()
 
@@ -563,25 +540,31 @@ class FeaturePool:
         """A worker died or hung: its requests go back to the head of the queue, a new worker takes its place."""
         if self.error is not None:  # a pool that has failed, or was closed, replaces no one
             return
-        for request in slot.inflight.values():
+        written = []  # keys it may have written features under before it died
+        for seq, request in slot.inflight.items():
             if not request.done:
                 self._queue(request)
                 self.counts["requeued"] += len(request.ids)
+                if (key := self._key(request, seq)) is not None:
+                    written.append(key)
         slot.inflight.clear()
         slot.incarnation += 1
         slot.restarts += 1
         self.counts["worker_restarts"] += 1
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(slot.handle, no_restart=True)  # a hung worker holds its resources until killed
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        self.settings.transport.free(written)
         if slot.restarts > self.settings.max_restarts:
             limit = f"features.engine.max_restarts={self.settings.max_restarts}"
-            self._fail(
-                f"inference worker {slot.index} died {slot.restarts} times, more than {limit}; the last time: {cause}"
-            )
+            died = f"inference worker {slot.index} died {slot.restarts} times"
+            self._fail(f"{died}, more than {limit}; the last time: {cause}")
             return
-        self._spawn(slot)
+        slot.handle = spawn_worker(self.settings, self.kind, self.spec)
+        self._place(slot)
+
+    def _key(self, request: Request, seq: int) -> str | None:
+        """A training request's key in the store; held-out asks have none: they travel outside the store's budget."""
+        return f"{self.prefix}/{seq}" if request.split == "train" else None
 
     # ------------------------------------------------------------ waiting
 

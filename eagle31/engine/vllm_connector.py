@@ -1,21 +1,6 @@
-"""The hidden-states connector vLLM's `extract_hidden_states` method hands its captures to (`eagle31.engine.vllm_engine`).
-
-Loaded by vLLM itself, never by the rest of eagle31 (it imports vLLM): the engine is started with
-
-    kv_transfer_config={"kv_connector": "HiddenStatesToFiles", "kv_connector_module_path": "eagle31.engine.vllm_connector",
-                        "kv_role": "kv_producer", "kv_connector_extra_config": {"hidden_states_dir": <dir>}}
-
-With `extract_hidden_states`, vLLM's target forward keeps the hidden states of the requested layers in a
-cache-only attention layer, one cache slot per prompt token (`[num_blocks, n, block_size, Ht]`). When a request
-finishes, the scheduler side asks to keep its blocks (`request_finished`), the worker side reads its slots out,
-writes them as one safetensors file, `<dir>/<request id>.safetensors` (`hidden_states [T, n, Ht]`; its metadata's
-`layer_ids`: the layers as the engine's configuration resolved them, read in the engine's own process), and then
-lets the blocks go. The file appears by an atomic rename, so a reader that sees it sees all of it.
-
-Why our own and not vLLM's `ExampleHiddenStatesConnector`: that one copies on a CUDA stream into pinned memory
-(it cannot run on vLLM's CPU build) and signals a finished write with a flock beside each file. This one copies
-synchronously (the copy is small beside the target's forward) and needs no lock. Only tensor-parallel rank 0
-writes. The directory is meant to be memory (`/dev/shm`): the reader deletes each file once read.
+"""The KV connector vLLM's `extract_hidden_states` hands its captures to: one safetensors file per finished request
+(docs/engine.md, vLLM as the engine). Loaded by vLLM itself (`eagle31.engine.vllm_engine` names it), never by the rest
+of eagle31.
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
-"""The target's features computed by a vLLM engine: `extract_hidden_states` with our connector (`eagle31.engine.vllm_connector`).
-
-`VLLMFeatures(target_dir, aux_layer_ids, ...)` starts one `vllm.LLM` on the target with speculative method
-`extract_hidden_states` and asks it, for each row of token ids, for a one-token generation; the engine's forward over
-the prompt keeps the hidden states of the requested layers and our connector hands them over as one file per
-request, in memory (`/dev/shm` where it exists), deleted once read. `features(token_rows)` returns what
-`eagle31.data.capture.target_forward` returns for the HF target, row by row: `(aux [T, n*Ht], final [T, Ht])`.
-
-Each file names the layers it holds as the engine's own configuration resolved them (the connector reads it in the
-engine's process); an answer from other layers than asked is refused, and `answer` hands them out for a worker to
-describe itself by. The files of the rows asked together exist at once (a 64k-token Kimi K2.6 group: about
-3.7 GB; a container's /dev/shm is 64 MB by default), so the rows go to the engine in parts that fit the space
-free there, and a row that alone does not fit is refused in one line when the engine starts.
-
-The two conventions line up without a shift: vLLM's layer id `k` is the state entering decoder layer `k` (its
-Llama/DeepSeek forwards record `hidden + residual` after layer `k-1`), which is docs/design.md's aux id `k`. vLLM
-gives no post-norm state, so the engine is also asked for id `L` (the last layer's output, before the final norm)
-and `final = norm(h_L)` is computed here with the target's own final RMSNorm weight and eps, read from its
-checkpoint, in the target's dtype as transformers computes it. The engine arguments that make the capture
-(the speculative and KV-transfer configs, no tokenizer, no prefix cache) are eagle31's; the others
-(`engine_args`) are the caller's.
+"""The target's features computed by a vLLM engine: `extract_hidden_states` with our connector
+(`eagle31.engine.vllm_connector`), one file per row in memory, `final` normed here (docs/engine.md, vLLM as the engine).
 
 Imports vLLM when built, not when imported: the rest of eagle31 never needs it.
 """
@@ -76,13 +57,10 @@ def check_vllm(connector: tuple[str, str] = CONNECTOR) -> str:
     if installed is None:
         raise ConfigError("features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')")
     if tuple(int(p) for p in installed.split(".")[:2] if p.isdigit()) < MIN_VLLM:
-        raise ConfigError(
-            f"vLLM {installed} is too old for extract_hidden_states: eagle31 needs vLLM >= {'.'.join(map(str, MIN_VLLM))}"
-        )
-    if not has_module("vllm.v1.spec_decode.extract_hidden_states"):
-        raise ConfigError(
-            f"vLLM {installed} has no extract_hidden_states speculative method (vllm.v1.spec_decode.extract_hidden_states)"
-        )
+        least = ".".join(map(str, MIN_VLLM))
+        raise ConfigError(f"vLLM {installed} is too old for extract_hidden_states: eagle31 needs vLLM >= {least}")
+    if not has_module(method := "vllm.v1.spec_decode.extract_hidden_states"):
+        raise ConfigError(f"vLLM {installed} has no extract_hidden_states speculative method ({method})")
     module, name = connector
     try:
         found = hasattr(importlib.import_module(module), name)
@@ -105,7 +83,7 @@ def _size(n: float) -> str:
 
 def fitting_parts(row_bytes: Sequence[int], free: int) -> list[range]:
     """Consecutive parts of the rows whose files together take at most `SHM_SHARE` of `free` bytes (a row too big
-    alone makes a part of its own: the engine's start refuses such rows, `check_room`)."""
+    alone is a part of its own: `check_room` refuses such rows when the engine starts)."""
     parts, start, taken = [], 0, 0
     for i, n in enumerate(row_bytes):
         if i > start and taken + n > free * SHM_SHARE:
@@ -136,6 +114,7 @@ class Answer(NamedTuple):
 def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
     """The target's final RMSNorm (weight and eps from its checkpoint and config), in `dtype`."""
     weight = read_target_tensor(target_dir, FINAL_NORM_NAMES)
+    assert weight is not None  # required: a missing one raises
     norm = RMSNorm(weight.shape[0], float(text_config(load_target_config(target_dir)).get("rms_norm_eps", 1e-6)))
     with torch.no_grad():
         norm.weight.copy_(weight)
@@ -143,7 +122,8 @@ def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
 
 
 class VLLMFeatures:
-    """A vLLM engine on the target whose answers are the target's features (see the module docstring)."""
+    """A vLLM engine on the target whose answers are the target's features; `engine_args`: the caller's, beside the
+    capture's own. kv_cache_bytes: the engine's cache (None: vLLM's default share, on CPU most of the RAM)."""
 
     def __init__(
         self,
@@ -155,21 +135,17 @@ class VLLMFeatures:
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
-        kv_cache_bytes: int
-        | None = None,  # the engine's cache; None: vLLM's default share of the device (on CPU: most of the RAM)
+        kv_cache_bytes: int | None = None,
         connector: tuple[str, str] = CONNECTOR,
         wait_s: float = 120.0,
         engine_args: dict | None = None,
     ):
         self.version = check_vllm(connector)
         self.target_dir = Path(target_dir)
-        num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
-        self.num_layers = num_layers
-        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not all(
-            0 <= i < num_layers for i in self.aux_layer_ids
-        ):
-            raise ConfigError(f"aux layer ids {list(self.aux_layer_ids)} must be increasing, in [0, {num_layers})")
+        self.num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
+        self.aux_layer_ids = ids = tuple(int(i) for i in aux_layer_ids)
+        if list(ids) != sorted(set(ids)) or not all(0 <= i < self.num_layers for i in ids):
+            raise ConfigError(f"aux layer ids {list(ids)} must be increasing, in [0, {self.num_layers})")
         self.dtype = getattr(torch, dtype)
         self.norm = final_norm(self.target_dir, self.dtype)
         self.wait_s = wait_s
@@ -183,14 +159,11 @@ class VLLMFeatures:
             "dtype": dtype,  # the target's: the features are trained on in it
             "skip_tokenizer_init": True,  # token ids in, hidden states out: no text either way
             "enable_prefix_caching": False,  # every prompt's states come from its own forward
-            "max_model_len": max_prompt_len
-            + 2,  # the prompt, the one token generated and extract_hidden_states' one draft
+            "max_model_len": max_prompt_len + 2,  # the prompt, the token generated, extract_hidden_states' one draft
             "speculative_config": {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [*self.aux_layer_ids, num_layers]}
-                },
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*ids, self.num_layers]}},
             },
             "kv_transfer_config": {
                 "kv_connector": name,
@@ -201,11 +174,12 @@ class VLLMFeatures:
         }
         taken = sorted(set(capture) & set(engine_args or {}))
         if taken:
-            raise ConfigError(
-                f"vLLM engine arguments {taken} are eagle31's to set for the capture; leave them out of features.engine.vllm_args"
-            )
-        settings = {"trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
-                    "enforce_eager": enforce_eager, **({} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes})}  # fmt: skip
+            leave = "leave them out of features.engine.vllm_args"
+            raise ConfigError(f"vLLM engine arguments {taken} are eagle31's to set for the capture; {leave}")
+        settings = {"trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size}
+        settings["enforce_eager"] = enforce_eager
+        if kv_cache_bytes is not None:
+            settings["kv_cache_memory_bytes"] = kv_cache_bytes
         from vllm import LLM
 
         self.llm = LLM(**{**settings, **(engine_args or {}), **capture})
@@ -216,16 +190,11 @@ class VLLMFeatures:
         out = []
         for answer, row in zip(self.answer(token_rows), token_rows):
             states, n = answer.states, len(self.aux_layer_ids)
-            if (
-                answer.layer_ids != asked
-                or tuple(states.shape) != (len(row), n + 1, self.hidden_size)
-                or states.dtype != self.dtype
-            ):
-                expected = f"{(len(row), n + 1, self.hidden_size)} {self.dtype} of layers {list(asked)}"
-                raise RuntimeError(
-                    f"vLLM gave hidden states {tuple(states.shape)} {states.dtype} of layers {list(answer.layer_ids)} "
-                    f"for a {len(row)}-token prompt; expected {expected} (the aux ids and the last layer)"
-                )
+            shape = (len(row), n + 1, self.hidden_size)
+            if answer.layer_ids != asked or tuple(states.shape) != shape or states.dtype != self.dtype:
+                gave = f"{tuple(states.shape)} {states.dtype} of layers {list(answer.layer_ids)}"
+                expected = f"{shape} {self.dtype} of layers {list(asked)} (the aux ids and the last layer)"
+                raise RuntimeError(f"vLLM gave hidden states {gave} for a {len(row)}-token prompt; expected {expected}")
             aux = states[:, :n].reshape(len(row), n * self.hidden_size)
             with torch.no_grad():
                 final = self.norm(states[:, n])

@@ -1,21 +1,8 @@
-"""Inference workers: what computes the target's features in `features.mode=engine`.
+"""Inference workers: what computes the target's features in `features.mode=engine` and data_prep/capture.py.
 
-An `InferenceWorker` is built from a `WorkerSpec` inside a Ray actor (`eagle31.engine.pool` wraps
-it) and answers two calls: `describe()`, what it computes and the target it computes it with, as its
-own node sees `spec.target_dir` (checked against the recipe before any training: `expected_info`,
-`worker_mismatch`), read off the engine as it runs (the layers its hooks or vLLM's configuration
-resolved, the dtype of an answer), never copied from the spec; and `features(token_rows)`, the aux
-and final hidden states of each row of token ids, `[T, n*Ht]` and `[T, Ht]` in the target's dtype, on
-the CPU, each in a storage of its own (Ray ships a tensor's whole storage: a view into the padded
-batch would carry the batch).
-
-`HFInferenceWorker` holds the Hugging Face target and runs `eagle31.data.capture.target_forward`,
-the code of `features.mode=online`: given the rows of one length-sorted group it runs exactly the
-forward the trainer would have run itself. `VLLMInferenceWorker` holds a vLLM engine on the target
-(`eagle31.engine.vllm_engine`: `extract_hidden_states`, tensor parallel over the worker's GPUs), whose
-own kernels and batching compute the same tensors within floating-point tolerance. Another engine is
-one more class with these two methods and a line in `WORKERS`. data_prep/capture.py runs a worker of
-the same kinds outside Ray to fill the shard store.
+A worker describes what it computes, read off the engine as it runs (never copied from its spec), and computes the
+features of rows of token ids: the HF target as `features.mode=online` does, or a vLLM engine. Another engine is one
+more class with these two methods and a line in `WORKERS`.
 """
 
 from __future__ import annotations
@@ -32,12 +19,10 @@ from eagle31.target import TargetFeatures, load_target, target_fingerprints
 
 
 class EngineWorker(StrEnum):
-    """What computes the features in `features.mode=engine` and in data_prep/capture.py (`eagle31.engine.worker`)."""
+    """What computes the features in `features.mode=engine` and in data_prep/capture.py."""
 
     hf = "hf"  # the Hugging Face target, as online features compute them
-    vllm = (
-        "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states (eagle31.engine.vllm_engine)
-    )
+    vllm = "vllm"  # a vLLM engine (>= 0.22, installed beside eagle31): extract_hidden_states
 
 
 @dataclass(frozen=True)
@@ -90,22 +75,20 @@ FINGERPRINTS = {"target_fingerprint": "weights or config differ", "tokenizer_fin
 
 def expected_info(target_dir, aux_layer_ids: Sequence[int], hidden_size: int, dtype: str) -> dict:
     """What every worker's `describe()` must say for a recipe, the fingerprints of `target_dir` as this node sees it."""
-    return {"aux_layer_ids": tuple(int(i) for i in aux_layer_ids), "hidden_size": int(hidden_size), "dtype": str(dtype),
-            **target_fingerprints(target_dir)}  # fmt: skip
+    ids, dtype = tuple(int(i) for i in aux_layer_ids), str(dtype)
+    return {"aux_layer_ids": ids, "hidden_size": int(hidden_size), "dtype": dtype, **target_fingerprints(target_dir)}
 
 
 def worker_mismatch(info: WorkerInfo, expected: dict, target_dir) -> str | None:
-    """What in `info` differs from `expected` (`expected_info`, or some of its keys), as the end of one line
-    that begins with the worker's name; None when nothing does. `target_dir`: the recipe's target."""
+    """What in `info` differs from `expected` (`expected_info`, or some of its keys), as the end of a line that
+    begins with the worker's name; None when nothing does. `target_dir`: the recipe's target."""
     differ = []
     for name, want in expected.items():
         got = getattr(info, name)
-        if got == want:
-            continue
-        if name in FINGERPRINTS:
-            differ.append(f"runs a target whose {FINGERPRINTS[name]} from the recipe's target {target_dir} "
-                          f"(fingerprint {got[:12]}..., expected {want[:12]}...)")  # fmt: skip
-        else:
+        if got != want and name in FINGERPRINTS:
+            target = f"a target whose {FINGERPRINTS[name]} from the recipe's target {target_dir}"
+            differ.append(f"runs {target} (fingerprint {got[:12]}..., expected {want[:12]}...)")
+        elif got != want:
             differ.append(f"computes {name} {got}, the recipe asks for {want}")
     return "; ".join(differ) or None
 
@@ -116,7 +99,8 @@ class InferenceWorker(Protocol):
     def describe(self) -> WorkerInfo: ...
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, each tensor in its own storage."""
+        """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype, each tensor in its
+        own storage (Ray ships a tensor's whole storage: a view into the padded batch would carry the batch)."""
         ...
 
 
@@ -144,8 +128,9 @@ class HFInferenceWorker:
     def describe(self) -> WorkerInfo:
         """The aux ids the installed hooks keep (a forward shows which states), the lm_head's width and dtype."""
         head = self.model.get_output_embeddings().weight  # [V, Ht]
-        return WorkerInfo(self.kind, self.hooks.resolved_layer_ids(), int(head.shape[1]), str(head.dtype).removeprefix("torch."),
-                          str(self.device), **target_fingerprints(self.spec.target_dir))  # fmt: skip
+        width, dtype = int(head.shape[1]), str(head.dtype).removeprefix("torch.")
+        fingerprints = target_fingerprints(self.spec.target_dir)
+        return WorkerInfo(self.kind, self.hooks.resolved_layer_ids(), width, dtype, str(self.device), **fingerprints)
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with self.hooks as feats:
@@ -154,8 +139,7 @@ class HFInferenceWorker:
 
 
 class VLLMInferenceWorker:
-    """A vLLM engine on the target, tensor parallel over the worker's GPUs (or on its CPUs): vLLM's forward, its
-    hidden states through `extract_hidden_states` (`eagle31.engine.vllm_engine.VLLMFeatures`)."""
+    """A vLLM engine on the target (`eagle31.engine.vllm_engine`), tensor parallel over the worker's GPUs or on CPUs."""
 
     kind = "vllm"
 
@@ -176,15 +160,14 @@ class VLLMInferenceWorker:
         )
 
     def describe(self) -> WorkerInfo:
-        """What the engine computes, read off its answer for a two-token row: the aux ids of the layers vLLM resolved
-        (its configuration in the engine's process, which the connector records with each answer), the width and
-        dtype of the states."""
+        """What the engine computes, read off its answer for a two-token row: the layers vLLM resolved (the connector
+        records them), the width and dtype of the states."""
         answer = self.engine.answer([[1, 2]])[0]
         ids = answer.layer_ids  # the aux ids, then the last layer (`final` is its output, normed here)
         aux_ids = ids[:-1] if ids[-1:] == (self.engine.num_layers,) else ids
-        device = "cuda" if self.spec.gpus > 0 else "cpu"
-        return WorkerInfo(self.kind, aux_ids, int(answer.states.shape[2]), str(answer.states.dtype).removeprefix("torch."), device,
-                          **target_fingerprints(self.spec.target_dir))  # fmt: skip
+        width, dtype = int(answer.states.shape[2]), str(answer.states.dtype).removeprefix("torch.")
+        device, fingerprints = "cuda" if self.spec.gpus > 0 else "cpu", target_fingerprints(self.spec.target_dir)
+        return WorkerInfo(self.kind, aux_ids, width, dtype, device, **fingerprints)
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.engine.features(token_rows)  # fresh CPU tensors, one storage each

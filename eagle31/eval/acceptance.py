@@ -209,6 +209,7 @@ class AcceptanceConfig(EvalArgs):
     target: str  # HF model directory (weights + tokenizer)
     data: str  # `[label=]file,...`: JSONL prompt files, one per split, or a folder of them
     k: int = 3  # draft tokens per round (chain)
+    drafting: str = "auto"  # chain | parallel (P-EAGLE, one forward a round) | auto: each drafter's own
     tree_top_k: int | None = None  # set all three tree_* for EAGLE-2 draft trees instead of a chain
     tree_depth: int | None = None
     tree_total_tokens: int | None = None
@@ -224,6 +225,8 @@ class AcceptanceConfig(EvalArgs):
 
     def __post_init__(self) -> None:
         check_positive(self, ("k", "max_new_tokens", "max_prompts"))
+        if self.drafting not in DRAFTING:
+            raise ConfigError(f"drafting must be one of {list(DRAFTING)}, got {self.drafting!r}")
         tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
         self.check_paths()
 
@@ -234,6 +237,16 @@ class AcceptanceConfig(EvalArgs):
     @property
     def splits(self) -> dict[str, str]:
         return labelled_paths("data", self.data)
+
+
+DRAFTING = ("auto", "chain", "parallel")
+
+
+def check_drafting(drafter_config, drafting: str, label: str) -> None:
+    """A parallel drafter drafts in parallel, a chain drafter in chains (trees too): refuse another mode in one line."""
+    own = "parallel" if drafter_config.parallel_drafting else "chain"
+    if drafting not in ("auto", own):
+        raise ConfigError(f"drafter {label} is a {own} drafter: it cannot draft with drafting={drafting}")
 
 
 def check_positive(config: Any, names: Sequence[str]) -> None:
@@ -309,6 +322,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     traces: dict[tuple, list[GreedyTrace]] = {}  # (split, aux layer ids) -> one trace per prompt
     results = []
     for label, drafter in drafters.items():
+        check_drafting(drafter.config, config.drafting if tree is None else "chain", label)
         drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux = tuple(drafter.config.aux_layer_ids)
         for split, prompts in splits.items():
@@ -332,7 +346,7 @@ def report_settings(config: AcceptanceConfig) -> dict[str, Any]:
     """The settings of `config`'s report: the drafters, and what must match for two reports' tau to compare."""
     tree = config.tree
     return config.settings(
-        data={split: portable_path(p) for split, p in config.splits.items()}, mode="tree" if tree else "chain",
+        data={split: portable_path(p) for split, p in config.splits.items()}, mode="tree" if tree else config.drafting,
         k=None if tree else config.k, tree=asdict(tree) if tree else None, max_new_tokens=config.max_new_tokens,
         max_prompts=config.max_prompts, verification=str(config.verification),
     )  # fmt: skip

@@ -122,7 +122,10 @@ class EagleProposer:
 
     @torch.no_grad()
     def draft_chain(self, k: int) -> torch.Tensor:
+        """[k] target ids: a chain drafter's greedy continuation, a parallel drafter's (`draft_parallel`)."""
         self._check_ready()
+        if self.drafter.config.parallel_drafting:
+            return self.draft_parallel(k)
         out, keys, values = self.drafter.read_out(self.root), self.keys, self.values
         drafts = []
         for step in range(1, k + 1):
@@ -141,10 +144,35 @@ class EagleProposer:
         return torch.cat(drafts, dim=1)[0]
 
     @torch.no_grad()
+    def draft_parallel(self, k: int) -> torch.Tensor:
+        """[k] target ids from one forward, as vLLM's parallel drafting: the root's draft, then the k - 1 mask slots
+        at positions n .. n + k - 2 (`Eagle31Drafter.mask_slots`), each over the step-0 keys and the slots up to it."""
+        root = self.drafter.read_out(self.root)
+        first = self.drafter.draft_to_target(self.drafter.lm_head(root.state).argmax(-1))  # [1, 1]
+        if k == 1:
+            return first[0]
+        feature, tokens = self.drafter.mask_slots((1, k - 1), first.device)
+        positions = self.length + torch.arange(k - 1, device=first.device)[None]  # slot i at (n - 1) + i
+        q, key, value, residual = self.drafter.step_qkv(feature, tokens, positions)
+        keys, values = torch.cat([self.keys, key], dim=1), torch.cat([self.values, value], dim=1)
+        slots = list(range(1, k))
+        allowed = self._visible(slots, slots)
+        attn = _attend(q, keys, values, allowed)
+        out = self.drafter.step_output(residual, attn)
+        for i in slots:  # each slot as the step of its depth
+            at = slice(i - 1, i)
+            if self.probe is not None:
+                step = DraftStep(out.hidden[:, at], out.state[:, at], out.feature[:, at])
+                self.probe.observe(feature[:, at], step, q[:, at], keys, values, allowed[:, at], attn[:, at], chain=i)
+        return torch.cat([first, self.drafter.draft_to_target(self.drafter.lm_head(out.state).argmax(-1))], dim=1)[0]
+
+    @torch.no_grad()
     def draft_tree(self, spec: TreeSpec) -> DraftTree:
         """EAGLE-2 expansion and reranking. Candidates are kept in creation order (parents first); each remembers the
         next-step feature of the drafter output that proposed it, which it reads when expanded."""
         self._check_ready()
+        if self.drafter.config.parallel_drafting:
+            raise ValueError("a parallel drafter drafts its k tokens in one forward, not trees: draft chains with it")
         if spec.top_k > self.drafter.config.draft_vocab_size:
             raise ValueError(
                 f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"

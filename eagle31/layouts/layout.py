@@ -18,6 +18,8 @@ NATIVE_PREFIX = "midlayer."  # eagle31's (= the EAGLE-3 HF layout's) name of the
 VLLM_PREFIX = "layers.0."  # vLLM's own name of it
 # the decoder layer's names that vLLM's EAGLE-3 loaders read (they rename midlayer.* to layers.0.*)
 DECODER_LAYER_PREFIXES = (NATIVE_PREFIX, VLLM_PREFIX)
+# where vLLM's parallel drafting finds a drafter's mask token (llm_base_proposer.py, the order it reads them in)
+MASK_TOKEN_FIELDS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 # rope types whose frequencies read max_position_embeddings when original_max_position_embeddings is absent
 _ROPE_TYPES_READING_MAX_POSITIONS = ("llama3", "yarn", "dynamic", "longrope")
 
@@ -138,6 +140,9 @@ def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
     }
     if config.target_hidden_size != config.hidden_size:
         eagle["target_hidden_size"] = config.target_hidden_size
+    if config.parallel_drafting:  # vLLM's parallel drafting reads its mask token here (its mask_hidden: a weight):
+        # 0.33 (and speculators) as mask_token_id, 0.22 only as pard_token
+        eagle["mask_token_id"] = eagle["pard_token"] = config.mask_token_id
     return eagle
 
 
@@ -179,7 +184,10 @@ def read_eagle(meta: dict[str, Any], layer: dict[str, Any], switch_defaults: dic
     switches = {name: bool(meta.get(name, switch_defaults.get(name, False))) for name in SWITCHES}
     if "norm_before_fc" in nested:
         switches["norm_before_fc"] = bool(nested["norm_before_fc"])
+    mask = next((meta[k] for k in MASK_TOKEN_FIELDS if meta.get(k) is not None), None)
     return dict(
+        parallel_drafting=mask is not None,
+        mask_token_id=mask,
         draft_vocab_size=meta.get("draft_vocab_size") or layer["vocab_size"],  # vLLM's default
         target_hidden_size=meta.get("target_hidden_size") or layer["hidden_size"],
         aux_layer_ids=tuple(int(i) for i in ids),

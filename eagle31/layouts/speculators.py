@@ -10,7 +10,8 @@ from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.layouts.layout import VLLM_PREFIX, Layout, eagle_fields, layer_fields, provenance, read_eagle, read_layer
 
-ARCHITECTURE = "Eagle3Speculator"
+# speculators' model type and architecture of a chain drafter and of a parallel one (P-EAGLE)
+MODEL_TYPES = {False: ("eagle3", "Eagle3Speculator"), True: ("peagle", "PEagleSpeculator")}
 LAYER_MODEL_TYPES = ("llama", "qwen3")  # the layers vLLM's speculators reader maps
 THREE_ONE_FLAGS = ("fc_norm", "norm_output")  # the switches vLLM 0.22 reads from transformer_layer_config only
 
@@ -53,11 +54,12 @@ class SpeculatorsLayout(Layout):
     ) -> dict[str, Any]:  # fmt: skip
         layer = {**layer_fields(config, dtype, trained_context), "num_aux_hidden_states": config.num_aux,
                  **{name: getattr(config, name) for name in THREE_ONE_FLAGS}}  # fmt: skip
+        model_type, architecture = MODEL_TYPES[config.parallel_drafting]
         return {
-            "architectures": [ARCHITECTURE],
-            "speculators_model_type": "eagle3",
+            "architectures": [architecture],
+            "speculators_model_type": model_type,
             "speculators_config": {
-                "algorithm": "eagle3",
+                "algorithm": model_type,
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
@@ -73,7 +75,7 @@ class SpeculatorsLayout(Layout):
         return methods[0]["speculative_tokens"] if methods else None
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
-        if meta.get("speculators_model_type") != "eagle3":
+        if meta.get("speculators_model_type") not in {t for t, _ in MODEL_TYPES.values()}:
             raise ConfigError(
                 f"speculators_model_type={meta.get('speculators_model_type')!r} is not an EAGLE-3 drafter"
             )

@@ -39,6 +39,7 @@ def test_the_gpu_plan_reads_its_runs_from_the_recipes():
     assert any(f"shape={kimi}" in a and "T=65536" in a and "ckpt=true" in a for a in runs)
     assert any(f"shape={kimi}" in a and "T=16384" in a and "ckpt=false" in a and "peer=speculators" in a for a in runs)
     assert any("shape=llama31_8b" in a and "T=4096" in a for a in runs)
+    assert any("shape=llama31_8b" in a and "parallel=true" in a for a in runs)  # a P-EAGLE drafter's step
     smaller = [p.args for p in gpu_check.plan(smoke=False, gpu_memory_gib=40) if p.kind == "benchmark"]
     assert any("T=16384" in a and "ckpt=true" in a for a in smaller)  # checkpointing where the GPU needs it
     if mla:
@@ -210,7 +211,7 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     parts = summary["parts"]
-    assert [p["status"] for p in parts.values()] == ["pass"] * 6, parts
+    assert [p["status"] for p in parts.values()] == ["pass"] * 7, parts
     assert all(s["passed"] for s in parts["memory"]["memory_shapes"].values())
     assert parts["environment"]["torch"] == torch.__version__
     assert all(s["status"] == "pass" for s in parts["attention"]["shapes"].values())
@@ -219,6 +220,7 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert parts["sequence parallel"]["loss_relative_difference"] == 0
     bench = parts["benchmark tiny T=128"]
     assert bench["runs"]["eagle31"]["step_s"] > 0 and bench["flops_per_step"] > 0
+    assert parts["benchmark tiny parallel T=128"]["runs"]["eagle31"]["step_s"] > 0  # a parallel drafter trains
     assert "| tiny | 128 | 2 | no |" in (out / "summary.md").read_text()
 
     doc = tmp_path / "performance.md"

@@ -23,6 +23,7 @@ from tests.peers import vllm_cpu_python
 from tests.tiny_targets import VLLM_CPU_LLAMA, save_chat_target
 
 ROOT = Path(__file__).resolve().parents[2]
+PARALLEL = ("drafter.parallel_drafting=true", "train.down_sample_ratio=0.7", "train.ttt_decay=null")
 
 
 def train(out: Path, target: Path, chats: Path, prompts: Path, *overrides: str) -> Path:
@@ -69,13 +70,15 @@ def served(llama_tok, chats, tmp_path_factory):
     runs = {
         "reduced": train(work / "reduced", target, chats, prompts, "drafter.draft_vocab_size=128"),
         "full": train(work / "full", target, chats, prompts, f"drafter.draft_vocab_size={len(llama_tok)}"),
+        # P-EAGLE: served with vLLM's parallel drafting, drafted by eagle31 in one forward a round
+        "parallel": train(work / "parallel", target, chats, prompts, *PARALLEL, "drafter.draft_vocab_size=128"),
     }
     return measure_runs(runs, ["eagle3", "speculators"], timeout_s=900, log=lambda _: None)
 
 
 @pytest.mark.slow  # two short trainings (~30 s each) and a vLLM process serving four exports (~90 s)
 def test_vllm_counts_what_eagle31_reports_for_every_export(served):
-    assert [r["run"] for r in served] == ["reduced", "full"]
+    assert [r["run"] for r in served] == ["reduced", "full", "parallel"]
     for run in served:
         assert run["vllm_version"] == "0.32.0" and run["k"] == 3 and run["max_new_tokens"] == 32
         assert set(run["formats"]) == {"eagle3", "speculators"}, run["formats"]

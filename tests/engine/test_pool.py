@@ -1,6 +1,8 @@
 """The feature pool on a local Ray cluster: the loader's batches, bit-identical to online features, whichever
 worker computed what; backpressure, a pool smaller than a micro-batch included; a killed worker, a hung one and one
-briefly unreachable (nothing lost, nothing repeated); failures in one line; a rank's bounded wait."""
+briefly unreachable (nothing lost, nothing repeated); failures in one line; a rank's bounded wait. The features
+travel through Ray's store or a Mooncake store (`transport`: a master this module starts, stopped at its end), and
+the guarantees are the same."""
 
 from __future__ import annotations
 
@@ -18,10 +20,17 @@ from eagle31.engine import features
 from eagle31.engine.cluster import actor_runtime_env
 from eagle31.engine.features import EngineFeatures, FeatureEngine, close_pool, pool_actor
 from eagle31.engine.pool import PoolSettings
+from eagle31.engine.transport import (
+    MooncakeClient,
+    ObjectStoreTransport,
+    mooncake_master,
+    segment_bytes,
+)
 from eagle31.engine.worker import HFInferenceWorker, WorkerSpec, expected_info
 from eagle31.errors import EngineError
 from eagle31.target import load_target
-from tests.engine.workers import FaultyWorker, RaisingWorker, SilentPool, UndescribedWorker
+from tests.engine.workers import FaultyWorker, RaisingWorker, ReadKeysMooncake, SilentPool, UndescribedWorker
+from tests.peers import mooncake_store
 from tests.tiny_targets import prepared_split, tiny_llama
 
 # each test starts a pool and its workers: 10-40 s on 2 cores (the first also starts the session's Ray cluster)
@@ -38,6 +47,36 @@ def target_dir(tmp_path_factory, llama_tok) -> Path:
     tiny_llama(seed=0).save_pretrained(path)
     llama_tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def mooncake_address(ray_cluster):
+    """A Mooncake master for this module's pools, stopped at the module's end (and by the kernel with this process)."""
+    mooncake_store()
+    with mooncake_master(ray_cluster.util.get_node_ip_address(), "tcp") as address:
+        yield address
+
+
+@pytest.fixture(params=["ray", "mooncake"])
+def transport(request):
+    """How the training features travel: Ray's store, or the module's Mooncake store (its smallest segment)."""
+    if request.param == "ray":
+        yield ObjectStoreTransport()
+        return
+    carrier = ReadKeysMooncake(request.getfixturevalue("mooncake_address"), segment_bytes(0, 0))
+    yield carrier
+    carrier.close()
+
+
+def assert_read_keys_were_removed(transport, stats, pool_tokens) -> None:
+    """transport=mooncake: every key a rank read is gone from the store, and the budget held what was stored."""
+    if isinstance(transport, ReadKeysMooncake):
+        assert transport.read and stats["held_tokens"] <= pool_tokens
+        client = MooncakeClient(transport.address, transport.address.master.rpartition(":")[0])
+        try:
+            assert not [key for key in transport.read if client.exists(key)]
+        finally:
+            client.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +100,15 @@ def make_pool(
     worker_cpus=0.5,
     request_timeout_s=60.0,
     placement_timeout_s=60.0,
+    transport=None,
 ):
-    """recipe_target: the target the trainer expects (default: the workers' `target_dir`)."""
+    """recipe_target: the target the trainer expects (default: the workers' `target_dir`); transport: how the
+    training features travel (default Ray's store)."""
     settings = PoolSettings(
         prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
         pool_tokens=pool_tokens, max_restarts=max_restarts, request_timeout_s=request_timeout_s, load_timeout_s=60.0,
         placement_timeout_s=placement_timeout_s, worker_options={"num_cpus": worker_cpus}, **LOADER,
+        transport=transport or ObjectStoreTransport(),
     )  # fmt: skip
     spec = WorkerSpec(str(target_dir), "float32", None, False, AUX, BATCH_TOKENS, threads=1, gpus=0)
     expected = (
@@ -77,15 +119,14 @@ def make_pool(
     return pool_actor(settings, kind, spec, expected)
 
 
-def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1):
-    return FeatureEngine(
-        pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX, "float32"
-    )
+def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1, transport=None):
+    return FeatureEngine(pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX,
+                         "float32", transport)  # fmt: skip
 
 
 def make_engine(target_dir, prepared, **kwargs):
     pool = make_pool(target_dir, prepared, **kwargs)
-    return pool, rank_engine(pool)
+    return pool, rank_engine(pool, transport=kwargs.get("transport"))
 
 
 def loaders(engine, prepared):
@@ -123,15 +164,18 @@ def target_copy(target_dir, tmp_path) -> Path:
     return Path(shutil.copytree(target_dir, tmp_path / "target"))
 
 
-@pytest.mark.parametrize("pool_tokens", [100, 20])
+@pytest.mark.parametrize(
+    "pool_tokens, transport", [(100, "ray"), (20, "ray"), (100, "mooncake")], indirect=["transport"]
+)
 def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_within_the_pool_budget(
-    ray_cluster, target_dir, prepared, pool_tokens
+    ray_cluster, target_dir, prepared, pool_tokens, transport
 ):
     """15 batches (over an epoch's end) from 2 workers, each micro-batch cut into several forwards, the pool held
     to 100 tokens: the same batches, bit for bit, as the loader over features computed in this process. Held to
-    20 tokens, less than a micro-batch (which the plan refuses; the pool itself admits one whole at a time)."""
+    20 tokens, less than a micro-batch (which the plan refuses; the pool itself admits one whole at a time).
+    Through a Mooncake store, no key a rank has read is left in the store, and the budget held what it stored."""
     expected, online = online_batches(target_dir, prepared, 15)
-    pool, engine = make_engine(target_dir, prepared, pool_tokens=pool_tokens)
+    pool, engine = make_engine(target_dir, prepared, pool_tokens=pool_tokens, transport=transport)
     try:
         loader, _ = loaders(engine, prepared)
         engine.start(loader)
@@ -146,6 +190,7 @@ def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_
         assert loader.consumed == online.consumed  # the same samples in the same order
         metrics = engine.metrics()
         assert metrics["engine/inference_samples_per_s"] > 0 and metrics["engine/workers"] == 2
+        assert_read_keys_were_removed(transport, ray_cluster.get(pool.stats.remote()), max(pool_tokens, largest))
     finally:
         close_pool(pool)
 
@@ -184,15 +229,18 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_samples_asked_again(ra
         close_pool(pool)
 
 
-@pytest.mark.parametrize("data_size, copies", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    "data_size, copies, transport", [(2, 1, "ray"), (1, 2, "ray"), (1, 2, "mooncake")], indirect=["transport"]
+)
 def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group(
-    ray_cluster, target_dir, prepared, data_size, copies
+    ray_cluster, target_dir, prepared, data_size, copies, transport
 ):
     """Two trainer ranks in lockstep: on 2 data ranks each gets its loader's batches; as one sequence-parallel
-    group (1 data rank) both get every batch. Bit-identical to online features either way."""
-    pool = make_pool(target_dir, prepared, world_size=data_size, copies=copies, pool_tokens=120)
+    group (1 data rank) both get every batch. Bit-identical to online features either way; through a Mooncake
+    store a shared batch's keys stay until both ranks have read them."""
+    pool = make_pool(target_dir, prepared, world_size=data_size, copies=copies, pool_tokens=120, transport=transport)
     try:
-        engines = [rank_engine(pool, rank, rank % data_size, data_size, trainers=2) for rank in range(2)]
+        engines = [rank_engine(pool, rank, rank % data_size, data_size, 2, transport) for rank in range(2)]
         streams = []
         for engine in engines:
             loader, _ = loaders(engine, prepared)
@@ -206,6 +254,7 @@ def test_ranks_take_their_own_batches_or_share_them_in_a_sequence_parallel_group
                 assert_same(next(stream), expected[rank][step])
         stats = ray_cluster.get(pool.stats.remote())
         assert stats["delivered_samples"] == sum(b.num_samples for e in expected for b in e)
+        assert_read_keys_were_removed(transport, stats, 120)
     finally:
         close_pool(pool)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ray.exceptions import ActorUnavailableError
 
+from eagle31.engine.transport import MooncakeTransport
 from eagle31.engine.worker import HFInferenceWorker, VLLMInferenceWorker
 from eagle31.target import TargetFeatures
 
@@ -98,3 +99,18 @@ class SilentPool:
         if self.stalled_s is None:
             await asyncio.sleep(3600)
         return {"stalled_s": self.stalled_s, "limit_s": 1.0, "line": "worker 0 ready for 9 s holding 2 request(s)"}
+
+
+class ReadKeysMooncake(MooncakeTransport):
+    """transport=mooncake that remembers, in the ranks' process, the keys the ranks have read (`read`)."""
+
+    def __init__(self, address, segment_bytes: int):
+        super().__init__(address, segment_bytes)
+        self.read: list[str] = []
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "read": []}
+
+    def consumed(self, pool, handles: list) -> None:
+        self.read += handles
+        super().consumed(pool, handles)

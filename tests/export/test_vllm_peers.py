@@ -36,6 +36,7 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 PEER_SCRIPT = (Path(__file__).parent / "vllm_peer.py").read_text()
 POSITIONS = [0, 1, 2, 17, 255, 1000, 4095, 4096, 8191, 65535, 262143]
 WINDOW = 6  # the extra sliding-window exports' window
+PARALLEL_MASK_TOKEN = 7  # the extra parallel exports' mask token
 TINY = dict(
     hidden_size=16,
     num_attention_heads=4,
@@ -162,6 +163,10 @@ def exports(tmp_path_factory):
         json.dumps({**config, "sliding_window": WINDOW, "layer_types": ["sliding_attention"]})
     )
     extra = {"deepseek_v3": old, "local_verifier": local, "mla_window": mla_window}
+    for fmt in ("eagle3", "speculators"):  # a parallel (P-EAGLE) drafter, in both layouts
+        extra[f"parallel_{fmt}"] = root / f"parallel-{fmt}"
+        parallel = {**speculators["config"], "parallel_drafting": True, "mask_token_id": PARALLEL_MASK_TOKEN}
+        export_case({**speculators, "config": parallel, "format": fmt}, extra[f"parallel_{fmt}"])
     return made, {**extra, **{f"window_{fmt}": d for fmt, d in windows.items()}}
 
 
@@ -232,6 +237,22 @@ def test_each_release_builds_the_draft_attention_with_the_exported_window(vllm_r
 
 
 @pytest.mark.slow  # vLLM's own code: one subprocess per release (~1 min each on 2 cores)
+def test_each_release_serves_a_parallel_drafter_with_its_mask_token_and_a_chain_drafter_without_one(
+    vllm_reads, exports
+):
+    """vLLM's parallel drafting reads the export's mask token (the EAGLE-3 layout's mask_token_id; the speculators
+    layout's peagle type, which vLLM serves as eagle3 with parallel_drafting); a chain export names none."""
+    release, read, _ = vllm_reads
+    made, extra = exports
+    for fmt in ("eagle3", "speculators"):
+        got = read[str(extra[f"parallel_{fmt}"])]
+        assert got["registered"] and got["parallel_drafting"] == {"token_id": PARALLEL_MASK_TOKEN}, (release, fmt, got)
+    serve = read[str(extra["parallel_speculators"])]["serve"]["speculative_config"]
+    assert serve["method"] == "eagle3" and serve["parallel_drafting"] is True, (release, serve)
+    for case, _, path in made.values():
+        assert "error" in read[str(path)]["parallel_drafting"], (release, case["id"])
+
+
 def test_an_mla_window_is_not_served(vllm_reads, exports):
     """Why eagle31 refuses an MLA drafter with a window: vLLM's DeepSeek EAGLE-3 layer builds its MLA attention
     without reading one, so the export would be served with full attention."""
@@ -250,7 +271,7 @@ def test_the_emulated_0_33_loader_finds_every_tensor_it_expects_and_nothing_else
     for case_id, (_, drafter, out) in made.items():
         fields = read[str(out)]["fields"]
         view = {**fields, "architectures": read[str(out)]["eagle_architectures"]}
-        expected = vllm_contract.expected_params(view)
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(out / "model.safetensors")))
         assert set(loaded) <= set(expected), (case_id, set(loaded) - set(expected))
         missing = set(expected) - set(loaded)
@@ -382,7 +403,8 @@ def assert_vllm_serves(export_dir: Path, work_dir: Path) -> None:
         f = got["fields"]
         assert f["eagle_aux_hidden_state_layer_ids"] == list(drafter.config.aux_layer_ids), release
         assert (f["fc_norm"], f["norm_output"]) == (drafter.config.fc_norm, drafter.config.norm_output), release
-        expected = vllm_contract.expected_params({**f, "architectures": got["eagle_architectures"]})
+        view = {**f, "architectures": got["eagle_architectures"]}
+        expected = vllm_contract.expected_params(view, drafter.config.parallel_drafting)
         loaded = vllm_contract.loaded_shapes(load_file(str(export_dir / "model.safetensors")))
         assert set(loaded) <= set(expected) and set(expected) - set(loaded) <= {"model.embed_tokens.weight"}, release
         assert all(loaded[k] == expected[k] for k in loaded), release

@@ -333,6 +333,8 @@ def vllm_name(key: str) -> str | None:
         return None
     if "d2t" in key:
         return "draft_id_to_target_id"
+    if "mask_hidden" in key:  # Eagle3LlamaForCausalLM.load_weights copies it into its buffer itself
+        return "mask_hidden"
     name = key if "lm_head" in key else "model." + key
     name = name.replace("midlayer.", "layers.0.")
     for shard, fused in STACKED:
@@ -355,10 +357,11 @@ def loaded_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
+def expected_params(view: dict, parallel_drafting: bool = False) -> dict[str, tuple[int, ...]]:
     """vLLM 0.33.0's parameter -> shape for the drafter it builds from `view` (embed_tokens optional), for a target
     whose vocabulary is `view`'s `vocab_size` (every eagle31 export's). `AutoWeightsLoader.load_weights` refuses a
-    checkpoint tensor that maps to none of them."""
+    checkpoint tensor that maps to none of them; with `parallel_drafting` served, the model also takes (and needs)
+    the `mask_hidden` buffer [1, n * Ht]."""
     s = effective_settings(view)
     H, inter = view["hidden_size"], view["intermediate_size"]
     nh, nkv = view["num_attention_heads"], view.get("num_key_value_heads", view["num_attention_heads"])
@@ -397,6 +400,8 @@ def expected_params(view: dict) -> dict[str, tuple[int, ...]]:
         p.update({f"model.fc_norm.{i}.weight": (Ht,) for i in range(n)})
     if s["norm_before_fc"]:
         p["model.input_norm.weight"] = (Ht * n,)
+    if parallel_drafting:
+        p["mask_hidden"] = (1, Ht * n)
     return p
 
 

@@ -161,6 +161,22 @@ def mla_reads_a_window() -> bool:
     return any("sliding_window" in inspect.getsource(f) for f in builders)
 
 
+def parallel_drafting_token(cfg) -> dict:
+    """The mask token `v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._init_parallel_drafting_params`
+    reads from the draft's config when the drafter is served with `parallel_drafting`, on a stand-in proposer
+    (a real one needs a GPU): its token id, or the error it stops with."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=cfg), pass_hidden_states_to_model=False)
+    try:
+        SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
+    except ValueError as e:
+        return {"error": str(e).splitlines()[0]}
+    return {"token_id": proposer.parallel_drafting_token_id}
+
+
 def read_export(path: str, positions: list[int]) -> dict:
     try:
         cfg = get_config(path, trust_remote_code=False, hf_overrides_fn=SpeculativeConfig.hf_config_override)
@@ -175,6 +191,7 @@ def read_export(path: str, positions: list[int]) -> dict:
         "eagle_architectures": archs,
         "registered": all(a in ModelRegistry.get_supported_archs() for a in archs),
         "fields": {k: plain(getattr(eagle, k)) for k in FIELDS if hasattr(eagle, k)},
+        "parallel_drafting": parallel_drafting_token(eagle),
     }
     import vllm.config.speculative as speculative
 

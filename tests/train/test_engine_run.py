@@ -1,14 +1,17 @@
 """`train/main.py` with `features.mode=engine` on a local Ray cluster: the same losses and bit-identical weights
-as `features.mode=online`, through a worker killed mid-run and through a trainer killed mid-run and resumed;
-the dry run's sizing of the workers; bad input in one line."""
+as `features.mode=online`, through a worker killed mid-run and through a trainer killed mid-run and resumed, with
+the features travelling through Ray's store or a Mooncake store whose master rank 0 starts (and stops, or the
+kernel does with a killed rank 0); the dry run's sizing of the workers; bad input in one line."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +20,32 @@ import torch
 from eagle31.checkpoint import read_trainer_state
 from eagle31.metrics_log import read_metrics
 from tests.helpers import base_args, run_script, sigkill_after_checkpoint
+from tests.peers import mooncake_store
 from tests.train.test_main import MAIN, REPO, losses, one_line_error, run_main, weights
 
 # several target forwards per micro-batch (each one request to a worker), on both sides
 SHARED = {"features.capture_batch_tokens": "64", "export.formats": "[eagle3]"}
 ENGINE = {**SHARED, "features.mode": "engine", "features.engine.workers": "2", "features.engine.worker_cpus": "0.5"}
+TRANSPORTS = ["ray", "mooncake"]
+
+
+def transport_args(transport: str) -> dict:
+    """`features.engine.transport`; mooncake skips the test where it is not installed (fails it in CI)."""
+    if transport == "mooncake":
+        mooncake_store()
+    return {"features.engine.transport": transport}
+
+
+def mooncake_masters() -> set[int]:
+    """The ids of the `mooncake_master` processes alive on this machine."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "mooncake_master":
+                found.add(int(entry.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def consumed(run_dir: Path) -> list[dict]:
@@ -56,28 +80,31 @@ def online_run(target, chats, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.deadline(600)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
-    ray_cluster, online_run, target, chats, tmp_path, monkeypatch
+    ray_cluster, online_run, target, chats, tmp_path, monkeypatch, capsys, transport
 ):
     """Two HF workers, the pool held to about a batch ahead so the workers keep pace with the trainer; one of
     them ends its process in its 8th computation. The run goes on, says so in metrics.jsonl, and ends with
-    online training's losses, final weights and consumed samples, bit for bit."""
+    online training's losses, final weights and consumed samples, bit for bit, whichever the transport; the master
+    rank 0 started for a Mooncake store is stopped with the run."""
     from eagle31.engine import worker
     from eagle31.engine.worker import EngineWorker
     from tests.engine.workers import FaultyWorker
 
+    carried = transport_args(transport)
     monkeypatch.setitem(worker.WORKERS, EngineWorker.hf, FaultyWorker)
     (target / "die_at").write_text("8")
     out = tmp_path / "engine"
+    masters = mooncake_masters()
     try:
-        assert (
-            run_script(
-                MAIN, base_args(target, chats, out, **ENGINE, **{"features.engine.pool_tokens": "300"}), monkeypatch
-            )
-            == 0
-        )
+        args = base_args(target, chats, out, **ENGINE, **carried, **{"features.engine.pool_tokens": "300"})
+        assert run_script(MAIN, args, monkeypatch) == 0
     finally:
         (target / "died").unlink(missing_ok=True)
+    assert mooncake_masters() <= masters  # the run's master, if any, ended with it
+    said = capsys.readouterr().out
+    assert ("engine: rank 0 started a Mooncake master at " in said) == (transport == "mooncake"), said[-2000:]
     assert not (target / "die_at").exists()  # the worker did die
     assert_same_run(out, online_run)
     logged = [x for x in read_metrics(out / "metrics.jsonl") if "engine/worker_restarts" in x]
@@ -94,22 +121,32 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
 
 @pytest.mark.slow
 @pytest.mark.deadline(600)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterrupted_run(
-    ray_cluster, online_run, target, chats, tmp_path, monkeypatch
+    ray_cluster, online_run, target, chats, tmp_path, monkeypatch, transport
 ):
     """The trainer (its own process, joined to the test's Ray cluster) is SIGKILLed after its step-2 checkpoint;
-    Ray ends its pool and workers with it. `resume=auto` starts a new engine at the checkpoint's loader position:
-    the run ends as the uninterrupted one, bit for bit, and trains on the same samples in the same order."""
+    Ray ends its pool and workers with it, and the kernel the Mooncake master it started. `resume=auto` starts a
+    new engine at the checkpoint's loader position: the run ends as the uninterrupted one, bit for bit, and trains
+    on the same samples in the same order."""
     out = tmp_path / "killed"
-    args = base_args(
-        target, chats, out, **ENGINE, **{"features.engine.address": ray_cluster.get_runtime_context().gcs_address}
-    )
-    sigkill_after_checkpoint(
-        [sys.executable, str(MAIN), *args], out, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    )
+    address = {"features.engine.address": ray_cluster.get_runtime_context().gcs_address}
+    args = base_args(target, chats, out, **ENGINE, **transport_args(transport), **address)
+    masters = mooncake_masters()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    sigkill_after_checkpoint([sys.executable, str(MAIN), *args], out, env)
+    deadline = time.monotonic() + 30
+    while not mooncake_masters() <= masters:  # the killed trainer's master goes with it
+        assert time.monotonic() < deadline, "the killed trainer's Mooncake master is still running"
+        time.sleep(0.2)
 
     assert run_script(MAIN, [*args, "resume=auto"], monkeypatch) == 0
     assert_same_run(out, online_run)
+    assert mooncake_masters() <= masters
 
 
 @pytest.mark.slow
@@ -264,3 +301,63 @@ def test_engine_mode_without_ray_is_one_line(tiny_target, chats, tmp_path, monke
         line
         == "error: features.mode=engine needs Ray, which is not installed: pip install 'eagle31[engine]' (ray>=2.40)"
     )
+
+
+class ImportWithout:
+    """`importlib` for eagle31.engine.transport, where importing `mooncake.store` fails as it does without `missing`."""
+
+    def __init__(self, missing: str):
+        self.missing = missing
+
+    def import_module(self, name: str):
+        if name == "mooncake.store":
+            raise ImportError(f"{self.missing}: cannot open shared object file: No such file or directory")
+        return importlib.import_module(name)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("no_mooncake", "error: features.engine.transport=mooncake needs Mooncake, which is not installed: pip install "
+                        "mooncake-transfer-engine-non-cuda (mooncake-transfer-engine on CUDA machines)"),
+        ("no_libibverbs", "error: features.engine.transport=mooncake: Mooncake's library needs libibverbs, which is "
+                          "not installed (Debian/Ubuntu: apt-get install libibverbs1; RHEL: dnf install libibverbs)"),
+    ],
+)  # fmt: skip
+def test_transport_mooncake_without_its_library_is_one_line(
+    tiny_target, chats, tmp_path, monkeypatch, capsys, case, expected
+):
+    from eagle31.engine import transport
+
+    if case == "no_mooncake":
+        monkeypatch.setitem(sys.modules, "mooncake", None)  # as where the wheel is not installed
+        monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    else:
+        monkeypatch.setattr(transport, "importlib", ImportWithout("libibverbs.so.1"))
+    engine = {"features.mode": "engine", "features.engine.transport": "mooncake"}
+    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **engine), monkeypatch, capsys)
+    assert line == expected
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mooncake_master_that_does_not_answer_or_is_half_named_is_one_line(
+    tiny_target, chats, tmp_path, monkeypatch, capsys
+):
+    """Named with a port nothing listens on: refused when the run is planned, naming the setting; named without its
+    metadata server: refused, saying both are needed."""
+    from eagle31.engine.transport import free_ports
+
+    mooncake_store()
+    rpc, http = free_ports(2)
+    engine = {"features.mode": "engine", "features.engine.transport": "mooncake",
+              "features.engine.mooncake_master": f"127.0.0.1:{rpc}"}  # fmt: skip
+    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **engine), monkeypatch, capsys)
+    assert line.startswith(
+        "error: features.engine.mooncake_master is set but features.engine.mooncake_metadata_server is not"
+    ), line
+    engine["features.engine.mooncake_metadata_server"] = f"http://127.0.0.1:{http}/metadata"
+    line = one_line_error(base_args(tiny_target, chats, tmp_path / "run", **engine), monkeypatch, capsys)
+    assert line.startswith(
+        f"error: features.engine.mooncake_master=127.0.0.1:{rpc}: cannot reach the Mooncake master ("
+    ), line
+    assert not (tmp_path / "run").exists()
