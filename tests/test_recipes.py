@@ -18,7 +18,14 @@ NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
 
 
 def test_the_expected_recipes_exist():
-    assert set(SUPPORTED) | {"demo", "kimi_k26_mini", "demo_long", "smollm2_135m"} == set(NAMES)
+    assert set(SUPPORTED) | {
+        "demo",
+        "demo_long",
+        "demo_parallel",
+        "kimi_k26_mini",
+        "llama31_8b_parallel",
+        "smollm2_135m",
+    } == set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
