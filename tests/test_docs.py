@@ -283,3 +283,56 @@ def test_every_documented_recipe_command_composes_and_can_run(source):
         if spread and (words[0] == "data_prep/capture.py" or cfg.features.mode == "online"):
             bad.append(f"{command}: {nproc} processes per node each load a target spread over the node")
     assert not bad, "\n".join(bad)
+
+
+def vllm_serve_commands(path: Path) -> list[list[str]]:
+    """The arguments after `vllm serve` of each command in the fenced blocks of `path`."""
+    commands = []
+    for block in FENCE.findall(path.read_text()):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            at = next((i for i in range(len(words) - 1) if words[i : i + 2] == ["vllm", "serve"]), None)
+            if at is not None:
+                commands.append(words[at + 2 :])
+    return commands
+
+
+def test_a_target_spread_over_a_node_is_served_over_the_node():
+    """The Hub id of a recipe whose target is spread over a node's GPUs (`target.device_map`) is never served by
+    `vllm serve` on one GPU: its command names the tensor-parallel size."""
+    from eagle31.recipe import load_recipe
+
+    spread = set()
+    for recipe in sorted((ROOT / "recipes" / "recipe").glob("*.yaml")):
+        cfg = load_recipe(ROOT / "recipes", [f"recipe={recipe.stem}"])
+        if cfg.target.device_map and cfg.target.name:
+            spread.add(cfg.target.name)
+    assert "moonshotai/Kimi-K2.6" in spread
+    bad = [
+        f"{rel(page)}: vllm serve {' '.join(words)}"
+        for page in DOCS
+        for words in vllm_serve_commands(page)
+        if words
+        and words[0] in spread
+        and not any(w.startswith(("--tensor-parallel-size", "-tp", "--pipeline-parallel-size")) for w in words)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_vllm_releases_the_export_page_names_are_the_ones_the_layouts_and_kinds_declare():
+    """docs/export.md's opening sentence and its layouts table name the release each layout (`min_vllm`) and each
+    drafter kind's fc_norm (`min_vllm_fc_norm`) needs, as the model cards do."""
+    from eagle31.attention import KINDS
+    from eagle31.layouts import LAYOUTS
+
+    text = (ROOT / "docs" / "export.md").read_text()
+    opening = text.split("## Supported vLLM releases and how they are tested", 1)[1].split("\n\n", 2)[1]
+    for name, layout in LAYOUTS.items():
+        assert f"| `{name}` (vLLM >= {layout.min_vllm}) |" in text or f"`{name}` (vLLM >= {layout.min_vllm})" in text
+        assert f"**{layout.min_vllm}.0 to" in opening, (name, opening)
+    for name, kind in KINDS.items():
+        if kind.min_vllm_fc_norm:
+            assert f"{name.upper()} EAGLE 3.1 drafter" in opening and f"needs **{kind.min_vllm_fc_norm}.0**" in opening
