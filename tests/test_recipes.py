@@ -158,3 +158,52 @@ def test_smollm2_recipe_trains_on_sharegpt_regenerated_by_its_target():
     assert list(cfg.data.source) == ["/x/regenerated/conversations"]
     # a regenerated first turn (prompt, reply, the system prompt) is never cut by prepare
     assert cfg.regenerate.max_prompt_tokens + cfg.regenerate.max_new_tokens + 64 <= cfg.data.max_len
+
+
+def test_the_supported_targets_table_is_the_recipes():
+    """docs/targets.md's table, built again from each recipe and the config.json shipped beside it: every recipe of
+    a Hub target has its row, and each row's architecture, layers, aux ids, drafter, features, layouts and vLLM
+    release are the recipe's."""
+    from eagle31.attention import KINDS
+    from eagle31.layouts import LAYOUTS
+
+    rows = {
+        cells[0].strip("`"): cells[1:]
+        for line in (REPO / "docs" / "targets.md").read_text().splitlines()
+        if line.startswith("| `")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    recipes = {name: load_recipe(RECIPES, [f"recipe={name}"]) for name in NAMES}
+    assert sorted(rows) == [name for name, cfg in recipes.items() if not cfg.target.name.startswith("eagle31/")]
+    for name, cells in rows.items():
+        cfg = recipes[name]
+        config = json.loads(Path(cfg.target.config).read_text())
+        overrides = {
+            k: v
+            for k, v in dict(cfg.drafter).items()
+            if k in {f for f in DrafterConfig.__dataclass_fields__} and v is not None
+        }
+        if overrides.get("aux_layer_ids"):
+            overrides["aux_layer_ids"] = tuple(overrides["aux_layer_ids"])
+        drafter = DrafterConfig.from_target_config(load_target_config(cfg.target.config), **overrides)
+        kind = KINDS[str(drafter.attention)]
+        formats = [str(f) for f in cfg.export.formats]
+        served = max(
+            (
+                kind.min_vllm_fc_norm if drafter.fc_norm and kind.min_vllm_fc_norm else LAYOUTS[f].min_vllm
+                for f in formats
+            ),
+            key=lambda v: tuple(map(int, v.split("."))),
+        )
+        spread = "one target per node" if cfg.target.device_map else "a target per GPU"
+        expected = [
+            cfg.target.name,
+            config["architectures"][0],
+            str(drafter.target_num_layers),
+            ", ".join(map(str, drafter.aux_layer_ids)),
+            str(drafter.attention) + (", parallel (P-EAGLE)" if drafter.parallel_drafting else ""),
+            f"{cfg.features.mode}, {spread}",
+            ", ".join(formats),
+            f">= {served}",
+        ]
+        assert cells == expected, name
