@@ -7,6 +7,7 @@ import ast
 import importlib
 import re
 import shlex
+import string
 from pathlib import Path
 
 import pytest
@@ -239,17 +240,21 @@ COMMAND_SOURCES = [
 
 def recipe_commands(path: Path) -> list[tuple[int, list[str]]]:
     """(processes per node, arguments) of each recipe command line in `path`: the fenced blocks of a page, every
-    line of a recipe or a script (comment marks dropped); continuations joined, trailing comments cut."""
+    line of a recipe or a script (comment marks dropped); continuations joined, trailing comments cut, the
+    variables the page `export`s expanded."""
     text = path.read_text()
     blocks = FENCE.findall(text) if path.suffix == ".md" else [re.sub(r"(?m)^\s*# ?", "", text)]
     commands = []
+    variables: dict[str, str] = {}
     for block in blocks:
         for line in re.sub(r"\\\n\s*(#\s*)?", " ", block).splitlines():
             for part in re.split(r"&&|;", line):
                 try:
-                    words = shlex.split(part, comments=True)
+                    words = [string.Template(w).safe_substitute(variables) for w in shlex.split(part, comments=True)]
                 except ValueError:  # not a shell line (output, a table)
                     continue
+                if words[:1] == ["export"]:
+                    variables.update(w.split("=", 1) for w in words[1:] if "=" in w)
                 cli = next((i for i, w in enumerate(words) if w in RECIPE_CLIS), None)
                 if cli is not None:
                     launcher = " ".join(words[:cli])
