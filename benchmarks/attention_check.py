@@ -18,6 +18,7 @@ import math
 import torch
 
 from eagle31.config import DrafterConfig
+from eagle31.estimate import head_dims
 from eagle31.kernels.ttt_attention import reference_attention, ttt_attention
 from eagle31.model import Visibility, segment_ids
 
@@ -71,9 +72,7 @@ def attention_dims(cfg: DrafterConfig) -> tuple[int, int, int, int]:
     says (`eagle31.attention`): an MLA drafter attends with one key/value head per query head and a
     q·k head dim (nope + rope parts) that differs from the value head dim.
     """
-    q, kv, _ = cfg.kind.attention_widths(cfg)
-    d = cfg.qk_head_dim
-    return q // d, kv // d, d, cfg.kind.o_proj_in_features(cfg) // cfg.num_attention_heads
+    return cfg.num_attention_heads, cfg.num_key_value_heads, *head_dims(cfg)
 
 
 def check_attention_parity(

@@ -267,7 +267,7 @@ def memory(smoke: bool) -> dict[str, Any]:
     finally:
         close_world()
     within = all(
-        abs(p["estimate_over_measured"] - 1) <= memory_model.TOTAL_TOLERANCE for ps in points.values() for p in ps
+        abs(p["estimate_over_measured"] - 1) <= memory_model.CUDA_TOLERANCE for ps in points.values() for p in ps
     )
     detail = "totals within 10%" if within else "a total off by more than 10% (points)"
     return {"status": "pass", "device": "cuda", "detail": detail, "total_within_tolerance": within, "points": points}

@@ -87,17 +87,14 @@ class LiveTensorBytes(TorchDispatchMode):
     neither what the allocator keeps for later nor other processes' load: what the tensors hold.
     """
 
-    def __init__(self, excluded: Callable[[], int] | None = None):
+    def __init__(self):
         super().__init__()
         self.live = 0
         self.peak = 0
-        # excluded(): bytes of tracked tensors to leave out of `peak_without` (e.g. the gradients so far)
-        self.excluded, self.peak_without = excluded, 0
         self._storages: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
 
     def reset_peak(self) -> None:
         self.peak = self.live
-        self.peak_without = self.live - (self.excluded() if self.excluded else 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {
@@ -123,8 +120,6 @@ class LiveTensorBytes(TorchDispatchMode):
             entry = self._storages[key] = [0, size]
             self.live += size
             self.peak = max(self.peak, self.live)
-            if self.excluded is not None:
-                self.peak_without = max(self.peak_without, self.live - self.excluded())
         entry[0] += 1
         weakref.finalize(t, self._release, key)
 

@@ -18,19 +18,12 @@ import torch
 from eagle31.config import SWITCHES, DrafterConfig
 from eagle31.distributed import World
 from eagle31.errors import ConfigError
-from eagle31.estimate import (
-    attention_flops_share,
-    count_parameters,
-    estimate_memory,
-    longest_fitting_length,
-    step_flops,
-)
+from eagle31.estimate import RunMemory, attention_flops_share, count_parameters, step_flops
 from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
-from eagle31.model import Eagle31Drafter
 from eagle31.recipe import to_container
-from eagle31.target import check_remote_code, load_target_config, target_fingerprint
+from eagle31.target import check_remote_code, load_target_config, target_fingerprint, target_parameters
 
 # Sections that define a run: resuming with any of them changed is refused.
 # what a resumed run must share with the run it continues (the rest may change between attempts);
@@ -52,7 +45,7 @@ class RunPlan:
 
     @property
     def parts(self) -> dict[str | Path, str]:
-        """The outputs this run's own steps (data_prep/*.py) may have written inside its directory before it claims it."""
+        """The outputs this run's own steps (data_prep/*.py) may have written in its directory before it claims it."""
         from eagle31.data.regenerate.shards import OUTPUT_KIND
 
         cfg, store = self.cfg, Path(self.cfg.features.store_dir)
@@ -136,7 +129,8 @@ def check_sequence_parallel(cfg, world: World) -> None:
         raise ConfigError(f"train.sequence_parallel={n} must be >= 1 and divide the world size {ranks}")
     if n > 1 and cfg.train.attention_kernel == "reference":
         raise ConfigError(
-            "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise with train.sequence_parallel > 1"
+            "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise "
+            "with train.sequence_parallel > 1"
         )
 
 
@@ -216,7 +210,8 @@ def check_run_dir(plan: RunPlan) -> None:
         return
     if plan.cfg.resume != "auto":
         raise ConfigError(
-            f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another output_dir"
+            f"output_dir {plan.run_dir} already holds a run; pass resume=auto to continue it or choose another "
+            "output_dir"
         )
     from eagle31.export import read_run_config
 
@@ -293,10 +288,11 @@ def describe_dry_run(plan: RunPlan) -> dict:
     sequence (and the attention's share: a sliding window bounds it), a per-GPU memory estimate for the
     planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
     cfg, d = plan.cfg, plan.drafter
-    counts = count_parameters(d)
+    counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
         raise ConfigError(
-            f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and {cfg.plan.gpu_memory_gib}"
+            f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and "
+            f"{cfg.plan.gpu_memory_gib}"
         )
     world_size = cfg.plan.world_size or max(plan.world.world_size, 1)
     options = dict(
@@ -304,18 +300,15 @@ def describe_dry_run(plan: RunPlan) -> dict:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
         sequence_parallel=cfg.train.sequence_parallel,
+        attention_kernel=cfg.train.attention_kernel,
+        online_target_bytes=online_target_bytes(plan),
     )
-    memory = estimate_memory(d, cfg.data.max_len, cfg.train.ttt_length, **options)
+    run_memory = RunMemory(d, cfg.train.ttt_length, **options)
+    memory = run_memory.at(cfg.data.max_len)
     flops = step_flops(d, cfg.data.max_len, cfg.train.ttt_length)
     attention_share = attention_flops_share(d, cfg.data.max_len, cfg.train.ttt_length)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
-    longest = {f"{g:g}": longest_fitting_length(d, cfg.train.ttt_length, g, **options) for g in sizes}
-    # build it for real, on the meta device: validates every shape without memory
-    with torch.device("meta"):
-        model = Eagle31Drafter(d)
-    built = sum(p.numel() for p in model.parameters())
-    if built != counts.total:
-        raise RuntimeError(f"parameter count formula ({counts.total}) disagrees with the model ({built})")
+    longest = {f"{g:g}": run_memory.longest(g) for g in sizes}
     engine = engine_sizing(plan, world_size)
     report = {
         "recipe": cfg.name,
@@ -348,18 +341,25 @@ def describe_dry_run(plan: RunPlan) -> dict:
             d.target_hidden_size, d.num_aux, cfg.features.store_dtype
         )
     if plan.world.is_main:
-        print(f"dry run of recipe {cfg.name!r}: config valid")
-        print(f"  drafter: attention={d.attention} H={d.hidden_size} heads={d.num_attention_heads}/{d.num_key_value_heads} head_dim={d.head_dim} "
-              f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
-              f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}")  # fmt: skip
-        print(
-            f"  parameters: {counts.trainable / 1e6:,.1f}M trainable + {counts.frozen_embedding / 1e6:,.1f}M frozen embedding"
-        )
-        print(f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
-              f"{attention_share:.0%} of it attention")  # fmt: skip
+        heads = f"{d.num_attention_heads}/{d.num_key_value_heads}"
+        checkpointing = "on" if cfg.train.activation_checkpointing else "off"
         split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
-        print(f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
-              f"activation checkpointing {'on' if cfg.train.activation_checkpointing else 'off'}): ~{memory['total']:.1f} GiB")  # fmt: skip
+        print(f"dry run of recipe {cfg.name!r}: config valid")
+        print(
+            f"  drafter: attention={d.attention} H={d.hidden_size} heads={heads} head_dim={d.head_dim} "
+            f"I={d.intermediate_size} V={d.vocab_size} Vd={d.draft_vocab_size} aux={list(d.aux_layer_ids)} "
+            f"fc_norm={d.fc_norm} norm_output={d.norm_output} sliding_window={d.sliding_window}"
+        )
+        trainable, frozen = counts.trainable / 1e6, counts.frozen_embedding / 1e6
+        print(f"  parameters: {trainable:,.1f}M trainable + {frozen:,.1f}M frozen embedding")
+        print(
+            f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
+            f"{attention_share:.0%} of it attention"
+        )
+        print(
+            f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
+            f"activation checkpointing {checkpointing}): ~{memory['total']:.1f} GiB"
+        )
         for k, v in memory.items():
             if k != "total":
                 print(f"    {k:30s} {v:8.2f} GiB")
@@ -378,6 +378,13 @@ def describe_dry_run(plan: RunPlan) -> dict:
                 f"{per_token * 1e8 / 2**40:,.2f} TiB per 100M tokens of data"
             )
     return report
+
+
+def online_target_bytes(plan: RunPlan) -> int:
+    """The target's weights on every GPU when `features.mode=online` (the target runs in each trainer), else 0."""
+    if plan.cfg.features.mode != "online":
+        return 0
+    return target_parameters(plan.target_config) * getattr(torch, str(plan.cfg.target.dtype)).itemsize
 
 
 def engine_sizing(plan: RunPlan, trainers: int):

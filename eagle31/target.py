@@ -86,6 +86,49 @@ def target_shape(target_config: dict) -> tuple[int, int]:
     return int(text["num_hidden_layers"]), int(text["hidden_size"])
 
 
+def attention_shape(t: dict) -> tuple[int, int, int]:
+    """(heads, q·k dim, v dim) of the attention of a text config (a target's, or a drafter's layer)."""
+    heads = int(t["num_attention_heads"])
+    if t.get("kv_lora_rank"):  # MLA
+        return heads, int(t["qk_nope_head_dim"]) + int(t["qk_rope_head_dim"]), int(t["v_head_dim"])
+    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
+    return heads, head_dim, head_dim
+
+
+def decoder_parameters(target_config: dict, active: bool = False) -> int:
+    """The target's decoder layers' parameters: each layer's attention and its MLP, or of a MoE layer every expert
+    (`active`: those a token is routed to), the shared ones and the router."""
+    t = text_config(target_config)
+    H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
+    heads, qk, v = attention_shape(t)
+    if t.get("kv_lora_rank"):
+        q_rank, kv_rank, rope = t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_rope_head_dim"])
+        q = H * q_rank + q_rank * heads * qk if q_rank else H * heads * qk
+        attention = q + H * (kv_rank + rope) + kv_rank * heads * (qk - rope + v) + heads * v * H
+    else:
+        kv_heads = int(t.get("num_key_value_heads") or heads)
+        attention = H * heads * qk + 2 * H * kv_heads * v + heads * v * H
+    dense = 3 * H * int(t["intermediate_size"])
+    routed = int(t.get("n_routed_experts") or t.get("num_experts") or 0)
+    if not routed:
+        return L * (attention + dense)
+    expert = 3 * H * int(t["moe_intermediate_size"])
+    shared = int(t.get("n_shared_experts") or 0) * expert + 3 * H * int(t.get("shared_expert_intermediate_size") or 0)
+    experts = int(t["num_experts_per_tok"]) if active else routed
+    moe = experts * expert + shared + H * routed  # the router too
+    dense_layers = int(t.get("first_k_dense_replace") or 0)
+    return dense_layers * (attention + dense) + (L - dense_layers) * (attention + moe)
+
+
+def target_parameters(target_config: dict) -> int:
+    """All the target's parameters, from its config: the embedding, the decoder layers (`decoder_parameters`) and
+    their two norms each, the final norm, and the lm_head unless it is the embedding (`tie_word_embeddings`)."""
+    t = text_config(target_config)
+    H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
+    tied = t.get("tie_word_embeddings", target_config.get("tie_word_embeddings", False))
+    return V * H * (1 if tied else 2) + decoder_parameters(target_config) + (2 * L + 1) * H
+
+
 def target_vocab_size(target_dir: Path) -> int | None:
     """The target's vocab_size from its config.json, when the directory has one."""
     if not (target_dir / "config.json").is_file():

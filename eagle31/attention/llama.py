@@ -138,39 +138,8 @@ class LlamaAttentionKind(AttentionKind):
         H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
 
-    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
-        return cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
-
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         return cfg.num_attention_heads * cfg.head_dim
-
-    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
-        """Step 0 its keys and values, the others nothing (their chain entry is their input)."""
-        return 2 * cfg.num_key_value_heads * cfg.head_dim, 0
-
-    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
-        return cfg.hidden_size  # d feature
-
-    def step0_keys_remade(self) -> bool:
-        return False  # the entry is k0, v0
-
-    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
-        return 0
-
-    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
-        return 0  # o_proj's input is the attention output, saved before it
-
-    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
-        """Stacked feature rows, emb, normed emb (saved), z, its gradient, a key gradient, cos, sin per row; the rope
-        backward's intermediates (the key's gradient through cos and through sin, the rotated half, their sum);
-        k_proj's and v_proj's gradients. The step-0 keys and values are the entry: no weights remake them."""
-        _, kv, rope = self.attention_widths(cfg)
-        H = cfg.hidden_size
-        per_row = (H + 2 * H + 2 * H * 2 + kv + 2 * rope) * c + 16
-        return per_row, 7 * kv * c // 2, 2 * kv * 2 * H, 0
-
-    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
-        return 0  # views of the entry
 
     # ------------------------------------------------------------ export, convert
 

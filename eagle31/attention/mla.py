@@ -260,45 +260,8 @@ class MLAAttentionKind(AttentionKind):
         kv = 2 * H * (kvr + cfg.mla.qk_rope_head_dim) + kvr + kvr * nh * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
         return q + kv + nh * cfg.mla.v_head_dim * H
 
-    def attention_widths(self, cfg: DrafterShape) -> tuple[int, int, int]:
-        qk = cfg.num_attention_heads * self.qk_head_dim(cfg)
-        return qk, qk, cfg.mla.qk_rope_head_dim
-
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         return cfg.num_attention_heads * cfg.mla.v_head_dim
-
-    def entry_elements(self, cfg: DrafterShape) -> tuple[int, int]:
-        """Its latents, every step."""
-        latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        return latent, latent
-
-    def chain_entry_gradient_elements(self, cfg: DrafterShape) -> int:
-        return self.entry_elements(cfg)[1]  # the latent's
-
-    def step0_keys_remade(self) -> bool:
-        return True  # decompressed again from the latents
-
-    def step_saved_extra_bytes(self, cfg: DrafterShape, c: int) -> int:
-        """q_a_layernorm's input and fp32 rsqrt, kv_a_layernorm's (its input a view of kv_a's output), the
-        recomputed latent."""
-        latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        return (cfg.mla.q_lora_rank * c + 4) + (latent * c + 4) + self.entry_elements(cfg)[1] * c
-
-    def after_attention_saved_elements(self, cfg: DrafterShape) -> int:
-        return self.o_proj_in_features(cfg)  # o_proj's input: the attention output's unpadded columns
-
-    def chain_block_terms(self, cfg: DrafterShape, c: int) -> tuple[int, int, int, int]:
-        """kv_b_proj's output gradient per row; the keys' gradient made contiguous for the unflatten and the values'
-        cut from their zero padding; kv_b_proj's gradient, and step 0's (made before the chain, returned after it)."""
-        _, kv, _ = self.attention_widths(cfg)
-        kv_b = cfg.num_attention_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
-        weights = cfg.mla.kv_lora_rank * kv_b
-        return kv_b * c, (kv + self.o_proj_in_features(cfg)) * c, weights, weights * c
-
-    def prefix_block_extra_elements(self, cfg: DrafterShape) -> int:
-        """The keys and values decompressed, with kv_b_proj's output and its gradient."""
-        _, kv, _ = self.attention_widths(cfg)
-        return 2 * kv + 2 * cfg.num_attention_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
 
     # ------------------------------------------------------------ export, convert
 

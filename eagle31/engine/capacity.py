@@ -14,6 +14,7 @@ from eagle31.config import DrafterConfig, text_config
 from eagle31.errors import ConfigError
 from eagle31.estimate import count_parameters, head_dims
 from eagle31.metrics_log import read_metrics
+from eagle31.target import attention_shape, decoder_parameters
 
 
 @dataclass
@@ -72,42 +73,15 @@ def estimated_sizing(
 # ---------------------------------------------------------------------------- FLOPs per token
 
 
-def _attention_shape(t: dict) -> tuple[int, int, int]:
-    """(heads, q·k dim, v dim) of a target's or drafter's attention."""
-    heads = int(t["num_attention_heads"])
-    if t.get("kv_lora_rank"):  # MLA
-        return heads, int(t["qk_nope_head_dim"]) + int(t["qk_rope_head_dim"]), int(t["v_head_dim"])
-    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
-    return heads, head_dim, head_dim
-
-
 def target_active_parameters(target_config: dict) -> int:
     """Parameters a token passes through in the decoder layers (attention, the MLP or the experts it is routed to)."""
-    t = text_config(target_config)
-    H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
-    heads, qk, v = _attention_shape(t)
-    if t.get("kv_lora_rank"):
-        q_rank, kv_rank, rope = t.get("q_lora_rank"), int(t["kv_lora_rank"]), int(t["qk_rope_head_dim"])
-        q = H * q_rank + q_rank * heads * qk if q_rank else H * heads * qk
-        attention = q + H * (kv_rank + rope) + kv_rank * heads * (qk - rope + v) + heads * v * H
-    else:
-        kv_heads = int(t.get("num_key_value_heads") or heads)
-        attention = H * heads * qk + 2 * H * kv_heads * v + heads * v * H
-    dense = 3 * H * int(t["intermediate_size"])
-    routed = int(t.get("n_routed_experts") or t.get("num_experts") or 0)
-    if not routed:
-        return L * (attention + dense)
-    expert = 3 * H * int(t["moe_intermediate_size"])
-    shared = int(t.get("n_shared_experts") or 0) * expert + 3 * H * int(t.get("shared_expert_intermediate_size") or 0)
-    moe = int(t["num_experts_per_tok"]) * expert + shared + H * routed  # the router too
-    dense_layers = int(t.get("first_k_dense_replace") or 0)
-    return dense_layers * (attention + dense) + (L - dense_layers) * (attention + moe)
+    return decoder_parameters(target_config, active=True)
 
 
 def target_forward_flops(target_config: dict, seq_len: int) -> float:
     """One token's share of the target's forward over a causal sequence of `seq_len` tokens."""
     t = text_config(target_config)
-    heads, qk, v = _attention_shape(t)
+    heads, qk, v = attention_shape(t)
     attention = 2 * (seq_len / 2) * heads * (qk + v) * int(t["num_hidden_layers"])  # T/2 keys on average
     return 2 * target_active_parameters(target_config) + attention
 

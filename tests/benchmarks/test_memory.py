@@ -1,4 +1,5 @@
-"""Peak memory of the training step (the CPU proxy of the long-context goal): linear in T, lowered by activation checkpointing.
+"""Peak memory of the training step (the CPU proxy of the long-context goal): linear in T, lowered by activation
+checkpointing.
 
 Each figure is `benchmarks.measure.step_tensor_peak_bytes`: two full trainer steps (TTT unroll, loss,
 backward, AdamW) of a small drafter on one packed sequence, as the peak of the bytes its tensors
@@ -16,13 +17,17 @@ from benchmarks.measure import LiveTensorBytes, cpu_step_peak_bytes, step_tensor
 from benchmarks.train_step import BenchConfig
 
 SMALL = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-    vocab_size=512, draft_vocab_size=256,
-)  # fmt: skip
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    draft_vocab_size=256,
+)
 # the same width with MLA attention (eagle31.attention.mla): q·k head dim 24, v head dim 16
-SMALL_MLA = dict(
-    SMALL, attention="mla", num_key_value_heads=4, head_dim=24, mla=dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-)  # fmt: skip
+MLA_TINY = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+SMALL_MLA = dict(SMALL, attention="mla", num_key_value_heads=4, head_dim=24, mla=MLA_TINY)
 # Kimi K2.6's full vocabulary (Vd = V = 163840, as the published MLA drafter) on the MLA drafter
 DRAFTERS = {
     "llama": SMALL,
@@ -33,9 +38,14 @@ DRAFTERS = {
 
 def bench(T: int, checkpointing: bool = True, attention: str = "auto", drafter: str = "llama") -> BenchConfig:
     return BenchConfig(
-        shape="tiny", seq_len=T, ttt_length=3, overrides=DRAFTERS[drafter], activation_checkpointing=checkpointing,
-        attention=attention, threads=1,
-    )  # fmt: skip
+        shape="tiny",
+        seq_len=T,
+        ttt_length=3,
+        overrides=DRAFTERS[drafter],
+        activation_checkpointing=checkpointing,
+        attention=attention,
+        threads=1,
+    )
 
 
 @functools.cache
@@ -69,9 +79,8 @@ def test_step_memory_grows_linearly_with_sequence_length(drafter):
     (measured 2.000 for both drafters), 4 for a T^2 part; the fixed part cancels out."""
     p1, p2, p4 = (peak_bytes(T, drafter=drafter) for T in (1024, 2048, 4096))
     ratio = (p4 - p2) / (p2 - p1)
-    print(
-        f"{drafter} peak T=1024/2048/4096: {p1 / 2**20:.1f} / {p2 / 2**20:.1f} / {p4 / 2**20:.1f} MiB, growth ratio {ratio:.3f}"
-    )
+    peaks = " / ".join(f"{p / 2**20:.1f}" for p in (p1, p2, p4))
+    print(f"{drafter} peak T=1024/2048/4096: {peaks} MiB, growth ratio {ratio:.3f}")
     assert ratio <= 2.2
     assert p4 < 4096 * 4096 * 4  # less than a single fp32 T x T score matrix of one head
 
@@ -102,9 +111,8 @@ def test_full_vocabulary_loss_never_holds_the_logits():
     V, short, long = 163840, 128, 256
     grown = peak_bytes(long, drafter="mla_full_vocab") - peak_bytes(short, drafter="mla_full_vocab")
     logits_grown = (long - short) * V * 4
-    print(
-        f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.1f} MiB; [T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB"
-    )
+    logits = f"[T, V] fp32 logits +{logits_grown / 2**20:.0f} MiB"
+    print(f"full vocabulary, T {short} -> {long}: peak +{grown / 2**20:.1f} MiB; {logits}")
     assert grown < logits_grown / 4
 
 
@@ -112,15 +120,3 @@ def test_full_vocabulary_loss_never_holds_the_logits():
 def test_a_fresh_process_counts_the_same_bytes():
     """The in-process count is the fresh process's count, to the byte."""
     assert cpu_step_peak_bytes("eagle31", bench(1024)) == peak_bytes(1024)
-
-
-def test_live_tensor_bytes_peak_without_what_is_excluded():
-    excluded = [0]
-    with LiveTensorBytes(excluded=lambda: excluded[0]) as live:
-        a = torch.empty(100)  # 400 B, then left out (as the memory model leaves out gradients)
-        excluded[0] = 400
-        b = torch.empty(50)  # 200 B
-        assert live.peak == 600 and live.peak_without == 400  # 400 before it was excluded, 200 after
-        c = torch.empty(100)
-        assert live.peak_without == 600
-    assert a.numel() + b.numel() + c.numel() == 250

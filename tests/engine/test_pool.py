@@ -105,7 +105,8 @@ def make_pool(
     """recipe_target: the target the trainer expects (default: the workers' `target_dir`); transport: how the
     training features travel (default Ray's store)."""
     settings = PoolSettings(
-        prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies, capture_batch_tokens=BATCH_TOKENS,
+        prepared_dir=str(prepared), workers=workers, world_size=world_size, copies=copies,
+        capture_batch_tokens=BATCH_TOKENS,
         pool_tokens=pool_tokens, max_restarts=max_restarts, request_timeout_s=request_timeout_s, load_timeout_s=60.0,
         placement_timeout_s=placement_timeout_s, worker_options={"num_cpus": worker_cpus}, **LOADER,
         transport=transport or ObjectStoreTransport(),
@@ -180,7 +181,7 @@ def test_two_workers_give_the_loader_s_batches_bit_identical_to_online_features_
         loader, _ = loaders(engine, prepared)
         engine.start(loader)
         stream = iter_batches(loader)
-        for i, want in enumerate(expected):
+        for want in expected:
             assert_same(next(stream), want)
         stats = ray_cluster.get(pool.stats.remote())
         assert stats["delivered_samples"] == sum(b.num_samples for b in expected)

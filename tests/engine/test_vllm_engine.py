@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         (None, (), "features from a vLLM engine need vLLM installed beside eagle31 (pip install 'vllm>=0.22')"),
         ("0.21.1", (), "vLLM 0.21.1 is too old for extract_hidden_states: eagle31 needs vLLM >= 0.22"),
-        ("0.24.0", (), "vLLM 0.24.0 has no extract_hidden_states speculative method (vllm.v1.spec_decode.extract_hidden_states)"),
+        ("0.24.0", (), "vLLM 0.24.0 has no extract_hidden_states speculative method "
+         "(vllm.v1.spec_decode.extract_hidden_states)"),
         # vLLM is not in this venv, so eagle31's connector (which subclasses vLLM's base) does not import
         ("0.32.0", ("vllm.v1.spec_decode.extract_hidden_states",),
          "the hidden-states connector module eagle31.engine.vllm_connector does not import: No module named 'vllm'"),
@@ -128,8 +129,10 @@ def test_engine_arguments_that_make_the_capture_are_not_the_users_to_set(tmp_pat
     with pytest.raises(
         ConfigError, match=r"^vLLM engine arguments \['enable_prefix_caching', 'speculative_config'\] are eagle31's"
     ):
-        vllm_engine.VLLMFeatures(tmp_path, (1, 3, 4), dtype="float32", max_prompt_len=64, connector=present,
-                                 engine_args={"speculative_config": {}, "enable_prefix_caching": True, "gpu_memory_utilization": 0.5})  # fmt: skip
+        engine_args = {"speculative_config": {}, "enable_prefix_caching": True, "gpu_memory_utilization": 0.5}
+        vllm_engine.VLLMFeatures(
+            tmp_path, (1, 3, 4), dtype="float32", max_prompt_len=64, connector=present, engine_args=engine_args
+        )
 
 
 class FakeLLM:

@@ -1,5 +1,6 @@
 """What an inference worker must describe (`eagle31.engine.worker.expected_info`) and the one line naming what
-differs (`worker_mismatch`), which the pool and data_prep/capture.py both use; the pool runs it in tests/engine/test_pool.py."""
+differs (`worker_mismatch`), which the pool and data_prep/capture.py both use (the pool's run:
+tests/engine/test_pool.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_a_worker_is_compared_with_the_recipe_field_by_field_and_its_target_by_f
     other = same._replace(dtype="bfloat16", tokenizer_fingerprint="f" * 64)
     t = expected["tokenizer_fingerprint"]
     assert worker_mismatch(other, expected, tmp_path / "recipe") == (
-        f"computes dtype bfloat16, the recipe asks for float32; runs a target whose tokenizer differs from the recipe's "
+        "computes dtype bfloat16, the recipe asks for float32; "
+        "runs a target whose tokenizer differs from the recipe's "
         f"target {tmp_path / 'recipe'} (fingerprint ffffffffffff..., expected {t[:12]}...)"
     )
 

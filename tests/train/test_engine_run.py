@@ -259,8 +259,8 @@ def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys)
     )
     assert report["engine"] == {"workers": 28, "trainers": 8, "measured": True, "basis": report["engine"]["basis"]}
     assert (
-        "engine: 28 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy (measured: 10 samples/s per worker, 35 per trainer"
-        in capsys.readouterr().out
+        "engine: 28 inference worker(s) of 8 GPU(s) keep 8 trainer(s) busy "
+        "(measured: 10 samples/s per worker, 35 per trainer" in capsys.readouterr().out
     )
 
 
