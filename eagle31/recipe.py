@@ -55,9 +55,8 @@ class RegenerateConfig:
     top_p: float = 1.0  # nucleus sampling's mass when temperature > 0 (1: off)
     seed: int = 0  # sampling seeds, one per request from it, the conversation and the turn
     shard_size: int = 64  # conversations per output shard (the unit of resume)
-    backend: RegenerateBackend = (
-        RegenerateBackend.hf
-    )  # hf: the target in this process; endpoint: an OpenAI-compatible server
+    # hf: the target in this process; endpoint: an OpenAI-compatible server (vLLM, SGLang)
+    backend: RegenerateBackend = RegenerateBackend.hf
     batch_size: int = 16  # prompts per generate call (hf)
     device: Device = Device.auto  # where the hf backend runs the target
     endpoint: Optional[str] = None  # e.g. http://localhost:8000/v1 (backend=endpoint)
@@ -104,9 +103,8 @@ class EngineConfig:
 class FeaturesConfig:
     """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
-    mode: FeatureMode = (
-        FeatureMode.online
-    )  # online: the target in the trainer; store: capture.py's shards; engine: workers
+    # online: the target runs in each trainer; store: read the shards capture.py wrote; engine: inference workers
+    mode: FeatureMode = FeatureMode.online
     store_dir: str = "${output_dir}/features"  # one store per split: <store_dir>/train, <store_dir>/eval
     store_dtype: StoreDtype = StoreDtype.bfloat16  # the dtype of the captured hidden states (float8: half the disk)
     shard_max_tokens: int = 32768  # tokens per shard file at most (Kimi K2.6 in bf16: 56 KiB a token, 1.75 GiB a shard)

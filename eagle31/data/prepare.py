@@ -51,9 +51,8 @@ class DataConfig:
     system_prompts: Any = None  # or one of these per conversation, drawn: a list, or a file of them (docs/data.md)
     max_len: int = 2048  # tokens per sample at most; a longer one is handled by overflow
     merge_turns: int = 1  # > 1: consecutive conversations merged into samples of 1..merge_turns of them (drawn)
-    overflow: Overflow = (
-        Overflow.truncate
-    )  # a sample over max_len: truncate keeps its first max_len tokens, drop skips it
+    # a sample over max_len: truncate keeps its first max_len tokens, drop leaves it out
+    overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn
     # options of every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's {preserve_thinking: true}
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
