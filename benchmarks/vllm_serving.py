@@ -5,6 +5,8 @@ against eagle31's acceptance report on the same prompts and settings.
         out=benchmarks/results/vllm_serving/demo300
     python -m benchmarks.vllm_serving runs=smollm2_w256=runs/smollm2/eagle31-w256-s1 \\
         history=runs/smollm2/regenerated/conversations out=benchmarks/results/vllm_serving/smollm2_w256
+    python -m benchmarks.vllm_serving runs=llama31_8b=runs/llama31_8b formats=eagle3 questions=question.jsonl \
+        device=cuda vllm_python=venvs/vllm/bin/python out=results/llama31_8b   # a GPU: the ordinary vllm wheel
 
 Each run is a finished training run (`train/main.py`: config.yaml, drafter/, export/<format>/ and, where
 the run measured it, acceptance/acceptance.json, its acceptance report). For each run:
@@ -21,9 +23,11 @@ the run measured it, acceptance/acceptance.json, its acceptance report). For eac
   eagle31 (`eagle31.convert.load_drafter`): an export holds the trained weights rounded to its dtype
   (bfloat16 by default), and that is what vLLM serves, so each export is compared with eagle31 decoding
   with it.
-* vLLM: each export the run wrote (`formats`), served by the CPU build of vLLM (`.ci/vllm_cpu_venv.sh`)
+* vLLM: each export the run wrote (`formats`), served by the CPU build of vLLM (`.ci/vllm_cpu_venv.sh`; or,
+  with `device=cuda`, the ordinary vllm wheel of the venv `vllm_python` names)
   as `LLM(model=<target>, speculative_config={"method": "eagle3", "model": <export>,
-  "num_speculative_tokens": k}, dtype="float32", enforce_eager=True, disable_log_stats=False)` on the same
+  "num_speculative_tokens": k}, dtype=<float32 on CPU, bfloat16 on CUDA>, enforce_eager=True,
+  disable_log_stats=False)` on the same
   token ids (`benchmarks/vllm_spec_decode.py`, in that venv): drafts, accepted tokens and accepted
   tokens per position from `LLM.get_metrics()`'s `vllm:spec_decode_*` counters, tau = 1 + accepted /
   drafts as vLLM defines it.
@@ -33,6 +37,11 @@ starts where one of eagle31's does but drafts another token is explained by the 
 (`drafter_margin`: eagle31's logit of its own draft minus that of vLLM's draft, both read from eagle31's
 drafter at that step); later rounds of that prompt start elsewhere and are counted as following from it.
 A different token from the target is explained by the target's top-2 margin at that position.
+
+`device` picks where both sides decode (eagle31's with the HF target in this process, vLLM in its own):
+`cpu`, float32, where the two engines agree round for round up to float32 ties; `cuda`, bfloat16, as vLLM
+serves on a GPU, where bfloat16 kernels order more near-ties apart and the taus are the comparison (this path
+has not run on a GPU yet). The result records which served it (`device`, `dtype`).
 
 A drafter with a sliding window (`drafter.sliding_window`) is also decoded by eagle31 without it, with
 each export's weights: where that changes eagle31's rounds and vLLM's stay equal to the windowed ones,
@@ -55,6 +64,7 @@ import torch
 
 from benchmarks.peer import vllm_cpu_python, vllm_env
 from benchmarks.report import write_result_and_table
+from eagle31.distributed import Device
 from eagle31.errors import ConfigError
 from eagle31.layouts import LAYOUTS
 from eagle31.targets.cache import portable_path
@@ -62,6 +72,7 @@ from eagle31.targets.cache import portable_path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SCRIPT = ROOT / "benchmarks" / "vllm_spec_decode.py"
 FORMATS = tuple(LAYOUTS)
+ENGINES = {"cpu": "CPU build, float32", "cuda": "CUDA, bfloat16"}  # what served a result, by its device
 NEAR_TIE = (
     1e-3  # a logit margin below this is a floating-point tie: float32 kernels of two engines may order it either way
 )
@@ -83,6 +94,11 @@ class ServingConfig:
     max_per_category: int = 1
     history: str | None = None  # conversations (any source eagle31.data.sources reads): adds split long_history
     history_tokens: int = 512
+    # where both sides decode: cpu (the CPU build of vLLM, float32) or cuda (the ordinary vllm wheel, bfloat16);
+    # auto: cuda when torch sees a GPU
+    device: Device = Device.auto
+    # the python of a venv holding vLLM; default on cpu: the CPU build's (.ci/vllm_cpu_venv.sh); cuda needs it
+    vllm_python: str | None = None
 
     def __post_init__(self) -> None:
         for fmt in self.format_list:
@@ -108,6 +124,48 @@ class ServingConfig:
         if not out:
             raise ConfigError("runs= names no run directory")
         return out
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where both sides decode: the device, its dtype, and the interpreter and environment of vLLM's process."""
+
+    device: str  # cpu | cuda
+    python: Path
+
+    @property
+    def dtype(self) -> str:
+        """float32 on the CPU (both engines' exact path, round for round); bfloat16 on CUDA, as vLLM serves there."""
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def env(self) -> dict[str, str]:
+        return vllm_env(self.device)
+
+    def memory(self) -> dict[str, Any]:
+        """vLLM's KV-cache sizing: 256 MiB on the CPU (its default claims most of the RAM); on a GPU 90% of what
+        eagle31's side leaves free (vLLM refuses to start when its share of the GPU is not free)."""
+        if self.device == "cpu":
+            return {"kv_cache_bytes": 1 << 28}
+        free, total = torch.cuda.mem_get_info()
+        return {"gpu_memory_utilization": round(0.9 * free / total, 3)}
+
+
+def engine_for(config: ServingConfig) -> Engine:
+    """The `Engine` of `device` and `vllm_python`; a missing GPU or interpreter is one line."""
+    device = Device(config.device)
+    if device == Device.auto:
+        device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("device=cuda: torch sees no CUDA device")
+    if device == Device.cuda and not config.vllm_python:
+        raise ConfigError(
+            "device=cuda: set vllm_python to the python of a venv holding the ordinary vllm wheel "
+            "(docs/quickstart_gpu.md); the CPU build serves device=cpu only"
+        )
+    python = Path(config.vllm_python) if config.vllm_python else vllm_cpu_python()
+    if not python.is_file():
+        raise ConfigError(f"vllm_python={python}: no such file")
+    return Engine(device.value, python)
 
 
 # ---------------------------------------------------------------------- eagle31's side
@@ -140,10 +198,13 @@ class RecordingProposer:
         return drafts
 
 
-def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | None = None) -> dict[str, Any]:
+def eagle31_side(
+    run_dir: Path, prompts_of: ServingConfig, engine: Engine, targets: dict, drafter_dir: Path | None = None
+) -> dict[str, Any]:
     """The run's acceptance measurement, prompt by prompt (module docstring), and what vLLM needs to repeat it;
     with `drafter_dir` (an export of the run), of that drafter's weights instead of the trained one's.
-    `prompts_of`: the prompts of a run without an acceptance report (`mt_bench_prompts`)."""
+    `prompts_of`: the prompts of a run without an acceptance report (`mt_bench_prompts`); on `engine`'s device and
+    dtype, each target loaded once into `targets` (its directory -> the model)."""
     from omegaconf import OmegaConf
 
     from eagle31.data.prepare import template_kwargs
@@ -164,7 +225,7 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     if report is None:
         prompts = mt_bench_prompts(prompts_of, tokenizer, template_kwargs(cfg.data))
     else:
-        config = acceptance_config(cfg, run_dir, target_dir, "cpu")
+        config = acceptance_config(cfg, run_dir, target_dir, engine.device)
         k, max_new_tokens = config.k, config.max_new_tokens
         prompts = {
             split: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
@@ -173,8 +234,13 @@ def eagle31_side(run_dir: Path, prompts_of: ServingConfig, drafter_dir: Path | N
     (drafter,) = load_drafters(
         {"drafter": str(drafter_dir or Path(run_dir) / "drafter")}, "auto", target_config
     ).values()
-    target = load_target(str(target_dir), torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
-    drafter = share_target_embedding(drafter, target).float().eval()
+    dtype = getattr(torch, engine.dtype)
+    if str(target_dir) not in targets:
+        targets[str(target_dir)] = load_target(
+            str(target_dir), torch.device(engine.device), dtype=dtype, attn_implementation="sdpa"
+        )
+    target = targets[str(target_dir)]
+    drafter = share_target_embedding(drafter, target).to(engine.device, dtype).eval()
     eos = eos_ids(target, tokenizer)
     decode = dict(target=target, prompts=prompts, k=k, max_new_tokens=max_new_tokens, eos=eos)
     without_window = None
@@ -231,7 +297,7 @@ def decode_splits(
             generation = speculative_generate(
                 target,
                 proposer,
-                torch.tensor(ids),
+                torch.tensor(ids, device=target.device),
                 aux_layer_ids=drafter.config.aux_layer_ids,
                 max_new_tokens=max_new_tokens,
                 k=k,
@@ -246,15 +312,14 @@ def decode_splits(
 # ---------------------------------------------------------------------- vLLM's side
 
 
-def run_engine(request: dict, timeout_s: float, python: Path | None = None) -> dict:
-    """`benchmarks/vllm_spec_decode.py` under the CPU vLLM; its JSON answer. A failed run is one ConfigError line."""
-    python = python or vllm_cpu_python()
+def run_engine(request: dict, timeout_s: float, engine: Engine) -> dict:
+    """`benchmarks/vllm_spec_decode.py` under `engine`'s vLLM; its JSON answer. A failed run is one line."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "request.json"
         path.write_text(json.dumps(request))
-        env = vllm_env()
+        env = engine.env()
         proc = subprocess.run(
-            [str(python), str(ENGINE_SCRIPT), str(path)],
+            [str(engine.python), str(ENGINE_SCRIPT), str(path)],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -346,7 +411,7 @@ def drafter_margin(drafter, logits: torch.Tensor, ours: int, theirs: int) -> dic
 @torch.no_grad()
 def target_margin(target, ours: dict, n: int) -> dict:
     """The target's top-2 logit gap where its greedy token n differs between the engines (one full forward)."""
-    ids = torch.tensor([ours["prompt"] + ours["tokens"][:n]])
+    ids = torch.tensor([ours["prompt"] + ours["tokens"][:n]], device=target.device)
     logits = target(input_ids=ids).logits[0, -1].float()
     top2 = logits.topk(2)
     return {
@@ -400,6 +465,7 @@ def measure_runs(
     log=print,
     prompts_of: ServingConfig | None = None,
     attention_backend: str | None = None,
+    engine: Engine | None = None,
 ) -> list[dict]:
     """Every run's exports against eagle31 decoding with the same weights; one vLLM process per target.
 
@@ -407,12 +473,14 @@ def measure_runs(
     default), so each served export is compared with eagle31 decoding with that export (`eagle31_side` of it);
     the run's trained drafter is measured too, and must give the run's acceptance report (`report_matches`).
     `prompts_of`: the prompts of a run without an acceptance report (default: `ServingConfig`'s);
-    `attention_backend`: vLLM's (`ServingConfig.attention_backend`)."""
+    `attention_backend`: vLLM's (`ServingConfig.attention_backend`); `engine`: where both sides decode (default:
+    `engine_for(prompts_of)`)."""
     prompts_of = prompts_of or ServingConfig(runs=",".join(map(str, runs.values())))
-    trained, sides, jobs = {}, {}, {}
+    engine = engine or engine_for(prompts_of)
+    trained, sides, jobs, targets = {}, {}, {}, {}
     for label, run_dir in runs.items():
         log(f"{label}: eagle31's acceptance measurement, prompt by prompt")
-        trained[label] = eagle31_side(Path(run_dir), prompts_of)
+        trained[label] = eagle31_side(Path(run_dir), prompts_of, engine, targets)
         exports = [fmt for fmt in formats if (Path(run_dir) / "export" / fmt / "config.json").is_file()]
         if not exports:
             raise ConfigError(f"runs {label}: {run_dir}/export holds none of the formats {formats}")
@@ -420,7 +488,7 @@ def measure_runs(
             export = (Path(run_dir) / "export" / fmt).resolve()
             log(f"{label}/{fmt}: eagle31 decoding with the export's weights")
             ours = sides[f"{label}/{fmt}"] = {
-                **eagle31_side(Path(run_dir), prompts_of, export),
+                **eagle31_side(Path(run_dir), prompts_of, engine, targets, export),
                 "trained": trained[label],
             }
             jobs.setdefault(ours["target_dir"], []).append(
@@ -443,18 +511,20 @@ def measure_runs(
             len(p) + j["max_new_tokens"] + 2 * j["k"] for j in target_jobs for ps in j["splits"].values() for p in ps
         )
         max_model_len = min(next(sides[j["label"]]["max_model_len"] for j in target_jobs), -(-longest // 256) * 256)
-        engine = run_engine(
+        answer = run_engine(
             {
                 "target": target_dir,
-                "dtype": "float32",
+                "dtype": engine.dtype,
                 "max_model_len": max_model_len,
                 "jobs": target_jobs,
                 "attention_backend": attention_backend,
+                **engine.memory(),
             },
             timeout_s,
+            engine,
         )
-        served.update(engine["jobs"])
-        version = engine["vllm_version"]
+        served.update(answer["jobs"])
+        version = answer["vllm_version"]
     results = []
     for label, ours in trained.items():
         prompts = (
@@ -471,6 +541,8 @@ def measure_runs(
         result: dict[str, Any] = {
             "run": label,
             "vllm_version": version,
+            "device": engine.device,
+            "dtype": engine.dtype,
             "k": ours["k"],
             "max_new_tokens": ours["max_new_tokens"],
             "prompts": prompts,
@@ -546,7 +618,8 @@ def compare_job(label: str, name: str, ours: dict, job: dict, log) -> dict:
 def table(result: dict) -> str:
     settings = result["settings"]
     lines = [
-        f"vLLM {settings['vllm_version']} (CPU build) serving eagle31's exports: k={settings['k']}, "
+        f"vLLM {settings['vllm_version']} ({ENGINES[settings.get('device', 'cpu')]}) serving eagle31's exports: "
+        f"k={settings['k']}, "
         f"greedy, {settings['max_new_tokens']} new tokens",
         "",
         "| run | layout | split | prompts | vLLM drafts / accepted | vLLM tau | eagle31 rounds / accepted "
@@ -625,6 +698,7 @@ def main(argv: list[str]) -> int:
         result = {
             "settings": {
                 "vllm_version": runs[0]["vllm_version"],
+                "device": runs[0]["device"],
                 "k": runs[0]["k"],
                 "max_new_tokens": runs[0]["max_new_tokens"],
                 "near_tie": NEAR_TIE,

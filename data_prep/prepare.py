@@ -1,7 +1,8 @@
 """Conversations -> tokens + loss masks + draft vocabulary, for one recipe.
 
     python data_prep/prepare.py recipe=demo data.source=chats.jsonl
-    python data_prep/prepare.py recipe=kimi_k26 'data.source=[a.jsonl,b.parquet]' data.max_len=8192 data.overflow=drop
+    python data_prep/prepare.py recipe=kimi_k26 target.path=/models/Kimi-K2.6 'data.source=[a.jsonl,b.parquet]' \
+        data.max_len=8192 data.overflow=drop
 
 Reads the target's tokenizer (`target.builtin` or `target.path`) and writes
 `data.prepared_dir`: train/, eval/, token_counts.safetensors, vocab.safetensors and

@@ -35,8 +35,12 @@ _PROGRESS = "eagle31-progress"
 
 def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[str], usage: str = "") -> int:
     """Compose the recipe of `argv` and run `fn(cfg)`; `--help` prints `usage` and the recipes, `--cfg` the config."""
-    from eagle31.recipe import describe_recipes
+    from eagle31.recipe import describe_recipes, describe_section
 
+    if {"-h", "--help"} & set(argv):  # --help SECTION: that section's fields
+        sections = [a for a in argv if a not in ("-h", "--help") and "=" not in a]
+        if sections:
+            return run_cli(lambda: print("\n\n".join(describe_section(s) for s in sections)))
     if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
         return 0
     if "--cfg" in argv:

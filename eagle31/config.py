@@ -23,35 +23,39 @@ OVERRIDE = {"recipe": "override"}
 @dataclass
 class DrafterConfig:
     # the decoder layer (H, heads, ...)
-    hidden_size: int = field(metadata=OVERRIDE)
-    num_attention_heads: int = field(metadata=OVERRIDE)
-    num_key_value_heads: int = field(metadata=OVERRIDE)
-    head_dim: int = field(metadata=OVERRIDE)
-    intermediate_size: int = field(metadata=OVERRIDE)
+    hidden_size: int = field(metadata=OVERRIDE)  # H, the drafter layer's width; the target's unless set
+    num_attention_heads: int = field(metadata=OVERRIDE)  # query heads; the target's unless set
+    num_key_value_heads: int = field(metadata=OVERRIDE)  # key/value heads (GQA); the target's unless set
+    head_dim: int = field(metadata=OVERRIDE)  # per head (Llama attention); the target's unless set
+    intermediate_size: int = field(metadata=OVERRIDE)  # the MLP's width; the target's (dense) unless set
     rms_norm_eps: float = field(default=1e-6, metadata=TARGET)
     hidden_act: str = field(default="silu", metadata=TARGET)
     # transformers >= 5 form: {"rope_type": ..., "rope_theta": ..., yarn fields ...}
     rope_parameters: dict[str, Any] = field(
         default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}, metadata=TARGET
     )
-    max_position_embeddings: int = field(default=4096, metadata=OVERRIDE)
+    max_position_embeddings: int = field(default=4096, metadata=OVERRIDE)  # the rope's context; the target's unless set
     # vocabularies
     vocab_size: int = field(default=32000, metadata=TARGET)  # V, the target's
-    draft_vocab_size: int = 32000  # Vd
+    draft_vocab_size: int = 32000  # Vd, the drafter's vocabulary: the Vd most frequent supervised target tokens
     # the target
     target_hidden_size: int = field(default=0, metadata=TARGET)  # Ht; 0 means "same as hidden_size"
     target_num_layers: int = field(default=0, metadata=TARGET)  # L
-    aux_layer_ids: tuple[int, ...] = field(default=(), metadata=OVERRIDE)  # vLLM convention: input of decoder layer k
+    # the target layers whose hidden states feed the drafter, vLLM's convention (id k = input of decoder layer k);
+    # default (2, L // 2, L - 3)
+    aux_layer_ids: tuple[int, ...] = field(default=(), metadata=OVERRIDE)
     target_name_or_path: str | None = field(default=None, metadata=TARGET)
     target_architectures: tuple[str, ...] = field(default=(), metadata=TARGET)
     # EAGLE 3 / 3.1 switches (`SWITCHES`)
     fc_norm: bool = True  # EAGLE 3.1: one RMSNorm per aux chunk before fc
     norm_before_fc: bool = False  # one RMSNorm over the whole concat (gpt-oss style)
     norm_output: bool = True  # EAGLE 3.1: feed norm(o) to the next TTT step
-    norm_before_residual: bool = False
-    # the attention kind (`eagle31.attention`); each kind's own fields (its `config_type`) are 0 for the others
-    attention: DrafterAttention = DrafterAttention.llama  # a recipe's choice; any name in eagle31.attention.KINDS
-    mla: MLAConfig = field(default_factory=MLAConfig, metadata=OVERRIDE)  # the target's MLA shape unless set
+    norm_before_residual: bool = False  # the layer adds its output to hidden_norm(h), not to h (a speculators switch)
+    # the drafter layer's attention (eagle31.attention.KINDS): llama (q/k/v projections, both export layouts) or mla
+    # (the target's latent attention, eagle3 layout)
+    attention: DrafterAttention = DrafterAttention.llama
+    # the mla kind's own fields (a kind's `config_type`; 0 for the other kinds): the target's MLA shape unless set
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata=OVERRIDE)
     # sliding window of the attention, in positions (vLLM's `sliding_window`): the query at position P sees
     # the keys of P - W + 1 .. P (`eagle31.kernels.ttt_attention`); None = full attention
     sliding_window: int | None = None

@@ -44,6 +44,7 @@ class World:
     local_rank: int
     device: torch.device
     watch: RankWatch | None = field(default=None, compare=False, repr=False)
+    local_world_size: int = 1  # processes on this node
 
     @property
     def is_main(self) -> bool:
@@ -83,7 +84,8 @@ def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> Wor
     if world_size > 1 and rank_timeout_s is not None and "MASTER_ADDR" in os.environ:
         watch = RankWatch(rendezvous_store(rank_timeout_s), rank, world_size, rank_timeout_s)
         watch.start()
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, watch=watch)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return World(rank, world_size, local_rank, dev, watch, local_world_size)
 
 
 def rendezvous_store(timeout_s: float) -> dist.Store:

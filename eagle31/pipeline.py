@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle31.data.capture import capture_splits, open_store_writers
+from eagle31.data.capture import capture_splits, check_one_process_per_node, open_store_writers
 from eagle31.data.prepare import (
     check_prepared,
     load_draft_vocab,
@@ -140,6 +140,7 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
     if cfg.features.mode == "online":
         from eagle31.data.online import OnlineFeatures
 
+        check_one_process_per_node(world, cfg.target, "use features.mode=store or engine (docs/kimi_k26.md)")
         target = load_recipe_target(plan.target_dir, cfg.target, world.device)
         sources = {
             n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens)
@@ -183,6 +184,9 @@ def open_engine(plan: RunPlan, prepared: Path, sequence: SequenceGroup):
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     """Capture the target's features into the shard store (each rank its shards)."""
     cfg = plan.cfg
+    check_one_process_per_node(
+        plan.world, cfg.target, f"capture {store_dir} first (data_prep/capture.py, docs/kimi_k26.md), then train"
+    )
     writers = open_store_writers(
         store_dir, splits, plan.target_dir, plan.target_config, plan.drafter.aux_layer_ids, cfg.target, cfg.features
     )

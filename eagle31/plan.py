@@ -23,7 +23,7 @@ from eagle31.export import export_config
 from eagle31.io import check_output_dir
 from eagle31.metrics_log import redact_secrets
 from eagle31.recipe import to_container
-from eagle31.target import load_target_config, target_fingerprint, target_parameters
+from eagle31.target import check_remote_code, load_target_config, target_fingerprint, target_parameters
 
 # Sections that define a run: resuming with any of them changed is refused.
 # what a resumed run must share with the run it continues (the rest may change between attempts);
@@ -77,6 +77,8 @@ def plan_run(cfg, world: World) -> RunPlan:
     check_engine(cfg)
 
     target_dir = None
+    if cfg.dry_run:
+        check_named_paths(cfg)
     if cfg.dry_run and cfg.target.config:
         target_config = load_target_config(cfg.target.config)
     else:
@@ -84,6 +86,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
         target_dir = Path(resolve_target_path(cfg.target))
         target_config = load_target_config(target_dir)
+    check_remote_code(target_dir or cfg.target.path or cfg.target.config, cfg.target.trust_remote_code)
     drafter = DrafterConfig.from_target_config(target_config, **drafter_overrides(cfg.drafter))
     if cfg.data.max_len > drafter.max_position_embeddings:
         drafter = dataclasses.replace(drafter, max_position_embeddings=int(cfg.data.max_len))
@@ -129,6 +132,20 @@ def check_sequence_parallel(cfg, world: World) -> None:
             "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise "
             "with train.sequence_parallel > 1"
         )
+
+
+def check_named_paths(cfg) -> None:
+    """A dry run reads no weights or data, but a `target.path` or `data.source` that does not exist is refused."""
+    from eagle31.data.sources import resolve_source, source_paths
+
+    if cfg.target.path and not cfg.target.builtin and not Path(cfg.target.path).is_dir():
+        raise ConfigError(f"target.path={cfg.target.path!r} is not a directory")
+    regenerated = Path(cfg.regenerate.output_dir).absolute()  # data_prep/regenerate.py writes it first
+    for source in source_paths(cfg.data.source):
+        if source.startswith("demo:") or Path(source).absolute().is_relative_to(regenerated):
+            continue
+        if not resolve_source(source).exists():
+            raise ConfigError(f"data.source: no such file or directory: {source}")
 
 
 def check_engine(cfg) -> None:
@@ -317,6 +334,12 @@ def describe_dry_run(plan: RunPlan) -> dict:
             "measured": engine.measured,
             "basis": engine.basis,
         }
+    if cfg.features.mode == "store":
+        from eagle31.data.store import store_bytes_per_token
+
+        report["store_bytes_per_token"] = store_bytes_per_token(
+            d.target_hidden_size, d.num_aux, cfg.features.store_dtype
+        )
     if plan.world.is_main:
         heads = f"{d.num_attention_heads}/{d.num_key_value_heads}"
         checkpointing = "on" if cfg.train.activation_checkpointing else "off"
@@ -348,6 +371,12 @@ def describe_dry_run(plan: RunPlan) -> dict:
             )
         if engine is not None:
             print(f"  engine: {engine.describe(cfg.features.engine.worker_gpus)}")
+        if "store_bytes_per_token" in report:
+            per_token = report["store_bytes_per_token"]
+            print(
+                f"  feature store ({cfg.features.store_dtype}): {per_token / 1024:,.1f} KiB per token, "
+                f"{per_token * 1e8 / 2**40:,.2f} TiB per 100M tokens of data"
+            )
     return report
 
 

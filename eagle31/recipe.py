@@ -51,13 +51,14 @@ class RegenerateConfig:
     max_prompt_tokens: Optional[int] = None  # hf: longer prompts are not answered (counted prompt_too_long)
     max_new_tokens: int = 256  # per reply, reasoning included (a thinking model needs thousands)
     on_length: OnLength = OnLength.drop  # a reply cut at max_new_tokens (counted either way)
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float = 0.0  # sampling temperature; 0: greedy
+    top_p: float = 1.0  # nucleus sampling's mass when temperature > 0 (1: off)
+    seed: int = 0  # sampling seeds, one per request from it, the conversation and the turn
     shard_size: int = 64  # conversations per output shard (the unit of resume)
+    # hf: the target in this process; endpoint: an OpenAI-compatible server (vLLM, SGLang)
     backend: RegenerateBackend = RegenerateBackend.hf
     batch_size: int = 16  # prompts per generate call (hf)
-    device: Device = Device.auto  # hf backend
+    device: Device = Device.auto  # where the hf backend runs the target
     endpoint: Optional[str] = None  # e.g. http://localhost:8000/v1 (backend=endpoint)
     model: Optional[str] = None  # the served model's name; default the server's first
     concurrency: int = 16  # requests in flight (endpoint), across conversations and shards
@@ -72,7 +73,7 @@ class EngineConfig:
     """`features.mode=engine`: inference workers (Ray actors) feed the trainers through a pool (docs/engine.md)."""
 
     workers: int = 1  # inference workers, each holding a copy of the target
-    worker: EngineWorker = EngineWorker.hf
+    worker: EngineWorker = EngineWorker.hf  # hf: the transformers target, as online training; vllm: a vLLM engine
     worker_cpus: float = 1.0  # Ray CPUs per worker (torch threads on CPU: at least 1)
     worker_gpus: float = 0.0  # Ray GPUs per worker (a worker spreads the target over them with target.device_map)
     address: Optional[str] = None  # a running Ray cluster ("auto", or host:port); None: start one on this node
@@ -102,20 +103,36 @@ class EngineConfig:
 class FeaturesConfig:
     """Target hidden states: captured to a shard store, or computed online; batching (`eagle31.data`)."""
 
+    # online: the target runs in each trainer; store: read the shards capture.py wrote; engine: inference workers
     mode: FeatureMode = FeatureMode.online
     store_dir: str = "${output_dir}/features"  # one store per split: <store_dir>/train, <store_dir>/eval
-    store_dtype: StoreDtype = StoreDtype.bfloat16
-    shard_max_tokens: int = 32768  # Kimi K2.6 in bf16 stores 56 KiB/token: 1.75 GiB per shard
+    store_dtype: StoreDtype = StoreDtype.bfloat16  # the dtype of the captured hidden states (float8: half the disk)
+    shard_max_tokens: int = 32768  # tokens per shard file at most (Kimi K2.6 in bf16: 56 KiB a token, 1.75 GiB a shard)
     capture_batch_tokens: int = 8192  # padded tokens per target forward (capture, online and engine)
-    batching: Batching = Batching.pack
-    tokens_per_batch: int = 4096  # micro-batch budget: pack row length, or bucket B * max T
+    batching: Batching = Batching.pack  # pack: whole documents in one row, with document ids; bucket: padded rows
+    # one rank's micro-batch, in tokens: pack's row length, or bucket's rows x longest; at least data.max_len.
+    # A step's global batch is at most this x train.grad_accum x (world size / train.sequence_parallel) tokens
+    tokens_per_batch: int = 4096
     skip_corrupt: bool = False  # skip shards whose checksum fails (counted) instead of stopping
     # data_prep/import_speculators.py: vLLM captures written by `speculators` (hs_<i>.safetensors, i = row)
     import_hidden_states_dir: Optional[str] = None
     import_split: Split = Split.train  # the store written: <store_dir>/<import_split>
     import_dataset_dir: Optional[str] = None  # rows the files were made from (loss masks); default the prepared split
     import_all_tokens: bool = False  # no loss masks available: supervise every token
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # mode=engine's workers and pool
+
+
+# a made section (the drafter's) names the dataclasses whose source declares its fields
+FIELD_SOURCES = "__field_sources__"
+
+
+@dataclass
+class DrafterInit:
+    """The drafter section's fields that steer initialisation."""
+
+    init_from: Optional[str] = None  # a drafter to start from and fine-tune (any layout eagle31 reads), or null
+    init_from_format: DrafterFormat = DrafterFormat(AUTO)  # the layout of init_from; auto: read from its files
+    upgrade_to_eagle31: bool = False  # an EAGLE 3 init_from gains fc_norm (ones) and norm_output before training
 
 
 def drafter_section(config: type = DrafterConfig) -> type:
@@ -138,19 +155,20 @@ def drafter_section(config: type = DrafterConfig) -> type:
                 (g.name, Optional[typing.get_type_hints(hint)[g.name]], field(default=None))
                 for g in dataclasses.fields(hint)
             ]
-            nested = dataclasses.make_dataclass(f"{hint.__name__}Section", own)
+            nested = dataclasses.make_dataclass(
+                f"{hint.__name__}Section", own, namespace={"__doc__": hint.__doc__, FIELD_SOURCES: (hint,)}
+            )
             nested.__module__ = __name__
             fields.append((f.name, nested, field(default_factory=nested)))
         elif source == "override":
             fields.append((f.name, Optional[hint], field(default=None)))
         else:
             fields.append((f.name, hint, field(default=f.default)))
-    fields += [
-        ("init_from", Optional[str], field(default=None)),  # a drafter to fine-tune (any layout eagle31 reads)
-        ("init_from_format", DrafterFormat, field(default=DrafterFormat(AUTO))),
-        ("upgrade_to_eagle31", bool, field(default=False)),  # EAGLE 3 checkpoint -> add fc_norm (ones) and norm_output
-    ]
-    section = dataclasses.make_dataclass("DrafterSection", fields, namespace={"__doc__": drafter_section.__doc__})
+    init_hints = typing.get_type_hints(DrafterInit)
+    fields += [(f.name, init_hints[f.name], field(default=f.default)) for f in dataclasses.fields(DrafterInit)]
+    doc = "The drafter: layer shape, vocabulary, aux layers, EAGLE 3.1 switches, attention; null takes the target's."
+    namespace = {"__doc__": doc, FIELD_SOURCES: (config, DrafterInit)}
+    section = dataclasses.make_dataclass("DrafterSection", fields, namespace=namespace)
     section.__module__ = __name__
     return section
 
@@ -160,38 +178,47 @@ DrafterSection = drafter_section()
 
 @dataclass
 class ExportConfig:
-    formats: list[ExportFormat] = field(default_factory=lambda: list(ExportFormat))
-    dtype: Dtype = Dtype.bfloat16
-    include_embed: Optional[bool] = None  # None: the layout's default (eagle31/export.py)
+    """The layouts vLLM serves, written to <output_dir>/export/<format> at the end of a run (docs/export.md)."""
+
+    formats: list[ExportFormat] = field(default_factory=lambda: list(ExportFormat))  # the layouts to write
+    dtype: Dtype = Dtype.bfloat16  # the weights' dtype in the export
+    include_embed: Optional[bool] = None  # write the embedding into the export; null: the layout's default
 
 
 @dataclass
 class EvalConfig:
     """Acceptance by real speculative decoding at the end of a run (scripts/eval_acceptance.py)."""
 
-    enabled: bool = False
+    enabled: bool = False  # measure acceptance at the end of the run
     data: list[str] = field(default_factory=list)  # prompt files, one split each (`demo:<split>` allowed)
-    num_speculative_tokens: int = 3
-    max_prompts: int = 16  # per split
-    max_new_tokens: int = 64
+    num_speculative_tokens: int = 3  # k, drafts per round (also the k an export's config suggests)
+    max_prompts: int = 16  # prompts measured per split, at most
+    max_new_tokens: int = 64  # tokens generated per prompt
 
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = WandbMode.offline
-    project: str = "eagle31"
-    entity: Optional[str] = None
+    """Weights & Biases logging (rank 0)."""
+
+    mode: WandbMode = WandbMode.offline  # offline: files under <output_dir>/wandb; online; disabled
+    project: str = "eagle31"  # the wandb project
+    entity: Optional[str] = None  # the wandb team or user; null: the logged-in user's default
 
 
 @dataclass
 class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress: bool = True
+    """What a run reports as it goes, beside metrics.jsonl."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases
+    progress: bool = True  # the progress bar on stderr
 
 
 @dataclass
 class HubConfig:
-    license: str = "apache-2.0"
+    """The model card scripts/push_to_hub.py writes."""
+
+    license: str = "apache-2.0"  # the card's license (a Llama target's drafter: llama3.1)
+    # the card's tags
     tags: list[str] = field(default_factory=lambda: ["eagle3", "eagle3.1", "speculative-decoding", "vllm"])
 
 
@@ -205,13 +232,13 @@ class PlanConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "demo"
-    output_dir: str = "runs/${name}"
-    resume: Resume = Resume.never
-    dry_run: bool = False
+    name: str = "demo"  # the run's name (each recipe sets its own)
+    output_dir: str = "runs/${name}"  # the run directory: config, data, checkpoints, drafter, exports, report
+    resume: Resume = Resume.never  # never: an output_dir holding a run is refused; auto: continue it
+    dry_run: bool = False  # validate, count parameters and estimate memory and disk; load no weights, run nothing
     plan: PlanConfig = field(default_factory=PlanConfig)  # the launch a dry run estimates for
-    seed: int = 0
-    target: TargetConfig = field(default_factory=TargetConfig)
+    seed: int = 0  # the drafter's initial weights and the order of the batches
+    target: TargetConfig = field(default_factory=TargetConfig)  # the target model
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -282,7 +309,11 @@ def _refuse_renamed(key: str) -> None:
 def describe_recipes(recipes_dir: str | Path) -> str:
     """The recipes under `recipes_dir` and every config section's fields, for `--help`."""
     names = sorted(p.stem for p in (Path(recipes_dir) / "recipe").glob("*.yaml"))
-    lines = [f"recipes (recipe=<name>, default demo): {', '.join(names)}", "", "config sections (section.field=value):"]
+    lines = [
+        f"recipes (recipe=<name>, default demo): {', '.join(names)}",
+        "",
+        "config sections (section.field=value; --help SECTION: each field's type, default and meaning):",
+    ]
     scalars = []
     for f in dataclasses.fields(RunConfig):
         hint = typing.get_type_hints(RunConfig)[f.name]
@@ -293,6 +324,144 @@ def describe_recipes(recipes_dir: str | Path) -> str:
             scalars.append(_describe_field(RunConfig, f))
     lines += textwrap.wrap(", ".join(scalars), 100, initial_indent=f"  {'(top)':<9} ", subsequent_indent=" " * 12)
     return "\n".join(lines)
+
+
+_NOT_HELP = re.compile(r"#|\btype:\s*ignore(\[[^\]]*\])?|\bnoqa(:\s*\S+)?|\bfmt:\s*skip")
+
+
+def section_names() -> list[str]:
+    """The sections `--help SECTION` describes: each of `RunConfig`'s dataclass fields, nested ones dotted, and
+    `top` (the run's own scalars)."""
+    return ["top", *_sections(RunConfig, "")]
+
+
+def _sections(owner: type, prefix: str) -> list[str]:
+    names = []
+    for f in dataclasses.fields(owner):
+        kind = _field_kind(owner, f)
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            names += [f"{prefix}{f.name}", *_sections(kind, f"{prefix}{f.name}.")]
+    return names
+
+
+def describe_section(name: str) -> str:
+    """`--help SECTION`: each field of section `name` (nested sections too) with its type, default and meaning."""
+    owner = section_class(name)
+    lines = [f"{name}: {section_doc(owner) if name != 'top' else 'the run itself'}"]
+    for path, f, hint, meaning in field_rows(owner, "" if name == "top" else f"{name}."):
+        if name == "top" and dataclasses.is_dataclass(_unwrap(hint)):
+            continue
+        lines.append(f"  {path}  ({_type_name(hint)}, default {_default_text(f)})")
+        lines += textwrap.wrap(meaning, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def section_class(name: str) -> Any:
+    """The dataclass of section `name` (`RunConfig` for `top`); an unknown name is one line listing the sections."""
+    if name not in section_names():
+        raise ConfigError(f"--help {name}: no such config section; the sections: {', '.join(section_names())}")
+    owner: Any = RunConfig
+    for part in [] if name == "top" else name.split("."):
+        owner = _field_kind(owner, next(f for f in dataclasses.fields(owner) if f.name == part))
+    return owner
+
+
+def section_doc(section: type) -> str:
+    """The first line of a section's own docstring ('' where only dataclass wrote one)."""
+    doc = section.__doc__ or ""
+    return "" if doc.startswith(f"{section.__name__}(") else doc.strip().splitlines()[0]
+
+
+def field_rows(owner: type, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
+    """(dotted name, field, type hint, one-line meaning) of every field of `owner`, a nested section's fields after
+    its own row; the meaning is the comment on or directly above the field where its class declares it."""
+    meanings = field_help(owner)
+    hints = typing.get_type_hints(owner)
+    rows = []
+    for f in dataclasses.fields(owner):
+        rows.append((f"{prefix}{f.name}", f, hints[f.name], meanings.get(f.name, "")))
+        if dataclasses.is_dataclass(_unwrap(hints[f.name])) and prefix:
+            rows += field_rows(_unwrap(hints[f.name]), f"{prefix}{f.name}.")
+    return rows
+
+
+def field_help(owner: type) -> dict[str, str]:
+    """Field name -> the comment on its declaration's lines, else the comment lines directly above it, in the source
+    of the class that declares it (for a made section, its `FIELD_SOURCES`)."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    meanings: dict[str, str] = {}
+    for source_class in getattr(owner, FIELD_SOURCES, (owner,)):
+        source = textwrap.dedent(inspect.getsource(source_class))
+        comments = {
+            token.start[0]: " ".join(_NOT_HELP.sub(" ", token.string).split())
+            for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type == tokenize.COMMENT
+        }
+        lines = source.splitlines()
+        (node,) = ast.parse(source).body
+        for statement in getattr(node, "body", []):
+            if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name):
+                continue
+            end = statement.end_lineno or statement.lineno
+            on = [comments[n] for n in range(statement.lineno, end + 1) if comments.get(n)]
+            above: list[str] = []
+            n = statement.lineno - 1
+            while n in comments and lines[n - 1].lstrip().startswith("#"):
+                above.insert(0, comments[n])
+                n -= 1
+            meanings[statement.target.id] = " ".join(on or above)
+    return meanings
+
+
+def _field_kind(owner: type, f: Any) -> Any:
+    return _unwrap(typing.get_type_hints(owner)[f.name])
+
+
+def _unwrap(hint: Any) -> Any:
+    """A type without its Optional."""
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return inner[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(inner) == 1 else hint
+
+
+def _type_name(hint: Any) -> str:
+    kind = _unwrap(hint)
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        text = "{" + "|".join(m.value for m in kind) + "}"
+    elif dataclasses.is_dataclass(kind):
+        text = "section"
+    elif kind is Any:
+        return "any"
+    elif typing.get_origin(kind) is list and _type_name(typing.get_args(kind)[0]).startswith("{"):
+        text = f"list of {_type_name(typing.get_args(kind)[0])}"
+    elif typing.get_args(kind):
+        text = str(kind).replace("typing.", "")
+    else:
+        text = kind.__name__
+    return f"{text} or null" if kind is not hint else text
+
+
+def _default_text(f: Any) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return "its fields' defaults"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_default_text(dataclasses.field(default=v)) for v in value) + "]"
+    return str(value)
 
 
 def _describe_field(owner: type, f: Any) -> str:

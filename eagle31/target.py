@@ -54,6 +54,32 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
     return read_json_config(p / "config.json" if p.is_dir() else p, "target config")
 
 
+def remote_code(path: str | Path) -> str | None:
+    """What of the target at `path` (a model directory or its config.json) only code shipped with it loads: a
+    model_type transformers lacks, named in `auto_map`, or a tokenizer class of its own (Kimi's tiktoken)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    p, config = Path(path), load_target_config(path)
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        return f"model (model_type {config.get('model_type')})"
+    if p.is_dir() and (p / "tokenizer_config.json").is_file():
+        tok = read_json_config(p / "tokenizer_config.json", "tokenizer config")
+        if tok.get("auto_map") and tokenizer_class_from_name(tok.get("tokenizer_class") or "") is None:
+            return f"tokenizer ({tok.get('tokenizer_class')})"
+    return None
+
+
+def check_remote_code(path: str | Path, trust_remote_code: bool) -> None:
+    """One line, before anything loads, when the target needs its own code and `target.trust_remote_code` is off."""
+    needed = None if trust_remote_code else remote_code(path)
+    if needed:
+        raise ConfigError(
+            f"target {path}: its {needed} is code shipped with the model, not part of transformers; "
+            "set target.trust_remote_code=true to run it"
+        )
+
+
 def target_shape(target_config: dict) -> tuple[int, int]:
     """(L, Ht): decoder layers and hidden size of the target."""
     text = text_config(target_config)
@@ -231,6 +257,7 @@ def load_target(
 
 def load_recipe_target(target_dir, section: Any, device: torch.device) -> nn.Module:
     """`load_target` as a recipe's `target` section asks (its dtype, device_map, trust_remote_code)."""
+    check_remote_code(target_dir, section.trust_remote_code)
     return load_target(target_dir, device, dtype=section.dtype, device_map=section.device_map,
                        trust_remote_code=section.trust_remote_code)  # fmt: skip
 

@@ -43,33 +43,37 @@ from eagle31.ttt import ttt_unroll
 
 @dataclass
 class TrainConfig:
-    ttt_length: int = 7
+    """The drafter's training loop: TTT unroll, loss, optimizer, schedule, checkpoints (eagle31.trainer)."""
+
+    ttt_length: int = 7  # K: the TTT unroll's steps, i.e. how many draft positions each query is trained at
     ttt_decay: Optional[float] = 0.8  # w of sum_k w^k mean_k; null: one mean over every step's queries (P-EAGLE's)
-    mask_out_of_vocab: bool = True
-    loss: DraftLoss = DraftLoss.kl
+    mask_out_of_vocab: bool = True  # drop the queries whose target argmax lies outside the draft vocabulary
+    loss: DraftLoss = DraftLoss.kl  # what each query minimises against the target's distribution (docs/training.md)
     lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 50
-    max_steps: int = 1000
+    lr: float = 1e-4  # AdamW's peak learning rate, after warm-up
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay, on every trained parameter
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
+    warmup_steps: int = 50  # optimizer steps of linear warm-up, then cosine decay until max_steps
+    max_steps: int = 1000  # optimizer steps of the run (skipped non-finite steps count too)
+    # micro-batches per rank per optimizer step: a step's global batch is grad_accum x (world size /
+    # sequence_parallel) micro-batches of up to features.tokens_per_batch tokens each, one loss mean over them
     grad_accum: int = 1
-    max_grad_norm: float = 0.5
+    max_grad_norm: float = 0.5  # clip the global gradient norm to this
     # P-EAGLE's COD sampling (speculators' 0.7 and 0.2): depth k >= 1 trains a share max(ratio^k, min) of its queries
     down_sample_ratio: Optional[float] = None
-    down_sample_ratio_min: float = 0.2
+    down_sample_ratio_min: float = 0.2  # the floor of that share (down_sample_ratio's min)
     attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
     sequence_parallel: int = 1
     compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
-    device: Device = Device.auto
-    precision: Precision = Precision.auto
-    log_every: int = 10
-    eval_every: int = 200
-    save_every: int = 200
-    keep_last: int = 2
-    max_nonfinite_steps: int = 5
+    device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
+    precision: Precision = Precision.auto  # compute dtype; auto: bf16 on GPU (fp32 master weights), fp32 on CPU
+    log_every: int = 10  # steps between metrics.jsonl lines (loss, acceptance, tokens/s)
+    eval_every: int = 200  # steps between held-out evaluations of the eval split (0: only at the end)
+    save_every: int = 200  # steps between checkpoints (atomic, checksummed; resume=auto continues from one)
+    keep_last: int = 2  # checkpoints kept on disk, the newest ones (at least 1)
+    max_nonfinite_steps: int = 5  # non-finite losses in a row that stop the run (each one skips its step)
     # SIGTERM / SIGUSR1: finish the step, checkpoint, exit 143 within this many seconds (else exit at once)
     preempt_grace_s: float = 60.0
     # torchrun: a rank silent this long (dead, its node lost) stops the others with one line naming it (exit 8)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import shlex
+import string
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,120 @@ def test_the_exit_code_table_is_the_one_the_error_classes_define():
         f"codes the classes use but the table lacks: {defined - set(documented)}; "
         f"codes the table has but no class uses: {set(documented) - defined}"
     )
+
+
+# ------------------------------------------------------------------ the documented commands
+
+# the command lines of a recipe: what a reader copies from a page, a recipe's comment or a script's docstring
+RECIPE_CLIS = ("train/main.py", "data_prep/prepare.py", "data_prep/capture.py", "data_prep/import_speculators.py")
+COMMAND_SOURCES = [
+    *DOCS,
+    *sorted((ROOT / "recipes" / "recipe").glob("*.yaml")),
+    *sorted((ROOT / "data_prep").glob("*.py")),
+    ROOT / "train" / "main.py",
+]
+
+
+def recipe_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(processes per node, arguments) of each recipe command line in `path`: the fenced blocks of a page, every
+    line of a recipe or a script (comment marks dropped); continuations joined, trailing comments cut, the
+    variables the page `export`s expanded."""
+    text = path.read_text()
+    blocks = FENCE.findall(text) if path.suffix == ".md" else [re.sub(r"(?m)^\s*# ?", "", text)]
+    commands = []
+    variables: dict[str, str] = {}
+    for block in blocks:
+        for line in re.sub(r"\\\n\s*(#\s*)?", " ", block).splitlines():
+            for part in re.split(r"&&|;", line):
+                try:
+                    words = [string.Template(w).safe_substitute(variables) for w in shlex.split(part, comments=True)]
+                except ValueError:  # not a shell line (output, a table)
+                    continue
+                if words[:1] == ["export"]:
+                    variables.update(w.split("=", 1) for w in words[1:] if "=" in w)
+                cli = next((i for i, w in enumerate(words) if w in RECIPE_CLIS), None)
+                if cli is not None:
+                    launcher = " ".join(words[:cli])
+                    nproc = re.search(r"--nproc[-_]per[-_]node[ =](\d+)", launcher)
+                    commands.append((int(nproc.group(1)) if nproc else 1, words[cli:]))
+    return commands
+
+
+@pytest.mark.parametrize("source", COMMAND_SOURCES, ids=rel)
+def test_every_documented_recipe_command_composes_and_can_run(source):
+    """A command a reader copies composes; one that loads the target names it (a recipe for a Hub model carries
+    its config for dry runs, never its weights, so `target.path=` is the reader's to give); and a target spread
+    over a node's GPUs is never launched once per GPU to capture or train online."""
+    from eagle31.errors import ConfigError
+    from eagle31.recipe import load_recipe
+
+    bad = []
+    for nproc, words in recipe_commands(source):
+        overrides = [w for w in words[1:] if "=" in w and not w.startswith("-")]
+        if "..." in words or {"--help", "-h", "--cfg"} & set(words) or "dry_run=true" in overrides:
+            continue
+        command = " ".join(words)
+        try:
+            cfg = load_recipe(ROOT / "recipes", overrides)
+        except ConfigError as e:
+            bad.append(f"{command}: {e}")
+            continue
+        if cfg.target.builtin is None and cfg.target.path is None:
+            bad.append(f"{command}: no target.path (the command stops with 'target.path is not set')")
+        spread = cfg.target.device_map and nproc > 1 and cfg.features.engine.worker != "vllm"
+        if spread and (words[0] == "data_prep/capture.py" or cfg.features.mode == "online"):
+            bad.append(f"{command}: {nproc} processes per node each load a target spread over the node")
+    assert not bad, "\n".join(bad)
+
+
+def vllm_serve_commands(path: Path) -> list[list[str]]:
+    """The arguments after `vllm serve` of each command in the fenced blocks of `path`."""
+    commands = []
+    for block in FENCE.findall(path.read_text()):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            at = next((i for i in range(len(words) - 1) if words[i : i + 2] == ["vllm", "serve"]), None)
+            if at is not None:
+                commands.append(words[at + 2 :])
+    return commands
+
+
+def test_a_target_spread_over_a_node_is_served_over_the_node():
+    """The Hub id of a recipe whose target is spread over a node's GPUs (`target.device_map`) is never served by
+    `vllm serve` on one GPU: its command names the tensor-parallel size."""
+    from eagle31.recipe import load_recipe
+
+    spread = set()
+    for recipe in sorted((ROOT / "recipes" / "recipe").glob("*.yaml")):
+        cfg = load_recipe(ROOT / "recipes", [f"recipe={recipe.stem}"])
+        if cfg.target.device_map and cfg.target.name:
+            spread.add(cfg.target.name)
+    assert "moonshotai/Kimi-K2.6" in spread
+    bad = [
+        f"{rel(page)}: vllm serve {' '.join(words)}"
+        for page in DOCS
+        for words in vllm_serve_commands(page)
+        if words
+        and words[0] in spread
+        and not any(w.startswith(("--tensor-parallel-size", "-tp", "--pipeline-parallel-size")) for w in words)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_vllm_releases_the_export_page_names_are_the_ones_the_layouts_and_kinds_declare():
+    """docs/export.md's opening sentence and its layouts table name the release each layout (`min_vllm`) and each
+    drafter kind's fc_norm (`min_vllm_fc_norm`) needs, as the model cards do."""
+    from eagle31.attention import KINDS
+    from eagle31.layouts import LAYOUTS
+
+    text = (ROOT / "docs" / "export.md").read_text()
+    opening = text.split("## Supported vLLM releases and how they are tested", 1)[1].split("\n\n", 2)[1]
+    for name, layout in LAYOUTS.items():
+        assert f"| `{name}` (vLLM >= {layout.min_vllm}) |" in text or f"`{name}` (vLLM >= {layout.min_vllm})" in text
+        assert f"**{layout.min_vllm}.0 to" in opening, (name, opening)
+    for name, kind in KINDS.items():
+        if kind.min_vllm_fc_norm:
+            assert f"{name.upper()} EAGLE 3.1 drafter" in opening and f"needs **{kind.min_vllm_fc_norm}.0**" in opening

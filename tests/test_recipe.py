@@ -16,7 +16,18 @@ from eagle31.config import DrafterConfig
 from eagle31.data.store import STORE_DTYPES, StoreDtype
 from eagle31.errors import ConfigError
 from eagle31.pipeline import run
-from eagle31.recipe import DrafterSection, RunConfig, drafter_section, load_recipe, to_container
+from eagle31.recipe import (
+    DrafterSection,
+    RunConfig,
+    describe_section,
+    drafter_section,
+    field_rows,
+    load_recipe,
+    section_class,
+    section_doc,
+    section_names,
+    to_container,
+)
 from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +68,32 @@ def test_every_recipe_dry_runs(name, tmp_path, capsys):
     assert report["recipe"] == name and report["parameters"]["trainable"] > 0
     assert f"dry run of recipe {name!r}: config valid" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_a_dry_run_of_a_store_run_says_the_disk_the_store_takes(tmp_path, capsys):
+    report = run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", f"output_dir={tmp_path / 'run'}"]))
+    assert report["store_bytes_per_token"] == 4 * 7168 * 2 + 5  # 3 aux + final in bf16, input id and loss mask
+    assert "feature store (bfloat16): 56.0 KiB per token, 5.22 TiB per 100M tokens of data" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("target.path=/nonexistent/Kimi-K2.6", "error: target.path='/nonexistent/Kimi-K2.6' is not a directory"),
+        (
+            "data.source=[/nonexistent/chats.jsonl]",
+            "error: data.source: no such file or directory: /nonexistent/chats.jsonl",
+        ),
+    ],
+)
+def test_a_dry_run_refuses_a_target_or_data_that_does_not_exist(override, error, tmp_path, capsys):
+    """The dry run reads neither, but a path it would train on that is not there is one line, not "config valid"."""
+    argv = ["recipe=kimi_k26", "dry_run=true", override, f"output_dir={tmp_path / 'run'}"]
+    assert recipe_main(run, RECIPES, argv) == 2
+    out, err = capsys.readouterr()
+    assert "config valid" not in out and err == error + "\n"
+    argv[2] = f"{override.split('=')[0]}={'[' if '[' in override else ''}{tmp_path}{']' if '[' in override else ''}"
+    assert recipe_main(run, RECIPES, argv) == 0, capsys.readouterr().err  # an existing folder passes
 
 
 @pytest.mark.parametrize("override, field", BAD_CHOICES)
@@ -211,6 +248,52 @@ def test_every_cli_answers_help(cli, monkeypatch, capsys):
         assert all(name in out for name in NAMES)
         assert all(f"  {section}" in out for section in ("target", "data", "features", "drafter", "train", "export"))
         assert "attention_kernel={auto|flash|blockwise|reference}" in out and "attention={llama|mla}" in out
+
+
+@pytest.mark.parametrize("section", section_names())
+def test_every_field_of_every_section_says_what_it_means(section):
+    """`--help SECTION` reads each field's meaning from the comment on or above it: none may be missing."""
+    owner = section_class(section)
+    assert section == "top" or section_doc(owner), f"{section}: the section has no docstring"
+    rows = field_rows(owner, "" if section == "top" else f"{section}.")
+    undocumented = [
+        name
+        for name, _, _, meaning in rows
+        if len(meaning.split()) < 3 and not (section == "top" and name in section_names())
+    ]
+    assert not undocumented, f"fields without a one-line meaning: {undocumented}"
+
+
+def meaning(name: str) -> str:
+    section = name.rsplit(".", 1)[0]
+    return next(m for path, _, _, m in field_rows(section_class(section), f"{section}.") if path == name)
+
+
+def test_help_section_prints_type_default_and_meaning(monkeypatch, capsys):
+    assert run_script(REPO / "train" / "main.py", ["--help", "train", "features"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "  train.keep_last  (int, default 2)\n      checkpoints kept on disk" in out
+    assert "  train.attention_kernel  ({auto|flash|blockwise|reference}, default auto)" in out
+    assert "  features.engine.rates_from  (str or null, default null)" in out  # nested sections too
+    assert "  export.formats  (list of {eagle3|speculators}" in describe_section("export")
+    # the global batch, where a reader looks for it: under the micro-batch and the accumulation
+    assert "train.grad_accum x (world size / train.sequence_parallel)" in meaning("features.tokens_per_batch")
+    assert "grad_accum x (world size / sequence_parallel) micro-batches" in meaning("train.grad_accum")
+    for name, words in [
+        ("data.overflow", "truncate keeps"),
+        ("data.eval_fraction", "held out"),
+        ("train.weight_decay", "AdamW"),
+        ("drafter.attention", "llama"),
+    ]:
+        assert words in meaning(name), name
+
+
+def test_help_of_an_unknown_section_is_one_line_naming_the_sections(monkeypatch, capsys):
+    assert run_script(REPO / "data_prep" / "capture.py", ["--help", "trian"], monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        "\n" not in err and err.startswith("error: --help trian: no such config section") and "features.engine" in err
+    )
 
 
 def test_cfg_prints_the_composed_config_and_runs_nothing(capsys):

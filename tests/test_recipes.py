@@ -18,7 +18,14 @@ NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
 
 
 def test_the_expected_recipes_exist():
-    assert {"demo", "kimi_k26", "kimi_k26_llama", "kimi_k26_mini", "llama31_8b", "qwen3_8b"} <= set(NAMES)
+    assert set(SUPPORTED) | {
+        "demo",
+        "demo_long",
+        "demo_parallel",
+        "kimi_k26_mini",
+        "llama31_8b_parallel",
+        "smollm2_135m",
+    } == set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -29,17 +36,29 @@ def test_every_recipe_composes_and_names_itself(name):
     assert cfg.train.ttt_length >= 1 and cfg.features.mode in ("online", "store")
 
 
-@pytest.mark.parametrize(
-    "name, layers, aux",
-    [
-        ("kimi_k26", 61, (2, 30, 58)),
-        ("kimi_k26_llama", 61, (2, 30, 58)),
-        ("llama31_8b", 32, (2, 16, 29)),
-        ("qwen3_8b", 36, (2, 18, 33)),
-    ],
-)
-def test_gpu_recipes_ship_their_target_config(name, layers, aux):
+# the recipes of full-size targets: (Hub id, layers, aux ids), each from its config.json as published
+SUPPORTED = {
+    "llama31_8b": ("meta-llama/Llama-3.1-8B-Instruct", 32, (2, 16, 29)),
+    "llama31_70b": ("meta-llama/Llama-3.1-70B-Instruct", 80, (2, 40, 77)),
+    "qwen3_8b": ("Qwen/Qwen3-8B", 36, (2, 18, 33)),
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", 48, (2, 24, 45)),
+    "gpt_oss_20b": ("openai/gpt-oss-20b", 24, (2, 12, 21)),
+    "gpt_oss_120b": ("openai/gpt-oss-120b", 36, (2, 18, 33)),
+    "kimi_k26": ("moonshotai/Kimi-K2.6", 61, (2, 30, 58)),
+    "kimi_k26_llama": ("moonshotai/Kimi-K2.6", 61, (2, 30, 58)),
+    "deepseek_v3": ("deepseek-ai/DeepSeek-V3", 61, (2, 30, 58)),
+}
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_gpu_recipes_ship_their_target_config(name):
+    """Each names its Hub id (in its comment too, where its config comes from) and ships that config, read
+    with no download; a target spread over a node (`target.device_map`) never trains online."""
+    hub_id, layers, aux = SUPPORTED[name]
     cfg = load_recipe(RECIPES, [f"recipe={name}"])
+    assert cfg.target.name == hub_id and f"{hub_id}'s config.json" in (RECIPES / "recipe" / f"{name}.yaml").read_text()
+    assert Path(cfg.target.config).parent == RECIPES / "targets" and cfg.target.path is None
+    assert not (cfg.target.device_map and cfg.features.mode == "online")
     target = load_target_config(cfg.target.config)
     overrides = {
         k: v
@@ -139,3 +158,52 @@ def test_smollm2_recipe_trains_on_sharegpt_regenerated_by_its_target():
     assert list(cfg.data.source) == ["/x/regenerated/conversations"]
     # a regenerated first turn (prompt, reply, the system prompt) is never cut by prepare
     assert cfg.regenerate.max_prompt_tokens + cfg.regenerate.max_new_tokens + 64 <= cfg.data.max_len
+
+
+def test_the_supported_targets_table_is_the_recipes():
+    """docs/targets.md's table, built again from each recipe and the config.json shipped beside it: every recipe of
+    a Hub target has its row, and each row's architecture, layers, aux ids, drafter, features, layouts and vLLM
+    release are the recipe's."""
+    from eagle31.attention import KINDS
+    from eagle31.layouts import LAYOUTS
+
+    rows = {
+        cells[0].strip("`"): cells[1:]
+        for line in (REPO / "docs" / "targets.md").read_text().splitlines()
+        if line.startswith("| `")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    recipes = {name: load_recipe(RECIPES, [f"recipe={name}"]) for name in NAMES}
+    assert sorted(rows) == [name for name, cfg in recipes.items() if not cfg.target.name.startswith("eagle31/")]
+    for name, cells in rows.items():
+        cfg = recipes[name]
+        config = json.loads(Path(cfg.target.config).read_text())
+        overrides = {
+            k: v
+            for k, v in dict(cfg.drafter).items()
+            if k in {f for f in DrafterConfig.__dataclass_fields__} and v is not None
+        }
+        if overrides.get("aux_layer_ids"):
+            overrides["aux_layer_ids"] = tuple(overrides["aux_layer_ids"])
+        drafter = DrafterConfig.from_target_config(load_target_config(cfg.target.config), **overrides)
+        kind = KINDS[str(drafter.attention)]
+        formats = [str(f) for f in cfg.export.formats]
+        served = max(
+            (
+                kind.min_vllm_fc_norm if drafter.fc_norm and kind.min_vllm_fc_norm else LAYOUTS[f].min_vllm
+                for f in formats
+            ),
+            key=lambda v: tuple(map(int, v.split("."))),
+        )
+        spread = "one target per node" if cfg.target.device_map else "a target per GPU"
+        expected = [
+            cfg.target.name,
+            config["architectures"][0],
+            str(drafter.target_num_layers),
+            ", ".join(map(str, drafter.aux_layer_ids)),
+            str(drafter.attention) + (", parallel (P-EAGLE)" if drafter.parallel_drafting else ""),
+            f"{cfg.features.mode}, {spread}",
+            ", ".join(formats),
+            f">= {served}",
+        ]
+        assert cells == expected, name

@@ -1,5 +1,8 @@
 """eagle31.target: one reading of a target's config, shape and aux ids for every caller."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +10,8 @@ from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import check_drafter_fits
 from eagle31.target import check_aux_layer_ids, inference_device_and_dtype, target_shape, target_vocab_size, text_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 LLAMA = {
     "model_type": "llama",
@@ -96,3 +101,49 @@ def test_the_target_fingerprint_sees_every_tensor_not_how_the_files_split_them(t
     assert worker_mismatch(worker, expected, tmp_path / "recipe").startswith(
         f"runs a target whose weights or config differ from the recipe's target {tmp_path / 'recipe'} (fingerprint "
     )
+
+
+KIMI_TOKENIZER_CONFIG = {
+    "tokenizer_class": "TikTokenTokenizer",
+    "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+}
+
+
+def kimi_like_target(root: Path) -> Path:
+    """Kimi K2.6's published config.json and a tokenizer_config.json whose tokenizer is code of its own."""
+    root.mkdir()
+    (root / "config.json").write_text((RECIPES / "targets" / "kimi_k26.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps(KIMI_TOKENIZER_CONFIG))
+    return root
+
+
+def test_a_target_that_needs_its_own_code_is_named_before_anything_loads(tmp_path):
+    """Kimi's tiktoken tokenizer; a model_type transformers lacks; not DeepSeek-V3, whose auto_map transformers
+    replaces with its own deepseek_v3."""
+    from eagle31.data.prepare import prepare_with_target_tokenizer
+    from eagle31.target import check_remote_code, remote_code
+
+    kimi = kimi_like_target(tmp_path / "kimi")
+    assert remote_code(kimi) == "tokenizer (TikTokenTokenizer)"
+    with pytest.raises(
+        ConfigError, match=r"tokenizer \(TikTokenTokenizer\) is code shipped .* target.trust_remote_code=true"
+    ):
+        prepare_with_target_tokenizer(None, kimi, trust_remote_code=False, draft_vocab_size=8, vocab_size=None)
+    check_remote_code(kimi, True)
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "my_arch", "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    assert remote_code(unknown) == "model (model_type my_arch)"
+    assert remote_code(RECIPES / "targets" / "deepseek_v3.json") is None
+
+
+def test_kimi_recipes_trust_the_tokenizers_code_and_a_dry_run_without_it_says_so(tmp_path, capsys):
+    from eagle31.cli import recipe_main
+    from eagle31.pipeline import run
+    from eagle31.recipe import load_recipe
+
+    assert all(load_recipe(RECIPES, [f"recipe={r}"]).target.trust_remote_code for r in ("kimi_k26", "kimi_k26_llama"))
+    argv = ["recipe=kimi_k26", "dry_run=true", f"target.path={kimi_like_target(tmp_path / 'kimi')}"]
+    assert recipe_main(run, RECIPES, [*argv, "target.trust_remote_code=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("set target.trust_remote_code=true to run it\n"), err
+    assert recipe_main(run, RECIPES, argv) == 0

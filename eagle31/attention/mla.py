@@ -23,11 +23,11 @@ from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
 class MLAConfig:
     """The MLA drafter's own fields, `drafter.mla.<field>`: the target's MLA shape where 0 (or unset in a recipe)."""
 
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: int = 0  # the queries' latent width (q_a_proj's output)
+    kv_lora_rank: int = 0  # the keys' and values' shared latent width (kv_a_proj_with_mqa's, less the rope part)
+    qk_nope_head_dim: int = 0  # per head, the query/key dims without rope
+    qk_rope_head_dim: int = 0  # per head, the query/key dims with rope (one rope key shared by the heads)
+    v_head_dim: int = 0  # per head, the values' dims
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

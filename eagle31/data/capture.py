@@ -139,6 +139,15 @@ def open_store_writers(
     }
 
 
+def check_one_process_per_node(world: World, target_section, instead: str) -> None:
+    """A target spread over the node's GPUs (`target.device_map`) is loaded by one process per node, never by each."""
+    if target_section.device_map and world.local_world_size > 1:
+        raise ConfigError(
+            f"target.device_map={target_section.device_map} spreads the target over every GPU of the node, so one "
+            f"process per node loads it, not each of the {world.local_world_size} launched here: {instead}"
+        )
+
+
 def capture_splits(target, splits: dict, writers: dict[str, StoreWriter], *, batch_tokens: int, world: World) -> None:
     """Capture every split into its writer (each rank its shards); rank 0 finalizes a split once all ranks are done."""
     for name, ds in splits.items():

@@ -21,6 +21,7 @@ from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, p
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
 from eagle31.errors import ConfigError, CorruptDataError
 from eagle31.io import atomic_dir, atomic_save_safetensors, atomic_write_json, check_output_dir, write_errors
+from eagle31.target import check_remote_code
 from eagle31.vocab import build_draft_vocab, count_supervised_tokens
 
 log = logging.getLogger(__name__)
@@ -45,20 +46,21 @@ class DataConfig:
     # a path or a list of paths: JSONL / JSON / Parquet files, `datasets` directories
     # (Any so that both `data.source=a.jsonl` and `data.source=[a.jsonl,b.parquet]` work)
     source: Any = field(default_factory=list)
-    prepared_dir: str = "${output_dir}/data"
+    prepared_dir: str = "${output_dir}/data"  # where prepare writes train/, eval/ and the draft vocabulary
     system_prompt: str | None = None  # added to conversations that have none
     system_prompts: Any = None  # or one of these per conversation, drawn: a list, or a file of them (docs/data.md)
-    max_len: int = 2048
+    max_len: int = 2048  # tokens per sample at most; a longer one is handled by overflow
     merge_turns: int = 1  # > 1: consecutive conversations merged into samples of 1..merge_turns of them (drawn)
+    # a sample over max_len: truncate keeps its first max_len tokens, drop leaves it out
     overflow: Overflow = Overflow.truncate
     last_turn_only: bool = False  # supervise only the last assistant turn
     # options of every chat-template render (prepare, acceptance prompts), e.g. Kimi K2.6's {preserve_thinking: true}
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # or one of these merged over it per conversation, drawn: [{thinking: true}, {thinking: false}] for both Kimi modes
     chat_template_variants: list[dict[str, Any]] = field(default_factory=list)
-    eval_fraction: float = 0.05  # held-out split
-    eval_max_samples: int = 256
-    seed: int = 0
+    eval_fraction: float = 0.05  # share of the samples held out as the eval split (at most eval_max_samples)
+    eval_max_samples: int = 256  # the eval split's size at most
+    seed: int = 0  # the draws of prepare: the eval split, system prompts, template variants, merges
 
 
 @dataclass
@@ -279,6 +281,7 @@ def prepare_with_target_tokenizer(
     """`prepare_dataset` with the tokenizer saved beside the target at `target_dir`."""
     from transformers import AutoTokenizer
 
+    check_remote_code(target_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     return prepare_dataset(data_cfg, tokenizer, draft_vocab_size=draft_vocab_size, vocab_size=vocab_size)
 

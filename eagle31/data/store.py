@@ -241,6 +241,13 @@ def quantize_rows(x: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Ten
     return q.view(x.shape), scale
 
 
+def store_bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
+    """Bytes a token takes in a store: its aux and final features (float8: and their scales), its token columns."""
+    scales = 4 * (num_aux + 1) if dtype == "float8" else 0
+    columns = sum(column.store.itemsize for column in TOKEN_COLUMNS.values())
+    return (num_aux + 1) * hidden_size * STORE_DTYPES[dtype].itemsize + scales + columns
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_rows`: q [N, c*H], scale [N, c] -> [N, c*H] in `dtype`."""
     v = q.float().view(q.shape[0], scale.shape[1], -1) * scale.unsqueeze(-1)

@@ -22,7 +22,7 @@ class SpeculatorsLayout(Layout):
     name = "speculators"
     library_name = "speculators"
     card_name = "`speculators` layout (`speculators_model_type: eagle3`)"
-    min_vllm = "0.25"
+    min_vllm = "0.22"
     layer_prefix = VLLM_PREFIX
     embeds_by_default = True
 

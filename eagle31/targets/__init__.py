@@ -22,14 +22,16 @@ class BuiltinTarget(StrEnum):
 
 @dataclass
 class TargetConfig:
+    """The target model whose hidden states the drafter learns from (eagle31.targets)."""
+
     path: str | None = None  # local HF model directory
     builtin: BuiltinTarget | None = None  # built locally by eagle31.targets (cached)
     config: str | None = None  # a config.json for dry runs without weights
     name: str | None = None  # Hub id for model cards and manifests (e.g. moonshotai/Kimi-K2.6)
-    revision: str | None = None
-    dtype: Dtype = Dtype.bfloat16
+    revision: str | None = None  # the Hub revision of the weights, recorded with name in stores and model cards
+    dtype: Dtype = Dtype.bfloat16  # the dtype the target's weights are loaded in
     device_map: str | None = None  # e.g. "auto" for targets larger than one device
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model's or tokenizer's own code shipped with it (Kimi K2.6 needs it)
 
 
 def resolve_target_path(target_cfg: Any) -> Path:

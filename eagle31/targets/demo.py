@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from eagle31.io import atomic_write_json
+from eagle31.io import atomic_write_json, sha256_file
 from eagle31.targets import demo_corpus
 from eagle31.targets.cache import cache_dir, ensure_built
 
 log = logging.getLogger(__name__)
 
-# Bump when the code changes the built files (the cache key also hashes the recipe).
-DEMO_BUILD_VERSION = "2"
+# Bump when the code changes the built files (the cache key also hashes the recipe and the corpus).
+DEMO_BUILD_VERSION = "3"
 
 DEMO_SPECIAL_TOKENS = ("<|bos|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 
@@ -72,11 +72,11 @@ class DemoRecipe:
 
 
 def demo_key(seed: int = 0, recipe: DemoRecipe | None = None) -> str:
-    """Cache key: build version, seed, Python version (the corpus) and a hash of the recipe."""
+    """Cache key: build version, seed, a hash of the shipped corpus and one of the recipe."""
     recipe = recipe or DemoRecipe()
-    py = "py" + ".".join(platform.python_version_tuple()[:2])
+    corpus = sha256_file(demo_corpus.CORPUS_FILE)[:8]
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:8]
-    return f"v{DEMO_BUILD_VERSION}-seed{seed}-{py}-{digest}"
+    return f"v{DEMO_BUILD_VERSION}-seed{seed}-corpus{corpus}-{digest}"
 
 
 def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
@@ -106,7 +106,7 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
     started = time.perf_counter()
     with deterministic_torch(recipe.threads):
         _phase(1, "corpus: conversations about the Python standard library")
-        splits = demo_corpus.make_splits(demo_corpus.stdlib_functions(), recipe.corpus, seed)
+        splits = demo_corpus.make_splits(demo_corpus.functions(), recipe.corpus, seed)
         demo_corpus.write_splits(splits, out / "corpus")
         _phase(2, f"tokenizer: byte-level BPE, {recipe.vocab_size} tokens")
         tokenizer = train_tokenizer(splits["train"], recipe)
@@ -122,7 +122,8 @@ def build_demo_target(out_dir: str | Path, seed: int = 0, recipe: DemoRecipe | N
     atomic_write_json(out / "build_info.json", {
         "name": "eagle31-demo", "build_version": DEMO_BUILD_VERSION, "seed": seed,
         "python_version": platform.python_version(), "torch_version": torch.__version__,
-        "recipe": dataclasses.asdict(recipe), "splits": {name: len(rows) for name, rows in splits.items()},
+        "corpus_sha256": sha256_file(demo_corpus.CORPUS_FILE), "recipe": dataclasses.asdict(recipe),
+        "splits": {name: len(rows) for name, rows in splits.items()},
         "metrics": metrics,
     })  # fmt: skip
     log.info("demo target built in %s", _clock(time.perf_counter() - started))

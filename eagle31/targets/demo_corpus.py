@@ -1,16 +1,15 @@
 """The demo corpus: the Python standard library's documented functions as chat conversations (docs/demo_target.md).
 
 Each conversation asks for one function (name, signature, module, docstring summary) and answers with its code;
-the splits are `SPLITS`, JSONL in OpenAI messages form. Deterministic for a given Python version: files and
-functions in sorted order, every random choice from `random.Random(seed)`.
+the splits are `SPLITS`, JSONL in OpenAI messages form. The functions are the shipped `CORPUS_FILE` (CPython
+3.11.7's, PSF license; `scripts/make_demo_corpus.py`), never the running interpreter's; every random choice
+comes from `random.Random(seed)`.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import random
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +18,7 @@ from eagle31.io import atomic_write_text
 SPLITS = ("train", "heldout", "other_system", "long_prompt")
 SYSTEM_PROMPT = "You are a helpful assistant that writes Python code."
 OTHER_SYSTEM_PROMPT = "You are a senior engineer. Reply with one Python function in a code block."
-
-# Parts of the standard library that are tests, demos, GUIs or vendored code.
-_SKIP_DIRS = {"idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "site-packages",
-              "dist-packages", "lib-dynload", "__phello__", "venv"}  # fmt: skip
-_MAX_CODE_CHARS = 800  # keeps a conversation under ~384 tokens of the demo tokenizer
-_MIN_CODE_CHARS = 80
-_MIN_FUNCTIONS = 1000
+CORPUS_FILE = Path(__file__).parent / "corpus" / "stdlib_functions.jsonl"
 
 _REQUESTS = (
     "Write a Python function `{name}{signature}` that {summary_lc}",
@@ -46,65 +39,9 @@ class Function:
     code: str  # the source of the definition (methods dedented)
 
 
-def stdlib_root() -> Path:
-    """The running interpreter's standard library directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_functions(root: Path | None = None) -> list[Function]:
-    """Public, documented, ASCII functions and methods of modest size, in sorted order."""
-    root = root or stdlib_root()
-    found: dict[tuple[str, str], Function] = {}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in _SKIP_DIRS or part.startswith("test") for part in rel.parts):
-            continue
-        source = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        lines = source.splitlines()
-        for prefix, node in _definitions(tree):
-            fn = _function(module, prefix, node, lines)
-            if fn is not None:
-                found.setdefault((fn.module, fn.name), fn)
-    return list(found.values())
-
-
-def _definitions(tree: ast.Module):
-    """(name prefix, def node) for top-level functions and the methods of top-level classes."""
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            yield "", node
-        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-            for sub in node.body:
-                if isinstance(sub, ast.FunctionDef):
-                    yield node.name + ".", sub
-
-
-def _function(module: str, prefix: str, node: ast.FunctionDef, lines: list[str]) -> Function | None:
-    end = node.end_lineno or node.lineno  # always set by ast.parse
-    if node.name.startswith("_") or end - node.lineno > 40:
-        return None
-    doc = ast.get_docstring(node)
-    if not doc:
-        return None
-    summary = doc.strip().splitlines()[0].strip()
-    # the definition's lines (decorators excluded), dedented to column 0
-    body = lines[node.lineno - 1 : end]
-    indent = " " * node.col_offset
-    if not all(line.startswith(indent) or not line.strip() for line in body):
-        return None
-    code = "\n".join(line[node.col_offset :].rstrip() for line in body)
-    if not (_MIN_CODE_CHARS <= len(code) <= _MAX_CODE_CHARS) or "\t" in code or not code.isascii():
-        return None
-    if not summary or len(summary) > 120 or not summary.isascii():
-        return None
-    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    signature = f"({ast.unparse(node.args)}){returns}"
-    return Function(module, prefix + node.name, signature, summary, code)
+def functions(path: str | Path = CORPUS_FILE) -> list[Function]:
+    """The corpus's functions, in the shipped file's order."""
+    return [Function(**json.loads(line)) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 def request(fn: Function, rng: random.Random) -> str:
@@ -144,11 +81,6 @@ class CorpusSpec:
 
 def make_splits(functions: list[Function], spec: CorpusSpec, seed: int) -> dict[str, list[dict]]:
     """Deterministic train / heldout / other_system / long_prompt conversations."""
-    if len(functions) < _MIN_FUNCTIONS:  # e.g. a zipped or stripped standard library
-        raise RuntimeError(
-            f"only {len(functions)} usable functions found under {stdlib_root()}; the demo corpus needs "
-            f"the standard library's .py sources (a full CPython install has ~2700)"
-        )
     rng = random.Random(seed)
     order = list(functions)
     rng.shuffle(order)

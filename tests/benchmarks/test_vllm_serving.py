@@ -169,3 +169,42 @@ def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_
     assert set(mt_bench_prompts(ServingConfig(runs=f"smol={run}", questions=str(questions)), llama_tok, {})) == {
         "mt_bench"
     }
+
+
+def test_on_a_gpu_the_ordinary_vllm_serves_in_bfloat16_beside_eagle31s_side(tmp_path, monkeypatch):
+    """device=cuda: the venv `vllm_python` names (the ordinary wheel), no CPU device forced on it, bfloat16 on both
+    sides, and vLLM's share of the GPU what eagle31's side leaves free; the CPU build stays the CPU's."""
+    from benchmarks.vllm_serving import Engine, ServingConfig, engine_for, run_engine
+    from eagle31.errors import ConfigError
+
+    run = tmp_path / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    # an interpreter standing in for vLLM's: it answers with what it was asked and under which environment
+    stub = tmp_path / "vllm-venv" / "python"
+    stub.parent.mkdir()
+    answer = (
+        "import json, os, sys; r = json.load(open(sys.argv[2])); print(json.dumps({'vllm_version': 'stub', "
+        "'jobs': {}, 'dtype': r['dtype'], 'device': os.environ.get('VLLM_TARGET_DEVICE'), "
+        "'share': r.get('gpu_memory_utilization'), 'kv': r.get('kv_cache_bytes')}))"
+    )
+    stub.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{answer}" "$@"\n')
+    stub.chmod(0o755)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (40 << 30, 80 << 30))
+
+    gpu = engine_for(ServingConfig(runs=str(run), device="cuda", vllm_python=str(stub)))
+    assert gpu == Engine("cuda", stub) and gpu.dtype == "bfloat16"
+    got = run_engine({"dtype": gpu.dtype, **gpu.memory()}, 60, gpu)
+    assert (got["dtype"], got["device"], got["share"], got["kv"]) == ("bfloat16", None, 0.45, None)
+
+    cpu = Engine("cpu", stub)
+    got = run_engine({"dtype": cpu.dtype, **cpu.memory()}, 60, cpu)
+    assert (got["dtype"], got["device"], got["share"], got["kv"]) == ("float32", "cpu", None, 1 << 28)
+
+    with pytest.raises(ConfigError, match="device=cuda: set vllm_python to the python of a venv holding the ordinary"):
+        engine_for(ServingConfig(runs=str(run), device="cuda"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert engine_for(ServingConfig(runs=str(run), vllm_python=str(stub))).device == "cpu"  # auto, without a GPU
+    with pytest.raises(ConfigError, match="device=cuda: torch sees no CUDA device"):
+        engine_for(ServingConfig(runs=str(run), device="cuda", vllm_python=str(stub)))

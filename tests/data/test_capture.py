@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from eagle31.data.capture import capture_to_store, prepared_rows, run_target
+from eagle31.data.capture import capture_to_store, check_one_process_per_node, prepared_rows, run_target
 from eagle31.data.store import (
     FeatureStore,
     StoreHeader,
@@ -259,3 +260,20 @@ def test_a_full_disk_during_capture_is_one_line_leaves_only_whole_shards_and_the
     assert stats.shards_skipped == len(finished) and stats.shards_written == len(writer.plan) - len(finished)
     writer.finalize()
     assert FeatureStore(root).sample_ids.tolist() == list(range(200))
+
+
+def test_a_target_spread_over_the_node_is_loaded_by_one_process_per_node(tmp_path):
+    """Each of 8 trainers of a node loading Kimi over all 8 GPUs is refused before any load: in capture (the
+    pipeline's, for an empty store) and in online training."""
+    from eagle31.distributed import World
+    from eagle31.pipeline import capture_store
+
+    spread, single = SimpleNamespace(device_map="auto"), SimpleNamespace(device_map=None)
+    node = World(rank=3, world_size=16, local_rank=3, device=torch.device("cpu"), local_world_size=8)
+    check_one_process_per_node(node, single, "")  # a copy per GPU: data parallel
+    check_one_process_per_node(dataclasses.replace(node, local_world_size=1), spread, "")  # one process per node
+    with pytest.raises(ConfigError, match=r"^target.device_map=auto spreads .* not each of the 8 launched here: x$"):
+        check_one_process_per_node(node, spread, "x")
+    plan = SimpleNamespace(cfg=SimpleNamespace(target=spread), world=node)
+    with pytest.raises(ConfigError, match=f"capture {tmp_path} first"):
+        capture_store(plan, {}, tmp_path)

@@ -18,6 +18,7 @@ from eagle31.data.store import (
     StoreWriter,
     dequantize_rows,
     quantize_rows,
+    store_bytes_per_token,
 )
 from eagle31.target import TargetFeatures
 from tests.tiny_targets import prepared_split, tiny_llama
@@ -62,6 +63,23 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     for want, got in zip(samples, store.samples(range(9))):
         for a, b in zip(want, got):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8"])
+def test_the_bytes_per_token_a_dry_run_prints_are_the_shards_tensors(tmp_path, dtype):
+    """What a token costs on disk (the dry run's disk figure): every per-token tensor of a written shard."""
+    from safetensors import safe_open
+
+    samples = random_samples(9)
+    write_store(tmp_path, samples, dtype)
+    tokens = per_token = 0
+    for path in tmp_path.rglob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            tokens += f.get_tensor("input_ids").shape[0]
+            per_token += sum(f.get_tensor(k).nbytes for k in f.keys() if k not in ("offsets", "sample_ids"))
+    assert tokens == sum(len(s.input_ids) for s in samples)
+    assert per_token == tokens * store_bytes_per_token(HT, N_AUX, dtype)
+    assert store_bytes_per_token(7168, 3, "bfloat16") == 57349  # Kimi K2.6: 56 KiB, 5.2 TiB per 100M tokens
 
 
 def test_manifest_holds_the_header_and_a_checksum_per_shard(tmp_path):

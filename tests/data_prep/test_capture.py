@@ -88,6 +88,26 @@ def test_capture_under_torchrun_matches_one_process(setup):
 
 
 @pytest.mark.slow
+@pytest.mark.deadline(400)  # waits on torchrun
+def test_a_target_spread_over_the_node_is_captured_by_one_process_per_node(setup):
+    """`target.device_map=auto` (Kimi K2.6): two processes on one node are refused, one line each, before the target
+    loads; `--nproc-per-node 1` captures."""
+    root, _ = setup
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    args = ["data_prep/capture.py", *overrides(root, "spread"), "target.device_map=auto"]
+    two = run([*torchrun, "--nproc-per-node", "2", *args])
+    refusal = (
+        "error: target.device_map=auto spreads the target over every GPU of the node, so one process per node "
+        "loads it, not each of the 2 launched here: launch capture.py with torchrun --nproc-per-node 1"
+    )
+    assert two.returncode != 0 and refusal in two.stderr, two.stderr  # torchrun may stop the second rank first
+    assert not list((root / "spread").rglob("*.safetensors"))
+    one = run([*torchrun, "--nproc-per-node", "1", *args])
+    assert one.returncode == 0, one.stderr
+    assert len(FeatureStore(root / "spread" / "train")) == 10
+
+
+@pytest.mark.slow
 def test_import_cli_takes_loss_masks_from_the_prepared_split(setup, tmp_path, monkeypatch, capsys):
     root, model = setup
     prepared = load_from_disk(str(root / "data" / "train"))

@@ -45,7 +45,7 @@ def test_speculators_card_and_a_run_without_report(tmp_path):
     meta, body = front_matter(render_model_card(hub.read_export(out), "me/d"))
     assert meta["library_name"] == "speculators" and "base_model" not in meta  # a local path is no Hub id
     assert "/local" not in body and "vllm serve <path to target> " in body
-    assert '"num_speculative_tokens": 5' in body and "vLLM >= 0.25" in body
+    assert '"num_speculative_tokens": 5' in body and "vLLM >= 0.22" in body
     assert "# EAGLE 3 drafter" in body and "Not measured yet." in body
     partial = render_model_card(hub.read_export(out), "me/d", report={"acc": [0.5, None], "acceptance": {"tau": 2.5}})
     assert "| top-1 accuracy | 0.500 | - |" in partial and "| - | - | 2.500 | - |" in partial

@@ -1,16 +1,17 @@
-"""The demo corpus: standard-library functions as conversations, deterministic splits."""
+"""The demo corpus: the shipped standard-library functions as conversations, deterministic splits, the cache key."""
 
 import json
 
 import pytest
 
 from eagle31.targets import demo_corpus
-from eagle31.targets.demo_corpus import CorpusSpec, make_splits, merge, read_jsonl, stdlib_functions, write_splits
+from eagle31.targets.demo import demo_key
+from eagle31.targets.demo_corpus import CorpusSpec, make_splits, merge, read_jsonl, write_splits
 
 
 @pytest.fixture(scope="module")
 def functions():
-    return stdlib_functions()
+    return demo_corpus.functions()
 
 
 @pytest.mark.slow
@@ -50,6 +51,12 @@ def test_merge_keeps_the_first_system_prompt():
     assert [m["content"] for m in merge([a, b])["messages"]] == ["S", "1", "2"]
 
 
-def test_a_missing_standard_library_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="usable functions found"):
-        make_splits(stdlib_functions(tmp_path), CorpusSpec(), seed=0)
+def test_the_corpus_is_the_shipped_file_and_keys_the_cache(tmp_path, monkeypatch):
+    """The same functions under every Python; another corpus file builds another cached target."""
+    shipped = demo_corpus.functions()
+    assert len(shipped) == 2763 and (shipped[0].module, shipped[0].name) == ("_aix_support", "aix_buildtag")
+    key = demo_key()
+    edited = tmp_path / "stdlib_functions.jsonl"
+    edited.write_text(demo_corpus.CORPUS_FILE.read_text().replace("Return", "Returns", 1))
+    monkeypatch.setattr(demo_corpus, "CORPUS_FILE", edited)
+    assert demo_key() != key and demo_key().split("-")[:2] == key.split("-")[:2]

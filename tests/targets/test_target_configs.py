@@ -16,6 +16,11 @@ TARGETS = Path(__file__).resolve().parents[2] / "recipes" / "targets"
         ("kimi_k26", 61, 7168, 64, 64, 128, 163840, (2, 30, 58), "yarn"),
         ("llama31_8b", 32, 4096, 32, 8, 128, 128256, (2, 16, 29), "llama3"),
         ("qwen3_8b", 36, 4096, 32, 8, 128, 151936, (2, 18, 33), "default"),
+        ("llama31_70b", 80, 8192, 64, 8, 128, 128256, (2, 40, 77), "llama3"),
+        ("qwen3_30b_a3b", 48, 2048, 32, 4, 128, 151936, (2, 24, 45), "default"),
+        ("gpt_oss_20b", 24, 2880, 64, 8, 64, 201088, (2, 12, 21), "yarn"),
+        ("gpt_oss_120b", 36, 2880, 64, 8, 64, 201088, (2, 18, 33), "yarn"),
+        ("deepseek_v3", 61, 7168, 128, 128, 128, 129280, (2, 30, 58), "yarn"),
     ],
 )
 def test_drafter_derives_from_each_config(name, layers, hidden, heads, kv_heads, head_dim, vocab, aux, rope_type):
