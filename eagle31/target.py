@@ -60,7 +60,9 @@ def remote_code(path: str | Path) -> str | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    p, config = Path(path), load_target_config(path)
+    p = Path(path)
+    has_config = not p.is_dir() or (p / "config.json").is_file()  # prepare needs only a tokenizer's directory
+    config = load_target_config(path) if has_config else {}
     if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING_NAMES:
         return f"model (model_type {config.get('model_type')})"
     if p.is_dir() and (p / "tokenizer_config.json").is_file():
