@@ -14,7 +14,7 @@ from torch import nn
 
 # 2-D weights that stay with AdamW under Muon: the vocabulary's rows (speculators 0.9.0's rule, Muon's authors')
 _VOCABULARY_WEIGHTS = ("embed_tokens", "lm_head")
-Named = list[tuple[str, nn.Parameter]]
+Named = list[tuple[str, nn.Parameter]]  # (name, parameter) pairs
 
 
 class Optimizer(StrEnum):
@@ -154,8 +154,8 @@ class Anchor:
 
     @torch.no_grad()
     def add_gradient(self) -> float:
-        """Add the term's gradient `2 weight (w - w0)` to each parameter's and return the term (a training step,
-        after the backward: each shard adds its own part, one all-reduce for the value)."""
+        """Add the term's gradient `2 weight (w - w0)` to each parameter's (after the backward, before clipping; each
+        FSDP shard its own) and return the term, summed over the shards."""
         norms = []
         for p, start in zip(self.params, self.start, strict=True):
             delta = p - start

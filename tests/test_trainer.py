@@ -213,29 +213,42 @@ MUON_FSDP = dict(optimizer="muon", anchor_weight=1.0, lr=1e-2, attention_kernel=
 
 
 def _muon_rank(rank: int, init_file: str, run_dir: str) -> None:
-    """One of two gloo ranks: an FSDP trainer with Muon and the anchor, two steps on this rank's batch."""
+    """One of two gloo ranks: an FSDP trainer with Muon and the anchor, two steps on this rank's batch with a
+    checkpoint after the first; a second trainer restores it and takes the second step again."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        drafter = tiny_drafter(seed=0, dtype=torch.float32)
         world = World(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
         cfg = TrainConfig(ttt_length=2, warmup_steps=1, max_steps=2, **MUON_FSDP)
-        head = TargetHead(torch.randn(drafter.config.vocab_size, drafter.config.hidden_size), drafter.draft_token_ids())
-        trainer = Trainer(cfg, world, Path(run_dir), drafter, head, ListLoader([]), None, torch.float32)
-        matrices = trainer.optimizers.by_name["muon"].param_groups[0]["params"]
-        results = [trainer.train_step([feature_batch(drafter.config, 12, seed=1 + rank)]) for _ in range(2)]
-        state = trainer.full_drafter_state()
-        if rank == 0:
-            torch.save(
-                {
-                    "state": state,
-                    "anchor": results[-1]["anchor"],
-                    "dtensors": all(isinstance(p, DTensor) for p in matrices),
-                },
-                Path(run_dir) / "fsdp.pt",
+
+        def trainer() -> Trainer:
+            drafter = tiny_drafter(seed=0, dtype=torch.float32)
+            head = TargetHead(
+                torch.randn(drafter.config.vocab_size, drafter.config.hidden_size), drafter.draft_token_ids()
             )
+            return Trainer(cfg, world, Path(run_dir), drafter, head, ListLoader([]), None, torch.float32)
+
+        straight = trainer()
+        batch = feature_batch(straight.drafter_config, 12, seed=1 + rank)
+        matrices = straight.optimizers.by_name["muon"].param_groups[0]["params"]
+        straight.train_step([batch])
+        straight.state.step = 1
+        checkpoint = straight.save_checkpoint()
+        anchor = straight.train_step([batch])["anchor"]
+        resumed = trainer()
+        resumed.restore(checkpoint)
+        resumed.train_step([batch])
+        state, again = straight.full_drafter_state(), resumed.full_drafter_state()
+        if rank == 0:
+            result = {
+                "state": state,
+                "anchor": anchor,
+                "dtensors": all(isinstance(p, DTensor) for p in matrices),
+                "resumed_equal": all(torch.equal(state[k], again[k]) for k in state),
+            }
+            torch.save(result, Path(run_dir) / "fsdp.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -246,7 +259,8 @@ def test_muon_and_the_anchor_under_fsdp_take_one_process_steps(tmp_path):
     """Two FSDP ranks (DTensor shards, Muon's Newton-Schulz iteration run as DTensor ops) against one process taking
     both ranks' batches, two steps: each weight's move agrees to a tenth of its size (Muon's bf16 iteration rounds
     otherwise when its products are split over ranks, up to 3% here; Newton-Schulz run on each shard alone would
-    be 30-60% off) and the anchor's term to a percent."""
+    be 30-60% off) and the anchor's term to a percent. A sharded checkpoint of both optimizers, restored, takes
+    the second step bit for bit."""
     import torch.multiprocessing as mp
 
     batches = [feature_batch(tiny_drafter(dtype=torch.float32).config, 12, seed=s) for s in (1, 2)]
@@ -255,7 +269,8 @@ def test_muon_and_the_anchor_under_fsdp_take_one_process_steps(tmp_path):
     results = [one.train_step(batches) for _ in range(2)]
     mp.spawn(_muon_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    assert fsdp["dtensors"] and fsdp["anchor"] == pytest.approx(results[-1]["anchor"], rel=1e-2)
+    assert fsdp["dtensors"] and fsdp["resumed_equal"]
+    assert fsdp["anchor"] == pytest.approx(results[-1]["anchor"], rel=1e-2)
     ours = one.full_drafter_state()
     for name, weight in fsdp["state"].items():
         if weight.is_floating_point() and name != "embed_tokens.weight":  # d2t, t2d; the frozen embedding
