@@ -59,7 +59,8 @@ def test_one_muon_step_orthogonalises_the_matrices_and_leaves_adamws_parameters_
     for name, delta in moved["muon"].items():
         if name in MATRICES:
             scale = -lr * 0.2 * math.sqrt(max(delta.shape))
-            assert 0.3 < torch.linalg.svdvals(delta / scale).min() and torch.linalg.svdvals(delta / scale).max() < 1.3
+            singular = torch.linalg.svdvals(delta / scale)
+            assert 0.3 < singular.min() and singular.max() < 1.3, name
             assert torch.linalg.svdvals(moved["adamw"][name] / scale).max() > 3, name  # AdamW's is no rotation
         else:
             assert torch.equal(delta, moved["adamw"][name]), name

@@ -85,12 +85,6 @@ def test_a_finite_step_resets_the_streak_and_skipped_steps_still_move_the_schedu
     )
 
 
-def test_warmup_then_cosine():
-    f = lr_lambda(warmup_steps=10, max_steps=110, min_ratio=0.1)
-    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
-    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
-
-
 def test_secrets_are_redacted_from_logged_configs():
     cfg = {
         "logging": {"wandb": {"api_key": "abc123", "mode": "offline"}},
