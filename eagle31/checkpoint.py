@@ -92,6 +92,8 @@ class CheckpointManager:
         return Path(path) if path else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> Path:
+        """Checkpoint `step`: the model, `optimizer` (one, or a list: Muon and AdamW), every rank's RNG and
+        `trainer_state`, written to a temporary directory and renamed when complete."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         previous = self.latest()
@@ -137,7 +139,8 @@ class CheckpointManager:
             (tmp / "COMPLETE").write_text(f"{step}\n")
 
     def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG in place; return the trainer state."""
+        """Restore model, optimizer (one, or the list that was saved) and this rank's RNG in place; return the
+        trainer state."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         for key in FROZEN_KEYS:
             model_sd.pop(key, None)

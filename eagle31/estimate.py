@@ -8,8 +8,9 @@ Memory per GPU (`RunMemory`, GiB by term): what the training step's tensors hold
     checkpointing, the gradients made by that moment included (on GPUs FSDP2's unsharded ones, in the compute
     dtype); on a sequence split over N ranks, the last rank's (its queries see every key);
   * `weights_and_optimizer_states`: fp32 master weights and AdamW's two moments of the trainable parameters
-    (12 B each), sharded over the ranks; FSDP2's reduce-scatter forms the sharded fp32 gradients after the
-    backward, past the peak;
+    (12 B each; Muon's matrices keep one moment, so `train.optimizer=muon` takes less), sharded over the ranks;
+    FSDP2's reduce-scatter forms the sharded fp32 gradients after the backward, past the peak;
+  * `anchor_weights` (`train.anchor_weight` > 0): the anchor's fp32 copy of the trainable parameters, sharded;
   * `frozen_embedding`: the target's embedding inside the drafter: under FSDP outside the shards, whole on
     every GPU in the compute dtype (`eagle31.trainer.shard_for_training`); fp32 in one plain CPU process;
   * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of the trainable parameters that FSDP2
@@ -128,6 +129,7 @@ class RunMemory:
         sequence_parallel: int = 1,
         attention_kernel: str = "auto",
         online_target_bytes: int = 0,
+        anchor: bool = False,
         step: StepMemory | None = None,
     ):
         c, fsdp = compute_bytes, device == "cuda"
@@ -149,6 +151,8 @@ class RunMemory:
             "gathered_parameters": p.trainable * c if fsdp else 0,
             "target_lm_head": V * Ht * c + (Vd * Ht * c if Vd < V else 0) + V,
         }
+        if anchor:
+            fixed["anchor_weights"] = p.trainable * 4 / world_size
         if online_target_bytes:
             fixed["online_target"] = online_target_bytes
         self.fixed = {k: v / GiB for k, v in fixed.items()}

@@ -28,7 +28,18 @@ from eagle31.target import check_remote_code, load_target_config, target_fingerp
 # Sections that define a run: resuming with any of them changed is refused.
 # what a resumed run must share with the run it continues (the rest may change between attempts);
 # the template options decide which tokens the prepared data supervises
-RUN_IDENTITY = ("target", "drafter", "data.source", "data.max_len", "data.chat_template_kwargs", "train.ttt_length")
+# and a checkpoint's optimizer state is read by the optimizer that wrote it
+RUN_IDENTITY = (
+    "target",
+    "drafter",
+    "data.source",
+    "data.max_len",
+    "data.chat_template_kwargs",
+    "train.ttt_length",
+    "train.optimizer",
+)
+# what a config.yaml written before a RUN_IDENTITY field existed ran with
+IDENTITY_BEFORE = {"train.optimizer": "adamw"}
 
 
 @dataclass
@@ -74,6 +85,7 @@ def plan_run(cfg, world: World) -> RunPlan:
     if not cfg.train.lk_eta >= 0:
         raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
     check_sequence_parallel(cfg, world)
+    check_optimizer(cfg)
     check_engine(cfg)
 
     target_dir = None
@@ -131,6 +143,22 @@ def check_sequence_parallel(cfg, world: World) -> None:
         raise ConfigError(
             "train.attention_kernel=reference cannot attend across sequence shards; use auto, flash or blockwise "
             "with train.sequence_parallel > 1"
+        )
+
+
+def check_optimizer(cfg) -> None:
+    """Muon's settings in range; `train.anchor_weight` >= 0 and, above 0, a `drafter.init_from` to anchor to."""
+    train = cfg.train
+    if train.muon_lr is not None and not train.muon_lr > 0:
+        raise ConfigError(f"train.muon_lr must be positive or null, got {train.muon_lr}")
+    if not 1 <= train.muon_ns_steps < 100:
+        raise ConfigError(f"train.muon_ns_steps must be in 1..99, got {train.muon_ns_steps}")
+    if not train.anchor_weight >= 0:
+        raise ConfigError(f"train.anchor_weight must be >= 0, got {train.anchor_weight}")
+    if train.anchor_weight > 0 and not cfg.drafter.init_from:
+        raise ConfigError(
+            f"train.anchor_weight={train.anchor_weight} anchors the weights to drafter.init_from's, and "
+            "drafter.init_from is not set: set it, or train.anchor_weight=0"
         )
 
 
@@ -218,15 +246,18 @@ def check_run_dir(plan: RunPlan) -> None:
     old = read_run_config(plan.run_dir)  # a garbled config.yaml is one line naming it
     new = redact_secrets(to_container(plan.cfg))
     for key in RUN_IDENTITY:
-        a, b = _get(old, key), _get(new, key)
+        a, b = _get(old, key, IDENTITY_BEFORE.get(key)), _get(new, key)
         if a != b:
             raise ConfigError(f"output_dir {plan.run_dir} holds a different run: {key} was {a!r}, now {b!r}")
 
 
-def _get(tree: dict, dotted: str) -> Any:
+def _get(tree: dict, dotted: str, absent: Any = None) -> Any:
+    """`tree`'s value at a dotted key; `absent` where a part of the key is missing."""
     value: Any = tree
     for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
+        if not isinstance(value, dict) or part not in value:
+            return absent
+        value = value[part]
     return value
 
 
@@ -302,6 +333,7 @@ def describe_dry_run(plan: RunPlan) -> dict:
         sequence_parallel=cfg.train.sequence_parallel,
         attention_kernel=cfg.train.attention_kernel,
         online_target_bytes=online_target_bytes(plan),
+        anchor=cfg.train.anchor_weight > 0,
     )
     run_memory = RunMemory(d, cfg.train.ttt_length, **options)
     memory = run_memory.at(cfg.data.max_len)

@@ -36,6 +36,7 @@ from eagle31.loss import (
 )
 from eagle31.metrics_log import RunLogger
 from eagle31.model import Eagle31Drafter, Visibility, segment_ids
+from eagle31.optim import Anchor, MuonAdjustLR, Optimizer, Schedule, build_optimizer
 from eagle31.preemption import StopSignals
 from eagle31.sequence_parallel import SequenceGroup, SequenceShard, sequence_group, shard_batch
 from eagle31.ttt import ttt_unroll
@@ -50,11 +51,22 @@ class TrainConfig:
     mask_out_of_vocab: bool = True  # drop the queries whose target argmax lies outside the draft vocabulary
     loss: DraftLoss = DraftLoss.kl  # what each query minimises against the target's distribution (docs/training.md)
     lk_eta: float = 3.0  # lk_hybrid: how fast the blend moves from KL to TV as acceptance grows (the paper's 3)
+    # adamw; muon: torch.optim.Muon on the 2-D weight matrices, AdamW on the rest (norms, lm_head, mask_hidden)
+    optimizer: Optimizer = Optimizer.adamw
     lr: float = 1e-4  # AdamW's peak learning rate, after warm-up
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay, on every trained parameter
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay, on every parameter AdamW steps
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
-    warmup_steps: int = 50  # optimizer steps of linear warm-up, then cosine decay until max_steps
+    muon_lr: float | None = None  # Muon's peak learning rate, before muon_adjust_lr scales it; null: lr
+    muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
+    muon_weight_decay: float = 0.1  # Muon's decoupled weight decay, on the matrices Muon steps
+    muon_ns_steps: int = 5  # Muon's Newton-Schulz iterations per step
+    # Muon's lr scaling for an A x B matrix: match_rms_adamw x 0.2 sqrt(max(A, B)), original x sqrt(max(1, A / B))
+    muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
+    schedule: Schedule = Schedule.cosine  # after warm-up: cosine to lr / 10, linear to 0, or constant, at max_steps
+    warmup_steps: int = 50  # optimizer steps of linear warm-up, then `schedule` until max_steps
     max_steps: int = 1000  # optimizer steps of the run (skipped non-finite steps count too)
+    # L2-SP: adds anchor_weight x sum ||w - w0||^2 over the trained weights to the loss, w0 drafter.init_from's
+    anchor_weight: float = 0.0
     # micro-batches per rank per optimizer step: a step's global batch is grad_accum x (world size /
     # sequence_parallel) micro-batches of up to features.tokens_per_batch tokens each, one loss mean over them
     grad_accum: int = 1
@@ -134,18 +146,6 @@ class TrainState:
     )
 
 
-def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float = 0.1):
-    """Linear warm-up, then cosine decay to `min_ratio` of the peak."""
-
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
 def shard_for_training(objective: DrafterObjective, world: World, compute_dtype: torch.dtype) -> nn.Module:
     """FSDP2 on GPU or across processes; plain module for one CPU process.
 
@@ -221,17 +221,10 @@ class Trainer:
         if train.compile:
             drafter.compile_blocks()
         self.model = shard_for_training(DrafterObjective(drafter, train), world, compute_dtype)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=train.lr,
-            betas=tuple(train.betas),
-            weight_decay=train.weight_decay,
-            fused=world.device.type == "cuda",
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(train.warmup_steps, train.max_steps)
-        )
+        self.optimizers = build_optimizer(self.model.named_parameters(), train, world.device)
+        # the weights the drafter starts from (drafter.init_from's: the pipeline loads them before the trainer)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.anchor = Anchor(trained, train.anchor_weight) if train.anchor_weight > 0 else None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
 
@@ -275,17 +268,16 @@ class Trainer:
         all_reduce_sum(loss_sum)
         all_reduce_sum(counters)
         total = float(weighted_loss(loss_sum, global_count, self.cfg.ttt_decay))
+        anchor = {} if self.anchor is None else {"anchor": self.anchor.add_gradient()}  # L2-SP, before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm
         )
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-            self.scheduler.step()  # a skipped step counts toward max_steps, so it moves the schedule too
+            self.optimizers.step()
+        self.optimizers.zero_grad()
+        self.optimizers.advance()  # a skipped step counts toward max_steps, so it moves the schedule too
         # every collective's tensor lives on the world's device: NCCL refuses host memory
         seen = [sum(b.num_tokens for b, *_ in prepared), sum(b.num_samples for b in micro_batches)]
         tokens, samples = all_reduce_sum(torch.tensor(seen, dtype=torch.float64, device=self.world.device)).tolist()
@@ -295,6 +287,7 @@ class Trainer:
             "finite": finite,
             "tokens": int(tokens),
             "samples": int(samples),
+            **anchor,
             **ttt_metrics(counters),
         }
 
@@ -328,16 +321,16 @@ class Trainer:
         data = all_gather_objects(self.train_loader.state_dict())
         state = {
             "trainer": asdict(self.state),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.optimizers.state_dict(),
             "data": data[0],
             "data_ranks": data,
         }
-        return self.checkpoints.save(self.state.step, self.model, self.optimizer, state)
+        return self.checkpoints.save(self.state.step, self.model, self.optimizers.optimizers, state)
 
     def restore(self, path: Path) -> None:
-        saved = self.checkpoints.load(path, self.model, self.optimizer)
+        saved = self.checkpoints.load(path, self.model, self.optimizers.optimizers)
         self.state = TrainState(**saved["trainer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        self.optimizers.load_state_dict(saved["scheduler"])
         ranks = saved.get("data_ranks", [])
         self.train_loader.load_state_dict(
             ranks[self.world.rank] if len(ranks) == self.world.world_size else saved["data"]
@@ -443,7 +436,7 @@ class Trainer:
         samples all ranks consumed per second of the window less that wait: what the trainers could consume."""
         metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens", "samples")}
         metrics.update(
-            lr=self.scheduler.get_last_lr()[0],
+            **self.optimizers.lrs(),
             tokens_per_s=window["tokens"] / max(elapsed, 1e-9),
             tokens_seen=self.state.tokens_seen,
             samples_per_s=window["samples"] / max(elapsed, 1e-9),

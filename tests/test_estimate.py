@@ -78,6 +78,9 @@ def test_the_counted_terms_are_the_drafters_and_the_batchs_bytes():
     for term, value in expected.items():
         assert m[term] == pytest.approx(value / GiB), term
     assert m["total"] == pytest.approx(sum(v for k, v in m.items() if k != "total"))
+    anchored = RunMemory(d, 7, world_size=8, anchor=True, step=memory("kimi_k26", 8).step).at(T)
+    assert anchored["anchor_weights"] == pytest.approx(trainable * 4 / 8 / GiB)  # train.anchor_weight's w0, fp32
+    assert anchored["total"] == pytest.approx(m["total"] + anchored["anchor_weights"]) and "anchor_weights" not in m
     assert m["training_step"] == memory("kimi_k26", 1).at(T)["training_step"]  # the step is not sharded
 
 

@@ -8,6 +8,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -148,6 +149,30 @@ def test_resuming_with_other_template_options_is_refused_as_another_run(tiny_tar
     again = [*first, "resume=auto", "data.chat_template_kwargs.preserve_thinking=false"]
     line = one_line(main(again, capsys), 2)
     assert "holds a different run: data.chat_template_kwargs was" in line and "'preserve_thinking': False" in line
+
+
+def test_resuming_with_another_optimizer_is_refused_as_another_run_and_an_older_config_ran_adamw(tmp_path):
+    """A checkpoint's optimizer state is read by the optimizer that wrote it; a config.yaml from before
+    train.optimizer existed ran AdamW."""
+    import yaml
+
+    from eagle31.errors import ConfigError
+    from eagle31.plan import check_run_dir
+    from eagle31.recipe import load_recipe, to_container
+
+    out = tmp_path / "run"
+    out.mkdir()
+    older = to_container(load_recipe(RECIPES, ["recipe=demo", f"output_dir={out}"]))
+    del older["train"]["optimizer"]
+    (out / "config.yaml").write_text(yaml.safe_dump(older))
+
+    def plan(optimizer: str) -> SimpleNamespace:
+        overrides = ["recipe=demo", f"output_dir={out}", "resume=auto", f"train.optimizer={optimizer}"]
+        return SimpleNamespace(cfg=load_recipe(RECIPES, overrides), run_dir=out)
+
+    check_run_dir(plan("adamw"))
+    with pytest.raises(ConfigError, match=f"output_dir {out} holds a different run: train.optimizer was 'adamw', now"):
+        check_run_dir(plan("muon"))
 
 
 def test_ctrl_c_says_where_the_run_resumes(tiny_target, chats, tmp_path, capsys, monkeypatch):

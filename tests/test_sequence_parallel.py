@@ -90,7 +90,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
         full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
         grads.append({n: full(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
 
-    trainer.optimizer.register_step_pre_hook(record)
+    trainer.optimizers.by_name["adamw"].register_step_pre_hook(record)
     stream = trainer._stream()
     losses = [trainer.train_step([next(stream) for _ in range(train.grad_accum)])["loss"] for _ in range(STEPS)]
     return {"losses": losses, "grads": grads, "weights": trainer.full_drafter_state()}

@@ -15,9 +15,9 @@ What is theirs: the model and its initialisation (`benchmarks.peer.speculators_d
 the forward, the TTT unroll, the loss mask alignment and the loss, and the checkpoint
 (`save_pretrained`). What is ours: the samples fed to their collate (the documents of each of
 our packed batches, in our loader's order, so both sides see the same tokens in the same
-order), the optimizer and its schedule (AdamW and warm-up + cosine with the recipe's settings,
-the same as eagle31's side), the gradient-clipping norm (the recipe's, theirs is fixed at 1.0)
-and the loop around them.
+order), the optimizer and its schedule (`eagle31.optim.build_optimizer` with the recipe's settings,
+the same code as eagle31's side: `train.optimizer=muon train.schedule=linear` is their trainer's default),
+the gradient-clipping norm (the recipe's, theirs is fixed at 1.0) and the loop around them.
 
 Their loss mask, as their trainer builds it, is the sample's assistant mask: after `shift_batch`
 their query (p, k) is supervised when `m[p+1+k] = 1`, one token earlier than the aligned
@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 
 from eagle31.data.batch import FeatureBatch
+from eagle31.errors import ConfigError
 from eagle31.loss import DraftLoss, TargetHead, label_positions
-from eagle31.trainer import lr_lambda
+from eagle31.optim import build_optimizer
 
 # train.loss -> the name `speculators.losses.resolve_loss_config` knows
 SPECULATORS_LOSS = {
@@ -105,12 +106,12 @@ def speculators_samples(
 class SpeculatorsTraining:
     """Train their drafter on our batches: `step(batch)` per optimizer step, `save(dir)` at the end.
 
-    `save_checkpoint` / `restore` keep the model, AdamW, the schedule, the loader's position and
+    `save_checkpoint` / `restore` keep the model, the optimizers, the schedule, the loader's position and
     the step log in an `eagle31.checkpoint.CheckpointManager` (the trainer's atomic, checksummed
     checkpoints), so a killed run continues where it stopped with the same result.
 
-    train: the recipe's `train` section (ttt_length, ttt_decay, lr, betas, weight_decay,
-    warmup_steps, max_steps, max_grad_norm, loss, lk_eta, mask_out_of_vocab); max_len: their
+    train: the recipe's `train` section (ttt_length, ttt_decay, the optimizer's and schedule's fields,
+    max_steps, max_grad_norm, loss, lk_eta, mask_out_of_vocab; no anchor_weight); max_len: their
     collate's row length (our `features.tokens_per_batch`); mask_head: the target's head, to
     train on eagle31's supervision (`eagle31_loss_mask`) instead of their loss mask;
     compute_dtype: their features' dtype and, below fp32, their trainer's autocast (on the
@@ -132,6 +133,11 @@ class SpeculatorsTraining:
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
 
+        if train.anchor_weight:
+            raise ConfigError(
+                f"train.anchor_weight={train.anchor_weight}: the speculators side starts from its own initialisation, "
+                "with no drafter.init_from to anchor to"
+            )
         self.model = model
         self.train_cfg = train
         self.norm_weight = norm_weight
@@ -156,12 +162,7 @@ class SpeculatorsTraining:
             self.call_kwargs = dict(ttt_steps=train.ttt_length, ttt_step_loss_decay=train.ttt_decay, loss_config=loss)
             self.accuracy = "full_acc_{}"
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(train.warmup_steps, train.max_steps)
-        )
+        self.optimizers = build_optimizer(model.named_parameters(), train, self.device)
         self.history: list[dict] = []
 
     def loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict]:
@@ -180,11 +181,11 @@ class SpeculatorsTraining:
     def step(self, batch: FeatureBatch) -> dict:
         """One optimizer step on one packed batch; their metrics (loss, per-step accuracies)."""
         loss, metrics = self.loss(batch)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizers.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        self.optimizers.step()
+        self.optimizers.advance()
         out = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "tokens": batch.num_tokens}
         for k in range(self.train_cfg.ttt_length):
             name = self.accuracy.format(k)
@@ -197,16 +198,16 @@ class SpeculatorsTraining:
         """A checkpoint of `progress` (steps, tokens, seconds so far) and of everything `restore` needs."""
         state = {
             "progress": progress,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.optimizers.state_dict(),
             "data": loader.state_dict(),
             "history": self.history,
         }
-        return checkpoints.save(progress["steps"], self.model, self.optimizer, state)
+        return checkpoints.save(progress["steps"], self.model, self.optimizers.optimizers, state)
 
     def restore(self, checkpoints, path: Path, loader) -> dict:
         """Model, optimizer, schedule, loader position and step log from `path`; returns its progress."""
-        saved = checkpoints.load(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(saved["scheduler"])
+        saved = checkpoints.load(path, self.model, self.optimizers.optimizers)
+        self.optimizers.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["data"])
         self.history = saved["history"]
         return saved["progress"]

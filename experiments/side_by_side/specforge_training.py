@@ -56,6 +56,7 @@ from benchmarks.peer import peers_dir
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.loss import DraftLoss
+from eagle31.optim import Optimizer, Schedule
 from experiments.side_by_side.peer_training import batch_documents
 
 SPECFORGE_VERSION = "0.2.0"
@@ -97,6 +98,12 @@ def check_specforge_recipe(recipe) -> None:
         raise ConfigError(f"train.ttt_decay={train.ttt_decay}: SpecForge weights TTT step k by 0.8^k, fixed")
     if train.weight_decay:
         raise ConfigError(f"train.weight_decay={train.weight_decay}: SpecForge's optimizer has no weight decay")
+    if train.optimizer != Optimizer.adamw:
+        raise ConfigError(f"train.optimizer={train.optimizer}: SpecForge 0.2.0's optimizer is AdamW")
+    if train.schedule != Schedule.cosine:
+        raise ConfigError(f"train.schedule={train.schedule}: SpecForge 0.2.0 runs its own warm-up + cosine schedule")
+    if train.anchor_weight:
+        raise ConfigError(f"train.anchor_weight={train.anchor_weight}: SpecForge 0.2.0's loss has no anchor")
 
 
 def write_features(loader, directory: Path) -> tuple[list[int], int]:

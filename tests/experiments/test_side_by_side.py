@@ -176,6 +176,41 @@ def test_their_loss_mask_is_one_token_early_and_eagle31_loss_mask_makes_it_ours(
     assert not eagle31_loss_mask(batch, None)[0, lengths[0] - 1]
 
 
+def test_their_drafter_trains_with_the_recipes_optimizer_and_schedule(tiny_target, speculators):
+    """The peer loop builds its optimizer with eagle31.optim.build_optimizer: speculators' own default (Muon on
+    their 2-D matrices, AdamW on the rest, a linear schedule) steps their drafter, its anchor refused."""
+    from speculators.train.optimizers import split_named_params_for_muon
+
+    from benchmarks.peer import speculators_drafter
+    from eagle31.config import DrafterConfig
+    from eagle31.errors import ConfigError
+    from eagle31.target import load_target_config
+    from eagle31.trainer import TrainConfig
+    from eagle31.vocab import vocab_maps
+    from experiments.side_by_side.peer_training import SpeculatorsTraining
+
+    cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
+    Ht, d2t, t2d = cfg.target_hidden_size, *vocab_maps(torch.arange(0, 128, 2), cfg.vocab_size)
+    torch.manual_seed(0)
+    model = speculators_drafter(cfg, d2t, t2d, attention="sdpa", ttt_length=2)
+    train = TrainConfig(ttt_length=2, optimizer="muon", schedule="linear", lr=1e-3, warmup_steps=1, max_steps=2)
+    training = SpeculatorsTraining(model, train, torch.ones(Ht), max_len=128, hidden_size=Ht, num_aux=3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stepped = {k: {names[id(p)] for p in o.param_groups[0]["params"]} for k, o in training.optimizers.by_name.items()}
+    muon, adamw = split_named_params_for_muon(model)  # their own split
+    assert stepped == {"muon": {n for n, _ in muon}, "adamw": {n for n, _ in adamw}}
+    assert len(stepped["muon"]) == 8 and all("norm" in n for n in stepped["adamw"])  # their lm_head is frozen
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = packed_batch([40, 56], prompt=8, vocab=cfg.vocab_size, hidden=Ht)
+    training.step(batch)
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in stepped["muon"])
+    assert training.optimizers.lrs() == {"lr": 1e-3, "muon_lr": 1e-3}  # after the warm-up step
+    training.step(batch)
+    assert training.optimizers.lrs() == {"lr": 0.0, "muon_lr": 0.0}  # linear, to 0 at max_steps
+    with pytest.raises(ConfigError, match="train.anchor_weight=1.0: the speculators side starts from its own"):
+        SpeculatorsTraining(model, TrainConfig(anchor_weight=1.0), torch.ones(Ht), 128, Ht, 3)
+
+
 @pytest.mark.slow
 def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculators, tmp_path):
     """The same weights and packed batch: their loss under `eagle31_loss_mask` (their forward, alignment,
@@ -360,6 +395,12 @@ def test_specforge_refuses_what_it_cannot_train(tiny_target, chats, tmp_path, ca
         main([args[0], "device=cuda", *args[1:], *tiny_overrides(tiny_target, chats), "drafter.norm_output=false"]) == 2
     )
     assert "device=cuda: the SpecForge side trains in its CPU venv" in capsys.readouterr().err
+    for lever, why in [
+        ("train.optimizer=muon", "SpecForge 0.2.0's optimizer is AdamW"),
+        ("train.schedule=linear", "SpecForge 0.2.0 runs its own warm-up + cosine schedule"),
+    ]:
+        assert main([*args, *tiny_overrides(tiny_target, chats), "drafter.norm_output=false", lever]) == 2
+        assert f"{lever}: {why}" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 

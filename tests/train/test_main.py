@@ -93,6 +93,28 @@ def test_run_directory_holds_everything(reference_run):
     assert kept == ["step_00000004", "step_00000006"]  # keep_last=2
 
 
+def test_the_anchor_holds_a_fine_tuned_exported_drafter_near_its_start(reference_run, tiny_target, chats, tmp_path):
+    """`drafter.init_from` the reference run's EAGLE-3 export, four steps at a high learning rate: with
+    train.anchor_weight=100 every trained weight ends nearer the export's than without the anchor, and
+    metrics.jsonl logs the term (0 at the first step, where w = w0)."""
+    from eagle31.convert import load_drafter
+
+    start = load_drafter(reference_run / "export" / "eagle3").state_dict()
+    distance = {}
+    for weight in ("0", "100"):
+        out = tmp_path / f"anchor{weight}"
+        extra = {"drafter.init_from": str(reference_run / "export" / "eagle3"), "train.anchor_weight": weight}
+        args = base_args(tiny_target, chats, out, **extra, **{"train.max_steps": "4", "export.formats": "[]"})
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            assert run_script(MAIN, [*args, "train.lr=3e-2"], monkeypatch) == 0
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        anchor = [x["train/anchor"] for x in lines if "train/anchor" in x]
+        assert anchor == [] if weight == "0" else (len(anchor) == 4 and anchor[0] == 0 and min(anchor[1:]) > 0)
+        trained = weights(out)
+        distance[weight] = {k: float((trained[k] - start[k]).norm()) for k in trained if k.endswith("proj.weight")}
+    assert all(distance["100"][k] < 0.5 * distance["0"][k] for k in distance["0"]), distance
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
     out = tmp_path / "killed"
