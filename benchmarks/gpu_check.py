@@ -37,6 +37,7 @@ packages may not be there yet.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -127,10 +128,16 @@ def plan(smoke: bool, gpu_memory_gib: float | None = None) -> list[Part]:
 
 def needs_checkpointing(recipe: str, seq_len: int, gpu_memory_gib: float | None) -> bool:
     """Activation checkpointing where the step's estimated peak without it passes 80% of the GPU (80 GiB if unknown)."""
-    from benchmarks.shapes import recipe_drafter
-    from eagle31.estimate import estimate_memory
+    return recipe_memory(recipe).at(seq_len)["total"] > 0.8 * (gpu_memory_gib or 80)
 
-    return estimate_memory(recipe_drafter(recipe), seq_len, 7)["total"] > 0.8 * (gpu_memory_gib or 80)
+
+@functools.cache
+def recipe_memory(recipe: str):
+    """The recipe's drafter's run without checkpointing (K = 7), its step traced once for every T asked."""
+    from benchmarks.shapes import recipe_drafter
+    from eagle31.estimate import RunMemory
+
+    return RunMemory(recipe_drafter(recipe), 7)
 
 
 # ---------------------------------------------------------------------------- install

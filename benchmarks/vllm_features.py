@@ -198,6 +198,7 @@ def training_case(work: Path, config: FeaturesCheckConfig, log=print) -> dict:
         f"train.max_steps={config.steps}",
         "train.log_every=1",
         "export.formats=[eagle3]",
+        "eval.enabled=false",  # the case compares training; the acceptance run is the demo's own test
     ]
     log(f"training: {config.steps} steps with the HF target in the trainer")
     eagle31_command(

@@ -26,6 +26,7 @@ from tests.peers import peer_module
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the memory estimate of three recipes' drafters decides where to checkpoint: a minute of traces
 def test_the_gpu_plan_reads_its_runs_from_the_recipes():
     shapes = recipe_shapes().values()
     kimi = next(s.recipe for s in shapes if "Kimi-K2.6" in s.target and s.attention == "llama")
