@@ -92,6 +92,7 @@ def speculators_drafter(
     attention: their `_attn_implementation` (`simple_flex_attention`, `sdpa`, `eager`);
     verifier: the target's directory, whose embedding, lm_head and final norm their code loads
     (lm_head frozen, as in their trainer; the embedding too, but for P-EAGLE's); None leaves those NaN.
+    `cfg.sliding_window` windows their layer's attention (their `sliding_attention` layer type).
     """
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -101,6 +102,8 @@ def speculators_drafter(
 
     layer = cfg.layer_config()
     layer._attn_implementation = attention
+    if cfg.sliding_window is not None:  # as their CLI's `--sliding-window` sets it: every draft layer windowed
+        layer.sliding_window, layer.layer_types = cfg.sliding_window, ["sliding_attention"]
     architectures = list(cfg.target_architectures) or ["LlamaForCausalLM"]
     algorithm, config_class, model_class = "eagle3", Eagle3SpeculatorConfig, Eagle3DraftModel
     parallel = {}

@@ -211,6 +211,42 @@ def test_their_drafter_trains_with_the_recipes_optimizer_and_schedule(tiny_targe
         SpeculatorsTraining(model, TrainConfig(anchor_weight=1.0), torch.ones(Ht), 128, Ht, 3)
 
 
+def test_their_drafter_takes_the_recipes_sliding_window(tiny_target, speculators, tmp_path):
+    """drafter.sliding_window reaches their layer as their CLI's `--sliding-window` sets it: their forward
+    windows its attention, and their checkpoint is read back with the window."""
+    import dataclasses
+
+    from benchmarks.peer import speculators_drafter
+    from eagle31.config import DrafterConfig
+    from eagle31.convert import load_drafter
+    from eagle31.target import load_target_config
+    from eagle31.trainer import TrainConfig
+    from eagle31.vocab import vocab_maps
+    from experiments.side_by_side.peer_training import SpeculatorsTraining
+
+    cfg = DrafterConfig.from_target_config(load_target_config(tiny_target), draft_vocab_size=64)
+    Ht, d2t, t2d = cfg.target_hidden_size, *vocab_maps(torch.arange(0, 128, 2), cfg.vocab_size)
+    batch = packed_batch([40, 56], prompt=8, vocab=cfg.vocab_size, hidden=Ht)
+    losses = {}
+    for window in (None, 4):
+        torch.manual_seed(0)  # the same weights
+        model = speculators_drafter(
+            dataclasses.replace(cfg, sliding_window=window),
+            d2t,
+            t2d,
+            attention="sdpa",
+            ttt_length=2,
+            verifier=str(tiny_target),
+        )
+        training = SpeculatorsTraining(model, TrainConfig(ttt_length=2), torch.ones(Ht), 128, Ht, 3)
+        with torch.no_grad():
+            losses[window] = training.loss(batch)[0].item()
+    assert model.sliding_window == 4 and model.uses_sliding_window_attn and not model.uses_full_attn
+    assert losses[4] != pytest.approx(losses[None])
+    model.save_pretrained(tmp_path)
+    assert load_drafter(tmp_path).config.sliding_window == 4
+
+
 @pytest.mark.slow
 def test_on_eagle31_loss_mask_their_training_step_is_ours(tiny_target, speculators, tmp_path):
     """The same weights and packed batch: their loss under `eagle31_loss_mask` (their forward, alignment,
