@@ -280,16 +280,23 @@ def trained_before(run: Path, earlier: set[str]) -> bool:
     return (run / "report.json").is_file() or (not run.exists() and run.name in earlier)
 
 
-def train_missing(recipes: dict, runs: Path, out: Path, describe: Callable[[str], str] = lambda name: "") -> None:
+def train_missing(
+    recipes: dict,
+    runs: Path,
+    out: Path,
+    describe: Callable[[str], str] = lambda name: "",
+    trainers: dict[str, Callable] | None = None,
+) -> None:
     """Train, in order, each named run of `recipes` (its directory `runs / name`) that `trained_before` does not
-    skip; `describe(name)` is added to its progress line."""
+    skip, with its trainer in `trainers` (`train_eagle31` where none is named); `describe(name)` is added to its
+    progress line."""
     earlier = measured_earlier(out)
     for name, recipe in recipes.items():
         if trained_before(runs / name, earlier):
             print(f"skip (done): {name}", file=sys.stderr)
             continue
         print(f"train: {name}{describe(name)}", file=sys.stderr)
-        train_eagle31(recipe)
+        (trainers or {}).get(name, train_eagle31)(recipe)
 
 
 def write_summary(out: Path, summary: dict, results: str) -> dict:

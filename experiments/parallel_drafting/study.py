@@ -47,14 +47,12 @@ from experiments.harness import (
     format_training,
     log_command,
     measure_drafters,
-    measured_earlier,
     report_body,
     separation,
     shared_settings,
     study_main,
     tau_over_seeds,
     train_missing,
-    trained_before,
     training_reports,
     write_summary,
 )
@@ -142,16 +140,11 @@ def train_runs(cfg: ParallelDraftingConfig, recipes: dict, out: Path) -> None:
     """Train what is missing: eagle31's runs by its pipeline, the peer's by speculators' P-EAGLE."""
     from experiments.side_by_side.study import train_speculators
 
-    ours = {name: recipe for name, recipe in recipes.items() if not name.startswith(f"{PEER}-")}
-    train_missing(ours, Path(cfg.runs), out)
-    for name, recipe in recipes.items():
-        if name in ours:
-            continue
-        if trained_before(Path(cfg.runs) / name, measured_earlier(out)):
-            print(f"skip (done): {name}", file=sys.stderr)
-            continue
-        print(f"train: {name} (speculators' PEagleDraftModel)", file=sys.stderr)
-        train_speculators(recipe, peer_lm_head=False)
+    peer = {name: lambda r: train_speculators(r, peer_lm_head=False) for name in recipes if name.startswith(f"{PEER}-")}
+    # the peer's runs come last (SIDES' order): eagle31's first prepares the data and captures the store they read
+    train_missing(
+        recipes, Path(cfg.runs), out, lambda name: " (speculators' PEagleDraftModel)" if name in peer else "", peer
+    )
 
 
 def acceptance_rows(cfg: ParallelDraftingConfig, reports: dict[int, dict]) -> list[dict]:
