@@ -28,8 +28,8 @@ runs it no longer holds: such a run is neither trained nor measured again, resul
 and a changed target decoding is refused). A killed training continues from its last checkpoint
 (every `train.save_every` steps; eagle31's by `resume=auto`; SpecForge's starts over). Writes
 under `out`: `commands.sh` (what ran), `acceptance/` (JSON, table, plot), `summary.json` and
-`results.md` (tau per split and side, the seeds, and the ratio eagle31 / peer of the seed means,
-per peer).
+`results.md` (tau per split and side, the seeds, and per peer the ratio eagle31 / peer of the seed
+means and whether eagle31's seeds all lie above or below the peer's).
 
 Keys: out, runs (training run directories), sides (eagle31 and one or more of speculators,
 specforge; default eagle31,speculators), seeds, max_steps (train.max_steps of every side), k,
@@ -62,6 +62,7 @@ from experiments.harness import (
     measured_earlier,
     parse_seeds,
     report_body,
+    separation,
     shared_settings,
     study_main,
     tau_over_seeds,
@@ -275,15 +276,23 @@ def measure(cfg: SideBySideConfig, recipe) -> dict:
     )
 
 
-def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
-    """Per split: tau of each side per seed, the means, and eagle31 / peer for each peer."""
+def side_rows(acceptance: dict, sides: list[str], seeds: list[int]) -> list[dict]:
+    """Per split: tau of each side's drafters (`<side>-s<seed>`) over the seeds, and for each peer eagle31 / peer of
+    the means and whether eagle31's seeds all lie above or below the peer's (`separation`); `sides`: eagle31 first."""
     rows = []
     for split in acceptance_splits_of(acceptance):
-        row = {"split": split}
-        for side in cfg.sides_list:
-            row[side] = tau_over_seeds(acceptance, split, [f"{side}-s{s}" for s in cfg.seeds_list])
-        row["ratio"] = {peer: row["eagle31"]["mean"] / row[peer]["mean"] for peer in cfg.peers}  # eagle31 / peer
+        row: dict = {"split": split}
+        for side in sides:
+            row[side] = tau_over_seeds(acceptance, split, [f"{side}-s{s}" for s in seeds])
+        row["ratio"] = {peer: row["eagle31"]["mean"] / row[peer]["mean"] for peer in sides[1:]}
+        row["separation"] = {peer: separation(row["eagle31"], row[peer]) for peer in sides[1:]}
         rows.append(row)
+    return rows
+
+
+def summarize(cfg: SideBySideConfig, acceptance: dict, recipe) -> dict:
+    """Per split: tau of each side per seed, the means, and eagle31 / peer for each peer."""
+    rows = side_rows(acceptance, cfg.sides_list, cfg.seeds_list)
     runs = {f"{side}-s{seed}": run_dir(cfg, side, seed) for side in cfg.sides_list for seed in cfg.seeds_list}
     return {
         "date": datetime.date.today().isoformat(),
@@ -319,18 +328,25 @@ def format_results(summary: dict) -> str:
         f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
         f"(mean over seeds; per seed: {seeds}):",
         "",
-        "| split | "
-        + " | ".join(f"{s} tau" for s in sides)
-        + " | "
-        + " | ".join(f"eagle31 / {p}" for p in peers)
-        + " |",
-        "|---|" + "---|" * (len(sides) + len(peers)),
+        *side_table(summary["acceptance"], sides),
     ]
-    for row in summary["acceptance"]:
-        cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in sides]
-        ratios = [f"{row['ratio'][p]:.3f}" for p in peers]
-        lines.append(f"| {row['split']} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines + format_training(summary["training"]))
+
+
+def side_table(rows: list[dict], sides: list[str]) -> list[str]:
+    """`side_rows` as a table: per split, each side's mean tau (each seed's in brackets), eagle31 / peer and whether
+    eagle31 is outside the peer's seed spread (higher, lower or no)."""
+    peers = sides[1:]
+    compared = [f"eagle31 / {p} | outside the spread of {p}" for p in peers]
+    lines = [
+        "| split | " + " | ".join([*(f"{s} tau" for s in sides), *compared]) + " |",
+        "|---|" + "---|" * (len(sides) + 2 * len(peers)),
+    ]
+    for row in rows:
+        cells = [f"{row[s]['mean']:.3f} ({', '.join(f'{t:.3f}' for t in row[s]['tau'])})" for s in sides]
+        cells += [f"{row['ratio'][p]:.3f} | {row['separation'][p] or 'no'}" for p in peers]
+        lines.append(f"| {row['split']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------- main
