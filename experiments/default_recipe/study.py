@@ -1,0 +1,316 @@
+"""eagle31's default recipe against speculators 0.9.0's default recipe on the same data and training tokens, and
+eagle31's levers one at a time against its default.
+
+    python -m experiments.default_recipe                      # recipe=demo, seeds 0 and 1, no levers
+    python -m experiments.default_recipe --smoke              # tiny budget end to end (also SMOKE=1)
+    python -m experiments.default_recipe seeds=0,1 max_steps=150 levers=optimizer=muon,schedule=linear,loss=lk_alpha \\
+        out=experiments/default_recipe/results/demo -- recipe=demo    # after `--`: the recipe, every run
+
+Two sides, each with its own default recipe: `eagle31` trains eagle31's drafter with the recipe as given (eagle31's
+defaults); `speculators` trains speculators' `Eagle3DraftModel` (their forward, mask alignment and loss) in the
+side-by-side's peer loop (`experiments.side_by_side`) with their defaults layered on the recipe
+(`SPECULATORS_DEFAULTS`; with peer_switches=theirs also their drafter switches, `SPECULATORS_SWITCHES`). Both read
+the same prepared data and shard store (under `runs`, made by the first eagle31 run), the same draft vocabulary and
+drafter shape, the same packed batches of `features.tokens_per_batch` tokens in the same order for a seed, for the
+same `max_steps`: the same training tokens. speculators trains 20 epochs by default; here it trains the eagle31
+recipe's budget, its linear schedule and 1% warm-up spread over those steps (as their trainer does when its
+`max_steps` is set), and results.md says how many epochs of the prepared data that budget is.
+
+`levers`: eagle31 runs that each change one recipe key of the default (`key=value`, comma-separated; a key
+without a section is train's: `optimizer=muon` is `train.optimizer=muon`), trained with the default's seeds on
+the same data and budget. A lever cannot change what every run shares (the data, the store, the vocabulary, the
+budget). Each is named `eagle31-<key>-<value>-s<seed>`.
+
+Every drafter is read back by `eagle31.convert.load_drafter` and measured by one `eagle31.eval.acceptance` run on
+every `eval.data` split (greedy chains of `k`). Per split: tau of each side per seed and eagle31 / speculators of
+the means; per lever: tau, the ratio to eagle31's default and whether it is outside the default's seed spread
+(every seed above, or below, every seed of the default). Trained runs are reused whatever the overrides, a killed
+one continues from its checkpoint, and earlier measurements are kept (`experiments.harness`). Writes under `out`:
+`commands.sh`, `acceptance/`, `summary.json` and `results.md`.
+
+Keys: out, runs, seeds, max_steps (train.max_steps of every run; default the recipe's), k, max_prompts (per
+split), max_new_tokens, threads, measure (false: train only), levers, peer_switches (theirs: speculators'
+default drafter switches; eagle31: the recipe's, so that only the training recipes differ).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle31.errors import ConfigError
+from experiments.harness import (
+    StudyConfig,
+    acceptance_splits_of,
+    comparison_recipe,
+    format_training,
+    log_command,
+    measure_drafters,
+    report_body,
+    separation,
+    shared_settings,
+    study_main,
+    tau_over_seeds,
+    train_missing,
+    training_reports,
+    write_summary,
+)
+from experiments.side_by_side.study import check_recipe, side_rows, side_table, train_speculators
+
+SIDES = ["eagle31", "speculators"]
+SMOKE = dict(seeds="0", max_steps=2, k=2, max_prompts=2, max_new_tokens=8)
+
+# speculators 0.9.0's defaults (`speculators/train/config/schema.py`, their trainer) in eagle31's recipe keys
+SPECULATORS_DEFAULTS = [
+    "train.optimizer=muon",  # Muon on the 2-D matrices, AdamW on the rest (their split: eagle31.optim.muon_split)
+    "train.schedule=linear",  # to 0 at max_steps
+    "train.lr=1e-3",  # AdamW's, and Muon's (their muon_lr defaults to lr)
+    "train.muon_lr=null",
+    "train.muon_momentum=0.95",
+    "train.muon_weight_decay=0.1",
+    "train.muon_ns_steps=5",
+    "train.muon_adjust_lr=match_rms_adamw",
+    "train.weight_decay=0.01",  # AdamW's
+    "train.betas=[0.9,0.999]",  # torch's AdamW default
+    "train.max_grad_norm=1.0",  # fixed in their trainer
+    "train.loss=kl",  # kl_div
+    "train.ttt_length=3",  # ttt_steps
+    "train.ttt_decay=1.0",  # ttt_step_loss_decay: every step weighted equally
+    "train.anchor_weight=0.0",  # they have no anchor
+    "drafter.sliding_window=2048",  # every draft layer (their `sliding_attention`)
+]
+# their eagle3 drafter's switches: one norm over the aux concat, the residual from the normed input, no per-chunk norm
+SPECULATORS_SWITCHES = [
+    "drafter.norm_before_fc=true",
+    "drafter.fc_norm=false",
+    "drafter.norm_before_residual=true",
+    "drafter.norm_output=true",
+]
+PEER_SWITCHES = ("theirs", "eagle31")
+# what every run shares: a lever that changes it is not a change of the training
+SHARED = ("data.", "features.", "regenerate.", "target.", "eval.", "drafter.draft_vocab_size", "train.max_steps")
+LIST_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside [...]: between levers, not inside a list value
+
+
+@dataclass
+class DefaultRecipeConfig(StudyConfig):
+    out: str = "experiments/default_recipe/results/demo"
+    runs: str = "runs/default_recipe"
+    levers: str = ""
+    peer_switches: str = "theirs"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _ = self.lever_overrides  # raise on a bad list
+        if self.peer_switches not in PEER_SWITCHES:
+            raise ConfigError(f"peer_switches must be one of {', '.join(PEER_SWITCHES)}, got {self.peer_switches!r}")
+
+    @property
+    def lever_overrides(self) -> dict[str, str]:
+        """Each lever's name (`<key>-<value>`, train's keys without `train.`) -> its recipe override."""
+        levers: dict[str, str] = {}
+        for item in (x.strip() for x in LIST_COMMA.split(self.levers)):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            if not (sep and key and value):
+                raise ConfigError(f"levers: {item!r} is not key=value")
+            key = key if "." in key else f"train.{key}"
+            if key.startswith(SHARED):
+                raise ConfigError(f"levers: {key} is what every run shares (the data, the store, the budget)")
+            name = f"{key.removeprefix('train.')}-{re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('-')}"
+            if name in levers:
+                raise ConfigError(f"levers: {item!r} given twice")
+            levers[name] = f"{key}={value}"
+        return levers
+
+
+# ---------------------------------------------------------------------------- the recipes
+
+
+def speculators_overrides(cfg: DefaultRecipeConfig, overrides: list[str], max_steps: int) -> list[str]:
+    """The recipe's overrides with speculators' defaults layered on: their training recipe, their warm-up (1% of
+    the steps, `_resolve_scheduler_steps`) and, with peer_switches=theirs, their drafter switches."""
+    switches = SPECULATORS_SWITCHES if cfg.peer_switches == "theirs" else []
+    return [*overrides, *SPECULATORS_DEFAULTS, *switches, f"train.warmup_steps={max_steps // 100}"]
+
+
+def run_recipes(cfg: DefaultRecipeConfig, overrides: list[str]) -> dict:
+    """Every run's composed recipe by its name, per seed: eagle31's default first (it prepares the data and captures
+    the store the others read), speculators', then each lever."""
+    runs = Path(cfg.runs)
+
+    def recipe(name: str, seed: int, run_overrides: list[str]):
+        return comparison_recipe(runs, runs / f"{name}-s{seed}", seed, cfg.max_steps, run_overrides)
+
+    recipes = {}
+    for seed in cfg.seed_list:
+        ours = recipes[f"eagle31-s{seed}"] = recipe("eagle31", seed, overrides)
+        theirs = speculators_overrides(cfg, overrides, ours.train.max_steps)
+        recipes[f"speculators-s{seed}"] = recipe("speculators", seed, theirs)
+        for name, lever in cfg.lever_overrides.items():
+            recipes[f"eagle31-{name}-s{seed}"] = recipe(f"eagle31-{name}", seed, [*overrides, lever])
+    return recipes
+
+
+def recipe_differences(ours, theirs) -> dict[str, list]:
+    """`section.key` -> [eagle31's value, speculators'] for each train and drafter key the two recipes set apart."""
+    from eagle31.recipe import to_container
+
+    a, b = to_container(ours), to_container(theirs)
+    return {
+        f"{section}.{key}": [a[section][key], b[section][key]]
+        for section in ("train", "drafter")
+        for key in a[section]
+        if a[section][key] != b[section][key]
+    }
+
+
+# ---------------------------------------------------------------------------- summarising
+
+
+def lever_rows(acceptance: dict, levers: list[str], seeds: list[int]) -> list[dict]:
+    """Per split: the default's tau over the seeds, and each lever's with its ratio to the default and `separation`."""
+    rows = []
+    for split in acceptance_splits_of(acceptance):
+        default = tau_over_seeds(acceptance, split, [f"eagle31-s{s}" for s in seeds])
+        by_lever = {}
+        for name in levers:
+            tau = tau_over_seeds(acceptance, split, [f"eagle31-{name}-s{s}" for s in seeds])
+            by_lever[name] = {**tau, "ratio": tau["mean"] / default["mean"], "separation": separation(tau, default)}
+        rows.append({"split": split, "default": default, "levers": by_lever})
+    return rows
+
+
+def budget(runs: Path, training: dict, first: str) -> dict:
+    """The training tokens of a run (`first`'s) and how many epochs of the prepared train split they are."""
+    report = runs / "data" / "report.json"
+    train_tokens = json.loads(report.read_text())["tokens"]["train"] if report.is_file() else None
+    seen = training[first]["tokens_seen"]
+    return {"tokens_seen": seen, "train_tokens": train_tokens, "epochs": seen / train_tokens if train_tokens else None}
+
+
+def summarize(cfg: DefaultRecipeConfig, acceptance: dict, recipes: dict) -> dict:
+    first = cfg.seed_list[0]
+    ours, theirs = recipes[f"eagle31-s{first}"], recipes[f"speculators-s{first}"]
+    training = training_reports({name: Path(cfg.runs) / name for name in recipes}, Path(cfg.out))
+    return {
+        "date": datetime.date.today().isoformat(),
+        "settings": {
+            **asdict(cfg),
+            "recipe": shared_settings(ours),
+            "speculators": recipe_differences(ours, theirs),
+            "levers": cfg.lever_overrides,
+        },
+        "budget": budget(Path(cfg.runs), training, f"eagle31-s{first}"),
+        "acceptance": side_rows(acceptance, SIDES, cfg.seed_list),
+        "levers": lever_rows(acceptance, list(cfg.lever_overrides), cfg.seed_list),
+        "training": training,
+    }
+
+
+def recipe_value(value) -> str:
+    """A recipe value as a recipe writes it: `muon`, `true`, `null`, `[0.9, 0.999]`."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def format_results(summary: dict) -> str:
+    cfg, spend = summary["settings"], summary["budget"]
+    train = cfg["recipe"]["train"]
+    seeds = ", ".join(f"s{s}" for s in cfg["seeds"].split(","))
+    epochs = (
+        f" ({spend['epochs']:.2f} epochs of the prepared train split's {spend['train_tokens']})"
+        if spend["epochs"]
+        else ""
+    )
+    lines = [
+        f"eagle31's default recipe against speculators 0.9.0's, recipe {cfg['recipe']['recipe']}: every run "
+        f"{train['max_steps']} steps of packed batches of up to {cfg['recipe']['features']['tokens_per_batch']} "
+        f"tokens, {spend['tokens_seen']} tokens{epochs}: speculators' 20 epochs mapped to this budget.",
+        "",
+        "What the speculators side sets otherwise:",
+        "",
+        "| key | eagle31 | speculators |",
+        "|---|---|---|",
+        *(f"| {key} | {recipe_value(a)} | {recipe_value(b)} |" for key, (a, b) in cfg["speculators"].items()),
+        "",
+        f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
+        f"(mean over seeds; per seed: {seeds}):",
+        "",
+        *side_table(summary["acceptance"], SIDES),
+    ]
+    if cfg["levers"]:
+        lines += [
+            "",
+            "Levers: eagle31's default with one key changed, the same seeds; outside the spread: every seed above "
+            "(higher) or below (lower) every seed of the default:",
+            "",
+            "| split | lever | tau | / default | outside the spread |",
+            "|---|---|---|---|---|",
+        ]
+        for row in summary["levers"]:
+            for name, r in row["levers"].items():
+                tau = f"{r['mean']:.3f} ({', '.join(f'{t:.3f}' for t in r['tau'])})"
+                lines.append(
+                    f"| {row['split']} | {cfg['levers'][name]} | {tau} | {r['ratio']:.3f} | {r['separation'] or 'no'} |"
+                )
+    return "\n".join(lines + format_training(summary["training"]))
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def default_recipe(cfg: DefaultRecipeConfig, overrides: list[str], command: str) -> dict | None:
+    """Train what is missing, then measure and summarise (None with measure=false)."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    out, runs = Path(cfg.out), Path(cfg.runs)
+    recipes = run_recipes(cfg, overrides)  # composed (and so checked) before anything runs
+    first = cfg.seed_list[0]
+    check_recipe(recipes[f"speculators-s{first}"], SIDES)
+    out.mkdir(parents=True, exist_ok=True)
+    log_command(out, command)
+    levers = {f"eagle31-{name}-s{s}": lever for name, lever in cfg.lever_overrides.items() for s in cfg.seed_list}
+    train_missing(
+        recipes,
+        runs,
+        out,
+        lambda name: f" ({levers[name]})" if name in levers else "",
+        {f"speculators-s{s}": lambda r: train_speculators(r, peer_lm_head=False) for s in cfg.seed_list},
+    )
+    if not cfg.measure:
+        return None
+    drafters = {name: runs / name / "drafter" for name in recipes}
+    acceptance = measure_drafters(
+        drafters,
+        recipes[f"eagle31-s{first}"],
+        k=cfg.k,
+        max_new_tokens=cfg.max_new_tokens,
+        max_prompts=cfg.max_prompts,
+        out=out,
+    )
+    summary = summarize(cfg, acceptance, recipes)
+    return write_summary(out, summary, format_results(summary))
+
+
+def main(argv: list[str]) -> int:
+    def trained(cfg: DefaultRecipeConfig) -> str:
+        return f"trained seeds {cfg.seeds} under {cfg.runs}; measure=true measures them"
+
+    return study_main(
+        argv,
+        __doc__,
+        DefaultRecipeConfig,
+        SMOKE,
+        "experiments.default_recipe",
+        report_body(default_recipe, format_results, trained),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,112 @@
+"""experiments/default_recipe/study.py: eagle31's default recipe against speculators' default recipe on the same
+data and training tokens, and eagle31's levers; the recipes each side composes, and the whole study at tiny sizes
+(`--smoke`) on the tiny chat target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.experiments.test_side_by_side import tiny_overrides
+
+
+def test_the_speculators_side_carries_their_defaults_on_the_same_budget(tmp_path):
+    """speculators 0.9.0's defaults layered on the demo recipe; eagle31's side and each lever keep the recipe but
+    for the lever's key; every run the same steps of the same batches from the same data and store."""
+    from experiments.default_recipe.study import DefaultRecipeConfig, recipe_differences, run_recipes
+
+    cfg = DefaultRecipeConfig(runs=str(tmp_path), seeds="0,1", max_steps=150, levers="optimizer=muon,loss=lk_alpha")
+    recipes = run_recipes(cfg, ["recipe=demo"])
+    assert list(recipes)[:4] == [
+        "eagle31-s0",
+        "speculators-s0",
+        "eagle31-optimizer-muon-s0",
+        "eagle31-loss-lk_alpha-s0",
+    ]
+    ours, theirs = recipes["eagle31-s0"], recipes["speculators-s0"]
+    assert (ours.train.optimizer, ours.train.schedule, ours.train.lr) == ("adamw", "cosine", 3e-3)  # the demo's
+    t = theirs.train
+    assert (t.optimizer, t.schedule, t.lr, t.weight_decay, list(t.betas)) == (
+        "muon",
+        "linear",
+        1e-3,
+        0.01,
+        [0.9, 0.999],
+    )
+    assert (t.muon_lr, t.muon_momentum, t.muon_weight_decay, t.muon_ns_steps) == (None, 0.95, 0.1, 5)
+    assert (t.max_grad_norm, t.loss, t.ttt_length, t.ttt_decay) == (1.0, "kl", 3, 1.0)
+    assert t.warmup_steps == 1  # 1% of the steps
+    d = theirs.drafter
+    assert (d.sliding_window, d.norm_before_fc, d.fc_norm, d.norm_before_residual, d.norm_output) == (
+        2048,
+        True,
+        False,
+        True,
+        True,
+    )
+    for recipe in recipes.values():  # the same training tokens from the same data and store
+        assert recipe.train.max_steps == 150 and recipe.features.tokens_per_batch == ours.features.tokens_per_batch
+        assert (recipe.data.prepared_dir, recipe.features.store_dir) == (f"{tmp_path}/data", f"{tmp_path}/features")
+        assert recipe.drafter.draft_vocab_size == ours.drafter.draft_vocab_size
+    assert recipes["speculators-s1"].seed == 1 and recipes["eagle31-loss-lk_alpha-s1"].seed == 1
+    assert recipe_differences(ours, recipes["eagle31-optimizer-muon-s0"]) == {"train.optimizer": ["adamw", "muon"]}
+    # peer_switches=eagle31: the drafters differ in the window only; no max_steps: the recipe's (demo: 300)
+    same = run_recipes(DefaultRecipeConfig(runs=str(tmp_path), seeds="0", peer_switches="eagle31"), ["recipe=demo"])
+    drafter_keys = {
+        k for k in recipe_differences(same["eagle31-s0"], same["speculators-s0"]) if k.startswith("drafter.")
+    }
+    assert drafter_keys == {"drafter.sliding_window"}
+    assert same["speculators-s0"].train.warmup_steps == 3
+
+
+def test_bad_keys_are_one_line(capsys):
+    from experiments.default_recipe.study import main
+
+    assert main(["levers=optimizer"]) == 2
+    assert "levers: 'optimizer' is not key=value" in capsys.readouterr().err
+    assert main(["levers=data.max_len=128"]) == 2
+    assert "levers: data.max_len is what every run shares" in capsys.readouterr().err
+    assert main(["levers=lr=1e-3,lr=1e-3"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["peer_switches=mine"]) == 2
+    assert "peer_switches must be one of theirs, eagle31, got 'mine'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp_path, capsys):
+    from eagle31.convert import load_drafter
+    from experiments.default_recipe.study import main
+    from experiments.harness import separation
+
+    pytest.importorskip("speculators")
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = ["--smoke", "levers=optimizer=muon", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["acceptance"]  # one eval split
+    for side in ("eagle31", "speculators"):
+        assert len(row[side]["tau"]) == 1 and row[side]["mean"] >= 1.0
+    assert row["ratio"] == {"speculators": pytest.approx(row["eagle31"]["mean"] / row["speculators"]["mean"])}
+    assert row["separation"] == {"speculators": separation(row["eagle31"], row["speculators"])}
+    (levers,) = summary["levers"]
+    muon = levers["levers"]["optimizer-muon"]
+    assert muon["ratio"] == pytest.approx(muon["mean"] / levers["default"]["mean"])
+    assert levers["default"] == {k: row["eagle31"][k] for k in ("tau", "mean", "min", "max")}
+    training = summary["training"]
+    assert set(training) == {"eagle31-s0", "speculators-s0", "eagle31-optimizer-muon-s0"}
+    assert {t["steps"] for t in training.values()} == {2}
+    assert len({t["tokens_seen"] for t in training.values()}) == 1  # the same training tokens
+    assert summary["budget"]["tokens_seen"] == training["eagle31-s0"]["tokens_seen"] and summary["budget"]["epochs"]
+    assert summary["settings"]["speculators"]["train.optimizer"] == ["adamw", "muon"]
+    results = (out / "results.md").read_text()
+    for line in (
+        "| train.optimizer | adamw | muon |",
+        "| eagle31 / speculators | outside the spread of speculators |",
+        "| train.optimizer=muon |",
+    ):
+        assert line in results
+    # speculators' own checkpoint, read back with their window and switches
+    theirs = load_drafter(runs / "speculators-s0" / "drafter").config
+    assert (theirs.sliding_window, theirs.norm_before_fc, theirs.fc_norm) == (2048, True, False)
+    assert "python -m experiments.default_recipe --smoke" in (out / "commands.sh").read_text()
