@@ -79,7 +79,9 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     from experiments.default_recipe.study import main
     from experiments.harness import separation
 
-    pytest.importorskip("speculators")
+    from tests.peers import peer_module
+
+    peer_module("speculators")
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = ["--smoke", "levers=optimizer=muon", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]
     assert main(args) == 0
