@@ -10,6 +10,7 @@ from the recipes).
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import pytest
@@ -346,3 +347,20 @@ def test_windowed_kernels_match_the_reference_on_cuda_in_bf16(backend, layout):
     for name, a, b in zip(names(j), got, expected):
         error = float((a.float() - b).abs().max() / b.abs().max())
         assert error < 5e-2, f"{backend} {name}: max error {error:.3g} of the largest value"
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, 11])
+def test_a_prefix_block_inside_every_querys_band_is_left_unmasked_and_others_are_masked_by_the_rule(window):
+    """`QueryTail._masked` makes no mask for a block the band shows whole: its scores are the rule's at every
+    query offset, block start and size, at each TTT step."""
+    T, off = 40, 20
+    segments = torch.zeros(T, dtype=torch.long)  # one document: a prefix block's keys are its queries'
+    for step in range(3):
+        mask = CausalMask(Visibility(window), step)
+        for i0, n, m0, m in itertools.product(range(8), (1, 3, 5), range(off), (1, 2, 4)):
+            m = min(m, off - m0)
+            scores = torch.zeros(n, 1, 1, m, dtype=torch.float64)
+            q, k = off + i0 + torch.arange(n), m0 + torch.arange(m)
+            seen = mask.allowed(segments[q, None], q[:, None], segments[None, k], k[None])
+            expected = scores.masked_fill(~seen[:, None, None], float("-inf"))
+            assert torch.equal(QueryTail._masked(scores, mask, segments, off, i0, m0), expected), (step, i0, n, m0, m)

@@ -53,7 +53,12 @@ class QueryTail:
     @staticmethod
     def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
         """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
-        rule hides at -inf."""
+        rule hides at -inf. A band rule shows a query every key of its document within the band, and a prefix
+        block's keys are of its queries' document (`_prefixes`): a block that lies within every query's band is
+        returned as it is, with no mask made."""
+        reach = mask.reach(segments.shape[0])
+        if reach is None or (reach != NOT_A_BAND and off + i0 + sc.shape[0] - 1 - m0 < reach):
+            return sc
         queries = off + i0 + torch.arange(sc.shape[0], device=sc.device)
         keys = m0 + torch.arange(sc.shape[-1], device=sc.device)
         seen = mask.allowed(segments[queries, None], queries[:, None], segments[None, keys], keys[None])

@@ -78,7 +78,6 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     from eagle31.convert import load_drafter
     from experiments.default_recipe.study import main
     from experiments.harness import separation
-
     from tests.peers import peer_module
 
     peer_module("speculators")
