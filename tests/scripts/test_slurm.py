@@ -108,14 +108,14 @@ def wait_for(what: str, done, deadline: float, log: Path) -> None:
         time.sleep(1)
 
 
-@pytest.mark.slow  # two starts of a one-node job: Ray, the engine, 120 steps; about 3 minutes on 2 cores
+@pytest.mark.slow  # two starts of a one-node job: Ray, the engine, 240 steps; 1 to 3 minutes on 2 cores
 @pytest.mark.deadline(1200)
 def test_the_engine_job_checkpoints_requeues_itself_and_resumes_to_the_end(slurm, tiny_target, chats, tmp_path):
     out = tmp_path / "run"
     log = tmp_path / "job.out"
-    extra = {"export.formats": "[eagle3]", "features.engine.worker_cpus": "0.5", "train.max_steps": "120"}
-    # 120 steps: the first start must still be training when the test, polling each second, sees its first
-    # checkpoint and signals it (20 steps could all pass in that time)
+    extra = {"export.formats": "[eagle3]", "features.engine.worker_cpus": "0.5", "train.max_steps": "240"}
+    # 240 steps: the first start must still be training when the test, polling each second, sees a checkpoint
+    # and signals it (on two idle cores the tiny run trains about 4 steps a second)
     args = base_args(tiny_target, chats, out, **extra)
     env = {**slurm, "PYTHON": sys.executable, "RAY_PORT": str(free_ports(1)[0]), "RAY_START_TIMEOUT_S": "120",
            "OMP_NUM_THREADS": "1",
@@ -127,8 +127,8 @@ def test_the_engine_job_checkpoints_requeues_itself_and_resumes_to_the_end(slurm
     ).stdout.strip()  # fmt: skip
 
     deadline = time.monotonic() + 840  # one budget for the three waits: a slow start leaves the later ones less
-    checkpoint = out / "checkpoints" / "step_00000002" / "COMPLETE"
-    wait_for("the first checkpoint", checkpoint.exists, deadline, log)
+    # any complete checkpoint: the run keeps its last two, so the first may be gone before the next poll
+    wait_for("a checkpoint", lambda: any((out / "checkpoints").glob("step_*/COMPLETE")), deadline, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)  # time nearly up
 
     def requeued() -> bool:
