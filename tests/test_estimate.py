@@ -55,6 +55,7 @@ def memory(recipe: str, world_size: int = 1) -> RunMemory:
         ("kimi_k26_llama", 131072, 1, 100),
     ],
 )
+@pytest.mark.slow
 def test_the_kimi_drafters_fit_their_cards(recipe, T, gpus, limit):
     """128k tokens on one H200 and 64k on 8 cards of 80 GB for the published MLA drafter (as shipped:
     activation checkpointing on, K = 7, bf16)."""
@@ -62,6 +63,7 @@ def test_the_kimi_drafters_fit_their_cards(recipe, T, gpus, limit):
     assert estimate["total"] <= limit, estimate
 
 
+@pytest.mark.slow
 def test_the_counted_terms_are_the_drafters_and_the_batchs_bytes():
     """Beside the traced step: AdamW's fp32 master weights and two moments sharded, the embedding whole and
     FSDP2's gathered copies in bf16, the target's lm_head rows, the batch's aux and final states."""
@@ -117,6 +119,7 @@ def test_the_online_target_is_its_parameters_in_its_dtype_on_every_gpu():
     assert online_target_bytes(plan("kimi_k26")) == 0  # kimi's recipes read a feature store
 
 
+@pytest.mark.slow
 def test_the_dry_run_of_an_online_recipe_prints_the_targets_weights(capsys):
     """The same dry run online and from a store differs by the target's weights (the demo target's, in fp32)."""
     online = describe_dry_run(plan("demo"))["memory_gib_per_gpu"]
@@ -130,6 +133,7 @@ def test_the_dry_run_of_an_online_recipe_prints_the_targets_weights(capsys):
 # ---------------------------------------------------------------------------- sequence parallelism
 
 
+@pytest.mark.slow
 def test_a_sequence_split_n_ways_holds_a_shard_and_the_keys_before_it():
     """train.sequence_parallel = N: the last rank's step holds a shard of T / N positions, its halo and the step-0
     entries of every position before it: less than the whole sequence's step, more than a shard's alone."""
@@ -195,6 +199,7 @@ def test_a_step_counts_every_matmul_once_and_the_window_bounds_the_attentions(re
 
 
 @pytest.mark.parametrize("T", [65536, 131072], ids=["64k", "128k"])
+@pytest.mark.slow
 def test_the_kimi_recipes_fit_an_h200_at_64k_and_128k_with_their_windows(T):
     """recipe=kimi_k26_llama carries the 2,048-position window and recipe=kimi_k26 (MLA: vLLM serves no window)
     none; both fit one H200 at 64k and 128k, and the windowed Llama step costs less than the unwindowed one."""

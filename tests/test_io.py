@@ -660,6 +660,7 @@ def test_a_lock_file_of_a_killed_holder_is_taken_over_but_not_one_of_another_pid
         pass
 
 
+@pytest.mark.slow
 def test_a_breaker_killed_while_breaking_a_lock_file_holds_the_others_off_until_its_claim_is_stale(
     tmp_path, no_flock, monkeypatch, capsys
 ):

@@ -66,6 +66,7 @@ BAD_CHOICES = [
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_every_recipe_dry_runs(name, tmp_path, capsys):
     report = run(load_recipe(RECIPES, [f"recipe={name}", "dry_run=true", f"output_dir={tmp_path / 'run'}"]))
     assert report["recipe"] == name and report["parameters"]["trainable"] > 0
@@ -73,6 +74,7 @@ def test_every_recipe_dry_runs(name, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow
 def test_a_dry_run_of_a_store_run_says_the_disk_the_store_takes(tmp_path, capsys):
     report = run(load_recipe(RECIPES, ["recipe=kimi_k26", "dry_run=true", f"output_dir={tmp_path / 'run'}"]))
     assert report["store_bytes_per_token"] == 4 * 7168 * 2 + 5  # 3 aux + final in bf16, input id and loss mask
@@ -89,6 +91,7 @@ def test_a_dry_run_of_a_store_run_says_the_disk_the_store_takes(tmp_path, capsys
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_dry_run_refuses_a_target_or_data_that_does_not_exist(override, error, tmp_path, capsys):
     """The dry run reads neither, but a path it would train on that is not there is one line, not "config valid"."""
     argv = ["recipe=kimi_k26", "dry_run=true", override, f"output_dir={tmp_path / 'run'}"]

@@ -160,6 +160,7 @@ def test_smollm2_recipe_trains_on_sharegpt_regenerated_by_its_target():
     assert cfg.regenerate.max_prompt_tokens + cfg.regenerate.max_new_tokens + 64 <= cfg.data.max_len
 
 
+@pytest.mark.slow
 def test_the_supported_targets_table_is_the_recipes():
     """docs/targets.md's table, built again from each recipe and the config.json shipped beside it: every recipe of
     a Hub target has its row, and each row's architecture, layers, aux ids, drafter, features, layouts and vLLM

@@ -176,6 +176,7 @@ def _gather_backward_rank(rank: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_gradient_of_gathered_shards_keeps_its_dtype(tmp_path):
     """fp64 gradients come back in fp64, not rounded through fp32 (which would hide fp64 parity errors below ~5e-8)."""
     mp.spawn(_gather_backward_rank, args=(free_ports(1)[0], str(tmp_path)), nprocs=2, join=True)

@@ -136,6 +136,7 @@ def test_a_target_that_needs_its_own_code_is_named_before_anything_loads(tmp_pat
     assert remote_code(RECIPES / "targets" / "deepseek_v3.json") is None
 
 
+@pytest.mark.slow
 def test_kimi_recipes_trust_the_tokenizers_code_and_a_dry_run_without_it_says_so(tmp_path, capsys):
     from eagle31.cli import recipe_main
     from eagle31.pipeline import run

@@ -50,6 +50,7 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.count("\n") == 2
 
 
+@pytest.mark.slow
 def test_the_committed_measurements_hold_against_the_estimate_as_it_is(monkeypatch, capsys):
     """The committed run's measurements against today's estimate (nothing is measured again): every term, every
     total and every checked per-token slope within 1% (the traced step is the measured step's code). A change to

@@ -114,6 +114,7 @@ print(json.dumps({"abstract": sorted(getattr(HiddenStatesToFiles, "__abstractmet
 
 @pytest.mark.deadline(400)  # a vLLM process (run_peer's own limit is 300 s)
 @pytest.mark.parametrize("version", VLLM_RELEASES)
+@pytest.mark.slow
 def test_the_connector_implements_the_connector_interface_of_each_supported_vllm(version):
     """What vLLM 0.22 and 0.33 (their own base class) call on a connector, ours takes, with their arguments;
     the engine runs it on 0.32 (tests/benchmarks/test_vllm_features.py)."""

@@ -299,6 +299,7 @@ def test_out_set_to_a_folder_of_the_user_is_refused_before_decoding(tmp_path, ca
     assert [p.name for p in user.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_replayed_verification_counts_as_live(tmp_path):
     """verification=replay decodes each prompt once and gives every drafter the counts live decoding gives."""
     target_dir = save_target(tmp_path / "target")

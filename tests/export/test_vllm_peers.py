@@ -257,6 +257,7 @@ def test_each_release_serves_a_parallel_drafter_with_its_mask_token_and_a_chain_
             assert "error" in read[str(path)]["parallel_drafting"], (release, case["id"])
 
 
+@pytest.mark.slow
 def test_an_mla_window_is_not_served(vllm_reads, exports):
     """Why eagle31 refuses an MLA drafter with a window: vLLM's DeepSeek EAGLE-3 layer builds its MLA attention
     without reading one, so the export would be served with full attention."""

@@ -226,6 +226,7 @@ def test_a_vllm_worker_killed_mid_run_is_replaced_and_nothing_is_lost_or_repeate
 # ---------------------------------------------------------------------------- dry run and bad input
 
 
+@pytest.mark.slow
 def test_the_dry_run_sizes_the_workers_estimated_then_measured(tmp_path, capsys):
     from eagle31.distributed import init_world
     from eagle31.plan import describe_dry_run, plan_run

@@ -163,6 +163,7 @@ def evaluations(run_dir: Path) -> list[dict]:
     return [x for x in lines if any(k.startswith("eval/") for k in x)]
 
 
+@pytest.mark.slow
 def test_the_evaluation_of_a_preempted_step_is_logged_once_by_the_resumed_run(tiny_target, chats, tmp_path, capsys):
     """SIGTERM during step 4, an evaluation step: its checkpoint is written before its evaluation, which the
     resumed run does first. That run SIGKILLed during step 5 has logged it; resumed again from step 4, the
@@ -468,6 +469,7 @@ def test_torchrun_sequence_parallel_under_the_nccl_device_rule_trains_as_one_pro
 # ---------------------------------------------------------------------------- dry run
 
 
+@pytest.mark.slow
 def test_kimi_k26_dry_run_needs_no_weights(monkeypatch, capsys):
     code = run_script(MAIN, ["recipe=kimi_k26", "dry_run=true"], monkeypatch)
     out, err = capsys.readouterr()
@@ -502,6 +504,7 @@ def test_kimi_k26_drafters_have_the_published_shapes(recipe):
         assert d.attention == "llama" and 1.0e9 < counts.trainable < 1.2e9, counts
 
 
+@pytest.mark.slow
 def test_dry_run_plans_for_the_given_gpus_and_prints_the_longest_length(capsys):
     """8 GPUs of 80 GB: the optimizer states sharded 8 ways, the longest T the boundary of the estimate, 64k
     tokens and more (80 GB cards hold the published drafter at 64k tokens)."""
