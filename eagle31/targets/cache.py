@@ -1,7 +1,4 @@
-"""Build-once cache of the locally built targets: `$EAGLE31_CACHE/targets/<name>-<key>/` (docs/demo_target.md).
-
-path = ensure_built("demo", "v1-py3.11", build)   # build(tmp_dir) writes the files
-"""
+"""Build-once cache of the locally built targets: `$EAGLE31_CACHE/targets/<name>-<key>/` (docs/demo_target.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ def cache_dir() -> Path:
 
 
 def portable_path(path: str | Path) -> str:
-    """`path` as recorded in committed results: `$EAGLE31_CACHE/...` inside the cache, relative to the working
-    directory below it, else as given (a record then names the same file on every machine)."""
+    """`path` as results record it: `$EAGLE31_CACHE/...` in the cache, relative below the cwd, else as given."""
     p, cache, here = Path(path).absolute(), cache_dir().absolute(), Path.cwd()
     if p.is_relative_to(cache):
         return f"$EAGLE31_CACHE/{p.relative_to(cache)}"

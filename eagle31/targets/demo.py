@@ -1,8 +1,4 @@
-"""The demo target: a small Llama trained from scratch on the demo corpus, deterministically (docs/demo_target.md).
-
-path = ensure_demo_target()            # built once into the cache (~3-4 min on 2 cores)
-build_demo_target(out_dir, seed=0)     # the same build into a directory of your choice
-"""
+"""The demo target: a small Llama trained from scratch on the demo corpus, deterministically (docs/demo_target.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from eagle31.io import atomic_write_json, sha256_file
 from eagle31.targets import demo_corpus
@@ -83,11 +80,8 @@ def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
     """The cached demo target, built under a lock on first use."""
 
     def build(tmp: Path) -> None:
-        log.info(
-            "building the demo target, once: it is cached in %s and reused by later runs "
-            "(a few minutes on 2 CPU cores)",
-            cache_dir() / "targets",
-        )
+        log.info("building the demo target, once: it is cached in %s and reused by later runs "
+                 "(a few minutes on 2 CPU cores)", cache_dir() / "targets")  # fmt: skip
         build_demo_target(tmp, seed=seed, recipe=recipe)
 
     return ensure_built("demo", demo_key(seed, recipe), build)
@@ -145,11 +139,8 @@ def _clock(seconds: float) -> str:
 @contextmanager
 def deterministic_torch(threads: int) -> Iterator[None]:
     """Fixed thread count, deterministic algorithms and a private RNG; restored on exit."""
-    saved = (
-        torch.get_num_threads(),
-        torch.are_deterministic_algorithms_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory,
-    )
+    threads_before, deterministic_before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill_before = torch.utils.deterministic.fill_uninitialized_memory
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every new tensor costs ~15%
@@ -157,9 +148,9 @@ def deterministic_torch(threads: int) -> Iterator[None]:
         with torch.random.fork_rng(devices=[]):
             yield
     finally:
-        torch.set_num_threads(saved[0])
-        torch.use_deterministic_algorithms(saved[1])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+        torch.set_num_threads(threads_before)
+        torch.use_deterministic_algorithms(deterministic_before)
+        torch.utils.deterministic.fill_uninitialized_memory = fill_before
 
 
 def train_tokenizer(conversations: list[dict], recipe: DemoRecipe):
@@ -237,13 +228,8 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `input_ids [B, T]` and `attention_mask [B, T]`."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = torch.tensor(s)
-        mask[row, : len(s)] = 1
-    return ids, mask
+    ids = pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=pad_id)
+    return ids, pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
 
 
 def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed: int) -> None:

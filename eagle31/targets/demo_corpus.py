@@ -1,16 +1,10 @@
-"""The demo corpus: the Python standard library's documented functions as chat conversations (docs/demo_target.md).
-
-Each conversation asks for one function (name, signature, module, docstring summary) and answers with its code;
-the splits are `SPLITS`, JSONL in OpenAI messages form. The functions are the shipped `CORPUS_FILE` (CPython
-3.11.7's, PSF license; `scripts/make_demo_corpus.py`), never the running interpreter's; every random choice
-comes from `random.Random(seed)`.
-"""
+"""The demo corpus: the Python standard library's documented functions as chat conversations (docs/demo_target.md)."""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle31.io import atomic_write_text
@@ -44,22 +38,13 @@ def functions(path: str | Path = CORPUS_FILE) -> list[Function]:
     return [Function(**json.loads(line)) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
-def request(fn: Function, rng: random.Random) -> str:
-    summary_lc = fn.summary[:1].lower() + fn.summary[1:]
-    return rng.choice(_REQUESTS).format(
-        name=fn.name, signature=fn.signature, module=fn.module, summary=fn.summary, summary_lc=summary_lc
-    )
-
-
-def answer(fn: Function) -> str:
-    return f"Here is `{fn.name}`:\n\n```python\n{fn.code}\n```"
-
-
 def conversation(fns: list[Function], rng: random.Random, system: str = SYSTEM_PROMPT) -> dict:
     """One conversation asking for each function in turn (one turn per function)."""
     messages = [{"role": "system", "content": system}]
     for fn in fns:
-        messages += [{"role": "user", "content": request(fn, rng)}, {"role": "assistant", "content": answer(fn)}]
+        request = rng.choice(_REQUESTS).format(**asdict(fn), summary_lc=fn.summary[:1].lower() + fn.summary[1:])
+        answer = f"Here is `{fn.name}`:\n\n```python\n{fn.code}\n```"
+        messages += [{"role": "user", "content": request}, {"role": "assistant", "content": answer}]
     return {"messages": messages}
 
 

