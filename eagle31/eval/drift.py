@@ -1,8 +1,4 @@
-"""Attention drift per draft depth: where a drafter looks and how the state it feeds back grows (docs/evaluation.md).
-
-Both views, teacher-forced (`ttt`) and live, stay in this module: they fill the same `DepthStats` columns from the
-same traces, so their definitions of a depth, a query and an acceptance cannot part ways.
-"""
+"""Attention drift per draft depth: where a drafter looks and how the state it feeds back grows (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -28,10 +24,8 @@ from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.mtbench import read_questions, trace_mt_bench
 from eagle31.eval.speculative import GreedyTrace, cut_generation, speculative_generate
 from eagle31.layouts import DrafterFormat
-from eagle31.model import DraftStep, Eagle31Drafter, explicit_attention, segment_ids
+from eagle31.model import DraftStep, Eagle31Drafter, explicit_attention
 from eagle31.targets.cache import portable_path
-
-_MASSES = ("sink", "context", "own")
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:
@@ -56,21 +50,21 @@ class DepthStats:
     def __post_init__(self) -> None:
         for name in ("queries", "fed_rms", "out_rms", "out_norm_rms", "reached", "accepted"):
             setattr(self, name, getattr(self, name) or [0] * self.depth)
-        self.mass = self.mass or {m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in _MASSES}
+        self.mass = self.mass or {
+            m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in ("sink", "context", "own")
+        }
 
     def add_attention(self, k: int, masses: dict[str, torch.Tensor]) -> None:
         """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
         self.queries[k - 1] += next(iter(masses.values())).shape[0]
         for name, value in masses.items():
-            if name not in self.mass:
-                self.mass[name] = torch.zeros(self.depth, self.heads, dtype=torch.float64)
-            self.mass[name][k - 1] += value.double().sum(0).cpu()
+            zeros = torch.zeros(self.depth, self.heads, dtype=torch.float64)
+            self.mass.setdefault(name, zeros)[k - 1] += value.double().sum(0).cpu()
 
     def add_states(self, k: int, fed: torch.Tensor, out: torch.Tensor, out_norm: torch.Tensor) -> None:
         """Depth k: each [Q, H] for the same Q queries as `add_attention`."""
-        self.fed_rms[k - 1] += float(rms(fed).sum())
-        self.out_rms[k - 1] += float(rms(out).sum())
-        self.out_norm_rms[k - 1] += float(rms(out_norm).sum())
+        for name, x in (("fed_rms", fed), ("out_rms", out), ("out_norm_rms", out_norm)):
+            getattr(self, name)[k - 1] += float(rms(x).sum())
 
     def summary(self) -> dict[str, Any]:
         n = [max(q, 1) for q in self.queries]
@@ -92,8 +86,7 @@ class DepthStats:
 def split_mass(
     probs: torch.Tensor, sink: torch.Tensor, own: torch.Tensor, target_sink: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """probs [heads, Q, S] over S keys; sink, own [S] or [Q, S] bool (the rest is context), target_sink
-    the same or None -> name -> [Q, heads]."""
+    """probs [heads, Q, S]; sink, own, target_sink (or None): [S] or [Q, S] bool, rest context -> name -> [Q, heads]."""
     sink_mass = (probs * sink).sum(-1)
     own_mass = (probs * own).sum(-1)
     total = probs.sum(-1)
@@ -105,8 +98,7 @@ def split_mass(
 
 @torch.no_grad()
 def target_sink_positions(target, tokens: torch.Tensor, layer_ids: Sequence[int], count: int) -> torch.Tensor:
-    """[count] ascending: the positions of tokens [T] that the target's aux layers attend to most (attention received,
-    averaged over heads, layers and the queries that see it), from one forward with eager attention."""
+    """[count] ascending: the positions of tokens [T] that the target's aux layers attend to most, per seeing query."""
     T = tokens.numel()
     received = torch.zeros(T, dtype=torch.float64)
     layers = target.get_decoder().layers
@@ -132,90 +124,77 @@ def ttt_view(
     drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], *, depth: int, sink_tokens: int, max_new_tokens: int,
     eos_token_ids: Sequence[int] = (), pack_tokens: int = 512, target_sinks: Sequence[torch.Tensor] | None = None,
 ) -> DepthStats:  # fmt: skip
-    """Teacher-forced drift. Traces are packed into rows of up to `pack_tokens` tokens (a longer one alone), each
-    keeping its own positions from 0; `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
+    """Teacher-forced drift: traces packed into rows of up to `pack_tokens` tokens (a longer one alone), each from
+    position 0; `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
-    eos = set(eos_token_ids)
     sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
-    for pack in _packs(list(zip(traces, sinks, strict=False)), pack_tokens):
-        _ttt_pack(drafter, pack, stats, depth=depth, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=eos)
+    packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
+    used = 0
+    for trace, trace_sinks in zip(traces, sinks, strict=False):
+        if packs[-1] and used + trace.aux.shape[0] > pack_tokens:
+            packs.append([])
+            used = 0
+        packs[-1].append((trace, trace_sinks))
+        used += trace.aux.shape[0]
+    for pack in packs:
+        _ttt_pack(drafter, pack, stats, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=set(eos_token_ids))
     return stats
 
 
-def _packs(items: list[tuple[GreedyTrace, Any]], budget: int) -> list[list[tuple[GreedyTrace, Any]]]:
-    packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
-    used = 0
-    for item in items:
-        n = item[0].aux.shape[0]
-        if packs[-1] and used + n > budget:
-            packs.append([])
-            used = 0
-        packs[-1].append(item)
-        used += n
-    return packs
-
-
-def _ttt_pack(drafter, items: list[tuple], stats: DepthStats, *, depth, sink_tokens, max_new_tokens, eos) -> None:
-    pack = [trace for trace, _ in items]
-    dtype = drafter.fc.weight.dtype
-    device = drafter.fc.weight.device
+def _ttt_pack(drafter, pack: list[tuple[GreedyTrace, Any]], stats: DepthStats, *, sink_tokens: int,
+              max_new_tokens: int, eos: set[int]) -> None:  # fmt: skip
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    traces = [trace for trace, _ in pack]
     # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
-    ids = torch.cat([t.tokens[:-1] for t in pack]).to(device)[None]
-    aux = torch.cat([t.aux for t in pack]).to(device, dtype)[None]
-    lengths = [t.aux.shape[0] for t in pack]
-    document_ids = torch.repeat_interleave(torch.arange(len(pack)), torch.tensor(lengths)).to(device)[None]
+    ids = torch.cat([t.tokens[:-1] for t in traces]).to(device)[None]
+    aux = torch.cat([t.aux for t in traces]).to(device, dtype)[None]
+    lengths = [t.aux.shape[0] for t in traces]
+    document_ids = torch.repeat_interleave(torch.arange(len(traces)), torch.tensor(lengths)).to(device)[None]
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
     T = ids.shape[1]
-    # queries: from each prompt's last token on, one per generated token (cut at EOS)
+    # queries: from each prompt's last token on, one per generated token (cut at EOS); target sinks in row coordinates
     query = torch.zeros(T, dtype=torch.bool, device=device)
+    target_sink = None if pack[0][1] is None else torch.zeros(T, dtype=torch.bool, device=device)
     offset = 0
-    for trace, n in zip(pack, lengths, strict=True):
-        generated = len(cut_generation(trace.continuation, max_new_tokens, eos))
-        query[offset + trace.prompt_len - 1 : offset + trace.prompt_len - 1 + generated] = True
+    for (trace, trace_sinks), n in zip(pack, lengths, strict=True):
+        first = offset + trace.prompt_len - 1
+        query[first : first + len(cut_generation(trace.continuation, max_new_tokens, eos))] = True
+        if target_sink is not None:
+            target_sink[offset + trace_sinks.to(device)] = True
         offset += n
-    segments = segment_ids(document_ids, None, (1, T), device=device)
-    local = positions[0]
-    sink = local < sink_tokens  # [T] step-0 keys that are a document's first positions
-    target_sink = None
-    if items[0][1] is not None:  # each document's target-sink positions, in row coordinates
-        target_sink = torch.zeros(T, dtype=torch.bool, device=device)
-        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
-        for (_, positions_i), start in zip(items, starts, strict=True):
-            target_sink[start + positions_i.to(device)] = True
+    sink = positions[0] < sink_tokens  # [T] step-0 keys that are a document's first positions
     rows = slice(int(query.nonzero()[0]), T)  # the unrolled rows (the keys before them only as keys): Tq of them
     query = query[rows]
 
     def probe(k: int, probs: torch.Tensor) -> None:  # probs [1, heads, Tq, T + k*Tq], step-major keys
-        p = probs[0][:, query]  # [heads, Q, T + k*Tq]
         none = sink.new_zeros(k * query.numel())
         keys_target = None if target_sink is None else torch.cat([target_sink, none])
-        keys_own = torch.cat([sink.new_zeros(T), ~none])
-        stats.add_attention(k + 1, split_mass(p, torch.cat([sink, none]), keys_own, keys_target))
+        own = torch.cat([sink.new_zeros(T), ~none])
+        stats.add_attention(k + 1, split_mass(probs[0][:, query], torch.cat([sink, none]), own, keys_target))
 
-    out = drafter.unroll(aux, ids, ttt_length=depth, document_ids=document_ids, position_ids=positions,
+    out = drafter.unroll(aux, ids, ttt_length=stats.depth, document_ids=document_ids, position_ids=positions,
                          first_query=rows.start, probe=probe)  # fmt: skip
     fed = drafter.fuse_aux(aux[:, rows])
-    # the target's token at query (p, k): tokens[p + 2 + k]; trace rows laid out as ids, one longer each
-    targets = torch.cat([t.tokens[1:] for t in pack]).to(device)  # [T]: targets[p] = the token after p
+    targets = torch.cat([t.tokens[1:] for t in traces]).to(device)  # [T]: targets[p] = the token after p
     alive = torch.ones(int(query.sum()), dtype=torch.bool, device=device)
-    for k in range(depth):
+    for k in range(stats.depth):
         stats.add_states(k + 1, fed[0, query], out.hidden[k][0, query], out.states[k][0, query])
         draft = drafter.draft_to_target(drafter.lm_head(out.states[k][0]).argmax(-1))  # [Tq]
-        label = _shift_in_document(targets, segments[0], 1 + k)[rows]
-        correct = (draft == label)[query]
+        # the target's token at query (p, k): tokens[p + 2 + k], in p's document
+        label = _shift_in_document(targets, document_ids[0], k + 1)[rows]
         stats.reached[k] += int(alive.sum())
-        alive &= correct
+        alive &= (draft == label)[query]
         stats.accepted[k] += int(alive.sum())
         fed = out.states[k] if drafter.config.norm_output else out.hidden[k]
 
 
-def _shift_in_document(x: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+def _shift_in_document(x: torch.Tensor, documents: torch.Tensor, n: int) -> torch.Tensor:
     """x [T] -> x[t + n] where t + n is in t's document, else -1 (the query is never one of those)."""
     T = x.numel()
     idx = torch.arange(T, device=x.device) + n
     inside = idx < T
     idx = idx.clamp(max=T - 1)
-    same = inside & (segments[idx] == segments)
+    same = inside & (documents[idx] == documents)
     return torch.where(same, x[idx], torch.full_like(x, -1))
 
 
@@ -272,25 +251,8 @@ def live_view(
         )  # fmt: skip
         recorder.commit(len(generation.accepted))
         acceptance.add(generation, trace.prompt_len)
-    reached = [acceptance.rounds] + acceptance.accepted_at[:-1]
-    stats.reached, stats.accepted = reached, list(acceptance.accepted_at)
+    stats.reached, stats.accepted = [acceptance.rounds] + acceptance.accepted_at[:-1], list(acceptance.accepted_at)
     return stats, acceptance, recorder.reconstruction_error
-
-
-def diagnose(
-    drafter: Eagle31Drafter, traces: Sequence[GreedyTrace], config: DriftConfig, eos_token_ids: Sequence[int], sinks
-) -> dict[str, dict[str, Any]]:
-    """Both views of one drafter on one split's traces (`sinks`: their `target_sink_positions`): view -> summary."""
-    args = dict(depth=config.depth, sink_tokens=config.sink_tokens, max_new_tokens=config.max_new_tokens,
-                eos_token_ids=eos_token_ids, target_sinks=sinks)  # fmt: skip
-    ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
-    live, acceptance, error = live_view(drafter, traces, **args)
-    summary = acceptance.summary()
-    return {
-        "ttt": ttt,
-        "live": {**live.summary(), "tau": summary["tau"], "rounds": acceptance.rounds,
-                 "live_reconstruction_error": error},
-    }  # fmt: skip
 
 
 @dataclass
@@ -370,13 +332,17 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         sinks = None
         if config.target_sinks:
             sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
+        args = dict(depth=config.depth, sink_tokens=config.sink_tokens, max_new_tokens=config.max_new_tokens,
+                    eos_token_ids=eos, target_sinks=sinks)  # fmt: skip
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
-            views = diagnose(drafter, traces, config, eos, sinks)
-            live = views["live"]
+            ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
+            live_stats, acceptance, error = live_view(drafter, traces, **args)
+            live = {**live_stats.summary(), "tau": acceptance.summary()["tau"], "rounds": acceptance.rounds,
+                    "live_reconstruction_error": error}  # fmt: skip
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
                 f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
-            for view, summary in views.items():
+            for view, summary in {"ttt": ttt, "live": live}.items():
                 results.append({"drafter": label, "split": split, "view": view, "prompts": len(traces),
                                 "mean_prompt_tokens": sum(lengths) / len(lengths), **summary})  # fmt: skip
     settings = config.settings(
