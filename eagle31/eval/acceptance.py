@@ -94,12 +94,8 @@ def greedy_traces(
 ) -> list[GreedyTrace]:
     """The target's greedy decoding of each prompt, `length` tokens past it, to replay verification from."""
     device = target.get_input_embeddings().weight.device
-    return [
-        greedy_trace(
-            target, torch.tensor(list(p), dtype=torch.long, device=device), aux_layer_ids=aux_layer_ids, length=length
-        )
-        for p in prompts
-    ]
+    ids = [torch.tensor(list(p), dtype=torch.long, device=device) for p in prompts]
+    return [greedy_trace(target, p, aux_layer_ids=aux_layer_ids, length=length) for p in ids]
 
 
 def load_prompts(
@@ -289,11 +285,9 @@ def labelled_paths(name: str, value: str) -> dict[str, str]:
     """`a,b` or `x=a,y=b` -> {label: path}; an unlabelled `data` folder stands for its `*.jsonl` files."""
     out: dict[str, str] = {}
     for item in filter(None, (v.strip() for v in value.split(","))):
-        label, sep, path = item.partition("=")
-        if not sep:
-            label, path = "", item
+        label, path = item.split("=", 1) if "=" in item else ("", item)
         entries = {label: path}
-        if name == "data" and not sep and Path(path).is_dir():
+        if name == "data" and "=" not in item and Path(path).is_dir():
             entries = {p.stem: str(p) for p in sorted(Path(path).glob("*.jsonl"))}
         for label, path in entries.items():
             label = label or Path(path.rstrip("/")).stem

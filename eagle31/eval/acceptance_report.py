@@ -16,16 +16,12 @@ def format_table(report: dict[str, Any]) -> str:
     header += [f"acc@{i + 1}" for i in range(positions)]
     replayed = report["settings"].get("verification") == "replay"  # no target forward ran: the time is drafting's
     header += ["target fwd/tok", "drafting tok/s" if replayed else "tok/s"]
-    rows = []
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         rates = [f"{a:.3f}" for a in r["acceptance_rate"]] + [""] * (positions - len(r["acceptance_rate"]))
-        rows.append(
-            [r["drafter"], r["split"], str(r["prompts"]), f"{r['mean_prompt_tokens']:.0f}", f"{r['tau']:.3f}"]
-            + rates
-            + [f"{r['target_forwards_per_token']:.3f}", f"{r['tokens_per_second']:.1f}"]
-        )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+        cells = [r["drafter"], r["split"], str(r["prompts"]), f"{r['mean_prompt_tokens']:.0f}", f"{r['tau']:.3f}",
+                 *rates, f"{r['target_forwards_per_token']:.3f}", f"{r['tokens_per_second']:.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     settings = report["settings"]
     mode = f"chain, k={settings['k']}" if settings["mode"] == "chain" else f"tree {settings['tree']}"
     verified = ", verified from the target's greedy decoding of each prompt" if replayed else ""
@@ -48,10 +44,7 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
         for r in (r for r in results if r["split"] == split):
             rates = r["acceptance_rate"]
             ax.plot(positions[: len(rates)], rates, marker="o", label=f"{r['drafter']} (tau {r['tau']:.2f})")
-        ax.set_title(split)
-        ax.set_xlabel("draft position")
-        ax.set_xticks(positions)
-        ax.set_ylim(-0.02, 1.02)
+        ax.set(title=split, xlabel="draft position", xticks=positions, ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("acceptance rate")

@@ -34,7 +34,7 @@ def format_table(report: dict[str, Any]) -> str:
                 cells = [r["split"], r["drafter"], str(k + 1), f"{r['sink_mass'][k]:.3f}",
                          f"{r['context_mass'][k]:.3f}", f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}",
                          f"{r['fed_rms'][k]:.3g}", f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
-                         _rate(r["conditional_acceptance_rate"][k])]  # fmt: skip
+                         "–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}"]  # fmt: skip
                 if targeted:
                     cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -44,13 +44,8 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def _rate(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
-
-
 def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
-    """PNG for one view: rows attention mass (stacked bars: sink, context, own; a bar per drafter),
-    RMS (fed and out, a line per drafter) and conditional acceptance; a column per split."""
+    """PNG of one view, a column per split: attention masses (stacked, a bar per drafter), RMS, acceptance."""
     from matplotlib.figure import Figure  # the object API: no pyplot, no global backend state
 
     rows = [r for r in report["results"] if r["view"] == view]
@@ -76,20 +71,14 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
                             edgecolor="white", label=f"{drafter}: {name}")  # fmt: skip
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
             line = rms_ax.plot(depth, r["out_rms"], marker="o", label=f"{drafter}: out (pre-norm)")[0]
-            rms_ax.plot(
-                depth, r["fed_rms"], marker="s", linestyle="--", color=line.get_color(), label=f"{drafter}: fed"
-            )
+            rms_ax.plot(depth, r["fed_rms"], marker="s", ls="--", color=line.get_color(), label=f"{drafter}: fed")
             rates = [float("nan") if a is None else a for a in r["conditional_acceptance_rate"]]
             acc_ax.plot(depth, rates, marker="o", label=drafter)
-        mass_ax.set_title(f"{split} — {_VIEW_TITLES[view]}")
-        mass_ax.set_ylabel("attention mass")
-        mass_ax.set_ylim(0, 1.35)  # room for the legend above the bars
-        mass_ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-        rms_ax.set_ylabel("hidden RMS")
-        rms_ax.set_yscale("log")
-        acc_ax.set_ylabel("conditional acceptance")
-        acc_ax.set_ylim(-0.02, 1.02)
-        acc_ax.set_xlabel("draft depth k")
+        # ylim: room for the legend above the bars
+        mass_ax.set(title=f"{split} — {_VIEW_TITLES[view]}", ylabel="attention mass", ylim=(0, 1.35),
+                    yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0])  # fmt: skip
+        rms_ax.set(ylabel="hidden RMS", yscale="log")
+        acc_ax.set(ylabel="conditional acceptance", ylim=(-0.02, 1.02), xlabel="draft depth k")
         for ax in (mass_ax, rms_ax, acc_ax):
             ax.grid(alpha=0.3)
         for ax in (rms_ax, acc_ax):

@@ -1,7 +1,4 @@
-"""Acceptance on MT-Bench as the EAGLE papers measure it: both turns, per category and mode (docs/evaluation.md).
-
-python scripts/eval_acceptance.py mtbench drafter=runs/smollm2_135m/drafter target=<target dir>
-"""
+"""Acceptance on MT-Bench as the EAGLE papers measure it: both turns, per category and mode (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -92,8 +89,7 @@ def select_questions(questions: Sequence[MTBenchQuestion], max_per_category: int
 
 
 def long_histories(tokenizer, conversations: Sequence[Conversation], count: int, min_tokens: int) -> list[list[dict]]:
-    """For question `i`: whole conversations from the `i`-th on (cyclically) until the chat reaches `min_tokens`; their
-    user and assistant messages, each cut after its last assistant message, so a question follows as a user turn."""
+    """For question `i`: the user/assistant turns of conversations `i`, `i + 1`, ... (cyclic) up to `min_tokens`."""
     turns = []
     for conv in conversations:
         messages = [
@@ -140,8 +136,7 @@ def trace_mt_bench(
     draft_len: int, eos_token_ids: Sequence[int] = (), system_prompt: str | None = None,
     histories: Sequence[list[dict]] | None = None, template_kwargs: dict | None = None,
 ) -> list[MTBenchTurn]:  # fmt: skip
-    """Both turns of every question, decoded once by the target (turn `j` sees its answers to turns < j), each
-    `draft_len` tokens past `max_new_tokens`; `histories[i]` comes before question `i` (after the system prompt)."""
+    """Both turns of every question decoded by the target, `draft_len` past `max_new_tokens`, after `histories[i]`."""
     device = target.get_input_embeddings().weight.device
     eos = set(eos_token_ids)
     think = think_markers(tokenizer)
@@ -260,14 +255,10 @@ def format_summary(report: dict[str, Any]) -> str:
             f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |"
         )
     s = report["settings"]
-    head = "MT-Bench acceptance length tau (greedy, both turns, "
-    head += f"{s['questions_used']} questions, max_new_tokens={s['max_new_tokens']}"
-    if s["system_prompt"]:
-        head += f", system prompt {s['system_prompt']!r}"
-    if s.get("history"):
-        head += f", after >= {s['history_tokens']} tokens of history"
-    head += ")"
-    return head + "\n\n" + "\n".join(lines)
+    system = f", system prompt {s['system_prompt']!r}" if s["system_prompt"] else ""
+    history = f", after >= {s['history_tokens']} tokens of history" if s.get("history") else ""
+    return (f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, "
+            f"max_new_tokens={s['max_new_tokens']}{system}{history})\n\n" + "\n".join(lines))  # fmt: skip
 
 
 def write_mt_bench_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -279,12 +270,7 @@ def write_mt_bench_report(report: dict[str, Any], out_dir: str | Path) -> dict[s
     atomic_write_json(paths["json"], report)
     atomic_write_text(paths["table"], format_summary(report) + "\n")
     for mode, spec in report["settings"]["modes"].items():
-        settings = {
-            **report["settings"],
-            "mode": "tree" if spec["tree"] else "chain",
-            "k": spec["k"],
-            "tree": spec["tree"],
-        }
+        settings = {**report["settings"], "mode": "tree" if spec["tree"] else "chain", **spec}  # spec: k, tree
         per_mode = {"settings": settings, "results": [r for r in report["results"] if r["mode"] == mode]}
         paths[mode] = write_report(per_mode, out / mode)["table"]
     return paths
