@@ -50,9 +50,7 @@ class AcceptanceStats:
         self.prompt_tokens += prompt_tokens
         self.rounds += len(generation.accepted)
         self.accepted += sum(generation.accepted)
-        for a in generation.accepted:
-            for i in range(a):
-                self.accepted_at[i] += 1
+        self.accepted_at = [n + sum(a > i for a in generation.accepted) for i, n in enumerate(self.accepted_at)]
         self.generated_tokens += len(generation.tokens)
         self.target_forwards += generation.target_forwards
         self.seconds += generation.seconds
