@@ -24,11 +24,7 @@ class ChainKeysValues:
     width: int = 2
 
 
-def _keys_values_as_kept(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return k, v
-
-
-KEYS_VALUES = ChainKeysValues(_keys_values_as_kept)  # the entry is (k, v) itself (Llama attention)
+KEYS_VALUES = ChainKeysValues(lambda k, v: (k, v))  # the entry is (k, v) itself (Llama attention)
 
 
 def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
@@ -38,3 +34,19 @@ def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
         return entry0
     k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
     return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
+
+
+def keys_values_with_graph(make: Callable, entry, params):
+    """(k, v, grads) of `make(entry, params) -> (k, v)` run again on detached inputs: k and v detached, and
+    `grads(dk, dv)` -> (the entry's gradients, None for a tensor that is not floating; the params')."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in entry]
+        leaves = [p.detach().requires_grad_() for p in params]
+        k, v = make(inputs, leaves)
+    wanted = [t for t in inputs if t.requires_grad] + leaves
+
+    def grads(dk: torch.Tensor, dv: torch.Tensor):
+        found = iter(torch.autograd.grad((k, v), wanted, (dk, dv), allow_unused=True))
+        return [next(found) if t.requires_grad else None for t in inputs], [next(found) for _ in leaves]
+
+    return k.detach(), v.detach(), grads
