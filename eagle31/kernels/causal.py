@@ -19,11 +19,8 @@ NOT_A_BAND = -1  # `CausalMask.reach` of a rule whose step-0 keys are not the po
 
 @dataclass(frozen=True)
 class CausalMask:
-    """The visibility rule as the causal kernels see it at TTT step `step`: queries (p, step), step-0 keys (p', 0).
-
-    Positions are indices into the keys a kernel is given (a shard's keys start at its first key): the rule
-    reads their differences.
-    """
+    """The visibility rule as the causal kernels see it at TTT step `step`: queries (p, step), step-0 keys (p', 0),
+    positions indexing the keys a kernel is given (a shard's start at its first key; the rule reads differences)."""
 
     rule: Callable[..., torch.Tensor]
     step: int
@@ -34,9 +31,8 @@ class CausalMask:
 
     @functools.cache
     def reach(self, length: int) -> int | None:
-        """How many step-0 positions up to its own a query sees in one document of `length` positions: None for all
-        of them, `NOT_A_BAND` for a rule that skips some of the positions just before the query (blockwise only).
-        Derived from the rule at the document's last and middle queries; a rule that shows a query a later key or
+        """How many step-0 positions up to its own a query sees in a document of `length` (its last and middle queries
+        asked): None for all, `NOT_A_BAND` for a rule that skips some just before it; one that shows later keys or
         another document's is refused (the kernels attend each document's keys up to the query)."""
         pos, zero = torch.arange(length), torch.zeros((), dtype=torch.long)
         last, middle = self.allowed(zero, pos[-1], zero, pos), self.allowed(zero, pos[length // 2], zero, pos)
@@ -97,17 +93,10 @@ class BlockwiseCausal:
             s = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, i0:i1].to(acc), k[:, :, k0:i1].to(acc)) * scale
             yield i0, i1, k0, s.masked_fill(~allowed[:, None, None], float("-inf"))
 
-    @staticmethod
-    def _grouped(q, k, v):
-        """q [B, nkv, g, T, d]; k, v [B, nkv, T, d]."""
-        B, T, nh, d = q.shape
-        nkv = k.shape[2]
-        return q.permute(0, 2, 1, 3).reshape(B, nkv, nh // nkv, T, d), k.transpose(1, 2), v.transpose(1, 2)
-
     @classmethod
     def forward(cls, q, k, v, segments, scale, mask: CausalMask):
         acc = accumulation_dtype(q)
-        qg, kh, vh = cls._grouped(q, k, v)
+        qg, kh, vh = _to_grouped(q, k.shape[2]), k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, (g,) T, d]
         out = q.new_empty(qg.shape, dtype=acc)
         lse = q.new_empty(qg.shape[:-1], dtype=acc)
         for i0, i1, k0, s in cls._blocks(qg, kh, segments, scale, mask):
@@ -120,9 +109,8 @@ class BlockwiseCausal:
 
     @classmethod
     def backward(cls, dout, q, k, v, out, lse, segments, scale, ctx, mask: CausalMask):
-        acc = accumulation_dtype(q)
-        qg, kh, vh = cls._grouped(q, k, v)
-        nkv = kh.shape[1]
+        acc, nkv = accumulation_dtype(q), k.shape[2]
+        qg, kh, vh = _to_grouped(q, nkv), k.transpose(1, 2), v.transpose(1, 2)  # [B, nkv, (g,) T, d]
         do = _to_grouped(dout.to(acc), nkv)
         lse_g = _to_grouped(lse, nkv)
         D = (do * _to_grouped(out, nkv)).sum(-1)  # [B, nkv, g, T]
@@ -267,15 +255,12 @@ def _lse_tokens_first(lse: torch.Tensor, total: int, nh: int) -> torch.Tensor:
 
 def _to_grouped(x: torch.Tensor, nkv: int) -> torch.Tensor:
     """[B, T, nh, ...] -> [B, nkv, g, T, ...]"""
-    B, T, nh = x.shape[:3]
-    x = x.reshape(B, T, nkv, nh // nkv, *x.shape[3:])
-    return x.movedim(1, 3)
+    return x.unflatten(2, (nkv, -1)).movedim(1, 3)
 
 
 def _from_grouped(x: torch.Tensor) -> torch.Tensor:
     """[B, nkv, g, T, ...] -> [B, T, nh, ...]"""
-    x = x.movedim(3, 1)
-    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+    return x.movedim(3, 1).flatten(2, 3)
 
 
 def resolve_backend(q: torch.Tensor, mask: CausalMask, length: int) -> str:

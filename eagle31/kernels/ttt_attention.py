@@ -77,14 +77,8 @@ class _TTTAttention(torch.autograd.Function):
         entry0, entries, params0, params = _split(rest, expand0, expand, j)
         scale = 1.0 / math.sqrt(d)
         keys0 = StepZeroKeys(entry0, expand0, params0)
-        if isinstance(kernel, QueryTail):  # a shard: the keys before it are made a block at a time
-            out, lse, kctx = kernel.forward(q, keys0, segments, scale, mask)
-            nkv = keys0.num_kv_heads()
-        else:
-            k0, v0 = keys0.make(slice(None), slice(None))  # [B, T, nkv, d]
-            out, lse, kctx = kernel.forward(q, k0, v0, segments, scale, mask)  # fp32 [B, T, nh, d], [B, T, nh]
-            nkv = k0.shape[2]
-            del k0, v0
+        out, lse, kctx = kernel.forward(q, keys0, segments, scale, mask)  # fp32 [B, T, nh, d], [B, T, nh]
+        nkv = keys0.num_kv_heads()
         g = nh // nkv
         out, lse = out.contiguous(), lse.contiguous()  # the chain merges into them in place
         if j:
@@ -112,14 +106,7 @@ class _TTTAttention(torch.autograd.Function):
         entry0, entries, params0, params = _split(rest, ctx.expand0, expand, j)
         dout = dout.to(q.dtype)  # no copy: the output's dtype; gradients stay in it (fp32 only per chain block)
         keys0 = StepZeroKeys(entry0, ctx.expand0, params0)
-        kernel_args = (out, lse, segments, ctx.scale, ctx.kctx, ctx.mask)
-        if isinstance(ctx.kernel, QueryTail):
-            dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, *kernel_args)
-        else:  # the keys made again from the entry, their gradients turned into the entry's before the chain's
-            k0, v0, grads0 = keys0.make_with_graph(slice(None), slice(None))
-            dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, *kernel_args)
-            d_entry0, d_params0 = grads0(dk0, dv0)
-            del k0, v0, dk0, dv0, grads0
+        dq, d_entry0, d_params0 = ctx.kernel.backward(dout, q, keys0, out, lse, segments, ctx.scale, ctx.kctx, ctx.mask)
         # gradients for the floating entry parts (a Llama entry's token ids and positions have none)
         d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for e in entries for t in e]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
@@ -182,7 +169,7 @@ def ttt_attention_of_entries(
     if backend not in causal:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {[b.value for b in AttentionBackend]}")
     mask.reach(Tk)  # refuses, in one line, a rule that leaves a query no key
-    kernel = QueryTail(causal[backend]) if Tk != q.shape[1] else causal[backend]  # a shard: the last Tk positions
+    kernel = QueryTail(causal[backend])  # the queries are the last T of the Tk positions (Tk > T on a shard)
     flat = [t for e in chain for t in e]
     return _TTTAttention.apply(
         q, segments, kernel, mask, expand0, expand, len(chain), *entry0, *flat, *expand0.params, *expand.params

@@ -11,10 +11,8 @@ from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, keys_values_wi
 
 
 class QueryTail:
-    """A causal kernel whose queries q [B, Tq, nh, d] are the last Tq of Tk key positions (a shard). The wrapped kernel
-    attends the shard's own keys; the one document per row that began earlier adds its earlier keys, made from the
-    step-0 entry a block of `prefix_block` positions at a time (forward and backward), masked by the rule and merged
-    by log-sum-exp; with a band rule only the blocks and rows that can see each other are visited."""
+    """A causal kernel whose queries q [B, Tq, nh, d] are the last Tq of Tk key positions (all of them unsplit): the
+    wrapped kernel over their own keys, then a shard's earlier keys a block at a time (docs/design.md §4)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -85,6 +83,8 @@ class QueryTail:
         off = keys.length - q.shape[1]
         k, v, grads = keys.make_with_graph(slice(None), slice(off, None))
         dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, segments[:, off:], scale, ctx, mask)
+        if off == 0:  # no keys before the queries: their gradients are the entry's
+            return (dq, *grads(dk, dv))
         keys.take_back(slice(None), slice(off, None), *grads(dk, dv))
         del k, v, dk, dv
         acc = accumulation_dtype(q)
@@ -143,7 +143,7 @@ class StepZeroKeys:
                 torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params
             ]
         for d, grad in zip(self._d_entry, d_entry):
-            if grad is not None:
+            if d is not None and grad is not None:
                 d[rows, positions] += grad
         for d, grad in zip(self._d_params, d_params):
             if grad is not None:
