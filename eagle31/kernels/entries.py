@@ -10,14 +10,9 @@ import torch
 
 @dataclass(frozen=True)
 class ChainKeysValues:
-    """How a chain step's keys and values are made from what that step keeps (its `entry`).
-
-    `fn(*entry_rows, *params) -> (k, v)`, each [n, nkv, d], from the `width` tensors of one
-    entry, each cut to n token rows [n, ...]; `params` are the other tensors it reads (their
-    gradients flow). The chain is attended a block of token rows at a time, so only one
-    block's keys and values ever exist: a drafter whose entry is smaller than its keys and
-    values (MLA's latents) keeps only the entries from step to step.
-    """
+    """How a step's keys and values are made from what it keeps, its entry (docs/design.md §4): `fn(*entry_rows,
+    *params) -> (k, v)`, each [n, nkv, d], of the `width` tensors of one entry cut to n token rows [n, ...]; `params`
+    are the other tensors it reads (their gradients flow)."""
 
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     params: tuple[torch.Tensor, ...] = ()
@@ -29,11 +24,10 @@ KEYS_VALUES = ChainKeysValues(lambda k, v: (k, v))  # the entry is (k, v) itself
 
 def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
     """The causal keys and values [B, T, nkv, d] of the step-0 entry (its tensors [B, T, ...])."""
-    B, T = shape
     if expand0 is KEYS_VALUES:
         return entry0
     k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
-    return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
+    return k.unflatten(0, shape), v.unflatten(0, shape)
 
 
 def keys_values_with_graph(make: Callable, entry, params):
