@@ -142,11 +142,9 @@ def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int)
 
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, N+1, past+N+1] for `[root, nodes]` after `past` cached positions."""
-    N = len(tree)
-    allowed = torch.ones(N + 1, past + N + 1, dtype=torch.bool, device=tree.tokens.device)
-    allowed[:, past:] = tree.ancestor_mask()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(len(tree) + 1, past + len(tree) + 1, dtype=dtype, device=tree.tokens.device)
+    mask[:, past:].masked_fill_(~tree.ancestor_mask(), torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
