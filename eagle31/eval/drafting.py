@@ -46,12 +46,8 @@ class DraftTree:
         return bool((self.parents == torch.arange(len(self), device=self.parents.device) - 1).all())
 
     def depths(self) -> torch.Tensor:
-        """[N] depth of each node (children of the root have depth 1)."""
-        depth = torch.ones(len(self), dtype=torch.long)
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                depth[i] = depth[p] + 1
-        return depth.to(self.tokens.device)
+        """[N] depth of each node (children of the root have depth 1): the node and its ancestors."""
+        return self.ancestor_mask()[1:, 1:].sum(1)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over [root, nodes...]: row i may see column j iff j is i or an ancestor."""
@@ -173,11 +169,9 @@ class EagleProposer:
         self._check_ready()
         if self.drafter.config.parallel_drafting:
             raise ValueError("a parallel drafter drafts its k tokens in one forward, not trees: draft chains with it")
-        if spec.top_k > self.drafter.config.draft_vocab_size:
-            raise ValueError(
-                f"tree.top_k={spec.top_k} exceeds the drafter's draft_vocab_size={self.drafter.config.draft_vocab_size}"
-            )
-        top_k = spec.top_k
+        top_k, vocab = spec.top_k, self.drafter.config.draft_vocab_size
+        if top_k > vocab:
+            raise ValueError(f"tree.top_k={top_k} exceeds the drafter's draft_vocab_size={vocab}")
         root = self.drafter.read_out(self.root)
         scores, ids = self._log_probs(root.state[0, 0]).topk(top_k)  # [top_k]
         tokens = self.drafter.draft_to_target(ids)
@@ -207,11 +201,9 @@ class EagleProposer:
         # rerank: a child never scores above its parent (log-probs <= 0) and the stable sort
         # puts the earlier-created parent first on ties, so the kept set is a tree
         keep = scores.sort(descending=True, stable=True).indices[: spec.total_tokens].sort().values
-        index = torch.full_like(parents, -1)
+        index = torch.full((parents.numel() + 1,), -1, device=keep.device)  # index[-1]: the root stays -1
         index[keep] = torch.arange(keep.numel(), device=keep.device)
-        kept_parents = parents[keep]
-        kept_parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], kept_parents)
-        return DraftTree(tokens[keep], kept_parents)
+        return DraftTree(tokens[keep], index[parents[keep]])
 
     def _check_ready(self) -> None:
         if self.root is None:

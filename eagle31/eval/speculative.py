@@ -89,15 +89,11 @@ class TargetRunner:
 
     def _retain(self, past: int, rows: list[int]) -> None:
         """Keep the first `past` cached positions and, after them, the new ones at `rows` (increasing)."""
-        prefix = rows[-1] == len(rows) - 1  # a chain's accepted rows: a plain crop
-        index = None if prefix else torch.tensor(rows, device=self.cache.layers[0].keys.device) + past
+        keep: slice | torch.Tensor = slice(past + len(rows))  # a chain's accepted rows: a plain crop
+        if rows[-1] != len(rows) - 1:
+            keep = torch.cat([torch.arange(past), torch.tensor(rows) + past]).to(self.cache.layers[0].keys.device)
         for layer in self.cache.layers:
-            if prefix:
-                layer.keys = layer.keys[..., : past + len(rows), :]
-                layer.values = layer.values[..., : past + len(rows), :]
-            else:
-                layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys[..., index, :]], dim=-2)
-                layer.values = torch.cat([layer.values[..., :past, :], layer.values[..., index, :]], dim=-2)
+            layer.keys, layer.values = layer.keys[..., keep, :], layer.values[..., keep, :]
 
 
 class ReplayedTarget:
@@ -146,11 +142,9 @@ def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int)
 
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, N+1, past+N+1] for `[root, nodes]` after `past` cached positions."""
-    N = len(tree)
-    allowed = torch.ones(N + 1, past + N + 1, dtype=torch.bool, device=tree.tokens.device)
-    allowed[:, past:] = tree.ancestor_mask()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(len(tree) + 1, past + len(tree) + 1, dtype=dtype, device=tree.tokens.device)
+    mask[:, past:].masked_fill_(~tree.ancestor_mask(), torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
@@ -214,7 +208,4 @@ def speculative_generate(
 def cut_generation(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """The generated tokens a user sees: at most `max_new_tokens`, up to and including the first EOS."""
     tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]

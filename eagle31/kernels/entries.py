@@ -10,31 +10,37 @@ import torch
 
 @dataclass(frozen=True)
 class ChainKeysValues:
-    """How a chain step's keys and values are made from what that step keeps (its `entry`).
-
-    `fn(*entry_rows, *params) -> (k, v)`, each [n, nkv, d], from the `width` tensors of one
-    entry, each cut to n token rows [n, ...]; `params` are the other tensors it reads (their
-    gradients flow). The chain is attended a block of token rows at a time, so only one
-    block's keys and values ever exist: a drafter whose entry is smaller than its keys and
-    values (MLA's latents) keeps only the entries from step to step.
-    """
+    """How a step's keys and values are made from what it keeps, its entry (docs/design.md §4): `fn(*entry_rows,
+    *params) -> (k, v)`, each [n, nkv, d], of the `width` tensors of one entry cut to n token rows [n, ...]; `params`
+    are the other tensors it reads (their gradients flow)."""
 
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     params: tuple[torch.Tensor, ...] = ()
     width: int = 2
 
 
-def _keys_values_as_kept(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return k, v
-
-
-KEYS_VALUES = ChainKeysValues(_keys_values_as_kept)  # the entry is (k, v) itself (Llama attention)
+KEYS_VALUES = ChainKeysValues(lambda k, v: (k, v))  # the entry is (k, v) itself (Llama attention)
 
 
 def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
     """The causal keys and values [B, T, nkv, d] of the step-0 entry (its tensors [B, T, ...])."""
-    B, T = shape
     if expand0 is KEYS_VALUES:
         return entry0
     k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
-    return k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
+    return k.unflatten(0, shape), v.unflatten(0, shape)
+
+
+def keys_values_with_graph(make: Callable, entry, params):
+    """(k, v, grads) of `make(entry, params) -> (k, v)` run again on detached inputs: k and v detached, and
+    `grads(dk, dv)` -> (the entry's gradients, None for a tensor that is not floating; the params')."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in entry]
+        leaves = [p.detach().requires_grad_() for p in params]
+        k, v = make(inputs, leaves)
+    wanted = [t for t in inputs if t.requires_grad] + leaves
+
+    def grads(dk: torch.Tensor, dv: torch.Tensor):
+        found = iter(torch.autograd.grad((k, v), wanted, (dk, dv), allow_unused=True))
+        return [next(found) if t.requires_grad else None for t in inputs], [next(found) for _ in leaves]
+
+    return k.detach(), v.detach(), grads

@@ -38,13 +38,8 @@ def sequence_group(world: World, size: int) -> SequenceGroup:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(world.device.type, (world.world_size // size, size), mesh_dim_names=("data", "sequence"))
-    return SequenceGroup(
-        size,
-        mesh["sequence"].get_local_rank(),
-        mesh["data"].get_local_rank(),
-        world.world_size // size,
-        mesh["sequence"].get_group(),
-    )
+    sequence, data = mesh["sequence"], mesh["data"]
+    return SequenceGroup(size, sequence.get_local_rank(), data.get_local_rank(), data.size(), sequence.get_group())
 
 
 def shard_length(T: int, size: int, ttt_length: int) -> int:
@@ -97,9 +92,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, (B, Ts, *rest) = ctx.group, ctx.shape
-        full = torch.zeros(
-            (B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device
-        )
+        full = grad.new_zeros((B, g.size * Ts, *rest), dtype=torch.promote_types(grad.dtype, torch.float32))
         full[:, ctx.first : ctx.end] = grad
         return reduce_scatter_shards(full.unflatten(1, (g.size, Ts)).movedim(1, 0), g).to(grad.dtype), None, None, None
 
@@ -137,23 +130,19 @@ def shard_batch(
     halo = ttt_length + 1
     Ts = shard_length(batch.input_ids.shape[1], group.size, ttt_length)
     padded = pad_positions(batch, group.size * Ts)
-    start = group.rank * Ts
-    rows = slice(start, start + Ts)
+    start, end = group.rank * Ts, (group.rank + 1) * Ts
+    rows = slice(start, end)
     own = FeatureBatch(
         **{name: getattr(padded, name)[:, rows] for name in TOKEN_COLUMNS}, document_ids=padded.document_ids[:, rows],
         aux=padded.aux[:, rows], final=padded.final[:, rows],
     ).to(device, dtype=dtype)  # fmt: skip
     B = own.input_ids.shape[0]
-    meta = torch.stack(
-        [*(getattr(own, name) for name in TOKEN_COLUMNS), own.document_ids.long()]
-    )  # [columns + 1, B, Ts]
+    meta = torch.stack([*(getattr(own, name) for name in TOKEN_COLUMNS), own.document_ids.long()])  # [C + 1, B, Ts]
     *columns, docs = all_gather_shards(meta, group).movedim(0, 2).flatten(2, 3)  # each [B, N * Ts]
     heads = all_gather_shards(own.final[:, :halo], group)  # [N, B, K + 1, Ht]
-    end = start + Ts
 
     def with_halo(x, fill):  # [B, N * Ts] -> this shard's rows and the next K + 1, padding past the end
-        x = torch.cat([x, x.new_full((B, halo), fill)], dim=1)
-        return x[:, start : end + halo]
+        return torch.cat([x, x.new_full((B, halo), fill)], dim=1)[:, start : end + halo]
 
     next_final = heads[group.rank + 1] if group.rank + 1 < group.size else torch.zeros_like(heads[0])
     shard = FeatureBatch(
