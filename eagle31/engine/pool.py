@@ -1,8 +1,4 @@
-"""The feature pool: one Ray actor that plans the trainers' micro-batches, sends them to the inference workers in
-the loaders' order within `pool_tokens`, replaces workers that die or hang, and hands each rank its features.
-
-docs/engine.md says what it guarantees (order, backpressure, restarts, one-line failures, transports).
-"""
+"""The feature pool: a Ray actor that feeds the workers the loaders' micro-batches and hands each rank its features."""
 
 from __future__ import annotations
 
@@ -88,11 +84,11 @@ class WorkerActor:
         return {"seconds": time.perf_counter() - start}, sent
 
 
-@dataclass
+@dataclass(order=True)
 class Request:
-    """One target forward's samples: a group of a micro-batch, or of a held-out ask."""
+    """One target forward's samples: a group of a micro-batch, or of a held-out ask (in the queue's order)."""
 
-    order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training: the queue's order
+    order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training
     split: str
     ids: list[int]  # sample ids, in the forward's row order
     owner: tuple  # the key of its Part in `FeaturePool.parts`
@@ -133,10 +129,6 @@ class Slot:
     inflight: dict[int, Request] = field(default_factory=dict)
     samples: int = 0
     busy_s: float = 0.0
-
-    @property
-    def ready(self) -> bool:
-        return self.phase == "ready"
 
 
 class Computation:
@@ -182,8 +174,7 @@ class FeaturePool:
     def __init__(
         self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None
     ):
-        """kind: the InferenceWorker class; expected: `eagle31.engine.worker.expected_info`; workers: the first workers'
-        actors (default: started here)."""
+        """kind: an InferenceWorker class; expected: `worker.expected_info`; workers: the first actors (or new)."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
 
@@ -197,7 +188,7 @@ class FeaturePool:
         self.tasks: set[asyncio.Task] = set()  # the pool's own tasks, kept until they end (asyncio holds them weakly)
         self.error: str | None = None
         self.progress_at = time.monotonic()  # the last answer, worker started or micro-batch taken
-        self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
+        self.queues: dict[str, list[Request]] = {"eval": [], "train": []}  # heaps
         self.parts: dict[tuple, Part] = {}
         self.asks = itertools.count()
         self.sequence = itertools.count()
@@ -217,7 +208,7 @@ class FeaturePool:
     async def ready(self) -> str | None:
         """Wait until every worker has started and described itself; the pool's error, or None."""
         self._boot()
-        await self._wait(lambda: all(s.ready for s in self.slots))
+        await self._wait(lambda: all(s.phase == "ready" for s in self.slots))
         return self.error
 
     async def start(self, rank: int, data_rank: int, epoch: int, position: int) -> str | None:
@@ -309,7 +300,7 @@ class FeaturePool:
             + (f" holding {len(s.inflight)} request(s)" if s.inflight else "")
             for s in self.slots
         )
-        queued = sum(not r.done for queue in self.queues.values() for _, r in queue)
+        queued = sum(not r.done for queue in self.queues.values() for r in queue)
         held = f"{self.held} tokens held of features.engine.pool_tokens={self.settings.pool_tokens}"
         line = f"{workers}; {queued} request(s) queued; {held}"
         return {"stalled_s": now - self.progress_at, "limit_s": self.settings.stall_limit_s, "line": line}
@@ -354,29 +345,22 @@ class FeaturePool:
         groups = bucket_by_length(lengths.tolist(), self.settings.capture_batch_tokens)
         part = self.parts[key] = Part(groups, int(lengths.sum()))
         for j, group in enumerate(groups):
-            self._queue(Request((*order, j), split, [ids[p] for p in group], key, j))
+            heapq.heappush(self.queues[split], Request((*order, j), split, [ids[p] for p in group], key, j))
         return part
-
-    def _plan_next_batch(self) -> None:
-        assert self.next_batch is not None
-        epoch, g = self.next_batch
-        self._plan_part(("train", epoch, g), "train", self._batch_ids(epoch, g), (1, epoch, g))
-        self.next_batch = self._in_plan(epoch, g + 1, first=0)
-
-    def _queue(self, request: Request) -> None:
-        heapq.heappush(self.queues[request.split], (request.order, request))
 
     def _next_request(self) -> Request | None:
         """The next request to send, held-out asks first; a training one only within pool_tokens."""
         for split in ("eval", "train"):
             queue = self.queues[split]
-            while queue and queue[0][1].done:
+            while queue and queue[0].done:
                 heapq.heappop(queue)
             if split == "train" and not queue and self.next_batch is not None:
-                self._plan_next_batch()
+                epoch, g = self.next_batch
+                self._plan_part(("train", epoch, g), "train", self._batch_ids(epoch, g), (1, epoch, g))
+                self.next_batch = self._in_plan(epoch, g + 1, first=0)
             if not queue:
                 continue
-            request = queue[0][1]
+            request = queue[0]
             part = self.parts[request.owner] if split == "train" else None
             if part is not None and not part.admitted:  # admitted whole: a trainer takes it whole
                 if self.held and self.held + part.tokens > self.settings.pool_tokens:
@@ -494,7 +478,7 @@ class FeaturePool:
     def _pump(self) -> None:
         """Send requests while a worker has room and one is due."""
         while self.error is None:
-            free = [s for s in self.slots if s.ready and len(s.inflight) < self.settings.inflight_per_worker]
+            free = [s for s in self.slots if s.phase == "ready" and len(s.inflight) < self.settings.inflight_per_worker]
             if not free:
                 return
             request = self._next_request()
@@ -521,13 +505,10 @@ class FeaturePool:
             slot.inflight.pop(seq, None)
             if not request.done:
                 request.done = True
-                part, transport = self.parts[request.owner], self.settings.transport
-                if call.key is None:  # through Ray's store
-                    part.refs[request.group] = call.features
-                else:
-                    part.refs[request.group] = transport.handle(call.key, call.features)
-                    if transport.holds_until_consumed:
-                        self.stored[call.key] = part
+                part, stored = self.parts[request.owner], call.key and self.settings.transport.holds_until_consumed
+                part.refs[request.group] = call.key if stored else call.features  # the store's key, or Ray's ref
+                if stored:
+                    self.stored[call.key] = part
                 self.counts["produced_samples"] += len(request.ids)
                 slot.samples += len(request.ids)
                 slot.busy_s += done["seconds"]
@@ -543,7 +524,7 @@ class FeaturePool:
         written = []  # keys it may have written features under before it died
         for seq, request in slot.inflight.items():
             if not request.done:
-                self._queue(request)
+                heapq.heappush(self.queues[request.split], request)
                 self.counts["requeued"] += len(request.ids)
                 if (key := self._key(request, seq)) is not None:
                     written.append(key)
