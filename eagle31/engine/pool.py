@@ -42,13 +42,8 @@ class PoolSettings:
     inflight_per_worker: int = 2  # a worker's next request is queued behind the one it computes
     transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how training features travel
 
-    @property
-    def stall_limit_s(self) -> float:
-        """The longest the pool can go without progress while it works: its longest timeout, and a margin."""
-        return max(self.request_timeout_s, self.load_timeout_s, self.placement_timeout_s) + STALL_MARGIN_S
 
-
-STALL_MARGIN_S = 60.0
+STALL_MARGIN_S = 60.0  # beyond the longest timeout: the most a working pool goes without progress
 UNAVAILABLE_RETRY_S = 1.0  # the wait before a call Ray found its actor unreachable for is sent again
 
 
@@ -60,9 +55,10 @@ def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
 class WorkerActor:
     """The Ray actor around an `InferenceWorker`: placed first, loaded when the pool asks."""
 
+    worker: InferenceWorker  # from load()
+
     def __init__(self, kind: type, spec: WorkerSpec, transport):
         self.kind, self.spec, self.transport = kind, spec, transport
-        self.worker: InferenceWorker | None = None
 
     def placed(self) -> None:
         """Answers as soon as Ray has placed the actor and started its process."""
@@ -72,12 +68,10 @@ class WorkerActor:
         self.worker = self.kind(self.spec)
 
     def describe(self) -> WorkerInfo:
-        assert self.worker is not None, "load() first"
         return self.worker.describe()
 
     def compute(self, token_rows: list[list[int]], key: str | None):
         """(record, features); `key` None: through Ray's store whatever the transport (held-out asks)."""
-        assert self.worker is not None, "load() first"
         start = time.perf_counter()
         feats = self.worker.features(token_rows)
         sent = feats if key is None else self.transport.send(key, feats)
@@ -171,10 +165,8 @@ def _resources(amounts: dict) -> str:
 class FeaturePool:
     """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods)."""
 
-    def __init__(
-        self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None
-    ):
-        """kind: an InferenceWorker class; expected: `worker.expected_info`; workers: the first actors (or new)."""
+    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list):
+        """kind: an InferenceWorker class; expected: `worker.expected_info`; workers: the first workers' actors."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
 
@@ -182,7 +174,6 @@ class FeaturePool:
         self.splits = load_prepared_splits(Path(settings.prepared_dir))
         self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
         self.booted = False
-        workers = workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)]
         self.slots = [Slot(i, handle) for i, handle in enumerate(workers)]
         self.changed = asyncio.Condition()
         self.tasks: set[asyncio.Task] = set()  # the pool's own tasks, kept until they end (asyncio holds them weakly)
@@ -303,7 +294,9 @@ class FeaturePool:
         queued = sum(not r.done for queue in self.queues.values() for r in queue)
         held = f"{self.held} tokens held of features.engine.pool_tokens={self.settings.pool_tokens}"
         line = f"{workers}; {queued} request(s) queued; {held}"
-        return {"stalled_s": now - self.progress_at, "limit_s": self.settings.stall_limit_s, "line": line}
+        s = self.settings
+        limit = max(s.request_timeout_s, s.load_timeout_s, s.placement_timeout_s) + STALL_MARGIN_S
+        return {"stalled_s": now - self.progress_at, "limit_s": limit, "line": line}
 
     def workers(self) -> list[tuple[object, int]]:
         """(actor, requests it holds) of each worker, in slot order (the benchmark kills one)."""
@@ -460,13 +453,11 @@ class FeaturePool:
             left = max(since, slot.answered_at) + limit - time.monotonic()
             if left <= 0:
                 raise NoAnswer(setting, limit)
+            done, _ = await asyncio.wait([answer], timeout=left)  # waits on, never cancels
+            if not done:
+                continue  # the worker may have answered another request meanwhile
             try:
-                try:
-                    result = await asyncio.wait_for(asyncio.shield(answer), left)
-                except TimeoutError:
-                    if not answer.done():
-                        continue  # the worker may have answered another request meanwhile
-                    result = answer.result()  # answered just now, or its own error is a TimeoutError: raised here
+                result = answer.result()
             except ActorUnavailableError:
                 self.counts["unavailable"] += 1
                 await asyncio.sleep(min(UNAVAILABLE_RETRY_S, left))
