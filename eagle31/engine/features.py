@@ -121,27 +121,20 @@ class EngineFeatures:
         return out
 
 
+@dataclass
 class FeatureEngine:
-    """One rank's handle on the pool; `transport`: how the training stream's features arrive (None: Ray's store)."""
+    """One rank's handle on the pool."""
 
-    def __init__(
-        self,
-        pool,
-        rank: int,
-        data_rank: int,
-        data_size: int,
-        trainers: int,
-        target_config: dict,
-        aux_ids,
-        dtype: str,
-        transport=None,
-    ):
-        self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
-        self.hidden_size = target_shape(target_config)[1]
-        self.aux_size = len(aux_ids) * self.hidden_size
-        self.dtype = getattr(torch, dtype)
-        self.transport = transport or ObjectStoreTransport()
-        self._last: dict | None = None
+    pool: Any  # the FeaturePool actor
+    rank: int
+    data_rank: int
+    data_size: int
+    trainers: int
+    hidden_size: int
+    aux_size: int
+    dtype: torch.dtype
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how the training stream arrives
+    _last: dict | None = field(default=None, init=False)  # the pool's stats at the last `metrics()`
 
     def sources(self, splits: dict) -> dict[str, EngineFeatures]:
         """{split: EngineFeatures}: "train" streamed through the transport, the others asked through Ray's store."""
@@ -213,8 +206,8 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
             transport = run_transport(plan, store)
         stack.callback(transport.close)
-        ranks = (world.rank, data_rank, data_size, world.world_size)
-        yield FeatureEngine(pool, *ranks, plan.target_config, aux_ids, cfg.target.dtype, transport)
+        ranks, hidden = (world.rank, data_rank, data_size, world.world_size), target_shape(plan.target_config)[1]
+        yield FeatureEngine(pool, *ranks, hidden, len(aux_ids) * hidden, getattr(torch, cfg.target.dtype), transport)
 
 
 @contextmanager
