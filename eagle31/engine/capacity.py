@@ -1,7 +1,4 @@
-"""How many inference workers keep the trainers busy (the dry run of `features.mode=engine`).
-
-Measured from an engine run's metrics.jsonl, or estimated from FLOPs per token (docs/engine.md says how).
-"""
+"""How many inference workers keep the trainers busy: measured from an engine run, or estimated from FLOPs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Ray for the engine: imported only when asked for (one line when it is missing), joined or started, left.
-
-A run joins `features.engine.address`, or rank 0 starts a new cluster on its node lent only the GPUs its
-trainers leave (docs/engine.md, GPUs on the trainers' node).
-"""
+"""Ray for the engine: imported only when asked for, joined or started on the trainers' node, left."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ def import_ray():
 
 
 def init_ray(ray, **kwargs) -> None:
-    """`ray.init(**kwargs)` that keeps this process's SIGTERM handler: Ray's (exit at once, never undone) would skip
-    the preemption checkpoint, in this run and every later one in the process."""
+    """`ray.init(**kwargs)` that keeps this process's SIGTERM handler (Ray's would skip the preemption checkpoint)."""
     main = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main else None
     try:
@@ -60,8 +55,7 @@ def actor_runtime_env() -> dict:
 
 
 def lendable_gpus(visible: str | None, count: int, trainer_gpus: int) -> list[str]:
-    """This node's GPU ids that Ray may lend workers: those visible (`visible`: CUDA_VISIBLE_DEVICES; None: all
-    `count`) after the first `trainer_gpus`, which the trainers here use."""
+    """The GPU ids visible here (CUDA_VISIBLE_DEVICES; None: all `count`) after the trainers' first `trainer_gpus`."""
     ids = [str(i) for i in range(count)] if visible is None else [i.strip() for i in visible.split(",") if i.strip()]
     return ids[trainer_gpus:]
 
@@ -98,9 +92,7 @@ class RaySession(NamedTuple):
 def ray_session(
     address: str | None, num_cpus: int | None, auth_mode: str | None = None, gpus: list[str] | None = None
 ) -> Iterator[RaySession]:
-    """Join the cluster at `address`, or start one here with `num_cpus` CPUs (None: all) and the GPU ids `gpus`.
-    `auth_mode`: the cluster's token authentication, without which a process joining by address sends no token. A
-    process already connected to Ray (a test's cluster) stays connected."""
+    """Join the cluster at `address` (with its `auth_mode`), or start one here with `num_cpus` CPUs and GPUs `gpus`."""
     gpus = gpus or []
     if auth_mode and AUTH_MODE not in os.environ:
         os.environ[AUTH_MODE] = auth_mode  # read by Ray when it is imported, so before that

@@ -1,17 +1,14 @@
-"""The engine as the trainer ranks see it: `open_engine` starts it (rank 0: Ray, the Mooncake master, the pool and
-its workers), `FeatureEngine` starts the stream and reads its metrics, `EngineFeatures` is one split's FeatureSource.
-
-A rank waits for the pool only while it makes progress: it reads the pool's state every `POLL_S`.
-"""
+"""The engine as the trainers see it: `open_engine` starts it, `FeatureEngine` streams, `EngineFeatures` is a source."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +28,7 @@ from eagle31.engine.cluster import (
 )
 from eagle31.engine.transport import (
     FeatureLayout,
+    FeatureTransport,
     MooncakeAddress,
     MooncakeTransport,
     ObjectStoreTransport,
@@ -82,26 +80,22 @@ def _await_pool(pool, ref, rank: int, what: str):
             raise EngineError(f"rank {rank} waited for {what}, and {stalled}, {allowed}: {state['line']}; {KEPT}")
 
 
+@dataclass
 class EngineFeatures:
-    """A `FeatureSource` computed by the pool's workers: the training stream (`stream`) or held-out asks; `metrics`:
-    the `engine/*` metrics the trainer logs with this source's; `transport`: how features arrive (None: Ray's store)."""
+    """A `FeatureSource` computed by the pool's workers: the training stream (`stream`) or held-out asks."""
 
-    def __init__(
-        self,
-        pool,
-        dataset,
-        rank: int,
-        stream: bool,
-        hidden_size: int,
-        aux_size: int,
-        dtype: torch.dtype,
-        metrics=None,
-        transport=None,
-    ):
-        self.pool, self.dataset, self.rank, self.stream, self.metrics = pool, dataset, rank, stream, metrics
-        self.hidden_size, self.aux_size, self.dtype = hidden_size, aux_size, dtype
-        self.transport = transport or ObjectStoreTransport()
-        self.lengths = prepared_lengths(dataset)
+    pool: Any  # the FeaturePool actor
+    dataset: Any  # the prepared split
+    rank: int
+    stream: bool
+    hidden_size: int
+    aux_size: int
+    dtype: torch.dtype
+    metrics: Callable[[], dict[str, float]] | None = None  # the `engine/*` metrics the trainer logs with this source's
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how the features arrive
+
+    def __post_init__(self):
+        self.lengths = prepared_lengths(self.dataset)
         self.sample_ids = np.arange(len(self.lengths))  # rows of the split, as the pool plans them
 
     def samples(self, ids: Sequence[int]) -> list[Sample]:
@@ -115,12 +109,10 @@ class EngineFeatures:
         layouts = [FeatureLayout(tuple(int(self.lengths[ids[p]]) for p in positions), *shape) for positions, _ in reply]
         computed = self.transport.receive(handles, layouts, _get)  # per request: [(aux [T, n*Ht], final [T, Ht])]
         self.transport.consumed(self.pool, handles)
-        feats: list = [None] * len(ids)
-        for (positions, _), part in zip(reply, computed):
-            for p, f in zip(positions, part):
-                feats[p] = f
+        feats = {p: f for (positions, _), part in zip(reply, computed) for p, f in zip(positions, part)}  # by position
         out = []
-        for i, row, (aux, final) in zip(ids, prepared_rows(self.dataset, ids), feats):  # row: TOKEN_COLUMNS, ids first
+        for p, (i, row) in enumerate(zip(ids, prepared_rows(self.dataset, ids))):  # row: TOKEN_COLUMNS, ids first
+            aux, final = feats[p]
             T = len(row[0])
             if aux.shape[0] != T or final.shape[0] != T:
                 raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {T}")
@@ -129,31 +121,23 @@ class EngineFeatures:
         return out
 
 
+@dataclass
 class FeatureEngine:
-    """One rank's handle on the pool; `transport`: how the training stream's features arrive (None: Ray's store)."""
+    """One rank's handle on the pool."""
 
-    def __init__(
-        self,
-        pool,
-        rank: int,
-        data_rank: int,
-        data_size: int,
-        trainers: int,
-        target_config: dict,
-        aux_ids,
-        dtype: str,
-        transport=None,
-    ):
-        self.pool, self.rank, self.data_rank, self.data_size, self.trainers = pool, rank, data_rank, data_size, trainers
-        self.hidden_size = target_shape(target_config)[1]
-        self.aux_size = len(aux_ids) * self.hidden_size
-        self.dtype = getattr(torch, dtype)
-        self.transport = transport or ObjectStoreTransport()
-        self._last: dict | None = None
+    pool: Any  # the FeaturePool actor
+    rank: int
+    data_rank: int
+    data_size: int
+    trainers: int
+    hidden_size: int
+    aux_size: int
+    dtype: torch.dtype
+    transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how the training stream arrives
+    _last: dict | None = field(default=None, init=False)  # the pool's stats at the last `metrics()`
 
     def sources(self, splits: dict) -> dict[str, EngineFeatures]:
-        """{split: EngineFeatures}: "train" streamed in the loader's order through the transport, the others asked
-        batch by batch through Ray's store."""
+        """{split: EngineFeatures}: "train" streamed through the transport, the others asked through Ray's store."""
         shape, sources = (self.hidden_size, self.aux_size, self.dtype), {}
         for name, ds in splits.items():
             stream = (self.metrics, self.transport) if name == "train" else ()
@@ -161,8 +145,7 @@ class FeatureEngine:
         return sources
 
     def start(self, loader) -> None:
-        """Send the training stream from where `loader` (the rank's training FeatureLoader) resumes, once every
-        worker has loaded the target; a worker that cannot is one `EngineError` line."""
+        """Start the stream where the rank's training `loader` resumes, once every worker has loaded the target."""
         if loader.world_size != self.data_size:
             raise ValueError(
                 f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
@@ -223,8 +206,8 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
             transport = run_transport(plan, store)
         stack.callback(transport.close)
-        ranks = (world.rank, data_rank, data_size, world.world_size)
-        yield FeatureEngine(pool, *ranks, plan.target_config, aux_ids, cfg.target.dtype, transport)
+        ranks, hidden = (world.rank, data_rank, data_size, world.world_size), target_shape(plan.target_config)[1]
+        yield FeatureEngine(pool, *ranks, hidden, len(aux_ids) * hidden, getattr(torch, cfg.target.dtype), transport)
 
 
 @contextmanager
@@ -298,9 +281,7 @@ def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = No
 
     ray = import_ray()
     env = actor_runtime_env()
-    settings = dataclasses.replace(
-        settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0}
-    )
+    settings = replace(settings, worker_options={**settings.worker_options, "runtime_env": env, "max_restarts": 0})
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     named = {"name": name, "namespace": NAMESPACE} if name else {}
     actor = ray.remote(FeaturePool).options(num_cpus=0, runtime_env=env, scheduling_strategy=here, **named)

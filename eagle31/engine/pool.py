@@ -1,8 +1,4 @@
-"""The feature pool: one Ray actor that plans the trainers' micro-batches, sends them to the inference workers in
-the loaders' order within `pool_tokens`, replaces workers that die or hang, and hands each rank its features.
-
-docs/engine.md says what it guarantees (order, backpressure, restarts, one-line failures, transports).
-"""
+"""The feature pool: a Ray actor that feeds the workers the loaders' micro-batches and hands each rank its features."""
 
 from __future__ import annotations
 
@@ -46,13 +42,8 @@ class PoolSettings:
     inflight_per_worker: int = 2  # a worker's next request is queued behind the one it computes
     transport: FeatureTransport = field(default_factory=ObjectStoreTransport)  # how training features travel
 
-    @property
-    def stall_limit_s(self) -> float:
-        """The longest the pool can go without progress while it works: its longest timeout, and a margin."""
-        return max(self.request_timeout_s, self.load_timeout_s, self.placement_timeout_s) + STALL_MARGIN_S
 
-
-STALL_MARGIN_S = 60.0
+STALL_MARGIN_S = 60.0  # beyond the longest timeout: the most a working pool goes without progress
 UNAVAILABLE_RETRY_S = 1.0  # the wait before a call Ray found its actor unreachable for is sent again
 
 
@@ -64,9 +55,10 @@ def spawn_worker(settings: PoolSettings, kind: type, spec: WorkerSpec):
 class WorkerActor:
     """The Ray actor around an `InferenceWorker`: placed first, loaded when the pool asks."""
 
+    worker: InferenceWorker  # from load()
+
     def __init__(self, kind: type, spec: WorkerSpec, transport):
         self.kind, self.spec, self.transport = kind, spec, transport
-        self.worker: InferenceWorker | None = None
 
     def placed(self) -> None:
         """Answers as soon as Ray has placed the actor and started its process."""
@@ -76,23 +68,21 @@ class WorkerActor:
         self.worker = self.kind(self.spec)
 
     def describe(self) -> WorkerInfo:
-        assert self.worker is not None, "load() first"
         return self.worker.describe()
 
     def compute(self, token_rows: list[list[int]], key: str | None):
         """(record, features); `key` None: through Ray's store whatever the transport (held-out asks)."""
-        assert self.worker is not None, "load() first"
         start = time.perf_counter()
         feats = self.worker.features(token_rows)
         sent = feats if key is None else self.transport.send(key, feats)
         return {"seconds": time.perf_counter() - start}, sent
 
 
-@dataclass
+@dataclass(order=True)
 class Request:
-    """One target forward's samples: a group of a micro-batch, or of a held-out ask."""
+    """One target forward's samples: a group of a micro-batch, or of a held-out ask (in the queue's order)."""
 
-    order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training: the queue's order
+    order: tuple  # (0, ask, group) held-out, (1, epoch, batch, group) training
     split: str
     ids: list[int]  # sample ids, in the forward's row order
     owner: tuple  # the key of its Part in `FeaturePool.parts`
@@ -133,10 +123,6 @@ class Slot:
     inflight: dict[int, Request] = field(default_factory=dict)
     samples: int = 0
     busy_s: float = 0.0
-
-    @property
-    def ready(self) -> bool:
-        return self.phase == "ready"
 
 
 class Computation:
@@ -179,11 +165,8 @@ def _resources(amounts: dict) -> str:
 class FeaturePool:
     """The pool (a Ray actor: `FeaturePool.remote(...)`, async methods)."""
 
-    def __init__(
-        self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list | None = None
-    ):
-        """kind: the InferenceWorker class; expected: `eagle31.engine.worker.expected_info`; workers: the first workers'
-        actors (default: started here)."""
+    def __init__(self, settings: PoolSettings, kind: type, spec: WorkerSpec, expected: dict, workers: list):
+        """kind: an InferenceWorker class; expected: `worker.expected_info`; workers: the first workers' actors."""
         from eagle31.data.prepare import load_prepared_splits
         from eagle31.data.store import prepared_lengths
 
@@ -191,13 +174,12 @@ class FeaturePool:
         self.splits = load_prepared_splits(Path(settings.prepared_dir))
         self.lengths = {name: prepared_lengths(ds) for name, ds in self.splits.items()}
         self.booted = False
-        workers = workers or [spawn_worker(settings, kind, spec) for _ in range(settings.workers)]
         self.slots = [Slot(i, handle) for i, handle in enumerate(workers)]
         self.changed = asyncio.Condition()
         self.tasks: set[asyncio.Task] = set()  # the pool's own tasks, kept until they end (asyncio holds them weakly)
         self.error: str | None = None
         self.progress_at = time.monotonic()  # the last answer, worker started or micro-batch taken
-        self.queues: dict[str, list] = {"eval": [], "train": []}  # heaps of (order, Request)
+        self.queues: dict[str, list[Request]] = {"eval": [], "train": []}  # heaps
         self.parts: dict[tuple, Part] = {}
         self.asks = itertools.count()
         self.sequence = itertools.count()
@@ -217,7 +199,7 @@ class FeaturePool:
     async def ready(self) -> str | None:
         """Wait until every worker has started and described itself; the pool's error, or None."""
         self._boot()
-        await self._wait(lambda: all(s.ready for s in self.slots))
+        await self._wait(lambda: all(s.phase == "ready" for s in self.slots))
         return self.error
 
     async def start(self, rank: int, data_rank: int, epoch: int, position: int) -> str | None:
@@ -309,10 +291,12 @@ class FeaturePool:
             + (f" holding {len(s.inflight)} request(s)" if s.inflight else "")
             for s in self.slots
         )
-        queued = sum(not r.done for queue in self.queues.values() for _, r in queue)
+        queued = sum(not r.done for queue in self.queues.values() for r in queue)
         held = f"{self.held} tokens held of features.engine.pool_tokens={self.settings.pool_tokens}"
         line = f"{workers}; {queued} request(s) queued; {held}"
-        return {"stalled_s": now - self.progress_at, "limit_s": self.settings.stall_limit_s, "line": line}
+        s = self.settings
+        limit = max(s.request_timeout_s, s.load_timeout_s, s.placement_timeout_s) + STALL_MARGIN_S
+        return {"stalled_s": now - self.progress_at, "limit_s": limit, "line": line}
 
     def workers(self) -> list[tuple[object, int]]:
         """(actor, requests it holds) of each worker, in slot order (the benchmark kills one)."""
@@ -354,29 +338,22 @@ class FeaturePool:
         groups = bucket_by_length(lengths.tolist(), self.settings.capture_batch_tokens)
         part = self.parts[key] = Part(groups, int(lengths.sum()))
         for j, group in enumerate(groups):
-            self._queue(Request((*order, j), split, [ids[p] for p in group], key, j))
+            heapq.heappush(self.queues[split], Request((*order, j), split, [ids[p] for p in group], key, j))
         return part
-
-    def _plan_next_batch(self) -> None:
-        assert self.next_batch is not None
-        epoch, g = self.next_batch
-        self._plan_part(("train", epoch, g), "train", self._batch_ids(epoch, g), (1, epoch, g))
-        self.next_batch = self._in_plan(epoch, g + 1, first=0)
-
-    def _queue(self, request: Request) -> None:
-        heapq.heappush(self.queues[request.split], (request.order, request))
 
     def _next_request(self) -> Request | None:
         """The next request to send, held-out asks first; a training one only within pool_tokens."""
         for split in ("eval", "train"):
             queue = self.queues[split]
-            while queue and queue[0][1].done:
+            while queue and queue[0].done:
                 heapq.heappop(queue)
             if split == "train" and not queue and self.next_batch is not None:
-                self._plan_next_batch()
+                epoch, g = self.next_batch
+                self._plan_part(("train", epoch, g), "train", self._batch_ids(epoch, g), (1, epoch, g))
+                self.next_batch = self._in_plan(epoch, g + 1, first=0)
             if not queue:
                 continue
-            request = queue[0][1]
+            request = queue[0]
             part = self.parts[request.owner] if split == "train" else None
             if part is not None and not part.admitted:  # admitted whole: a trainer takes it whole
                 if self.held and self.held + part.tokens > self.settings.pool_tokens:
@@ -476,13 +453,11 @@ class FeaturePool:
             left = max(since, slot.answered_at) + limit - time.monotonic()
             if left <= 0:
                 raise NoAnswer(setting, limit)
+            done, _ = await asyncio.wait([answer], timeout=left)  # waits on, never cancels
+            if not done:
+                continue  # the worker may have answered another request meanwhile
             try:
-                try:
-                    result = await asyncio.wait_for(asyncio.shield(answer), left)
-                except TimeoutError:
-                    if not answer.done():
-                        continue  # the worker may have answered another request meanwhile
-                    result = answer.result()  # answered just now, or its own error is a TimeoutError: raised here
+                result = answer.result()
             except ActorUnavailableError:
                 self.counts["unavailable"] += 1
                 await asyncio.sleep(min(UNAVAILABLE_RETRY_S, left))
@@ -494,7 +469,7 @@ class FeaturePool:
     def _pump(self) -> None:
         """Send requests while a worker has room and one is due."""
         while self.error is None:
-            free = [s for s in self.slots if s.ready and len(s.inflight) < self.settings.inflight_per_worker]
+            free = [s for s in self.slots if s.phase == "ready" and len(s.inflight) < self.settings.inflight_per_worker]
             if not free:
                 return
             request = self._next_request()
@@ -521,13 +496,10 @@ class FeaturePool:
             slot.inflight.pop(seq, None)
             if not request.done:
                 request.done = True
-                part, transport = self.parts[request.owner], self.settings.transport
-                if call.key is None:  # through Ray's store
-                    part.refs[request.group] = call.features
-                else:
-                    part.refs[request.group] = transport.handle(call.key, call.features)
-                    if transport.holds_until_consumed:
-                        self.stored[call.key] = part
+                part, stored = self.parts[request.owner], call.key and self.settings.transport.holds_until_consumed
+                part.refs[request.group] = call.key if stored else call.features  # the store's key, or Ray's ref
+                if stored:
+                    self.stored[call.key] = part
                 self.counts["produced_samples"] += len(request.ids)
                 slot.samples += len(request.ids)
                 slot.busy_s += done["seconds"]
@@ -543,7 +515,7 @@ class FeaturePool:
         written = []  # keys it may have written features under before it died
         for seq, request in slot.inflight.items():
             if not request.done:
-                self._queue(request)
+                heapq.heappush(self.queues[request.split], request)
                 self.counts["requeued"] += len(request.ids)
                 if (key := self._key(request, seq)) is not None:
                     written.append(key)

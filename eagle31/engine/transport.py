@@ -1,7 +1,4 @@
-"""How the features travel from the inference workers to the trainer ranks (`features.engine.transport`): Ray's
-object store, or a Mooncake store whose memory is the pool's (its master, clients and keys). Mooncake is imported
-only for transport=mooncake; docs/engine.md says how each works.
-"""
+"""How features travel from the workers to the trainers: Ray's object store, or a Mooncake store (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -58,9 +56,7 @@ def import_store():
     try:
         return importlib.import_module("mooncake.store")
     except ImportError as e:
-        if "libibverbs" in str(e):
-            raise ConfigError(IBVERBS_MISSING) from None
-        raise ConfigError(MOONCAKE_MISSING) from None
+        raise ConfigError(IBVERBS_MISSING if "libibverbs" in str(e) else MOONCAKE_MISSING) from None
 
 
 def check_transport(e) -> None:
@@ -139,12 +135,6 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
-def _die_with_parent() -> None:
-    """In the master's process before it starts: the kernel ends it when the process that started it dies."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @contextmanager
 def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterator[MooncakeAddress]:
     """A `mooncake_master` on this node, on free ports, with its HTTP metadata server, reached at `host` (this node's
@@ -153,11 +143,12 @@ def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterato
     ports = f"--rpc_port={rpc} --http_metadata_server_port={http} --metrics_port={metrics}".split()
     # a long lease: reads never race one (removal is forced anyway)
     args = [str(master_binary()), *ports, "--enable_http_metadata_server=true", "--default_kv_lease_ttl=600000"]
+    die_with_parent = partial(ctypes.CDLL("libc.so.6").prctl, 1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, in the child
     with tempfile.TemporaryDirectory(prefix="eagle31-mooncake-") as tmp:
         log_path = Path(tmp) / "mooncake_master.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
             )
         named = f"the Mooncake master rank 0 started at {host}:{rpc}"
         address = MooncakeAddress(f"{host}:{rpc}", f"http://{host}:{http}/metadata", protocol, rdma_devices, named)
@@ -192,13 +183,6 @@ def _wait_listening(process: subprocess.Popen, ports: list[int], log_path: Path)
 
 
 # ---------------------------------------------------------------------------- one process's client
-
-
-def _node_address() -> str:
-    """This process's node address, as Ray (and so the other nodes) know it."""
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 class MooncakeClient:
@@ -297,12 +281,8 @@ class ObjectStoreTransport:
     holds_until_consumed = False  # the pool's budget counts a micro-batch until its last rank has taken it
 
     def send(self, key: str, features: list) -> list:
-        """In the worker: what its computation returns beside its record (Ray stores it)."""
+        """In the worker: what its computation returns beside its record (Ray stores it, the ranks get its ref)."""
         return features
-
-    def handle(self, key: str, features_ref):
-        """In the pool: what the rank that takes the request's features gets."""
-        return features_ref
 
     def receive(self, handles: list, layouts: list[FeatureLayout], get) -> list:
         """In a rank: the features of each handle's request; `get` reads Ray objects (`eagle31.engine.features`)."""
@@ -339,7 +319,11 @@ class MooncakeTransport:
 
     def _client(self, segment_bytes: int = 0) -> MooncakeClient:
         if self.client is None:
-            self.client = MooncakeClient(self.address, _node_address(), segment_bytes)
+            import ray
+
+            self.client = MooncakeClient(
+                self.address, ray.util.get_node_ip_address(), segment_bytes
+            )  # as nodes know it
         return self.client
 
     def open_pool(self) -> None:
@@ -350,10 +334,8 @@ class MooncakeTransport:
         self._client()
 
     def send(self, key: str, features: list) -> None:
+        """The ranks get the key."""
         self._client().put(key, [t.contiguous() for pair in features for t in pair])
-
-    def handle(self, key: str, features_ref) -> str:
-        return key
 
     def receive(self, handles: list, layouts: list[FeatureLayout], get) -> list:
         features = [layout.empty() for layout in layouts]

@@ -1,7 +1,4 @@
-"""The KV connector vLLM's `extract_hidden_states` hands its captures to: one safetensors file per finished request
-(docs/engine.md, vLLM as the engine). Loaded by vLLM itself (`eagle31.engine.vllm_engine` names it), never by the rest
-of eagle31.
-"""
+"""The KV connector that writes `extract_hidden_states`' captures to files; loaded by vLLM only (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -158,7 +155,3 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         if not 0 <= self.group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self.group])
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None

@@ -1,8 +1,4 @@
-"""The target's features computed by a vLLM engine: `extract_hidden_states` with our connector
-(`eagle31.engine.vllm_connector`), one file per row in memory, `final` normed here (docs/engine.md, vLLM as the engine).
-
-Imports vLLM when built, not when imported: the rest of eagle31 never needs it.
-"""
+"""The target's features from a vLLM engine: `extract_hidden_states` with our connector; vLLM imported when built."""
 
 from __future__ import annotations
 
@@ -32,6 +28,7 @@ LAYER_IDS_KEY = "layer_ids"  # the metadata entry of a hidden-states file naming
 SHM_SHARE = 0.9  # of the space free where the files go, what the files of one part may take
 MIN_VLLM = (0, 22)  # the first release eagle31 serves; `extract_hidden_states` is there from it on
 FINAL_NORM_NAMES = ("model.norm.weight", "norm.weight")
+WAIT_S = 120.0  # the longest the engine may take to write a finished request's file
 
 
 def installed_vllm() -> str | None:
@@ -69,12 +66,6 @@ def check_vllm(connector: tuple[str, str] = CONNECTOR) -> str:
     if not found:
         raise ConfigError(f"the hidden-states connector {name} is not in {module}")
     return installed
-
-
-def memory_dir() -> str:
-    """A fresh directory in memory where the system has one (/dev/shm), else in the temporary directory."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="eagle31-hidden-states-", dir=base)
 
 
 def _size(n: float) -> str:
@@ -122,8 +113,7 @@ def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
 
 
 class VLLMFeatures:
-    """A vLLM engine on the target whose answers are the target's features; `engine_args`: the caller's, beside the
-    capture's own. kv_cache_bytes: the engine's cache (None: vLLM's default share, on CPU most of the RAM)."""
+    """A vLLM engine on the target whose answers are the target's features; `engine_args`: the caller's, beside ours."""
 
     def __init__(
         self,
@@ -134,10 +124,7 @@ class VLLMFeatures:
         max_prompt_len: int,
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
-        enforce_eager: bool = True,
-        kv_cache_bytes: int | None = None,
         connector: tuple[str, str] = CONNECTOR,
-        wait_s: float = 120.0,
         engine_args: dict | None = None,
     ):
         self.version = check_vllm(connector)
@@ -148,8 +135,8 @@ class VLLMFeatures:
             raise ConfigError(f"aux layer ids {list(ids)} must be increasing, in [0, {self.num_layers})")
         self.dtype = getattr(torch, dtype)
         self.norm = final_norm(self.target_dir, self.dtype)
-        self.wait_s = wait_s
-        self.directory = memory_dir()
+        in_memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # else the temporary directory
+        self.directory = tempfile.mkdtemp(prefix="eagle31-hidden-states-", dir=in_memory)
         weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
         self.row_bytes = (len(self.aux_layer_ids) + 1) * self.hidden_size * self.dtype.itemsize  # per token
         check_room(self.directory, self.row_bytes, max_prompt_len)
@@ -177,12 +164,9 @@ class VLLMFeatures:
             leave = "leave them out of features.engine.vllm_args"
             raise ConfigError(f"vLLM engine arguments {taken} are eagle31's to set for the capture; {leave}")
         settings = {"trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size}
-        settings["enforce_eager"] = enforce_eager
-        if kv_cache_bytes is not None:
-            settings["kv_cache_memory_bytes"] = kv_cache_bytes
         from vllm import LLM
 
-        self.llm = LLM(**{**settings, **(engine_args or {}), **capture})
+        self.llm = LLM(**{**settings, "enforce_eager": True, **(engine_args or {}), **capture})
 
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype."""
@@ -222,11 +206,11 @@ class VLLMFeatures:
             raise RuntimeError(
                 f"vLLM request {output.request_id} came back without hidden states (kv_transfer_params={params})"
             )
-        deadline = time.monotonic() + self.wait_s
+        deadline = time.monotonic() + WAIT_S
         while not os.path.exists(path):  # the engine writes it a step after the request finishes
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"vLLM wrote no hidden states for request {output.request_id} within {self.wait_s:.0f} s ({path})"
+                    f"vLLM wrote no hidden states for request {output.request_id} within {WAIT_S:.0f} s ({path})"
                 )
             time.sleep(0.002)
         answer = read_hidden_states(path)

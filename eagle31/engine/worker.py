@@ -1,9 +1,4 @@
-"""Inference workers: what computes the target's features in `features.mode=engine` and data_prep/capture.py.
-
-A worker describes what it computes, read off the engine as it runs (never copied from its spec), and computes the
-features of rows of token ids: the HF target as `features.mode=online` does, or a vLLM engine. Another engine is one
-more class with these two methods and a line in `WORKERS`.
-"""
+"""Inference workers: the HF target or a vLLM engine, which compute the target's features and say what they compute."""
 
 from __future__ import annotations
 

@@ -126,8 +126,8 @@ def make_pool(
 
 
 def rank_engine(pool, rank=0, data_rank=0, data_size=1, trainers=1, transport=None):
-    return FeatureEngine(pool, rank, data_rank, data_size, trainers, {"num_hidden_layers": 6, "hidden_size": 32}, AUX,
-                         "float32", transport)  # fmt: skip
+    return FeatureEngine(pool, rank, data_rank, data_size, trainers, 32, len(AUX) * 32, torch.float32,
+                         transport or ObjectStoreTransport())  # fmt: skip
 
 
 def make_engine(target_dir, prepared, **kwargs):
