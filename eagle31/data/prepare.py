@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from itertools import islice
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -141,26 +142,22 @@ class TemplateEncoders:
 
     def __init__(self, tokenizer: Any, variants: list[dict[str, Any]], last_turn_only: bool):
         self.tokenizer, self.last_turn_only = tokenizer, last_turn_only
-        self.variants = [self._encoder(kwargs) for kwargs in variants]
-        self._recorded: dict[str, ChatEncoder] = {}
+        self.encoders: dict[str, ChatEncoder] = {}
+        self.variants = [self._encoder(kwargs, "data.chat_template_variants") for kwargs in variants]
 
-    def _encoder(self, kwargs: dict[str, Any], name: str = "data.chat_template_variants") -> ChatEncoder:
-        return ChatEncoder(
-            self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name)
-        )
+    def _encoder(self, kwargs: dict[str, Any], name: str) -> ChatEncoder:
+        key = json.dumps(kwargs, sort_keys=True)
+        if key not in self.encoders:
+            options = check_template_kwargs(kwargs, name)
+            self.encoders[key] = ChatEncoder(
+                self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=options
+            )
+        return self.encoders[key]
 
     def for_conversation(self, conv: Conversation, seed: int, index: int) -> ChatEncoder:
         if conv.chat_template_kwargs is not None:
-            key = json.dumps(conv.chat_template_kwargs, sort_keys=True)
-            if key not in self._recorded:
-                self._recorded[key] = self._encoder(conv.chat_template_kwargs, f"{conv.where}: chat_template_kwargs")
-            return self._recorded[key]
-        if len(self.variants) == 1:
-            return self.variants[0]
+            return self._encoder(conv.chat_template_kwargs, f"{conv.where}: chat_template_kwargs")
         return draw_for_conversation(self.variants, seed, index, "template-variant")
-
-    def all(self) -> list[ChatEncoder]:
-        return self.variants + list(self._recorded.values())
 
 
 def check_data_config(data_cfg: Any) -> list[str]:
@@ -246,7 +243,9 @@ def prepare_dataset(
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
             unrendered_reasoning={
-                **{k: sum(asdict(e.reasoning)[k] for e in encoders.all()) for k in asdict(ReasoningTally())},
+                **{
+                    k: sum(asdict(e.reasoning)[k] for e in encoders.encoders.values()) for k in asdict(ReasoningTally())
+                },
                 "why": UNRENDERED_WHY,
             },
             vocab_size=V,
@@ -254,16 +253,11 @@ def prepare_dataset(
             draft_vocab_size_requested=int(draft_vocab_size),
             draft_vocab_coverage=float(counts[t2d].sum() / max(int(counts.sum()), 1)),
             settings={
-                "max_len": data_cfg.max_len,
-                "merge_turns": data_cfg.merge_turns,
-                "overflow": data_cfg.overflow,
-                "last_turn_only": data_cfg.last_turn_only,
+                **{k: getattr(data_cfg, k) for k in ("max_len", "merge_turns", "overflow", "last_turn_only")},
                 "system_prompts": prompts,
                 "chat_template_kwargs": template_kwargs(data_cfg),
                 "chat_template_variants": variants if getattr(data_cfg, "chat_template_variants", None) else [],
-                "eval_fraction": data_cfg.eval_fraction,
-                "eval_max_samples": data_cfg.eval_max_samples,
-                "seed": data_cfg.seed,
+                **{k: getattr(data_cfg, k) for k in ("eval_fraction", "eval_max_samples", "seed")},
                 "tokenizer": tokenizer.name_or_path,
             },
         )
@@ -303,14 +297,13 @@ def load_prepared_splits(prepared_dir: Path) -> dict[str, Any]:
     """{"train": Dataset, "eval": Dataset (when prepared)} of a prepared directory."""
     import datasets
 
-    splits = {}
-    for name in ("train", "eval"):
-        path = prepared_dir / name
-        if name == "train" and not path.is_dir():
-            raise ConfigError(f"no prepared split at {path}; run data_prep/prepare.py first")
-        if path.is_dir():
-            splits[name] = datasets.load_from_disk(str(path))
-    return splits
+    if not (prepared_dir / "train").is_dir():
+        raise ConfigError(f"no prepared split at {prepared_dir / 'train'}; run data_prep/prepare.py first")
+    return {
+        name: datasets.load_from_disk(str(prepared_dir / name))
+        for name in ("train", "eval")
+        if (prepared_dir / name).is_dir()
+    }
 
 
 def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,16 +356,12 @@ def _write_arrow(samples: Iterable[dict[str, list[int]]], path: Path, batch: int
     import pyarrow as pa
 
     schema = pa.schema([(name, pa.list_(getattr(pa, column.arrow)())) for name, column in TOKEN_COLUMNS.items()])
-    n, rows = 0, []
+    n, rows = 0, iter(samples)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for sample in samples:
-            rows.append(sample)
-            if len(rows) == batch:
-                writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-                n, rows = n + len(rows), []
-        if rows:
-            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-    return n + len(rows)
+        for chunk in iter(lambda: list(islice(rows, batch)), []):
+            writer.write_batch(pa.RecordBatch.from_pylist(chunk, schema=schema))
+            n += len(chunk)
+    return n
 
 
 def _save_split(ds, path: Path) -> None:

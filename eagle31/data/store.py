@@ -284,7 +284,7 @@ class FeatureStore:
 
     def _index(self) -> None:
         """Read every shard's `sample_ids` and `offsets` (small) to map sample id -> (shard, rows)."""
-        ids, starts, ends, shards = [], [], [], []
+        parts = [(np.zeros(0, np.int64),) * 4]
         for s, record in enumerate(self._records):
             try:
                 with safe_open(self.root / record["file"], framework="pt") as f:
@@ -294,11 +294,8 @@ class FeatureStore:
             except Exception as e:  # a missing, truncated or garbled file
                 self._corrupt(record, f"cannot be read ({e})")
                 continue
-            ids.append(sample_ids.numpy())
-            starts.append(offsets[:-1].numpy())
-            ends.append(offsets[1:].numpy())
-            shards.append(np.full(len(sample_ids), s))
-        ids, starts, ends, shards = (np.concatenate(x or [np.zeros(0, np.int64)]) for x in (ids, starts, ends, shards))
+            parts.append((sample_ids.numpy(), offsets[:-1].numpy(), offsets[1:].numpy(), np.full(len(sample_ids), s)))
+        ids, starts, ends, shards = (np.concatenate(x) for x in zip(*parts, strict=True))
         order = np.argsort(ids, kind="stable")
         self.sample_ids = ids[order]
         if len(np.unique(self.sample_ids)) != len(self.sample_ids):
@@ -348,10 +345,10 @@ class FeatureStore:
                 return self._corrupt(record, f"sha256 {actual} != recorded {record['sha256']}")
             self._verified.add(name)
         if name not in self._open:
-            if len(self._open) >= _OPEN_SHARDS:
-                self._open.popitem(last=False)
             self._open[name] = safe_open(self.root / name, framework="pt")
         self._open.move_to_end(name)
+        if len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
         return self._open[name]
 
     def _corrupt(self, record: dict, reason: str) -> None:
