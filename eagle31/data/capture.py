@@ -48,7 +48,7 @@ def as_samples(
 ) -> list[Sample]:
     """One `Sample` per prepared row (its `TOKEN_COLUMNS`) and its (aux, final), on the device of the features."""
     return [
-        Sample(*(torch.tensor(values, dtype=torch.long, device=final.device) for values in row), aux=aux, final=final)
+        Sample._make([*(torch.tensor(values, dtype=torch.long, device=final.device) for values in row), aux, final])
         for row, (aux, final) in zip(rows, features, strict=True)
     ]
 

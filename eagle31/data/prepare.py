@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from itertools import islice
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.data.batch import TOKEN_COLUMNS
-from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
+from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
 from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, plain, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
@@ -106,7 +106,7 @@ class PrepareReport:
     def reasoning_warning(self) -> str | None:
         """One line when most reasoning tokens did not reach the data, else None."""
         r = self.unrendered_reasoning
-        if not r["tokens"] or 2 * r["unrendered_tokens"] <= r["tokens"]:
+        if 2 * r["unrendered_tokens"] <= r["tokens"]:  # none unrendered when there is none
             return None
         return f"most reasoning is not in the prepared data: {self._reasoning_counts()}"
 
@@ -232,6 +232,7 @@ def prepare_dataset(
         d2t, t2d = build_draft_vocab(counts, Vd)
         atomic_save_safetensors({"counts": counts}, tmp / "token_counts.safetensors", save_file)
         atomic_save_safetensors({"d2t": d2t, "t2d": t2d}, tmp / "vocab.safetensors", save_file)
+        reasoning = [asdict(e.reasoning) for e in encoders.encoders.values()]  # one tally per set of template options
         report = PrepareReport(
             prepared_dir=str(data_cfg.prepared_dir),
             sources=[str(Path(s).resolve()) for s in sources],
@@ -242,12 +243,7 @@ def prepare_dataset(
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
-            unrendered_reasoning={
-                **{
-                    k: sum(asdict(e.reasoning)[k] for e in encoders.encoders.values()) for k in asdict(ReasoningTally())
-                },
-                "why": UNRENDERED_WHY,
-            },
+            unrendered_reasoning={**{k: sum(r[k] for r in reasoning) for k in reasoning[0]}, "why": UNRENDERED_WHY},
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
@@ -262,8 +258,8 @@ def prepare_dataset(
             },
         )
         atomic_write_json(tmp / "report.json", report.to_dict())
-        if report.reasoning_warning():
-            log.warning("warning: %s", report.reasoning_warning())  # the CLIs show it, one line
+        if warning := report.reasoning_warning():
+            log.warning("warning: %s", warning)  # the CLIs show it, one line
         del train, held_out
         (tmp / "all.arrow").unlink()  # both splits were copied out of it
     return report

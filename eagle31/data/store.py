@@ -146,7 +146,11 @@ class StoreWriter:
                 "samples_sha256": digest,  # of the sample ids and lengths
             },
         }
-        self._create_or_check()
+        claim_output_dir(self.root, "feature-store")
+        if (self.root / MANIFEST).exists():
+            _check_fields(self.root / MANIFEST, self.manifest_head)
+        else:
+            atomic_write_json(self.root / MANIFEST, {**self.manifest_head, "shards": []})
 
     @classmethod
     def for_dataset(cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any,
@@ -158,14 +162,6 @@ class StoreWriter:
         )
         lengths = prepared_lengths(dataset)
         return cls(root, header, np.arange(len(lengths)), lengths, features.shard_max_tokens)
-
-    def _create_or_check(self) -> None:
-        claim_output_dir(self.root, "feature-store")
-        path = self.root / MANIFEST
-        if path.exists():
-            _check_fields(path, self.manifest_head)
-        else:
-            atomic_write_json(path, {**self.manifest_head, "shards": []})
 
     def pending(self, rank: int = 0, world_size: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """(shard index, sample ids) of this rank's shards that are not finished yet."""
@@ -284,7 +280,7 @@ class FeatureStore:
 
     def _index(self) -> None:
         """Read every shard's `sample_ids` and `offsets` (small) to map sample id -> (shard, rows)."""
-        parts = [(np.zeros(0, np.int64),) * 4]
+        parts: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]
         for s, record in enumerate(self._records):
             try:
                 with safe_open(self.root / record["file"], framework="pt") as f:

@@ -48,9 +48,7 @@ class HFBackend:
         config = self.model.config.get_text_config()
         self.context = int(getattr(config, "max_position_embeddings", 0) or self.tokenizer.model_max_length)
         eos = self.model.generation_config.eos_token_id
-        self.eos = {eos} if isinstance(eos, int) else set(eos or ())
-        if self.tokenizer.eos_token_id is not None:
-            self.eos.add(self.tokenizer.eos_token_id)
+        self.eos = {*([eos] if isinstance(eos, int) else eos or ()), self.tokenizer.eos_token_id} - {None}
         if not self.eos:
             raise ConfigError(f"target {target_dir}: no eos token id (generation_config or tokenizer)")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
@@ -255,10 +253,8 @@ def _error_message(error: urllib.error.HTTPError) -> str:
         raw = error.read().decode("utf-8", "replace")
     try:
         obj = json.loads(raw)
-        inner = obj.get("error", obj) if isinstance(obj, dict) else obj
-        text = inner.get("message") if isinstance(inner, dict) else None
-        if not isinstance(text, str):
-            text = inner if isinstance(inner, str) else raw
     except ValueError:
-        text = raw or str(error.reason)
-    return " ".join(text.split())[:500]
+        obj = None
+    inner = obj.get("error", obj) if isinstance(obj, dict) else obj
+    text = inner.get("message") if isinstance(inner, dict) else inner
+    return " ".join((text if isinstance(text, str) else raw or str(error.reason)).split())[:500]
