@@ -369,10 +369,8 @@ def _split(ds, data_cfg: Any):
     """(train, eval): a seeded held-out subset, both in input order."""
     n = len(ds)
     n_eval = min(math.ceil(n * data_cfg.eval_fraction), data_cfg.eval_max_samples, n - 1)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(data_cfg.seed)))
-    is_eval = torch.zeros(n, dtype=torch.bool)
-    is_eval[order[:n_eval]] = True
-    return ds.select((~is_eval).nonzero().squeeze(1).tolist()), ds.select(is_eval.nonzero().squeeze(1).tolist())
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(data_cfg.seed))).tolist()
+    return ds.select(sorted(order[n_eval:])), ds.select(sorted(order[:n_eval]))
 
 
 def _supervised_counts(ds, vocab_size: int) -> tuple[torch.Tensor, int]:

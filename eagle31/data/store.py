@@ -102,14 +102,8 @@ def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer
                            target_fingerprint: str) -> None:  # fmt: skip
     """Refuse the stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
     L, Ht = target_shape(target_config)
-    want = {
-        "target_name": target_name,
-        "target_revision": target_revision,
-        "target_fingerprint": target_fingerprint,
-        "num_layers": L,
-        "hidden_size": Ht,
-        "aux_layer_ids": [int(i) for i in aux_layer_ids],
-    }
+    header = StoreHeader(target_name, target_revision, L, Ht, tuple(aux_layer_ids), "float32", target_fingerprint)
+    want = {k: v for k, v in header.to_dict().items() if k != "dtype"}  # a store of any dtype
     for path in sorted(Path(store_dir).glob(f"*/{MANIFEST}")):
         _check_fields(path, want)
 

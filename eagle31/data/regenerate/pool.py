@@ -39,23 +39,20 @@ class _FirstRequestGate:
 
     def call(self, complete: Callable[..., Reply], *request) -> Reply:
         """`complete(*request)`: (messages, seed, template options)."""
-        if not self.open.is_set():
-            if self._first.acquire(blocking=False):  # this is the first request (the lock is never released)
-                self._check()
-                try:
-                    reply = complete(*request)
-                except BaseException:
-                    self.stop.set()  # the requests waiting here are not sent
-                    raise
-                self.open.set()
-                return reply
+        first = not self.open.is_set() and self._first.acquire(blocking=False)  # the lock is never released
+        if not first and not self.open.is_set():
             self.open.wait(self.wait_s)
-        self._check()
-        return complete(*request)
-
-    def _check(self) -> None:
         if self.stop.is_set():
             raise _Stopped()
+        if not first:
+            return complete(*request)
+        try:
+            reply = complete(*request)
+        except BaseException:
+            self.stop.set()  # the requests waiting here are not sent
+            raise
+        self.open.set()
+        return reply
 
 
 class _Stopped(Exception):
