@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -56,10 +56,8 @@ class FeatureBatch:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                cast = dtype if f.name in ("aux", "final") else None
-                value = value.to(device, dtype=cast, non_blocking=True)
-            moved[f.name] = value
-        return FeatureBatch(**moved)
+                moved[f.name] = value.to(device, dtype=dtype if f.name in ("aux", "final") else None, non_blocking=True)
+        return replace(self, **moved)
 
 
 def pack(samples: list[Sample]) -> FeatureBatch:
