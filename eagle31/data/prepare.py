@@ -210,9 +210,8 @@ def prepare_dataset(
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
-    conversations = read_conversations(sources, dropped)
-    merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
-    conversations = merger.merge(conversations) if merger is not None else conversations
+    merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed)  # merge_turns=1: each conversation alone, as read
+    conversations = merger.merge(read_conversations(sources, dropped))
     samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
     kept = (
         "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
@@ -236,8 +235,8 @@ def prepare_dataset(
         report = PrepareReport(
             prepared_dir=str(data_cfg.prepared_dir),
             sources=[str(Path(s).resolve()) for s in sources],
-            # every record read became (part of) a sample or was dropped
-            records=_records_read(len(train) + len(held_out), dropped, merger),
+            # records read, accepted or not: the conversations read and the records dropped before (not whole files)
+            records=merger.read + dropped.total() - dropped.total(FILE_REASONS) - dropped.total(_ENCODING_REASONS),
             samples={"train": len(train), "eval": len(held_out)},
             tokens={"train": train_tokens, "eval": eval_tokens},
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
@@ -308,14 +307,6 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
     vocab = load_file(str(prepared_dir / "vocab.safetensors"))
     return vocab["d2t"], vocab["t2d"]
-
-
-def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:
-    """Records read, accepted or not: the samples and drops, or (merged) the merger's inputs and the drops before it."""
-    unreadable = dropped.total() - dropped.total(FILE_REASONS)
-    if merger is None:
-        return samples + unreadable
-    return merger.read + unreadable - dropped.total(_ENCODING_REASONS)
 
 
 def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
