@@ -18,7 +18,6 @@ class _Shard:
     def __init__(self, index: int, conversations: list[Conversation]):
         self.index, self.conversations = index, conversations
         self.outcomes: list[Outcome | None] = [None] * len(conversations)
-        self.left = len(conversations)
         self.started: float | None = None
 
     def stats(self) -> tuple[list[dict], ShardStats]:
@@ -144,8 +143,7 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
                         failure = failure or future.exception()
                     continue
                 shard.outcomes[i] = future.result()
-                shard.left -= 1
-                if shard.left == 0:
+                if None not in shard.outcomes:
                     finished.append(shard)
             flush()
             if failure is not None:
