@@ -274,7 +274,7 @@ class FeatureStore:
 
     def _index(self) -> None:
         """Read every shard's `sample_ids` and `offsets` (small) to map sample id -> (shard, rows)."""
-        parts: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]
+        parts: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]  # (ids, starts, ends, shard) per shard
         for s, record in enumerate(self._records):
             try:
                 with safe_open(self.root / record["file"], framework="pt") as f:
