@@ -169,7 +169,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError("data.prepared_dir is empty")
     prepared = Path(data_cfg.prepared_dir).resolve()
     for source in sources:
-        if prepared == Path(source).resolve() or prepared in Path(source).resolve().parents:
+        if Path(source).resolve().is_relative_to(prepared):
             raise ConfigError(
                 f"data.prepared_dir {data_cfg.prepared_dir} holds data.source {source}: preparing would replace "
                 "that folder; choose a prepared_dir (or output_dir) outside your data"

@@ -164,11 +164,8 @@ class StoreWriter:
                 yield index, self.plan[index]
 
     def is_finished(self, index: int) -> bool:
-        record_path = self.root / _record_name(shard_name(index))
-        if not record_path.exists():
-            return False
-        data = self.root / shard_name(index)
-        return data.exists() and data.stat().st_size == _read_json(record_path)["bytes"]
+        record, data = self.root / _record_name(shard_name(index)), self.root / shard_name(index)
+        return record.exists() and data.exists() and data.stat().st_size == _read_json(record)["bytes"]
 
     def write_shard(self, index: int, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict:
         """Write shard `index` atomically, then its record; returns the record."""
@@ -308,8 +305,7 @@ class FeatureStore:
         pos = int(np.searchsorted(self.sample_ids, sample_id))
         if pos >= len(self.sample_ids) or self.sample_ids[pos] != sample_id:
             raise KeyError(f"sample {sample_id} is not in the store {self.root}")
-        record = self._records[self._shard[pos]]
-        f = self._handle(record)
+        f = self._handle(self._records[self._shard[pos]])
         if f is None:
             return None
         a, b = int(self._start[pos]), int(self._end[pos])
