@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,8 @@ class FeatureBatch:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                cast = dtype if f.name in ("aux", "final") else None
-                value = value.to(device, dtype=cast, non_blocking=True)
-            moved[f.name] = value
-        return FeatureBatch(**moved)
+                moved[f.name] = value.to(device, dtype=dtype if f.name in ("aux", "final") else None, non_blocking=True)
+        return replace(self, **moved)
 
 
 def pack(samples: list[Sample]) -> FeatureBatch:
@@ -66,10 +65,8 @@ def pack(samples: list[Sample]) -> FeatureBatch:
     lengths = torch.tensor([s.input_ids.shape[0] for s in samples], device=samples[0].input_ids.device)
     doc = torch.repeat_interleave(torch.arange(len(samples), device=lengths.device), lengths)
     return FeatureBatch(
-        **{name: torch.cat([getattr(s, name) for s in samples]).unsqueeze(0) for name in TOKEN_COLUMNS},
+        **{name: torch.cat([getattr(s, name) for s in samples]).unsqueeze(0) for name in Sample._fields},
         document_ids=doc.unsqueeze(0),
-        aux=torch.cat([s.aux for s in samples]).unsqueeze(0),
-        final=torch.cat([s.final for s in samples]).unsqueeze(0),
         num_tokens=int(lengths.sum()),
         num_samples=len(samples),
     )
@@ -77,24 +74,16 @@ def pack(samples: list[Sample]) -> FeatureBatch:
 
 def pad(samples: list[Sample]) -> FeatureBatch:
     """One sample per row, right-padded to the longest (columns with their `pad`, features 0, document id -1)."""
-    B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
-    first = samples[0]
-    out = FeatureBatch(
-        **{name: getattr(first, name).new_full((B, T), column.pad) for name, column in TOKEN_COLUMNS.items()},
-        document_ids=first.input_ids.new_full((B, T), -1),
-        aux=first.aux.new_zeros(B, T, first.aux.shape[-1]),
-        final=first.final.new_zeros(B, T, first.final.shape[-1]),
+    pads = {name: column.pad for name, column in TOKEN_COLUMNS.items()}
+    return FeatureBatch(
+        **{
+            name: pad_sequence([getattr(s, name) for s in samples], batch_first=True, padding_value=pads.get(name, 0))
+            for name in Sample._fields
+        },
+        document_ids=pad_sequence([torch.zeros_like(s.input_ids) for s in samples], batch_first=True, padding_value=-1),
         num_tokens=sum(s.input_ids.shape[0] for s in samples),
-        num_samples=B,
+        num_samples=len(samples),
     )
-    for b, s in enumerate(samples):
-        n = s.input_ids.shape[0]
-        for name in TOKEN_COLUMNS:
-            getattr(out, name)[b, :n] = getattr(s, name)
-        out.document_ids[b, :n] = 0
-        out.aux[b, :n] = s.aux
-        out.final[b, :n] = s.final
-    return out
 
 
 def empty_batch(aux_size: int, hidden_size: int, dtype: torch.dtype) -> FeatureBatch:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from eagle31.data.batch import TOKEN_COLUMNS, Sample, bucket_by_length
 from eagle31.data.store import StoreWriter
@@ -32,12 +33,9 @@ def target_forward(
     device = feats.model.get_input_embeddings().weight.device
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(token_rows)
     for group in bucket_by_length([len(ids) for ids in token_rows], batch_tokens):
-        T = max(len(token_rows[i]) for i in group)
-        input_ids = torch.zeros(len(group), T, dtype=torch.long)
-        attention_mask = torch.zeros(len(group), T, dtype=torch.long)
-        for b, i in enumerate(group):
-            input_ids[b, : len(token_rows[i])] = torch.tensor(token_rows[i])
-            attention_mask[b, : len(token_rows[i])] = 1
+        ids = [torch.tensor(token_rows[i], dtype=torch.long) for i in group]
+        input_ids = pad_sequence(ids, batch_first=True)  # [B, T]
+        attention_mask = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True)  # [B, T]
         aux, final = feats.capture(input_ids.to(device), attention_mask.to(device))
         for b, i in enumerate(group):
             n = len(token_rows[i])
@@ -49,14 +47,10 @@ def as_samples(
     rows: Sequence[tuple[list[int], ...]], features: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[Sample]:
     """One `Sample` per prepared row (its `TOKEN_COLUMNS`) and its (aux, final), on the device of the features."""
-    out = []
-    for row, (aux, final) in zip(rows, features, strict=True):
-        columns = {
-            name: torch.tensor(values, dtype=torch.long, device=final.device)
-            for name, values in zip(TOKEN_COLUMNS, row, strict=False)
-        }
-        out.append(Sample(**columns, aux=aux, final=final))
-    return out
+    return [
+        Sample._make([*(torch.tensor(values, dtype=torch.long, device=final.device) for values in row), aux, final])
+        for row, (aux, final) in zip(rows, features, strict=True)
+    ]
 
 
 def run_target(feats: TargetFeatures, rows: Sequence[tuple[list[int], ...]], batch_tokens: int) -> list[Sample]:

@@ -1,8 +1,4 @@
-"""Tokens and assistant loss masks from the target tokenizer's own chat template (docs/data.md, The loss mask).
-
-encoder = ChatEncoder(tokenizer, template_kwargs={"preserve_thinking": True})
-input_ids, loss_mask = encoder.encode(conversation)      # lists of equal length
-"""
+"""`ChatEncoder.encode`: input ids and loss mask from the target chat template (docs/data.md, The loss mask)."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from eagle31.data.sources import Conversation
+from eagle31.data.sources import BadInput, Conversation
 from eagle31.errors import ConfigError
 
 _MAX_SCAFFOLD = 64  # most tokens a template may add to an assistant turn when it is the final one
@@ -56,13 +52,8 @@ class ReasoningTally:
     unrendered_tokens: int = 0
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(BadInput, ValueError):
     """No reliable mask for one conversation; `reason` names the failure for reports."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class ChatEncoder:

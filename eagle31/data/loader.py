@@ -100,16 +100,13 @@ class FeatureLoader:
         src = self.source
         ids = [] if positions is None else src.sample_ids[positions].tolist()
         # a skipped corrupt shard drops its samples
-        pairs = [(i, s) for i, s in zip(ids, src.samples(ids) if ids else [], strict=False) if s is not None]
-        self._record([i for i, _ in pairs])
-        samples = [s for _, s in pairs]
+        kept = {i: s for i, s in zip(ids, src.samples(ids) if ids else [], strict=False) if s is not None}
+        chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(list(kept), np.int64).tobytes())
+        self.consumed = {"samples": self.consumed["samples"] + len(kept), "sha256": chain.hexdigest()}
+        samples = list(kept.values())
         if not samples:
             return empty_batch(src.aux_size, src.hidden_size, src.dtype)
         return pack(samples) if self.batching == "pack" else pad(samples)
-
-    def _record(self, ids: list[int]) -> None:
-        chain = hashlib.sha256(bytes.fromhex(self.consumed["sha256"]) + np.asarray(ids, dtype=np.int64).tobytes())
-        self.consumed = {"samples": self.consumed["samples"] + len(ids), "sha256": chain.hexdigest()}
 
     def state_dict(self) -> dict:
         return {

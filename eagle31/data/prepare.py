@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle31.data.batch import TOKEN_COLUMNS
-from eagle31.data.chat import ChatEncoder, ChatTemplateError, ReasoningTally, check_template_kwargs
+from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
 from eagle31.data.merge_turns import TurnMerger
 from eagle31.data.sources import FILE_REASONS, Conversation, DataError, Tally, plain, read_conversations, source_paths
 from eagle31.data.system_prompts import data_system_prompts, draw_for_conversation, draw_system_prompt
@@ -105,7 +106,7 @@ class PrepareReport:
     def reasoning_warning(self) -> str | None:
         """One line when most reasoning tokens did not reach the data, else None."""
         r = self.unrendered_reasoning
-        if not r["tokens"] or 2 * r["unrendered_tokens"] <= r["tokens"]:
+        if 2 * r["unrendered_tokens"] <= r["tokens"]:  # none unrendered when there is none
             return None
         return f"most reasoning is not in the prepared data: {self._reasoning_counts()}"
 
@@ -141,26 +142,22 @@ class TemplateEncoders:
 
     def __init__(self, tokenizer: Any, variants: list[dict[str, Any]], last_turn_only: bool):
         self.tokenizer, self.last_turn_only = tokenizer, last_turn_only
-        self.variants = [self._encoder(kwargs) for kwargs in variants]
-        self._recorded: dict[str, ChatEncoder] = {}
+        self.encoders: dict[str, ChatEncoder] = {}
+        self.variants = [self._encoder(kwargs, "data.chat_template_variants") for kwargs in variants]
 
-    def _encoder(self, kwargs: dict[str, Any], name: str = "data.chat_template_variants") -> ChatEncoder:
-        return ChatEncoder(
-            self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name)
-        )
+    def _encoder(self, kwargs: dict[str, Any], name: str) -> ChatEncoder:
+        key = json.dumps(kwargs, sort_keys=True)
+        if key not in self.encoders:
+            options = check_template_kwargs(kwargs, name)
+            self.encoders[key] = ChatEncoder(
+                self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=options
+            )
+        return self.encoders[key]
 
     def for_conversation(self, conv: Conversation, seed: int, index: int) -> ChatEncoder:
         if conv.chat_template_kwargs is not None:
-            key = json.dumps(conv.chat_template_kwargs, sort_keys=True)
-            if key not in self._recorded:
-                self._recorded[key] = self._encoder(conv.chat_template_kwargs, f"{conv.where}: chat_template_kwargs")
-            return self._recorded[key]
-        if len(self.variants) == 1:
-            return self.variants[0]
+            return self._encoder(conv.chat_template_kwargs, f"{conv.where}: chat_template_kwargs")
         return draw_for_conversation(self.variants, seed, index, "template-variant")
-
-    def all(self) -> list[ChatEncoder]:
-        return self.variants + list(self._recorded.values())
 
 
 def check_data_config(data_cfg: Any) -> list[str]:
@@ -172,7 +169,7 @@ def check_data_config(data_cfg: Any) -> list[str]:
         raise ConfigError("data.prepared_dir is empty")
     prepared = Path(data_cfg.prepared_dir).resolve()
     for source in sources:
-        if prepared == Path(source).resolve() or prepared in Path(source).resolve().parents:
+        if Path(source).resolve().is_relative_to(prepared):
             raise ConfigError(
                 f"data.prepared_dir {data_cfg.prepared_dir} holds data.source {source}: preparing would replace "
                 "that folder; choose a prepared_dir (or output_dir) outside your data"
@@ -213,9 +210,8 @@ def prepare_dataset(
     V = int(vocab_size or len(tokenizer))
     Vd = min(int(draft_vocab_size), V)
     dropped, truncated = Tally(), Tally()
-    conversations = read_conversations(sources, dropped)
-    merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed) if data_cfg.merge_turns > 1 else None
-    conversations = merger.merge(conversations) if merger is not None else conversations
+    merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed)  # merge_turns=1: each conversation alone, as read
+    conversations = merger.merge(read_conversations(sources, dropped))
     samples = _samples(conversations, encoders, prompts, data_cfg, V, dropped, truncated)
     kept = (
         "nothing was left half-written (the partial directory was removed, an earlier prepared set there is untouched)"
@@ -235,41 +231,34 @@ def prepare_dataset(
         d2t, t2d = build_draft_vocab(counts, Vd)
         atomic_save_safetensors({"counts": counts}, tmp / "token_counts.safetensors", save_file)
         atomic_save_safetensors({"d2t": d2t, "t2d": t2d}, tmp / "vocab.safetensors", save_file)
+        reasoning = [asdict(e.reasoning) for e in encoders.encoders.values()]  # one tally per set of template options
         report = PrepareReport(
             prepared_dir=str(data_cfg.prepared_dir),
             sources=[str(Path(s).resolve()) for s in sources],
-            # every record read became (part of) a sample or was dropped
-            records=_records_read(len(train) + len(held_out), dropped, merger),
+            # records read, accepted or not: the conversations read and the records dropped before (not whole files)
+            records=merger.read + dropped.total() - dropped.total(FILE_REASONS) - dropped.total(_ENCODING_REASONS),
             samples={"train": len(train), "eval": len(held_out)},
             tokens={"train": train_tokens, "eval": eval_tokens},
             supervised_tokens={"train": int(counts.sum()), "eval": int(eval_counts.sum())},
             dropped=dropped.to_dict(),
             truncated={"count": truncated.total(), "examples": truncated.examples.get("truncated", [])},
-            unrendered_reasoning={
-                **{k: sum(asdict(e.reasoning)[k] for e in encoders.all()) for k in asdict(ReasoningTally())},
-                "why": UNRENDERED_WHY,
-            },
+            unrendered_reasoning={**{k: sum(r[k] for r in reasoning) for k in reasoning[0]}, "why": UNRENDERED_WHY},
             vocab_size=V,
             draft_vocab_size=Vd,
             draft_vocab_size_requested=int(draft_vocab_size),
             draft_vocab_coverage=float(counts[t2d].sum() / max(int(counts.sum()), 1)),
             settings={
-                "max_len": data_cfg.max_len,
-                "merge_turns": data_cfg.merge_turns,
-                "overflow": data_cfg.overflow,
-                "last_turn_only": data_cfg.last_turn_only,
+                **{k: getattr(data_cfg, k) for k in ("max_len", "merge_turns", "overflow", "last_turn_only")},
                 "system_prompts": prompts,
                 "chat_template_kwargs": template_kwargs(data_cfg),
                 "chat_template_variants": variants if getattr(data_cfg, "chat_template_variants", None) else [],
-                "eval_fraction": data_cfg.eval_fraction,
-                "eval_max_samples": data_cfg.eval_max_samples,
-                "seed": data_cfg.seed,
+                **{k: getattr(data_cfg, k) for k in ("eval_fraction", "eval_max_samples", "seed")},
                 "tokenizer": tokenizer.name_or_path,
             },
         )
         atomic_write_json(tmp / "report.json", report.to_dict())
-        if report.reasoning_warning():
-            log.warning("warning: %s", report.reasoning_warning())  # the CLIs show it, one line
+        if warning := report.reasoning_warning():
+            log.warning("warning: %s", warning)  # the CLIs show it, one line
         del train, held_out
         (tmp / "all.arrow").unlink()  # both splits were copied out of it
     return report
@@ -303,14 +292,13 @@ def load_prepared_splits(prepared_dir: Path) -> dict[str, Any]:
     """{"train": Dataset, "eval": Dataset (when prepared)} of a prepared directory."""
     import datasets
 
-    splits = {}
-    for name in ("train", "eval"):
-        path = prepared_dir / name
-        if name == "train" and not path.is_dir():
-            raise ConfigError(f"no prepared split at {path}; run data_prep/prepare.py first")
-        if path.is_dir():
-            splits[name] = datasets.load_from_disk(str(path))
-    return splits
+    if not (prepared_dir / "train").is_dir():
+        raise ConfigError(f"no prepared split at {prepared_dir / 'train'}; run data_prep/prepare.py first")
+    return {
+        name: datasets.load_from_disk(str(prepared_dir / name))
+        for name in ("train", "eval")
+        if (prepared_dir / name).is_dir()
+    }
 
 
 def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,14 +307,6 @@ def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
     vocab = load_file(str(prepared_dir / "vocab.safetensors"))
     return vocab["d2t"], vocab["t2d"]
-
-
-def _records_read(samples: int, dropped: Tally, merger: TurnMerger | None) -> int:
-    """Records read, accepted or not: the samples and drops, or (merged) the merger's inputs and the drops before it."""
-    unreadable = dropped.total() - dropped.total(FILE_REASONS)
-    if merger is None:
-        return samples + unreadable
-    return merger.read + unreadable - dropped.total(_ENCODING_REASONS)
 
 
 def _samples(conversations, encoders, prompts, data_cfg, V: int, dropped: Tally, truncated: Tally) -> Iterator[dict]:
@@ -363,16 +343,12 @@ def _write_arrow(samples: Iterable[dict[str, list[int]]], path: Path, batch: int
     import pyarrow as pa
 
     schema = pa.schema([(name, pa.list_(getattr(pa, column.arrow)())) for name, column in TOKEN_COLUMNS.items()])
-    n, rows = 0, []
+    n, rows = 0, iter(samples)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for sample in samples:
-            rows.append(sample)
-            if len(rows) == batch:
-                writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-                n, rows = n + len(rows), []
-        if rows:
-            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=schema))
-    return n + len(rows)
+        for chunk in iter(lambda: list(islice(rows, batch)), []):
+            writer.write_batch(pa.RecordBatch.from_pylist(chunk, schema=schema))
+            n += len(chunk)
+    return n
 
 
 def _save_split(ds, path: Path) -> None:
@@ -384,10 +360,8 @@ def _split(ds, data_cfg: Any):
     """(train, eval): a seeded held-out subset, both in input order."""
     n = len(ds)
     n_eval = min(math.ceil(n * data_cfg.eval_fraction), data_cfg.eval_max_samples, n - 1)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(data_cfg.seed)))
-    is_eval = torch.zeros(n, dtype=torch.bool)
-    is_eval[order[:n_eval]] = True
-    return ds.select((~is_eval).nonzero().squeeze(1).tolist()), ds.select(is_eval.nonzero().squeeze(1).tolist())
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(data_cfg.seed))).tolist()
+    return ds.select(sorted(order[n_eval:])), ds.select(sorted(order[:n_eval]))
 
 
 def _supervised_counts(ds, vocab_size: int) -> tuple[torch.Tensor, int]:

@@ -90,12 +90,11 @@ def read_mt_bench(path: str | Path, tally: Tally) -> list[MTBenchQuestion]:
     path = resolve_source(path)
     questions = []
     try:
-        with path.open("rb") as lines:
-            for where, line in _line_records(path, lines):
-                try:
-                    questions.append(_mt_bench_question(line, where))
-                except BadInput as e:
-                    tally.add(e.reason, where, e.detail)
+        for where, line in _jsonl_records(path):
+            try:
+                questions.append(_mt_bench_question(line, where))
+            except BadInput as e:
+                tally.add(e.reason, where, e.detail)
     except OSError as e:
         raise DataError(f"MT-Bench questions {path}: {type(e).__name__}: {e}") from None
     if not questions:
@@ -284,20 +283,18 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
     """(location, record) pairs of one source; a source that cannot be read raises BadInput."""
     import pyarrow as pa
 
+    read = _dataset_records if path.is_dir() else _FILE_READERS.get(path.suffix.lower())
+    if read is None:
+        raise BadInput("unreadable_file", f"unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
     try:
-        if path.is_dir():
-            yield from _dataset_records(path)
-        elif path.suffix.lower() == ".jsonl":
-            with path.open("rb") as lines:  # bytes: an undecodable line is one malformed record
-                yield from _line_records(path, lines)
-        elif path.suffix.lower() == ".json":
-            yield from _json_records(path)
-        elif path.suffix.lower() == ".parquet":
-            yield from _parquet_records(path)
-        else:
-            raise BadInput("unreadable_file", f"unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
+        yield from read(path)
     except (OSError, UnicodeDecodeError, pa.ArrowException) as e:
         raise BadInput("unreadable_file", f"{type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, str | bytes]]:
+    with path.open("rb") as lines:  # bytes: an undecodable line is one malformed record
+        yield from _line_records(path, lines)
 
 
 def _line_records(path: Path, lines: Iterable[str | bytes]) -> Iterator[tuple[str, str | bytes]]:
@@ -366,13 +363,15 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{prefix}[{i}]", record
 
 
+_FILE_READERS = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}
+
+
 def resolve_sources(sources) -> list[str]:
     """Source paths (one or a list); `demo:<split>` names a split of the demo corpus (built with the demo target)."""
     from eagle31.targets import demo_corpus_dir
 
-    prefix = "demo:"
     return [
-        str(demo_corpus_dir() / f"{s[len(prefix) :]}.jsonl") if s.startswith(prefix) else s
+        str(demo_corpus_dir() / f"{s.removeprefix('demo:')}.jsonl") if s.startswith("demo:") else s
         for s in source_paths(sources)
     ]
 

@@ -102,14 +102,8 @@ def check_store_compatible(store_dir: str | Path, target_config: dict, aux_layer
                            target_fingerprint: str) -> None:  # fmt: skip
     """Refuse the stores under `store_dir` (one per split) made for another target (identity or shape) or aux ids."""
     L, Ht = target_shape(target_config)
-    want = {
-        "target_name": target_name,
-        "target_revision": target_revision,
-        "target_fingerprint": target_fingerprint,
-        "num_layers": L,
-        "hidden_size": Ht,
-        "aux_layer_ids": [int(i) for i in aux_layer_ids],
-    }
+    header = StoreHeader(target_name, target_revision, L, Ht, tuple(aux_layer_ids), "float32", target_fingerprint)
+    want = {k: v for k, v in header.to_dict().items() if k != "dtype"}  # a store of any dtype
     for path in sorted(Path(store_dir).glob(f"*/{MANIFEST}")):
         _check_fields(path, want)
 
@@ -146,7 +140,11 @@ class StoreWriter:
                 "samples_sha256": digest,  # of the sample ids and lengths
             },
         }
-        self._create_or_check()
+        claim_output_dir(self.root, "feature-store")
+        if (self.root / MANIFEST).exists():
+            _check_fields(self.root / MANIFEST, self.manifest_head)
+        else:
+            atomic_write_json(self.root / MANIFEST, {**self.manifest_head, "shards": []})
 
     @classmethod
     def for_dataset(cls, root: str | Path, dataset, target_config: dict, aux_layer_ids: Sequence[int], target: Any,
@@ -159,14 +157,6 @@ class StoreWriter:
         lengths = prepared_lengths(dataset)
         return cls(root, header, np.arange(len(lengths)), lengths, features.shard_max_tokens)
 
-    def _create_or_check(self) -> None:
-        claim_output_dir(self.root, "feature-store")
-        path = self.root / MANIFEST
-        if path.exists():
-            _check_fields(path, self.manifest_head)
-        else:
-            atomic_write_json(path, {**self.manifest_head, "shards": []})
-
     def pending(self, rank: int = 0, world_size: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """(shard index, sample ids) of this rank's shards that are not finished yet."""
         for index in range(rank, len(self.plan), world_size):
@@ -174,11 +164,8 @@ class StoreWriter:
                 yield index, self.plan[index]
 
     def is_finished(self, index: int) -> bool:
-        record_path = self.root / _record_name(shard_name(index))
-        if not record_path.exists():
-            return False
-        data = self.root / shard_name(index)
-        return data.exists() and data.stat().st_size == _read_json(record_path)["bytes"]
+        record, data = self.root / _record_name(shard_name(index)), self.root / shard_name(index)
+        return record.exists() and data.exists() and data.stat().st_size == _read_json(record)["bytes"]
 
     def write_shard(self, index: int, sample_ids: Sequence[int] | np.ndarray, samples: Sequence[Sample]) -> dict:
         """Write shard `index` atomically, then its record; returns the record."""
@@ -284,7 +271,7 @@ class FeatureStore:
 
     def _index(self) -> None:
         """Read every shard's `sample_ids` and `offsets` (small) to map sample id -> (shard, rows)."""
-        ids, starts, ends, shards = [], [], [], []
+        parts: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]  # (ids, starts, ends, shard) per shard
         for s, record in enumerate(self._records):
             try:
                 with safe_open(self.root / record["file"], framework="pt") as f:
@@ -294,11 +281,8 @@ class FeatureStore:
             except Exception as e:  # a missing, truncated or garbled file
                 self._corrupt(record, f"cannot be read ({e})")
                 continue
-            ids.append(sample_ids.numpy())
-            starts.append(offsets[:-1].numpy())
-            ends.append(offsets[1:].numpy())
-            shards.append(np.full(len(sample_ids), s))
-        ids, starts, ends, shards = (np.concatenate(x or [np.zeros(0, np.int64)]) for x in (ids, starts, ends, shards))
+            parts.append((sample_ids.numpy(), offsets[:-1].numpy(), offsets[1:].numpy(), np.full(len(sample_ids), s)))
+        ids, starts, ends, shards = (np.concatenate(x) for x in zip(*parts, strict=True))
         order = np.argsort(ids, kind="stable")
         self.sample_ids = ids[order]
         if len(np.unique(self.sample_ids)) != len(self.sample_ids):
@@ -321,8 +305,7 @@ class FeatureStore:
         pos = int(np.searchsorted(self.sample_ids, sample_id))
         if pos >= len(self.sample_ids) or self.sample_ids[pos] != sample_id:
             raise KeyError(f"sample {sample_id} is not in the store {self.root}")
-        record = self._records[self._shard[pos]]
-        f = self._handle(record)
+        f = self._handle(self._records[self._shard[pos]])
         if f is None:
             return None
         a, b = int(self._start[pos]), int(self._end[pos])
@@ -348,10 +331,10 @@ class FeatureStore:
                 return self._corrupt(record, f"sha256 {actual} != recorded {record['sha256']}")
             self._verified.add(name)
         if name not in self._open:
-            if len(self._open) >= _OPEN_SHARDS:
-                self._open.popitem(last=False)
             self._open[name] = safe_open(self.root / name, framework="pt")
         self._open.move_to_end(name)
+        if len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
         return self._open[name]
 
     def _corrupt(self, record: dict, reason: str) -> None:

@@ -63,8 +63,7 @@ def data_system_prompts(data_cfg: Any) -> list[str]:
         raise ConfigError(
             "data.system_prompt and data.system_prompts are both set: give the one prompt as a list of one"
         )
-    many = plain(many)
-    return read_system_prompts(many) if many is not None else ([one] if one else [])
+    return read_system_prompts(plain(many)) if many is not None else ([one] if one else [])
 
 
 def draw_system_prompt(prompts: list[str], seed: int, index: int) -> str | None:

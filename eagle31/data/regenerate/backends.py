@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from itertools import count
@@ -48,9 +48,7 @@ class HFBackend:
         config = self.model.config.get_text_config()
         self.context = int(getattr(config, "max_position_embeddings", 0) or self.tokenizer.model_max_length)
         eos = self.model.generation_config.eos_token_id
-        self.eos = {eos} if isinstance(eos, int) else set(eos or ())
-        if self.tokenizer.eos_token_id is not None:
-            self.eos.add(self.tokenizer.eos_token_id)
+        self.eos = {*([eos] if isinstance(eos, int) else eos or ()), self.tokenizer.eos_token_id} - {None}
         if not self.eos:
             raise ConfigError(f"target {target_dir}: no eos token id (generation_config or tokenizer)")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
@@ -108,7 +106,7 @@ class HFBackend:
         input_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, T]
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         s = self.settings
-        sampling = [_RowSeededSampling(seeds, s.temperature, s.top_p, self.device)] if s.temperature > 0 else []
+        sampling = [_row_seeded_sampling(seeds, s.temperature, s.top_p, self.device)] if s.temperature > 0 else []
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=input_ids,
@@ -131,27 +129,22 @@ class HFBackend:
         return replies
 
 
-class _RowSeededSampling:
+def _row_seeded_sampling(seeds: Sequence[int], temperature: float, top_p: float, device) -> Callable:
     """Sampling as a logits processor: Gumbel-max within the top-p nucleus, each row's noise from its generator."""
+    import torch
 
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device):
-        import torch
+    generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
-        self.temperature, self.top_p = temperature, top_p
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-
-    def __call__(self, input_ids, scores):  # scores [B, V]
-        import torch
-
-        logits = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
+    def sample(input_ids, scores):  # scores [B, V]
+        logits = torch.log_softmax(scores.float() / temperature, dim=-1)
+        if top_p < 1:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            outside = sorted_logits.exp().cumsum(-1) - sorted_logits.exp() >= self.top_p  # the nucleus keeps >= 1 token
+            outside = sorted_logits.exp().cumsum(-1) - sorted_logits.exp() >= top_p  # the nucleus keeps >= 1 token
             logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-        uniform = torch.stack(
-            [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in self.generators]
-        )
+        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators])
         return logits - torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
+
+    return sample
 
 
 class _Transient(Exception):
@@ -255,10 +248,8 @@ def _error_message(error: urllib.error.HTTPError) -> str:
         raw = error.read().decode("utf-8", "replace")
     try:
         obj = json.loads(raw)
-        inner = obj.get("error", obj) if isinstance(obj, dict) else obj
-        text = inner.get("message") if isinstance(inner, dict) else None
-        if not isinstance(text, str):
-            text = inner if isinstance(inner, str) else raw
     except ValueError:
-        text = raw or str(error.reason)
-    return " ".join(text.split())[:500]
+        obj = None
+    inner = obj.get("error", obj) if isinstance(obj, dict) else obj
+    text = inner.get("message") if isinstance(inner, dict) else inner
+    return " ".join((text if isinstance(text, str) else raw or str(error.reason)).split())[:500]

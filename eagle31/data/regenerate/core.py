@@ -46,18 +46,15 @@ class Settings:
     on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"regenerate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ConfigError(f"regenerate.max_turns must be >= 1 or null, got {self.max_turns}")
+        for name, nullable in (("max_new_tokens", False), ("max_turns", True), ("max_prompt_tokens", True),
+                               ("shard_size", False)):  # fmt: skip
+            value = getattr(self, name)
+            if (value is not None or not nullable) and value < 1:
+                raise ConfigError(f"regenerate.{name} must be >= 1{' or null' if nullable else ''}, got {value}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"regenerate.temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}"
             )
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ConfigError(f"regenerate.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
-        if self.shard_size < 1:
-            raise ConfigError(f"regenerate.shard_size must be >= 1, got {self.shard_size}")
         self.on_length = str(choose(OnLength, str(self.on_length), "regenerate.on_length"))
 
 

@@ -18,7 +18,6 @@ class _Shard:
     def __init__(self, index: int, conversations: list[Conversation]):
         self.index, self.conversations = index, conversations
         self.outcomes: list[Outcome | None] = [None] * len(conversations)
-        self.left = len(conversations)
         self.started: float | None = None
 
     def stats(self) -> tuple[list[dict], ShardStats]:
@@ -39,23 +38,20 @@ class _FirstRequestGate:
 
     def call(self, complete: Callable[..., Reply], *request) -> Reply:
         """`complete(*request)`: (messages, seed, template options)."""
-        if not self.open.is_set():
-            if self._first.acquire(blocking=False):  # this is the first request (the lock is never released)
-                self._check()
-                try:
-                    reply = complete(*request)
-                except BaseException:
-                    self.stop.set()  # the requests waiting here are not sent
-                    raise
-                self.open.set()
-                return reply
+        first = not self.open.is_set() and self._first.acquire(blocking=False)  # the lock is never released
+        if not first and not self.open.is_set():
             self.open.wait(self.wait_s)
-        self._check()
-        return complete(*request)
-
-    def _check(self) -> None:
         if self.stop.is_set():
             raise _Stopped()
+        if not first:
+            return complete(*request)
+        try:
+            reply = complete(*request)
+        except BaseException:
+            self.stop.set()  # the requests waiting here are not sent
+            raise
+        self.open.set()
+        return reply
 
 
 class _Stopped(Exception):
@@ -147,8 +143,7 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
                         failure = failure or future.exception()
                     continue
                 shard.outcomes[i] = future.result()
-                shard.left -= 1
-                if shard.left == 0:
+                if None not in shard.outcomes:
                     finished.append(shard)
             flush()
             if failure is not None:

@@ -136,18 +136,11 @@ def write_report(out_dir: str | Path, read_rejects: Tally, total_conversations: 
     out = Path(out_dir)
     settings = json.loads((out / "settings.json").read_text())["settings"]
     expected = -(-total_conversations // settings["shard_size"])
-    keys = ("conversations_in", "conversations_out", "turns", "reply_tokens", "replies_cut", "reasoning_turns")
-    totals: dict[str, Any] = {k: 0 for k in keys}
-    totals["seconds"] = 0.0
-    dropped: dict[str, dict] = {
-        r: {"count": n, "examples": read_rejects.examples[r]} for r, n in read_rejects.counts.items()
-    }
+    totals: dict[str, Any] = {k: v for k, v in asdict(ShardStats()).items() if isinstance(v, int | float)}
+    dropped: dict[str, dict] = read_rejects.to_dict()
     truncated: dict[str, dict] = {}
-    found = 0
-    for index in range(expected):
-        if not shard_done(out, index):
-            continue
-        found += 1
+    done = [index for index in range(expected) if shard_done(out, index)]
+    for index in done:
         stats = json.loads((out / "stats" / f"{shard_name(index)}.json").read_text())
         for key in totals:
             totals[key] += stats.get(key, 0)
@@ -157,8 +150,8 @@ def write_report(out_dir: str | Path, read_rejects: Tally, total_conversations: 
                 slot["count"] += entry["count"]
                 slot["examples"] = (slot["examples"] + entry["examples"])[:5]
     report = {
-        "complete": found == expected,
-        "shards": {"done": found, "expected": expected},
+        "complete": len(done) == expected,
+        "shards": {"done": len(done), "expected": expected},
         **totals,
         "dropped": dropped,
         "truncated": truncated,
