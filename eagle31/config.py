@@ -100,21 +100,10 @@ class DrafterConfig:
     # --------------------------------------------------------------- validation
 
     def validate(self) -> None:
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "max_position_embeddings",
-            "vocab_size",
-            "draft_vocab_size",
-            "target_hidden_size",
-            "target_num_layers",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"drafter.{name} must be a positive integer, got {value!r}")
+        for f in dataclasses.fields(self):  # the sizes and counts
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"drafter.{f.name} must be a positive integer, got {value!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"drafter.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -171,37 +160,22 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
-        """Derive a drafter for a target from its HF config (object or dict).
-
-        Defaults: H, heads, kv heads, intermediate size, eps, rope and max
-        positions copied from the target; aux ids `(2, L//2, L-3)`. For
-        DeepSeek-V3/Kimi (MLA) targets a Llama drafter has `head_dim =
-        v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
-        rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
-        so that every supported vLLM release reads it alike (a block they still read
-        differently is refused); an MLA drafter (`drafter.attention=mla`) copies the
-        target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
-        is, as the published Kimi K2.6 EAGLE 3.1 drafter does (each kind's
-        `AttentionKind.from_target`). `overrides` may set any field; `None` values are ignored.
-        """
+        """A drafter for a target from its HF config (object or dict), `overrides` but None ones set (docs/targets.md)."""
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
         for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
             t[key] = outer.get(key) or t.get(key)
-        model_type = t.get("model_type", "")
         num_layers = _require(t, "num_hidden_layers")
         hidden = _require(t, "hidden_size")
         heads = _require(t, "num_attention_heads")
         kv_heads = t.get("num_key_value_heads") or heads
-        if model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t:
-            head_dim = t.get("v_head_dim") or hidden // heads
-        else:
-            head_dim = t.get("head_dim") or hidden // heads
+        mla_target = t.get("model_type") in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=head_dim,
+            head_dim=t.get("v_head_dim" if mla_target else "head_dim")
+            or hidden // heads,  # a Llama drafter of MLA: v's
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             hidden_act=t.get("hidden_act", "silu"),
@@ -297,11 +271,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def rope_parameters_from(t: dict[str, Any]) -> dict[str, Any]:
-    """The target's rope settings in transformers >= 5 form (yarn included).
-
-    Accepts both the v5 `rope_parameters` dict and the legacy
-    `rope_theta` + `rope_scaling` pair (`type` or `rope_type`).
-    """
+    """The target's rope in transformers >= 5 form, from `rope_parameters` or legacy `rope_theta` + `rope_scaling`."""
     rope = dict(t.get("rope_parameters") or {})
     legacy = dict(t.get("rope_scaling") or {})
     if "type" in legacy and "rope_type" not in legacy:
