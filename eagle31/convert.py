@@ -1,8 +1,5 @@
-"""Read drafters: eagle31's own checkpoints and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`).
-
-Sources, detection and each source's conventions (aux ids, `norm_output`, missing tensors): docs/export.md, "Reading
-the ecosystem's drafters". Weights come from `*.safetensors`, or a legacy `pytorch_model.bin` (`weights_only=True`).
-"""
+"""Read drafters, eagle31's own and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`); sources,
+detection and conventions: docs/export.md, "Reading the ecosystem's drafters"."""
 
 from __future__ import annotations
 

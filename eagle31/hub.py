@@ -1,8 +1,5 @@
-"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md).
-
-The card names datasets and a local target by their last path component only. The token (the caller's, `HF_TOKEN`
-or `hf auth login`'s) is never printed, logged or written, and is scrubbed from errors (one-line `HubError`s).
-"""
+"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md); the
+token is never printed, logged or written, and is scrubbed from errors."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The EAGLE-3 HF layout (`export.formats=[eagle3]`) as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
-
-Weights under eagle31's own names; no embedding by default; the layout of a config no other layout recognises,
-SpecForge's and TorchSpec's among them (its `dialects`). docs/export.md.
-"""
+"""The EAGLE-3 HF layout (`export.formats=[eagle3]`) that vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read:
+eagle31's own names, no embedding; that of a config no other layout recognises, SpecForge's and TorchSpec's among them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and what layouts share.
-
-The shared parts (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the `eagle31`
-provenance block, and their reading) are placed by each layout where its readers look; their rules: docs/export.md.
-"""
+"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and the parts layouts
+share, each placed where the layout's readers look (the decoder layer, rope, EAGLE fields, provenance; docs/export.md)."""
 
 from __future__ import annotations
 
