@@ -160,7 +160,7 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
-        """A drafter for a target from its HF config (object or dict), `overrides` but None ones set (docs/targets.md)."""
+        """A drafter for a target from its HF config (dict or object) and `overrides` (None: unset); docs/targets.md."""
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
         for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
