@@ -239,24 +239,16 @@ class RunConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
 
-def register_schema(recipes_dir: str | Path | None = None) -> None:
-    """Register `RunConfig` with Hydra's ConfigStore, and `recipes_dir` as `${recipes_dir:}` (files beside recipes)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    ConfigStore.instance().store(name="eagle31_schema", node=RunConfig)
-    if recipes_dir is not None:
-        OmegaConf.register_new_resolver("recipes_dir", lambda: str(recipes_dir), replace=True)
-
-
 def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
     """Compose `recipes/config.yaml` with `recipe=<name>` and `field=value` overrides; Hydra's errors as one line."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    register_schema(recipes_dir)
+    ConfigStore.instance().store(name="eagle31_schema", node=RunConfig)  # the schema config.yaml's defaults name
+    OmegaConf.register_new_resolver("recipes_dir", lambda: str(recipes_dir), replace=True)  # files beside recipes
     for override in overrides:
         _refuse_renamed(override.split("=", 1)[0].lstrip("+~"))
     try:
@@ -294,15 +286,12 @@ def describe_recipes(recipes_dir: str | Path) -> str:
         "",
         "config sections (section.field=value; --help SECTION: each field's type, default and meaning):",
     ]
-    scalars = []
-    for f in dataclasses.fields(RunConfig):
-        hint = typing.get_type_hints(RunConfig)[f.name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            text = ", ".join(_describe_field(hint, g) for g in dataclasses.fields(hint))
-            lines += textwrap.wrap(text, 100, initial_indent=f"  {f.name:<9} ", subsequent_indent=" " * 12)
-        else:
-            scalars.append(_describe_field(RunConfig, f))
-    lines += textwrap.wrap(", ".join(scalars), 100, initial_indent=f"  {'(top)':<9} ", subsequent_indent=" " * 12)
+    hints = typing.get_type_hints(RunConfig)
+    sections = {name: hint for name, hint in hints.items() if dataclasses.is_dataclass(hint)}
+    rows = {name: [_describe_field(owner, f) for f in dataclasses.fields(owner)] for name, owner in sections.items()}
+    rows["(top)"] = [_describe_field(RunConfig, f) for f in dataclasses.fields(RunConfig) if f.name not in sections]
+    for name, row in rows.items():
+        lines += textwrap.wrap(", ".join(row), 100, initial_indent=f"  {name:<9} ", subsequent_indent=" " * 12)
     return "\n".join(lines)
 
 
@@ -310,8 +299,7 @@ _NOT_HELP = re.compile(r"#|\btype:\s*ignore(\[[^\]]*\])?|\bnoqa(:\s*\S+)?|\bfmt:
 
 
 def section_names() -> list[str]:
-    """The sections `--help SECTION` describes: `top` (the run's own scalars), then `RunConfig`'s dataclass fields,
-    nested ones dotted."""
+    """What `--help SECTION` describes: `top` (the run's own scalars), then every section, nested ones dotted."""
     return list(_sections())
 
 
