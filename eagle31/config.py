@@ -168,14 +168,13 @@ class DrafterConfig:
         num_layers = _require(t, "num_hidden_layers")
         hidden = _require(t, "hidden_size")
         heads = _require(t, "num_attention_heads")
-        kv_heads = t.get("num_key_value_heads") or heads
         mla_target = t.get("model_type") in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t
+        head_dim = t.get("v_head_dim" if mla_target else "head_dim") or hidden // heads  # MLA: a Llama drafter's is v's
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=t.get("v_head_dim" if mla_target else "head_dim")
-            or hidden // heads,  # a Llama drafter of MLA: v's
+            num_key_value_heads=t.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
             hidden_act=t.get("hidden_act", "silu"),
