@@ -287,7 +287,7 @@ def describe_recipes(recipes_dir: str | Path) -> str:
         "config sections (section.field=value; --help SECTION: each field's type, default and meaning):",
     ]
     hints = typing.get_type_hints(RunConfig)
-    sections = {name: hint for name, hint in hints.items() if dataclasses.is_dataclass(hint)}
+    sections = {name: hint for name, hint in hints.items() if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
     rows = {name: [_describe_field(owner, f) for f in dataclasses.fields(owner)] for name, owner in sections.items()}
     rows["(top)"] = [_describe_field(RunConfig, f) for f in dataclasses.fields(RunConfig) if f.name not in sections]
     for name, row in rows.items():
@@ -307,7 +307,7 @@ def _sections(owner: type = RunConfig, prefix: str = "") -> dict[str, Any]:
     """Section name -> its dataclass, for `owner` (`top`) and every section under it."""
     sections: dict[str, Any] = {prefix.rstrip(".") or "top": owner}
     for name, hint in typing.get_type_hints(owner).items():
-        if dataclasses.is_dataclass(kind := _unwrap(hint)):
+        if isinstance(kind := _unwrap(hint), type) and dataclasses.is_dataclass(kind):
             sections.update(_sections(kind, f"{prefix}{name}."))
     return sections
 
