@@ -69,12 +69,10 @@ def _read_config(
 ) -> tuple[DrafterConfig, str | Layout]:
     """The drafter's config from its config.json and `overrides` (None: the checkpoint's), and its source format."""
     meta = read_json_config(path / "config.json", "drafter config")
-    fmt: str | Layout = source_format
-    if not isinstance(source_format, Layout):
-        choices = [AUTO, NATIVE, *source_formats()]
-        if source_format not in choices:
-            raise ConfigError(f"source_format must be one of {choices}, got {source_format!r}")
-        fmt = detect_format(meta, path) if source_format == AUTO else str(source_format)
+    choices = [AUTO, NATIVE, *source_formats()]
+    if not isinstance(source_format, Layout) and source_format not in choices:
+        raise ConfigError(f"source_format must be one of {choices}, got {source_format!r}")
+    fmt = detect_format(meta, path) if source_format == AUTO else source_format
     if fmt != NATIVE:
         return drafter_config(meta, fmt, **overrides, ids_already_shifted=_ids_already_shifted(meta, fmt, path)), fmt
     try:

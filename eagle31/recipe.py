@@ -437,10 +437,8 @@ def _describe_field(owner: type, f: Any) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    parts = [str(e)]
-    if e.__cause__ is not None and str(e.__cause__) not in parts[0]:
-        parts.append(str(e.__cause__))
-    text = " ".join(" ".join(parts).split())
+    cause = "" if e.__cause__ is None or str(e.__cause__) in str(e) else str(e.__cause__)
+    text = " ".join(f"{e} {cause}".split())
     key = re.search(r" full_key: (\S+)", text)
     for noise in (r" To append to your config use \S+", r" (full_key|key): \S+.*$", r" Config search path:.*$"):
         text = re.sub(noise, "", text)
