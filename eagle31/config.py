@@ -124,8 +124,7 @@ class DrafterConfig:
             raise ConfigError(f"drafter.aux_layer_ids must be distinct, got {list(ids)}")
         if list(ids) != sorted(ids):
             raise ConfigError(f"drafter.aux_layer_ids must be in increasing order, got {list(ids)}")
-        bad = [i for i in ids if not 0 <= i < self.target_num_layers]
-        if bad:
+        if bad := [i for i in ids if not 0 <= i < self.target_num_layers]:
             raise ConfigError(
                 f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
@@ -148,8 +147,7 @@ class DrafterConfig:
                 )
         for other, kind in KINDS.items():
             own = getattr(self, kind.config_field) if kind.config_field else None
-            used = [name for name in kind.fields() if other != self.attention and getattr(own, name)]
-            if used:
+            if used := [name for name in kind.fields() if other != self.attention and getattr(own, name)]:
                 raise ConfigError(
                     f"drafter.{kind.config_field}.{used[0]} is a field of {kind.label}: set drafter.attention={other} "
                     "or leave it 0"
@@ -187,8 +185,7 @@ class DrafterConfig:
             target_name_or_path=t.get("_name_or_path") or None,
             target_architectures=tuple(t.get("architectures") or ()),
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(overrides) - {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
         kind = KINDS[DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama))]
@@ -202,8 +199,7 @@ class DrafterConfig:
         if values.get("parallel_drafting") and values.get("mask_token_id") is None:
             ids = (t[k] for k in ("pad_token_id", "eos_token_id") if isinstance(t.get(k), int))
             values["mask_token_id"] = next(ids, 0)
-        reason = kind.rope_ambiguity(values["rope_parameters"])
-        if reason:
+        if reason := kind.rope_ambiguity(values["rope_parameters"]):
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
@@ -228,9 +224,7 @@ class DrafterConfig:
             flat = {name: d.pop(name) for name in kind.fields() if name in d}
             if flat and kind.config_field:
                 d[kind.config_field] = {**flat, **(d.get(kind.config_field) or {})}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
+        if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         return cls(**d)
 

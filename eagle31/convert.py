@@ -43,8 +43,7 @@ def load_drafter(
     else:
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path, source_layout(fmt)), path)
-    reason = drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters)
-    if reason:
+    if reason := drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters):
         warnings.warn(
             f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
             "it, which may not be how it was trained, and will not export it as is",
@@ -124,8 +123,7 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return None
-    unmarked = KINDS[DrafterAttention.of_layer(meta)].unmarked_format  # MLA: TorchSpec's published drafters
-    if unmarked:
+    if unmarked := KINDS[DrafterAttention.of_layer(meta)].unmarked_format:  # MLA: TorchSpec's published drafters
         return unmarked
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested_ids and not meta.get("eagle_aux_hidden_state_layer_ids"):

@@ -133,8 +133,7 @@ def export_config(
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
-    reason = config.kind.rope_ambiguity(config.rope_parameters)  # supported vLLM releases read it as other ropes
-    if reason:
+    if reason := config.kind.rope_ambiguity(config.rope_parameters):  # supported vLLM releases read it as other ropes
         raise ConfigError(
             f"drafter.rope_parameters is read two ways: {reason}; the served rope would depend on the vLLM release. "
             "Fine-tune it with drafter.init_from (the drafter then takes a rope read one way) and export that"
@@ -161,8 +160,7 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
         return
     if not overwrite:
         raise ConfigError(f"out={out} already holds an eagle31 export; pass overwrite=true to replace it")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and ".tmp-" not in p.name)
-    if foreign:
+    if foreign := sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and ".tmp-" not in p.name):
         raise ConfigError(
             f"out={out} holds files eagle31 did not write {foreign}; overwrite=true replaces the whole folder, "
             "so move them elsewhere first"

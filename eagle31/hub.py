@@ -172,8 +172,7 @@ def _acceptance_lines(report: dict[str, Any] | None) -> list[str]:
             f"Simulated acceptance length on held-out data (teacher-forced, bonus token counted): "
             f"**{report['tau_sim']:.3f}**"
         )
-    acc = report.get("acc") or []
-    if acc:
+    if acc := report.get("acc") or []:
         lines += [
             "",
             "| TTT step | " + " | ".join(str(k) for k in range(len(acc))) + " |",
