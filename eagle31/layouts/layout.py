@@ -122,16 +122,14 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
 
 def sliding_window_fields(config: DrafterConfig) -> dict[str, Any]:
     """The layer's window as vLLM's Llama attention reads it (docs/export.md); nothing for full attention."""
-    if config.sliding_window is None:
-        return {}
-    return {"sliding_window": config.sliding_window, "layer_types": ["sliding_attention"]}
+    window = config.sliding_window
+    return {} if window is None else {"sliding_window": window, "layer_types": ["sliding_attention"]}
 
 
 def served_sliding_window(layer: dict[str, Any]) -> int | None:
     """The window vLLM serves a layer (its config.json fields) with: its `sliding_window` if `sliding_attention`."""
-    if (layer.get("layer_types") or [None])[0] != "sliding_attention":
-        return None
-    return layer.get("sliding_window")
+    sliding = (layer.get("layer_types") or [None])[0] == "sliding_attention"
+    return layer.get("sliding_window") if sliding else None
 
 
 def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
