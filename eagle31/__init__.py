@@ -1,13 +1,4 @@
-"""eagle31: train EAGLE 3.1 speculative-decoding drafters and ship them for vLLM.
-
-Public API (see README.md):
-
-    DrafterConfig          everything that defines a drafter (config.py)
-    Eagle31Drafter         the drafter; drafter(aux, input_ids, ttt_length=K) -> per-step logits
-    ttt_unroll             the K-step training-time-test unroll (ttt.py)
-    TargetHead, supervision_mask, ttt_loss, step_scales, weighted_loss, ttt_metrics   the loss (loss.py)
-    build_draft_vocab      d2t / t2d from token counts (vocab.py)
-"""
+"""eagle31: train EAGLE 3.1 speculative-decoding drafters and ship them for vLLM; the public API is `__all__`."""
 
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError

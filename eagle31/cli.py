@@ -38,8 +38,7 @@ def recipe_main(fn: Callable[[Any], None], recipes_dir: str | Path, argv: list[s
     from eagle31.recipe import describe_recipes, describe_section
 
     if {"-h", "--help"} & set(argv):  # --help SECTION: that section's fields
-        sections = [a for a in argv if a not in ("-h", "--help") and "=" not in a]
-        if sections:
+        if sections := [a for a in argv if a not in ("-h", "--help") and "=" not in a]:
             return run_cli(lambda: print("\n\n".join(describe_section(s) for s in sections)))
     if wants_help(argv, f"{usage.rstrip()}\n\n{describe_recipes(recipes_dir)}"):
         return 0
@@ -143,8 +142,7 @@ def parse_key_values(argv: list[str], schema: type[T]) -> T:
         if key in values:
             raise ConfigError(f"argument {key!r} given twice")
         values[key] = _convert(key, raw, hints[key])
-    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING]
-    if missing:
+    if missing := [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING]:
         raise ConfigError(f"missing required argument(s): {', '.join(f'{n}=...' for n in missing)}")
     return schema(**values)
 

@@ -100,21 +100,10 @@ class DrafterConfig:
     # --------------------------------------------------------------- validation
 
     def validate(self) -> None:
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "max_position_embeddings",
-            "vocab_size",
-            "draft_vocab_size",
-            "target_hidden_size",
-            "target_num_layers",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"drafter.{name} must be a positive integer, got {value!r}")
+        for f in dataclasses.fields(self):  # the sizes and counts
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"drafter.{f.name} must be a positive integer, got {value!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"drafter.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -135,8 +124,7 @@ class DrafterConfig:
             raise ConfigError(f"drafter.aux_layer_ids must be distinct, got {list(ids)}")
         if list(ids) != sorted(ids):
             raise ConfigError(f"drafter.aux_layer_ids must be in increasing order, got {list(ids)}")
-        bad = [i for i in ids if not 0 <= i < self.target_num_layers]
-        if bad:
+        if bad := [i for i in ids if not 0 <= i < self.target_num_layers]:
             raise ConfigError(
                 f"drafter.aux_layer_ids {bad} out of range: ids are decoder-layer inputs "
                 f"(vLLM convention), valid 0..{self.target_num_layers - 1} for a {self.target_num_layers}-layer target"
@@ -159,8 +147,7 @@ class DrafterConfig:
                 )
         for other, kind in KINDS.items():
             own = getattr(self, kind.config_field) if kind.config_field else None
-            used = [name for name in kind.fields() if other != self.attention and getattr(own, name)]
-            if used:
+            if used := [name for name in kind.fields() if other != self.attention and getattr(own, name)]:
                 raise ConfigError(
                     f"drafter.{kind.config_field}.{used[0]} is a field of {kind.label}: set drafter.attention={other} "
                     "or leave it 0"
@@ -171,36 +158,20 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
-        """Derive a drafter for a target from its HF config (object or dict).
-
-        Defaults: H, heads, kv heads, intermediate size, eps, rope and max
-        positions copied from the target; aux ids `(2, L//2, L-3)`. For
-        DeepSeek-V3/Kimi (MLA) targets a Llama drafter has `head_dim =
-        v_head_dim`, as the published Kimi EAGLE-3 drafters have, and the target's
-        rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`),
-        so that every supported vLLM release reads it alike (a block they still read
-        differently is refused); an MLA drafter (`drafter.attention=mla`) copies the
-        target's MLA shape (ranks and head dims) and its DeepSeek YaRN block as it
-        is, as the published Kimi K2.6 EAGLE 3.1 drafter does (each kind's
-        `AttentionKind.from_target`). `overrides` may set any field; `None` values are ignored.
-        """
+        """A drafter for a target from its HF config (dict or object) and `overrides` (None: unset); docs/targets.md."""
         outer = _as_dict(hf_config)
         t = dict(text_config(outer))  # multimodal wrappers (Kimi K2.5/K2.6) nest the language model
         for key in ("architectures", "_name_or_path"):  # the wrapper's identity is the target's
             t[key] = outer.get(key) or t.get(key)
-        model_type = t.get("model_type", "")
         num_layers = _require(t, "num_hidden_layers")
         hidden = _require(t, "hidden_size")
         heads = _require(t, "num_attention_heads")
-        kv_heads = t.get("num_key_value_heads") or heads
-        if model_type in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t:
-            head_dim = t.get("v_head_dim") or hidden // heads
-        else:
-            head_dim = t.get("head_dim") or hidden // heads
+        mla_target = t.get("model_type") in ("deepseek_v3", "deepseek_v2", "kimi_k2") or "kv_lora_rank" in t
+        head_dim = t.get("v_head_dim" if mla_target else "head_dim") or hidden // heads  # MLA: a Llama drafter's is v's
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
+            num_key_value_heads=t.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=_require(t, "intermediate_size"),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
@@ -214,8 +185,7 @@ class DrafterConfig:
             target_name_or_path=t.get("_name_or_path") or None,
             target_architectures=tuple(t.get("architectures") or ()),
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(overrides) - {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         overrides = {k: v for k, v in overrides.items() if v is not None}
         kind = KINDS[DrafterAttention.parse(overrides.get("attention", DrafterAttention.llama))]
@@ -229,8 +199,7 @@ class DrafterConfig:
         if values.get("parallel_drafting") and values.get("mask_token_id") is None:
             ids = (t[k] for k in ("pad_token_id", "eos_token_id") if isinstance(t.get(k), int))
             values["mask_token_id"] = next(ids, 0)
-        reason = kind.rope_ambiguity(values["rope_parameters"])
-        if reason:
+        if reason := kind.rope_ambiguity(values["rope_parameters"]):
             raise ConfigError(f"drafter.rope_parameters {values['rope_parameters']!r} is read two ways: {reason}")
         if values["target_hidden_size"] != hidden:
             raise ConfigError(
@@ -255,9 +224,7 @@ class DrafterConfig:
             flat = {name: d.pop(name) for name in kind.fields() if name in d}
             if flat and kind.config_field:
                 d[kind.config_field] = {**flat, **(d.get(kind.config_field) or {})}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
+        if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"unknown drafter field(s): {sorted(unknown)}")
         return cls(**d)
 
@@ -297,11 +264,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def rope_parameters_from(t: dict[str, Any]) -> dict[str, Any]:
-    """The target's rope settings in transformers >= 5 form (yarn included).
-
-    Accepts both the v5 `rope_parameters` dict and the legacy
-    `rope_theta` + `rope_scaling` pair (`type` or `rope_type`).
-    """
+    """The target's rope in transformers >= 5 form, from `rope_parameters` or legacy `rope_theta` + `rope_scaling`."""
     rope = dict(t.get("rope_parameters") or {})
     legacy = dict(t.get("rope_scaling") or {})
     if "type" in legacy and "rope_type" not in legacy:

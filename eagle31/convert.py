@@ -1,8 +1,5 @@
-"""Read drafters: eagle31's own checkpoints and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`).
-
-Sources, detection and each source's conventions (aux ids, `norm_output`, missing tensors): docs/export.md, "Reading
-the ecosystem's drafters". Weights come from `*.safetensors`, or a legacy `pytorch_model.bin` (`weights_only=True`).
-"""
+"""Read drafters, eagle31's own and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`); sources,
+detection and conventions: docs/export.md, "Reading the ecosystem's drafters"."""
 
 from __future__ import annotations
 
@@ -37,22 +34,16 @@ def load_drafter(
     """Load a drafter directory of any format eagle31 reads (`source_format`: auto, eagle31, `source_formats()` or a
     `Layout`); norm_output, aux_layer_ids (vLLM's convention), target_num_layers override what the checkpoint says."""
     path = Path(path)
-    meta, fmt = _read_meta(path, source_format)
+    overrides = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
+    config, fmt = _read_config(path, source_format, overrides)
     if fmt == NATIVE:
         drafter = Eagle31Drafter.load(path)
-        given = {"norm_output": norm_output, "aux_layer_ids": aux_layer_ids, "target_num_layers": target_num_layers}
-        overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-        if overrides:
-            drafter = _with_config(drafter, dataclasses.replace(drafter.config, **overrides))
+        if config != drafter.config:  # overridden
+            drafter = _with_config(drafter, config)
     else:
-        config = drafter_config(
-            meta, fmt, norm_output=norm_output, aux_layer_ids=aux_layer_ids, target_num_layers=target_num_layers,
-            ids_already_shifted=_ids_already_shifted(meta, fmt, path),
-        )  # fmt: skip
         drafter = Eagle31Drafter(config)
         _load_weights(drafter, read_weights(path, source_layout(fmt)), path)
-    reason = drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters)
-    if reason:
+    if reason := drafter.config.kind.rope_ambiguity(drafter.config.rope_parameters):
         warnings.warn(
             f"{path}: its rope block is read two ways ({reason}); eagle31 runs it as the newest supported vLLM serves "
             "it, which may not be how it was trained, and will not export it as is",
@@ -68,28 +59,26 @@ def read_drafter_config(
     target_num_layers: int | None = None,
 ) -> DrafterConfig:  # fmt: skip
     """The config `load_drafter` gives the drafter at `path`, from its config.json alone (no weights)."""
-    path = Path(path)
-    meta, fmt = _read_meta(path, source_format)
-    if fmt == NATIVE:
-        config = DrafterConfig.from_dict(read_native_config(path)["drafter"])
-        if target_num_layers is not None:
-            config = dataclasses.replace(config, target_num_layers=target_num_layers)
-    else:
-        config = drafter_config(
-            meta, fmt, target_num_layers=target_num_layers, ids_already_shifted=_ids_already_shifted(meta, fmt, path)
-        )  # as load_drafter reads them
+    config, _ = _read_config(Path(path), source_format, {"target_num_layers": target_num_layers})
     return eagle31_config(config) if upgrade_to_eagle31 else config
 
 
-def _read_meta(path: Path, source_format: str | Layout) -> tuple[dict[str, Any], str | Layout]:
-    """(config.json, its source format)."""
+def _read_config(
+    path: Path, source_format: str | Layout, overrides: dict[str, Any]
+) -> tuple[DrafterConfig, str | Layout]:
+    """The drafter's config from its config.json and `overrides` (None: the checkpoint's), and its source format."""
     meta = read_json_config(path / "config.json", "drafter config")
-    if isinstance(source_format, Layout):
-        return meta, source_format
     choices = [AUTO, NATIVE, *source_formats()]
-    if source_format not in choices:
+    if not isinstance(source_format, Layout) and source_format not in choices:
         raise ConfigError(f"source_format must be one of {choices}, got {source_format!r}")
-    return meta, detect_format(meta, path) if source_format == AUTO else str(source_format)
+    fmt = detect_format(meta, path) if source_format == AUTO else source_format
+    if fmt != NATIVE:
+        return drafter_config(meta, fmt, **overrides, ids_already_shifted=_ids_already_shifted(meta, fmt, path)), fmt
+    try:
+        config = DrafterConfig.from_dict(read_native_config(path)["drafter"])
+    except TypeError as e:  # a missing or mistyped field
+        raise ConfigError(f"{path / 'config.json'}: the drafter block is not a drafter config ({e})") from None
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None}), fmt
 
 
 def to_eagle31(drafter: Eagle31Drafter) -> Eagle31Drafter:
@@ -134,8 +123,7 @@ def _dialect(meta: dict[str, Any], layout: Layout, path: Path | str) -> str | No
         return "torchspec"
     if isinstance(meta.get("eagle31"), dict):
         return None
-    unmarked = KINDS[DrafterAttention.of_layer(meta)].unmarked_format  # MLA: TorchSpec's published drafters
-    if unmarked:
+    if unmarked := KINDS[DrafterAttention.of_layer(meta)].unmarked_format:  # MLA: TorchSpec's published drafters
         return unmarked
     nested_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested_ids and not meta.get("eagle_aux_hidden_state_layer_ids"):

@@ -1,6 +1,5 @@
 """Export a drafter through a `Layout` (`eagle31.layouts`): every check first, then `config.json` and
-`model.safetensors`, atomically. What each field guards against, release by release: docs/export.md.
-"""
+`model.safetensors`, atomically. What each field guards against, release by release: docs/export.md."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from eagle31.layouts import Layout, layout_of
 from eagle31.model import Eagle31Drafter
 from eagle31.target import Dtype
 
-DTYPES = {d: getattr(torch, d) for d in Dtype}
 WEIGHTS_NAME = "model.safetensors"
 EXPORT_CONTENT = "export"  # the kind in an export folder's marker (eagle31.io.OUTPUT_MARKER)
 # what an export folder may hold: the export itself and the model card scripts/push_to_hub.py adds
@@ -38,9 +36,7 @@ def export_drafter(
     include_embed: bool | None = None, trained_context: int | None = None, num_speculative_tokens: int = 3,
     target_name_or_path: str | None = None, overwrite: bool = False, source: str | Path | None = None,
 ) -> Path:  # fmt: skip
-    """Write `drafter` to `out_dir` in `format` (a layout's name, or a `Layout`); returns `out_dir`. include_embed None:
-    the layout's default; trained_context: `data.max_len`; source: the drafter's directory, which `out_dir` must not be
-    or hold."""
+    """Write `drafter` to `out_dir` in `format` (a layout's name or a `Layout`), never over `source`, its own folder."""
     out = Path(out_dir)
     check_export_out(out, overwrite=overwrite, source=source)
     config = export_config(
@@ -59,7 +55,7 @@ def export_tensors(
 ) -> dict[str, torch.Tensor]:
     """The state dict under `format`'s names (`Layout.key`), floats cast to `dtype`, on CPU."""
     layout = layout_of(format)
-    torch_dtype = DTYPES[choose(Dtype, dtype, "export.dtype")]
+    torch_dtype = getattr(torch, choose(Dtype, dtype, "export.dtype"))
     check_vocab_maps(drafter)
     with_embed = embed_included(drafter.config, layout, include_embed)
     full_vocab = drafter.config.draft_vocab_size == drafter.config.vocab_size
@@ -137,21 +133,14 @@ def export_config(
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
-    target = target_name_or_path or config.target_name_or_path
-    check_rope_reading(config)
-    layout.check(config, target)
-    return layout.config(config, dtype=dtype, trained_context=trained_context, num_speculative_tokens=k, target=target)
-
-
-def check_rope_reading(config: DrafterConfig) -> None:
-    """Refuse a rope block that the supported vLLM releases read as different ropes (`eagle31.rope.ambiguity`): the
-    served rope would depend on the release."""
-    reason = config.kind.rope_ambiguity(config.rope_parameters)
-    if reason:
+    if reason := config.kind.rope_ambiguity(config.rope_parameters):  # supported vLLM releases read it as other ropes
         raise ConfigError(
             f"drafter.rope_parameters is read two ways: {reason}; the served rope would depend on the vLLM release. "
             "Fine-tune it with drafter.init_from (the drafter then takes a rope read one way) and export that"
         )
+    target = target_name_or_path or config.target_name_or_path
+    layout.check(config, target)
+    return layout.config(config, dtype=dtype, trained_context=trained_context, num_speculative_tokens=k, target=target)
 
 
 def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path | None = None) -> None:
@@ -171,8 +160,7 @@ def check_export_out(out: Path, *, overwrite: bool = False, source: str | Path |
         return
     if not overwrite:
         raise ConfigError(f"out={out} already holds an eagle31 export; pass overwrite=true to replace it")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and ".tmp-" not in p.name)
-    if foreign:
+    if foreign := sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and ".tmp-" not in p.name):
         raise ConfigError(
             f"out={out} holds files eagle31 did not write {foreign}; overwrite=true replaces the whole folder, "
             "so move them elsewhere first"

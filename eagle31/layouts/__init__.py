@@ -1,8 +1,5 @@
-"""The layouts an exported drafter is written in and read back from: `LAYOUTS`, the one list of export formats.
-
-The recipe's choices (`ExportFormat`, `DrafterFormat`), detection, reading and the model card all ask it; a new
-layout is a module here and its line below (docs/architecture.md, "How to add").
-"""
+"""`LAYOUTS`, the one list of the formats a drafter is exported in and read back from, which the recipe's choices,
+detection, reading and the model card ask; a new layout is a module here and its line below (docs/architecture.md)."""
 
 from __future__ import annotations
 

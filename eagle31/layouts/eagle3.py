@@ -1,8 +1,5 @@
-"""The EAGLE-3 HF layout (`export.formats=[eagle3]`) as vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read it.
-
-Weights under eagle31's own names; no embedding by default; the layout of a config no other layout recognises,
-SpecForge's and TorchSpec's among them (its `dialects`). docs/export.md.
-"""
+"""The EAGLE-3 HF layout (`export.formats=[eagle3]`) that vLLM's `llama_eagle3.py` and `deepseek_eagle3.py` read:
+eagle31's names, no embedding; that of a config no other layout recognises, SpecForge's and TorchSpec's among them."""
 
 from __future__ import annotations
 
@@ -23,10 +20,8 @@ class Eagle3Layout(Layout):
         self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
         target: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        layer = layer_fields(config, dtype, trained_context)
-        num_aux = {"num_aux_hidden_states": config.num_aux}  # vLLM sizes fc and fc_norm from it (else 3)
-        return {"architectures": [config.kind.architecture], **layer, **num_aux, **eagle_fields(config),
-                **provenance(config, target)}  # fmt: skip
+        return {"architectures": [config.kind.architecture], **layer_fields(config, dtype, trained_context),
+                **eagle_fields(config), **provenance(config, target)}  # fmt: skip
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
         layer = read_layer(meta)

@@ -1,8 +1,5 @@
-"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and what layouts share.
-
-The shared parts (the decoder layer as an HF config, the rope in both forms, the EAGLE fields, the `eagle31`
-provenance block, and their reading) are placed by each layout where its readers look; their rules: docs/export.md.
-"""
+"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and the parts layouts
+share, each placed where the layout's readers look (decoder layer, rope, EAGLE fields, provenance; docs/export.md)."""
 
 from __future__ import annotations
 
@@ -84,7 +81,7 @@ class Layout(ABC):
 
 
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
-    """The decoder layer as an HF config: the kind's fields (`AttentionKind.layer_fields`), then every kind's."""
+    """The decoder layer as an HF config: its kind's fields (`AttentionKind.layer_fields`), every kind's, aux count."""
     max_positions, rope = max_positions_and_rope(config, trained_context)
     return {
         **config.kind.layer_fields(config),
@@ -95,6 +92,7 @@ def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None)
         **sliding_window_fields(config),
         "vocab_size": config.vocab_size, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "dtype": dtype, "torch_dtype": dtype,  # transformers >= 5; transformers 4 and older vLLM
+        "num_aux_hidden_states": config.num_aux,  # vLLM sizes fc and fc_norm from it (else 3)
     }  # fmt: skip
 
 
@@ -124,17 +122,14 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
 
 def sliding_window_fields(config: DrafterConfig) -> dict[str, Any]:
     """The layer's window as vLLM's Llama attention reads it (docs/export.md); nothing for full attention."""
-    if config.sliding_window is None:
-        return {}
-    return {"sliding_window": config.sliding_window, "layer_types": ["sliding_attention"]}
+    window = config.sliding_window
+    return {} if window is None else {"sliding_window": window, "layer_types": ["sliding_attention"]}
 
 
 def served_sliding_window(layer: dict[str, Any]) -> int | None:
-    """The window vLLM serves a drafter layer (`layer`: its config.json fields) with: `sliding_window` when its
-    one layer type is `sliding_attention`, otherwise none."""
-    if (layer.get("layer_types") or [None])[0] != "sliding_attention":
-        return None
-    return layer.get("sliding_window")
+    """The window vLLM serves a layer (its config.json fields) with: its `sliding_window` if `sliding_attention`."""
+    sliding = (layer.get("layer_types") or [None])[0] == "sliding_attention"
+    return layer.get("sliding_window") if sliding else None
 
 
 def eagle_fields(config: DrafterConfig) -> dict[str, Any]:

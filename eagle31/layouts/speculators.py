@@ -54,8 +54,6 @@ class SpeculatorsLayout(Layout):
         self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
         target: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        layer = {**layer_fields(config, dtype, trained_context), "num_aux_hidden_states": config.num_aux,
-                 **{name: getattr(config, name) for name in THREE_ONE_FLAGS}}  # fmt: skip
         model_type, architecture = MODEL_TYPES[config.parallel_drafting]
         return {
             "architectures": [architecture],
@@ -67,7 +65,8 @@ class SpeculatorsLayout(Layout):
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": target, "architectures": list(config.target_architectures)},
             },
-            "transformer_layer_config": layer,
+            "transformer_layer_config": {**layer_fields(config, dtype, trained_context),
+                                         **{name: getattr(config, name) for name in THREE_ONE_FLAGS}},
             **eagle_fields(config),
             **provenance(config, target),
         }  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle31 import ConfigError
-from eagle31.convert import load_drafter
+from eagle31.convert import load_drafter, read_drafter_config
 from eagle31.eval.acceptance import load_prompts
 from eagle31.export import export_drafter
 from eagle31.plan import check_run_dir
@@ -112,3 +112,13 @@ def test_a_config_that_is_not_a_json_object(tmp_path):
     (tmp_path / "d" / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="is not a JSON object"):
         load_drafter(tmp_path / "d")
+
+
+def test_a_drafter_block_missing_a_field_is_one_line_for_the_weights_and_the_config_alone(tmp_path):
+    tiny_drafter(seed=1).save(tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    del config["drafter"]["hidden_size"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    for read in (load_drafter, read_drafter_config):
+        with pytest.raises(ConfigError, match=r"config.json: the drafter block is not a drafter config .*hidden_size"):
+            read(tmp_path / "d")
