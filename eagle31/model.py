@@ -4,7 +4,7 @@ Reads top to bottom: which keys a query sees (`Visibility`, the one rule) -> the
 drafter, its training-time-test (TTT) unroll and its attention, written as explicit scores. Parameter
 names are Hugging Face's (`fc`, `fc_norm.0`, `midlayer.self_attn.q_proj`, `lm_head`), so export is a
 rename table. The attention's projections and rope are its kind's, behind one seam,
-`self_attn.qkv(z, cos, sin) -> q, k, v` (eagle31/attention/llama.py: q/k/v; mla.py: DeepSeek's MLA).
+`self_attn.query_entry(z, cos, sin) -> q, entry` (eagle31/attention/llama.py: q/k/v; mla.py: DeepSeek's MLA).
 
 This unroll keeps every step's keys and scores (O(K * T^2) memory): it is for tests, the drift
 diagnostic and readers. Training runs the memory-lean unroll (`eagle31.ttt`, `eagle31.kernels`) and
@@ -299,8 +299,9 @@ class Eagle31Drafter(nn.Module):
         """feature [B, T, H] (`fuse_aux` at step 0, the previous step's `DraftStep.feature` after), its tokens
         and RoPE positions [B, T] -> (q [B, T, nh, d], k, v [B, T, nkv, d], the residual [B, T, H])."""
         z, residual = self.midlayer.attention_input(self.embed(tokens, feature.dtype), feature)
-        cos, sin = self.rotary_emb(positions, feature.dtype)
-        return (*self.midlayer.self_attn.qkv(z, cos, sin), residual)
+        q, entry = self.midlayer.self_attn.query_entry(z, *self.rotary_emb(positions, feature.dtype))
+        keys_values = self.midlayer.self_attn.step0_keys_values()  # what the entry's keys and values are
+        return q, *keys_values.fn(*entry, *keys_values.params), residual
 
     def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
         """The step after its attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""

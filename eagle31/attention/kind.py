@@ -1,7 +1,7 @@
 """`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it
 (each group of methods names its caller). The module a kind builds (`attention`) is what the drafter's layer calls:
-`qkv(z, cos, sin)` (the reference), `query`, `query_entry`, `keys_values`, `step0_keys_values`, `chain_keys_values`
-(the memory-lean unroll's entries) and `output`."""
+`query`, `query_entry`, `step0_keys_values`, `chain_keys_values` (each step's entry, its keys and values) and
+`output`."""
 
 from __future__ import annotations
 
