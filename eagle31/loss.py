@@ -30,27 +30,21 @@ _MIN_ACCEPTANCE = 1e-5
 
 
 class TargetHead:
-    """The target's lm_head, which makes the labels.
-
-    weight [V, Ht] (the target's `lm_head.weight`, frozen); draft_ids [Vd] the
-    target ids of the draft vocabulary (ascending).
-    """
+    """The target's lm_head, which makes the labels: weight [V, Ht] (frozen), draft_ids [Vd] the target ids of the
+    draft vocabulary (ascending)."""
 
     def __init__(self, weight: torch.Tensor, draft_ids: torch.Tensor):
         self.weight = weight.detach()
         self.draft_ids = draft_ids.to(weight.device)
-        V = weight.shape[0]
         # [Vd, Ht]; the weight itself when the draft vocabulary is the whole one (no second copy)
-        self.draft_weight = self.weight if self.draft_ids.numel() == V else self.weight[self.draft_ids]
+        self.draft_weight = self.weight if self.draft_ids.numel() == weight.shape[0] else self.weight[self.draft_ids]
         self.in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         self.in_draft[self.draft_ids] = True
 
     @torch.no_grad()
     def argmax(self, final: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
-        """Target argmax over the full vocabulary, [B, T] target ids (-1 where not `needed`).
-
-        final [B, T, Ht] — the input of the target's lm_head.
-        """
+        """Target argmax over the full vocabulary of final [B, T, Ht] (the lm_head's input): [B, T] target ids (-1
+        where not `needed`)."""
         B, T, _ = final.shape
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
         flat = final.reshape(B * T, -1)
@@ -86,11 +80,8 @@ def supervision_mask(
     ttt_length: int,
     target_in_vocab: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[K, B, T] bool: is query (p, k) supervised (see module docstring).
-
-    loss_mask [B, T]; segments [B, T] document runs; target_in_vocab [B, T]
-    (is the target argmax at q a draft token), or None to supervise regardless.
-    """
+    """[K, B, T] bool: is query (p, k) supervised (docs/design.md §4, "Labels"): loss_mask, segments [B, T];
+    target_in_vocab [B, T] (is the target argmax at q a draft token), or None to supervise regardless."""
     B, T = loss_mask.shape
     masks = []
     for k in range(ttt_length):
@@ -134,12 +125,10 @@ class Divergence:
 
 
 def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
-    """KL(p || q)."""
     return (label_logp.exp() * (label_logp - draft_logq)).sum(-1)
 
 
 def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
-    """1 - alpha."""
     return 1 - _acceptance(label_logp, draft_logq)
 
 
@@ -203,7 +192,6 @@ def ttt_loss(
     K = len(states)
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
-    device = final.device
     # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*Tf + p+1+k (both ascending).
     queries, labels = [], []
     for k in range(K):
@@ -222,31 +210,13 @@ def ttt_loss(
         *[s.reshape(B * T, -1) for s in states],
     )
     flat_argmax = target_argmax.reshape(-1)
-    counts, correct, cond_counts, cond_correct = [], [], [], []
-    chain_ok = torch.ones(B * T, dtype=torch.bool, device=device)  # steps 0..k-1 all correct
-    for k, draft in enumerate(draft_argmax.split([q.numel() for q in queries])):
-        hit = (draft + d2t[draft]) == flat_argmax[labels[k]]
-        prev = chain_ok[queries[k]]
-        counts.append(queries[k].numel())
-        correct.append(hit.sum())
-        cond_counts.append(prev.sum())
-        cond_correct.append((hit & prev).sum())
-        step_ok = torch.zeros_like(chain_ok)
-        step_ok[queries[k]] = hit
-        chain_ok &= step_ok
-    as_tensor = lambda xs: torch.stack([torch.as_tensor(x, device=device) for x in xs]).float()  # noqa: E731
-    return StepStats(
-        loss_sum=loss_sum,
-        count=as_tensor(counts),
-        correct=as_tensor(correct),
-        cond_count=as_tensor(cond_counts),
-        cond_correct=as_tensor(cond_correct),
-    )
-
-
-def step_weights(ttt_length: int, ttt_decay: float, dtype=torch.float32, device=None) -> torch.Tensor:
-    """[K]: w^k."""
-    return ttt_decay ** torch.arange(ttt_length, dtype=torch.float64, device=device).to(dtype)
+    per_step = []  # [4] per step: count, correct, cond_count, cond_correct
+    chain_ok = torch.ones(B * T, dtype=torch.bool, device=final.device)  # steps 0..k-1 all correct
+    for q, label, draft in zip(queries, labels, draft_argmax.split([q.numel() for q in queries])):
+        hit, prev = (draft + d2t[draft]) == flat_argmax[label], chain_ok[q]
+        per_step.append(torch.stack([torch.ones_like(hit), hit, prev, hit & prev]).sum(1))
+        chain_ok &= torch.zeros_like(chain_ok).index_put((q,), hit)
+    return StepStats(loss_sum, *torch.stack(per_step, 1).float())
 
 
 def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
@@ -254,7 +224,7 @@ def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Te
     mean over the supervised queries of every step (P-EAGLE's): 1 / their total."""
     if ttt_decay is None:
         return torch.full_like(global_count, 1 / max(float(global_count.sum()), 1), dtype=torch.float64)
-    w = step_weights(global_count.shape[0], ttt_decay, torch.float64, global_count.device)
+    w = ttt_decay ** torch.arange(global_count.shape[0], dtype=torch.float64, device=global_count.device)
     return w / global_count.double().clamp(min=1)
 
 
@@ -277,10 +247,8 @@ def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay:
 
 
 def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
-    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim.
-
-    tau_sim = 1 + sum_k prod_{j<=k} acc_j (the 1 is the bonus token, as in vLLM).
-    """
+    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim = 1 + sum_k prod_{j<=k} acc_j (the 1
+    is the bonus token, as in vLLM) and the supervised count."""
     count, correct, cond_count, cond_correct = counters.double().cpu()
     acc = correct / count.clamp(min=1)
     cond = cond_correct / cond_count.clamp(min=1)
@@ -295,12 +263,10 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 class FusedDraftLoss(torch.autograd.Function):
     """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax.
-
     Inputs (W [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries, labels:
     per step the ascending rows of h[k] [N, H] and of f that label them, scale [K] the loss's step weights, grads,
     divergence, *h). One pass over chunks of label rows forms dh and dW right there (autograd on each chunk's
-    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other.
-    """
+    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other."""
 
     @staticmethod
     def forward(ctx, W, f, Wt, queries, labels, scale, grads, divergence, *h):
@@ -317,9 +283,8 @@ class FusedDraftLoss(torch.autograd.Function):
         where = [torch.searchsorted(rows, lab) for lab in labels]  # each query's label, as an index into `rows`
         chunk = max(1, _LOGITS_BUDGET // W.shape[0])
         starts = torch.arange(0, rows.numel() + chunk, chunk, device=W.device).clamp(max=rows.numel())
-        bounds = [
-            torch.searchsorted(w, starts).tolist() for w in where
-        ]  # step k's queries of chunk c: bounds[k][c:c+2]
+        # step k's queries of chunk c: bounds[k][c:c+2]
+        bounds = [torch.searchsorted(w, starts).tolist() for w in where]
         for c, c0 in enumerate(starts[:-1].tolist()):
             logp = (f[rows[c0 : c0 + chunk]] @ Wt.T).to(acc).log_softmax(-1)  # [c, Vd] label log-probabilities
             for k in range(K):
@@ -354,18 +319,16 @@ class FusedDraftLoss(torch.autograd.Function):
         grad_W = None
         if dW is not None:
             grad_W = dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)  # in place: no second fp32 copy
-        grad_h = []
-        for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g):
-            grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk))
+        grad_h = [
+            None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk)
+            for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g)
+        ]
         return grad_W, None, None, None, None, None, None, None, *grad_h
 
 
 def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: float) -> None:
-    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H] in the compute dtype.
-
-    The product runs in the compute dtype (the fast matmul), in tiles of vocabulary rows
-    so its temporary never holds more than `_LOGITS_BUDGET` elements.
-    """
+    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H]: the product in their dtype (the fast matmul), in
+    tiles of vocabulary rows of at most `_LOGITS_BUDGET` elements."""
     if dW.dtype == h.dtype:
         dW.addmm_(dz.T, h, alpha=scale)
         return
