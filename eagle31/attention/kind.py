@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -30,9 +30,13 @@ class AttentionKind(ABC):
     model_type: str
     # the source format of a checkpoint of this kind that eagle31 did not write (`eagle31.convert.detect_format`)
     unmarked_format: str | None = None
-    # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
-    rope_fields_read: Mapping[str, tuple[str, ...]]
+    # the rope module (`eagle31.model`): config -> a module, position_ids [B, T] -> cos, sin [B, T, rope dims]
+    rotary_embedding: Callable[[DrafterShape], nn.Module]
+    # `eagle31.rope`: (rope, release) -> the numbers (`rope_quantities`) vLLM `release` makes of a yarn block in this
+    # kind's layer, and the fields each supported release reads
+    rope_reading: Callable[[dict[str, Any], str], tuple[float, ...]]
     rope_quantities: str
+    rope_fields_read: Mapping[str, tuple[str, ...]]
     # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
     # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
     chain_keeps_input: bool
@@ -59,10 +63,6 @@ class AttentionKind(ABC):
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         """The layer's attention projections (module docstring: what the drafter asks of them)."""
 
-    @abstractmethod
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        """The rope: position_ids [B, T] -> cos, sin [B, T, rope dims] in a dtype."""
-
     # ------------------------------------------------------------- config (eagle31.config)
 
     @abstractmethod
@@ -76,12 +76,6 @@ class AttentionKind(ABC):
     @abstractmethod
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         """The `DrafterShape` values this kind takes from the target's config (its text part) and rope block."""
-
-    # --------------------------------------------------------------- rope (eagle31.rope)
-
-    @abstractmethod
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        """The numbers vLLM `release` makes of a yarn block in this kind's layer (`rope_quantities`)."""
 
     def rope_ambiguity(self, rope: dict[str, Any]) -> str | None:
         """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""

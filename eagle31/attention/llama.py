@@ -34,8 +34,7 @@ class LlamaAttention(nn.Module):
         return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d] and the step's keys and values (k, v) each [B, T, nkv, d];
-        RoPE applied to q, k."""
+        """z [B, T, 2H] -> q [B, T, nh, d] and the step's entry, its keys and values (k, v) [B, T, nkv, d], roped."""
         return self.query(z, cos, sin), self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
 
     def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
@@ -90,15 +89,14 @@ class LlamaAttentionKind(AttentionKind):
     label = "a Llama-attention drafter"
     architecture = "LlamaForCausalLMEagle3"
     model_type = "llama"
+    rotary_embedding = RotaryEmbedding
+    rope_reading = staticmethod(llama_yarn_reading)
     rope_fields_read = YARN_FIELDS
     rope_quantities = "extrapolation, magnitude"
     chain_keeps_input = True  # its keys and values are wider than the step's input
 
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return LlamaAttention(config)
-
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        return RotaryEmbedding(config)
 
     def validate(self, cfg: DrafterShape) -> None:
         check_rope(cfg.rope_parameters)
@@ -110,19 +108,12 @@ class LlamaAttentionKind(AttentionKind):
         """The target's rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`)."""
         return {"rope_parameters": for_llama_drafter(rope)}
 
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        return llama_yarn_reading(rope, release)
-
-    # ------------------------------------------------------------------ estimate
-
     def attention_parameters(self, cfg: DrafterShape) -> int:
         H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
 
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         return cfg.num_attention_heads * cfg.head_dim
-
-    # ------------------------------------------------------------ export, convert
 
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, "head_dim": cfg.head_dim}

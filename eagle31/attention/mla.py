@@ -133,6 +133,8 @@ class MLAAttentionKind(AttentionKind):
     architecture = MLA_ARCHITECTURES[0]
     model_type = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter
     unmarked_format = "torchspec"
+    rotary_embedding = DeepseekRotaryEmbedding
+    rope_reading = staticmethod(deepseek_yarn_scales)
     rope_fields_read = DEEPSEEK_YARN_FIELDS_READ
     rope_quantities = "extrapolation, magnitude, softmax factor"
     chain_keeps_input = False  # its latents are what the chain keeps
@@ -140,9 +142,6 @@ class MLAAttentionKind(AttentionKind):
 
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return MLAAttention(config, rms_norm)
-
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        return DeepseekRotaryEmbedding(config)
 
     def validate(self, cfg: DrafterShape) -> None:
         for name in self.fields():
@@ -192,11 +191,6 @@ class MLAAttentionKind(AttentionKind):
         head_dim = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
         return {"mla": MLAConfig(**shape), "num_key_value_heads": heads, "head_dim": head_dim, "rope_parameters": rope}
 
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        return deepseek_yarn_scales(rope, release)
-
-    # ------------------------------------------------------------------ estimate
-
     def attention_parameters(self, cfg: DrafterShape) -> int:
         """q_a + norm + q_b, kv_a + norm + kv_b, o (`MLAAttention`)."""
         H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
@@ -206,8 +200,6 @@ class MLAAttentionKind(AttentionKind):
 
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         return cfg.num_attention_heads * cfg.mla.v_head_dim
-
-    # ------------------------------------------------------------ export, convert
 
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, **asdict(cfg.mla)}
