@@ -82,17 +82,14 @@ def supervision_mask(
 ) -> torch.Tensor:
     """[K, B, T] bool: is query (p, k) supervised (docs/design.md §4, "Labels"): loss_mask, segments [B, T];
     target_in_vocab [B, T] (is the target argmax at q a draft token), or None to supervise regardless."""
-    B, T = loss_mask.shape
-    masks = []
-    for k in range(ttt_length):
-        sup = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+    T = loss_mask.shape[1]
+    supervised = torch.zeros(ttt_length, *loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for k in range(min(ttt_length, T - 2)):
         n = T - (2 + k)  # positions p with p + 2 + k <= T - 1
-        if n > 0:
-            sup[:, :n] = (loss_mask[:, 2 + k :] > 0) & (segments[:, 2 + k :] == segments[:, :n])
-            if target_in_vocab is not None:
-                sup[:, :n] &= target_in_vocab[:, 1 + k : 1 + k + n]
-        masks.append(sup)
-    return torch.stack(masks)
+        supervised[k, :, :n] = (loss_mask[:, 2 + k :] > 0) & (segments[:, 2 + k :] == segments[:, :n])
+        if target_in_vocab is not None:
+            supervised[k, :, :n] &= target_in_vocab[:, 1 + k : 1 + k + n]
+    return supervised
 
 
 @dataclass
@@ -199,16 +196,9 @@ def ttt_loss(
         queries.append(b * T + p)
         labels.append(b * Tf + p + 1 + k)
     loss_sum, draft_argmax = FusedDraftLoss.apply(
-        lm_head_weight,
-        final.reshape(B * Tf, -1),
-        target.draft_weight.to(final.dtype),
-        queries,
-        labels,
-        step_scale.detach().double().cpu(),
-        torch.is_grad_enabled(),
-        loss,
-        *[s.reshape(B * T, -1) for s in states],
-    )
+        lm_head_weight, final.reshape(B * Tf, -1), target.draft_weight.to(final.dtype), queries, labels,
+        step_scale.detach().double().cpu(), torch.is_grad_enabled(), loss, *[s.reshape(B * T, -1) for s in states],
+    )  # fmt: skip
     flat_argmax = target_argmax.reshape(-1)
     per_step = []  # [4] per step: count, correct, cond_count, cond_correct
     chain_ok = torch.ones(B * T, dtype=torch.bool, device=final.device)  # steps 0..k-1 all correct

@@ -97,8 +97,7 @@ class _RMSNormFunction(torch.autograd.Function):
         n = x.to(rstd.dtype) * rstd  # the normalised x, fp32
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype)
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype).to(weight.dtype)
         grad_n = (grad * weight).to(rstd.dtype)
         grad_x = rstd * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
@@ -145,10 +144,6 @@ class Eagle3DecoderLayer(nn.Module):
         residual = h_normed if self.norm_before_residual else h
         return torch.cat([self.input_layernorm(emb), h_normed], dim=-1), residual
 
-    def attention_residual(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """h' = r + o_proj(attn): attn [B, T, nh, d] -> [B, T, H]."""
-        return residual + self.self_attn.output(attn)
-
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """h' + mlp(post_attention_layernorm(h')), position by position: [*, H]."""
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -170,22 +165,17 @@ class TTTOutput:
     segments: torch.Tensor  # [B, T] the document runs the attention respected (of the keys, on a shard)
 
 
-def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    """x[:, t] -> x[:, t + n], padded with `fill` at the end; x [B, T]."""
-    if n == 0:
-        return x
-    pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] -> x[:, t + n], padded with zeros at the end; x [B, T]."""
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]))], dim=1)
 
 
 # ----------------------------------------------------------------------------------- the drafter
 
 
 class Eagle31Drafter(nn.Module):
-    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`).
-
-    Buffers d2t [Vd] (int64 offsets: target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary).
-    """
+    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`); buffers d2t [Vd] (int64 offsets:
+    target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -282,7 +272,7 @@ class Eagle31Drafter(nn.Module):
 
     def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
         """The step after its attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
-        return self.read_out(self.midlayer.feed_forward(self.midlayer.attention_residual(residual, attn)))
+        return self.read_out(self.midlayer.feed_forward(residual + self.midlayer.self_attn.output(attn)))
 
     def read_out(self, hidden: torch.Tensor, state: torch.Tensor | None = None) -> DraftStep:
         """o [B, T, H] -> o, norm(o) and the next step's feature (`norm_output`); `state`: norm(o) if known."""

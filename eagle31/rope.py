@@ -83,10 +83,7 @@ def inverse_frequencies(
 
 def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
     wavelength = 2 * math.pi / base
-    if low == high:
-        blend = torch.zeros_like(base)
-    else:
-        blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    blend = ((original / wavelength - low) / (high - low)).clamp(0, 1) if low != high else torch.zeros_like(base)
     scaled = torch.where(wavelength > original / low, base / factor, (1 - blend) * base / factor + blend * base)
     return torch.where(wavelength < original / high, base, scaled)
 
@@ -173,6 +170,4 @@ def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[flo
 def for_llama_drafter(rope: dict[str, Any]) -> dict[str, Any]:
     """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields, so every release
     reads the magnitude 0.1·ln(factor) + 1 (docs/export.md)."""
-    if rope.get("rope_type") != "yarn":
-        return dict(rope)
-    return {k: v for k, v in rope.items() if k not in DEEPSEEK_YARN_FIELDS}
+    return {k: v for k, v in rope.items() if rope.get("rope_type") != "yarn" or k not in DEEPSEEK_YARN_FIELDS}
