@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from eagle31.rope import ambiguity
@@ -83,13 +84,17 @@ class AttentionKind(ABC):
 
     # ------------------------------------------------------- estimate (eagle31.estimate)
 
-    @abstractmethod
     def attention_parameters(self, cfg: DrafterShape) -> int:
-        """Parameters of the layer's attention (its projections read 2H)."""
+        """Parameters of the layer's attention (its projections read 2H), counted on a meta-device copy."""
+        return sum(p.numel() for p in self._meta_attention(cfg).parameters())
 
-    @abstractmethod
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         """Width of o_proj's input."""
+        return self._meta_attention(cfg).o_proj.in_features
+
+    def _meta_attention(self, cfg: DrafterShape) -> nn.Module:
+        with torch.device("meta"):
+            return self.attention(cfg, nn.RMSNorm)
 
     # --------------------------------------------- export (eagle31.layouts) and convert
 

@@ -108,13 +108,6 @@ class LlamaAttentionKind(AttentionKind):
         """The target's rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`)."""
         return {"rope_parameters": for_llama_drafter(rope)}
 
-    def attention_parameters(self, cfg: DrafterShape) -> int:
-        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
-
-    def o_proj_in_features(self, cfg: DrafterShape) -> int:
-        return cfg.num_attention_heads * cfg.head_dim
-
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, "head_dim": cfg.head_dim}
 

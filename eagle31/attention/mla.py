@@ -88,7 +88,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = rms_norm(mla.kv_lora_rank, eps)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
-        self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
+        with torch.device("cpu"):  # a number even when the drafter is built on the meta device
+            self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """z [B, T, 2H] -> q [B, T, nh, nope + rope] (rope applied, the softmax-scale correction
@@ -190,16 +191,6 @@ class MLAAttentionKind(AttentionKind):
         heads = target["num_attention_heads"]
         head_dim = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
         return {"mla": MLAConfig(**shape), "num_key_value_heads": heads, "head_dim": head_dim, "rope_parameters": rope}
-
-    def attention_parameters(self, cfg: DrafterShape) -> int:
-        """q_a + norm + q_b, kv_a + norm + kv_b, o (`MLAAttention`)."""
-        H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
-        q = 2 * H * qr + qr + qr * nh * self.qk_head_dim(cfg)
-        kv = 2 * H * (kvr + cfg.mla.qk_rope_head_dim) + kvr + kvr * nh * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
-        return q + kv + nh * cfg.mla.v_head_dim * H
-
-    def o_proj_in_features(self, cfg: DrafterShape) -> int:
-        return cfg.num_attention_heads * cfg.mla.v_head_dim
 
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, **asdict(cfg.mla)}
