@@ -139,12 +139,8 @@ def ambiguity(
     readings = {release: reading(rope, release) for release in VLLM_RELEASES}
     if all(math.isclose(x, y, rel_tol=1e-6) for r in VLLM_RELEASES for x, y in zip(readings[r], readings[NEWEST])):
         return None
-    differing = [
-        k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)
-    ]
-    named = ", ".join(
-        f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing
-    )
+    readers = {k: [r for r in VLLM_RELEASES if k in fields[r]] for k in rope}
+    named = ", ".join(f"{k} (read by vLLM {' and '.join(rs)} only)" for k, rs in readers.items() if 0 < len(rs) < 2)
     numbers = "; ".join(f"{r}: " + ", ".join(f"{x:.4g}" for x in readings[r]) for r in VLLM_RELEASES)
     return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({quantities}: {numbers})"
 

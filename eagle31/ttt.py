@@ -54,6 +54,7 @@ def ttt_unroll(
     run = partial(checkpoint, use_reentrant=False) if checkpointing else lambda fn, *args: fn(*args)
     feature = run(drafter.fuse_aux, aux)  # [B, T, H]; its norms' activations are 3x [B, T, n*Ht]: recomputed too
     expand0, expand = drafter.midlayer.self_attn.step0_keys_values(), chain_keys_values(drafter)
+    rule = drafter.visibility
 
     def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing recomputes them
@@ -65,9 +66,7 @@ def ttt_unroll(
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             q, entry, residual = step_entry(drafter, feature, ids, positions, chain=True)
             chain = (*chain, entry)
-        attn = ttt_attention_of_entries(
-            q, entry0, chain, segments, attention_kernel, expand0, expand, drafter.visibility
-        )
+        attn = ttt_attention_of_entries(q, entry0, chain, segments, attention_kernel, expand0, expand, rule)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
         return _output_in_token_chunks(drafter, residual + drafter.midlayer.self_attn.output(attn)), entry0, chain
