@@ -1,7 +1,8 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it
-(each group of methods names its caller). The module a kind builds (`attention`) is what the drafter's layer calls:
-`query`, `query_entry`, `step0_keys_values`, `chain_keys_values` (each step's entry, its keys and values) and
-`output`."""
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it:
+`eagle31.model` (`attention`), `eagle31.config` (`validate`, `qk_head_dim`, `from_target`), `eagle31.estimate`
+(`attention_parameters`, `o_proj_in_features`), export and convert (`rope_ambiguity`, `layer_fields`, `recognises`,
+`read_layer`). The module a kind builds (`attention`) is what the drafter's layer calls: `query`, `query_entry`,
+`step0_keys_values`, `chain_keys_values` (each step's entry, its keys and values) and `output`."""
 
 from __future__ import annotations
 
@@ -58,13 +59,9 @@ class AttentionKind(ABC):
         """The names of its own fields (`config_type`'s)."""
         return tuple(f.name for f in dataclasses.fields(self.config_type)) if self.config_type else ()
 
-    # ------------------------------------------------------------------ model (eagle31.model)
-
     @abstractmethod
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         """The layer's attention projections (module docstring: what the drafter asks of them)."""
-
-    # ------------------------------------------------------------- config (eagle31.config)
 
     @abstractmethod
     def validate(self, cfg: DrafterShape) -> None:
@@ -82,8 +79,6 @@ class AttentionKind(ABC):
         """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""
         return ambiguity(rope, self.rope_reading, dict(self.rope_fields_read), self.rope_quantities)
 
-    # ------------------------------------------------------- estimate (eagle31.estimate)
-
     def attention_parameters(self, cfg: DrafterShape) -> int:
         """Parameters of the layer's attention (its projections read 2H), counted on a meta-device copy."""
         return sum(p.numel() for p in self._meta_attention(cfg).parameters())
@@ -95,8 +90,6 @@ class AttentionKind(ABC):
     def _meta_attention(self, cfg: DrafterShape) -> nn.Module:
         with torch.device("meta"):
             return self.attention(cfg, nn.RMSNorm)
-
-    # --------------------------------------------- export (eagle31.layouts) and convert
 
     @abstractmethod
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:

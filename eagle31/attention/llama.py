@@ -30,8 +30,7 @@ class LlamaAttention(nn.Module):
 
     def query(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """z [B, T, 2H] -> q [B, T, nh, d], RoPE applied."""
-        B, T, _ = z.shape
-        return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
+        return apply_rope(self.q_proj(z).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """z [B, T, 2H] -> q [B, T, nh, d] and the step's entry, its keys and values (k, v) [B, T, nkv, d], roped."""
@@ -39,10 +38,8 @@ class LlamaAttention(nn.Module):
 
     def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
         """z [B, T, 2H] -> k (RoPE applied), v [B, T, nkv, d], with the given k_proj / v_proj weights."""
-        B, T, _ = z.shape
-        k = F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
+        k = F.linear(z, k_weight).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), F.linear(z, v_weight).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def step0_keys_values(self) -> ChainKeysValues:
         """The causal (step-0) keys and values are the step-0 entry itself."""
@@ -54,9 +51,8 @@ class LlamaAttention(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`): position_ids [B, T] -> cos, sin
-    [B, T, rope dims] in a dtype. The inverse frequencies are float64, kept outside the module's buffers so a bf16
-    cast never degrades them; `attention_scaling` is the cos/sin magnitude (not 1 for yarn)."""
+    """RoPE as vLLM serves it from the exported config (`eagle31.rope`): position_ids [B, T] -> cos, sin [B, T, d];
+    inverse frequencies float64 outside the buffers (no bf16 cast degrades them), `attention_scaling` the magnitude."""
 
     interleaved = False  # each frequency on a pair of dims (DeepSeek's), else on both halves (Llama's rotate-half)
 

@@ -92,14 +92,12 @@ class MLAAttention(nn.Module):
             self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (rope applied, the softmax-scale correction
-        folded in) and the entry the TTT chain keeps: the latent [B, T, kv_lora_rank + rope],
-        kv_a_layernorm(c_kv) beside the roped k_pe (`mla_keys_values` decompresses it)."""
-        B, T, _ = z.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, self.num_heads, self.qk_dim)
+        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (roped, softmax-scale correction folded in) and the entry: the
+        latent [B, T, kv_lora_rank + rope], kv_a_layernorm(c_kv) beside the roped k_pe (`mla_keys_values`' input)."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).unflatten(-1, (self.num_heads, self.qk_dim))
         c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
         q_pe = apply_interleaved_rope(q[..., self.nope :], cos, sin)
-        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).view(B, T, self.rope)
+        k_pe = apply_interleaved_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)  # one rope key for every head
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
         return q, (torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1),)
 
