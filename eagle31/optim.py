@@ -74,12 +74,8 @@ class Optimizers:
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], schedule):
         self.by_name = optimizers  # {"adamw": ..., "muon": ...}: the lr each logs is `lr` or `muon_lr`
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers.values()]
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """In a fixed order: what checkpoints save and restore (`eagle31.checkpoint`)."""
-        return list(self.by_name.values())
+        self.optimizers = list(optimizers.values())  # in a fixed order: what checkpoints save and restore
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
 
     def step(self) -> None:
         for o in self.optimizers:
