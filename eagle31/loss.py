@@ -47,19 +47,17 @@ class TargetHead:
         where not `needed`)."""
         B, T, _ = final.shape
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
-        flat = final.reshape(B * T, -1)
         idx = torch.arange(B * T, device=final.device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
         w = self.weight.to(final.dtype)
         # Tiles of rows x vocabulary columns: enough rows per tile that the matmul is compute-bound
         # (the whole [V, Ht] weight is read once per row tile), a running max across column tiles.
-        V = w.shape[0]
-        cols = min(V, _ARGMAX_COLUMNS)
+        cols = min(w.shape[0], _ARGMAX_COLUMNS)
         rows = max(1, _LOGITS_BUDGET // cols)
         for i in range(0, idx.numel(), rows):
             sel = idx[i : i + rows]
-            x = flat[sel]
+            x = final.reshape(B * T, -1)[sel]
             best, arg = (x @ w[:cols].T).max(dim=-1)
-            for c in range(cols, V, cols):
+            for c in range(cols, w.shape[0], cols):
                 value, index = (x @ w[c : c + cols].T).max(dim=-1)
                 better = value > best  # strict: ties keep the lower id, as argmax does
                 best, arg = torch.where(better, value, best), torch.where(better, index + c, arg)
@@ -69,16 +67,11 @@ class TargetHead:
 
 def label_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: positions q whose final state labels some supervised query (m[q+1] = 1)."""
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    needed[:, :-1] = loss_mask[:, 1:] > 0
-    return needed
+    return torch.nn.functional.pad(loss_mask[:, 1:] > 0, (0, 1))
 
 
 def supervision_mask(
-    loss_mask: torch.Tensor,
-    segments: torch.Tensor,
-    ttt_length: int,
-    target_in_vocab: torch.Tensor | None = None,
+    loss_mask: torch.Tensor, segments: torch.Tensor, ttt_length: int, target_in_vocab: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[K, B, T] bool: is query (p, k) supervised (docs/design.md §4, "Labels"): loss_mask, segments [B, T];
     target_in_vocab [B, T] (is the target argmax at q a draft token), or None to supervise regardless."""
@@ -186,13 +179,12 @@ def ttt_loss(
     """Loss sums and accuracy counts of one micro-batch: states per step [B, T, H], final [B, Tf, Ht] (Tf > T on a
     shard: its halo), supervised [K, B, T], target_argmax [B, Tf]; step_scale [K] the weights the sums get in the
     loss (`step_scales` of the global counts): only a loss proportional to `weighted_loss` may be differentiated."""
-    K = len(states)
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
     # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*Tf + p+1+k (both ascending).
     queries, labels = [], []
-    for k in range(K):
-        b, p = supervised[k].nonzero(as_tuple=True)
+    for k, step in enumerate(supervised):
+        b, p = step.nonzero(as_tuple=True)
         queries.append(b * T + p)
         labels.append(b * Tf + p + 1 + k)
     loss_sum, draft_argmax = FusedDraftLoss.apply(
@@ -242,21 +234,17 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
     count, correct, cond_count, cond_correct = counters.double().cpu()
     acc = correct / count.clamp(min=1)
     cond = cond_correct / cond_count.clamp(min=1)
-    metrics: dict[str, float] = {}
-    for k in range(acc.numel()):
-        metrics[f"acc_{k}"] = float(acc[k])
-        metrics[f"cond_acc_{k}"] = float(cond[k])
-    metrics["tau_sim"] = float(1 + torch.cumprod(acc, 0).sum())
-    metrics["supervised"] = float(count.sum())
-    return metrics
+    per_step = {
+        f"{name}_{k}": float(x[k]) for k in range(acc.numel()) for name, x in (("acc", acc), ("cond_acc", cond))
+    }
+    return {**per_step, "tau_sim": float(1 + torch.cumprod(acc, 0).sum()), "supervised": float(count.sum())}
 
 
 class FusedDraftLoss(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax.
-    Inputs (W [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries, labels:
-    per step the ascending rows of h[k] [N, H] and of f that label them, scale [K] the loss's step weights, grads,
-    divergence, *h). One pass over chunks of label rows forms dh and dW right there (autograd on each chunk's
-    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other."""
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax, of W
+    [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries and labels (per step
+    the ascending rows of h[k] [N, H] and of f), scale [K] step weights, grads, divergence, *h. One pass over chunks of
+    label rows forms dh and dW; backward scales them by the one grad_loss[k] / scale[k] all steps share, or refuses."""
 
     @staticmethod
     def forward(ctx, W, f, Wt, queries, labels, scale, grads, divergence, *h):
@@ -306,9 +294,8 @@ class FusedDraftLoss(torch.autograd.Function):
         ctx.consumed = True
         dW, *dh = ctx.saved_tensors
         g = grad_loss.tolist()  # one scalar per step
-        grad_W = None
-        if dW is not None:
-            grad_W = dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)  # in place: no second fp32 copy
+        # dW scaled in place: no second fp32 copy
+        grad_W = None if dW is None else dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)
         grad_h = [
             None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk)
             for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g)
