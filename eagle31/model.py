@@ -24,9 +24,6 @@ NATIVE_FORMAT = "eagle31-drafter"
 NATIVE_FORMAT_VERSION = 1
 
 
-# ----------------------------------------------------------------------------------- which keys a query sees
-
-
 def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tensor:
     """Document runs [B, T]: a query attends only within its run of equal document id (-1 or a 0 in `attention_mask`
     is padding, which forms runs of its own: no real token attends padding)."""
@@ -65,9 +62,6 @@ def explicit_attention(q, k, v, allowed, probe=None) -> torch.Tensor:
     if probe is not None:
         probe(probs)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(g, dim=2))
-
-
-# ----------------------------------------------------------------------------------- the decoder layer
 
 
 class RMSNorm(nn.Module):
@@ -170,9 +164,6 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]))], dim=1)
 
 
-# ----------------------------------------------------------------------------------- the drafter
-
-
 class Eagle31Drafter(nn.Module):
     """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`); buffers d2t [Vd] (int64 offsets:
     target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary)."""
@@ -253,8 +244,8 @@ class Eagle31Drafter(nn.Module):
         return self.fc(aux)
 
     def mask_slots(self, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): the feature
-        fuse_aux(mask_hidden) [B, T, H] and the mask token [B, T]."""
+        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): fuse_aux(mask_hidden) [B, T, H]
+        and the mask token [B, T]."""
         feature = self.fuse_aux(self.mask_hidden)[0].expand(*shape, -1)
         return feature, torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
 
@@ -279,8 +270,6 @@ class Eagle31Drafter(nn.Module):
         state = self.norm(hidden) if state is None else state
         return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
 
-    # ------------------------------------------------------------------------------- the TTT unroll
-
     def forward(self, aux, input_ids, *, ttt_length: int = 1, **kwargs) -> list[torch.Tensor]:
         """Per-step draft logits [B, T, Vd]: step k at position p is query (p, k) (`unroll`'s arguments)."""
         return [self.lm_head(s) for s in self.unroll(aux, input_ids, ttt_length=ttt_length, **kwargs).states]
@@ -297,11 +286,10 @@ class Eagle31Drafter(nn.Module):
         first_query: int = 0,
         probe: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TTTOutput:
-        """K = `ttt_length` drafter steps over every position (docs/design.md §4): aux [B, T, n*Ht], input_ids [B, T];
-        document_ids [B, T] numbers packed documents (-1 padding), attention_mask [B, T] 1 = real, position_ids [B, T]
-        the RoPE positions. Queries start at `first_query` (earlier positions are keys only); the outputs are theirs,
-        [B, Tq = T - first_query, H]. `probe(k, probs)` sees step k's attention [B, nh, Tq, S], keys step-major (T of
-        step 0, Tq of each later step)."""
+        """K = `ttt_length` drafter steps over every position (docs/design.md §4): aux [B, T, n*Ht]; input_ids,
+        document_ids (-1 padding), attention_mask (1 = real), position_ids (RoPE) [B, T]. Outputs [B, Tq, H] are the
+        queries' from `first_query` on (earlier positions are keys only); `probe(k, probs)` sees step k's attention
+        [B, nh, Tq, S], keys step-major (T of step 0, Tq of each later step)."""
         if ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
         B, T = input_ids.shape
@@ -337,8 +325,6 @@ class Eagle31Drafter(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.compile()
-
-    # ------------------------------------------------------------------------------- save / load
 
     def save(self, path: str | Path, include_embed: bool = True) -> None:
         """Native format: config.json + model.safetensors (written atomically)."""

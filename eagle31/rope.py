@@ -1,8 +1,5 @@
-"""The drafter's rotary embedding as vLLM serves it (docs/design.md §3; docs/export.md, "The rope rule").
-
-`inverse_frequencies`: the inverse frequencies and cos/sin magnitude vLLM's `get_rope` builds from an exported
-config, release by release (`VLLM_RELEASES`); `ambiguity` names the fields of a block the releases read differently.
-"""
+"""The drafter's rotary embedding as vLLM serves it, release by release (`VLLM_RELEASES`; docs/design.md §3,
+docs/export.md "The rope rule"); `ambiguity` names the fields of a block the releases read differently."""
 
 from __future__ import annotations
 
@@ -91,8 +88,7 @@ def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original
 def yarn_frequencies(
     base: torch.Tensor, rope: dict[str, Any], original: int, extrapolation: float, truncate: bool = True
 ) -> torch.Tensor:
-    """YaRN's blend of `base` [d/2] and `base / factor`, by a ramp between the dims that turn `beta_fast` and
-    `beta_slow` times over `original` positions (Llama's YaRN and DeepSeek's alike)."""
+    """YaRN's ramp from `base` [d/2] to `base / factor` between the dims of beta_fast and beta_slow turns."""
     d, theta = 2 * base.numel(), float(rope["rope_theta"])
 
     def dim_of(rotations: float) -> float:

@@ -12,8 +12,7 @@ from eagle31.kernels.entries import ChainKeysValues
 from eagle31.kernels.ttt_attention import ttt_attention_of_entries
 from eagle31.model import TTTOutput, rms_norm, segment_ids, shift_left
 
-# With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
-# intermediate activations hold about this many elements.
+# with activation checkpointing, the MLP block is recomputed in token-row chunks of about this many activations
 FEED_FORWARD_BUDGET = 1 << 26
 
 
@@ -30,10 +29,9 @@ def ttt_unroll(
     activation_checkpointing: bool = False,
     sequence=None,
 ) -> TTTOutput:
-    """K = `ttt_length` drafter steps over every position at once (`Eagle31Drafter.unroll`'s arguments);
-    `attention_kernel`: auto | flash | blockwise (`eagle31.kernels`), or reference (the spec's unroll). `sequence`
-    (`eagle31.sequence_parallel.SequenceShard`): aux holds this rank's T positions, input_ids them and their halo;
-    the document runs are the shard's `key_segments`, positions the global ones, step-0 entries gathered up to it."""
+    """`Eagle31Drafter.unroll` in memory linear in T; `attention_kernel`: auto | flash | blockwise (`eagle31.kernels`),
+    or reference (the spec's unroll). `sequence` (a `SequenceShard`): aux holds this rank's T positions, input_ids them
+    and their halo; its `key_segments`, global positions, and step-0 entries gathered up to it (docs/design.md §4)."""
     if attention_kernel == "reference":
         if sequence is not None:
             raise ValueError("the reference attention runs on whole sequences, not on sequence shards")
@@ -94,8 +92,7 @@ def step_entry(drafter, feature: torch.Tensor, tokens: torch.Tensor, positions: 
     cos, sin = drafter.rotary_emb(positions, feature.dtype)
     if chain and drafter.config.kind.chain_keeps_input:
         return attn.query(z, cos, sin), (feature, tokens, positions), residual
-    q, entry = attn.query_entry(z, cos, sin)
-    return q, entry, residual
+    return *attn.query_entry(z, cos, sin), residual
 
 
 def chain_keys_values(drafter) -> ChainKeysValues:
