@@ -30,42 +30,34 @@ _MIN_ACCEPTANCE = 1e-5
 
 
 class TargetHead:
-    """The target's lm_head, which makes the labels.
-
-    weight [V, Ht] (the target's `lm_head.weight`, frozen); draft_ids [Vd] the
-    target ids of the draft vocabulary (ascending).
-    """
+    """The target's lm_head, which makes the labels: weight [V, Ht] (frozen), draft_ids [Vd] the target ids of the
+    draft vocabulary (ascending)."""
 
     def __init__(self, weight: torch.Tensor, draft_ids: torch.Tensor):
         self.weight = weight.detach()
         self.draft_ids = draft_ids.to(weight.device)
-        V = weight.shape[0]
         # [Vd, Ht]; the weight itself when the draft vocabulary is the whole one (no second copy)
-        self.draft_weight = self.weight if self.draft_ids.numel() == V else self.weight[self.draft_ids]
+        self.draft_weight = self.weight if self.draft_ids.numel() == weight.shape[0] else self.weight[self.draft_ids]
         self.in_draft = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         self.in_draft[self.draft_ids] = True
 
     @torch.no_grad()
     def argmax(self, final: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
-        """Target argmax over the full vocabulary, [B, T] target ids (-1 where not `needed`).
-
-        final [B, T, Ht] — the input of the target's lm_head.
-        """
+        """Target argmax over the full vocabulary of final [B, T, Ht] (the lm_head's input): [B, T] target ids (-1
+        where not `needed`)."""
         B, T, _ = final.shape
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
-        flat = final.reshape(B * T, -1)
         idx = torch.arange(B * T, device=final.device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
         w = self.weight.to(final.dtype)
         # Tiles of rows x vocabulary columns: enough rows per tile that the matmul is compute-bound
         # (the whole [V, Ht] weight is read once per row tile), a running max across column tiles.
-        V = w.shape[0]
-        cols = min(V, _ARGMAX_COLUMNS)
+        cols = min(w.shape[0], _ARGMAX_COLUMNS)
         rows = max(1, _LOGITS_BUDGET // cols)
         for i in range(0, idx.numel(), rows):
             sel = idx[i : i + rows]
-            x = flat[sel]
+            x = final.reshape(B * T, -1)[sel]
             best, arg = (x @ w[:cols].T).max(dim=-1)
-            for c in range(cols, V, cols):
+            for c in range(cols, w.shape[0], cols):
                 value, index = (x @ w[c : c + cols].T).max(dim=-1)
                 better = value > best  # strict: ties keep the lower id, as argmax does
                 best, arg = torch.where(better, value, best), torch.where(better, index + c, arg)
@@ -75,33 +67,22 @@ class TargetHead:
 
 def label_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: positions q whose final state labels some supervised query (m[q+1] = 1)."""
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    needed[:, :-1] = loss_mask[:, 1:] > 0
-    return needed
+    return torch.nn.functional.pad(loss_mask[:, 1:] > 0, (0, 1))
 
 
 def supervision_mask(
-    loss_mask: torch.Tensor,
-    segments: torch.Tensor,
-    ttt_length: int,
-    target_in_vocab: torch.Tensor | None = None,
+    loss_mask: torch.Tensor, segments: torch.Tensor, ttt_length: int, target_in_vocab: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """[K, B, T] bool: is query (p, k) supervised (see module docstring).
-
-    loss_mask [B, T]; segments [B, T] document runs; target_in_vocab [B, T]
-    (is the target argmax at q a draft token), or None to supervise regardless.
-    """
-    B, T = loss_mask.shape
-    masks = []
-    for k in range(ttt_length):
-        sup = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+    """[K, B, T] bool: is query (p, k) supervised (docs/design.md §4, "Labels"): loss_mask, segments [B, T];
+    target_in_vocab [B, T] (is the target argmax at q a draft token), or None to supervise regardless."""
+    T = loss_mask.shape[1]
+    supervised = torch.zeros(ttt_length, *loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for k in range(min(ttt_length, T - 2)):
         n = T - (2 + k)  # positions p with p + 2 + k <= T - 1
-        if n > 0:
-            sup[:, :n] = (loss_mask[:, 2 + k :] > 0) & (segments[:, 2 + k :] == segments[:, :n])
-            if target_in_vocab is not None:
-                sup[:, :n] &= target_in_vocab[:, 1 + k : 1 + k + n]
-        masks.append(sup)
-    return torch.stack(masks)
+        supervised[k, :, :n] = (loss_mask[:, 2 + k :] > 0) & (segments[:, 2 + k :] == segments[:, :n])
+        if target_in_vocab is not None:
+            supervised[k, :, :n] &= target_in_vocab[:, 1 + k : 1 + k + n]
+    return supervised
 
 
 @dataclass
@@ -134,12 +115,10 @@ class Divergence:
 
 
 def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
-    """KL(p || q)."""
     return (label_logp.exp() * (label_logp - draft_logq)).sum(-1)
 
 
 def tv_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
-    """1 - alpha."""
     return 1 - _acceptance(label_logp, draft_logq)
 
 
@@ -200,53 +179,26 @@ def ttt_loss(
     """Loss sums and accuracy counts of one micro-batch: states per step [B, T, H], final [B, Tf, Ht] (Tf > T on a
     shard: its halo), supervised [K, B, T], target_argmax [B, Tf]; step_scale [K] the weights the sums get in the
     loss (`step_scales` of the global counts): only a loss proportional to `weighted_loss` may be differentiated."""
-    K = len(states)
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
-    device = final.device
     # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*Tf + p+1+k (both ascending).
     queries, labels = [], []
-    for k in range(K):
-        b, p = supervised[k].nonzero(as_tuple=True)
+    for k, step in enumerate(supervised):
+        b, p = step.nonzero(as_tuple=True)
         queries.append(b * T + p)
         labels.append(b * Tf + p + 1 + k)
     loss_sum, draft_argmax = FusedDraftLoss.apply(
-        lm_head_weight,
-        final.reshape(B * Tf, -1),
-        target.draft_weight.to(final.dtype),
-        queries,
-        labels,
-        step_scale.detach().double().cpu(),
-        torch.is_grad_enabled(),
-        loss,
-        *[s.reshape(B * T, -1) for s in states],
-    )
+        lm_head_weight, final.reshape(B * Tf, -1), target.draft_weight.to(final.dtype), queries, labels,
+        step_scale.detach().double().cpu(), torch.is_grad_enabled(), loss, *[s.reshape(B * T, -1) for s in states],
+    )  # fmt: skip
     flat_argmax = target_argmax.reshape(-1)
-    counts, correct, cond_counts, cond_correct = [], [], [], []
-    chain_ok = torch.ones(B * T, dtype=torch.bool, device=device)  # steps 0..k-1 all correct
-    for k, draft in enumerate(draft_argmax.split([q.numel() for q in queries])):
-        hit = (draft + d2t[draft]) == flat_argmax[labels[k]]
-        prev = chain_ok[queries[k]]
-        counts.append(queries[k].numel())
-        correct.append(hit.sum())
-        cond_counts.append(prev.sum())
-        cond_correct.append((hit & prev).sum())
-        step_ok = torch.zeros_like(chain_ok)
-        step_ok[queries[k]] = hit
-        chain_ok &= step_ok
-    as_tensor = lambda xs: torch.stack([torch.as_tensor(x, device=device) for x in xs]).float()  # noqa: E731
-    return StepStats(
-        loss_sum=loss_sum,
-        count=as_tensor(counts),
-        correct=as_tensor(correct),
-        cond_count=as_tensor(cond_counts),
-        cond_correct=as_tensor(cond_correct),
-    )
-
-
-def step_weights(ttt_length: int, ttt_decay: float, dtype=torch.float32, device=None) -> torch.Tensor:
-    """[K]: w^k."""
-    return ttt_decay ** torch.arange(ttt_length, dtype=torch.float64, device=device).to(dtype)
+    per_step = []  # [4] per step: count, correct, cond_count, cond_correct
+    chain_ok = torch.ones(B * T, dtype=torch.bool, device=final.device)  # steps 0..k-1 all correct
+    for q, label, draft in zip(queries, labels, draft_argmax.split([q.numel() for q in queries])):
+        hit, prev = (draft + d2t[draft]) == flat_argmax[label], chain_ok[q]
+        per_step.append(torch.stack([torch.ones_like(hit), hit, prev, hit & prev]).sum(1))
+        chain_ok &= torch.zeros_like(chain_ok).index_put((q,), hit)
+    return StepStats(loss_sum, *torch.stack(per_step, 1).float())
 
 
 def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
@@ -254,7 +206,7 @@ def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Te
     mean over the supervised queries of every step (P-EAGLE's): 1 / their total."""
     if ttt_decay is None:
         return torch.full_like(global_count, 1 / max(float(global_count.sum()), 1), dtype=torch.float64)
-    w = step_weights(global_count.shape[0], ttt_decay, torch.float64, global_count.device)
+    w = ttt_decay ** torch.arange(global_count.shape[0], dtype=torch.float64, device=global_count.device)
     return w / global_count.double().clamp(min=1)
 
 
@@ -277,30 +229,22 @@ def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay:
 
 
 def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
-    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim.
-
-    tau_sim = 1 + sum_k prod_{j<=k} acc_j (the 1 is the bonus token, as in vLLM).
-    """
+    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim = 1 + sum_k prod_{j<=k} acc_j (the 1
+    is the bonus token, as in vLLM) and the supervised count."""
     count, correct, cond_count, cond_correct = counters.double().cpu()
     acc = correct / count.clamp(min=1)
     cond = cond_correct / cond_count.clamp(min=1)
-    metrics: dict[str, float] = {}
-    for k in range(acc.numel()):
-        metrics[f"acc_{k}"] = float(acc[k])
-        metrics[f"cond_acc_{k}"] = float(cond[k])
-    metrics["tau_sim"] = float(1 + torch.cumprod(acc, 0).sum())
-    metrics["supervised"] = float(count.sum())
-    return metrics
+    per_step = {
+        f"{name}_{k}": float(x[k]) for k in range(acc.numel()) for name, x in (("acc", acc), ("cond_acc", cond))
+    }
+    return {**per_step, "tau_sim": float(1 + torch.cumprod(acc, 0).sum()), "supervised": float(count.sum())}
 
 
 class FusedDraftLoss(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax.
-
-    Inputs (W [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries, labels:
-    per step the ascending rows of h[k] [N, H] and of f that label them, scale [K] the loss's step weights, grads,
-    divergence, *h). One pass over chunks of label rows forms dh and dW right there (autograd on each chunk's
-    logits); backward scales them by the one factor grad_loss[k] / scale[k] every step shares, refusing any other.
-    """
+    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax, of W
+    [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries and labels (per step
+    the ascending rows of h[k] [N, H] and of f), scale [K] step weights, grads, divergence, *h. One pass over chunks of
+    label rows forms dh and dW; backward scales them by the one grad_loss[k] / scale[k] all steps share, or refuses."""
 
     @staticmethod
     def forward(ctx, W, f, Wt, queries, labels, scale, grads, divergence, *h):
@@ -317,9 +261,8 @@ class FusedDraftLoss(torch.autograd.Function):
         where = [torch.searchsorted(rows, lab) for lab in labels]  # each query's label, as an index into `rows`
         chunk = max(1, _LOGITS_BUDGET // W.shape[0])
         starts = torch.arange(0, rows.numel() + chunk, chunk, device=W.device).clamp(max=rows.numel())
-        bounds = [
-            torch.searchsorted(w, starts).tolist() for w in where
-        ]  # step k's queries of chunk c: bounds[k][c:c+2]
+        # step k's queries of chunk c: bounds[k][c:c+2]
+        bounds = [torch.searchsorted(w, starts).tolist() for w in where]
         for c, c0 in enumerate(starts[:-1].tolist()):
             logp = (f[rows[c0 : c0 + chunk]] @ Wt.T).to(acc).log_softmax(-1)  # [c, Vd] label log-probabilities
             for k in range(K):
@@ -351,21 +294,18 @@ class FusedDraftLoss(torch.autograd.Function):
         ctx.consumed = True
         dW, *dh = ctx.saved_tensors
         g = grad_loss.tolist()  # one scalar per step
-        grad_W = None
-        if dW is not None:
-            grad_W = dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)  # in place: no second fp32 copy
-        grad_h = []
-        for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g):
-            grad_h.append(None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk))
+        # dW scaled in place: no second fp32 copy
+        grad_W = None if dW is None else dW.mul_(_shared_factor(g, ctx.scale, ctx.queries)).to(ctx.w_dtype)
+        grad_h = [
+            None if d is None else d.new_zeros(shape).index_copy_(0, q, d).mul_(gk)
+            for d, q, shape, gk in zip(dh, ctx.queries, ctx.shapes, g)
+        ]
         return grad_W, None, None, None, None, None, None, None, *grad_h
 
 
 def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: float) -> None:
-    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H] in the compute dtype.
-
-    The product runs in the compute dtype (the fast matmul), in tiles of vocabulary rows
-    so its temporary never holds more than `_LOGITS_BUDGET` elements.
-    """
+    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H]: the product in their dtype (the fast matmul), in
+    tiles of vocabulary rows of at most `_LOGITS_BUDGET` elements."""
     if dW.dtype == h.dtype:
         dW.addmm_(dz.T, h, alpha=scale)
         return

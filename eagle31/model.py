@@ -1,16 +1,8 @@
-"""The EAGLE 3.1 drafter, written out: the spec every fast path is tested against (docs/design.md §3-§4).
-
-Reads top to bottom: which keys a query sees (`Visibility`, the one rule) -> the decoder layer -> the
-drafter, its training-time-test (TTT) unroll and its attention, written as explicit scores. Parameter
-names are Hugging Face's (`fc`, `fc_norm.0`, `midlayer.self_attn.q_proj`, `lm_head`), so export is a
-rename table. The attention's projections and rope are its kind's, behind one seam,
-`self_attn.qkv(z, cos, sin) -> q, k, v` (eagle31/attention/llama.py: q/k/v; mla.py: DeepSeek's MLA).
-
-This unroll keeps every step's keys and scores (O(K * T^2) memory): it is for tests, the drift
-diagnostic and readers. Training runs the memory-lean unroll (`eagle31.ttt`, `eagle31.kernels`) and
-sequence shards (`eagle31.sequence_parallel`), inference the drafting decoder (`eagle31.eval.drafting`);
-tests/test_reference.py holds each of them to this file.
-"""
+"""The EAGLE 3.1 drafter, written out: the spec every fast path is tested against (docs/design.md §3-§4, "The
+reference drafter"). Reads top to bottom: which keys a query sees (`Visibility`) -> the decoder layer -> the drafter,
+its TTT unroll and its attention as explicit scores (O(K * T^2) memory: for tests, the drift diagnostic and readers).
+Parameter names are Hugging Face's, so export is a rename table; the attention's projections and rope are its kind's
+(`eagle31.attention`), behind one seam, `self_attn.query_entry(z, cos, sin) -> q, entry`."""
 
 from __future__ import annotations
 
@@ -32,12 +24,9 @@ NATIVE_FORMAT = "eagle31-drafter"
 NATIVE_FORMAT_VERSION = 1
 
 
-# ----------------------------------------------------------------------------------- which keys a query sees
-
-
 def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tensor:
-    """Document runs [B, T]: a query attends only within its run of equal document id (-1 or a 0 in
-    `attention_mask` is padding, which forms runs of its own: no real token attends padding)."""
+    """Document runs [B, T]: a query attends only within its run of equal document id (-1 or a 0 in `attention_mask`
+    is padding, which forms runs of its own: no real token attends padding)."""
     B, T = shape
     doc = torch.zeros(B, T, dtype=torch.long, device=device) if document_ids is None else document_ids.long()
     if attention_mask is not None:
@@ -49,12 +38,8 @@ def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tenso
 
 @dataclass(frozen=True)
 class Visibility:
-    """Which keys query (p, k), position p at TTT step k, sees: the one rule every attention derives from.
-
-    Key (p', 0), the step-0 key of position p', when p' <= p in the same document (causal); key (p, s)
-    when s <= k (its own chain). With a sliding window of W RoPE positions, (p, k) at position p + k
-    sees only keys at p + k - W + 1 .. p + k, a key (p', s) sitting at p' + s (as vLLM serves it).
-    """
+    """Which keys query (p, k), position p at TTT step k, sees (docs/design.md §4, "Attention"): (p', 0) for p' <= p
+    in its document, (p, s) for s <= k; with a window W, only keys at RoPE positions p + k - W + 1 .. p + k."""
 
     window: int | None = None  # `drafter.sliding_window`; None: full attention
 
@@ -79,15 +64,9 @@ def explicit_attention(q, k, v, allowed, probe=None) -> torch.Tensor:
     return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(g, dim=2))
 
 
-# ----------------------------------------------------------------------------------- the decoder layer
-
-
 class RMSNorm(nn.Module):
-    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight.
-
-    Its backward (`_RMSNormFunction`) remakes the normalised x from x and the saved per-row rsqrt, so it
-    keeps x, which its caller usually keeps anyway, not fp32 copies of x and of its output.
-    """
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight; its
+    backward remakes the normalised x from x and the saved rsqrt (no fp32 copies of x and of its output are kept)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -95,7 +74,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -112,8 +91,7 @@ class _RMSNormFunction(torch.autograd.Function):
         n = x.to(rstd.dtype) * rstd  # the normalised x, fp32
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype)
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[0]).sum(0, dtype=rstd.dtype).to(weight.dtype)
         grad_n = (grad * weight).to(rstd.dtype)
         grad_x = rstd * (grad_n - n * (grad_n * n).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
@@ -141,13 +119,8 @@ class MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one decoder layer, its attention reading a 2H-wide input:
-
-    r   = hidden_norm(h) if norm_before_residual else h
-    z   = concat(input_layernorm(emb), hidden_norm(h))          # [*, 2H]
-    h'  = r + o_proj(Attn(q, k, v of z))
-    out = h' + mlp(post_attention_layernorm(h'))
-    """
+    """The drafter's one decoder layer (docs/design.md §3), its attention reading z [*, 2H]:
+    h' = r + o_proj(Attn(z)), out = h' + mlp(post_attention_layernorm(h'))."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -164,10 +137,6 @@ class Eagle3DecoderLayer(nn.Module):
         h_normed = self.hidden_norm(h)
         residual = h_normed if self.norm_before_residual else h
         return torch.cat([self.input_layernorm(emb), h_normed], dim=-1), residual
-
-    def attention_residual(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """h' = r + o_proj(attn): attn [B, T, nh, d] -> [B, T, H]."""
-        return residual + self.self_attn.output(attn)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """h' + mlp(post_attention_layernorm(h')), position by position: [*, H]."""
@@ -190,22 +159,14 @@ class TTTOutput:
     segments: torch.Tensor  # [B, T] the document runs the attention respected (of the keys, on a shard)
 
 
-def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    """x[:, t] -> x[:, t + n], padded with `fill` at the end; x [B, T]."""
-    if n == 0:
-        return x
-    pad = x.new_full((x.shape[0], min(n, x.shape[1])), fill)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-# ----------------------------------------------------------------------------------- the drafter
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] -> x[:, t + n], padded with zeros at the end; x [B, T]."""
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]))], dim=1)
 
 
 class Eagle31Drafter(nn.Module):
-    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`).
-
-    Buffers d2t [Vd] (int64 offsets: target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary).
-    """
+    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`); buffers d2t [Vd] (int64 offsets:
+    target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -244,13 +205,10 @@ class Eagle31Drafter(nn.Module):
     def init_from_target(self, embed_weight, lm_head_weight, d2t, t2d) -> None:
         """The target's embedding (frozen) and its lm_head rows at the draft vocabulary: weights [V, Ht],
         d2t [Vd] offsets, t2d [V] bool."""
-        cfg = self.config
+        expected = (self.config.vocab_size, self.config.hidden_size)
         for name, weight in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
-            if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-                raise ConfigError(
-                    f"target {name} has shape {tuple(weight.shape)}, drafter expects "
-                    f"({cfg.vocab_size}, {cfg.hidden_size})"
-                )
+            if tuple(weight.shape) != expected:
+                raise ConfigError(f"target {name} has shape {tuple(weight.shape)}, drafter expects {expected}")
         self.set_vocab(d2t, t2d)
         self.embed_tokens.weight.copy_(embed_weight)
         self.lm_head.weight.copy_(lm_head_weight[self.draft_token_ids()])
@@ -286,8 +244,8 @@ class Eagle31Drafter(nn.Module):
         return self.fc(aux)
 
     def mask_slots(self, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): the feature
-        fuse_aux(mask_hidden) [B, T, H] and the mask token [B, T]."""
+        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): fuse_aux(mask_hidden) [B, T, H]
+        and the mask token [B, T]."""
         feature = self.fuse_aux(self.mask_hidden)[0].expand(*shape, -1)
         return feature, torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
 
@@ -299,19 +257,18 @@ class Eagle31Drafter(nn.Module):
         """feature [B, T, H] (`fuse_aux` at step 0, the previous step's `DraftStep.feature` after), its tokens
         and RoPE positions [B, T] -> (q [B, T, nh, d], k, v [B, T, nkv, d], the residual [B, T, H])."""
         z, residual = self.midlayer.attention_input(self.embed(tokens, feature.dtype), feature)
-        cos, sin = self.rotary_emb(positions, feature.dtype)
-        return (*self.midlayer.self_attn.qkv(z, cos, sin), residual)
+        q, entry = self.midlayer.self_attn.query_entry(z, *self.rotary_emb(positions, feature.dtype))
+        keys_values = self.midlayer.self_attn.step0_keys_values()  # what the entry's keys and values are
+        return q, *keys_values.fn(*entry, *keys_values.params), residual
 
     def step_output(self, residual: torch.Tensor, attn: torch.Tensor) -> DraftStep:
         """The step after its attention: residual [B, T, H], attn [B, T, nh, d] -> its `DraftStep`."""
-        return self.read_out(self.midlayer.feed_forward(self.midlayer.attention_residual(residual, attn)))
+        return self.read_out(self.midlayer.feed_forward(residual + self.midlayer.self_attn.output(attn)))
 
     def read_out(self, hidden: torch.Tensor, state: torch.Tensor | None = None) -> DraftStep:
         """o [B, T, H] -> o, norm(o) and the next step's feature (`norm_output`); `state`: norm(o) if known."""
         state = self.norm(hidden) if state is None else state
         return DraftStep(hidden=hidden, state=state, feature=state if self.config.norm_output else hidden)
-
-    # ------------------------------------------------------------------------------- the TTT unroll
 
     def forward(self, aux, input_ids, *, ttt_length: int = 1, **kwargs) -> list[torch.Tensor]:
         """Per-step draft logits [B, T, Vd]: step k at position p is query (p, k) (`unroll`'s arguments)."""
@@ -329,48 +286,32 @@ class Eagle31Drafter(nn.Module):
         first_query: int = 0,
         probe: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TTTOutput:
-        """K = `ttt_length` drafter steps over every position (docs/design.md §4).
-
-        Step 0 at p reads fc(fc_norm(aux[p])) and token x[p+1]; step k reads step k-1's `DraftStep.feature`
-        at p and token x[p+1+k] (teacher forcing), or with `parallel_drafting` the mask slot's (`mask_slots`), at
-        RoPE position p + k; every step's query attends the
-        keys `Visibility` gives it. aux [B, T, n*Ht], input_ids [B, T]; document_ids [B, T] numbers packed
-        documents (-1 padding), attention_mask [B, T] 1 = real, position_ids [B, T] the RoPE positions.
-        Queries start at `first_query` (earlier positions are keys only, e.g. a long prompt); the outputs
-        are theirs, [B, T - first_query, H]. `probe(k, probs)` sees step k's attention [B, nh, Tq, S], keys
-        step-major (the T step-0 keys, then Tq of each later step).
-        """
+        """K = `ttt_length` drafter steps over every position (docs/design.md §4): aux [B, T, n*Ht]; input_ids,
+        document_ids (-1 padding), attention_mask (1 = real), position_ids (RoPE) [B, T]. Outputs [B, Tq, H] are the
+        queries' from `first_query` on (earlier positions are keys only); `probe(k, probs)` sees step k's attention
+        [B, nh, Tq, S], keys step-major (T of step 0, Tq of each later step)."""
         if ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
         B, T = input_ids.shape
-        device = input_ids.device
-        docs = segment_ids(document_ids, attention_mask, (B, T), device)
-        index = torch.arange(T, device=device).expand(B, T)  # the position p of each row
+        docs = segment_ids(document_ids, attention_mask, (B, T), input_ids.device)
+        index = torch.arange(T, device=input_ids.device).expand(B, T)  # the position p of each row
         positions = index if position_ids is None else position_ids
         rows = slice(first_query, T)
-
         feature = self.fuse_aux(aux)  # [B, T, H]
-        keys, values, key_index, key_docs, key_steps = [], [], [], [], []
-        states, hidden = [], []
+        keys, values, key_coords, states, hidden = [], [], [], [], []
         for k in range(ttt_length):
-            tokens = shift_left(input_ids, 1 + k)  # x[p+1+k]
-            if k == 0:  # step 0: every position's key, the queries' rows of its query
-                q, key, value, residual = self.step_qkv(feature, tokens, positions)
-                q, residual, seen = q[:, rows], residual[:, rows], slice(None)
-            else:
-                tokens, seen = tokens[:, rows], rows
-                if self.config.parallel_drafting:
-                    feature, tokens = self.mask_slots(tokens.shape, tokens.device)
-                q, key, value, residual = self.step_qkv(feature, tokens, positions[:, rows] + k)
+            seen = slice(None) if k == 0 else rows  # whose step-k keys there are: every position's at step 0
+            tokens = shift_left(input_ids, 1 + k)[:, seen]  # x[p+1+k]
+            if k and self.config.parallel_drafting:
+                feature, tokens = self.mask_slots(tokens.shape, tokens.device)
+            q, key, value, residual = self.step_qkv(feature, tokens, positions[:, seen] + k)
+            if k == 0:
+                q, residual = q[:, rows], residual[:, rows]
             keys.append(key)
             values.append(value)
-            key_index.append(index[:, seen])
-            key_docs.append(docs[:, seen])
-            key_steps.append(torch.full_like(index[:, seen], k))
-            allowed = self.visibility(  # [B, Tq, S]
-                docs[:, rows, None], index[:, rows, None], k,
-                torch.cat(key_docs, 1)[:, None], torch.cat(key_index, 1)[:, None], torch.cat(key_steps, 1)[:, None],
-            )  # fmt: skip
+            key_coords.append((docs[:, seen], index[:, seen], torch.full_like(index[:, seen], k)))
+            key_doc, key_pos, key_step = (torch.cat(c, 1)[:, None] for c in zip(*key_coords))
+            allowed = self.visibility(docs[:, rows, None], index[:, rows, None], k, key_doc, key_pos, key_step)
             step_probe = None if probe is None else lambda probs, k=k: probe(k, probs)
             attn = explicit_attention(q, torch.cat(keys, 1), torch.cat(values, 1), allowed, step_probe)
             out = self.step_output(residual, attn)
@@ -384,8 +325,6 @@ class Eagle31Drafter(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.compile()
-
-    # ------------------------------------------------------------------------------- save / load
 
     def save(self, path: str | Path, include_embed: bool = True) -> None:
         """Native format: config.json + model.safetensors (written atomically)."""

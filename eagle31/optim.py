@@ -40,9 +40,8 @@ class MuonAdjustLR(StrEnum):
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, schedule: Schedule = Schedule.cosine, min_ratio: float = 0.1):
-    """The peak's factor at a step: linear warm-up to 1 at `warmup_steps`, then `schedule` until `max_steps`
-    (cosine decays to `min_ratio`; linear, as transformers' `get_linear_schedule_with_warmup` after its warm-up,
-    to 0)."""
+    """The peak's factor at a step: linear warm-up to 1 at `warmup_steps`, then `schedule` until `max_steps` (cosine
+    to `min_ratio`; linear to 0, as transformers' `get_linear_schedule_with_warmup`)."""
 
     def f(step: int) -> float:
         if step < warmup_steps:
@@ -58,9 +57,8 @@ def lr_lambda(warmup_steps: int, max_steps: int, schedule: Schedule = Schedule.c
 
 
 def muon_split(named_params: Iterable[tuple[str, nn.Parameter]]) -> tuple[Named, Named]:
-    """(Muon's, AdamW's) trained parameters: Muon takes the 2-D matrices (both sides > 1) that are no vocabulary
-    weight (embedding, lm_head), as speculators 0.9.0's `split_named_params_for_muon`; AdamW norms, `mask_hidden`
-    ([1, n]), biases, lm_head. Frozen parameters are in neither."""
+    """(Muon's, AdamW's) trained parameters: Muon the 2-D matrices (both sides > 1) but the vocabulary weights, as
+    speculators 0.9.0's `split_named_params_for_muon`, AdamW the rest (docs/training.md); frozen ones in neither."""
     muon: Named = []
     adamw: Named = []
     for name, p in named_params:
@@ -76,12 +74,8 @@ class Optimizers:
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], schedule):
         self.by_name = optimizers  # {"adamw": ..., "muon": ...}: the lr each logs is `lr` or `muon_lr`
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers.values()]
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """In a fixed order: what checkpoints save and restore (`eagle31.checkpoint`)."""
-        return list(self.by_name.values())
+        self.optimizers = list(optimizers.values())  # in a fixed order: what checkpoints save and restore
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
 
     def step(self) -> None:
         for o in self.optimizers:
@@ -113,12 +107,8 @@ class Optimizers:
 
 
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], train, device: torch.device) -> Optimizers:
-    """The optimizers and schedule `train` (a `TrainConfig`) asks for, over the trained ones of `named_params`.
-
-    Muon's and AdamW's groups as speculators 0.9.0's `build_optimizers`: Muon with `muon_lr` (`lr` when null),
-    its momentum, weight decay, Newton-Schulz steps and lr scaling; AdamW with `lr`, `betas` and `weight_decay`.
-    Under FSDP2 the parameters are DTensor shards: Muon's Newton-Schulz iteration runs on them as DTensor ops
-    (each matrix's collectives; the result is one process's to bf16 rounding)."""
+    """The optimizers and schedule `train` (a `TrainConfig`) asks for, over the trained ones of `named_params`: Muon's
+    and AdamW's groups as speculators 0.9.0's `build_optimizers` (docs/training.md; under FSDP2 on DTensor shards)."""
     named = [(n, p) for n, p in named_params if p.requires_grad]
     muon, adamw = muon_split(named) if train.optimizer == Optimizer.muon else ([], named)
     optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -143,9 +133,8 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], train, dev
 
 
 class Anchor:
-    """L2-SP (`train.anchor_weight`): `weight x sum ||w - w0||^2` over the trained parameters, where w0 are their
-    values when the anchor is made (the weights of `drafter.init_from`); w0 is a copy of each parameter, sharded as
-    it is under FSDP."""
+    """L2-SP (`train.anchor_weight`): `weight x sum ||w - w0||^2` over the trained parameters, w0 a copy of each
+    (sharded as it is under FSDP) when the anchor is made (the weights of `drafter.init_from`)."""
 
     def __init__(self, params: list[nn.Parameter], weight: float):
         self.params = params

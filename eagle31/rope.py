@@ -1,8 +1,5 @@
-"""The drafter's rotary embedding as vLLM serves it (docs/design.md §3; docs/export.md, "The rope rule").
-
-`inverse_frequencies`: the inverse frequencies and cos/sin magnitude vLLM's `get_rope` builds from an exported
-config, release by release (`VLLM_RELEASES`); `ambiguity` names the fields of a block the releases read differently.
-"""
+"""The drafter's rotary embedding as vLLM serves it, release by release (`VLLM_RELEASES`; docs/design.md §3,
+docs/export.md "The rope rule"); `ambiguity` names the fields of a block the releases read differently."""
 
 from __future__ import annotations
 
@@ -68,8 +65,7 @@ def inverse_frequencies(
     """(inverse frequencies [head_dim // 2] float64, cos/sin magnitude) as vLLM `release`'s `get_rope` builds them."""
     check_rope(rope)
     rope_type = rope["rope_type"]
-    theta = float(rope["rope_theta"])
-    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    base = 1.0 / float(rope["rope_theta"]) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if rope_type in ("default", "dynamic"):  # vLLM's dynamic NTK keeps theta at every position it serves
         return base, 1.0
     factor = float(rope["factor"])
@@ -78,55 +74,38 @@ def inverse_frequencies(
     original = int(rope.get("original_max_position_embeddings") or max_position_embeddings)
     if rope_type == "llama3":
         return _llama3(base, factor, float(rope["low_freq_factor"]), float(rope["high_freq_factor"]), original), 1.0
-    return _yarn(base, head_dim, theta, factor, original, rope, release), yarn_magnitude(rope, release)
+    extrapolation, magnitude = llama_yarn_reading(rope, release)
+    return yarn_frequencies(base, rope, original, extrapolation, rope.get("truncate", True)), magnitude
 
 
 def _llama3(base: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
     wavelength = 2 * math.pi / base
-    if low == high:
-        blend = torch.zeros_like(base)
-    else:
-        blend = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+    blend = ((original / wavelength - low) / (high - low)).clamp(0, 1) if low != high else torch.zeros_like(base)
     scaled = torch.where(wavelength > original / low, base / factor, (1 - blend) * base / factor + blend * base)
     return torch.where(wavelength < original / high, base, scaled)
 
 
-def _yarn(
-    base: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, rope: dict[str, Any], release: str
+def yarn_frequencies(
+    base: torch.Tensor, rope: dict[str, Any], original: int, extrapolation: float, truncate: bool = True
 ) -> torch.Tensor:
-    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original` positions
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    """YaRN's ramp from `base` [d/2] to `base / factor` between the dims of beta_fast and beta_slow turns."""
+    d, theta = 2 * base.numel(), float(rope["rope_theta"])
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = dim_of(float(rope.get("beta_fast") or 32)), dim_of(float(rope.get("beta_slow") or 1))
-    if rope.get("truncate", True):
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolation = (
-        float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
-    )
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     keep = (1 - ramp) * extrapolation  # 1: unscaled, 0: divided by factor
-    return base / factor * (1 - keep) + base * keep
+    return base / float(rope["factor"]) * (1 - keep) + base * keep
 
 
-def _log_magnitude(factor: float, weight: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
-
-def yarn_magnitude(rope: dict[str, Any], release: str = NEWEST) -> float:
-    """The cos/sin factor of vLLM `release`'s YaRN in a Llama layer (docs/export.md, where the releases differ)."""
-    factor = float(rope["factor"])
-    if "attn_factor" in YARN_FIELDS[release]:  # 0.22.0
-        attn_factor = float(rope.get("attn_factor", 1.0))
-        return _log_magnitude(factor) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if mscale and mscale_all_dim:
-        return _log_magnitude(factor, mscale) / _log_magnitude(factor, mscale_all_dim)
-    return _log_magnitude(factor)
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float, float]:
@@ -140,11 +119,9 @@ def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[f
         llama_scaling = rope.get("attention_factor") == 1.0
     attn_factor = float(rope.get("attn_factor", 1.0)) if "attn_factor" in read else 1.0
     extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in read else 1.0
-    magnitude = _log_magnitude(factor, float(rope.get("mscale", 1))) / _log_magnitude(
-        factor, float(rope.get("mscale_all_dim", 0))
-    )
-    softmax = 1.0 if llama_scaling else _log_magnitude(factor, float(rope.get("mscale_all_dim", 0))) ** 2
-    return extrapolation, magnitude * attn_factor, softmax
+    all_dim = yarn_mscale(factor, float(rope.get("mscale_all_dim", 0)))
+    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / all_dim
+    return extrapolation, magnitude * attn_factor, 1.0 if llama_scaling else all_dim**2
 
 
 def ambiguity(
@@ -156,33 +133,33 @@ def ambiguity(
     if rope.get("rope_type") not in ("yarn", "deepseek_yarn") or not isinstance(rope.get("factor"), (int, float)):
         return None
     readings = {release: reading(rope, release) for release in VLLM_RELEASES}
-    if all(_close(readings[r], readings[NEWEST]) for r in VLLM_RELEASES):
+    if all(math.isclose(x, y, rel_tol=1e-6) for r in VLLM_RELEASES for x, y in zip(readings[r], readings[NEWEST])):
         return None
-    differing = [
-        k for k in rope if any(k in fields[r] for r in VLLM_RELEASES) and not all(k in fields[r] for r in VLLM_RELEASES)
-    ]
-    named = ", ".join(
-        f"{k} (read by vLLM {' and '.join(r for r in VLLM_RELEASES if k in fields[r])} only)" for k in differing
-    )
+    readers = {k: [r for r in VLLM_RELEASES if k in fields[r]] for k in rope}
+    named = ", ".join(f"{k} (read by vLLM {' and '.join(rs)} only)" for k, rs in readers.items() if 0 < len(rs) < 2)
     numbers = "; ".join(f"{r}: " + ", ".join(f"{x:.4g}" for x in readings[r]) for r in VLLM_RELEASES)
     return f"fields {named or 'mscale, mscale_all_dim'} give another rope in each release ({quantities}: {numbers})"
 
 
 def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float]:
-    """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer."""
-    extrapolation = (
-        float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in YARN_FIELDS[release] else 1.0
-    )
-    return extrapolation, yarn_magnitude(rope, release)
-
-
-def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    return all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b, strict=True))
+    """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer (docs/export.md, where the
+    releases differ)."""
+    factor, read = float(rope["factor"]), YARN_FIELDS[release]
+    extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in read else 1.0
+    if "attn_factor" in read:  # 0.22.0
+        attn_factor = float(rope.get("attn_factor", 1.0))
+        return extrapolation, (
+            yarn_mscale(factor) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
+        )
+    if rope.get("attention_factor") is not None:
+        return extrapolation, float(rope["attention_factor"])
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return extrapolation, yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return extrapolation, yarn_mscale(factor)
 
 
 def for_llama_drafter(rope: dict[str, Any]) -> dict[str, Any]:
     """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields, so every release
     reads the magnitude 0.1·ln(factor) + 1 (docs/export.md)."""
-    if rope.get("rope_type") != "yarn":
-        return dict(rope)
-    return {k: v for k, v in rope.items() if k not in DEEPSEEK_YARN_FIELDS}
+    return {k: v for k, v in rope.items() if rope.get("rope_type") != "yarn" or k not in DEEPSEEK_YARN_FIELDS}

@@ -3,6 +3,8 @@ linear in T (docs/design.md §4), held to the spec by tests/test_reference.py.""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -10,8 +12,7 @@ from eagle31.kernels.entries import ChainKeysValues
 from eagle31.kernels.ttt_attention import ttt_attention_of_entries
 from eagle31.model import TTTOutput, rms_norm, segment_ids, shift_left
 
-# With activation checkpointing, the MLP block is recomputed in chunks of token rows whose
-# intermediate activations hold about this many elements.
+# with activation checkpointing, the MLP block is recomputed in token-row chunks of about this many activations
 FEED_FORWARD_BUDGET = 1 << 26
 
 
@@ -28,14 +29,9 @@ def ttt_unroll(
     activation_checkpointing: bool = False,
     sequence=None,
 ) -> TTTOutput:
-    """K = `ttt_length` drafter steps over every position at once (`Eagle31Drafter.unroll`'s arguments).
-
-    `attention_kernel`: auto | flash | blockwise (`eagle31.kernels`), or reference (the spec's unroll).
-    `sequence` (`eagle31.sequence_parallel.SequenceShard`): aux holds this rank's shard of T positions,
-    input_ids its T positions and the halo after them; the attention's document runs are the shard's
-    `key_segments`, positions default to the global ones, and the step-0 entries of the shards up to this
-    one's end are gathered for the keys.
-    """
+    """`Eagle31Drafter.unroll` in memory linear in T; `attention_kernel`: auto | flash | blockwise (`eagle31.kernels`),
+    or reference (the spec's unroll). `sequence` (a `SequenceShard`): aux holds this rank's T positions, input_ids them
+    and their halo; its `key_segments`, global positions, and step-0 entries gathered up to it (docs/design.md §4)."""
     if attention_kernel == "reference":
         if sequence is not None:
             raise ValueError("the reference attention runs on whole sequences, not on sequence shards")
@@ -46,19 +42,17 @@ def ttt_unroll(
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
     B, T = aux.shape[:2]
-    start = 0
     if sequence is None:
-        segments = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device)
+        segments, start = segment_ids(document_ids, attention_mask, (B, T), device=input_ids.device), 0
     else:
         segments, start = sequence.key_segments, sequence.start
     if position_ids is None:
         position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
     checkpointing = activation_checkpointing and torch.is_grad_enabled()
-    if checkpointing:  # its norms' activations are 3x [B, T, n*Ht]: recompute them too
-        feature = checkpoint(drafter.fuse_aux, aux, use_reentrant=False)  # [B, T, H]
-    else:
-        feature = drafter.fuse_aux(aux)
+    run = partial(checkpoint, use_reentrant=False) if checkpointing else lambda fn, *args: fn(*args)
+    feature = run(drafter.fuse_aux, aux)  # [B, T, H]; its norms' activations are 3x [B, T, n*Ht]: recomputed too
     expand0, expand = drafter.midlayer.self_attn.step0_keys_values(), chain_keys_values(drafter)
+    rule = drafter.visibility
 
     def step(feature, ids, positions, entry0, *chain):
         # The embedding and RoPE are made inside the step, so activation checkpointing recomputes them
@@ -70,11 +64,10 @@ def ttt_unroll(
         else:  # step k >= 1: the query's own key (p, k) joins its chain
             q, entry, residual = step_entry(drafter, feature, ids, positions, chain=True)
             chain = (*chain, entry)
-        rule = drafter.visibility
         attn = ttt_attention_of_entries(q, entry0, chain, segments, attention_kernel, expand0, expand, rule)
         if not checkpointing:
             return drafter.step_output(residual, attn), entry0, chain
-        return _output_in_token_chunks(drafter, drafter.midlayer.attention_residual(residual, attn)), entry0, chain
+        return _output_in_token_chunks(drafter, residual + drafter.midlayer.self_attn.output(attn)), entry0, chain
 
     states, hidden = [], []
     entry0 = None
@@ -84,11 +77,7 @@ def ttt_unroll(
         tokens = shift_left(input_ids, 1 + k)[:, :T]  # x[p+1+k]
         if k and slots is not None:  # parallel drafting: every later step reads the mask slot
             feature, tokens = slots
-        args = (feature, tokens, position_ids + k, entry0, *chain)
-        if checkpointing:
-            out, entry0, chain = checkpoint(step, *args, use_reentrant=False)
-        else:
-            out, entry0, chain = step(*args)
+        out, entry0, chain = run(step, feature, tokens, position_ids + k, entry0, *chain)
         hidden.append(out.hidden)
         states.append(out.state)
         feature = out.feature
@@ -96,16 +85,14 @@ def ttt_unroll(
 
 
 def step_entry(drafter, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, chain=False):
-    """The step up to its attention: (q, entry, residual), the entry what `keys_values` makes its keys and values
-    of. chain=True: the entry the chain keeps for later steps instead: for Llama attention the step's input
-    (feature, tokens, positions), kept anyway (`chain_keys_values` remakes its keys a block of tokens at a time)."""
+    """The step up to its attention: (q, entry, residual). chain=True: the entry the chain keeps, for Llama attention
+    the step's input (feature, tokens, positions), kept anyway (`chain_keys_values` remakes its keys from it)."""
     attn = drafter.midlayer.self_attn
     z, residual = drafter.midlayer.attention_input(drafter.embed(tokens, feature.dtype), feature)
     cos, sin = drafter.rotary_emb(positions, feature.dtype)
     if chain and drafter.config.kind.chain_keeps_input:
         return attn.query(z, cos, sin), (feature, tokens, positions), residual
-    q, entry = attn.query_entry(z, cos, sin)
-    return q, entry, residual
+    return *attn.query_entry(z, cos, sin), residual
 
 
 def chain_keys_values(drafter) -> ChainKeysValues:
@@ -128,17 +115,16 @@ def chain_keys_values(drafter) -> ChainKeysValues:
     return ChainKeysValues(input_keys_values, weights, width=3)
 
 
-def _read_out_rows(drafter, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = drafter.read_out(drafter.midlayer.feed_forward(h))
-    return out.hidden, out.state
-
-
 def _output_in_token_chunks(drafter, h: torch.Tensor):
     """h' [B, T, H] -> its `DraftStep`, the MLP block and read-out checkpointed `FEED_FORWARD_BUDGET / I` token
     rows at a time: the recomputed step keeps only h' for them, its backward one chunk's activations."""
     B, T, H = h.shape
-    rows = max(1, FEED_FORWARD_BUDGET // drafter.config.intermediate_size)
-    parts = [checkpoint(_read_out_rows, drafter, c, use_reentrant=False) for c in h.reshape(B * T, H).split(rows)]
-    hidden = torch.cat([p[0] for p in parts]).view(B, T, H)
-    state = torch.cat([p[1] for p in parts]).view(B, T, H)
+
+    def read_out_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, H] -> o, norm(o)
+        out = drafter.read_out(drafter.midlayer.feed_forward(rows))
+        return out.hidden, out.state
+
+    n = max(1, FEED_FORWARD_BUDGET // drafter.config.intermediate_size)
+    parts = [checkpoint(read_out_rows, c, use_reentrant=False) for c in h.reshape(B * T, H).split(n)]
+    hidden, state = (torch.cat(p).view(B, T, H) for p in zip(*parts))
     return drafter.read_out(hidden, state)

@@ -1,15 +1,17 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it
-(each group of methods names its caller). The module a kind builds (`attention`) is what the drafter's layer calls:
-`qkv(z, cos, sin)` (the reference), `query`, `query_entry`, `keys_values`, `step0_keys_values`, `chain_keys_values`
-(the memory-lean unroll's entries) and `output`."""
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it:
+`eagle31.model` (`attention`), `eagle31.config` (`validate`, `qk_head_dim`, `from_target`), `eagle31.estimate`
+(`attention_parameters`, `o_proj_in_features`), export and convert (`rope_ambiguity`, `layer_fields`, `recognises`,
+`read_layer`). The module a kind builds (`attention`) is what the drafter's layer calls: `query`, `query_entry`,
+`step0_keys_values`, `chain_keys_values` (each step's entry, its keys and values) and `output`."""
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from eagle31.rope import ambiguity
@@ -30,9 +32,13 @@ class AttentionKind(ABC):
     model_type: str
     # the source format of a checkpoint of this kind that eagle31 did not write (`eagle31.convert.detect_format`)
     unmarked_format: str | None = None
-    # `eagle31.rope`: the fields each supported vLLM release reads, and what `rope_reading` gives
-    rope_fields_read: Mapping[str, tuple[str, ...]]
+    # the rope module (`eagle31.model`): config -> a module, position_ids [B, T] -> cos, sin [B, T, rope dims]
+    rotary_embedding: Callable[[DrafterShape], nn.Module]
+    # `eagle31.rope`: (rope, release) -> the numbers (`rope_quantities`) vLLM `release` makes of a yarn block in this
+    # kind's layer, and the fields each supported release reads
+    rope_reading: Callable[[dict[str, Any], str], tuple[float, ...]]
     rope_quantities: str
+    rope_fields_read: Mapping[str, tuple[str, ...]]
     # the TTT chain keeps each step's input and remakes its keys and values from it (`eagle31.model`), or
     # the step's entry (`query_entry`'s, made keys and values by `chain_keys_values`)
     chain_keeps_input: bool
@@ -53,17 +59,9 @@ class AttentionKind(ABC):
         """The names of its own fields (`config_type`'s)."""
         return tuple(f.name for f in dataclasses.fields(self.config_type)) if self.config_type else ()
 
-    # ------------------------------------------------------------------ model (eagle31.model)
-
     @abstractmethod
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         """The layer's attention projections (module docstring: what the drafter asks of them)."""
-
-    @abstractmethod
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        """The rope: position_ids [B, T] -> cos, sin [B, T, rope dims] in a dtype."""
-
-    # ------------------------------------------------------------- config (eagle31.config)
 
     @abstractmethod
     def validate(self, cfg: DrafterShape) -> None:
@@ -77,27 +75,21 @@ class AttentionKind(ABC):
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         """The `DrafterShape` values this kind takes from the target's config (its text part) and rope block."""
 
-    # --------------------------------------------------------------- rope (eagle31.rope)
-
-    @abstractmethod
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        """The numbers vLLM `release` makes of a yarn block in this kind's layer (`rope_quantities`)."""
-
     def rope_ambiguity(self, rope: dict[str, Any]) -> str | None:
         """None when every supported vLLM release reads `rope` alike in this kind's layer; else why not, in one line."""
         return ambiguity(rope, self.rope_reading, dict(self.rope_fields_read), self.rope_quantities)
 
-    # ------------------------------------------------------- estimate (eagle31.estimate)
-
-    @abstractmethod
     def attention_parameters(self, cfg: DrafterShape) -> int:
-        """Parameters of the layer's attention (its projections read 2H)."""
+        """Parameters of the layer's attention (its projections read 2H), counted on a meta-device copy."""
+        return sum(p.numel() for p in self._meta_attention(cfg).parameters())
 
-    @abstractmethod
     def o_proj_in_features(self, cfg: DrafterShape) -> int:
         """Width of o_proj's input."""
+        return self._meta_attention(cfg).o_proj.in_features
 
-    # --------------------------------------------- export (eagle31.layouts) and convert
+    def _meta_attention(self, cfg: DrafterShape) -> nn.Module:
+        with torch.device("meta"):
+            return self.attention(cfg, nn.RMSNorm)
 
     @abstractmethod
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:

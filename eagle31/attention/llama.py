@@ -16,47 +16,30 @@ from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_fre
 
 
 class LlamaAttention(nn.Module):
-    """Projections of the EAGLE 3 (Llama) attention: q/k/v read the 2H-wide input.
-
-    The attention itself (which keys a query sees) lives in `eagle31.kernels`,
-    because in the TTT unroll it spans several steps.
-    """
+    """Projections of the EAGLE 3 (Llama) attention, q/k/v reading the 2H-wide input; the attention itself (which keys
+    a query sees, over several TTT steps) is `eagle31.kernels`."""
 
     def __init__(self, config: DrafterShape):
         super().__init__()
-        H, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d
-        self.q_proj = nn.Linear(2 * H, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, H, bias=False)
+        H, d, nh, nkv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
+        self.q_proj = nn.Linear(2 * H, nh * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, nkv * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
 
     def query(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """z [B, T, 2H] -> q [B, T, nh, d], RoPE applied."""
-        B, T, _ = z.shape
-        return apply_rope(self.q_proj(z).view(B, T, self.num_heads, self.head_dim), cos, sin)
+        return apply_rope(self.q_proj(z).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d] and the step's keys and values (k, v) each [B, T, nkv, d];
-        RoPE applied to q, k."""
+        """z [B, T, 2H] -> q [B, T, nh, d] and the step's entry, its keys and values (k, v) [B, T, nkv, d], roped."""
         return self.query(z, cos, sin), self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
 
     def key_value(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_weight, v_weight):
         """z [B, T, 2H] -> k (RoPE applied), v [B, T, nkv, d], with the given k_proj / v_proj weights."""
-        B, T, _ = z.shape
-        k = F.linear(z, k_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        v = F.linear(z, v_weight).view(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
-
-    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, d], k, v [B, T, nkv, d], RoPE applied to q and k."""
-        return self.query(z, cos, sin), *self.key_value(z, cos, sin, self.k_proj.weight, self.v_proj.weight)
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor):
-        """An entry -> its keys and values: the entry is them."""
-        return k, v
+        k = F.linear(z, k_weight).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), F.linear(z, v_weight).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def step0_keys_values(self) -> ChainKeysValues:
         """The causal (step-0) keys and values are the step-0 entry itself."""
@@ -68,37 +51,30 @@ class LlamaAttention(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE as vLLM serves it from the drafter's exported config (`eagle31.rope`).
+    """RoPE as vLLM serves it from the exported config (`eagle31.rope`): position_ids [B, T] -> cos, sin [B, T, d];
+    inverse frequencies float64 outside the buffers (no bf16 cast degrades them), `attention_scaling` the magnitude."""
 
-    The inverse frequencies are computed once in float64 and kept outside the module's
-    buffers, so casting the drafter to bf16 never degrades them; `attention_scaling` is
-    the cos/sin magnitude (not 1 for yarn).
-    """
+    interleaved = False  # each frequency on a pair of dims (DeepSeek's), else on both halves (Llama's rotate-half)
 
     def __init__(self, config: DrafterShape):
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling = inverse_frequencies(
-                config.rope_parameters, config.head_dim, config.max_position_embeddings
-            )
+            self.inv_freq, self.attention_scaling = self.frequencies(config)
+
+    def frequencies(self, config: DrafterShape) -> tuple[torch.Tensor, float]:
+        return inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
         acc = torch.promote_types(dtype, torch.float32)
         freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, d]; cos/sin [B, T, d] (Llama's rotate-half convention)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(2) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(2)
 
 
 # ---------------------------------------------------------------------------- the kind
@@ -109,15 +85,14 @@ class LlamaAttentionKind(AttentionKind):
     label = "a Llama-attention drafter"
     architecture = "LlamaForCausalLMEagle3"
     model_type = "llama"
+    rotary_embedding = RotaryEmbedding
+    rope_reading = staticmethod(llama_yarn_reading)
     rope_fields_read = YARN_FIELDS
     rope_quantities = "extrapolation, magnitude"
     chain_keeps_input = True  # its keys and values are wider than the step's input
 
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return LlamaAttention(config)
-
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        return RotaryEmbedding(config)
 
     def validate(self, cfg: DrafterShape) -> None:
         check_rope(cfg.rope_parameters)
@@ -128,20 +103,6 @@ class LlamaAttentionKind(AttentionKind):
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         """The target's rope without DeepSeek's yarn magnitude fields (`eagle31.rope.for_llama_drafter`)."""
         return {"rope_parameters": for_llama_drafter(rope)}
-
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        return llama_yarn_reading(rope, release)
-
-    # ------------------------------------------------------------------ estimate
-
-    def attention_parameters(self, cfg: DrafterShape) -> int:
-        H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        return 2 * H * (nh * d) + 2 * (2 * H * nkv * d) + nh * d * H  # q, k, v read 2H; o
-
-    def o_proj_in_features(self, cfg: DrafterShape) -> int:
-        return cfg.num_attention_heads * cfg.head_dim
-
-    # ------------------------------------------------------------ export, convert
 
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, "head_dim": cfg.head_dim}

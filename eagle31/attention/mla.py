@@ -4,7 +4,6 @@ The memory-lean unroll keeps its latents and decompresses keys and values where 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -14,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle31.attention.kind import AttentionKind, DrafterShape
+from eagle31.attention.llama import RotaryEmbedding
 from eagle31.errors import ConfigError
 from eagle31.kernels.entries import ChainKeysValues
-from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales
+from eagle31.rope import DEEPSEEK_YARN_FIELDS_READ, deepseek_yarn_scales, yarn_frequencies, yarn_mscale
 
 
 @dataclass
@@ -30,76 +30,35 @@ class MLAConfig:
     v_head_dim: int = 0  # per head, the values' dims
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """DeepSeek's YaRN magnitude `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+class DeepseekRotaryEmbedding(RotaryEmbedding):
+    """The MLA drafter's rope on `qk_rope_head_dim` dims with interleaved pairs: default, or DeepSeek YaRN (vLLM's
+    `deepseek_yarn`, which its DeepSeek EAGLE-3 layer makes of any `rope_scaling`; softmax correction: `q_scale`)."""
 
+    interleaved = True
 
-class DeepseekRotaryEmbedding(nn.Module):
-    """The MLA drafter's rope: default, or DeepSeek YaRN (vLLM's `deepseek_yarn`, which its DeepSeek
-    EAGLE-3 layer makes of any `rope_scaling`), on `qk_rope_head_dim` dims with interleaved pairs.
-
-    YaRN blends interpolated (`1 / (factor * theta^(2i/d))`) and original frequencies
-    with a linear ramp between the correction dims of `beta_fast` and `beta_slow`
-    rotations over `original_max_position_embeddings`, and scales cos/sin by
-    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) * attn_factor`
-    (the softmax-scale correction lives in `MLAAttention.q_scale`).
-    Frequencies are float64, kept outside the buffers so a bf16 cast never degrades them.
-    """
-
-    def __init__(self, config: DrafterShape):
-        super().__init__()
-        with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling, _ = deepseek_rope_frequencies(
-                config.rope_parameters, config.mla.qk_rope_head_dim
-            )
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [B, T] -> cos, sin [B, T, qk_rope_head_dim] in `dtype`, each frequency twice (pairs)."""
-        acc = torch.promote_types(dtype, torch.float32)
-        freqs = position_ids[..., None].to(acc) * self.inv_freq.to(position_ids.device, acc)
-        emb = freqs.repeat_interleave(2, dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+    def frequencies(self, config: DrafterShape) -> tuple[torch.Tensor, float]:
+        return deepseek_rope_frequencies(config.rope_parameters, config.mla.qk_rope_head_dim)[:2]
 
 
 def deepseek_rope_frequencies(rope: dict, d: int) -> tuple[torch.Tensor, float, float]:
     """(inv_freq [d/2] float64, cos/sin magnitude, softmax-scale factor) of `DeepseekRotaryEmbedding`."""
-    theta = float(rope["rope_theta"])
-    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    base = 1.0 / float(rope["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     if rope["rope_type"] == "default":
-        return 1.0 / pos_freqs, 1.0, 1.0
+        return base, 1.0, 1.0
     missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
     if missing:
         raise ConfigError(f"drafter.rope_parameters needs {missing[0]} for rope_type={rope['rope_type']!r}")
-    factor = float(rope["factor"])
-    original = int(rope["original_max_position_embeddings"])
-    low, high = _correction_range(float(rope.get("beta_fast", 32)), float(rope.get("beta_slow", 1)), d, theta, original)
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
-    keep = (1 - ramp) * float(rope.get("extrapolation_factor", 1))  # 1: original frequency, 0: interpolated
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    factor, original = float(rope["factor"]), int(rope["original_max_position_embeddings"])
+    inv_freq = yarn_frequencies(base, rope, original, float(rope.get("extrapolation_factor", 1)))
     all_dim = yarn_mscale(factor, float(rope.get("mscale_all_dim", 0)))
     magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / all_dim * float(rope.get("attn_factor", 1))
     return inv_freq, magnitude, all_dim**2
 
 
-def _correction_range(beta_fast: float, beta_slow: float, d: int, theta: float, original: int) -> tuple[int, int]:
-    """YaRN's ramp bounds: the dims completing `beta_fast` / `beta_slow` rotations over `original` positions."""
-
-    def dim(rotations: float) -> float:
-        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    return max(math.floor(dim(beta_fast)), 0), min(math.ceil(dim(beta_slow)), d - 1)
-
-
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the interleaved-pair rotation."""
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, d]; cos/sin [B, T, d] with each frequency on a pair of dims."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + rotate_pairs(x) * sin
+    """x [B, T, heads, d]; cos/sin [B, T, d] with each frequency on a pair of dims, (x0, x1, ..) -> (-x1, x0, ..)."""
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
 
 
 def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
@@ -117,46 +76,30 @@ class MLAAttention(nn.Module):
 
     def __init__(self, config: DrafterShape, rms_norm: type[nn.Module]):
         super().__init__()
-        H, nh, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
-        self.num_heads = nh
-        self.nope, self.rope, self.v_dim = (
-            config.mla.qk_nope_head_dim,
-            config.mla.qk_rope_head_dim,
-            config.mla.v_head_dim,
-        )
+        H, nh, eps, mla = config.hidden_size, config.num_attention_heads, config.rms_norm_eps, config.mla
+        self.num_heads, self.kv_lora_rank = nh, mla.kv_lora_rank
+        self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.qk_dim = self.nope + self.rope
-        self.kv_lora_rank = config.mla.kv_lora_rank
         # query compression is required: vLLM's DeepSeek EAGLE-3 loader fuses q_a_proj with kv_a_proj_with_mqa
-        self.q_a_proj = nn.Linear(2 * H, config.mla.q_lora_rank, bias=False)
-        self.q_a_layernorm = rms_norm(config.mla.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(config.mla.q_lora_rank, nh * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(2 * H, config.mla.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = rms_norm(config.mla.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(config.mla.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.q_a_proj = nn.Linear(2 * H, mla.q_lora_rank, bias=False)
+        self.q_a_layernorm = rms_norm(mla.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(mla.q_lora_rank, nh * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, mla.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = rms_norm(mla.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=False)
-        self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
+        with torch.device("cpu"):  # a number even when the drafter is built on the meta device
+            self.q_scale = deepseek_rope_frequencies(config.rope_parameters, self.rope)[2]
 
     def query_entry(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (rope applied, the softmax-scale correction
-        folded in) and the entry the TTT chain keeps: the latent [B, T, kv_lora_rank + rope],
-        kv_a_layernorm(c_kv) beside the roped k_pe (`keys_values` decompresses it)."""
-        B, T, _ = z.shape
-        nh = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).view(B, T, nh, self.qk_dim)
+        """z [B, T, 2H] -> q [B, T, nh, nope + rope] (roped, softmax-scale correction folded in) and the entry: the
+        latent [B, T, kv_lora_rank + rope], kv_a_layernorm(c_kv) beside the roped k_pe (`mla_keys_values`' input)."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(z))).unflatten(-1, (self.num_heads, self.qk_dim))
         c_kv, k_pe = self.kv_a_proj_with_mqa(z).split([self.kv_lora_rank, self.rope], dim=-1)
         q_pe = apply_interleaved_rope(q[..., self.nope :], cos, sin)
-        k_pe = apply_interleaved_rope(k_pe.view(B, T, 1, self.rope), cos, sin).view(B, T, self.rope)
+        k_pe = apply_interleaved_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)  # one rope key for every head
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1) * self.q_scale
         return q, (torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1),)
-
-    def qkv(self, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """z [B, T, 2H] -> q, k, v [B, T, nh, nope + rope]: the latent decompressed (v zero-padded)."""
-        q, (latent,) = self.query_entry(z, cos, sin)
-        return q, *self.keys_values(latent)
-
-    def keys_values(self, latent: torch.Tensor):
-        """latent [*, kv_lora_rank + rope] -> k, v [*, nh, nope + rope] (v zero-padded, module docstring)."""
-        return mla_keys_values(latent, self.kv_b_proj.weight, self.num_heads, self.nope, self.v_dim)
 
     def chain_keys_values(self) -> ChainKeysValues:
         """The TTT chain decompresses each step's latents a block of tokens at a time (`eagle31.kernels`)."""
@@ -189,6 +132,8 @@ class MLAAttentionKind(AttentionKind):
     architecture = MLA_ARCHITECTURES[0]
     model_type = "kimi_k2"  # module docstring: vLLM rewrites deepseek_v3 to its MTP drafter
     unmarked_format = "torchspec"
+    rotary_embedding = DeepseekRotaryEmbedding
+    rope_reading = staticmethod(deepseek_yarn_scales)
     rope_fields_read = DEEPSEEK_YARN_FIELDS_READ
     rope_quantities = "extrapolation, magnitude, softmax factor"
     chain_keeps_input = False  # its latents are what the chain keeps
@@ -196,9 +141,6 @@ class MLAAttentionKind(AttentionKind):
 
     def attention(self, config: DrafterShape, rms_norm: type[nn.Module]) -> nn.Module:
         return MLAAttention(config, rms_norm)
-
-    def rotary_embedding(self, config: DrafterShape) -> nn.Module:
-        return DeepseekRotaryEmbedding(config)
 
     def validate(self, cfg: DrafterShape) -> None:
         for name in self.fields():
@@ -248,23 +190,6 @@ class MLAAttentionKind(AttentionKind):
         head_dim = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
         return {"mla": MLAConfig(**shape), "num_key_value_heads": heads, "head_dim": head_dim, "rope_parameters": rope}
 
-    def rope_reading(self, rope: dict[str, Any], release: str) -> tuple[float, ...]:
-        return deepseek_yarn_scales(rope, release)
-
-    # ------------------------------------------------------------------ estimate
-
-    def attention_parameters(self, cfg: DrafterShape) -> int:
-        """q_a + norm + q_b, kv_a + norm + kv_b, o (`MLAAttention`)."""
-        H, nh, qr, kvr = cfg.hidden_size, cfg.num_attention_heads, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
-        q = 2 * H * qr + qr + qr * nh * self.qk_head_dim(cfg)
-        kv = 2 * H * (kvr + cfg.mla.qk_rope_head_dim) + kvr + kvr * nh * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
-        return q + kv + nh * cfg.mla.v_head_dim * H
-
-    def o_proj_in_features(self, cfg: DrafterShape) -> int:
-        return cfg.num_attention_heads * cfg.mla.v_head_dim
-
-    # ------------------------------------------------------------ export, convert
-
     def layer_fields(self, cfg: DrafterShape) -> dict[str, Any]:
         return {"model_type": self.model_type, **asdict(cfg.mla)}
 
@@ -282,9 +207,6 @@ class MLAAttentionKind(AttentionKind):
             )
         fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
         parsed = DeepseekV3Config(**{**fields, "num_hidden_layers": 1})
-        shape = {"mla": MLAConfig(**{name: getattr(parsed, name) for name in self.fields()})}
-        heads = {
-            "num_key_value_heads": parsed.num_attention_heads,
-            "head_dim": parsed.qk_nope_head_dim + parsed.qk_rope_head_dim,
-        }
-        return parsed, {**heads, **shape}
+        head_dim = parsed.qk_nope_head_dim + parsed.qk_rope_head_dim
+        mla = MLAConfig(**{name: getattr(parsed, name) for name in self.fields()})
+        return parsed, {"num_key_value_heads": parsed.num_attention_heads, "head_dim": head_dim, "mla": mla}
