@@ -199,11 +199,9 @@ class Trainer:
         """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
         train.sequence_parallel)` (the loaders split batches over its data axis)."""
         self.cfg = train
-        self.drafter_config = drafter.config
         self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
-        self.run_dir = Path(run_dir)
         self.target = target
         self.train_loader = train_loader
         self.eval_loader = eval_loader
@@ -215,7 +213,7 @@ class Trainer:
         # the weights the drafter starts from (drafter.init_from's: the pipeline loads them before the trainer)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.anchor = Anchor(trained, train.anchor_weight) if train.anchor_weight > 0 else None
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", world, keep_last=train.keep_last)
+        self.checkpoints = CheckpointManager(Path(run_dir) / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
 
     # ------------------------------------------------------------------ steps
