@@ -166,34 +166,24 @@ def _holding_swaps(dest: Path) -> Iterator[None]:
     with ExitStack() as held:
         swaps = [p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)]
         for new in sorted(swaps):
-            fd = _take_swap_lock(new, dest)
-            if fd is not None:
-                held.callback(os.close, fd)  # releases the lock
+            try:
+                fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+            except OSError:
+                continue  # no marker: nothing to wait for
+            held.callback(os.close, fd)  # releases the lock
+            deadline = time.monotonic() + SWAP_WAIT_S
+            while True:
+                try:
+                    _flock(fd)  # without flock on the filesystem: no swap can be waited for
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise OutputInUseError(
+                            f"{dest} is being replaced by another process, which has not finished in "
+                            f"{SWAP_WAIT_S:g} s; wait for it to end, then rerun"
+                        ) from None
+                    time.sleep(0.01)
         yield
-
-
-def _take_swap_lock(new: Path, dest: Path) -> int | None:
-    """The open marker of `new`, holding its swap lock once no live process holds it; None when `new` has no marker."""
-    try:
-        fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
-    except OSError:
-        return None
-    deadline = time.monotonic() + SWAP_WAIT_S
-    while True:
-        try:
-            _flock(fd)  # without flock on the filesystem: no swap can be waited for
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise OutputInUseError(
-                    f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
-                    "wait for it to end, then rerun"
-                ) from None
-            time.sleep(0.01)
-        except OSError:
-            os.close(fd)
-            raise
 
 
 def check_writable(path: str | Path) -> None:

@@ -16,7 +16,7 @@ import json
 import struct
 from collections.abc import Sequence
 from enum import StrEnum
-from functools import partial
+from functools import partial, reduce
 from pathlib import Path
 from typing import Any
 
@@ -297,11 +297,9 @@ class _StopForward(Exception):
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's decoder layers, found at one of the usual attribute paths."""
     for path in _LAYER_PATHS:
-        obj = model
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-        if isinstance(obj, nn.ModuleList):
-            return obj
+        layers = reduce(lambda obj, name: getattr(obj, name, None), path.split("."), model)
+        if isinstance(layers, nn.ModuleList):
+            return layers
     raise ConfigError(f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}")
 
 

@@ -7,6 +7,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Optional
@@ -100,9 +101,8 @@ class DrafterObjective(nn.Module):
     def __init__(self, drafter: Eagle31Drafter, train: TrainConfig):
         super().__init__()
         self.drafter = drafter
-        self.ttt_length = train.ttt_length
-        self.attention_kernel = train.attention_kernel
-        self.activation_checkpointing = train.activation_checkpointing
+        self.unroll = partial(ttt_unroll, ttt_length=train.ttt_length, attention_kernel=train.attention_kernel,
+                              activation_checkpointing=train.activation_checkpointing)  # fmt: skip
         self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(
@@ -112,25 +112,14 @@ class DrafterObjective(nn.Module):
         document_ids,
         final,
         supervised,
-        target_argmax,
+        argmax,
         step_scale,
         target: TargetHead,
         sequence: SequenceShard | None = None,
     ) -> StepStats:
-        out = ttt_unroll(
-            self.drafter,
-            aux,
-            input_ids,
-            ttt_length=self.ttt_length,
-            document_ids=document_ids,
-            attention_kernel=self.attention_kernel,
-            activation_checkpointing=self.activation_checkpointing,
-            sequence=sequence,
-        )
         d = self.drafter
-        return ttt_loss(
-            out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, step_scale, self.loss
-        )
+        states = self.unroll(d, aux, input_ids, document_ids=document_ids, sequence=sequence).states
+        return ttt_loss(states, d.lm_head.weight, d.d2t, final, supervised, target, argmax, step_scale, self.loss)
 
 
 @dataclass
