@@ -137,7 +137,6 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
 
     cfg, world = plan.cfg, plan.world
     sources: dict[str, FeatureSource]
-    aux_ids = plan.drafter.aux_layer_ids
     splits = load_prepared_splits(prepared)
     if cfg.features.mode == "online":
         from eagle31.data.online import OnlineFeatures
@@ -145,7 +144,7 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
         check_one_process_per_node(world, cfg.target, "use features.mode=store or engine (docs/kimi_k26.md)")
         target = load_recipe_target(plan.target_dir, cfg.target, world.device)
         sources = {
-            n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens)
+            n: OnlineFeatures(target, ds, plan.drafter.aux_layer_ids, batch_tokens=cfg.features.capture_batch_tokens)
             for n, ds in splits.items()
         }
     elif cfg.features.mode == "engine":

@@ -200,8 +200,8 @@ class Trainer:
         self.model = shard_for_training(DrafterObjective(drafter, train), world, compute_dtype)
         self.optimizers = build_optimizer(self.model.named_parameters(), train, world.device)
         # the weights the drafter starts from (drafter.init_from's: the pipeline loads them before the trainer)
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.anchor = Anchor(trained, train.anchor_weight) if train.anchor_weight > 0 else None
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.anchor = Anchor(self.trained, train.anchor_weight) if train.anchor_weight > 0 else None
         self.checkpoints = CheckpointManager(Path(run_dir) / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
 
@@ -243,10 +243,8 @@ class Trainer:
         loss_sum, counters = self._summed(stats)
         total = float(weighted_loss(loss_sum, global_count, self.cfg.ttt_decay))
         anchor = {} if self.anchor is None else {"anchor": self.anchor.add_gradient()}  # L2-SP, before clipping
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm
-        )
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         if finite:
             self.optimizers.step()
@@ -310,11 +308,11 @@ class Trainer:
             state.nonfinite_streak = 0 if result["finite"] else state.nonfinite_streak + 1
             if not result["finite"]:
                 warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped", stacklevel=1)
-            if state.nonfinite_streak >= cfg.max_nonfinite_steps:
-                raise TrainingDiverged(
-                    f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
-                    f"the last good checkpoint is kept in {self.checkpoints.root}"
-                )
+                if state.nonfinite_streak >= cfg.max_nonfinite_steps:
+                    raise TrainingDiverged(
+                        f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
+                        f"the last good checkpoint is kept in {self.checkpoints.root}"
+                    )
             state.step += 1
             state.tokens_seen += int(result["tokens"])
             window["tokens"] += result["tokens"]
@@ -365,8 +363,7 @@ class Trainer:
 
     def _stopped_by(self, stop: StopSignals | None) -> str | None:
         """What asked any rank to stop, or None: one all-reduce per step, so that every rank stops at this step."""
-        asked = torch.tensor([1.0 if stop is not None and stop.requested else 0.0], device=self.world.device)
-        if stop is None or all_reduce_sum(asked).item() == 0:
+        if stop is None or not all_reduce_sum(torch.tensor([float(stop.requested)], device=self.world.device)).item():
             return None
         return stop.received.name if stop.received else "a signal that another rank received"
 
