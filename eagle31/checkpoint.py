@@ -98,8 +98,7 @@ class CheckpointManager:
         return Path(path) if path else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> Path:
-        """Checkpoint `step`: the model, `optimizer` (one, or a list: Muon and AdamW), every rank's RNG and
-        `trainer_state`, written to a temporary directory and renamed when complete."""
+        """Checkpoint `step` (model, `optimizer` or a list of them, each rank's RNG, `trainer_state`) via a tmp dir."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         previous = self.latest()

@@ -1,8 +1,7 @@
 """One run of a recipe, end to end: plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report.
 
-`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each. Everything that can be
-checked without a model is checked first (`eagle31.plan.plan_run`). The run directory it writes, owns and locks:
-docs/training.md, "The run directory"."""
+`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each; the run directory:
+docs/training.md."""
 
 from __future__ import annotations
 
@@ -130,9 +129,8 @@ def prepare_data(plan: RunPlan) -> Path:
 
 
 def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None = None, engine=None):
-    """Train and held-out `FeatureLoader`s over online features, the inference `engine` (`features.mode=engine`) or
-    the shard store, splitting batches over the data axis of `sequence` (the ranks of a sequence group share each
-    batch; default: every rank its own)."""
+    """Train and held-out `FeatureLoader`s over online features, the `engine` (`features.mode=engine`) or the shard
+    store, batches split over the data axis of `sequence` (default: every rank its own)."""
     from eagle31.data.loader import FeatureLoader, FeatureSource
 
     cfg, world = plan.cfg, plan.world

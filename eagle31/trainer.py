@@ -291,8 +291,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self, logger: RunLogger, stop: StopSignals | None = None) -> dict[str, float]:
-        """Train to `max_steps`; return the final held-out metrics. A `stop` signal stops every rank after one step,
-        with its checkpoint (`RunPreempted`; docs/reliability.md)."""
+        """Train to `max_steps`; return the final held-out metrics (`stop`: preemption, docs/reliability.md)."""
         cfg, state = self.cfg, self.state
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
@@ -368,8 +367,7 @@ class Trainer:
         return stop.received.name if stop.received else "a signal that another rank received"
 
     def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
-        """The last step's metrics, rates over the window of steps, and (rank 0) the feature source's (`engine/*`);
-        `capacity_samples_per_s`: the samples all ranks consumed per second of the window less this rank's wait."""
+        """The last step's metrics, rates over the window of steps (docs/engine.md), (rank 0) the feature source's."""
         metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens", "samples")}
         metrics.update(
             **self.optimizers.lrs(),
