@@ -88,10 +88,9 @@ class CheckpointManager:
                     choice = (str(path), None)
                     break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
-            else:
-                if done:
-                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the "
-                              "checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+            if done and choice[0] is None:
+                choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
+                          "directory to start over, or restore it from a backup")  # fmt: skip
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)
