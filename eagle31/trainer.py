@@ -169,6 +169,7 @@ class Trainer:
         """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
         train.sequence_parallel)` (the loaders split batches over its data axis)."""
         self.cfg = train
+        self.drafter_config = drafter.config
         self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
