@@ -53,6 +53,12 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _trained_state(model: torch.nn.Module, optimizer) -> dict[str, dict]:
+    """{"model", "optim"}: the state dicts a checkpoint holds (the frozen embedding left out)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": {k: v for k, v in model_sd.items() if k not in FROZEN_KEYS}, "optim": optim_sd}
+
+
 class CheckpointManager:
     """The checkpoints under `root`: saved by every rank, the last `keep_last` kept, the newest intact one found."""
 
@@ -82,18 +88,16 @@ class CheckpointManager:
                     choice = (str(path), None)
                     break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
-            else:
-                if done:
-                    choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the "
-                              "checkpoints directory to start over, or restore it from a backup")  # fmt: skip
+            if done and choice[0] is None:
+                choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
+                          "directory to start over, or restore it from a backup")  # fmt: skip
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)
         return Path(path) if path else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict) -> Path:
-        """Checkpoint `step`: the model, `optimizer` (one, or a list: Muon and AdamW), every rank's RNG and
-        `trainer_state`, written to a temporary directory and renamed when complete."""
+        """Checkpoint `step` (model, `optimizer` or a list of them, each rank's RNG, `trainer_state`) via a tmp dir."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         previous = self.latest()
@@ -125,11 +129,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        for key in FROZEN_KEYS:
-            model_sd.pop(key, None)
         with _quiet_single_process():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            dcp.save(_trained_state(model, optimizer), checkpoint_id=str(tmp))
         atomic_save_safetensors(_rng_state(), tmp / f"rng_rank{self.world.rank}.safetensors", save_file)
         barrier()
         if self.world.is_main:
@@ -139,18 +140,12 @@ class CheckpointManager:
             (tmp / "COMPLETE").write_text(f"{step}\n")
 
     def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
-        """Restore model, optimizer (one, or the list that was saved) and this rank's RNG in place; return the
-        trainer state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        for key in FROZEN_KEYS:
-            model_sd.pop(key, None)
-        state = {"model": model_sd, "optim": optim_sd}
+        """Restore model, optimizer (one, or the list saved) and this rank's RNG in place; return the trainer state."""
+        state = _trained_state(model, optimizer)
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
-        options = StateDictOptions(strict=False)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-        )
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))  # fmt: skip
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
             _set_rng_state(load_file(str(rng)))

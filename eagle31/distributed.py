@@ -186,10 +186,7 @@ class RankWatch:
                     return
                 self.store.add(f"beat/{self.rank}", 1)
                 verdict = self.store.get("lost").decode() if self.store.check(["lost"]) else None
-                for r in watched:
-                    if verdict:
-                        break
-                    verdict = self._check(r, seen, where)
+                verdict = verdict or next(filter(None, (self._check(r, seen, where) for r in watched)), None)
                 if verdict:
                     self._give(verdict)
                     return

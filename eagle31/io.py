@@ -74,12 +74,10 @@ def check_output_dir(path: str | Path, content: str, parts: Mapping[str | Path, 
     if path.exists() and not path.is_dir():
         raise ForeignDirectoryError(f"{path} is not a directory; choose another output path")
     check_writable(path)
-    if not path.exists() or output_content(path) == content:
-        return
-    found = output_content(path)
+    found = output_content(path) if path.exists() else content
     wanted = {os.path.abspath(p): k for p, k in (parts or {}).items()}
     foreign = _foreign_entries(path, wanted) if found is None else []
-    if found is not None or foreign:
+    if found != content and (found is not None or foreign):
         held = _describe(foreign) if found is None else f"a {found} output of eagle31"
         raise ForeignDirectoryError(
             f"{path} holds {held}; refusing to write a {content} output there (choose an empty or new directory)"
@@ -156,12 +154,9 @@ def _swap_new(dest: Path, old: Path) -> Path:
 @contextmanager
 def _swap_lock(new: Path) -> Iterator[None]:
     """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
-    fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
-    try:
-        _flock(fd, fcntl.LOCK_EX)
+    with open(new / OUTPUT_MARKER, "rb") as marker:  # closing it releases the lock
+        _flock(marker.fileno(), fcntl.LOCK_EX)
         yield
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -171,34 +166,24 @@ def _holding_swaps(dest: Path) -> Iterator[None]:
     with ExitStack() as held:
         swaps = [p for p in dest.parent.iterdir() if p.name.startswith(prefix) and _TEMPORARY.fullmatch(p.name)]
         for new in sorted(swaps):
-            fd = _take_swap_lock(new, dest)
-            if fd is not None:
-                held.callback(os.close, fd)  # releases the lock
+            try:
+                fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
+            except OSError:
+                continue  # no marker: nothing to wait for
+            held.callback(os.close, fd)  # releases the lock
+            deadline = time.monotonic() + SWAP_WAIT_S
+            while True:
+                try:
+                    _flock(fd)  # without flock on the filesystem: no swap can be waited for
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise OutputInUseError(
+                            f"{dest} is being replaced by another process, which has not finished in "
+                            f"{SWAP_WAIT_S:g} s; wait for it to end, then rerun"
+                        ) from None
+                    time.sleep(0.01)
         yield
-
-
-def _take_swap_lock(new: Path, dest: Path) -> int | None:
-    """The open marker of `new`, holding its swap lock once no live process holds it; None when `new` has no marker."""
-    try:
-        fd = os.open(new / OUTPUT_MARKER, os.O_RDONLY)
-    except OSError:
-        return None
-    deadline = time.monotonic() + SWAP_WAIT_S
-    while True:
-        try:
-            _flock(fd)  # without flock on the filesystem: no swap can be waited for
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise OutputInUseError(
-                    f"{dest} is being replaced by another process, which has not finished in {SWAP_WAIT_S:g} s; "
-                    "wait for it to end, then rerun"
-                ) from None
-            time.sleep(0.01)
-        except OSError:
-            os.close(fd)
-            raise
 
 
 def check_writable(path: str | Path) -> None:
@@ -276,7 +261,7 @@ def _hold_lock_file(directory: Path) -> Iterator[None]:
     finally:
         stop.set()
         beat.join()
-        if (_read_holder(path) or {}).get("token") == me["token"]:
+        if (_lock_identity(path)[1] or {}).get("token") == me["token"]:
             path.unlink(missing_ok=True)
 
 
@@ -320,14 +305,6 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _read_holder(path: Path) -> dict | None:
-    try:
-        holder = json.loads(path.read_text())
-        return holder if isinstance(holder, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 def _lock_identity(path: Path) -> tuple[tuple | None, dict | None]:
     """(the lock file's identity: inode, mtime and token; its record), or (None, None) when none is there."""
     try:
@@ -336,11 +313,10 @@ def _lock_identity(path: Path) -> tuple[tuple | None, dict | None]:
             raw = f.read(65536)
     except FileNotFoundError:
         return None, None
-    record = None
     with suppress(ValueError):
-        record = json.loads(raw)
-    record = record if isinstance(record, dict) else None
-    return (st.st_ino, st.st_mtime_ns, (record or {}).get("token")), record
+        if isinstance(record := json.loads(raw), dict):
+            return (st.st_ino, st.st_mtime_ns, record.get("token")), record
+    return (st.st_ino, st.st_mtime_ns, None), None
 
 
 def _stale_holder(path: Path) -> tuple[str, str | None, tuple | None]:
@@ -500,7 +476,7 @@ def atomic_write_text(dest: str | Path, text: str) -> None:
 
 
 def atomic_write_json(dest: str | Path, obj: Any) -> None:
-    atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(dest, json.dumps(obj, indent=2) + "\n")
 
 
 def atomic_save_safetensors(

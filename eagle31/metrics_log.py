@@ -90,8 +90,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
-    """Drop the lines of metrics.jsonl logged after `step` (or at its evaluation, unless `evaluated`) and a torn last
-    one; return how many."""
+    """Drop metrics.jsonl's lines after `step` (and its eval's unless `evaluated`), a torn last; return how many."""
     path = Path(path)
     if not path.is_file():
         return 0

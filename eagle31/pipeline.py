@@ -1,8 +1,7 @@
 """One run of a recipe, end to end: plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report.
 
-`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each. Everything that can be
-checked without a model is checked first (`eagle31.plan.plan_run`). The run directory it writes, owns and locks:
-docs/training.md, "The run directory"."""
+`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each; the run directory:
+docs/training.md."""
 
 from __future__ import annotations
 
@@ -85,9 +84,11 @@ def train_run(plan: RunPlan) -> dict | None:
     prepared = prepare_data(plan)
     sequence = sequence_group(plan.world, plan.cfg.train.sequence_parallel)  # the (data x sequence) mesh
     with ExitStack() as stack:  # the inference engine of features.mode=engine lives until training ends
-        engine = (
-            stack.enter_context(open_engine(plan, prepared, sequence)) if plan.cfg.features.mode == "engine" else None
-        )
+        engine = None
+        if plan.cfg.features.mode == "engine":  # its workers and their pool (`eagle31.engine`, imported only then)
+            from eagle31.engine.features import open_engine
+
+            engine = stack.enter_context(open_engine(plan, prepared, sequence))
         train_loader, eval_loader = build_loaders(plan, prepared, sequence, engine)
         drafter, head = build_drafter(plan, prepared)
         trainer = build_trainer(plan, drafter, head, train_loader, eval_loader, sequence)
@@ -128,14 +129,12 @@ def prepare_data(plan: RunPlan) -> Path:
 
 
 def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None = None, engine=None):
-    """Train and held-out `FeatureLoader`s over online features, the inference `engine` (`features.mode=engine`) or
-    the shard store, splitting batches over the data axis of `sequence` (the ranks of a sequence group share each
-    batch; default: every rank its own)."""
+    """Train and held-out `FeatureLoader`s over online features, the `engine` (`features.mode=engine`) or the shard
+    store, batches split over the data axis of `sequence` (default: every rank its own)."""
     from eagle31.data.loader import FeatureLoader, FeatureSource
 
     cfg, world = plan.cfg, plan.world
     sources: dict[str, FeatureSource]
-    aux_ids = plan.drafter.aux_layer_ids
     splits = load_prepared_splits(prepared)
     if cfg.features.mode == "online":
         from eagle31.data.online import OnlineFeatures
@@ -143,7 +142,7 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
         check_one_process_per_node(world, cfg.target, "use features.mode=store or engine (docs/kimi_k26.md)")
         target = load_recipe_target(plan.target_dir, cfg.target, world.device)
         sources = {
-            n: OnlineFeatures(target, ds, aux_ids, batch_tokens=cfg.features.capture_batch_tokens)
+            n: OnlineFeatures(target, ds, plan.drafter.aux_layer_ids, batch_tokens=cfg.features.capture_batch_tokens)
             for n, ds in splits.items()
         }
     elif cfg.features.mode == "engine":
@@ -164,21 +163,11 @@ def build_loaders(plan: RunPlan, prepared: Path, sequence: SequenceGroup | None 
         if "eval" not in sources and world.is_main:  # features imported for train only: no held-out pass
             print(f"no held-out features in {store_dir / 'eval'}: skipping periodic evaluation")
     rank, ranks = (sequence.data_rank, sequence.data_size) if sequence else (world.rank, world.world_size)
-    kwargs = dict(
-        batching=cfg.features.batching, tokens_per_batch=cfg.features.tokens_per_batch, rank=rank, world_size=ranks
-    )
-    train = FeatureLoader(sources["train"], seed=cfg.seed, **kwargs)
-    held_out = (
-        FeatureLoader(sources["eval"], seed=cfg.seed, **kwargs) if "eval" in sources and len(splits["eval"]) else None
-    )
+    f = cfg.features
+    kwargs = dict(batching=f.batching, tokens_per_batch=f.tokens_per_batch, seed=cfg.seed, rank=rank, world_size=ranks)
+    train = FeatureLoader(sources["train"], **kwargs)
+    held_out = FeatureLoader(sources["eval"], **kwargs) if "eval" in sources and len(splits["eval"]) else None
     return train, held_out
-
-
-def open_engine(plan: RunPlan, prepared: Path, sequence: SequenceGroup):
-    """`features.mode=engine`: the run's inference workers and their pool (`eagle31.engine`, imported only then)."""
-    from eagle31.engine.features import open_engine as engine
-
-    return engine(plan, prepared, sequence)
 
 
 def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
@@ -192,7 +181,6 @@ def capture_store(plan: RunPlan, splits: dict, store_dir: Path) -> None:
     )
     target = load_recipe_target(plan.target_dir, cfg.target, plan.world.device)
     capture_splits(target, splits, writers, batch_tokens=cfg.features.capture_batch_tokens, world=plan.world)
-    del target
 
 
 def build_drafter(plan: RunPlan, prepared: Path) -> tuple[Eagle31Drafter, TargetHead]:
@@ -212,12 +200,7 @@ def build_drafter(plan: RunPlan, prepared: Path) -> tuple[Eagle31Drafter, Target
 
 
 def build_trainer(
-    plan: RunPlan,
-    drafter: Eagle31Drafter,
-    head: TargetHead,
-    train_loader,
-    eval_loader,
-    sequence: SequenceGroup | None = None,
+    plan: RunPlan, drafter: Eagle31Drafter, head: TargetHead, train_loader, eval_loader, sequence: SequenceGroup
 ) -> Trainer:
     """The trainer, resumed from the newest intact checkpoint under `resume=auto`."""
     cfg, world = plan.cfg, plan.world
@@ -240,29 +223,19 @@ def build_trainer(
 def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[dict, dict[str, int]]:
     """(final held-out metrics, corrupt shards skipped); Ctrl-C says where the run resumes."""
     cfg = plan.cfg
-    logger = RunLogger(
-        plan.run_dir,
-        to_container(cfg),
-        total_steps=cfg.train.max_steps,
-        start_step=trainer.state.step,
-        is_main=plan.world.is_main,
-        wandb_mode=cfg.logging.wandb.mode,
-        wandb_project=cfg.logging.wandb.project,
-        wandb_entity=cfg.logging.wandb.entity,
-        progress=cfg.logging.progress,
-    )
+    wandb, start = cfg.logging.wandb, trainer.state.step
+    logger = RunLogger(plan.run_dir, to_container(cfg), total_steps=cfg.train.max_steps, start_step=start,
+                       is_main=plan.world.is_main, wandb_mode=wandb.mode, wandb_project=wandb.project,
+                       wandb_entity=wandb.entity, progress=cfg.logging.progress)  # fmt: skip
     try:
         with StopSignals(cfg.train.preempt_grace_s, trainer.checkpoints.root) as stop:
             final = trainer.fit(logger, stop)
         skipped = skipped_features(plan.world, train_loader, eval_loader)  # every rank takes part
         if skipped:
-            logger.log(
-                trainer.state.step, {"data/corrupt_shards": len(skipped), "data/skipped_samples": sum(skipped.values())}
-            )
-            logger.write(
-                f"skipped {len(skipped)} corrupt shard(s), {sum(skipped.values())} samples (features.skip_corrupt): "
-                + ", ".join(skipped)
-            )
+            shards, samples = len(skipped), sum(skipped.values())
+            logger.log(trainer.state.step, {"data/corrupt_shards": shards, "data/skipped_samples": samples})
+            said = f"skipped {shards} corrupt shard(s), {samples} samples (features.skip_corrupt): "
+            logger.write(said + ", ".join(skipped))
     except KeyboardInterrupt:
         saved = trainer.checkpoints.latest()
         where = (
@@ -318,25 +291,13 @@ def finish_run(
     """Rank 0: native drafter, exports, real acceptance (optional), report.json."""
     from eagle31.export import export_drafter
 
-    cfg, run_dir = plan.cfg, plan.run_dir
+    cfg, run_dir, st = plan.cfg, plan.run_dir, trainer.state
     drafter.save(run_dir / "drafter")
-    exports = {}
-    for fmt in cfg.export.formats:
-        exports[fmt] = str(
-            export_drafter(
-                drafter,
-                run_dir / "export" / fmt,
-                fmt,
-                dtype=cfg.export.dtype,
-                include_embed=cfg.export.include_embed,
-                trained_context=cfg.data.max_len,
-                num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                target_name_or_path=cfg.target.name or str(plan.target_dir),
-                overwrite=True,  # the run's own exports: a resumed run writes them again
-            )
-        )
-    K = cfg.train.ttt_length
-    st = trainer.state
+    # overwrite: the run's own exports, which a resumed run writes again
+    options = dict(dtype=cfg.export.dtype, include_embed=cfg.export.include_embed, trained_context=cfg.data.max_len,
+                   num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True,
+                   target_name_or_path=cfg.target.name or str(plan.target_dir))  # fmt: skip
+    exports = {f: str(export_drafter(drafter, run_dir / "export" / f, f, **options)) for f in cfg.export.formats}
     report = {
         "recipe": cfg.name,
         "steps": st.step,
@@ -345,33 +306,27 @@ def finish_run(
         "train_time_s": st.train_seconds,
         "tokens_per_s": st.tokens_seen / max(st.train_seconds, 1e-9),
         "tau_sim": final.get("tau_sim"),
-        "acc": [final.get(f"acc_{k}") for k in range(K)],
-        "cond_acc": [final.get(f"cond_acc_{k}") for k in range(K)],
+        "acc": [final.get(f"acc_{k}") for k in range(cfg.train.ttt_length)],
+        "cond_acc": [final.get(f"cond_acc_{k}") for k in range(cfg.train.ttt_length)],
         "eval_loss": final.get("loss"),
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "exports": exports,
         "skipped_corrupt": {"shards": list(skipped), "samples": sum(skipped.values())},
     }
-    if cfg.eval.enabled:
-        report["acceptance"] = measure_acceptance(plan)
+    if cfg.eval.enabled:  # real speculative decoding with the trained drafter on `eval.data`
+        from eagle31.eval.acceptance import run_acceptance
+        from eagle31.eval.acceptance_report import write_report
+
+        assert plan.target_dir is not None  # plan_run resolved it: a run has a target
+        report["acceptance"] = run_acceptance(acceptance_config(cfg, run_dir, plan.target_dir, plan.world.device.type))
+        write_report(report["acceptance"], run_dir / "acceptance")
     atomic_write_json(run_dir / "report.json", report)
     return report
 
 
-def measure_acceptance(plan: RunPlan) -> dict:
-    """Real speculative decoding with the trained drafter on `eval.data` (acceptance/ in the run dir)."""
-    from eagle31.eval.acceptance import run_acceptance
-    from eagle31.eval.acceptance_report import write_report
-
-    assert plan.target_dir is not None  # plan_run resolved it: a run has a target
-    result = run_acceptance(acceptance_config(plan.cfg, plan.run_dir, plan.target_dir, plan.world.device.type))
-    write_report(result, plan.run_dir / "acceptance")
-    return result
-
-
 def acceptance_config(cfg, run_dir: Path, target_dir: Path, device: str):
-    """The `AcceptanceConfig` of a run's acceptance measurement (its drafter, `eval.*`, prompts rendered as
-    for training): what `measure_acceptance` runs, and what another measurement of that run repeats."""
+    """The `AcceptanceConfig` of a run's acceptance measurement (its drafter, `eval.*`, prompts rendered as for
+    training): what `finish_run` measures, and what another measurement of that run repeats."""
     from eagle31.eval.acceptance import AcceptanceConfig
 
     return AcceptanceConfig(

@@ -16,7 +16,7 @@ import json
 import struct
 from collections.abc import Sequence
 from enum import StrEnum
-from functools import partial
+from functools import partial, reduce
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,7 @@ def decoder_parameters(target_config: dict, active: bool = False) -> int:
 
 
 def target_parameters(target_config: dict) -> int:
-    """All the target's parameters, from its config: the embedding, the decoder layers (`decoder_parameters`) and
-    their two norms each, the final norm, and the lm_head unless it is the embedding (`tie_word_embeddings`)."""
+    """All the target's parameters: embedding, decoder layers and their norms, final norm, lm_head unless tied."""
     t = text_config(target_config)
     H, L, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     tied = t.get("tie_word_embeddings", target_config.get("tie_word_embeddings", False))
@@ -183,8 +182,7 @@ def read_target_embeddings(target_dir: str | Path) -> tuple[torch.Tensor, torch.
 
 
 def target_fingerprint(target_dir) -> str:
-    """sha256 of the target's config.json (less path and version keys) and of every tensor, by name: its dtype, shape
-    and `_FINGERPRINT_WINDOWS` windows of its bytes (a small tensor: all of it). Why: docs/engine.md."""
+    """sha256 of config.json (less path, version keys), each tensor's dtype, shape, sampled bytes (docs/engine.md)."""
     target_dir = Path(target_dir)
     config = {k: v for k, v in load_target_config(target_dir).items() if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
@@ -297,11 +295,9 @@ class _StopForward(Exception):
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's decoder layers, found at one of the usual attribute paths."""
     for path in _LAYER_PATHS:
-        obj = model
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-        if isinstance(obj, nn.ModuleList):
-            return obj
+        layers = reduce(lambda obj, name: getattr(obj, name, None), path.split("."), model)
+        if isinstance(layers, nn.ModuleList):
+            return layers
     raise ConfigError(f"cannot find the decoder layers of {type(model).__name__}: looked for {', '.join(_LAYER_PATHS)}")
 
 

@@ -1,15 +1,14 @@
-"""The training loop (torchtitan-style): batch -> TTT unroll + loss -> backward -> clip -> step -> log.
-
-Before any forward, a step counts each micro-batch's supervised queries and all-reduces the counts, so the loss is
-the mean over the global batch (docs/design.md §4). FSDP2 on GPU or across processes; one CPU process runs plain."""
+"""The training loop: batch -> TTT unroll + loss -> backward -> clip -> step -> log; the loss is the mean over the
+global batch, from counts all-reduced before any forward (docs/design.md §4)."""
 
 from __future__ import annotations
 
 import math
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Optional
 
@@ -102,37 +101,15 @@ class DrafterObjective(nn.Module):
     def __init__(self, drafter: Eagle31Drafter, train: TrainConfig):
         super().__init__()
         self.drafter = drafter
-        self.ttt_length = train.ttt_length
-        self.attention_kernel = train.attention_kernel
-        self.activation_checkpointing = train.activation_checkpointing
+        self.unroll = partial(ttt_unroll, ttt_length=train.ttt_length, attention_kernel=train.attention_kernel,
+                              activation_checkpointing=train.activation_checkpointing)  # fmt: skip
         self.loss = Divergence(train.loss, train.lk_eta)
 
-    def forward(
-        self,
-        aux,
-        input_ids,
-        document_ids,
-        final,
-        supervised,
-        target_argmax,
-        step_scale,
-        target: TargetHead,
-        sequence: SequenceShard | None = None,
-    ) -> StepStats:
-        out = ttt_unroll(
-            self.drafter,
-            aux,
-            input_ids,
-            ttt_length=self.ttt_length,
-            document_ids=document_ids,
-            attention_kernel=self.attention_kernel,
-            activation_checkpointing=self.activation_checkpointing,
-            sequence=sequence,
-        )
+    def forward(self, aux, input_ids, document_ids, final, supervised, argmax, step_scale, target: TargetHead,
+                sequence: SequenceShard | None = None) -> StepStats:  # fmt: skip
         d = self.drafter
-        return ttt_loss(
-            out.states, d.lm_head.weight, d.d2t, final, supervised, target, target_argmax, step_scale, self.loss
-        )
+        states = self.unroll(d, aux, input_ids, document_ids=document_ids, sequence=sequence).states
+        return ttt_loss(states, d.lm_head.weight, d.d2t, final, supervised, target, argmax, step_scale, self.loss)
 
 
 @dataclass
@@ -141,18 +118,12 @@ class TrainState:
     tokens_seen: int = 0
     nonfinite_streak: int = 0
     train_seconds: float = 0.0
-    eval_due: bool = (
-        False  # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
-    )
+    # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
+    eval_due: bool = False
 
 
 def shard_for_training(objective: DrafterObjective, world: World, compute_dtype: torch.dtype) -> nn.Module:
-    """FSDP2 on GPU or across processes; plain module for one CPU process.
-
-    Under FSDP the frozen target embedding stays out of the shards: every rank holds it whole in
-    the compute dtype (what FSDP would gather for the forward anyway), so it has no fp32 master
-    copy and no gathered copy (`eagle31.estimate`: 2 B per element instead of 4 / ranks + 2).
-    """
+    """FSDP2 on GPU or across processes; plain module for one CPU process."""
     if world.device.type == "cpu" and not world.distributed:
         return objective.to(world.device)
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,6 +133,8 @@ def shard_for_training(objective: DrafterObjective, world: World, compute_dtype:
     # the batch comes in the compute dtype already; the loss's float64 step weights must stay as they are
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     objective.to(world.device)
+    # the frozen embedding stays out of the shards, whole on every rank in the compute dtype (what FSDP would gather
+    # anyway): no fp32 master copy, no gathered copy (`eagle31.estimate`: 2 B per element instead of 4 / ranks + 2)
     embed = objective.drafter.embed_tokens
     embed.weight = nn.Parameter(embed.weight.detach().to(compute_dtype), requires_grad=False)
     fully_shard(objective, mesh=mesh, mp_policy=policy, ignored_params={embed.weight})
@@ -172,12 +145,8 @@ def prepare_batch(
     batch: FeatureBatch, train: TrainConfig, target: TargetHead, device, dtype: torch.dtype, sequence: SequenceGroup,
     rule=Visibility(), draw: int | None = None,
 ) -> tuple[FeatureBatch, torch.Tensor, torch.Tensor, SequenceShard | None]:  # fmt: skip
-    """Move a micro-batch (this rank's shard of it, with sequence parallelism) and find its supervised
-    queries [K, B, T] and the target's argmax (no gradients); a shard's token rows, mask and final
-    states carry its halo. Returns (batch, supervised, argmax, shard or None). The sequence-parallel
-    path runs wherever `sequence` has a process group, a group of one included (the GPU check's
-    comparison at N = 1). `rule`: the drafter's visibility rule (a shard gathers only the keys it sees). `draw`: the
-    seed of `train.down_sample_ratio`'s depth sampling (training steps only)."""
+    """(the micro-batch on `device`, or this rank's shard of it with its halo where `sequence` has a process group;
+    its supervised queries [K, B, T]; the target's argmax; the shard or None). `draw`: the depth sampling's seed."""
     shard = None
     if sequence.group is None:
         b = batch.to(device, dtype=dtype)
@@ -194,26 +163,16 @@ def prepare_batch(
 
 
 class Trainer:
-    def __init__(
-        self,
-        train: TrainConfig,
-        world: World,
-        run_dir: Path,
-        drafter: Eagle31Drafter,
-        target: TargetHead,
-        train_loader,
-        eval_loader,
-        compute_dtype: torch.dtype,
-        sequence: SequenceGroup | None = None,
-    ):
-        """`sequence`: this rank's place in the (data × sequence) mesh, `sequence_group(world,
-        train.sequence_parallel)` when not given (the loaders split batches over its data axis)."""
+    def __init__(self, train: TrainConfig, world: World, run_dir: Path, drafter: Eagle31Drafter, target: TargetHead,
+                 train_loader, eval_loader, compute_dtype: torch.dtype,
+                 sequence: SequenceGroup | None = None):  # fmt: skip
+        """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
+        train.sequence_parallel)` (the loaders split batches over its data axis)."""
         self.cfg = train
         self.drafter_config = drafter.config
         self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
-        self.run_dir = Path(run_dir)
         self.target = target
         self.train_loader = train_loader
         self.eval_loader = eval_loader
@@ -223,16 +182,12 @@ class Trainer:
         self.model = shard_for_training(DrafterObjective(drafter, train), world, compute_dtype)
         self.optimizers = build_optimizer(self.model.named_parameters(), train, world.device)
         # the weights the drafter starts from (drafter.init_from's: the pipeline loads them before the trainer)
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.anchor = Anchor(trained, train.anchor_weight) if train.anchor_weight > 0 else None
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", world, keep_last=train.keep_last)
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.anchor = Anchor(self.trained, train.anchor_weight) if train.anchor_weight > 0 else None
+        self.checkpoints = CheckpointManager(Path(run_dir) / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
 
-    # ------------------------------------------------------------------ data
-
-    def _stream(self) -> Iterator[FeatureBatch]:
-        while True:  # epochs follow each other; the loader keeps its position for checkpoints
-            yield from self.train_loader
+    # ------------------------------------------------------------------ steps
 
     def _prepare(self, batch: FeatureBatch, draw: int | None = None):
         args = (self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, self.visibility, draw)
@@ -244,7 +199,13 @@ class Trainer:
             b.aux, b.input_ids, b.document_ids, b.final, supervised, argmax, step_scale, self.target, shard
         )
 
-    # ------------------------------------------------------------------ steps
+    def _summed(self, stats: list[StepStats]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sums [K], counters [4, K]) over the micro-batches of `stats` and every rank."""
+        rows = [torch.cat([s.loss_sum.detach().double()[None], s.counters()]) for s in stats]  # [5, K] each
+        # on the world's device, as every collective's tensor: NCCL refuses host memory
+        summed = torch.zeros(5, self.cfg.ttt_length, dtype=torch.float64, device=self.world.device) + sum(rows)
+        all_reduce_sum(summed)
+        return summed[0], summed[1:]
 
     def train_step(self, micro_batches: list[FeatureBatch]) -> dict[str, float]:
         # the depth sampling's draw depends on the step and the micro-batch's index over the data ranks alone
@@ -254,77 +215,50 @@ class Trainer:
         prepared = [self._prepare(b, first + i * n + r) for i, b in enumerate(micro_batches)]
         global_count = all_reduce_sum(sum(sup.sum(dim=(1, 2)) for _, sup, _, _ in prepared).double())
         scale = step_scales(global_count, self.cfg.ttt_decay)
-        K = self.cfg.ttt_length
-        loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
-        counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
+        stats = []
         for i, (b, sup, argmax, shard) in enumerate(prepared):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last
                 self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            stats = self._forward(b, sup, argmax, scale, shard)
-            loss = weighted_loss(stats.loss_sum, global_count, self.cfg.ttt_decay)
+            stats.append(self._forward(b, sup, argmax, scale, shard))
+            loss = weighted_loss(stats[-1].loss_sum, global_count, self.cfg.ttt_decay)
             (loss * self.world.world_size).backward()  # FSDP averages gradients over ranks; we want their sum
-            loss_sum += stats.loss_sum.detach().double()
-            counters += stats.counters()
-        all_reduce_sum(loss_sum)
-        all_reduce_sum(counters)
+        loss_sum, counters = self._summed(stats)
         total = float(weighted_loss(loss_sum, global_count, self.cfg.ttt_decay))
         anchor = {} if self.anchor is None else {"anchor": self.anchor.add_gradient()}  # L2-SP, before clipping
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm
-        )
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         if finite:
             self.optimizers.step()
         self.optimizers.zero_grad()
         self.optimizers.advance()  # a skipped step counts toward max_steps, so it moves the schedule too
-        # every collective's tensor lives on the world's device: NCCL refuses host memory
         seen = [sum(b.num_tokens for b, *_ in prepared), sum(b.num_samples for b in micro_batches)]
         tokens, samples = all_reduce_sum(torch.tensor(seen, dtype=torch.float64, device=self.world.device)).tolist()
-        return {
-            "loss": total,
-            "grad_norm": grad_norm,
-            "finite": finite,
-            "tokens": int(tokens),
-            "samples": int(samples),
-            **anchor,
-            **ttt_metrics(counters),
-        }
+        return {"loss": total, "grad_norm": grad_norm, "finite": finite, "tokens": int(tokens),
+                "samples": int(samples), **anchor, **ttt_metrics(counters)}  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over one pass of the eval loader (same loss and metrics as training)."""
         if self.eval_loader is None:
             return {}
-        K = self.cfg.ttt_length
-        loss_sum = torch.zeros(K, dtype=torch.float64, device=self.world.device)
-        counters = torch.zeros(4, K, dtype=torch.float64, device=self.world.device)
         self.model.eval()
         self.eval_loader.rewind()
+        stats = []
         for batch in self.eval_loader:
             b, sup, argmax, shard = self._prepare(batch)
-            stats = self._forward(
-                b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard
-            )  # no gradients
-            loss_sum += stats.loss_sum.double()
-            counters += stats.counters()
+            stats.append(self._forward(b, sup, argmax, step_scales(sup.sum(dim=(1, 2)), self.cfg.ttt_decay), shard))
         self.model.train()
-        all_reduce_sum(loss_sum)
-        all_reduce_sum(counters)
-        loss = float(weighted_loss(loss_sum, counters[0], self.cfg.ttt_decay))
-        return {"loss": loss, **ttt_metrics(counters)}
+        loss_sum, counters = self._summed(stats)
+        return {"loss": float(weighted_loss(loss_sum, counters[0], self.cfg.ttt_decay)), **ttt_metrics(counters)}
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
         """Every rank's data position and consumed record (`data_ranks`; `data` is rank 0's) with the weights."""
         data = all_gather_objects(self.train_loader.state_dict())
-        state = {
-            "trainer": asdict(self.state),
-            "scheduler": self.optimizers.state_dict(),
-            "data": data[0],
-            "data_ranks": data,
-        }
+        state = {"trainer": asdict(self.state), "scheduler": self.optimizers.state_dict(), "data": data[0],
+                 "data_ranks": data}  # fmt: skip
         return self.checkpoints.save(self.state.step, self.model, self.optimizers.optimizers, state)
 
     def restore(self, path: Path) -> None:
@@ -339,18 +273,12 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self, logger: RunLogger, stop: StopSignals | None = None) -> dict[str, float]:
-        """Train to `max_steps`; return the final held-out metrics.
-
-        With `stop` (`eagle31.preemption`), a SIGTERM / SIGUSR1 that reached any rank stops every rank
-        after the same step, with a complete checkpoint of it: `RunPreempted`. The evaluation due at
-        that step is left to the resumed run, which does it first (`TrainState.eval_due`); a signal
-        during the final checkpoint or evaluation stops the run there too, before the export.
-        """
+        """Train to `max_steps`; return the final held-out metrics (`stop`: preemption, docs/reliability.md)."""
         cfg, state = self.cfg, self.state
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
-        stream = self._stream()
-        window: dict[str, float] = {"tokens": 0, "samples": 0, "wait_s": 0.0, "steps": 0}
+        stream = chain.from_iterable(repeat(self.train_loader))  # epochs; the loader keeps its position for checkpoints
+        window = dict.fromkeys(("tokens", "samples", "wait_s", "steps"), 0.0)
         window_start = time.perf_counter()
         while state.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -358,45 +286,35 @@ class Trainer:
             waited = time.perf_counter() - t0  # for the features: the pool, the store or the in-process target
             result = self.train_step(micro)
             state.train_seconds += time.perf_counter() - t0
+            state.nonfinite_streak = 0 if result["finite"] else state.nonfinite_streak + 1
             if not result["finite"]:
-                state.nonfinite_streak += 1
                 warnings.warn(f"step {state.step + 1}: non-finite loss or gradient, step skipped", stacklevel=1)
                 if state.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise TrainingDiverged(
                         f"{state.nonfinite_streak} non-finite steps in a row at step {state.step + 1}; "
                         f"the last good checkpoint is kept in {self.checkpoints.root}"
                     )
-            else:
-                state.nonfinite_streak = 0
             state.step += 1
             state.tokens_seen += int(result["tokens"])
-            for key, value in (
-                ("tokens", result["tokens"]),
-                ("samples", result["samples"]),
-                ("wait_s", waited),
-                ("steps", 1),
-            ):
-                window[key] += value
+            window["tokens"] += result["tokens"]
+            window["samples"] += result["samples"]
+            window["wait_s"] += waited
+            window["steps"] += 1
             if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
                 logger.log(state.step, self._window_metrics(result, window, time.perf_counter() - window_start))
-                window = dict.fromkeys(window, 0)
+                window = dict.fromkeys(window, 0.0)
                 window_start = time.perf_counter()
-            logger.advance(
-                state.step,
-                {
-                    "loss": f"{result['loss']:.3f}",
-                    "tau": f"{result['tau_sim']:.2f}",
-                    "tok/s": f"{result['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}",
-                },
-            )
+            rate = result["tokens"] / max(time.perf_counter() - t0, 1e-9)
+            logger.advance(state.step, {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}",
+                                        "tok/s": f"{rate:.0f}"})  # fmt: skip
             if state.step == cfg.max_steps:
                 break
             evaluate_now = bool(cfg.eval_every) and state.step % cfg.eval_every == 0
-            if stop is not None and self._agree_to_stop(stop):
+            if by := self._stopped_by(stop):
                 state.eval_due = evaluate_now  # the grace goes to the checkpoint; the resumed run evaluates
                 saved = self.save_checkpoint()
                 raise RunPreempted(
-                    f"stopped by {self._stopped_by(stop)} at step {state.step}: checkpoint {saved} is complete; "
+                    f"stopped by {by} at step {state.step}: checkpoint {saved} is complete; "
                     "rerun with resume=auto to continue"
                 )
             if evaluate_now:
@@ -418,22 +336,20 @@ class Trainer:
 
     def _stop_after_the_last_step(self, stop: StopSignals | None, saved: Path) -> None:
         """A signal during the final checkpoint or evaluation: stop before the export (every rank, as after a step)."""
-        if stop is not None and self._agree_to_stop(stop):
+        if by := self._stopped_by(stop):
             raise RunPreempted(
-                f"stopped by {self._stopped_by(stop)} after the last step ({self.state.step}): checkpoint {saved} is "
-                "complete; rerun with resume=auto to evaluate and export"
+                f"stopped by {by} after the last step ({self.state.step}): checkpoint {saved} is complete; rerun "
+                "with resume=auto to evaluate and export"
             )
 
-    @staticmethod
-    def _stopped_by(stop: StopSignals) -> str:
-        return stop.received.name if stop.requested and stop.received else "a signal that another rank received"
+    def _stopped_by(self, stop: StopSignals | None) -> str | None:
+        """What asked any rank to stop, or None: one all-reduce per step, so that every rank stops at this step."""
+        if stop is None or not all_reduce_sum(torch.tensor([float(stop.requested)], device=self.world.device)).item():
+            return None
+        return stop.received.name if stop.received else "a signal that another rank received"
 
     def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
-        """The logged metrics of a window of steps: the last step's, rates over the window, and (rank 0) the
-        feature source's own (`engine/*` of `features.mode=engine`).
-
-        `wait_s` is this rank's time per step waiting for its micro-batches; `capacity_samples_per_s` the
-        samples all ranks consumed per second of the window less that wait: what the trainers could consume."""
+        """The last step's metrics, rates over the window of steps (docs/engine.md), (rank 0) the feature source's."""
         metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens", "samples")}
         metrics.update(
             **self.optimizers.lrs(),
@@ -449,15 +365,9 @@ class Trainer:
             logged.update(source_metrics())
         return logged
 
-    def _agree_to_stop(self, stop: StopSignals) -> bool:
-        """Whether any rank was asked to stop: one all-reduce per step, so that every rank stops at this step."""
-        asked = torch.tensor([1.0 if stop.requested else 0.0], device=self.world.device)
-        return bool(all_reduce_sum(asked).item() > 0)
-
     def full_drafter_state(self) -> dict[str, torch.Tensor]:
         """The drafter's full state dict on CPU (gathered from every rank under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        prefix = "drafter."
-        return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        return {k.removeprefix("drafter."): v for k, v in sd.items() if k.startswith("drafter.")}

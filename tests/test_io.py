@@ -574,7 +574,7 @@ def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged
     def break_lock(path, identity, holder):
         broken = real_break(path, identity, holder)
         if threading.current_thread().name == "second":
-            breaks.append((broken, (eagle31.io._read_holder(path) or {}).get("token")))
+            breaks.append((broken, (eagle31.io._lock_identity(path)[1] or {}).get("token")))
         return broken
 
     monkeypatch.setattr(eagle31.io, "_stale_holder", stale_holder)
@@ -588,7 +588,7 @@ def test_a_breaker_finding_a_fresh_lock_file_in_place_of_the_stale_one_it_judged
             first_token.append(json.loads(held.read_text())["token"])
             first_holds.set()
             second_done.wait(10)
-            first_token.append((eagle31.io._read_holder(held) or {}).get("token"))
+            first_token.append((eagle31.io._lock_identity(held)[1] or {}).get("token"))
 
     def second():
         try:

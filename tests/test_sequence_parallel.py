@@ -10,6 +10,7 @@ the end; the keys before a shard are made in blocks of 3 positions, so several b
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -91,7 +92,7 @@ def run(world: World, drafter_name: str, ckpt: bool, sequence: int, tmp) -> dict
         grads.append({n: full(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
 
     trainer.optimizers.by_name["adamw"].register_step_pre_hook(record)
-    stream = trainer._stream()
+    stream = itertools.chain.from_iterable(itertools.repeat(trainer.train_loader))  # epochs, as `Trainer.fit` reads
     losses = [trainer.train_step([next(stream) for _ in range(train.grad_accum)])["loss"] for _ in range(STEPS)]
     return {"losses": losses, "grads": grads, "weights": trainer.full_drafter_state()}
 
