@@ -26,8 +26,13 @@ class StopSignals:
     """While entered in the main thread, a stop signal sets `requested`; `on_expire(message)` ends the process on a
     second one (not within `same_within_s`: the same, delivered twice) or when `grace_s` runs out."""
 
-    def __init__(self, grace_s: float, checkpoints: str | Path, on_expire: Callable[[str], None] = exit_at_once,
-                 same_within_s: float = 2.0):  # fmt: skip
+    def __init__(
+        self,
+        grace_s: float,
+        checkpoints: str | Path,
+        on_expire: Callable[[str], None] = exit_at_once,
+        same_within_s: float = 2.0,
+    ):
         self.grace_s = grace_s
         self.same_within_s = same_within_s
         self.checkpoints = Path(checkpoints)

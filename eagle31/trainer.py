@@ -105,8 +105,18 @@ class DrafterObjective(nn.Module):
                               activation_checkpointing=train.activation_checkpointing)  # fmt: skip
         self.loss = Divergence(train.loss, train.lk_eta)
 
-    def forward(self, aux, input_ids, document_ids, final, supervised, argmax, step_scale, target: TargetHead,
-                sequence: SequenceShard | None = None) -> StepStats:  # fmt: skip
+    def forward(
+        self,
+        aux,
+        input_ids,
+        document_ids,
+        final,
+        supervised,
+        argmax,
+        step_scale,
+        target: TargetHead,
+        sequence: SequenceShard | None = None,
+    ) -> StepStats:
         d = self.drafter
         states = self.unroll(d, aux, input_ids, document_ids=document_ids, sequence=sequence).states
         return ttt_loss(states, d.lm_head.weight, d.d2t, final, supervised, target, argmax, step_scale, self.loss)
@@ -163,9 +173,18 @@ def prepare_batch(
 
 
 class Trainer:
-    def __init__(self, train: TrainConfig, world: World, run_dir: Path, drafter: Eagle31Drafter, target: TargetHead,
-                 train_loader, eval_loader, compute_dtype: torch.dtype,
-                 sequence: SequenceGroup | None = None):  # fmt: skip
+    def __init__(
+        self,
+        train: TrainConfig,
+        world: World,
+        run_dir: Path,
+        drafter: Eagle31Drafter,
+        target: TargetHead,
+        train_loader,
+        eval_loader,
+        compute_dtype: torch.dtype,
+        sequence: SequenceGroup | None = None,
+    ):
         """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
         train.sequence_parallel)` (the loaders split batches over its data axis)."""
         self.cfg = train
