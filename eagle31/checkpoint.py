@@ -89,8 +89,11 @@ class CheckpointManager:
                     break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
             if done and choice[0] is None:
-                choice = (None, f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
-                          "directory to start over, or restore it from a backup")  # fmt: skip
+                choice = (
+                    None,
+                    f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
+                    "directory to start over, or restore it from a backup",
+                )
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)
@@ -144,8 +147,13 @@ class CheckpointManager:
         state = _trained_state(model, optimizer)
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))  # fmt: skip
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=False),
+        )
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
             _set_rng_state(load_file(str(rng)))

@@ -188,9 +188,16 @@ def ttt_loss(
         queries.append(b * T + p)
         labels.append(b * Tf + p + 1 + k)
     loss_sum, draft_argmax = FusedDraftLoss.apply(
-        lm_head_weight, final.reshape(B * Tf, -1), target.draft_weight.to(final.dtype), queries, labels,
-        step_scale.detach().double().cpu(), torch.is_grad_enabled(), loss, *[s.reshape(B * T, -1) for s in states],
-    )  # fmt: skip
+        lm_head_weight,
+        final.reshape(B * Tf, -1),
+        target.draft_weight.to(final.dtype),
+        queries,
+        labels,
+        step_scale.detach().double().cpu(),
+        torch.is_grad_enabled(),
+        loss,
+        *[s.reshape(B * T, -1) for s in states],
+    )
     flat_argmax = target_argmax.reshape(-1)
     per_step = []  # [4] per step: count, correct, cond_count, cond_correct
     chain_ok = torch.ones(B * T, dtype=torch.bool, device=final.device)  # steps 0..k-1 all correct

@@ -224,9 +224,17 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
     """(final held-out metrics, corrupt shards skipped); Ctrl-C says where the run resumes."""
     cfg = plan.cfg
     wandb, start = cfg.logging.wandb, trainer.state.step
-    logger = RunLogger(plan.run_dir, to_container(cfg), total_steps=cfg.train.max_steps, start_step=start,
-                       is_main=plan.world.is_main, wandb_mode=wandb.mode, wandb_project=wandb.project,
-                       wandb_entity=wandb.entity, progress=cfg.logging.progress)  # fmt: skip
+    logger = RunLogger(
+        plan.run_dir,
+        to_container(cfg),
+        total_steps=cfg.train.max_steps,
+        start_step=start,
+        is_main=plan.world.is_main,
+        wandb_mode=wandb.mode,
+        wandb_project=wandb.project,
+        wandb_entity=wandb.entity,
+        progress=cfg.logging.progress,
+    )
     try:
         with StopSignals(cfg.train.preempt_grace_s, trainer.checkpoints.root) as stop:
             final = trainer.fit(logger, stop)
@@ -294,9 +302,14 @@ def finish_run(
     cfg, run_dir, st = plan.cfg, plan.run_dir, trainer.state
     drafter.save(run_dir / "drafter")
     # overwrite: the run's own exports, which a resumed run writes again
-    options = dict(dtype=cfg.export.dtype, include_embed=cfg.export.include_embed, trained_context=cfg.data.max_len,
-                   num_speculative_tokens=cfg.eval.num_speculative_tokens, overwrite=True,
-                   target_name_or_path=cfg.target.name or str(plan.target_dir))  # fmt: skip
+    options = dict(
+        dtype=cfg.export.dtype,
+        include_embed=cfg.export.include_embed,
+        trained_context=cfg.data.max_len,
+        num_speculative_tokens=cfg.eval.num_speculative_tokens,
+        overwrite=True,
+        target_name_or_path=cfg.target.name or str(plan.target_dir),
+    )
     exports = {f: str(export_drafter(drafter, run_dir / "export" / f, f, **options)) for f in cfg.export.formats}
     report = {
         "recipe": cfg.name,

@@ -101,8 +101,12 @@ class DrafterObjective(nn.Module):
     def __init__(self, drafter: Eagle31Drafter, train: TrainConfig):
         super().__init__()
         self.drafter = drafter
-        self.unroll = partial(ttt_unroll, ttt_length=train.ttt_length, attention_kernel=train.attention_kernel,
-                              activation_checkpointing=train.activation_checkpointing)  # fmt: skip
+        self.unroll = partial(
+            ttt_unroll,
+            ttt_length=train.ttt_length,
+            attention_kernel=train.attention_kernel,
+            activation_checkpointing=train.activation_checkpointing,
+        )
         self.loss = Divergence(train.loss, train.lk_eta)
 
     def forward(
@@ -253,8 +257,15 @@ class Trainer:
         self.optimizers.advance()  # a skipped step counts toward max_steps, so it moves the schedule too
         seen = [sum(b.num_tokens for b, *_ in prepared), sum(b.num_samples for b in micro_batches)]
         tokens, samples = all_reduce_sum(torch.tensor(seen, dtype=torch.float64, device=self.world.device)).tolist()
-        return {"loss": total, "grad_norm": grad_norm, "finite": finite, "tokens": int(tokens),
-                "samples": int(samples), **anchor, **ttt_metrics(counters)}  # fmt: skip
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "tokens": int(tokens),
+            "samples": int(samples),
+            **anchor,
+            **ttt_metrics(counters),
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -276,8 +287,12 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Every rank's data position and consumed record (`data_ranks`; `data` is rank 0's) with the weights."""
         data = all_gather_objects(self.train_loader.state_dict())
-        state = {"trainer": asdict(self.state), "scheduler": self.optimizers.state_dict(), "data": data[0],
-                 "data_ranks": data}  # fmt: skip
+        state = {
+            "trainer": asdict(self.state),
+            "scheduler": self.optimizers.state_dict(),
+            "data": data[0],
+            "data_ranks": data,
+        }
         return self.checkpoints.save(self.state.step, self.model, self.optimizers.optimizers, state)
 
     def restore(self, path: Path) -> None:
@@ -324,8 +339,9 @@ class Trainer:
                 window = dict.fromkeys(window, 0.0)
                 window_start = time.perf_counter()
             rate = result["tokens"] / max(time.perf_counter() - t0, 1e-9)
-            logger.advance(state.step, {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}",
-                                        "tok/s": f"{rate:.0f}"})  # fmt: skip
+            logger.advance(
+                state.step, {"loss": f"{result['loss']:.3f}", "tau": f"{result['tau_sim']:.2f}", "tok/s": f"{rate:.0f}"}
+            )
             if state.step == cfg.max_steps:
                 break
             evaluate_now = bool(cfg.eval_every) and state.step % cfg.eval_every == 0

@@ -141,8 +141,15 @@ def ttt_view(
     return stats
 
 
-def _ttt_pack(drafter, pack: list[tuple[GreedyTrace, Any]], stats: DepthStats, *, sink_tokens: int,
-              max_new_tokens: int, eos: set[int]) -> None:  # fmt: skip
+def _ttt_pack(
+    drafter,
+    pack: list[tuple[GreedyTrace, Any]],
+    stats: DepthStats,
+    *,
+    sink_tokens: int,
+    max_new_tokens: int,
+    eos: set[int],
+) -> None:
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     traces = [trace for trace, _ in pack]
     # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
@@ -332,14 +339,23 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         sinks = None
         if config.target_sinks:
             sinks = [target_sink_positions(target, t.tokens[:-1], aux_layer_ids, config.target_sinks) for t in traces]
-        args = dict(depth=config.depth, sink_tokens=config.sink_tokens, max_new_tokens=config.max_new_tokens,
-                    eos_token_ids=eos, target_sinks=sinks)  # fmt: skip
+        args = dict(
+            depth=config.depth,
+            sink_tokens=config.sink_tokens,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_ids=eos,
+            target_sinks=sinks,
+        )
         for label, drafter in drafters.items():
             drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
             ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
             live_stats, acceptance, error = live_view(drafter, traces, **args)
-            live = {**live_stats.summary(), "tau": acceptance.summary()["tau"], "rounds": acceptance.rounds,
-                    "live_reconstruction_error": error}  # fmt: skip
+            live = {
+                **live_stats.summary(),
+                "tau": acceptance.summary()["tau"],
+                "rounds": acceptance.rounds,
+                "live_reconstruction_error": error,
+            }
             log(f"{label} / {split}: tau {live['tau']:.3f}; sink mass at depth 1 / {config.depth}: "
                 f"{live['sink_mass'][0]:.3f} / {live['sink_mass'][-1]:.3f} (live)")  # fmt: skip
             for view, summary in {"ttt": ttt, "live": live}.items():

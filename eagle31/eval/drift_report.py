@@ -31,10 +31,19 @@ def format_table(report: dict[str, Any]) -> str:
         for r in sorted(rows, key=lambda r: (r["split"], r["drafter"])):
             for k in range(len(r["sink_mass"])):
                 heads = r["sink_mass_per_head"][k]
-                cells = [r["split"], r["drafter"], str(k + 1), f"{r['sink_mass'][k]:.3f}",
-                         f"{r['context_mass'][k]:.3f}", f"{r['own_mass'][k]:.3f}", f"{min(heads):.3f}-{max(heads):.3f}",
-                         f"{r['fed_rms'][k]:.3g}", f"{r['out_rms'][k]:.3g}", f"{r['out_norm_rms'][k]:.3g}",
-                         "–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}"]  # fmt: skip
+                cells = [
+                    r["split"],
+                    r["drafter"],
+                    str(k + 1),
+                    f"{r['sink_mass'][k]:.3f}",
+                    f"{r['context_mass'][k]:.3f}",
+                    f"{r['own_mass'][k]:.3f}",
+                    f"{min(heads):.3f}-{max(heads):.3f}",
+                    f"{r['fed_rms'][k]:.3g}",
+                    f"{r['out_rms'][k]:.3g}",
+                    f"{r['out_norm_rms'][k]:.3g}",
+                    "–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}",
+                ]
                 if targeted:
                     cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -75,8 +84,12 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
             rates = [float("nan") if a is None else a for a in r["conditional_acceptance_rate"]]
             acc_ax.plot(depth, rates, marker="o", label=drafter)
         # ylim: room for the legend above the bars
-        mass_ax.set(title=f"{split} — {_VIEW_TITLES[view]}", ylabel="attention mass", ylim=(0, 1.35),
-                    yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0])  # fmt: skip
+        mass_ax.set(
+            title=f"{split} — {_VIEW_TITLES[view]}",
+            ylabel="attention mass",
+            ylim=(0, 1.35),
+            yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0],
+        )
         rms_ax.set(ylabel="hidden RMS", yscale="log")
         acc_ax.set(ylabel="conditional acceptance", ylim=(-0.02, 1.02), xlabel="draft depth k")
         for ax in (mass_ax, rms_ax, acc_ax):

@@ -257,8 +257,10 @@ def format_summary(report: dict[str, Any]) -> str:
     s = report["settings"]
     system = f", system prompt {s['system_prompt']!r}" if s["system_prompt"] else ""
     history = f", after >= {s['history_tokens']} tokens of history" if s.get("history") else ""
-    return (f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, "
-            f"max_new_tokens={s['max_new_tokens']}{system}{history})\n\n" + "\n".join(lines))  # fmt: skip
+    return (
+        f"MT-Bench acceptance length tau (greedy, both turns, {s['questions_used']} questions, "
+        f"max_new_tokens={s['max_new_tokens']}{system}{history})\n\n" + "\n".join(lines)
+    )
 
 
 def write_mt_bench_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:

@@ -20,8 +20,12 @@ class Eagle3Layout(Layout):
         self, config: DrafterConfig, *, dtype: str, trained_context: int | None, num_speculative_tokens: int,
         target: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {"architectures": [config.kind.architecture], **layer_fields(config, dtype, trained_context),
-                **eagle_fields(config), **provenance(config, target)}  # fmt: skip
+        return {
+            "architectures": [config.kind.architecture],
+            **layer_fields(config, dtype, trained_context),
+            **eagle_fields(config),
+            **provenance(config, target),
+        }
 
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
         layer = read_layer(meta)

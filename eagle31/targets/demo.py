@@ -80,8 +80,11 @@ def ensure_demo_target(seed: int = 0, recipe: DemoRecipe | None = None) -> Path:
     """The cached demo target, built under a lock on first use."""
 
     def build(tmp: Path) -> None:
-        log.info("building the demo target, once: it is cached in %s and reused by later runs "
-                 "(a few minutes on 2 CPU cores)", cache_dir() / "targets")  # fmt: skip
+        log.info(
+            "building the demo target, once: it is cached in %s and reused by later runs "
+            "(a few minutes on 2 CPU cores)",
+            cache_dir() / "targets",
+        )
         build_demo_target(tmp, seed=seed, recipe=recipe)
 
     return ensure_built("demo", demo_key(seed, recipe), build)

@@ -46,8 +46,12 @@ class Settings:
     on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
 
     def __post_init__(self) -> None:
-        for name, nullable in (("max_new_tokens", False), ("max_turns", True), ("max_prompt_tokens", True),
-                               ("shard_size", False)):  # fmt: skip
+        for name, nullable in (
+            ("max_new_tokens", False),
+            ("max_turns", True),
+            ("max_prompt_tokens", True),
+            ("shard_size", False),
+        ):
             value = getattr(self, name)
             if (value is not None or not nullable) and value < 1:
                 raise ConfigError(f"regenerate.{name} must be >= 1{' or null' if nullable else ''}, got {value}")
