@@ -29,7 +29,7 @@ class CausalMask:
         """The rule's mask over broadcastable query and key tensors (document runs, positions)."""
         return self.rule(q_seg, q_pos, self.step, k_seg, k_pos, 0)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - a frozen mask per (rule, step): few, and hashable
     def reach(self, length: int) -> int | None:
         """How many step-0 positions up to its own a query sees in a document of `length` (its last and middle queries
         asked): None for all, `NOT_A_BAND` for a rule that skips some just before it; one that shows later keys or
