@@ -1,26 +1,6 @@
 """Parameter counts, the model FLOPs of a training step and a per-GPU memory estimate for a training run
-(used by `dry_run=true`).
-
-Memory per GPU (`RunMemory`, GiB by term): what the training step's tensors hold is traced, the rest counted.
-
-  * `training_step`: the peak of the bytes the step's tensors hold, from running the trainer's step on the
-    meta device (`eagle31.memory_trace`): the TTT unroll, the loss and the backward with the recipe's activation
-    checkpointing, the gradients made by that moment included (on GPUs FSDP2's unsharded ones, in the compute
-    dtype); on a sequence split over N ranks, the last rank's (its queries see every key);
-  * `weights_and_optimizer_states`: fp32 master weights and AdamW's two moments of the trainable parameters
-    (12 B each; Muon's matrices keep one moment, so `train.optimizer=muon` takes less), sharded over the ranks;
-    FSDP2's reduce-scatter forms the sharded fp32 gradients after the backward, past the peak;
-  * `anchor_weights` (`train.anchor_weight` > 0): the anchor's fp32 copy of the trainable parameters, sharded;
-  * `frozen_embedding`: the target's embedding inside the drafter: under FSDP outside the shards, whole on
-    every GPU in the compute dtype (`eagle31.trainer.shard_for_training`); fp32 in one plain CPU process;
-  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of the trainable parameters that FSDP2
-    all-gathers for forward and backward (the drafter is one FSDP unit);
-  * `target_lm_head`: the target's lm_head rows that make the labels (compute dtype, full vocabulary for the
-    argmax; the draft rows again when the draft vocabulary is smaller) and the in-draft mask;
-  * `target_features`: the batch's aux and final hidden states (compute dtype; a shard's and its halo);
-  * `online_target` (`features.mode=online`): the target's own weights, on every GPU in its dtype.
-
-Parameters are counted on the drafter built on the meta device.
+(`dry_run=true`): the training step's bytes traced (`eagle31.memory_trace`), the other terms counted
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -67,31 +47,20 @@ def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list
 
 
 def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
-    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document).
-
-    Matrix multiplications only, 2 FLOPs per multiply-add, backward = 2x forward for
-    trainable layers whose input also needs a gradient (PaLM's convention, no
-    recomputation counted — activation checkpointing and the loss's recomputed logits
-    are overhead, not model FLOPs):
-
-        fc (input has no gradient: forward + weight gradient)     2 * 2 T (n Ht) H
-        per TTT step, 3x forward of
-            the attention's projections (2H wide input), o, SwiGLU MLP, lm_head
-                Llama: 2 T (2H (nh + 2 nkv) d + nh d H + 3 H I + H Vd)
-                MLA:   2 T (2H (qr + kvr + dr) + qr nh dqk + kvr nh (dn + dv) + nh dv H + 3 H I + H Vd)
-            attention: QK^T and PV over the keys each query sees     2 nh (dqk + dv) x `visible_key_pairs`
-
-    The labels (target lm_head rows, the full-vocabulary argmax) are data preparation and
-    not counted.
-    """
-    T, K = seq_len, ttt_length
-    H, Vd, nh = cfg.hidden_size, cfg.draft_vocab_size, cfg.num_attention_heads
-    fc = 2 * 2 * T * cfg.fc_in_features * H
-    dqk, dv = head_dims(cfg)
+    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document): matmuls only,
+    backward twice the forward, no recomputation or labels (docs/performance.md)."""
+    T, K, H = seq_len, ttt_length, cfg.hidden_size
+    fc = 2 * 2 * T * cfg.fc_in_features * H  # its input needs no gradient: forward + weight gradient
     projections = cfg.kind.attention_parameters(cfg)  # 2 FLOPs a weight a token (an MLA's two norms too: < 0.1%)
-    dense = 2 * T * (projections + 3 * H * cfg.intermediate_size + H * Vd)
-    attention = sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(T, K, cfg.sliding_window))
-    return fc + 3 * (K * dense + attention)
+    dense = 2 * T * (projections + 3 * H * cfg.intermediate_size + H * cfg.draft_vocab_size)
+    return fc + 3 * K * dense + attention_flops(cfg, seq_len, ttt_length)
+
+
+def attention_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
+    """The FLOPs of a training step's QK^T and PV over the keys each query sees, forward and backward."""
+    dqk, dv = head_dims(cfg)
+    pairs = visible_key_pairs(seq_len, ttt_length, cfg.sliding_window)
+    return 3 * sum(2 * cfg.num_attention_heads * (dqk + dv) * n for n in pairs)
 
 
 def head_dims(cfg: DrafterConfig) -> tuple[int, int]:
@@ -101,10 +70,7 @@ def head_dims(cfg: DrafterConfig) -> tuple[int, int]:
 
 def attention_flops_share(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> float:
     """The share of `step_flops` spent in the attention's QK^T and PV."""
-    nh = cfg.num_attention_heads
-    dqk, dv = head_dims(cfg)
-    attention = 3 * sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(seq_len, ttt_length, cfg.sliding_window))
-    return attention / step_flops(cfg, seq_len, ttt_length)
+    return attention_flops(cfg, seq_len, ttt_length) / step_flops(cfg, seq_len, ttt_length)
 
 
 class RunMemory:
@@ -174,13 +140,8 @@ class RunMemory:
             return self.at(T)["total"] <= gpu_memory_gib
 
         first = -(-self.step.fit_lengths()[0] // 1024)  # in units of 1024 tokens, as the answer
-        lo, hi = (first, 1 << 14) if fits(first * 1024) else (0, first)  # 16M tokens: beyond any plan
-        if lo == 0:
-            if not fits(1024):
-                return 0
-            lo = 1
-        elif fits(hi * 1024):
-            return hi * 1024
+        # fits(lo * 1024) (0: nothing to fit), not fits(hi * 1024); 16M tokens is beyond any plan
+        lo, hi = (first, (1 << 14) + 1) if fits(first * 1024) else (0, first)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
