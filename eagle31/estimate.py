@@ -74,14 +74,10 @@ def attention_flops_share(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> 
 
 
 class RunMemory:
-    """GiB per GPU, by term (module docstring), of a training run at any sequence length (`at`), and the longest
-    that fits a GPU (`longest`); the traces of the step are made once and shared by both.
-
-    device: `cuda` (FSDP2 on GPUs, as trained) or `cpu` (one plain process, as the CPU memory benchmark runs:
-    no gathered copies, one dtype throughout). sequence_parallel: the ranks each sequence is split over.
-    online_target_bytes: the target's weights on each GPU (`features.mode=online`), 0 otherwise. step: the traces
-    of another `RunMemory` of the same drafter and step options (`.step`), when only the fixed terms differ.
-    """
+    """GiB per GPU, by term (docs/performance.md), of a training run at any sequence length (`at`), and the longest
+    that fits a GPU (`longest`). device: `cuda` (FSDP2 on GPUs) or `cpu` (one plain process, one dtype throughout).
+    online_target_bytes: the target's weights on each GPU, 0 for none. step: another `RunMemory`'s traces (`.step`)
+    of the same drafter and step options, when only the fixed terms differ."""
 
     def __init__(
         self,
@@ -99,12 +95,11 @@ class RunMemory:
         step: StepMemory | None = None,
     ):
         c, fsdp = compute_bytes, device == "cuda"
-        dtype = torch.bfloat16 if c == 2 else torch.float32
         self.step = step or StepMemory(
             cfg,
             ttt_length,
             activation_checkpointing=activation_checkpointing,
-            dtype=dtype,
+            dtype=torch.bfloat16 if c == 2 else torch.float32,
             device=device,
             sequence_parallel=sequence_parallel,
             attention_kernel=attention_kernel,
@@ -130,11 +125,8 @@ class RunMemory:
         return {**parts, "total": sum(parts.values())}
 
     def longest(self, gpu_memory_gib: float) -> int:
-        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`; 0 if none does.
-
-        Past the step's first fit length (`StepMemory.fit_lengths`) every moment of the step is a line in T through
-        its traces, so the lengths there cost no trace; below it, each length tried is traced (a bisection). A trace
-        at the answer itself is not made: at 100k tokens and more it would take minutes (docs/performance.md)."""
+        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`, 0 if none does: a bisection, whose
+        lengths past the step's first fit length cost no trace (`StepMemory.fit_lengths`)."""
 
         def fits(T: int) -> bool:
             return self.at(T)["total"] <= gpu_memory_gib

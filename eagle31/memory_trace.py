@@ -63,8 +63,7 @@ def _is_eagle31(code) -> bool:
 
 
 def _shape_key(x):
-    """What a meta kernel reads of its arguments: tensors' shapes, strides, dtypes and devices (meta or the CPU),
-    and plain values."""
+    """What a meta kernel reads of its arguments: tensors' shapes, strides, dtypes and devices, and plain values."""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.is_meta)
     if type(x) is list or type(x) is tuple:
@@ -98,11 +97,9 @@ def _tensors(args, kwargs=None) -> list[torch.Tensor]:
 
 
 class StepTrace(TorchDispatchMode):
-    """Bytes of the meta tensors the operations make while it is active: `live`, `peak`, and with `unit` the
-    peak of each moment (`moments`); the values of small and integer tensors (`values`).
-
-    `cuda`: `FlashCausal`'s calls count as on CUDA (module docstring). `unit`: the length whose multiples are
-    the per-token dimensions (T, or a sequence shard's length), None to record no moments."""
+    """Bytes of the meta tensors the operations make while it is active: `live`, `peak`, and with `unit` (the length
+    whose multiples are the per-token dimensions) the peak of each moment (`moments`); the values of small and
+    integer tensors (`values`). `cuda`: `FlashCausal`'s calls count as on CUDA (docs/performance.md)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -131,14 +128,11 @@ class StepTrace(TorchDispatchMode):
         if not t.is_meta:
             return t
         v = self.values.get(t)
-        if v is None or v.untyped_storage().data_ptr() in self._unknown:
-            return None
-        return v
+        return None if v is None or v.untyped_storage().data_ptr() in self._unknown else v
 
     def held(self, *tensors: torch.Tensor) -> int:
         """Bytes of the storages of `tensors` that the trace counts."""
-        keys = {t.untyped_storage()._cdata for t in tensors}
-        return sum(self._sizes.get(k, 0) for k in keys)
+        return sum(self._sizes.get(k, 0) for k in {t.untyped_storage()._cdata for t in tensors})
 
     # ------------------------------------------------------------------ operations
 
@@ -266,14 +260,11 @@ class StepTrace(TorchDispatchMode):
         if kwargs.get("device", META) != META:
             return real
 
-        def meta(v):
-            if not isinstance(v, torch.Tensor):
-                return v
-            t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=META)
-            self.values[t] = v
-            return t
-
-        return tree_map(meta, real)
+        out = tree_map(_again, real)
+        for t, v in zip(tree_leaves(out), tree_leaves(real)):
+            if isinstance(t, torch.Tensor):
+                self.values[t] = v
+        return out
 
     def _forget_written(self, func, args, kwargs) -> None:
         """An operation that wrote unknown values into tensors with known ones: those values are unknown now."""
@@ -288,17 +279,10 @@ class StepTrace(TorchDispatchMode):
 
     def _track(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         """Count the outputs' new storages; whether there was one."""
-        known, made = None, False
-        for t in outputs:
-            if not t.is_meta:
-                continue
-            storage = t.untyped_storage()
+        known, made = {i.untyped_storage()._cdata for i in inputs if i.is_meta}, False
+        for storage in (t.untyped_storage() for t in outputs if t.is_meta):
             key = storage._cdata
-            if key in self._sizes:
-                continue
-            if known is None:
-                known = {i.untyped_storage()._cdata for i in inputs if i.is_meta}
-            if key in known:  # a view or an in-place result of a tensor made before the trace
+            if key in self._sizes or key in known:  # a view or an in-place result
                 continue
             self._sizes[key] = storage.nbytes()
             self.live += self._sizes[key]
@@ -379,7 +363,7 @@ def trace_step(
     moments: bool = False,
     shapes: dict | None = None,
 ) -> StepBytes:
-    """Trace one training step (module docstring) of one sequence of `seq_len` tokens; on a sequence split
+    """Trace one training step (docs/performance.md) of one sequence of `seq_len` tokens; on a sequence split
     `sequence_parallel` ways, the last rank's (its queries see every key). device: `cuda` (FSDP2: the parameters
     gathered in `dtype`) or `cpu` (one plain process). supervised: the positions of the traced rank whose loss
     mask is 1 (its first ones; None: all). moments: record each moment's peak (`StepMemory`). shapes: the meta
@@ -391,11 +375,10 @@ def trace_step(
         head = TargetHead(lm_head, torch.arange(cfg.draft_vocab_size))
         aux = torch.empty(1, T, cfg.fc_in_features, dtype=dtype)
         final = torch.empty(1, T, cfg.target_hidden_size, dtype=dtype)
-    kernel = attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)
     train = TrainConfig(
         ttt_length=K,
         activation_checkpointing=activation_checkpointing,
-        attention_kernel=AttentionBackend(kernel),
+        attention_kernel=AttentionBackend(attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)),
         mask_out_of_vocab=False,
         sequence_parallel=N,
     )
@@ -404,14 +387,9 @@ def trace_step(
     start = (N - 1) * shard
     loss_mask = torch.zeros(1, max(T, N * shard), dtype=torch.long)
     loss_mask[:, start : start + (shard if supervised is None else supervised)] = 1
+    tokens = torch.zeros(1, T, dtype=torch.long)  # one document: T tokens, one sample
     batch = FeatureBatch(
-        input_ids=torch.zeros(1, T, dtype=torch.long),
-        loss_mask=loss_mask[:, :T],
-        document_ids=torch.zeros(1, T, dtype=torch.long),
-        aux=aux,
-        final=final,
-        num_tokens=T,
-        num_samples=1,
+        input_ids=tokens, loss_mask=loss_mask[:, :T], document_ids=tokens.clone(), aux=aux, final=final
     )
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
     group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
@@ -448,35 +426,23 @@ class _Plane:
 
 
 class StepMemory:
-    """A drafter's training step, its bytes at any T (`at`), from a few traces (module docstring).
-
-    Every query supervised makes the loss run over T label rows, a long loop of fixed chunks; where a chunk is
-    short beside the fit lengths the traces supervise two small counts P0 < P1 of positions (past the loss's
-    chunk) and each moment's bytes are taken as a + b T + c P, P = T. Up to P1 one exact trace; up to the
-    first fit length T0 two traces at T (P0 and P1); beyond it three, at (T0, P0), (T1, P0), (T0, P1), and
-    the planes' largest value at T. Where the chunk is long, every trace supervises every position: one
-    trace up to T1, beyond it the lines through the traces at T0 and T1."""
+    """A drafter's training step, its bytes at any T (`at`) every query supervised: traced whole up to P1 (or T1
+    where every trace supervises every position), else the largest of the moments' planes (docs/performance.md)."""
 
     FIT_LIMIT = 8192  # positions of a shard the fit lengths need at most to run every loop of blocks steadily
 
     def __init__(self, cfg: DrafterConfig, ttt_length: int, **options):
-        self.cfg, self.ttt_length, self.options = cfg, ttt_length, options
+        self.cfg, self.ttt_length = cfg, ttt_length
+        self.options = {**options, "shapes": {}}  # the meta kernels' outputs, shared by the traces (`StepTrace`)
         self.sequence_parallel = options.get("sequence_parallel", 1)
         self._traces: dict[tuple, StepBytes] = {}
         self._planes: dict[int | None, _Plane] = {}
-        self._shapes: dict = {}
 
     def trace(self, seq_len: int, supervised: int | None = None, moments: bool = False) -> StepBytes:
         key = (seq_len, supervised, moments)
         if key not in self._traces:
             self._traces[key] = trace_step(
-                self.cfg,
-                seq_len,
-                self.ttt_length,
-                supervised=supervised,
-                moments=moments,
-                shapes=self._shapes,
-                **self.options,
+                self.cfg, seq_len, self.ttt_length, supervised=supervised, moments=moments, **self.options
             )
         return self._traces[key]
 
@@ -509,8 +475,7 @@ class StepMemory:
             shard = 1024 * math.ceil(max(limit, 2 * P[1] if P else 1024) / 1024) + 531  # near no model dimension
             if all(one >= 2 * shard + 1 for one, s in loops if s > limit):
                 break
-        N = self.sequence_parallel
-        return N * shard, N * (2 * shard + 1)
+        return self.sequence_parallel * shard, self.sequence_parallel * (2 * shard + 1)
 
     def at(self, seq_len: int) -> tuple[int, int]:
         """(the step's peak bytes, the batch's feature bytes) at T = `seq_len`, every query supervised."""
