@@ -279,10 +279,17 @@ class StepTrace(TorchDispatchMode):
 
     def _track(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         """Count the outputs' new storages; whether there was one."""
-        known, made = {i.untyped_storage()._cdata for i in inputs if i.is_meta}, False
-        for storage in (t.untyped_storage() for t in outputs if t.is_meta):
+        known, made = None, False
+        for t in outputs:
+            if not t.is_meta:
+                continue
+            storage = t.untyped_storage()
             key = storage._cdata
-            if key in self._sizes or key in known:  # a view or an in-place result
+            if key in self._sizes:
+                continue
+            if known is None:
+                known = {i.untyped_storage()._cdata for i in inputs if i.is_meta}
+            if key in known:  # a view or an in-place result of a tensor made before the trace
                 continue
             self._sizes[key] = storage.nbytes()
             self.live += self._sizes[key]
@@ -363,11 +370,10 @@ def trace_step(
     moments: bool = False,
     shapes: dict | None = None,
 ) -> StepBytes:
-    """Trace one training step (docs/performance.md) of one sequence of `seq_len` tokens; on a sequence split
-    `sequence_parallel` ways, the last rank's (its queries see every key). device: `cuda` (FSDP2: the parameters
-    gathered in `dtype`) or `cpu` (one plain process). supervised: the positions of the traced rank whose loss
-    mask is 1 (its first ones; None: all). moments: record each moment's peak (`StepMemory`). shapes: the meta
-    kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
+    """Trace one training step of one sequence of `seq_len` tokens; split `sequence_parallel` ways, the last rank's.
+    device: `cuda` (FSDP2: the parameters gathered in `dtype`) or `cpu` (one plain process). supervised: the first
+    positions of the traced rank whose loss mask is 1 (None: all). moments: record each moment's peak (`StepMemory`).
+    shapes: the meta kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
     K, N, T = ttt_length, sequence_parallel, seq_len
     with torch.device(META):
         drafter = Eagle31Drafter(cfg).to(dtype)
