@@ -41,8 +41,7 @@ def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list
     T, pairs = seq_len, []
     for k in range(ttt_length):
         n = T if window is None else min(T, window - k)  # the most step-0 keys a query sees
-        causal = n * (n + 1) // 2 + (T - n) * n  # query p sees min(p + 1, n)
-        pairs.append(causal + k * T)
+        pairs.append(n * (n + 1) // 2 + (T - n) * n + k * T)  # query p sees min(p + 1, n) of them, and k chain keys
     return pairs
 
 

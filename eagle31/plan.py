@@ -162,9 +162,8 @@ def check_named_paths(cfg) -> None:
         raise ConfigError(f"target.path={cfg.target.path!r} is not a directory")
     regenerated = Path(cfg.regenerate.output_dir).absolute()  # data_prep/regenerate.py writes it first
     for source in source_paths(cfg.data.source):
-        if source.startswith("demo:") or Path(source).absolute().is_relative_to(regenerated):
-            continue
-        if not resolve_source(source).exists():
+        named = not source.startswith("demo:") and not Path(source).absolute().is_relative_to(regenerated)
+        if named and not resolve_source(source).exists():
             raise ConfigError(f"data.source: no such file or directory: {source}")
 
 
@@ -302,9 +301,8 @@ _GPU_SIZES_GIB = (80.0, 139.0)
 
 
 def describe_dry_run(plan: RunPlan) -> dict:
-    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token
-    sequence (and the attention's share: a sliding window bounds it), a per-GPU memory estimate for the
-    planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
+    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token sequence
+    (and the attention's share), a per-GPU memory estimate for the planned launch and the longest T that fits."""
     cfg, d, T, K = plan.cfg, plan.drafter, plan.cfg.data.max_len, plan.cfg.train.ttt_length
     counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
