@@ -1,26 +1,6 @@
 """Parameter counts, the model FLOPs of a training step and a per-GPU memory estimate for a training run
-(used by `dry_run=true`).
-
-Memory per GPU (`RunMemory`, GiB by term): what the training step's tensors hold is traced, the rest counted.
-
-  * `training_step`: the peak of the bytes the step's tensors hold, from running the trainer's step on the
-    meta device (`eagle31.memory_trace`): the TTT unroll, the loss and the backward with the recipe's activation
-    checkpointing, the gradients made by that moment included (on GPUs FSDP2's unsharded ones, in the compute
-    dtype); on a sequence split over N ranks, the last rank's (its queries see every key);
-  * `weights_and_optimizer_states`: fp32 master weights and AdamW's two moments of the trainable parameters
-    (12 B each; Muon's matrices keep one moment, so `train.optimizer=muon` takes less), sharded over the ranks;
-    FSDP2's reduce-scatter forms the sharded fp32 gradients after the backward, past the peak;
-  * `anchor_weights` (`train.anchor_weight` > 0): the anchor's fp32 copy of the trainable parameters, sharded;
-  * `frozen_embedding`: the target's embedding inside the drafter: under FSDP outside the shards, whole on
-    every GPU in the compute dtype (`eagle31.trainer.shard_for_training`); fp32 in one plain CPU process;
-  * `gathered_parameters` (FSDP, on GPUs): the compute-dtype copies of the trainable parameters that FSDP2
-    all-gathers for forward and backward (the drafter is one FSDP unit);
-  * `target_lm_head`: the target's lm_head rows that make the labels (compute dtype, full vocabulary for the
-    argmax; the draft rows again when the draft vocabulary is smaller) and the in-draft mask;
-  * `target_features`: the batch's aux and final hidden states (compute dtype; a shard's and its halo);
-  * `online_target` (`features.mode=online`): the target's own weights, on every GPU in its dtype.
-
-Parameters are counted on the drafter built on the meta device.
+(`dry_run=true`): the training step's bytes traced (`eagle31.memory_trace`), the other terms counted
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -61,37 +41,25 @@ def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list
     T, pairs = seq_len, []
     for k in range(ttt_length):
         n = T if window is None else min(T, window - k)  # the most step-0 keys a query sees
-        causal = n * (n + 1) // 2 + (T - n) * n  # query p sees min(p + 1, n)
-        pairs.append(causal + k * T)
+        pairs.append(n * (n + 1) // 2 + (T - n) * n + k * T)  # query p sees min(p + 1, n) of them, and k chain keys
     return pairs
 
 
 def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
-    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document).
-
-    Matrix multiplications only, 2 FLOPs per multiply-add, backward = 2x forward for
-    trainable layers whose input also needs a gradient (PaLM's convention, no
-    recomputation counted — activation checkpointing and the loss's recomputed logits
-    are overhead, not model FLOPs):
-
-        fc (input has no gradient: forward + weight gradient)     2 * 2 T (n Ht) H
-        per TTT step, 3x forward of
-            the attention's projections (2H wide input), o, SwiGLU MLP, lm_head
-                Llama: 2 T (2H (nh + 2 nkv) d + nh d H + 3 H I + H Vd)
-                MLA:   2 T (2H (qr + kvr + dr) + qr nh dqk + kvr nh (dn + dv) + nh dv H + 3 H I + H Vd)
-            attention: QK^T and PV over the keys each query sees     2 nh (dqk + dv) x `visible_key_pairs`
-
-    The labels (target lm_head rows, the full-vocabulary argmax) are data preparation and
-    not counted.
-    """
-    T, K = seq_len, ttt_length
-    H, Vd, nh = cfg.hidden_size, cfg.draft_vocab_size, cfg.num_attention_heads
-    fc = 2 * 2 * T * cfg.fc_in_features * H
-    dqk, dv = head_dims(cfg)
+    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document): matmuls only,
+    backward twice the forward, no recomputation or labels (docs/performance.md)."""
+    T, K, H = seq_len, ttt_length, cfg.hidden_size
+    fc = 2 * 2 * T * cfg.fc_in_features * H  # its input needs no gradient: forward + weight gradient
     projections = cfg.kind.attention_parameters(cfg)  # 2 FLOPs a weight a token (an MLA's two norms too: < 0.1%)
-    dense = 2 * T * (projections + 3 * H * cfg.intermediate_size + H * Vd)
-    attention = sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(T, K, cfg.sliding_window))
-    return fc + 3 * (K * dense + attention)
+    dense = 2 * T * (projections + 3 * H * cfg.intermediate_size + H * cfg.draft_vocab_size)
+    return fc + 3 * K * dense + attention_flops(cfg, seq_len, ttt_length)
+
+
+def attention_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
+    """The FLOPs of a training step's QK^T and PV over the keys each query sees, forward and backward."""
+    dqk, dv = head_dims(cfg)
+    pairs = visible_key_pairs(seq_len, ttt_length, cfg.sliding_window)
+    return 3 * sum(2 * cfg.num_attention_heads * (dqk + dv) * n for n in pairs)
 
 
 def head_dims(cfg: DrafterConfig) -> tuple[int, int]:
@@ -101,21 +69,14 @@ def head_dims(cfg: DrafterConfig) -> tuple[int, int]:
 
 def attention_flops_share(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> float:
     """The share of `step_flops` spent in the attention's QK^T and PV."""
-    nh = cfg.num_attention_heads
-    dqk, dv = head_dims(cfg)
-    attention = 3 * sum(2 * nh * (dqk + dv) * n for n in visible_key_pairs(seq_len, ttt_length, cfg.sliding_window))
-    return attention / step_flops(cfg, seq_len, ttt_length)
+    return attention_flops(cfg, seq_len, ttt_length) / step_flops(cfg, seq_len, ttt_length)
 
 
 class RunMemory:
-    """GiB per GPU, by term (module docstring), of a training run at any sequence length (`at`), and the longest
-    that fits a GPU (`longest`); the traces of the step are made once and shared by both.
-
-    device: `cuda` (FSDP2 on GPUs, as trained) or `cpu` (one plain process, as the CPU memory benchmark runs:
-    no gathered copies, one dtype throughout). sequence_parallel: the ranks each sequence is split over.
-    online_target_bytes: the target's weights on each GPU (`features.mode=online`), 0 otherwise. step: the traces
-    of another `RunMemory` of the same drafter and step options (`.step`), when only the fixed terms differ.
-    """
+    """GiB per GPU, by term (docs/performance.md), of a training run at any sequence length (`at`), and the longest
+    that fits a GPU (`longest`). device: `cuda` (FSDP2 on GPUs) or `cpu` (one plain process, one dtype throughout).
+    online_target_bytes: the target's weights on each GPU, 0 for none. step: another `RunMemory`'s traces (`.step`)
+    of the same drafter and step options, when only the fixed terms differ."""
 
     def __init__(
         self,
@@ -133,12 +94,11 @@ class RunMemory:
         step: StepMemory | None = None,
     ):
         c, fsdp = compute_bytes, device == "cuda"
-        dtype = torch.bfloat16 if c == 2 else torch.float32
         self.step = step or StepMemory(
             cfg,
             ttt_length,
             activation_checkpointing=activation_checkpointing,
-            dtype=dtype,
+            dtype=torch.bfloat16 if c == 2 else torch.float32,
             device=device,
             sequence_parallel=sequence_parallel,
             attention_kernel=attention_kernel,
@@ -164,23 +124,15 @@ class RunMemory:
         return {**parts, "total": sum(parts.values())}
 
     def longest(self, gpu_memory_gib: float) -> int:
-        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`; 0 if none does.
-
-        Past the step's first fit length (`StepMemory.fit_lengths`) every moment of the step is a line in T through
-        its traces, so the lengths there cost no trace; below it, each length tried is traced (a bisection). A trace
-        at the answer itself is not made: at 100k tokens and more it would take minutes (docs/performance.md)."""
+        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`, 0 if none does: a bisection, whose
+        lengths past the step's first fit length cost no trace (`StepMemory.fit_lengths`)."""
 
         def fits(T: int) -> bool:
             return self.at(T)["total"] <= gpu_memory_gib
 
         first = -(-self.step.fit_lengths()[0] // 1024)  # in units of 1024 tokens, as the answer
-        lo, hi = (first, 1 << 14) if fits(first * 1024) else (0, first)  # 16M tokens: beyond any plan
-        if lo == 0:
-            if not fits(1024):
-                return 0
-            lo = 1
-        elif fits(hi * 1024):
-            return hi * 1024
+        # fits(lo * 1024) (0: nothing to fit), not fits(hi * 1024); 16M tokens is beyond any plan
+        lo, hi = (first, (1 << 14) + 1) if fits(first * 1024) else (0, first)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)

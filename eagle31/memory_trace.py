@@ -1,37 +1,7 @@
 """The bytes a training step's tensors hold, traced on the meta device: `trace_step`, `StepMemory`.
 
-The step is the trainer's: `prepare_batch`, then `DrafterObjective` (the TTT unroll and the loss), `weighted_loss`
-and the backward, as `Trainer.train_step` runs them, at the drafter's real shapes on one packed sequence of one
-document whose every query is supervised (the largest working set). Its tensors live on the meta device: shapes
-and dtypes, no memory. `StepTrace`, a dispatch mode, counts the bytes of every storage an operation of the step
-makes until its last tensor is freed (a weak reference to the storage), and their peak. The parameters are the
-drafter's, built on the meta device in the dtype the run computes in (FSDP2's gathered copies on GPUs); the
-batch's features are made before the step and counted apart (`StepBytes.features`).
-
-Why the meta device. `FakeTensorMode` was the first choice; on a CPU-only torch build a fake CUDA tensor
-aborts the process as soon as autograd records it (no CUDA device guard is linked), so a fake trace there runs on
-fake CPU tensors, which take the same code path as meta tensors at about 15 times the cost per operation.
-
-Index values. Meta tensors hold no values, but the step reads some (`nonzero` of the supervised queries, the
-documents' runs, `.tolist()` of chunk bounds and step scales). Every integer or boolean tensor, and every float
-tensor of at most `SMALL` elements, carries its values as a real CPU tensor beside it (`StepTrace.values`),
-computed by the same operation on the values of its inputs; an operation whose output shape depends on values
-(nonzero, unique, item) takes its shape from them. A tensor made of values the trace does not know (the draft
-argmax of the meta logits, a tensor written with such values) has none; an operation that needs them fails.
-
-The causal kernel on CUDA. The one device-dependent branch of the step is `FlashCausal`'s (`q.is_cuda`): on the
-meta device it runs its CPU path. For a CUDA run each of its calls counts as the bytes held when it starts plus
-`eagle31.kernels.flash_cuda.flash_cuda_call_bytes` (the CUDA path's allocations, with those the varlen flash ops
-make inside); after the call the outputs, the same on both paths, are counted as traced.
-
-Long sequences (`StepMemory`). A trace costs time in proportion to T and to the supervised positions (the loss,
-the chain and the MLP run in blocks of fixed size: about 5,000 operations per 1,000 tokens at Kimi K2.6's shape,
-50 us each), so a long step is not traced whole. Its bytes are the largest of its moments' planes: a moment (the
-operations of one phase, the kernel calls begun so far, at one line of eagle31, on tensors of one shape class:
-each dimension a multiple of T or fixed) holds a + b T + c P bytes, P the supervised positions, blocks and
-per-token tensors alike, while every loop of blocks runs steadily; three traces at (T0, P0), (T1, P0), (T0, P1)
-give each moment's plane, and the planes must reproduce the three traced peaks (`_plane`). Meta kernels' outputs
-are made again from the shapes of their inputs where those recur (the loops' blocks), not recomputed.
+The trainer's step runs on meta tensors under a dispatch mode that counts every storage until it is freed; small and
+index tensors carry their values beside them; long steps are lines through a few traces (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -66,26 +36,18 @@ SMALL = 1 << 12  # float tensors of up to this many elements carry their values 
 INDEX = 1 << 20  # integer and boolean ones of up to this many (token ids, documents, masks of queries; not a kernel's)
 META = torch.device("meta")
 _EAGLE31 = str(Path(__file__).resolve().parent)
-# the causal kernels' calls, which count the phases of a step; FlashCausal's differ by device (True)
+# the causal kernels' calls, which count the phases of a step: (FlashCausal's, which differ by device; backward)
 _KERNEL_CALLS = {
-    FlashCausal.__dict__["forward"].__func__.__code__: (True, False),
-    FlashCausal.__dict__["backward"].__func__.__code__: (True, True),
-    BlockwiseCausal.__dict__["forward"].__func__.__code__: (False, False),
-    BlockwiseCausal.__dict__["backward"].__func__.__code__: (False, True),
+    getattr(kernel, name).__code__: (kernel is FlashCausal, name == "backward")
+    for kernel in (FlashCausal, BlockwiseCausal)
+    for name in ("forward", "backward")
 }
 _aten = torch.ops.aten
 # operations whose output's values do not depend on their inputs' values
 _VALUE_FREE = {
-    _aten.empty_like.default,
-    _aten.zeros_like.default,
-    _aten.ones_like.default,
-    _aten.full_like.default,
-    _aten.new_empty.default,
-    _aten.new_zeros.default,
-    _aten.new_ones.default,
-    _aten.new_full.default,
-    _aten.new_empty_strided.default,
-}
+    getattr(_aten, name).default
+    for name in ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full")
+} | {_aten.new_empty_strided.default}
 
 
 @functools.cache
@@ -95,9 +57,13 @@ def _makes_new_tensors(func) -> bool:
     return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
+@functools.cache
+def _is_eagle31(code) -> bool:
+    return code.co_filename.startswith(_EAGLE31)
+
+
 def _shape_key(x):
-    """What a meta kernel reads of its arguments: tensors' shapes, strides, dtypes and devices (meta or the CPU),
-    and plain values."""
+    """What a meta kernel reads of its arguments: tensors' shapes, strides, dtypes and devices, and plain values."""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.is_meta)
     if type(x) is list or type(x) is tuple:
@@ -106,22 +72,9 @@ def _shape_key(x):
     return x
 
 
-class _Made:
-    """A new tensor's shape, strides and dtype, to make it again on the meta device."""
-
-    def __init__(self, t: torch.Tensor):
-        self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
-
-    def again(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=META)
-
-    @staticmethod
-    def of(x):
-        return _Made(x) if isinstance(x, torch.Tensor) else x
-
-    @staticmethod
-    def again_of(x):
-        return x.again() if isinstance(x, _Made) else x
+def _again(x):
+    """A new meta tensor of `x`'s shape, strides and dtype; anything else as it is."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META) if isinstance(x, torch.Tensor) else x
 
 
 class _Unknown(Exception):
@@ -143,17 +96,10 @@ def _tensors(args, kwargs=None) -> list[torch.Tensor]:
     return found
 
 
-def _outputs(out) -> list[torch.Tensor]:
-    """The tensors an operation returned."""
-    return [out] if isinstance(out, torch.Tensor) else _tensors(out if isinstance(out, (list, tuple)) else (out,))
-
-
 class StepTrace(TorchDispatchMode):
-    """Bytes of the meta tensors the operations make while it is active: `live`, `peak`, and with `unit` the
-    peak of each moment (`moments`); the values of small and integer tensors (`values`).
-
-    `cuda`: `FlashCausal`'s calls count as on CUDA (module docstring). `unit`: the length whose multiples are
-    the per-token dimensions (T, or a sequence shard's length), None to record no moments."""
+    """Bytes of the meta tensors the operations make while it is active: `live`, `peak`, and with `unit` (the length
+    whose multiples are the per-token dimensions) the peak of each moment (`moments`); the values of small and
+    integer tensors (`values`). `cuda`: `FlashCausal`'s calls count as on CUDA (docs/performance.md)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -167,7 +113,6 @@ class StepTrace(TorchDispatchMode):
         self.moments: dict[tuple, int] = {}
         self._sizes: dict[int, int] = {}  # storage -> bytes, while a tensor holds it
         self._shapes = {} if shapes is None else shapes  # an operation's arguments -> its outputs' shapes (`_meta`)
-        self._ours: dict = {}  # code -> whether it is eagle31's
         self._classes: dict = {}  # shape -> `_shape_class`
         self._refs: dict[int, weakref.ref] = {}  # storage -> a weak reference that frees its bytes
         self._unknown: dict[int, torch.UntypedStorage] = {}  # value storages written with unknown values
@@ -183,17 +128,11 @@ class StepTrace(TorchDispatchMode):
         if not t.is_meta:
             return t
         v = self.values.get(t)
-        if v is None or v.untyped_storage().data_ptr() in self._unknown:
-            return None
-        return v
-
-    def set_value(self, t: torch.Tensor, values: torch.Tensor) -> None:
-        self.values[t] = values
+        return None if v is None or v.untyped_storage().data_ptr() in self._unknown else v
 
     def held(self, *tensors: torch.Tensor) -> int:
         """Bytes of the storages of `tensors` that the trace counts."""
-        keys = {t.untyped_storage()._cdata for t in tensors}
-        return sum(self._sizes.get(k, 0) for k in keys)
+        return sum(self._sizes.get(k, 0) for k in {t.untyped_storage()._cdata for t in tensors})
 
     # ------------------------------------------------------------------ operations
 
@@ -208,7 +147,8 @@ class StepTrace(TorchDispatchMode):
             if inputs or self._held is None or "device" not in kwargs:
                 return func(*args, **kwargs)  # work on index values (CPU): no device memory
             kwargs = {**kwargs, "device": META}  # the CPU path's own tensors inside a call counted as on CUDA
-        out, outputs = self._run(func, args, kwargs)
+        out = self._run(func, args, kwargs)
+        outputs = _tensors((out,))
         made = self._track(outputs, inputs)
         now = self.live if self._held is None else self._held
         self.peak = max(self.peak, now)
@@ -219,13 +159,12 @@ class StepTrace(TorchDispatchMode):
 
     def _shape_class(self, shape: torch.Size) -> tuple[int, ...]:
         """Per dimension, m where it is m times the unit (give or take the slack), 0 for a fixed one."""
-        found = self._classes.get(shape)
-        if found is None:
+        if shape not in self._classes:
             ms = [round(d / self.unit) for d in shape]
-            found = self._classes[shape] = tuple(
+            self._classes[shape] = tuple(
                 m if m and abs(d - m * self.unit) <= self.slack else 0 for d, m in zip(shape, ms)
             )
-        return found
+        return self._classes[shape]
 
     def _enter(self, frame):
         """The innermost eagle31 line running the operation; a kernel call that begins counts a phase."""
@@ -237,12 +176,8 @@ class StepTrace(TorchDispatchMode):
             if code in _KERNEL_CALLS:
                 call = frame
                 break
-            if site is None:
-                ours = self._ours.get(code)
-                if ours is None:
-                    ours = self._ours[code] = code.co_filename.startswith(_EAGLE31)
-                if ours:
-                    site = (code, frame.f_lineno)
+            if site is None and _is_eagle31(code):
+                site = (code, frame.f_lineno)
             frame = frame.f_back
         if call is None and self._call is not None:  # deeper below the running call, or past its end
             while frame is not None and id(frame) != self._call:
@@ -260,19 +195,16 @@ class StepTrace(TorchDispatchMode):
                 self._held = self.live + flash_cuda_call_bytes(backward, a["q"], a["k"], *others)
         return site
 
-    def _run(self, func, args, kwargs) -> tuple[Any, list[torch.Tensor]]:
-        """`func`'s result on the meta device, and its tensors."""
+    def _run(self, func, args, kwargs) -> Any:
+        """`func`'s result on the meta device."""
         try:
             out = self._meta(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:  # its output's shape (or its value) depends on values
             try:
-                real = self._compute(func, args, kwargs)
+                return self._placed(self._compute(func, args, kwargs), kwargs)
             except _Unknown:
                 raise RuntimeError(f"the memory trace does not know the input values {func} needs") from e
-            out = self._placed(real, kwargs)
-            return out, _outputs(out)
-        outputs = _outputs(out)
-        if any(self._keeps_values(t) for t in outputs):
+        if any(self._keeps_values(t) for t in _tensors((out,))):
             try:
                 real = self._compute(func, args, kwargs)
             except _Unknown:
@@ -281,7 +213,7 @@ class StepTrace(TorchDispatchMode):
                 for t, v in zip(tree_leaves(out), tree_leaves(real)):
                     if isinstance(t, torch.Tensor) and self._keeps_values(t):
                         self.values[t] = v
-        return out, outputs
+        return out
 
     def _meta(self, func, args, kwargs):
         """`func` on the meta device; an operation that makes new tensors takes their shapes from an earlier call on
@@ -292,12 +224,11 @@ class StepTrace(TorchDispatchMode):
             key = (func, _shape_key(args), tuple((k, _shape_key(v)) for k, v in kwargs.items()))
         except TypeError:  # an argument that is not a shape, a tensor or a plain value
             return func(*args, **kwargs)
-        made = self._shapes.get(key)
-        if made is None:
+        if key not in self._shapes:
             out = func(*args, **kwargs)
-            self._shapes[key] = _Made(out) if isinstance(out, torch.Tensor) else tree_map(_Made.of, out)
+            self._shapes[key] = tree_map(_again, out)  # meta tensors of its outputs' shapes, outside the trace
             return out
-        return made.again() if isinstance(made, _Made) else tree_map(_Made.again_of, made)
+        return tree_map(_again, self._shapes[key])
 
     def _keeps_values(self, t: torch.Tensor) -> bool:
         """Inside a kernel call only tensors no larger than the documents' runs it reads carry values (its masks'
@@ -329,14 +260,11 @@ class StepTrace(TorchDispatchMode):
         if kwargs.get("device", META) != META:
             return real
 
-        def meta(v):
-            if not isinstance(v, torch.Tensor):
-                return v
-            t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=META)
-            self.values[t] = v
-            return t
-
-        return tree_map(meta, real)
+        out = tree_map(_again, real)
+        for t, v in zip(tree_leaves(out), tree_leaves(real)):
+            if isinstance(t, torch.Tensor):
+                self.values[t] = v
+        return out
 
     def _forget_written(self, func, args, kwargs) -> None:
         """An operation that wrote unknown values into tensors with known ones: those values are unknown now."""
@@ -385,7 +313,7 @@ class _EmulatedGroup:
     def all_gather_single(self, out: torch.Tensor, x: torch.Tensor, opts=None) -> None:
         v = self.trace.value(x)
         if v is not None:
-            self.trace.set_value(out, torch.cat([v] * self.size))
+            self.trace.values[out] = torch.cat([v] * self.size)
 
     def reduce_scatter_single(self, out: torch.Tensor, parts: torch.Tensor, opts=None) -> None:
         return None
@@ -442,11 +370,10 @@ def trace_step(
     moments: bool = False,
     shapes: dict | None = None,
 ) -> StepBytes:
-    """Trace one training step (module docstring) of one sequence of `seq_len` tokens; on a sequence split
-    `sequence_parallel` ways, the last rank's (its queries see every key). device: `cuda` (FSDP2: the parameters
-    gathered in `dtype`) or `cpu` (one plain process). supervised: the positions of the traced rank whose loss
-    mask is 1 (its first ones; None: all). moments: record each moment's peak (`StepMemory`). shapes: the meta
-    kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
+    """Trace one training step of one sequence of `seq_len` tokens; split `sequence_parallel` ways, the last rank's.
+    device: `cuda` (FSDP2: the parameters gathered in `dtype`) or `cpu` (one plain process). supervised: the first
+    positions of the traced rank whose loss mask is 1 (None: all). moments: record each moment's peak (`StepMemory`).
+    shapes: the meta kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
     K, N, T = ttt_length, sequence_parallel, seq_len
     with torch.device(META):
         drafter = Eagle31Drafter(cfg).to(dtype)
@@ -454,11 +381,10 @@ def trace_step(
         head = TargetHead(lm_head, torch.arange(cfg.draft_vocab_size))
         aux = torch.empty(1, T, cfg.fc_in_features, dtype=dtype)
         final = torch.empty(1, T, cfg.target_hidden_size, dtype=dtype)
-    kernel = attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)
     train = TrainConfig(
         ttt_length=K,
         activation_checkpointing=activation_checkpointing,
-        attention_kernel=AttentionBackend(kernel),
+        attention_kernel=AttentionBackend(attention_kernel_for(attention_kernel, drafter, T, K, dtype, device)),
         mask_out_of_vocab=False,
         sequence_parallel=N,
     )
@@ -467,14 +393,9 @@ def trace_step(
     start = (N - 1) * shard
     loss_mask = torch.zeros(1, max(T, N * shard), dtype=torch.long)
     loss_mask[:, start : start + (shard if supervised is None else supervised)] = 1
+    tokens = torch.zeros(1, T, dtype=torch.long)  # one document: T tokens, one sample
     batch = FeatureBatch(
-        input_ids=torch.zeros(1, T, dtype=torch.long),
-        loss_mask=loss_mask[:, :T],
-        document_ids=torch.zeros(1, T, dtype=torch.long),
-        aux=aux,
-        final=final,
-        num_tokens=T,
-        num_samples=1,
+        input_ids=tokens, loss_mask=loss_mask[:, :T], document_ids=tokens.clone(), aux=aux, final=final
     )
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
     group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
@@ -494,73 +415,40 @@ def trace_step(
 @dataclass
 class _Plane:
     """Bytes a + b (T - T0) + c (P - P0) of each moment, P the supervised positions of the traced rank; the
-    batch's features (and the part of them the trace made) as (value at T0, slope)."""
+    batch's features and the part of them the trace made as planes too."""
 
     T0: int
     P0: int
     moments: list[tuple[float, float, float]]
-    features: tuple[float, float]
-    held: tuple[float, float]
+    features: tuple[float, float, float]
+    held: tuple[float, float, float]
 
     def at(self, T: int, P: int) -> tuple[int, int]:
         """(the step's peak bytes, the features' bytes)."""
         dT, dP = T - self.T0, P - self.P0
         peak = max(a + b * dT + c * dP for a, b, c in self.moments)
-        features, held = (v + slope * dT for v, slope in (self.features, self.held))
+        features, held = (a + b * dT + c * dP for a, b, c in (self.features, self.held))
         return round(peak - held), round(features)
 
 
-def _plane(base: StepBytes, along_T: StepBytes | None, along_P: StepBytes | None, dP: int) -> _Plane | None:
-    """Each moment's plane through `base` (at T0, P0), `along_T` (at T1, P0) and `along_P` (at T0, P0 + dP), either
-    of the last two None for no slope that way; None unless the planes reproduce every trace's peak."""
-    traces = [t for t in (base, along_T, along_P) if t is not None]
-    keys = set.intersection(*(set(t.moments) for t in traces))
-    if not keys or any(max(t.moments[k] for k in keys) != t.peak + t.held_features for t in traces):
-        return None
-
-    def line(value) -> tuple[float, float]:
-        """(value at T0, its slope in T) of a trace's figure."""
-        at_T0 = value(base)
-        return at_T0, (value(along_T) - at_T0) / (along_T.seq_len - base.seq_len) if along_T else 0.0
-
-    moments = []
-    for k in keys:
-        a, b = line(lambda t, k=k: t.moments[k])
-        moments.append((a, b, (along_P.moments[k] - a) / dP if along_P else 0.0))
-    features, held = line(lambda t: t.features), line(lambda t: t.held_features)
-    return _Plane(base.seq_len, 0, moments, features, held)
-
-
 class StepMemory:
-    """A drafter's training step, its bytes at any T (`at`), from a few traces (module docstring).
-
-    Every query supervised makes the loss run over T label rows, a long loop of fixed chunks; where a chunk is
-    short beside the fit lengths the traces supervise two small counts P0 < P1 of positions (past the loss's
-    chunk) and each moment's bytes are taken as a + b T + c P, P = T. Up to P1 one exact trace; up to the
-    first fit length T0 two traces at T (P0 and P1); beyond it three, at (T0, P0), (T1, P0), (T0, P1), and
-    the planes' largest value at T. Where the chunk is long, every trace supervises every position: one
-    trace up to T1, beyond it the lines through the traces at T0 and T1."""
+    """A drafter's training step, its bytes at any T (`at`) every query supervised: traced whole up to P1 (or T1
+    where every trace supervises every position), else the largest of the moments' planes (docs/performance.md)."""
 
     FIT_LIMIT = 8192  # positions of a shard the fit lengths need at most to run every loop of blocks steadily
 
     def __init__(self, cfg: DrafterConfig, ttt_length: int, **options):
-        self.cfg, self.ttt_length, self.options = cfg, ttt_length, options
+        self.cfg, self.ttt_length = cfg, ttt_length
+        self.options = {**options, "shapes": {}}  # the meta kernels' outputs, shared by the traces (`StepTrace`)
         self.sequence_parallel = options.get("sequence_parallel", 1)
         self._traces: dict[tuple, StepBytes] = {}
         self._planes: dict[int | None, _Plane] = {}
-        self._shapes: dict = {}
 
     def trace(self, seq_len: int, supervised: int | None = None, moments: bool = False) -> StepBytes:
         key = (seq_len, supervised, moments)
         if key not in self._traces:
             self._traces[key] = trace_step(
-                self.cfg,
-                seq_len,
-                self.ttt_length,
-                supervised=supervised,
-                moments=moments,
-                shapes=self._shapes,
-                **self.options,
+                self.cfg, seq_len, self.ttt_length, supervised=supervised, moments=moments, **self.options
             )
         return self._traces[key]
 
@@ -573,9 +461,6 @@ class StepMemory:
 
     def _loss_rows(self) -> int:
         return max(1, loss._LOGITS_BUDGET // self.cfg.draft_vocab_size)
-
-    def _shard(self, seq_len: int) -> int:
-        return shard_length(seq_len, self.sequence_parallel, self.ttt_length)
 
     def fit_lengths(self) -> tuple[int, int]:
         """T0 < T1 (a multiple of the sequence split): each of the step's loops of blocks runs either steadily at
@@ -596,12 +481,11 @@ class StepMemory:
             shard = 1024 * math.ceil(max(limit, 2 * P[1] if P else 1024) / 1024) + 531  # near no model dimension
             if all(one >= 2 * shard + 1 for one, s in loops if s > limit):
                 break
-        N = self.sequence_parallel
-        return N * shard, N * (2 * shard + 1)
+        return self.sequence_parallel * shard, self.sequence_parallel * (2 * shard + 1)
 
     def at(self, seq_len: int) -> tuple[int, int]:
         """(the step's peak bytes, the batch's feature bytes) at T = `seq_len`, every query supervised."""
-        shard, P = self._shard(seq_len), self.supervised_counts()
+        shard, P = shard_length(seq_len, self.sequence_parallel, self.ttt_length), self.supervised_counts()
         T0, T1 = self.fit_lengths()
         if (P and shard <= P[1]) or (not P and seq_len <= T1):
             s = self.trace(seq_len)
@@ -609,16 +493,26 @@ class StepMemory:
         return self.plane(None if seq_len >= T0 else seq_len).at(seq_len, shard)
 
     def plane(self, seq_len: int | None = None) -> _Plane:
-        """The planes of two traces at `seq_len` (P0 and P1), or (None) of those at the fit lengths."""
+        """Each moment's plane through the traces at (T0, P0), (T1, P0) and (T0, P1), T0 < T1 the fit lengths; at
+        `seq_len` (T0 = `seq_len`), through two, no slope in T; where every position is supervised, no slope in P."""
         if seq_len not in self._planes:
-            P = self.supervised_counts()
             T0, T1 = self.fit_lengths() if seq_len is None else (seq_len, None)
-            base = self.trace(T0, P and P[0], True)
-            along_P = self.trace(T0, P[1], True) if P else None
-            along_T = self.trace(T1, P and P[0], True) if T1 else None
-            plane = _plane(base, along_T, along_P, P[1] - P[0] if P else 1)
-            if plane is None:
+            P0, P1 = self.supervised_counts() or (None, None)
+            base = self.trace(T0, P0, True)
+            along_T = self.trace(T1, P0, True) if T1 else None
+            along_P = self.trace(T0, P1, True) if P1 else None
+            traces = [t for t in (base, along_T, along_P) if t is not None]
+            keys = set.intersection(*(set(t.moments) for t in traces))
+            if not keys or any(max(t.moments[k] for k in keys) != t.peak + t.held_features for t in traces):
                 raise RuntimeError(f"the memory trace's moments at T={T0} and {T1} do not line up")
-            plane.P0 = P[0] if P else 0
-            self._planes[seq_len] = plane
+
+            def through(value) -> tuple[float, float, float]:
+                """(a trace's figure at (T0, P0), its slope in T, its slope in P)."""
+                a = value(base)
+                b = (value(along_T) - a) / (along_T.seq_len - T0) if along_T else 0.0
+                return a, b, (value(along_P) - a) / (P1 - P0) if P0 and P1 else 0.0
+
+            moments = [through(lambda t, k=k: t.moments[k]) for k in keys]
+            features, held = through(lambda t: t.features), through(lambda t: t.held_features)
+            self._planes[seq_len] = _Plane(T0, P0 or 0, moments, features, held)
         return self._planes[seq_len]

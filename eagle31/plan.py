@@ -1,9 +1,5 @@
-"""The plan of a run, and every check that needs no model: `plan_run(cfg, world)`.
-
-A run is planned before anything expensive happens: the target's config is read (not its
-weights), the drafter's shape is settled, each requested export is tried on paper, and
-the run directory, prepared data, held-out prompts and feature store are checked, so bad
-input fails in seconds with one line. `describe_dry_run` is what `dry_run=true` prints.
+"""The plan of a run, and every check that needs no model: `plan_run(cfg, world)`, so bad input fails in seconds
+with one line (the target's config read, not its weights; each export tried on paper); `describe_dry_run`.
 """
 
 from __future__ import annotations
@@ -25,10 +21,8 @@ from eagle31.metrics_log import redact_secrets
 from eagle31.recipe import to_container
 from eagle31.target import check_remote_code, load_target_config, target_fingerprint, target_parameters
 
-# Sections that define a run: resuming with any of them changed is refused.
-# what a resumed run must share with the run it continues (the rest may change between attempts);
-# the template options decide which tokens the prepared data supervises
-# and a checkpoint's optimizer state is read by the optimizer that wrote it
+# what a resumed run must share with the run it continues (the rest may change between attempts): the template
+# options decide which tokens the prepared data supervises, and the optimizer that wrote a checkpoint reads it
 RUN_IDENTITY = (
     "target",
     "drafter",
@@ -78,10 +72,9 @@ def plan_run(cfg, world: World) -> RunPlan:
     for name in ("ttt_length", "max_steps", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
-    if not cfg.train.lr > 0:
-        raise ConfigError(f"train.lr must be positive, got {cfg.train.lr}")
-    if not cfg.train.preempt_grace_s > 0:
-        raise ConfigError(f"train.preempt_grace_s must be positive, got {cfg.train.preempt_grace_s}")
+    for name in ("lr", "preempt_grace_s"):
+        if not getattr(cfg.train, name) > 0:
+            raise ConfigError(f"train.{name} must be positive, got {getattr(cfg.train, name)}")
     if not cfg.train.lk_eta >= 0:
         raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
     check_sequence_parallel(cfg, world)
@@ -117,9 +110,8 @@ def plan_run(cfg, world: World) -> RunPlan:
         )
 
     precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if world.device.type == "cuda" else "fp32"
-    compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    bf16 = precision == "bf16" or (precision == "auto" and world.device.type == "cuda")
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
 
     plan = RunPlan(cfg, world, Path(cfg.output_dir), target_dir, target_config, drafter, compute_dtype)
     if not cfg.dry_run:
@@ -170,9 +162,8 @@ def check_named_paths(cfg) -> None:
         raise ConfigError(f"target.path={cfg.target.path!r} is not a directory")
     regenerated = Path(cfg.regenerate.output_dir).absolute()  # data_prep/regenerate.py writes it first
     for source in source_paths(cfg.data.source):
-        if source.startswith("demo:") or Path(source).absolute().is_relative_to(regenerated):
-            continue
-        if not resolve_source(source).exists():
+        named = not source.startswith("demo:") and not Path(source).absolute().is_relative_to(regenerated)
+        if named and not resolve_source(source).exists():
             raise ConfigError(f"data.source: no such file or directory: {source}")
 
 
@@ -210,10 +201,8 @@ INIT_FROM_FIELDS = ("aux_layer_ids", *SWITCHES)
 
 
 def check_init_from(drafter: DrafterConfig, section) -> None:
-    """`drafter.init_from` (config.json only): its switches and aux ids must be this run's.
-
-    `norm_output` may differ when `drafter.upgrade_to_eagle31` asks for the EAGLE 3 -> 3.1 upgrade.
-    """
+    """`drafter.init_from` (config.json only): its switches and aux ids must be this run's (`norm_output` may differ
+    when `drafter.upgrade_to_eagle31` asks for the EAGLE 3 -> 3.1 upgrade)."""
     from eagle31.convert import read_drafter_config
 
     source = read_drafter_config(
@@ -233,8 +222,7 @@ def check_init_from(drafter: DrafterConfig, section) -> None:
 
 def check_run_dir(plan: RunPlan) -> None:
     """An output directory holding another run is refused unless resume=auto continues the same run."""
-    saved = plan.run_dir / "config.yaml"
-    if not saved.is_file():
+    if not (plan.run_dir / "config.yaml").is_file():
         return
     if plan.cfg.resume != "auto":
         raise ConfigError(
@@ -298,9 +286,7 @@ def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
     from eagle31.data.prepare import recorded_sources
 
     recorded = recorded_sources(prepared)
-    if recorded is not None and recorded != [
-        str(Path(s).resolve()) for s in sources
-    ]:  # the new sources would be ignored
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new ones would be ignored
         raise ConfigError(
             f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
             "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
@@ -315,57 +301,47 @@ _GPU_SIZES_GIB = (80.0, 139.0)
 
 
 def describe_dry_run(plan: RunPlan) -> dict:
-    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token
-    sequence (and the attention's share: a sliding window bounds it), a per-GPU memory estimate for the
-    planned launch (`plan.world_size`, `plan.gpu_memory_gib`) and the longest T that fits its GPUs."""
-    cfg, d = plan.cfg, plan.drafter
+    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token sequence
+    (and the attention's share), a per-GPU memory estimate for the planned launch and the longest T that fits."""
+    cfg, d, T, K = plan.cfg, plan.drafter, plan.cfg.data.max_len, plan.cfg.train.ttt_length
     counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
         raise ConfigError(
             f"plan.world_size and plan.gpu_memory_gib must be >= 0 (0: the default), got {cfg.plan.world_size} and "
             f"{cfg.plan.gpu_memory_gib}"
         )
-    world_size = cfg.plan.world_size or max(plan.world.world_size, 1)
-    options = dict(
+    world_size, split = cfg.plan.world_size or max(plan.world.world_size, 1), cfg.train.sequence_parallel
+    run_memory = RunMemory(
+        d,
+        K,
         world_size=world_size,
         activation_checkpointing=cfg.train.activation_checkpointing,
         compute_bytes=4 if cfg.train.precision == "fp32" else 2,  # auto means bf16 on the GPUs planned for
-        sequence_parallel=cfg.train.sequence_parallel,
+        sequence_parallel=split,
         attention_kernel=cfg.train.attention_kernel,
         online_target_bytes=online_target_bytes(plan),
         anchor=cfg.train.anchor_weight > 0,
     )
-    run_memory = RunMemory(d, cfg.train.ttt_length, **options)
-    memory = run_memory.at(cfg.data.max_len)
-    flops = step_flops(d, cfg.data.max_len, cfg.train.ttt_length)
-    attention_share = attention_flops_share(d, cfg.data.max_len, cfg.train.ttt_length)
+    memory = run_memory.at(T)
+    flops, attention_share = step_flops(d, T, K), attention_flops_share(d, T, K)
     sizes = (cfg.plan.gpu_memory_gib,) if cfg.plan.gpu_memory_gib else _GPU_SIZES_GIB
     longest = {f"{g:g}": run_memory.longest(g) for g in sizes}
     engine = engine_sizing(plan, world_size)
     report = {
         "recipe": cfg.name,
         "drafter": d.to_dict(),
-        "parameters": {
-            "trainable": counts.trainable,
-            "frozen_embedding": counts.frozen_embedding,
-            "total": counts.total,
-        },
+        "parameters": {**dataclasses.asdict(counts), "total": counts.total},
         "memory_gib_per_gpu": memory,
         "flops_per_sequence": flops,
         "attention_flops_share": attention_share,
-        "seq_len": cfg.data.max_len,
-        "ttt_length": cfg.train.ttt_length,
+        "seq_len": T,
+        "ttt_length": K,
         "world_size": world_size,
-        "sequence_parallel": options["sequence_parallel"],
+        "sequence_parallel": split,
         "longest_seq_len_per_gpu_gib": longest,
     }
     if engine is not None:
-        report["engine"] = {
-            "workers": engine.workers,
-            "trainers": engine.trainers,
-            "measured": engine.measured,
-            "basis": engine.basis,
-        }
+        report["engine"] = {k: getattr(engine, k) for k in ("workers", "trainers", "measured", "basis")}
     if cfg.features.mode == "store":
         from eagle31.data.store import store_bytes_per_token
 
@@ -375,7 +351,6 @@ def describe_dry_run(plan: RunPlan) -> dict:
     if plan.world.is_main:
         heads = f"{d.num_attention_heads}/{d.num_key_value_heads}"
         checkpointing = "on" if cfg.train.activation_checkpointing else "off"
-        split = f", each sequence split over {options['sequence_parallel']}" if options["sequence_parallel"] > 1 else ""
         print(f"dry run of recipe {cfg.name!r}: config valid")
         print(
             f"  drafter: attention={d.attention} H={d.hidden_size} heads={heads} head_dim={d.head_dim} "
@@ -384,22 +359,19 @@ def describe_dry_run(plan: RunPlan) -> dict:
         )
         trainable, frozen = counts.trainable / 1e6, counts.frozen_embedding / 1e6
         print(f"  parameters: {trainable:,.1f}M trainable + {frozen:,.1f}M frozen embedding")
+        share = f"{attention_share:.0%} of it attention"
+        print(f"  compute: {flops / 1e12:,.1f} TFLOP per T={T} sequence (fwd + bwd), {share}")
+        gpus, over = f"{world_size} GPU(s)", f", each sequence split over {split}" if split > 1 else ""
         print(
-            f"  compute: {flops / 1e12:,.1f} TFLOP per T={cfg.data.max_len} sequence (fwd + bwd), "
-            f"{attention_share:.0%} of it attention"
-        )
-        print(
-            f"  memory per GPU (T={cfg.data.max_len}, K={cfg.train.ttt_length}, {world_size} GPU(s){split}, "
+            f"  memory per GPU (T={T}, K={K}, {gpus}{over}, "
             f"activation checkpointing {checkpointing}): ~{memory['total']:.1f} GiB"
         )
         for k, v in memory.items():
             if k != "total":
                 print(f"    {k:30s} {v:8.2f} GiB")
-        for g, T in longest.items():
+        for g, fitting in longest.items():
             print(
-                f"  longest T that fits {world_size} GPU(s) of {g} GiB: {T:,}"
-                if T
-                else f"  no T fits {world_size} GPU(s) of {g} GiB"
+                f"  longest T that fits {gpus} of {g} GiB: {fitting:,}" if fitting else f"  no T fits {gpus} of {g} GiB"
             )
         if engine is not None:
             print(f"  engine: {engine.describe(cfg.features.engine.worker_gpus)}")
@@ -422,21 +394,15 @@ def online_target_bytes(plan: RunPlan) -> int:
 def engine_sizing(plan: RunPlan, trainers: int):
     """`features.mode=engine`: the inference workers that keep `trainers` busy (`eagle31.engine.capacity`), from the
     measured rates of `features.engine.rates_from` or of this run's own metrics.jsonl, else estimated."""
-    cfg = plan.cfg
+    cfg, engine = plan.cfg, plan.cfg.features.engine
     if cfg.features.mode != "engine":
         return None
     from eagle31.engine.capacity import estimated_sizing, measured_sizing
 
-    for metrics in (cfg.features.engine.rates_from, plan.run_dir / "metrics.jsonl"):
+    for metrics in (engine.rates_from, plan.run_dir / "metrics.jsonl"):
         if metrics and Path(metrics).is_file():
             sizing = measured_sizing(Path(metrics), trainers)
             if sizing is not None:
                 return sizing
-    return estimated_sizing(
-        plan.target_config,
-        plan.drafter,
-        cfg.train.ttt_length,
-        cfg.data.max_len,
-        trainers,
-        cfg.features.engine.worker_gpus,
-    )
+    T, K = cfg.data.max_len, cfg.train.ttt_length
+    return estimated_sizing(plan.target_config, plan.drafter, K, T, trainers, engine.worker_gpus)
