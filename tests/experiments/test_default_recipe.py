@@ -71,6 +71,10 @@ def test_bad_keys_are_one_line(capsys):
     assert "given twice" in capsys.readouterr().err
     assert main(["peer_switches=mine"]) == 2
     assert "peer_switches must be one of theirs, eagle31, got 'mine'" in capsys.readouterr().err
+    assert main(["probes=mt_bench,vicuna"]) == 2
+    assert "probes: 'vicuna' is not one of mt_bench, unseen_system, long_history" in capsys.readouterr().err
+    assert main(["probes=mt_bench", "tree=8,5"]) == 2
+    assert "tree must be three positive integers top_k,depth,total_tokens, got '8,5'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -82,8 +86,9 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
 
     peer_module("speculators")
     out, runs = tmp_path / "out", tmp_path / "runs"
-    args = ["--smoke", "levers=optimizer=muon", f"out={out}", f"runs={runs}", "--", *tiny_overrides(tiny_target, chats)]
-    assert main(args) == 0
+    keys = ["--smoke", "levers=optimizer=muon", f"out={out}", f"runs={runs}"]
+    recipe = ["--", *tiny_overrides(tiny_target, chats)]
+    assert main([*keys, *recipe]) == 0
     summary = json.loads((out / "summary.json").read_text())
     (row,) = summary["acceptance"]  # one eval split
     for side in ("eagle31", "speculators"):
@@ -111,3 +116,37 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     theirs = load_drafter(runs / "speculators-s0" / "drafter").config
     assert (theirs.sliding_window, theirs.norm_before_fc, theirs.fc_norm) == (2048, True, False)
     assert "python -m experiments.default_recipe --smoke" in (out / "commands.sh").read_text()
+
+    # the same drafters on the MT-Bench probes: one report per probe, a split per probe and mode
+    from experiments.default_recipe.study import UNSEEN_SYSTEM
+    from tests.eval.test_mtbench import write_questions
+
+    questions = write_questions(tmp_path / "question.jsonl")
+    probes = ["probes=mt_bench,unseen_system,long_history", f"questions={questions}", "max_per_category=1"]
+    probes += ["ks=2,3", "tree=2,2,3", "history_tokens=24"]
+    assert main([*keys, *probes, *recipe]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    splits = [row["split"] for row in summary["acceptance"]]
+    modes = ["chain-k2", "chain-k3", "tree-2x2-3"]
+    assert splits == [f"{probe} {mode}" for probe in ("mt_bench", "unseen_system", "long_history") for mode in modes]
+    assert [row["split"] for row in summary["levers"]] == splits
+    for probe in ("mt_bench", "unseen_system", "long_history"):
+        report = json.loads((out / probe / "mt_bench.json").read_text())
+        assert {r["drafter"] for r in report["results"]} == set(training)
+        assert report["settings"]["questions_used"] == 2  # one per category
+        assert report["settings"]["system_prompt"] == (UNSEEN_SYSTEM if probe == "unseen_system" else None)
+        assert (report["settings"]["history"] is not None) == (probe == "long_history")
+        for row in summary["acceptance"]:
+            if row["split"].startswith(probe):
+                mode = row["split"].split()[1]
+                ours = next(
+                    r for r in report["results"] if (r["drafter"], r["mode"], r["split"]) == ("eagle31-s0", mode, "all")
+                )
+                assert row["eagle31"]["tau"] == [ours["tau"]]
+    assert "MT-Bench (the first 1 of each category questions" in (out / "results.md").read_text()
+    # measured once: a second run keeps every probe's report
+    stamps = {p: (out / p / "mt_bench.json").stat().st_mtime_ns for p in ("mt_bench", "unseen_system")}
+    capsys.readouterr()
+    assert main([*keys, *probes, *recipe]) == 0
+    assert "kept (measured earlier): MT-Bench, unseen_system" in capsys.readouterr().err
+    assert stamps == {p: (out / p / "mt_bench.json").stat().st_mtime_ns for p in stamps}
