@@ -20,9 +20,9 @@ from pathlib import Path
 from benchmarks.measure import run_benchmark
 from benchmarks.report import table_row, update_table, write_result
 from benchmarks.train_step import BenchConfig
-from eagle31.cli import wants_help
 from eagle31.distributed import close_world
 from eagle31.errors import ConfigError
+from eagle31_cli import wants_help
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import write_result_and_table
-from eagle31.cli import parse_key_values, wants_help
 from eagle31.config import DrafterConfig
 from eagle31.errors import ConfigError
 from eagle31.eval.drafting import EagleProposer
 from eagle31.model import Eagle31Drafter, RMSNorm
 from eagle31.ttt import ttt_unroll
 from eagle31.vocab import vocab_maps
+from eagle31_cli import parse_key_values, wants_help
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -46,11 +46,11 @@ from safetensors.torch import load_file
 
 from benchmarks.report import write_result_and_table
 from eagle31.checkpoint import read_trainer_state
-from eagle31.cli import parse_key_values, run_cli
 from eagle31.engine.capacity import measured_sizing
 from eagle31.engine.cluster import NAMESPACE, init_ray
 from eagle31.engine.worker import HFInferenceWorker
 from eagle31.metrics_log import read_metrics
+from eagle31_cli import parse_key_values, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 5  # train.log_every

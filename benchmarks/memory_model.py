@@ -45,9 +45,9 @@ import torch
 from benchmarks.measure import LiveTensorBytes, cpu_step_memory
 from benchmarks.report import write_result
 from benchmarks.train_step import BenchConfig, EagleStep
-from eagle31.cli import parse_key_values, wants_help
 from eagle31.errors import ConfigError
 from eagle31.estimate import GiB, estimate_memory
+from eagle31_cli import parse_key_values, wants_help
 
 ROOT = Path(__file__).resolve().parent.parent
 # the traced step is the CPU step's code on the meta device: every term within 1%; on CUDA (`cuda_point`) the

@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.measure import LiveTensorBytes  # noqa: E402
 from benchmarks.report import write_result_and_table  # noqa: E402
 from eagle31 import DrafterConfig, Eagle31Drafter  # noqa: E402
-from eagle31.cli import parse_key_values, wants_help  # noqa: E402
 from eagle31.data.batch import FeatureBatch  # noqa: E402
 from eagle31.distributed import World, all_reduce_sum  # noqa: E402
 from eagle31.errors import ConfigError  # noqa: E402
@@ -55,6 +54,7 @@ from eagle31.trainer import (  # noqa: E402
     prepare_batch,
 )
 from eagle31.vocab import vocab_maps  # noqa: E402
+from eagle31_cli import parse_key_values, wants_help  # noqa: E402
 
 K = 7
 # small drafters of the two kinds, in the Kimi K2.6 drafter's proportions (MLA: latents 1/4 of H)

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import write_result_and_table
-from eagle31.cli import parse_key_values, run_cli
 from eagle31.engine.cluster import NAMESPACE, actor_runtime_env, init_ray
 from eagle31.engine.transport import (
     FeatureLayout,
@@ -43,6 +42,7 @@ from eagle31.engine.transport import (
     mooncake_master,
     segment_bytes,
 )
+from eagle31_cli import parse_key_values, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -314,7 +314,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     from benchmarks.peer import VLLM_CPU_VERSION
-    from eagle31.cli import parse_key_values, run_cli, wants_help
+    from eagle31_cli import parse_key_values, run_cli, wants_help
 
     if wants_help(argv, __doc__):
         return 0

@@ -681,7 +681,7 @@ def difference_text(d: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from eagle31.cli import parse_key_values, run_cli, wants_help
+    from eagle31_cli import parse_key_values, run_cli, wants_help
 
     if wants_help(argv, __doc__):
         return 0

@@ -28,7 +28,6 @@ fingerprints) before it captures anything.
 import sys
 from pathlib import Path
 
-from eagle31.cli import recipe_main
 from eagle31.config import DrafterConfig
 from eagle31.data.capture import capture_splits, check_one_process_per_node, open_store_writers
 from eagle31.data.prepare import load_prepared_splits
@@ -37,6 +36,7 @@ from eagle31.engine.worker import EngineWorker, VLLMInferenceWorker, WorkerSpec,
 from eagle31.errors import ConfigError, RunInterrupted
 from eagle31.target import load_recipe_target, load_target_config, target_shape
 from eagle31.targets import resolve_target_path
+from eagle31_cli import recipe_main
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

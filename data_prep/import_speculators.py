@@ -16,11 +16,11 @@ skips finished shards. Bad input: one line, exit code 2.
 import sys
 from pathlib import Path
 
-from eagle31.cli import recipe_main
 from eagle31.data.speculators_import import import_speculators
 from eagle31.data.store import target_identity
 from eagle31.errors import ConfigError
 from eagle31.targets import resolve_target_path
+from eagle31_cli import recipe_main
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -13,11 +13,11 @@ can be read, stop with a one-line error and exit code 2.
 import sys
 from pathlib import Path
 
-from eagle31.cli import recipe_main
 from eagle31.data.prepare import check_data_config, prepare_with_target_tokenizer
 from eagle31.data.sources import check_sources, data_section
 from eagle31.target import target_vocab_size
 from eagle31.targets import resolve_target_path
+from eagle31_cli import recipe_main
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

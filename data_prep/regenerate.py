@@ -28,7 +28,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from eagle31.cli import recipe_main
 from eagle31.data.prepare import template_kwargs, template_variants
 from eagle31.data.regenerate.backends import EndpointBackend, HFBackend
 from eagle31.data.regenerate.core import RegenerateError, Settings
@@ -38,6 +37,7 @@ from eagle31.data.sources import DataError, Tally, check_sources, read_conversat
 from eagle31.data.system_prompts import data_system_prompts
 from eagle31.distributed import barrier, close_world, init_world
 from eagle31.errors import ConfigError
+from eagle31_cli import recipe_main
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -1,5 +1,6 @@
-"""The thin CLIs' plumbing: recipes (`recipe_main`), `key=value` arguments with a dataclass as schema (one-shot tools
-need no Hydra), `--help`, and each expected failure as one line and its exit code (`run_cli`, docs/reliability.md)."""
+"""The command lines' shared plumbing, beside the library (which has no command line): recipes (`recipe_main`),
+`key=value` arguments with a dataclass as schema (one-shot tools need no Hydra), `--help`, and each expected failure
+as one line and its exit code (`run_cli`, docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_keys_then_overrides, run_cli, wants_help
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
 from eagle31.targets.cache import cache_dir, portable_path
+from eagle31_cli import parse_keys_then_overrides, run_cli, wants_help
 
 ROOT = Path(__file__).resolve().parents[1]
 

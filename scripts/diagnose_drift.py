@@ -18,10 +18,10 @@ drift_live.png under `out` and prints the table; see eagle31/eval/drift.py for t
 
 import sys
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.eval.drift import DriftConfig, run_drift
 from eagle31.eval.drift_report import REPORT_KIND, format_table, write_report
 from eagle31.io import check_output_dir
+from eagle31_cli import parse_key_values, run_cli, wants_help
 
 
 def main(argv: list[str]) -> int:

@@ -26,10 +26,10 @@ the table; see eagle31/eval/acceptance.py for the metrics.
 
 import sys
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.eval.acceptance import AcceptanceConfig, run_acceptance
 from eagle31.eval.acceptance_report import REPORT_KIND, format_table, write_report
 from eagle31.io import check_output_dir
+from eagle31_cli import parse_key_values, run_cli, wants_help
 
 
 def main(argv: list[str]) -> int:

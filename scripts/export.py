@@ -20,12 +20,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values, wants_help
 from eagle31.convert import load_drafter
 from eagle31.errors import ConfigError
 from eagle31.export import RUN_DRAFTER, check_export_out, export_drafter, export_options, is_run_dir, read_run_config
 from eagle31.layouts import DrafterFormat, ExportFormat
 from eagle31.target import Dtype
+from eagle31_cli import parse_key_values, wants_help
 
 
 @dataclass

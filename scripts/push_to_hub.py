@@ -18,7 +18,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle31.cli import parse_key_values, wants_help
 from eagle31.errors import ConfigError
 from eagle31.export import is_run_dir, read_run_config
 from eagle31.hub import (
@@ -30,6 +29,7 @@ from eagle31.hub import (
     read_report,
     write_model_card,
 )
+from eagle31_cli import parse_key_values, wants_help
 
 
 @dataclass

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.cli import recipe_main, run_cli
 from eagle31.data.store import CorruptShardError
 from eagle31.errors import (
     ConfigError,
@@ -21,6 +20,7 @@ from eagle31.errors import (
 )
 from eagle31.io import ForeignDirectoryError
 from eagle31.trainer import TrainingDiverged
+from eagle31_cli import recipe_main, run_cli
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle31.cli import parse_key_values, recipe_main
 from eagle31.config import DrafterConfig
 from eagle31.data.store import STORE_DTYPES, StoreDtype
 from eagle31.errors import ConfigError
@@ -28,6 +27,7 @@ from eagle31.recipe import (
     section_names,
     to_container,
 )
+from eagle31_cli import parse_key_values, recipe_main
 from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parents[1]

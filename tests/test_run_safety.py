@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle31.cli import recipe_main
 from eagle31.io import OUTPUT_MARKER, atomic_dir
 from eagle31.pipeline import run
 from eagle31.trainer import Trainer
+from eagle31_cli import recipe_main
 from tests.data.chat_helpers import write_jsonl
 from tests.helpers import base_args
 

@@ -138,9 +138,9 @@ def test_a_target_that_needs_its_own_code_is_named_before_anything_loads(tmp_pat
 
 @pytest.mark.slow
 def test_kimi_recipes_trust_the_tokenizers_code_and_a_dry_run_without_it_says_so(tmp_path, capsys):
-    from eagle31.cli import recipe_main
     from eagle31.pipeline import run
     from eagle31.recipe import load_recipe
+    from eagle31_cli import recipe_main
 
     assert all(load_recipe(RECIPES, [f"recipe={r}"]).target.trust_remote_code for r in ("kimi_k26", "kimi_k26_llama"))
     argv = ["recipe=kimi_k26", "dry_run=true", f"target.path={kimi_like_target(tmp_path / 'kimi')}"]

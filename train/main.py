@@ -14,8 +14,8 @@ input, 1 for a diverged run; the full table is docs/reliability.md.
 import sys
 from pathlib import Path
 
-from eagle31.cli import recipe_main
 from eagle31.pipeline import run
+from eagle31_cli import recipe_main
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

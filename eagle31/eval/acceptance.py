@@ -197,7 +197,7 @@ class EvalArgs:
 
 @dataclass
 class AcceptanceConfig(EvalArgs):
-    """Arguments of scripts/eval_acceptance.py (read by `eagle31.cli.parse_key_values`)."""
+    """Arguments of scripts/eval_acceptance.py (read by `eagle31_cli.parse_key_values`)."""
 
     drafter: str  # `[label=]dir,...`, any layout `eagle31.convert` reads
     target: str  # HF model directory (weights + tokenizer)

@@ -264,7 +264,7 @@ def live_view(
 
 @dataclass
 class DriftConfig(EvalArgs):
-    """Arguments of scripts/diagnose_drift.py (read by `eagle31.cli.parse_key_values`)."""
+    """Arguments of scripts/diagnose_drift.py (read by `eagle31_cli.parse_key_values`)."""
 
     drafter: str  # `[label=]dir,...`, any layout `eagle31.convert` reads
     target: str  # HF model directory (weights + tokenizer)

@@ -34,7 +34,7 @@ MT_BENCH_KIND = "mt-bench"  # the output marker's kind (eagle31.io)
 
 @dataclass
 class MTBenchConfig(EvalArgs):
-    """Arguments of `scripts/eval_acceptance.py mtbench` (read by `eagle31.cli.parse_key_values`)."""
+    """Arguments of `scripts/eval_acceptance.py mtbench` (read by `eagle31_cli.parse_key_values`)."""
 
     drafter: str  # `[label=]dir,...`, any layout eagle31.convert reads
     target: str  # HF model directory

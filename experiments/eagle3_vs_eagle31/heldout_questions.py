@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import islice
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.data.sources import Tally, read_conversations
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_text
+from eagle31_cli import parse_key_values, run_cli, wants_help
 
 
 class QuestionFormat(StrEnum):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.io import atomic_write_json
+from eagle31_cli import parse_key_values, run_cli, wants_help
 
 
 @dataclass

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle31.cli import parse_key_values, run_cli, wants_help
 from eagle31.errors import ConfigError
 from eagle31.io import atomic_write_json, atomic_write_text
+from eagle31_cli import parse_key_values, run_cli, wants_help
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBES = {

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks import engine_features as bench
-from eagle31.cli import run_cli
+from eagle31_cli import run_cli
 
 # the rates every window of `fake_run` logs: its one worker's and its one trainer's, in samples/s
 WORKER_RATE, TRAINER_RATE = 1.0, 4.0

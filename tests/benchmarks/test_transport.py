@@ -36,7 +36,7 @@ def test_the_transport_benchmark_measures_both_transports_in_one_run(tmp_path):
 
 def test_bad_benchmark_arguments_are_one_line(capsys):
     from benchmarks import transport
-    from eagle31.cli import run_cli
+    from eagle31_cli import run_cli
 
     assert run_cli(lambda: transport.main(["tokens"])) == 2
     assert capsys.readouterr().err.strip() == "error: arguments are key=value, got 'tokens'"

@@ -531,7 +531,7 @@ def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_
     import importlib.util
     from pathlib import Path
 
-    from eagle31.cli import recipe_main
+    from eagle31_cli import recipe_main
 
     script = Path(__file__).resolve().parents[2] / "data_prep" / "regenerate.py"
     spec = importlib.util.spec_from_file_location("regenerate_cli", script)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.cli import recipe_main
 from eagle31.data.chat import ChatEncoder
 from eagle31.data.regenerate.backends import EndpointBackend
 from eagle31.data.regenerate.core import RegenerateError, ServerRefusedError, Settings, request_seed
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
 from eagle31.data.sources import Conversation, Tally, read_conversations
+from eagle31_cli import recipe_main
 from tests.data.chat_helpers import supervised_spans, write_jsonl
 from tests.data.vllm_like_server import VLLMLikeServer
 from tests.peers import peer_python

@@ -57,7 +57,7 @@ def test_prepares_a_recipe_with_a_local_tokenizer(tmp_path, llama_tok_dir, monke
 def test_a_prepared_dir_holding_the_source_keeps_the_users_files(tmp_path, llama_tok_dir, capsys):
     import runpy
 
-    from eagle31.cli import recipe_main
+    from eagle31_cli import recipe_main
 
     project = tmp_path / "project"
     project.mkdir()

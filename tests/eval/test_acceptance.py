@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle31.cli import parse_key_values
 from eagle31.convert import load_drafter
 from eagle31.errors import ConfigError
 from eagle31.eval.acceptance import (
@@ -23,6 +22,7 @@ from eagle31.eval.acceptance_report import format_table
 from eagle31.eval.drafting import TreeSpec
 from eagle31.eval.speculative import Generation
 from eagle31.export import export_drafter
+from eagle31_cli import parse_key_values
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import AUX, VOCAB, Oracle, naive_greedy, save_target, tiny_tokenizer
 from tests.tiny_targets import drafter_sized_llama

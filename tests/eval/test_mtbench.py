@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle31.cli import parse_key_values
 from eagle31.convert import load_drafter
 from eagle31.data.sources import MTBenchQuestion
 from eagle31.errors import ConfigError
@@ -15,6 +14,7 @@ from eagle31.eval.acceptance import AcceptanceStats
 from eagle31.eval.drafting import EagleProposer, TreeSpec
 from eagle31.eval.mtbench import ALL, MTBenchConfig, evaluate_mt_bench, select_questions, trace_mt_bench
 from eagle31.eval.speculative import speculative_generate
+from eagle31_cli import parse_key_values
 from tests.helpers import tiny_drafter
 from tests.speculative_helpers import VOCAB, naive_greedy, save_target, tiny_tokenizer
 from tests.tiny_targets import drafter_sized_llama

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle31.cli import parse_key_values
 from eagle31.errors import ConfigError
+from eagle31_cli import parse_key_values
 
 ROOT = Path(__file__).resolve().parents[2]
 script = vars(importlib.import_module("experiments.eagle3_vs_eagle31.demo"))

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from eagle31 import ConfigError, hub
-from eagle31.cli import parse_key_values
 from eagle31.convert import load_drafter
+from eagle31_cli import parse_key_values
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 TOKEN = "hf_TOKENthatmustneverleak0123456789"

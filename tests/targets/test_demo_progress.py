@@ -2,7 +2,7 @@
 
 import logging
 
-from eagle31.cli import show_progress_lines
+from eagle31_cli import show_progress_lines
 
 
 def test_the_clis_show_the_progress_lines_bare(capsys):

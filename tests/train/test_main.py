@@ -524,8 +524,8 @@ def test_dry_run_plans_for_the_given_gpus_and_prints_the_longest_length(capsys):
 
 
 def test_dry_run_refuses_a_negative_plan(capsys):
-    from eagle31.cli import recipe_main
     from eagle31.pipeline import run
+    from eagle31_cli import recipe_main
 
     assert recipe_main(run, REPO / "recipes", ["recipe=kimi_k26", "dry_run=true", "plan.world_size=-1"]) == 2
     assert "plan.world_size and plan.gpu_memory_gib must be >= 0" in capsys.readouterr().err
