@@ -22,11 +22,13 @@ class ChainKeysValues:
 KEYS_VALUES = ChainKeysValues(lambda k, v: (k, v))  # the entry is (k, v) itself (Llama attention)
 
 
-def step0_keys_values(entry0, expand0: ChainKeysValues, params0, shape):
-    """The causal keys and values [B, T, nkv, d] of the step-0 entry (its tensors [B, T, ...])."""
-    if expand0 is KEYS_VALUES:
-        return entry0
-    k, v = expand0.fn(*[t.flatten(0, 1) for t in entry0], *params0)  # [B * T, nkv, d]
+def entry_keys_values(entry, expand: ChainKeysValues, params):
+    """The keys and values [B, T, nkv, d] that `expand`'s function makes of an entry (its tensors [B, T, ...])
+    with `params`."""
+    if expand is KEYS_VALUES:
+        return entry
+    k, v = expand.fn(*[t.flatten(0, 1) for t in entry], *params)  # [B * T, nkv, d]
+    shape = entry[0].shape[:2]
     return k.unflatten(0, shape), v.unflatten(0, shape)
 
 

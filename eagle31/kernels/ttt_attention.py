@@ -11,7 +11,7 @@ import torch
 
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import BlockwiseCausal, CausalMask, FlashCausal, accumulation_dtype, resolve_backend
-from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, keys_values_with_graph, step0_keys_values
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, entry_keys_values, keys_values_with_graph
 from eagle31.model import Visibility, explicit_attention
 from eagle31.sequence_parallel.query_tail import QueryTail, StepZeroKeys
 
@@ -162,8 +162,8 @@ def ttt_attention_of_entries(
     if backend == "auto":
         backend = resolve_backend(q, mask, Tk)
     if backend == "reference":
-        k0, v0 = step0_keys_values(entry0, expand0, expand0.params, entry0[0].shape[:2])
-        kv = [step0_keys_values(e, expand, expand.params, q.shape[:2]) for e in chain]
+        k0, v0 = entry_keys_values(entry0, expand0, expand0.params)
+        kv = [entry_keys_values(e, expand, expand.params) for e in chain]
         return reference_attention(q, k0, v0, [k for k, _ in kv], [v for _, v in kv], segments, rule)
     causal = {"flash": FlashCausal, "blockwise": BlockwiseCausal}
     if backend not in causal:

@@ -7,7 +7,7 @@ import torch
 
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import NOT_A_BAND, CausalMask, accumulation_dtype, segment_starts
-from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, keys_values_with_graph, step0_keys_values
+from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, entry_keys_values, keys_values_with_graph
 
 
 class QueryTail:
@@ -123,7 +123,7 @@ class StepZeroKeys:
     def make(self, rows: slice, positions: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of entry rows `rows`, positions `positions`: each [b, t, nkv, d]."""
         block = [t[rows, positions] for t in self.entry]
-        return step0_keys_values(block, self.expand, self.params, block[0].shape[:2])
+        return entry_keys_values(block, self.expand, self.params)
 
     def make_with_graph(self, rows: slice, positions: slice):
         """(k, v, grads): `make`'s block, detached, and `grads(dk, dv)` -> (its entry's gradients, its parameters')."""
@@ -132,7 +132,7 @@ class StepZeroKeys:
             return k, v, lambda dk, dv: ([dk, dv], [])
         block = [t[rows, positions] for t in self.entry]
         return keys_values_with_graph(
-            lambda entry, params: step0_keys_values(entry, self.expand, params, entry[0].shape[:2]), block, self.params
+            lambda entry, params: entry_keys_values(entry, self.expand, params), block, self.params
         )
 
     def take_back(self, rows: slice, positions: slice, d_entry, d_params) -> None:
