@@ -372,7 +372,7 @@ def default_recipe(cfg: DefaultRecipeConfig, overrides: list[str], command: str)
     out, runs = Path(cfg.out), Path(cfg.runs)
     recipes = run_recipes(cfg, overrides)  # composed (and so checked) before anything runs
     first = cfg.seed_list[0]
-    check_recipe(recipes[f"speculators-s{first}"], SIDES)
+    check_recipe(recipes[f"speculators-s{first}"], SIDES, prompts=cfg.measure and not cfg.probes)
     out.mkdir(parents=True, exist_ok=True)
     log_command(out, command)
     levers = {f"eagle31-{name}-s{s}": lever for name, lever in cfg.lever_overrides.items() for s in cfg.seed_list}

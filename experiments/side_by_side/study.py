@@ -135,8 +135,8 @@ def side_recipe(cfg: SideBySideConfig, overrides: list[str], seed: int, side: st
     return comparison_recipe(Path(cfg.runs), run_dir(cfg, side, seed), seed, cfg.max_steps, overrides, cfg.device)
 
 
-def check_recipe(recipe, sides: list[str]) -> None:
-    """What a peer side cannot do, refused before anything runs."""
+def check_recipe(recipe, sides: list[str], prompts: bool = True) -> None:
+    """What a peer side cannot do, refused before anything runs; `prompts`: the drafters are measured on eval.data."""
     if "specforge" in sides and recipe.train.device == "cuda":
         raise ConfigError("device=cuda: the SpecForge side trains in its CPU venv; compare it with device=cpu")
     if recipe.drafter.attention != DrafterAttention.llama:
@@ -148,7 +148,7 @@ def check_recipe(recipe, sides: list[str]) -> None:
 
         check_specforge_recipe(recipe)
         specforge_python()  # its venv exists
-    if not recipe.eval.data:
+    if prompts and not recipe.eval.data:
         raise ConfigError("eval.data names no prompt file: nothing to measure the drafters on")
 
 
