@@ -58,6 +58,14 @@ def test_the_speculators_side_carries_their_defaults_on_the_same_budget(tmp_path
     }
     assert drafter_keys == {"drafter.sliding_window"}
     assert same["speculators-s0"].train.warmup_steps == 3
+    # no eval.data: refused where the drafters are measured on it, not for the MT-Bench probes or training alone
+    from eagle31.errors import ConfigError
+    from experiments.side_by_side.study import check_recipe
+
+    bare = run_recipes(DefaultRecipeConfig(runs=str(tmp_path), seeds="0"), ["recipe=demo", "eval.data=[]"])
+    with pytest.raises(ConfigError, match="eval.data names no prompt file"):
+        check_recipe(bare["speculators-s0"], ["eagle31", "speculators"])
+    check_recipe(bare["speculators-s0"], ["eagle31", "speculators"], prompts=False)
 
 
 def test_bad_keys_are_one_line(capsys):
