@@ -317,9 +317,9 @@ def report_body(study: Callable, format_results: Callable[[dict], str], trained:
             print(trained(cfg))
             return
         print(format_results(summary))
-        print(
-            f"\nwrote {Path(cfg.out) / 'summary.json'}, {Path(cfg.out) / 'results.md'}, {Path(cfg.out) / 'acceptance'}"
-        )
+        out = Path(cfg.out)
+        reports = [p.parent for p in sorted(out.glob("*/*.json")) if p.name in ("acceptance.json", "mt_bench.json")]
+        print(f"\nwrote {', '.join(str(p) for p in [out / 'summary.json', out / 'results.md', *reports])}")
 
     return body
 
