@@ -257,7 +257,9 @@ def tau_over_seeds(acceptance: dict, split: str, labels: list[str]) -> dict:
 
 def separation(row: dict, baseline: dict) -> str | None:
     """`higher` / `lower` when every seed of `row` is above (below) every seed of `baseline` (`tau_over_seeds`),
-    else None."""
+    else None (also with one seed on a side: no spread to be outside of)."""
+    if min(len(row["tau"]), len(baseline["tau"])) < 2:  # one seed has no spread
+        return None
     if row["min"] > baseline["max"]:
         return "higher"
     if row["max"] < baseline["min"]:

@@ -61,10 +61,15 @@ def test_smoke_trains_each_loss_and_compares_it_with_the_baseline(tiny_target, c
 def test_separation_needs_every_seed_on_one_side():
     from experiments.harness import separation
 
-    baseline = {"min": 1.5, "max": 1.7}
-    assert separation({"min": 1.71, "max": 1.9}, baseline) == "higher"
-    assert separation({"min": 1.2, "max": 1.49}, baseline) == "lower"
-    assert separation({"min": 1.6, "max": 1.9}, baseline) is None  # the spreads overlap
+    def seeds(*taus):
+        return {"tau": list(taus), "min": min(taus), "max": max(taus)}
+
+    baseline = seeds(1.5, 1.7)
+    assert separation(seeds(1.71, 1.9), baseline) == "higher"
+    assert separation(seeds(1.2, 1.49), baseline) == "lower"
+    assert separation(seeds(1.6, 1.9), baseline) is None  # the spreads overlap
+    assert separation(seeds(1.9), seeds(1.5)) is None  # one seed a side: no spread to be outside of
+    assert separation(seeds(1.9, 2.0), seeds(1.5)) is None
 
 
 def test_bad_keys_are_one_line(capsys):

@@ -1,0 +1,16 @@
+# 2026-12-07T03:06:03, from the repository root: the recipe's regenerated ShareGPT
+OMP_NUM_THREADS=2 python data_prep/regenerate.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T03:29:11, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 max_steps=150 measure=false out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T04:32:59, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=2 threads=1 max_steps=150 measure=false out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T04:33:00, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1 threads=1 max_steps=150 measure=false out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T05:23:47, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe threads=1 probes=mt_bench seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T05:23:49, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe threads=1 probes=long_history seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T05:23:50, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe threads=1 probes=unseen_system seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T05:38:25, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.default_recipe threads=2 probes=mt_bench seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
