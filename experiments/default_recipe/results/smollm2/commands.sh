@@ -14,3 +14,5 @@ OMP_NUM_THREADS=1 python -m experiments.default_recipe threads=1 probes=long_his
 OMP_NUM_THREADS=1 python -m experiments.default_recipe threads=1 probes=unseen_system seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
 # 2026-12-07T05:38:25, from the repository root
 OMP_NUM_THREADS=2 python -m experiments.default_recipe threads=2 probes=mt_bench seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T05:48:58, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.default_recipe threads=2 probes=mt_bench,unseen_system seeds=0 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
