@@ -251,11 +251,18 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
 
 def measured_alike(report: dict, config, drafters: dict[str, Path]) -> bool:
     """Whether an earlier MT-Bench report measured every drafter with `config`'s questions, modes and prompts."""
+    from eagle31.targets.cache import portable_path
+
     s = report["settings"]
-    earlier = (s["max_new_tokens"], s["max_per_category"], s["system_prompt"], s["history_tokens"], set(s["modes"]))
-    history_tokens = config.history_tokens if config.history else None
-    now = (config.max_new_tokens, config.max_per_category, config.system_prompt, history_tokens, set(config.modes))
-    return earlier == now and set(drafters) <= {r["drafter"] for r in report["results"]}
+    pairs = [
+        (s["questions"], portable_path(config.questions)),
+        (s["max_new_tokens"], config.max_new_tokens),
+        (s["max_per_category"], config.max_per_category),
+        (s["system_prompt"], config.system_prompt),
+        (s["history_tokens"], config.history_tokens if config.history else None),
+        (set(s["modes"]), set(config.modes)),
+    ]
+    return all(a == b for a, b in pairs) and set(drafters) <= {r["drafter"] for r in report["results"]}
 
 
 # ---------------------------------------------------------------------------- summarising
