@@ -35,8 +35,7 @@ def test_smoke_trains_each_loss_and_compares_it_with_the_baseline(tiny_target, c
     kl, hybrid = row["losses"]["kl"], row["losses"]["lk_hybrid"]
     assert kl["ratio"] == 1.0 and kl["separation"] is None
     assert hybrid["ratio"] == pytest.approx(hybrid["mean"] / kl["mean"]) and hybrid["mean"] >= 1.0
-    expected = "higher" if hybrid["min"] > kl["max"] else "lower" if hybrid["max"] < kl["min"] else None
-    assert hybrid["separation"] == expected
+    assert hybrid["separation"] is None  # one seed a side has no spread to lie outside of
     assert "loss" not in summary["settings"]["recipe"]["train"]  # the key that differs is per run
     assert "| lk_hybrid |" in (out / "results.md").read_text()
     assert "python -m experiments.loss_comparison --smoke" in (out / "commands.sh").read_text()
