@@ -15,6 +15,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.deadline import pytest_runtest_protocol  # noqa: E402, F401  (the `deadline` marker's hook)
+from tests.schedule import (  # noqa: E402, F401  (the longest files first)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+)
 
 # Tiny models run several times faster on one thread than on two busy cores.
 torch.set_num_threads(1)

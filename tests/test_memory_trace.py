@@ -1,15 +1,18 @@
 """eagle31.memory_trace: the training step run on the meta device, its bytes counted by storage; the lines beyond."""
 
+import contextlib
+
 import pytest
 import torch
 
-from eagle31 import loss, ttt
+from eagle31 import loss, memory_trace, ttt
 from eagle31.config import DrafterConfig
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import CausalMask, FlashCausal
 from eagle31.kernels.flash_cuda import flash_cuda_call_bytes
 from eagle31.memory_trace import StepMemory, StepTrace, trace_step
 from eagle31.model import Visibility, segment_ids
+from eagle31.sequence_parallel.query_tail import QueryTail
 
 META = torch.device("meta")
 TINY = dict(
@@ -78,8 +81,7 @@ def test_a_flash_call_counted_as_on_cuda_holds_the_kernels_bytes():
     [
         ({}, True, 1),
         pytest.param({"sliding_window": 96}, False, 1, marks=pytest.mark.slow),
-        # a split without a window attends the keys before the shard in T^2 blocks: slow to trace
-        pytest.param({"sliding_window": 96}, True, 2, marks=pytest.mark.slow),
+        pytest.param({}, True, 2, marks=pytest.mark.slow),
     ],
     ids=["checkpointed", "window", "split-2"],
 )
@@ -97,3 +99,24 @@ def test_the_lines_past_the_fit_lengths_are_the_traced_step(overrides, checkpoin
     T = 2 * memory.fit_lengths()[1]
     exact = trace_step(cfg, T, 2, **options)
     assert memory.at(T) == (exact.peak, exact.features)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 300}], ids=["unwindowed", "window"])
+def test_two_blocks_of_each_shape_stand_for_a_shards_whole_prefix(overrides, monkeypatch):
+    """The last of 4 ranks attends the keys of the 3 before it in many blocks; unwindowed, the trace runs two of each
+    shape (`steady_prefix_blocks`) and holds the bytes the whole loop does; a window's blocks all run."""
+    monkeypatch.setattr(kernels, "BLOCK_BUDGET", 1 << 14)  # blocks of 128 keys, 32 queries
+    cfg = DrafterConfig(**TINY, **overrides)
+    options = dict(activation_checkpointing=True, dtype=torch.float32, device="cpu", sequence_parallel=4)
+    masked = QueryTail._masked
+    calls = []
+    monkeypatch.setattr(QueryTail, "_masked", staticmethod(lambda *args: calls.append(1) or masked(*args)))
+    steady = trace_step(cfg, 2048, 2, **options)
+    steady_calls = len(calls)
+    monkeypatch.setattr(memory_trace, "steady_prefix_blocks", contextlib.nullcontext)
+    whole = trace_step(cfg, 2048, 2, **options)
+    assert (steady.peak, steady.features, steady.held_features) == (whole.peak, whole.features, whole.held_features)
+    if overrides:
+        assert steady_calls == len(calls) - steady_calls  # a window's blocks differ in what they mask
+    else:
+        assert 0 < 10 * steady_calls < len(calls) - steady_calls

@@ -23,7 +23,7 @@ class QueryTail:
         return max(1, kernels.BLOCK_BUDGET // (2 * nh * d))
 
     @classmethod
-    def _prefix_blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
+    def prefix_blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
         """(row b, key block m0..m1-1 before the shard, its query blocks [(i0, i1)]) of each row whose first shard run
         began earlier: its queries 0..n-1 attend key positions s..Tk-Tq-1 too. A block's scores [rows, nh, m] stay
         under `kernels.BLOCK_BUDGET`; a band rule's window W (a rule that is no band is attended in full, masked)
@@ -49,7 +49,7 @@ class QueryTail:
     def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
         """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
         rule hides at -inf. A band rule shows a query every key of its document within the band, and a prefix
-        block's keys are of its queries' document (`_prefix_blocks`): a block that lies within every query's band is
+        block's keys are of its queries' document (`prefix_blocks`): a block that lies within every query's band is
         returned as it is, with no mask made."""
         reach = mask.reach(segments.shape[0])
         if reach is None or (reach != NOT_A_BAND and off + i0 + sc.shape[0] - 1 - m0 < reach):
@@ -65,7 +65,7 @@ class QueryTail:
         out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, mask)
         del k, v
         acc = accumulation_dtype(q)
-        for b, m0, m1, queries in self._prefix_blocks(q, segments, mask):
+        for b, m0, m1, queries in self.prefix_blocks(q, segments, mask):
             kb, vb = (x[0].to(acc) for x in keys.make(slice(b, b + 1), slice(m0, m1)))  # [m, nkv, d]
             for i0, i1 in queries:
                 qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], -1))  # [n, nkv, g, d]
@@ -88,7 +88,7 @@ class QueryTail:
         keys.take_back(slice(None), slice(off, None), *grads(dk, dv))
         del k, v, dk, dv
         acc = accumulation_dtype(q)
-        for b, m0, m1, queries in self._prefix_blocks(q, segments, mask):
+        for b, m0, m1, queries in self.prefix_blocks(q, segments, mask):
             k, v, grads = keys.make_with_graph(slice(b, b + 1), slice(m0, m1))
             kb, vb = k[0].to(acc), v[0].to(acc)  # [m, nkv, d]
             dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)

@@ -87,8 +87,8 @@ def test_the_sequence_parallel_part_runs_the_sequence_parallel_path_at_one_rank_
 def test_the_shard_attention_check_catches_a_lost_block_of_earlier_keys(monkeypatch):
     cfg = drafter_config("mla", 64)
     assert gpu_parts.shard_attention(cfg, 64, 4, torch.device("cpu"), torch.float32, "flash")["passed"]
-    blocks = QueryTail._prefix_blocks.__func__
-    monkeypatch.setattr(QueryTail, "_prefix_blocks", classmethod(lambda cls, *args: list(blocks(cls, *args))[1:]))
+    blocks = QueryTail.prefix_blocks.__func__
+    monkeypatch.setattr(QueryTail, "prefix_blocks", classmethod(lambda cls, *args: list(blocks(cls, *args))[1:]))
     monkeypatch.setattr(
         QueryTail, "prefix_block", staticmethod(lambda nh, d: 8)
     )  # several blocks: the first is dropped
