@@ -36,13 +36,19 @@ def transport_args(transport: str) -> dict:
     return {"features.engine.transport": transport}
 
 
-def mooncake_masters() -> set[int]:
-    """The ids of the `mooncake_master` processes alive on this machine."""
+MASTER_MARK = "EAGLE31_TEST_MASTERS"  # an environment variable the masters a test's run starts inherit
+
+
+def mooncake_masters(started_by: Path) -> set[int]:
+    """The ids of the `mooncake_master` processes alive on this machine that a run of the test working in
+    `started_by` started (its environment's `MASTER_MARK`): a test on the other worker has masters of its own."""
+    mark = f"{MASTER_MARK}={started_by}".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "comm").read_text().strip() == "mooncake_master":
-                found.add(int(entry.name))
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.add(int(entry.name))
         except OSError:  # ended meanwhile
             pass
     return found
@@ -96,13 +102,13 @@ def test_engine_training_with_a_worker_killed_mid_run_equals_online_training(
     monkeypatch.setitem(worker.WORKERS, EngineWorker.hf, FaultyWorker)
     (target / "die_at").write_text("8")
     out = tmp_path / "engine"
-    masters = mooncake_masters()
+    monkeypatch.setenv(MASTER_MARK, str(tmp_path))
     try:
         args = base_args(target, chats, out, **ENGINE, **carried, **{"features.engine.pool_tokens": "300"})
         assert run_script(MAIN, args, monkeypatch) == 0
     finally:
         (target / "died").unlink(missing_ok=True)
-    assert mooncake_masters() <= masters  # the run's master, if any, ended with it
+    assert not mooncake_masters(tmp_path)  # the run's master, if any, ended with it
     said = capsys.readouterr().out
     assert ("engine: rank 0 started a Mooncake master at " in said) == (transport == "mooncake"), said[-2000:]
     assert not (target / "die_at").exists()  # the worker did die
@@ -132,7 +138,7 @@ def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterr
     out = tmp_path / "killed"
     address = {"features.engine.address": ray_cluster.get_runtime_context().gcs_address}
     args = base_args(target, chats, out, **ENGINE, **transport_args(transport), **address)
-    masters = mooncake_masters()
+    monkeypatch.setenv(MASTER_MARK, str(tmp_path))  # the trainer's, then the resumed run's
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -140,13 +146,13 @@ def test_trainer_sigkilled_mid_run_resumes_on_exactly_the_samples_of_an_uninterr
     }
     sigkill_after_checkpoint([sys.executable, str(MAIN), *args], out, env)
     deadline = time.monotonic() + 30
-    while not mooncake_masters() <= masters:  # the killed trainer's master goes with it
+    while mooncake_masters(tmp_path):  # the killed trainer's master goes with it
         assert time.monotonic() < deadline, "the killed trainer's Mooncake master is still running"
         time.sleep(0.2)
 
     assert run_script(MAIN, [*args, "resume=auto"], monkeypatch) == 0
     assert_same_run(out, online_run)
-    assert mooncake_masters() <= masters
+    assert not mooncake_masters(tmp_path)
 
 
 @pytest.mark.slow
