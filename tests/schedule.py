@@ -4,7 +4,8 @@ Under `--dist=loadfile` a file runs on one worker, and the workers take files in
 (`--no-loadscope-reorder`; pytest-xdist's own order puts the files with the most tests first, which leaves a file
 holding one long end-to-end test for last, on one worker while the other idles). `pytest_collection_modifyitems`
 sorts the files by their seconds in `tests/durations.json`, longest first (a file it does not list counts as
-`UNLISTED_S`), keeping each file's own order; `--record-durations` rewrites that file from the run it ends.
+`UNLISTED_S`), keeping each file's own order; `--record-durations` writes there the seconds of the files a passing
+run ran (every test of them: run whole files), keeping the others'.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--record-durations",
         action="store_true",
-        help="write each test file's seconds (setup, call and teardown) to tests/durations.json after the run",
+        help="write the seconds (setup, call and teardown) of each test file run to tests/durations.json",
     )
 
 
@@ -50,8 +51,9 @@ class DurationRecorder:
     def pytest_sessionfinish(self, session, exitstatus):
         if self.failed or not self.seconds:
             return  # a failing run's times are not the suite's
-        ordered = dict(sorted(((f, round(s, 1)) for f, s in self.seconds.items()), key=lambda fs: -fs[1]))
-        DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
+        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        seconds.update((f, round(s, 1)) for f, s in self.seconds.items())
+        DURATIONS.write_text(json.dumps(dict(sorted(seconds.items(), key=lambda fs: -fs[1])), indent=1) + "\n")
 
 
 @pytest.hookimpl(trylast=True)

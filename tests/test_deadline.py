@@ -24,7 +24,7 @@ def test_a_test_past_its_deadline_fails_in_time_and_shows_where_it_waited(tmp_pa
     done = subprocess.run(
         [*pytest_run, "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path / "test_waits.py")],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_ADDOPTS": ""},  # none of the outer run's options
         capture_output=True,
         text=True,
         timeout=100,
