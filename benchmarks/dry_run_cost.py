@@ -1,6 +1,6 @@
 """What the dry run of a split sequence costs: the memory trace's three steps (`StepMemory.plane`) of the big
 recipes' drafters split 4 ways, with the last rank's keys before its shard traced as they run (every block) and as
-the dry run traces them (two blocks of each shape, `memory_trace.steady_prefix_blocks`), in one process, one after
+the dry run traces them (two blocks of each shape, `QueryTail.blocks` on the meta device), in one process, one after
 the other; the bytes must agree.
 
     python -m benchmarks.dry_run_cost [out=benchmarks/results/dry_run_cost.json] [split=4]
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import write_result_and_table
-from eagle31 import memory_trace
 from eagle31.distributed import init_world
 from eagle31.memory_trace import StepMemory
 from eagle31.plan import plan_run
 from eagle31.recipe import load_recipe
+from eagle31.sequence_parallel.query_tail import QueryTail
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = "kimi_k26,kimi_k26_llama"  # their drafters without a window: the prefix before a shard grows with T^2
@@ -43,12 +43,12 @@ def trace_cost(drafter, ttt_length: int, split: int, steady: bool) -> tuple[floa
 @contextlib.contextmanager
 def every_block():
     """The dry run's traces with every block before a shard run."""
-    steady = memory_trace.steady_prefix_blocks
-    memory_trace.steady_prefix_blocks = contextlib.nullcontext
+    steady = QueryTail.blocks
+    QueryTail.blocks = QueryTail.prefix_blocks
     try:
         yield
     finally:
-        memory_trace.steady_prefix_blocks = steady
+        QueryTail.blocks = steady
 
 
 def unwindowed_drafter(recipe: str):

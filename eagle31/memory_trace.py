@@ -6,7 +6,6 @@ index tensors carry their values beside them; long steps are lines through a few
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -31,7 +30,6 @@ from eagle31.kernels.ttt_attention import AttentionBackend
 from eagle31.loss import TargetHead, step_scales, weighted_loss
 from eagle31.model import Eagle31Drafter
 from eagle31.sequence_parallel import SequenceGroup, shard_length
-from eagle31.sequence_parallel.query_tail import QueryTail
 from eagle31.trainer import DrafterObjective, TrainConfig, prepare_batch
 
 SMALL = 1 << 12  # float tensors of up to this many elements carry their values (step scales, loss sums)
@@ -321,39 +319,6 @@ class _EmulatedGroup:
         return None
 
 
-def _first_two(items, shape):
-    """The first two items of each shape, in their order."""
-    seen: collections.Counter = collections.Counter()
-    for item in items:
-        seen[shape(item)] += 1
-        if seen[shape(item)] <= 2:
-            yield item
-
-
-@contextlib.contextmanager
-def steady_prefix_blocks():
-    """`QueryTail`'s blocks before a shard under a rule that shows every earlier key, cut to two of each shape (and
-    two of each query block's): a block holds what the one before it held (its tensors made and freed alike, its
-    sums in place), so the trace runs the last rank's prefix, T^2 blocks, in a few."""
-    blocks = QueryTail.prefix_blocks.__func__
-
-    def steady(cls, q, segments, mask):
-        if mask.reach(segments.shape[1]) is not None:  # a band or documents: blocks differ in what they mask
-            yield from blocks(cls, q, segments, mask)
-            return
-        thinned = (
-            (b, m0, m1, list(_first_two(queries, lambda span: span[1] - span[0])))
-            for b, m0, m1, queries in blocks(cls, q, segments, mask)
-        )
-        yield from _first_two(thinned, lambda block: (block[2] - block[1], tuple(i1 - i0 for i0, i1 in block[3])))
-
-    QueryTail.prefix_blocks = classmethod(steady)
-    try:
-        yield
-    finally:
-        QueryTail.prefix_blocks = classmethod(blocks)
-
-
 # ---------------------------------------------------------------------------- one traced step
 
 
@@ -434,7 +399,7 @@ def trace_step(
     )
     trace = StepTrace(device == "cuda", shard if moments else None, (K + 2) ** 2 + 16, shapes)
     group = SequenceGroup(1, 0, 0, 1) if N == 1 else SequenceGroup(N, N - 1, 0, 1, _EmulatedGroup(trace, N))
-    with trace, steady_prefix_blocks():
+    with trace:
         b, mask, argmax, sequence = prepare_batch(batch, train, head, META, dtype, group, drafter.visibility)
         count = mask.sum(dim=(1, 2)).double()
         scale = step_scales(count, train.ttt_decay)

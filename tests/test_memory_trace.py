@@ -1,11 +1,9 @@
 """eagle31.memory_trace: the training step run on the meta device, its bytes counted by storage; the lines beyond."""
 
-import contextlib
-
 import pytest
 import torch
 
-from eagle31 import loss, memory_trace, ttt
+from eagle31 import loss, ttt
 from eagle31.config import DrafterConfig
 from eagle31.kernels import causal as kernels
 from eagle31.kernels.causal import CausalMask, FlashCausal
@@ -104,7 +102,7 @@ def test_the_lines_past_the_fit_lengths_are_the_traced_step(overrides, checkpoin
 @pytest.mark.parametrize("overrides", [{}, {"sliding_window": 300}], ids=["unwindowed", "window"])
 def test_two_blocks_of_each_shape_stand_for_a_shards_whole_prefix(overrides, monkeypatch):
     """The last of 4 ranks attends the keys of the 3 before it in many blocks; unwindowed, the trace runs two of each
-    shape (`steady_prefix_blocks`) and holds the bytes the whole loop does; a window's blocks all run."""
+    shape (`QueryTail.blocks`) and holds the bytes the whole loop does; a window's blocks all run."""
     monkeypatch.setattr(kernels, "BLOCK_BUDGET", 1 << 14)  # blocks of 128 keys, 32 queries
     cfg = DrafterConfig(**TINY, **overrides)
     options = dict(activation_checkpointing=True, dtype=torch.float32, device="cpu", sequence_parallel=4)
@@ -113,7 +111,7 @@ def test_two_blocks_of_each_shape_stand_for_a_shards_whole_prefix(overrides, mon
     monkeypatch.setattr(QueryTail, "_masked", staticmethod(lambda *args: calls.append(1) or masked(*args)))
     steady = trace_step(cfg, 2048, 2, **options)
     steady_calls = len(calls)
-    monkeypatch.setattr(memory_trace, "steady_prefix_blocks", contextlib.nullcontext)
+    monkeypatch.setattr(QueryTail, "blocks", QueryTail.prefix_blocks)  # every block
     whole = trace_step(cfg, 2048, 2, **options)
     assert (steady.peak, steady.features, steady.held_features) == (whole.peak, whole.features, whole.held_features)
     if overrides:

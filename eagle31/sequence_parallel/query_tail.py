@@ -3,6 +3,8 @@ shard made a block at a time from the gathered step-0 entry (docs/design.md §4,
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from eagle31.kernels import causal as kernels
@@ -45,6 +47,18 @@ class QueryTail:
                 n1 = n if window is None else min(n, m1 - 1 - off + window)
                 yield b, m0, m1, [(i0, min(n1, i0 + rows)) for i0 in range(0, n1, rows)]
 
+    @classmethod
+    def blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
+        """`prefix_blocks`, but on the meta device (the dry run's memory trace, where a block computes nothing) under a
+        rule that shows every earlier key, two of each shape (and two of each query block's): a block makes and frees
+        what the one before it did and sums in place, so two hold the bytes of all, and the trace of the last rank's
+        prefix, T^2 blocks, runs a few. A band's or documents' blocks differ in what they mask: all of them run."""
+        blocks = cls.prefix_blocks(q, segments, mask)
+        if q.device.type != "meta" or mask.reach(segments.shape[1]) is not None:
+            return blocks
+        thinned = ((b, m0, m1, list(_first_two(queries, _span))) for b, m0, m1, queries in blocks)
+        return _first_two(thinned, lambda block: (block[2] - block[1], tuple(map(_span, block[3]))))
+
     @staticmethod
     def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
         """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
@@ -65,7 +79,7 @@ class QueryTail:
         out, lse, ctx = self.kernel.forward(q, k, v, segments[:, off:], scale, mask)
         del k, v
         acc = accumulation_dtype(q)
-        for b, m0, m1, queries in self.prefix_blocks(q, segments, mask):
+        for b, m0, m1, queries in self.blocks(q, segments, mask):
             kb, vb = (x[0].to(acc) for x in keys.make(slice(b, b + 1), slice(m0, m1)))  # [m, nkv, d]
             for i0, i1 in queries:
                 qb = q[b, i0:i1].to(acc).unflatten(1, (kb.shape[1], -1))  # [n, nkv, g, d]
@@ -88,7 +102,7 @@ class QueryTail:
         keys.take_back(slice(None), slice(off, None), *grads(dk, dv))
         del k, v, dk, dv
         acc = accumulation_dtype(q)
-        for b, m0, m1, queries in self.prefix_blocks(q, segments, mask):
+        for b, m0, m1, queries in self.blocks(q, segments, mask):
             k, v, grads = keys.make_with_graph(slice(b, b + 1), slice(m0, m1))
             kb, vb = k[0].to(acc), v[0].to(acc)  # [m, nkv, d]
             dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
@@ -104,6 +118,19 @@ class QueryTail:
             del kb, vb
             keys.take_back(slice(b, b + 1), slice(m0, m1), *grads(dkb[None].to(k.dtype), dvb[None].to(v.dtype)))
         return (dq, *keys.gradients())
+
+
+def _span(queries: tuple[int, int]) -> int:
+    return queries[1] - queries[0]
+
+
+def _first_two(items, shape):
+    """The first two items of each shape, in their order."""
+    seen: collections.Counter = collections.Counter()
+    for item in items:
+        seen[shape(item)] += 1
+        if seen[shape(item)] <= 2:
+            yield item
 
 
 class StepZeroKeys:
