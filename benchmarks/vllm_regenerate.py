@@ -199,6 +199,9 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
         inputs["target"], work / case, reasoning_parser=inputs["reasoning_parser"], max_num_seqs=concurrency
     ) as server:
         log(f"{case}: vllm serve at {server.url}, {concurrency} requests in flight")
+        # paid before the run: a slow first answer holds every shard back (none is written before it), and
+        # they would land at once, leaving no mid-run moment to kill the server at
+        server.warm_up()
         started = time.perf_counter()
         vllm_log = work / case / "regenerate-vllm.log"
         proc = regenerate_cli(
@@ -215,12 +218,13 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
         )
         shards = vllm_out / "conversations"
         while proc.poll() is None and not list(shards.glob("shard-*.jsonl")):
-            time.sleep(0.2)
-        shards_at_kill = len(list(shards.glob("shard-*.jsonl")))
+            time.sleep(0.05)
         killed = proc.poll() is None
         if killed:
-            log(f"{case}: killing the server after {shards_at_kill} shard(s), then starting it again")
             server.kill()
+        shards_at_kill = len(list(shards.glob("shard-*.jsonl")))  # counted once no answer can come
+        if killed:
+            log(f"{case}: killed the server after {shards_at_kill} shard(s), starting it again")
             time.sleep(2.0)
             server.start()
         finish(proc, vllm_log, 1800)

