@@ -83,17 +83,13 @@ class CheckpointManager:
         if self.world.is_main:
             done = self.complete()
             for path in reversed(done):
-                problem = damage(path)
-                if problem is None:
+                if (problem := damage(path)) is None:
                     choice = (str(path), None)
                     break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
             if done and choice[0] is None:
-                choice = (
-                    None,
-                    f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
-                    "directory to start over, or restore it from a backup",
-                )
+                damaged = f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints directory"
+                choice = (None, f"{damaged} to start over, or restore it from a backup")
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)

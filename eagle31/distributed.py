@@ -84,8 +84,7 @@ def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> Wor
     if world_size > 1 and rank_timeout_s is not None and "MASTER_ADDR" in os.environ:
         watch = RankWatch(rendezvous_store(rank_timeout_s), rank, world_size, rank_timeout_s)
         watch.start()
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return World(rank, world_size, local_rank, dev, watch, local_world_size)
+    return World(rank, world_size, local_rank, dev, watch, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def rendezvous_store(timeout_s: float) -> dist.Store:
@@ -133,9 +132,8 @@ class RankWatch:
                  interval_s: float | None = None, on_lost: Callable[[str], None] = exit_rank_lost,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.clock = clock
+        self.clock, self.on_lost = clock, on_lost
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
-        self.on_lost = on_lost
         self.lost: str | None = None
         self._explaining = False  # the main thread's collective failed: a rank that left on an error is the cause
         self._stopping = threading.Event()

@@ -152,14 +152,6 @@ def _swap_new(dest: Path, old: Path) -> Path:
 
 
 @contextmanager
-def _swap_lock(new: Path) -> Iterator[None]:
-    """Hold `flock` on the marker of `new` (an `atomic_dir` in flight) while the block swaps it into place."""
-    with open(new / OUTPUT_MARKER, "rb") as marker:  # closing it releases the lock
-        _flock(marker.fileno(), fcntl.LOCK_EX)
-        yield
-
-
-@contextmanager
 def _holding_swaps(dest: Path) -> Iterator[None]:
     """Run the block once the swaps of `dest` live processes make have ended, with none starting (markers' flock)."""
     prefix = f".{dest.name}.tmp-"
@@ -413,7 +405,8 @@ def atomic_dir(dest: str | Path, content: str) -> Iterator[Path]:
         atomic_write_json(tmp / OUTPUT_MARKER, {"kind": content})
         yield tmp
         old = dest.with_name(f".{dest.name}.old-{tmp.name[-8:]}")
-        with _swap_lock(tmp):  # another process's `recover_swap` waits for the two renames
+        with open(tmp / OUTPUT_MARKER, "rb") as marker:  # flocked till closed: `recover_swap` waits for the renames
+            _flock(marker.fileno(), fcntl.LOCK_EX)
             if dest.exists():
                 dest.rename(old)
             tmp.rename(dest)
@@ -449,8 +442,7 @@ def write_errors(what: str, kept: str) -> Iterator[None]:
             raise DiskFullError(
                 f"the disk holding {what} filled up; {kept}; free space, then rerun the same command"
             ) from None
-        denied = _os_error(e, (errno.EACCES, errno.EPERM, errno.EROFS))
-        if denied is not None:
+        if (denied := _os_error(e, (errno.EACCES, errno.EPERM, errno.EROFS))) is not None:
             where = f" ({denied.filename})" if denied.filename else ""
             raise FileAccessError(f"cannot write {what}: {denied.strerror}{where}; {kept}") from None
         raise

@@ -64,10 +64,8 @@ def _await_pool(pool, ref, rank: int, what: str):
     """`_get(ref)` of a pool call while the pool makes progress; one `EngineError` line when it stalls or is silent."""
     ray = import_ray()
     while True:
-        try:
+        with suppress(ray.exceptions.GetTimeoutError):
             return _get(ref, timeout=POLL_S)
-        except ray.exceptions.GetTimeoutError:
-            pass
         try:
             state = _get(pool.state.remote(), timeout=POOL_ANSWER_S)
         except ray.exceptions.GetTimeoutError:
@@ -230,8 +228,7 @@ def run_transport(plan, store: MooncakeAddress | None):
     `pool_tokens` of features, or the largest micro-batch or row if that is more."""
     if store is None:
         return ObjectStoreTransport()
-    cfg = plan.cfg
-    hidden = target_shape(plan.target_config)[1]
+    cfg, hidden = plan.cfg, target_shape(plan.target_config)[1]
     per_token = (len(plan.drafter.aux_layer_ids) + 1) * hidden * getattr(torch, cfg.target.dtype).itemsize
     tokens = max(cfg.features.engine.pool_tokens, cfg.features.tokens_per_batch, cfg.data.max_len)
     return MooncakeTransport(store, segment_bytes(tokens, per_token))

@@ -205,12 +205,11 @@ class MooncakeClient:
     def _registered(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         done = []
         try:
-            for t in tensors:
-                if t.numel():
-                    rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
-                    if rc != 0:
-                        raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
-                    done.append(t)
+            for t in tensors:  # not empty: the callers leave those out
+                rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
+                if rc != 0:
+                    raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
+                done.append(t)
             yield
         finally:
             for t in done:
@@ -231,11 +230,10 @@ class MooncakeClient:
         """Read the object under each key into its tensors (contiguous, sized as the object's parts)."""
         parts = [[t for t in ts if t.numel()] for ts in tensors]
         sizes = [[t.nbytes for t in ts] for ts in parts]
+        pointers = [[t.data_ptr() for t in ts] for ts in parts]
         with self._registered([t for ts in parts for t in ts]):
             for _ in range(2):  # a lease that ran out mid-read: the bytes arrived, the check after them failed
-                rcs = self.store.batch_get_into_multi_buffers(
-                    list(keys), [[t.data_ptr() for t in ts] for ts in parts], sizes
-                )
+                rcs = self.store.batch_get_into_multi_buffers(list(keys), pointers, sizes)
                 if LEASE_EXPIRED not in rcs:
                     break
         for key, rc, size in zip(keys, rcs, sizes, strict=True):
@@ -321,9 +319,8 @@ class MooncakeTransport:
         if self.client is None:
             import ray
 
-            self.client = MooncakeClient(
-                self.address, ray.util.get_node_ip_address(), segment_bytes
-            )  # as nodes know it
+            host = ray.util.get_node_ip_address()  # as the other nodes know it
+            self.client = MooncakeClient(self.address, host, segment_bytes)
         return self.client
 
     def open_pool(self) -> None:

