@@ -63,9 +63,7 @@ class CheckpointManager:
     """The checkpoints under `root`: saved by every rank, the last `keep_last` kept, the newest intact one found."""
 
     def __init__(self, root: str | Path, world: World, keep_last: int = 2):
-        self.root = Path(root)
-        self.world = world
-        self.keep_last = max(1, keep_last)
+        self.root, self.world, self.keep_last = Path(root), world, max(1, keep_last)
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
