@@ -63,9 +63,7 @@ class ChatEncoder:
                  template_kwargs: Mapping[str, Any] | None = None):  # fmt: skip
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
-        self.tokenizer = tokenizer
-        self.last_turn_only = last_turn_only
-        self.system_prompt = system_prompt
+        self.tokenizer, self.last_turn_only, self.system_prompt = tokenizer, last_turn_only, system_prompt
         self.template_kwargs = check_template_kwargs(template_kwargs)
         self.reasoning = ReasoningTally()
         self._special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -162,8 +160,7 @@ class ChatEncoder:
                 messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
             )
         except Exception as e:  # templates raise anything on data they reject (jinja2 errors, TypeError, ...)
-            detail = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise ChatTemplateError("template_error", detail) from None
+            raise ChatTemplateError("template_error", f"{type(e).__name__}: {e}".splitlines()[0]) from None
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
