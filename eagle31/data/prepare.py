@@ -99,8 +99,7 @@ class PrepareReport:
             lines.append(f"reasoning not rendered: {self._reasoning_counts()}")
         if self.truncated["count"]:
             lines.append(f"truncated to max_len: {self.truncated['count']} [{', '.join(self.truncated['examples'])}]")
-        for reason, r in self.dropped.items():
-            lines.append(f"dropped {reason}: {r['count']} [{', '.join(r['examples'])}]")
+        lines += [f"dropped {reason}: {r['count']} [{', '.join(r['examples'])}]" for reason, r in self.dropped.items()]
         return "\n".join(lines)
 
     def reasoning_warning(self) -> str | None:
@@ -129,11 +128,10 @@ def template_variants(data_cfg: Any) -> list[dict[str, Any]]:
         raise ConfigError(f"data.chat_template_variants must be a list of template-option mappings, got {variants!r}")
     out = []
     for i, variant in enumerate(variants):
+        name = f"data.chat_template_variants[{i}]"
         if not isinstance(variant, dict):
-            raise ConfigError(
-                f"data.chat_template_variants[{i}] must be a mapping of template options, got {variant!r}"
-            )
-        out.append(check_template_kwargs({**base, **variant}, f"data.chat_template_variants[{i}]"))
+            raise ConfigError(f"{name} must be a mapping of template options, got {variant!r}")
+        out.append(check_template_kwargs({**base, **variant}, name))
     return out or [base]
 
 
@@ -148,9 +146,8 @@ class TemplateEncoders:
     def _encoder(self, kwargs: dict[str, Any], name: str) -> ChatEncoder:
         key = json.dumps(kwargs, sort_keys=True)
         if key not in self.encoders:
-            options = check_template_kwargs(kwargs, name)
             self.encoders[key] = ChatEncoder(
-                self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=options
+                self.tokenizer, last_turn_only=self.last_turn_only, template_kwargs=check_template_kwargs(kwargs, name)
             )
         return self.encoders[key]
 
