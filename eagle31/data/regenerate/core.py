@@ -29,30 +29,20 @@ class Settings:
 
     max_new_tokens: int = 256  # per reply, reasoning included
     max_turns: int | None = None  # user turns kept per conversation (the first ones)
-    # hf backend: longer prompts count as not fitting (an endpoint applies its server's context).
-    # Set near data.max_len: a prompt that prepare would cut before its reply is not worth generating for.
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = None  # hf backend: longer prompts do not fit (set near data.max_len)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
     shard_size: int = 64  # conversations per output shard
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (HF) or the server
-    # for conversations without a system message, one drawn per conversation from the seed and its index
-    # (data.system_prompts or data.system_prompt, `eagle31.data.system_prompts`)
-    system_prompts: list[str] | None = None
-    # data.chat_template_variants (each merged over chat_template_kwargs): one drawn per conversation as for the
-    # system prompt; the reply is asked under it and the record keeps it, so training renders what was answered
+    system_prompts: list[str] | None = None  # one drawn per conversation without a system message
+    # data.chat_template_variants: one drawn per conversation, the reply asked under it and the record keeping it
     chat_template_variants: list[dict[str, Any]] | None = None
     on_length: str = "drop"  # a reply cut at max_new_tokens: drop the conversation from it on, or keep it
 
     def __post_init__(self) -> None:
-        for name, nullable in (
-            ("max_new_tokens", False),
-            ("max_turns", True),
-            ("max_prompt_tokens", True),
-            ("shard_size", False),
-        ):
-            value = getattr(self, name)
+        for name in ("max_new_tokens", "max_turns", "max_prompt_tokens", "shard_size"):
+            value, nullable = getattr(self, name), name in ("max_turns", "max_prompt_tokens")
             if (value is not None or not nullable) and value < 1:
                 raise ConfigError(f"regenerate.{name} must be >= 1{' or null' if nullable else ''}, got {value}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -96,8 +86,7 @@ def request_seed(seed: int, conversation: int, turn: int) -> int:
 
 def user_turns(conv: Conversation, max_turns: int | None) -> tuple[list[dict], list[str]]:
     """(leading system messages, the user messages' contents); raises ValueError(reason) to drop it."""
-    roles = {m["role"] for m in conv.messages}
-    if "tool" in roles or any(m.get("tool_calls") for m in conv.messages):
+    if any(m["role"] == "tool" or m.get("tool_calls") for m in conv.messages):
         raise ValueError("tool_turns")
     system = [{"role": "system", "content": m["content"]} for m in conv.messages[:1] if m["role"] == "system"]
     users = [m["content"] for m in conv.messages if m["role"] == "user" and m["content"].strip()]
