@@ -62,8 +62,7 @@ class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     where: str = ""  # location of the record, for reports
-    # the chat-template options its replies were generated under (a regenerated record with
-    # data.chat_template_variants); prepare renders it with them instead of drawing a variant
+    # the template options a regenerated record's replies were asked under; prepare renders it with them
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -237,7 +236,7 @@ def _text(content: Any) -> str:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None or tools == "" or tools == []:
+    if tools in (None, "", []):
         return None
     if isinstance(tools, str):
         try:
@@ -316,8 +315,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     except RecursionError:
         raise BadInput("unreadable_file", "JSON nested too deeply") from None
     if isinstance(doc, list):
-        for i, record in enumerate(doc):
-            yield f"{path}[{i}]", record
+        yield from ((f"{path}[{i}]", record) for i, record in enumerate(doc))
     else:
         yield str(path), doc
 
@@ -345,8 +343,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     records = (r for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for r in batch.to_pylist())
-    for i, record in enumerate(records):
-        yield f"{path}[{i}]", record
+    yield from ((f"{path}[{i}]", record) for i, record in enumerate(records))
 
 
 def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -359,8 +356,7 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
     splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
     for split, ds in splits:
         prefix = f"{path}/{split}" if split else str(path)
-        for i, record in enumerate(ds):
-            yield f"{prefix}[{i}]", record
+        yield from ((f"{prefix}[{i}]", record) for i, record in enumerate(ds))
 
 
 _FILE_READERS = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}

@@ -117,9 +117,8 @@ def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], siz
 
 
 def shard_done(out: Path, index: int) -> bool:
-    return (out / "conversations" / f"{shard_name(index)}.jsonl").is_file() and (
-        out / "stats" / f"{shard_name(index)}.json"
-    ).is_file()
+    name = shard_name(index)
+    return (out / "conversations" / f"{name}.jsonl").is_file() and (out / "stats" / f"{name}.json").is_file()
 
 
 def write_shard(out: Path, index: int, records: list[dict], stats: ShardStats) -> None:
