@@ -297,9 +297,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, str | bytes]]:
 
 
 def _line_records(path: Path, lines: Iterable[str | bytes]) -> Iterator[tuple[str, str | bytes]]:
-    for n, line in enumerate(lines, start=1):
-        if line.strip():
-            yield f"{path}:{n}", line
+    yield from ((f"{path}:{n}", line) for n, line in enumerate(lines, start=1) if line.strip())
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, Any]]:

@@ -124,8 +124,7 @@ class StoreWriter:
     ):
         if shard_max_tokens <= 0:
             raise ConfigError(f"features.shard_max_tokens must be positive, got {shard_max_tokens}")
-        self.root = Path(root)
-        self.header = header
+        self.root, self.header = Path(root), header
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         self.plan = plan_shards(sample_ids, lengths, shard_max_tokens)

@@ -32,11 +32,11 @@ class _Shard:
 class _FirstRequestGate:
     """One request first, the others waiting up to `wait_s` for it: a server refusing all stops the run after one."""
 
-    def __init__(self, wait_s: float = 1.0):
+    def __init__(self, complete: Callable[..., Reply], wait_s: float = 1.0):
         self.open, self.stop, self._first = threading.Event(), threading.Event(), threading.Lock()
-        self.wait_s = wait_s
+        self.complete, self.wait_s = complete, wait_s
 
-    def call(self, complete: Callable[..., Reply], *request) -> Reply:
+    def call(self, *request) -> Reply:
         """`complete(*request)`: (messages, seed, template options)."""
         first = not self.open.is_set() and self._first.acquire(blocking=False)  # the lock is never released
         if not first and not self.open.is_set():
@@ -44,9 +44,9 @@ class _FirstRequestGate:
         if self.stop.is_set():
             raise _Stopped()
         if not first:
-            return complete(*request)
+            return self.complete(*request)
         try:
-            reply = complete(*request)
+            reply = self.complete(*request)
         except BaseException:
             self.stop.set()  # the requests waiting here are not sent
             raise
@@ -107,15 +107,13 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
         else:
             todo.append(_Shard(index, chunk))
     jobs = ((shard, i) for shard in todo for i in range(len(shard.conversations)))
-    gate = _FirstRequestGate()
+    gate = _FirstRequestGate(backend.complete)
     finished: list[_Shard] = []  # complete, waiting for the gate to open (nothing is written before the first answer)
 
     def run(shard: _Shard, i: int) -> Outcome:
         shard.started = shard.started or time.monotonic()
         index = shard.index * settings.shard_size + i  # the conversation's index in the input
-        return regenerate_conversation(
-            shard.conversations[i], index, settings, lambda *request: gate.call(backend.complete, *request)
-        )
+        return regenerate_conversation(shard.conversations[i], index, settings, gate.call)
 
     def flush(end: bool = False) -> None:
         while finished and (gate.open.is_set() or end):
