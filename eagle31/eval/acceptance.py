@@ -182,6 +182,14 @@ class EvalArgs:
         return {"target": portable_path(self.target), "drafters": drafters, **settings, "device": str(device),
                 "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
 
+    def load_target_for(self, drafters: dict[str, Any], tokenizer) -> tuple[Any, list[int]]:
+        """(the target, its EOS ids); the drafters moved to its device and dtype (`share_target_embedding` first)."""
+        device, dtype = inference_device_and_dtype(self.device, self.dtype)
+        target = load_target(self.target, device, dtype=dtype, attn_implementation="sdpa")
+        for drafter in drafters.values():
+            share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
+        return target, eos_ids(target, tokenizer)
+
     def check_paths(self) -> None:
         """Refuse malformed template options, a missing target or drafter directory, or a missing prompt file."""
         parse_template_kwargs(self.chat_template_kwargs)
@@ -300,22 +308,18 @@ def labelled_paths(name: str, value: str) -> dict[str, str]:
 def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Evaluate every drafter on every split; returns the report (settings + results)."""
     tree = config.tree
-    device, dtype = inference_device_and_dtype(config.device, config.dtype)
-    target_config = load_target_config(config.target)
     tokenizer = load_target_tokenizer(config.target)
     splits = {
         name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
         for name, path in config.splits.items()
     }
-    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
-    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = eos_ids(target, tokenizer)
+    drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
+    target, eos = config.load_target_for(drafters, tokenizer)
     draft_len = tree.depth if tree else config.k
     traces: dict[tuple, list[GreedyTrace]] = {}  # (split, aux layer ids) -> one trace per prompt
     results = []
     for label, drafter in drafters.items():
         check_drafting(drafter.config, config.drafting if tree is None else "chain", label)
-        drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux = tuple(drafter.config.aux_layer_ids)
         for split, prompts in splits.items():
             if config.verification == Verification.replay and (split, aux) not in traces:

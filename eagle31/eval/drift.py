@@ -13,12 +13,10 @@ from eagle31.eval.acceptance import (
     AcceptanceStats,
     EvalArgs,
     check_positive,
-    eos_ids,
     greedy_traces,
     labelled_paths,
     load_drafters,
     load_prompts,
-    share_target_embedding,
 )
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.mtbench import read_questions, trace_mt_bench
@@ -305,25 +303,22 @@ class DriftConfig(EvalArgs):
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
-    from eagle31.target import inference_device_and_dtype, load_target, load_target_config, load_target_tokenizer
+    from eagle31.target import load_target_config, load_target_tokenizer
 
-    device, dtype = inference_device_and_dtype(config.device, config.dtype)
-    target_config = load_target_config(config.target)
     tokenizer = load_target_tokenizer(config.target)
     splits = {
         name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
         for name, path in config.splits.items()
     }
     questions, histories, _ = read_questions(config, tokenizer, log) if config.questions else (None, None, None)
-    drafters = load_drafters(config.drafters, config.drafter_format, target_config)
+    drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
     if len(aux_ids) > 1:
         raise ConfigError(
             f"the drafters read different target layers {sorted(aux_ids)}; diagnose them in separate runs"
         )
     (aux_layer_ids,) = aux_ids
-    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = eos_ids(target, tokenizer)
+    target, eos = config.load_target_for(drafters, tokenizer)
     length = config.max_new_tokens + config.depth  # as far as a last K-draft round reads
     traced = {split: greedy_traces(target, prompts, aux_layer_ids=aux_layer_ids, length=length)
               for split, prompts in splits.items()}  # fmt: skip
@@ -347,7 +342,6 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
             target_sinks=sinks,
         )
         for label, drafter in drafters.items():
-            drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
             ttt = ttt_view(drafter, traces, pack_tokens=config.pack_tokens, **args).summary()
             live_stats, acceptance, error = live_view(drafter, traces, **args)
             live = {

@@ -17,15 +17,13 @@ from eagle31.eval.acceptance import (
     AcceptanceStats,
     EvalArgs,
     check_positive,
-    eos_ids,
     load_drafters,
-    share_target_embedding,
     tree_spec,
 )
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.eval.speculative import GreedyTrace, cut_generation, draft_length, greedy_trace, speculative_generate
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
-from eagle31.target import inference_device_and_dtype, load_target, load_target_config
+from eagle31.target import load_target_config
 from eagle31.targets.cache import portable_path
 
 ALL = "all"
@@ -198,18 +196,15 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
     from transformers import AutoTokenizer
 
     modes = config.modes
-    device, dtype = inference_device_and_dtype(config.device, config.dtype)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     questions, histories, rejects = read_questions(config, tokenizer, log)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
-    target = load_target(config.target, device, dtype=dtype, attn_implementation="sdpa")
-    eos = eos_ids(target, tokenizer)
+    target, eos = config.load_target_for(drafters, tokenizer)
     draft_len = max(draft_length(k, tree) for k, tree in modes.values())
     traces: dict[tuple[int, ...], list[MTBenchTurn]] = {}  # one greedy decoding per aux-layer choice
     target_seconds = 0.0
     results = []
     for label, drafter in drafters.items():
-        drafter = share_target_embedding(drafter, target).to(device=device, dtype=dtype).eval()
         aux_ids = tuple(drafter.config.aux_layer_ids)
         if aux_ids not in traces:
             n_turns = sum(len(q.turns) for q in questions)
