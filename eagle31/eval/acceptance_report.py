@@ -19,16 +19,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         rates = [f"{a:.3f}" for a in r["acceptance_rate"]] + [""] * (positions - len(r["acceptance_rate"]))
-        cells = [
-            r["drafter"],
-            r["split"],
-            str(r["prompts"]),
-            f"{r['mean_prompt_tokens']:.0f}",
-            f"{r['tau']:.3f}",
-            *rates,
-            f"{r['target_forwards_per_token']:.3f}",
-            f"{r['tokens_per_second']:.1f}",
-        ]
+        cells = [r["drafter"], r["split"], str(r["prompts"]), f"{r['mean_prompt_tokens']:.0f}", f"{r['tau']:.3f}"]
+        cells += [*rates, f"{r['target_forwards_per_token']:.3f}", f"{r['tokens_per_second']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     settings = report["settings"]
     mode = f"chain, k={settings['k']}" if settings["mode"] == "chain" else f"tree {settings['tree']}"

@@ -127,13 +127,10 @@ def ttt_view(
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
     packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
-    used = 0
     for trace, trace_sinks in zip(traces, sinks, strict=False):
-        if packs[-1] and used + trace.aux.shape[0] > pack_tokens:
+        if packs[-1] and sum(t.aux.shape[0] for t, _ in packs[-1]) + trace.aux.shape[0] > pack_tokens:
             packs.append([])
-            used = 0
         packs[-1].append((trace, trace_sinks))
-        used += trace.aux.shape[0]
     for pack in packs:
         _ttt_pack(drafter, pack, stats, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=set(eos_token_ids))
     return stats

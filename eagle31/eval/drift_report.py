@@ -31,19 +31,11 @@ def format_table(report: dict[str, Any]) -> str:
         for r in sorted(rows, key=lambda r: (r["split"], r["drafter"])):
             for k in range(len(r["sink_mass"])):
                 heads = r["sink_mass_per_head"][k]
-                cells = [
-                    r["split"],
-                    r["drafter"],
-                    str(k + 1),
-                    f"{r['sink_mass'][k]:.3f}",
-                    f"{r['context_mass'][k]:.3f}",
-                    f"{r['own_mass'][k]:.3f}",
-                    f"{min(heads):.3f}-{max(heads):.3f}",
-                    f"{r['fed_rms'][k]:.3g}",
-                    f"{r['out_rms'][k]:.3g}",
-                    f"{r['out_norm_rms'][k]:.3g}",
-                    "–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}",
-                ]
+                cells = [r["split"], r["drafter"], str(k + 1)]
+                cells += [f"{r[f'{name}_mass'][k]:.3f}" for name in ("sink", "context", "own")]
+                cells += [f"{min(heads):.3f}-{max(heads):.3f}"]
+                cells += [f"{r[name][k]:.3g}" for name in ("fed_rms", "out_rms", "out_norm_rms")]
+                cells += ["–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}"]
                 if targeted:
                     cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
