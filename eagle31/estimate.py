@@ -1,7 +1,5 @@
-"""Parameter counts, the model FLOPs of a training step and a per-GPU memory estimate for a training run
-(`dry_run=true`): the training step's bytes traced (`eagle31.memory_trace`), the other terms counted
-(docs/performance.md).
-"""
+"""Parameter counts, a training step's model FLOPs and a training run's per-GPU memory (`dry_run=true`): the step's
+bytes traced (`eagle31.memory_trace`), the other terms counted (docs/performance.md)."""
 
 from __future__ import annotations
 

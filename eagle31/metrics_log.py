@@ -91,7 +91,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(path: Path, step: int, evaluated: bool = True) -> int:
     """Drop metrics.jsonl's lines after `step` (and its eval's unless `evaluated`), a torn last; return how many."""
-    path = Path(path)
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()

@@ -263,12 +263,10 @@ def load_drafters(paths: dict[str, str], source_format: str, target_config: dict
     """{label: drafter} read from `paths`, each checked against the target; errors name the drafter."""
     from eagle31.convert import load_drafter
 
-    drafters = {}
+    drafters, num_layers = {}, text_config(target_config).get("num_hidden_layers")
     for label, path in paths.items():
         try:
-            drafters[label] = load_drafter(
-                path, source_format=source_format, target_num_layers=text_config(target_config).get("num_hidden_layers")
-            )
+            drafters[label] = load_drafter(path, source_format=source_format, target_num_layers=num_layers)
         except ConfigError as e:
             raise ConfigError(f"drafter {label} ({path}): {e}") from None
         check_drafter_fits(drafters[label].config, target_config, label)
@@ -352,8 +350,7 @@ def check_drafter_fits(drafter_config, target_config: dict[str, Any], label: str
     """The drafter reads this target's features and vocabulary (checked before loading weights)."""
     text = text_config(target_config)
     for field_name, target_key in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
-        want = text.get(target_key)
-        have = getattr(drafter_config, field_name)
+        want, have = text.get(target_key), getattr(drafter_config, field_name)
         if want is not None and have != want:
             raise ConfigError(f"drafter {label}: {field_name}={have} but the target's {target_key}={want}")
     if text.get("num_hidden_layers") is not None:

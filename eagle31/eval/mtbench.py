@@ -246,9 +246,8 @@ def format_summary(report: dict[str, Any]) -> str:
         rows.setdefault((r["drafter"], r["mode"]), {})[r["split"]] = r["tau"]
     lines = ["| drafter | mode | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 2)]
     for (drafter, mode), taus in rows.items():
-        lines.append(
-            f"| {drafter} | {mode} | " + " | ".join(f"{taus[c]:.3f}" if c in taus else "" for c in categories) + " |"
-        )
+        cells = [f"{taus[c]:.3f}" if c in taus else "" for c in categories]
+        lines.append(f"| {drafter} | {mode} | " + " | ".join(cells) + " |")
     s = report["settings"]
     system = f", system prompt {s['system_prompt']!r}" if s["system_prompt"] else ""
     history = f", after >= {s['history_tokens']} tokens of history" if s.get("history") else ""

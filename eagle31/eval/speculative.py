@@ -69,8 +69,10 @@ class TargetRunner:
         else:
             depths = tree.depths()
             positions = past + torch.cat([depths.new_zeros(1), depths])[None]  # the root sits at `past`
-            mask = tree_attention_mask(tree, past, self.model.dtype)
-            logits, aux = self._forward(inputs, position_ids=positions, attention_mask=mask)
+            # additive mask [1, 1, N+1, past+N+1]: each of [root, nodes] sees the cache, itself and its ancestors
+            mask = torch.zeros(len(tree) + 1, past + len(tree) + 1, dtype=self.model.dtype, device=inputs.device)
+            mask[:, past:].masked_fill_(~tree.ancestor_mask(), torch.finfo(self.model.dtype).min)
+            logits, aux = self._forward(inputs, position_ids=positions, attention_mask=mask[None, None])
         greedy = logits.argmax(-1)  # [N+1] the target's token after each input
         path = accepted_path(tree, greedy)
         rows = [0] + [1 + i for i in path]  # inputs to keep: the root and the accepted nodes
@@ -119,10 +121,9 @@ class ReplayedTarget:
         if int(after.max()) >= tokens.numel():
             raise ValueError(f"the trace ends at {tokens.numel()} tokens; this round reads position {int(after.max())}")
         path = accepted_path(tree, tokens[after.to(tokens.device)])
-        a = len(path)
-        self.past = past + a + 1
+        self.past = past + len(path) + 1
         self.forwards += 1
-        return path, tokens[past + a + 1 : past + a + 2], self.trace.aux[past : past + a + 1]
+        return path, tokens[self.past : self.past + 1], self.trace.aux[past : self.past]
 
 
 @torch.no_grad()
@@ -138,13 +139,6 @@ def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int)
         auxes.append(aux)
         tokens.append(token)
     return GreedyTrace(prompt_len=input_ids.numel(), tokens=torch.cat(tokens), aux=torch.cat(auxes))
-
-
-def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N+1, past+N+1] for `[root, nodes]` after `past` cached positions."""
-    mask = torch.zeros(len(tree) + 1, past + len(tree) + 1, dtype=dtype, device=tree.tokens.device)
-    mask[:, past:].masked_fill_(~tree.ancestor_mask(), torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
