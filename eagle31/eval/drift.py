@@ -73,10 +73,8 @@ class DepthStats:
             out[f"{name}_mass_per_head"] = per_head.tolist()
         for name in ("fed_rms", "out_rms", "out_norm_rms"):
             out[name] = [s / q for s, q in zip(getattr(self, name), n, strict=True)]
-        # None where no query reached depth k
-        out["conditional_acceptance_rate"] = [
-            a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True)
-        ]
+        rates = [a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True)]  # None: none reached k
+        out["conditional_acceptance_rate"] = rates
         out["reached"], out["accepted"] = list(self.reached), list(self.accepted)
         return out
 

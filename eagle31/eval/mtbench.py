@@ -46,8 +46,7 @@ class MTBenchConfig(EvalArgs):
     system_prompt: str | None = None  # a system message before turn 1 (e.g. one unseen in training)
     history: str | None = None  # conversations (any source eagle31.data.sources reads) placed before each question
     history_tokens: int = 2048  # with `history`: at least this many tokens of earlier turns per question
-    # the recipe's data.chat_template_kwargs as a JSON object ('{"thinking": true, "preserve_thinking": true}'):
-    # the prompts then render as training did
+    # the recipe's data.chat_template_kwargs as a JSON object ('{"thinking": true}'): prompts render as in training
     chat_template_kwargs: str | None = None
     drafter_format: str = "auto"
     device: str = "auto"
