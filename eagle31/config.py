@@ -265,12 +265,10 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 def rope_parameters_from(t: dict[str, Any]) -> dict[str, Any]:
     """The target's rope in transformers >= 5 form, from `rope_parameters` or legacy `rope_theta` + `rope_scaling`."""
-    rope = dict(t.get("rope_parameters") or {})
     legacy = dict(t.get("rope_scaling") or {})
-    if "type" in legacy and "rope_type" not in legacy:
-        legacy["rope_type"] = legacy.pop("type")
-    legacy.pop("type", None)
-    rope = {**legacy, **rope}
+    if "type" in legacy:  # transformers 4's name of rope_type
+        legacy.setdefault("rope_type", legacy.pop("type"))
+    rope = {**legacy, **(t.get("rope_parameters") or {})}
     rope.setdefault("rope_type", "default")
     if "rope_theta" not in rope:
         rope["rope_theta"] = float(t.get("rope_theta", 10000.0))

@@ -259,7 +259,6 @@ class StepTrace(TorchDispatchMode):
         values themselves, moved to the CPU)."""
         if kwargs.get("device", META) != META:
             return real
-
         out = tree_map(_again, real)
         for t, v in zip(tree_leaves(out), tree_leaves(real)):
             if isinstance(t, torch.Tensor):

@@ -23,7 +23,7 @@ from eagle31.data.prepare import (
     template_kwargs,
 )
 from eagle31.data.sources import data_section, resolve_sources
-from eagle31.distributed import World, all_gather_objects, barrier, close_world, init_world
+from eagle31.distributed import all_gather_objects, barrier, close_world, init_world
 from eagle31.errors import ConfigError, Eagle31Error, RunInterrupted
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir, hold_lock
 from eagle31.loss import TargetHead
@@ -238,7 +238,7 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
     try:
         with StopSignals(cfg.train.preempt_grace_s, trainer.checkpoints.root) as stop:
             final = trainer.fit(logger, stop)
-        skipped = skipped_features(plan.world, train_loader, eval_loader)  # every rank takes part
+        skipped = skipped_features(train_loader, eval_loader)  # every rank takes part
         if skipped:
             shards, samples = len(skipped), sum(skipped.values())
             logger.log(trainer.state.step, {"data/corrupt_shards": shards, "data/skipped_samples": samples})
@@ -282,7 +282,7 @@ def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:
         )
 
 
-def skipped_features(world: World, *loaders) -> dict[str, int]:
+def skipped_features(*loaders) -> dict[str, int]:
     """{shard: samples} that any rank's store readers skipped as corrupt (`features.skip_corrupt`)."""
     found: dict[str, int] = {}
     for loader in loaders:
@@ -297,19 +297,13 @@ def finish_run(
     plan: RunPlan, drafter: Eagle31Drafter, final: dict, trainer: Trainer, started: float, skipped: dict[str, int]
 ) -> dict:
     """Rank 0: native drafter, exports, real acceptance (optional), report.json."""
-    from eagle31.export import export_drafter
+    from eagle31.export import export_drafter, export_options
 
     cfg, run_dir, st = plan.cfg, plan.run_dir, trainer.state
     drafter.save(run_dir / "drafter")
     # overwrite: the run's own exports, which a resumed run writes again
-    options = dict(
-        dtype=cfg.export.dtype,
-        include_embed=cfg.export.include_embed,
-        trained_context=cfg.data.max_len,
-        num_speculative_tokens=cfg.eval.num_speculative_tokens,
-        overwrite=True,
-        target_name_or_path=cfg.target.name or str(plan.target_dir),
-    )
+    options = {**export_options(to_container(cfg)), "overwrite": True}
+    options["target_name_or_path"] = cfg.target.name or str(plan.target_dir)
     exports = {f: str(export_drafter(drafter, run_dir / "export" / f, f, **options)) for f in cfg.export.formats}
     report = {
         "recipe": cfg.name,

@@ -100,13 +100,10 @@ def plan_run(cfg, world: World) -> RunPlan:
             f"drafter.sliding_window={drafter.sliding_window} must be >= train.ttt_length={cfg.train.ttt_length}: "
             f"step k's query at position p + k sees the step-0 keys of p + k - W + 1 .. p, none past the window"
         )
+    target = cfg.target.name or (str(target_dir) if target_dir else None)
     for fmt in cfg.export.formats:  # an export the run could not write is refused now, not after training
         export_config(
-            drafter,
-            fmt,
-            dtype=cfg.export.dtype,
-            trained_context=int(cfg.data.max_len),
-            target_name_or_path=cfg.target.name or (str(target_dir) if target_dir else None),
+            drafter, fmt, dtype=cfg.export.dtype, trained_context=int(cfg.data.max_len), target_name_or_path=target
         )
 
     precision = cfg.train.precision

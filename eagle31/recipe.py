@@ -286,8 +286,7 @@ def describe_recipes(recipes_dir: str | Path) -> str:
         "",
         "config sections (section.field=value; --help SECTION: each field's type, default and meaning):",
     ]
-    hints = typing.get_type_hints(RunConfig)
-    sections = {name: hint for name, hint in hints.items() if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
+    sections = {name: owner for name, owner in _sections().items() if name != "top" and "." not in name}
     rows = {name: [_describe_field(owner, f) for f in dataclasses.fields(owner)] for name, owner in sections.items()}
     rows["(top)"] = [_describe_field(RunConfig, f) for f in dataclasses.fields(RunConfig) if f.name not in sections]
     for name, row in rows.items():

@@ -1,13 +1,4 @@
-"""The target model: everything eagle31 reads of it (config, shape, single tensors, fingerprints, the model, features).
-
-`TargetFeatures` keeps the drafter's inputs with forward pre-hooks: `aux`, the hidden states at the *input* of decoder
-layers `aux_layer_ids` (vLLM's convention), concatenated in id order, and `final`, the input of `lm_head`; the L+1
-hidden states are never all kept (docs/design.md §2):
-
-    with TargetFeatures(model, aux_layer_ids) as feats:
-        out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
-        aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for the positions lm_head saw (`logits_to_keep`)
-"""
+"""The target model: all eagle31 reads of it (config, shape, single tensors, fingerprints, the model, features)."""
 
 from __future__ import annotations
 
@@ -311,7 +302,13 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -
 
 
 class TargetFeatures:
-    """Hooks that capture `aux` and `final` from the forwards of `model` (module docstring)."""
+    """Forward pre-hooks keeping the drafter's inputs (docs/design.md §2): `aux`, the inputs of decoder layers
+    `aux_layer_ids` concatenated in id order, and `final`, the input of `lm_head`:
+
+        with TargetFeatures(model, aux_layer_ids) as feats:
+            out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
+            aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for the positions lm_head saw (`logits_to_keep`)
+    """
 
     def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
         self.model = model

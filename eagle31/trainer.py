@@ -192,7 +192,6 @@ class Trainer:
         """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
         train.sequence_parallel)` (the loaders split batches over its data axis)."""
         self.cfg = train
-        self.drafter_config = drafter.config
         self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
         self.world = world
@@ -287,12 +286,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Every rank's data position and consumed record (`data_ranks`; `data` is rank 0's) with the weights."""
         data = all_gather_objects(self.train_loader.state_dict())
-        state = {
-            "trainer": asdict(self.state),
-            "scheduler": self.optimizers.state_dict(),
-            "data": data[0],
-            "data_ranks": data,
-        }
+        state = dict(trainer=asdict(self.state), scheduler=self.optimizers.state_dict(), data=data[0], data_ranks=data)
         return self.checkpoints.save(self.state.step, self.model, self.optimizers.optimizers, state)
 
     def restore(self, path: Path) -> None:
