@@ -1,6 +1,5 @@
 """The plan of a run, and every check that needs no model: `plan_run(cfg, world)`, so bad input fails in seconds
-with one line (the target's config read, not its weights; each export tried on paper); `describe_dry_run`.
-"""
+with one line (the target's config read, not its weights; each export tried on paper); `describe_dry_run`."""
 
 from __future__ import annotations
 

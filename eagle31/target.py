@@ -154,12 +154,10 @@ def read_target_tensor(
     """The first of `candidates` (under every wrapper prefix) in the target's weights, read without the model."""
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
-    for prefix in WRAPPER_PREFIXES:
-        for name in candidates:
-            full = prefix + name
-            if full in weight_map:
-                with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
-                    return sf.get_tensor(full)
+    for full in (prefix + name for prefix in WRAPPER_PREFIXES for name in candidates):
+        if full in weight_map:
+            with safe_open(str(target_dir / weight_map[full]), framework="pt") as sf:
+                return sf.get_tensor(full)
     if required:
         raise ConfigError(f"target {target_dir}: no tensor among {list(candidates)}")
     return None
