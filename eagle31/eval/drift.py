@@ -321,6 +321,7 @@ def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[s
         turns = trace_mt_bench(
             target, tokenizer, questions, aux_layer_ids=aux_layer_ids, max_new_tokens=config.max_new_tokens,
             draft_len=config.depth, eos_token_ids=eos, system_prompt=config.system_prompt, histories=histories,
+            template_kwargs=config.template_kwargs,
         )  # fmt: skip
         traced[config.split] = [turn.trace for turn in turns]
     results = []

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle31.eval import drift
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.drift import DepthStats, live_view, rms, split_mass, target_sink_positions, ttt_view
 from eagle31.eval.speculative import greedy_trace, speculative_generate
@@ -298,7 +299,7 @@ def test_depth_stats_summary_averages_per_query():
 
 
 @pytest.mark.slow
-def test_script_end_to_end(tmp_path, capsys):
+def test_script_end_to_end(tmp_path, capsys, monkeypatch):
     target_dir = save_target(tmp_path / "target")
     tiny_drafter(seed=0, vocab_size=VOCAB, dtype=torch.float32).save(tmp_path / "e31")
     tiny_drafter(seed=1, vocab_size=VOCAB, dtype=torch.float32, fc_norm=False, norm_output=False).save(tmp_path / "e3")
@@ -347,7 +348,13 @@ def test_script_end_to_end(tmp_path, capsys):
         "device=cpu",
         f"out={tmp_path}/mt",
     ]
-    assert main(mt) == 0
+    traced = drift.trace_mt_bench
+    rendered_with = []
+    monkeypatch.setattr(
+        drift, "trace_mt_bench", lambda *a, **kw: rendered_with.append(kw["template_kwargs"]) or traced(*a, **kw)
+    )
+    assert main([*mt, 'chat_template_kwargs={"thinking": true}']) == 0
+    assert rendered_with == [{"thinking": True}]  # the questions render as the recipe's prompts do
     report = json.loads((tmp_path / "mt" / "drift.json").read_text())
     assert {r["split"] for r in report["results"]} == {"unseen_system"} and report["settings"]["mt_bench"]["turns"] == 2
     assert all(r["prompts"] == 2 for r in report["results"])
