@@ -225,7 +225,7 @@ def _muon_rank(rank: int, init_file: str, run_dir: str) -> None:
             return Trainer(cfg, world, Path(run_dir), drafter, head, ListLoader([]), None, torch.float32)
 
         straight = trainer()
-        batch = feature_batch(straight.drafter_config, 12, seed=1 + rank)
+        batch = feature_batch(tiny_drafter(seed=0, dtype=torch.float32).config, 12, seed=1 + rank)
         matrices = straight.optimizers.by_name["muon"].param_groups[0]["params"]
         straight.train_step([batch])
         straight.state.step = 1
