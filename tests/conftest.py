@@ -10,6 +10,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two workers share two cores, so a test computes on one thread, its subprocesses too (training runs, torchrun
+# ranks, vLLM engines, Ray workers): an OpenMP team wider than its free cores waits at every barrier for a thread
+# that the other worker's process holds off the CPU (CONTRIBUTING.md has the figures). vLLM's CPU engine would pin
+# its thread to the last core, both workers' engines to the same one: it is left unpinned.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -21,8 +27,7 @@ from tests.schedule import (  # noqa: E402, F401  (the longest files first)
     pytest_configure,
 )
 
-# Tiny models run several times faster on one thread than on two busy cores.
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # OMP_NUM_THREADS above may be set otherwise by the user: the tests' own process, one thread
 
 
 @pytest.fixture(scope="session")
