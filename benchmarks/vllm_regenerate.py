@@ -13,14 +13,14 @@ Cases:
   `data.chat_template_kwargs={thinking: true, preserve_thinking: true}`, as recipe=kimi_k26 does: the
   server's reasoning path, the reasoning of each turn carried into the next turn's prompt.
 
-For each case `data_prep/regenerate.py` runs twice on the same conversations, greedy: `regenerate.backend=hf`
-(the target in-process), and `regenerate.backend=endpoint` against `vllm serve` at `concurrency` requests in
-flight, shards of 2 conversations, the server warmed by one short completion first. Once the endpoint run has
-written its first shard the server is killed (SIGKILL, its engine with it) and started again on the same port; the
-run retries within `regenerate.restart_window_s` and finishes. Then: every conversation is there exactly once (none lost, none
-repeated), and each turn is compared with the HF backend's (answer and reasoning). A conversation whose
-turn differs is explained by the target's top-2 logit gap where the two replies part (one HF forward over
-the prompt and the common prefix); its later turns follow from different prompts and are not compared.
+For each case `data_prep/regenerate.py` runs twice on the same conversations, greedy: `regenerate.backend=hf` (the
+target in-process), and `regenerate.backend=endpoint` against `vllm serve` at `concurrency` requests in flight,
+shards of 2 conversations, the server warmed by one short completion first. Once the endpoint run has written its
+first shard the server is killed (SIGKILL, its engine with it) and started again on the same port; the run retries
+within `regenerate.restart_window_s` and finishes. Then: every conversation is there exactly once (none lost, none
+repeated), and each turn is compared with the HF backend's (answer and reasoning). A conversation whose turn differs
+is explained by the target's top-2 logit gap where the two replies part (one HF forward over the prompt and the
+common prefix); its later turns follow from different prompts and are not compared.
 
 Writes `<out>/vllm_regenerate.json` and `.md`.
 """
