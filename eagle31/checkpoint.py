@@ -86,8 +86,11 @@ class CheckpointManager:
                     break
                 print(f"warning: checkpoint {path} is damaged ({problem}); trying an older one", file=sys.stderr)
             if done and choice[0] is None:
-                damaged = f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints directory"
-                choice = (None, f"{damaged} to start over, or restore it from a backup")
+                choice = (
+                    None,
+                    f"no intact checkpoint in {self.root} ({len(done)} damaged); remove the checkpoints "
+                    "directory to start over, or restore it from a backup",
+                )
         path, error = broadcast_object(choice, self.world.device)
         if error:
             raise CorruptCheckpointError(error)

@@ -228,7 +228,8 @@ def run_transport(plan, store: MooncakeAddress | None):
     `pool_tokens` of features, or the largest micro-batch or row if that is more."""
     if store is None:
         return ObjectStoreTransport()
-    cfg, hidden = plan.cfg, target_shape(plan.target_config)[1]
+    cfg = plan.cfg
+    hidden = target_shape(plan.target_config)[1]
     per_token = (len(plan.drafter.aux_layer_ids) + 1) * hidden * getattr(torch, cfg.target.dtype).itemsize
     tokens = max(cfg.features.engine.pool_tokens, cfg.features.tokens_per_batch, cfg.data.max_len)
     return MooncakeTransport(store, segment_bytes(tokens, per_token))

@@ -205,11 +205,12 @@ class MooncakeClient:
     def _registered(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         done = []
         try:
-            for t in tensors:  # not empty: the callers leave those out
-                rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
-                if rc != 0:
-                    raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
-                done.append(t)
+            for t in tensors:
+                if t.numel():
+                    rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
+                    if rc != 0:
+                        raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
+                    done.append(t)
             yield
         finally:
             for t in done:

@@ -188,7 +188,8 @@ class VLLMFeatures:
         from vllm import SamplingParams, TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in token_rows]
-        greedy, free = SamplingParams(max_tokens=1, temperature=0.0), shutil.disk_usage(self.directory).free
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        free = shutil.disk_usage(self.directory).free
         out = []
         for part in fitting_parts([len(row) * self.row_bytes for row in token_rows], free):
             outputs = self.llm.generate([prompts[i] for i in part], greedy, use_tqdm=False)

@@ -263,7 +263,8 @@ def load_drafters(paths: dict[str, str], source_format: str, target_config: dict
     """{label: drafter} read from `paths`, each checked against the target; errors name the drafter."""
     from eagle31.convert import load_drafter
 
-    drafters, num_layers = {}, text_config(target_config).get("num_hidden_layers")
+    drafters = {}
+    num_layers = text_config(target_config).get("num_hidden_layers")
     for label, path in paths.items():
         try:
             drafters[label] = load_drafter(path, source_format=source_format, target_num_layers=num_layers)
