@@ -267,14 +267,16 @@ def separation(row: dict, baseline: dict) -> str | None:
     return None
 
 
-def measured_earlier(out: Path) -> set[str]:
-    """The runs that the summary and acceptance report under `out` record as trained and measured."""
-    summary, report = out / "summary.json", out / "acceptance" / "acceptance.json"
-    if not (summary.is_file() and report.is_file()):
+def measured_earlier(out: Path, reports: list[str] | None = None) -> set[str]:
+    """The runs that the summary under `out` records as trained and every report (paths under `out`; the
+    acceptance report when None) as measured."""
+    paths = [out / "summary.json", *(out / r for r in reports or ["acceptance/acceptance.json"])]
+    if not all(p.is_file() for p in paths):
         return set()
-    return set(json.loads(summary.read_text())["training"]) & {
-        r["drafter"] for r in json.loads(report.read_text())["results"]
-    }
+    earlier = set(json.loads(paths[0].read_text())["training"])
+    for path in paths[1:]:
+        earlier &= {r["drafter"] for r in json.loads(path.read_text())["results"]}
+    return earlier
 
 
 def trained_before(run: Path, earlier: set[str]) -> bool:
@@ -288,11 +290,12 @@ def train_missing(
     out: Path,
     describe: Callable[[str], str] = lambda name: "",
     trainers: dict[str, Callable] | None = None,
+    reports: list[str] | None = None,
 ) -> None:
     """Train, in order, each named run of `recipes` (its directory `runs / name`) that `trained_before` does not
-    skip, with its trainer in `trainers` (`train_eagle31` where none is named); `describe(name)` is added to its
-    progress line."""
-    earlier = measured_earlier(out)
+    skip (`reports`: what `measured_earlier` reads), with its trainer in `trainers` (`train_eagle31` where none is
+    named); `describe(name)` is added to its progress line."""
+    earlier = measured_earlier(out, reports)
     for name, recipe in recipes.items():
         if trained_before(runs / name, earlier):
             print(f"skip (done): {name}", file=sys.stderr)

@@ -52,8 +52,11 @@ from eagle31.errors import ConfigError
 from experiments.harness import (
     StudyConfig,
     acceptance_splits_of,
+    check_one_target_decoding,
     comparison_recipe,
+    drafter_sha256,
     format_training,
+    kept_measurements,
     log_command,
     measure_drafters,
     report_body,
@@ -206,41 +209,48 @@ def recipe_differences(ours, theirs) -> dict[str, list]:
 
 
 def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe, out: Path) -> dict:
-    """Every drafter on each MT-Bench probe of `cfg.probes`, its report under out/<probe> (one kept when it holds
-    every drafter in the same settings), as one acceptance-shaped report: per drafter and split `<probe> <mode>`
-    the tau of all categories together."""
-    from eagle31.data.prepare import template_kwargs
-    from eagle31.eval.mtbench import ALL, MTBenchConfig, run_mt_bench, write_mt_bench_report
-    from eagle31.targets import resolve_target_path
+    """Every drafter on each MT-Bench probe of `cfg.probes`, its report under out/<probe>, as one acceptance-shaped
+    report: per drafter and split `<probe> <mode>` the tau of all categories together.
 
-    top_k, depth, total = cfg.tree_spec
+    What a probe's earlier report measured in the same settings is kept (`kept_measurements`: the same weights, or
+    a run no longer here); the other drafters are measured and joined to it, on the same decoding of the target."""
+    from eagle31.eval.mtbench import ALL, run_mt_bench, write_mt_bench_report
+    from eagle31.targets.cache import portable_path
+
+    sha256 = {label: drafter_sha256(path) for label, path in drafters.items() if path.is_dir()}
+    if not sha256:
+        raise ConfigError(f"none of the drafters {', '.join(drafters)} is here to measure")
+    here = {label: drafters[label] for label in sha256}
     results = []
     for probe in cfg.probe_list:
-        config = MTBenchConfig(
-            drafter=",".join(f"{label}={path}" for label, path in drafters.items()),
-            target=str(resolve_target_path(recipe.target)),
-            questions=cfg.questions,
-            ks=cfg.ks,
-            tree_top_k=top_k,
-            tree_depth=depth,
-            tree_total_tokens=total,
-            max_new_tokens=cfg.max_new_tokens,
-            max_per_category=cfg.max_per_category,
-            system_prompt=UNSEEN_SYSTEM if probe == "unseen_system" else None,
-            history=recipe.data.source[0] if probe == "long_history" else None,
-            history_tokens=cfg.history_tokens,
-            chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
-            device="cpu",
-            out=str(out / probe),
-        )
         report_path = out / probe / "mt_bench.json"
-        report = json.loads(report_path.read_text()) if report_path.is_file() else None
-        if report is None or not measured_alike(report, config, drafters):
-            print(f"measure: MT-Bench, {probe}", file=sys.stderr)
-            report = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
-            write_mt_bench_report(report, out / probe)
-        else:
+        earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
+        kept = set()
+        if earlier is not None and measured_alike(earlier, probe_config(cfg, recipe, probe, here, out)):
+            kept = kept_measurements(earlier, {**earlier["settings"], "drafters": drafters}, sha256)
+        missing = [label for label in drafters if label not in kept]
+        if not missing:
             print(f"kept (measured earlier): MT-Bench, {probe}", file=sys.stderr)
+            report = earlier
+        else:
+            print(f"measure: MT-Bench, {probe}: {', '.join(missing)}", file=sys.stderr)
+            config = probe_config(cfg, recipe, probe, {label: drafters[label] for label in missing}, out)
+            measured = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
+            kept_rows = [r for r in earlier["results"] if r["drafter"] in kept] if kept else []
+            report = {
+                "settings": {
+                    **measured["settings"],
+                    "drafters": {label: portable_path(path) for label, path in drafters.items()},
+                    "drafter_sha256": {
+                        label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label)
+                        for label in drafters
+                    },
+                    "kept": sorted(label for label in kept if label not in sha256),
+                },
+                "results": sorted(kept_rows + measured["results"], key=lambda r: list(drafters).index(r["drafter"])),
+            }
+            check_one_target_decoding(report, report_path)
+            write_mt_bench_report(report, out / probe)
         results += [
             {**r, "split": f"{probe} {r['mode']}"}
             for r in report["results"]
@@ -249,8 +259,34 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
     return {"results": results}
 
 
-def measured_alike(report: dict, config, drafters: dict[str, Path]) -> bool:
-    """Whether an earlier MT-Bench report measured every drafter with `config`'s questions, modes and prompts."""
+def probe_config(cfg: DefaultRecipeConfig, recipe, probe: str, drafters: dict[str, Path], out: Path):
+    """The `eagle31.eval.mtbench` arguments that measure `drafters` on one probe (its report under out/<probe>)."""
+    from eagle31.data.prepare import template_kwargs
+    from eagle31.eval.mtbench import MTBenchConfig
+    from eagle31.targets import resolve_target_path
+
+    top_k, depth, total = cfg.tree_spec
+    return MTBenchConfig(
+        drafter=",".join(f"{label}={path}" for label, path in drafters.items()),
+        target=str(resolve_target_path(recipe.target)),
+        questions=cfg.questions,
+        ks=cfg.ks,
+        tree_top_k=top_k,
+        tree_depth=depth,
+        tree_total_tokens=total,
+        max_new_tokens=cfg.max_new_tokens,
+        max_per_category=cfg.max_per_category,
+        system_prompt=UNSEEN_SYSTEM if probe == "unseen_system" else None,
+        history=recipe.data.source[0] if probe == "long_history" else None,
+        history_tokens=cfg.history_tokens,
+        chat_template_kwargs=json.dumps(template_kwargs(recipe.data)),
+        device="cpu",
+        out=str(out / probe),
+    )
+
+
+def measured_alike(report: dict, config) -> bool:
+    """Whether an earlier MT-Bench report measured with `config`'s questions, modes and prompts."""
     from eagle31.targets.cache import portable_path
 
     s = report["settings"]
@@ -262,7 +298,7 @@ def measured_alike(report: dict, config, drafters: dict[str, Path]) -> bool:
         (s["history_tokens"], config.history_tokens if config.history else None),
         (set(s["modes"]), set(config.modes)),
     ]
-    return all(a == b for a, b in pairs) and set(drafters) <= {r["drafter"] for r in report["results"]}
+    return all(a == b for a, b in pairs)
 
 
 # ---------------------------------------------------------------------------- summarising
@@ -389,6 +425,7 @@ def default_recipe(cfg: DefaultRecipeConfig, overrides: list[str], command: str)
         out,
         lambda name: f" ({levers[name]})" if name in levers else "",
         {f"speculators-s{s}": lambda r: train_speculators(r, peer_lm_head=False) for s in cfg.seed_list},
+        reports=[f"{probe}/mt_bench.json" for probe in cfg.probe_list] if cfg.probes else None,
     )
     if not cfg.measure:
         return None

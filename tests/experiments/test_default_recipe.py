@@ -5,6 +5,7 @@ data and training tokens, and eagle31's levers; the recipes each side composes, 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -158,3 +159,24 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     assert main([*keys, *probes, *recipe]) == 0
     assert "kept (measured earlier): MT-Bench, unseen_system" in capsys.readouterr().err
     assert stamps == {p: (out / p / "mt_bench.json").stat().st_mtime_ns for p in stamps}
+
+    # another seed, in a later session that no longer holds seed 0's speculators run: that run is neither trained
+    # nor measured again; each probe measures the new seed's drafters and joins them to its earlier report
+    earlier = {p: json.loads((out / p / "mt_bench.json").read_text()) for p in ("mt_bench", "long_history")}
+    shutil.rmtree(runs / "speculators-s0")
+    capsys.readouterr()
+    from experiments.default_recipe.study import SMOKE
+
+    two_seeds = [f"{key}={value}" for key, value in {**SMOKE, "seeds": "0,1"}.items()] + keys[1:]  # not --smoke's seed
+    assert main([*two_seeds, *probes, *recipe]) == 0
+    err = capsys.readouterr().err
+    assert "skip (done): speculators-s0" in err and "train: speculators-s1" in err
+    assert "measure: MT-Bench, long_history: eagle31-s1, speculators-s1, eagle31-optimizer-muon-s1" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(len(row[side]["tau"]) == 2 for row in summary["acceptance"] for side in ("eagle31", "speculators"))
+    for probe, before in earlier.items():
+        report = json.loads((out / probe / "mt_bench.json").read_text())
+        assert report["settings"]["kept"] == ["speculators-s0"]
+        assert {r["drafter"] for r in report["results"]} == set(summary["training"])
+        seed0 = [r for r in report["results"] if r["drafter"].endswith("-s0")]
+        assert seed0 == before["results"]  # the earlier rows, unchanged
