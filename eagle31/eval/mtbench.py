@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -155,6 +156,14 @@ def trace_mt_bench(
     return turns
 
 
+def tokens_sha256(turns: Sequence[MTBenchTurn]) -> str:
+    """One sha256 over every turn's prompt and greedy continuation: reports that agree decoded alike."""
+    digest = hashlib.sha256()
+    for turn in turns:
+        digest.update(turn.trace.tokens.cpu().to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def evaluate_mt_bench(
     turns: Sequence[MTBenchTurn], proposer: Proposer, *, max_new_tokens: int, k: int | None = None,
     tree: TreeSpec | None = None, eos_token_ids: Sequence[int] = (),
@@ -232,6 +241,7 @@ def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> d
         history_tokens=config.history_tokens if config.history else None,
         verification="replayed on the target's greedy decoding of each turn",
         target_decoding_seconds=target_seconds,  # the results' `seconds` are the drafters' alone
+        target_tokens_sha256=tokens_sha256(next(iter(traces.values()))),
     )  # fmt: skip
     return {"settings": settings, "results": results}
 

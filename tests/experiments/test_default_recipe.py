@@ -180,3 +180,10 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
         assert {r["drafter"] for r in report["results"]} == set(summary["training"])
         seed0 = [r for r in report["results"] if r["drafter"].endswith("-s0")]
         assert seed0 == before["results"]  # the earlier rows, unchanged
+    # joined only to a report of the same decoding of the target: another one is refused by name
+    other = {**earlier["long_history"]}
+    other["settings"] = {**other["settings"], "target_tokens_sha256": "0" * 64}
+    (out / "long_history" / "mt_bench.json").write_text(json.dumps(other))
+    capsys.readouterr()
+    assert main([*two_seeds, *probes, *recipe]) == 2
+    assert "long_history/mt_bench.json: the target decoded the questions otherwise" in capsys.readouterr().err
