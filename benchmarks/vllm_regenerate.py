@@ -168,7 +168,11 @@ def compare(hf: list[dict], served: list[dict], target: Path, template_kwargs: d
     return result
 
 
-def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: int, log=print) -> dict:
+def run_case(
+    case: str, work: Path, concurrency: int, n: int, max_new_tokens: int, log=print, server_seqs: int | None = None
+) -> dict:
+    """One case: the HF backend, then the endpoint backend against `vllm serve` (`server_seqs` sequences at a time,
+    `concurrency` when None), killed once the first shard is written and started again."""
     (work / case).mkdir(parents=True, exist_ok=True)
     inputs = case_inputs(case, work, n)
     common = [
@@ -196,7 +200,10 @@ def run_case(case: str, work: Path, concurrency: int, n: int, max_new_tokens: in
     )
     hf_s = time.perf_counter() - started
     with VLLMServer(
-        inputs["target"], work / case, reasoning_parser=inputs["reasoning_parser"], max_num_seqs=concurrency
+        inputs["target"],
+        work / case,
+        reasoning_parser=inputs["reasoning_parser"],
+        max_num_seqs=server_seqs or concurrency,
     ) as server:
         log(f"{case}: vllm serve at {server.url}, {concurrency} requests in flight")
         # paid before the run: a slow first answer holds every shard back (none is written before it), and

