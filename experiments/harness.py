@@ -185,14 +185,7 @@ def measure_drafters(
     rows = {(r["drafter"], r["split"]): r for r in earlier["results"] if r["drafter"] in kept} if kept else {}
     rows.update({(r["drafter"], r["split"]): r for r in measured["results"]})
     report = {
-        "settings": {
-            **settings,
-            "drafter_sha256": {
-                label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label)
-                for label in drafters
-            },
-            "kept": sorted(label for label in kept if label not in sha256),
-        },
+        "settings": {**settings, **kept_settings(earlier, drafters, kept, sha256)},
         "results": [rows[(label, split)] for label in drafters for split in settings["data"]],
     }
     check_one_target_decoding(report, report_path)
@@ -220,6 +213,16 @@ def kept_measurements(earlier: dict | None, settings: dict, sha256: dict[str, st
         label
         for label in settings["drafters"]
         if label in measured and (label not in sha256 or recorded.get(label) == sha256[label])
+    }
+
+
+def kept_settings(earlier: dict | None, drafters: dict, kept: set[str], sha256: dict[str, str]) -> dict:
+    """A joined report's `drafter_sha256` (each drafter's; one no longer here as `earlier` recorded it) and `kept`
+    (the drafters measured earlier whose runs are no longer here)."""
+    recorded = earlier["settings"].get("drafter_sha256", {}) if earlier else {}
+    return {
+        "drafter_sha256": {label: sha256.get(label) or recorded.get(label) for label in drafters},
+        "kept": sorted(label for label in kept if label not in sha256),
     }
 
 

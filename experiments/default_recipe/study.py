@@ -56,6 +56,7 @@ from experiments.harness import (
     drafter_sha256,
     format_training,
     kept_measurements,
+    kept_settings,
     log_command,
     measure_drafters,
     report_body,
@@ -248,11 +249,7 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
                 "settings": {
                     **measured["settings"],
                     "drafters": {label: portable_path(path) for label, path in drafters.items()},
-                    "drafter_sha256": {
-                        label: sha256.get(label) or earlier["settings"].get("drafter_sha256", {}).get(label)
-                        for label in drafters
-                    },
-                    "kept": sorted(label for label in kept if label not in sha256),
+                    **kept_settings(earlier, drafters, kept, sha256),
                 },
                 "results": sorted(kept_rows + measured["results"], key=lambda r: list(drafters).index(r["drafter"])),
             }
