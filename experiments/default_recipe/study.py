@@ -18,8 +18,10 @@ recipe's budget, its linear schedule and 1% warm-up spread over those steps (as 
 
 `levers`: eagle31 runs that each change one recipe key of the default (`key=value`, comma-separated; a key
 without a section is train's: `optimizer=muon` is `train.optimizer=muon`), trained with the default's seeds on
-the same data and budget. A lever cannot change what every run shares (the data, the store, the vocabulary, the
-budget). Each is named `eagle31-<key>-<value>-s<seed>`.
+the same data and budget. A lever on the data or the draft vocabulary (`data.*`, `drafter.draft_vocab_size`) trains
+on data of its own, prepared (and captured) by its first seed under `runs/data-<key>-<value>`, on the same budget; a
+lever cannot change the budget, the target or the probes (`features.*`, `train.max_steps`, `target.*`, `eval.*`,
+`regenerate.*`). Each is named `eagle31-<key>-<value>-s<seed>`.
 
 Every drafter is read back by `eagle31.convert.load_drafter` and measured by one `eagle31.eval.acceptance` run on
 every `eval.data` split (greedy chains of `k`), or with `probes` on MT-Bench (`eagle31.eval.mtbench`, both turns):
@@ -100,8 +102,10 @@ SPECULATORS_SWITCHES = [
     "drafter.norm_output=true",
 ]
 PEER_SWITCHES = ("theirs", "eagle31")
-# what every run shares: a lever that changes it is not a change of the training
-SHARED = ("data.", "features.", "regenerate.", "target.", "eval.", "drafter.draft_vocab_size", "train.max_steps")
+# what every run shares: a lever that changes it is not a change of the training (the budget, the target, the probe)
+SHARED = ("features.", "regenerate.", "target.", "eval.", "train.max_steps")
+# a lever on these trains on data of its own: its first seed prepares it and captures its store under runs/data-<lever>
+OWN_DATA = ("data.", "drafter.draft_vocab_size")
 LIST_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside [...]: between levers, not inside a list value
 PROBES = ("mt_bench", "unseen_system", "long_history")
 UNSEEN_SYSTEM = "You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
@@ -156,7 +160,7 @@ class DefaultRecipeConfig(StudyConfig):
                 raise ConfigError(f"levers: {item!r} is not key=value")
             key = key if "." in key else f"train.{key}"
             if key.startswith(SHARED):
-                raise ConfigError(f"levers: {key} is what every run shares (the data, the store, the budget)")
+                raise ConfigError(f"levers: {key} is what every run shares (the budget, the target, the probes)")
             name = f"{key.removeprefix('train.')}-{re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('-')}"
             if name in levers:
                 raise ConfigError(f"levers: {item!r} given twice")
@@ -179,8 +183,8 @@ def run_recipes(cfg: DefaultRecipeConfig, overrides: list[str]) -> dict:
     the store the others read), speculators', then each lever."""
     runs = Path(cfg.runs)
 
-    def recipe(name: str, seed: int, run_overrides: list[str]):
-        return comparison_recipe(runs, runs / f"{name}-s{seed}", seed, cfg.max_steps, run_overrides)
+    def recipe(name: str, seed: int, run_overrides: list[str], data: Path = runs):
+        return comparison_recipe(data, runs / f"{name}-s{seed}", seed, cfg.max_steps, run_overrides)
 
     recipes = {}
     for seed in cfg.seed_list:
@@ -188,7 +192,8 @@ def run_recipes(cfg: DefaultRecipeConfig, overrides: list[str]) -> dict:
         theirs = speculators_overrides(cfg, overrides, ours.train.max_steps)
         recipes[f"speculators-s{seed}"] = recipe("speculators", seed, theirs)
         for name, lever in cfg.lever_overrides.items():
-            recipes[f"eagle31-{name}-s{seed}"] = recipe(f"eagle31-{name}", seed, [*overrides, lever])
+            data = runs / f"data-{name}" if lever.startswith(OWN_DATA) else runs
+            recipes[f"eagle31-{name}-s{seed}"] = recipe(f"eagle31-{name}", seed, [*overrides, lever], data)
     return recipes
 
 

@@ -51,6 +51,20 @@ def test_the_speculators_side_carries_their_defaults_on_the_same_budget(tmp_path
         assert (recipe.data.prepared_dir, recipe.features.store_dir) == (f"{tmp_path}/data", f"{tmp_path}/features")
         assert recipe.drafter.draft_vocab_size == ours.drafter.draft_vocab_size
     assert recipes["speculators-s1"].seed == 1 and recipes["eagle31-loss-lk_alpha-s1"].seed == 1
+    # a lever on the data or the draft vocabulary prepares its own, on the same budget
+    own = run_recipes(
+        DefaultRecipeConfig(runs=str(tmp_path), seeds="0,1", max_steps=150, levers="drafter.draft_vocab_size=512"),
+        ["recipe=demo"],
+    )
+    for seed in (0, 1):
+        vocab = own[f"eagle31-drafter.draft_vocab_size-512-s{seed}"]
+        assert (vocab.data.prepared_dir, vocab.features.store_dir) == (
+            f"{tmp_path}/data-drafter.draft_vocab_size-512/data",
+            f"{tmp_path}/data-drafter.draft_vocab_size-512/features",
+        )
+        assert (vocab.drafter.draft_vocab_size, vocab.train.max_steps) == (512, 150)
+        assert vocab.output_dir == f"{tmp_path}/eagle31-drafter.draft_vocab_size-512-s{seed}"
+    assert own["eagle31-s0"].data.prepared_dir == f"{tmp_path}/data"
     assert recipe_differences(ours, recipes["eagle31-optimizer-muon-s0"]) == {"train.optimizer": ["adamw", "muon"]}
     # peer_switches=eagle31: the drafters differ in the window only; no max_steps: the recipe's (demo: 300)
     same = run_recipes(DefaultRecipeConfig(runs=str(tmp_path), seeds="0", peer_switches="eagle31"), ["recipe=demo"])
@@ -74,8 +88,8 @@ def test_bad_keys_are_one_line(capsys):
 
     assert main(["levers=optimizer"]) == 2
     assert "levers: 'optimizer' is not key=value" in capsys.readouterr().err
-    assert main(["levers=data.max_len=128"]) == 2
-    assert "levers: data.max_len is what every run shares" in capsys.readouterr().err
+    assert main(["levers=features.tokens_per_batch=512"]) == 2
+    assert "levers: features.tokens_per_batch is what every run shares" in capsys.readouterr().err
     assert main(["levers=lr=1e-3,lr=1e-3"]) == 2
     assert "given twice" in capsys.readouterr().err
     assert main(["peer_switches=mine"]) == 2
@@ -95,7 +109,7 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
 
     peer_module("speculators")
     out, runs = tmp_path / "out", tmp_path / "runs"
-    keys = ["--smoke", "levers=optimizer=muon", f"out={out}", f"runs={runs}"]
+    keys = ["--smoke", "levers=optimizer=muon,drafter.draft_vocab_size=64", f"out={out}", f"runs={runs}"]
     recipe = ["--", *tiny_overrides(tiny_target, chats)]
     assert main([*keys, *recipe]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -109,7 +123,8 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     assert muon["ratio"] == pytest.approx(muon["mean"] / levers["default"]["mean"])
     assert levers["default"] == {k: row["eagle31"][k] for k in ("tau", "mean", "min", "max")}
     training = summary["training"]
-    assert set(training) == {"eagle31-s0", "speculators-s0", "eagle31-optimizer-muon-s0"}
+    vocab = "eagle31-drafter.draft_vocab_size-64"
+    assert set(training) == {"eagle31-s0", "speculators-s0", "eagle31-optimizer-muon-s0", f"{vocab}-s0"}
     assert {t["steps"] for t in training.values()} == {2}
     assert len({t["tokens_seen"] for t in training.values()}) == 1  # the same training tokens
     assert summary["budget"]["tokens_seen"] == training["eagle31-s0"]["tokens_seen"] and summary["budget"]["epochs"]
@@ -125,6 +140,10 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     theirs = load_drafter(runs / "speculators-s0" / "drafter").config
     assert (theirs.sliding_window, theirs.norm_before_fc, theirs.fc_norm) == (2048, True, False)
     assert "python -m experiments.default_recipe --smoke" in (out / "commands.sh").read_text()
+    # the vocabulary lever trained on data of its own: its prepared split and its draft vocabulary
+    assert load_drafter(runs / f"{vocab}-s0" / "drafter").config.draft_vocab_size == 64
+    assert (runs / "data-drafter.draft_vocab_size-64" / "data" / "report.json").is_file()
+    assert load_drafter(runs / "eagle31-s0" / "drafter").config.draft_vocab_size == 128
 
     # the same drafters on the MT-Bench probes: one report per probe, a split per probe and mode
     from experiments.default_recipe.study import UNSEEN_SYSTEM
@@ -171,7 +190,7 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     assert main([*two_seeds, *probes, *recipe]) == 0
     err = capsys.readouterr().err
     assert "skip (done): speculators-s0" in err and "train: speculators-s1" in err
-    assert "measure: MT-Bench, long_history: eagle31-s1, speculators-s1, eagle31-optimizer-muon-s1" in err
+    assert f"measure: MT-Bench, long_history: eagle31-s1, speculators-s1, eagle31-optimizer-muon-s1, {vocab}-s1" in err
     summary = json.loads((out / "summary.json").read_text())
     assert all(len(row[side]["tau"]) == 2 for row in summary["acceptance"] for side in ("eagle31", "speculators"))
     for probe, before in earlier.items():
