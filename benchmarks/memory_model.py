@@ -46,7 +46,7 @@ from benchmarks.measure import LiveTensorBytes, cpu_step_memory
 from benchmarks.report import write_result
 from benchmarks.train_step import BenchConfig, EagleStep
 from eagle31.errors import ConfigError
-from eagle31.estimate import GiB, estimate_memory
+from eagle31.estimate import GiB, RunMemory
 from eagle31_cli import parse_key_values, wants_help
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +194,7 @@ def cuda_point(overrides: dict, seq_len: int, checkpointing: bool) -> dict:
     step()
     step()
     peak = torch.cuda.max_memory_allocated(device) / GiB
-    est = estimate_memory(bench.drafter_config(), seq_len, TTT_LENGTH, activation_checkpointing=checkpointing)
+    est = RunMemory(bench.drafter_config(), TTT_LENGTH, activation_checkpointing=checkpointing).at(seq_len)
     del step
     gc.collect()
     torch.cuda.empty_cache()
@@ -215,7 +215,7 @@ def compare(name: str, spec: dict, log=lambda line: None, recorded: dict | None 
     for T in spec["seq_lens"]:
         t0 = time.perf_counter()
         m = recorded[T] if recorded else measure_point(spec["overrides"], T, checkpointing)
-        est = estimate_memory(cfg, T, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu")
+        est = RunMemory(cfg, TTT_LENGTH, activation_checkpointing=checkpointing, compute_bytes=4, device="cpu").at(T)
         measured = {
             "weights_and_optimizer_states": m["trainable_bytes"] + m["persistent_bytes"],
             "frozen_embedding": m["frozen_embedding_bytes"],

@@ -40,19 +40,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _trained_state(model: torch.nn.Module, optimizer) -> dict[str, dict]:
     """{"model", "optim"}: the state dicts a checkpoint holds (the frozen embedding left out)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -131,7 +118,10 @@ class CheckpointManager:
         barrier()
         with _quiet_single_process():
             dcp.save(_trained_state(model, optimizer), checkpoint_id=str(tmp))
-        atomic_save_safetensors(_rng_state(), tmp / f"rng_rank{self.world.rank}.safetensors", save_file)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        atomic_save_safetensors(rng, tmp / f"rng_rank{self.world.rank}.safetensors", save_file)
         barrier()
         if self.world.is_main:
             atomic_write_json(tmp / "trainer_state.json", trainer_state)
@@ -153,7 +143,10 @@ class CheckpointManager:
         )
         rng = path / f"rng_rank{self.world.rank}.safetensors"
         if rng.is_file():  # absent when resuming on more ranks than were saved
-            _set_rng_state(load_file(str(rng)))
+            saved = load_file(str(rng))
+            torch.set_rng_state(saved["cpu"])
+            if "cuda" in saved and torch.cuda.is_available():
+                torch.cuda.set_rng_state(saved["cuda"])
         return read_trainer_state(path)
 
 

@@ -1,5 +1,4 @@
-"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2-§3), saved in its
-`config.json`; `from_target_config` derives one from a target's HF config."""
+"""`DrafterConfig`: everything that defines an EAGLE 3.1 drafter (docs/design.md §2-§3), saved in its config.json."""
 
 from __future__ import annotations
 
@@ -77,8 +76,6 @@ class DrafterConfig:
                 setattr(self, kind.config_field, kind.own_config(value))
         self.validate()
 
-    # ------------------------------------------------------------------ derived
-
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
@@ -96,8 +93,6 @@ class DrafterConfig:
     def qk_head_dim(self) -> int:
         """Head dim of q and k: `head_dim` (Llama), `qk_nope_head_dim + qk_rope_head_dim` (MLA)."""
         return self.kind.qk_head_dim(self)
-
-    # --------------------------------------------------------------- validation
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):  # the sizes and counts
@@ -154,8 +149,6 @@ class DrafterConfig:
                 )
         self.kind.validate(self)
 
-    # ------------------------------------------------------------ construction
-
     @classmethod
     def from_target_config(cls, hf_config: Any, **overrides: Any) -> DrafterConfig:
         """A drafter for a target from its HF config (dict or object) and `overrides` (None: unset); docs/targets.md."""
@@ -207,8 +200,6 @@ class DrafterConfig:
                 f"hidden_size={hidden}"
             )
         return cls(**values)
-
-    # ----------------------------------------------------------- serialisation
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

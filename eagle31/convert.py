@@ -19,6 +19,7 @@ from eagle31.errors import ConfigError
 from eagle31.layouts import AUTO, NATIVE, Layout, layout_of_config, source_formats, source_layout
 from eagle31.layouts.layout import VLLM_PREFIX
 from eagle31.model import NATIVE_FORMAT, Eagle31Drafter, load_checked_state, read_native_config, read_safetensors
+from eagle31.vocab import vocab_maps
 
 # formats whose aux ids mean "output of layer k" (= vLLM id k + 1)
 _OUTPUT_OF_LAYER_IDS = ("specforge", "torchspec")
@@ -230,11 +231,9 @@ def _load_weights(drafter: Eagle31Drafter, state: dict[str, torch.Tensor], path:
     if d2t is None and t2d is None:
         d2t, t2d = torch.zeros(cfg.draft_vocab_size, dtype=torch.long), torch.ones(cfg.vocab_size, dtype=torch.bool)
     elif d2t is None:
-        ids = t2d.bool().nonzero().squeeze(1)
-        d2t = ids - torch.arange(ids.numel())
+        d2t, _ = vocab_maps(t2d.bool().nonzero().squeeze(1), t2d.numel())
     elif t2d is None:
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(d2t.numel()) + d2t.long()] = True
+        _, t2d = vocab_maps(torch.arange(d2t.numel()) + d2t.long(), cfg.vocab_size)
     try:
         drafter.set_vocab(d2t.long(), t2d.bool())
     except ConfigError as e:

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -75,9 +75,7 @@ def init_world(device: str = "auto", rank_timeout_s: float | None = None) -> Wor
         raise ConfigError(f"train.rank_timeout_s must be positive, got {rank_timeout_s}")
     dev = resolve_device(device, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        init_process_group(dev)
     elif dev.type == "cuda":
         ensure_single_process_group(dev)  # FSDP2 (mixed precision) runs on one GPU too
     watch = None
@@ -95,19 +93,27 @@ def rendezvous_store(timeout_s: float) -> dist.Store:
     return dist.PrefixStore(f"eagle31/ranks/{launch}/", client)
 
 
+def init_process_group(device: torch.device, **init) -> None:
+    """The process group, NCCL on CUDA (with `device` current), gloo on CPU; `init`: `dist.init_process_group`'s."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, **init)
+
+
 def ensure_single_process_group(device: torch.device) -> None:
     """A one-process group on localhost (NCCL on CUDA, gloo on CPU), for FSDP2 or collectives without torchrun."""
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init = f"tcp://127.0.0.1:{port}"
-    if device.type != "cuda":
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-        return
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=init, rank=0, world_size=1, device_id=device)
+    if not dist.is_initialized():
+        init_process_group(device, init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0, world_size=1)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on this node now."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def close_world(world: World | None = None, left: str = "finished") -> None:

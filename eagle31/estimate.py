@@ -28,14 +28,12 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
     """The drafter's parameters, built on the meta device."""
     with torch.device("meta"):
         model = Eagle31Drafter(cfg)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return ParamCounts(trainable=trainable, frozen_embedding=model.embed_tokens.weight.numel())
+    return ParamCounts(sum(p.numel() for p in model.parameters() if p.requires_grad), model.embed_tokens.weight.numel())
 
 
 def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list[int]:
     """Per TTT step k, the (query, key) pairs its attention scores over one document of T positions: the step-0
-    keys of positions max(0, p + k - W + 1) .. p for the query at p (all of 0..p without a window), plus its k
-    chain keys."""
+    keys max(0, p + k - W + 1) .. p of the query at p (0..p without a window), and its k chain keys."""
     T, pairs = seq_len, []
     for k in range(ttt_length):
         n = T if window is None else min(T, window - k)  # the most step-0 keys a query sees
@@ -44,8 +42,7 @@ def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list
 
 
 def step_flops(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> int:
-    """Model FLOPs of one training step on one sequence of T = `seq_len` tokens (one document): matmuls only,
-    backward twice the forward, no recomputation or labels (docs/performance.md)."""
+    """Model FLOPs of a training step on one document of T = `seq_len` tokens (docs/performance.md: matmuls only)."""
     T, K, H = seq_len, ttt_length, cfg.hidden_size
     fc = 2 * 2 * T * cfg.fc_in_features * H  # its input needs no gradient: forward + weight gradient
     projections = cfg.kind.attention_parameters(cfg)  # 2 FLOPs a weight a token (an MLA's two norms too: < 0.1%)
@@ -135,8 +132,3 @@ class RunMemory:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
         return lo * 1024
-
-
-def estimate_memory(cfg: DrafterConfig, seq_len: int, ttt_length: int, **options) -> dict[str, float]:
-    """`RunMemory(cfg, ttt_length, **options).at(seq_len)`."""
-    return RunMemory(cfg, ttt_length, **options).at(seq_len)

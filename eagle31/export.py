@@ -61,13 +61,11 @@ def export_tensors(
     full_vocab = drafter.config.draft_vocab_size == drafter.config.vocab_size
     out = {}
     for name, tensor in drafter.state_dict().items():
-        if full_vocab and name in VOCAB_MAPS:
+        embed = name == "embed_tokens.weight"
+        if (full_vocab and name in VOCAB_MAPS) or (embed and not with_embed):
             continue
-        if name == "embed_tokens.weight":
-            if not with_embed:
-                continue
-            if not tensor.any():
-                raise ConfigError(_missing_embed_message(drafter.config, layout, include_embed))
+        if embed and not tensor.any():
+            raise ConfigError(_missing_embed_message(drafter.config, layout, include_embed))
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point():
             tensor = tensor.to(torch_dtype)

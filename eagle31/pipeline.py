@@ -1,7 +1,4 @@
-"""One run of a recipe, end to end: plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report.
-
-`run(cfg)` is what `train/main.py` calls; `train_run` lists the steps, one function each; the run directory:
-docs/training.md."""
+"""One run of a recipe (`run`): plan -> prepare -> features -> drafter -> train -> export -> evaluate -> report."""
 
 from __future__ import annotations
 
@@ -73,9 +70,6 @@ def hold_run_dir(plan: RunPlan):
     with hold_lock(plan.run_dir):
         check_run_dir(plan)  # again, under the lock: a run may have started since the first check
         yield
-
-
-# ---------------------------------------------------------------------------- the run
 
 
 def train_run(plan: RunPlan) -> dict | None:
@@ -332,8 +326,7 @@ def finish_run(
 
 
 def acceptance_config(cfg, run_dir: Path, target_dir: Path, device: str):
-    """The `AcceptanceConfig` of a run's acceptance measurement (its drafter, `eval.*`, prompts rendered as for
-    training): what `finish_run` measures, and what another measurement of that run repeats."""
+    """The `AcceptanceConfig` of a run's drafter (`eval.*`, prompts rendered as for training), as `finish_run`'s."""
     from eagle31.eval.acceptance import AcceptanceConfig
 
     return AcceptanceConfig(

@@ -121,8 +121,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
 def check_sequence_parallel(cfg, world: World) -> None:
     """`train.sequence_parallel`: >= 1, divides the world size (the planned one in a dry run), and a kernel that
-    takes a sequence shard's queries. A length that N does not divide, or shorter than N (K + 1), is padded
-    at the end (`eagle31.sequence_parallel.shard_length`), so it is no refusal."""
+    takes a sequence shard's queries (any length is padded to the shards, not refused: `shard_length`)."""
     n = cfg.train.sequence_parallel
     ranks = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size > 0 else world.world_size
     if n < 1 or ranks % n:

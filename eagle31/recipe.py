@@ -1,6 +1,4 @@
-"""The run configuration Hydra composes: `RunConfig`, made of each component's own section (a dataclass beside the
-code that reads it) and the sections that only compose; `load_recipe` composes `recipes/config.yaml`, a recipe and
-overrides, refusing an unknown field or choice in one line."""
+"""The run configuration Hydra composes (`RunConfig`, docs/design.md §8), `load_recipe` and the `--help` texts."""
 
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ from eagle31.metrics_log import WandbMode
 from eagle31.target import Dtype
 from eagle31.targets import TargetConfig
 from eagle31.trainer import TrainConfig
-
-# ---------------------------------------------------------------------------- sections
 
 
 @dataclass
@@ -80,8 +76,7 @@ class EngineConfig:
     request_timeout_s: float = 600.0
     load_timeout_s: float = 3600.0  # a worker that has not loaded the target in this long is taken for dead
     placement_timeout_s: float = 600.0  # a worker Ray finds no room for (its CPUs, GPUs) in this long stops the run
-    # dry run: the metrics.jsonl of an engine run whose measured rates size the workers
-    rates_from: Optional[str] = None
+    rates_from: Optional[str] = None  # dry run: the metrics.jsonl of an engine run whose rates size the workers
     # worker=vllm: more arguments of each worker's vllm.LLM, e.g. {gpu_memory_utilization: 0.85} or, on CPU,
     # {kv_cache_memory_bytes: 1073741824} (vLLM's CPU build otherwise reserves most of the RAM)
     vllm_args: dict[str, Any] = field(default_factory=dict)
@@ -256,9 +251,6 @@ def load_recipe(recipes_dir: str | Path, overrides: Sequence[str]) -> Any:
             cfg = compose(config_name="config", overrides=list(overrides))
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        key = re.search(r" full_key: (\S+)", " ".join(str(e).split()))
-        if key:  # a recipe file still spelling a renamed field
-            _refuse_renamed(key.group(1))
         raise ConfigError(_one_line(e)) from None
     return cfg
 
@@ -338,8 +330,7 @@ def section_doc(section: type) -> str:
 
 
 def field_rows(owner: type, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
-    """(dotted name, field, type hint, one-line meaning) of every field of `owner`, a nested section's fields after
-    its own row; the meaning is the comment on or directly above the field where its class declares it."""
+    """(dotted name, field, type hint, `field_help` meaning) of `owner`'s fields, a nested section's after its row."""
     meanings = field_help(owner)
     hints = typing.get_type_hints(owner)
     rows = []
@@ -425,20 +416,20 @@ def _value_text(value: Any) -> str:
 
 
 def _describe_field(owner: type, f: Any) -> str:
-    """`name`, `name={a|b}` for a choice, `name.{x, y}` for a nested section."""
+    """`name`, `name={a|b}` for a choice (or a list of them), `name.{x, y}` for a nested section."""
     kind = _unwrap(typing.get_type_hints(owner)[f.name])
-    kind = (typing.get_args(kind) or [kind])[0]  # a list's items
     if dataclasses.is_dataclass(kind):
         return f"{f.name}.{{{', '.join(g.name for g in dataclasses.fields(kind))}}}"
-    if isinstance(kind, type) and issubclass(kind, StrEnum):
-        return f"{f.name}={{{'|'.join(m.value for m in kind)}}}"
-    return f.name
+    choices = _type_name(kind).removeprefix("list of ")
+    return f"{f.name}={choices}" if choices.startswith("{") else f.name
 
 
 def _one_line(e: BaseException) -> str:
+    """Hydra's error as one line naming the field; a recipe file still spelling a renamed field is refused so."""
     cause = "" if e.__cause__ is None or str(e.__cause__) in str(e) else str(e.__cause__)
     text = " ".join(f"{e} {cause}".split())
-    key = re.search(r" full_key: (\S+)", text)
+    if key := re.search(r" full_key: (\S+)", text):
+        _refuse_renamed(key.group(1))
     for noise in (r" To append to your config use \S+", r" (full_key|key): \S+.*$", r" Config search path:.*$"):
         text = re.sub(noise, "", text)
     if key and key.group(1) not in text:  # a bad value in a recipe file: name the field it is for

@@ -109,8 +109,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def deepseek_yarn_scales(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float, float]:
-    """(extrapolation factor, cos/sin magnitude, softmax-scale factor) of vLLM `release`'s MLA layer for a yarn block
-    (docs/export.md, "Where the two releases differ")."""
+    """(extrapolation, cos/sin magnitude, softmax-scale factor) of vLLM `release`'s MLA yarn (docs/export.md)."""
     factor = float(rope["factor"])
     read = DEEPSEEK_YARN_FIELDS_READ[release]
     if "apply_yarn_scaling" in read:
@@ -142,15 +141,12 @@ def ambiguity(
 
 
 def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[float, float]:
-    """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer (docs/export.md, where the
-    releases differ)."""
+    """(extrapolation factor, cos/sin magnitude) of vLLM `release`'s YaRN in a Llama layer (docs/export.md)."""
     factor, read = float(rope["factor"]), YARN_FIELDS[release]
     extrapolation = float(rope.get("extrapolation_factor", 1.0)) if "extrapolation_factor" in read else 1.0
     if "attn_factor" in read:  # 0.22.0
-        attn_factor = float(rope.get("attn_factor", 1.0))
-        return extrapolation, (
-            yarn_mscale(factor) * attn_factor if rope.get("apply_yarn_scaling", True) else attn_factor
-        )
+        scaling = yarn_mscale(factor) if rope.get("apply_yarn_scaling", True) else 1.0
+        return extrapolation, scaling * float(rope.get("attn_factor", 1.0))
     if rope.get("attention_factor") is not None:
         return extrapolation, float(rope["attention_factor"])
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")

@@ -46,8 +46,7 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
 
 
 def remote_code(path: str | Path) -> str | None:
-    """What of the target at `path` (a model directory or its config.json) only code shipped with it loads: a
-    model_type transformers lacks, named in `auto_map`, or a tokenizer class of its own (Kimi's tiktoken)."""
+    """What of the target at `path` (a directory or its config.json) only its own code (`auto_map`) loads, or None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
@@ -192,20 +191,15 @@ def _sampled_tensors(path: Path) -> dict[str, bytes]:
         out = {}
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):  # reads in file order
             begin, end = entry["data_offsets"]
+            size, window, n = end - begin, _FINGERPRINT_WINDOW, _FINGERPRINT_WINDOWS
+            if size <= window * n:  # a small tensor is read whole; else n windows, its first and last bytes included
+                window, n = size, 1
             sampled = [f"{entry['dtype']}{entry['shape']}".encode()]
-            for start, size in _sampled_places(begin, end):
-                f.seek(8 + length + start)
-                sampled.append(f.read(size))
+            for i in range(n):
+                f.seek(8 + length + begin + (size - window) * i // max(n - 1, 1))
+                sampled.append(f.read(window))
             out[name] = b"".join(sampled)
     return out
-
-
-def _sampled_places(begin: int, end: int) -> list[tuple[int, int]]:
-    """(offset, size) of the windows read from a tensor stored at [begin, end): evenly spaced, first and last."""
-    size, window, n = end - begin, _FINGERPRINT_WINDOW, _FINGERPRINT_WINDOWS
-    if size <= window * n:
-        return [(begin, size)]
-    return [(begin + (size - window) * i // (n - 1), window) for i in range(n)]
 
 
 def tokenizer_fingerprint(target_dir) -> str:

@@ -1,5 +1,4 @@
-"""The training loop: batch -> TTT unroll + loss -> backward -> clip -> step -> log; the loss is the mean over the
-global batch, from counts all-reduced before any forward (docs/design.md §4)."""
+"""The training loop: batch -> TTT unroll + loss (global batch mean, docs/design.md §4) -> backward -> step -> log."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class TrainConfig:
     down_sample_ratio_min: float = 0.2  # the floor of that share (down_sample_ratio's min)
     attention_kernel: AttentionBackend = AttentionBackend.auto  # the TTT attention's kernel (eagle31.kernels)
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
-    # ranks that split each sequence between them (eagle31/sequence_parallel/); divides the world size
-    sequence_parallel: int = 1
+    sequence_parallel: int = 1  # ranks that split each sequence (eagle31/sequence_parallel/); divides the world size
     compile: bool = False  # torch.compile the drafter's norms and MLP (GPU)
     device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
     precision: Precision = Precision.auto  # compute dtype; auto: bf16 on GPU (fp32 master weights), fp32 on CPU
@@ -132,8 +130,7 @@ class TrainState:
     tokens_seen: int = 0
     nonfinite_streak: int = 0
     train_seconds: float = 0.0
-    # the checkpoint of `step` was written before that step's evaluation: a resumed run does it first
-    eval_due: bool = False
+    eval_due: bool = False  # `step`'s checkpoint was written before its evaluation: a resumed run evaluates first
 
 
 def shard_for_training(objective: DrafterObjective, world: World, compute_dtype: torch.dtype) -> nn.Module:
@@ -189,8 +186,7 @@ class Trainer:
         compute_dtype: torch.dtype,
         sequence: SequenceGroup | None = None,
     ):
-        """`sequence`: this rank's place in the (data × sequence) mesh; default `sequence_group(world,
-        train.sequence_parallel)` (the loaders split batches over its data axis)."""
+        """`sequence`: this rank's place in the (data × sequence) mesh; default from `train.sequence_parallel`."""
         self.cfg = train
         self.visibility = drafter.visibility
         self.sequence = sequence or sequence_group(world, train.sequence_parallel)
@@ -208,8 +204,6 @@ class Trainer:
         self.anchor = Anchor(self.trained, train.anchor_weight) if train.anchor_weight > 0 else None
         self.checkpoints = CheckpointManager(Path(run_dir) / "checkpoints", world, keep_last=train.keep_last)
         self.state = TrainState()
-
-    # ------------------------------------------------------------------ steps
 
     def _prepare(self, batch: FeatureBatch, draw: int | None = None):
         args = (self.cfg, self.target, self.world.device, self.compute_dtype, self.sequence, self.visibility, draw)
@@ -281,8 +275,6 @@ class Trainer:
         loss_sum, counters = self._summed(stats)
         return {"loss": float(weighted_loss(loss_sum, counters[0], self.cfg.ttt_decay)), **ttt_metrics(counters)}
 
-    # ------------------------------------------------------------------ checkpoints
-
     def save_checkpoint(self) -> Path:
         """Every rank's data position and consumed record (`data_ranks`; `data` is rank 0's) with the weights."""
         data = all_gather_objects(self.train_loader.state_dict())
@@ -298,15 +290,13 @@ class Trainer:
             ranks[self.world.rank] if len(ranks) == self.world.world_size else saved["data"]
         )
 
-    # ------------------------------------------------------------------ the loop
-
     def fit(self, logger: RunLogger, stop: StopSignals | None = None) -> dict[str, float]:
         """Train to `max_steps`; return the final held-out metrics (`stop`: preemption, docs/reliability.md)."""
         cfg, state = self.cfg, self.state
         if state.eval_due and state.step < cfg.max_steps:
             self._log_evaluation(logger)
         stream = chain.from_iterable(repeat(self.train_loader))  # epochs; the loader keeps its position for checkpoints
-        window = dict.fromkeys(("tokens", "samples", "wait_s", "steps"), 0.0)
+        window: list[tuple[float, float, float]] = []  # (tokens, samples, wait_s) of each step since the last log
         window_start = time.perf_counter()
         while state.step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -324,13 +314,10 @@ class Trainer:
                     )
             state.step += 1
             state.tokens_seen += int(result["tokens"])
-            window["tokens"] += result["tokens"]
-            window["samples"] += result["samples"]
-            window["wait_s"] += waited
-            window["steps"] += 1
+            window.append((result["tokens"], result["samples"], waited))
             if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
                 logger.log(state.step, self._window_metrics(result, window, time.perf_counter() - window_start))
-                window = dict.fromkeys(window, 0.0)
+                window = []
                 window_start = time.perf_counter()
             rate = result["tokens"] / max(time.perf_counter() - t0, 1e-9)
             logger.advance(
@@ -377,16 +364,17 @@ class Trainer:
             return None
         return stop.received.name if stop.received else "a signal that another rank received"
 
-    def _window_metrics(self, result: dict, window: dict, elapsed: float) -> dict[str, float]:
+    def _window_metrics(self, result: dict, window: list, elapsed: float) -> dict[str, float]:
         """The last step's metrics, rates over the window of steps (docs/engine.md), (rank 0) the feature source's."""
         metrics = {k: v for k, v in result.items() if k not in ("finite", "tokens", "samples")}
+        tokens, samples, wait_s = (sum(column) for column in zip(*window))
         metrics.update(
             **self.optimizers.lrs(),
-            tokens_per_s=window["tokens"] / max(elapsed, 1e-9),
+            tokens_per_s=tokens / max(elapsed, 1e-9),
             tokens_seen=self.state.tokens_seen,
-            samples_per_s=window["samples"] / max(elapsed, 1e-9),
-            capacity_samples_per_s=window["samples"] / max(elapsed - window["wait_s"], 1e-9),
-            wait_s=window["wait_s"] / window["steps"],
+            samples_per_s=samples / max(elapsed, 1e-9),
+            capacity_samples_per_s=samples / max(elapsed - wait_s, 1e-9),
+            wait_s=wait_s / len(window),
         )
         logged = {f"train/{k}": v for k, v in metrics.items()}
         source_metrics = getattr(getattr(self.train_loader, "source", None), "metrics", None)

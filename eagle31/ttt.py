@@ -1,5 +1,4 @@
-"""The memory-lean training-time-test unroll: `Eagle31Drafter.unroll` (eagle31/model.py, the spec) in memory
-linear in T (docs/design.md §4), held to the spec by tests/test_reference.py."""
+"""`Eagle31Drafter.unroll` (eagle31/model.py, the spec) in memory linear in T (docs/design.md §4; test_reference.py)."""
 
 from __future__ import annotations
 

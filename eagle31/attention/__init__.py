@@ -1,6 +1,5 @@
-"""The drafter's attention kinds (`drafter.attention`): Llama's q/k/v (llama.py) and DeepSeek's MLA (mla.py).
-What differs between them lives on each kind's `AttentionKind`, which the rest of eagle31 asks instead of comparing
-names; a new kind is its module and its line in `KINDS` (CONTRIBUTING.md)."""
+"""The drafter's attention kinds (`drafter.attention`): Llama's q/k/v (llama.py) and DeepSeek's MLA (mla.py); what
+differs between them lives on each kind's `AttentionKind`, which the rest of eagle31 asks instead of comparing names."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it:
-`eagle31.model` (`attention`), `eagle31.config` (`validate`, `qk_head_dim`, `from_target`), `eagle31.estimate`
-(`attention_parameters`, `o_proj_in_features`), export and convert (`rope_ambiguity`, `layer_fields`, `recognises`,
-`read_layer`). The module a kind builds (`attention`) is what the drafter's layer calls: `query`, `query_entry`,
-`step0_keys_values`, `chain_keys_values` (each step's entry, its keys and values) and `output`."""
+"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it. The module
+a kind builds (`attention`) is what the drafter's layer calls: `query`, `query_entry`, `step0_keys_values`,
+`chain_keys_values` (each step's entry, its keys and values) and `output`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Llama attention (`drafter.attention=llama`): q/k/v projections of the 2H-wide input and vLLM's rope for the
-layer (`eagle31.rope`), as vLLM's `LlamaForCausalLMEagle3` computes them."""
+"""Llama attention (`drafter.attention=llama`): q/k/v of the 2H-wide input, as vLLM's `LlamaForCausalLMEagle3`."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from eagle31.rope import YARN_FIELDS, check_rope, for_llama_drafter, inverse_fre
 
 
 class LlamaAttention(nn.Module):
-    """Projections of the EAGLE 3 (Llama) attention, q/k/v reading the 2H-wide input; the attention itself (which keys
-    a query sees, over several TTT steps) is `eagle31.kernels`."""
+    """Projections of the EAGLE 3 (Llama) attention, q/k/v reading the 2H-wide input (attending: `eagle31.kernels`)."""
 
     def __init__(self, config: DrafterShape):
         super().__init__()

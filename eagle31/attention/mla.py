@@ -197,8 +197,7 @@ class MLAAttentionKind(AttentionKind):
         return bool(set(layer.get("architectures") or ()) & set(MLA_ARCHITECTURES)) or "kv_lora_rank" in layer
 
     def read_layer(self, layer: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """transformers' `DeepseekV3Config` reading (defaults included), as vLLM reads it; every head its own key
-        and value."""
+        """transformers' `DeepseekV3Config` reading (defaults included), as vLLM reads it; a key and value per head."""
         from transformers import DeepseekV3Config
 
         if not layer.get("q_lora_rank"):

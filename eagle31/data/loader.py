@@ -109,16 +109,9 @@ class FeatureLoader:
         return pack(samples) if self.batching == "pack" else pad(samples)
 
     def state_dict(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "world_size": self.world_size,
-            "seed": self.seed,
-            "batching": self.batching,
-            "tokens_per_batch": self.tokens_per_batch,
-            "num_samples": len(self.source.sample_ids),
-            "consumed": dict(self.consumed),
-        }
+        keys = ("epoch", "position", "world_size", "seed", "batching", "tokens_per_batch")
+        state = {k: getattr(self, k) for k in keys}
+        return {**state, "num_samples": len(self.source.sample_ids), "consumed": dict(self.consumed)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position (on another world size: the same global batch if it divides, a new record)."""

@@ -18,8 +18,7 @@ class OnlineFeatures:
 
     def __init__(self, model: nn.Module, dataset, aux_layer_ids: Sequence[int], *, batch_tokens: int = 8192):
         """model: the target (eval mode, on its device); batch_tokens: padded tokens per target forward."""
-        self.dataset = dataset
-        self.batch_tokens = batch_tokens
+        self.dataset, self.batch_tokens = dataset, batch_tokens
         self._feats = TargetFeatures(model, aux_layer_ids)
         head = model.get_output_embeddings().weight  # [V, Ht]
         self.hidden_size = head.shape[1]

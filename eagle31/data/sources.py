@@ -13,8 +13,7 @@ from eagle31.errors import ConfigError
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
          "gpt": "assistant", "tool": "tool", "function": "tool", "observation": "tool"}  # fmt: skip
 SUFFIXES = (".jsonl", ".json", ".parquet")
-# Reasons that reject a whole source rather than one record.
-FILE_REASONS = ("missing_file", "unreadable_file")
+FILE_REASONS = ("missing_file", "unreadable_file")  # reasons that reject a whole source rather than one record
 # Source names -> the wheel file they stand for (eagle31.packaged).
 PACKAGED_SOURCES = {"sharegpt:": "sharegpt_path", "mtbench:": "mt_bench_path"}
 
@@ -28,8 +27,7 @@ class BadInput(Exception):
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -362,7 +360,7 @@ _FILE_READERS = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _
 
 def resolve_sources(sources) -> list[str]:
     """Source paths (one or a list); `demo:<split>` names a split of the demo corpus (built with the demo target)."""
-    from eagle31.targets import demo_corpus_dir
+    from eagle31.targets.demo import demo_corpus_dir
 
     return [
         str(demo_corpus_dir() / f"{s.removeprefix('demo:')}.jsonl") if s.startswith("demo:") else s

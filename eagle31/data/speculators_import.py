@@ -49,7 +49,6 @@ def hidden_state_files(hs_dir: str | Path) -> dict[int, Path]:
 
 def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
     """The target's final RMSNorm weight `[Ht]` (`model.norm.weight`, also under a multimodal prefix)."""
-    target_dir = Path(target_dir)
     weight = read_target_tensor(target_dir, ("model.norm.weight",), required=False)
     if weight is None:
         raise ConfigError(f"target {target_dir}: no final norm weight (model.norm.weight) in its safetensors")

@@ -71,15 +71,7 @@ class StoreHeader:
         return len(self.aux_layer_ids) * self.hidden_size
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
-
-
-def plan_shards(sample_ids: np.ndarray, lengths: np.ndarray, shard_max_tokens: int) -> list[np.ndarray]:
-    """Sample ids per shard: sorted by (length, id), cut at `shard_max_tokens` (a longer sample gets its own shard)."""
-    order = np.lexsort((sample_ids, lengths))
-    return [sample_ids[order[run]] for run in next_fit(lengths[order], shard_max_tokens)]
+        return {**dataclasses.asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
 
 
 def shard_name(index: int) -> str:
@@ -127,7 +119,8 @@ class StoreWriter:
         self.root, self.header = Path(root), header
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
-        self.plan = plan_shards(sample_ids, lengths, shard_max_tokens)
+        order = np.lexsort((sample_ids, lengths))  # the plan: sorted by (length, id), cut at shard_max_tokens
+        self.plan = [sample_ids[order[run]] for run in next_fit(lengths[order], shard_max_tokens)]
         digest = hashlib.sha256(np.stack([sample_ids, lengths]).tobytes()).hexdigest()
         self.manifest_head = {
             "format_version": FORMAT_VERSION,
@@ -337,14 +330,14 @@ class FeatureStore:
         return self._open[name]
 
     def _corrupt(self, record: dict, reason: str) -> None:
+        where = self.root / record["file"]
         if not self.skip_corrupt:
             raise CorruptShardError(
-                f"corrupt shard {self.root / record['file']}: {reason}; "
+                f"corrupt shard {where}: {reason}; "
                 "recapture it (delete the shard and its .json, rerun capture) or set features.skip_corrupt=true"
             )
         self.corrupt_shards.append(record["file"])
         self.skipped_samples += record["samples"]
-        where = self.root / record["file"]
         print(f"warning: skipping corrupt shard {where} ({reason}): {record['samples']} samples", file=sys.stderr)
 
 

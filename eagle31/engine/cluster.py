@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -90,10 +90,9 @@ class RaySession(NamedTuple):
 
 @contextmanager
 def ray_session(
-    address: str | None, num_cpus: int | None, auth_mode: str | None = None, gpus: list[str] | None = None
+    address: str | None, num_cpus: int | None, auth_mode: str | None = None, gpus: Sequence[str] = ()
 ) -> Iterator[RaySession]:
     """Join the cluster at `address` (with its `auth_mode`), or start one here with `num_cpus` CPUs and GPUs `gpus`."""
-    gpus = gpus or []
     if auth_mode and AUTH_MODE not in os.environ:
         os.environ[AUTH_MODE] = auth_mode  # read by Ray when it is imported, so before that
     ray = import_ray()
@@ -129,7 +128,7 @@ def ray_session(
 
 
 @contextmanager
-def visible_gpus(ids: list[str]) -> Iterator[None]:
+def visible_gpus(ids: Sequence[str]) -> Iterator[None]:
     """CUDA_VISIBLE_DEVICES set to `ids` for the processes started meanwhile; as it was afterwards."""
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle31.data.batch import TOKEN_COLUMNS, Sample
-from eagle31.data.capture import prepared_rows
+from eagle31.data.batch import Sample
+from eagle31.data.capture import as_samples, prepared_rows
 from eagle31.data.store import prepared_lengths
 from eagle31.distributed import broadcast_object
 from eagle31.engine.cluster import (
@@ -108,15 +108,13 @@ class EngineFeatures:
         computed = self.transport.receive(handles, layouts, _get)  # per request: [(aux [T, n*Ht], final [T, Ht])]
         self.transport.consumed(self.pool, handles)
         feats = {p: f for (positions, _), part in zip(reply, computed) for p, f in zip(positions, part)}  # by position
-        out = []
-        for p, (i, row) in enumerate(zip(ids, prepared_rows(self.dataset, ids))):  # row: TOKEN_COLUMNS, ids first
-            aux, final = feats[p]
+        features = [feats[p] for p in range(len(ids))]
+        rows = prepared_rows(self.dataset, ids)  # TOKEN_COLUMNS, input ids first
+        for i, row, (aux, final) in zip(ids, rows, features):
             T = len(row[0])
             if aux.shape[0] != T or final.shape[0] != T:
                 raise EngineError(f"sample {i}: the engine sent features of {aux.shape[0]} tokens for its {T}")
-            columns = {name: torch.tensor(values, dtype=torch.long) for name, values in zip(TOKEN_COLUMNS, row)}
-            out.append(Sample(**columns, aux=aux, final=final))
-        return out
+        return as_samples(rows, features)
 
 
 @dataclass
@@ -144,10 +142,6 @@ class FeatureEngine:
 
     def start(self, loader) -> None:
         """Start the stream where the rank's training `loader` resumes, once every worker has loaded the target."""
-        if loader.world_size != self.data_size:
-            raise ValueError(
-                f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
-            )
         state = loader.state_dict()
         self.transport.open()  # a store this rank cannot join stops it here, before training
         start = self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"])
@@ -224,8 +218,7 @@ def mooncake_store(e) -> Iterator[MooncakeAddress]:
 
 
 def run_transport(plan, store: MooncakeAddress | None):
-    """How the run's training features travel: Ray's store, or the Mooncake store at `store`, whose segment holds
-    `pool_tokens` of features, or the largest micro-batch or row if that is more."""
+    """How the run's training features travel: Ray's store, or the Mooncake store at `store` (the pool's segment)."""
     if store is None:
         return ObjectStoreTransport()
     cfg = plan.cfg
@@ -271,8 +264,7 @@ def create_pool(plan, prepared: Path, name: str, aux_ids: tuple[int, ...], data_
 
 
 def pool_actor(settings, kind: type, spec, expected: dict, name: str | None = None):
-    """A `FeaturePool` actor on this node (it reads the prepared splits here) with `settings.workers` workers of
-    `kind` (an `InferenceWorker` class); every actor imports this process's eagle31."""
+    """A `FeaturePool` actor on this node (it reads the prepared splits) with `settings.workers` workers of `kind`."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from eagle31.engine.pool import FeaturePool, spawn_worker

@@ -444,8 +444,7 @@ class FeaturePool:
         return f"it asks for {_resources(asked)}; the cluster has {has}, {free} free: {advice}"
 
     async def _answer(self, slot: Slot, send, setting: str, sent=None):
-        """The answer of `slot`'s worker to `send()` (`sent`: its first call, already sent), sent again while Ray finds
-        the worker briefly unreachable; NoAnswer once the worker has answered nothing for `settings.<setting>` s."""
+        """The answer of `slot`'s worker to `send()` (`sent`: the first call, already sent), resent if unreachable."""
         limit = getattr(self.settings, setting)
         since = time.monotonic()
         answer = _future(send() if sent is None else sent)

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from eagle31.distributed import free_ports
 from eagle31.errors import ConfigError, EngineError
 
 
@@ -60,8 +61,7 @@ def import_store():
 
 
 def check_transport(e) -> None:
-    """`features.engine` (`e`) with transport=mooncake: Mooncake importable (the wheel, libibverbs), and a master given
-    with its metadata server that both answer; one line each, before anything runs."""
+    """transport=mooncake (`e`: features.engine): Mooncake importable, and a given master and metadata server answer."""
     if e.transport != Transport.mooncake:
         return
     import_store()
@@ -126,19 +126,9 @@ def check_reachable(address: MooncakeAddress) -> None:
             raise ConfigError(f"{named}: cannot reach the Mooncake master ({e})") from None
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free on this node now."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 @contextmanager
 def mooncake_master(host: str, protocol: str, rdma_devices: str = "") -> Iterator[MooncakeAddress]:
-    """A `mooncake_master` on this node, on free ports, with its HTTP metadata server, reached at `host` (this node's
-    address as the other nodes see it); stopped on the way out, whatever happened."""
+    """A `mooncake_master` here on free ports with its HTTP metadata server, reached at `host` (this node's address)."""
     rpc, http, metrics = free_ports(3)
     ports = f"--rpc_port={rpc} --http_metadata_server_port={http} --metrics_port={metrics}".split()
     # a long lease: reads never race one (removal is forced anyway)
@@ -186,8 +176,7 @@ def _wait_listening(process: subprocess.Popen, ports: list[int], log_path: Path)
 
 
 class MooncakeClient:
-    """One process's client of the store, lending it `segment_bytes` of this process's memory (0: none); zero-copy:
-    each call registers the tensors it reads from or writes into, for its duration."""
+    """One process's zero-copy client of the store, lending it `segment_bytes` of this process's memory (0: none)."""
 
     def __init__(self, address: MooncakeAddress, hostname: str, segment_bytes: int = 0, buffer_bytes: int = 16 << 20):
         self.address = address
@@ -205,12 +194,11 @@ class MooncakeClient:
     def _registered(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         done = []
         try:
-            for t in tensors:
-                if t.numel():
-                    rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
-                    if rc != 0:
-                        raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
-                    done.append(t)
+            for t in tensors:  # non-empty: the callers leave empty ones out
+                rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
+                if rc != 0:
+                    raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
+                done.append(t)
             yield
         finally:
             for t in done:
@@ -223,9 +211,8 @@ class MooncakeClient:
             sizes = [t.nbytes for t in parts]
             [rc] = self.store.batch_put_from_multi_buffers([key], [[t.data_ptr() for t in parts]], [sizes], self.pinned)
         if rc != 0:
-            size = sum(sizes)
-            error = f"error {rc}{': no room' if rc == -200 else ''}"
-            raise EngineError(f"the Mooncake store at {self.address.master} refused {size} bytes under {key} ({error})")
+            refused = f"the Mooncake store at {self.address.master} refused {sum(sizes)} bytes under {key}"
+            raise EngineError(f"{refused} (error {rc}{': no room' if rc == -200 else ''})")
 
     def get(self, keys: Sequence[str], tensors: Sequence[Sequence[torch.Tensor]]) -> None:
         """Read the object under each key into its tensors (contiguous, sized as the object's parts)."""
@@ -304,8 +291,7 @@ class ObjectStoreTransport:
 
 
 class MooncakeTransport:
-    """transport=mooncake: the same object travels to the pool, the workers and the ranks; each opens its own client
-    on first use (the pool's lends the store its segment), and no client travels."""
+    """transport=mooncake: this object travels to the pool, workers and ranks; each opens its own client when used."""
 
     holds_until_consumed = True  # the pool's budget counts a micro-batch until its keys are removed
 
@@ -356,6 +342,5 @@ FeatureTransport = ObjectStoreTransport | MooncakeTransport  # what `features.en
 
 
 def segment_bytes(tokens: int, bytes_per_token: int) -> int:
-    """The pool's segment for `tokens` of features, in whole MiB: a quarter more for the allocator's fragments, and
-    32 MiB (Mooncake refuses a segment under 16 MiB)."""
+    """The pool's segment for `tokens` of features, in whole MiB, with room to spare (docs/engine.md, Transport)."""
     return (math.ceil(1.25 * tokens * bytes_per_token / (1 << 20)) + 32) << 20

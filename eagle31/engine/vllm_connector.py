@@ -110,13 +110,11 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self.has_connector_metadata():
             return None, None
-        meta = self._get_connector_metadata()
-        done = set()
-        for request in getattr(meta, "finished", []):
-            if self._writes:
+        finished = getattr(self._get_connector_metadata(), "finished", [])
+        if self._writes:
+            for request in finished:
                 self._write(request)
-            done.add(request.req_id)
-        return done or None, None
+        return {request.req_id for request in finished} or None, None
 
     def _write(self, request: FinishedRequest) -> None:
         assert self._cache is not None

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from eagle31.config import text_config
 from eagle31.errors import ConfigError
 from eagle31.model import RMSNorm
-from eagle31.target import load_target_config, read_target_tensor, target_shape
+from eagle31.target import check_aux_layer_ids, load_target_config, read_target_tensor, target_shape
 
 CONNECTOR = ("eagle31.engine.vllm_connector", "HiddenStatesToFiles")
 LAYER_IDS_KEY = "layer_ids"  # the metadata entry of a hidden-states file naming its layers (a JSON list)
@@ -72,8 +72,7 @@ def _size(n: float) -> str:
 
 
 def fitting_parts(row_bytes: Sequence[int], free: int) -> list[range]:
-    """Consecutive parts of the rows whose files together take at most `SHM_SHARE` of `free` bytes (a row too big
-    alone is a part of its own: `check_room` refuses such rows when the engine starts)."""
+    """Consecutive parts of the rows whose files together take at most `SHM_SHARE` of `free` bytes (or one row)."""
     parts, start, taken = [], 0, 0
     for i, n in enumerate(row_bytes):
         if i > start and taken + n > free * SHM_SHARE:
@@ -106,8 +105,7 @@ def final_norm(target_dir: str | Path, dtype: torch.dtype) -> RMSNorm:
     weight = read_target_tensor(target_dir, FINAL_NORM_NAMES)
     assert weight is not None  # required: a missing one raises
     norm = RMSNorm(weight.shape[0], float(text_config(load_target_config(target_dir)).get("rms_norm_eps", 1e-6)))
-    with torch.no_grad():
-        norm.weight.copy_(weight)
+    norm.load_state_dict({"weight": weight})
     return norm.to(dtype)
 
 
@@ -130,8 +128,7 @@ class VLLMFeatures:
         self.target_dir = Path(target_dir)
         self.num_layers, self.hidden_size = target_shape(load_target_config(self.target_dir))
         self.aux_layer_ids = ids = tuple(int(i) for i in aux_layer_ids)
-        if list(ids) != sorted(set(ids)) or not all(0 <= i < self.num_layers for i in ids):
-            raise ConfigError(f"aux layer ids {list(ids)} must be increasing, in [0, {self.num_layers})")
+        check_aux_layer_ids(ids, self.num_layers)
         self.dtype = getattr(torch, dtype)
         self.norm = final_norm(self.target_dir, self.dtype)
         in_memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # else the temporary directory
@@ -166,6 +163,7 @@ class VLLMFeatures:
 
         self.llm = LLM(**{**settings, "enforce_eager": True, **(engine_args or {}), **capture})
 
+    @torch.no_grad()
     def features(self, token_rows: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(aux [T, n*Ht], final [T, Ht]) of each row, in order, on the CPU, in the target's dtype."""
         asked = (*self.aux_layer_ids, self.num_layers)
@@ -177,10 +175,7 @@ class VLLMFeatures:
                 gave = f"{tuple(states.shape)} {states.dtype} of layers {list(answer.layer_ids)}"
                 expected = f"{shape} {self.dtype} of layers {list(asked)} (the aux ids and the last layer)"
                 raise RuntimeError(f"vLLM gave hidden states {gave} for a {len(row)}-token prompt; expected {expected}")
-            aux = states[:, :n].reshape(len(row), n * self.hidden_size)
-            with torch.no_grad():
-                final = self.norm(states[:, n])
-            out.append((aux, final))
+            out.append((states[:, :n].reshape(len(row), n * self.hidden_size), self.norm(states[:, n])))
         return out
 
     def answer(self, token_rows: Sequence[Sequence[int]]) -> list[Answer]:
@@ -210,13 +205,8 @@ class VLLMFeatures:
                     f"vLLM wrote no hidden states for request {output.request_id} within {WAIT_S:.0f} s ({path})"
                 )
             time.sleep(0.002)
-        answer = read_hidden_states(path)
+        with safe_open(path, framework="pt") as f:  # the connector's file: its states, the layers it names (or none)
+            ids = json.loads((f.metadata() or {}).get(LAYER_IDS_KEY, "[]"))
+            answer = Answer(f.get_tensor("hidden_states"), tuple(int(i) for i in ids))
         os.remove(path)
         return answer
-
-
-def read_hidden_states(path: str | Path) -> Answer:
-    """A file of the connector: its states and the layers it names (none: an empty tuple)."""
-    with safe_open(str(path), framework="pt") as f:
-        ids = json.loads((f.metadata() or {}).get(LAYER_IDS_KEY, "[]"))
-        return Answer(f.get_tensor("hidden_states"), tuple(int(i) for i in ids))

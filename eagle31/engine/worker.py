@@ -75,8 +75,7 @@ def expected_info(target_dir, aux_layer_ids: Sequence[int], hidden_size: int, dt
 
 
 def worker_mismatch(info: WorkerInfo, expected: dict, target_dir) -> str | None:
-    """What in `info` differs from `expected` (`expected_info`, or some of its keys), as the end of a line that
-    begins with the worker's name; None when nothing does. `target_dir`: the recipe's target."""
+    """What in `info` differs from `expected` (`expected_info` or some of its keys), to end a line naming the worker."""
     differ = []
     for name, want in expected.items():
         got = getattr(info, name)

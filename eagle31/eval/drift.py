@@ -23,6 +23,7 @@ from eagle31.eval.mtbench import read_questions, trace_mt_bench
 from eagle31.eval.speculative import GreedyTrace, cut_generation, speculative_generate
 from eagle31.layouts import DrafterFormat
 from eagle31.model import DraftStep, Eagle31Drafter, explicit_attention
+from eagle31.target import load_target_config, load_target_tokenizer
 from eagle31.targets.cache import portable_path
 
 
@@ -123,28 +124,21 @@ def ttt_view(
     """Teacher-forced drift: traces packed into rows of up to `pack_tokens` tokens (a longer one alone), each from
     position 0; `target_sinks[i]`: trace i's `target_sink_positions`, when measured."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
+    eos = set(eos_token_ids)
     sinks = list(target_sinks) if target_sinks is not None else [None] * len(traces)
-    packs: list[list[tuple[GreedyTrace, Any]]] = [[]]
+    packs: list[list[tuple[GreedyTrace, Any, int]]] = [[]]  # (trace, its target sinks, its generated tokens)
     for trace, trace_sinks in zip(traces, sinks, strict=False):
-        if packs[-1] and sum(t.aux.shape[0] for t, _ in packs[-1]) + trace.aux.shape[0] > pack_tokens:
+        if packs[-1] and sum(t.aux.shape[0] for t, _, _ in packs[-1]) + trace.aux.shape[0] > pack_tokens:
             packs.append([])
-        packs[-1].append((trace, trace_sinks))
+        packs[-1].append((trace, trace_sinks, len(cut_generation(trace.continuation, max_new_tokens, eos))))
     for pack in packs:
-        _ttt_pack(drafter, pack, stats, sink_tokens=sink_tokens, max_new_tokens=max_new_tokens, eos=set(eos_token_ids))
+        _ttt_pack(drafter, pack, stats, sink_tokens)
     return stats
 
 
-def _ttt_pack(
-    drafter,
-    pack: list[tuple[GreedyTrace, Any]],
-    stats: DepthStats,
-    *,
-    sink_tokens: int,
-    max_new_tokens: int,
-    eos: set[int],
-) -> None:
+def _ttt_pack(drafter, pack: list[tuple[GreedyTrace, Any, int]], stats: DepthStats, sink_tokens: int) -> None:
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    traces = [trace for trace, _ in pack]
+    traces = [trace for trace, _, _ in pack]
     # one row: every trace's prompt + continuation but its last token ([T]); labels: the token after
     ids = torch.cat([t.tokens[:-1] for t in traces]).to(device)[None]
     aux = torch.cat([t.aux for t in traces]).to(device, dtype)[None]
@@ -156,9 +150,9 @@ def _ttt_pack(
     query = torch.zeros(T, dtype=torch.bool, device=device)
     target_sink = None if pack[0][1] is None else torch.zeros(T, dtype=torch.bool, device=device)
     offset = 0
-    for (trace, trace_sinks), n in zip(pack, lengths, strict=True):
+    for (trace, trace_sinks, generated), n in zip(pack, lengths, strict=True):
         first = offset + trace.prompt_len - 1
-        query[first : first + len(cut_generation(trace.continuation, max_new_tokens, eos))] = True
+        query[first : first + generated] = True
         if target_sink is not None:
             target_sink[offset + trace_sinks.to(device)] = True
         offset += n
@@ -201,8 +195,8 @@ def _shift_in_document(x: torch.Tensor, documents: torch.Tensor, n: int) -> torc
 class _LiveRecorder:
     """`DraftProbe` that sums one decoding's rounds into a `DepthStats`."""
 
-    def __init__(self, stats: DepthStats, depth: int, sink_tokens: int):
-        self.stats, self.depth, self.sink_tokens = stats, depth, sink_tokens
+    def __init__(self, stats: DepthStats, sink_tokens: int):
+        self.stats, self.sink_tokens = stats, sink_tokens
         self.rounds: list[list[tuple]] = []  # per extend: its steps' (masses, fed, out)
         self.reconstruction_error = 0.0
         self.target_sink: torch.Tensor | None = None  # the decoding's target-sink positions, when measured
@@ -224,8 +218,8 @@ class _LiveRecorder:
     def commit(self, rounds: int) -> None:
         """Add the first `rounds` rounds (the last `extend` of a decoding starts none)."""
         for steps in self.rounds[:rounds]:
-            if len(steps) != self.depth:
-                raise RuntimeError(f"a round made {len(steps)} drafter steps, expected {self.depth}")
+            if len(steps) != self.stats.depth:
+                raise RuntimeError(f"a round made {len(steps)} drafter steps, expected {self.stats.depth}")
             for k, (masses, fed, out) in enumerate(steps, start=1):
                 self.stats.add_attention(k, masses)
                 self.stats.add_states(k, fed, out.hidden[0], out.state[0])
@@ -240,7 +234,7 @@ def live_view(
     """Serving-view drift: (depth stats, the acceptance counts, the largest |probs @ V - attention output|)."""
     stats = DepthStats(depth, drafter.config.num_attention_heads)
     acceptance = AcceptanceStats(draft_len=depth)
-    recorder = _LiveRecorder(stats, depth, sink_tokens)
+    recorder = _LiveRecorder(stats, sink_tokens)
     proposer = EagleProposer(drafter, probe=recorder)
     for i, trace in enumerate(traces):
         recorder.target_sink = None if target_sinks is None else target_sinks[i]
@@ -298,8 +292,6 @@ class DriftConfig(EvalArgs):
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
-    from eagle31.target import load_target_config, load_target_tokenizer
-
     tokenizer = load_target_tokenizer(config.target)
     splits = {
         name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)

@@ -75,13 +75,8 @@ def plot_view(report: dict[str, Any], view: str, path: str | Path) -> None:
             rms_ax.plot(depth, r["fed_rms"], marker="s", ls="--", color=line.get_color(), label=f"{drafter}: fed")
             rates = [float("nan") if a is None else a for a in r["conditional_acceptance_rate"]]
             acc_ax.plot(depth, rates, marker="o", label=drafter)
-        # ylim: room for the legend above the bars
-        mass_ax.set(
-            title=f"{split} — {_VIEW_TITLES[view]}",
-            ylabel="attention mass",
-            ylim=(0, 1.35),
-            yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0],
-        )
+        mass_ax.set(title=f"{split} — {_VIEW_TITLES[view]}", ylabel="attention mass", yticks=[0, 0.2, 0.4, 0.6, 0.8, 1])
+        mass_ax.set_ylim(0, 1.35)  # room for the legend above the bars
         rms_ax.set(ylabel="hidden RMS", yscale="log")
         acc_ax.set(ylabel="conditional acceptance", ylim=(-0.02, 1.02), xlabel="draft depth k")
         for ax in (mass_ax, rms_ax, acc_ax):

@@ -14,17 +14,12 @@ import torch
 from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.errors import ConfigError
-from eagle31.eval.acceptance import (
-    AcceptanceStats,
-    EvalArgs,
-    check_positive,
-    load_drafters,
-    tree_spec,
-)
+from eagle31.eval.acceptance import AcceptanceStats, EvalArgs, check_positive, load_drafters, tree_spec
+from eagle31.eval.acceptance_report import write_report
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.eval.speculative import GreedyTrace, cut_generation, draft_length, greedy_trace, speculative_generate
 from eagle31.io import atomic_write_json, atomic_write_text, claim_output_dir
-from eagle31.target import load_target_config
+from eagle31.target import load_target_config, load_target_tokenizer
 from eagle31.targets.cache import portable_path
 
 ALL = "all"
@@ -201,10 +196,8 @@ def read_questions(
 
 def run_mt_bench(config: MTBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every drafter in every mode over the questions; returns the report (settings + results)."""
-    from transformers import AutoTokenizer
-
     modes = config.modes
-    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    tokenizer = load_target_tokenizer(config.target)
     questions, histories, rejects = read_questions(config, tokenizer, log)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     target, eos = config.load_target_for(drafters, tokenizer)
@@ -268,8 +261,6 @@ def format_summary(report: dict[str, Any]) -> str:
 
 def write_mt_bench_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """mt_bench.json, mt_bench.md, and per mode the acceptance report (categories as splits)."""
-    from eagle31.eval.acceptance_report import write_report
-
     out = claim_output_dir(out_dir, MT_BENCH_KIND)
     paths = {"json": out / "mt_bench.json", "table": out / "mt_bench.md"}
     atomic_write_json(paths["json"], report)

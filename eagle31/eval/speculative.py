@@ -143,15 +143,12 @@ def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int)
 
 def accepted_path(tree: DraftTree, greedy: torch.Tensor) -> list[int]:
     """The longest root-to-node path whose tokens equal greedy [N+1], the target's argmax after root and each node."""
-    tokens, parents, choice = tree.tokens.tolist(), tree.parents.tolist(), greedy.tolist()
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
+    choice = greedy.tolist()
     path: list[int] = []
-    node = -1
-    while (child := next((c for c in children.get(node, []) if tokens[c] == choice[node + 1]), None)) is not None:
-        path.append(child)
-        node = child
+    for node, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True)):
+        # parents come before their children: the first matching child of the path's end extends it
+        if parent == (path[-1] if path else -1) and token == choice[parent + 1]:
+            path.append(node)
     return path
 
 

@@ -62,11 +62,8 @@ def segment_starts(segments: torch.Tensor) -> torch.Tensor:
 
 def _runs(segments: torch.Tensor) -> list[tuple[int, int, int]]:
     """(row, start, end) of every run, in order."""
-    out = []
-    for b, row in enumerate(segments.cpu()):
-        ends = torch.unique_consecutive(row, return_counts=True)[1].cumsum(0).tolist()
-        out += [(b, s, e) for s, e in zip([0, *ends], ends)]
-    return out
+    rows = [torch.unique_consecutive(row, return_counts=True)[1].cumsum(0).tolist() for row in segments.cpu()]
+    return [(b, s, e) for b, ends in enumerate(rows) for s, e in zip([0, *ends], ends)]
 
 
 class BlockwiseCausal:
@@ -129,15 +126,21 @@ class BlockwiseCausal:
 
 
 class FlashCausal:
-    """PyTorch's fused flash-attention ops (CUDA: varlen over documents, its window arguments; CPU: per
-    document, and with a band shorter than the document per block of `band` queries, over the keys that
-    block can see and the rule's mask: the CPU op has no window arguments). The rule must be a band."""
+    """PyTorch's fused flash-attention ops, for a band rule: CUDA's varlen op with its window, CPU's `_cpu_blocks`."""
 
     @staticmethod
     def forward(q, k, v, segments, scale, mask: CausalMask):
         window = _band(mask, segments.shape[1])
-        if q.is_cuda:
-            return FlashCausal._cuda_forward(q, k, v, segments, scale, window)
+        if q.is_cuda:  # one varlen call: documents never cross rows
+            B, T, nh, d = q.shape
+            cu, max_len = FlashCausal._cu_seqlens(segments)
+            flat = lambda x: x.reshape(B * T, x.shape[2], d)  # noqa: E731
+            out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+                flat(q), flat(k), flat(v), cu, cu, max_len, max_len, 0.0, True, False, scale=scale,
+                **_cuda_window(window),
+            )  # fmt: skip
+            lse = _lse_tokens_first(lse, B * T, nh)
+            return out.view(B, T, nh, d).float(), lse.view(B, T, nh).float(), (cu, max_len, rng_state, unused)
         acc = accumulation_dtype(q)
         g = q.shape[2] // k.shape[2]
         out = q.new_empty(q.shape, dtype=acc)
@@ -155,7 +158,15 @@ class FlashCausal:
     def backward(dout, q, k, v, out, lse, segments, scale, ctx, mask: CausalMask):
         window = _band(mask, segments.shape[1])
         if q.is_cuda:
-            return FlashCausal._cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx, window)
+            B, T, nh, d = q.shape
+            cu, max_len, rng_state, unused = ctx
+            flat = lambda x: x.reshape(B * T, x.shape[2], d).to(q.dtype).contiguous()  # noqa: E731
+            lse_heads_first = lse.reshape(B * T, nh).t().contiguous()  # the kernel's layout [nh, total]
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
+                cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale, **_cuda_window(window),
+            )  # fmt: skip
+            return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
         acc = accumulation_dtype(q)
         nkv = k.shape[2]
         g = q.shape[2] // nkv
@@ -174,36 +185,12 @@ class FlashCausal:
             dv[b, k0:i1] += gv[0].unflatten(0, (nkv, g)).sum(1, dtype=acc).transpose(0, 1)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
-    # CUDA: one varlen flash-attention call; documents never cross rows.
     @staticmethod
     def _cu_seqlens(segments):
         """(cu_seqlens int32 [runs + 1], longest run) of the B rows laid end to end (`_run_starts`)."""
         ends = torch.tensor([segments.numel()], device=segments.device)
         cu = torch.cat([_run_starts(segments).flatten().nonzero().flatten(), ends]).to(torch.int32)
         return cu, int((cu[1:] - cu[:-1]).max())
-
-    @staticmethod
-    def _cuda_forward(q, k, v, segments, scale, window):
-        B, T, nh, d = q.shape
-        cu, max_len = FlashCausal._cu_seqlens(segments)
-        flat = lambda x: x.reshape(B * T, x.shape[2], d)  # noqa: E731
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            flat(q), flat(k), flat(v), cu, cu, max_len, max_len, 0.0, True, False, scale=scale, **_cuda_window(window)
-        )
-        lse = _lse_tokens_first(lse, B * T, nh)
-        return out.view(B, T, nh, d).float(), lse.view(B, T, nh).float(), (cu, max_len, rng_state, unused)
-
-    @staticmethod
-    def _cuda_backward(dout, q, k, v, out, lse, segments, scale, ctx, window):
-        B, T, nh, d = q.shape
-        cu, max_len, rng_state, unused = ctx
-        flat = lambda x: x.reshape(B * T, x.shape[2], d).to(q.dtype).contiguous()  # noqa: E731
-        lse_heads_first = lse.reshape(B * T, nh).t().contiguous()  # the kernel's layout [nh, total]
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            flat(dout), flat(q), flat(k), flat(v), flat(out), lse_heads_first,
-            cu, cu, max_len, max_len, 0.0, True, rng_state, unused, scale=scale, **_cuda_window(window),
-        )  # fmt: skip
-        return dq.view(B, T, nh, d), dk.view(B, T, -1, d), dv.view(B, T, -1, d)
 
 
 def _cuda_window(window: int | None) -> dict[str, int]:
@@ -220,9 +207,9 @@ def _band(mask: CausalMask, length: int) -> int | None:
 
 
 def _cpu_blocks(segments: torch.Tensor, mask: CausalMask, window: int | None, dtype: torch.dtype):
-    """(row b, queries i0..i1, first key k0, additive mask) of the CPU flash calls: per document s..e-1 one causal call
-    (mask None) unless the band is shorter than the document; then blocks of `window` queries, each over the keys it
-    can see, k0 = i0 - window + 1.., with the rule's mask [1, 1, bq, nk] in `dtype`."""
+    """(row b, queries i0..i1, first key k0, additive mask) of the CPU flash calls, which take no window: per document
+    s..e-1 one causal call (mask None) unless the band is shorter than the document; then blocks of `window` queries,
+    each over the keys it can see, k0 = i0 - window + 1.., with the rule's mask [1, 1, bq, nk] in `dtype`."""
     doc = torch.zeros((), dtype=torch.long)
     for b, s, e in _runs(segments):
         if window is None or e - s <= window:
@@ -264,8 +251,7 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_backend(q: torch.Tensor, mask: CausalMask, length: int) -> str:
-    """`auto`: the fused flash kernels on CPU and on CUDA in bf16/fp16 (head_dim <= 256) for a rule that is a band
-    (`CausalMask.reach`), blockwise otherwise. On CPU the fused kernel is 2-5x faster than the blockwise one (fwd +
-    bwd at T = 1024..4096, docs/performance.md)."""
+    """`auto`: the fused flash kernels on CPU (faster there: docs/performance.md) and on CUDA in bf16/fp16 (head_dim
+    <= 256) for a rule that is a band (`CausalMask.reach`), blockwise otherwise."""
     fused = q.device.type == "cpu" or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256)
     return "flash" if mask.reach(length) != NOT_A_BAND and fused else "blockwise"

@@ -23,8 +23,7 @@ KEYS_VALUES = ChainKeysValues(lambda k, v: (k, v))  # the entry is (k, v) itself
 
 
 def entry_keys_values(entry, expand: ChainKeysValues, params):
-    """The keys and values [B, T, nkv, d] that `expand`'s function makes of an entry (its tensors [B, T, ...])
-    with `params`."""
+    """The keys and values [B, T, nkv, d] that `expand.fn` makes of an entry (tensors [B, T, ...]) with `params`."""
     if expand is KEYS_VALUES:
         return entry
     k, v = expand.fn(*[t.flatten(0, 1) for t in entry], *params)  # [B * T, nkv, d]

@@ -111,9 +111,8 @@ class _TTTAttention(torch.autograd.Function):
         d_entries = [torch.zeros_like(t) if t.is_floating_point() else None for e in entries for t in e]
         d_params = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, acc)) for p in params]
         if j:
-            dq = dq.reshape(B * T, nkv, g, d)
-            qf, dof = q.reshape(B * T, nkv, g, d), dout.reshape(B * T, nkv, g, d)
-            of, lf = out.reshape(B * T, nkv, g, d), lse.reshape(B * T, nkv, g)
+            dq, qf, dof, of = (x.reshape(B * T, nkv, g, d) for x in (dq, q, dout, out))
+            lf = lse.reshape(B * T, nkv, g)
             for r in _chain_rows(B * T, j, nh, d):
                 # the block's keys and values, again, as a small graph
                 ck, cv, grads = keys_values_with_graph(

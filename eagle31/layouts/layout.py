@@ -81,55 +81,31 @@ class Layout(ABC):
 
 
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
-    """The decoder layer as an HF config: its kind's fields (`AttentionKind.layer_fields`), every kind's, aux count."""
-    max_positions, rope = max_positions_and_rope(config, trained_context)
+    """The decoder layer as an HF config: its kind's fields (`AttentionKind.layer_fields`), every kind's, aux count;
+    `max_position_embeddings` raised to the trained context, with the rope kept identical."""
+    rope, max_positions = dict(config.rope_parameters), config.max_position_embeddings
+    if trained_context is not None:
+        if isinstance(trained_context, bool) or not isinstance(trained_context, int) or trained_context < 1:
+            raise ConfigError(f"trained_context must be a positive integer, got {trained_context!r}")
+        if trained_context > max_positions and rope["rope_type"] in _ROPE_TYPES_READING_MAX_POSITIONS:
+            rope.setdefault("original_max_position_embeddings", max_positions)
+        max_positions = max(max_positions, trained_context)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    window = config.sliding_window
     return {
         **config.kind.layer_fields(config),
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
         "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": max_positions,
-        **rope_fields(rope),
-        **sliding_window_fields(config),
+        # the same rope as transformers 4 (rope_theta, rope_scaling) and 5 (rope_parameters) read it
+        "rope_theta": float(rope["rope_theta"]),
+        "rope_scaling": None if scaling == {"rope_type": "default"} else scaling, "rope_parameters": rope,
+        # the window as vLLM's Llama attention reads it (docs/export.md); nothing for full attention
+        **({} if window is None else {"sliding_window": window, "layer_types": ["sliding_attention"]}),
         "vocab_size": config.vocab_size, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "dtype": dtype, "torch_dtype": dtype,  # transformers >= 5; transformers 4 and older vLLM
         "num_aux_hidden_states": config.num_aux,  # vLLM sizes fc and fc_norm from it (else 3)
     }  # fmt: skip
-
-
-def max_positions_and_rope(config: DrafterConfig, trained_context: int | None) -> tuple[int, dict[str, Any]]:
-    """`max_position_embeddings` raised to the trained context, with the rope kept identical."""
-    rope = dict(config.rope_parameters)
-    if trained_context is None:
-        return config.max_position_embeddings, rope
-    if isinstance(trained_context, bool) or not isinstance(trained_context, int) or trained_context < 1:
-        raise ConfigError(f"trained_context must be a positive integer, got {trained_context!r}")
-    if trained_context <= config.max_position_embeddings:
-        return config.max_position_embeddings, rope
-    if rope["rope_type"] in _ROPE_TYPES_READING_MAX_POSITIONS:
-        rope.setdefault("original_max_position_embeddings", config.max_position_embeddings)
-    return trained_context, rope
-
-
-def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
-    """The same rope as `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters` (5)."""
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "rope_theta": float(rope["rope_theta"]),
-        "rope_scaling": None if scaling == {"rope_type": "default"} else scaling,
-        "rope_parameters": dict(rope),
-    }
-
-
-def sliding_window_fields(config: DrafterConfig) -> dict[str, Any]:
-    """The layer's window as vLLM's Llama attention reads it (docs/export.md); nothing for full attention."""
-    window = config.sliding_window
-    return {} if window is None else {"sliding_window": window, "layer_types": ["sliding_attention"]}
-
-
-def served_sliding_window(layer: dict[str, Any]) -> int | None:
-    """The window vLLM serves a layer (its config.json fields) with: its `sliding_window` if `sliding_attention`."""
-    sliding = (layer.get("layer_types") or [None])[0] == "sliding_attention"
-    return layer.get("sliding_window") if sliding else None
 
 
 def eagle_fields(config: DrafterConfig) -> dict[str, Any]:
@@ -166,13 +142,14 @@ def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
     attention = DrafterAttention.of_layer(layer)
     parsed, values = KINDS[attention].read_layer(layer)
+    sliding = (layer.get("layer_types") or [None])[0] == "sliding_attention"  # vLLM serves the window only then
     return dict(
         attention=attention, **values, hidden_size=parsed.hidden_size, num_attention_heads=parsed.num_attention_heads,
         intermediate_size=parsed.intermediate_size, rms_norm_eps=float(parsed.rms_norm_eps),
         hidden_act=parsed.hidden_act,
         rope_parameters=rope_parameters_from(layer),  # transformers keeps a legacy `type` key
         max_position_embeddings=parsed.max_position_embeddings, vocab_size=parsed.vocab_size,
-        sliding_window=served_sliding_window(layer),
+        sliding_window=layer.get("sliding_window") if sliding else None,
     )  # fmt: skip
 
 

@@ -1,6 +1,4 @@
-"""Sequence parallelism (`train.sequence_parallel = N`): each sequence split over the N ranks of a sequence group,
-on a (data x sequence) mesh; each rank holds a contiguous shard and the next shard's first K + 1 positions (its
-halo), and the step-0 entries are all-gathered for the keys (docs/design.md §4)."""
+"""Sequence parallelism (`train.sequence_parallel = N`): each rank a shard of the sequence (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -79,9 +77,8 @@ def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Te
 
 
 class _GatherShards(torch.autograd.Function):
-    """x [B, Ts, ...] of every rank of the group -> [B, end - first, ...], the shards in order, cut to
-    positions first..end-1; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least
-    (bf16 gradients are summed in fp32, fp64 ones stay fp64)."""
+    """x [B, Ts, ...] of every rank of the group -> [B, end - first, ...], the shards in order, cut to positions
+    first..end-1; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least."""
 
     @staticmethod
     def forward(ctx, x, group: SequenceGroup, first: int, end: int):
@@ -99,12 +96,9 @@ class _GatherShards(torch.autograd.Function):
 
 @dataclass
 class SequenceShard:
-    """This rank's shard of a micro-batch, what the TTT unroll needs beyond its own rows.
-
-    start: the global position of its first row; key_segments [B, start + Ts - first_key]: the document
-    runs of every position from `first_key` up to its end (the keys its queries may attend: all earlier
-    ones, or with a sliding window W those from start - W + 1 on).
-    """
+    """This rank's shard of a micro-batch, what the TTT unroll needs beyond its own rows: `start`, the global position
+    of its first row; key_segments [B, start + Ts - first_key], the document runs of the keys its queries may attend
+    (from `first_key`: 0, or with a sliding window W, start - W + 1)."""
 
     group: SequenceGroup
     start: int
@@ -120,13 +114,9 @@ class SequenceShard:
 def shard_batch(
     batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, rule=Visibility()
 ) -> tuple[FeatureBatch, SequenceShard]:
-    """This rank's shard of a host `batch` on `device` (features in `dtype`), and its `SequenceShard`
-    (`rule`: the drafter's visibility rule, `Eagle31Drafter.visibility`).
-
-    The shard's `aux` covers its Ts positions; its input ids, loss mask, document ids and final
-    states carry the halo too: Ts + K + 1 positions (module docstring). `num_tokens` counts the
-    shard's own real tokens, so the sum over a group is the batch's.
-    """
+    """This rank's shard of a host `batch` on `device` (features in `dtype`) and its `SequenceShard` (`rule`: the
+    drafter's `visibility`): `aux` holds its Ts positions, the token columns, document ids and final states its halo
+    too (Ts + K + 1); `num_tokens` counts its own real tokens, so a group's sum is the batch's."""
     halo = ttt_length + 1
     Ts = shard_length(batch.input_ids.shape[1], group.size, ttt_length)
     padded = pad_positions(batch, group.size * Ts)

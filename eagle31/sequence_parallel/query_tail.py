@@ -1,5 +1,4 @@
-"""The causal part on a sequence shard: queries that are the last Tq of Tk key positions, the keys before the
-shard made a block at a time from the gathered step-0 entry (docs/design.md §4, sequence parallelism)."""
+"""The causal part on a sequence shard (`QueryTail`, `StepZeroKeys`; docs/design.md §4, sequence parallelism)."""
 
 from __future__ import annotations
 
@@ -49,15 +48,13 @@ class QueryTail:
 
     @classmethod
     def blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
-        """`prefix_blocks`, but on the meta device (the dry run's memory trace, where a block computes nothing) under a
-        rule that shows every earlier key, two of each shape (and two of each query block's): a block makes and frees
-        what the one before it did and sums in place, so two hold the bytes of all, and the trace of the last rank's
-        prefix, T^2 blocks, runs a few. A band's or documents' blocks differ in what they mask: all of them run."""
+        """`prefix_blocks`, but on the meta device (the memory trace) under a rule that shows every earlier key, two of
+        each shape (and of each query block's): two hold the bytes of all (docs/performance.md)."""
         blocks = cls.prefix_blocks(q, segments, mask)
         if q.device.type != "meta" or mask.reach(segments.shape[1]) is not None:
             return blocks
-        thinned = ((b, m0, m1, list(_first_two(queries, _span))) for b, m0, m1, queries in blocks)
-        return _first_two(thinned, lambda block: (block[2] - block[1], tuple(map(_span, block[3]))))
+        thinned = ((b, m0, m1, list(_first_two(queries, lambda q: q[1] - q[0]))) for b, m0, m1, queries in blocks)
+        return _first_two(thinned, lambda block: (block[2] - block[1], tuple(i1 - i0 for i0, i1 in block[3])))
 
     @staticmethod
     def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
@@ -120,10 +117,6 @@ class QueryTail:
         return (dq, *keys.gradients())
 
 
-def _span(queries: tuple[int, int]) -> int:
-    return queries[1] - queries[0]
-
-
 def _first_two(items, shape):
     """The first two items of each shape, in their order."""
     seen: collections.Counter = collections.Counter()
@@ -134,9 +127,7 @@ def _first_two(items, shape):
 
 
 class StepZeroKeys:
-    """The causal keys and values of a step-0 entry [B, Tk, ...] (`expand.width` tensors), made a block of (rows,
-    positions) at a time (`QueryTail`): `make` in the forward, `make_with_graph` in the backward; `take_back` adds a
-    block's gradients to `gradients()`."""
+    """The causal keys and values of a step-0 entry [B, Tk, ...], made (and differentiated) a block at a time."""
 
     def __init__(self, entry, expand: ChainKeysValues, params):
         self.entry, self.expand, self.params = entry, expand, params
@@ -154,7 +145,7 @@ class StepZeroKeys:
 
     def make_with_graph(self, rows: slice, positions: slice):
         """(k, v, grads): `make`'s block, detached, and `grads(dk, dv)` -> (its entry's gradients, its parameters')."""
-        if self.expand is KEYS_VALUES:
+        if self.expand is KEYS_VALUES:  # the entry is (k, v) itself: its gradients are (dk, dv), no graph to build
             k, v = self.make(rows, positions)
             return k, v, lambda dk, dv: ([dk, dv], [])
         block = [t[rows, positions] for t in self.entry]
@@ -166,9 +157,7 @@ class StepZeroKeys:
         """Adds the gradients of block (rows, positions) (`make_with_graph`) to `gradients()`."""
         if not self._d_entry:
             self._d_entry = [torch.zeros_like(t) if t.is_floating_point() else None for t in self.entry]
-            self._d_params = [
-                torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in self.params
-            ]
+            self._d_params = [torch.zeros_like(p, dtype=accumulation_dtype(p)) for p in self.params]
         for d, grad in zip(self._d_entry, d_entry):
             if d is not None and grad is not None:
                 d[rows, positions] += grad

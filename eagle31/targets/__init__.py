@@ -56,10 +56,3 @@ def resolve_target_path(target_cfg: Any) -> Path:
     if not Path(path).is_dir():
         raise ConfigError(f"target.path={path!r} is not a directory")
     return Path(path)
-
-
-def demo_corpus_dir() -> Path:
-    """The demo target's conversation splits, `<dir>/{train,heldout,other_system,long_prompt}.jsonl`."""
-    from eagle31.targets.demo import demo_corpus_dir as corpus_dir
-
-    return corpus_dir()

@@ -19,10 +19,7 @@ from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.regenerate.core import RegenerateError, Reply, ServerRefusedError, Settings
 from eagle31.errors import ConfigError
 
-# The context-length errors of vLLM 0.33 (HTTP 400): renderers/params.py::TokenizeParams._token_len_check
-# and ::_text_len_check ("This model's maximum context length is N tokens. However, your prompt ..."),
-# serve/utils/api_utils.py::get_max_tokens ("Input length (N) exceeds model's maximum context length (M).").
-CONTEXT_LENGTH_ERROR = "maximum context length"
+CONTEXT_LENGTH_ERROR = "maximum context length"  # in the text of each context-length 400 of vLLM 0.33
 _MAX_BACKOFF_S = 30.0
 
 

@@ -81,9 +81,6 @@ def request_seed(seed: int, conversation: int, turn: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-# ---------------------------------------------------------------------------- conversations
-
-
 def user_turns(conv: Conversation, max_turns: int | None) -> tuple[list[dict], list[str]]:
     """(leading system messages, the user messages' contents); raises ValueError(reason) to drop it."""
     if any(m["role"] == "tool" or m.get("tool_calls") for m in conv.messages):

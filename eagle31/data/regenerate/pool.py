@@ -7,10 +7,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from itertools import islice
 from pathlib import Path
 
 from eagle31.data.regenerate.core import Outcome, RegenerateError, Reply, Settings, regenerate_conversation
-from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, shards, write_shard
+from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, write_shard
 from eagle31.data.sources import Conversation
 
 
@@ -95,7 +96,8 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
     """Write this rank's missing shards of `out_dir` (`prepare_output`); the counts of shards written and skipped."""
     out = Path(out_dir)
     counts = {"written": 0, "skipped": 0}
-    chunks = list(shards(conversations, settings.shard_size))
+    it = iter(conversations)
+    chunks = list(enumerate(iter(lambda: list(islice(it, settings.shard_size)), [])))  # shard i: its conversations
     check_resumable(out, chunks, settings.shard_size)
     todo: list[_Shard] = []
     for index, chunk in chunks:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +46,6 @@ class ShardStats:
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
-
-
-def shards(conversations: Iterable[Conversation], size: int) -> Iterator[tuple[int, list[Conversation]]]:
-    it = iter(conversations)
-    yield from enumerate(iter(lambda: list(islice(it, size)), []))
 
 
 def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, Any]) -> Path:
