@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 from contextlib import ExitStack, contextmanager
@@ -58,6 +59,9 @@ def run(cfg) -> dict | None:
         raise
     finally:
         close_world(world, left)
+        # FSDP's modules are reference cycles that keep the process group alive: freed at interpreter exit, a gloo
+        # group's threads reach for a Python that is gone (SIGABRT). Free them while the interpreter is whole.
+        gc.collect()
 
 
 @contextmanager
@@ -90,9 +94,7 @@ def train_run(plan: RunPlan) -> dict | None:
             engine.start(train_loader)  # from the restored position, once its workers hold the target
         final, skipped = train(plan, trainer, train_loader, eval_loader)
         state = trainer.full_drafter_state()  # the last collective: every rank takes part
-        # Every rank leaves the process group together, here; what follows is rank 0's alone. A rank
-        # that tore down gloo while rank 0 was still exporting aborted once (SIGABRT at exit).
-        barrier()
+        barrier()  # every rank leaves the process group together, here; what follows is rank 0's alone
     close_world(plan.world)
     if not plan.world.is_main:
         return None
