@@ -142,6 +142,10 @@ class FeatureEngine:
 
     def start(self, loader) -> None:
         """Start the stream where the rank's training `loader` resumes, once every worker has loaded the target."""
+        if loader.world_size != self.data_size:
+            raise ValueError(
+                f"the loader splits batches over {loader.world_size} ranks, the engine over {self.data_size}"
+            )
         state = loader.state_dict()
         self.transport.open()  # a store this rank cannot join stops it here, before training
         start = self.pool.start.remote(self.rank, self.data_rank, state["epoch"], state["position"])
