@@ -33,7 +33,7 @@ from eagle31.data.regenerate.backends import EndpointBackend, HFBackend
 from eagle31.data.regenerate.core import RegenerateError, Settings
 from eagle31.data.regenerate.pool import regenerate
 from eagle31.data.regenerate.shards import prepare_output, write_report
-from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, source_paths
+from eagle31.data.sources import DataError, Tally, check_sources, read_conversations, resolve_sources
 from eagle31.data.system_prompts import data_system_prompts
 from eagle31.distributed import barrier, close_world, init_world
 from eagle31.errors import ConfigError
@@ -44,7 +44,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 def main(cfg) -> None:
     r = cfg.regenerate
-    sources = source_paths(r.source)
+    sources = resolve_sources(r.source)
     if not sources:
         raise ConfigError("regenerate.source is empty: give conversation files, a datasets directory or sharegpt:")
     if r.backend == "endpoint" and not r.endpoint:

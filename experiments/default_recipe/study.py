@@ -17,8 +17,9 @@ recipe's budget, its linear schedule and 1% warm-up spread over those steps (as 
 `max_steps` is set), and results.md says how many epochs of the prepared data that budget is.
 
 `levers`: eagle31 runs that each change one recipe key of the default (`key=value`, comma-separated; a key
-without a section is train's: `optimizer=muon` is `train.optimizer=muon`), trained with the default's seeds on
-the same data and budget. A lever on the data or the draft vocabulary (`data.*`, `drafter.draft_vocab_size`) trains
+without a section is train's: `optimizer=muon` is `train.optimizer=muon`; one lever of several keys joins them
+with `+`: `drafter.init_from=<dir>+anchor_weight=0.01`), trained with the default's seeds on the same data and
+budget. A lever on the data or the draft vocabulary (`data.*`, `drafter.draft_vocab_size`) trains
 on data of its own, prepared (and captured) by its first seed under `runs/data-<key>-<value>`, on the same budget; a
 lever cannot change the budget, the target or the probes (`features.*`, `train.max_steps`, `target.*`, `eval.*`,
 `regenerate.*`). Each is named `eagle31-<key>-<value>-s<seed>`.
@@ -107,6 +108,7 @@ SHARED = ("features.", "regenerate.", "target.", "eval.", "train.max_steps")
 # a lever on these trains on data of its own: its first seed prepares it and captures its store under runs/data-<lever>
 OWN_DATA = ("data.", "drafter.draft_vocab_size")
 LIST_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside [...]: between levers, not inside a list value
+LEVER_PLUS = re.compile(r"\+(?=[A-Za-z_][\w.]*=)")  # a + before `key=`: between the keys of one lever
 PROBES = ("mt_bench", "unseen_system", "long_history")
 UNSEEN_SYSTEM = "You are Captain Byte, a cheerful pirate who answers every question in a seafaring voice."
 
@@ -150,21 +152,26 @@ class DefaultRecipeConfig(StudyConfig):
 
     @property
     def lever_overrides(self) -> dict[str, str]:
-        """Each lever's name (`<key>-<value>`, train's keys without `train.`) -> its recipe override."""
+        """Each lever's name (`<key>-<value>`, train's keys without `train.`; a lever of several keys joins theirs
+        with `+`) -> its recipe overrides, `+`-joined."""
         levers: dict[str, str] = {}
         for item in (x.strip() for x in LIST_COMMA.split(self.levers)):
             if not item:
                 continue
-            key, sep, value = item.partition("=")
-            if not (sep and key and value):
-                raise ConfigError(f"levers: {item!r} is not key=value")
-            key = key if "." in key else f"train.{key}"
-            if key.startswith(SHARED):
-                raise ConfigError(f"levers: {key} is what every run shares (the budget, the target, the probes)")
-            name = f"{key.removeprefix('train.')}-{re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('-')}"
+            names, keys = [], []
+            for part in LEVER_PLUS.split(item):
+                key, sep, value = part.partition("=")
+                if not (sep and key and value):
+                    raise ConfigError(f"levers: {part!r} is not key=value")
+                key = key if "." in key else f"train.{key}"
+                if key.startswith(SHARED):
+                    raise ConfigError(f"levers: {key} is what every run shares (the budget, the target, the probes)")
+                names.append(f"{key.removeprefix('train.')}-{re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('-')}")
+                keys.append(f"{key}={value}")
+            name = "+".join(names)
             if name in levers:
                 raise ConfigError(f"levers: {item!r} given twice")
-            levers[name] = f"{key}={value}"
+            levers[name] = "+".join(keys)
         return levers
 
 
@@ -192,8 +199,9 @@ def run_recipes(cfg: DefaultRecipeConfig, overrides: list[str]) -> dict:
         theirs = speculators_overrides(cfg, overrides, ours.train.max_steps)
         recipes[f"speculators-s{seed}"] = recipe("speculators", seed, theirs)
         for name, lever in cfg.lever_overrides.items():
-            data = runs / f"data-{name}" if lever.startswith(OWN_DATA) else runs
-            recipes[f"eagle31-{name}-s{seed}"] = recipe(f"eagle31-{name}", seed, [*overrides, lever], data)
+            keys = LEVER_PLUS.split(lever)
+            data = runs / f"data-{name}" if any(key.startswith(OWN_DATA) for key in keys) else runs
+            recipes[f"eagle31-{name}-s{seed}"] = recipe(f"eagle31-{name}", seed, [*overrides, *keys], data)
     return recipes
 
 

@@ -567,3 +567,25 @@ def test_cli_regenerates_then_resumes_and_rejects_bad_settings(tiny_target, tmp_
     assert "'vllm', expected one of [hf, endpoint]" in capsys.readouterr().err
     assert recipe_main(main, RECIPES, args + ["regenerate.backend=endpoint"]) == 2
     assert "needs regenerate.endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_reads_a_demo_split_as_data_source_does(tiny_target, tmp_path, capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    import eagle31.targets.demo
+    from eagle31_cli import recipe_main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "train.jsonl", [{"messages": conv(f"Hello {i}").messages} for i in range(2)])
+    monkeypatch.setattr(eagle31.targets.demo, "demo_corpus_dir", lambda seed=0: corpus)
+    script = Path(__file__).resolve().parents[2] / "data_prep" / "regenerate.py"
+    spec = importlib.util.spec_from_file_location("regenerate_cli", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    args = ["recipe=demo", "target.builtin=null", f"target.path={tiny_target}", f"output_dir={tmp_path / 'run'}"]
+    args += ["regenerate.source=[demo:train]", "regenerate.max_new_tokens=3", "regenerate.device=cpu"]
+    assert recipe_main(cli.main, cli.RECIPES, args) == 0
+    assert "regenerated 2 of 2 conversations" in capsys.readouterr().out

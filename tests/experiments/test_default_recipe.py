@@ -65,6 +65,21 @@ def test_the_speculators_side_carries_their_defaults_on_the_same_budget(tmp_path
         assert (vocab.drafter.draft_vocab_size, vocab.train.max_steps) == (512, 150)
         assert vocab.output_dir == f"{tmp_path}/eagle31-drafter.draft_vocab_size-512-s{seed}"
     assert own["eagle31-s0"].data.prepared_dir == f"{tmp_path}/data"
+    # a lever of several keys (`+` before a key), trained as one run; a `+` inside a value stays in it
+    levers = "drafter.init_from=published/drafter+anchor_weight=0.01,lr=1e+3+data.max_len=256"
+    both = DefaultRecipeConfig(runs=str(tmp_path), seeds="0", max_steps=150, levers=levers)
+    assert both.lever_overrides == {
+        "drafter.init_from-published-drafter+anchor_weight-0.01": "drafter.init_from=published/drafter"
+        "+train.anchor_weight=0.01",
+        "lr-1e-3+data.max_len-256": "train.lr=1e+3+data.max_len=256",
+    }
+    both_recipes = run_recipes(both, ["recipe=demo"])
+    anchored = both_recipes["eagle31-drafter.init_from-published-drafter+anchor_weight-0.01-s0"]
+    assert (anchored.drafter.init_from, anchored.train.anchor_weight) == ("published/drafter", 0.01)
+    assert anchored.data.prepared_dir == f"{tmp_path}/data"
+    shorter = both_recipes["eagle31-lr-1e-3+data.max_len-256-s0"]
+    assert (shorter.train.lr, shorter.data.max_len) == (1e3, 256)
+    assert shorter.data.prepared_dir == f"{tmp_path}/data-lr-1e-3+data.max_len-256/data"
     assert recipe_differences(ours, recipes["eagle31-optimizer-muon-s0"]) == {"train.optimizer": ["adamw", "muon"]}
     # peer_switches=eagle31: the drafters differ in the window only; no max_steps: the recipe's (demo: 300)
     same = run_recipes(DefaultRecipeConfig(runs=str(tmp_path), seeds="0", peer_switches="eagle31"), ["recipe=demo"])
@@ -90,6 +105,8 @@ def test_bad_keys_are_one_line(capsys):
     assert "levers: 'optimizer' is not key=value" in capsys.readouterr().err
     assert main(["levers=features.tokens_per_batch=512"]) == 2
     assert "levers: features.tokens_per_batch is what every run shares" in capsys.readouterr().err
+    assert main(["levers=lr=1e-3+eval.k=3"]) == 2
+    assert "levers: eval.k is what every run shares" in capsys.readouterr().err
     assert main(["levers=lr=1e-3,lr=1e-3"]) == 2
     assert "given twice" in capsys.readouterr().err
     assert main(["peer_switches=mine"]) == 2
