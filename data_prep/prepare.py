@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagle31.data.prepare import check_data_config, prepare_with_target_tokenizer
 from eagle31.data.sources import check_sources, data_section
+from eagle31.pipeline import init_from_vocab
 from eagle31.target import target_vocab_size
 from eagle31.targets import resolve_target_path
 from eagle31_cli import recipe_main
@@ -32,6 +33,7 @@ def prepare(cfg) -> None:
         trust_remote_code=cfg.target.trust_remote_code,
         draft_vocab_size=cfg.drafter.draft_vocab_size,
         vocab_size=target_vocab_size(path),
+        draft_vocab=init_from_vocab(cfg.drafter, path),
     )
     print(report.summary())
 

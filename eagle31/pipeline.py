@@ -117,6 +117,7 @@ def prepare_data(plan: RunPlan) -> Path:
             trust_remote_code=cfg.target.trust_remote_code,
             draft_vocab_size=cfg.drafter.draft_vocab_size,
             vocab_size=plan.drafter.vocab_size,
+            draft_vocab=init_from_vocab(cfg.drafter, plan.target_dir),
         )
         print(report.summary())
     barrier()
@@ -249,6 +250,19 @@ def train(plan: RunPlan, trainer: Trainer, train_loader, eval_loader) -> tuple[d
     finally:
         logger.close()
     return final, skipped
+
+
+def init_from_vocab(section, target_dir: Path):
+    """(d2t, t2d) of `drafter.init_from`, the draft vocabulary its fine-tuning keeps; None without one."""
+    from eagle31.config import text_config
+    from eagle31.convert import load_drafter
+    from eagle31.target import load_target_config
+
+    if not section.init_from:
+        return None
+    layers = text_config(load_target_config(target_dir))["num_hidden_layers"]
+    source = load_drafter(section.init_from, source_format=section.init_from_format, target_num_layers=layers)
+    return source.d2t, source.t2d
 
 
 def init_from_checkpoint(drafter: Eagle31Drafter, section) -> None:

@@ -192,7 +192,7 @@ def check_engine(cfg) -> None:
 
 # A drafter to fine-tune must mean what this run's drafter means: these switch features or
 # normalisation without changing a tensor shape, so fitting weights would not catch them.
-INIT_FROM_FIELDS = ("aux_layer_ids", *SWITCHES)
+INIT_FROM_FIELDS = ("aux_layer_ids", "draft_vocab_size", *SWITCHES)
 
 
 def check_init_from(drafter: DrafterConfig, section) -> None:

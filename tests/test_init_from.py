@@ -34,6 +34,7 @@ def test_a_drafter_with_the_same_switches_is_accepted(tmp_path):
         ({"norm_before_residual": True}, "norm_before_residual is True there but False in this run"),
         ({"fc_norm": False, "norm_before_fc": True}, "norm_before_fc is True there but False in this run"),
         ({"norm_output": False}, "norm_output is False there but True in this run"),
+        ({"draft_vocab_size": 20}, "draft_vocab_size is 20 there but 24 in this run"),
     ],
 )
 def test_a_drafter_whose_weights_fit_but_whose_meaning_differs_is_refused(tmp_path, source, message):

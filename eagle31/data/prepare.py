@@ -195,9 +195,11 @@ def recorded_sources(prepared_dir: str | Path) -> list[str] | None:
 
 
 def prepare_dataset(
-    data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None
+    data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None, draft_vocab=None
 ) -> PrepareReport:
-    """Tokenise, mask, split and count `data_cfg.source` into `prepared_dir`; `vocab_size`: V if not the tokenizer's."""
+    """Tokenise, mask, split and count `data_cfg.source` into `prepared_dir`; `vocab_size`: V if not the tokenizer's;
+    `draft_vocab`: (d2t, t2d) kept as the draft vocabulary (a drafter's that training continues), else the train
+    split's `draft_vocab_size` most frequent supervised tokens."""
     import datasets
 
     sources = check_data_config(data_cfg)
@@ -205,7 +207,7 @@ def prepare_dataset(
     encoders = TemplateEncoders(tokenizer, variants, data_cfg.last_turn_only)
     prompts = data_system_prompts(data_cfg)
     V = int(vocab_size or len(tokenizer))
-    Vd = min(int(draft_vocab_size), V)
+    Vd = min(int(draft_vocab_size), V) if draft_vocab is None else len(draft_vocab[0])
     dropped, truncated = Tally(), Tally()
     merger = TurnMerger(data_cfg.merge_turns, data_cfg.seed)  # merge_turns=1: each conversation alone, as read
     conversations = merger.merge(read_conversations(sources, dropped))
@@ -225,7 +227,7 @@ def prepare_dataset(
 
         counts, train_tokens = _supervised_counts(train, V)
         eval_counts, eval_tokens = _supervised_counts(held_out, V)
-        d2t, t2d = build_draft_vocab(counts, Vd)
+        d2t, t2d = build_draft_vocab(counts, Vd) if draft_vocab is None else draft_vocab
         atomic_save_safetensors({"counts": counts}, tmp / "token_counts.safetensors", save_file)
         atomic_save_safetensors({"d2t": d2t, "t2d": t2d}, tmp / "vocab.safetensors", save_file)
         reasoning = [asdict(e.reasoning) for e in encoders.encoders.values()]  # one tally per set of template options
@@ -262,14 +264,22 @@ def prepare_dataset(
 
 
 def prepare_with_target_tokenizer(
-    data_cfg: Any, target_dir: Path, *, trust_remote_code: bool, draft_vocab_size: int, vocab_size: int | None
+    data_cfg: Any,
+    target_dir: Path,
+    *,
+    trust_remote_code: bool,
+    draft_vocab_size: int,
+    vocab_size: int | None,
+    draft_vocab=None,
 ) -> PrepareReport:
     """`prepare_dataset` with the tokenizer saved beside the target at `target_dir`."""
     from transformers import AutoTokenizer
 
     check_remote_code(target_dir, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
-    return prepare_dataset(data_cfg, tokenizer, draft_vocab_size=draft_vocab_size, vocab_size=vocab_size)
+    return prepare_dataset(
+        data_cfg, tokenizer, draft_vocab_size=draft_vocab_size, vocab_size=vocab_size, draft_vocab=draft_vocab
+    )
 
 
 def check_prepared(prepared_dir: Path) -> dict:

@@ -115,6 +115,31 @@ def test_the_anchor_holds_a_fine_tuned_exported_drafter_near_its_start(reference
     assert all(distance["100"][k] < 0.5 * distance["0"][k] for k in distance["0"]), distance
 
 
+def test_fine_tuning_on_other_data_keeps_the_drafters_draft_vocabulary(reference_run, tiny_target, tmp_path):
+    """A published drafter's d2t/t2d come with it: prepare keeps them for data whose own most frequent tokens
+    differ (else the fine-tuning would be refused, or would relabel the drafter's outputs)."""
+    from safetensors.torch import load_file
+
+    from eagle31.convert import load_drafter
+    from eagle31.vocab import build_draft_vocab
+    from tests.data.chat_helpers import write_jsonl
+
+    export = reference_run / "export" / "eagle3"
+    counting = [f"Count from {i} to {i + 9}: " + " ".join(str(j) for j in range(i, i + 10)) for i in range(40)]
+    other = write_jsonl(
+        tmp_path / "other.jsonl",
+        [{"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": t}]} for t in counting],
+    )
+    out = tmp_path / "fine_tuned"
+    extra = {"drafter.init_from": str(export), "train.max_steps": "2", "export.formats": "[]"}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert run_script(MAIN, base_args(tiny_target, other, out, **extra), monkeypatch) == 0
+    vocab, start = load_file(out / "data" / "vocab.safetensors"), load_drafter(export)
+    assert torch.equal(vocab["d2t"], start.d2t) and torch.equal(vocab["t2d"], start.t2d)
+    counts = load_file(out / "data" / "token_counts.safetensors")["counts"]
+    assert not torch.equal(build_draft_vocab(counts, len(start.d2t))[0], start.d2t)  # its own would differ
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_final_weights(reference_run, tiny_target, chats, tmp_path):
     out = tmp_path / "killed"
