@@ -19,9 +19,10 @@ recipe's budget, its linear schedule and 1% warm-up spread over those steps (as 
 `levers`: eagle31 runs that each change one recipe key of the default (`key=value`, comma-separated; a key
 without a section is train's: `optimizer=muon` is `train.optimizer=muon`; one lever of several keys joins them
 with `+`: `drafter.init_from=<dir>+anchor_weight=0.01`), trained with the default's seeds on the same data and
-budget. A lever on the data or the draft vocabulary (`data.*`, `drafter.draft_vocab_size`) trains
-on data of its own, prepared (and captured) by its first seed under `runs/data-<key>-<value>`, on the same budget; a
-lever cannot change the budget, the target or the probes (`features.*`, `train.max_steps`, `target.*`, `eval.*`,
+budget. A lever on the data, the draft vocabulary or the drafter to start from (`data.*`,
+`drafter.draft_vocab_size`, `drafter.init_from`, whose vocabulary comes with it) trains on data of its own,
+prepared (and captured) by its first seed under `runs/data-<key>-<value>`, on the same budget; a lever cannot
+change the budget, the target or the probes (`features.*`, `train.max_steps`, `target.*`, `eval.*`,
 `regenerate.*`). Each is named `eagle31-<key>-<value>-s<seed>`.
 
 Every drafter is read back by `eagle31.convert.load_drafter` and measured by one `eagle31.eval.acceptance` run on
@@ -106,7 +107,8 @@ PEER_SWITCHES = ("theirs", "eagle31")
 # what every run shares: a lever that changes it is not a change of the training (the budget, the target, the probe)
 SHARED = ("features.", "regenerate.", "target.", "eval.", "train.max_steps")
 # a lever on these trains on data of its own: its first seed prepares it and captures its store under runs/data-<lever>
-OWN_DATA = ("data.", "drafter.draft_vocab_size")
+# (a drafter.init_from brings its own draft vocabulary)
+OWN_DATA = ("data.", "drafter.draft_vocab_size", "drafter.init_from")
 LIST_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside [...]: between levers, not inside a list value
 LEVER_PLUS = re.compile(r"\+(?=[A-Za-z_][\w.]*=)")  # a + before `key=`: between the keys of one lever
 PROBES = ("mt_bench", "unseen_system", "long_history")

@@ -76,7 +76,7 @@ def test_the_speculators_side_carries_their_defaults_on_the_same_budget(tmp_path
     both_recipes = run_recipes(both, ["recipe=demo"])
     anchored = both_recipes["eagle31-drafter.init_from-published-drafter+anchor_weight-0.01-s0"]
     assert (anchored.drafter.init_from, anchored.train.anchor_weight) == ("published/drafter", 0.01)
-    assert anchored.data.prepared_dir == f"{tmp_path}/data"
+    assert anchored.data.prepared_dir == f"{tmp_path}/data-drafter.init_from-published-drafter+anchor_weight-0.01/data"
     shorter = both_recipes["eagle31-lr-1e-3+data.max_len-256-s0"]
     assert (shorter.train.lr, shorter.data.max_len) == (1e3, 256)
     assert shorter.data.prepared_dir == f"{tmp_path}/data-lr-1e-3+data.max_len-256/data"
