@@ -223,3 +223,46 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     capsys.readouterr()
     assert main([*two_seeds, *probes, *recipe]) == 2
     assert "long_history/mt_bench.json: the target decoded the questions otherwise" in capsys.readouterr().err
+
+
+def test_original_replies_keep_the_regenerated_prompts_with_the_sources_replies(tmp_path):
+    from eagle31.data.sources import Tally, read_conversations
+    from experiments.default_recipe.original_replies import original_replies
+
+    turns = [["Hi", "Hello!", "And you?", "Fine."], ["What is 2+2?", "4, as the sum of two and two."]]
+    source = tmp_path / "chats.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(c)]}
+            )
+            + "\n"
+            for c in turns
+        )
+    )
+    where = [c.where for c in read_conversations([source], Tally())]
+    regenerated = tmp_path / "conversations"
+    regenerated.mkdir()
+    system = {"role": "system", "content": "Be brief."}
+    records = [  # the first conversation asked its first turn only, under a drawn system prompt
+        {
+            "messages": [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}],
+            "source": where[0],
+        },
+        {
+            "messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+            "source": where[1],
+        },
+    ]
+    (regenerated / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "original.jsonl"
+    assert original_replies(str(source), regenerated, out) == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [[m["content"] for m in r["messages"]] for r in rows] == [
+        ["Be brief.", "Hi", "Hello!"],
+        ["What is 2+2?", "4, as the sum of two and two."],
+    ]
+    records[1]["source"] = f"{source}:9"
+    (regenerated / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(SystemExit, match="1 regenerated records name no record of"):
+        original_replies(str(source), regenerated, out)
