@@ -20,12 +20,13 @@ from eagle31.io import atomic_write_text
 
 
 def with_original_replies(record: dict, original: list[dict]) -> dict:
-    """`record`'s system message and user turns, each user turn followed by `original`'s reply to it."""
+    """`record`'s system message and user turns, each user turn followed by `original`'s reply to it (a reply
+    before the first user turn is left out, as regenerate leaves it)."""
     users = sum(m["role"] == "user" for m in record["messages"])
     system = [m for m in record["messages"][:1] if m["role"] == "system"]
     messages, seen = [], 0
     for m in original:
-        if m["role"] == "system":
+        if m["role"] == "system" or (m["role"] == "assistant" and not seen):  # what regenerate never asks
             continue
         if m["role"] == "user":
             if seen == users:

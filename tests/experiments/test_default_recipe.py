@@ -230,11 +230,16 @@ def test_original_replies_keep_the_regenerated_prompts_with_the_sources_replies(
     from experiments.default_recipe.original_replies import original_replies
 
     turns = [["Hi", "Hello!", "And you?", "Fine."], ["What is 2+2?", "4, as the sum of two and two."]]
+    turns[1].insert(0, "Ask me.")  # a reply before the first user turn (ShareGPT has them): regenerate skips it
     source = tmp_path / "chats.jsonl"
     source.write_text(
         "".join(
-            json.dumps(
-                {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(c)]}
+            json.dumps(  # roles alternate back from the last message, a reply
+                {
+                    "messages": [
+                        {"role": ("assistant", "user")[(len(c) - 1 - i) % 2], "content": t} for i, t in enumerate(c)
+                    ]
+                }
             )
             + "\n"
             for c in turns

@@ -41,3 +41,7 @@ OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 mea
 # 2026-12-07T16:30:08, from the repository root
 OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 measure=true probes=mt_bench,unseen_system,long_history levers=drafter.sliding_window=170,loss=lk_hybrid max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
 # stopped once the mt_bench probe had joined the lk_hybrid drafters (unseen_system and long_history not measured for them; summary.json and results.md are the 9 drafters')
+# 2026-12-07T19:29:03, from the repository root: ShareGPT's own replies to the regenerated conversations' prompts
+python -m experiments.default_recipe.original_replies sharegpt: runs/smollm2/regenerated/conversations runs/smollm2/original_replies.jsonl
+# 2026-12-07T19:29:34, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1,2 threads=1 max_steps=150 measure=false 'levers=data.source=[runs/smollm2/original_replies.jsonl]' out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
