@@ -14,7 +14,6 @@ from eagle31.eval.acceptance import (
     EvalArgs,
     check_positive,
     greedy_traces,
-    labelled_paths,
     load_drafters,
     load_prompts,
 )
@@ -283,11 +282,6 @@ class DriftConfig(EvalArgs):
         if (self.data is None) == (self.questions is None):
             raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
         self.check_paths()
-
-    @property
-    def splits(self) -> dict[str, str]:
-        """split -> JSONL prompt file (none for MT-Bench)."""
-        return labelled_paths("data", self.data) if self.data is not None else {}
 
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
