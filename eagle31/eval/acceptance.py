@@ -184,6 +184,12 @@ class EvalArgs:
         data = getattr(self, "data", None)  # MT-Bench's arguments have none
         return {} if data is None else labelled_paths("data", data)
 
+    def split_prompts(self, tokenizer, max_prompts: int | None) -> dict[str, list[list[int]]]:
+        """split name -> the token ids of its first `max_prompts` prompts (`load_prompts`)."""
+        return {
+            name: load_prompts(path, tokenizer, max_prompts, self.template_kwargs) for name, path in self.splits.items()
+        }
+
     def settings(self, **settings: Any) -> dict[str, Any]:
         """A report's settings: the target and drafters (`portable_path`), `settings`, then the device and dtype."""
         device, dtype = inference_device_and_dtype(self.device, self.dtype)
@@ -313,10 +319,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     """Evaluate every drafter on every split; returns the report (settings + results)."""
     tree = config.tree
     tokenizer = load_target_tokenizer(config.target)
-    splits = {
-        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
-        for name, path in config.splits.items()
-    }
+    splits = config.split_prompts(tokenizer, config.max_prompts)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     target, eos = config.load_target_for(drafters, tokenizer)
     draft_len = tree.depth if tree else config.k

@@ -9,14 +9,7 @@ from typing import Any
 import torch
 
 from eagle31.errors import ConfigError
-from eagle31.eval.acceptance import (
-    AcceptanceStats,
-    EvalArgs,
-    check_positive,
-    greedy_traces,
-    load_drafters,
-    load_prompts,
-)
+from eagle31.eval.acceptance import AcceptanceStats, EvalArgs, check_positive, greedy_traces, load_drafters
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.mtbench import read_questions, trace_mt_bench
 from eagle31.eval.speculative import GreedyTrace, cut_generation, speculative_generate
@@ -287,10 +280,7 @@ class DriftConfig(EvalArgs):
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
     tokenizer = load_target_tokenizer(config.target)
-    splits = {
-        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
-        for name, path in config.splits.items()
-    }
+    splits = config.split_prompts(tokenizer, config.max_prompts)
     questions, histories, _ = read_questions(config, tokenizer, log) if config.questions else (None, None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}
