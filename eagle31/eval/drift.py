@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,26 +24,19 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x.double().pow(2).mean(-1).sqrt()
 
 
-@dataclass
 class DepthStats:
     """Sums over the queries of one (drafter, split, view), per depth k = 1..`depth`."""
 
-    depth: int
-    heads: int
-    queries: list[int] = field(default_factory=list)  # [depth]
-    mass: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [depth, heads] summed over queries
-    fed_rms: list[float] = field(default_factory=list)
-    out_rms: list[float] = field(default_factory=list)
-    out_norm_rms: list[float] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)  # queries whose drafts 1..k-1 were accepted
-    accepted: list[int] = field(default_factory=list)  # ... and draft k too
-
-    def __post_init__(self) -> None:
-        for name in ("queries", "fed_rms", "out_rms", "out_norm_rms", "reached", "accepted"):
-            setattr(self, name, getattr(self, name) or [0] * self.depth)
-        self.mass = self.mass or {
-            m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in ("sink", "context", "own")
-        }
+    def __init__(self, depth: int, heads: int):
+        self.depth, self.heads = depth, heads
+        self.queries = [0] * depth
+        # name -> [depth, heads] summed over queries
+        self.mass = {m: torch.zeros(depth, heads, dtype=torch.float64) for m in ("sink", "context", "own")}
+        self.fed_rms: list[float] = [0] * depth
+        self.out_rms: list[float] = [0] * depth
+        self.out_norm_rms: list[float] = [0] * depth
+        self.reached = [0] * depth  # queries whose drafts 1..k-1 were accepted
+        self.accepted = [0] * depth  # ... and draft k too
 
     def add_attention(self, k: int, masses: dict[str, torch.Tensor]) -> None:
         """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
