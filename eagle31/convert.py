@@ -221,7 +221,6 @@ def read_weights(path: Path, layout: Layout) -> dict[str, torch.Tensor]:
 
 def _load_weights(drafter: Eagle31Drafter, state: dict[str, torch.Tensor], path: Path) -> None:
     cfg = drafter.config
-    state = dict(state)
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
     if d2t is None and t2d is None and cfg.draft_vocab_size != cfg.vocab_size:
         raise ConfigError(

@@ -81,6 +81,7 @@ def render_model_card(
 ) -> str:  # fmt: skip
     """README.md text for an export with `config` (its config.json), published as `repo_id`."""
     run = run_config or {}
+    report = report or {}
     layout = layout_of_config(config)
     drafter = layout.read(config)  # its DrafterConfig values
     named = (run.get("target") or {}).get("name") or drafter["target_name_or_path"]
@@ -138,11 +139,8 @@ def write_model_card(
     return path
 
 
-def _training_lines(
-    run: dict[str, Any], report: dict[str, Any] | None, data_report: dict[str, Any] | None
-) -> list[str]:
+def _training_lines(run: dict[str, Any], report: dict[str, Any], data_report: dict[str, Any] | None) -> list[str]:
     data, train = run.get("data") or {}, run.get("train") or {}
-    report = report or {}
     sources = data.get("source") or []
     names = ", ".join(f"`{dataset_name(str(s))}`" for s in ([sources] if isinstance(sources, str) else sources))
     lines = [f"* data: {names or 'not recorded'}"]
@@ -164,8 +162,7 @@ def _training_lines(
     return lines
 
 
-def _acceptance_lines(report: dict[str, Any] | None) -> list[str]:
-    report = report or {}
+def _acceptance_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     if report.get("tau_sim") is not None:
         lines.append(

@@ -195,12 +195,11 @@ def open_engine(plan, prepared: Path, sequence=None) -> Iterator[FeatureEngine]:
             name = f"features-{uuid.uuid4().hex[:12]}"
             pool = create_pool(plan, prepared, name, aux_ids, data_size, world.world_size // data_size, transport)
             stack.callback(close_pool, pool)
-            shared = (cluster.address, cluster.auth_mode, name, store)
-        address, auth_mode, name, store = broadcast_object(shared, world.device)
+            shared = (cluster.address, cluster.auth_mode, name, transport)
+        address, auth_mode, name, transport = broadcast_object(shared, world.device)
         if not world.is_main:
             stack.enter_context(ray_session(address, None, auth_mode))
             pool = import_ray().get_actor(name, namespace=NAMESPACE)
-            transport = run_transport(plan, store)
         stack.callback(transport.close)
         ranks, hidden = (world.rank, data_rank, data_size, world.world_size), target_shape(plan.target_config)[1]
         yield FeatureEngine(pool, *ranks, hidden, len(aux_ids) * hidden, getattr(torch, cfg.target.dtype), transport)

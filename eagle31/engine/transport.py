@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -192,17 +192,13 @@ class MooncakeClient:
 
     @contextmanager
     def _registered(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        done = []
-        try:
+        with ExitStack() as registered:
             for t in tensors:  # non-empty: the callers leave empty ones out
                 rc = self.store.register_buffer(t.data_ptr(), t.nbytes)
                 if rc != 0:
                     raise EngineError(f"Mooncake cannot register {t.nbytes} bytes (error {rc})")
-                done.append(t)
+                registered.callback(self.store.unregister_buffer, t.data_ptr())
             yield
-        finally:
-            for t in done:
-                self.store.unregister_buffer(t.data_ptr())
 
     def put(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
         """One object under `key`: the bytes of `tensors` (contiguous), one after another."""

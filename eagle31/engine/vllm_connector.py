@@ -38,20 +38,20 @@ class HiddenStatesMetadata(KVConnectorMetadata):
     finished: list[FinishedRequest] = field(default_factory=list)
 
 
-def hidden_states_group(kv_cache_config: KVCacheConfig | None) -> int:
-    """The KV cache group of the cache-only layer: its own group beside the target's attention, or the only group
-    (vLLM's CPU build puts every layer in one)."""
+def hidden_states_group(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[int, int]:
+    """The KV cache group of the cache-only layer and its block size: its own group beside the target's attention, or
+    the only group (vLLM's CPU build puts every layer in one); without a config, group 0 of `block_size`."""
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
     if kv_cache_config is None:
-        return 0
+        return 0, block_size
     all_groups = kv_cache_config.kv_cache_groups
     groups = [g for g, group in enumerate(all_groups) if isinstance(group.kv_cache_spec, HiddenStateCacheSpec)]
     if not groups and len(all_groups) == 1:
-        return 0
+        groups = [0]
     if len(groups) != 1:
         raise ValueError(f"expected one hidden-states KV cache group, found {len(groups)}")
-    return groups[0]
+    return groups[0], all_groups[groups[0]].kv_cache_spec.block_size
 
 
 class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
@@ -64,14 +64,10 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
         self.directory = self._kv_transfer_config.get_from_extra_config("hidden_states_dir", None)
         if not self.directory:
             raise ValueError("HiddenStatesToFiles needs kv_connector_extra_config.hidden_states_dir")
-        self.group = hidden_states_group(kv_cache_config)
+        self.group, self.block_size = hidden_states_group(kv_cache_config, vllm_config.cache_config.block_size)
         draft = vllm_config.speculative_config.draft_model_config
         ids = getattr(draft.hf_config, "eagle_aux_hidden_state_layer_ids", None) if draft is not None else None
         self.layer_ids = json.dumps([int(i) for i in ids or []])  # what extract_hidden_states keeps, as resolved here
-        if kv_cache_config is None:
-            self.block_size = vllm_config.cache_config.block_size
-        else:
-            self.block_size = kv_cache_config.kv_cache_groups[self.group].kv_cache_spec.block_size
         self._finished: list[FinishedRequest] = []  # scheduler side, until the next step's metadata
         self._cache: torch.Tensor | None = None  # worker side: [num_blocks, n, block_size, Ht]
         self._writes = True
@@ -118,10 +114,8 @@ class HiddenStatesToFiles(KVConnectorBase_V1, SupportsHMA):
 
     def _write(self, request: FinishedRequest) -> None:
         assert self._cache is not None
-        blocks = torch.tensor(request.block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[: request.num_tokens]
-        slots = slots.to(self._cache.device)
-        states = self._cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [T, n, Ht]
+        blocks = torch.tensor(request.block_ids, dtype=torch.long, device=self._cache.device)
+        states = self._cache[blocks].transpose(1, 2).flatten(0, 1)[: request.num_tokens].to("cpu")  # [T, n, Ht]
         tmp = f"{request.path}.tmp"
         save_file({"hidden_states": states.contiguous()}, tmp, metadata={LAYER_IDS_KEY: self.layer_ids})
         os.replace(tmp, request.path)

@@ -139,8 +139,16 @@ def _prompt_ids(line: str, tokenizer, where: str, template_kwargs: dict) -> list
         raise ConfigError(f"{where}: no messages before the assistant turn")
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{where}: a 'messages' prompt needs a chat template, and the target tokenizer has none")
+    return render(tokenizer, messages, template_kwargs=template_kwargs, tools=conversation.tools)
+
+
+def render(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+    tools: list | None = None,
+) -> list[int]:  # fmt: skip
+    """Token ids of `messages` in the tokenizer's chat template (its special tokens not added twice)."""
     text = tokenizer.apply_chat_template(
-        messages, tools=conversation.tools, tokenize=False, add_generation_prompt=True, **template_kwargs
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -172,8 +180,15 @@ class EvalArgs:
 
     @property
     def splits(self) -> dict[str, str]:
-        """split name -> JSONL prompt file (none unless the arguments name prompt files)."""
-        return {}
+        """split name -> JSONL prompt file: those of the `data` argument, none without one."""
+        data = getattr(self, "data", None)  # MT-Bench's arguments have none
+        return {} if data is None else labelled_paths("data", data)
+
+    def split_prompts(self, tokenizer, max_prompts: int | None) -> dict[str, list[list[int]]]:
+        """split name -> the token ids of its first `max_prompts` prompts (`load_prompts`)."""
+        return {
+            name: load_prompts(path, tokenizer, max_prompts, self.template_kwargs) for name, path in self.splits.items()
+        }
 
     def settings(self, **settings: Any) -> dict[str, Any]:
         """A report's settings: the target and drafters (`portable_path`), `settings`, then the device and dtype."""
@@ -235,10 +250,6 @@ class AcceptanceConfig(EvalArgs):
     @property
     def tree(self) -> TreeSpec | None:
         return tree_spec(self.tree_top_k, self.tree_depth, self.tree_total_tokens)
-
-    @property
-    def splits(self) -> dict[str, str]:
-        return labelled_paths("data", self.data)
 
 
 DRAFTING = ("auto", "chain", "parallel")
@@ -308,10 +319,7 @@ def run_acceptance(config: AcceptanceConfig, log: Callable[[str], None] = print)
     """Evaluate every drafter on every split; returns the report (settings + results)."""
     tree = config.tree
     tokenizer = load_target_tokenizer(config.target)
-    splits = {
-        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
-        for name, path in config.splits.items()
-    }
+    splits = config.split_prompts(tokenizer, config.max_prompts)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     target, eos = config.load_target_for(drafters, tokenizer)
     draft_len = tree.depth if tree else config.k

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from eagle31.errors import ConfigError
-from eagle31.eval.acceptance import (
-    AcceptanceStats,
-    EvalArgs,
-    check_positive,
-    greedy_traces,
-    labelled_paths,
-    load_drafters,
-    load_prompts,
-)
+from eagle31.eval.acceptance import AcceptanceStats, EvalArgs, check_positive, greedy_traces, load_drafters
 from eagle31.eval.drafting import EagleProposer
 from eagle31.eval.mtbench import read_questions, trace_mt_bench
 from eagle31.eval.speculative import GreedyTrace, cut_generation, speculative_generate
@@ -32,26 +24,19 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x.double().pow(2).mean(-1).sqrt()
 
 
-@dataclass
 class DepthStats:
     """Sums over the queries of one (drafter, split, view), per depth k = 1..`depth`."""
 
-    depth: int
-    heads: int
-    queries: list[int] = field(default_factory=list)  # [depth]
-    mass: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [depth, heads] summed over queries
-    fed_rms: list[float] = field(default_factory=list)
-    out_rms: list[float] = field(default_factory=list)
-    out_norm_rms: list[float] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)  # queries whose drafts 1..k-1 were accepted
-    accepted: list[int] = field(default_factory=list)  # ... and draft k too
-
-    def __post_init__(self) -> None:
-        for name in ("queries", "fed_rms", "out_rms", "out_norm_rms", "reached", "accepted"):
-            setattr(self, name, getattr(self, name) or [0] * self.depth)
-        self.mass = self.mass or {
-            m: torch.zeros(self.depth, self.heads, dtype=torch.float64) for m in ("sink", "context", "own")
-        }
+    def __init__(self, depth: int, heads: int):
+        self.depth, self.heads = depth, heads
+        self.queries = [0] * depth
+        # name -> [depth, heads] summed over queries
+        self.mass = {m: torch.zeros(depth, heads, dtype=torch.float64) for m in ("sink", "context", "own")}
+        self.fed_rms: list[float] = [0] * depth
+        self.out_rms: list[float] = [0] * depth
+        self.out_norm_rms: list[float] = [0] * depth
+        self.reached = [0] * depth  # queries whose drafts 1..k-1 were accepted
+        self.accepted = [0] * depth  # ... and draft k too
 
     def add_attention(self, k: int, masses: dict[str, torch.Tensor]) -> None:
         """Depth k (1-based): masses name -> [Q, heads] of Q queries."""
@@ -284,19 +269,11 @@ class DriftConfig(EvalArgs):
             raise ConfigError("give exactly one of data= (JSONL prompt files) and questions= (MT-Bench)")
         self.check_paths()
 
-    @property
-    def splits(self) -> dict[str, str]:
-        """split -> JSONL prompt file (none for MT-Bench)."""
-        return labelled_paths("data", self.data) if self.data is not None else {}
-
 
 def run_drift(config: DriftConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Diagnose every drafter on every split, both views; returns the report (settings + results)."""
     tokenizer = load_target_tokenizer(config.target)
-    splits = {
-        name: load_prompts(path, tokenizer, config.max_prompts, config.template_kwargs)
-        for name, path in config.splits.items()
-    }
+    splits = config.split_prompts(tokenizer, config.max_prompts)
     questions, histories, _ = read_questions(config, tokenizer, log) if config.questions else (None, None, None)
     drafters = load_drafters(config.drafters, config.drafter_format, load_target_config(config.target))
     aux_ids = {tuple(d.config.aux_layer_ids) for d in drafters.values()}

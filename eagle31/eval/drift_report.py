@@ -14,15 +14,15 @@ _VIEW_TITLES = {"ttt": "teacher-forced (TTT)", "live": "live drafting"}
 def format_table(report: dict[str, Any]) -> str:
     """A Markdown table per view: per (split, drafter, depth) the masses, their head spread, RMS and acceptance."""
     settings = report["settings"]
-    header = ["split", "drafter", "k", "sink", "context", "own", "sink min-max over heads",
+    targeted = any("target_sink_mass" in r for r in report["results"])  # the target's own sinks, when measured
+    masses = ["sink", "context", "own"] + (["target_sink"] if targeted else [])
+    target_sinks = [f"target's top {settings['target_sinks']}"] if targeted else []
+    header = ["split", "drafter", "k", "sink", "context", "own", *target_sinks, "sink min-max over heads",
               "fed RMS", "out RMS", "norm(out) RMS", "cond. acc."]  # fmt: skip
     parts = [
         f"Attention drift per draft depth k (sink = the first {settings['sink_tokens']} prompt tokens; "
         f"max_new_tokens={settings['max_new_tokens']}, depth={settings['depth']})"
     ]
-    targeted = any("target_sink_mass" in r for r in report["results"])
-    if targeted:
-        header.insert(6, f"target's top {settings['target_sinks']}")
     for view in ("ttt", "live"):
         rows = [r for r in report["results"] if r["view"] == view]
         if not rows:
@@ -32,12 +32,10 @@ def format_table(report: dict[str, Any]) -> str:
             for k in range(len(r["sink_mass"])):
                 heads = r["sink_mass_per_head"][k]
                 cells = [r["split"], r["drafter"], str(k + 1)]
-                cells += [f"{r[f'{name}_mass'][k]:.3f}" for name in ("sink", "context", "own")]
+                cells += [f"{r[f'{name}_mass'][k]:.3f}" for name in masses]
                 cells += [f"{min(heads):.3f}-{max(heads):.3f}"]
                 cells += [f"{r[name][k]:.3g}" for name in ("fed_rms", "out_rms", "out_norm_rms")]
                 cells += ["–" if (rate := r["conditional_acceptance_rate"][k]) is None else f"{rate:.3f}"]
-                if targeted:
-                    cells.insert(6, f"{r['target_sink_mass'][k]:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
         if view == "live":
             lines += ["", "tau (live): " + ", ".join(f"{r['drafter']} / {r['split']} {r['tau']:.3f}" for r in rows)]

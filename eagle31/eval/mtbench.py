@@ -14,7 +14,7 @@ import torch
 from eagle31.data.chat import split_reasoning, think_markers
 from eagle31.data.sources import Conversation, MTBenchQuestion, Tally, read_conversations, read_mt_bench
 from eagle31.errors import ConfigError
-from eagle31.eval.acceptance import AcceptanceStats, EvalArgs, check_positive, load_drafters, tree_spec
+from eagle31.eval.acceptance import AcceptanceStats, EvalArgs, check_positive, load_drafters, render, tree_spec
 from eagle31.eval.acceptance_report import write_report
 from eagle31.eval.drafting import EagleProposer, Proposer, TreeSpec
 from eagle31.eval.speculative import GreedyTrace, cut_generation, draft_length, greedy_trace, speculative_generate
@@ -105,15 +105,6 @@ def long_histories(tokenizer, conversations: Sequence[Conversation], count: int,
             raise ConfigError(f"history: all its conversations together are shorter than history_tokens={min_tokens}")
         histories.append(history)
     return histories
-
-
-def render(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
-) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass

@@ -26,8 +26,7 @@ def layout_of(format: str | Layout) -> Layout:
 
 def layout_of_config(meta: dict[str, Any]) -> Layout:
     """The layout a checkpoint's `config.json` is in: the one that recognises it (`Layout.recognises`), else vLLM's."""
-    marked = (layout for name, layout in LAYOUTS.items() if name != UNMARKED and layout.recognises(meta))
-    return next(marked, LAYOUTS[UNMARKED])
+    return next((layout for layout in LAYOUTS.values() if layout.recognises(meta)), LAYOUTS[UNMARKED])
 
 
 # the source formats besides `source_formats()`: detect it, or eagle31's own checkpoint
