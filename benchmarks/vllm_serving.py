@@ -268,7 +268,8 @@ def mt_bench_prompts(prompts_of: ServingConfig, tokenizer, template_kwargs: dict
     """split -> prompt token ids of a run without an acceptance report: MT-Bench's first turns, alone and after a
     long history (module docstring), rendered with the run's chat-template options."""
     from eagle31.data.sources import Tally, read_conversations, read_mt_bench
-    from eagle31.eval.mtbench import long_histories, render, select_questions
+    from eagle31.eval.acceptance import render
+    from eagle31.eval.mtbench import long_histories, select_questions
 
     questions = select_questions(read_mt_bench(prompts_of.questions, Tally()), prompts_of.max_per_category)
     first_turns = [[{"role": "user", "content": q.turns[0]}] for q in questions]

@@ -23,7 +23,9 @@ def format_table(report: dict[str, Any]) -> str:
         cells += [*rates, f"{r['target_forwards_per_token']:.3f}", f"{r['tokens_per_second']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     settings = report["settings"]
-    mode = f"chain, k={settings['k']}" if settings["mode"] == "chain" else f"tree {settings['tree']}"
+    mode = {"chain": f"chain, k={settings['k']}", "tree": f"tree {settings['tree']}"}.get(
+        settings["mode"], f"drafting={settings['mode']}, k={settings['k']}"
+    )
     verified = ", verified from the target's greedy decoding of each prompt" if replayed else ""
     return (
         f"Greedy speculative decoding ({mode}, max_new_tokens={settings['max_new_tokens']}{verified})\n\n"

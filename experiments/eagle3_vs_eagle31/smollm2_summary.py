@@ -131,7 +131,8 @@ def feature_scale(
     from eagle31.config import DrafterConfig
     from eagle31.convert import load_drafter
     from eagle31.data.sources import Tally, read_conversations, read_mt_bench
-    from eagle31.eval.mtbench import long_histories, render, select_questions
+    from eagle31.eval.acceptance import render
+    from eagle31.eval.mtbench import long_histories, select_questions
     from eagle31.target import TargetFeatures, load_target, load_target_config
 
     aux_ids = DrafterConfig.from_target_config(load_target_config(target_dir)).aux_layer_ids

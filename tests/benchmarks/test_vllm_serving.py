@@ -144,7 +144,7 @@ def test_a_run_without_an_acceptance_report_is_measured_on_mt_bench_first_turns_
     turns (the first of each category) and, with `history`, the same after earlier conversations of at least
     `history_tokens` tokens, rendered with the run's chat-template options."""
     from benchmarks.vllm_serving import ServingConfig, mt_bench_prompts
-    from eagle31.eval.mtbench import render
+    from eagle31.eval.acceptance import render
 
     questions = tmp_path / "question.jsonl"
     questions.write_text(

@@ -277,6 +277,7 @@ def test_script_end_to_end(tmp_path, capsys):
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert format_table(report) in printed and "acc@2" in printed
+    assert format_table(report).startswith("Greedy speculative decoding (drafting=auto, k=2, max_new_tokens=6)")
     assert (out / "acceptance.md").read_text().strip() == format_table(report)
     # the tree option, and an error before any weights are read
     tree = ["tree_top_k=2", "tree_depth=2", "tree_total_tokens=3", f"out={out}/tree"]
@@ -321,7 +322,7 @@ def test_replayed_verification_counts_as_live(tmp_path):
         assert main([*base, f"verification={mode}", f"out={tmp_path / mode}"]) == 0
         reports[mode] = json.loads((tmp_path / mode / "acceptance.json").read_text())
     assert reports["replay"]["settings"]["verification"] == "replay"
-    assert "drafting tok/s" in format_table(reports["replay"]) and "drafting" not in format_table(reports["live"])
+    assert "drafting tok/s" in format_table(reports["replay"]) and "drafting tok/s" not in format_table(reports["live"])
     counts = ("drafter", "split", "rounds", "accepted", "accepted_at", "generated_tokens", "target_forwards", "tau")
     live, replay = ([{c: r[c] for c in counts} for r in reports[m]["results"]] for m in ("live", "replay"))
     assert replay == live  # the counts with accepted drafts: test_oracle_tau_is_k_plus_1_and_a_wrong_one_gets_1

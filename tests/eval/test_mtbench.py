@@ -207,7 +207,8 @@ def test_script_end_to_end(tmp_path, capsys):
 
 def test_long_histories_reach_the_length_and_alternate():
     from eagle31.data.sources import Conversation
-    from eagle31.eval.mtbench import long_histories, render
+    from eagle31.eval.acceptance import render
+    from eagle31.eval.mtbench import long_histories
 
     tok = tiny_tokenizer()
     convs = [
@@ -233,7 +234,7 @@ def test_long_histories_reach_the_length_and_alternate():
 
 
 def test_prompts_render_with_the_template_kwargs_and_bad_ones_are_refused(kimi_tok, tmp_path):
-    from eagle31.eval.mtbench import render
+    from eagle31.eval.acceptance import render
 
     messages = [{"role": "user", "content": "Hi"}]
     assert kimi_tok.decode(render(kimi_tok, messages)).endswith("<think>")

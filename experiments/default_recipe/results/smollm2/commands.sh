@@ -45,3 +45,5 @@ OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 mea
 python -m experiments.default_recipe.original_replies sharegpt: runs/smollm2/regenerated/conversations runs/smollm2/original_replies.jsonl
 # 2026-12-07T19:29:34, from the repository root
 OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1,2 threads=1 max_steps=150 measure=false 'levers=data.source=[runs/smollm2/original_replies.jsonl]' out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T19:31:49, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1,2 threads=1 max_steps=150 measure=false 'levers=data.source=[runs/smollm2/original_replies.jsonl]' out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
