@@ -64,11 +64,9 @@ class _DaemonPool:
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._workers = workers
+        for i in range(workers):
+            threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}").start()
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
@@ -77,7 +75,7 @@ class _DaemonPool:
 
     def close(self) -> None:
         """Stop each thread after its current call; calls not started are cancelled."""
-        for _ in self._threads:
+        for _ in range(self._workers):
             self._jobs.put(None)
 
     def _work(self) -> None:
