@@ -104,9 +104,8 @@ def capture_to_store(
     target, dataset, writer: StoreWriter, *, batch_tokens: int, rank: int = 0, world_size: int = 1
 ) -> CaptureStats:
     """Capture this rank's unfinished shards of `writer`'s plan (rows of `dataset`); a write error is one line."""
-    stats = CaptureStats()
+    stats, start = CaptureStats(), time.perf_counter()
     mine = range(rank, len(writer.plan), world_size)
-    start = time.perf_counter()
     kept = "the finished shards are kept and the one being written was removed; a rerun captures the rest"
     with (
         write_errors(f"the feature store {writer.root}", kept),

@@ -186,9 +186,7 @@ def split_reasoning(
         inside, reply = True, reply[1:]
     if not inside:
         return None, reply
-    if close_id not in reply:
-        return reply, []
-    end = reply.index(close_id)
+    end = reply.index(close_id) if close_id in reply else len(reply)  # no `</think>`: all reasoning
     return reply[:end], reply[end + 1 :]
 
 

@@ -38,8 +38,6 @@ class TurnMerger:
 
 def merged(group: list[Conversation]) -> Conversation:
     """One conversation: the first's messages, then the others' less their system messages."""
-    messages = list(group[0].messages)
-    for conv in group[1:]:
-        messages += [m for m in conv.messages if m["role"] != "system"]
+    messages = group[0].messages + [m for conv in group[1:] for m in conv.messages if m["role"] != "system"]
     where = group[0].where if len(group) == 1 else f"{group[0].where}..{group[-1].where}"
     return Conversation(messages=messages, where=where, chat_template_kwargs=group[0].chat_template_kwargs)

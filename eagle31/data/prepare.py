@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eagle31.data.batch import TOKEN_COLUMNS
 from eagle31.data.chat import ChatEncoder, ChatTemplateError, check_template_kwargs
@@ -222,8 +222,9 @@ def prepare_dataset(
         if _write_arrow(samples, tmp / "all.arrow") == 0:
             raise DataError(f"no sample left from {', '.join(sources)}: {dropped.describe() or 'no records'}")
         train, held_out = _split(datasets.Dataset.from_file(str(tmp / "all.arrow")), data_cfg)
-        _save_split(train, tmp / "train")
-        _save_split(held_out, tmp / "eval")
+        for name, ds in (("train", train), ("eval", held_out)):
+            # datasets writes no shard for an empty split, and then cannot load it: force one
+            ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
 
         counts, train_tokens = _supervised_counts(train, V)
         eval_counts, eval_tokens = _supervised_counts(held_out, V)
@@ -310,8 +311,6 @@ def load_prepared_splits(prepared_dir: Path) -> dict[str, Any]:
 
 def load_draft_vocab(prepared_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [Vd] int64, t2d [V] bool) written by `prepare_dataset`."""
-    from safetensors.torch import load_file
-
     vocab = load_file(str(prepared_dir / "vocab.safetensors"))
     return vocab["d2t"], vocab["t2d"]
 
@@ -356,11 +355,6 @@ def _write_arrow(samples: Iterable[dict[str, list[int]]], path: Path, batch: int
             writer.write_batch(pa.RecordBatch.from_pylist(chunk, schema=schema))
             n += len(chunk)
     return n
-
-
-def _save_split(ds, path: Path) -> None:
-    # datasets writes no shard for an empty split, and then cannot load it: force one
-    ds.save_to_disk(str(path), num_shards=1 if len(ds) == 0 else None)
 
 
 def _split(ds, data_cfg: Any):

@@ -172,17 +172,12 @@ def to_conversation(record: Any, where: str = "") -> Conversation:
     system = record.get("system")
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
-    conversation = Conversation(
-        messages, _tools(record.get("tools")), where, _template_options(record.get("chat_template_kwargs"))
-    )
-    _check_unicode(conversation)
-    return conversation
-
-
-def _template_options(options: Any) -> dict[str, Any] | None:
+    tools, options = _tools(record.get("tools")), record.get("chat_template_kwargs")
     if options is not None and not (isinstance(options, dict) and all(isinstance(k, str) for k in options)):
         raise BadInput("malformed", f"chat_template_kwargs is not a mapping of template options: {options!r}"[:200])
-    return options
+    conversation = Conversation(messages, tools, where, options)
+    _check_unicode(conversation)
+    return conversation
 
 
 def _check_unicode(conversation: Conversation) -> None:

@@ -253,13 +253,14 @@ def test_a_full_disk_during_prepare_keeps_the_earlier_set_and_leaves_no_partial_
 def test_a_write_denied_during_prepare_is_one_line(tmp_path, llama_tok, monkeypatch):
     import errno
 
-    import eagle31.data.prepare
+    import datasets
+
     from eagle31.errors import FileAccessError
 
-    def denied(ds, path):
+    def denied(ds, path, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(eagle31.data.prepare, "_save_split", denied)
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", denied)
     cfg = config(tmp_path, [write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(4)])])
     with pytest.raises(
         FileAccessError, match=r"^cannot write data.prepared_dir .*out: Permission denied \(.*train\); nothing was left"

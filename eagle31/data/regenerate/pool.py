@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import islice
 from pathlib import Path
 
-from eagle31.data.regenerate.core import Outcome, RegenerateError, Reply, Settings, regenerate_conversation
+from eagle31.data.regenerate.core import Outcome, Reply, Settings, regenerate_conversation
 from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, write_shard
 from eagle31.data.sources import Conversation
 
@@ -64,11 +64,9 @@ class _DaemonPool:
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}") for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._workers = workers
+        for i in range(workers):
+            threading.Thread(target=self._work, daemon=True, name=f"regenerate-{i}").start()
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
@@ -77,7 +75,7 @@ class _DaemonPool:
 
     def close(self) -> None:
         """Stop each thread after its current call; calls not started are cancelled."""
-        for _ in self._threads:
+        for _ in range(self._workers):
             self._jobs.put(None)
 
     def _work(self) -> None:
@@ -148,8 +146,6 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
             flush()
             if failure is not None:
                 raise failure
-        if gate.stop.is_set():  # every failure was a stopped conversation: cannot happen without a cause
-            raise RegenerateError("regeneration stopped")
         flush(end=True)  # shards that needed no request (every conversation dropped before asking)
     except BaseException:
         gate.stop.set()

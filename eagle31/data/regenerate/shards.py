@@ -70,11 +70,9 @@ def prepare_output(out_dir: str | Path, settings: Settings, identity: dict[str, 
 
 def input_sha256(conversations: list[Conversation]) -> str:
     """The content of a shard's input: its conversations' messages and tools, in order."""
-    h = hashlib.sha256()
-    for conv in conversations:
-        record = {"messages": conv.messages, "tools": conv.tools}
-        h.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode() + b"\n")
-    return h.hexdigest()
+    records = ({"messages": conv.messages, "tools": conv.tools} for conv in conversations)
+    text = "".join(json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n" for record in records)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_resumable(out: Path, chunks: list[tuple[int, list[Conversation]]], size: int) -> None:
