@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import islice
 from pathlib import Path
 
-from eagle31.data.regenerate.core import Outcome, Reply, Settings, regenerate_conversation
+from eagle31.data.regenerate.core import Outcome, RegenerateError, Reply, Settings, regenerate_conversation
 from eagle31.data.regenerate.shards import ShardStats, check_resumable, input_sha256, shard_done, write_shard
 from eagle31.data.sources import Conversation
 
@@ -146,6 +146,8 @@ def regenerate(conversations: Iterable[Conversation], backend, out_dir: str | Pa
             flush()
             if failure is not None:
                 raise failure
+        if gate.stop.is_set():  # every failure was a stopped conversation: cannot happen without a cause
+            raise RegenerateError("regeneration stopped")
         flush(end=True)  # shards that needed no request (every conversation dropped before asking)
     except BaseException:
         gate.stop.set()
