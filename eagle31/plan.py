@@ -242,13 +242,18 @@ def _get(tree: dict, dotted: str, absent: Any = None) -> Any:
 
 def check_data(plan: RunPlan) -> None:
     """Data, held-out prompts and feature store, checked before the target is loaded."""
-    from eagle31.data.prepare import check_data_config
+    from eagle31.data.prepare import check_data_config, recorded_sources
     from eagle31.data.sources import check_sources, data_section, resolve_sources
 
     cfg = plan.cfg
     sources = check_data_config(data_section(cfg))
     prepared = Path(cfg.data.prepared_dir)
-    check_prepared_dir(prepared, sources)
+    recorded = recorded_sources(prepared)  # of a prepared directory (`check_data_config` made sure it is one)
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new ones would be ignored
+        raise ConfigError(
+            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
+            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
+        )
     if not (prepared / "train").is_dir():
         check_sources(sources)
     if cfg.eval.enabled:
@@ -269,18 +274,6 @@ def check_data(plan: RunPlan) -> None:
             target_name=target_identity(cfg.target),
             target_revision=cfg.target.revision,
             target_fingerprint=target_fingerprint(plan.target_dir),
-        )
-
-
-def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
-    """A prepared `data.prepared_dir` (`check_data_config` made sure it is one) must have been made from `sources`."""
-    from eagle31.data.prepare import recorded_sources
-
-    recorded = recorded_sources(prepared)
-    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new ones would be ignored
-        raise ConfigError(
-            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
-            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
         )
 
 
