@@ -13,13 +13,7 @@ import torch
 import yaml
 
 from eagle31.data.capture import capture_splits, check_one_process_per_node, open_store_writers
-from eagle31.data.prepare import (
-    check_prepared,
-    load_draft_vocab,
-    load_prepared_splits,
-    prepare_with_target_tokenizer,
-    template_kwargs,
-)
+from eagle31.data.prepare import check_prepared, load_draft_vocab, load_prepared_splits, prepare_with_target_tokenizer
 from eagle31.data.sources import data_section, resolve_sources
 from eagle31.distributed import all_gather_objects, barrier, close_world, init_world
 from eagle31.errors import ConfigError, Eagle31Error, RunInterrupted
@@ -343,6 +337,7 @@ def finish_run(
 
 def acceptance_config(cfg, run_dir: Path, target_dir: Path, device: str):
     """The `AcceptanceConfig` of a run's drafter (`eval.*`, prompts rendered as for training), as `finish_run`'s."""
+    from eagle31.data.prepare import template_kwargs
     from eagle31.eval.acceptance import AcceptanceConfig
 
     return AcceptanceConfig(

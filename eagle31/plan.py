@@ -68,14 +68,12 @@ def drafter_overrides(section) -> dict[str, Any]:
 
 def plan_run(cfg, world: World) -> RunPlan:
     """Everything checkable without building a model; a bad setting is one ConfigError line."""
-    for name in ("ttt_length", "max_steps", "grad_accum"):
-        if getattr(cfg.train, name) < 1:
-            raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
+    for name, least in {"ttt_length": 1, "max_steps": 1, "grad_accum": 1, "lk_eta": 0, "anchor_weight": 0}.items():
+        if not getattr(cfg.train, name) >= least:
+            raise ConfigError(f"train.{name} must be >= {least}, got {getattr(cfg.train, name)}")
     for name in ("lr", "preempt_grace_s"):
         if not getattr(cfg.train, name) > 0:
             raise ConfigError(f"train.{name} must be positive, got {getattr(cfg.train, name)}")
-    if not cfg.train.lk_eta >= 0:
-        raise ConfigError(f"train.lk_eta must be >= 0, got {cfg.train.lk_eta}")
     check_sequence_parallel(cfg, world)
     check_optimizer(cfg)
     check_engine(cfg)
@@ -134,14 +132,12 @@ def check_sequence_parallel(cfg, world: World) -> None:
 
 
 def check_optimizer(cfg) -> None:
-    """Muon's settings in range; `train.anchor_weight` >= 0 and, above 0, a `drafter.init_from` to anchor to."""
+    """Muon's settings in range; a `train.anchor_weight` above 0 needs a `drafter.init_from` to anchor to."""
     train = cfg.train
     if train.muon_lr is not None and not train.muon_lr > 0:
         raise ConfigError(f"train.muon_lr must be positive or null, got {train.muon_lr}")
     if not 1 <= train.muon_ns_steps < 100:
         raise ConfigError(f"train.muon_ns_steps must be in 1..99, got {train.muon_ns_steps}")
-    if not train.anchor_weight >= 0:
-        raise ConfigError(f"train.anchor_weight must be >= 0, got {train.anchor_weight}")
     if train.anchor_weight > 0 and not cfg.drafter.init_from:
         raise ConfigError(
             f"train.anchor_weight={train.anchor_weight} anchors the weights to drafter.init_from's, and "
@@ -246,13 +242,18 @@ def _get(tree: dict, dotted: str, absent: Any = None) -> Any:
 
 def check_data(plan: RunPlan) -> None:
     """Data, held-out prompts and feature store, checked before the target is loaded."""
-    from eagle31.data.prepare import check_data_config
+    from eagle31.data.prepare import check_data_config, recorded_sources
     from eagle31.data.sources import check_sources, data_section, resolve_sources
 
     cfg = plan.cfg
     sources = check_data_config(data_section(cfg))
     prepared = Path(cfg.data.prepared_dir)
-    check_prepared_dir(prepared, sources)
+    recorded = recorded_sources(prepared)  # of a prepared directory (`check_data_config` made sure it is one)
+    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new ones would be ignored
+        raise ConfigError(
+            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
+            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
+        )
     if not (prepared / "train").is_dir():
         check_sources(sources)
     if cfg.eval.enabled:
@@ -273,18 +274,6 @@ def check_data(plan: RunPlan) -> None:
             target_name=target_identity(cfg.target),
             target_revision=cfg.target.revision,
             target_fingerprint=target_fingerprint(plan.target_dir),
-        )
-
-
-def check_prepared_dir(prepared: Path, sources: list[str]) -> None:
-    """A prepared `data.prepared_dir` (`check_data_config` made sure it is one) must have been made from `sources`."""
-    from eagle31.data.prepare import recorded_sources
-
-    recorded = recorded_sources(prepared)
-    if recorded is not None and recorded != [str(Path(s).resolve()) for s in sources]:  # the new ones would be ignored
-        raise ConfigError(
-            f"data.prepared_dir {prepared} was prepared from {recorded}, not from data.source {sources}; "
-            "choose another data.prepared_dir (or output_dir), or delete that one to prepare it again"
         )
 
 

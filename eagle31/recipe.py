@@ -127,9 +127,9 @@ class DrafterInit:
 def drafter_section(config: type = DrafterConfig) -> type:
     """The recipe's `drafter` section: `config`'s fields but those only the target gives (`eagle31.config.TARGET`),
     an `OVERRIDE` one None to keep `DrafterConfig.from_target_config`'s value; then `DrafterInit`'s fields."""
-    hints = typing.get_type_hints(config)
+    hints = {**typing.get_type_hints(config), **typing.get_type_hints(DrafterInit)}
     fields: list[tuple[str, Any, Any]] = []
-    for f in dataclasses.fields(config):
+    for f in (*dataclasses.fields(config), *dataclasses.fields(DrafterInit)):
         source, hint = f.metadata.get("recipe"), hints[f.name]
         if typing.get_origin(hint) is tuple:  # a recipe spells a list
             hint = types.GenericAlias(list, typing.get_args(hint)[:1])
@@ -144,8 +144,6 @@ def drafter_section(config: type = DrafterConfig) -> type:
             fields.append((f.name, Optional[hint], field(default=None)))
         else:
             fields.append((f.name, hint, field(default=f.default)))
-    init = typing.get_type_hints(DrafterInit)
-    fields += [(f.name, init[f.name], field(default=f.default)) for f in dataclasses.fields(DrafterInit)]
     doc = "The drafter: layer shape, vocabulary, aux layers, EAGLE 3.1 switches, attention; null takes the target's."
     return _made_section("DrafterSection", fields, doc, (config, DrafterInit))
 

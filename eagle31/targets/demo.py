@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import platform
 import random
 import time
@@ -19,6 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from eagle31.io import atomic_write_json, sha256_file
+from eagle31.optim import lr_lambda
 from eagle31.targets import demo_corpus
 from eagle31.targets.cache import cache_dir, ensure_built
 
@@ -241,14 +241,7 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
     batches = length_batches([len(x) for x in ids], recipe.batch_tokens)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup_steps:
-            return (step + 1) / recipe.warmup_steps
-        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.warmup_steps, recipe.steps))  # cosine to lr / 10
     model.train()
     started = time.perf_counter()
     order: list[int] = []
