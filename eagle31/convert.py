@@ -1,5 +1,4 @@
-"""Read drafters, eagle31's own and the ecosystem's EAGLE-3 ones, through their layout (`eagle31.layouts`); sources,
-detection and conventions: docs/export.md, "Reading the ecosystem's drafters"."""
+"""Read drafters through their layout (docs/export.md, "Reading the ecosystem's drafters")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""torchrun process groups (NCCL on GPU, gloo on CPU; none without torchrun: each helper the identity), small
-collectives, and `RankWatch`: a dead rank named and the others stopped (docs/reliability.md)."""
+"""torchrun process groups (no torchrun: each helper the identity), collectives, `RankWatch` (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ def exit_rank_lost(message: str) -> None:
 
 
 class RankWatch:
-    """Heartbeats in the rendezvous store (rank 0 watches all, the others rank 0); `on_lost(verdict)` ends the process
-    when a rank is silent for `timeout_s` (by `clock`) or its pid gone on this host; one leaving says why (`stop`)."""
+    """Heartbeats in the rendezvous store; `on_lost(verdict)` for a lost rank (docs/reliability.md, "A dead rank")."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
                  interval_s: float | None = None, on_lost: Callable[[str], None] = exit_rank_lost,

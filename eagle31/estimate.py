@@ -1,5 +1,4 @@
-"""Parameter counts, a training step's model FLOPs and a training run's per-GPU memory (`dry_run=true`): the step's
-bytes traced (`eagle31.memory_trace`), the other terms counted (docs/performance.md)."""
+"""Parameter counts, a step's model FLOPs and a run's per-GPU memory for `dry_run=true` (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def count_parameters(cfg: DrafterConfig) -> ParamCounts:
 
 
 def visible_key_pairs(seq_len: int, ttt_length: int, window: int | None) -> list[int]:
-    """Per TTT step k, the (query, key) pairs its attention scores over one document of T positions: the step-0
-    keys max(0, p + k - W + 1) .. p of the query at p (0..p without a window), and its k chain keys."""
+    """Per TTT step k, the (query, key) pairs its attention scores over one document of T positions."""
     T, pairs = seq_len, []
     for k in range(ttt_length):
         n = T if window is None else min(T, window - k)  # the most step-0 keys a query sees
@@ -68,10 +66,8 @@ def attention_flops_share(cfg: DrafterConfig, seq_len: int, ttt_length: int) -> 
 
 
 class RunMemory:
-    """GiB per GPU, by term (docs/performance.md), of a training run at any sequence length (`at`), and the longest
-    that fits a GPU (`longest`). device: `cuda` (FSDP2 on GPUs) or `cpu` (one plain process, one dtype throughout).
-    online_target_bytes: the target's weights on each GPU, 0 for none. step: another `RunMemory`'s traces (`.step`)
-    of the same drafter and step options, when only the fixed terms differ."""
+    """GiB per GPU by term (docs/performance.md) at any T (`at`), the longest T that fits (`longest`); device `cuda`
+    (FSDP2) or `cpu` (one process); online_target_bytes: the target's on a GPU; step: same-drafter traces to reuse."""
 
     def __init__(
         self,
@@ -119,8 +115,7 @@ class RunMemory:
         return {**parts, "total": sum(parts.values())}
 
     def longest(self, gpu_memory_gib: float) -> int:
-        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`, 0 if none does: a bisection, whose
-        lengths past the step's first fit length cost no trace (`StepMemory.fit_lengths`)."""
+        """The longest T (a multiple of 1024) whose estimate fits `gpu_memory_gib`, 0 if none: a bisection."""
 
         def fits(T: int) -> bool:
             return self.at(T)["total"] <= gpu_memory_gib

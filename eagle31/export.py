@@ -1,5 +1,4 @@
-"""Export a drafter through a `Layout` (`eagle31.layouts`): every check first, then `config.json` and
-`model.safetensors`, atomically. What each field guards against, release by release: docs/export.md."""
+"""Export a drafter through a `Layout`: every check, then `config.json` and `model.safetensors` (docs/export.md)."""
 
 from __future__ import annotations
 

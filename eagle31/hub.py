@@ -1,5 +1,4 @@
-"""Publish an exported drafter on the Hugging Face Hub: a model card and a one-commit upload (docs/export.md); the
-token is never printed, logged or written, and is scrubbed from errors."""
+"""Publish an exported drafter on the Hub: model card, one-commit upload; the token never shown (docs/export.md)."""
 
 from __future__ import annotations
 
@@ -215,8 +214,7 @@ def _cell(value: Any) -> str:
 def push_folder(
     out_dir: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
 ) -> list[str]:  # fmt: skip
-    """Upload the export folder to the model repo `repo_id` (created if needed) in one commit; returns the files sent
-    (with `dry_run`, touching nothing remote)."""
+    """Upload the export folder to `repo_id` (made if needed) in one commit; the files sent (`dry_run`: no upload)."""
     check_repo_id(repo_id)
     read_export(out_dir)
     out = Path(out_dir)

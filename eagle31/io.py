@@ -1,5 +1,4 @@
-"""Atomic files and directories, the ownership rule of output directories, the run lock, write errors as one line
-(docs/reliability.md); one module, as a swap's writer flocks its marker and the lock file is written atomically."""
+"""Atomic files and directories, output ownership, the run lock, one-line write errors (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ def _describe(entries: list[tuple[str | None, str]], shown: int = 5) -> str:
 
 
 def recover_swap(dest: Path) -> None:
-    """After the swaps live processes make of `dest` end, put back the old output of one killed between its renames
-    (`dest` -> `.dest.old-*`, `.dest.tmp-*` -> `dest`), saying so, and remove those that finished swaps left."""
+    """When live swaps of `dest` end, restore a killed swap's old output (saying so); clear finished ones' leftovers."""
     if not dest.parent.is_dir() or not _old_outputs(dest):
         return
     with _holding_swaps(dest):
@@ -190,8 +188,7 @@ def check_writable(path: str | Path) -> None:
 
 @contextmanager
 def hold_lock(directory: str | Path) -> Iterator[None]:
-    """Lock `directory` while the block runs (`OutputInUseError` naming the holder for a second process): `flock` on
-    `LOCK_FILE`, or where the filesystem has none, `HELD_FILE` with a heartbeat, taken over once stale."""
+    """Lock `directory` while the block runs (`OutputInUseError` for a second process): `flock`, or a heartbeat file."""
     directory = Path(directory)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -342,8 +339,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def _break_lock(path: Path, identity: tuple, holder: str) -> bool:
-    """Remove the stale lock file judged as `identity` and nothing else (the one breaker holding the claim named after
-    it, if the file linked is the one judged); False when it is no longer there."""
+    """Remove the stale lock file judged as `identity` and nothing else (docs/reliability.md); False if it is gone."""
     name = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
     dead: list[Path] = []
     while True:

@@ -1,5 +1,4 @@
-"""The TTT loss and metrics (docs/design.md §4): supervision, labels from the target's lm_head, the losses
-(`train.loss`), and lm_head + loss of all K steps in chunks (`FusedDraftLoss`)."""
+"""The TTT loss and metrics (docs/design.md §4): supervision, labels, the `train.loss` losses, `FusedDraftLoss`."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class TargetHead:
         out = torch.full((B, T), -1, dtype=torch.long, device=final.device)
         idx = torch.arange(B * T, device=final.device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
         w = self.weight.to(final.dtype)
-        # Tiles of rows x vocabulary columns: enough rows per tile that the matmul is compute-bound
-        # (the whole [V, Ht] weight is read once per row tile), a running max across column tiles.
+        # row x vocabulary tiles, a running max across columns: the [V, Ht] weight read once per row tile
         cols = min(w.shape[0], _ARGMAX_COLUMNS)
         rows = max(1, _LOGITS_BUDGET // cols)
         for i in range(0, idx.numel(), rows):
@@ -71,8 +69,7 @@ def label_positions(loss_mask: torch.Tensor) -> torch.Tensor:
 def supervision_mask(
     loss_mask: torch.Tensor, segments: torch.Tensor, ttt_length: int, target_in_vocab: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """[K, B, T] bool: is query (p, k) supervised (docs/design.md §4, "Labels"): loss_mask, segments [B, T];
-    target_in_vocab [B, T] (is the target argmax at q a draft token), or None to supervise regardless."""
+    """[K, B, T] bool: (p, k) supervised (docs/design.md §4, "Labels"); inputs [B, T], target_in_vocab optional."""
     T = loss_mask.shape[1]
     supervised = torch.zeros(ttt_length, *loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
     for k in range(min(ttt_length, T - 2)):
@@ -172,9 +169,8 @@ def ttt_loss(
     step_scale: torch.Tensor,
     loss: Divergence = Divergence(),
 ) -> StepStats:
-    """Loss sums and accuracy counts of one micro-batch: states per step [B, T, H], final [B, Tf, Ht] (Tf > T on a
-    shard: its halo), supervised [K, B, T], target_argmax [B, Tf]; step_scale [K] the weights the sums get in the
-    loss (`step_scales` of the global counts): only a loss proportional to `weighted_loss` may be differentiated."""
+    """Loss sums and accuracy counts of a micro-batch: states [B, T, H] a step, final [B, Tf, Ht] (Tf > T: the halo),
+    supervised [K, B, T], target_argmax [B, Tf]; step_scale [K]: `step_scales` (differentiate `weighted_loss`)."""
     B, T = supervised.shape[1:]
     Tf = final.shape[1]  # T, or T + K + 1 on a sequence shard (its halo)
     # Supervised queries (p, k) as flat rows b*T + p, and their label rows b*Tf + p+1+k (both ascending).
@@ -205,8 +201,7 @@ def ttt_loss(
 
 
 def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Tensor:
-    """[K]: w^k / global_count[k] (1 where no query is supervised: that step's sum is 0); with ttt_decay None, one
-    mean over the supervised queries of every step (P-EAGLE's): 1 / their total."""
+    """[K]: w^k / global_count[k] (1 where none is supervised); ttt_decay None: 1 / the total, one mean (P-EAGLE's)."""
     if ttt_decay is None:
         return torch.full_like(global_count, 1 / max(float(global_count.sum()), 1), dtype=torch.float64)
     w = ttt_decay ** torch.arange(global_count.shape[0], dtype=torch.float64, device=global_count.device)
@@ -214,9 +209,8 @@ def step_scales(global_count: torch.Tensor, ttt_decay: float | None) -> torch.Te
 
 
 def depth_sampling(supervised: torch.Tensor, ratio: float, ratio_min: float, seed: int, start: int = 0):
-    """P-EAGLE's COD sampling of supervised [K, B, T]: query (p, k >= 1) kept with probability max(ratio^k, ratio_min),
-    nested over k, one uniform draw per position from `seed` and its row (positions counted from `start`, a shard's
-    first): a shard draws what the whole sequence draws at its positions, whatever the rows' length."""
+    """P-EAGLE's COD sampling of supervised [K, B, T]: (p, k >= 1) kept with probability max(ratio^k, ratio_min), nested
+    in k; one draw per position from `seed`, its row and `start` (a shard's first position), as the whole draws it."""
     K, B, T = supervised.shape
     rows = [
         torch.rand(start + T, generator=torch.Generator().manual_seed(seed * 1_000_003 + r))[start:] for r in range(B)
@@ -243,10 +237,9 @@ def ttt_metrics(counters: torch.Tensor) -> dict[str, float]:
 
 
 class FusedDraftLoss(torch.autograd.Function):
-    """Per step k: sum over its supervised queries of D(softmax(f Wt^T), softmax(h W^T)), and their draft argmax, of W
-    [Vd, H] draft lm_head, f [N, Ht] final states, Wt [Vd, Ht] the target's draft rows, queries and labels (per step
-    the ascending rows of h[k] [N, H] and of f), scale [K] step weights, grads, divergence, *h. One pass over chunks of
-    label rows forms dh and dW; backward scales them by the one grad_loss[k] / scale[k] all steps share, or refuses."""
+    """Per step k: over its supervised queries, the sum of D(softmax(f Wt^T), softmax(h W^T)) and the draft argmax, one
+    pass over label-row chunks forming dh and dW too. W [Vd, H], f [N, Ht] final, Wt [Vd, Ht] target draft rows, queries
+    and labels (per step, ascending rows), scale [K], grads, divergence, *h [N, H]; backward: `_shared_factor`."""
 
     @staticmethod
     def forward(ctx, W, f, Wt, queries, labels, scale, grads, divergence, *h):
@@ -306,8 +299,7 @@ class FusedDraftLoss(torch.autograd.Function):
 
 
 def _accumulate_dW(dW: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, scale: float) -> None:
-    """dW [Vd, H] (fp32) += scale * dz^T h, dz [n, Vd] and h [n, H]: the product in their dtype (the fast matmul), in
-    tiles of vocabulary rows of at most `_LOGITS_BUDGET` elements."""
+    """dW [Vd, H] fp32 += scale * dz^T h (dz [n, Vd], h [n, H]), multiplied in their dtype, `_LOGITS_BUDGET` tiles."""
     if dW.dtype == h.dtype:
         dW.addmm_(dz.T, h, alpha=scale)
         return

@@ -1,5 +1,4 @@
-"""The bytes a training step's tensors hold, traced on the meta device: `trace_step`, `StepMemory` (a dispatch mode
-counts every storage until it is freed; long steps are planes through a few traces: docs/performance.md)."""
+"""The bytes a training step's tensors hold, traced on the meta device (docs/performance.md, the memory estimate)."""
 
 from __future__ import annotations
 
@@ -93,9 +92,8 @@ def _tensors(args, kwargs=None) -> list[torch.Tensor]:
 
 
 class StepTrace(TorchDispatchMode):
-    """Bytes of the meta tensors the operations make while it is active: `live`, `peak`, and with `unit` (the length
-    whose multiples are the per-token dimensions) the peak of each moment (`moments`); the values of small and
-    integer tensors (`values`). `cuda`: `FlashCausal`'s calls count as on CUDA (docs/performance.md)."""
+    """Bytes of the meta tensors made while active: `live`, `peak`, each moment's (`moments`; `unit`: the length of
+    per-token dimensions); small and integer tensors' `values`; `cuda`: FlashCausal counted as on CUDA."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -219,8 +217,7 @@ class StepTrace(TorchDispatchMode):
                 self.values[t] = v
 
     def _meta(self, func, args, kwargs):
-        """`func` on the meta device; an operation that makes new tensors takes their shapes from an earlier call on
-        inputs of the same shapes (many meta kernels are Python: a loop of blocks would run them again and again)."""
+        """`func` on the meta device; new tensors' shapes from an earlier call on same-shaped inputs, if any."""
         if not _makes_new_tensors(func):
             return func(*args, **kwargs)
         try:
@@ -293,8 +290,7 @@ class StepTrace(TorchDispatchMode):
 
 
 class _EmulatedGroup:
-    """The traced sequence group's collectives as the last of `size` ranks sees them, every rank holding what it holds:
-    a gathered tensor is its input repeated (values and all), a reduce-scatter's output is left as made."""
+    """Collectives as the last of `size` ranks sees them: a gather repeats its input; a reduce-scatter does nothing."""
 
     def __init__(self, trace: StepTrace, size: int):
         self.trace, self.size = trace, size
@@ -326,9 +322,7 @@ class StepBytes:
 def attention_kernel_for(
     kernel: str, drafter: Eagle31Drafter, seq_len: int, ttt_length: int, dtype: torch.dtype, device: str
 ) -> str:
-    """The causal kernel `train.attention_kernel=auto` picks on `device` at every TTT step of a sequence of `seq_len`
-    keys (`resolve_backend`, asked about a query there: a fake one on CUDA), or `kernel` itself; one that picks
-    differently at two steps is refused (the trace runs one kernel)."""
+    """`kernel`, or for `auto` what `resolve_backend` picks on `device` at every step for `seq_len` keys."""
     if kernel != "auto":
         return kernel
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -359,10 +353,9 @@ def trace_step(
     moments: bool = False,
     shapes: dict | None = None,
 ) -> StepBytes:
-    """Trace one training step of one sequence of `seq_len` tokens; split `sequence_parallel` ways, the last rank's.
-    device: `cuda` (FSDP2: the parameters gathered in `dtype`) or `cpu` (one plain process). supervised: the first
-    positions of the traced rank whose loss mask is 1 (None: all). moments: record each moment's peak (`StepMemory`).
-    shapes: the meta kernels' outputs by their inputs' shapes, shared between traces of one drafter (`StepTrace`)."""
+    """Trace one training step of one `seq_len`-token sequence (split `sequence_parallel` ways: the last rank's);
+    device: `cuda` (FSDP2, parameters gathered in `dtype`) or `cpu`; supervised: the traced rank's first supervised
+    positions (None: all); moments: each moment's peak; shapes: meta kernels' outputs shared by a drafter's traces."""
     K, N, T = ttt_length, sequence_parallel, seq_len
     with torch.device(META):
         drafter = Eagle31Drafter(cfg).to(dtype)
@@ -403,8 +396,7 @@ def trace_step(
 
 @dataclass
 class _Plane:
-    """Bytes a + b (T - T0) + c (P - P0) of each moment, P the supervised positions of the traced rank; the
-    batch's features and the part of them the trace made as planes too."""
+    """Each moment's bytes a + b (T - T0) + c (P - P0), P the traced rank's supervised positions; features too."""
 
     T0: int
     P0: int
@@ -421,8 +413,7 @@ class _Plane:
 
 
 class StepMemory:
-    """A drafter's training step, its bytes at any T (`at`) every query supervised: traced whole up to P1 (or T1
-    where every trace supervises every position), else the largest of the moments' planes (docs/performance.md)."""
+    """A training step's bytes at any T, every query supervised (`at`): traced, or planes (docs/performance.md)."""
 
     FIT_LIMIT = 8192  # positions of a shard the fit lengths need at most to run every loop of blocks steadily
 
@@ -442,9 +433,8 @@ class StepMemory:
         return self._traces[key]
 
     def supervised_counts(self) -> tuple[int, int] | None:
-        """P0 < P1: the positions whose label rows (the first P - 2) fill two and three of the loss's chunks (a
-        loop's second block runs beside what the first left, as every later one does); None where twice that
-        passes `FIT_LIMIT`: every trace supervises every position."""
+        """P0 < P1, the supervised positions whose label rows (the first P - 2) fill two and three loss chunks (a second
+        block beside the first's leftovers); None where 2·P1 passes `FIT_LIMIT`: every position supervised."""
         rows = self._loss_rows()
         return (2 * rows + 2, 3 * rows + 2) if 2 * (3 * rows + 2) <= self.FIT_LIMIT else None
 
@@ -452,10 +442,7 @@ class StepMemory:
         return max(1, loss._LOGITS_BUDGET // self.cfg.draft_vocab_size)
 
     def fit_lengths(self) -> tuple[int, int]:
-        """T0 < T1 (a multiple of the sequence split): each of the step's loops of blocks runs either steadily at
-        both (its blocks whole, a chain's and the loss's second beside what the first left) or in one block at
-        both (then the lines count it as growing with T: an upper bound past it); steadily wherever that needs
-        at most `FIT_LIMIT` positions of a shard, and twice P1."""
+        """T0 < T1 (multiples of the split): every loop of blocks runs alike there (docs/performance.md)."""
         cfg, P = self.cfg, self.supervised_counts()
         chain = kernels.BLOCK_BUDGET // (cfg.num_attention_heads * cfg.qk_head_dim)
         mlp = ttt.FEED_FORWARD_BUDGET // cfg.intermediate_size

@@ -1,8 +1,4 @@
-"""The EAGLE 3.1 drafter, written out: the spec every fast path is tested against (docs/design.md §3-§4, "The
-reference drafter"). Reads top to bottom: which keys a query sees (`Visibility`) -> the decoder layer -> the drafter,
-its TTT unroll and its attention as explicit scores (O(K * T^2) memory: for tests, the drift diagnostic and readers).
-Parameter names are Hugging Face's, so export is a rename table; the attention's projections and rope are its kind's
-(`eagle31.attention`), behind one seam, `self_attn.query_entry(z, cos, sin) -> q, entry`."""
+"""The EAGLE 3.1 reference drafter, written out: the spec every fast path is tested against (docs/design.md §3-§4)."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ NATIVE_FORMAT_VERSION = 1
 
 
 def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tensor:
-    """Document runs [B, T]: a query attends only within its run of equal document id (-1 or a 0 in `attention_mask`
-    is padding, which forms runs of its own: no real token attends padding)."""
+    """Document runs [B, T]; padding (document id -1, `attention_mask` 0) in runs of its own, which none attends."""
     B, T = shape
     doc = torch.zeros(B, T, dtype=torch.long, device=device) if document_ids is None else document_ids.long()
     if attention_mask is not None:
@@ -38,8 +33,7 @@ def segment_ids(document_ids, attention_mask, shape, device=None) -> torch.Tenso
 
 @dataclass(frozen=True)
 class Visibility:
-    """Which keys query (p, k), position p at TTT step k, sees (docs/design.md §4, "Attention"): (p', 0) for p' <= p
-    in its document, (p, s) for s <= k; with a window W, only keys at RoPE positions p + k - W + 1 .. p + k."""
+    """Which keys query (p, k), position p at TTT step k, sees: the one rule (docs/design.md §4, "Attention")."""
 
     window: int | None = None  # `drafter.sliding_window`; None: full attention
 
@@ -65,8 +59,7 @@ def explicit_attention(q, k, v, allowed, probe=None) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight; its
-    backward remakes the normalised x from x and the saved rsqrt (no fp32 copies of x and of its output are kept)."""
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype before the weight."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -119,8 +112,7 @@ class MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one decoder layer (docs/design.md §3), its attention reading z [*, 2H]:
-    h' = r + o_proj(Attn(z)), out = h' + mlp(post_attention_layernorm(h'))."""
+    """The drafter's one decoder layer (docs/design.md §3), its attention reading z [*, 2H]."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -165,8 +157,7 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Eagle31Drafter(nn.Module):
-    """EAGLE 3 drafter with the EAGLE 3.1 switches (`fc_norm`, `norm_output`); buffers d2t [Vd] (int64 offsets:
-    target id = i + d2t[i]) and t2d [V] (bool: in the draft vocabulary)."""
+    """EAGLE 3 drafter with the 3.1 switches (`fc_norm`, `norm_output`); d2t [Vd], t2d [V] (docs/design.md §5)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -203,8 +194,7 @@ class Eagle31Drafter(nn.Module):
 
     @torch.no_grad()
     def init_from_target(self, embed_weight, lm_head_weight, d2t, t2d) -> None:
-        """The target's embedding (frozen) and its lm_head rows at the draft vocabulary: weights [V, Ht],
-        d2t [Vd] offsets, t2d [V] bool."""
+        """The target's embedding (frozen), lm_head rows at the draft vocabulary: weights [V, Ht], d2t [Vd], t2d [V]."""
         expected = (self.config.vocab_size, self.config.hidden_size)
         for name, weight in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(weight.shape) != expected:
@@ -244,8 +234,7 @@ class Eagle31Drafter(nn.Module):
         return self.fc(aux)
 
     def mask_slots(self, shape: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a parallel drafter's steps k >= 1 read (P-EAGLE, vLLM's mask slots): fuse_aux(mask_hidden) [B, T, H]
-        and the mask token [B, T]."""
+        """What a parallel drafter's steps k >= 1 read (P-EAGLE's mask slots): feature [B, T, H], mask tokens [B, T]."""
         feature = self.fuse_aux(self.mask_hidden)[0].expand(*shape, -1)
         return feature, torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
 
@@ -254,8 +243,7 @@ class Eagle31Drafter(nn.Module):
             return self.embed_tokens(tokens).to(dtype)  # [*, H]
 
     def step_qkv(self, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """feature [B, T, H] (`fuse_aux` at step 0, the previous step's `DraftStep.feature` after), its tokens
-        and RoPE positions [B, T] -> (q [B, T, nh, d], k, v [B, T, nkv, d], the residual [B, T, H])."""
+        """feature [B, T, H], tokens, RoPE positions [B, T] -> q [B, T, nh, d], k, v [B, T, nkv, d], residual."""
         z, residual = self.midlayer.attention_input(self.embed(tokens, feature.dtype), feature)
         q, entry = self.midlayer.self_attn.query_entry(z, *self.rotary_emb(positions, feature.dtype))
         keys_values = self.midlayer.self_attn.step0_keys_values()  # what the entry's keys and values are
@@ -286,10 +274,9 @@ class Eagle31Drafter(nn.Module):
         first_query: int = 0,
         probe: Callable[[int, torch.Tensor], None] | None = None,
     ) -> TTTOutput:
-        """K = `ttt_length` drafter steps over every position (docs/design.md §4): aux [B, T, n*Ht]; input_ids,
-        document_ids (-1 padding), attention_mask (1 = real), position_ids (RoPE) [B, T]. Outputs [B, Tq, H] are the
-        queries' from `first_query` on (earlier positions are keys only); `probe(k, probs)` sees step k's attention
-        [B, nh, Tq, S], keys step-major (T of step 0, Tq of each later step)."""
+        """K = `ttt_length` steps over every position (docs/design.md §4): aux [B, T, n*Ht]; input_ids, document_ids (-1
+        padding), attention_mask (1 = real), position_ids (RoPE) [B, T]. Outputs [B, Tq, H]: queries from `first_query`
+        on; `probe(k, probs)`: step k's attention [B, nh, Tq, S], keys step-major (T of step 0, Tq a later step)."""
         if ttt_length < 1:
             raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
         B, T = input_ids.shape
@@ -341,8 +328,7 @@ class Eagle31Drafter(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> Eagle31Drafter:
-        """A drafter `save` wrote; a missing embedding stays zero (load the target's). A config that does not
-        fit the weights, or a truncated weights file, is a one-line `ConfigError` naming the file."""
+        """A drafter `save` wrote (no embedding saved: zeros, load the target's); a mismatch: one-line `ConfigError`."""
         path = Path(path)
         meta = read_native_config(path)
         try:
@@ -384,8 +370,7 @@ _SIZED_BY = (
 
 
 def load_checked_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | Path):
-    """`model.load_state_dict(state, strict=False)` after checking every shape: a mismatch names the tensor,
-    both shapes and the config fields that size it, in one line. Returns (missing, unexpected)."""
+    """`load_state_dict(state, strict=False)` -> (missing, unexpected), shapes checked first: a mismatch is one line."""
     expected = model.state_dict()
     for key, tensor in state.items():
         if key in expected and tuple(tensor.shape) != tuple(expected[key].shape):

@@ -1,5 +1,4 @@
-"""The plan of a run, and every check that needs no model: `plan_run(cfg, world)`, so bad input fails in seconds
-with one line (the target's config read, not its weights; each export tried on paper); `describe_dry_run`."""
+"""The plan of a run and every check that needs no model (`plan_run`: bad input fails in seconds); dry runs."""
 
 from __future__ import annotations
 
@@ -118,8 +117,7 @@ def plan_run(cfg, world: World) -> RunPlan:
 
 
 def check_sequence_parallel(cfg, world: World) -> None:
-    """`train.sequence_parallel`: >= 1, divides the world size (the planned one in a dry run), and a kernel that
-    takes a sequence shard's queries (any length is padded to the shards, not refused: `shard_length`)."""
+    """`train.sequence_parallel`: >= 1, divides the (planned) world size, and a kernel that takes a shard's queries."""
     n = cfg.train.sequence_parallel
     ranks = cfg.plan.world_size if cfg.dry_run and cfg.plan.world_size > 0 else world.world_size
     if n < 1 or ranks % n:
@@ -192,8 +190,7 @@ INIT_FROM_FIELDS = ("aux_layer_ids", "draft_vocab_size", *SWITCHES)
 
 
 def check_init_from(drafter: DrafterConfig, section) -> None:
-    """`drafter.init_from` (config.json only): its switches and aux ids must be this run's (`norm_output` may differ
-    when `drafter.upgrade_to_eagle31` asks for the EAGLE 3 -> 3.1 upgrade)."""
+    """`drafter.init_from`: switches and aux ids as this run's (`norm_output` may differ with `upgrade_to_eagle31`)."""
     from eagle31.convert import read_drafter_config
 
     source = read_drafter_config(
@@ -285,8 +282,7 @@ _GPU_SIZES_GIB = (80.0, 139.0)
 
 
 def describe_dry_run(plan: RunPlan) -> dict:
-    """`dry_run=true`: print (rank 0) and return parameter counts, the model FLOPs of a step of one T-token sequence
-    (and the attention's share), a per-GPU memory estimate for the planned launch and the longest T that fits."""
+    """`dry_run=true`: print (rank 0) and return parameter counts, a step's FLOPs, per-GPU memory and the longest T."""
     cfg, d, T, K = plan.cfg, plan.drafter, plan.cfg.data.max_len, plan.cfg.train.ttt_length
     counts = count_parameters(d)  # the drafter built on the meta device: every shape checked, no memory
     if cfg.plan.world_size < 0 or cfg.plan.gpu_memory_gib < 0:
@@ -376,8 +372,7 @@ def online_target_bytes(plan: RunPlan) -> int:
 
 
 def engine_sizing(plan: RunPlan, trainers: int):
-    """`features.mode=engine`: the inference workers that keep `trainers` busy (`eagle31.engine.capacity`), from the
-    measured rates of `features.engine.rates_from` or of this run's own metrics.jsonl, else estimated."""
+    """`features.mode=engine`: the workers that keep `trainers` busy, from measured rates or estimated."""
     cfg, engine = plan.cfg, plan.cfg.features.engine
     if cfg.features.mode != "engine":
         return None

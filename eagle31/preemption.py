@@ -1,5 +1,4 @@
-"""SIGTERM / SIGUSR1: stop after the step with a checkpoint (docs/reliability.md); read by a thread from the wakeup
-fd, so that it acts even while the main thread waits in a collective whose peer is gone."""
+"""SIGTERM / SIGUSR1: stop after the step with a checkpoint (docs/reliability.md, "Preemption")."""
 
 from __future__ import annotations
 

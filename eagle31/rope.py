@@ -1,5 +1,4 @@
-"""The drafter's rotary embedding as vLLM serves it, release by release (`VLLM_RELEASES`; docs/design.md §3,
-docs/export.md "The rope rule"); `ambiguity` names the fields of a block the releases read differently."""
+"""The drafter's rope as vLLM serves it, release by release (`VLLM_RELEASES`; docs/export.md, "The rope rule")."""
 
 from __future__ import annotations
 
@@ -156,6 +155,5 @@ def llama_yarn_reading(rope: dict[str, Any], release: str = NEWEST) -> tuple[flo
 
 
 def for_llama_drafter(rope: dict[str, Any]) -> dict[str, Any]:
-    """A target's rope block for a Llama-attention drafter: yarn without DeepSeek's magnitude fields, so every release
-    reads the magnitude 0.1·ln(factor) + 1 (docs/export.md)."""
+    """A target's rope for a Llama-attention drafter: yarn without DeepSeek's magnitude fields (docs/export.md)."""
     return {k: v for k, v in rope.items() if rope.get("rope_type") != "yarn" or k not in DEEPSEEK_YARN_FIELDS}

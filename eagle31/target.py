@@ -88,8 +88,7 @@ def attention_shape(t: dict) -> tuple[int, int, int]:
 
 
 def decoder_parameters(target_config: dict, active: bool = False) -> int:
-    """The target's decoder layers' parameters: each layer's attention and its MLP, or of a MoE layer every expert
-    (`active`: those a token is routed to), the shared ones and the router."""
+    """The decoder layers' parameters: attention, MLP (MoE: all experts, `active`: routed; shared, router)."""
     t = text_config(target_config)
     H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
     heads, qk, v = attention_shape(t)
@@ -294,13 +293,8 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int, *, who: str = "") -
 
 
 class TargetFeatures:
-    """Forward pre-hooks keeping the drafter's inputs (docs/design.md §2): `aux`, the inputs of decoder layers
-    `aux_layer_ids` concatenated in id order, and `final`, the input of `lm_head`:
-
-        with TargetFeatures(model, aux_layer_ids) as feats:
-            out = model(input_ids=..., attention_mask=...)  # any forward, KV cache allowed
-            aux, final = feats.pop()  # [B, T, n*Ht], [B, T, Ht] for the positions lm_head saw (`logits_to_keep`)
-    """
+    """Forward pre-hooks keeping the drafter's inputs (docs/design.md §2), `aux` and `final`, of any forward (KV cache
+    allowed): `with TargetFeatures(model, aux_layer_ids) as feats:`, a forward, then `aux, final = feats.pop()`."""
 
     def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
         self.model = model
@@ -341,7 +335,7 @@ class TargetFeatures:
             raise _StopForward
 
     def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [B, T, n*Ht], final [B, T, Ht]) of the last forward; clears them."""
+        """(aux [B, T, n*Ht], final [B, T', Ht], the T' positions lm_head saw) of the last forward; clears them."""
         if not self._handles:
             raise RuntimeError("TargetFeatures.pop() outside its `with` block")
         if self._final is None or any(a is None for a in self._aux):
@@ -353,8 +347,7 @@ class TargetFeatures:
 
     @torch.no_grad()
     def resolved_layer_ids(self) -> tuple[int, ...]:
-        """The ids k of the states these hooks keep, read off a two-token forward, not taken from `aux_layer_ids`:
-        for each slice of `aux`, the k whose `output_hidden_states[k]` it equals (-1: none)."""
+        """Per aux slice, the k whose `hidden_states[k]` it equals (-1: none), read off a two-token forward."""
         device = self.model.get_input_embeddings().weight.device
         with self:
             out = self.model(

@@ -28,9 +28,8 @@ def ttt_unroll(
     activation_checkpointing: bool = False,
     sequence=None,
 ) -> TTTOutput:
-    """`Eagle31Drafter.unroll` in memory linear in T; `attention_kernel`: auto | flash | blockwise (`eagle31.kernels`),
-    or reference (the spec's unroll). `sequence` (a `SequenceShard`): aux holds this rank's T positions, input_ids them
-    and their halo; its `key_segments`, global positions, and step-0 entries gathered up to it (docs/design.md §4)."""
+    """`Eagle31Drafter.unroll` in memory linear in T; `attention_kernel`: auto | flash | blockwise | reference (the
+    spec's); with `sequence` (a `SequenceShard`) aux holds this rank's T positions, input_ids them and their halo."""
     if attention_kernel == "reference":
         if sequence is not None:
             raise ValueError("the reference attention runs on whole sequences, not on sequence shards")
@@ -54,8 +53,7 @@ def ttt_unroll(
     rule = drafter.visibility
 
     def step(feature, ids, positions, entry0, *chain):
-        # The embedding and RoPE are made inside the step, so activation checkpointing recomputes them
-        # instead of keeping a [B, T, H] embedding per step; only entries are kept from step to step.
+        # embedding and RoPE made inside the step: recomputed under checkpointing, not kept (docs/performance.md)
         if entry0 is None:  # step 0: its keys are the causal keys of every later step
             q, entry0, residual = step_entry(drafter, feature, ids, positions)
             if sequence is not None:  # every shard's up to this one's end
@@ -84,8 +82,7 @@ def ttt_unroll(
 
 
 def step_entry(drafter, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, chain=False):
-    """The step up to its attention: (q, entry, residual). chain=True: the entry the chain keeps, for Llama attention
-    the step's input (feature, tokens, positions), kept anyway (`chain_keys_values` remakes its keys from it)."""
+    """The step up to its attention: (q, entry, residual); chain=True: the chain's entry (Llama: the step's input)."""
     attn = drafter.midlayer.self_attn
     z, residual = drafter.midlayer.attention_input(drafter.embed(tokens, feature.dtype), feature)
     cos, sin = drafter.rotary_emb(positions, feature.dtype)
@@ -115,8 +112,7 @@ def chain_keys_values(drafter) -> ChainKeysValues:
 
 
 def _output_in_token_chunks(drafter, h: torch.Tensor):
-    """h' [B, T, H] -> its `DraftStep`, the MLP block and read-out checkpointed `FEED_FORWARD_BUDGET / I` token
-    rows at a time: the recomputed step keeps only h' for them, its backward one chunk's activations."""
+    """h' [B, T, H] -> its `DraftStep`, the MLP block and read-out checkpointed in chunks of token rows."""
     B, T, H = h.shape
 
     def read_out_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, H] -> o, norm(o)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -70,6 +71,11 @@ def feature_batch(cfg: DrafterConfig, T: int, seed: int = 0, dtype=torch.float32
         aux=aux,
         final=final,
     )
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def run_script(path: Path, argv: list[str], monkeypatch) -> int:

@@ -1,5 +1,4 @@
-"""The drafter's attention kinds (`drafter.attention`): Llama's q/k/v (llama.py) and DeepSeek's MLA (mla.py); what
-differs between them lives on each kind's `AttentionKind`, which the rest of eagle31 asks instead of comparing names."""
+"""The drafter's attention kinds (`drafter.attention`): `KINDS`, Llama's q/k/v (llama.py), DeepSeek's MLA (mla.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class DrafterAttention(StrEnum):
 
     @classmethod
     def parse(cls, value: Any) -> str:
-        """`value` as the name of a kind in `KINDS` (a member for the built-in kinds); anything else is a one-line
-        ConfigError naming `drafter.attention`."""
+        """A kind's name in `KINDS` (built-in: a member); else a one-line ConfigError naming `drafter.attention`."""
         if value not in KINDS:
             raise ConfigError(f"drafter.attention must be one of {list(KINDS)}, got {value!r}")
         return cls(value) if value in cls._value2member_map_ else str(value)

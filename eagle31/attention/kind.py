@@ -1,6 +1,4 @@
-"""`AttentionKind`: what one kind of drafter attention does differently, asked by the modules that need it. The module
-a kind builds (`attention`) is what the drafter's layer calls: `query`, `query_entry`, `step0_keys_values`,
-`chain_keys_values` (each step's entry, its keys and values) and `output`."""
+"""`AttentionKind`: what one kind of drafter attention does differently (CONTRIBUTING.md, "An attention kind")."""
 
 from __future__ import annotations
 

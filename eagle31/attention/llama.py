@@ -49,15 +49,14 @@ class LlamaAttention(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE as vLLM serves it from the exported config (`eagle31.rope`): position_ids [B, T] -> cos, sin [B, T, d];
-    inverse frequencies float64 outside the buffers (no bf16 cast degrades them), `attention_scaling` the magnitude."""
+    """vLLM's RoPE (`eagle31.rope`): position_ids [B, T] -> cos, sin [B, T, d], scaled by `attention_scaling`."""
 
     interleaved = False  # each frequency on a pair of dims (DeepSeek's), else on both halves (Llama's rotate-half)
 
     def __init__(self, config: DrafterShape):
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device
-            self.inv_freq, self.attention_scaling = self.frequencies(config)
+            self.inv_freq, self.attention_scaling = self.frequencies(config)  # float64, no buffer: no bf16 cast
 
     def frequencies(self, config: DrafterShape) -> tuple[torch.Tensor, float]:
         return inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)

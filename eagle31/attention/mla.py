@@ -1,6 +1,4 @@
-"""Multi-head Latent Attention (`drafter.attention=mla`), the published Kimi K2.6 drafter's: DeepSeek's attention
-reading the EAGLE-3 layer's 2H-wide input, as vLLM's `Eagle3DeepseekV2ForCausalLM` computes it (docs/design.md §3).
-The memory-lean unroll keeps its latents and decompresses keys and values where it attends."""
+"""Multi-head Latent Attention (`drafter.attention=mla`), as vLLM computes it (docs/design.md §3, "The MLA drafter")."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class MLAConfig:
 
 
 class DeepseekRotaryEmbedding(RotaryEmbedding):
-    """The MLA drafter's rope on `qk_rope_head_dim` dims with interleaved pairs: default, or DeepSeek YaRN (vLLM's
-    `deepseek_yarn`, which its DeepSeek EAGLE-3 layer makes of any `rope_scaling`; softmax correction: `q_scale`)."""
+    """The MLA drafter's rope on `qk_rope_head_dim` interleaved pairs: default or DeepSeek YaRN (docs/design.md §3)."""
 
     interleaved = True
 
@@ -62,8 +59,7 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def mla_keys_values(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
-    """MLA's keys and values from its latent [*, r + rope] (normed c_kv, roped k_pe) and kv_b_proj's
-    weight [nh * (nope + v_dim), r]: k = (k_nope, k_pe shared by every head), v zero-padded to k's width."""
+    """K, V of latent [*, r + rope] by kv_b_proj's weight [nh * (nope + v_dim), r]: k_pe shared, v zero-padded."""
     rank = kv_b_weight.shape[1]
     c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
     k_nope, v = F.linear(c_kv, kv_b_weight).unflatten(-1, (num_heads, nope + v_dim)).split([nope, v_dim], dim=-1)
@@ -180,8 +176,7 @@ class MLAAttentionKind(AttentionKind):
         return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
 
     def from_target(self, target: dict[str, Any], rope: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-        """The target's MLA shape (ranks and head dims, unless overridden), every head its own key and value, and its
-        DeepSeek YaRN block as it is, mscale fields included (as the published Kimi K2.6 EAGLE 3.1 drafter has)."""
+        """The target's MLA shape (unless overridden), a key and value per head, and its DeepSeek YaRN block as is."""
         shape = {name: int(target.get(name) or 0) for name in self.fields()}
         given = overrides.get(self.config_field) or {}
         given = given if isinstance(given, dict) else asdict(given)

@@ -198,8 +198,7 @@ def prepare_dataset(
     data_cfg: Any, tokenizer: Any, *, draft_vocab_size: int, vocab_size: int | None = None, draft_vocab=None
 ) -> PrepareReport:
     """Tokenise, mask, split and count `data_cfg.source` into `prepared_dir`; `vocab_size`: V if not the tokenizer's;
-    `draft_vocab`: (d2t, t2d) kept as the draft vocabulary (a drafter's that training continues), else the train
-    split's `draft_vocab_size` most frequent supervised tokens."""
+    `draft_vocab`: (d2t, t2d) to keep (training goes on from a drafter), else the train split's (docs/design.md §5)."""
     import datasets
 
     sources = check_data_config(data_cfg)

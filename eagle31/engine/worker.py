@@ -154,8 +154,7 @@ class VLLMInferenceWorker:
         )
 
     def describe(self) -> WorkerInfo:
-        """What the engine computes, read off its answer for a two-token row: the layers vLLM resolved (the connector
-        records them), the width and dtype of the states."""
+        """What the engine computes, read off a two-token row: the layers vLLM resolved, the states' width and dtype."""
         answer = self.engine.answer([[1, 2]])[0]
         ids = answer.layer_ids  # the aux ids, then the last layer (`final` is its output, normed here)
         aux_ids = ids[:-1] if ids[-1:] == (self.engine.num_layers,) else ids

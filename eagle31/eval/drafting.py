@@ -13,8 +13,7 @@ from eagle31.model import DraftStep, Eagle31Drafter
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """EAGLE-2 dynamic tree: `top_k` children per expanded node and nodes expanded per level, `depth` levels (drafter
-    steps, the longest path), `total_tokens` nodes verified."""
+    """EAGLE-2 tree: `top_k` children and nodes a level, `depth` levels, `total_tokens` kept (docs/evaluation.md)."""
 
     top_k: int
     depth: int
@@ -29,8 +28,7 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    """Draft tokens hanging from the root (the last verified token): tokens [N] target ids, parents [N] each node's
-    parent (-1: the root), parents before their children, so a chain is `parents = [-1, 0, 1, ...]`."""
+    """Drafts from the root (the last verified token): tokens [N] target ids, parents [N] (-1: root) before children."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -141,8 +139,7 @@ class EagleProposer:
 
     @torch.no_grad()
     def draft_parallel(self, k: int) -> torch.Tensor:
-        """[k] target ids from one forward, as vLLM's parallel drafting: the root's draft, then the k - 1 mask slots
-        at positions n .. n + k - 2 (`Eagle31Drafter.mask_slots`), each over the step-0 keys and the slots up to it."""
+        """[k] target ids in one forward (vLLM's parallel drafting): the root's draft, k - 1 mask slots."""
         root = self.drafter.read_out(self.root)
         first = self.drafter.draft_to_target(self.drafter.lm_head(root.state).argmax(-1))  # [1, 1]
         if k == 1:
@@ -164,8 +161,7 @@ class EagleProposer:
 
     @torch.no_grad()
     def draft_tree(self, spec: TreeSpec) -> DraftTree:
-        """EAGLE-2 expansion and reranking. Candidates are kept in creation order (parents first); each remembers the
-        next-step feature of the drafter output that proposed it, which it reads when expanded."""
+        """EAGLE-2 expansion and reranking (docs/evaluation.md); candidates kept in creation order, parents first."""
         self._check_ready()
         if self.drafter.config.parallel_drafting:
             raise ValueError("a parallel drafter drafts its k tokens in one forward, not trees: draft chains with it")
@@ -214,8 +210,7 @@ class EagleProposer:
         return self.drafter.lm_head(state).float().log_softmax(-1)
 
     def _visible(self, query_steps: list[int], key_steps: list[int]) -> torch.Tensor:
-        """[1, Q, S] the rule's mask for queries (n-1, s) over the step-0 keys of positions 0..n-1 and draft keys
-        (n-1, s') at steps `key_steps` (n = the verified length; one document)."""
+        """[1, Q, S] the rule's mask: queries (n-1, s) over step-0 keys 0..n-1, draft keys at `key_steps`."""
         assert self.keys is not None
         n, device = self.length, self.keys.device
         k_pos = torch.cat([torch.arange(n), torch.full((len(key_steps),), n - 1)]).to(device)
@@ -225,8 +220,7 @@ class EagleProposer:
         return self.drafter.visibility(doc, n - 1, q_step, doc, k_pos[None], k_step[None])[None]
 
     def _tree_visible(self, queries: list[int], key_nodes: list[int], parents: list[int], depths: list[int]):
-        """[1, len(queries), S]: the rule's mask (each node at level l a query and a draft key at step l) and, of the
-        draft keys, only the query's own and its ancestors'."""
+        """[1, len(queries), S]: `_visible` by level, of the draft keys only the query's own and its ancestors'."""
         allowed = self._visible([depths[n] for n in queries], [depths[n] for n in key_nodes])
         column = {node: self.length + i for i, node in enumerate(key_nodes)}
         lineage = torch.zeros_like(allowed)

@@ -128,8 +128,7 @@ class ReplayedTarget:
 
 @torch.no_grad()
 def greedy_trace(target, input_ids: torch.Tensor, *, aux_layer_ids, length: int) -> GreedyTrace:
-    """The target's greedy decoding of input_ids [n] for `length` + 1 tokens, EOS not stopping it (a round may draft
-    past EOS): `length` rounds without drafts."""
+    """The target's greedy decoding of input_ids [n], `length` + 1 tokens, past EOS (a round may draft past it)."""
     runner = TargetRunner(target, aux_layer_ids)
     aux, token = runner.prefill(input_ids)
     auxes, tokens = [aux], [input_ids, token]

@@ -1,7 +1,6 @@
-"""The causal part of the TTT attention: each query over the step-0 keys of its document that the visibility rule
-shows it (docs/design.md §4). Each kernel has `forward(q, k, v, segments, scale, mask) -> (out fp32, lse fp32, ctx)`
-and `backward(dout, q, k, v, out, lse, segments, scale, ctx, mask) -> dq, dk, dv`, the backward's out and lse the
-merged ones; q [B, T, nh, d], k, v [B, T, nkv, d], segments [B, T] document runs."""
+"""The causal part of the TTT attention (docs/design.md §4). A kernel has `forward(q, k, v, segments, scale, mask) ->
+(out fp32, lse fp32, ctx)` and `backward(dout, q, k, v, out, lse, segments, scale, ctx, mask) -> dq, dk, dv` (out, lse:
+the merged ones); q [B, T, nh, d], k, v [B, T, nkv, d], segments [B, T] document runs."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ NOT_A_BAND = -1  # `CausalMask.reach` of a rule whose step-0 keys are not the po
 
 @dataclass(frozen=True)
 class CausalMask:
-    """The visibility rule as the causal kernels see it at TTT step `step`: queries (p, step), step-0 keys (p', 0),
-    positions indexing the keys a kernel is given (a shard's start at its first key; the rule reads differences)."""
+    """The rule at TTT step `step`: queries (p, step) over step-0 keys (p', 0), positions relative to its first key."""
 
     rule: Callable[..., torch.Tensor]
     step: int
@@ -31,9 +29,8 @@ class CausalMask:
 
     @functools.cache  # noqa: B019 - a frozen mask per (rule, step): few, and hashable
     def reach(self, length: int) -> int | None:
-        """How many step-0 positions up to its own a query sees in a document of `length` (its last and middle queries
-        asked): None for all, `NOT_A_BAND` for a rule that skips some just before it; one that shows later keys or
-        another document's is refused (the kernels attend each document's keys up to the query)."""
+        """How many step-0 positions up to its own a query sees in a document of `length` (its last and middle asked):
+        None: all, `NOT_A_BAND`: some just before it hidden; a later key or another document's shown is refused."""
         pos, zero = torch.arange(length), torch.zeros((), dtype=torch.long)
         last, middle = self.allowed(zero, pos[-1], zero, pos), self.allowed(zero, pos[length // 2], zero, pos)
         if bool(middle[length // 2 + 1 :].any()) or bool(self.allowed(zero, pos[-1], zero + 1, pos).any()):
@@ -71,8 +68,7 @@ class BlockwiseCausal:
 
     @staticmethod
     def _blocks(qg, k, segments, scale, mask: CausalMask):
-        """(queries i0..i1, first key k0, their scores [B, nkv, g, bq, nk], those the rule hides at -inf) of each
-        query block; qg [B, nkv, g, T, d], k [B, nkv, T, d]."""
+        """(i0, i1, k0, scores [B, nkv, g, bq, nk], hidden: -inf) per block; qg [B, nkv, g, T, d], k [B, nkv, T, d]."""
         B, T = segments.shape
         block = max(16, min(1024, BLOCK_BUDGET // max(1, B * qg.shape[1] * qg.shape[2] * T)))
         starts = segment_starts(segments)
@@ -207,9 +203,8 @@ def _band(mask: CausalMask, length: int) -> int | None:
 
 
 def _cpu_blocks(segments: torch.Tensor, mask: CausalMask, window: int | None, dtype: torch.dtype):
-    """(row b, queries i0..i1, first key k0, additive mask) of the CPU flash calls, which take no window: per document
-    s..e-1 one causal call (mask None) unless the band is shorter than the document; then blocks of `window` queries,
-    each over the keys it can see, k0 = i0 - window + 1.., with the rule's mask [1, 1, bq, nk] in `dtype`."""
+    """(row b, queries i0..i1, first key k0, additive mask) of the CPU flash calls (no window): a document a call (mask
+    None) where the band covers it, else blocks of `window` queries over the keys they see, the mask [1, 1, bq, nk]."""
     doc = torch.zeros((), dtype=torch.long)
     for b, s, e in _runs(segments):
         if window is None or e - s <= window:
@@ -251,7 +246,6 @@ def _from_grouped(x: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_backend(q: torch.Tensor, mask: CausalMask, length: int) -> str:
-    """`auto`: the fused flash kernels on CPU (faster there: docs/performance.md) and on CUDA in bf16/fp16 (head_dim
-    <= 256) for a rule that is a band (`CausalMask.reach`), blockwise otherwise."""
+    """`auto`: flash on CPU, and on CUDA in bf16/fp16 (head_dim <= 256), for a band rule; else blockwise."""
     fused = q.device.type == "cpu" or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256)
     return "flash" if mask.reach(length) != NOT_A_BAND and fused else "blockwise"

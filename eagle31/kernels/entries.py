@@ -10,9 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class ChainKeysValues:
-    """How a step's keys and values are made from what it keeps, its entry (docs/design.md §4): `fn(*entry_rows,
-    *params) -> (k, v)`, each [n, nkv, d], of the `width` tensors of one entry cut to n token rows [n, ...]; `params`
-    are the other tensors it reads (their gradients flow)."""
+    """How a step's keys and values are made of its entry (docs/design.md §4): `fn(*entry_rows, *params) -> (k, v)`,
+    [n, nkv, d], of the `width` entry tensors cut to n token rows; `params`: other tensors read (gradients flow)."""
 
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     params: tuple[torch.Tensor, ...] = ()
@@ -32,8 +31,7 @@ def entry_keys_values(entry, expand: ChainKeysValues, params):
 
 
 def keys_values_with_graph(make: Callable, entry, params):
-    """(k, v, grads) of `make(entry, params) -> (k, v)` run again on detached inputs: k and v detached, and
-    `grads(dk, dv)` -> (the entry's gradients, None for a tensor that is not floating; the params')."""
+    """(k, v, grads) of `make(entry, params)` rerun detached; `grads(dk, dv)` -> (entry's, None: not float; params')."""
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in entry]
         leaves = [p.detach().requires_grad_() for p in params]

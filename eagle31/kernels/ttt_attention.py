@@ -1,6 +1,5 @@
-"""One TTT step's attention in memory O(T): a causal kernel over the step-0 keys, plus each query's chain, merged
-by log-sum-exp (docs/design.md §4). q [B, T, nh, d]; the step-0 entry over Tk >= T positions (Tk > T on a sequence
-shard: the queries are the last T); chain: the entries of steps 1..j, each what that step keeps."""
+"""One TTT step's attention in O(T) memory: causal kernel + chain, merged by log-sum-exp (docs/design.md §4).
+q [B, T, nh, d]; step-0 entry over Tk >= T positions (a shard's queries: the last T); chain: steps 1..j's entries."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class AttentionBackend(StrEnum):
 
 
 def reference_attention(q, k0, v0, chain_k, chain_v, segments, rule=Visibility(), probe=None) -> torch.Tensor:
-    """The explicit attention of one TTT step: q [B, T, nh, d] the queries of the last T of the Tk positions of
-    the step-0 keys k0, v0 [B, Tk, nkv, d]; chain_k, chain_v the j chain steps' keys [B, T, nkv, d]; segments [B, Tk].
-    `probe(probs)` sees the probabilities [B, nh, T, Tk + j*T], keys step-major."""
+    """Explicit attention of one TTT step: q [B, T, nh, d], the last T of the Tk positions of k0, v0 [B, Tk, nkv, d];
+    chain_k, chain_v [B, T, nkv, d] each; segments [B, Tk]; `probe`: probs [B, nh, T, Tk + j*T], keys step-major."""
     B, T = q.shape[:2]
     Tk, j = k0.shape[1], len(chain_k)
     index = torch.arange(Tk, device=q.device)
@@ -66,9 +64,8 @@ def _split(rest, expand0: ChainKeysValues, expand: ChainKeysValues, j: int):
 
 
 class _TTTAttention(torch.autograd.Function):
-    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, segments, kernel, mask, expand0, expand, j,
-    *entry0, *entries, *expand0.params, *expand.params). Keys and values made of entries are never saved: the
-    backward makes them again (on a shard a block of positions at a time, `StepZeroKeys`)."""
+    """Causal kernel + chain keys merged by log-sum-exp; inputs (q, segments, kernel, mask, expand0, expand, j, *entry0,
+    *entries, *expand0.params, *expand.params); keys and values made of entries are remade in the backward."""
 
     @staticmethod
     def forward(ctx, q, segments, kernel, mask, expand0, expand, j, *rest):
@@ -152,8 +149,7 @@ def ttt_attention_of_entries(
     q, entry0, chain, segments, backend: str = "auto", expand0: ChainKeysValues = KEYS_VALUES,
     expand: ChainKeysValues = KEYS_VALUES, rule=Visibility(),
 ) -> torch.Tensor:  # fmt: skip
-    """`ttt_attention` with the causal keys given as the step-0 entry, `expand0.width` tensors [B, Tk, ...] that
-    `expand0` makes them of: MLA's latents are kept, decompressed in the forward and again in the backward."""
+    """`ttt_attention` of the step-0 entry, `expand0.width` tensors [B, Tk, ...] that `expand0` expands (MLA)."""
     if any(len(e) != expand.width for e in chain) or len(entry0) != expand0.width:
         raise ValueError(f"every chain entry must hold {expand.width} tensors, got {[len(e) for e in chain]}")
     mask = CausalMask(rule, len(chain))

@@ -1,5 +1,4 @@
-"""`LAYOUTS`, the one list of the formats a drafter is exported in and read back from, which the recipe's choices,
-detection, reading and the model card ask; a new layout is a module here and its line below (docs/architecture.md)."""
+"""`LAYOUTS`, the one list of export formats that recipes, detection, reading and model cards ask (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 

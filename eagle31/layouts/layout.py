@@ -1,5 +1,4 @@
-"""`Layout`: one checkpoint format of an exported drafter (`config()`, `key()`, `read()`), and the parts layouts
-share, each placed where the layout's readers look (decoder layer, rope, EAGLE fields, provenance; docs/export.md)."""
+"""`Layout`: one checkpoint format of an exported drafter, and the parts layouts share (docs/export.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class Layout(ABC):
     dialects: tuple[str, ...] = ()
 
     def recognises(self, meta: dict[str, Any]) -> bool:
-        """Whether a `config.json` is in this layout, by a mark of its own; the layout vLLM reads an unmarked config
-        in takes what no other recognises (`eagle31.layouts.layout_of_config`)."""
+        """Whether a `config.json` is in this layout by a mark of its own (an unmarked one: `layout_of_config`)."""
         return False
 
     def check(self, config: DrafterConfig, target: str | None) -> None:
@@ -69,8 +67,7 @@ class Layout(ABC):
 
     @abstractmethod
     def read(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's `config.json` -> the `DrafterConfig` values it states; aux ids verbatim (maybe none),
-        `target_num_layers` None unless stated (`eagle31.convert` applies the source's conventions)."""
+        """`config.json` -> the `DrafterConfig` values it states, as stated (`eagle31.convert` adds conventions)."""
 
     def num_speculative_tokens(self, meta: dict[str, Any]) -> int | None:
         """The k (`num_speculative_tokens`) a `config.json` of this layout states, None if it keeps none."""
@@ -81,8 +78,7 @@ class Layout(ABC):
 
 
 def layer_fields(config: DrafterConfig, dtype: str, trained_context: int | None) -> dict[str, Any]:
-    """The decoder layer as an HF config: its kind's fields (`AttentionKind.layer_fields`), every kind's, aux count;
-    `max_position_embeddings` raised to the trained context, with the rope kept identical."""
+    """The decoder layer as an HF config (its kind's and common fields), max positions raised to the trained context."""
     rope, max_positions = dict(config.rope_parameters), config.max_position_embeddings
     if trained_context is not None:
         if isinstance(trained_context, bool) or not isinstance(trained_context, int) or trained_context < 1:
@@ -136,8 +132,7 @@ def provenance(config: DrafterConfig, target: str | None) -> dict[str, Any]:
 
 
 def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
-    """A decoder layer's HF config -> its `DrafterConfig` values, as transformers (and so vLLM) reads them, defaults
-    included; its attention kind is the one that recognises it (`DrafterAttention.of_layer`)."""
+    """A decoder layer's HF config -> its `DrafterConfig` values as transformers (so vLLM) reads them, defaults too."""
     if layer.get("num_hidden_layers", 1) != 1:
         raise ConfigError(f"drafters with {layer['num_hidden_layers']} decoder layers are not supported (only 1)")
     attention = DrafterAttention.of_layer(layer)
@@ -154,8 +149,7 @@ def read_layer(layer: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_eagle(meta: dict[str, Any], layer: dict[str, Any], switch_defaults: dict[str, bool]) -> dict[str, Any]:
-    """What `eagle_fields` and `provenance` wrote, read back: vLLM's defaults where a field is missing (a switch: false
-    unless `switch_defaults` says otherwise; the ids and `norm_before_fc` also under SpecForge's `eagle_config`)."""
+    """What `eagle_fields` and `provenance` wrote, read back with vLLM's defaults (switches: `switch_defaults`)."""
     nested = meta.get("eagle_config") or {}
     ours = meta.get("eagle31") or {}
     ids = meta.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids") or ()

@@ -17,8 +17,7 @@ from eagle31.model import Visibility, segment_ids
 
 @dataclass(frozen=True)
 class SequenceGroup:
-    """Where this rank sits in the (data × sequence) mesh; `group` is its sequence group (None when N = 1:
-    the sequence is not split; a group of one rank runs the sequence-parallel code path all the same)."""
+    """This rank in the data × sequence mesh; `group`: its sequence group (None: unsplit; one rank: still sharded)."""
 
     size: int
     rank: int
@@ -77,8 +76,7 @@ def reduce_scatter_shards(parts: torch.Tensor, group: SequenceGroup) -> torch.Te
 
 
 class _GatherShards(torch.autograd.Function):
-    """x [B, Ts, ...] of every rank of the group -> [B, end - first, ...], the shards in order, cut to positions
-    first..end-1; backward reduce-scatters (sums) each rank's gradient rows back to it, in fp32 at least."""
+    """x [B, Ts, ...] of every rank -> [B, end - first, ...], positions first..end-1; backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, x, group: SequenceGroup, first: int, end: int):
@@ -96,9 +94,8 @@ class _GatherShards(torch.autograd.Function):
 
 @dataclass
 class SequenceShard:
-    """This rank's shard of a micro-batch, what the TTT unroll needs beyond its own rows: `start`, the global position
-    of its first row; key_segments [B, start + Ts - first_key], the document runs of the keys its queries may attend
-    (from `first_key`: 0, or with a sliding window W, start - W + 1)."""
+    """This rank's shard of a micro-batch beyond its rows: `start`, its first row's position; key_segments [B, start +
+    Ts - first_key], the runs of the keys its queries may attend from `first_key` (0, or start - W + 1)."""
 
     group: SequenceGroup
     start: int
@@ -114,9 +111,8 @@ class SequenceShard:
 def shard_batch(
     batch: FeatureBatch, group: SequenceGroup, ttt_length: int, device, dtype, rule=Visibility()
 ) -> tuple[FeatureBatch, SequenceShard]:
-    """This rank's shard of a host `batch` on `device` (features in `dtype`) and its `SequenceShard` (`rule`: the
-    drafter's `visibility`): `aux` holds its Ts positions, the token columns, document ids and final states its halo
-    too (Ts + K + 1); `num_tokens` counts its own real tokens, so a group's sum is the batch's."""
+    """This rank's shard of `batch` on `device` (features in `dtype`), its `SequenceShard`: `aux` its Ts positions, the
+    token columns, document ids and final states with the halo (Ts + K + 1); `num_tokens` its own real tokens."""
     halo = ttt_length + 1
     Ts = shard_length(batch.input_ids.shape[1], group.size, ttt_length)
     padded = pad_positions(batch, group.size * Ts)

@@ -12,8 +12,7 @@ from eagle31.kernels.entries import KEYS_VALUES, ChainKeysValues, entry_keys_val
 
 
 class QueryTail:
-    """A causal kernel whose queries q [B, Tq, nh, d] are the last Tq of Tk key positions (all of them unsplit): the
-    wrapped kernel over their own keys, then a shard's earlier keys a block at a time (docs/design.md §4)."""
+    """A causal kernel for queries q [B, Tq, nh, d], the last Tq of Tk key positions (docs/design.md §4)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -25,10 +24,8 @@ class QueryTail:
 
     @classmethod
     def prefix_blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
-        """(row b, key block m0..m1-1 before the shard, its query blocks [(i0, i1)]) of each row whose first shard run
-        began earlier: its queries 0..n-1 attend key positions s..Tk-Tq-1 too. A block's scores [rows, nh, m] stay
-        under `kernels.BLOCK_BUDGET`; a band rule's window W (a rule that is no band is attended in full, masked)
-        lets only queries i < W - 1 reach before the shard, a block's up to the last that sees its last key."""
+        """(row b, key block m0..m1-1 before the shard, its query blocks [(i0, i1)]) of each row whose first run began
+        earlier; scores [rows, nh, m] within `BLOCK_BUDGET`; under a band of W only queries i < W - 1 reach back."""
         Tk, (Tq, nh, d) = segments.shape[1], q.shape[1:]
         off, window = Tk - Tq, mask.reach(Tk)
         window = None if window == NOT_A_BAND else window
@@ -48,8 +45,7 @@ class QueryTail:
 
     @classmethod
     def blocks(cls, q: torch.Tensor, segments: torch.Tensor, mask: CausalMask):
-        """`prefix_blocks`, but on the meta device (the memory trace) under a rule that shows every earlier key, two of
-        each shape (and of each query block's): two hold the bytes of all (docs/performance.md)."""
+        """`prefix_blocks`; on the meta device, every earlier key shown, two of each shape (docs/performance.md)."""
         blocks = cls.prefix_blocks(q, segments, mask)
         if q.device.type != "meta" or mask.reach(segments.shape[1]) is not None:
             return blocks
@@ -58,10 +54,8 @@ class QueryTail:
 
     @staticmethod
     def _masked(sc: torch.Tensor, mask: CausalMask, segments: torch.Tensor, off: int, i0: int, m0: int) -> torch.Tensor:
-        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk] the row's runs): those the
-        rule hides at -inf. A band rule shows a query every key of its document within the band, and a prefix
-        block's keys are of its queries' document (`prefix_blocks`): a block that lies within every query's band is
-        returned as it is, with no mask made."""
+        """Scores [n, nkv, g, m] of queries off + i0.. over keys m0.. (segments [Tk]), hidden ones at -inf; a block
+        within every query's band is returned as it is (its keys are of its queries' document)."""
         reach = mask.reach(segments.shape[0])
         if reach is None or (reach != NOT_A_BAND and off + i0 + sc.shape[0] - 1 - m0 < reach):
             return sc

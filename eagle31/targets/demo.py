@@ -266,8 +266,7 @@ def train(model, tokenizer, conversations: list[dict], recipe: DemoRecipe, seed:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, conversations: list[dict], recipe: DemoRecipe) -> dict[str, float]:
-    """Quality on the last assistant answer of each conversation: loss, top-1, greedy prefix and token match
-    (docs/demo_target.md, "Measured quality")."""
+    """Quality on the last assistant answer of each conversation (docs/demo_target.md, "Measured quality")."""
     model.eval()
     ids = token_ids(tokenizer, conversations)
     prompts = [{"messages": c["messages"][:-1]} for c in conversations]

@@ -89,9 +89,3 @@ def write_splits(splits: dict[str, list[dict]], out_dir: str | Path) -> dict[str
         paths[name] = Path(out_dir) / f"{name}.jsonl"
         atomic_write_text(paths[name], "".join(json.dumps(row) + "\n" for row in rows))
     return paths
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a JSONL split."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -17,6 +17,7 @@ from eagle31.io import sha256_file
 from eagle31.target import load_target_config
 from eagle31.targets import demo_corpus
 from eagle31.targets.demo import DemoRecipe, build_demo_target, ensure_demo_target, evaluate, greedy
+from tests.helpers import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def heldout(demo):
-    return demo_corpus.read_jsonl(demo[0] / "corpus" / "heldout.jsonl")
+    return read_jsonl(demo[0] / "corpus" / "heldout.jsonl")
 
 
 def test_loads_offline_as_a_llama_with_default_aux_ids(demo):
@@ -77,7 +78,7 @@ def test_chat_template_prefixes_render_as_prefixes(demo, heldout):
 
 def test_corpus_splits(demo):
     path, _, tok = demo
-    splits = {name: demo_corpus.read_jsonl(path / "corpus" / f"{name}.jsonl") for name in demo_corpus.SPLITS}
+    splits = {name: read_jsonl(path / "corpus" / f"{name}.jsonl") for name in demo_corpus.SPLITS}
     info = json.loads((path / "build_info.json").read_text())
     assert {name: len(rows) for name, rows in splits.items()} == info["splits"]
     roles = [[m["role"] for m in c["messages"]] for c in splits["train"]]

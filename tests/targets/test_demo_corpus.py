@@ -6,7 +6,8 @@ import pytest
 
 from eagle31.targets import demo_corpus
 from eagle31.targets.demo import demo_key
-from eagle31.targets.demo_corpus import CorpusSpec, make_splits, merge, read_jsonl, write_splits
+from eagle31.targets.demo_corpus import CorpusSpec, make_splits, merge, write_splits
+from tests.helpers import read_jsonl
 
 
 @pytest.fixture(scope="module")
