@@ -290,7 +290,8 @@ class StepTrace(TorchDispatchMode):
 
 
 class _EmulatedGroup:
-    """Collectives as the last of `size` ranks sees them: a gather repeats its input; a reduce-scatter does nothing."""
+    """Collectives as the last of `size` ranks sees them: a gather repeats its input, a reduce-scatter's output
+    is left as made."""
 
     def __init__(self, trace: StepTrace, size: int):
         self.trace, self.size = trace, size

@@ -228,8 +228,9 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
     report: per drafter and split `<probe> <mode>` the tau of all categories together.
 
     What a probe's earlier report measured in the same settings is kept (`kept_measurements`: the same weights, or
-    a run no longer here); the other drafters are measured and joined to it when the target decoded the questions
-    alike (the same `target_tokens_sha256`)."""
+    a run no longer here), and so are the drafters of levers this run does not name (in the probe's report, not in
+    this summary); the other drafters are measured and joined to it when the target decoded the questions alike
+    (the same `target_tokens_sha256`)."""
     from eagle31.eval.mtbench import ALL, run_mt_bench, write_mt_bench_report
     from eagle31.targets.cache import portable_path
 
@@ -241,9 +242,10 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
     for probe in cfg.probe_list:
         report_path = out / probe / "mt_bench.json"
         earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
-        kept = set()
+        kept, others = set(), {}
         if earlier is not None and measured_alike(earlier, probe_config(cfg, recipe, probe, here, out)):
             kept = kept_measurements(earlier, {**earlier["settings"], "drafters": drafters}, sha256)
+            others = {label: p for label, p in earlier["settings"]["drafters"].items() if label not in drafters}
         missing = [label for label in drafters if label not in kept]
         if not missing:
             print(f"kept (measured earlier): MT-Bench, {probe}", file=sys.stderr)
@@ -253,20 +255,21 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
             config = probe_config(cfg, recipe, probe, {label: drafters[label] for label in missing}, out)
             measured = run_mt_bench(config, log=lambda line: print(line, file=sys.stderr))
             decoded = measured["settings"]["target_tokens_sha256"]
-            if kept and earlier["settings"].get("target_tokens_sha256") != decoded:
+            if (kept or others) and earlier["settings"].get("target_tokens_sha256") != decoded:
                 raise ConfigError(
-                    f"{report_path}: the target decoded the questions otherwise than when {', '.join(sorted(kept))} "
+                    f"{report_path}: the target decoded the questions otherwise than when "
+                    f"{', '.join(sorted({*kept, *others}))} "
                     "were measured (another machine or thread count can round otherwise); measure every drafter "
                     "into a new out="
                 )
-            kept_rows = [r for r in earlier["results"] if r["drafter"] in kept] if kept else []
+            kept_rows = [r for r in earlier["results"] if r["drafter"] in {*kept, *others}] if earlier else []
+            ours = {label: portable_path(path) for label, path in drafters.items()}
+            order = dict.fromkeys([*(earlier["settings"]["drafters"] if earlier else []), *ours])  # earlier's first
+            joined = {label: ours.get(label) or others[label] for label in order if label in ours or label in others}
+            recorded = kept_settings(earlier, joined, kept, sha256)
             report = {
-                "settings": {
-                    **measured["settings"],
-                    "drafters": {label: portable_path(path) for label, path in drafters.items()},
-                    **kept_settings(earlier, drafters, kept, sha256),
-                },
-                "results": sorted(kept_rows + measured["results"], key=lambda r: list(drafters).index(r["drafter"])),
+                "settings": {**measured["settings"], "drafters": joined, **recorded},
+                "results": sorted(kept_rows + measured["results"], key=lambda r: list(joined).index(r["drafter"])),
             }
             write_mt_bench_report(report, out / probe)
         results += [

@@ -196,24 +196,29 @@ def test_smoke_runs_both_defaults_and_a_lever_end_to_end(tiny_target, chats, tmp
     assert "kept (measured earlier): MT-Bench, unseen_system" in capsys.readouterr().err
     assert stamps == {p: (out / p / "mt_bench.json").stat().st_mtime_ns for p in stamps}
 
-    # another seed, in a later session that no longer holds seed 0's speculators run: that run is neither trained
-    # nor measured again; each probe measures the new seed's drafters and joins them to its earlier report
+    # another seed, in a later session that no longer holds seed 0's speculators run and names one lever: that run
+    # is neither trained nor measured again; each probe measures the new seed's drafters and joins them to its
+    # earlier report, which keeps the other lever's drafters (out of the summary)
     earlier = {p: json.loads((out / p / "mt_bench.json").read_text()) for p in ("mt_bench", "long_history")}
     shutil.rmtree(runs / "speculators-s0")
     capsys.readouterr()
     from experiments.default_recipe.study import SMOKE
 
-    two_seeds = [f"{key}={value}" for key, value in {**SMOKE, "seeds": "0,1"}.items()] + keys[1:]  # not --smoke's seed
+    two_seeds = [f"{key}={value}" for key, value in {**SMOKE, "seeds": "0,1"}.items()]  # not --smoke's seed
+    two_seeds += ["levers=optimizer=muon", *keys[2:]]
     assert main([*two_seeds, *probes, *recipe]) == 0
     err = capsys.readouterr().err
     assert "skip (done): speculators-s0" in err and "train: speculators-s1" in err
-    assert f"measure: MT-Bench, long_history: eagle31-s1, speculators-s1, eagle31-optimizer-muon-s1, {vocab}-s1" in err
+    assert "measure: MT-Bench, long_history: eagle31-s1, speculators-s1, eagle31-optimizer-muon-s1\n" in err
     summary = json.loads((out / "summary.json").read_text())
     assert all(len(row[side]["tau"]) == 2 for row in summary["acceptance"] for side in ("eagle31", "speculators"))
+    assert all(list(row["levers"]) == ["optimizer-muon"] for row in summary["levers"])
     for probe, before in earlier.items():
         report = json.loads((out / probe / "mt_bench.json").read_text())
         assert report["settings"]["kept"] == ["speculators-s0"]
-        assert {r["drafter"] for r in report["results"]} == set(summary["training"])
+        assert {r["drafter"] for r in report["results"]} == {*summary["training"], f"{vocab}-s0"}
+        recorded = (r["settings"]["drafter_sha256"][f"{vocab}-s0"] for r in (report, before))
+        assert len(set(recorded)) == 1
         seed0 = [r for r in report["results"] if r["drafter"].endswith("-s0")]
         assert seed0 == before["results"]  # the earlier rows, unchanged
     # joined only to a report of the same decoding of the target: another one is refused by name
@@ -271,3 +276,17 @@ def test_original_replies_keep_the_regenerated_prompts_with_the_sources_replies(
     (regenerated / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(SystemExit, match="1 regenerated records name no record of"):
         original_replies(str(source), regenerated, out)
+
+
+@pytest.mark.parametrize("name", ["system_prompts.txt", "system_prompts_chat.txt"])
+def test_the_system_prompt_mixes_hold_no_prompt_a_probe_measures(name):
+    """A lever's data stays apart from the probes: neither mix holds an unseen prompt a probe measures under."""
+    from pathlib import Path
+
+    from eagle31.data.system_prompts import read_system_prompts
+    from eagle31.targets.demo_corpus import OTHER_SYSTEM_PROMPT
+    from experiments.default_recipe.study import UNSEEN_SYSTEM
+
+    prompts = read_system_prompts(Path(__file__).parents[2] / "experiments" / "default_recipe" / name)
+    assert len(prompts) == len(set(prompts)) == 8
+    assert not {UNSEEN_SYSTEM, OTHER_SYSTEM_PROMPT} & set(prompts)  # MT-Bench's unseen_system, the demo's other_system
