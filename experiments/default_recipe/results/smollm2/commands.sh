@@ -50,3 +50,22 @@ OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1,2 threads=1 max
 # 2026-12-07T20:28:09, from the repository root
 OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 measure=true probes=mt_bench,unseen_system,long_history 'levers=drafter.sliding_window=170,loss=lk_hybrid,data.source=[runs/smollm2/original_replies.jsonl]' max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
 # stopped during the unseen_system probe (2 of its 6 new drafters measured, none written) to leave the machine to CI: the original-replies lever is measured on MT-Bench only
+# 2026-12-07T21:47:41, from the repository root: ShareGPT regenerated again under a mix of eight general system prompts
+OMP_NUM_THREADS=2 python data_prep/regenerate.py recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated_mix data.system_prompts=experiments/default_recipe/system_prompts_chat.txt 'data.source=[runs/smollm2/regenerated_mix/conversations]'
+# 2026-12-07T22:00:51, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=0,1 threads=1 max_steps=150 measure=false 'levers=data.source=[runs/smollm2/regenerated_mix/conversations]' out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T22:06:47, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=2 threads=1 max_steps=150 measure=false 'levers=data.source=[runs/smollm2/regenerated_mix/conversations]' out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T22:12, from the repository root: the "published" drafter for the init_from lever, the EAGLE-3 export of the original-replies lever's seed 0
+python scripts/export.py checkpoint=runs/smollm2_default_recipe/eagle31-data.source-runs-smollm2-original_replies.jsonl-s0 format=eagle3 out=runs/smollm2_published/eagle3
+# 2026-12-07T22:15:38, from the repository root
+OMP_NUM_THREADS=1 python -m experiments.default_recipe seeds=2,0,1 threads=1 max_steps=150 measure=false levers=drafter.init_from=runs/smollm2_published/eagle3 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T22:21:06, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 measure=true probes=mt_bench,unseen_system,long_history 'levers=drafter.sliding_window=170,data.source=[runs/smollm2/regenerated_mix/conversations]' max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# 2026-12-07T22:59:08, from the repository root
+OMP_NUM_THREADS=2 python -m experiments.default_recipe seeds=0,1,2 threads=2 measure=true probes=mt_bench levers=drafter.init_from=runs/smollm2_published/eagle3 max_steps=150 max_new_tokens=128 out=experiments/default_recipe/results/smollm2 runs=runs/smollm2_default_recipe -- recipe=smollm2_135m regenerate.output_dir=runs/smollm2/regenerated 'data.source=[runs/smollm2/regenerated/conversations]'
+# stopped once the unseen_system probe had joined the mix's drafters (long_history not measured for them; summary.json and results.md are the 9 drafters')
+# the last run wrote mt_bench.json with its own drafters only (the study, before it kept the drafters of levers a run
+# does not name); the probe's rows of the earlier runs (the lk_hybrid, original-replies and mix levers) were joined
+# back to it, all of one decoding of the target (the same target_tokens_sha256), and summary.json and results.md
+# restored to the 9 drafters' of the three-probe run
