@@ -242,10 +242,10 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
     for probe in cfg.probe_list:
         report_path = out / probe / "mt_bench.json"
         earlier = json.loads(report_path.read_text()) if report_path.is_file() else None
-        kept, others = set(), {}
+        kept, others = set(), set()
         if earlier is not None and measured_alike(earlier, probe_config(cfg, recipe, probe, here, out)):
             kept = kept_measurements(earlier, {**earlier["settings"], "drafters": drafters}, sha256)
-            others = {label: p for label, p in earlier["settings"]["drafters"].items() if label not in drafters}
+            others = set(earlier["settings"]["drafters"]) - set(drafters)
         missing = [label for label in drafters if label not in kept]
         if not missing:
             print(f"kept (measured earlier): MT-Bench, {probe}", file=sys.stderr)
@@ -263,9 +263,9 @@ def measure_mt_bench(cfg: DefaultRecipeConfig, drafters: dict[str, Path], recipe
                     "into a new out="
                 )
             kept_rows = [r for r in earlier["results"] if r["drafter"] in {*kept, *others}] if earlier else []
-            ours = {label: portable_path(path) for label, path in drafters.items()}
-            order = dict.fromkeys([*(earlier["settings"]["drafters"] if earlier else []), *ours])  # earlier's first
-            joined = {label: ours.get(label) or others[label] for label in order if label in ours or label in others}
+            earlier_drafters = earlier["settings"]["drafters"] if earlier else {}
+            joined = {label: p for label, p in earlier_drafters.items() if label in others or label in drafters}
+            joined.update({label: portable_path(path) for label, path in drafters.items()})  # earlier's order first
             recorded = kept_settings(earlier, joined, kept, sha256)
             report = {
                 "settings": {**measured["settings"], "drafters": joined, **recorded},
